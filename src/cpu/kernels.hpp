@@ -1,0 +1,101 @@
+// cpu/kernels.hpp — the CPU kernels: plain loops, the specification every CUDA kernel is checked against.
+//
+// Each function here has a CUDA twin in src/cuda/ with the same name and the same arguments (there the
+// pointers are device pointers, the storage type may be bf16, and a stream is passed last). Shapes are
+// written beside each argument; all matrices are row-major. Sums whose order matters accumulate in fp64.
+// `storage` = DType::bf16 makes a kernel round what it stores to bf16, emulating bf16 storage.
+#pragma once
+
+#include <cstdint>
+
+#include "core/config.hpp"
+
+namespace dmoe::cpu {
+
+// C[m, n] = A[m, k] · B[n, k]^T  (fp64 accumulation, then rounded to float).
+void gemm_nt(const float* a, const float* b, float* c, int64_t m, int64_t n, int64_t k);
+
+// ---- router --------------------------------------------------------------------------------------
+
+// logits[T, E] = x[T, H] · wg[E, H]^T.
+void router_logits(const float* x, const float* wg, float* logits, int64_t tokens, int64_t hidden,
+                   int32_t experts);
+
+// Per token: probs = softmax(logits) [T, E]; ids [T, k] = top-k by (logit desc, index asc);
+// weights [T, k] = probs at ids, renormalised to sum 1 if `renormalize`; lse [T] = logsumexp(logits).
+void router_topk(const float* logits, float* probs, int32_t* ids, float* weights, float* lse,
+                 int64_t tokens, int32_t experts, int32_t top_k, bool renormalize);
+
+// Partial sums over this rank's tokens for the auxiliary losses (summed over ranks by the engine):
+// prob_sum[e] = Σ_t probs[t, e]; assigned[e] = #{(t, j): ids[t, j] = e}; z_sum = Σ_t lse[t]^2.
+void router_aux_partials(const float* probs, const float* lse, const int32_t* ids, int64_t tokens,
+                         int32_t experts, int32_t top_k, double* prob_sum, double* assigned,
+                         double* z_sum);
+
+// Gradient terms of the auxiliary losses, given global statistics (N = tokens over all ranks):
+//   load balance  L_lb = E · Σ_e f_e · P_e, f_e = assigned_e / (N·k) (constant), P_e = Σ_t p[t,e] / N
+//                 → ∂L/∂p[t,e] = lb_scale · f_e, with lb_scale = coef · E / N
+//   z-loss        L_z = Σ_t lse_t² / N → ∂L/∂logit[t,e] = z_scale · lse_t · p[t,e], z_scale = 2·coef / N
+struct RouterAuxGrad {
+  const double* expert_fraction = nullptr;  // [E] f_e; null: no load-balance term
+  double lb_scale = 0;
+  const float* lse = nullptr;               // [T]; null: no z-loss term
+  double z_scale = 0;
+};
+
+// dlogits [T, E] = gradient of the loss w.r.t. the logits, from dweights [T, k] (gradient w.r.t. the gate
+// weights) through renormalisation and softmax, plus the auxiliary-loss terms.
+void router_topk_backward(const float* probs, const int32_t* ids, const float* weights,
+                          const float* dweights, float* dlogits, int64_t tokens, int32_t experts,
+                          int32_t top_k, bool renormalize, const RouterAuxGrad& aux);
+
+// dx [T, H] += dlogits [T, E] · wg [E, H];  dwg [E, H] (fp64) += dlogits^T · x, tokens in order.
+void router_logits_backward(const float* x, const float* wg, const float* dlogits, float* dx,
+                            double* dwg, int64_t tokens, int64_t hidden, int32_t experts);
+
+// ---- data movement -------------------------------------------------------------------------------
+
+// out[i, :] = x[rows[i], :] for i < n (builds the expert-major send buffer from x and row_token).
+void gather_rows(const float* x, const int32_t* rows, float* out, int64_t n, int64_t hidden);
+
+// Copies segments of rows: dst[dst_offsets[s] + i] = src[src_offsets[s] + i], i < counts[s].
+// Used between the source-major receive buffer and the expert-major batch, both ways.
+void permute_segments(const float* src, float* dst, const int64_t* src_offsets,
+                      const int64_t* dst_offsets, const int64_t* counts, int64_t segments,
+                      int64_t hidden);
+
+// y[t] = Σ_j weights[t, j] · rows[slot[t, j]] over j in order, skipping slot -1 (dropped), then
+// + addend[t] when addend is non-null; fp64 sum, rounded once. weights may be null (weight 1).
+// y [T, H]; rows [S, H]; slot, weights [T, k]; addend [T, H].
+// (With weights = null and addend = the router's dx this is the backward "scatter back" of dx.)
+void combine(const float* rows, const int32_t* slot, const float* weights, const float* addend,
+             float* y, int64_t tokens, int32_t top_k, int64_t hidden, DType storage);
+
+// Backward of combine: drows[slot[t, j]] = weights[t, j] · dy[t]; dweights[t, j] = <dy[t], rows[slot]>
+// (0 for dropped assignments). drows rows not referenced by any slot are left untouched.
+void combine_backward(const float* dy, const float* rows, const int32_t* slot, const float* weights,
+                      float* drows, float* dweights, int64_t tokens, int32_t top_k, int64_t hidden,
+                      DType storage);
+
+// ---- expert FFN ----------------------------------------------------------------------------------
+
+// One expert over its n rows. x [n, H]; w1 [I, H]; w3 [I, H] (SwiGLU only, else null); w2 [H, I].
+//   pre1 = x·w1^T [n, I];  pre3 = x·w3^T [n, I] (SwiGLU; else null)
+//   h = act(pre1) (relu, gelu with erf) or silu(pre1) ∘ pre3 (SwiGLU) [n, I];  out = h·w2^T [n, H].
+// pre1, pre3 and h are kept for the backward pass.
+void expert_ffn_forward(const float* x, const float* w1, const float* w3, const float* w2, float* pre1,
+                        float* pre3, float* h, float* out, int64_t n, int64_t hidden, int64_t ffn,
+                        Activation activation, DType storage);
+
+// Backward of expert_ffn_forward. dout [n, H] → dx [n, H] (overwritten); weight gradients accumulate
+// (+=) in fp64 with rows in order: dw1 [I, H], dw3 [I, H] (SwiGLU; else null), dw2 [H, I].
+void expert_ffn_backward(const float* x, const float* w1, const float* w3, const float* w2,
+                         const float* pre1, const float* pre3, const float* h, const float* dout,
+                         float* dx, double* dw1, double* dw3, double* dw2, int64_t n, int64_t hidden,
+                         int64_t ffn, Activation activation, DType storage);
+
+// Activation value and derivative (shared by forward, backward and tests).
+float activation_forward(Activation activation, float x);
+float activation_derivative(Activation activation, float x);  // SwiGLU: derivative of silu
+
+}  // namespace dmoe::cpu
