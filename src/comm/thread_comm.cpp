@@ -1,0 +1,185 @@
+// thread_comm.cpp — ThreadComm: W ranks as threads of one process, exchanging rows through shared
+// host memory. The CPU engine runs on it; so do the multi-rank unit tests in CI.
+//
+// Every collective is "publish pointers, barrier, read peers, barrier": after the first barrier all
+// peers' buffers are visible; the second keeps a peer from reusing its buffer while others still read.
+// Reductions sum in rank order, so every rank gets the same bits.
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <exception>
+#include <mutex>
+#include <thread>
+
+#include "comm/comm.hpp"
+#include "core/error.hpp"
+
+namespace dmoe {
+
+void Comm::alltoall(const void* send, void* recv, int64_t count_per_peer, DType dtype, Stream stream) {
+  std::vector<int64_t> counts(world(), count_per_peer);
+  alltoallv(send, counts.data(), recv, counts.data(), dtype, stream);
+}
+
+namespace {
+
+// A barrier that fails instead of hanging: when a rank dies (poison) or the wait exceeds the timeout.
+class ThreadGroup {
+ public:
+  explicit ThreadGroup(int32_t world) : send_(world), counts_(world), data_(world), world_(world) {}
+
+  int32_t world() const { return world_; }
+
+  void barrier(int32_t rank, const char* what) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (poisoned_) DMOE_FAIL("ThreadComm: {} aborted on rank {}: another rank failed", what, rank);
+    const uint64_t gen = generation_;
+    if (++arrived_ == world_) {
+      arrived_ = 0;
+      ++generation_;
+      cv_.notify_all();
+      return;
+    }
+    const bool done = cv_.wait_for(lock, timeout_, [&] { return generation_ != gen || poisoned_; });
+    if (poisoned_) DMOE_FAIL("ThreadComm: {} aborted on rank {}: another rank failed", what, rank);
+    if (!done)
+      DMOE_FAIL("ThreadComm: rank {} waited {} s in {} for {} of {} ranks to arrive", rank,
+                timeout_.count(), what, world_ - arrived_, world_);
+  }
+
+  void poison() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    poisoned_ = true;
+    cv_.notify_all();
+  }
+
+  // Published per collective (valid between the two barriers).
+  std::vector<const void*> send_;
+  std::vector<const int64_t*> counts_;
+  std::vector<void*> data_;
+
+ private:
+  int32_t world_;
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  int32_t arrived_ = 0;
+  uint64_t generation_ = 0;
+  bool poisoned_ = false;
+  std::chrono::seconds timeout_{600};
+};
+
+template <typename T>
+void sum_in_rank_order(const std::vector<void*>& data, int32_t world, int64_t count, T* out) {
+  for (int64_t i = 0; i < count; ++i) {
+    T acc = static_cast<const T*>(data[0])[i];
+    for (int32_t r = 1; r < world; ++r) acc += static_cast<const T*>(data[r])[i];
+    out[i] = acc;
+  }
+}
+
+class ThreadComm final : public Comm {
+ public:
+  ThreadComm(std::shared_ptr<ThreadGroup> group, int32_t rank) : group_(std::move(group)), rank_(rank) {}
+
+  int32_t rank() const override { return rank_; }
+  int32_t world() const override { return group_->world(); }
+  const char* name() const override { return "thread"; }
+
+  void alltoallv(const void* send, const int64_t* send_counts, void* recv, const int64_t* recv_counts,
+                 DType dtype, Stream) override {
+    const size_t elem = dtype_size(dtype);
+    group_->send_[rank_] = send;
+    group_->counts_[rank_] = send_counts;
+    group_->barrier(rank_, "alltoallv");
+    int64_t recv_offset = 0;
+    for (int32_t p = 0; p < world(); ++p) {
+      const int64_t* peer_counts = group_->counts_[p];
+      int64_t peer_offset = 0;
+      for (int32_t q = 0; q < rank_; ++q) peer_offset += peer_counts[q];
+      DMOE_REQUIRE(peer_counts[rank_] == recv_counts[p],
+                   "ThreadComm alltoallv: rank {} expects {} elements from rank {}, which sends {}",
+                   rank_, recv_counts[p], p, peer_counts[rank_]);
+      if (recv_counts[p] > 0)
+        std::memcpy(static_cast<char*>(recv) + recv_offset * elem,
+                    static_cast<const char*>(group_->send_[p]) + peer_offset * elem,
+                    size_t(recv_counts[p]) * elem);
+      recv_offset += recv_counts[p];
+    }
+    group_->barrier(rank_, "alltoallv");
+  }
+
+  void allreduce_sum(void* data, int64_t count, DType dtype, Stream) override {
+    group_->data_[rank_] = data;
+    group_->barrier(rank_, "allreduce");
+    std::vector<char> result(size_t(count) * dtype_size(dtype));
+    switch (dtype) {
+      case DType::f32: sum_in_rank_order(group_->data_, world(), count, reinterpret_cast<float*>(result.data())); break;
+      case DType::f64: sum_in_rank_order(group_->data_, world(), count, reinterpret_cast<double*>(result.data())); break;
+      case DType::i32: sum_in_rank_order(group_->data_, world(), count, reinterpret_cast<int32_t*>(result.data())); break;
+      case DType::i64: sum_in_rank_order(group_->data_, world(), count, reinterpret_cast<int64_t*>(result.data())); break;
+      case DType::bf16: DMOE_FAIL("ThreadComm allreduce: bf16 is not supported; reduce in f32 or f64");
+    }
+    group_->barrier(rank_, "allreduce");
+    std::memcpy(data, result.data(), result.size());
+  }
+
+  void broadcast(void* data, int64_t count, DType dtype, int32_t root, Stream) override {
+    DMOE_REQUIRE(root >= 0 && root < world(), "ThreadComm broadcast: root {} outside [0, {})", root, world());
+    group_->data_[rank_] = data;
+    group_->barrier(rank_, "broadcast");
+    if (rank_ != root) std::memcpy(data, group_->data_[root], size_t(count) * dtype_size(dtype));
+    group_->barrier(rank_, "broadcast");
+  }
+
+  void barrier(Stream) override { group_->barrier(rank_, "barrier"); }
+
+  void poison() { group_->poison(); }
+
+ private:
+  std::shared_ptr<ThreadGroup> group_;
+  int32_t rank_;
+};
+
+}  // namespace
+
+std::vector<std::unique_ptr<Comm>> make_thread_comms(int32_t world) {
+  DMOE_REQUIRE(world >= 1, "ThreadComm: world = {} is invalid; must be >= 1", world);
+  auto group = std::make_shared<ThreadGroup>(world);
+  std::vector<std::unique_ptr<Comm>> comms;
+  for (int32_t r = 0; r < world; ++r) comms.push_back(std::make_unique<ThreadComm>(group, r));
+  return comms;
+}
+
+void run_thread_ranks(int32_t world, const std::function<void(int32_t, Comm&)>& fn) {
+  auto comms = make_thread_comms(world);
+  std::vector<std::exception_ptr> errors(world);
+  std::vector<std::thread> threads;
+  for (int32_t r = 0; r < world; ++r)
+    threads.emplace_back([&, r] {
+      error_rank() = world > 1 ? r : -1;
+      try {
+        fn(r, *comms[r]);
+      } catch (...) {
+        errors[r] = std::current_exception();
+        static_cast<ThreadComm&>(*comms[r]).poison();
+      }
+    });
+  for (auto& t : threads) t.join();
+  // Report the root cause: a rank's own error before the "another rank failed" ones it caused.
+  std::exception_ptr first;
+  for (int32_t r = 0; r < world && !first; ++r) {
+    if (!errors[r]) continue;
+    try {
+      std::rethrow_exception(errors[r]);
+    } catch (const Error& e) {
+      if (std::string(e.what()).find("another rank failed") == std::string::npos) first = errors[r];
+    } catch (...) {
+      first = errors[r];
+    }
+  }
+  for (int32_t r = 0; r < world && !first; ++r)
+    if (errors[r]) first = errors[r];
+  if (first) std::rethrow_exception(first);
+}
+
+}  // namespace dmoe

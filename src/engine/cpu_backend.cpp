@@ -1,0 +1,153 @@
+// cpu_backend.cpp — Backend on the host, running the CPU kernels (src/cpu/). Memory is host memory and
+// activations are stored as f32; a bf16 config is emulated by rounding stored values to bf16.
+#include <cstdlib>
+#include <cstring>
+#include <new>
+
+#include "core/error.hpp"
+#include "cpu/kernels.hpp"
+#include "engine/backend.hpp"
+
+namespace dmoe {
+namespace {
+
+class CpuBackend final : public Backend {
+ public:
+  explicit CpuBackend(DType storage) : storage_(storage) {
+    DMOE_REQUIRE(storage == DType::f32 || storage == DType::bf16,
+                 "cpu backend: storage dtype {} is not supported; allowed: f32, bf16", dtype_name(storage));
+  }
+  const char* name() const override { return "cpu"; }
+  bool on_device() const override { return false; }
+  // Buffers hold floats; `storage_` only decides the rounding the kernels apply.
+  DType storage_dtype() const override { return DType::f32; }
+  DType grad_accum_dtype() const override { return DType::f64; }
+  Stream stream() override { return nullptr; }
+
+  void* allocate(size_t bytes) override {
+    void* p = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+    if (!p && bytes) DMOE_FAIL("cpu backend: out of host memory allocating {} bytes", bytes);
+    return p;
+  }
+  void release(void* p) noexcept override { std::free(p); }
+  void copy(void* dst, const void* src, size_t bytes) override { if (bytes) std::memmove(dst, src, bytes); }
+  void upload(void* dst, const void* host, size_t bytes) override { copy(dst, host, bytes); }
+  void download(void* host, const void* src, size_t bytes) override { copy(host, src, bytes); }
+  void zero(void* p, size_t bytes) override { if (bytes) std::memset(p, 0, bytes); }
+  void synchronize() override {}
+
+  void upload_f32(void* dst, const float* host, int64_t count) override {
+    float* out = static_cast<float*>(dst);
+    for (int64_t i = 0; i < count; ++i) out[i] = storage_ == DType::bf16 ? round_to_bf16(host[i]) : host[i];
+  }
+  void download_f32(float* host, const void* src, int64_t count) override {
+    copy(host, src, size_t(count) * sizeof(float));
+  }
+
+  void router_forward(const void* x, const void* wg, float* logits, float* probs, int32_t* ids,
+                      float* weights, float* lse, int64_t tokens, int64_t hidden, int32_t experts,
+                      int32_t top_k, bool renormalize) override {
+    cpu::router_logits(f(x), f(wg), logits, tokens, hidden, experts);
+    cpu::router_topk(logits, probs, ids, weights, lse, tokens, experts, top_k, renormalize);
+  }
+
+  void plan_send(const int32_t* ids, const float* weights, int64_t tokens, int32_t top_k, int32_t experts,
+                 int64_t capacity, DropPolicy policy, const SendPlanBuffers& plan, int64_t* routed_host,
+                 int64_t* counts_host) override {
+    SendPlan p = build_send_plan(ids, weights, tokens, top_k, experts, capacity, policy);
+    std::memcpy(plan.slot, p.slot.data(), p.slot.size() * sizeof(int32_t));
+    std::memcpy(plan.row_token, p.row_token.data(), p.row_token.size() * sizeof(int32_t));
+    std::memcpy(plan.row_choice, p.row_choice.data(), p.row_choice.size() * sizeof(int32_t));
+    std::memcpy(routed_host, p.routed.data(), p.routed.size() * sizeof(int64_t));
+    std::memcpy(counts_host, p.counts.data(), p.counts.size() * sizeof(int64_t));
+  }
+
+  void router_aux_partials(const float* probs, const float* lse, const int32_t* ids, int64_t tokens,
+                           int32_t experts, int32_t top_k, double* prob_sum, double* assigned,
+                           double* z_sum) override {
+    cpu::router_aux_partials(probs, lse, ids, tokens, experts, top_k, prob_sum, assigned, z_sum);
+  }
+
+  void gather_rows(const void* x, const int32_t* rows, void* out, int64_t n, int64_t hidden) override {
+    cpu::gather_rows(f(x), rows, f(out), n, hidden);
+  }
+  void permute_segments(const void* src, void* dst, const int64_t* src_offsets, const int64_t* dst_offsets,
+                        const int64_t* counts, int64_t segments, int64_t hidden) override {
+    cpu::permute_segments(f(src), f(dst), src_offsets, dst_offsets, counts, segments, hidden);
+  }
+  void combine(const void* rows, const int32_t* slot, const float* weights, void* y, int64_t tokens,
+               int32_t top_k, int64_t hidden) override {
+    cpu::combine(f(rows), slot, weights, nullptr, f(y), tokens, top_k, hidden, storage_);
+  }
+
+  void expert_ffn_forward(const void* x, const void* w1, const void* w3, const void* w2, void* pre1,
+                          void* pre3, void* h, void* out, const int64_t* expert_offsets,
+                          int32_t local_experts, int64_t hidden, int64_t ffn,
+                          Activation activation) override {
+    const bool swiglu = activation == Activation::swiglu;
+    for (int32_t e = 0; e < local_experts; ++e) {
+      const int64_t r0 = expert_offsets[e], n = expert_offsets[e + 1] - r0;
+      if (n == 0) continue;
+      const int64_t wm = ffn * hidden;
+      cpu::expert_ffn_forward(f(x) + r0 * hidden, f(w1) + e * wm, swiglu ? f(w3) + e * wm : nullptr,
+                              f(w2) + e * wm, f(pre1) + r0 * ffn, swiglu ? f(pre3) + r0 * ffn : nullptr,
+                              f(h) + r0 * ffn, f(out) + r0 * hidden, n, hidden, ffn, activation, storage_);
+    }
+  }
+
+  void combine_backward(const void* dy, const void* rows, const int32_t* slot, const float* weights,
+                        void* drows, float* dweights, int64_t tokens, int32_t top_k,
+                        int64_t hidden) override {
+    cpu::combine_backward(f(dy), f(rows), slot, weights, f(drows), dweights, tokens, top_k, hidden, storage_);
+  }
+
+  void expert_ffn_backward(const void* x, const void* w1, const void* w3, const void* w2, const void* pre1,
+                           const void* pre3, const void* h, const void* dout, void* dx, void* dw1, void* dw3,
+                           void* dw2, const int64_t* expert_offsets, int32_t local_experts, int64_t hidden,
+                           int64_t ffn, Activation activation) override {
+    const bool swiglu = activation == Activation::swiglu;
+    for (int32_t e = 0; e < local_experts; ++e) {
+      const int64_t r0 = expert_offsets[e], n = expert_offsets[e + 1] - r0;
+      if (n == 0) continue;
+      const int64_t wm = ffn * hidden;
+      cpu::expert_ffn_backward(f(x) + r0 * hidden, f(w1) + e * wm, swiglu ? f(w3) + e * wm : nullptr,
+                               f(w2) + e * wm, f(pre1) + r0 * ffn, swiglu ? f(pre3) + r0 * ffn : nullptr,
+                               f(h) + r0 * ffn, f(dout) + r0 * hidden, f(dx) + r0 * hidden,
+                               d(dw1) + e * wm, swiglu ? d(dw3) + e * wm : nullptr, d(dw2) + e * wm, n,
+                               hidden, ffn, activation, storage_);
+    }
+  }
+
+  void router_backward(const void* x, const void* wg, const float* probs, const int32_t* ids,
+                       const float* weights, const float* dweights, const float* lse,
+                       const double* expert_fraction, double lb_scale, double z_scale, float* dlogits,
+                       float* dx_router, void* dwg, int64_t tokens, int64_t hidden, int32_t experts,
+                       int32_t top_k, bool renormalize) override {
+    cpu::RouterAuxGrad aux;
+    aux.expert_fraction = expert_fraction;
+    aux.lb_scale = lb_scale;
+    aux.lse = lse;
+    aux.z_scale = z_scale;
+    cpu::router_topk_backward(probs, ids, weights, dweights, dlogits, tokens, experts, top_k, renormalize, aux);
+    std::memset(dx_router, 0, size_t(tokens * hidden) * sizeof(float));
+    cpu::router_logits_backward(f(x), f(wg), dlogits, dx_router, d(dwg), tokens, hidden, experts);
+  }
+
+  void scatter_back(const void* dsend, const int32_t* slot, const void* dx_router, void* dx, int64_t tokens,
+                    int32_t top_k, int64_t hidden) override {
+    cpu::combine(f(dsend), slot, nullptr, static_cast<const float*>(dx_router), f(dx), tokens, top_k,
+                 hidden, storage_);
+  }
+
+ private:
+  static const float* f(const void* p) { return static_cast<const float*>(p); }
+  static float* f(void* p) { return static_cast<float*>(p); }
+  static double* d(void* p) { return static_cast<double*>(p); }
+  DType storage_;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_cpu_backend(DType storage) { return std::make_unique<CpuBackend>(storage); }
+
+}  // namespace dmoe

@@ -1,0 +1,253 @@
+#include "engine/ep_engine.hpp"
+
+#include <cstring>
+
+#include "core/error.hpp"
+
+namespace dmoe {
+
+EpEngine::EpEngine(const MoeConfig& config, Backend& backend, Comm& comm)
+    : config_(config), backend_(backend), comm_(comm) {
+  config_.validate();
+  DMOE_REQUIRE(config_.world == comm_.world(),
+               "EpEngine: config world = {} but the communicator has {} ranks", config_.world, comm_.world());
+  rank_ = comm_.rank();
+  local_experts_ = config_.experts_per_rank();
+  elem_ = dtype_size(backend_.storage_dtype());
+  for (Buffer* b : {&wg_, &w1_, &w3_, &w2_, &dwg_, &dw1_, &dw3_, &dw2_, &logits_, &probs_, &ids_,
+                    &weights_, &lse_, &slot_, &row_token_, &row_choice_, &send_, &recv_, &batch_,
+                    &pre1_, &pre3_, &h_, &out_batch_, &out_recv_, &ret_, &counts_dev_,
+                    &recv_counts_dev_, &stats_dev_, &dret_, &drecv_, &dbatch_, &dx_batch_, &dx_recv_,
+                    &dsend_, &dweights_, &dlogits_, &dx_router_})
+    b->bind(backend_);
+  send_rows_.assign(config_.world, 0);
+  recv_rows_.assign(config_.world, 0);
+  global_tokens_ = config_.tokens * config_.world;
+}
+
+void EpEngine::set_weights(const MoeWeights& w) {
+  const int64_t H = config_.hidden, I = config_.ffn, E = config_.experts, Le = local_experts_;
+  DMOE_REQUIRE(w.hidden == H && w.ffn == I && w.experts == E,
+               "EpEngine: weights are for H={} I={} E={}; config has H={} I={} E={}", w.hidden, w.ffn,
+               w.experts, H, I, E);
+  DMOE_REQUIRE(w.activation == config_.activation, "EpEngine: weights are for activation {}; config has {}",
+               activation_name(w.activation), activation_name(config_.activation));
+  DMOE_REQUIRE(w.first_expert == config_.first_expert(rank_) && w.num_experts == Le,
+               "EpEngine: rank {} owns experts [{}, {}) but was given [{}, {})", rank_,
+               config_.first_expert(rank_), config_.first_expert(rank_) + Le, w.first_expert,
+               w.first_expert + w.num_experts);
+  const bool swiglu = config_.activation == Activation::swiglu;
+  DMOE_REQUIRE(int64_t(w.gate.size()) == E * H && int64_t(w.w1.size()) == Le * I * H &&
+                   int64_t(w.w2.size()) == Le * H * I && int64_t(w.w3.size()) == (swiglu ? Le * I * H : 0),
+               "EpEngine: weight arrays have the wrong sizes for the config");
+  backend_.upload_f32(wg_.ensure(E * H * elem_), w.gate.data(), E * H);
+  backend_.upload_f32(w1_.ensure(Le * I * H * elem_), w.w1.data(), Le * I * H);
+  backend_.upload_f32(w2_.ensure(Le * H * I * elem_), w.w2.data(), Le * H * I);
+  if (swiglu) backend_.upload_f32(w3_.ensure(Le * I * H * elem_), w.w3.data(), Le * I * H);
+  const size_t acc = dtype_size(backend_.grad_accum_dtype());
+  dwg_.ensure(E * H * acc);
+  dw1_.ensure(Le * I * H * acc);
+  dw2_.ensure(Le * H * I * acc);
+  if (swiglu) dw3_.ensure(Le * I * H * acc);
+  has_weights_ = true;
+  zero_grads();
+}
+
+void EpEngine::zero_grads() {
+  const int64_t H = config_.hidden, I = config_.ffn, E = config_.experts, Le = local_experts_;
+  const size_t acc = dtype_size(backend_.grad_accum_dtype());
+  backend_.zero(dwg_.data(), E * H * acc);
+  backend_.zero(dw1_.data(), Le * I * H * acc);
+  backend_.zero(dw2_.data(), Le * H * I * acc);
+  if (config_.activation == Activation::swiglu) backend_.zero(dw3_.data(), Le * I * H * acc);
+}
+
+void EpEngine::exchange_counts() {
+  const int32_t W = config_.world, Le = local_experts_, E = config_.experts;
+  // kept_ is [E] = [W, Le]: segment d holds the counts for rank d's experts, as the all-to-all wants.
+  backend_.upload(counts_dev_.ensure(E * sizeof(int64_t)), kept_.data(), E * sizeof(int64_t));
+  void* recv = recv_counts_dev_.ensure(int64_t(W) * Le * sizeof(int64_t));
+  comm_.alltoall(counts_dev_.data(), recv, Le, DType::i64, backend_.stream());
+  std::vector<int64_t> counts(int64_t(W) * Le);
+  backend_.download(counts.data(), recv, counts.size() * sizeof(int64_t));
+  layout_ = build_expert_batch_layout(counts.data(), W, Le);
+  for (int32_t p = 0; p < W; ++p) recv_rows_[p] = layout_.source_counts[p];
+}
+
+void EpEngine::exchange_rows(const void* send, const std::vector<int64_t>& send_rows, void* recv,
+                             const std::vector<int64_t>& recv_rows, int64_t width) {
+  std::vector<int64_t> sc(send_rows.size()), rc(recv_rows.size());
+  for (size_t p = 0; p < sc.size(); ++p) {
+    sc[p] = send_rows[p] * width;
+    rc[p] = recv_rows[p] * width;
+  }
+  comm_.alltoallv(send, sc.data(), recv, rc.data(), backend_.storage_dtype(), backend_.stream());
+}
+
+void EpEngine::forward(const void* x, void* y) {
+  DMOE_REQUIRE(has_weights_, "EpEngine::forward: set_weights() was not called");
+  const int64_t T = config_.tokens, H = config_.hidden, I = config_.ffn;
+  const int32_t E = config_.experts, k = config_.top_k, W = config_.world, Le = local_experts_;
+  const bool swiglu = config_.activation == Activation::swiglu;
+  x_ = x;
+
+  // 1. Router: logits, softmax, top-k, gate weights.  logits, probs: [T, E]; ids, weights: [T, k].
+  float* logits = static_cast<float*>(logits_.ensure(T * E * sizeof(float)));
+  float* probs = static_cast<float*>(probs_.ensure(T * E * sizeof(float)));
+  int32_t* ids = static_cast<int32_t*>(ids_.ensure(T * k * sizeof(int32_t)));
+  float* weights = static_cast<float*>(weights_.ensure(T * k * sizeof(float)));
+  float* lse = static_cast<float*>(lse_.ensure(T * sizeof(float)));
+  backend_.router_forward(x, wg_.data(), logits, probs, ids, weights, lse, T, H, E, k, config_.renormalize);
+
+  // 2. Send plan: which assignments travel (capacity), in canonical order.
+  SendPlanBuffers plan;
+  plan.slot = static_cast<int32_t*>(slot_.ensure(T * k * sizeof(int32_t)));
+  plan.row_token = static_cast<int32_t*>(row_token_.ensure(T * k * sizeof(int32_t)));
+  plan.row_choice = static_cast<int32_t*>(row_choice_.ensure(T * k * sizeof(int32_t)));
+  routed_.assign(E, 0);
+  kept_.assign(E, 0);
+  backend_.plan_send(ids, weights, T, k, E, config_.capacity(), config_.drop_policy, plan, routed_.data(),
+                     kept_.data());
+  send_rows_total_ = 0;
+  for (int32_t d = 0; d < W; ++d) {
+    send_rows_[d] = 0;
+    for (int32_t e = d * Le; e < (d + 1) * Le; ++e) send_rows_[d] += kept_[e];
+    send_rows_total_ += send_rows_[d];
+  }
+  const int64_t S = send_rows_total_;
+
+  // 3. send [S, H] = x rows in expert-major order.
+  backend_.gather_rows(x, plan.row_token, send_.ensure(S * H * elem_), S, H);
+
+  // 4. Counts, then rows, to the experts' owners.  recv: [N, H] source-major.
+  exchange_counts();
+  const int64_t N = layout_.rows();
+  exchange_rows(send_.data(), send_rows_, recv_.ensure(N * H * elem_), recv_rows_, H);
+
+  // 5. Expert-major batch, grouped expert FFN, and back to source-major order.
+  const int64_t segments = int64_t(W) * Le;
+  backend_.permute_segments(recv_.data(), batch_.ensure(N * H * elem_), layout_.recv_offsets.data(),
+                            layout_.batch_offsets.data(), layout_.counts.data(), segments, H);
+  backend_.expert_ffn_forward(batch_.data(), w1_.data(), swiglu ? w3_.data() : nullptr, w2_.data(),
+                              pre1_.ensure(N * I * elem_), swiglu ? pre3_.ensure(N * I * elem_) : nullptr,
+                              h_.ensure(N * I * elem_), out_batch_.ensure(N * H * elem_),
+                              layout_.expert_offsets.data(), Le, H, I, config_.activation);
+  backend_.permute_segments(out_batch_.data(), out_recv_.ensure(N * H * elem_), layout_.batch_offsets.data(),
+                            layout_.recv_offsets.data(), layout_.counts.data(), segments, H);
+
+  // 6. Results back to the tokens' ranks (same segments, reversed), then the weighted combine.
+  exchange_rows(out_recv_.data(), recv_rows_, ret_.ensure(S * H * elem_), send_rows_, H);
+  backend_.combine(ret_.data(), plan.slot, weights, y, T, k, H);
+
+  compute_losses();
+}
+
+void EpEngine::compute_losses() {
+  const int32_t E = config_.experts;
+  // Partial sums [prob_sum (E), assigned (E), z_sum (1)], summed over ranks in f64.
+  std::vector<double> stats(2 * E + 1, 0.0);
+  backend_.router_aux_partials(probs_.as<float>(), lse_.as<float>(), ids_.as<int32_t>(), config_.tokens, E,
+                               config_.top_k, stats.data(), stats.data() + E, stats.data() + 2 * E);
+  if (config_.world > 1) {
+    void* dev = stats_dev_.ensure(stats.size() * sizeof(double));
+    backend_.upload(dev, stats.data(), stats.size() * sizeof(double));
+    comm_.allreduce_sum(dev, int64_t(stats.size()), DType::f64, backend_.stream());
+    backend_.download(stats.data(), dev, stats.size() * sizeof(double));
+  }
+  const double n = double(global_tokens_);
+  expert_fraction_.assign(E, 0.0);
+  losses_ = RouterLosses{};
+  for (int32_t e = 0; e < E; ++e) {
+    expert_fraction_[e] = stats[E + e] / (n * config_.top_k);
+    losses_.load_balance += expert_fraction_[e] * (stats[e] / n);
+  }
+  losses_.load_balance *= E;
+  losses_.z_loss = stats[2 * E] / n;
+}
+
+void EpEngine::backward(const void* dy, void* dx) {
+  DMOE_REQUIRE(x_ != nullptr, "EpEngine::backward: forward() must run first");
+  const int64_t T = config_.tokens, H = config_.hidden, I = config_.ffn;
+  const int32_t E = config_.experts, k = config_.top_k, W = config_.world, Le = local_experts_;
+  const bool swiglu = config_.activation == Activation::swiglu;
+  const int64_t S = send_rows_total_, N = layout_.rows(), segments = int64_t(W) * Le;
+
+  // 1. Combine backward: gradient of each returned row and of each gate weight.
+  float* dweights = static_cast<float*>(dweights_.ensure(T * k * sizeof(float)));
+  backend_.combine_backward(dy, ret_.data(), slot_.as<int32_t>(), weights_.as<float>(),
+                            dret_.ensure(S * H * elem_), dweights, T, k, H);
+
+  // 2. Row gradients to the experts (the dispatch pattern again), expert-major.
+  exchange_rows(dret_.data(), send_rows_, drecv_.ensure(N * H * elem_), recv_rows_, H);
+  backend_.permute_segments(drecv_.data(), dbatch_.ensure(N * H * elem_), layout_.recv_offsets.data(),
+                            layout_.batch_offsets.data(), layout_.counts.data(), segments, H);
+
+  // 3. Expert FFN backward: input gradients and accumulated weight gradients.
+  backend_.expert_ffn_backward(batch_.data(), w1_.data(), swiglu ? w3_.data() : nullptr, w2_.data(),
+                               pre1_.data(), swiglu ? pre3_.data() : nullptr, h_.data(), dbatch_.data(),
+                               dx_batch_.ensure(N * H * elem_), dw1_.data(), swiglu ? dw3_.data() : nullptr,
+                               dw2_.data(), layout_.expert_offsets.data(), Le, H, I, config_.activation);
+
+  // 4. Input gradients back to the tokens' ranks.
+  backend_.permute_segments(dx_batch_.data(), dx_recv_.ensure(N * H * elem_), layout_.batch_offsets.data(),
+                            layout_.recv_offsets.data(), layout_.counts.data(), segments, H);
+  exchange_rows(dx_recv_.data(), recv_rows_, dsend_.ensure(S * H * elem_), send_rows_, H);
+
+  // 5. Router backward (gate weights, auxiliary losses) and the sum of all contributions to dx.
+  const double n = double(global_tokens_);
+  const bool lb = config_.aux_loss_coef > 0, z = config_.z_loss_coef > 0;
+  float* dlogits = static_cast<float*>(dlogits_.ensure(T * E * sizeof(float)));
+  float* dx_router = static_cast<float*>(dx_router_.ensure(T * H * sizeof(float)));
+  backend_.router_backward(x_, wg_.data(), probs_.as<float>(), ids_.as<int32_t>(), weights_.as<float>(),
+                           dweights, z ? lse_.as<float>() : nullptr, lb ? expert_fraction_.data() : nullptr,
+                           config_.aux_loss_coef * E / n, 2.0 * config_.z_loss_coef / n, dlogits, dx_router,
+                           dwg_.data(), T, H, E, k, config_.renormalize);
+  backend_.scatter_back(dsend_.data(), slot_.as<int32_t>(), dx_router, dx, T, k, H);
+}
+
+namespace {
+
+std::vector<float> download_accum(Backend& backend, const void* src, int64_t count) {
+  std::vector<float> out(count);
+  if (backend.grad_accum_dtype() == DType::f64) {
+    std::vector<double> tmp(count);
+    backend.download(tmp.data(), src, count * sizeof(double));
+    for (int64_t i = 0; i < count; ++i) out[i] = float(tmp[i]);
+  } else {
+    backend.download(out.data(), src, count * sizeof(float));
+  }
+  return out;
+}
+
+}  // namespace
+
+MoeWeights EpEngine::grads() {
+  const int64_t H = config_.hidden, I = config_.ffn, E = config_.experts, Le = local_experts_;
+  MoeWeights g = make_moe_weights(config_, config_.first_expert(rank_), Le);
+  // The gate is replicated: its gradient is the sum over ranks (reduced on a copy, so grads() can be
+  // called again without double counting). Collective: every rank must call grads().
+  const DType acc = backend_.grad_accum_dtype();
+  Buffer reduced(backend_);
+  void* dwg = reduced.ensure(E * H * dtype_size(acc));
+  backend_.copy(dwg, dwg_.data(), E * H * dtype_size(acc));
+  if (config_.world > 1) comm_.allreduce_sum(dwg, E * H, acc, backend_.stream());
+  g.gate = download_accum(backend_, dwg, E * H);
+  g.w1 = download_accum(backend_, dw1_.data(), Le * I * H);
+  g.w2 = download_accum(backend_, dw2_.data(), Le * H * I);
+  if (config_.activation == Activation::swiglu) g.w3 = download_accum(backend_, dw3_.data(), Le * I * H);
+  return g;
+}
+
+std::vector<int32_t> EpEngine::expert_ids() {
+  std::vector<int32_t> out(config_.tokens * config_.top_k);
+  backend_.download(out.data(), ids_.data(), out.size() * sizeof(int32_t));
+  return out;
+}
+
+std::vector<float> EpEngine::expert_weights() {
+  std::vector<float> out(config_.tokens * config_.top_k);
+  backend_.download(out.data(), weights_.data(), out.size() * sizeof(float));
+  return out;
+}
+
+}  // namespace dmoe

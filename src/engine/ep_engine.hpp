@@ -1,0 +1,99 @@
+// ep_engine.hpp — EpEngine: host-orchestrated vanilla expert parallelism over any Backend and Comm.
+//
+// One rank's view. Forward:
+//   router (logits, softmax, top-k) → send plan (capacity, canonical order) → gather rows into the
+//   expert-major send buffer → all-to-all of row counts → all-to-all of rows (exact sizes, no padding)
+//   → source-major receive buffer → expert-major batch → grouped expert FFN → back to source-major →
+//   all-to-all back → combine y[t] = Σ_j w[t,j]·out[t,j].
+// Backward mirrors it and adds the router (and auxiliary-loss) gradients; the router's weight gradient
+// is summed over ranks (the gate is replicated), the experts' gradients stay with their owners.
+//
+// The same code runs on the CPU backend with ThreadComm (the reference engine) and on CUDA with NCCL or
+// NVSHMEM, so there is one implementation of the algorithm.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "comm/comm.hpp"
+#include "core/config.hpp"
+#include "core/dispatch_plan.hpp"
+#include "engine/backend.hpp"
+#include "engine/buffer.hpp"
+#include "model/moe_weights.hpp"
+
+namespace dmoe {
+
+struct RouterLosses {
+  double load_balance = 0;  // E · Σ_e f_e · P_e over all ranks' tokens
+  double z_loss = 0;        // mean over all tokens of logsumexp(logits)²
+};
+
+class EpEngine {
+ public:
+  // config.world must equal comm.world(); config.tokens is this rank's token count.
+  EpEngine(const MoeConfig& config, Backend& backend, Comm& comm);
+
+  // Gate [E, H] and this rank's experts (weights.first_expert == config.first_expert(rank)).
+  void set_weights(const MoeWeights& weights);
+
+  // x, y: [T, H] in backend memory (storage dtype). Keeps what backward needs.
+  void forward(const void* x, void* y);
+  // dy, dx: [T, H] in backend memory. Accumulates parameter gradients (see zero_grads / grads()).
+  void backward(const void* dy, void* dx);
+
+  void zero_grads();
+  // Gradients on the host: gate (summed over ranks) and this rank's experts, same shapes as the weights.
+  MoeWeights grads();
+
+  // Results of the last forward, copied to the host.
+  std::vector<int32_t> expert_ids();      // [T, k]
+  std::vector<float> expert_weights();    // [T, k]
+  RouterLosses losses() const { return losses_; }
+  const std::vector<int64_t>& routed_counts() const { return routed_; }  // [E] this rank, pre-capacity
+  const std::vector<int64_t>& kept_counts() const { return kept_; }      // [E] this rank
+  int64_t rows_received() const { return layout_.rows(); }
+  int64_t rows_sent() const { return send_rows_total_; }
+  const ExpertBatchLayout& layout() const { return layout_; }
+
+  const MoeConfig& config() const { return config_; }
+  Backend& backend() { return backend_; }
+
+ private:
+  void exchange_counts();
+  void exchange_rows(const void* send, const std::vector<int64_t>& send_rows, void* recv,
+                     const std::vector<int64_t>& recv_rows, int64_t width);
+  void compute_losses();
+
+  MoeConfig config_;
+  Backend& backend_;
+  Comm& comm_;
+  int32_t rank_ = 0;
+  int32_t local_experts_ = 0;
+  size_t elem_ = 4;  // bytes per stored activation element
+
+  // Weights (backend memory).
+  Buffer wg_, w1_, w3_, w2_;
+  bool has_weights_ = false;
+  // Gradient accumulators (grad_accum_dtype).
+  Buffer dwg_, dw1_, dw3_, dw2_;
+
+  // Forward state.
+  const void* x_ = nullptr;
+  Buffer logits_, probs_, ids_, weights_, lse_;
+  Buffer slot_, row_token_, row_choice_;
+  Buffer send_, recv_, batch_, pre1_, pre3_, h_, out_batch_, out_recv_, ret_;
+  Buffer counts_dev_, recv_counts_dev_, stats_dev_;
+  std::vector<int64_t> routed_, kept_;
+  std::vector<int64_t> send_rows_, recv_rows_;  // [W] rows to / from each peer
+  int64_t send_rows_total_ = 0;
+  ExpertBatchLayout layout_;
+  std::vector<double> expert_fraction_;  // [E] f_e over all ranks
+  RouterLosses losses_;
+  int64_t global_tokens_ = 0;
+
+  // Backward scratch.
+  Buffer dret_, drecv_, dbatch_, dx_batch_, dx_recv_, dsend_, dweights_, dlogits_, dx_router_;
+};
+
+}  // namespace dmoe

@@ -1,0 +1,234 @@
+// The CPU reference engine: W simulated ranks against one rank holding everything, a direct per-token
+// computation (independent of dispatch/combine), and whole-layer finite differences.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+
+#include "core/error.hpp"
+#include "core/random.hpp"
+#include "cpu/kernels.hpp"
+#include "engine/reference.hpp"
+
+namespace dmoe {
+namespace {
+
+MoeConfig small_config(Activation act, int32_t world, int64_t tokens) {
+  MoeConfig c;
+  c.tokens = tokens;
+  c.hidden = 16;
+  c.ffn = 24;
+  c.experts = 8;
+  c.top_k = 2;
+  c.activation = act;
+  c.world = world;
+  c.aux_loss_coef = 0.01;
+  c.z_loss_coef = 0.001;
+  return c;
+}
+
+// Bit-for-bit equality with the index of the first difference.
+template <typename T>
+void expect_identical(const std::vector<T>& a, const std::vector<T>& b, const char* what) {
+  ASSERT_EQ(a.size(), b.size()) << what;
+  for (size_t i = 0; i < a.size(); ++i)
+    ASSERT_EQ(std::memcmp(&a[i], &b[i], sizeof(T)), 0) << what << " differs at " << i << ": " << a[i] << " vs " << b[i];
+}
+
+double max_rel_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    num = std::max(num, std::abs(double(a[i]) - b[i]));
+    den = std::max(den, std::abs(double(b[i])));
+  }
+  return den > 0 ? num / den : num;
+}
+
+struct Case {
+  Activation act;
+  int32_t world;
+};
+
+class EngineRanks : public ::testing::TestWithParam<Case> {};
+
+// Dropless: W ranks must give exactly the single-rank result for all W*T tokens. Every expert's batch is
+// in the same canonical order (source rank, token) = global token order, rows are independent, and
+// weight gradients sum rows in that order, so y, dx and expert gradients match bit for bit.
+// The router's weight gradient is the one exception: each rank sums its own tokens in fp64 and the
+// ranks' partial sums are then added, a different association from one sequential sum; the fp64
+// difference (~1e-16 relative) can flip the last bit of the f32 result, so it gets a 1e-6 tolerance.
+TEST_P(EngineRanks, DroplessEqualsSingleRank) {
+  const auto [act, world] = GetParam();
+  const int64_t T = 12;
+  MoeConfig multi = small_config(act, world, T);
+  MoeConfig single = small_config(act, 1, T * world);
+  const MoeWeights w = random_moe_weights(single, 7);
+  Rng rng(11 + world);
+  const auto x = rng.normal_vector(size_t(world * T * multi.hidden), 1.0);
+  const auto dy = rng.normal_vector(x.size(), 1.0);
+
+  const LayerResult a = run_cpu_layer(single, w, x, &dy);
+  const LayerResult b = run_cpu_layer(multi, w, x, &dy);
+  expect_identical(a.expert_ids, b.expert_ids, "expert_ids");
+  expect_identical(a.expert_weights, b.expert_weights, "expert_weights");
+  expect_identical(a.y, b.y, "y");
+  expect_identical(a.dx, b.dx, "dx");
+  expect_identical(a.grads.w1, b.grads.w1, "grad w1");
+  expect_identical(a.grads.w2, b.grads.w2, "grad w2");
+  expect_identical(a.grads.w3, b.grads.w3, "grad w3");
+  EXPECT_LE(max_rel_diff(b.grads.gate, a.grads.gate), 1e-6) << "gate gradient (see comment above)";
+  EXPECT_NEAR(a.losses.load_balance, b.losses.load_balance, 1e-12);
+  EXPECT_NEAR(a.losses.z_loss, b.losses.z_loss, 1e-12);
+  expect_identical(a.routed, b.routed, "routed counts");
+  EXPECT_EQ(b.dropped(), 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(AllActivationsAndWorlds, EngineRanks,
+                         ::testing::Values(Case{Activation::swiglu, 1}, Case{Activation::swiglu, 2},
+                                           Case{Activation::swiglu, 4}, Case{Activation::swiglu, 8},
+                                           Case{Activation::relu, 2}, Case{Activation::relu, 8},
+                                           Case{Activation::gelu, 4}, Case{Activation::gelu, 8}),
+                         [](const auto& info) {
+                           return std::string(activation_name(info.param.act)) + "_W" +
+                                  std::to_string(info.param.world);
+                         });
+
+// Independent of the dispatch machinery: y[t] = Σ_j kept(t,j) · w[t,j] · FFN_{e(t,j)}(x[t]), with the
+// kept set taken from an independently built send plan of each source rank.
+void check_against_direct(const MoeConfig& config, const MoeWeights& w, const std::vector<float>& x) {
+  const LayerResult r = run_cpu_layer(config, w, x, nullptr);
+  const int64_t T = config.tokens, H = config.hidden, I = config.ffn, k = config.top_k;
+  std::vector<float> pre1(I), pre3(I), h(I), out(H);
+  for (int32_t rank = 0; rank < config.world; ++rank) {
+    const SendPlan plan = build_send_plan(r.expert_ids.data() + rank * T * k, r.expert_weights.data() + rank * T * k,
+                                          T, config.top_k, config.experts, config.capacity(), config.drop_policy);
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t g = rank * T + t;
+      std::vector<double> y(H, 0.0);
+      for (int64_t j = 0; j < k; ++j) {
+        if (plan.slot[t * k + j] < 0) continue;
+        const int32_t e = r.expert_ids[g * k + j];
+        cpu::expert_ffn_forward(x.data() + g * H, w.w1_of(e), w.w3_of(e), w.w2_of(e), pre1.data(),
+                                config.activation == Activation::swiglu ? pre3.data() : nullptr, h.data(),
+                                out.data(), 1, H, I, config.activation, DType::f32);
+        for (int64_t c = 0; c < H; ++c) y[c] += double(r.expert_weights[g * k + j]) * out[c];
+      }
+      for (int64_t c = 0; c < H; ++c)
+        ASSERT_NEAR(r.y[g * H + c], y[c], 1e-5 * (1 + std::abs(y[c])))  // f32 rounding of a k-term sum
+            << "rank " << rank << " token " << t << " column " << c;
+    }
+  }
+}
+
+TEST(Engine, MatchesDirectPerTokenComputationWithCapacity) {
+  for (int32_t world : {1, 2, 4}) {
+    MoeConfig c = small_config(Activation::swiglu, world, 16);
+    c.capacity_factor = 0.5;  // C = ceil(0.5*16*2/8) = 2 per (source rank, expert): many drops
+    const MoeWeights w = random_moe_weights(c, 3);
+    Rng rng(5);
+    const auto x = rng.normal_vector(size_t(world * c.tokens * c.hidden), 1.0);
+    check_against_direct(c, w, x);
+    const LayerResult r = run_cpu_layer(c, w, x, nullptr);
+    EXPECT_GT(r.dropped(), 0) << "the test must actually drop tokens";
+    for (int32_t e = 0; e < c.experts; ++e) EXPECT_LE(r.kept[e], c.capacity() * world);
+  }
+}
+
+TEST(Engine, MatchesDirectPerTokenComputationDropless) {
+  for (Activation act : {Activation::relu, Activation::gelu, Activation::swiglu}) {
+    MoeConfig c = small_config(act, 4, 10);
+    const MoeWeights w = random_moe_weights(c, 9);
+    Rng rng(2);
+    check_against_direct(c, w, rng.normal_vector(size_t(4 * 10 * c.hidden), 1.0));
+  }
+}
+
+// Gate row 0 aligned with every token: all tokens go to expert 0 (k = 1); the other experts get nothing.
+TEST(Engine, AllTokensToOneExpert) {
+  MoeConfig multi = small_config(Activation::swiglu, 4, 9);
+  multi.top_k = 1;
+  MoeConfig single = multi;
+  single.world = 1;
+  single.tokens = 36;
+  MoeWeights w = random_moe_weights(single, 4);
+  Rng rng(8);
+  auto x = rng.normal_vector(size_t(36 * multi.hidden), 1.0);
+  for (auto& v : x) v = std::abs(v) + 0.1f;
+  std::fill(w.gate.begin(), w.gate.end(), 0.f);
+  std::fill(w.gate.begin(), w.gate.begin() + multi.hidden, 1.f);
+  const auto dy = rng.normal_vector(x.size(), 1.0);
+  const LayerResult a = run_cpu_layer(single, w, x, &dy);
+  const LayerResult b = run_cpu_layer(multi, w, x, &dy);
+  EXPECT_EQ(b.kept[0], 36);
+  for (int e = 1; e < 8; ++e) EXPECT_EQ(b.kept[e], 0);
+  expect_identical(a.y, b.y, "y");
+  expect_identical(a.dx, b.dx, "dx");
+  expect_identical(a.grads.w1, b.grads.w1, "grad w1");
+  for (size_t i = multi.ffn * multi.hidden; i < b.grads.w1.size(); ++i) ASSERT_EQ(b.grads.w1[i], 0.f);
+}
+
+// Whole-layer finite differences of L = Σ y·R (+ aux losses) w.r.t. x and the gate, in f32 storage.
+// Routing must not flip under the perturbation: eps is small and the test checks the ids are unchanged.
+TEST(Engine, WholeLayerFiniteDifferences) {
+  for (Activation act : {Activation::relu, Activation::gelu, Activation::swiglu}) {
+    MoeConfig c = small_config(act, 2, 5);
+    c.hidden = 6;
+    c.ffn = 7;
+    c.experts = 4;
+    const MoeWeights w = random_moe_weights(c, 21);
+    Rng rng(31);
+    const auto x = rng.normal_vector(size_t(2 * 5 * 6), 1.0);
+    const auto R = rng.normal_vector(x.size(), 1.0);
+    auto loss = [&](const std::vector<float>& xs, const MoeWeights& ws, std::vector<int32_t>* ids) {
+      LayerResult r = run_cpu_layer(c, ws, xs, nullptr);
+      if (ids) *ids = r.expert_ids;
+      double l = 0;
+      for (size_t i = 0; i < r.y.size(); ++i) l += double(r.y[i]) * R[i];
+      return l + c.aux_loss_coef * r.losses.load_balance + c.z_loss_coef * r.losses.z_loss;
+    };
+    const LayerResult g = run_cpu_layer(c, w, x, &R);
+    std::vector<int32_t> base_ids, ids;
+    loss(x, w, &base_ids);
+    const float eps = 1e-3f;
+    // Tolerance: central differences in f32 storage with eps 1e-3 leave O(eps^2) truncation and
+    // O(1e-7/eps) rounding error, well under 2e-3 relative to the gradient's scale.
+    for (size_t i = 0; i < x.size(); i += 3) {
+      auto xp = x, xm = x;
+      xp[i] += eps;
+      xm[i] -= eps;
+      const double fd = (loss(xp, w, &ids) - loss(xm, w, nullptr)) / (2 * eps);
+      if (ids != base_ids) continue;  // a routing flip makes the loss non-differentiable here
+      EXPECT_NEAR(g.dx[i], fd, 2e-3 * (1 + std::abs(fd))) << activation_name(act) << " dx[" << i << "]";
+    }
+    for (size_t i = 0; i < w.gate.size(); i += 2) {
+      MoeWeights wp = w, wm = w;
+      wp.gate[i] += eps;
+      wm.gate[i] -= eps;
+      const double fd = (loss(x, wp, &ids) - loss(x, wm, nullptr)) / (2 * eps);
+      if (ids != base_ids) continue;
+      EXPECT_NEAR(g.grads.gate[i], fd, 2e-3 * (1 + std::abs(fd))) << activation_name(act) << " dgate[" << i << "]";
+    }
+  }
+}
+
+TEST(Engine, RejectsMismatchedInputs) {
+  MoeConfig c = small_config(Activation::relu, 2, 4);
+  const MoeWeights w = random_moe_weights(c, 1);
+  std::vector<float> x(10);
+  EXPECT_THROW(run_cpu_layer(c, w, x, nullptr), Error);
+  MoeConfig bad = c;
+  bad.experts = 7;  // not divisible by world
+  EXPECT_THROW(run_cpu_layer(bad, w, std::vector<float>(2 * 4 * 16), nullptr), Error);
+}
+
+TEST(Engine, Bf16StorageRoundsOutputs) {
+  MoeConfig c = small_config(Activation::swiglu, 2, 6);
+  c.dtype = DType::bf16;
+  const MoeWeights w = random_moe_weights(c, 1);
+  Rng rng(3);
+  const LayerResult r = run_cpu_layer(c, w, rng.normal_vector(size_t(2 * 6 * 16), 1.0), nullptr);
+  for (float v : r.y) ASSERT_EQ(v, round_to_bf16(v));
+}
+
+}  // namespace
+}  // namespace dmoe

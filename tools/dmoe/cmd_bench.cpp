@@ -1,0 +1,135 @@
+// dmoe bench [layer] — times the MoE layer on the engines available here and prints a table.
+//
+// On a machine without a GPU this times the CPU reference engine at W = 1 and W = 4 simulated ranks
+// (tokens per rank fixed) and checks each against the single-rank run of all W*T tokens.
+//   GFLOP/s = W · (2·m·T·k·H·I + 2·T·H·E) / time, m = 3 for SwiGLU else 2 (forward);
+//   backward counts 2× the forward FLOPs.   tokens/s = W·T / time.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+#include "commands.hpp"
+#include "core/error.hpp"
+#include "core/random.hpp"
+#include "engine/reference.hpp"
+#include "options.hpp"
+
+namespace dmoe::cli {
+
+namespace {
+
+struct BenchOptions {
+  std::string what = "layer";
+  ConfigOptions config;
+  std::vector<int32_t> worlds{1, 4};
+  int warmup = 1;
+  int repeat = 3;
+  std::string json_path;
+  bool backward = true;
+};
+
+struct Timing {
+  double median_ms = 0, min_ms = 0, max_ms = 0;
+};
+
+template <typename F>
+Timing time_host(int warmup, int repeat, const char* label, F&& fn) {
+  for (int i = 0; i < warmup; ++i) fn();
+  std::vector<double> ms;
+  for (int i = 0; i < repeat; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    fn();
+    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    std::fprintf(stderr, "\r  %s: %d/%d (%.0f ms)   ", label, i + 1, repeat, ms.back());
+  }
+  std::fprintf(stderr, "\r%*s\r", 60, "");
+  std::sort(ms.begin(), ms.end());
+  return Timing{ms[ms.size() / 2], ms.front(), ms.back()};
+}
+
+double max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  double m = 0;
+  for (size_t i = 0; i < a.size(); ++i) m = std::max(m, std::abs(double(a[i]) - double(b[i])));
+  return m;
+}
+
+}  // namespace
+
+Command add_bench_command(CLI::App& app) {
+  auto o = std::make_shared<BenchOptions>();
+  CLI::App* sub = app.add_subcommand("bench", "time the MoE layer and print a table (CPU engine without a GPU)");
+  sub->add_option("what", o->what, "what to time: layer")->check(CLI::IsMember({"layer"}));
+  add_config_options(*sub, o->config);
+  sub->add_option("-n,--worlds", o->worlds, "simulated rank counts to run (each divides E)");
+  sub->add_option("--warmup", o->warmup, "untimed iterations first")->check(CLI::NonNegativeNumber);
+  sub->add_option("--repeat", o->repeat, "timed iterations (median reported)")->check(CLI::PositiveNumber);
+  sub->add_option("--json", o->json_path, "also write the results as JSON here");
+  sub->add_flag("!--no-backward", o->backward, "time the forward pass only");
+  return [o] {
+    MoeConfig defaults;  // small enough for a 2-core machine: ~0.2 GFLOP per rank per forward
+    defaults.tokens = 128;
+    defaults.hidden = 256;
+    defaults.ffn = 512;
+    defaults.experts = 8;
+    defaults.top_k = 2;
+    defaults.activation = Activation::swiglu;
+    MoeConfig base = resolve_config(o->config, defaults);
+    base.world = 1;
+    base.validate();
+
+    nlohmann::json results = nlohmann::json::array();
+    std::printf("engine: cpu reference (simulated ranks as threads); time = median of %d after %d warm-up\n",
+                o->repeat, o->warmup);
+    std::printf("%-44s %3s %10s %9s %10s %11s %12s %12s\n", "config", "W", "fwd ms", "GFLOP/s", "fwd+bwd ms",
+                "GFLOP/s", "tokens/s", "max|y-ref|");
+    for (int32_t world : o->worlds) {
+      MoeConfig c = base;
+      c.world = world;
+      c.validate();
+      MoeConfig single = base;
+      single.tokens = base.tokens * world;
+      const MoeWeights w = random_moe_weights(single, 1);
+      Rng rng(2);
+      const auto x = rng.normal_vector(size_t(single.tokens * c.hidden), 1.0);
+      const auto dy = rng.normal_vector(x.size(), 1.0);
+
+      LayerResult r;
+      const std::string label = fmt::format("W={} forward", world);
+      const Timing fwd = time_host(o->warmup, o->repeat, label.c_str(), [&] { r = run_cpu_layer(c, w, x, nullptr); });
+      Timing both;
+      if (o->backward)
+        both = time_host(o->warmup, o->repeat, "forward+backward", [&] { run_cpu_layer(c, w, x, &dy); });
+      const LayerResult ref = run_cpu_layer(single, w, x, nullptr);
+      const double diff = max_abs_diff(r.y, ref.y);
+
+      // FLOPs of all ranks: experts (rows actually kept) + router.
+      int64_t kept = 0;
+      for (auto n : r.kept) kept += n;
+      const double m = c.activation == Activation::swiglu ? 3 : 2;
+      const double flops = 2 * m * double(kept) * c.hidden * c.ffn + 2.0 * world * c.tokens * c.hidden * c.experts;
+      const double tokens = double(world) * c.tokens;
+      std::printf("%-44s %3d %10.2f %9.2f %10.2f %11.2f %12.0f %12.3g\n", c.summary().c_str(), world, fwd.median_ms,
+                  flops / fwd.median_ms * 1e-6, both.median_ms, 3 * flops / std::max(both.median_ms, 1e-9) * 1e-6,
+                  tokens / fwd.median_ms * 1e3, diff);
+      results.push_back({{"engine", "cpu"}, {"config", c.summary()}, {"world", world},
+                         {"tokens_per_rank", c.tokens}, {"forward_ms", {{"median", fwd.median_ms}, {"min", fwd.min_ms}, {"max", fwd.max_ms}}},
+                         {"forward_backward_ms", {{"median", both.median_ms}, {"min", both.min_ms}, {"max", both.max_ms}}},
+                         {"forward_flop", flops}, {"forward_gflops", flops / fwd.median_ms * 1e-6},
+                         {"tokens_per_s", tokens / fwd.median_ms * 1e3}, {"max_abs_diff_vs_single_rank", diff},
+                         {"flop_formula", "2*m*rows_kept*H*I + 2*W*T*H*E (m=3 swiglu, else 2); fwd+bwd = 3x"}});
+    }
+    if (!o->json_path.empty()) {
+      std::ofstream f(o->json_path);
+      DMOE_REQUIRE(f.good(), "cannot write {}", o->json_path);
+      f << results.dump(2) << "\n";
+      std::printf("wrote %s\n", o->json_path.c_str());
+    }
+    return 0;
+  };
+}
+
+}  // namespace dmoe::cli

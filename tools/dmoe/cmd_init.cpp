@@ -1,0 +1,69 @@
+// dmoe init — random MoE layer weights (Mixtral names) and, optionally, random inputs.
+#include <cstdio>
+
+#include "commands.hpp"
+#include "core/error.hpp"
+#include "core/random.hpp"
+#include "model/checkpoint.hpp"
+#include "model/config_io.hpp"
+#include "options.hpp"
+
+namespace dmoe::cli {
+
+namespace {
+
+struct InitOptions {
+  ConfigOptions config;
+  std::string out, input, grad_output, save_config, prefix;
+  int layer = 0;
+  uint64_t seed = 1;
+};
+
+void write_activation(const std::string& path, const char* name, const MoeConfig& c, uint64_t seed) {
+  Rng rng(seed);
+  const int64_t rows = c.tokens * c.world;
+  std::vector<float> v = rng.normal_vector(size_t(rows * c.hidden), 1.0);
+  SafetensorsWriter w;
+  w.add_f32(name, {rows, c.hidden}, v, c.dtype);
+  w.set_metadata("producer", "dmoe init");
+  w.write(path);
+  std::printf("wrote %s: %s [%lld, %lld] %s\n", path.c_str(), name, (long long)rows, (long long)c.hidden,
+              dtype_name(c.dtype));
+}
+
+}  // namespace
+
+Command add_init_command(CLI::App& app) {
+  auto o = std::make_shared<InitOptions>();
+  CLI::App* sub = app.add_subcommand("init", "write random MoE layer weights (and inputs) as safetensors");
+  add_config_options(*sub, o->config);
+  sub->add_option("--out", o->out, "weights file to write")->required();
+  sub->add_option("--layer", o->layer, "layer index L in model.layers.L.block_sparse_moe.")->check(CLI::NonNegativeNumber);
+  sub->add_option("--prefix", o->prefix, "tensor-name prefix (overrides --layer)");
+  sub->add_option("--seed", o->seed, "random seed");
+  sub->add_option("--input", o->input, "also write a random input x [world*tokens, hidden] here");
+  sub->add_option("--grad-output", o->grad_output, "also write a random dy [world*tokens, hidden] here");
+  sub->add_option("--save-config", o->save_config, "also write the resolved config as dmoe JSON");
+  return [o] {
+    MoeConfig defaults;
+    defaults.tokens = 64;
+    MoeConfig c = resolve_config(o->config, defaults);
+    c.validate();
+    const std::string prefix = o->prefix.empty() ? layer_prefix(o->layer) : o->prefix;
+    MoeWeights w = random_moe_weights(c, o->seed);
+    SafetensorsWriter writer;
+    save_moe_weights(writer, w, prefix, c.dtype);
+    writer.set_metadata("producer", "dmoe init");
+    writer.write(o->out);
+    std::printf("wrote %s: %s (prefix %s)\n", o->out.c_str(), c.summary().c_str(), prefix.c_str());
+    if (!o->input.empty()) write_activation(o->input, "x", c, o->seed + 1);
+    if (!o->grad_output.empty()) write_activation(o->grad_output, "dy", c, o->seed + 2);
+    if (!o->save_config.empty()) {
+      save_config_file(c, o->save_config);
+      std::printf("wrote %s\n", o->save_config.c_str());
+    }
+    return 0;
+  };
+}
+
+}  // namespace dmoe::cli

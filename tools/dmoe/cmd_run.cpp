@@ -1,0 +1,95 @@
+// dmoe run — one forward (and with --grad-output, backward) of an MoE layer on safetensors files.
+//
+//   input  --input X:        x [T_total, H] (f32 or bf16); T_total = world * tokens per rank
+//   output --output Y:       y [T_total, H], expert_ids [T_total, k] int32, expert_weights [T_total, k];
+//                            with --grad-output DY (dy [T_total, H]): dx and "grad." + each weight name.
+#include <cstdio>
+
+#include "commands.hpp"
+#include "core/error.hpp"
+#include "engine/reference.hpp"
+#include "model/checkpoint.hpp"
+#include "options.hpp"
+
+namespace dmoe::cli {
+
+namespace {
+
+struct RunOptions {
+  ConfigOptions config;
+  std::string weights, input, output, grad_output, prefix, engine = "cpu", output_dtype;
+  std::optional<int> layer;
+};
+
+}  // namespace
+
+Command add_run_command(CLI::App& app) {
+  auto o = std::make_shared<RunOptions>();
+  CLI::App* sub = app.add_subcommand("run", "run one MoE layer forward (and backward) on safetensors inputs");
+  add_config_options(*sub, o->config);
+  sub->add_option("--weights", o->weights, "safetensors file with the layer's weights (Mixtral names)")->required();
+  sub->add_option("--input", o->input, "safetensors file holding x [tokens, hidden]")->required();
+  sub->add_option("--output", o->output, "safetensors file to write y, expert_ids, expert_weights (, dx, grads)")->required();
+  sub->add_option("--grad-output", o->grad_output, "safetensors file holding dy [tokens, hidden]: also run backward");
+  sub->add_option("--layer", o->layer, "use model.layers.L.block_sparse_moe. (default: the first MoE layer in the file)");
+  sub->add_option("--prefix", o->prefix, "tensor-name prefix of the layer (overrides --layer)");
+  sub->add_option("--engine", o->engine, "engine: cpu (reference, simulated ranks)")->check(CLI::IsMember({"cpu"}));
+  sub->add_option("--output-dtype", o->output_dtype, "dtype of written activations: f32 | bf16 (default: config dtype)");
+  return [o] {
+    const SafetensorsFile weights_file = SafetensorsFile::open(o->weights);
+    const std::string prefix = o->prefix.empty() ? find_moe_prefix(weights_file, o->layer) : o->prefix;
+    // Without --config the shapes come from the weights file; top_k must then be given.
+    MoeConfig c = o->config.config_path.empty() ? infer_moe_config(weights_file, prefix) : MoeConfig{};
+    c = resolve_config(o->config, c);
+
+    const SafetensorsFile input = SafetensorsFile::open(o->input);
+    DMOE_REQUIRE(input.has("x"), "{}: no tensor 'x' (expected x [tokens, hidden]); tensors present: {}",
+                 o->input, fmt::join(input.names(), ", "));
+    const TensorInfo& xi = input.info("x");
+    DMOE_REQUIRE(xi.shape.size() == 2, "{}: x has shape {}; expected [tokens, hidden]", o->input, shape_string(xi.shape));
+    const int64_t total = xi.shape[0];
+    DMOE_REQUIRE(c.world >= 1 && total % c.world == 0,
+                 "{}: x has {} tokens, not divisible by world = {}", o->input, total, c.world);
+    const int64_t per_rank = total / c.world;
+    // Tokens come from the input; an explicit --tokens must agree with it.
+    DMOE_REQUIRE(o->config.tokens.value_or(per_rank) == per_rank,
+                 "--tokens = {} per rank, but x holds {} tokens for {} ranks ({} per rank)", *o->config.tokens,
+                 total, c.world, per_rank);
+    c.tokens = per_rank;
+    DMOE_REQUIRE(c.top_k >= 1, "top_k is unknown: pass --top-k or a --config that sets it");
+    c.validate();
+
+    const std::vector<float> x = input.read_f32("x", {total, c.hidden});
+    const MoeWeights w = load_moe_weights(weights_file, c, prefix);
+    std::vector<float> dy;
+    if (!o->grad_output.empty()) {
+      const SafetensorsFile g = SafetensorsFile::open(o->grad_output);
+      DMOE_REQUIRE(g.has("dy"), "{}: no tensor 'dy' (expected dy [tokens, hidden])", o->grad_output);
+      dy = g.read_f32("dy", {total, c.hidden});
+    }
+
+    const LayerResult r = run_cpu_layer(c, w, x, dy.empty() ? nullptr : &dy);
+
+    const DType out_dtype = o->output_dtype.empty() ? c.dtype : parse_dtype(o->output_dtype);
+    SafetensorsWriter out;
+    out.add_f32("y", {total, c.hidden}, r.y, out_dtype);
+    out.add_i32("expert_ids", {total, c.top_k}, r.expert_ids);
+    out.add_f32("expert_weights", {total, c.top_k}, r.expert_weights, DType::f32);
+    if (!dy.empty()) {
+      out.add_f32("dx", {total, c.hidden}, r.dx, out_dtype);
+      add_moe_grads(out, r.grads, prefix, DType::f32);
+    }
+    out.set_metadata("producer", "dmoe run");
+    out.set_metadata("config", c.summary());
+    out.set_metadata("load_balance_loss", fmt::format("{:.17g}", r.losses.load_balance));
+    out.set_metadata("z_loss", fmt::format("{:.17g}", r.losses.z_loss));
+    out.set_metadata("dropped_assignments", std::to_string(r.dropped()));
+    out.write(o->output);
+    std::printf("%s | engine %s | load-balance loss %.6g | z-loss %.6g | dropped %lld | wrote %s\n",
+                c.summary().c_str(), o->engine.c_str(), r.losses.load_balance, r.losses.z_loss,
+                (long long)r.dropped(), o->output.c_str());
+    return 0;
+  };
+}
+
+}  // namespace dmoe::cli

@@ -1,0 +1,73 @@
+#include "options.hpp"
+
+#include <cstdlib>
+#include <filesystem>
+
+#include "core/error.hpp"
+#include "model/config_io.hpp"
+
+#ifndef DMOE_SOURCE_DIR
+#define DMOE_SOURCE_DIR "."
+#endif
+
+namespace dmoe::cli {
+
+void add_config_options(CLI::App& app, ConfigOptions& o, bool config_required) {
+  auto* c = app.add_option("--config", o.config_path,
+                           "MoE config: a dmoe JSON file, a Hugging Face Mixtral config.json, or a named "
+                           "config from bench/configs (flags below override its fields)");
+  if (config_required) c->required();
+  app.add_option("--tokens", o.tokens, "tokens per rank (T)");
+  app.add_option("--hidden", o.hidden, "model width (H)");
+  app.add_option("--ffn", o.ffn, "expert FFN width (I)");
+  app.add_option("--experts", o.experts, "experts in total (E)");
+  app.add_option("--top-k", o.top_k, "experts per token (k)");
+  app.add_option("--activation", o.activation, "relu | gelu | swiglu");
+  app.add_option("--capacity-factor", o.capacity_factor, "0 = dropless; else capacity per (rank, expert) = ceil(cf*T*k/E)");
+  app.add_option("--drop-policy", o.drop_policy, "latest-tokens | lowest-weight");
+  app.add_option("--dtype", o.dtype, "f32 | bf16");
+  app.add_option("--world", o.world, "ranks (W); rank r owns experts [r*E/W, (r+1)*E/W)");
+  app.add_option("--aux-loss-coef", o.aux_loss_coef, "load-balancing loss weight in backward");
+  app.add_option("--z-loss-coef", o.z_loss_coef, "router z-loss weight in backward");
+  app.add_flag("--no-renormalize", o.no_renormalize, "keep the top-k softmax weights as they are");
+}
+
+std::string find_config_file(const std::string& name) {
+  namespace fs = std::filesystem;
+  if (fs::exists(name)) return name;
+  std::vector<fs::path> roots;
+  if (const char* home = std::getenv("DMOE_HOME")) roots.emplace_back(home);
+  roots.emplace_back(DMOE_SOURCE_DIR);
+  for (const auto& root : roots) {
+    fs::path p = root / "bench" / "configs" / (name + ".json");
+    if (fs::exists(p)) return p.string();
+  }
+  DMOE_FAIL("config '{}' is neither a file nor a named config in bench/configs (e.g. flash-paper, "
+            "mixtral, fine-grained, decode)", name);
+}
+
+MoeConfig resolve_config(const ConfigOptions& o, const MoeConfig& defaults) {
+  MoeConfig c = defaults;
+  if (!o.config_path.empty()) {
+    MoeConfig file = load_config_file(find_config_file(o.config_path));
+    // Keep defaults for what a Mixtral config.json cannot say (tokens, world).
+    if (file.tokens == 0) file.tokens = c.tokens;
+    c = file;
+  }
+  if (o.tokens) c.tokens = *o.tokens;
+  if (o.hidden) c.hidden = *o.hidden;
+  if (o.ffn) c.ffn = *o.ffn;
+  if (o.experts) c.experts = *o.experts;
+  if (o.top_k) c.top_k = *o.top_k;
+  if (o.world) c.world = *o.world;
+  if (o.activation) c.activation = parse_activation(*o.activation);
+  if (o.drop_policy) c.drop_policy = parse_drop_policy(*o.drop_policy);
+  if (o.dtype) c.dtype = parse_dtype(*o.dtype);
+  if (o.capacity_factor) c.capacity_factor = *o.capacity_factor;
+  if (o.aux_loss_coef) c.aux_loss_coef = *o.aux_loss_coef;
+  if (o.z_loss_coef) c.z_loss_coef = *o.z_loss_coef;
+  if (o.no_renormalize) c.renormalize = false;
+  return c;
+}
+
+}  // namespace dmoe::cli

@@ -1,0 +1,33 @@
+// options.hpp — the MoE-shape options shared by subcommands: a JSON config (dmoe or Hugging Face
+// Mixtral), overridden field by field by flags.
+#pragma once
+
+#include <optional>
+#include <string>
+
+#include <CLI/CLI.hpp>
+
+#include "core/config.hpp"
+
+namespace dmoe::cli {
+
+struct ConfigOptions {
+  std::string config_path;
+  std::optional<int64_t> tokens, hidden, ffn;
+  std::optional<int32_t> experts, top_k, world;
+  std::optional<std::string> activation, drop_policy, dtype;
+  std::optional<double> capacity_factor, aux_loss_coef, z_loss_coef;
+  bool no_renormalize = false;
+};
+
+// Adds --config and the per-field flags to `app`.
+void add_config_options(CLI::App& app, ConfigOptions& options, bool config_required = false);
+
+// The file's config (or defaults), with the flags applied on top. Does not validate.
+MoeConfig resolve_config(const ConfigOptions& options, const MoeConfig& defaults = MoeConfig{});
+
+// Named benchmark configs live in bench/configs/NAME.json; a --config that is not a file is looked up
+// there (relative to the source tree the binary was built from, or $DMOE_HOME/bench/configs).
+std::string find_config_file(const std::string& name_or_path);
+
+}  // namespace dmoe::cli
