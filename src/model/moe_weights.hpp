@@ -36,6 +36,15 @@ MoeWeights make_moe_weights(const MoeConfig& config, int32_t first_expert, int32
 // Deterministic random weights (scaled normal, std 1/sqrt(fan_in)); rounded to bf16 if config.dtype is.
 MoeWeights random_moe_weights(const MoeConfig& config, uint64_t seed);
 
+// Uniform weights with the same standard deviation (1/sqrt(fan_in)), each value a hash of (seed, tensor,
+// index): fast, parallel (threads), and any rank can produce any expert's values without the others —
+// used by benchmarks at real model sizes. Rounded to bf16 if config.dtype is.
+MoeWeights hashed_moe_weights(const MoeConfig& config, uint64_t seed, int32_t first_expert, int32_t num_experts);
+// The value hashed_moe_weights and hashed_activations use for element `index` of stream `stream`.
+float hashed_uniform(uint64_t seed, uint64_t stream, uint64_t index);
+// rows × cols values, std 1 (for inputs x, dy).
+std::vector<float> hashed_activations(uint64_t seed, int64_t rows, int64_t cols, bool round_bf16);
+
 // The experts [first, first + count) of w, with the full gate (what one rank holds).
 MoeWeights slice_experts(const MoeWeights& w, int32_t first_expert, int32_t num_experts);
 

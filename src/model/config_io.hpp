@@ -1,0 +1,27 @@
+// config_io.hpp — MoeConfig from and to JSON: dmoe's own format and Hugging Face Mixtral config.json.
+//
+// dmoe format: {"tokens", "hidden", "ffn", "experts", "top_k", "activation", "renormalize",
+// "capacity_factor", "drop_policy", "dtype", "world", "aux_loss_coef", "z_loss_coef"}; a missing key keeps
+// the MoeConfig default, an unknown key or a wrong JSON type is an error naming the key.
+// Mixtral format (detected by "num_local_experts" or "hidden_size"): hidden_size, intermediate_size,
+// num_local_experts, num_experts_per_tok, hidden_act, torch_dtype; tokens stay 0 (the caller sets them
+// from its input). Neither function calls validate(): callers do, once tokens are known.
+#pragma once
+
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "core/config.hpp"
+
+namespace dmoe {
+
+MoeConfig config_from_json(const nlohmann::json& j);
+// dmoe format with every key; config_from_json(config_to_json(c)) == c.
+nlohmann::json config_to_json(const MoeConfig& config);
+// Reads and parses a JSON file in either format; errors name the file.
+MoeConfig load_config_file(const std::string& path);
+// Writes config_to_json(config), pretty-printed.
+void save_config_file(const MoeConfig& config, const std::string& path);
+
+}  // namespace dmoe
