@@ -39,6 +39,9 @@ SendPlan build_send_plan(const int32_t* ids, const float* weights, int64_t token
       const int32_t e = ids[t * top_k + j];
       DMOE_REQUIRE(e >= 0 && e < experts, "routing: token {} choice {} has expert id {}; allowed [0, {})",
                    t, j, e, experts);
+      for (int32_t i = 0; i < j; ++i)
+        DMOE_REQUIRE(ids[t * top_k + i] != e, "routing: token {} picks expert {} twice (choices {} and {}); "
+                     "a token's k experts must be distinct", t, e, i, j);
       per_expert[e].push_back(t * top_k + j);
     }
 
