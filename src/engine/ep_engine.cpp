@@ -23,6 +23,7 @@ EpEngine::EpEngine(const MoeConfig& config, Backend& backend, Comm& comm)
   send_rows_.assign(config_.world, 0);
   recv_rows_.assign(config_.world, 0);
   global_tokens_ = config_.tokens * config_.world;
+  local_only_ = config_.world == 1;
 }
 
 void EpEngine::set_weights(const MoeWeights& w) {
@@ -64,6 +65,11 @@ void EpEngine::zero_grads() {
 
 void EpEngine::exchange_counts() {
   const int32_t W = config_.world, Le = local_experts_, E = config_.experts;
+  if (W == 1) {  // nothing to exchange: this rank's counts are the layout
+    layout_ = build_expert_batch_layout(kept_.data(), 1, Le);
+    recv_rows_[0] = layout_.source_counts[0];
+    return;
+  }
   // kept_ is [E] = [W, Le]: segment d holds the counts for rank d's experts, as the all-to-all wants.
   backend_.upload(counts_dev_.ensure(E * sizeof(int64_t)), kept_.data(), E * sizeof(int64_t));
   void* recv = recv_counts_dev_.ensure(int64_t(W) * Le * sizeof(int64_t));
@@ -119,25 +125,34 @@ void EpEngine::forward(const void* x, void* y) {
   // 3. send [S, H] = x rows in expert-major order.
   backend_.gather_rows(x, plan.row_token, send_.ensure(S * H * elem_), S, H);
 
-  // 4. Counts, then rows, to the experts' owners.  recv: [N, H] source-major.
+  // 4. Counts, then rows, to the experts' owners.  recv: [N, H] source-major; batch: expert-major.
+  // NOTE: with one rank the send buffer already is the expert batch (expert-major, token order), so
+  // the all-to-alls and permutes below would be copies onto the same layout: they are skipped.
   exchange_counts();
   const int64_t N = layout_.rows();
-  exchange_rows(send_.data(), send_rows_, recv_.ensure(N * H * elem_), recv_rows_, H);
-
-  // 5. Expert-major batch, grouped expert FFN, and back to source-major order.
   const int64_t segments = int64_t(W) * Le;
-  backend_.permute_segments(recv_.data(), batch_.ensure(N * H * elem_), layout_.recv_offsets.data(),
-                            layout_.batch_offsets.data(), layout_.counts.data(), segments, H);
-  backend_.expert_ffn_forward(batch_.data(), w1_.data(), swiglu ? w3_.data() : nullptr, w2_.data(),
+  batch_rows_ = send_.data();
+  if (!local_only_) {
+    exchange_rows(send_.data(), send_rows_, recv_.ensure(N * H * elem_), recv_rows_, H);
+    backend_.permute_segments(recv_.data(), batch_.ensure(N * H * elem_), layout_.recv_offsets.data(),
+                              layout_.batch_offsets.data(), layout_.counts.data(), segments, H);
+    batch_rows_ = batch_.data();
+  }
+
+  // 5. Grouped expert FFN, then back to source-major order.
+  backend_.expert_ffn_forward(batch_rows_, w1_.data(), swiglu ? w3_.data() : nullptr, w2_.data(),
                               pre1_.ensure(N * I * elem_), swiglu ? pre3_.ensure(N * I * elem_) : nullptr,
                               h_.ensure(N * I * elem_), out_batch_.ensure(N * H * elem_),
                               layout_.expert_offsets.data(), Le, H, I, config_.activation);
-  backend_.permute_segments(out_batch_.data(), out_recv_.ensure(N * H * elem_), layout_.batch_offsets.data(),
-                            layout_.recv_offsets.data(), layout_.counts.data(), segments, H);
-
   // 6. Results back to the tokens' ranks (same segments, reversed), then the weighted combine.
-  exchange_rows(out_recv_.data(), recv_rows_, ret_.ensure(S * H * elem_), send_rows_, H);
-  backend_.combine(ret_.data(), plan.slot, weights, y, T, k, H);
+  returned_rows_ = out_batch_.data();
+  if (!local_only_) {
+    backend_.permute_segments(out_batch_.data(), out_recv_.ensure(N * H * elem_), layout_.batch_offsets.data(),
+                              layout_.recv_offsets.data(), layout_.counts.data(), segments, H);
+    exchange_rows(out_recv_.data(), recv_rows_, ret_.ensure(S * H * elem_), send_rows_, H);
+    returned_rows_ = ret_.data();
+  }
+  backend_.combine(returned_rows_, plan.slot, weights, y, T, k, H);
 
   compute_losses();
 }
@@ -174,24 +189,32 @@ void EpEngine::backward(const void* dy, void* dx) {
 
   // 1. Combine backward: gradient of each returned row and of each gate weight.
   float* dweights = static_cast<float*>(dweights_.ensure(T * k * sizeof(float)));
-  backend_.combine_backward(dy, ret_.data(), slot_.as<int32_t>(), weights_.as<float>(),
+  backend_.combine_backward(dy, returned_rows_, slot_.as<int32_t>(), weights_.as<float>(),
                             dret_.ensure(S * H * elem_), dweights, T, k, H);
 
   // 2. Row gradients to the experts (the dispatch pattern again), expert-major.
-  exchange_rows(dret_.data(), send_rows_, drecv_.ensure(N * H * elem_), recv_rows_, H);
-  backend_.permute_segments(drecv_.data(), dbatch_.ensure(N * H * elem_), layout_.recv_offsets.data(),
-                            layout_.batch_offsets.data(), layout_.counts.data(), segments, H);
+  void* dbatch = dret_.data();
+  if (!local_only_) {
+    exchange_rows(dret_.data(), send_rows_, drecv_.ensure(N * H * elem_), recv_rows_, H);
+    backend_.permute_segments(drecv_.data(), dbatch_.ensure(N * H * elem_), layout_.recv_offsets.data(),
+                              layout_.batch_offsets.data(), layout_.counts.data(), segments, H);
+    dbatch = dbatch_.data();
+  }
 
   // 3. Expert FFN backward: input gradients and accumulated weight gradients.
-  backend_.expert_ffn_backward(batch_.data(), w1_.data(), swiglu ? w3_.data() : nullptr, w2_.data(),
-                               pre1_.data(), swiglu ? pre3_.data() : nullptr, h_.data(), dbatch_.data(),
+  backend_.expert_ffn_backward(batch_rows_, w1_.data(), swiglu ? w3_.data() : nullptr, w2_.data(),
+                               pre1_.data(), swiglu ? pre3_.data() : nullptr, h_.data(), dbatch,
                                dx_batch_.ensure(N * H * elem_), dw1_.data(), swiglu ? dw3_.data() : nullptr,
                                dw2_.data(), layout_.expert_offsets.data(), Le, H, I, config_.activation);
 
   // 4. Input gradients back to the tokens' ranks.
-  backend_.permute_segments(dx_batch_.data(), dx_recv_.ensure(N * H * elem_), layout_.batch_offsets.data(),
-                            layout_.recv_offsets.data(), layout_.counts.data(), segments, H);
-  exchange_rows(dx_recv_.data(), recv_rows_, dsend_.ensure(S * H * elem_), send_rows_, H);
+  void* dsend = dx_batch_.data();
+  if (!local_only_) {
+    backend_.permute_segments(dx_batch_.data(), dx_recv_.ensure(N * H * elem_), layout_.batch_offsets.data(),
+                              layout_.recv_offsets.data(), layout_.counts.data(), segments, H);
+    exchange_rows(dx_recv_.data(), recv_rows_, dsend_.ensure(S * H * elem_), send_rows_, H);
+    dsend = dsend_.data();
+  }
 
   // 5. Router backward (gate weights, auxiliary losses) and the sum of all contributions to dx.
   const double n = double(global_tokens_);
@@ -202,7 +225,7 @@ void EpEngine::backward(const void* dy, void* dx) {
                            dweights, z ? lse_.as<float>() : nullptr, lb ? expert_fraction_.data() : nullptr,
                            config_.aux_loss_coef * E / n, 2.0 * config_.z_loss_coef / n, dlogits, dx_router,
                            dwg_.data(), T, H, E, k, config_.renormalize);
-  backend_.scatter_back(dsend_.data(), slot_.as<int32_t>(), dx_router, dx, T, k, H);
+  backend_.scatter_back(dsend, slot_.as<int32_t>(), dx_router, dx, T, k, H);
 }
 
 namespace {

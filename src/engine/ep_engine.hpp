@@ -91,6 +91,9 @@ class EpEngine {
   std::vector<double> expert_fraction_;  // [E] f_e over all ranks
   RouterLosses losses_;
   int64_t global_tokens_ = 0;
+  bool local_only_ = false;         // one rank: the send buffer is the expert batch (no exchange)
+  void* batch_rows_ = nullptr;      // [N, H] the experts' input rows of the last forward
+  void* returned_rows_ = nullptr;   // [S, H] expert outputs in send order, of the last forward
 
   // Backward scratch.
   Buffer dret_, drecv_, dbatch_, dx_batch_, dx_recv_, dsend_, dweights_, dlogits_, dx_router_;

@@ -12,6 +12,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "bench_gpu.hpp"
 #include "commands.hpp"
 #include "core/error.hpp"
 #include "core/random.hpp"
@@ -30,6 +31,11 @@ struct BenchOptions {
   int repeat = 3;
   std::string json_path;
   bool backward = true;
+  std::string engine = "auto";
+  std::string comm = "auto";
+  bool peers = false;
+  std::string python = "python3";
+  int check_tokens = 8;
 };
 
 struct Timing {
@@ -69,7 +75,32 @@ Command add_bench_command(CLI::App& app) {
   sub->add_option("--repeat", o->repeat, "timed iterations (median reported)")->check(CLI::PositiveNumber);
   sub->add_option("--json", o->json_path, "also write the results as JSON here");
   sub->add_flag("!--no-backward", o->backward, "time the forward pass only");
+  sub->add_option("--engine", o->engine, "auto (GPU when one is visible) | cpu | gpu")
+      ->check(CLI::IsMember({"auto", "cpu", "gpu"}));
+  sub->add_option("--comm", o->comm, "GPU communicator for W > 1: auto | nccl | nvshmem")
+      ->check(CLI::IsMember({"auto", "nccl", "nvshmem"}));
+  sub->add_flag("--peers", o->peers, "GPU, W = 1: also time the PyTorch peers (bench/peers.py) on the same data");
+  sub->add_option("--python", o->python, "Python interpreter with PyTorch for --peers");
+  sub->add_option("--check-tokens", o->check_tokens, "GPU: tokens recomputed in fp64 on the CPU to check the output");
   return [o] {
+    const bool use_gpu = o->engine == "gpu" || (o->engine == "auto" && gpu_available());
+    DMOE_REQUIRE(!(o->engine == "gpu" && !gpu_available()),
+                 "--engine gpu: no CUDA device is visible (or this build has no CUDA); use --engine cpu");
+    if (use_gpu) {
+      GpuBenchArgs g;
+      ConfigOptions co = o->config;
+      if (co.config_path.empty()) co.config_path = "flash-paper";
+      g.config = resolve_config(co);
+      g.config_name = co.config_path;
+      g.comm = o->comm;
+      g.backward = o->backward;
+      g.peers = o->peers;
+      g.python = o->python;
+      g.json_path = o->json_path;
+      g.check_tokens = o->check_tokens;
+      g.warmup = std::max(o->warmup, 3);
+      return run_gpu_layer_bench(g);
+    }
     MoeConfig defaults;  // small enough for a 2-core machine: ~0.2 GFLOP per rank per forward
     defaults.tokens = 128;
     defaults.hidden = 256;

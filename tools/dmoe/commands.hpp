@@ -12,5 +12,6 @@ using Command = std::function<int()>;
 Command add_init_command(CLI::App& app);
 Command add_run_command(CLI::App& app);
 Command add_bench_command(CLI::App& app);
+Command add_launch_command(CLI::App& app);
 
 }  // namespace dmoe::cli

@@ -21,6 +21,7 @@ int main(int argc, char** argv) {
   add(dmoe::cli::add_init_command);
   add(dmoe::cli::add_run_command);
   add(dmoe::cli::add_bench_command);
+  add(dmoe::cli::add_launch_command);
   try {
     app.parse(argc, argv);
     for (auto& [sub, run] : commands)

@@ -1,0 +1,131 @@
+#include "bench/cuda/gpu_timing.hpp"
+
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+
+#include <vector>
+
+#include "cuda/check.hpp"
+
+namespace dmoe::bench {
+
+namespace {
+
+__device__ __forceinline__ float hash_uniform(uint64_t seed, uint64_t i) {
+  uint64_t z = seed * 0x9e3779b97f4a7c15ull + i + 1;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  z ^= z >> 31;
+  return float(z >> 40) * 0x1p-24f * 2.f - 1.f;  // [-1, 1)
+}
+
+__global__ void fill_uniform_f32_kernel(float* p, int64_t n, uint64_t seed, float scale) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    p[i] = scale * hash_uniform(seed, uint64_t(i));
+}
+
+__global__ void fill_uniform_bf16_kernel(__nv_bfloat16* p, int64_t n, uint64_t seed, float scale) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    p[i] = __float2bfloat16_rn(scale * hash_uniform(seed, uint64_t(i)));
+}
+
+int fill_grid(int64_t n) { return int(std::min<int64_t>((n + 255) / 256, 132 * 16)); }
+
+}  // namespace
+
+void fill_uniform_f32(float* p, int64_t n, uint64_t seed, float scale, cudaStream_t stream) {
+  if (n == 0) return;
+  fill_uniform_f32_kernel<<<fill_grid(n), 256, 0, stream>>>(p, n, seed, scale);
+  DMOE_CHECK_LAUNCH();
+}
+
+void fill_uniform_bf16(void* p, int64_t n, uint64_t seed, float scale, cudaStream_t stream) {
+  if (n == 0) return;
+  fill_uniform_bf16_kernel<<<fill_grid(n), 256, 0, stream>>>(static_cast<__nv_bfloat16*>(p), n, seed, scale);
+  DMOE_CHECK_LAUNCH();
+}
+
+GpuTimer::GpuTimer(cudaStream_t stream) : stream_(stream) {
+  DMOE_CHECK_CUDA(cudaEventCreate(&start_));
+  DMOE_CHECK_CUDA(cudaEventCreate(&stop_));
+  int device = 0, l2 = 0;
+  DMOE_CHECK_CUDA(cudaGetDevice(&device));
+  DMOE_CHECK_CUDA(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device));
+  flush_bytes_ = size_t(std::max(l2, 1 << 20)) * 2;
+  DMOE_CHECK_CUDA(cudaMalloc(&flush_, flush_bytes_));
+}
+
+GpuTimer::~GpuTimer() {
+  cudaFree(flush_);
+  cudaEventDestroy(start_);
+  cudaEventDestroy(stop_);
+}
+
+Stats GpuTimer::time(const std::function<void()>& fn, const TimingOptions& o) {
+  for (int i = 0; i < o.warmup; ++i) fn();
+  DMOE_CHECK_CUDA(cudaStreamSynchronize(stream_));
+  std::vector<double> ms;
+  double total = 0;
+  while (int(ms.size()) < o.max_iterations &&
+         (int(ms.size()) < o.min_iterations || total < o.min_total_ms)) {
+    if (o.flush_l2) DMOE_CHECK_CUDA(cudaMemsetAsync(flush_, int(ms.size() & 0xff), flush_bytes_, stream_));
+    DMOE_CHECK_CUDA(cudaEventRecord(start_, stream_));
+    fn();
+    DMOE_CHECK_CUDA(cudaEventRecord(stop_, stream_));
+    DMOE_CHECK_CUDA(cudaEventSynchronize(stop_));
+    float t = 0;
+    DMOE_CHECK_CUDA(cudaEventElapsedTime(&t, start_, stop_));
+    ms.push_back(t);
+    total += t;
+  }
+  return summarize(ms);
+}
+
+Ceilings measure_ceilings(cudaStream_t stream) {
+  Ceilings c;
+  GpuTimer timer(stream);
+  TimingOptions opts;
+  opts.warmup = 3;
+  opts.min_iterations = 10;
+  opts.min_total_ms = 100;
+
+  // GEMM ceiling: C[n,n] = A[n,n]·B[n,n], bf16 in, fp32 accumulate, bf16 out; FLOP = 2n³.
+  const int n = 8192;
+  void *a = nullptr, *b = nullptr, *d = nullptr;
+  DMOE_CHECK_CUDA(cudaMalloc(&a, size_t(n) * n * 2));
+  DMOE_CHECK_CUDA(cudaMalloc(&b, size_t(n) * n * 2));
+  DMOE_CHECK_CUDA(cudaMalloc(&d, size_t(n) * n * 2));
+  fill_uniform_bf16(a, int64_t(n) * n, 1, 1.f, stream);
+  fill_uniform_bf16(b, int64_t(n) * n, 2, 1.f, stream);
+  cublasHandle_t handle;
+  DMOE_CHECK_CUBLAS(cublasCreate(&handle));
+  DMOE_CHECK_CUBLAS(cublasSetStream(handle, stream));
+  const float one = 1.f, zero = 0.f;
+  c.gemm = timer.time(
+      [&] {
+        DMOE_CHECK_CUBLAS(cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &one, a, CUDA_R_16BF, n, b,
+                                       CUDA_R_16BF, n, &zero, d, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F,
+                                       CUBLAS_GEMM_DEFAULT));
+      },
+      opts);
+  c.gemm_flop_per_s = 2.0 * n * double(n) * n / (c.gemm.median_ms * 1e-3);
+  cublasDestroy(handle);
+  cudaFree(a);
+  cudaFree(b);
+  cudaFree(d);
+
+  // Copy ceiling: 2 GiB device-to-device; bytes moved = 2 × 2 GiB (read + write).
+  const size_t bytes = size_t(2) << 30;
+  void *src = nullptr, *dst = nullptr;
+  DMOE_CHECK_CUDA(cudaMalloc(&src, bytes));
+  DMOE_CHECK_CUDA(cudaMalloc(&dst, bytes));
+  fill_uniform_f32(static_cast<float*>(src), int64_t(bytes / 4), 3, 1.f, stream);
+  c.copy = timer.time([&] { DMOE_CHECK_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream)); },
+                      opts);
+  c.copy_byte_per_s = 2.0 * double(bytes) / (c.copy.median_ms * 1e-3);
+  cudaFree(src);
+  cudaFree(dst);
+  return c;
+}
+
+}  // namespace dmoe::bench

@@ -1,0 +1,57 @@
+// gpu_timing.hpp — the one GPU timing helper every benchmark uses, and the two ceilings results are
+// compared with (measured in the same run, on the same GPU).
+//
+// Timing: `warmup` untimed calls; then repeated calls, each preceded by an L2 flush (a memset of twice
+// the L2 size, outside the timed region) and bracketed by CUDA events on the stream; repeat until at
+// least `min_iterations` calls and `min_total_ms` of timed work (capped at `max_iterations`). Work that
+// synchronises with the host inside the region (the EP engine reads counts) is timed as the device
+// timeline sees it: idle gaps count, as they do for the user.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+
+#include <cuda_runtime.h>
+
+#include "bench/stats.hpp"
+
+namespace dmoe::bench {
+
+struct TimingOptions {
+  int warmup = 5;
+  int min_iterations = 20;
+  int max_iterations = 2000;
+  double min_total_ms = 300;
+  bool flush_l2 = true;
+};
+
+class GpuTimer {
+ public:
+  explicit GpuTimer(cudaStream_t stream);
+  ~GpuTimer();
+  GpuTimer(const GpuTimer&) = delete;
+  GpuTimer& operator=(const GpuTimer&) = delete;
+  Stats time(const std::function<void()>& fn, const TimingOptions& options = {});
+
+ private:
+  cudaStream_t stream_;
+  cudaEvent_t start_ = nullptr, stop_ = nullptr;
+  void* flush_ = nullptr;
+  size_t flush_bytes_ = 0;
+};
+
+struct Ceilings {
+  double gemm_flop_per_s = 0;  // bf16 8192×8192×8192 cuBLAS GEMM, fp32 accumulation, random data
+  double copy_byte_per_s = 0;  // device-to-device copy of 2 GiB, bytes read + bytes written
+  Stats gemm, copy;
+};
+
+Ceilings measure_ceilings(cudaStream_t stream);
+
+// Fills a device buffer with uniform values in [-scale, scale) from a counter-based hash of (seed, i):
+// the same on every GPU and run; never zeros (zeros run faster than real data on tensor cores).
+void fill_uniform_f32(float* p, int64_t n, uint64_t seed, float scale, cudaStream_t stream);
+void fill_uniform_bf16(void* p, int64_t n, uint64_t seed, float scale, cudaStream_t stream);
+
+}  // namespace dmoe::bench

@@ -1,0 +1,139 @@
+#include "bench/cuda/layer_bench.hpp"
+
+#include <cmath>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "core/dispatch_plan.hpp"
+#include "core/error.hpp"
+#include "cpu/kernels.hpp"
+#include "engine/ep_engine.hpp"
+#include "model/moe_weights.hpp"
+
+namespace dmoe::bench {
+
+namespace {
+
+// fp64 expert FFN of one token row (the reference for the sampled check).
+std::vector<double> ffn_fp64(const MoeWeights& w, int32_t local, const float* x, Activation act) {
+  const int64_t H = w.hidden, I = w.ffn;
+  const float* w1 = w.w1_of(local);
+  const float* w3 = w.w3_of(local);
+  const float* w2 = w.w2_of(local);
+  std::vector<double> h(I), out(H, 0.0);
+  for (int64_t i = 0; i < I; ++i) {
+    double a = 0, b = 0;
+    for (int64_t c = 0; c < H; ++c) a += double(w1[i * H + c]) * x[c];
+    if (act == Activation::swiglu) {
+      for (int64_t c = 0; c < H; ++c) b += double(w3[i * H + c]) * x[c];
+      h[i] = a / (1 + std::exp(-a)) * b;
+    } else if (act == Activation::relu) {
+      h[i] = a > 0 ? a : 0;
+    } else {
+      h[i] = 0.5 * a * (1 + std::erf(a / std::sqrt(2.0)));
+    }
+  }
+  for (int64_t c = 0; c < H; ++c) {
+    double acc = 0;
+    for (int64_t i = 0; i < I; ++i) acc += double(w2[c * I + i]) * h[i];
+    out[c] = acc;
+  }
+  return out;
+}
+
+}  // namespace
+
+LayerBenchResult bench_ep_layer(const MoeConfig& c, Backend& backend, Comm& comm, const Ceilings& ceilings,
+                                const LayerBenchOptions& o, LayerBenchData* keep) {
+  c.validate();
+  const int32_t rank = comm.rank(), W = c.world, Le = c.experts_per_rank();
+  const int64_t T = c.tokens, H = c.hidden, I = c.ffn;
+  const bool bf16 = c.dtype == DType::bf16;
+  const size_t elem = dtype_size(backend.storage_dtype());
+  const double m = c.activation == Activation::swiglu ? 3 : 2;
+
+  EpEngine engine(c, backend, comm);
+  engine.set_weights(hashed_moe_weights(c, o.seed, c.first_expert(rank), Le));
+  const std::vector<float> x_all = hashed_activations(o.seed + 1, W * T, H, bf16);
+  const std::vector<float> x(x_all.begin() + rank * T * H, x_all.begin() + (rank + 1) * T * H);
+  void* xd = backend.allocate(T * H * elem);
+  void* yd = backend.allocate(T * H * elem);
+  backend.upload_f32(xd, x.data(), T * H);
+
+  GpuTimer timer(static_cast<cudaStream_t>(backend.stream()));
+  LayerBenchResult r;
+  r.engine = std::string("ep-") + comm.name();
+  r.config = c;
+  r.forward = timer.time([&] { engine.forward(xd, yd); }, o.timing);
+  if (o.backward) {
+    void* dyd = backend.allocate(T * H * elem);
+    void* dxd = backend.allocate(T * H * elem);
+    const auto dy = hashed_activations(o.seed + 2, T, H, bf16);
+    backend.upload_f32(dyd, dy.data(), T * H);
+    r.forward_backward = timer.time(
+        [&] {
+          engine.forward(xd, yd);
+          engine.backward(dyd, dxd);
+        },
+        o.timing);
+    backend.release(dyd);
+    backend.release(dxd);
+  }
+  engine.forward(xd, yd);  // a last, untimed forward whose outputs are checked
+
+  r.flop = 2 * m * double(T) * c.top_k * double(H) * double(I);
+  r.bytes = double(Le) * m * double(H) * double(I) * elem + 2.0 * double(T) * double(H) * elem;
+  r.roofline_ms = std::max(r.flop / ceilings.gemm_flop_per_s, r.bytes / ceilings.copy_byte_per_s) * 1e3;
+  int64_t to_self = 0;
+  for (int32_t e = c.first_expert(rank); e < c.first_expert(rank) + Le; ++e) to_self += engine.kept_counts()[e];
+  r.comm_bytes = double(engine.rows_sent() - to_self) * double(H) * double(elem);
+
+  // Check a sample of this rank's tokens against the fp64 CPU computation with the engine's routing.
+  std::vector<float> y(T * H);
+  backend.download_f32(y.data(), yd, T * H);
+  const auto ids = engine.expert_ids();
+  const auto ws = engine.expert_weights();
+  const SendPlan plan = build_send_plan(ids.data(), ws.data(), T, c.top_k, c.experts, c.capacity(), c.drop_policy);
+  const int n_check = int(std::min<int64_t>(o.check_tokens, T));
+  std::map<int32_t, MoeWeights> experts;  // only the experts the sample needs
+  for (int i = 0; i < n_check; ++i) {
+    const int64_t t = i * T / std::max(n_check, 1);
+    for (int32_t j = 0; j < c.top_k; ++j)
+      if (plan.slot[t * c.top_k + j] >= 0 && !experts.count(ids[t * c.top_k + j]))
+        experts.emplace(ids[t * c.top_k + j], hashed_moe_weights(c, o.seed, ids[t * c.top_k + j], 1));
+  }
+  std::vector<double> errors(n_check, 0.0);
+  std::vector<std::thread> pool;
+  for (int i = 0; i < n_check; ++i)
+    pool.emplace_back([&, i] {
+      const int64_t t = i * T / std::max(n_check, 1);
+      std::vector<double> ref(H, 0.0);
+      for (int32_t j = 0; j < c.top_k; ++j) {
+        if (plan.slot[t * c.top_k + j] < 0) continue;
+        const auto out = ffn_fp64(experts.at(ids[t * c.top_k + j]), 0, x.data() + t * H, c.activation);
+        for (int64_t col = 0; col < H; ++col) ref[col] += double(ws[t * c.top_k + j]) * out[col];
+      }
+      double num = 0, den = 0;
+      for (int64_t col = 0; col < H; ++col) {
+        num += (y[t * H + col] - ref[col]) * (y[t * H + col] - ref[col]);
+        den += ref[col] * ref[col];
+      }
+      errors[i] = std::sqrt(num / std::max(den, 1e-300));
+    });
+  for (auto& th : pool) th.join();
+  for (double e : errors) r.max_rel_error = std::max(r.max_rel_error, e);
+  r.checked_tokens = n_check;
+
+  if (keep) {
+    keep->x = x;
+    keep->y = std::move(y);
+    keep->expert_ids = ids;
+    keep->expert_weights = ws;
+  }
+  backend.release(xd);
+  backend.release(yd);
+  return r;
+}
+
+}  // namespace dmoe::bench

@@ -1,0 +1,53 @@
+// layer_bench.hpp — times one MoE layer engine on a GPU and derives the figures every result shows.
+//
+//   F (FLOP, forward)   = 2·m·T·k·H·I     m = 3 for SwiGLU, else 2 (router excluded; ≈ 2·T·H·E more)
+//   bytes (forward)     = Le·m·H·I·s + 2·T·H·s   weights of the local experts + x read + y written, once
+//   roofline            = max(F / GEMM ceiling, bytes / copy ceiling), ceilings measured in the same run
+//   TFLOP/s             = F / time;   % of roofline = roofline / time
+//   communication bytes = rows sent to other ranks · H · s, per direction
+//   tokens/s            = W·T / time (all ranks)
+// s = bytes per element of the storage dtype. Correctness: a sample of tokens is recomputed on the CPU
+// in fp64 from the same (bf16-valued) weights, with the engine's routing, and compared.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "bench/cuda/gpu_timing.hpp"
+#include "comm/comm.hpp"
+#include "core/config.hpp"
+#include "engine/backend.hpp"
+
+namespace dmoe::bench {
+
+struct LayerBenchResult {
+  std::string engine;
+  MoeConfig config;
+  Stats forward;
+  Stats forward_backward;  // iterations = 0 when not measured
+  double flop = 0, bytes = 0, roofline_ms = 0, comm_bytes = 0;
+  double max_rel_error = 0;  // worst per-token ‖y − y_ref‖ / ‖y_ref‖ over the sample
+  int checked_tokens = 0;
+  double tflops() const { return flop / (forward.median_ms * 1e-3) * 1e-12; }
+  double percent_of_roofline() const { return 100.0 * roofline_ms / forward.median_ms; }
+  double tokens_per_s() const { return double(config.world) * config.tokens / (forward.median_ms * 1e-3); }
+};
+
+// What the peers (bench/peers.py) need to run on the same data: host copies (rank 0, W = 1).
+struct LayerBenchData {
+  std::vector<float> x, y, expert_weights;
+  std::vector<int32_t> expert_ids;
+};
+
+struct LayerBenchOptions {
+  TimingOptions timing;
+  bool backward = false;
+  int check_tokens = 8;
+  uint64_t seed = 1;
+};
+
+// Runs the vanilla EP engine (EpEngine over `backend` and `comm`) on hashed weights and inputs.
+LayerBenchResult bench_ep_layer(const MoeConfig& config, Backend& backend, Comm& comm, const Ceilings& ceilings,
+                                const LayerBenchOptions& options, LayerBenchData* keep = nullptr);
+
+}  // namespace dmoe::bench

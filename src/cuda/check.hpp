@@ -1,0 +1,56 @@
+// cuda/check.hpp — error checks for CUDA runtime and cuBLAS calls: a failing call throws dmoe::Error
+// naming the call, the library's error string and file:line (and the rank, once one is set), through
+// dmoe::throw_error like DMOE_FAIL.
+//
+// NOTE: this header must not include core/error.hpp: nvcc 13.0's front end rejects fmt 9's consteval
+// format strings (header-only fmt, -std=c++20), so .cu files cannot see fmt at all. The checks here build
+// their messages with printf-style formatting instead (dmoe::cuda::fail, check.cpp).
+//
+// Kernel launches are asynchronous: DMOE_CHECK_LAUNCH() catches bad launch configurations at once;
+// faults inside a kernel surface at the next synchronising call. Define DMOE_CUDA_SYNC_LAUNCHES to
+// synchronise after every launch while hunting such a fault (slow; debugging only).
+#pragma once
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+namespace dmoe::cuda {
+
+// Throws dmoe::Error("<formatted message> (file:line)") (with the rank when one is set).
+[[noreturn]] void fail(const char* file, int line, const char* format, ...)
+    __attribute__((format(printf, 3, 4)));
+
+}  // namespace dmoe::cuda
+
+#define DMOE_CHECK_CUDA(call)                                                                         \
+  do {                                                                                                \
+    const cudaError_t dmoe_cuda_status_ = (call);                                                     \
+    if (dmoe_cuda_status_ != cudaSuccess)                                                             \
+      ::dmoe::cuda::fail(__FILE__, __LINE__, "CUDA call `%s` failed: %s (%s)", #call,                 \
+                         cudaGetErrorString(dmoe_cuda_status_), cudaGetErrorName(dmoe_cuda_status_)); \
+  } while (0)
+
+#define DMOE_CHECK_CUBLAS(call)                                                         \
+  do {                                                                                  \
+    const cublasStatus_t dmoe_cublas_status_ = (call);                                  \
+    if (dmoe_cublas_status_ != CUBLAS_STATUS_SUCCESS)                                   \
+      ::dmoe::cuda::fail(__FILE__, __LINE__, "cuBLAS call `%s` failed: %s (%s)", #call, \
+                         cublasGetStatusString(dmoe_cublas_status_),                    \
+                         cublasGetStatusName(dmoe_cublas_status_));                     \
+  } while (0)
+
+#if defined(DMOE_CUDA_SYNC_LAUNCHES)
+#define DMOE_CHECK_LAUNCH()                   \
+  do {                                        \
+    DMOE_CHECK_CUDA(cudaGetLastError());      \
+    DMOE_CHECK_CUDA(cudaDeviceSynchronize()); \
+  } while (0)
+#else
+#define DMOE_CHECK_LAUNCH() DMOE_CHECK_CUDA(cudaGetLastError())
+#endif
+
+// DMOE_CUDA_REQUIRE(cond, "printf format", args...): the fmt-free DMOE_REQUIRE for .cu files.
+#define DMOE_CUDA_REQUIRE(cond, ...)                                  \
+  do {                                                                \
+    if (!(cond)) ::dmoe::cuda::fail(__FILE__, __LINE__, __VA_ARGS__); \
+  } while (0)

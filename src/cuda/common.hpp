@@ -1,0 +1,75 @@
+// cuda/common.hpp — host-side helpers of the CUDA launchers: data-type tags, alignment tests, grid sizes,
+// small host-to-workspace uploads, and the row-major GEMM wrappers over cuBLAS (gemm.cpp).
+#pragma once
+
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+#include "cuda/check.hpp"
+#include "cuda/kernels.cuh"
+
+namespace dmoe::cuda {
+
+template <typename T>
+constexpr cudaDataType_t cuda_data_type() {
+  static_assert(std::is_same_v<T, float> || std::is_same_v<T, __nv_bfloat16>, "storage is f32 or bf16");
+  return std::is_same_v<T, float> ? CUDA_R_32F : CUDA_R_16BF;
+}
+
+inline bool is_aligned(const void* p, size_t alignment) {
+  return reinterpret_cast<uintptr_t>(p) % alignment == 0;
+}
+
+// Blocks for `work` items at `per_block` items a block, capped (grid-stride loops cover the rest).
+inline unsigned grid_for(int64_t work, int64_t per_block, int64_t max_blocks = int64_t(1) << 20) {
+  const int64_t blocks = (work + per_block - 1) / per_block;
+  return unsigned(std::clamp<int64_t>(blocks, 1, max_blocks));
+}
+
+// Copies a small host array into device scratch on `stream`. The copy is stream-ordered; the host array
+// may be reused once this returns (pageable memory is staged by the driver before the call returns).
+inline void upload_async(void* device_dst, const void* host_src, size_t bytes, cudaStream_t stream) {
+  if (bytes == 0) return;
+  DMOE_CHECK_CUDA(cudaMemcpyAsync(device_dst, host_src, bytes, cudaMemcpyHostToDevice, stream));
+}
+
+// ---- row-major GEMM on cuBLAS (gemm.cpp) -----------------------------------------------------------
+//
+// C [m, n] = alpha · op(A) · op(B) + beta · C, all row-major; op(A) is [m, k] (A stored [m, k], or
+// [k, m] when trans_a), op(B) is [k, n] (B stored [k, n], or [n, k] when trans_b). cuBLAS is
+// column-major, where a row-major matrix reads as its transpose, so this is the column-major product
+// C^T = op(B)^T · op(A)^T: cuBLAS gets (B, A) swapped and (n, m) swapped. Compute type is always
+// CUBLAS_COMPUTE_32F (fp32 accumulation; no TF32 for f32 inputs).
+void gemm_rm(cublasHandle_t cublas, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
+             const void* a, cudaDataType_t a_type, int64_t lda, const void* b, cudaDataType_t b_type,
+             int64_t ldb, float beta, void* c, cudaDataType_t c_type, int64_t ldc);
+
+// One product of a grouped GEMM (one expert); every problem of a group shares the transposes, leading
+// dimensions, alpha and beta, and differs in m, n, k and the pointers.
+struct GemmProblem {
+  int64_t m = 0, n = 0, k = 0;
+  const void* a = nullptr;
+  const void* b = nullptr;
+  void* c = nullptr;
+};
+
+// Runs the problems (problems with m, n or k = 0 must be left out by the caller) as one
+// cublasGemmGroupedBatchedEx call when the products are small (below 1.5 G multiply-adds on average;
+// larger ones run faster one by one, measurements in gemm.cpp), cuBLAS supports the types (A, B and C
+// of one type: bf16 or f32) and every pointer is 16-byte aligned; otherwise as a loop of cublasGemmEx
+// calls. The grouped call reads device pointer arrays, which are uploaded into the context's workspace
+// at `pointer_scratch` (3·problems pointers, laid out by the caller).
+void gemm_rm_grouped(const CudaContext& ctx, void* pointer_scratch, bool trans_a, bool trans_b, int64_t lda,
+                     int64_t ldb, int64_t ldc, float alpha, float beta, cudaDataType_t a_type,
+                     cudaDataType_t b_type, cudaDataType_t c_type, const std::vector<GemmProblem>& problems);
+
+inline size_t grouped_pointer_bytes(int64_t problems) { return size_t(problems) * 3 * sizeof(void*); }
+
+}  // namespace dmoe::cuda

@@ -1,0 +1,303 @@
+// cuda/expert_ffn.cu — the grouped expert FFN over a rank's local experts (twin of cpu/expert_ffn.cpp,
+// for all experts at once), forward and backward.
+//
+//   forward:   pre1 = x·w1^T, pre3 = x·w3^T (SwiGLU)     grouped GEMM, one problem per expert with rows
+//              h = act(pre1) or silu(pre1)·pre3          one elementwise kernel over all rows
+//              out = h·w2^T                              grouped GEMM
+//   backward:  dh = dout·w2                              grouped GEMM (storage type)
+//              dw2 += dout^T·h                           per expert (bf16 inputs, f32 accumulator)
+//              dpre1, dpre3 from dh, pre1, pre3          one elementwise kernel (dpre1 overwrites dh)
+//              dw1 += dpre1^T·x, dw3 += dpre3^T·x        per expert (as dw2)
+//              dx = dpre1·w1 (+ dpre3·w3)                grouped GEMM; the second adds with beta = 1
+//
+// GEMMs go through gemm_rm_grouped (cuda/gemm.cpp): one cublasGemmGroupedBatchedEx call for many small
+// expert products (A, B and C of one type, 16-byte aligned), else a loop of cublasGemmEx, one call per
+// expert with rows (faster for large products: on H200 the grouped call reached ~330 TFLOP/s where the
+// loop reached ~840). The weight gradients of bf16 experts always take the loop: the grouped API has no
+// bf16 × bf16 → f32 form. Every GEMM accumulates in f32 (CUBLAS_COMPUTE_32F; no TF32 for f32 storage).
+// Both paths stay well below one GEMM of the same FLOPs for small experts; a grouped kernel of our own
+// (or the Flash engine's tile GEMM) is the next step there.
+//
+// Stored intermediates (pre1, pre3, h, dh/dpre1, dpre3, dx) have the storage type, as on the CPU with
+// bf16 rounding; for bf16 the SwiGLU dx is rounded twice (after dpre1·w1, then after adding dpre3·w3).
+#include <vector>
+
+#include "cuda/common.hpp"
+#include "cuda/device_utils.cuh"
+
+namespace dmoe::cuda {
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr float kInvSqrt2 = 0.70710678118654752440f;
+constexpr float kInvSqrt2Pi = 0.39894228040143267794f;
+
+// ---- activations (f32; the same formulas as the CPU's, which evaluates them in fp64) -------------------
+
+template <Activation A>
+__device__ __forceinline__ float act_value(float x) {
+  if constexpr (A == Activation::relu) {
+    return x > 0.f ? x : 0.f;
+  } else if constexpr (A == Activation::gelu) {
+    return 0.5f * x * (1.f + erff(x * kInvSqrt2));
+  } else {
+    return x / (1.f + expf(-x));  // silu, the gate half of SwiGLU
+  }
+}
+
+template <Activation A>
+__device__ __forceinline__ float act_derivative(float x) {
+  if constexpr (A == Activation::relu) {
+    return x > 0.f ? 1.f : 0.f;
+  } else if constexpr (A == Activation::gelu) {
+    // d/dx [x·Φ(x)] = Φ(x) + x·φ(x)
+    return 0.5f * (1.f + erff(x * kInvSqrt2)) + x * kInvSqrt2Pi * expf(-0.5f * x * x);
+  } else {
+    // d/dx [x·σ(x)] = σ(x)·(1 + x·(1 − σ(x)))
+    const float s = 1.f / (1.f + expf(-x));
+    return s * (1.f + x * (1.f - s));
+  }
+}
+
+template <typename T>
+struct ActForwardParams {
+  const T* pre1;  // [count]
+  const T* pre3;  // [count] (SwiGLU) or null
+  T* h;           // [count]
+  int64_t count;  // rows · I
+};
+
+// Grid-stride over packs of N elements.
+template <typename T, Activation A, int N>
+__global__ void __launch_bounds__(kThreads)
+    act_forward_kernel(const __grid_constant__ ActForwardParams<T> p) {
+  const int64_t packs = p.count / N;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < packs; i += stride) {
+    float a[N], out[N];
+    load_f32<N>(p.pre1 + i * N, a);
+    if constexpr (A == Activation::swiglu) {
+      float b[N];
+      load_f32<N>(p.pre3 + i * N, b);
+#pragma unroll
+      for (int j = 0; j < N; ++j) out[j] = act_value<A>(a[j]) * b[j];
+    } else {
+#pragma unroll
+      for (int j = 0; j < N; ++j) out[j] = act_value<A>(a[j]);
+    }
+    store_f32<N>(p.h + i * N, out);
+  }
+}
+
+template <typename T>
+struct ActBackwardParams {
+  const T* dh;    // [count]
+  const T* pre1;  // [count]
+  const T* pre3;  // [count] (SwiGLU) or null
+  T* dpre1;       // [count]; may be dh itself (every element is read before it is written)
+  T* dpre3;       // [count] (SwiGLU) or null
+  int64_t count;
+};
+
+template <typename T, Activation A, int N>
+__global__ void __launch_bounds__(kThreads)
+    act_backward_kernel(const __grid_constant__ ActBackwardParams<T> p) {
+  const int64_t packs = p.count / N;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < packs; i += stride) {
+    float g[N], a[N], d1[N];
+    load_f32<N>(p.dh + i * N, g);
+    load_f32<N>(p.pre1 + i * N, a);
+    if constexpr (A == Activation::swiglu) {
+      float b[N], d3[N];
+      load_f32<N>(p.pre3 + i * N, b);
+#pragma unroll
+      for (int j = 0; j < N; ++j) {
+        // h = silu(p1)·p3:  dp1 = dh·p3·silu'(p1),  dp3 = dh·silu(p1)
+        d1[j] = g[j] * b[j] * act_derivative<A>(a[j]);
+        d3[j] = g[j] * act_value<A>(a[j]);
+      }
+      store_f32<N>(p.dpre3 + i * N, d3);
+    } else {
+#pragma unroll
+      for (int j = 0; j < N; ++j) d1[j] = g[j] * act_derivative<A>(a[j]);
+    }
+    store_f32<N>(p.dpre1 + i * N, d1);
+  }
+}
+
+template <typename T>
+constexpr int kPack = int(16 / sizeof(T));
+
+template <typename T>
+bool packable(int64_t count, std::initializer_list<const void*> pointers) {
+  if (count % kPack<T> != 0) return false;
+  for (const void* p : pointers)
+    if (p != nullptr && !is_aligned(p, 16)) return false;
+  return true;
+}
+
+// Instantiates kernel<T, A, N> for the run-time activation and pack width.
+template <typename T, template <typename, Activation, int> class Launch, typename Params>
+void launch_activation(Activation activation, bool packed, const Params& p, int64_t count,
+                       cudaStream_t stream) {
+  const unsigned blocks = grid_for(packed ? count / kPack<T> : count, kThreads, 8192);
+  switch (activation) {
+    case Activation::relu:
+      packed ? Launch<T, Activation::relu, kPack<T>>::run(p, blocks, stream)
+             : Launch<T, Activation::relu, 1>::run(p, blocks, stream);
+      break;
+    case Activation::gelu:
+      packed ? Launch<T, Activation::gelu, kPack<T>>::run(p, blocks, stream)
+             : Launch<T, Activation::gelu, 1>::run(p, blocks, stream);
+      break;
+    case Activation::swiglu:
+      packed ? Launch<T, Activation::swiglu, kPack<T>>::run(p, blocks, stream)
+             : Launch<T, Activation::swiglu, 1>::run(p, blocks, stream);
+      break;
+  }
+  DMOE_CHECK_LAUNCH();
+}
+
+template <typename T, Activation A, int N>
+struct ForwardLaunch {
+  static void run(const ActForwardParams<T>& p, unsigned blocks, cudaStream_t stream) {
+    act_forward_kernel<T, A, N><<<blocks, kThreads, 0, stream>>>(p);
+  }
+};
+
+template <typename T, Activation A, int N>
+struct BackwardLaunch {
+  static void run(const ActBackwardParams<T>& p, unsigned blocks, cudaStream_t stream) {
+    act_backward_kernel<T, A, N><<<blocks, kThreads, 0, stream>>>(p);
+  }
+};
+
+void check_offsets(const int64_t* expert_offsets, int32_t local_experts, const char* stage) {
+  DMOE_CUDA_REQUIRE(local_experts >= 0, "%s: local_experts = %d; must be >= 0", stage, local_experts);
+  DMOE_CUDA_REQUIRE(expert_offsets[0] >= 0, "%s: expert_offsets[0] = %lld; must be >= 0", stage,
+                    (long long)expert_offsets[0]);
+  for (int32_t e = 0; e < local_experts; ++e)
+    DMOE_CUDA_REQUIRE(expert_offsets[e + 1] >= expert_offsets[e],
+                      "%s: expert_offsets[%d] = %lld < expert_offsets[%d] = %lld; offsets must not decrease",
+                      stage, e + 1, (long long)expert_offsets[e + 1], e, (long long)expert_offsets[e]);
+}
+
+}  // namespace
+
+template <typename T>
+void expert_ffn_forward(const T* x, const T* w1, const T* w3, const T* w2, T* pre1, T* pre3, T* h, T* out,
+                        const int64_t* expert_offsets, int32_t local_experts, int64_t hidden, int64_t ffn,
+                        Activation activation, const CudaContext& ctx) {
+  check_offsets(expert_offsets, local_experts, "expert_ffn_forward");
+  const bool swiglu = activation == Activation::swiglu;
+  DMOE_CUDA_REQUIRE(!swiglu || (w3 != nullptr && pre3 != nullptr),
+                    "expert_ffn_forward: SwiGLU needs w3 and pre3");
+  const int64_t row_begin = expert_offsets[0];
+  const int64_t rows = expert_offsets[local_experts] - row_begin;
+  if (rows == 0 || hidden == 0 || ffn == 0) return;
+
+  const int64_t weight_size = ffn * hidden;  // elements of one expert's w1, w3 or w2
+  std::vector<GemmProblem> up1, up3, down;   // experts with rows only
+  for (int32_t e = 0; e < local_experts; ++e) {
+    const int64_t r0 = expert_offsets[e], n = expert_offsets[e + 1] - r0;
+    if (n == 0) continue;
+    // pre1 [n, I] = x [n, H] · w1_e [I, H]^T (pre3 likewise);  out [n, H] = h [n, I] · w2_e [H, I]^T
+    up1.push_back({n, ffn, hidden, x + r0 * hidden, w1 + e * weight_size, pre1 + r0 * ffn});
+    if (swiglu) up3.push_back({n, ffn, hidden, x + r0 * hidden, w3 + e * weight_size, pre3 + r0 * ffn});
+    down.push_back({n, hidden, ffn, h + r0 * ffn, w2 + e * weight_size, out + r0 * hidden});
+  }
+  ScratchLayout layout;
+  const size_t off_pointers = layout.add(grouped_pointer_bytes(int64_t(up1.size())));
+  char* ws = static_cast<char*>(ctx.workspace->reserve(layout.total(), ctx.stream));
+  void* pointers = ws + off_pointers;
+  const cudaDataType_t type = cuda_data_type<T>();
+
+  gemm_rm_grouped(ctx, pointers, false, true, hidden, hidden, ffn, 1.f, 0.f, type, type, type, up1);
+  if (swiglu)
+    gemm_rm_grouped(ctx, pointers, false, true, hidden, hidden, ffn, 1.f, 0.f, type, type, type, up3);
+
+  const int64_t count = rows * ffn;
+  ActForwardParams<T> ap{pre1 + row_begin * ffn, swiglu ? pre3 + row_begin * ffn : nullptr,
+                         h + row_begin * ffn, count};
+  launch_activation<T, ForwardLaunch>(activation, packable<T>(count, {ap.pre1, ap.pre3, ap.h}), ap, count,
+                                      ctx.stream);
+
+  gemm_rm_grouped(ctx, pointers, false, true, ffn, ffn, hidden, 1.f, 0.f, type, type, type, down);
+}
+
+template <typename T>
+void expert_ffn_backward(const T* x, const T* w1, const T* w3, const T* w2, const T* pre1, const T* pre3,
+                         const T* h, const T* dout, T* dx, float* dw1, float* dw3, float* dw2,
+                         const int64_t* expert_offsets, int32_t local_experts, int64_t hidden, int64_t ffn,
+                         Activation activation, const CudaContext& ctx) {
+  check_offsets(expert_offsets, local_experts, "expert_ffn_backward");
+  const bool swiglu = activation == Activation::swiglu;
+  DMOE_CUDA_REQUIRE(!swiglu || (w3 != nullptr && pre3 != nullptr && dw3 != nullptr),
+                    "expert_ffn_backward: SwiGLU needs w3, pre3 and dw3");
+  const int64_t row_begin = expert_offsets[0];
+  const int64_t rows = expert_offsets[local_experts] - row_begin;
+  if (rows == 0 || hidden == 0 || ffn == 0) return;
+
+  // Scratch: dh [rows, I] (overwritten by dpre1), dpre3 [rows, I] (SwiGLU), grouped pointer arrays.
+  int64_t active = 0;
+  for (int32_t e = 0; e < local_experts; ++e) active += expert_offsets[e + 1] > expert_offsets[e];
+  ScratchLayout layout;
+  const size_t off_dh = layout.add(size_t(rows) * ffn * sizeof(T));
+  const size_t off_dpre3 = layout.add(swiglu ? size_t(rows) * ffn * sizeof(T) : 0);
+  const size_t off_pointers = layout.add(grouped_pointer_bytes(active));
+  char* ws = static_cast<char*>(ctx.workspace->reserve(layout.total(), ctx.stream));
+  T* dh = reinterpret_cast<T*>(ws + off_dh);  // row r of the batch is dh row r - row_begin
+  T* dpre1 = dh;
+  T* dpre3 = swiglu ? reinterpret_cast<T*>(ws + off_dpre3) : nullptr;
+  void* pointers = ws + off_pointers;
+
+  const int64_t weight_size = ffn * hidden;
+  std::vector<GemmProblem> dh_p, dw2_p, dw1_p, dw3_p, dx1_p, dx3_p;
+  for (int32_t e = 0; e < local_experts; ++e) {
+    const int64_t r0 = expert_offsets[e], n = expert_offsets[e + 1] - r0;
+    if (n == 0) continue;                       // no rows: nothing to add to this expert's weight gradients
+    const int64_t s0 = (r0 - row_begin) * ffn;  // expert's first element in dh / dpre1 / dpre3
+    // dh [n, I] = dout [n, H] · w2_e [H, I]
+    dh_p.push_back({n, ffn, hidden, dout + r0 * hidden, w2 + e * weight_size, dh + s0});
+    // dw2_e [H, I] += dout^T [H, n] · h [n, I]
+    dw2_p.push_back({hidden, ffn, n, dout + r0 * hidden, h + r0 * ffn, dw2 + e * weight_size});
+    // dw1_e [I, H] += dpre1^T [I, n] · x [n, H]  (dw3 likewise)
+    dw1_p.push_back({ffn, hidden, n, dpre1 + s0, x + r0 * hidden, dw1 + e * weight_size});
+    if (swiglu) dw3_p.push_back({ffn, hidden, n, dpre3 + s0, x + r0 * hidden, dw3 + e * weight_size});
+    // dx [n, H] = dpre1 [n, I] · w1_e [I, H]  (+ dpre3 · w3_e)
+    dx1_p.push_back({n, hidden, ffn, dpre1 + s0, w1 + e * weight_size, dx + r0 * hidden});
+    if (swiglu) dx3_p.push_back({n, hidden, ffn, dpre3 + s0, w3 + e * weight_size, dx + r0 * hidden});
+  }
+  const cudaDataType_t type = cuda_data_type<T>();
+
+  gemm_rm_grouped(ctx, pointers, false, false, hidden, ffn, ffn, 1.f, 0.f, type, type, type, dh_p);
+  gemm_rm_grouped(ctx, pointers, true, false, hidden, ffn, ffn, 1.f, 1.f, type, type, CUDA_R_32F, dw2_p);
+
+  const int64_t count = rows * ffn;
+  ActBackwardParams<T> bp{
+      dh, pre1 + row_begin * ffn, swiglu ? pre3 + row_begin * ffn : nullptr, dpre1, dpre3, count};
+  launch_activation<T, BackwardLaunch>(activation, packable<T>(count, {bp.dh, bp.pre1, bp.pre3, bp.dpre3}),
+                                       bp, count, ctx.stream);
+
+  gemm_rm_grouped(ctx, pointers, true, false, ffn, hidden, hidden, 1.f, 1.f, type, type, CUDA_R_32F, dw1_p);
+  if (swiglu)
+    gemm_rm_grouped(ctx, pointers, true, false, ffn, hidden, hidden, 1.f, 1.f, type, type, CUDA_R_32F, dw3_p);
+  gemm_rm_grouped(ctx, pointers, false, false, ffn, hidden, hidden, 1.f, 0.f, type, type, type, dx1_p);
+  if (swiglu)
+    gemm_rm_grouped(ctx, pointers, false, false, ffn, hidden, hidden, 1.f, 1.f, type, type, type, dx3_p);
+}
+
+#define DMOE_INSTANTIATE_EXPERT_FFN(T)                                                                       \
+  template void expert_ffn_forward<T>(const T*, const T*, const T*, const T*, T*, T*, T*, T*,                \
+                                      const int64_t*, int32_t, int64_t, int64_t, Activation,                 \
+                                      const CudaContext&);                                                   \
+  template void expert_ffn_backward<T>(const T*, const T*, const T*, const T*, const T*, const T*, const T*, \
+                                       const T*, T*, float*, float*, float*, const int64_t*, int32_t,        \
+                                       int64_t, int64_t, Activation, const CudaContext&);
+
+DMOE_INSTANTIATE_EXPERT_FFN(float)
+DMOE_INSTANTIATE_EXPERT_FFN(bf16)
+
+}  // namespace dmoe::cuda

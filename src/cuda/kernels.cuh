@@ -1,0 +1,157 @@
+// cuda/kernels.cuh — host launchers of the CUDA kernels: the twins of src/cpu/kernels.hpp.
+//
+// Each launcher has the name and the arguments of its CPU twin, with device pointers, plus the stream
+// (or a CudaContext, for stages that call cuBLAS or need scratch memory) last. Differences, all forced
+// by the device:
+//   - T is the storage type (float or __nv_bfloat16); it replaces the CPU's `DType storage` argument,
+//     since the buffers themselves hold bf16 here. Routing tensors, gate weights, logits and their
+//     gradients stay f32; indices int32.
+//   - Weight-gradient accumulators are f32 (the CPU's are fp64).
+//   - expert_ffn_forward/backward run all local experts at once (grouped GEMM), with the expert row
+//     offsets as a host array, like Backend::expert_ffn_*; the CPU twin runs one expert.
+//   - Sums accumulate in f32 (the CPU's fp64), in a fixed order: results are deterministic run to run.
+//   - Host-side tables (segment offsets, expert offsets, expert_fraction) stay host arrays, as on the CPU;
+//     the launcher passes them in kernel parameters (segment tables) or uploads what the device needs
+//     into the context's workspace (gate-gradient table, grouped-GEMM pointer arrays).
+// Every launcher checks its launch; none synchronises unless it returns results in host memory
+// (plan_send, router_aux_partials), which it says.
+//
+// This header is plain host C++ (no device code): the backend (.cpp) and the tests include it.
+#pragma once
+
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "core/config.hpp"
+#include "cpu/kernels.hpp"
+
+namespace dmoe::cuda {
+
+using bf16 = __nv_bfloat16;
+
+// Grow-only device scratch memory for the stages issued on one stream.
+// NOTE: a stage lays out its sub-buffers from offset 0 after reserve(); stages on the same stream run in
+// order, so one stage's scratch never overlaps the next one's use. Growing synchronises the stream first,
+// because queued work may still read the old block.
+class Workspace {
+ public:
+  Workspace() = default;
+  ~Workspace();
+  Workspace(const Workspace&) = delete;
+  Workspace& operator=(const Workspace&) = delete;
+  // At least `bytes` of device memory (256-byte aligned), valid until the next reserve() that grows it.
+  void* reserve(size_t bytes, cudaStream_t stream);
+  size_t capacity() const { return bytes_; }
+
+ private:
+  void* data_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+// Byte offsets of sub-buffers carved from one workspace block, each 256-byte aligned.
+class ScratchLayout {
+ public:
+  size_t add(size_t bytes) {
+    const size_t offset = total_;
+    total_ += (bytes + 255) / 256 * 256;
+    return offset;
+  }
+  size_t total() const { return total_; }
+
+ private:
+  size_t total_ = 0;
+};
+
+// What a stage needs beyond a stream: cuBLAS and scratch memory.
+struct CudaContext {
+  cudaStream_t stream = nullptr;
+  cublasHandle_t cublas = nullptr;  // bound to `stream`, CUBLAS_DEFAULT_MATH (no TF32)
+  Workspace* workspace = nullptr;
+};
+
+// ---- conversions ---------------------------------------------------------------------------------
+
+// out[i] = T(in[i]) (round to nearest even for bf16) and back; count elements.
+template <typename T>
+void convert_from_f32(const float* in, T* out, int64_t count, cudaStream_t stream);
+template <typename T>
+void convert_to_f32(const T* in, float* out, int64_t count, cudaStream_t stream);
+
+// ---- router --------------------------------------------------------------------------------------
+
+// logits [T, E] f32 = x [T, H] · wg [E, H]^T (cuBLAS, fp32 accumulation).
+template <typename T>
+void router_logits(const T* x, const T* wg, float* logits, int64_t tokens, int64_t hidden, int32_t experts,
+                   const CudaContext& ctx);
+
+// One thread per token: softmax_row<float>, topk_row, gate_weights_row<float> from core/routing.hpp.
+void router_topk(const float* logits, float* probs, int32_t* ids, float* weights, float* lse, int64_t tokens,
+                 int32_t experts, int32_t top_k, bool renormalize, cudaStream_t stream);
+
+// Outputs are HOST arrays (prob_sum [E], assigned [E], z_sum [1]); synchronises the stream.
+void router_aux_partials(const float* probs, const float* lse, const int32_t* ids, int64_t tokens,
+                         int32_t experts, int32_t top_k, double* prob_sum, double* assigned, double* z_sum,
+                         const CudaContext& ctx);
+
+// aux.expert_fraction is a host array [E] (or null), aux.lse a device array [T] (or null).
+void router_topk_backward(const float* probs, const int32_t* ids, const float* weights, const float* dweights,
+                          float* dlogits, int64_t tokens, int32_t experts, int32_t top_k, bool renormalize,
+                          const cpu::RouterAuxGrad& aux, const CudaContext& ctx);
+
+// dx [T, H] f32 += dlogits [T, E] · wg [E, H];  dwg [E, H] f32 += dlogits^T · x.
+template <typename T>
+void router_logits_backward(const T* x, const T* wg, const float* dlogits, float* dx, float* dwg,
+                            int64_t tokens, int64_t hidden, int32_t experts, const CudaContext& ctx);
+
+// ---- dispatch plan -------------------------------------------------------------------------------
+
+// The send plan of core build_send_plan with DropPolicy::latest_tokens (capacity < 0: dropless), built
+// on the device: slot [T*k], row_token and row_choice (first S entries). routed_host and counts_host
+// are HOST arrays [E] (assignments per expert before and after capacity); synchronises the stream.
+// Throws dmoe::Error naming the first assignment whose expert id is outside [0, E).
+void plan_send(const int32_t* ids, int64_t tokens, int32_t top_k, int32_t experts, int64_t capacity,
+               int32_t* slot, int32_t* row_token, int32_t* row_choice, int64_t* routed_host,
+               int64_t* counts_host, const CudaContext& ctx);
+
+// ---- data movement -------------------------------------------------------------------------------
+
+template <typename T>
+void gather_rows(const T* x, const int32_t* rows, T* out, int64_t n, int64_t hidden, cudaStream_t stream);
+
+// Segment tables are host arrays (segments entries each).
+template <typename T>
+void permute_segments(const T* src, T* dst, const int64_t* src_offsets, const int64_t* dst_offsets,
+                      const int64_t* counts, int64_t segments, int64_t hidden, cudaStream_t stream);
+
+// weights and addend (f32 [T, H]) may be null.
+template <typename T>
+void combine(const T* rows, const int32_t* slot, const float* weights, const float* addend, T* y,
+             int64_t tokens, int32_t top_k, int64_t hidden, cudaStream_t stream);
+
+// weights may be null (weight 1).
+template <typename T>
+void combine_backward(const T* dy, const T* rows, const int32_t* slot, const float* weights, T* drows,
+                      float* dweights, int64_t tokens, int32_t top_k, int64_t hidden, cudaStream_t stream);
+
+// ---- expert FFN ----------------------------------------------------------------------------------
+
+// All local experts: rows of expert e are [expert_offsets[e], expert_offsets[e+1]) (host array, Le+1
+// entries). x [N, H]; w1, w3 [Le, I, H]; w2 [Le, H, I]; pre1, pre3, h [N, I]; out [N, H]
+// (N = expert_offsets[Le]). w3 and pre3 are null unless SwiGLU.
+template <typename T>
+void expert_ffn_forward(const T* x, const T* w1, const T* w3, const T* w2, T* pre1, T* pre3, T* h, T* out,
+                        const int64_t* expert_offsets, int32_t local_experts, int64_t hidden, int64_t ffn,
+                        Activation activation, const CudaContext& ctx);
+
+// dx [N, H] overwritten; dw1, dw3 [Le, I, H], dw2 [Le, H, I] f32 accumulate (+=).
+template <typename T>
+void expert_ffn_backward(const T* x, const T* w1, const T* w3, const T* w2, const T* pre1, const T* pre3,
+                         const T* h, const T* dout, T* dx, float* dw1, float* dw3, float* dw2,
+                         const int64_t* expert_offsets, int32_t local_experts, int64_t hidden, int64_t ffn,
+                         Activation activation, const CudaContext& ctx);
+
+}  // namespace dmoe::cuda

@@ -1,0 +1,186 @@
+// The vanilla EP engine on CUDA against the CPU reference engine (same EpEngine code, CPU kernels and
+// ThreadComm). One process: W = 1 with the local communicator. Launched as W processes (dmoe launch or
+// mpirun): each rank runs its share on its GPU through NCCL or NVSHMEM and compares its tokens' outputs
+// and its experts' gradients with the CPU run of all ranks.
+#include <gtest/gtest.h>
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdlib>
+
+#include "comm/cuda/gpu_comm.hpp"
+#include "comm/cuda/local_comm.hpp"
+#include "comm/process_env.hpp"
+#include "core/error.hpp"
+#include "core/random.hpp"
+#include "cuda/check.hpp"
+#include "cpu/kernels.hpp"
+#include "cuda/cuda_backend.hpp"
+#include "engine/reference.hpp"
+
+namespace dmoe {
+namespace {
+
+bool have_gpu() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+// ‖a − b‖ / ‖b‖ over a range, with the first large element difference for the failure message.
+struct Diff {
+  double rel = 0;
+  size_t worst = 0;
+};
+Diff rel_diff(const float* a, const float* b, size_t n) {
+  double num = 0, den = 0, worst = -1;
+  Diff d;
+  for (size_t i = 0; i < n; ++i) {
+    const double e = double(a[i]) - double(b[i]);
+    num += e * e;
+    den += double(b[i]) * b[i];
+    if (std::abs(e) > worst) {
+      worst = std::abs(e);
+      d.worst = i;
+    }
+  }
+  d.rel = std::sqrt(num / std::max(den, 1e-300));
+  return d;
+}
+
+#define EXPECT_CLOSE(a, b, n, tol, what)                                                                  \
+  do {                                                                                                    \
+    const Diff d_ = rel_diff((a), (b), (n));                                                              \
+    EXPECT_LE(d_.rel, (tol)) << what << ": rel. error " << d_.rel << ", worst at " << d_.worst << ": "    \
+                             << (a)[d_.worst] << " vs " << (b)[d_.worst];                                 \
+  } while (0)
+
+// Inputs whose top-k choice has a clear margin (> 1e-3 in logits) for every token, so that the GPU's
+// fp32-accumulated router makes the same choices as the CPU's fp64 one and the comparison tests the math.
+std::vector<float> inputs_without_near_ties(const MoeConfig& c, const MoeWeights& w, uint64_t seed) {
+  const int64_t rows = c.tokens * c.world;
+  for (uint64_t s = seed; s < seed + 50; ++s) {
+    Rng rng(s);
+    auto x = rng.normal_vector(size_t(rows * c.hidden), 1.0);
+    if (c.dtype == DType::bf16)
+      for (auto& v : x) v = round_to_bf16(v);
+    std::vector<float> logits(rows * c.experts);
+    cpu::router_logits(x.data(), w.gate.data(), logits.data(), rows, c.hidden, c.experts);
+    bool ok = true;
+    for (int64_t t = 0; t < rows && ok; ++t) {
+      std::vector<float> l(logits.begin() + t * c.experts, logits.begin() + (t + 1) * c.experts);
+      std::sort(l.begin(), l.end(), std::greater<>());
+      for (int32_t j = 0; j < c.top_k && ok; ++j)
+        if (j + 1 < c.experts && l[j] - l[j + 1] < 1e-3f) ok = false;
+    }
+    if (ok) return x;
+  }
+  ADD_FAILURE() << "no input without near-tied router logits found";
+  return {};
+}
+
+struct EngineCase {
+  Activation act;
+  DType dtype;
+  double capacity_factor;
+};
+
+// Runs this process's rank of the layer on the GPU and compares with the CPU reference of all ranks.
+void compare_with_cpu(MoeConfig c, Comm& comm, int device) {
+  c.world = comm.world();
+  const int32_t rank = comm.rank(), Le = c.experts_per_rank();
+  const int64_t T = c.tokens, H = c.hidden, k = c.top_k;
+  MoeConfig all = c;
+  const MoeWeights w = random_moe_weights(all, 17);
+  const auto x = inputs_without_near_ties(c, w, 100);
+  ASSERT_FALSE(x.empty());
+  Rng rng(5);
+  const auto dy = rng.normal_vector(x.size(), 1.0);
+  const LayerResult ref = run_cpu_layer(c, w, x, &dy);
+
+  auto backend = make_cuda_backend(c.dtype, device);
+  EpEngine engine(c, *backend, comm);
+  engine.set_weights(slice_experts(w, c.first_expert(rank), Le));
+  const size_t elem = dtype_size(backend->storage_dtype());
+  void* xd = backend->allocate(T * H * elem);
+  void* yd = backend->allocate(T * H * elem);
+  void* dyd = backend->allocate(T * H * elem);
+  void* dxd = backend->allocate(T * H * elem);
+  backend->upload_f32(xd, x.data() + rank * T * H, T * H);
+  backend->upload_f32(dyd, dy.data() + rank * T * H, T * H);
+  engine.forward(xd, yd);
+  engine.backward(dyd, dxd);
+  std::vector<float> y(T * H), dx(T * H);
+  backend->download_f32(y.data(), yd, T * H);
+  backend->download_f32(dx.data(), dxd, T * H);
+  const MoeWeights g = engine.grads();
+  for (void* p : {xd, yd, dyd, dxd}) backend->release(p);
+
+  // Routing and the plan: exact.
+  const auto ids = engine.expert_ids();
+  ASSERT_EQ(ids, std::vector<int32_t>(ref.expert_ids.begin() + rank * T * k, ref.expert_ids.begin() + (rank + 1) * T * k));
+  // Tolerances: f32 — fp32 accumulation (TF32 off) against fp64, sums of ≤ a few hundred terms: 1e-5.
+  // bf16 — both sides round stored activations to bf16, but accumulate differently, so a value can
+  // round to the neighbouring bf16 (relative step 2^-8 = 4e-3): 2e-2 on norms.
+  const double tol = c.dtype == DType::f32 ? 1e-5 : 2e-2;
+  const std::string tag = fmt::format("rank {} {} {} cf={}", rank, activation_name(c.activation), dtype_name(c.dtype),
+                                      c.capacity_factor);
+  EXPECT_CLOSE(y.data(), ref.y.data() + rank * T * H, size_t(T * H), tol, tag << " y");
+  EXPECT_CLOSE(dx.data(), ref.dx.data() + rank * T * H, size_t(T * H), tol, tag << " dx");
+  const size_t m = size_t(c.ffn * H), off = size_t(c.first_expert(rank)) * m;
+  EXPECT_CLOSE(g.w1.data(), ref.grads.w1.data() + off, Le * m, tol, tag << " dW1");
+  EXPECT_CLOSE(g.w2.data(), ref.grads.w2.data() + off, Le * m, tol, tag << " dW2");
+  if (c.activation == Activation::swiglu) EXPECT_CLOSE(g.w3.data(), ref.grads.w3.data() + off, Le * m, tol, tag << " dW3");
+  EXPECT_CLOSE(g.gate.data(), ref.grads.gate.data(), size_t(c.experts * H), tol, tag << " dWg");
+  EXPECT_NEAR(engine.losses().load_balance, ref.losses.load_balance, 1e-4);
+}
+
+MoeConfig case_config(const EngineCase& ec) {
+  MoeConfig c;
+  c.tokens = 48;
+  c.hidden = 64;
+  c.ffn = 96;
+  c.experts = 8;
+  c.top_k = 2;
+  c.activation = ec.act;
+  c.dtype = ec.dtype;
+  c.capacity_factor = ec.capacity_factor;
+  c.aux_loss_coef = 0.01;
+  c.z_loss_coef = 0.001;
+  return c;
+}
+
+class GpuEngine : public ::testing::TestWithParam<EngineCase> {};
+
+TEST_P(GpuEngine, MatchesCpuReference) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const ProcessEnv env = detect_process_env();
+  int devices = 0;
+  cudaGetDeviceCount(&devices);
+  const int device = choose_device(env, devices);
+  if (env.world == 1) {
+    auto comm = make_local_comm();
+    compare_with_cpu(case_config(GetParam()), *comm, device);
+  } else {
+    DMOE_CHECK_CUDA(cudaSetDevice(device));
+    cudaStream_t stream;
+    DMOE_CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    const CommKind kind = parse_comm_kind(std::getenv("DMOE_COMM") ? std::getenv("DMOE_COMM") : "auto");
+    auto comm = make_gpu_comm(env, kind, size_t(48) * 2 * 64 * 4, stream);
+    compare_with_cpu(case_config(GetParam()), *comm, device);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, GpuEngine,
+    ::testing::Values(EngineCase{Activation::swiglu, DType::f32, 0}, EngineCase{Activation::relu, DType::f32, 0},
+                      EngineCase{Activation::gelu, DType::f32, 0}, EngineCase{Activation::swiglu, DType::bf16, 0},
+                      EngineCase{Activation::relu, DType::bf16, 0}, EngineCase{Activation::swiglu, DType::f32, 0.75},
+                      EngineCase{Activation::gelu, DType::bf16, 1.0}),
+    [](const auto& info) {
+      return std::string(activation_name(info.param.act)) + "_" + dtype_name(info.param.dtype) +
+             (info.param.capacity_factor > 0 ? "_capacity" : "_dropless");
+    });
+
+}  // namespace
+}  // namespace dmoe

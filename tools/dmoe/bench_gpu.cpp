@@ -1,0 +1,194 @@
+// bench_gpu.cpp — `dmoe bench layer` on GPUs: ceilings, the EP engine, and the PyTorch peers.
+#include "bench_gpu.hpp"
+
+#if DMOE_WITH_CUDA
+#include <cuda_runtime.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+#include "bench/cuda/gpu_timing.hpp"
+#include "bench/cuda/layer_bench.hpp"
+#include "comm/cuda/bootstrap.hpp"
+#include "comm/cuda/gpu_comm.hpp"
+#include "comm/cuda/local_comm.hpp"
+#include "comm/process_env.hpp"
+#include "core/error.hpp"
+#include "cuda/check.hpp"
+#include "cuda/cuda_backend.hpp"
+#include "model/checkpoint.hpp"
+#include "model/config_io.hpp"
+#include "model/moe_weights.hpp"
+
+#ifndef DMOE_SOURCE_DIR
+#define DMOE_SOURCE_DIR "."
+#endif
+
+namespace dmoe::cli {
+
+bool gpu_available() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+namespace {
+
+struct Row {
+  std::string engine;
+  int world;
+  double ms, min_ms, max_ms, tflops, pct_roofline, tokens_per_s, error;
+  std::string error_note;
+};
+
+void print_row(const Row& r) {
+  std::printf("%-16s %3d %10.3f %8.3f %8.3f %9.1f %9.1f %13.4g  %.2e %s\n", r.engine.c_str(), r.world, r.ms, r.min_ms,
+              r.max_ms, r.tflops, r.pct_roofline, r.tokens_per_s, r.error, r.error_note.c_str());
+}
+
+// Runs bench/peers.py on the data of the dmoe run and returns its JSON (empty on failure, with a note).
+nlohmann::json run_peers(const GpuBenchArgs& a, const MoeConfig& c, const bench::LayerBenchData& data,
+                         uint64_t seed) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("dmoe_peers_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  {
+    SafetensorsWriter w;
+    save_moe_weights(w, hashed_moe_weights(c, seed, 0, c.experts), layer_prefix(0), c.dtype);
+    w.write((dir / "weights.safetensors").string());
+  }
+  {
+    SafetensorsWriter x;
+    x.add_f32("x", {c.tokens, c.hidden}, data.x, c.dtype);
+    x.write((dir / "x.safetensors").string());
+    SafetensorsWriter y;
+    y.add_f32("y", {c.tokens, c.hidden}, data.y, c.dtype);
+    y.add_i32("expert_ids", {c.tokens, c.top_k}, data.expert_ids);
+    y.add_f32("expert_weights", {c.tokens, c.top_k}, data.expert_weights, DType::f32);
+    y.write((dir / "dmoe.safetensors").string());
+  }
+  save_config_file(c, (dir / "config.json").string());
+  std::string script = std::string(DMOE_SOURCE_DIR) + "/bench/peers.py";
+  if (const char* home = std::getenv("DMOE_HOME")) script = std::string(home) + "/bench/peers.py";
+  const std::string cmd = fmt::format("{} {} --config {} --weights {} --input {} --dmoe {} --json {}", a.python, script,
+                                      (dir / "config.json").string(), (dir / "weights.safetensors").string(),
+                                      (dir / "x.safetensors").string(), (dir / "dmoe.safetensors").string(),
+                                      (dir / "peers.json").string());
+  std::fprintf(stderr, "running PyTorch peers: %s\n", cmd.c_str());
+  nlohmann::json out;
+  if (std::system(cmd.c_str()) == 0) {
+    std::ifstream f(dir / "peers.json");
+    out = nlohmann::json::parse(f, nullptr, false);
+  } else {
+    std::fprintf(stderr, "PyTorch peers failed or PyTorch is missing; their rows are left out\n");
+  }
+  fs::remove_all(dir);
+  return out.is_discarded() ? nlohmann::json() : out;
+}
+
+}  // namespace
+
+int run_gpu_layer_bench(const GpuBenchArgs& a) {
+  const ProcessEnv env = detect_process_env();
+  int devices = 0;
+  DMOE_CHECK_CUDA(cudaGetDeviceCount(&devices));
+  const int device = choose_device(env, devices);
+  MoeConfig c = a.config;
+  c.world = env.world;
+  c.validate();
+  auto backend = make_cuda_backend(c.dtype, device);
+  const auto stream = static_cast<cudaStream_t>(backend->stream());
+  // The largest segment one rank sends another: all its T·k rows (dropless worst case).
+  const size_t max_bytes_per_peer = size_t(c.tokens) * c.top_k * c.hidden * dtype_size(c.dtype);
+  std::unique_ptr<Comm> comm = env.world == 1 ? make_local_comm()
+                                              : make_gpu_comm(env, parse_comm_kind(a.comm), max_bytes_per_peer, stream);
+  const bool root = env.rank == 0;
+
+  cudaDeviceProp prop;
+  DMOE_CHECK_CUDA(cudaGetDeviceProperties(&prop, device));
+  const bench::Ceilings ceil = bench::measure_ceilings(stream);
+  bench::LayerBenchOptions o;
+  o.backward = a.backward;
+  o.check_tokens = a.check_tokens;
+  o.timing.warmup = a.warmup;
+  o.timing.min_iterations = a.min_iterations;
+  bench::LayerBenchData data;
+  const bench::LayerBenchResult r =
+      bench::bench_ep_layer(c, *backend, *comm, ceil, o, root && env.world == 1 && a.peers ? &data : nullptr);
+
+  nlohmann::json rows = nlohmann::json::array();
+  if (root) {
+    const double m = c.activation == Activation::swiglu ? 3 : 2;
+    std::printf("\n%s — %s on %s (%d SMs), rank 0 of %d (%s)\n", a.config_name.c_str(), c.summary().c_str(), prop.name,
+                prop.multiProcessorCount, env.world, env.launcher.c_str());
+    std::printf("ceilings (this run): bf16 GEMM 8192^3 %.1f TFLOP/s; device copy %.0f GB/s (read+write)\n",
+                ceil.gemm_flop_per_s * 1e-12, ceil.copy_byte_per_s * 1e-9);
+    std::printf("F = 2*%g*T*k*H*I = %.4g GFLOP/rank; bytes = Le*%g*H*I*s + 2*T*H*s = %.4g MB/rank; "
+                "roofline = max(F/GEMM, bytes/copy) = %.4f ms; comm = %.4g MB/rank/direction\n",
+                m, r.flop * 1e-9, m, r.bytes * 1e-6, r.roofline_ms, r.comm_bytes * 1e-6);
+    std::printf("%-16s %3s %10s %8s %8s %9s %9s %13s  %s\n", "engine", "W", "fwd ms", "min", "max", "TFLOP/s",
+                "%roofl", "tokens/s", "rel.err");
+    Row row{r.engine, env.world, r.forward.median_ms, r.forward.min_ms, r.forward.max_ms, r.tflops(),
+            r.percent_of_roofline(), r.tokens_per_s(), r.max_rel_error,
+            fmt::format("(vs fp64 CPU, {} tokens)", r.checked_tokens)};
+    print_row(row);
+    nlohmann::json j = {{"config", a.config_name}, {"config_summary", c.summary()}, {"engine", r.engine},
+                        {"world", env.world}, {"gpu", prop.name}, {"forward_ms", r.forward.median_ms},
+                        {"forward_min_ms", r.forward.min_ms}, {"forward_max_ms", r.forward.max_ms},
+                        {"iterations", r.forward.iterations}, {"flop", r.flop}, {"bytes", r.bytes},
+                        {"roofline_ms", r.roofline_ms}, {"percent_of_roofline", r.percent_of_roofline()},
+                        {"tflops", r.tflops()}, {"tokens_per_s", r.tokens_per_s()}, {"comm_bytes", r.comm_bytes},
+                        {"max_rel_error", r.max_rel_error}, {"gemm_ceiling_tflops", ceil.gemm_flop_per_s * 1e-12},
+                        {"copy_ceiling_gbps", ceil.copy_byte_per_s * 1e-9}};
+    if (r.forward_backward.iterations > 0) {
+      j["forward_backward_ms"] = r.forward_backward.median_ms;
+      std::printf("%-16s %3d %10.3f %8.3f %8.3f %9.1f  (forward+backward, 3F)\n", (r.engine + " f+b").c_str(),
+                  env.world, r.forward_backward.median_ms, r.forward_backward.min_ms, r.forward_backward.max_ms,
+                  3 * r.flop / (r.forward_backward.median_ms * 1e-3) * 1e-12);
+    }
+    rows.push_back(j);
+  }
+  if (root && env.world == 1 && a.peers) {
+    const nlohmann::json peers = run_peers(a, c, data, o.seed);
+    if (peers.contains("peers"))
+      for (auto& [name, p] : peers["peers"].items()) {
+        if (p.contains("skipped")) {
+          std::printf("%-16s skipped: %s\n", ("torch-" + name).c_str(), p["skipped"].get<std::string>().c_str());
+          continue;
+        }
+        const double ms = p["median_ms"];
+        Row row{"torch-" + name, 1, ms, p["min_ms"], p["max_ms"], r.flop / (ms * 1e-3) * 1e-12,
+                100.0 * r.roofline_ms / ms, double(c.tokens) / (ms * 1e-3), p["rel_error_vs_dmoe"],
+                fmt::format("(vs dmoe, same routing; own routing differs on {:.2f}% of tokens)",
+                            100.0 * p["tokens_routed_differently"].get<double>())};
+        print_row(row);
+        rows.push_back({{"config", a.config_name}, {"engine", row.engine}, {"world", 1}, {"forward_ms", ms},
+                        {"percent_of_roofline", row.pct_roofline}, {"tflops", row.tflops},
+                        {"rel_error_vs_dmoe", row.error}, {"torch", peers.value("torch", "")}});
+      }
+  }
+  // Destroying a GPU communicator is collective; NVSHMEM, when it was started, ends with the process.
+  comm.reset();
+  if (nvshmem_is_initialized()) finalize_nvshmem();
+  if (root && !a.json_path.empty()) {
+    std::ofstream f(a.json_path);
+    DMOE_REQUIRE(f.good(), "cannot write {}", a.json_path);
+    f << rows.dump(2) << "\n";
+    std::printf("wrote %s\n", a.json_path.c_str());
+  }
+  return 0;
+}
+
+}  // namespace dmoe::cli
+
+#else
+
+namespace dmoe::cli {
+bool gpu_available() { return false; }
+int run_gpu_layer_bench(const GpuBenchArgs&) { return 1; }
+}  // namespace dmoe::cli
+
+#endif

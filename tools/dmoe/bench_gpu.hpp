@@ -1,0 +1,27 @@
+// bench_gpu.hpp — the GPU part of `dmoe bench layer` (compiled when CUDA is available).
+#pragma once
+
+#include <string>
+
+#include "core/config.hpp"
+
+namespace dmoe::cli {
+
+struct GpuBenchArgs {
+  MoeConfig config;        // world is taken from the process environment
+  std::string config_name;
+  std::string comm = "auto";  // auto | nccl | nvshmem
+  bool backward = false;
+  bool peers = false;         // run bench/peers.py (PyTorch) on the same data, W = 1 only
+  std::string python = "python3";
+  std::string json_path;
+  int check_tokens = 8;
+  int warmup = 5;
+  int min_iterations = 20;
+};
+
+// True when a CUDA device is visible to this process.
+bool gpu_available();
+int run_gpu_layer_bench(const GpuBenchArgs& args);
+
+}  // namespace dmoe::cli
