@@ -109,7 +109,10 @@ int run_gpu_layer_bench(const GpuBenchArgs& a) {
 
   cudaDeviceProp prop;
   DMOE_CHECK_CUDA(cudaGetDeviceProperties(&prop, device));
+  // Ranks sharing a GPU measure their ceilings at the same time: each sees its share of the GPU.
+  comm->barrier(stream);
   const bench::Ceilings ceil = bench::measure_ceilings(stream);
+  comm->barrier(stream);
   bench::LayerBenchOptions o;
   o.backward = a.backward;
   o.check_tokens = a.check_tokens;
