@@ -31,6 +31,8 @@ git log -1 --format='commit %H' 2>/dev/null || true
 
 if [ "$WHAT" != bench ]; then
   run 300 gpu_tests_w1 "$B/tests/dmoe_gpu_tests" --gtest_brief=1
+  DMOE_EXPERT_GEMM=streams run 200 gpu_tests_w1_streams "$B/tests/dmoe_gpu_tests" --gtest_brief=1 \
+    --gtest_filter='CudaKernels*:*GpuEngine*'
   for n in 2 4 8; do
     run 200 "launch_w$n" "$B/dmoe" launch -n "$n" -- "$B/tests/dmoe_gpu_tests" --gtest_brief=1 \
       --gtest_filter='GpuComm*:*GpuEngine*'
@@ -51,6 +53,13 @@ fi
 if [ "$WHAT" != tests ]; then
   for cfg in decode flash-paper fine-grained mixtral; do
     run 150 "bench_$cfg" "$B/dmoe" bench layer --config "$cfg" --peers --json "$O/bench_$cfg.json"
+  done
+  # The expert GEMM strategies side by side (src/cuda/gemm.cpp): what auto should pick.
+  for cfg in flash-paper fine-grained decode; do
+    for mode in grouped loop streams; do
+      DMOE_EXPERT_GEMM=$mode run 100 "mode_${cfg}_$mode" "$B/dmoe" bench layer --config "$cfg" --check-tokens 2 \
+        --json "$O/mode_${cfg}_$mode.json"
+    done
   done
   for n in 4 8; do
     run 150 "bench_flash-paper_w$n" "$B/dmoe" launch -n "$n" -- "$B/dmoe" bench layer --config flash-paper \

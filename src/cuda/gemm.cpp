@@ -2,6 +2,8 @@
 // expert product (cublasGemmGroupedBatchedEx_64 for many small products; a loop of single products for
 // large ones and where the grouped API does not take the operand types). See common.hpp for the
 // row-major ↔ column-major mapping.
+#include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "cuda/common.hpp"
@@ -30,6 +32,70 @@ bool grouped_supports(cudaDataType_t a_type, cudaDataType_t b_type, cudaDataType
 // so the loop takes over from a mean of 1.5 G multiply-adds per problem.
 constexpr double kGroupedMaxMeanMacs = 1.5e9;
 
+// A single expert's product of a few hundred rows fills only a few of the 132 SMs (M=256, N=2048 is 16
+// output tiles of 128×256), which is why the plain loop is slow for mid-sized experts. Issuing the
+// experts' products on several streams at once lets their tiles share the GPU. Side streams are forked
+// from and joined back into the caller's stream with events, so ordering is unchanged for everyone else.
+constexpr int kMaxSideStreams = 16;
+
+struct SideStreams {
+  int device = -1;
+  cudaEvent_t fork = nullptr;
+  std::vector<cudaStream_t> streams;
+  std::vector<cublasHandle_t> handles;  // one per stream: a handle's workspace must not be shared
+  std::vector<cudaEvent_t> done;
+};
+
+// Per host thread and device; created on first use and kept for the life of the process (destroying
+// cuBLAS handles during process exit can fail after the CUDA context is gone).
+SideStreams& side_streams() {
+  thread_local std::vector<SideStreams*> pools;
+  int device = 0;
+  DMOE_CHECK_CUDA(cudaGetDevice(&device));
+  for (SideStreams* p : pools)
+    if (p->device == device) return *p;
+  auto* p = new SideStreams;
+  p->device = device;
+  DMOE_CHECK_CUDA(cudaEventCreateWithFlags(&p->fork, cudaEventDisableTiming));
+  for (int i = 0; i < kMaxSideStreams; ++i) {
+    cudaStream_t st;
+    cublasHandle_t h;
+    cudaEvent_t ev;
+    DMOE_CHECK_CUDA(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    DMOE_CHECK_CUBLAS(cublasCreate(&h));
+    DMOE_CHECK_CUBLAS(cublasSetStream(h, st));
+    DMOE_CHECK_CUBLAS(cublasSetMathMode(h, CUBLAS_DEFAULT_MATH));  // no TF32, as the main handle
+    DMOE_CHECK_CUDA(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+    p->streams.push_back(st);
+    p->handles.push_back(h);
+    p->done.push_back(ev);
+  }
+  pools.push_back(p);
+  return *p;
+}
+
+// How the experts' products run. DMOE_EXPERT_GEMM=grouped|loop|streams forces one (for measurements);
+// auto: grouped for small products, streams above kStreamsMinMeanMacs, loop for a single product.
+enum class ExpertGemmMode { automatic, grouped, loop, streams };
+
+ExpertGemmMode expert_gemm_mode() {
+  static const ExpertGemmMode mode = [] {
+    const char* v = std::getenv("DMOE_EXPERT_GEMM");
+    if (!v || !*v || std::string(v) == "auto") return ExpertGemmMode::automatic;
+    if (std::string(v) == "grouped") return ExpertGemmMode::grouped;
+    if (std::string(v) == "loop") return ExpertGemmMode::loop;
+    if (std::string(v) == "streams") return ExpertGemmMode::streams;
+    fail(__FILE__, __LINE__, "DMOE_EXPERT_GEMM=%s is not supported; allowed: auto, grouped, loop, streams", v);
+  }();
+  return mode;
+}
+
+// Products of this mean size use the side streams under auto (prediction, to be measured: at 0.25-1.5 G
+// multiply-adds the grouped call reached 280 TFLOP/s and the loop 140; from ~8 G one product alone
+// fills the GPU, and the plain loop reached 790-840).
+constexpr double kStreamsMinMeanMacs = 0.25e9;
+constexpr double kStreamsMaxMeanMacs = 8e9;
+
 }  // namespace
 
 void gemm_rm(cublasHandle_t cublas, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
@@ -55,9 +121,35 @@ void gemm_rm_grouped(const CudaContext& ctx, void* pointer_scratch, bool trans_a
     aligned = aligned && is_aligned(p.a, 16) && is_aligned(p.b, 16) && is_aligned(p.c, 16);
     macs += double(p.m) * double(p.n) * double(p.k);
   }
-  const bool small = macs / double(problems.size()) < kGroupedMaxMeanMacs;
+  const double mean_macs = macs / double(problems.size());
+  const bool small = mean_macs < kGroupedMaxMeanMacs;
+  const ExpertGemmMode forced = expert_gemm_mode();
+  const bool grouped_ok = grouped_supports(a_type, b_type, c_type) && aligned && problems.size() > 1;
+  const bool use_streams = problems.size() > 1 &&
+                           (forced == ExpertGemmMode::streams ||
+                            (forced == ExpertGemmMode::automatic && mean_macs >= kStreamsMinMeanMacs &&
+                             mean_macs < kStreamsMaxMeanMacs));
+  const bool use_grouped = grouped_ok && !use_streams &&
+                           (forced == ExpertGemmMode::grouped || (forced == ExpertGemmMode::automatic && small));
 
-  if (!grouped_supports(a_type, b_type, c_type) || !aligned || !small || problems.size() == 1) {
+  if (use_streams) {
+    SideStreams& side = side_streams();
+    const int n_streams = int(std::min<size_t>(problems.size(), kMaxSideStreams));
+    DMOE_CHECK_CUDA(cudaEventRecord(side.fork, ctx.stream));
+    for (int s = 0; s < n_streams; ++s) DMOE_CHECK_CUDA(cudaStreamWaitEvent(side.streams[s], side.fork, 0));
+    for (size_t i = 0; i < problems.size(); ++i) {
+      const GemmProblem& p = problems[i];
+      gemm_rm(side.handles[i % n_streams], trans_a, trans_b, p.m, p.n, p.k, alpha, p.a, a_type, lda, p.b, b_type,
+              ldb, beta, p.c, c_type, ldc);
+    }
+    for (int s = 0; s < n_streams; ++s) {
+      DMOE_CHECK_CUDA(cudaEventRecord(side.done[s], side.streams[s]));
+      DMOE_CHECK_CUDA(cudaStreamWaitEvent(ctx.stream, side.done[s], 0));
+    }
+    return;
+  }
+
+  if (!use_grouped) {
     // NOTE: the loop is the path for large products (faster, see above), mixed-type products (weight
     // gradients of bf16 experts into f32) and row lengths that break 16-byte alignment; each call is
     // one expert's whole product.

@@ -3,6 +3,7 @@
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "cuda/check.hpp"
@@ -66,8 +67,21 @@ Stats GpuTimer::time(const std::function<void()>& fn, const TimingOptions& o) {
   DMOE_CHECK_CUDA(cudaStreamSynchronize(stream_));
   std::vector<double> ms;
   double total = 0;
-  while (int(ms.size()) < o.max_iterations &&
-         (int(ms.size()) < o.min_iterations || total < o.min_total_ms)) {
+  int fixed = -1;  // with agree_iterations: the count all ranks run
+  if (o.agree_iterations) {
+    // Estimate the count from one timed call, then agree on it.
+    DMOE_CHECK_CUDA(cudaEventRecord(start_, stream_));
+    fn();
+    DMOE_CHECK_CUDA(cudaEventRecord(stop_, stream_));
+    DMOE_CHECK_CUDA(cudaEventSynchronize(stop_));
+    float t = 0;
+    DMOE_CHECK_CUDA(cudaEventElapsedTime(&t, start_, stop_));
+    const int wanted = std::clamp(int(o.min_total_ms / std::max(t, 1e-3f)) + 1, o.min_iterations, o.max_iterations);
+    fixed = o.agree_iterations(wanted);
+  }
+  while (fixed >= 0 ? int(ms.size()) < fixed
+                    : int(ms.size()) < o.max_iterations &&
+                          (int(ms.size()) < o.min_iterations || total < o.min_total_ms)) {
     if (o.flush_l2) DMOE_CHECK_CUDA(cudaMemsetAsync(flush_, int(ms.size() & 0xff), flush_bytes_, stream_));
     DMOE_CHECK_CUDA(cudaEventRecord(start_, stream_));
     fn();

@@ -24,6 +24,10 @@ struct TimingOptions {
   int max_iterations = 2000;
   double min_total_ms = 300;
   bool flush_l2 = true;
+  // Ranks timing collective work must run the same number of iterations, or one waits forever in a
+  // collective the others never enter. When set, it is called once after the warm-up with this rank's
+  // wanted count and returns the count every rank uses (e.g. rank 0's, broadcast).
+  std::function<int(int)> agree_iterations;
 };
 
 class GpuTimer {

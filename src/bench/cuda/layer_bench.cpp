@@ -62,10 +62,23 @@ LayerBenchResult bench_ep_layer(const MoeConfig& c, Backend& backend, Comm& comm
   backend.upload_f32(xd, x.data(), T * H);
 
   GpuTimer timer(static_cast<cudaStream_t>(backend.stream()));
+  TimingOptions timing = o.timing;
+  void* n_dev = nullptr;
+  if (W > 1) {
+    // Every rank runs rank 0's iteration count (the engine's collectives need all ranks each time).
+    n_dev = backend.allocate(sizeof(int64_t));
+    timing.agree_iterations = [&backend, &comm, n_dev](int wanted) {
+      int64_t n = wanted;
+      backend.upload(n_dev, &n, sizeof(n));
+      comm.broadcast(n_dev, 1, DType::i64, 0, backend.stream());
+      backend.download(&n, n_dev, sizeof(n));
+      return int(n);
+    };
+  }
   LayerBenchResult r;
   r.engine = std::string("ep-") + comm.name();
   r.config = c;
-  r.forward = timer.time([&] { engine.forward(xd, yd); }, o.timing);
+  r.forward = timer.time([&] { engine.forward(xd, yd); }, timing);
   if (o.backward) {
     void* dyd = backend.allocate(T * H * elem);
     void* dxd = backend.allocate(T * H * elem);
@@ -76,7 +89,7 @@ LayerBenchResult bench_ep_layer(const MoeConfig& c, Backend& backend, Comm& comm
           engine.forward(xd, yd);
           engine.backward(dyd, dxd);
         },
-        o.timing);
+        timing);
     backend.release(dyd);
     backend.release(dxd);
   }
@@ -133,6 +146,7 @@ LayerBenchResult bench_ep_layer(const MoeConfig& c, Backend& backend, Comm& comm
   }
   backend.release(xd);
   backend.release(yd);
+  if (n_dev) backend.release(n_dev);
   return r;
 }
 

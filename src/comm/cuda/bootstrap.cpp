@@ -1,5 +1,6 @@
 // bootstrap.cpp — NVSHMEM and NCCL initialisation across launchers (see bootstrap.hpp), plus the file
 // rendezvous dmoe launch provides and the bounded stream wait the communicators share.
+#include <algorithm>
 #include "comm/cuda/bootstrap.hpp"
 
 #include <cuda_runtime.h>
@@ -215,6 +216,11 @@ void init_nvshmem(const ProcessEnv& env, size_t symmetric_heap_bytes) {
                  "communicator first)", env.rank, g_nvshmem_heap_bytes, symmetric_heap_bytes, symmetric_heap_bytes);
     return;
   }
+  // The heap cannot grow once NVSHMEM runs, and a process may create a larger communicator later (a
+  // test binary creates many): reserve at least DMOE_NVSHMEM_MIN_HEAP bytes (default 1 GiB).
+  size_t floor_bytes = size_t(1) << 30;
+  if (const char* min_heap = std::getenv("DMOE_NVSHMEM_MIN_HEAP")) floor_bytes = parse_byte_size(min_heap);
+  symmetric_heap_bytes = std::max(symmetric_heap_bytes, floor_bytes);
   // NVSHMEM reads its environment on first use: everything is set before the first NVSHMEM call.
   const char* user_size = std::getenv("NVSHMEM_SYMMETRIC_SIZE");
   if (!user_size) ::setenv("NVSHMEM_SYMMETRIC_SIZE", std::to_string(symmetric_heap_bytes).c_str(), 1);
