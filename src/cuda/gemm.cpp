@@ -90,10 +90,12 @@ ExpertGemmMode expert_gemm_mode() {
   return mode;
 }
 
-// Products of this mean size use the side streams under auto (prediction, to be measured: at 0.25-1.5 G
-// multiply-adds the grouped call reached 280 TFLOP/s and the loop 140; from ~8 G one product alone
-// fills the GPU, and the plain loop reached 790-840).
-constexpr double kStreamsMinMeanMacs = 0.25e9;
+// Products of this mean size use the side streams under auto. Measured on H200 (docs/perf.md,
+// 2026-11-29), whole layer forward, grouped / loop / streams: flash-paper (1.07 G MACs per expert
+// product) 1.248 / 1.306 / 1.137 ms; fine-grained (0.40 G) 1.509 / 3.323 / 3.406 ms; decode (0.10 G)
+// 0.849 / 2.989 / 3.271 ms. Streams win only from about 1 G; from ~8 G one product alone fills the GPU
+// (the plain loop reached 790-840 TFLOP/s).
+constexpr double kStreamsMinMeanMacs = 0.75e9;
 constexpr double kStreamsMaxMeanMacs = 8e9;
 
 }  // namespace
