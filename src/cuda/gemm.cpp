@@ -75,7 +75,7 @@ SideStreams& side_streams() {
 }
 
 // How the experts' products run. DMOE_EXPERT_GEMM=grouped|loop|streams forces one (for measurements);
-// auto: grouped for small products, streams above kStreamsMinMeanMacs, loop for a single product.
+// auto: grouped below kGroupedMaxMeanMacs, else one product after another.
 enum class ExpertGemmMode { automatic, grouped, loop, streams };
 
 ExpertGemmMode expert_gemm_mode() {
@@ -90,13 +90,12 @@ ExpertGemmMode expert_gemm_mode() {
   return mode;
 }
 
-// Products of this mean size use the side streams under auto. Measured on H200 (docs/perf.md,
-// 2026-11-29), whole layer forward, grouped / loop / streams: flash-paper (1.07 G MACs per expert
-// product) 1.248 / 1.306 / 1.137 ms; fine-grained (0.40 G) 1.509 / 3.323 / 3.406 ms; decode (0.10 G)
-// 0.849 / 2.989 / 3.271 ms. Streams win only from about 1 G; from ~8 G one product alone fills the GPU
-// (the plain loop reached 790-840 TFLOP/s).
-constexpr double kStreamsMinMeanMacs = 0.75e9;
-constexpr double kStreamsMaxMeanMacs = 8e9;
+// Side streams are opt-in (DMOE_EXPERT_GEMM=streams); auto never picks them. Measured on H200
+// (docs/perf.md, 2026-11-29), whole-layer forward, grouped / loop / streams: flash-paper (1.07 G MACs
+// per expert product) 1.248 / 1.306 / 1.137 ms, but streams measured 1.78 and 1.28 ms in a later run
+// (grouped stays at 1.25); fine-grained (0.40 G) 1.509 / 3.323 / 3.406 ms; decode (0.10 G)
+// 0.849 / 2.989 / 3.271 ms. cuBLAS's kernels for these shapes do not reliably run side by side, so the
+// gain is neither large nor stable; a grouped kernel of our own is the way to the 40% target.
 
 }  // namespace
 
@@ -127,10 +126,7 @@ void gemm_rm_grouped(const CudaContext& ctx, void* pointer_scratch, bool trans_a
   const bool small = mean_macs < kGroupedMaxMeanMacs;
   const ExpertGemmMode forced = expert_gemm_mode();
   const bool grouped_ok = grouped_supports(a_type, b_type, c_type) && aligned && problems.size() > 1;
-  const bool use_streams = problems.size() > 1 &&
-                           (forced == ExpertGemmMode::streams ||
-                            (forced == ExpertGemmMode::automatic && mean_macs >= kStreamsMinMeanMacs &&
-                             mean_macs < kStreamsMaxMeanMacs));
+  const bool use_streams = problems.size() > 1 && forced == ExpertGemmMode::streams;
   const bool use_grouped = grouped_ok && !use_streams &&
                            (forced == ExpertGemmMode::grouped || (forced == ExpertGemmMode::automatic && small));
 
