@@ -6,7 +6,7 @@
 
 namespace dmoe {
 
-EpEngine::EpEngine(const MoeConfig& config, Backend& backend, Comm& comm)
+EpEngine::EpEngine(const MoeConfig& config, Backend& backend, Comm& comm, const EpOptions& options)
     : config_(config), backend_(backend), comm_(comm) {
   config_.validate();
   DMOE_REQUIRE(config_.world == comm_.world(),
@@ -18,12 +18,18 @@ EpEngine::EpEngine(const MoeConfig& config, Backend& backend, Comm& comm)
                     &weights_, &lse_, &slot_, &row_token_, &row_choice_, &send_, &recv_, &batch_,
                     &pre1_, &pre3_, &h_, &out_batch_, &out_recv_, &ret_, &counts_dev_,
                     &recv_counts_dev_, &stats_dev_, &dret_, &drecv_, &dbatch_, &dx_batch_, &dx_recv_,
-                    &dsend_, &dweights_, &dlogits_, &dx_router_})
+                    &dsend_, &dweights_, &dlogits_, &dx_router_, &send_wire_, &ret_compact_, &dret_wire_,
+                    &dsend_compact_})
     b->bind(backend_);
-  send_rows_.assign(config_.world, 0);
+  wire_rows_.assign(config_.world, 0);
   recv_rows_.assign(config_.world, 0);
   global_tokens_ = config_.tokens * config_.world;
   local_only_ = config_.world == 1;
+  padded_ = !config_.dropless() && options.pad_to_capacity;
+  if (padded_) {
+    padded_offsets_.resize(config_.experts);
+    for (int32_t e = 0; e < config_.experts; ++e) padded_offsets_[e] = int64_t(e) * config_.capacity();
+  }
 }
 
 void EpEngine::set_weights(const MoeWeights& w) {
@@ -65,6 +71,12 @@ void EpEngine::zero_grads() {
 
 void EpEngine::exchange_counts() {
   const int32_t W = config_.world, Le = local_experts_, E = config_.experts;
+  if (padded_) {  // fixed shapes: every (source, expert) segment is C rows; nothing to exchange
+    const std::vector<int64_t> counts(int64_t(W) * Le, config_.capacity());
+    layout_ = build_expert_batch_layout(counts.data(), W, Le);
+    for (int32_t p = 0; p < W; ++p) recv_rows_[p] = layout_.source_counts[p];
+    return;
+  }
   if (W == 1) {  // nothing to exchange: this rank's counts are the layout
     layout_ = build_expert_batch_layout(kept_.data(), 1, Le);
     recv_rows_[0] = layout_.source_counts[0];
@@ -115,15 +127,24 @@ void EpEngine::forward(const void* x, void* y) {
   backend_.plan_send(ids, weights, T, k, E, config_.capacity(), config_.drop_policy, plan, routed_.data(),
                      kept_.data());
   send_rows_total_ = 0;
+  compact_offsets_.assign(E, 0);
   for (int32_t d = 0; d < W; ++d) {
-    send_rows_[d] = 0;
-    for (int32_t e = d * Le; e < (d + 1) * Le; ++e) send_rows_[d] += kept_[e];
-    send_rows_total_ += send_rows_[d];
+    wire_rows_[d] = 0;
+    for (int32_t e = d * Le; e < (d + 1) * Le; ++e) {
+      compact_offsets_[e] = send_rows_total_;
+      send_rows_total_ += kept_[e];
+      wire_rows_[d] += padded_ ? config_.capacity() : kept_[e];
+    }
   }
   const int64_t S = send_rows_total_;
 
-  // 3. send [S, H] = x rows in expert-major order.
+  // 3. send [S, H] = x rows in expert-major order; in padded mode the wire carries [E·C, H].
   backend_.gather_rows(x, plan.row_token, send_.ensure(S * H * elem_), S, H);
+  void* wire = send_.data();
+  if (padded_) {
+    wire = send_wire_.ensure(E * config_.capacity() * H * elem_);
+    pad_rows(send_.data(), wire);
+  }
 
   // 4. Counts, then rows, to the experts' owners.  recv: [N, H] source-major; batch: expert-major.
   // NOTE: with one rank the send buffer already is the expert batch (expert-major, token order), so
@@ -131,9 +152,9 @@ void EpEngine::forward(const void* x, void* y) {
   exchange_counts();
   const int64_t N = layout_.rows();
   const int64_t segments = int64_t(W) * Le;
-  batch_rows_ = send_.data();
+  batch_rows_ = wire;
   if (!local_only_) {
-    exchange_rows(send_.data(), send_rows_, recv_.ensure(N * H * elem_), recv_rows_, H);
+    exchange_rows(wire, wire_rows_, recv_.ensure(N * H * elem_), recv_rows_, H);
     backend_.permute_segments(recv_.data(), batch_.ensure(N * H * elem_), layout_.recv_offsets.data(),
                               layout_.batch_offsets.data(), layout_.counts.data(), segments, H);
     batch_rows_ = batch_.data();
@@ -145,12 +166,17 @@ void EpEngine::forward(const void* x, void* y) {
                               h_.ensure(N * I * elem_), out_batch_.ensure(N * H * elem_),
                               layout_.expert_offsets.data(), Le, H, I, config_.activation);
   // 6. Results back to the tokens' ranks (same segments, reversed), then the weighted combine.
+  const int64_t wire_total = rows_sent();
   returned_rows_ = out_batch_.data();
   if (!local_only_) {
     backend_.permute_segments(out_batch_.data(), out_recv_.ensure(N * H * elem_), layout_.batch_offsets.data(),
                               layout_.recv_offsets.data(), layout_.counts.data(), segments, H);
-    exchange_rows(out_recv_.data(), recv_rows_, ret_.ensure(S * H * elem_), send_rows_, H);
+    exchange_rows(out_recv_.data(), recv_rows_, ret_.ensure(wire_total * H * elem_), wire_rows_, H);
     returned_rows_ = ret_.data();
+  }
+  if (padded_) {
+    unpad_rows(returned_rows_, ret_compact_.ensure(S * H * elem_));
+    returned_rows_ = ret_compact_.data();
   }
   backend_.combine(returned_rows_, plan.slot, weights, y, T, k, H);
 
@@ -193,9 +219,14 @@ void EpEngine::backward(const void* dy, void* dx) {
                             dret_.ensure(S * H * elem_), dweights, T, k, H);
 
   // 2. Row gradients to the experts (the dispatch pattern again), expert-major.
-  void* dbatch = dret_.data();
+  void* dwire = dret_.data();
+  if (padded_) {
+    dwire = dret_wire_.ensure(E * config_.capacity() * H * elem_);
+    pad_rows(dret_.data(), dwire);
+  }
+  void* dbatch = dwire;
   if (!local_only_) {
-    exchange_rows(dret_.data(), send_rows_, drecv_.ensure(N * H * elem_), recv_rows_, H);
+    exchange_rows(dwire, wire_rows_, drecv_.ensure(N * H * elem_), recv_rows_, H);
     backend_.permute_segments(drecv_.data(), dbatch_.ensure(N * H * elem_), layout_.recv_offsets.data(),
                               layout_.batch_offsets.data(), layout_.counts.data(), segments, H);
     dbatch = dbatch_.data();
@@ -212,8 +243,12 @@ void EpEngine::backward(const void* dy, void* dx) {
   if (!local_only_) {
     backend_.permute_segments(dx_batch_.data(), dx_recv_.ensure(N * H * elem_), layout_.batch_offsets.data(),
                               layout_.recv_offsets.data(), layout_.counts.data(), segments, H);
-    exchange_rows(dx_recv_.data(), recv_rows_, dsend_.ensure(S * H * elem_), send_rows_, H);
+    exchange_rows(dx_recv_.data(), recv_rows_, dsend_.ensure(rows_sent() * H * elem_), wire_rows_, H);
     dsend = dsend_.data();
+  }
+  if (padded_) {
+    unpad_rows(dsend, dsend_compact_.ensure(S * H * elem_));
+    dsend = dsend_compact_.data();
   }
 
   // 5. Router backward (gate weights, auxiliary losses) and the sum of all contributions to dx.
@@ -226,6 +261,23 @@ void EpEngine::backward(const void* dy, void* dx) {
                            config_.aux_loss_coef * E / n, 2.0 * config_.z_loss_coef / n, dlogits, dx_router,
                            dwg_.data(), T, H, E, k, config_.renormalize);
   backend_.scatter_back(dsend, slot_.as<int32_t>(), dx_router, dx, T, k, H);
+}
+
+int64_t EpEngine::rows_sent() const {
+  int64_t total = 0;
+  for (int64_t r : wire_rows_) total += r;
+  return total;
+}
+
+void EpEngine::pad_rows(const void* compact, void* padded) {
+  const int64_t C = config_.capacity(), E = config_.experts, H = config_.hidden;
+  backend_.zero(padded, size_t(E * C * H) * elem_);
+  backend_.permute_segments(compact, padded, compact_offsets_.data(), padded_offsets_.data(), kept_.data(), E, H);
+}
+
+void EpEngine::unpad_rows(const void* padded, void* compact) {
+  backend_.permute_segments(padded, compact, padded_offsets_.data(), compact_offsets_.data(), kept_.data(),
+                            config_.experts, config_.hidden);
 }
 
 namespace {

@@ -24,6 +24,14 @@
 
 namespace dmoe {
 
+// How the engine moves rows (the layer's results do not depend on it).
+struct EpOptions {
+  // Capacity mode only: send every (rank, expert) segment padded to the capacity C with zero rows, as
+  // Megatron/Tutel-style systems do (fixed shapes: no count exchange, the experts also compute on the
+  // padding). Off: exact row counts on the wire, as in dropless mode.
+  bool pad_to_capacity = true;
+};
+
 struct RouterLosses {
   double load_balance = 0;  // E · Σ_e f_e · P_e over all ranks' tokens
   double z_loss = 0;        // mean over all tokens of logsumexp(logits)²
@@ -32,7 +40,7 @@ struct RouterLosses {
 class EpEngine {
  public:
   // config.world must equal comm.world(); config.tokens is this rank's token count.
-  EpEngine(const MoeConfig& config, Backend& backend, Comm& comm);
+  EpEngine(const MoeConfig& config, Backend& backend, Comm& comm, const EpOptions& options = {});
 
   // Gate [E, H] and this rank's experts (weights.first_expert == config.first_expert(rank)).
   void set_weights(const MoeWeights& weights);
@@ -52,8 +60,10 @@ class EpEngine {
   RouterLosses losses() const { return losses_; }
   const std::vector<int64_t>& routed_counts() const { return routed_; }  // [E] this rank, pre-capacity
   const std::vector<int64_t>& kept_counts() const { return kept_; }      // [E] this rank
-  int64_t rows_received() const { return layout_.rows(); }
-  int64_t rows_sent() const { return send_rows_total_; }
+  int64_t rows_received() const { return layout_.rows(); }          // expert batch rows (padding included)
+  int64_t rows_sent() const;                                           // rows on the wire, all peers
+  int64_t rows_sent_to(int32_t rank) const { return wire_rows_[rank]; }
+  bool padded() const { return padded_; }
   const ExpertBatchLayout& layout() const { return layout_; }
 
   const MoeConfig& config() const { return config_; }
@@ -64,6 +74,10 @@ class EpEngine {
   void exchange_rows(const void* send, const std::vector<int64_t>& send_rows, void* recv,
                      const std::vector<int64_t>& recv_rows, int64_t width);
   void compute_losses();
+  // Compact expert-major rows [S, H] <-> the padded wire layout [E·C, H] (zero rows fill each expert's
+  // segment up to C). Only in padded mode.
+  void pad_rows(const void* compact, void* padded);
+  void unpad_rows(const void* padded, void* compact);
 
   MoeConfig config_;
   Backend& backend_;
@@ -85,8 +99,10 @@ class EpEngine {
   Buffer send_, recv_, batch_, pre1_, pre3_, h_, out_batch_, out_recv_, ret_;
   Buffer counts_dev_, recv_counts_dev_, stats_dev_;
   std::vector<int64_t> routed_, kept_;
-  std::vector<int64_t> send_rows_, recv_rows_;  // [W] rows to / from each peer
-  int64_t send_rows_total_ = 0;
+  std::vector<int64_t> wire_rows_, recv_rows_;  // [W] rows on the wire to / from each peer
+  int64_t send_rows_total_ = 0;                   // S: kept rows of this rank (compact send buffer)
+  bool padded_ = false;                           // capacity mode with EpOptions::pad_to_capacity
+  std::vector<int64_t> compact_offsets_, padded_offsets_;  // [E] for pad_rows / unpad_rows
   ExpertBatchLayout layout_;
   std::vector<double> expert_fraction_;  // [E] f_e over all ranks
   RouterLosses losses_;
@@ -97,6 +113,9 @@ class EpEngine {
 
   // Backward scratch.
   Buffer dret_, drecv_, dbatch_, dx_batch_, dx_recv_, dsend_, dweights_, dlogits_, dx_router_;
+  // Padded mode only: the wire-layout copies of the send rows and of the row gradients, and the
+  // compact copies of what comes back.
+  Buffer send_wire_, ret_compact_, dret_wire_, dsend_compact_;
 };
 
 }  // namespace dmoe

@@ -13,7 +13,7 @@ int64_t LayerResult::dropped() const {
 }
 
 LayerResult run_cpu_layer(const MoeConfig& config, const MoeWeights& weights, const std::vector<float>& x,
-                          const std::vector<float>* dy) {
+                          const std::vector<float>* dy, const EpOptions& options) {
   config.validate();
   const int64_t T = config.tokens, H = config.hidden, W = config.world, k = config.top_k;
   const int32_t Le = config.experts_per_rank();
@@ -38,7 +38,7 @@ LayerResult run_cpu_layer(const MoeConfig& config, const MoeWeights& weights, co
 
   run_thread_ranks(config.world, [&](int32_t rank, Comm& comm) {
     auto backend = make_cpu_backend(config.dtype);
-    EpEngine engine(config, *backend, comm);
+    EpEngine engine(config, *backend, comm, options);
     engine.set_weights(slice_experts(weights, config.first_expert(rank), Le));
     // Host memory is the CPU backend's memory, so rank slices are used in place (rounded to bf16 for
     // a bf16 config, as an upload would).
@@ -63,6 +63,8 @@ LayerResult run_cpu_layer(const MoeConfig& config, const MoeWeights& weights, co
     }
     std::lock_guard<std::mutex> lock(mutex);
     if (rank == 0) result.losses = engine.losses();
+    result.rows_received += engine.rows_received();
+    result.rows_sent += engine.rows_sent();
     for (int32_t e = 0; e < config.experts; ++e) {
       result.routed[e] += engine.routed_counts()[e];
       result.kept[e] += engine.kept_counts()[e];

@@ -21,13 +21,16 @@ struct LayerResult {
   RouterLosses losses;
   std::vector<int64_t> routed;          // [E] assignments per expert, summed over ranks
   std::vector<int64_t> kept;            // [E] rows kept per expert, summed over ranks
+  int64_t rows_received = 0;            // expert batch rows over all ranks (padding included)
+  int64_t rows_sent = 0;                // rows on the wire over all ranks (padding included)
   int64_t dropped() const;
 };
 
 // Runs forward (and backward when dy is non-null) of the layer on config.world simulated ranks.
 // weights holds all experts; x (and dy) are [world * tokens, hidden], rank r's tokens at rows
 // [r*T, (r+1)*T).
+// `options` chooses how rows travel (see EpOptions); rows_received/rows_sent report it.
 LayerResult run_cpu_layer(const MoeConfig& config, const MoeWeights& weights, const std::vector<float>& x,
-                          const std::vector<float>* dy);
+                          const std::vector<float>* dy, const EpOptions& options = {});
 
 }  // namespace dmoe

@@ -98,9 +98,7 @@ LayerBenchResult bench_ep_layer(const MoeConfig& c, Backend& backend, Comm& comm
   r.flop = 2 * m * double(T) * c.top_k * double(H) * double(I);
   r.bytes = double(Le) * m * double(H) * double(I) * elem + 2.0 * double(T) * double(H) * elem;
   r.roofline_ms = std::max(r.flop / ceilings.gemm_flop_per_s, r.bytes / ceilings.copy_byte_per_s) * 1e3;
-  int64_t to_self = 0;
-  for (int32_t e = c.first_expert(rank); e < c.first_expert(rank) + Le; ++e) to_self += engine.kept_counts()[e];
-  r.comm_bytes = double(engine.rows_sent() - to_self) * double(H) * double(elem);
+  r.comm_bytes = double(engine.rows_sent() - engine.rows_sent_to(rank)) * double(H) * double(elem);
 
   // Check a sample of this rank's tokens against the fp64 CPU computation with the engine's routing.
   std::vector<float> y(T * H);
