@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <array>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -110,6 +111,17 @@ TEST_F(Cli, BadInputGivesClearErrors) {
               " --output " + p("y.safetensors"));
   EXPECT_EQ(r.status, 1);
   EXPECT_NE(r.output.find("missing.safetensors"), std::string::npos) << r.output;
+  {  // a NaN in x is named with its position
+    SafetensorsWriter bad;
+    std::vector<float> x(4 * 8, 0.5f);
+    x[2 * 8 + 5] = std::nanf("");
+    bad.add_f32("x", {4, 8}, x, DType::f32);
+    bad.write(p("xnan.safetensors"));
+  }
+  r = run_cli("run --top-k 2 --weights " + p("w.safetensors") + " --input " + p("xnan.safetensors") + " --output " +
+              p("y.safetensors"));
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.output.find("x[2, 5] is nan"), std::string::npos) << r.output;
   r = run_cli("init --activation tanh --out " + p("w2.safetensors"));
   EXPECT_EQ(r.status, 1);
   EXPECT_NE(r.output.find("relu, gelu, swiglu"), std::string::npos) << r.output;

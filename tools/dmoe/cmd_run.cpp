@@ -3,6 +3,7 @@
 //   input  --input X:        x [T_total, H] (f32 or bf16); T_total = world * tokens per rank
 //   output --output Y:       y [T_total, H], expert_ids [T_total, k] int32, expert_weights [T_total, k];
 //                            with --grad-output DY (dy [T_total, H]): dx and "grad." + each weight name.
+#include <cmath>
 #include <cstdio>
 
 #include "commands.hpp"
@@ -67,6 +68,15 @@ Command add_run_command(CLI::App& app) {
       DMOE_REQUIRE(g.has("dy"), "{}: no tensor 'dy' (expected dy [tokens, hidden])", o->grad_output);
       dy = g.read_f32("dy", {total, c.hidden});
     }
+
+    // Non-finite inputs would reach the router as NaN logits; name the first bad element instead.
+    auto require_finite = [&](const std::vector<float>& v, const char* name, const std::string& file) {
+      for (size_t i = 0; i < v.size(); ++i)
+        DMOE_REQUIRE(std::isfinite(v[i]), "{}: {}[{}, {}] is {}; inputs must be finite", file, name,
+                     i / size_t(c.hidden), i % size_t(c.hidden), v[i]);
+    };
+    require_finite(x, "x", o->input);
+    if (!dy.empty()) require_finite(dy, "dy", o->grad_output);
 
     const LayerResult r = run_cpu_layer(c, w, x, dy.empty() ? nullptr : &dy);
 
