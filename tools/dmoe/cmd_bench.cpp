@@ -10,6 +10,8 @@
 #include <cstdio>
 #include <fstream>
 
+#include <unistd.h>
+
 #include <nlohmann/json.hpp>
 
 #include "bench_gpu.hpp"
@@ -44,15 +46,17 @@ struct Timing {
 
 template <typename F>
 Timing time_host(int warmup, int repeat, const char* label, F&& fn) {
+  // Progress on a terminal only: piped output (logs, CI) stays clean.
+  const bool progress = ::isatty(2);
   for (int i = 0; i < warmup; ++i) fn();
   std::vector<double> ms;
   for (int i = 0; i < repeat; ++i) {
     const auto t0 = std::chrono::steady_clock::now();
     fn();
     ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
-    std::fprintf(stderr, "\r  %s: %d/%d (%.0f ms)   ", label, i + 1, repeat, ms.back());
+    if (progress) std::fprintf(stderr, "\r  %s: %d/%d (%.0f ms)   ", label, i + 1, repeat, ms.back());
   }
-  std::fprintf(stderr, "\r%*s\r", 60, "");
+  if (progress) std::fprintf(stderr, "\r%*s\r", 60, "");
   std::sort(ms.begin(), ms.end());
   return Timing{ms[ms.size() / 2], ms.front(), ms.back()};
 }
