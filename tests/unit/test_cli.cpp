@@ -122,6 +122,20 @@ TEST_F(Cli, BadInputGivesClearErrors) {
               p("y.safetensors"));
   EXPECT_EQ(r.status, 1);
   EXPECT_NE(r.output.find("x[2, 5] is nan"), std::string::npos) << r.output;
+  // The CUDA engine: without a GPU (CI) it says why it cannot run and what to use instead; with one it
+  // must agree with the CPU engine (f32, fp32 accumulation against fp64: 1e-5 relative).
+  r = run_cli("run --engine cuda --top-k 2 --weights " + p("w.safetensors") + " --input " + p("x.safetensors") +
+              " --output " + p("y_gpu.safetensors"));
+  if (r.status != 0) {
+    EXPECT_EQ(r.status, 1);
+    EXPECT_NE(r.output.find("--engine cpu"), std::string::npos) << r.output;
+  } else {
+    ASSERT_EQ(run_cli("run --top-k 2 --weights " + p("w.safetensors") + " --input " + p("x.safetensors") +
+                      " --output " + p("y_cpu.safetensors")).status, 0);
+    const auto gpu = SafetensorsFile::open(p("y_gpu.safetensors")).read_f32("y", {4, 8});
+    const auto cpu = SafetensorsFile::open(p("y_cpu.safetensors")).read_f32("y", {4, 8});
+    for (size_t i = 0; i < cpu.size(); ++i) EXPECT_NEAR(gpu[i], cpu[i], 1e-5 * (1 + std::abs(cpu[i]))) << i;
+  }
   r = run_cli("init --activation tanh --out " + p("w2.safetensors"));
   EXPECT_EQ(r.status, 1);
   EXPECT_NE(r.output.find("relu, gelu, swiglu"), std::string::npos) << r.output;

@@ -11,6 +11,7 @@
 #include "engine/reference.hpp"
 #include "model/checkpoint.hpp"
 #include "options.hpp"
+#include "run_gpu.hpp"
 
 namespace dmoe::cli {
 
@@ -34,7 +35,9 @@ Command add_run_command(CLI::App& app) {
   sub->add_option("--grad-output", o->grad_output, "safetensors file holding dy [tokens, hidden]: also run backward");
   sub->add_option("--layer", o->layer, "use model.layers.L.block_sparse_moe. (default: the first MoE layer in the file)");
   sub->add_option("--prefix", o->prefix, "tensor-name prefix of the layer (overrides --layer)");
-  sub->add_option("--engine", o->engine, "engine: cpu (reference, simulated ranks)")->check(CLI::IsMember({"cpu"}));
+  sub->add_option("--engine", o->engine,
+                  "cpu (reference engine; config world = simulated ranks) | cuda (this process's GPU, world 1)")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
   sub->add_option("--output-dtype", o->output_dtype, "dtype of written activations: f32 | bf16 (default: config dtype)");
   return [o] {
     const SafetensorsFile weights_file = SafetensorsFile::open(o->weights);
@@ -78,7 +81,8 @@ Command add_run_command(CLI::App& app) {
     require_finite(x, "x", o->input);
     if (!dy.empty()) require_finite(dy, "dy", o->grad_output);
 
-    const LayerResult r = run_cpu_layer(c, w, x, dy.empty() ? nullptr : &dy);
+    const LayerResult r = o->engine == "cuda" ? run_gpu_layer(c, w, x, dy.empty() ? nullptr : &dy)
+                                              : run_cpu_layer(c, w, x, dy.empty() ? nullptr : &dy);
 
     const DType out_dtype = o->output_dtype.empty() ? c.dtype : parse_dtype(o->output_dtype);
     SafetensorsWriter out;
