@@ -30,9 +30,12 @@ class ThreadGroup {
 
   int32_t world() const { return world_; }
 
-  void barrier(int32_t rank, const char* what) {
+  // `closing`: the second barrier of a collective. Every rank that passed the first one is reading its
+  // peers' buffers and will arrive here, so a poison (a rank that failed elsewhere) must not make this
+  // rank leave early and free a buffer a peer still reads.
+  void barrier(int32_t rank, const char* what, bool closing = false) {
     std::unique_lock<std::mutex> lock(mutex_);
-    if (poisoned_) DMOE_FAIL("ThreadComm: {} aborted on rank {}: another rank failed", what, rank);
+    if (poisoned_ && !closing) DMOE_FAIL("ThreadComm: {} aborted on rank {}: another rank failed", what, rank);
     const uint64_t gen = generation_;
     if (++arrived_ == world_) {
       arrived_ = 0;
@@ -40,7 +43,9 @@ class ThreadGroup {
       cv_.notify_all();
       return;
     }
-    const bool done = cv_.wait_for(lock, timeout_, [&] { return generation_ != gen || poisoned_; });
+    const bool done =
+        cv_.wait_for(lock, timeout_, [&] { return generation_ != gen || (poisoned_ && !closing); });
+    if (generation_ != gen) return;  // everyone arrived: the collective goes on, even if poisoned since
     if (poisoned_) DMOE_FAIL("ThreadComm: {} aborted on rank {}: another rank failed", what, rank);
     if (!done)
       DMOE_FAIL("ThreadComm: rank {} waited {} s in {} for {} of {} ranks to arrive", rank,
@@ -91,24 +96,33 @@ class ThreadComm final : public Comm {
     group_->send_[rank_] = send;
     group_->counts_[rank_] = send_counts;
     group_->barrier(rank_, "alltoallv");
+    // NOTE: nothing may throw between the two barriers (a peer may be reading this rank's buffers);
+    // a mismatch is reported after the closing barrier.
+    std::string mismatch;
     int64_t recv_offset = 0;
     for (int32_t p = 0; p < world(); ++p) {
       const int64_t* peer_counts = group_->counts_[p];
       int64_t peer_offset = 0;
       for (int32_t q = 0; q < rank_; ++q) peer_offset += peer_counts[q];
-      DMOE_REQUIRE(peer_counts[rank_] == recv_counts[p],
-                   "ThreadComm alltoallv: rank {} expects {} elements from rank {}, which sends {}",
-                   rank_, recv_counts[p], p, peer_counts[rank_]);
+      if (peer_counts[rank_] != recv_counts[p]) {
+        if (mismatch.empty())
+          mismatch = fmt::format("ThreadComm alltoallv: rank {} expects {} elements from rank {}, which sends {}",
+                                 rank_, recv_counts[p], p, peer_counts[rank_]);
+        recv_offset += recv_counts[p];
+        continue;
+      }
       if (recv_counts[p] > 0)
         std::memcpy(static_cast<char*>(recv) + recv_offset * elem,
                     static_cast<const char*>(group_->send_[p]) + peer_offset * elem,
                     size_t(recv_counts[p]) * elem);
       recv_offset += recv_counts[p];
     }
-    group_->barrier(rank_, "alltoallv");
+    group_->barrier(rank_, "alltoallv", /*closing=*/true);
+    if (!mismatch.empty()) DMOE_FAIL("{}", mismatch);
   }
 
   void allreduce_sum(void* data, int64_t count, DType dtype, Stream) override {
+    DMOE_REQUIRE(dtype != DType::bf16, "ThreadComm allreduce: bf16 is not supported; reduce in f32 or f64");
     group_->data_[rank_] = data;
     group_->barrier(rank_, "allreduce");
     std::vector<char> result(size_t(count) * dtype_size(dtype));
@@ -117,9 +131,9 @@ class ThreadComm final : public Comm {
       case DType::f64: sum_in_rank_order(group_->data_, world(), count, reinterpret_cast<double*>(result.data())); break;
       case DType::i32: sum_in_rank_order(group_->data_, world(), count, reinterpret_cast<int32_t*>(result.data())); break;
       case DType::i64: sum_in_rank_order(group_->data_, world(), count, reinterpret_cast<int64_t*>(result.data())); break;
-      case DType::bf16: DMOE_FAIL("ThreadComm allreduce: bf16 is not supported; reduce in f32 or f64");
+      case DType::bf16: break;  // rejected above
     }
-    group_->barrier(rank_, "allreduce");
+    group_->barrier(rank_, "allreduce", /*closing=*/true);
     std::memcpy(data, result.data(), result.size());
   }
 
@@ -128,7 +142,7 @@ class ThreadComm final : public Comm {
     group_->data_[rank_] = data;
     group_->barrier(rank_, "broadcast");
     if (rank_ != root) std::memcpy(data, group_->data_[root], size_t(count) * dtype_size(dtype));
-    group_->barrier(rank_, "broadcast");
+    group_->barrier(rank_, "broadcast", /*closing=*/true);
   }
 
   void barrier(Stream) override { group_->barrier(rank_, "barrier"); }

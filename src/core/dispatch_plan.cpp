@@ -75,8 +75,11 @@ SendPlan build_send_plan(const int32_t* ids, const float* weights, int64_t token
   return plan;
 }
 
-ExpertBatchLayout build_expert_batch_layout(const int64_t* counts, int32_t world, int32_t local_experts) {
+ExpertBatchLayout build_expert_batch_layout(const int64_t* counts, int32_t world, int32_t local_experts,
+                                            int32_t row_multiple) {
+  DMOE_REQUIRE(row_multiple >= 1, "dispatch: row_multiple = {} is invalid; must be >= 1", row_multiple);
   ExpertBatchLayout layout;
+  layout.row_multiple = row_multiple;
   layout.world = world;
   layout.local_experts = local_experts;
   const int64_t n = int64_t(world) * local_experts;
@@ -104,6 +107,7 @@ ExpertBatchLayout build_expert_batch_layout(const int64_t* counts, int32_t world
       layout.batch_offsets[r * local_experts + e] = row;
       row += counts[r * local_experts + e];
     }
+    row = layout.expert_offsets[e] + (row - layout.expert_offsets[e] + row_multiple - 1) / row_multiple * row_multiple;
     layout.expert_offsets[e + 1] = row;
   }
   return layout;

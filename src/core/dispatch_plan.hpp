@@ -59,18 +59,23 @@ struct ExpertBatchLayout {
   std::vector<int64_t> counts;          // [W, Le] rows from source r for local expert e
   std::vector<int64_t> recv_offsets;    // [W, Le] first row of (r, e) in the source-major receive buffer
   std::vector<int64_t> batch_offsets;   // [W, Le] first row of (r, e) in the expert-major batch
-  std::vector<int64_t> expert_offsets;  // [Le+1] first row of each local expert's batch
+  std::vector<int64_t> expert_offsets;  // [Le+1] first row of each local expert's batch (padding included)
+  int32_t row_multiple = 1;             // each expert's batch is padded with zero rows to a multiple of this
   std::vector<int64_t> source_counts;   // [W] rows received from each source rank
   std::vector<int64_t> source_offsets;  // [W+1] first row from each source in the receive buffer
 
   int64_t rows() const { return expert_offsets.empty() ? 0 : expert_offsets.back(); }
   int64_t expert_rows(int32_t e) const { return expert_offsets[e + 1] - expert_offsets[e]; }
+  bool padded() const { return row_multiple > 1; }
   // Tiles of at most tile_rows rows, expert by expert; an expert with no rows has no tile.
   std::vector<Tile> tiles(int32_t tile_rows) const;
 };
 
 // counts: [W, Le], rows that each source rank sends to each of this rank's local experts.
-ExpertBatchLayout build_expert_batch_layout(const int64_t* counts, int32_t world, int32_t local_experts);
+// row_multiple > 1 pads each expert's batch with zero rows up to a multiple of it ("padding only locally,
+// to tile size"): every expert product then has a row count the GEMM tiles divide.
+ExpertBatchLayout build_expert_batch_layout(const int64_t* counts, int32_t world, int32_t local_experts,
+                                            int32_t row_multiple = 1);
 
 // The whole system's plan as one process sees it (tests, single-process tools): routing of every rank.
 struct DispatchPlan {

@@ -26,6 +26,9 @@ EpEngine::EpEngine(const MoeConfig& config, Backend& backend, Comm& comm, const 
   global_tokens_ = config_.tokens * config_.world;
   local_only_ = config_.world == 1;
   padded_ = !config_.dropless() && options.pad_to_capacity;
+  DMOE_REQUIRE(options.batch_row_multiple >= 1, "EpEngine: batch_row_multiple = {} is invalid; must be >= 1",
+               options.batch_row_multiple);
+  row_multiple_ = options.batch_row_multiple;
   if (padded_) {
     padded_offsets_.resize(config_.experts);
     for (int32_t e = 0; e < config_.experts; ++e) padded_offsets_[e] = int64_t(e) * config_.capacity();
@@ -73,12 +76,12 @@ void EpEngine::exchange_counts() {
   const int32_t W = config_.world, Le = local_experts_, E = config_.experts;
   if (padded_) {  // fixed shapes: every (source, expert) segment is C rows; nothing to exchange
     const std::vector<int64_t> counts(int64_t(W) * Le, config_.capacity());
-    layout_ = build_expert_batch_layout(counts.data(), W, Le);
+    layout_ = build_expert_batch_layout(counts.data(), W, Le, row_multiple_);
     for (int32_t p = 0; p < W; ++p) recv_rows_[p] = layout_.source_counts[p];
     return;
   }
   if (W == 1) {  // nothing to exchange: this rank's counts are the layout
-    layout_ = build_expert_batch_layout(kept_.data(), 1, Le);
+    layout_ = build_expert_batch_layout(kept_.data(), 1, Le, row_multiple_);
     recv_rows_[0] = layout_.source_counts[0];
     return;
   }
@@ -88,7 +91,7 @@ void EpEngine::exchange_counts() {
   comm_.alltoall(counts_dev_.data(), recv, Le, DType::i64, backend_.stream());
   std::vector<int64_t> counts(int64_t(W) * Le);
   backend_.download(counts.data(), recv, counts.size() * sizeof(int64_t));
-  layout_ = build_expert_batch_layout(counts.data(), W, Le);
+  layout_ = build_expert_batch_layout(counts.data(), W, Le, row_multiple_);
   for (int32_t p = 0; p < W; ++p) recv_rows_[p] = layout_.source_counts[p];
 }
 
@@ -146,18 +149,27 @@ void EpEngine::forward(const void* x, void* y) {
     pad_rows(send_.data(), wire);
   }
 
-  // 4. Counts, then rows, to the experts' owners.  recv: [N, H] source-major; batch: expert-major.
-  // NOTE: with one rank the send buffer already is the expert batch (expert-major, token order), so
-  // the all-to-alls and permutes below would be copies onto the same layout: they are skipped.
+  // 4. Counts, then rows, to the experts' owners.  recv: [R, H] source-major (R = rows received);
+  // batch: [N, H] expert-major (N = R plus any tile padding of the experts' batches).
+  // NOTE: with one rank and no tile padding the send buffer already is the expert batch (expert-major,
+  // token order), so the all-to-alls and permutes below would be copies onto the same layout: skipped.
   exchange_counts();
   const int64_t N = layout_.rows();
+  const int64_t R = layout_.source_offsets.back();
   const int64_t segments = int64_t(W) * Le;
+  const bool aliased = local_only_ && !layout_.padded();
   batch_rows_ = wire;
-  if (!local_only_) {
-    exchange_rows(wire, wire_rows_, recv_.ensure(N * H * elem_), recv_rows_, H);
-    backend_.permute_segments(recv_.data(), batch_.ensure(N * H * elem_), layout_.recv_offsets.data(),
-                              layout_.batch_offsets.data(), layout_.counts.data(), segments, H);
-    batch_rows_ = batch_.data();
+  if (!aliased) {
+    const void* recv = wire;
+    if (!local_only_) {
+      exchange_rows(wire, wire_rows_, recv_.ensure(R * H * elem_), recv_rows_, H);
+      recv = recv_.data();
+    }
+    void* batch = batch_.ensure(N * H * elem_);
+    if (layout_.padded()) backend_.zero(batch, size_t(N * H) * elem_);  // padding rows stay zero
+    backend_.permute_segments(recv, batch, layout_.recv_offsets.data(), layout_.batch_offsets.data(),
+                              layout_.counts.data(), segments, H);
+    batch_rows_ = batch;
   }
 
   // 5. Grouped expert FFN, then back to source-major order.
@@ -168,10 +180,12 @@ void EpEngine::forward(const void* x, void* y) {
   // 6. Results back to the tokens' ranks (same segments, reversed), then the weighted combine.
   const int64_t wire_total = rows_sent();
   returned_rows_ = out_batch_.data();
-  if (!local_only_) {
-    backend_.permute_segments(out_batch_.data(), out_recv_.ensure(N * H * elem_), layout_.batch_offsets.data(),
+  if (!aliased) {
+    // With one rank the source-major order is the wire order: permute straight into ret_.
+    void* out_recv = local_only_ ? ret_.ensure(wire_total * H * elem_) : out_recv_.ensure(R * H * elem_);
+    backend_.permute_segments(out_batch_.data(), out_recv, layout_.batch_offsets.data(),
                               layout_.recv_offsets.data(), layout_.counts.data(), segments, H);
-    exchange_rows(out_recv_.data(), recv_rows_, ret_.ensure(wire_total * H * elem_), wire_rows_, H);
+    if (!local_only_) exchange_rows(out_recv, recv_rows_, ret_.ensure(wire_total * H * elem_), wire_rows_, H);
     returned_rows_ = ret_.data();
   }
   if (padded_) {
@@ -224,12 +238,19 @@ void EpEngine::backward(const void* dy, void* dx) {
     dwire = dret_wire_.ensure(E * config_.capacity() * H * elem_);
     pad_rows(dret_.data(), dwire);
   }
+  const int64_t R = layout_.source_offsets.back();
+  const bool aliased = local_only_ && !layout_.padded();
   void* dbatch = dwire;
-  if (!local_only_) {
-    exchange_rows(dwire, wire_rows_, drecv_.ensure(N * H * elem_), recv_rows_, H);
-    backend_.permute_segments(drecv_.data(), dbatch_.ensure(N * H * elem_), layout_.recv_offsets.data(),
-                              layout_.batch_offsets.data(), layout_.counts.data(), segments, H);
-    dbatch = dbatch_.data();
+  if (!aliased) {
+    const void* drecv = dwire;
+    if (!local_only_) {
+      exchange_rows(dwire, wire_rows_, drecv_.ensure(R * H * elem_), recv_rows_, H);
+      drecv = drecv_.data();
+    }
+    dbatch = dbatch_.ensure(N * H * elem_);
+    if (layout_.padded()) backend_.zero(dbatch, size_t(N * H) * elem_);  // no gradient on padding rows
+    backend_.permute_segments(drecv, dbatch, layout_.recv_offsets.data(), layout_.batch_offsets.data(),
+                              layout_.counts.data(), segments, H);
   }
 
   // 3. Expert FFN backward: input gradients and accumulated weight gradients.
@@ -240,10 +261,11 @@ void EpEngine::backward(const void* dy, void* dx) {
 
   // 4. Input gradients back to the tokens' ranks.
   void* dsend = dx_batch_.data();
-  if (!local_only_) {
-    backend_.permute_segments(dx_batch_.data(), dx_recv_.ensure(N * H * elem_), layout_.batch_offsets.data(),
+  if (!aliased) {
+    void* dx_recv = local_only_ ? dsend_.ensure(rows_sent() * H * elem_) : dx_recv_.ensure(R * H * elem_);
+    backend_.permute_segments(dx_batch_.data(), dx_recv, layout_.batch_offsets.data(),
                               layout_.recv_offsets.data(), layout_.counts.data(), segments, H);
-    exchange_rows(dx_recv_.data(), recv_rows_, dsend_.ensure(rows_sent() * H * elem_), wire_rows_, H);
+    if (!local_only_) exchange_rows(dx_recv, recv_rows_, dsend_.ensure(rows_sent() * H * elem_), wire_rows_, H);
     dsend = dsend_.data();
   }
   if (padded_) {

@@ -30,6 +30,9 @@ struct EpOptions {
   // Megatron/Tutel-style systems do (fixed shapes: no count exchange, the experts also compute on the
   // padding). Off: exact row counts on the wire, as in dropless mode.
   bool pad_to_capacity = true;
+  // Pad each local expert's batch with zero rows to a multiple of this (1 = no padding): local padding
+  // to the GEMM tile height, so every expert product splits into whole tiles.
+  int32_t batch_row_multiple = 1;
 };
 
 struct RouterLosses {
@@ -102,6 +105,7 @@ class EpEngine {
   std::vector<int64_t> wire_rows_, recv_rows_;  // [W] rows on the wire to / from each peer
   int64_t send_rows_total_ = 0;                   // S: kept rows of this rank (compact send buffer)
   bool padded_ = false;                           // capacity mode with EpOptions::pad_to_capacity
+  int32_t row_multiple_ = 1;                      // EpOptions::batch_row_multiple
   std::vector<int64_t> compact_offsets_, padded_offsets_;  // [E] for pad_rows / unpad_rows
   ExpertBatchLayout layout_;
   std::vector<double> expert_fraction_;  // [E] f_e over all ranks

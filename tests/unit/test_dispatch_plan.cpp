@@ -302,3 +302,21 @@ TEST(DispatchPlanTiles, TileHeights) {
 
 }  // namespace
 }  // namespace dmoe
+
+namespace dmoe {
+namespace {
+
+TEST(DispatchPlanTilePadding, ExpertBatchesArePaddedToTheRowMultiple) {
+  // W = 2 sources, 3 local experts: rows (source 0, source 1) = (2, 3), (0, 0), (4, 1).
+  const std::vector<int64_t> counts{2, 0, 4, 3, 0, 1};
+  const ExpertBatchLayout l = build_expert_batch_layout(counts.data(), 2, 3, 4);
+  EXPECT_EQ(l.expert_offsets, (std::vector<int64_t>{0, 8, 8, 16}));   // 5 -> 8, 0 -> 0, 5 -> 8
+  EXPECT_EQ(l.batch_offsets, (std::vector<int64_t>{0, 8, 8, 2, 8, 12}));  // [r * Le + e]
+  EXPECT_EQ(l.source_offsets, (std::vector<int64_t>{0, 6, 10}));       // the receive side is unchanged
+  EXPECT_TRUE(l.padded());
+  EXPECT_EQ(l.rows(), 16);
+  EXPECT_THROW(build_expert_batch_layout(counts.data(), 2, 3, 0), Error);
+}
+
+}  // namespace
+}  // namespace dmoe

@@ -270,3 +270,43 @@ TEST(Engine, PaddedCapacityWireGivesTheSameResults) {
 
 }  // namespace
 }  // namespace dmoe
+
+namespace dmoe {
+namespace {
+
+// Tile padding of the experts' batches (zero rows up to a multiple of the tile height) must not change
+// any result: the padding rows are zero, map to zero, and add exact zeros to the gradient sums.
+TEST(Engine, TilePaddedExpertBatchesGiveTheSameResults) {
+  int padded_cases = 0;  // (a batch of 12 rows is already a multiple of 4: not every case pads)
+  for (Activation act : {Activation::relu, Activation::gelu, Activation::swiglu})
+    for (int32_t world : {1, 2, 4})
+      for (double cf : {0.0, 0.75})
+        for (int32_t multiple : {4, 128}) {
+          MoeConfig c = small_config(act, world, 14);
+          c.capacity_factor = cf;
+          const MoeWeights w = random_moe_weights(c, 23);
+          Rng rng(29);
+          const auto x = rng.normal_vector(size_t(world * c.tokens * c.hidden), 1.0);
+          const auto dy = rng.normal_vector(x.size(), 1.0);
+          const LayerResult a = run_cpu_layer(c, w, x, &dy);
+          EpOptions tiles;
+          tiles.batch_row_multiple = multiple;
+          const LayerResult b = run_cpu_layer(c, w, x, &dy, tiles);
+          SCOPED_TRACE(std::string(activation_name(act)) + " W=" + std::to_string(world) + " cf=" +
+                       std::to_string(cf) + " multiple=" + std::to_string(multiple));
+          expect_identical(a.y, b.y, "y");
+          expect_identical(a.dx, b.dx, "dx");
+          expect_identical(a.grads.w1, b.grads.w1, "grad w1");
+          expect_identical(a.grads.w2, b.grads.w2, "grad w2");
+          expect_identical(a.grads.w3, b.grads.w3, "grad w3");
+          expect_identical(a.grads.gate, b.grads.gate, "grad gate");
+          EXPECT_GE(b.rows_received, a.rows_received);
+          padded_cases += b.rows_received > a.rows_received;
+          EXPECT_EQ(b.rows_received % multiple, 0);
+          EXPECT_EQ(a.rows_sent, b.rows_sent) << "tile padding is local: the wire is unchanged";
+        }
+  EXPECT_GE(padded_cases, 30) << "of 36 cases, most must actually pad";
+}
+
+}  // namespace
+}  // namespace dmoe

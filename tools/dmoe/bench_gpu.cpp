@@ -118,6 +118,7 @@ int run_gpu_layer_bench(const GpuBenchArgs& a) {
   o.check_tokens = a.check_tokens;
   o.timing.warmup = a.warmup;
   o.timing.min_iterations = a.min_iterations;
+  o.engine.batch_row_multiple = a.batch_row_multiple;
   bench::LayerBenchData data;
   const bench::LayerBenchResult r =
       bench::bench_ep_layer(c, *backend, *comm, ceil, o, root && env.world == 1 && a.peers ? &data : nullptr);

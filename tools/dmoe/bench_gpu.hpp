@@ -18,6 +18,7 @@ struct GpuBenchArgs {
   int check_tokens = 8;
   int warmup = 5;
   int min_iterations = 20;
+  int batch_row_multiple = 1;  // EpOptions::batch_row_multiple (tile padding of the experts' batches)
 };
 
 // True when a CUDA device is visible to this process.

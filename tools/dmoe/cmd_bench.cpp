@@ -38,6 +38,7 @@ struct BenchOptions {
   bool peers = false;
   std::string python = "python3";
   int check_tokens = 8;
+  int batch_row_multiple = 1;
 };
 
 struct Timing {
@@ -86,6 +87,9 @@ Command add_bench_command(CLI::App& app) {
   sub->add_flag("--peers", o->peers, "GPU, W = 1: also time the PyTorch peers (bench/peers.py) on the same data");
   sub->add_option("--python", o->python, "Python interpreter with PyTorch for --peers");
   sub->add_option("--check-tokens", o->check_tokens, "GPU: tokens recomputed in fp64 on the CPU to check the output");
+  sub->add_option("--batch-row-multiple", o->batch_row_multiple,
+                  "GPU: pad each expert's batch with zero rows to a multiple of this (GEMM tile height)")
+      ->check(CLI::PositiveNumber);
   return [o] {
     const bool use_gpu = o->engine == "gpu" || (o->engine == "auto" && gpu_available());
     DMOE_REQUIRE(!(o->engine == "gpu" && !gpu_available()),
@@ -102,6 +106,7 @@ Command add_bench_command(CLI::App& app) {
       g.python = o->python;
       g.json_path = o->json_path;
       g.check_tokens = o->check_tokens;
+      g.batch_row_multiple = o->batch_row_multiple;
       g.warmup = std::max(o->warmup, 3);
       return run_gpu_layer_bench(g);
     }

@@ -53,7 +53,7 @@ LayerBenchResult bench_ep_layer(const MoeConfig& c, Backend& backend, Comm& comm
   const size_t elem = dtype_size(backend.storage_dtype());
   const double m = c.activation == Activation::swiglu ? 3 : 2;
 
-  EpEngine engine(c, backend, comm);
+  EpEngine engine(c, backend, comm, o.engine);
   engine.set_weights(hashed_moe_weights(c, o.seed, c.first_expert(rank), Le));
   const std::vector<float> x_all = hashed_activations(o.seed + 1, W * T, H, bf16);
   const std::vector<float> x(x_all.begin() + rank * T * H, x_all.begin() + (rank + 1) * T * H);

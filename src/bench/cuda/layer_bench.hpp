@@ -17,6 +17,7 @@
 #include "comm/comm.hpp"
 #include "core/config.hpp"
 #include "engine/backend.hpp"
+#include "engine/ep_engine.hpp"
 
 namespace dmoe::bench {
 
@@ -44,6 +45,7 @@ struct LayerBenchOptions {
   bool backward = false;
   int check_tokens = 8;
   uint64_t seed = 1;
+  EpOptions engine;
 };
 
 // Runs the vanilla EP engine (EpEngine over `backend` and `comm`) on hashed weights and inputs.
