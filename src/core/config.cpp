@@ -1,5 +1,6 @@
 #include "core/config.hpp"
 
+#include <algorithm>
 #include <cmath>
 
 #include "core/error.hpp"
@@ -74,8 +75,10 @@ void MoeConfig::validate() const {
 
 int64_t MoeConfig::capacity() const {
   if (dropless()) return -1;
+  // One source rank can send an expert at most T rows (a token picks an expert at most once), so a
+  // larger capacity only pads; clamping before the cast also keeps huge factors out of int64 overflow.
   const double c = std::ceil(capacity_factor * double(tokens) * double(top_k) / double(experts));
-  return std::max<int64_t>(1, int64_t(c));
+  return std::clamp<int64_t>(int64_t(std::min(c, double(tokens))), 1, tokens);
 }
 
 double MoeConfig::expert_flops() const {

@@ -49,7 +49,7 @@ struct MoeConfig {
   void validate() const;
 
   bool dropless() const { return capacity_factor == 0; }
-  // Rows one source rank may send to one expert; -1 when dropless.
+  // Rows one source rank may send to one expert, min(ceil(cf·T·k/E), T) (at least 1); -1 when dropless.
   int64_t capacity() const;
   int32_t experts_per_rank() const { return experts / world; }
   int32_t expert_owner(int32_t expert) const { return expert / experts_per_rank(); }

@@ -225,7 +225,9 @@ void plan_send(const int32_t* ids, int64_t tokens, int32_t top_k, int32_t expert
   if (h_bad != kNoBadAssignment) {
     int32_t id = 0;
     DMOE_CHECK_CUDA(cudaMemcpy(&id, ids + h_bad, sizeof(int32_t), cudaMemcpyDeviceToHost));
-    fail(__FILE__, __LINE__, "routing: token %d choice %d has expert id %d; allowed [0, %d)", h_bad / top_k,
+    fail(__FILE__, __LINE__,
+         "routing: token %d choice %d has expert id %d; allowed [0, %d) (id -1: the token's router logits "
+         "are NaN: check the input for non-finite values)", h_bad / top_k,
          h_bad % top_k, id, experts);
   }
   std::copy_n(h_routed, experts, routed_host);

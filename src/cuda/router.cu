@@ -17,6 +17,22 @@ namespace dmoe::cuda {
 
 namespace {
 
+// NaN logits leave topk_row without a valid choice (id -1): then no probability is read (it would be
+// probs[-1]), the weights become NaN and the send plan reports the invalid expert id.
+__device__ __forceinline__ void write_gate_weights(const float* prob_row, const int32_t* id_row, int32_t top_k,
+                                                   bool renormalize, float* weights) {
+  for (int32_t j = 0; j < top_k; ++j)
+    if (id_row[j] < 0) {
+      for (int32_t i = 0; i < top_k; ++i) weights[i] = __int_as_float(0x7fc00000);
+      return;
+    }
+  gate_weights_row<float>(prob_row, id_row, top_k, renormalize, weights);
+}
+
+}  // namespace
+
+namespace {
+
 // ---- softmax + top-k ------------------------------------------------------------------------------
 
 constexpr int kTopkThreads = 128;                   // one token per thread
@@ -53,7 +69,7 @@ __global__ void __launch_bounds__(kTopkThreads)
       int32_t* id_row = p.ids + t * p.top_k;
       p.lse[t] = softmax_row<float>(logit_row, num_experts, prob_row);
       topk_row(logit_row, num_experts, p.top_k, id_row);
-      gate_weights_row<float>(prob_row, id_row, p.top_k, p.renormalize, p.weights + t * p.top_k);
+      write_gate_weights(prob_row, id_row, p.top_k, p.renormalize, p.weights + t * p.top_k);
     }
     return;
   } else {
@@ -75,7 +91,7 @@ __global__ void __launch_bounds__(kTopkThreads)
       int32_t* id_row = p.ids + t * p.top_k;
       p.lse[t] = softmax_row<float>(logit_row, num_experts, prob_row);
       topk_row(logit_row, num_experts, p.top_k, id_row);
-      gate_weights_row<float>(prob_row, id_row, p.top_k, p.renormalize, p.weights + t * p.top_k);
+      write_gate_weights(prob_row, id_row, p.top_k, p.renormalize, p.weights + t * p.top_k);
     }
     __syncthreads();
 

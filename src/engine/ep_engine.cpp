@@ -1,5 +1,6 @@
 #include "engine/ep_engine.hpp"
 
+#include <cmath>
 #include <cstring>
 
 #include "core/error.hpp"
@@ -29,10 +30,33 @@ EpEngine::EpEngine(const MoeConfig& config, Backend& backend, Comm& comm, const 
   DMOE_REQUIRE(options.batch_row_multiple >= 1, "EpEngine: batch_row_multiple = {} is invalid; must be >= 1",
                options.batch_row_multiple);
   row_multiple_ = options.batch_row_multiple;
+  if (config_.world > 1) check_ranks_agree(options);
   if (padded_) {
     padded_offsets_.resize(config_.experts);
     for (int32_t e = 0; e < config_.experts; ++e) padded_offsets_[e] = int64_t(e) * config_.capacity();
   }
+}
+
+void EpEngine::check_ranks_agree(const EpOptions& options) {
+  // Ranks that disagree on shapes, capacity or options would exchange mismatched sizes (a hang or
+  // garbage on NCCL/NVSHMEM). One sum over ranks of a fingerprint: every rank sees the mismatch.
+  const MoeConfig& c = config_;
+  const std::vector<int64_t> mine{c.tokens, c.hidden, c.ffn, c.experts, c.top_k, int64_t(c.activation),
+                                  int64_t(c.renormalize), std::llround(c.capacity_factor * 1e6),
+                                  int64_t(c.drop_policy), int64_t(c.dtype), std::llround(c.aux_loss_coef * 1e9),
+                                  std::llround(c.z_loss_coef * 1e9), int64_t(options.pad_to_capacity),
+                                  options.batch_row_multiple};
+  const size_t bytes = mine.size() * sizeof(int64_t);
+  Buffer dev(backend_);
+  backend_.upload(dev.ensure(bytes), mine.data(), bytes);
+  comm_.allreduce_sum(dev.data(), int64_t(mine.size()), DType::i64, backend_.stream());
+  std::vector<int64_t> sum(mine.size());
+  backend_.download(sum.data(), dev.data(), bytes);
+  for (size_t i = 0; i < mine.size(); ++i)
+    DMOE_REQUIRE(sum[i] == mine[i] * c.world,
+                 "EpEngine: the {} ranks do not all use the same layer config and engine options (field {} of "
+                 "the fingerprint differs; this rank: {}); every rank needs the same tokens per rank, shapes, "
+                 "capacity, dtype, loss coefficients and options", c.world, i, c.summary());
 }
 
 void EpEngine::set_weights(const MoeWeights& w) {
@@ -64,6 +88,7 @@ void EpEngine::set_weights(const MoeWeights& w) {
 }
 
 void EpEngine::zero_grads() {
+  DMOE_REQUIRE(has_weights_, "EpEngine::zero_grads: set_weights() was not called");
   const int64_t H = config_.hidden, I = config_.ffn, E = config_.experts, Le = local_experts_;
   const size_t acc = dtype_size(backend_.grad_accum_dtype());
   backend_.zero(dwg_.data(), E * H * acc);
@@ -319,6 +344,7 @@ std::vector<float> download_accum(Backend& backend, const void* src, int64_t cou
 }  // namespace
 
 MoeWeights EpEngine::grads() {
+  DMOE_REQUIRE(has_weights_, "EpEngine::grads: set_weights() was not called");
   const int64_t H = config_.hidden, I = config_.ffn, E = config_.experts, Le = local_experts_;
   MoeWeights g = make_moe_weights(config_, config_.first_expert(rank_), Le);
   // The gate is replicated: its gradient is the sum over ranks (reduced on a copy, so grads() can be
@@ -336,12 +362,14 @@ MoeWeights EpEngine::grads() {
 }
 
 std::vector<int32_t> EpEngine::expert_ids() {
+  DMOE_REQUIRE(x_ != nullptr, "EpEngine::expert_ids: forward() has not run");
   std::vector<int32_t> out(config_.tokens * config_.top_k);
   backend_.download(out.data(), ids_.data(), out.size() * sizeof(int32_t));
   return out;
 }
 
 std::vector<float> EpEngine::expert_weights() {
+  DMOE_REQUIRE(x_ != nullptr, "EpEngine::expert_weights: forward() has not run");
   std::vector<float> out(config_.tokens * config_.top_k);
   backend_.download(out.data(), weights_.data(), out.size() * sizeof(float));
   return out;

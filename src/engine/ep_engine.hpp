@@ -73,6 +73,7 @@ class EpEngine {
   Backend& backend() { return backend_; }
 
  private:
+  void check_ranks_agree(const EpOptions& options);
   void exchange_counts();
   void exchange_rows(const void* send, const std::vector<int64_t>& send_rows, void* recv,
                      const std::vector<int64_t>& recv_rows, int64_t width);

@@ -30,6 +30,7 @@ LayerResult run_cpu_layer(const MoeConfig& config, const MoeWeights& weights, co
   result.expert_weights.resize(W * T * k);
   result.routed.assign(config.experts, 0);
   result.kept.assign(config.experts, 0);
+  result.expert_rows.assign(config.experts, 0);
   if (dy) {
     result.dx.resize(W * T * H);
     result.grads = make_moe_weights(config, 0, config.experts);
@@ -64,6 +65,7 @@ LayerResult run_cpu_layer(const MoeConfig& config, const MoeWeights& weights, co
     std::lock_guard<std::mutex> lock(mutex);
     if (rank == 0) result.losses = engine.losses();
     result.rows_received += engine.rows_received();
+    for (int32_t e = 0; e < Le; ++e) result.expert_rows[config.first_expert(rank) + e] = engine.layout().expert_rows(e);
     result.rows_sent += engine.rows_sent();
     for (int32_t e = 0; e < config.experts; ++e) {
       result.routed[e] += engine.routed_counts()[e];

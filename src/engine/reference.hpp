@@ -22,6 +22,7 @@ struct LayerResult {
   std::vector<int64_t> routed;          // [E] assignments per expert, summed over ranks
   std::vector<int64_t> kept;            // [E] rows kept per expert, summed over ranks
   int64_t rows_received = 0;            // expert batch rows over all ranks (padding included)
+  std::vector<int64_t> expert_rows;     // [E] batch rows of each expert on its owner (padding included)
   int64_t rows_sent = 0;                // rows on the wire over all ranks (padding included)
   int64_t dropped() const;
 };

@@ -2,6 +2,7 @@
 // computation (independent of dispatch/combine), and whole-layer finite differences.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstring>
 
@@ -302,10 +303,49 @@ TEST(Engine, TilePaddedExpertBatchesGiveTheSameResults) {
           expect_identical(a.grads.gate, b.grads.gate, "grad gate");
           EXPECT_GE(b.rows_received, a.rows_received);
           padded_cases += b.rows_received > a.rows_received;
-          EXPECT_EQ(b.rows_received % multiple, 0);
+          for (int64_t rows : b.expert_rows) EXPECT_EQ(rows % multiple, 0) << "every expert's batch is padded";
           EXPECT_EQ(a.rows_sent, b.rows_sent) << "tile padding is local: the wire is unchanged";
         }
   EXPECT_GE(padded_cases, 30) << "of 36 cases, most must actually pad";
+}
+
+}  // namespace
+}  // namespace dmoe
+
+namespace dmoe {
+namespace {
+
+TEST(Engine, RanksThatDisagreeOnTheConfigFailTogether) {
+  std::atomic<int> failed{0};
+  EXPECT_THROW(run_thread_ranks(3,
+                                [&](int32_t rank, Comm& comm) {
+                                  MoeConfig c = small_config(Activation::relu, 3, rank == 1 ? 5 : 4);
+                                  c.experts = 6;
+                                  auto backend = make_cpu_backend(c.dtype);
+                                  try {
+                                    EpEngine engine(c, *backend, comm);
+                                  } catch (const Error& e) {
+                                    if (std::string(e.what()).find("do not all use the same") != std::string::npos)
+                                      ++failed;
+                                    throw;
+                                  }
+                                }),
+               Error);
+  EXPECT_EQ(failed.load(), 3) << "every rank must see the mismatch, none may wait for the others";
+}
+
+TEST(Engine, CapacityIsBoundedByTokensPerRank) {
+  MoeConfig c = small_config(Activation::relu, 2, 16);
+  for (double cf : {8.0, 1e6, 1.8e16, 1e300}) {
+    c.capacity_factor = cf;
+    EXPECT_EQ(c.capacity(), 16) << cf;
+  }
+  c.capacity_factor = 1e300;
+  const MoeWeights w = random_moe_weights(c, 2);
+  Rng rng(1);
+  const LayerResult r = run_cpu_layer(c, w, rng.normal_vector(size_t(2 * 16 * c.hidden), 1.0), nullptr);
+  EXPECT_EQ(r.dropped(), 0) << "a huge capacity drops nothing";
+  EXPECT_EQ(r.rows_sent, int64_t(2) * c.experts * 16);
 }
 
 }  // namespace

@@ -4,6 +4,7 @@
 #if DMOE_WITH_CUDA
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -101,8 +102,11 @@ int run_gpu_layer_bench(const GpuBenchArgs& a) {
   c.validate();
   auto backend = make_cuda_backend(c.dtype, device);
   const auto stream = static_cast<cudaStream_t>(backend->stream());
-  // The largest segment one rank sends another: all its T·k rows (dropless worst case).
-  const size_t max_bytes_per_peer = size_t(c.tokens) * c.top_k * c.hidden * dtype_size(c.dtype);
+  // The largest segment one rank sends another: all its T·k rows (dropless worst case), or Le·C rows
+  // on a padded capacity wire.
+  const int64_t max_rows = std::max<int64_t>(c.tokens * c.top_k,
+                                             c.dropless() ? 0 : int64_t(c.experts_per_rank()) * c.capacity());
+  const size_t max_bytes_per_peer = size_t(max_rows) * c.hidden * dtype_size(c.dtype);
   std::unique_ptr<Comm> comm = env.world == 1 ? make_local_comm()
                                               : make_gpu_comm(env, parse_comm_kind(a.comm), max_bytes_per_peer, stream);
   const bool root = env.rank == 0;

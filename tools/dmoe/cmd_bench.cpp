@@ -86,7 +86,8 @@ Command add_bench_command(CLI::App& app) {
       ->check(CLI::IsMember({"auto", "nccl", "nvshmem"}));
   sub->add_flag("--peers", o->peers, "GPU, W = 1: also time the PyTorch peers (bench/peers.py) on the same data");
   sub->add_option("--python", o->python, "Python interpreter with PyTorch for --peers");
-  sub->add_option("--check-tokens", o->check_tokens, "GPU: tokens recomputed in fp64 on the CPU to check the output");
+  sub->add_option("--check-tokens", o->check_tokens, "GPU: tokens recomputed in fp64 on the CPU to check the output")
+      ->check(CLI::Range(0, 64));
   sub->add_option("--batch-row-multiple", o->batch_row_multiple,
                   "GPU: pad each expert's batch with zero rows to a multiple of this (GEMM tile height)")
       ->check(CLI::PositiveNumber);
@@ -99,6 +100,8 @@ Command add_bench_command(CLI::App& app) {
       ConfigOptions co = o->config;
       if (co.config_path.empty()) co.config_path = "flash-paper";
       g.config = resolve_config(co);
+      if (o->config.world && *o->config.world != 1)
+        std::fprintf(stderr, "note: --world is ignored on the GPU: ranks are processes (dmoe launch -n W, mpirun)\n");
       g.config_name = co.config_path;
       g.comm = o->comm;
       g.backward = o->backward;

@@ -13,6 +13,7 @@
 // alltoallv: barrier (every PE has copied its slots out of the previous call), put each segment into its
 // slot on the peer (a device copy to nvshmem_ptr(peer) when reachable, else nvshmemx_putmem_on_stream),
 // barrier (all puts landed), copy the slots into the caller's packed receive buffer.
+#include <exception>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -92,6 +93,9 @@ class NvshmemComm final : public Comm {
 
   ~NvshmemComm() override {
     if (!nvshmem_is_initialized()) return;  // finalized already: the heap is gone
+    // Unwinding from an error that maybe only this rank saw: nvshmem_free is collective and would wait
+    // for peers that may never come, hiding the error. Leave the buffers to process exit instead.
+    if (std::uncaught_exceptions() > 0) return;
     // Queued copies may still use the buffers; nvshmem_free itself synchronises the PEs.
     cudaDeviceSynchronize();
     for (char* p : {send_slots_, scratch_dst_, scratch_src_, recv_slots_})
