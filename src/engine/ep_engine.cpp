@@ -40,12 +40,17 @@ EpEngine::EpEngine(const MoeConfig& config, Backend& backend, Comm& comm, const 
 void EpEngine::check_ranks_agree(const EpOptions& options) {
   // Ranks that disagree on shapes, capacity or options would exchange mismatched sizes (a hang or
   // garbage on NCCL/NVSHMEM). One sum over ranks of a fingerprint: every rank sees the mismatch.
+  // Doubles enter as their top 44 bits (sign, exponent, 31 mantissa bits): W copies sum without overflow.
+  const auto bits = [](double v) {
+    uint64_t u;
+    std::memcpy(&u, &v, sizeof(u));
+    return int64_t(u >> 20);
+  };
   const MoeConfig& c = config_;
   const std::vector<int64_t> mine{c.tokens, c.hidden, c.ffn, c.experts, c.top_k, int64_t(c.activation),
-                                  int64_t(c.renormalize), std::llround(c.capacity_factor * 1e6),
-                                  int64_t(c.drop_policy), int64_t(c.dtype), std::llround(c.aux_loss_coef * 1e9),
-                                  std::llround(c.z_loss_coef * 1e9), int64_t(options.pad_to_capacity),
-                                  options.batch_row_multiple};
+                                  int64_t(c.renormalize), c.capacity(), bits(c.capacity_factor),
+                                  int64_t(c.drop_policy), int64_t(c.dtype), bits(c.aux_loss_coef),
+                                  bits(c.z_loss_coef), int64_t(options.pad_to_capacity), options.batch_row_multiple};
   const size_t bytes = mine.size() * sizeof(int64_t);
   Buffer dev(backend_);
   backend_.upload(dev.ensure(bytes), mine.data(), bytes);
