@@ -16,6 +16,7 @@
 #include "comm/comm.hpp"
 #include "core/config.hpp"
 #include "core/dispatch_plan.hpp"
+#include "cpu/kernels.hpp"
 
 namespace dmoe {
 
@@ -87,13 +88,12 @@ class Backend {
                                    const int64_t* expert_offsets, int32_t local_experts,
                                    int64_t hidden, int64_t ffn, Activation activation) = 0;
   // Router backward: dlogits [T, E] f32 (overwritten) from dweights [T, k] and the auxiliary terms
-  // (expert_fraction: host [E] or null; lse: backend [T] or null); dx_router [T, H] f32 (overwritten)
-  // = dlogits · wg; dwg [E, H] (grad_accum_dtype) += dlogits^T · x.
+  // (aux.expert_fraction: host [E] or null; aux.lse: backend [T] or null); dx_router [T, H] f32
+  // (overwritten) = dlogits · wg; dwg [E, H] (grad_accum_dtype) += dlogits^T · x.
   virtual void router_backward(const void* x, const void* wg, const float* probs, const int32_t* ids,
-                               const float* weights, const float* dweights, const float* lse,
-                               const double* expert_fraction, double lb_scale, double z_scale,
-                               float* dlogits, float* dx_router, void* dwg, int64_t tokens,
-                               int64_t hidden, int32_t experts, int32_t top_k, bool renormalize) = 0;
+                               const float* weights, const float* dweights, const cpu::RouterAuxGrad& aux,
+                               float* dlogits, float* dx_router, void* dwg, int64_t tokens, int64_t hidden,
+                               int32_t experts, int32_t top_k, bool renormalize) = 0;
   // dx [T, H] (storage) = Σ_j dsend[slot[t, j]] over j in order (dsend in storage dtype), then
   // + dx_router [T, H] f32 when non-null.
   virtual void scatter_back(const void* dsend, const int32_t* slot, const void* dx_router, void* dx,

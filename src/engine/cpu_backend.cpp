@@ -119,15 +119,9 @@ class CpuBackend final : public Backend {
   }
 
   void router_backward(const void* x, const void* wg, const float* probs, const int32_t* ids,
-                       const float* weights, const float* dweights, const float* lse,
-                       const double* expert_fraction, double lb_scale, double z_scale, float* dlogits,
-                       float* dx_router, void* dwg, int64_t tokens, int64_t hidden, int32_t experts,
-                       int32_t top_k, bool renormalize) override {
-    cpu::RouterAuxGrad aux;
-    aux.expert_fraction = expert_fraction;
-    aux.lb_scale = lb_scale;
-    aux.lse = lse;
-    aux.z_scale = z_scale;
+                       const float* weights, const float* dweights, const cpu::RouterAuxGrad& aux,
+                       float* dlogits, float* dx_router, void* dwg, int64_t tokens, int64_t hidden,
+                       int32_t experts, int32_t top_k, bool renormalize) override {
     cpu::router_topk_backward(probs, ids, weights, dweights, dlogits, tokens, experts, top_k, renormalize, aux);
     std::memset(dx_router, 0, size_t(tokens * hidden) * sizeof(float));
     cpu::router_logits_backward(f(x), f(wg), dlogits, dx_router, d(dwg), tokens, hidden, experts);

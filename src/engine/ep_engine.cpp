@@ -308,10 +308,13 @@ void EpEngine::backward(const void* dy, void* dx) {
   const bool lb = config_.aux_loss_coef > 0, z = config_.z_loss_coef > 0;
   float* dlogits = static_cast<float*>(dlogits_.ensure(T * E * sizeof(float)));
   float* dx_router = static_cast<float*>(dx_router_.ensure(T * H * sizeof(float)));
+  cpu::RouterAuxGrad aux;
+  aux.expert_fraction = lb ? expert_fraction_.data() : nullptr;
+  aux.lb_scale = config_.aux_loss_coef * E / n;
+  aux.lse = z ? lse_.as<float>() : nullptr;
+  aux.z_scale = 2.0 * config_.z_loss_coef / n;
   backend_.router_backward(x_, wg_.data(), probs_.as<float>(), ids_.as<int32_t>(), weights_.as<float>(),
-                           dweights, z ? lse_.as<float>() : nullptr, lb ? expert_fraction_.data() : nullptr,
-                           config_.aux_loss_coef * E / n, 2.0 * config_.z_loss_coef / n, dlogits, dx_router,
-                           dwg_.data(), T, H, E, k, config_.renormalize);
+                           dweights, aux, dlogits, dx_router, dwg_.data(), T, H, E, k, config_.renormalize);
   backend_.scatter_back(dsend, slot_.as<int32_t>(), dx_router, dx, T, k, H);
 }
 

@@ -651,10 +651,14 @@ TEST_P(CudaKernelsRouter, BackwardMatchesCpu) {
     DeviceBuffer d_weights = raw_from(*backend, r.weights), d_dweights = raw_from(*backend, dweights);
     DeviceBuffer d_lse = raw_from(*backend, r.lse), d_dwg = raw_from(*backend, dwg0);
     DeviceBuffer d_dlogits(*backend, size_t(T * E) * 4), d_dx(*backend, size_t(T * H) * 4);
-    backend->router_backward(
-        d_x.get(), d_wg.get(), d_probs.as<float>(), d_ids.as<int32_t>(), d_weights.as<float>(),
-        d_dweights.as<float>(), with_aux ? d_lse.as<float>() : nullptr, with_aux ? fraction.data() : nullptr,
-        lb_scale, z_scale, d_dlogits.as<float>(), d_dx.as<float>(), d_dwg.get(), T, H, E, k, renormalize);
+    cpu::RouterAuxGrad gpu_aux;  // lse on the device, expert fraction on the host
+    gpu_aux.expert_fraction = with_aux ? fraction.data() : nullptr;
+    gpu_aux.lb_scale = lb_scale;
+    gpu_aux.lse = with_aux ? d_lse.as<float>() : nullptr;
+    gpu_aux.z_scale = z_scale;
+    backend->router_backward(d_x.get(), d_wg.get(), d_probs.as<float>(), d_ids.as<int32_t>(),
+                             d_weights.as<float>(), d_dweights.as<float>(), gpu_aux, d_dlogits.as<float>(),
+                             d_dx.as<float>(), d_dwg.get(), T, H, E, k, renormalize);
 
     cpu::RouterAuxGrad aux;
     if (with_aux) {
