@@ -3,7 +3,11 @@
 # and W = 2, 4, 8 ranks sharing the GPU under MPS (through `dmoe launch` and through `mpirun`), then the
 # layer benchmark on every named config with the PyTorch peers, and W = 4, 8 weak scaling.
 #
-#   scripts/gpu_check.sh BUILD_DIR LOG_DIR [tests|bench|all]
+#   scripts/gpu_check.sh BUILD_DIR LOG_DIR [PARTS]
+#
+# PARTS: comma-separated, run in the order given: tests (one process), multi (W = 2, 4, 8 ranks), modes
+# (expert-GEMM strategies side by side), bench (named configs with the PyTorch peers, weak scaling);
+# all = tests,multi,bench,modes (default).
 #
 # Run from the repository root. Needs the NVSHMEM wheel in the Python on PATH (the GPU machine has it in
 # its PyTorch environment). Every step has a time limit; logs go to LOG_DIR, a summary to stdout.
@@ -11,6 +15,7 @@ set -u
 B=${1:-build}
 O=${2:-out/gpu}
 WHAT=${3:-all}
+[ "$WHAT" = all ] && WHAT=tests,multi,bench,modes
 mkdir -p "$O"
 export DMOE_HOME=$PWD NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 DMOE_COMM_TIMEOUT_S=60
 NV=$(python3 -c "import nvidia.nvshmem as m; print(m.__path__[0])" 2>/dev/null)/lib
@@ -29,10 +34,18 @@ run() {  # run LIMIT_S NAME CMD...: log to $O/NAME.log, print the verdict lines
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv
 git log -1 --format='commit %H' 2>/dev/null || true
 
-if [ "$WHAT" != bench ]; then
+part_tests() {
+  # dmoe's own Hopper GEMM first, alone: a fault there would poison the CUDA context of later tests.
+  run 120 gpu_tests_own_gemm "$B/tests/dmoe_gpu_tests" --gtest_brief=1 --gtest_filter='*CudaKernelsOwnGemm*'
   run 300 gpu_tests_w1 "$B/tests/dmoe_gpu_tests" --gtest_brief=1
-  DMOE_EXPERT_GEMM=streams run 200 gpu_tests_w1_streams "$B/tests/dmoe_gpu_tests" --gtest_brief=1 \
-    --gtest_filter='CudaKernels*:*GpuEngine*'
+  # The same kernels and engine with cuBLAS's grouped GEMM instead of the own one.
+  DMOE_EXPERT_GEMM=grouped run 200 gpu_tests_w1_cublas "$B/tests/dmoe_gpu_tests" --gtest_brief=1 \
+    --gtest_filter='*CudaKernels*:*GpuEngine*'
+  # The CLI tests: `dmoe run --engine cuda` against `--engine cpu` where a GPU is present.
+  run 200 cli_tests "$B/tests/dmoe_unit_tests" --gtest_brief=1 --gtest_filter='Cli*'
+}
+
+part_multi() {
   for n in 2 4 8; do
     run 200 "launch_w$n" "$B/dmoe" launch -n "$n" -- "$B/tests/dmoe_gpu_tests" --gtest_brief=1 \
       --gtest_filter='GpuComm*:*GpuEngine*'
@@ -48,21 +61,34 @@ if [ "$WHAT" != bench ]; then
   done
   echo quit | nvidia-cuda-mps-control
   unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
-fi
+}
 
-if [ "$WHAT" != tests ]; then
+part_bench() {
   for cfg in decode flash-paper fine-grained mixtral; do
     run 150 "bench_$cfg" "$B/dmoe" bench layer --config "$cfg" --peers --json "$O/bench_$cfg.json"
-  done
-  # The expert GEMM strategies side by side (src/cuda/gemm.cpp): what auto should pick.
-  for cfg in flash-paper fine-grained decode; do
-    for mode in grouped loop streams; do
-      DMOE_EXPERT_GEMM=$mode run 100 "mode_${cfg}_$mode" "$B/dmoe" bench layer --config "$cfg" --check-tokens 2 \
-        --json "$O/mode_${cfg}_$mode.json"
-    done
   done
   for n in 4 8; do
     run 150 "bench_flash-paper_w$n" "$B/dmoe" launch -n "$n" -- "$B/dmoe" bench layer --config flash-paper \
       --no-backward --json "$O/bench_flash-paper_w$n.json"
   done
-fi
+}
+
+part_modes() {
+  # The expert GEMM strategies side by side (src/cuda/gemm.cpp): what auto should pick. own256 = the own
+  # kernel with 256-column tiles.
+  for cfg in flash-paper fine-grained decode mixtral; do
+    for mode in grouped loop own own256; do
+      [ "$mode" = own256 ] && export DMOE_SM90_BLOCK_N=256
+      DMOE_EXPERT_GEMM=${mode%256} run 100 "mode_${cfg}_$mode" "$B/dmoe" bench layer --config "$cfg" \
+        --check-tokens 4 --no-backward --json "$O/mode_${cfg}_$mode.json"
+      unset DMOE_SM90_BLOCK_N
+    done
+  done
+}
+
+for part in ${WHAT//,/ }; do
+  case $part in
+    tests | multi | bench | modes) part_$part ;;
+    *) echo "unknown part '$part'; allowed: tests, multi, bench, modes, all" >&2; exit 2 ;;
+  esac
+done

@@ -20,6 +20,22 @@ namespace dmoe::cuda {
 [[noreturn]] void fail(const char* file, int line, const char* format, ...)
     __attribute__((format(printf, 3, 4)));
 
+// A kernel that gives up waiting on a flag (a time limit, see DMOE_GPU_WAIT_TIMEOUT_MS) writes what it
+// waited for into this record — host memory mapped into the device, so it survives the trap that follows
+// — and fail() appends it to the message of the CUDA error that the trap causes.
+struct DeviceWaitRecord {
+  int set;        // 0 until a kernel writes the record
+  int kernel;     // which kernel (DeviceWaitKernel)
+  int what;       // kernel-specific: which flag or barrier
+  int block, thread, slot;
+  unsigned parity;
+  unsigned long long waited_ms;
+};
+enum DeviceWaitKernel : int { kWaitSm90GroupedGemm = 1 };
+
+// The record's device-side address (created on first use; the same for every device of the process).
+DeviceWaitRecord* device_wait_record();
+
 }  // namespace dmoe::cuda
 
 #define DMOE_CHECK_CUDA(call)                                                                         \

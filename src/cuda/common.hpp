@@ -72,4 +72,32 @@ void gemm_rm_grouped(const CudaContext& ctx, void* pointer_scratch, bool trans_a
 
 inline size_t grouped_pointer_bytes(int64_t problems) { return size_t(problems) * 3 * sizeof(void*); }
 
+// Whether the experts' forward products should run on dmoe's own grouped GEMM (below) rather than cuBLAS,
+// for products of `mean_macs` multiply-adds on average. DMOE_EXPERT_GEMM=own forces it (where usable),
+// grouped / loop / streams force cuBLAS; auto decides by size (measurements in gemm.cpp).
+bool prefer_own_grouped_gemm(double mean_macs);
+
+// ---- dmoe's own grouped GEMM for Hopper (grouped_gemm_sm90.cu) ------------------------------------------
+//
+// For every group g: C[r, :] = A[r, :] · B_g^T for the rows r in [row_offsets[g], row_offsets[g+1]);
+// A [rows, k] and C [rows, n] row-major (lda = k, ldc = n), B = [groups, n, k] (each group's matrix
+// [n, k], as the experts' w1/w3/w2 are stored), all bf16, fp32 accumulation. Rows of C outside every group
+// are not written. row_offsets is a host array of groups + 1 entries.
+struct GroupedGemmNT {
+  const __nv_bfloat16* a = nullptr;
+  const __nv_bfloat16* b = nullptr;
+  __nv_bfloat16* c = nullptr;
+  const int64_t* row_offsets = nullptr;
+  int32_t groups = 0;
+  int64_t n = 0, k = 0;
+};
+
+// True where the kernel can run: an sm_90 GPU, this build targets sm_90a, k and n multiples of 8,
+// 16-byte aligned pointers.
+bool sm90_grouped_gemm_usable(const GroupedGemmNT& g);
+// Device scratch the call needs (offsets and the tile table), from the context's workspace.
+size_t sm90_grouped_gemm_scratch_bytes(int32_t groups);
+// block_n: output tile width, 128 or 256; 0 = DMOE_SM90_BLOCK_N or 128.
+void sm90_grouped_gemm(const CudaContext& ctx, void* scratch, const GroupedGemmNT& g, int block_n = 0);
+
 }  // namespace dmoe::cuda

@@ -210,13 +210,32 @@ void expert_ffn_forward(const T* x, const T* w1, const T* w3, const T* w2, T* pr
   }
   ScratchLayout layout;
   const size_t off_pointers = layout.add(grouped_pointer_bytes(int64_t(up1.size())));
+  const size_t off_sm90 = layout.add(sm90_grouped_gemm_scratch_bytes(local_experts));
   char* ws = static_cast<char*>(ctx.workspace->reserve(layout.total(), ctx.stream));
   void* pointers = ws + off_pointers;
   const cudaDataType_t type = cuda_data_type<T>();
 
-  gemm_rm_grouped(ctx, pointers, false, true, hidden, hidden, ffn, 1.f, 0.f, type, type, type, up1);
-  if (swiglu)
-    gemm_rm_grouped(ctx, pointers, false, true, hidden, hidden, ffn, 1.f, 0.f, type, type, type, up3);
+  // bf16 on Hopper: dmoe's own grouped GEMM (one persistent kernel over all experts' tiles) where the
+  // policy in gemm.cpp prefers it for this size of expert product.
+  bool own_gemm = false;
+  GroupedGemmNT g1, g3, g2;
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    g1 = {x, w1, pre1, expert_offsets, local_experts, ffn, hidden};
+    g3 = {x, w3, pre3, expert_offsets, local_experts, ffn, hidden};
+    g2 = {h, w2, out, expert_offsets, local_experts, hidden, ffn};
+    const double mean_macs = double(rows) * double(hidden) * double(ffn) / double(up1.size());
+    own_gemm = prefer_own_grouped_gemm(mean_macs) && sm90_grouped_gemm_usable(g1) && sm90_grouped_gemm_usable(g2) &&
+               (!swiglu || sm90_grouped_gemm_usable(g3));
+  }
+
+  if (own_gemm) {
+    sm90_grouped_gemm(ctx, ws + off_sm90, g1);
+    if (swiglu) sm90_grouped_gemm(ctx, ws + off_sm90, g3);
+  } else {
+    gemm_rm_grouped(ctx, pointers, false, true, hidden, hidden, ffn, 1.f, 0.f, type, type, type, up1);
+    if (swiglu)
+      gemm_rm_grouped(ctx, pointers, false, true, hidden, hidden, ffn, 1.f, 0.f, type, type, type, up3);
+  }
 
   const int64_t count = rows * ffn;
   ActForwardParams<T> ap{pre1 + row_begin * ffn, swiglu ? pre3 + row_begin * ffn : nullptr,
@@ -224,7 +243,10 @@ void expert_ffn_forward(const T* x, const T* w1, const T* w3, const T* w2, T* pr
   launch_activation<T, ForwardLaunch>(activation, packable<T>(count, {ap.pre1, ap.pre3, ap.h}), ap, count,
                                       ctx.stream);
 
-  gemm_rm_grouped(ctx, pointers, false, true, ffn, ffn, hidden, 1.f, 0.f, type, type, type, down);
+  if (own_gemm)
+    sm90_grouped_gemm(ctx, ws + off_sm90, g2);
+  else
+    gemm_rm_grouped(ctx, pointers, false, true, ffn, ffn, hidden, 1.f, 0.f, type, type, type, down);
 }
 
 template <typename T>

@@ -74,9 +74,11 @@ SideStreams& side_streams() {
   return *p;
 }
 
-// How the experts' products run. DMOE_EXPERT_GEMM=grouped|loop|streams forces one (for measurements);
-// auto: grouped below kGroupedMaxMeanMacs, else one product after another.
-enum class ExpertGemmMode { automatic, grouped, loop, streams };
+// How the experts' products run. DMOE_EXPERT_GEMM=grouped|loop|streams|own forces one (for measurements;
+// own = dmoe's sm90 grouped GEMM, bf16 forward products only, cuBLAS elsewhere); auto: the own kernel
+// below kOwnMaxMeanMacs where it can run, else grouped below kGroupedMaxMeanMacs, else one product after
+// another.
+enum class ExpertGemmMode { automatic, grouped, loop, streams, own };
 
 ExpertGemmMode expert_gemm_mode() {
   static const ExpertGemmMode mode = [] {
@@ -85,7 +87,8 @@ ExpertGemmMode expert_gemm_mode() {
     if (std::string(v) == "grouped") return ExpertGemmMode::grouped;
     if (std::string(v) == "loop") return ExpertGemmMode::loop;
     if (std::string(v) == "streams") return ExpertGemmMode::streams;
-    fail(__FILE__, __LINE__, "DMOE_EXPERT_GEMM=%s is not supported; allowed: auto, grouped, loop, streams", v);
+    if (std::string(v) == "own") return ExpertGemmMode::own;
+    fail(__FILE__, __LINE__, "DMOE_EXPERT_GEMM=%s is not supported; allowed: auto, grouped, loop, streams, own", v);
   }();
   return mode;
 }
@@ -97,7 +100,21 @@ ExpertGemmMode expert_gemm_mode() {
 // 0.849 / 2.989 / 3.271 ms. cuBLAS's kernels for these shapes do not reliably run side by side, so the
 // gain is neither large nor stable; a grouped kernel of our own is the way to the 40% target.
 
+// TODO(measure): first guess, the size where cuBLAS's single products reach ~800 TFLOP/s.
+constexpr double kOwnMaxMeanMacs = 4e9;
+
 }  // namespace
+
+bool prefer_own_grouped_gemm(double mean_macs) {
+  switch (expert_gemm_mode()) {
+    case ExpertGemmMode::own:
+      return true;
+    case ExpertGemmMode::automatic:
+      return mean_macs < kOwnMaxMeanMacs;
+    default:
+      return false;
+  }
+}
 
 void gemm_rm(cublasHandle_t cublas, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
              const void* a, cudaDataType_t a_type, int64_t lda, const void* b, cudaDataType_t b_type,

@@ -1,0 +1,532 @@
+// cuda/grouped_gemm_sm90.cu — dmoe's own grouped GEMM for Hopper (sm_90a), the expert FFN's forward
+// products: for every group g (a local expert) C[r, :] = A[r, :] · B_g^T over the group's rows r, bf16
+// in and out, fp32 accumulation.
+//
+// Why: cuBLAS runs the experts' products one after another (or in a grouped call that behaves alike), and
+// one product of a few hundred rows is only a handful of output tiles, so most of the 132 SMs idle
+// (docs/perf.md: ~280 TFLOP/s on 64 experts of 256 rows). Here one persistent kernel walks the tiles of
+// all groups, so every SM has work until the last tile — the tile scheduler Flash builds on.
+//
+// Structure (one CTA per SM, 384 threads):
+//   warpgroup 0   producer: one thread issues TMA loads of A (BM×64) and B (BN×64) k-blocks into a ring
+//                 of `stages` shared-memory slots, each guarded by a full/empty mbarrier pair;
+//   warpgroups 1-2 consumers: each owns 64 of the BM = 128 rows of the tile, runs wgmma m64nBNk16 over
+//                 the slots (operands K-major, 128-byte swizzle, as TMA wrote them), then stores its
+//                 accumulators as bf16, masked to the group's rows and to N.
+// Tiles are numbered group by group, row tiles fastest within a column tile, so the CTAs running at the
+// same time share A and B slices in L2. A group's last row tile reads rows of the next group (or TMA's
+// zero fill past the end); those rows are computed and not stored. No padding is added in memory.
+//
+// Every mbarrier wait has a time limit (DMOE_GPU_WAIT_TIMEOUT_MS, default 10 s): a wait that runs past it
+// records which barrier, slot and phase it waited for (cuda/check.hpp) and traps; the CUDA error that
+// follows carries that description, so a bug is an error, not a hang.
+#include <cuda.h>  // CUtensorMap and its enums (types only; the driver function is looked up at run time)
+#include <cudaTypedefs.h>
+
+#include <cstdlib>
+#include <mutex>
+#include <vector>
+
+#include "cuda/common.hpp"
+
+namespace dmoe::cuda {
+
+namespace {
+
+constexpr int kBlockM = 128;        // rows per tile: two consumer warpgroups of 64
+constexpr int kBlockK = 64;         // 64 bf16 = 128 bytes, one swizzle row
+constexpr int kThreads = 384;       // producer warpgroup + two consumer warpgroups
+constexpr int kConsumers = 2;
+
+template <int BN>
+struct TileConfig {
+  static constexpr int stages = BN == 128 ? 6 : 4;
+  static constexpr int a_bytes = kBlockM * kBlockK * 2;
+  static constexpr int b_bytes = BN * kBlockK * 2;
+  static constexpr int stage_bytes = a_bytes + b_bytes;
+  // slots, then 2·stages mbarriers, plus 1 KiB to align the slots to the 128-byte swizzle's 1 KiB atom
+  static constexpr int smem_bytes = stages * stage_bytes + 2 * stages * 8 + 1024;
+};
+
+struct Sm90Params {
+  const int64_t* row_offsets;   // [groups + 1] rows of A and C, from A's row 0
+  const int32_t* tile_offsets;  // [groups + 1] first tile of each group
+  __nv_bfloat16* c;
+  int64_t n, k;
+  int32_t groups;
+  int32_t tiles;
+  int32_t n_tiles;              // column tiles per group
+  unsigned long long timeout_ns;
+  DeviceWaitRecord* wait_record;  // host-mapped; written only when a wait times out
+};
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define DMOE_SM90A_DEVICE 1
+#endif
+
+#ifdef DMOE_SM90A_DEVICE
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+
+__device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  asm volatile(
+      "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(done)
+      : "r"(bar), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+
+__device__ __forceinline__ unsigned long long global_time_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Waits for the phase of `bar` with the given parity to complete. Past the time limit it writes what it
+// waited for into the host-mapped record (check.hpp) and traps. No printf: a call inside the consumers'
+// wgmma pipeline would make ptxas serialise the wgmma instructions.
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity, int what, int slot, const Sm90Params& p) {
+  if (mbar_try_wait(bar, parity)) return;
+  const unsigned long long start = global_time_ns();
+  while (!mbar_try_wait(bar, parity)) {
+    const unsigned long long waited = global_time_ns() - start;
+    if (waited > p.timeout_ns) {
+      DeviceWaitRecord* r = p.wait_record;
+      r->kernel = kWaitSm90GroupedGemm;
+      r->what = what;
+      r->block = int(blockIdx.x);
+      r->thread = int(threadIdx.x);
+      r->slot = slot;
+      r->parity = parity;
+      r->waited_ms = waited / 1000000ull;
+      __threadfence_system();
+      *reinterpret_cast<volatile int*>(&r->set) = 1;
+      __threadfence_system();
+      __trap();
+    }
+  }
+}
+
+// 2-D TMA load of the box at (c0 = column, c1 = row) into shared memory; completes on `bar`.
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int32_t c0, int32_t c1,
+                                            uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
+      ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
+      : "memory");
+}
+
+// Shared-memory matrix descriptor of a K-major operand written by TMA with the 128-byte swizzle: rows of
+// 128 bytes, 8-row atoms 1024 bytes apart (stride byte offset); the leading byte offset is unused in
+// this mode. Moving along K inside the 128-byte row is a plain start-address offset.
+__device__ __forceinline__ uint64_t kmajor_sw128_desc(uint32_t addr) {
+  uint64_t d = 0;
+  d |= uint64_t((addr & 0x3FFFF) >> 4);
+  d |= uint64_t(1) << 16;
+  d |= uint64_t(1024 >> 4) << 32;
+  d |= uint64_t(1) << 62;  // 128-byte swizzle
+  return d;
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+
+template <int BN>
+struct Wgmma;
+
+template <>
+struct Wgmma<128> {
+  // d[64] += A (64×16, smem) · B (128×16, smem)^T; scale_d = 0 overwrites d instead.
+  __device__ __forceinline__ static void mma(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+        "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+  }
+};
+
+template <>
+struct Wgmma<256> {
+  // d[128] += A (64×16, smem) · B (256×16, smem)^T; scale_d = 0 overwrites d instead.
+  __device__ __forceinline__ static void mma(float (&d)[128], uint64_t desc_a, uint64_t desc_b, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+        "}, %128, %129, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+  }
+};
+
+// The group of tile t (tile_offsets is non-decreasing; groups without rows own no tiles).
+__device__ __forceinline__ int find_group(const int32_t* tile_offsets, int32_t groups, int32_t t) {
+  int lo = 0, hi = groups - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (__ldg(tile_offsets + mid) <= t) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
+
+struct TileCoord {
+  int64_t row_begin;  // the group's first row
+  int64_t rows;       // the group's rows
+  int32_t group, m_tile, n_tile;
+};
+
+__device__ __forceinline__ TileCoord decode_tile(const Sm90Params& p, int32_t t) {
+  TileCoord tc;
+  tc.group = find_group(p.tile_offsets, p.groups, t);
+  tc.row_begin = __ldg(p.row_offsets + tc.group);
+  tc.rows = __ldg(p.row_offsets + tc.group + 1) - tc.row_begin;
+  const int32_t m_tiles = int32_t((tc.rows + kBlockM - 1) / kBlockM);
+  const int32_t local = t - __ldg(p.tile_offsets + tc.group);
+  tc.m_tile = local % m_tiles;
+  tc.n_tile = local / m_tiles;
+  return tc;
+}
+
+#endif  // DMOE_SM90A_DEVICE
+
+template <int BN>
+__global__ void __launch_bounds__(kThreads, 1)
+    grouped_gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
+                             const __grid_constant__ Sm90Params p) {
+#ifdef DMOE_SM90A_DEVICE
+  using Cfg = TileConfig<BN>;
+  constexpr int S = Cfg::stages;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  const uint32_t slots = smem_u32(smem);
+  const uint32_t bars = slots + S * Cfg::stage_bytes;  // full[S], then empty[S]
+  auto slot_a = [&](int s) { return slots + s * Cfg::stage_bytes; };
+  auto slot_b = [&](int s) { return slots + s * Cfg::stage_bytes + Cfg::a_bytes; };
+  auto full = [&](int s) { return bars + 8 * s; };
+  auto empty = [&](int s) { return bars + 8 * (S + s); };
+
+  const int warpgroup = threadIdx.x / 128;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < S; ++s) {
+      mbar_init(full(s), 1);
+      mbar_init(empty(s), kConsumers);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  const int32_t k_blocks = int32_t((p.k + kBlockK - 1) / kBlockK);
+
+  if (warpgroup == 0) {
+    // ---- producer ----
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    if (threadIdx.x == 0) {
+      asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&map_a)) : "memory");
+      asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&map_b)) : "memory");
+      uint32_t it = 0;
+      for (int32_t t = blockIdx.x; t < p.tiles; t += gridDim.x) {
+        const TileCoord tc = decode_tile(p, t);
+        const int32_t a_row = int32_t(tc.row_begin + int64_t(tc.m_tile) * kBlockM);
+        const int32_t b_row = int32_t(int64_t(tc.group) * p.n + int64_t(tc.n_tile) * BN);
+        for (int32_t kb = 0; kb < k_blocks; ++kb, ++it) {
+          const int s = int(it % S);
+          const uint32_t phase = (it / S) & 1;
+          mbar_wait(empty(s), phase ^ 1, 1, s, p);
+          mbar_expect_tx(full(s), Cfg::stage_bytes);
+          tma_load_2d(slot_a(s), &map_a, kb * kBlockK, a_row, full(s));
+          tma_load_2d(slot_b(s), &map_b, kb * kBlockK, b_row, full(s));
+        }
+      }
+    }
+  } else {
+    // ---- consumers ----
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+    const int consumer = warpgroup - 1;
+    const int warp = (threadIdx.x / 32) % 4;
+    const int lane = threadIdx.x % 32;
+    float acc[BN / 2];
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
+    uint32_t it = 0;
+    for (int32_t t = blockIdx.x; t < p.tiles; t += gridDim.x) {
+      const TileCoord tc = decode_tile(p, t);
+      int prev_slot = -1;
+      for (int32_t kb = 0; kb < k_blocks; ++kb, ++it) {
+        const int s = int(it % S);
+        const uint32_t phase = (it / S) & 1;
+        mbar_wait(full(s), phase, 0, s, p);
+        const uint32_t a_base = slot_a(s) + consumer * 64 * 128;  // this warpgroup's 64 rows
+        const uint32_t b_base = slot_b(s);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kBlockK / 16; ++kk)
+          Wgmma<BN>::mma(acc, kmajor_sw128_desc(a_base + kk * 32), kmajor_sw128_desc(b_base + kk * 32),
+                         (kb > 0 || kk > 0) ? 1 : 0);
+        wgmma_commit();
+        // Keep this k-block's products in flight; the previous one is done, so its slot goes back.
+        wgmma_wait<1>();
+        if (prev_slot >= 0 && threadIdx.x % 128 == 0) mbar_arrive(empty(prev_slot));
+        prev_slot = s;
+      }
+      wgmma_wait<0>();
+      if (prev_slot >= 0 && threadIdx.x % 128 == 0) mbar_arrive(empty(prev_slot));
+
+      // Epilogue: accumulator fragment (warp w, lane l) holds rows 16w + l/4 (+8) and, for every 8-column
+      // block j, columns 8j + 2(l%4) + {0, 1}.
+      const int64_t row_in_group = int64_t(tc.m_tile) * kBlockM + consumer * 64 + warp * 16 + lane / 4;
+      const int64_t col0 = int64_t(tc.n_tile) * BN + 2 * (lane % 4);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int64_t r = row_in_group + 8 * half;
+        if (r >= tc.rows) continue;
+        __nv_bfloat16* out = p.c + (tc.row_begin + r) * p.n;
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) {
+          const int64_t col = col0 + 8 * j;
+          if (col < p.n)
+            *reinterpret_cast<__nv_bfloat162*>(out + col) =
+                __floats2bfloat162_rn(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+        }
+      }
+    }
+  }
+#endif  // DMOE_SM90A_DEVICE
+}
+
+// Whether this build carries the sm_90a kernel body (the file may also be built for other targets, where
+// the kernel is empty); answered by the device itself.
+__global__ void sm90a_probe_kernel(int* built) {
+#ifdef DMOE_SM90A_DEVICE
+  *built = 1;
+#else
+  *built = 0;
+#endif
+}
+
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    DMOE_CHECK_CUDA(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q));
+    DMOE_CUDA_REQUIRE(q == cudaDriverEntryPointSuccess && f != nullptr,
+                      "cuTensorMapEncodeTiled not found in the CUDA driver (needs a CUDA 12+ driver)");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+  }();
+  return fn;
+}
+
+// [rows, k] bf16 row-major, boxes of box_rows × 64 with the 128-byte swizzle; out-of-range reads are zeros.
+CUtensorMap make_kmajor_map(const void* base, int64_t rows, int64_t k, int box_rows) {
+  CUtensorMap map;
+  const cuuint64_t dims[2] = {cuuint64_t(k), cuuint64_t(rows)};
+  const cuuint64_t strides[1] = {cuuint64_t(k) * 2};
+  const cuuint32_t box[2] = {cuuint32_t(kBlockK), cuuint32_t(box_rows)};
+  const cuuint32_t element_strides[2] = {1, 1};
+  const CUresult r = tensor_map_encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims,
+                                          strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                          CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                          CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  DMOE_CUDA_REQUIRE(r == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed (error %d) for a [%lld, %lld] bf16 matrix",
+                    int(r), (long long)rows, (long long)k);
+  return map;
+}
+
+struct DeviceInfo {
+  bool usable = false;  // compute capability 9.0 and the sm_90a kernel is in this build
+  int sms = 0;
+};
+
+const DeviceInfo& device_info() {
+  static std::mutex mutex;
+  static std::vector<DeviceInfo> infos;
+  int device = 0;
+  DMOE_CHECK_CUDA(cudaGetDevice(&device));
+  std::lock_guard<std::mutex> lock(mutex);
+  if (int(infos.size()) <= device) infos.resize(device + 1, DeviceInfo{});
+  DeviceInfo& info = infos[device];
+  if (info.sms == 0) {
+    int major = 0, minor = 0;
+    DMOE_CHECK_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    DMOE_CHECK_CUDA(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+    DMOE_CHECK_CUDA(cudaDeviceGetAttribute(&info.sms, cudaDevAttrMultiProcessorCount, device));
+    bool built = false;
+    if (major == 9 && minor == 0) {
+      cudaFuncAttributes attr{};
+      // The kernel has an image for this device only if the build targeted sm_90a.
+      if (cudaFuncGetAttributes(&attr, sm90a_probe_kernel) == cudaSuccess) {
+        int* flag = nullptr;
+        int host = 0;
+        DMOE_CHECK_CUDA(cudaMalloc(&flag, sizeof(int)));
+        sm90a_probe_kernel<<<1, 1>>>(flag);
+        DMOE_CHECK_LAUNCH();
+        DMOE_CHECK_CUDA(cudaMemcpy(&host, flag, sizeof(int), cudaMemcpyDeviceToHost));
+        DMOE_CHECK_CUDA(cudaFree(flag));
+        built = host == 1;
+      } else {
+        (void)cudaGetLastError();
+      }
+    }
+    info.usable = built;
+  }
+  return info;
+}
+
+unsigned long long wait_timeout_ns() {
+  static const unsigned long long ns = [] {
+    const char* v = std::getenv("DMOE_GPU_WAIT_TIMEOUT_MS");
+    char* end = nullptr;
+    const long long ms = v && *v ? std::strtoll(v, &end, 10) : 10000;
+    DMOE_CUDA_REQUIRE(!(v && *v) || (*end == '\0' && ms > 0),
+                      "DMOE_GPU_WAIT_TIMEOUT_MS=%s is not a positive number of milliseconds", v ? v : "");
+    return (unsigned long long)ms * 1000000ull;
+  }();
+  return ns;
+}
+
+int column_tile() {
+  static const int bn = [] {
+    const char* v = std::getenv("DMOE_SM90_BLOCK_N");
+    if (!v || !*v) return 128;
+    const int n = std::atoi(v);
+    DMOE_CUDA_REQUIRE(n == 128 || n == 256, "DMOE_SM90_BLOCK_N=%s is not supported; allowed: 128, 256", v);
+    return n;
+  }();
+  return bn;
+}
+
+template <int BN>
+void launch(const CudaContext& ctx, void* scratch, const GroupedGemmNT& g) {
+  using Cfg = TileConfig<BN>;
+  const int32_t n_tiles = int32_t((g.n + BN - 1) / BN);
+  std::vector<int32_t> tile_offsets(size_t(g.groups) + 1, 0);
+  for (int32_t e = 0; e < g.groups; ++e) {
+    const int64_t rows = g.row_offsets[e + 1] - g.row_offsets[e];
+    tile_offsets[e + 1] = tile_offsets[e] + int32_t((rows + kBlockM - 1) / kBlockM) * n_tiles;
+  }
+  const int32_t tiles = tile_offsets[g.groups];
+  if (tiles == 0) return;
+
+  char* ws = static_cast<char*>(scratch);
+  const size_t offsets_bytes = (size_t(g.groups) + 1) * sizeof(int64_t);
+  upload_async(ws, g.row_offsets, offsets_bytes, ctx.stream);
+  upload_async(ws + offsets_bytes, tile_offsets.data(), tile_offsets.size() * sizeof(int32_t), ctx.stream);
+
+  const int64_t rows_total = g.row_offsets[g.groups];
+  const CUtensorMap map_a = make_kmajor_map(g.a, rows_total, g.k, kBlockM);
+  const CUtensorMap map_b = make_kmajor_map(g.b, int64_t(g.groups) * g.n, g.k, BN);
+  Sm90Params p{};
+  p.row_offsets = reinterpret_cast<const int64_t*>(ws);
+  p.tile_offsets = reinterpret_cast<const int32_t*>(ws + offsets_bytes);
+  p.c = g.c;
+  p.n = g.n;
+  p.k = g.k;
+  p.groups = g.groups;
+  p.tiles = tiles;
+  p.n_tiles = n_tiles;
+  p.timeout_ns = wait_timeout_ns();
+  p.wait_record = device_wait_record();
+
+  static bool attribute_set[2] = {false, false};  // per instantiation; the attribute is per function
+  if (!attribute_set[BN == 256]) {
+    DMOE_CHECK_CUDA(cudaFuncSetAttribute(grouped_gemm_sm90_kernel<BN>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         Cfg::smem_bytes));
+    attribute_set[BN == 256] = true;
+  }
+  const int blocks = std::min(tiles, device_info().sms);
+  grouped_gemm_sm90_kernel<BN><<<blocks, kThreads, Cfg::smem_bytes, ctx.stream>>>(map_a, map_b, p);
+  DMOE_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+size_t sm90_grouped_gemm_scratch_bytes(int32_t groups) {
+  const size_t bytes = (size_t(groups) + 1) * (sizeof(int64_t) + sizeof(int32_t));
+  return (bytes + 255) / 256 * 256;
+}
+
+bool sm90_grouped_gemm_usable(const GroupedGemmNT& g) {
+  if (g.groups <= 0 || g.n <= 0 || g.k <= 0) return false;
+  // TMA: row strides of a multiple of 16 bytes, 16-byte aligned bases; bf16 pairs in the epilogue.
+  if (g.k % 8 != 0 || g.n % 8 != 0) return false;
+  if (!is_aligned(g.a, 16) || !is_aligned(g.b, 16) || !is_aligned(g.c, 16)) return false;
+  // Tile coordinates are 32-bit in TMA.
+  if (g.row_offsets[g.groups] >= (int64_t(1) << 31) - kBlockM || int64_t(g.groups) * g.n >= (int64_t(1) << 31))
+    return false;
+  return device_info().usable;
+}
+
+void sm90_grouped_gemm(const CudaContext& ctx, void* scratch, const GroupedGemmNT& g, int block_n) {
+  DMOE_CUDA_REQUIRE(g.groups >= 0, "sm90_grouped_gemm: groups = %d; must be >= 0", g.groups);
+  if (g.groups == 0) return;
+  for (int32_t e = 0; e < g.groups; ++e)
+    DMOE_CUDA_REQUIRE(g.row_offsets[e + 1] >= g.row_offsets[e] && g.row_offsets[0] >= 0,
+                      "sm90_grouped_gemm: row_offsets[%d] = %lld < row_offsets[%d] = %lld; offsets must not "
+                      "decrease", e + 1, (long long)g.row_offsets[e + 1], e, (long long)g.row_offsets[e]);
+  DMOE_CUDA_REQUIRE(sm90_grouped_gemm_usable(g),
+                    "sm90_grouped_gemm: not usable here (needs an sm_90 GPU, a build for sm_90a, k and n multiples "
+                    "of 8 — k = %lld, n = %lld — and 16-byte aligned pointers)", (long long)g.k, (long long)g.n);
+  DMOE_CUDA_REQUIRE(block_n == 0 || block_n == 128 || block_n == 256,
+                    "sm90_grouped_gemm: block_n = %d; allowed: 0 (default), 128, 256", block_n);
+  if ((block_n == 0 ? column_tile() : block_n) == 256)
+    launch<256>(ctx, scratch, g);
+  else
+    launch<128>(ctx, scratch, g);
+}
+
+}  // namespace dmoe::cuda
