@@ -6,7 +6,8 @@
 #   scripts/gpu_check.sh BUILD_DIR LOG_DIR [PARTS]
 #
 # PARTS: comma-separated, run in the order given: tests (one process), multi (W = 2, 4, 8 ranks), modes
-# (expert-GEMM strategies side by side), bench (named configs with the PyTorch peers, weak scaling);
+# (expert-GEMM strategies side by side), bench (named configs with the PyTorch peers, weak scaling),
+# profile (per-kernel times under Nsight Compute);
 # all = tests,multi,bench,modes (default).
 #
 # Run from the repository root. Needs the NVSHMEM wheel in the Python on PATH (the GPU machine has it in
@@ -74,21 +75,30 @@ part_bench() {
 }
 
 part_modes() {
-  # The expert GEMM strategies side by side (src/cuda/gemm.cpp): what auto should pick. own256 = the own
-  # kernel with 256-column tiles.
+  # The expert GEMM strategies side by side (src/cuda/gemm.cpp): what auto should pick. own128 = the own
+  # kernel with 128-column tiles (default 256).
   for cfg in flash-paper fine-grained decode mixtral; do
-    for mode in grouped loop own own256; do
-      [ "$mode" = own256 ] && export DMOE_SM90_BLOCK_N=256
-      DMOE_EXPERT_GEMM=${mode%256} run 100 "mode_${cfg}_$mode" "$B/dmoe" bench layer --config "$cfg" \
+    for mode in grouped loop own own128; do
+      [ "$mode" = own128 ] && export DMOE_SM90_BLOCK_N=128
+      DMOE_EXPERT_GEMM=${mode%128} run 100 "mode_${cfg}_$mode" "$B/dmoe" bench layer --config "$cfg" \
         --check-tokens 4 --no-backward --json "$O/mode_${cfg}_$mode.json"
       unset DMOE_SM90_BLOCK_N
     done
   done
 }
 
+part_profile() {
+  # Per-kernel device time of dmoe's own kernels (Nsight Compute, clocks left alone): the first iterations
+  # of the forward, to split the layer into stages. The cuBLAS router GEMM is not matched (not dmoe::).
+  for cfg in fine-grained flash-paper; do
+    run 200 "ncu_$cfg" ncu --clock-control none --kernel-name-base demangled -k regex:dmoe:: -c 40 \
+      --metrics gpu__time_duration.sum --csv "$B/dmoe" bench layer --config "$cfg" --no-backward --check-tokens 0
+  done
+}
+
 for part in ${WHAT//,/ }; do
   case $part in
-    tests | multi | bench | modes) part_$part ;;
-    *) echo "unknown part '$part'; allowed: tests, multi, bench, modes, all" >&2; exit 2 ;;
+    tests | multi | bench | modes | profile) part_$part ;;
+    *) echo "unknown part '$part'; allowed: tests, multi, bench, modes, profile, all" >&2; exit 2 ;;
   esac
 done

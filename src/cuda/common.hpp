@@ -83,6 +83,9 @@ bool prefer_own_grouped_gemm(double mean_macs);
 // A [rows, k] and C [rows, n] row-major (lda = k, ldc = n), B = [groups, n, k] (each group's matrix
 // [n, k], as the experts' w1/w3/w2 are stored), all bf16, fp32 accumulation. Rows of C outside every group
 // are not written. row_offsets is a host array of groups + 1 entries.
+//
+// Fused activation (h != null): the epilogue also writes h = act(C) — or, for SwiGLU, C2 = A·B2_g^T as well
+// and h = silu(C)·C2 — computed from the bf16-rounded C (and C2), as the separate activation kernel does.
 struct GroupedGemmNT {
   const __nv_bfloat16* a = nullptr;
   const __nv_bfloat16* b = nullptr;
@@ -90,6 +93,10 @@ struct GroupedGemmNT {
   const int64_t* row_offsets = nullptr;
   int32_t groups = 0;
   int64_t n = 0, k = 0;
+  __nv_bfloat16* h = nullptr;                  // [rows, n], null: no fused activation
+  Activation activation = Activation::relu;    // with h
+  const __nv_bfloat16* b2 = nullptr;           // SwiGLU: w3 [groups, n, k]
+  __nv_bfloat16* c2 = nullptr;                 // SwiGLU: pre3 [rows, n]
 };
 
 // True where the kernel can run: an sm_90 GPU, this build targets sm_90a, k and n multiples of 8,
@@ -97,7 +104,7 @@ struct GroupedGemmNT {
 bool sm90_grouped_gemm_usable(const GroupedGemmNT& g);
 // Device scratch the call needs (offsets and the tile table), from the context's workspace.
 size_t sm90_grouped_gemm_scratch_bytes(int32_t groups);
-// block_n: output tile width, 128 or 256; 0 = DMOE_SM90_BLOCK_N or 128.
+// block_n: tile width, 128 or 256; 0 = DMOE_SM90_BLOCK_N or 256.
 void sm90_grouped_gemm(const CudaContext& ctx, void* scratch, const GroupedGemmNT& g, int block_n = 0);
 
 }  // namespace dmoe::cuda

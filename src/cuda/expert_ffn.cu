@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "cuda/common.hpp"
+#include "cuda/activation.cuh"
 #include "cuda/device_utils.cuh"
 
 namespace dmoe::cuda {
@@ -30,36 +31,6 @@ namespace dmoe::cuda {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr float kInvSqrt2 = 0.70710678118654752440f;
-constexpr float kInvSqrt2Pi = 0.39894228040143267794f;
-
-// ---- activations (f32; the same formulas as the CPU's, which evaluates them in fp64) -------------------
-
-template <Activation A>
-__device__ __forceinline__ float act_value(float x) {
-  if constexpr (A == Activation::relu) {
-    return x > 0.f ? x : 0.f;
-  } else if constexpr (A == Activation::gelu) {
-    return 0.5f * x * (1.f + erff(x * kInvSqrt2));
-  } else {
-    return x / (1.f + expf(-x));  // silu, the gate half of SwiGLU
-  }
-}
-
-template <Activation A>
-__device__ __forceinline__ float act_derivative(float x) {
-  if constexpr (A == Activation::relu) {
-    return x > 0.f ? 1.f : 0.f;
-  } else if constexpr (A == Activation::gelu) {
-    // d/dx [x·Φ(x)] = Φ(x) + x·φ(x)
-    return 0.5f * (1.f + erff(x * kInvSqrt2)) + x * kInvSqrt2Pi * expf(-0.5f * x * x);
-  } else {
-    // d/dx [x·σ(x)] = σ(x)·(1 + x·(1 − σ(x)))
-    const float s = 1.f / (1.f + expf(-x));
-    return s * (1.f + x * (1.f - s));
-  }
-}
-
 template <typename T>
 struct ActForwardParams {
   const T* pre1;  // [count]
@@ -216,32 +187,30 @@ void expert_ffn_forward(const T* x, const T* w1, const T* w3, const T* w2, T* pr
   const cudaDataType_t type = cuda_data_type<T>();
 
   // bf16 on Hopper: dmoe's own grouped GEMM (one persistent kernel over all experts' tiles) where the
-  // policy in gemm.cpp prefers it for this size of expert product.
+  // policy in gemm.cpp prefers it for this size of expert product. Its up-projection also applies the
+  // activation in the epilogue (SwiGLU: gate and up products in the same tile), so no activation pass.
   bool own_gemm = false;
-  GroupedGemmNT g1, g3, g2;
+  GroupedGemmNT up, g2;
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    g1 = {x, w1, pre1, expert_offsets, local_experts, ffn, hidden};
-    g3 = {x, w3, pre3, expert_offsets, local_experts, ffn, hidden};
+    up = {x, w1, pre1, expert_offsets, local_experts, ffn, hidden, h, activation, swiglu ? w3 : nullptr,
+          swiglu ? pre3 : nullptr};
     g2 = {h, w2, out, expert_offsets, local_experts, hidden, ffn};
     const double mean_macs = double(rows) * double(hidden) * double(ffn) / double(up1.size());
-    own_gemm = prefer_own_grouped_gemm(mean_macs) && sm90_grouped_gemm_usable(g1) && sm90_grouped_gemm_usable(g2) &&
-               (!swiglu || sm90_grouped_gemm_usable(g3));
+    own_gemm = prefer_own_grouped_gemm(mean_macs) && sm90_grouped_gemm_usable(up) && sm90_grouped_gemm_usable(g2);
   }
 
   if (own_gemm) {
-    sm90_grouped_gemm(ctx, ws + off_sm90, g1);
-    if (swiglu) sm90_grouped_gemm(ctx, ws + off_sm90, g3);
+    sm90_grouped_gemm(ctx, ws + off_sm90, up);
   } else {
     gemm_rm_grouped(ctx, pointers, false, true, hidden, hidden, ffn, 1.f, 0.f, type, type, type, up1);
     if (swiglu)
       gemm_rm_grouped(ctx, pointers, false, true, hidden, hidden, ffn, 1.f, 0.f, type, type, type, up3);
+    const int64_t count = rows * ffn;
+    ActForwardParams<T> ap{pre1 + row_begin * ffn, swiglu ? pre3 + row_begin * ffn : nullptr,
+                           h + row_begin * ffn, count};
+    launch_activation<T, ForwardLaunch>(activation, packable<T>(count, {ap.pre1, ap.pre3, ap.h}), ap, count,
+                                        ctx.stream);
   }
-
-  const int64_t count = rows * ffn;
-  ActForwardParams<T> ap{pre1 + row_begin * ffn, swiglu ? pre3 + row_begin * ffn : nullptr,
-                         h + row_begin * ffn, count};
-  launch_activation<T, ForwardLaunch>(activation, packable<T>(count, {ap.pre1, ap.pre3, ap.h}), ap, count,
-                                      ctx.stream);
 
   if (own_gemm)
     sm90_grouped_gemm(ctx, ws + off_sm90, g2);

@@ -27,6 +27,7 @@
 #include <mutex>
 #include <vector>
 
+#include "cuda/activation.cuh"
 #include "cuda/common.hpp"
 
 namespace dmoe::cuda {
@@ -52,6 +53,8 @@ struct Sm90Params {
   const int64_t* row_offsets;   // [groups + 1] rows of A and C, from A's row 0
   const int32_t* tile_offsets;  // [groups + 1] first tile of each group
   __nv_bfloat16* c;
+  __nv_bfloat16* c2;            // fused SwiGLU: the up half (pre3)
+  __nv_bfloat16* h;             // fused activation output
   int64_t n, k;
   int32_t groups;
   int32_t tiles;
@@ -245,11 +248,16 @@ __device__ __forceinline__ TileCoord decode_tile(const Sm90Params& p, int32_t t)
 
 #endif  // DMOE_SM90A_DEVICE
 
-template <int BN>
+// kFuse: the epilogue also applies the activation A and writes h (GroupedGemmNT). For SwiGLU a tile's BN
+// columns are BN/2 columns of the gate product (B = w1, rows from map_b) followed by the same BN/2 columns
+// of the up product (w3, map_b2), so one thread holds both halves of each h element.
+template <int BN, bool kFuse, Activation A>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
-                             const __grid_constant__ Sm90Params p) {
+                             const __grid_constant__ CUtensorMap map_b2, const __grid_constant__ Sm90Params p) {
 #ifdef DMOE_SM90A_DEVICE
+  constexpr bool kGated = kFuse && A == Activation::swiglu;
+  constexpr int kOutN = kGated ? BN / 2 : BN;  // output columns per tile
   using Cfg = TileConfig<BN>;
   constexpr int S = Cfg::stages;
   extern __shared__ uint8_t smem_raw[];
@@ -279,11 +287,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (threadIdx.x == 0) {
       asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&map_a)) : "memory");
       asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&map_b)) : "memory");
+      if constexpr (kGated)
+        asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&map_b2)) : "memory");
       uint32_t it = 0;
       for (int32_t t = blockIdx.x; t < p.tiles; t += gridDim.x) {
         const TileCoord tc = decode_tile(p, t);
         const int32_t a_row = int32_t(tc.row_begin + int64_t(tc.m_tile) * kBlockM);
-        const int32_t b_row = int32_t(int64_t(tc.group) * p.n + int64_t(tc.n_tile) * BN);
+        const int32_t b_row = int32_t(int64_t(tc.group) * p.n + int64_t(tc.n_tile) * kOutN);
         for (int32_t kb = 0; kb < k_blocks; ++kb, ++it) {
           const int s = int(it % S);
           const uint32_t phase = (it / S) & 1;
@@ -291,6 +301,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           mbar_expect_tx(full(s), Cfg::stage_bytes);
           tma_load_2d(slot_a(s), &map_a, kb * kBlockK, a_row, full(s));
           tma_load_2d(slot_b(s), &map_b, kb * kBlockK, b_row, full(s));
+          if constexpr (kGated) tma_load_2d(slot_b(s) + kOutN * 128, &map_b2, kb * kBlockK, b_row, full(s));
         }
       }
     }
@@ -330,18 +341,31 @@ __global__ void __launch_bounds__(kThreads, 1)
       // Epilogue: accumulator fragment (warp w, lane l) holds rows 16w + l/4 (+8) and, for every 8-column
       // block j, columns 8j + 2(l%4) + {0, 1}.
       const int64_t row_in_group = int64_t(tc.m_tile) * kBlockM + consumer * 64 + warp * 16 + lane / 4;
-      const int64_t col0 = int64_t(tc.n_tile) * BN + 2 * (lane % 4);
+      const int64_t col0 = int64_t(tc.n_tile) * kOutN + 2 * (lane % 4);
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int64_t r = row_in_group + 8 * half;
         if (r >= tc.rows) continue;
-        __nv_bfloat16* out = p.c + (tc.row_begin + r) * p.n;
+        const int64_t row = (tc.row_begin + r) * p.n;
 #pragma unroll
-        for (int j = 0; j < BN / 8; ++j) {
+        for (int j = 0; j < kOutN / 8; ++j) {
           const int64_t col = col0 + 8 * j;
-          if (col < p.n)
-            *reinterpret_cast<__nv_bfloat162*>(out + col) =
-                __floats2bfloat162_rn(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+          if (col >= p.n) continue;
+          const __nv_bfloat162 v = __floats2bfloat162_rn(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+          *reinterpret_cast<__nv_bfloat162*>(p.c + row + col) = v;
+          if constexpr (kFuse) {
+            // h from the stored (rounded) pre-activations, as the separate activation kernel computes it.
+            float h0 = act_value<A>(__low2float(v)), h1 = act_value<A>(__high2float(v));
+            if constexpr (kGated) {
+              constexpr int up = kOutN / 8;  // the up product's block for the same columns
+              const __nv_bfloat162 u =
+                  __floats2bfloat162_rn(acc[4 * (j + up) + 2 * half], acc[4 * (j + up) + 2 * half + 1]);
+              *reinterpret_cast<__nv_bfloat162*>(p.c2 + row + col) = u;
+              h0 *= __low2float(u);
+              h1 *= __high2float(u);
+            }
+            *reinterpret_cast<__nv_bfloat162*>(p.h + row + col) = __floats2bfloat162_rn(h0, h1);
+          }
         }
       }
     }
@@ -442,7 +466,7 @@ unsigned long long wait_timeout_ns() {
 int column_tile() {
   static const int bn = [] {
     const char* v = std::getenv("DMOE_SM90_BLOCK_N");
-    if (!v || !*v) return 128;
+    if (!v || !*v) return 256;  // faster than 128 on all four named configs (docs/perf.md)
     const int n = std::atoi(v);
     DMOE_CUDA_REQUIRE(n == 128 || n == 256, "DMOE_SM90_BLOCK_N=%s is not supported; allowed: 128, 256", v);
     return n;
@@ -450,10 +474,12 @@ int column_tile() {
   return bn;
 }
 
-template <int BN>
+template <int BN, bool kFuse, Activation A>
 void launch(const CudaContext& ctx, void* scratch, const GroupedGemmNT& g) {
   using Cfg = TileConfig<BN>;
-  const int32_t n_tiles = int32_t((g.n + BN - 1) / BN);
+  constexpr bool kGated = kFuse && A == Activation::swiglu;
+  constexpr int kOutN = kGated ? BN / 2 : BN;
+  const int32_t n_tiles = int32_t((g.n + kOutN - 1) / kOutN);
   std::vector<int32_t> tile_offsets(size_t(g.groups) + 1, 0);
   for (int32_t e = 0; e < g.groups; ++e) {
     const int64_t rows = g.row_offsets[e + 1] - g.row_offsets[e];
@@ -469,11 +495,14 @@ void launch(const CudaContext& ctx, void* scratch, const GroupedGemmNT& g) {
 
   const int64_t rows_total = g.row_offsets[g.groups];
   const CUtensorMap map_a = make_kmajor_map(g.a, rows_total, g.k, kBlockM);
-  const CUtensorMap map_b = make_kmajor_map(g.b, int64_t(g.groups) * g.n, g.k, BN);
+  const CUtensorMap map_b = make_kmajor_map(g.b, int64_t(g.groups) * g.n, g.k, kOutN);
+  const CUtensorMap map_b2 = kGated ? make_kmajor_map(g.b2, int64_t(g.groups) * g.n, g.k, kOutN) : map_b;
   Sm90Params p{};
   p.row_offsets = reinterpret_cast<const int64_t*>(ws);
   p.tile_offsets = reinterpret_cast<const int32_t*>(ws + offsets_bytes);
   p.c = g.c;
+  p.c2 = g.c2;
+  p.h = g.h;
   p.n = g.n;
   p.k = g.k;
   p.groups = g.groups;
@@ -482,15 +511,27 @@ void launch(const CudaContext& ctx, void* scratch, const GroupedGemmNT& g) {
   p.timeout_ns = wait_timeout_ns();
   p.wait_record = device_wait_record();
 
-  static bool attribute_set[2] = {false, false};  // per instantiation; the attribute is per function
-  if (!attribute_set[BN == 256]) {
-    DMOE_CHECK_CUDA(cudaFuncSetAttribute(grouped_gemm_sm90_kernel<BN>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         Cfg::smem_bytes));
-    attribute_set[BN == 256] = true;
-  }
+  static std::once_flag attribute_set;  // per instantiation; the attribute is per function and device
+  std::call_once(attribute_set, [] {
+    DMOE_CHECK_CUDA(cudaFuncSetAttribute(grouped_gemm_sm90_kernel<BN, kFuse, A>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::smem_bytes));
+  });
   const int blocks = std::min(tiles, device_info().sms);
-  grouped_gemm_sm90_kernel<BN><<<blocks, kThreads, Cfg::smem_bytes, ctx.stream>>>(map_a, map_b, p);
+  grouped_gemm_sm90_kernel<BN, kFuse, A><<<blocks, kThreads, Cfg::smem_bytes, ctx.stream>>>(map_a, map_b, map_b2, p);
   DMOE_CHECK_LAUNCH();
+}
+
+template <int BN>
+void launch_for(const CudaContext& ctx, void* scratch, const GroupedGemmNT& g) {
+  if (g.h == nullptr) return launch<BN, false, Activation::relu>(ctx, scratch, g);
+  switch (g.activation) {
+    case Activation::relu:
+      return launch<BN, true, Activation::relu>(ctx, scratch, g);
+    case Activation::gelu:
+      return launch<BN, true, Activation::gelu>(ctx, scratch, g);
+    case Activation::swiglu:
+      return launch<BN, true, Activation::swiglu>(ctx, scratch, g);
+  }
 }
 
 }  // namespace
@@ -505,6 +546,9 @@ bool sm90_grouped_gemm_usable(const GroupedGemmNT& g) {
   // TMA: row strides of a multiple of 16 bytes, 16-byte aligned bases; bf16 pairs in the epilogue.
   if (g.k % 8 != 0 || g.n % 8 != 0) return false;
   if (!is_aligned(g.a, 16) || !is_aligned(g.b, 16) || !is_aligned(g.c, 16)) return false;
+  const bool gated = g.h != nullptr && g.activation == Activation::swiglu;
+  if (g.h != nullptr && !is_aligned(g.h, 16)) return false;
+  if (gated && (!is_aligned(g.b2, 16) || !is_aligned(g.c2, 16))) return false;
   // Tile coordinates are 32-bit in TMA.
   if (g.row_offsets[g.groups] >= (int64_t(1) << 31) - kBlockM || int64_t(g.groups) * g.n >= (int64_t(1) << 31))
     return false;
@@ -524,9 +568,9 @@ void sm90_grouped_gemm(const CudaContext& ctx, void* scratch, const GroupedGemmN
   DMOE_CUDA_REQUIRE(block_n == 0 || block_n == 128 || block_n == 256,
                     "sm90_grouped_gemm: block_n = %d; allowed: 0 (default), 128, 256", block_n);
   if ((block_n == 0 ? column_tile() : block_n) == 256)
-    launch<256>(ctx, scratch, g);
+    launch_for<256>(ctx, scratch, g);
   else
-    launch<128>(ctx, scratch, g);
+    launch_for<128>(ctx, scratch, g);
 }
 
 }  // namespace dmoe::cuda

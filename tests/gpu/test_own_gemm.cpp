@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "core/config.hpp"
 #include "core/dtype.hpp"
 #include "cuda/common.hpp"
 
@@ -35,7 +36,18 @@ struct OwnGemmShape {
   int32_t groups;
   int64_t max_rows, n, k;
   int block_n;
+  int epilogue;  // 0: C only; 1 relu, 2 gelu, 3 swiglu: fused activation (h, and C2 for SwiGLU)
 };
+
+constexpr const char* kEpilogueNames[] = {"plain", "relu", "gelu", "swiglu"};
+
+double activation_of(int epilogue, double x) {
+  switch (epilogue) {
+    case 1: return x > 0 ? x : 0;
+    case 2: return 0.5 * x * (1 + std::erf(x / std::sqrt(2.0)));
+    default: return x / (1 + std::exp(-x));
+  }
+}
 
 class CudaKernelsOwnGemm : public testing::TestWithParam<OwnGemmShape> {};
 
@@ -64,21 +76,34 @@ TEST_P(CudaKernelsOwnGemm, MatchesHostReference) {
     return v;
   };
   const std::vector<uint16_t> a = random_bf16(size_t(rows_total * s.k));
+  const bool fused = s.epilogue != 0, gated = s.epilogue == 3;
   const std::vector<uint16_t> b = random_bf16(size_t(s.groups) * s.n * s.k);
+  const std::vector<uint16_t> b2 = random_bf16(gated ? size_t(s.groups) * s.n * s.k : 0);
   constexpr uint16_t kSentinel = 0x7fc1;  // a NaN no product produces
-  std::vector<uint16_t> c(size_t(rows_total * s.n), kSentinel);
+  std::vector<uint16_t> c(size_t(rows_total * s.n), kSentinel), c2 = c, h = c;
 
   cuda::CudaContext ctx;
   cuda::Workspace workspace;
   ctx.workspace = &workspace;
   ASSERT_EQ(cudaStreamCreate(&ctx.stream), cudaSuccess);
-  void *d_a = nullptr, *d_b = nullptr, *d_c = nullptr;
-  ASSERT_EQ(cudaMalloc(&d_a, a.size() * 2), cudaSuccess);
-  ASSERT_EQ(cudaMalloc(&d_b, b.size() * 2), cudaSuccess);
-  ASSERT_EQ(cudaMalloc(&d_c, c.size() * 2), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(d_a, a.data(), a.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(d_b, b.data(), b.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(d_c, c.data(), c.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+  std::vector<void*> buffers;
+  auto upload = [&](const std::vector<uint16_t>& v) -> void* {
+    void* d = nullptr;
+    if (v.empty()) return d;
+    EXPECT_EQ(cudaMalloc(&d, v.size() * 2), cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(d, v.data(), v.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+    buffers.push_back(d);
+    return d;
+  };
+  auto download = [&](void* d, std::vector<uint16_t>& v) {
+    ASSERT_EQ(cudaMemcpy(v.data(), d, v.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+  };
+  auto release = [&] {
+    for (void* d : buffers) cudaFree(d);
+    cudaStreamDestroy(ctx.stream);
+  };
+  void *d_a = upload(a), *d_b = upload(b), *d_b2 = upload(b2), *d_c = upload(c);
+  void *d_c2 = gated ? upload(c2) : nullptr, *d_h = fused ? upload(h) : nullptr;
 
   cuda::GroupedGemmNT g;
   g.a = static_cast<const __nv_bfloat16*>(d_a);
@@ -88,41 +113,65 @@ TEST_P(CudaKernelsOwnGemm, MatchesHostReference) {
   g.groups = s.groups;
   g.n = s.n;
   g.k = s.k;
+  if (fused) {
+    g.h = static_cast<__nv_bfloat16*>(d_h);
+    g.activation = s.epilogue == 1 ? Activation::relu : s.epilogue == 2 ? Activation::gelu : Activation::swiglu;
+    g.b2 = static_cast<const __nv_bfloat16*>(d_b2);
+    g.c2 = static_cast<__nv_bfloat16*>(d_c2);
+  }
   if (!cuda::sm90_grouped_gemm_usable(g)) {
-    cudaFree(d_a), cudaFree(d_b), cudaFree(d_c), cudaStreamDestroy(ctx.stream);
+    release();
     GTEST_SKIP() << "the own grouped GEMM needs an sm_90 GPU and a build for sm_90a";
   }
   void* scratch = workspace.reserve(cuda::sm90_grouped_gemm_scratch_bytes(s.groups), ctx.stream);
   cuda::sm90_grouped_gemm(ctx, scratch, g, s.block_n);
-  ASSERT_EQ(cudaStreamSynchronize(ctx.stream), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(c.data(), d_c, c.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
-  cudaFree(d_a), cudaFree(d_b), cudaFree(d_c), cudaStreamDestroy(ctx.stream);
+  const cudaError_t status = cudaStreamSynchronize(ctx.stream);
+  if (status != cudaSuccess) release();
+  ASSERT_EQ(status, cudaSuccess) << cudaGetErrorString(status);
+  download(d_c, c);
+  if (gated) download(d_c2, c2);
+  if (fused) download(d_h, h);
+  release();
 
   auto value = [](uint16_t bits) { return double(bf16_to_float(bfloat16{bits})); };
   int64_t bad = 0, untouched_bad = 0;
   std::string first;
+  auto check = [&](const char* what, int64_t r, int32_t group, int64_t j, double got, double ref, double tol) {
+    if (std::abs(got - ref) <= tol) return;
+    if (bad++ == 0)
+      first = std::string(what) + " row " + std::to_string(r) + " (group " + std::to_string(group) + ") col " +
+              std::to_string(j) + ": got " + std::to_string(got) + ", expected " + std::to_string(ref);
+  };
   std::vector<double> arow(s.k);
   for (int64_t r = 0; r < rows_total; ++r) {
     int32_t group = -1;
     for (int32_t e = 0; e < s.groups; ++e)
       if (r >= offsets[e] && r < offsets[e + 1]) group = e;
     if (group < 0) {
-      for (int64_t j = 0; j < s.n; ++j) untouched_bad += c[r * s.n + j] != kSentinel;
+      for (int64_t j = 0; j < s.n; ++j)
+        untouched_bad += (c[r * s.n + j] != kSentinel) + (h[r * s.n + j] != kSentinel) + (c2[r * s.n + j] != kSentinel);
       continue;
     }
     for (int64_t q = 0; q < s.k; ++q) arow[q] = value(a[r * s.k + q]);
     for (int64_t j = 0; j < s.n; ++j) {
-      const uint16_t* brow = b.data() + (int64_t(group) * s.n + j) * s.k;
-      double ref = 0;
-      for (int64_t q = 0; q < s.k; ++q) ref += arow[q] * value(brow[q]);
-      const double got = value(c[r * s.n + j]);
       // bf16 output rounding (2^-9 relative) plus fp32 accumulation over k terms of size ~1.
-      const double tol = 4e-3 * std::abs(ref) + 1e-5 * double(s.k);
-      if (!(std::abs(got - ref) <= tol)) {
-        if (bad++ == 0)
-          first = "row " + std::to_string(r) + " (group " + std::to_string(group) + ") col " + std::to_string(j) +
-                  ": got " + std::to_string(got) + ", expected " + std::to_string(ref);
+      auto dot = [&](const std::vector<uint16_t>& w) {
+        const uint16_t* wrow = w.data() + (int64_t(group) * s.n + j) * s.k;
+        double sum = 0;
+        for (int64_t q = 0; q < s.k; ++q) sum += arow[q] * value(wrow[q]);
+        return sum;
+      };
+      const double ref = dot(b), got = value(c[r * s.n + j]);
+      check("C", r, group, j, got, ref, 4e-3 * std::abs(ref) + 1e-5 * double(s.k));
+      if (!fused) continue;
+      // h from the kernel's own (already checked) rounded pre-activations: this isolates the epilogue.
+      double expected = activation_of(s.epilogue, got);
+      if (gated) {
+        const double ref2 = dot(b2), got2 = value(c2[r * s.n + j]);
+        check("C2", r, group, j, got2, ref2, 4e-3 * std::abs(ref2) + 1e-5 * double(s.k));
+        expected *= got2;
       }
+      check("h", r, group, j, value(h[r * s.n + j]), expected, 4e-3 * std::abs(expected) + 1e-6);
     }
   }
   EXPECT_EQ(untouched_bad, 0) << "elements outside every group were written";
@@ -130,14 +179,18 @@ TEST_P(CudaKernelsOwnGemm, MatchesHostReference) {
 }
 
 // 48 groups of up to 300 rows, n = 520 and k = 392 (tails in both): ~300 tiles of 128 columns, several per
-// CTA, 7 k-blocks each; the same with 256-column tiles; a deep-k case (k = 2048, 32 k-blocks per tile).
+// CTA, 7 k-blocks each; the same with 256-column tiles; a deep-k case (k = 2048, 32 k-blocks per tile);
+// a tiny one; the fused activations (SwiGLU: half-width output tiles of gate and up columns).
 INSTANTIATE_TEST_SUITE_P(Shapes, CudaKernelsOwnGemm,
-                         testing::Values(OwnGemmShape{48, 300, 520, 392, 128}, OwnGemmShape{48, 300, 520, 392, 256},
-                                         OwnGemmShape{12, 260, 264, 2048, 128}, OwnGemmShape{3, 70, 8, 8, 128}),
+                         testing::Values(OwnGemmShape{48, 300, 520, 392, 128, 0}, OwnGemmShape{48, 300, 520, 392, 256, 0},
+                                         OwnGemmShape{12, 260, 264, 2048, 128, 0}, OwnGemmShape{3, 70, 8, 8, 128, 0},
+                                         OwnGemmShape{20, 300, 264, 136, 256, 1}, OwnGemmShape{20, 300, 264, 136, 128, 2},
+                                         OwnGemmShape{20, 300, 264, 136, 256, 3}, OwnGemmShape{20, 300, 200, 72, 128, 3}),
                          [](const testing::TestParamInfo<OwnGemmShape>& info) {
                            const OwnGemmShape& s = info.param;
                            return "G" + std::to_string(s.groups) + "_n" + std::to_string(s.n) + "_k" +
-                                  std::to_string(s.k) + "_bn" + std::to_string(s.block_n);
+                                  std::to_string(s.k) + "_bn" + std::to_string(s.block_n) + "_" +
+                                  kEpilogueNames[s.epilogue];
                          });
 
 }  // namespace

@@ -142,7 +142,8 @@ TEST_F(Cli, BadInputGivesClearErrors) {
 }
 
 TEST_F(Cli, BenchPrintsTableAndJson) {
-  auto r = run_cli("bench --tokens 8 --hidden 16 --ffn 16 --experts 4 --top-k 2 -n 1 2 --repeat 1 --warmup 0 --json " +
+  // --engine cpu: on a machine with a GPU, auto would run the GPU bench (one row per engine, not per W).
+  auto r = run_cli("bench --engine cpu --tokens 8 --hidden 16 --ffn 16 --experts 4 --top-k 2 -n 1 2 --repeat 1 --warmup 0 --json " +
                    p("b.json"));
   ASSERT_EQ(r.status, 0) << r.output;
   EXPECT_NE(r.output.find("GFLOP/s"), std::string::npos) << r.output;

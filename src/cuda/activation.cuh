@@ -1,0 +1,41 @@
+// cuda/activation.cuh — the experts' activations on the device (f32; the same formulas as the CPU's,
+// which evaluates them in fp64): used by the elementwise activation kernels (expert_ffn.cu) and the own
+// grouped GEMM's fused epilogue (grouped_gemm_sm90.cu), so both paths give identical bits.
+// Device code only (include from .cu files).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "cuda/kernels.cuh"
+
+namespace dmoe::cuda {
+
+constexpr float kInvSqrt2 = 0.70710678118654752440f;
+constexpr float kInvSqrt2Pi = 0.39894228040143267794f;
+
+template <Activation A>
+__device__ __forceinline__ float act_value(float x) {
+  if constexpr (A == Activation::relu) {
+    return x > 0.f ? x : 0.f;
+  } else if constexpr (A == Activation::gelu) {
+    return 0.5f * x * (1.f + erff(x * kInvSqrt2));
+  } else {
+    return x / (1.f + expf(-x));  // silu, the gate half of SwiGLU
+  }
+}
+
+template <Activation A>
+__device__ __forceinline__ float act_derivative(float x) {
+  if constexpr (A == Activation::relu) {
+    return x > 0.f ? 1.f : 0.f;
+  } else if constexpr (A == Activation::gelu) {
+    // d/dx [x·Φ(x)] = Φ(x) + x·φ(x)
+    return 0.5f * (1.f + erff(x * kInvSqrt2)) + x * kInvSqrt2Pi * expf(-0.5f * x * x);
+  } else {
+    // d/dx [x·σ(x)] = σ(x)·(1 + x·(1 − σ(x)))
+    const float s = 1.f / (1.f + expf(-x));
+    return s * (1.f + x * (1.f - s));
+  }
+}
+
+}  // namespace dmoe::cuda
