@@ -75,14 +75,11 @@ part_bench() {
 }
 
 part_modes() {
-  # The expert GEMM strategies side by side (src/cuda/gemm.cpp): what auto should pick. own128 = the own
-  # kernel with 128-column tiles (default 256).
+  # The expert GEMM strategies side by side (src/cuda/gemm.cpp): what auto should pick.
   for cfg in flash-paper fine-grained decode mixtral; do
-    for mode in grouped loop own own128; do
-      [ "$mode" = own128 ] && export DMOE_SM90_BLOCK_N=128
-      DMOE_EXPERT_GEMM=${mode%128} run 100 "mode_${cfg}_$mode" "$B/dmoe" bench layer --config "$cfg" \
+    for mode in grouped loop own; do
+      DMOE_EXPERT_GEMM=$mode run 100 "mode_${cfg}_$mode" "$B/dmoe" bench layer --config "$cfg" \
         --check-tokens 4 --no-backward --json "$O/mode_${cfg}_$mode.json"
-      unset DMOE_SM90_BLOCK_N
     done
   done
 }

@@ -29,6 +29,7 @@
 
 #include "cuda/activation.cuh"
 #include "cuda/common.hpp"
+#include "cuda/device_utils.cuh"
 
 namespace dmoe::cuda {
 
@@ -217,6 +218,24 @@ struct Wgmma<256> {
   }
 };
 
+__device__ __forceinline__ uint32_t bf162_bits(__nv_bfloat162 v) { return *reinterpret_cast<uint32_t*>(&v); }
+
+// Lane q of a quad holds w[i] = word q of block i (i = 0..3); returns words 0..3 of block q. Round i: every
+// lane sends its word for block (q + i) % 4 and receives block q's word from lane (q − i) % 4.
+__device__ __forceinline__ uint4 quad_transpose(const uint32_t (&w)[4], int q) {
+  uint32_t out[4] = {0, 0, 0, 0};
+  const int base = lane_id() & ~3;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int send = (q + i) & 3, from = (q - i) & 3;
+    const uint32_t word = send == 0 ? w[0] : send == 1 ? w[1] : send == 2 ? w[2] : w[3];
+    const uint32_t got = __shfl_sync(0xffffffffu, word, base | from);
+#pragma unroll
+    for (int d = 0; d < 4; ++d) out[d] = d == from ? got : out[d];
+  }
+  return make_uint4(out[0], out[1], out[2], out[3]);
+}
+
 // The group of tile t (tile_offsets is non-decreasing; groups without rows own no tiles).
 __device__ __forceinline__ int find_group(const int32_t* tile_offsets, int32_t groups, int32_t t) {
   int lo = 0, hi = groups - 1;
@@ -339,32 +358,48 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (prev_slot >= 0 && threadIdx.x % 128 == 0) mbar_arrive(empty(prev_slot));
 
       // Epilogue: accumulator fragment (warp w, lane l) holds rows 16w + l/4 (+8) and, for every 8-column
-      // block j, columns 8j + 2(l%4) + {0, 1}.
+      // block j, columns 8j + 2(l%4) + {0, 1}. The four lanes of a quad trade words (quad_transpose) so
+      // that each stores one whole block: 16-byte stores, 64 contiguous bytes per quad.
       const int64_t row_in_group = int64_t(tc.m_tile) * kBlockM + consumer * 64 + warp * 16 + lane / 4;
-      const int64_t col0 = int64_t(tc.n_tile) * kOutN + 2 * (lane % 4);
+      const int q = lane % 4;
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int64_t r = row_in_group + 8 * half;
-        if (r >= tc.rows) continue;
+        const bool row_ok = r < tc.rows;  // the shuffles below need every lane, so only stores are masked
         const int64_t row = (tc.row_begin + r) * p.n;
 #pragma unroll
-        for (int j = 0; j < kOutN / 8; ++j) {
-          const int64_t col = col0 + 8 * j;
-          if (col >= p.n) continue;
-          const __nv_bfloat162 v = __floats2bfloat162_rn(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
-          *reinterpret_cast<__nv_bfloat162*>(p.c + row + col) = v;
-          if constexpr (kFuse) {
-            // h from the stored (rounded) pre-activations, as the separate activation kernel computes it.
-            float h0 = act_value<A>(__low2float(v)), h1 = act_value<A>(__high2float(v));
-            if constexpr (kGated) {
-              constexpr int up = kOutN / 8;  // the up product's block for the same columns
-              const __nv_bfloat162 u =
-                  __floats2bfloat162_rn(acc[4 * (j + up) + 2 * half], acc[4 * (j + up) + 2 * half + 1]);
-              *reinterpret_cast<__nv_bfloat162*>(p.c2 + row + col) = u;
-              h0 *= __low2float(u);
-              h1 *= __high2float(u);
+        for (int jq = 0; jq < kOutN / 32; ++jq) {
+          uint32_t wc[4], wh[4], wu[4];
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int j = 4 * jq + i;
+            const __nv_bfloat162 v = __floats2bfloat162_rn(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+            wc[i] = bf162_bits(v);
+            if constexpr (kFuse) {
+              // h from the stored (rounded) pre-activations, as the separate activation kernel computes it.
+              float h0 = act_value<A>(__low2float(v)), h1 = act_value<A>(__high2float(v));
+              if constexpr (kGated) {
+                const int ju = j + kOutN / 8;  // the up product's block for the same columns
+                const __nv_bfloat162 u =
+                    __floats2bfloat162_rn(acc[4 * ju + 2 * half], acc[4 * ju + 2 * half + 1]);
+                wu[i] = bf162_bits(u);
+                h0 *= __low2float(u);
+                h1 *= __high2float(u);
+              }
+              wh[i] = bf162_bits(__floats2bfloat162_rn(h0, h1));
             }
-            *reinterpret_cast<__nv_bfloat162*>(p.h + row + col) = __floats2bfloat162_rn(h0, h1);
+          }
+          const int64_t col = int64_t(tc.n_tile) * kOutN + 8 * (4 * jq + q);
+          const bool ok = row_ok && col < p.n;  // n is a multiple of 8: a block is all in or all out
+          const uint4 oc = quad_transpose(wc, q);
+          if (ok) *reinterpret_cast<uint4*>(p.c + row + col) = oc;
+          if constexpr (kFuse) {
+            const uint4 oh = quad_transpose(wh, q);
+            if (ok) *reinterpret_cast<uint4*>(p.h + row + col) = oh;
+          }
+          if constexpr (kGated) {
+            const uint4 ou = quad_transpose(wu, q);
+            if (ok) *reinterpret_cast<uint4*>(p.c2 + row + col) = ou;
           }
         }
       }
