@@ -75,11 +75,14 @@ part_bench() {
 }
 
 part_modes() {
-  # The expert GEMM strategies side by side (src/cuda/gemm.cpp): what auto should pick.
+  # The expert GEMM strategies side by side (src/cuda/gemm.cpp): what auto should pick; own-direct = the
+  # own kernel storing tiles from registers instead of through shared memory.
   for cfg in flash-paper fine-grained decode mixtral; do
-    for mode in grouped loop own; do
-      DMOE_EXPERT_GEMM=$mode run 100 "mode_${cfg}_$mode" "$B/dmoe" bench layer --config "$cfg" \
+    for mode in grouped loop own own-direct; do
+      [ "$mode" = own-direct ] && export DMOE_SM90_EPILOGUE=direct
+      DMOE_EXPERT_GEMM=${mode%-direct} run 100 "mode_${cfg}_$mode" "$B/dmoe" bench layer --config "$cfg" \
         --check-tokens 4 --no-backward --json "$O/mode_${cfg}_$mode.json"
+      unset DMOE_SM90_EPILOGUE
     done
   done
 }

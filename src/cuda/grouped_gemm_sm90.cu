@@ -25,6 +25,8 @@
 
 #include <cstdlib>
 #include <mutex>
+#include <string>
+#include <type_traits>
 #include <vector>
 
 #include "cuda/activation.cuh"
@@ -40,14 +42,19 @@ constexpr int kBlockK = 64;         // 64 bf16 = 128 bytes, one swizzle row
 constexpr int kThreads = 384;       // producer warpgroup + two consumer warpgroups
 constexpr int kConsumers = 2;
 
-template <int BN>
+// kStaged: the epilogue goes through a shared-memory staging tile and asynchronous bulk stores (one per
+// row), so the consumers start the next tile's products while the stores drain; it costs one slot.
+template <int BN, bool kStaged>
 struct TileConfig {
-  static constexpr int stages = BN == 128 ? 6 : 4;
+  static constexpr int stages = kStaged ? (BN == 128 ? 5 : 3) : (BN == 128 ? 6 : 4);
   static constexpr int a_bytes = kBlockM * kBlockK * 2;
   static constexpr int b_bytes = BN * kBlockK * 2;
   static constexpr int stage_bytes = a_bytes + b_bytes;
-  // slots, then 2·stages mbarriers, plus 1 KiB to align the slots to the 128-byte swizzle's 1 KiB atom
-  static constexpr int smem_bytes = stages * stage_bytes + 2 * stages * 8 + 1024;
+  // staging: per consumer 64 rows of BN bf16, padded by 16 bytes against bank conflicts
+  static constexpr int staging_row_bytes = (BN + 8) * 2;
+  static constexpr int staging_bytes = kStaged ? kConsumers * 64 * staging_row_bytes : 0;
+  // slots, staging, then 2·stages mbarriers, plus 1 KiB to align the slots to the swizzle's 1 KiB atom
+  static constexpr int smem_bytes = stages * stage_bytes + staging_bytes + 2 * stages * 8 + 1024;
 };
 
 struct Sm90Params {
@@ -146,6 +153,22 @@ __device__ __forceinline__ uint64_t kmajor_sw128_desc(uint32_t addr) {
   d |= uint64_t(1024 >> 4) << 32;
   d |= uint64_t(1) << 62;  // 128-byte swizzle
   return d;
+}
+
+// Asynchronous bulk store of `bytes` (a multiple of 16) from shared to global memory, in this thread's
+// bulk group; wait_read: until this thread's groups have read their shared memory; wait_all: until done.
+__device__ __forceinline__ void bulk_store(void* global, uint32_t shared, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(global), "r"(shared), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+// Shared-memory writes of this thread become visible to the async proxy (the bulk copies).
+__device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+// Barrier over one consumer warpgroup (ids 1, 2; 0 is __syncthreads).
+__device__ __forceinline__ void warpgroup_barrier(int id) {
+  asm volatile("bar.sync %0, 128;" ::"r"(id) : "memory");
 }
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
@@ -270,19 +293,20 @@ __device__ __forceinline__ TileCoord decode_tile(const Sm90Params& p, int32_t t)
 // kFuse: the epilogue also applies the activation A and writes h (GroupedGemmNT). For SwiGLU a tile's BN
 // columns are BN/2 columns of the gate product (B = w1, rows from map_b) followed by the same BN/2 columns
 // of the up product (w3, map_b2), so one thread holds both halves of each h element.
-template <int BN, bool kFuse, Activation A>
+template <int BN, bool kFuse, Activation A, bool kStaged>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                              const __grid_constant__ CUtensorMap map_b2, const __grid_constant__ Sm90Params p) {
 #ifdef DMOE_SM90A_DEVICE
   constexpr bool kGated = kFuse && A == Activation::swiglu;
   constexpr int kOutN = kGated ? BN / 2 : BN;  // output columns per tile
-  using Cfg = TileConfig<BN>;
+  using Cfg = TileConfig<BN, kStaged>;
   constexpr int S = Cfg::stages;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const uint32_t slots = smem_u32(smem);
-  const uint32_t bars = slots + S * Cfg::stage_bytes;  // full[S], then empty[S]
+  const uint32_t staging = slots + S * Cfg::stage_bytes;
+  const uint32_t bars = staging + Cfg::staging_bytes;  // full[S], then empty[S]
   auto slot_a = [&](int s) { return slots + s * Cfg::stage_bytes; };
   auto slot_b = [&](int s) { return slots + s * Cfg::stage_bytes + Cfg::a_bytes; };
   auto full = [&](int s) { return bars + 8 * s; };
@@ -357,6 +381,71 @@ __global__ void __launch_bounds__(kThreads, 1)
       wgmma_wait<0>();
       if (prev_slot >= 0 && threadIdx.x % 128 == 0) mbar_arrive(empty(prev_slot));
 
+      if constexpr (kStaged) {
+        // Staged epilogue, one output matrix at a time: wait until this warpgroup's previous bulk stores
+        // have read the staging tile, write the fragments into it, then one lane per row sends the row.
+        const int tid = threadIdx.x % 128;
+        const uint32_t stage_base = staging + consumer * 64 * Cfg::staging_row_bytes;
+        uint8_t* stage_ptr = smem + (stage_base - slots);
+        const int64_t col_tile = int64_t(tc.n_tile) * kOutN;
+        const uint32_t row_bytes = uint32_t(min(int64_t(kOutN), p.n - col_tile)) * 2;
+        const int64_t first_row = int64_t(tc.m_tile) * kBlockM + consumer * 64;  // in the group
+        const int q = lane % 4;
+        // With a fused activation, h is computed from the stored (bf16-rounded) pre-activations, as the
+        // activation kernel computes it: round the accumulators in place once, so that every output below
+        // reads only them (nothing else stays live across the outputs).
+        if constexpr (kFuse) {
+#pragma unroll
+          for (int i = 0; i < BN / 2; ++i) acc[i] = __bfloat162float(__float2bfloat16_rn(acc[i]));
+        }
+        // One output matrix: 0 = C, 1 = h, 2 = C2 (SwiGLU's up product).
+        auto emit = [&](auto which) {
+          constexpr int o = decltype(which)::value;
+          bulk_wait_read();
+          warpgroup_barrier(1 + consumer);
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int local_row = warp * 16 + lane / 4 + 8 * half;
+#pragma unroll
+            for (int jq = 0; jq < kOutN / 32; ++jq) {
+              uint32_t w[4];
+#pragma unroll
+              for (int i = 0; i < 4; ++i) {
+                const int j = 4 * jq + i;
+                const int ju = j + kOutN / 8;  // SwiGLU: the up product's block for the same columns
+                const float a0 = acc[4 * j + 2 * half], a1 = acc[4 * j + 2 * half + 1];
+                if constexpr (o == 0) {
+                  w[i] = bf162_bits(__floats2bfloat162_rn(a0, a1));
+                } else if constexpr (o == 2) {
+                  w[i] = bf162_bits(__floats2bfloat162_rn(acc[4 * ju + 2 * half], acc[4 * ju + 2 * half + 1]));
+                } else {
+                  float h0 = act_value<A>(a0), h1 = act_value<A>(a1);
+                  if constexpr (kGated) {
+                    h0 *= acc[4 * ju + 2 * half];
+                    h1 *= acc[4 * ju + 2 * half + 1];
+                  }
+                  w[i] = bf162_bits(__floats2bfloat162_rn(h0, h1));
+                }
+              }
+              const uint4 words = quad_transpose(w, q);
+              *reinterpret_cast<uint4*>(stage_ptr + local_row * Cfg::staging_row_bytes + 16 * (4 * jq + q)) = words;
+            }
+          }
+          fence_async_shared();
+          warpgroup_barrier(1 + consumer);
+          if (tid < 64 && first_row + tid < tc.rows) {
+            __nv_bfloat16* out = o == 0 ? p.c : o == 1 ? p.h : p.c2;
+            bulk_store(out + (tc.row_begin + first_row + tid) * p.n + col_tile,
+                       stage_base + tid * Cfg::staging_row_bytes, row_bytes);
+          }
+          bulk_commit();
+        };
+        emit(std::integral_constant<int, 0>{});
+        if constexpr (kFuse) emit(std::integral_constant<int, 1>{});
+        if constexpr (kGated) emit(std::integral_constant<int, 2>{});
+        continue;
+      }
+
       // Epilogue: accumulator fragment (warp w, lane l) holds rows 16w + l/4 (+8) and, for every 8-column
       // block j, columns 8j + 2(l%4) + {0, 1}. The four lanes of a quad trade words (quad_transpose) so
       // that each stores one whole block: 16-byte stores, 64 contiguous bytes per quad.
@@ -404,6 +493,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
     }
+    if constexpr (kStaged) bulk_wait_all();  // the staging tile must outlive its stores
   }
 #endif  // DMOE_SM90A_DEVICE
 }
@@ -509,9 +599,9 @@ int column_tile() {
   return bn;
 }
 
-template <int BN, bool kFuse, Activation A>
+template <int BN, bool kFuse, Activation A, bool kStaged>
 void launch(const CudaContext& ctx, void* scratch, const GroupedGemmNT& g) {
-  using Cfg = TileConfig<BN>;
+  using Cfg = TileConfig<BN, kStaged>;
   constexpr bool kGated = kFuse && A == Activation::swiglu;
   constexpr int kOutN = kGated ? BN / 2 : BN;
   const int32_t n_tiles = int32_t((g.n + kOutN - 1) / kOutN);
@@ -548,25 +638,38 @@ void launch(const CudaContext& ctx, void* scratch, const GroupedGemmNT& g) {
 
   static std::once_flag attribute_set;  // per instantiation; the attribute is per function and device
   std::call_once(attribute_set, [] {
-    DMOE_CHECK_CUDA(cudaFuncSetAttribute(grouped_gemm_sm90_kernel<BN, kFuse, A>,
+    DMOE_CHECK_CUDA(cudaFuncSetAttribute(grouped_gemm_sm90_kernel<BN, kFuse, A, kStaged>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::smem_bytes));
   });
   const int blocks = std::min(tiles, device_info().sms);
-  grouped_gemm_sm90_kernel<BN, kFuse, A><<<blocks, kThreads, Cfg::smem_bytes, ctx.stream>>>(map_a, map_b, map_b2, p);
+  grouped_gemm_sm90_kernel<BN, kFuse, A, kStaged>
+      <<<blocks, kThreads, Cfg::smem_bytes, ctx.stream>>>(map_a, map_b, map_b2, p);
   DMOE_CHECK_LAUNCH();
 }
 
-template <int BN>
+template <int BN, bool kStaged>
 void launch_for(const CudaContext& ctx, void* scratch, const GroupedGemmNT& g) {
-  if (g.h == nullptr) return launch<BN, false, Activation::relu>(ctx, scratch, g);
+  if (g.h == nullptr) return launch<BN, false, Activation::relu, kStaged>(ctx, scratch, g);
   switch (g.activation) {
     case Activation::relu:
-      return launch<BN, true, Activation::relu>(ctx, scratch, g);
+      return launch<BN, true, Activation::relu, kStaged>(ctx, scratch, g);
     case Activation::gelu:
-      return launch<BN, true, Activation::gelu>(ctx, scratch, g);
+      return launch<BN, true, Activation::gelu, kStaged>(ctx, scratch, g);
     case Activation::swiglu:
-      return launch<BN, true, Activation::swiglu>(ctx, scratch, g);
+      return launch<BN, true, Activation::swiglu, kStaged>(ctx, scratch, g);
   }
+}
+
+// DMOE_SM90_EPILOGUE=staged (default) | direct: how tiles are written (see TileConfig).
+bool staged_epilogue() {
+  static const bool staged = [] {
+    const char* v = std::getenv("DMOE_SM90_EPILOGUE");
+    if (!v || !*v || std::string(v) == "staged") return true;
+    DMOE_CUDA_REQUIRE(std::string(v) == "direct", "DMOE_SM90_EPILOGUE=%s is not supported; allowed: staged, direct",
+                      v);
+    return false;
+  }();
+  return staged;
 }
 
 }  // namespace
@@ -590,7 +693,7 @@ bool sm90_grouped_gemm_usable(const GroupedGemmNT& g) {
   return device_info().usable;
 }
 
-void sm90_grouped_gemm(const CudaContext& ctx, void* scratch, const GroupedGemmNT& g, int block_n) {
+void sm90_grouped_gemm(const CudaContext& ctx, void* scratch, const GroupedGemmNT& g, int block_n, int epilogue) {
   DMOE_CUDA_REQUIRE(g.groups >= 0, "sm90_grouped_gemm: groups = %d; must be >= 0", g.groups);
   if (g.groups == 0) return;
   for (int32_t e = 0; e < g.groups; ++e)
@@ -602,10 +705,14 @@ void sm90_grouped_gemm(const CudaContext& ctx, void* scratch, const GroupedGemmN
                     "of 8 — k = %lld, n = %lld — and 16-byte aligned pointers)", (long long)g.k, (long long)g.n);
   DMOE_CUDA_REQUIRE(block_n == 0 || block_n == 128 || block_n == 256,
                     "sm90_grouped_gemm: block_n = %d; allowed: 0 (default), 128, 256", block_n);
-  if ((block_n == 0 ? column_tile() : block_n) == 256)
-    launch_for<256>(ctx, scratch, g);
+  DMOE_CUDA_REQUIRE(epilogue >= 0 && epilogue <= 2,
+                    "sm90_grouped_gemm: epilogue = %d; allowed: 0 (default), 1 (staged), 2 (direct)", epilogue);
+  const bool staged = epilogue == 0 ? staged_epilogue() : epilogue == 1;
+  const bool wide = (block_n == 0 ? column_tile() : block_n) == 256;
+  if (wide)
+    staged ? launch_for<256, true>(ctx, scratch, g) : launch_for<256, false>(ctx, scratch, g);
   else
-    launch_for<128>(ctx, scratch, g);
+    staged ? launch_for<128, true>(ctx, scratch, g) : launch_for<128, false>(ctx, scratch, g);
 }
 
 }  // namespace dmoe::cuda

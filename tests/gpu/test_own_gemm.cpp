@@ -37,6 +37,7 @@ struct OwnGemmShape {
   int64_t max_rows, n, k;
   int block_n;
   int epilogue;  // 0: C only; 1 relu, 2 gelu, 3 swiglu: fused activation (h, and C2 for SwiGLU)
+  int store = 1;  // 1: staged in shared memory + bulk stores, 2: direct stores from registers
 };
 
 constexpr const char* kEpilogueNames[] = {"plain", "relu", "gelu", "swiglu"};
@@ -124,7 +125,7 @@ TEST_P(CudaKernelsOwnGemm, MatchesHostReference) {
     GTEST_SKIP() << "the own grouped GEMM needs an sm_90 GPU and a build for sm_90a";
   }
   void* scratch = workspace.reserve(cuda::sm90_grouped_gemm_scratch_bytes(s.groups), ctx.stream);
-  cuda::sm90_grouped_gemm(ctx, scratch, g, s.block_n);
+  cuda::sm90_grouped_gemm(ctx, scratch, g, s.block_n, s.store);
   const cudaError_t status = cudaStreamSynchronize(ctx.stream);
   if (status != cudaSuccess) release();
   ASSERT_EQ(status, cudaSuccess) << cudaGetErrorString(status);
@@ -180,17 +181,20 @@ TEST_P(CudaKernelsOwnGemm, MatchesHostReference) {
 
 // 48 groups of up to 300 rows, n = 520 and k = 392 (tails in both): ~300 tiles of 128 columns, several per
 // CTA, 7 k-blocks each; the same with 256-column tiles; a deep-k case (k = 2048, 32 k-blocks per tile);
-// a tiny one; the fused activations (SwiGLU: half-width output tiles of gate and up columns).
+// a tiny one; the fused activations (SwiGLU: half-width output tiles of gate and up columns); both ways
+// of storing tiles.
 INSTANTIATE_TEST_SUITE_P(Shapes, CudaKernelsOwnGemm,
                          testing::Values(OwnGemmShape{48, 300, 520, 392, 128, 0}, OwnGemmShape{48, 300, 520, 392, 256, 0},
                                          OwnGemmShape{12, 260, 264, 2048, 128, 0}, OwnGemmShape{3, 70, 8, 8, 128, 0},
                                          OwnGemmShape{20, 300, 264, 136, 256, 1}, OwnGemmShape{20, 300, 264, 136, 128, 2},
-                                         OwnGemmShape{20, 300, 264, 136, 256, 3}, OwnGemmShape{20, 300, 200, 72, 128, 3}),
+                                         OwnGemmShape{20, 300, 264, 136, 256, 3}, OwnGemmShape{20, 300, 200, 72, 128, 3},
+                                         OwnGemmShape{48, 300, 520, 392, 256, 0, 2}, OwnGemmShape{20, 300, 264, 136, 256, 1, 2},
+                                         OwnGemmShape{20, 300, 264, 136, 128, 3, 2}),
                          [](const testing::TestParamInfo<OwnGemmShape>& info) {
                            const OwnGemmShape& s = info.param;
                            return "G" + std::to_string(s.groups) + "_n" + std::to_string(s.n) + "_k" +
                                   std::to_string(s.k) + "_bn" + std::to_string(s.block_n) + "_" +
-                                  kEpilogueNames[s.epilogue];
+                                  kEpilogueNames[s.epilogue] + (s.store == 2 ? "_direct" : "_staged");
                          });
 
 }  // namespace
