@@ -75,12 +75,12 @@ part_bench() {
 }
 
 part_modes() {
-  # The expert GEMM strategies side by side (src/cuda/gemm.cpp): what auto should pick; own-direct = the
-  # own kernel storing tiles from registers instead of through shared memory.
+  # The expert GEMM strategies side by side (src/cuda/gemm.cpp): what auto should pick; own-staged = the
+  # own kernel storing tiles through shared memory with bulk stores instead of from registers.
   for cfg in flash-paper fine-grained decode mixtral; do
-    for mode in grouped loop own own-direct; do
-      [ "$mode" = own-direct ] && export DMOE_SM90_EPILOGUE=direct
-      DMOE_EXPERT_GEMM=${mode%-direct} run 100 "mode_${cfg}_$mode" "$B/dmoe" bench layer --config "$cfg" \
+    for mode in grouped loop own own-staged; do
+      [ "$mode" = own-staged ] && export DMOE_SM90_EPILOGUE=staged
+      DMOE_EXPERT_GEMM=${mode%-staged} run 100 "mode_${cfg}_$mode" "$B/dmoe" bench layer --config "$cfg" \
         --check-tokens 4 --no-backward --json "$O/mode_${cfg}_$mode.json"
       unset DMOE_SM90_EPILOGUE
     done

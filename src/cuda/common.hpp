@@ -105,7 +105,7 @@ bool sm90_grouped_gemm_usable(const GroupedGemmNT& g);
 // Device scratch the call needs (offsets and the tile table), from the context's workspace.
 size_t sm90_grouped_gemm_scratch_bytes(int32_t groups);
 // block_n: tile width, 128 or 256; 0 = DMOE_SM90_BLOCK_N or 256. epilogue: 1 staged (shared memory and
-// asynchronous bulk stores), 2 direct (stores from registers); 0 = DMOE_SM90_EPILOGUE or staged.
+// asynchronous bulk stores), 2 direct (stores from registers); 0 = DMOE_SM90_EPILOGUE or direct.
 void sm90_grouped_gemm(const CudaContext& ctx, void* scratch, const GroupedGemmNT& g, int block_n = 0,
                        int epilogue = 0);
 

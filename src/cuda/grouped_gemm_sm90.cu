@@ -660,14 +660,17 @@ void launch_for(const CudaContext& ctx, void* scratch, const GroupedGemmNT& g) {
   }
 }
 
-// DMOE_SM90_EPILOGUE=staged (default) | direct: how tiles are written (see TileConfig).
+// DMOE_SM90_EPILOGUE=direct (default) | staged: how tiles are written (see TileConfig). Measured on H200
+// (docs/perf.md, 2026-11-29): staged is 8-13 % slower per GEMM (fine-grained up 548 vs 484 µs, down 280 vs
+// 258 µs): the slot it costs (3 instead of 4 at 256 columns) hurts the main loop more than the overlapped
+// stores gain, and the outputs of a fused tile go out one after another through the one staging tile.
 bool staged_epilogue() {
   static const bool staged = [] {
     const char* v = std::getenv("DMOE_SM90_EPILOGUE");
-    if (!v || !*v || std::string(v) == "staged") return true;
-    DMOE_CUDA_REQUIRE(std::string(v) == "direct", "DMOE_SM90_EPILOGUE=%s is not supported; allowed: staged, direct",
+    if (!v || !*v || std::string(v) == "direct") return false;
+    DMOE_CUDA_REQUIRE(std::string(v) == "staged", "DMOE_SM90_EPILOGUE=%s is not supported; allowed: direct, staged",
                       v);
-    return false;
+    return true;
   }();
   return staged;
 }
