@@ -98,9 +98,19 @@ ExpertGemmMode expert_gemm_mode() {
 // per expert product) 1.248 / 1.306 / 1.137 ms, but streams measured 1.78 and 1.28 ms in a later run
 // (grouped stays at 1.25); fine-grained (0.40 G) 1.509 / 3.323 / 3.406 ms; decode (0.10 G)
 // 0.849 / 2.989 / 3.271 ms. cuBLAS's kernels for these shapes do not reliably run side by side, so the
-// gain is neither large nor stable; a grouped kernel of our own is the way to the 40% target.
+// gain is neither large nor stable; the grouped kernel of our own (below) replaced them for small products.
 
-// TODO(measure): first guess, the size where cuBLAS's single products reach ~800 TFLOP/s.
+// The own kernel (grouped_gemm_sm90.cu) against cuBLAS, whole-layer forward on H200 (docs/perf.md,
+// 2026-11-29), by mean multiply-adds per expert product:
+//   0.10 G (decode)                 0.82 ms own vs 0.79-0.85 grouped (a tie)
+//   0.40 G (fine-grained)           0.96 vs 1.38 grouped
+//   1.07 G (flash-paper)            0.74 vs 1.19 grouped
+//   2.1 G (T 8192, E 32, H=I 2048)  0.68 vs 0.96 (side streams, an earlier sweep)
+//   4.3 G (T 4096, E 8)             0.392 vs 0.375 loop
+//   8.6 G (T 8192, E 8)             0.589 vs 0.588 loop
+//   60 G (mixtral)                  5.0 vs 4.45 loop
+// Ranks sharing a GPU under MPS get fewer SMs than the kernel's persistent grid assumes (W = 4,
+// flash-paper: 4.8 ms own vs 3.2 ms loop); their products are larger, so this bound keeps them on cuBLAS.
 constexpr double kOwnMaxMeanMacs = 4e9;
 
 }  // namespace
