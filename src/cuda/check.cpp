@@ -1,12 +1,16 @@
 // cuda/check.cpp — the fmt-free failure path of cuda/check.hpp, forwarding to dmoe::throw_error.
 #include "cuda/check.hpp"
 
+#include <algorithm>
+#include <chrono>
 #include <cstdarg>
 #include <cstdio>
 #include <cstring>
 #include <mutex>
 #include <string>
+#include <thread>
 
+#include "core/env.hpp"
 #include "core/error.hpp"
 
 namespace dmoe::cuda {
@@ -45,6 +49,41 @@ DeviceWaitRecord* device_wait_record() {
   void* device = nullptr;
   DMOE_CHECK_CUDA(cudaHostGetDevicePointer(&device, record_host, 0));
   return static_cast<DeviceWaitRecord*>(device);
+}
+
+void wait_stream(cudaStream_t stream, const char* what) {
+  using Clock = std::chrono::steady_clock;
+  const auto start = Clock::now();
+  const double limit = host_wait_timeout_seconds();
+  // Spin for the first 2 ms (the engine's waits on its critical path are tens of microseconds), then
+  // sleep 50 µs growing to 1 ms between polls.
+  auto sleep = std::chrono::microseconds(50);
+  for (;;) {
+    const cudaError_t status = cudaStreamQuery(stream);
+    if (status == cudaSuccess) return;
+    if (status != cudaErrorNotReady)
+      fail(__FILE__, __LINE__, "%s: the GPU reported %s (%s) while waiting for the stream", what,
+           cudaGetErrorString(status), cudaGetErrorName(status));
+    const double waited = std::chrono::duration<double>(Clock::now() - start).count();
+    if (waited > limit)
+      fail(__FILE__, __LINE__,
+           "%s: waited %.0f s for the GPU stream to finish (DMOE_COMM_TIMEOUT_S=%.0f); the GPU work hangs — "
+           "most likely a peer rank failed or stopped inside a collective this rank's stream waits on",
+           what, waited, limit);
+    if (waited > 2e-3) {
+      std::this_thread::sleep_for(sleep);
+      sleep = std::min(sleep * 2, std::chrono::microseconds(1000));
+    }
+  }
+}
+
+bool wait_stream_quietly(cudaStream_t stream) noexcept {
+  try {
+    wait_stream(stream, "");
+    return true;
+  } catch (...) {
+    return false;
+  }
 }
 
 void fail(const char* file, int line, const char* format, ...) {

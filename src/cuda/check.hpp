@@ -36,6 +36,14 @@ enum DeviceWaitKernel : int { kWaitSm90GroupedGemm = 1 };
 // The record's device-side address (created on first use; the same for every device of the process).
 DeviceWaitRecord* device_wait_record();
 
+// cudaStreamSynchronize with a time limit (DMOE_COMM_TIMEOUT_S, core/env.hpp): spins briefly, then polls
+// with growing sleeps; past the limit it fails naming `what` (e.g. a peer rank died inside a collective
+// that this stream waits on). GPU errors fail as DMOE_CHECK_CUDA would.
+void wait_stream(cudaStream_t stream, const char* what);
+// The same for destructors and release paths, which cannot throw: true when the stream finished within
+// the limit without an error.
+bool wait_stream_quietly(cudaStream_t stream) noexcept;
+
 }  // namespace dmoe::cuda
 
 #define DMOE_CHECK_CUDA(call)                                                                         \

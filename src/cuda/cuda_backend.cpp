@@ -33,11 +33,11 @@ class CudaBackend final : public Backend {
     DMOE_CHECK_CUBLAS(cublasSetStream(cublas_, stream_));
     // f32 GEMMs must be true f32 (the CPU comparison assumes it): no TF32 tensor-op math.
     DMOE_CHECK_CUBLAS(cublasSetMathMode(cublas_, CUBLAS_DEFAULT_MATH));
-    ctx_ = cuda::CudaContext{stream_, cublas_, &workspace_};
+    ctx_ = cuda::CudaContext{stream_, cublas_, &workspace_, &host_staging_};
   }
 
   ~CudaBackend() override {
-    (void)cudaStreamSynchronize(stream_);
+    (void)cuda::wait_stream_quietly(stream_);
     (void)cublasDestroy(cublas_);
     (void)cudaStreamDestroy(stream_);
   }
@@ -67,9 +67,10 @@ class CudaBackend final : public Backend {
   }
   void release(void* p) noexcept override {
     if (!p) return;
-    // Queued kernels may still use the block; errors cannot be reported from here.
-    (void)cudaStreamSynchronize(stream_);
-    (void)cudaFree(p);
+    // Queued kernels may still use the block; errors cannot be reported from here. If the stream does not
+    // finish (a peer rank died inside a collective), the block is left to process exit rather than freed
+    // under running work or waited on forever.
+    if (cuda::wait_stream_quietly(stream_)) (void)cudaFree(p);
   }
   void copy(void* dst, const void* src, size_t bytes) override {
     if (bytes) DMOE_CHECK_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_));
@@ -79,13 +80,14 @@ class CudaBackend final : public Backend {
     if (bytes) DMOE_CHECK_CUDA(cudaMemcpyAsync(dst, host, bytes, cudaMemcpyHostToDevice, stream_));
   }
   void download(void* host, const void* src, size_t bytes) override {
-    if (bytes) DMOE_CHECK_CUDA(cudaMemcpyAsync(host, src, bytes, cudaMemcpyDeviceToHost, stream_));
-    synchronize();
+    // Through pinned staging, so that the wait is time-limited (a pageable target would block inside
+    // cudaMemcpyAsync until the GPU is done, however long that takes).
+    cuda::download_bounded(host, src, bytes, stream_, &host_staging_, "cuda backend: reading device memory");
   }
   void zero(void* p, size_t bytes) override {
     if (bytes) DMOE_CHECK_CUDA(cudaMemsetAsync(p, 0, bytes, stream_));
   }
-  void synchronize() override { DMOE_CHECK_CUDA(cudaStreamSynchronize(stream_)); }
+  void synchronize() override { cuda::wait_stream(stream_, "cuda backend: waiting for the GPU"); }
 
   // Conversions on the host with core's round-to-nearest-even, bit for bit the CPU backend's rounding.
   void upload_f32(void* dst, const float* host, int64_t count) override {
@@ -246,6 +248,7 @@ class CudaBackend final : public Backend {
   cudaStream_t stream_ = nullptr;
   cublasHandle_t cublas_ = nullptr;
   cuda::Workspace workspace_;
+  cuda::HostStaging host_staging_;
   cuda::CudaContext ctx_;
 };
 

@@ -109,8 +109,9 @@ ExpertGemmMode expert_gemm_mode() {
 //   4.3 G (T 4096, E 8)             0.392 vs 0.375 loop
 //   8.6 G (T 8192, E 8)             0.589 vs 0.588 loop
 //   60 G (mixtral)                  5.0 vs 4.45 loop
-// Ranks sharing a GPU under MPS get fewer SMs than the kernel's persistent grid assumes (W = 4,
-// flash-paper: 4.8 ms own vs 3.2 ms loop); their products are larger, so this bound keeps them on cuBLAS.
+// Ranks sharing a GPU under MPS run the own kernel slower than cuBLAS (W = 4, flash-paper: 4.8 ms own vs
+// 3.2 ms loop; cause not established, docs/perf.md); their products are larger, so this bound keeps them
+// on cuBLAS.
 constexpr double kOwnMaxMeanMacs = 4e9;
 
 }  // namespace

@@ -52,6 +52,30 @@ class Workspace {
   size_t bytes_ = 0;
 };
 
+// Grow-only pinned host memory for small device-to-host reads (counts, statistics). A copy into pageable
+// memory blocks inside cudaMemcpyAsync until the GPU is done, with no time limit; into pinned memory it
+// returns at once and the read waits in wait_stream (check.hpp), which has one.
+// NOTE: the contents are valid after the wait that follows the copy, until the next copy into it.
+class HostStaging {
+ public:
+  HostStaging() = default;
+  ~HostStaging();
+  HostStaging(const HostStaging&) = delete;
+  HostStaging& operator=(const HostStaging&) = delete;
+  // At least `bytes` of pinned host memory; growing waits for `stream` first (a copy may target the old block).
+  void* reserve(size_t bytes, cudaStream_t stream);
+
+ private:
+  void* data_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+// Copies `bytes` from device memory to `host` on `stream` and waits for it (time-limited); through
+// `staging` when given (in chunks of up to 8 MiB), else straight into `host` (then a pageable `host`
+// blocks inside the copy, without a limit).
+void download_bounded(void* host, const void* device, size_t bytes, cudaStream_t stream, HostStaging* staging,
+                      const char* what);
+
 // Byte offsets of sub-buffers carved from one workspace block, each 256-byte aligned.
 class ScratchLayout {
  public:
@@ -66,11 +90,12 @@ class ScratchLayout {
   size_t total_ = 0;
 };
 
-// What a stage needs beyond a stream: cuBLAS and scratch memory.
+// What a stage needs beyond a stream: cuBLAS, scratch memory and pinned staging for reads.
 struct CudaContext {
   cudaStream_t stream = nullptr;
   cublasHandle_t cublas = nullptr;  // bound to `stream`, CUBLAS_DEFAULT_MATH (no TF32)
   Workspace* workspace = nullptr;
+  HostStaging* host_staging = nullptr;  // optional: bounded waits for the stages' small reads
 };
 
 // ---- conversions ---------------------------------------------------------------------------------

@@ -217,8 +217,7 @@ void plan_send(const int32_t* ids, int64_t tokens, int32_t top_k, int32_t expert
   }
 
   std::vector<char> host(result_bytes);
-  DMOE_CHECK_CUDA(cudaMemcpyAsync(host.data(), routed, result_bytes, cudaMemcpyDeviceToHost, ctx.stream));
-  DMOE_CHECK_CUDA(cudaStreamSynchronize(ctx.stream));
+  download_bounded(host.data(), routed, result_bytes, ctx.stream, ctx.host_staging, "plan_send: reading the counts");
   const auto* h_routed = reinterpret_cast<const int64_t*>(host.data());
   int32_t h_bad = 0;
   std::memcpy(&h_bad, h_routed + 2 * experts, sizeof(int32_t));

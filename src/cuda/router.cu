@@ -428,8 +428,7 @@ void router_aux_partials(const float* probs, const float* lse, const int32_t* id
   DMOE_CHECK_LAUNCH();
 
   std::vector<char> host(result_bytes);
-  DMOE_CHECK_CUDA(cudaMemcpyAsync(host.data(), result, result_bytes, cudaMemcpyDeviceToHost, ctx.stream));
-  DMOE_CHECK_CUDA(cudaStreamSynchronize(ctx.stream));
+  download_bounded(host.data(), result, result_bytes, ctx.stream, ctx.host_staging, "router_aux_partials: reading the statistics");
   const auto* h_prob_sum = reinterpret_cast<const double*>(host.data());
   const auto* h_assigned = reinterpret_cast<const int32_t*>(h_prob_sum + experts + 1);
   const int32_t bad = h_assigned[experts];

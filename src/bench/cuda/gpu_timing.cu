@@ -64,7 +64,7 @@ GpuTimer::~GpuTimer() {
 
 Stats GpuTimer::time(const std::function<void()>& fn, const TimingOptions& o) {
   for (int i = 0; i < o.warmup; ++i) fn();
-  DMOE_CHECK_CUDA(cudaStreamSynchronize(stream_));
+  cuda::wait_stream(stream_, "benchmark: warm-up");
   std::vector<double> ms;
   double total = 0;
   int fixed = -1;  // with agree_iterations: the count all ranks run

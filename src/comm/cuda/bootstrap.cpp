@@ -19,21 +19,14 @@
 #endif
 
 #include "comm/cuda/comm_detail.hpp"
+#include "core/env.hpp"
 #include "core/error.hpp"
 
 namespace dmoe {
 
 namespace comm_detail {
 
-double comm_timeout_seconds() {
-  const char* text = std::getenv("DMOE_COMM_TIMEOUT_S");
-  if (!text) return 600.0;
-  char* end = nullptr;
-  const double v = std::strtod(text, &end);
-  DMOE_REQUIRE(end != text && *end == '\0' && v > 0, "DMOE_COMM_TIMEOUT_S='{}' is invalid: expected seconds > 0",
-               text);
-  return v;
-}
+double comm_timeout_seconds() { return host_wait_timeout_seconds(); }
 
 void wait_stream(cudaStream_t stream, const std::string& what, ncclComm_t nccl) {
   cudaEvent_t done = nullptr;

@@ -28,7 +28,9 @@ class LocalComm final : public Comm {
   void broadcast(void*, int64_t, DType, int32_t root, Stream) override {
     DMOE_REQUIRE(root == 0, "LocalComm broadcast: root {} outside [0, 1)", root);
   }
-  void barrier(Stream stream) override { DMOE_CHECK_CUDA(cudaStreamSynchronize(static_cast<cudaStream_t>(stream))); }
+  void barrier(Stream stream) override {
+    cuda::wait_stream(static_cast<cudaStream_t>(stream), "local comm: barrier");
+  }
 };
 
 }  // namespace
