@@ -611,7 +611,11 @@ void launch(const CudaContext& ctx, void* scratch, const GroupedGemmNT& g) {
   std::vector<int32_t> tile_offsets(size_t(g.groups) + 1, 0);
   for (int32_t e = 0; e < g.groups; ++e) {
     const int64_t rows = g.row_offsets[e + 1] - g.row_offsets[e];
-    tile_offsets[e + 1] = tile_offsets[e] + int32_t((rows + kBlockM - 1) / kBlockM) * n_tiles;
+    const int64_t next = int64_t(tile_offsets[e]) + (rows + kBlockM - 1) / kBlockM * int64_t(n_tiles);
+    DMOE_CUDA_REQUIRE(next < (int64_t(1) << 31), "sm90_grouped_gemm: more than 2^31 - 1 tiles (%d groups, "
+                      "%lld rows, n = %lld); split the call", g.groups, (long long)g.row_offsets[g.groups],
+                      (long long)g.n);
+    tile_offsets[e + 1] = int32_t(next);
   }
   const int32_t tiles = tile_offsets[g.groups];
   if (tiles == 0) return;
@@ -639,11 +643,20 @@ void launch(const CudaContext& ctx, void* scratch, const GroupedGemmNT& g) {
   p.timeout_ns = wait_timeout_ns();
   p.wait_record = device_wait_record();
 
-  static std::once_flag attribute_set;  // per instantiation; the attribute is per function and device
-  std::call_once(attribute_set, [] {
-    DMOE_CHECK_CUDA(cudaFuncSetAttribute(grouped_gemm_sm90_kernel<BN, kFuse, A, kStaged>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::smem_bytes));
-  });
+  // The shared-memory opt-in is per function and per device: once for each device this process uses.
+  static std::mutex attribute_mutex;
+  static std::vector<bool> attribute_set;
+  {
+    int device = 0;
+    DMOE_CHECK_CUDA(cudaGetDevice(&device));
+    std::lock_guard<std::mutex> lock(attribute_mutex);
+    if (int(attribute_set.size()) <= device) attribute_set.resize(device + 1, false);
+    if (!attribute_set[device]) {
+      DMOE_CHECK_CUDA(cudaFuncSetAttribute(grouped_gemm_sm90_kernel<BN, kFuse, A, kStaged>,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::smem_bytes));
+      attribute_set[device] = true;
+    }
+  }
   const int blocks = std::min(tiles, device_info().sms);
   grouped_gemm_sm90_kernel<BN, kFuse, A, kStaged>
       <<<blocks, kThreads, Cfg::smem_bytes, ctx.stream>>>(map_a, map_b, map_b2, p);

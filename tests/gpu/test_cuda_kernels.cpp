@@ -33,6 +33,7 @@
 #include "cpu/kernels.hpp"
 #include "cuda/cuda_backend.hpp"
 #include "engine/backend.hpp"
+#include "gpu_test_util.hpp"
 
 namespace dmoe {
 namespace {
@@ -51,14 +52,7 @@ double storage_tolerance(DType storage) { return storage == DType::bf16 ? kTolBf
 
 // ---- environment ---------------------------------------------------------------------------------------
 
-bool has_cuda_device() {
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return false;
-  }
-  return count > 0;
-}
+using test::has_cuda_device;
 
 #define DMOE_SKIP_WITHOUT_GPU()                               \
   do {                                                        \

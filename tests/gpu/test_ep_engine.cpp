@@ -18,14 +18,12 @@
 #include "cpu/kernels.hpp"
 #include "cuda/cuda_backend.hpp"
 #include "engine/reference.hpp"
+#include "gpu_test_util.hpp"
 
 namespace dmoe {
 namespace {
 
-bool have_gpu() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
+bool have_gpu() { return test::has_cuda_device(); }
 
 // ‖a − b‖ / ‖b‖ over a range, with the first large element difference for the failure message.
 struct Diff {

@@ -19,18 +19,12 @@
 #include "core/config.hpp"
 #include "core/dtype.hpp"
 #include "cuda/common.hpp"
+#include "gpu_test_util.hpp"
 
 namespace dmoe {
 namespace {
 
-bool has_cuda_device() {
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return false;
-  }
-  return count > 0;
-}
+using test::has_cuda_device;
 
 struct OwnGemmShape {
   int32_t groups;
