@@ -7,7 +7,7 @@
 #
 # PARTS: comma-separated, run in the order given: tests (one process), multi (W = 2, 4, 8 ranks), modes
 # (expert-GEMM strategies side by side), bench (named configs with the PyTorch peers, weak scaling),
-# profile (per-kernel times under Nsight Compute);
+# profile (per-kernel times under Nsight Compute), gpus (one rank per GPU on a multi-GPU machine);
 # all = tests,multi,bench,modes (default).
 #
 # Run from the repository root. Needs the NVSHMEM wheel in the Python on PATH (the GPU machine has it in
@@ -96,9 +96,32 @@ part_profile() {
   done
 }
 
+part_gpus() {
+  # One rank per GPU (issue 4): tests through dmoe launch and mpirun (NcclComm and NvshmemComm both run
+  # where every rank owns a GPU), the named configs at W = #GPUs with each communicator, and W = 1 on the
+  # same machine for the weak-scaling comparison.
+  local n
+  n=$(nvidia-smi -L | wc -l)
+  nvidia-smi topo -m > "$O/topology.txt" 2>&1
+  run 120 "gpus_launch_w$n" "$B/dmoe" launch -n "$n" -- "$B/tests/dmoe_gpu_tests" --gtest_brief=1 \
+    --gtest_filter='GpuComm*:*GpuEngine*'
+  run 120 "gpus_mpirun_w$n" mpirun --allow-run-as-root -n "$n" -x LD_LIBRARY_PATH -x DMOE_HOME \
+    -x NCCL_NVLS_ENABLE=0 -x NVSHMEM_DISABLE_NVLS=1 -x DMOE_COMM_TIMEOUT_S \
+    "$B/tests/dmoe_gpu_tests" --gtest_brief=1 --gtest_filter='GpuComm*:*GpuEngine*'
+  for comm in nccl nvshmem; do
+    run 60 "gpus_bench_flash-paper_w${n}_$comm" "$B/dmoe" launch -n "$n" -- "$B/dmoe" bench layer \
+      --config flash-paper --no-backward --comm "$comm" --json "$O/gpus_flash-paper_w${n}_$comm.json"
+  done
+  for cfg in fine-grained decode mixtral; do
+    run 60 "gpus_bench_${cfg}_w$n" "$B/dmoe" launch -n "$n" -- "$B/dmoe" bench layer --config "$cfg" \
+      --no-backward --json "$O/gpus_${cfg}_w$n.json"
+  done
+  run 60 gpus_bench_flash-paper_w1 "$B/dmoe" bench layer --config flash-paper --no-backward
+}
+
 for part in ${WHAT//,/ }; do
   case $part in
-    tests | multi | bench | modes | profile) part_$part ;;
-    *) echo "unknown part '$part'; allowed: tests, multi, bench, modes, profile, all" >&2; exit 2 ;;
+    tests | multi | bench | modes | profile | gpus) part_$part ;;
+    *) echo "unknown part '$part'; allowed: tests, multi, bench, modes, profile, gpus, all" >&2; exit 2 ;;
   esac
 done
