@@ -28,7 +28,7 @@ run() {  # run LIMIT_S NAME CMD...: log to $O/NAME.log, print the verdict lines
   timeout -k 5 "$limit" "$@" >"$O/$name.log" 2>&1
   local rc=$?
   echo "== $name: rc=$rc ($((SECONDS - t0)) s)"
-  grep -aE "PASSED|FAILED|SKIPPED \]|rank [0-9]+ failed|error:|Error|^engine|^ep-|^torch-|^ceilings|^F = |roofline" "$O/$name.log" |
+  grep -aE "PASSED|FAILED|SKIPPED \]|rank [0-9]+ failed|error:|Error|^engine|ep-|^torch-|ceilings|F = |all-to-all" "$O/$name.log" |
     sed -E 's/^\[rank [0-9]+\] //' | sort | uniq -c | sort -rn | head -25
 }
 
@@ -70,7 +70,7 @@ part_bench() {
   done
   for n in 4 8; do
     run 150 "bench_flash-paper_w$n" "$B/dmoe" launch -n "$n" -- "$B/dmoe" bench layer --config flash-paper \
-      --no-backward --json "$O/bench_flash-paper_w$n.json"
+      --no-backward --alltoall --json "$O/bench_flash-paper_w$n.json"
   done
 }
 
@@ -110,11 +110,11 @@ part_gpus() {
     "$B/tests/dmoe_gpu_tests" --gtest_brief=1 --gtest_filter='GpuComm*:*GpuEngine*'
   for comm in nccl nvshmem; do
     run 60 "gpus_bench_flash-paper_w${n}_$comm" "$B/dmoe" launch -n "$n" -- "$B/dmoe" bench layer \
-      --config flash-paper --no-backward --comm "$comm" --json "$O/gpus_flash-paper_w${n}_$comm.json"
+      --config flash-paper --no-backward --comm "$comm" --alltoall --json "$O/gpus_flash-paper_w${n}_$comm.json"
   done
   for cfg in fine-grained decode mixtral; do
     run 60 "gpus_bench_${cfg}_w$n" "$B/dmoe" launch -n "$n" -- "$B/dmoe" bench layer --config "$cfg" \
-      --no-backward --json "$O/gpus_${cfg}_w$n.json"
+      --no-backward --alltoall --json "$O/gpus_${cfg}_w$n.json"
   done
   run 60 gpus_bench_flash-paper_w1 "$B/dmoe" bench layer --config flash-paper --no-backward
 }

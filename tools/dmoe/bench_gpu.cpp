@@ -123,6 +123,7 @@ int run_gpu_layer_bench(const GpuBenchArgs& a) {
   o.timing.warmup = a.warmup;
   o.timing.min_iterations = a.min_iterations;
   o.engine.batch_row_multiple = a.batch_row_multiple;
+  o.time_alltoall = a.alltoall;
   bench::LayerBenchData data;
   const bench::LayerBenchResult r =
       bench::bench_ep_layer(c, *backend, *comm, ceil, o, root && env.world == 1 && a.peers ? &data : nullptr);
@@ -156,6 +157,16 @@ int run_gpu_layer_bench(const GpuBenchArgs& a) {
       std::printf("%-16s %3d %10.3f %8.3f %8.3f %9.1f  (forward+backward, 3F)\n", (r.engine + " f+b").c_str(),
                   env.world, r.forward_backward.median_ms, r.forward_backward.min_ms, r.forward_backward.max_ms,
                   3 * r.flop / (r.forward_backward.median_ms * 1e-3) * 1e-12);
+    }
+    if (r.alltoall.iterations > 0) {
+      const double gbps = r.alltoall_bytes / (r.alltoall.median_ms * 1e-3) * 1e-9;
+      j["alltoall_ms"] = r.alltoall.median_ms;
+      j["alltoall_bytes"] = r.alltoall_bytes;
+      j["alltoall_gbps_per_gpu"] = gbps;
+      std::printf("all-to-all alone (%s, uniform, %.4g MB to other ranks per rank): %.3f ms (min %.3f, max %.3f)"
+                  " = %.1f GB/s per GPU per direction\n",
+                  r.engine.c_str(), r.alltoall_bytes * 1e-6, r.alltoall.median_ms, r.alltoall.min_ms,
+                  r.alltoall.max_ms, gbps);
     }
     rows.push_back(j);
   }

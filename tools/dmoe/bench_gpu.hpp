@@ -19,6 +19,7 @@ struct GpuBenchArgs {
   int warmup = 5;
   int min_iterations = 20;
   int batch_row_multiple = 1;  // EpOptions::batch_row_multiple (tile padding of the experts' batches)
+  bool alltoall = false;       // W > 1: also time the dispatch's all-to-all alone (bandwidth per GPU)
 };
 
 // True when a CUDA device is visible to this process.

@@ -39,6 +39,7 @@ struct BenchOptions {
   std::string python = "python3";
   int check_tokens = 8;
   int batch_row_multiple = 1;
+  bool alltoall = false;
 };
 
 struct Timing {
@@ -88,6 +89,8 @@ Command add_bench_command(CLI::App& app) {
   sub->add_option("--python", o->python, "Python interpreter with PyTorch for --peers");
   sub->add_option("--check-tokens", o->check_tokens, "GPU: tokens recomputed in fp64 on the CPU to check the output")
       ->check(CLI::Range(0, 64));
+  sub->add_flag("--alltoall", o->alltoall,
+                "GPU, W > 1: also time one all-to-all of the layer's off-rank bytes alone (GB/s per GPU)");
   sub->add_option("--batch-row-multiple", o->batch_row_multiple,
                   "GPU: pad each expert's batch with zero rows to a multiple of this (GEMM tile height)")
       ->check(CLI::PositiveNumber);
@@ -110,9 +113,11 @@ Command add_bench_command(CLI::App& app) {
       g.json_path = o->json_path;
       g.check_tokens = o->check_tokens;
       g.batch_row_multiple = o->batch_row_multiple;
+      g.alltoall = o->alltoall;
       g.warmup = std::max(o->warmup, 3);
       return run_gpu_layer_bench(g);
     }
+    if (o->alltoall) std::fprintf(stderr, "note: --alltoall times the GPU communicators; ignored on the CPU\n");
     MoeConfig defaults;  // small enough for a 2-core machine: ~0.2 GFLOP per rank per forward
     defaults.tokens = 128;
     defaults.hidden = 256;

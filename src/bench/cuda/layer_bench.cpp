@@ -100,6 +100,26 @@ LayerBenchResult bench_ep_layer(const MoeConfig& c, Backend& backend, Comm& comm
   r.roofline_ms = std::max(r.flop / ceilings.gemm_flop_per_s, r.bytes / ceilings.copy_byte_per_s) * 1e3;
   r.comm_bytes = double(engine.rows_sent() - engine.rows_sent_to(rank)) * double(H) * double(elem);
 
+  if (o.time_alltoall && W > 1) {
+    // Every rank must run the same all-to-all: the mean over ranks of the rows sent off-rank, spread
+    // evenly over the W − 1 peers.
+    const int64_t off_rank_rows = engine.rows_sent() - engine.rows_sent_to(rank);
+    backend.upload(n_dev, &off_rank_rows, sizeof(int64_t));
+    comm.allreduce_sum(n_dev, 1, DType::i64, backend.stream());
+    int64_t total_rows = 0;
+    backend.download(&total_rows, n_dev, sizeof(int64_t));
+    const int64_t pairs = int64_t(W) * (W - 1);
+    const int64_t per_peer = std::max<int64_t>(1, (total_rows + pairs - 1) / pairs) * H;  // elements
+    void* send = backend.allocate(size_t(W) * per_peer * elem);
+    void* recv = backend.allocate(size_t(W) * per_peer * elem);
+    backend.zero(send, size_t(W) * per_peer * elem);
+    r.alltoall = timer.time(
+        [&] { comm.alltoall(send, recv, per_peer, backend.storage_dtype(), backend.stream()); }, timing);
+    r.alltoall_bytes = double(W - 1) * double(per_peer) * double(elem);
+    backend.release(send);
+    backend.release(recv);
+  }
+
   // Check a sample of this rank's tokens against the fp64 CPU computation with the engine's routing.
   std::vector<float> y(T * H);
   backend.download_f32(y.data(), yd, T * H);

@@ -5,6 +5,7 @@
 //   roofline            = max(F / GEMM ceiling, bytes / copy ceiling), ceilings measured in the same run
 //   TFLOP/s             = F / time;   % of roofline = roofline / time
 //   communication bytes = rows sent to other ranks · H · s, per direction
+//   all-to-all bandwidth = those bytes (spread evenly over the peers) / time of one all-to-all alone
 //   tokens/s            = W·T / time (all ranks)
 // s = bytes per element of the storage dtype. Correctness: a sample of tokens is recomputed on the CPU
 // in fp64 from the same (bf16-valued) weights, with the engine's routing, and compared.
@@ -26,6 +27,8 @@ struct LayerBenchResult {
   MoeConfig config;
   Stats forward;
   Stats forward_backward;  // iterations = 0 when not measured
+  Stats alltoall;          // the all-to-all alone (LayerBenchOptions::time_alltoall); iterations = 0 if not
+  double alltoall_bytes = 0;  // bytes one rank sends to the other ranks in that all-to-all
   double flop = 0, bytes = 0, roofline_ms = 0, comm_bytes = 0;
   double max_rel_error = 0;  // worst per-token ‖y − y_ref‖ / ‖y_ref‖ over the sample
   int checked_tokens = 0;
@@ -45,6 +48,9 @@ struct LayerBenchOptions {
   bool backward = false;
   int check_tokens = 8;
   uint64_t seed = 1;
+  // W > 1: also time one all-to-all alone, uniform over the peers, moving the bytes the layer's dispatch
+  // sends to other ranks (its bandwidth per GPU is what the issue-4 runs compare with NVLink's).
+  bool time_alltoall = false;
   EpOptions engine;
 };
 
