@@ -12,7 +12,9 @@
 //                 of `stages` shared-memory slots, each guarded by a full/empty mbarrier pair;
 //   warpgroups 1-2 consumers: each owns 64 of the BM = 128 rows of the tile, runs wgmma m64nBNk16 over
 //                 the slots (operands K-major, 128-byte swizzle, as TMA wrote them), then stores its
-//                 accumulators as bf16, masked to the group's rows and to N.
+//                 accumulators as bf16, masked to the group's rows and to N: by default straight from
+//                 registers, the lanes of a quad trading words so that each writes 16 bytes; with
+//                 DMOE_SM90_EPILOGUE=staged through shared memory and bulk stores (measured slower).
 // Tiles are numbered group by group, row tiles fastest within a column tile, so the CTAs running at the
 // same time share A and B slices in L2. A group's last row tile reads rows of the next group (or TMA's
 // zero fill past the end); those rows are computed and not stored. No padding is added in memory.
@@ -43,7 +45,8 @@ constexpr int kThreads = 384;       // producer warpgroup + two consumer warpgro
 constexpr int kConsumers = 2;
 
 // kStaged: the epilogue goes through a shared-memory staging tile and asynchronous bulk stores (one per
-// row), so the consumers start the next tile's products while the stores drain; it costs one slot.
+// row), so that the consumers start the next tile's products while the stores drain; it costs one slot,
+// which cost more than the overlap gained on H200 (8-13 % per GEMM, docs/perf.md): opt-in only.
 template <int BN, bool kStaged>
 struct TileConfig {
   static constexpr int stages = kStaged ? (BN == 128 ? 5 : 3) : (BN == 128 ? 6 : 4);
