@@ -18,7 +18,8 @@ namespace dmoe::cuda {
 namespace {
 
 std::mutex record_mutex;
-DeviceWaitRecord* record_host = nullptr;  // pinned, mapped; null until a kernel asked for it
+DeviceWaitRecord* record_host = nullptr;    // pinned, mapped; null until a kernel asked for it
+DeviceWaitRecord* record_device = nullptr;  // its device address (portable: the same for every device)
 
 std::string describe(const DeviceWaitRecord& r) {
   char text[512];
@@ -38,20 +39,22 @@ std::string describe(const DeviceWaitRecord& r) {
 
 }  // namespace
 
+// Called at every launch of a kernel that waits: the allocation and address lookup happen once.
 DeviceWaitRecord* device_wait_record() {
   std::lock_guard<std::mutex> lock(record_mutex);
   if (record_host == nullptr) {
     void* p = nullptr;
     DMOE_CHECK_CUDA(cudaHostAlloc(&p, sizeof(DeviceWaitRecord), cudaHostAllocMapped | cudaHostAllocPortable));
     std::memset(p, 0, sizeof(DeviceWaitRecord));
+    void* device = nullptr;
+    DMOE_CHECK_CUDA(cudaHostGetDevicePointer(&device, p, 0));
     record_host = static_cast<DeviceWaitRecord*>(p);
+    record_device = static_cast<DeviceWaitRecord*>(device);
   }
-  void* device = nullptr;
-  DMOE_CHECK_CUDA(cudaHostGetDevicePointer(&device, record_host, 0));
-  return static_cast<DeviceWaitRecord*>(device);
+  return record_device;
 }
 
-void wait_stream(cudaStream_t stream, const char* what) {
+void wait_stream(cudaStream_t stream, const char* what, const std::function<void()>& poll) {
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
   const double limit = host_wait_timeout_seconds();
@@ -64,11 +67,12 @@ void wait_stream(cudaStream_t stream, const char* what) {
     if (status != cudaErrorNotReady)
       fail(__FILE__, __LINE__, "%s: the GPU reported %s (%s) while waiting for the stream", what,
            cudaGetErrorString(status), cudaGetErrorName(status));
+    if (poll) poll();
     const double waited = std::chrono::duration<double>(Clock::now() - start).count();
     if (waited > limit)
       fail(__FILE__, __LINE__,
            "%s: waited %.0f s for the GPU stream to finish (DMOE_COMM_TIMEOUT_S=%.0f); the GPU work hangs — "
-           "most likely a peer rank failed or stopped inside a collective this rank's stream waits on",
+           "most likely a peer rank failed, or is not calling the same collective this rank's stream waits on",
            what, waited, limit);
     if (waited > 2e-3) {
       std::this_thread::sleep_for(sleep);

@@ -14,6 +14,8 @@
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
+#include <functional>
+
 namespace dmoe::cuda {
 
 // Throws dmoe::Error("<formatted message> (file:line)") (with the rank when one is set).
@@ -38,8 +40,9 @@ DeviceWaitRecord* device_wait_record();
 
 // cudaStreamSynchronize with a time limit (DMOE_COMM_TIMEOUT_S, core/env.hpp): spins briefly, then polls
 // with growing sleeps; past the limit it fails naming `what` (e.g. a peer rank died inside a collective
-// that this stream waits on). GPU errors fail as DMOE_CHECK_CUDA would.
-void wait_stream(cudaStream_t stream, const char* what);
+// that this stream waits on). GPU errors fail as DMOE_CHECK_CUDA would. `poll`, when given, runs between
+// polls and may throw (the communicators check their library's asynchronous errors there).
+void wait_stream(cudaStream_t stream, const char* what, const std::function<void()>& poll = nullptr);
 // The same for destructors and release paths, which cannot throw: true when the stream finished within
 // the limit without an error.
 bool wait_stream_quietly(cudaStream_t stream) noexcept;

@@ -1,16 +1,17 @@
 // bootstrap.cpp — NVSHMEM and NCCL initialisation across launchers (see bootstrap.hpp), plus the file
 // rendezvous dmoe launch provides and the bounded stream wait the communicators share.
-#include <algorithm>
 #include "comm/cuda/bootstrap.hpp"
 
 #include <cuda_runtime.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <thread>
 #include <vector>
 
@@ -21,6 +22,7 @@
 #include "comm/cuda/comm_detail.hpp"
 #include "core/env.hpp"
 #include "core/error.hpp"
+#include "cuda/check.hpp"
 
 namespace dmoe {
 
@@ -29,43 +31,15 @@ namespace comm_detail {
 double comm_timeout_seconds() { return host_wait_timeout_seconds(); }
 
 void wait_stream(cudaStream_t stream, const std::string& what, ncclComm_t nccl) {
-  cudaEvent_t done = nullptr;
-  DMOE_COMM_CHECK_CUDA(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
-  const cudaError_t record = cudaEventRecord(done, stream);
-  if (record != cudaSuccess) {
-    cudaEventDestroy(done);
-    DMOE_COMM_CHECK_CUDA(record);
-  }
-  const double timeout = comm_timeout_seconds();
-  const auto start = std::chrono::steady_clock::now();
-  auto sleep = std::chrono::microseconds(20);
-  for (;;) {
-    const cudaError_t status = cudaEventQuery(done);
-    if (status == cudaSuccess) break;
-    if (status != cudaErrorNotReady) {
-      cudaEventDestroy(done);
-      DMOE_FAIL("{}: the GPU reported {} ({}) while waiting", what, cudaGetErrorString(status),
-                cudaGetErrorName(status));
-    }
-    if (nccl) {
+  std::function<void()> poll;
+  if (nccl)
+    poll = [&] {
       ncclResult_t async = ncclSuccess;
-      if (ncclCommGetAsyncError(nccl, &async) == ncclSuccess && async != ncclSuccess && async != ncclInProgress) {
-        cudaEventDestroy(done);
+      if (ncclCommGetAsyncError(nccl, &async) == ncclSuccess && async != ncclSuccess && async != ncclInProgress)
         DMOE_FAIL("{}: NCCL reported an asynchronous error: {} ({})", what, ncclGetErrorString(async),
                   ncclGetLastError(nccl));
-      }
-    }
-    const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    if (waited > timeout) {
-      cudaEventDestroy(done);
-      DMOE_FAIL("{}: waited {:.0f} s for the collective to finish on the stream (DMOE_COMM_TIMEOUT_S={:.0f}); "
-                "a peer rank has probably failed or is not calling the same collective",
-                what, waited, timeout);
-    }
-    std::this_thread::sleep_for(sleep);
-    sleep = std::min(sleep * 2, std::chrono::microseconds(2000));
-  }
-  cudaEventDestroy(done);
+    };
+  cuda::wait_stream(stream, what.c_str(), poll);
 }
 
 void wait_nccl_ready(ncclComm_t comm, const std::string& what) {

@@ -43,9 +43,9 @@ namespace dmoe::comm_detail {
 // Seconds a collective may take before a wait gives up: DMOE_COMM_TIMEOUT_S, default 600.
 double comm_timeout_seconds();
 
-// Waits until the work queued on `stream` so far has finished, polling (never an unbounded block: a peer
-// that died leaves a collective waiting forever). `what` names the operation for the timeout message.
-// `nccl` (optional) is checked for asynchronous errors while waiting. Throws on timeout or error.
+// Waits until the work queued on `stream` has finished: cuda::wait_stream (bounded polling: a peer that
+// died leaves a collective waiting forever), with `nccl` (optional) checked for asynchronous errors
+// between polls. `what` names the operation for the messages. Throws on timeout or error.
 void wait_stream(cudaStream_t stream, const std::string& what, ncclComm_t nccl = nullptr);
 
 // For a non-blocking NCCL communicator: waits (bounded) until the calls issued so far have been
