@@ -6,7 +6,8 @@
 #   scripts/gpu_check.sh BUILD_DIR LOG_DIR [PARTS]
 #
 # PARTS: comma-separated, run in the order given: tests (one process), multi (W = 2, 4, 8 ranks), modes
-# (expert-GEMM strategies side by side), bench (named configs with the PyTorch peers, weak scaling),
+# (expert-GEMM strategies side by side), bench (named configs with the PyTorch peers, weak scaling), quick
+# (named configs, forward only, no peers),
 # profile (per-kernel times under Nsight Compute), gpus (one rank per GPU on a multi-GPU machine);
 # all = tests,multi,bench,modes (default).
 #
@@ -74,6 +75,14 @@ part_bench() {
   done
 }
 
+part_quick() {
+  # The named configs' forward alone (no peers, no backward): the check after a kernel change.
+  for cfg in decode flash-paper fine-grained mixtral; do
+    run 100 "quick_$cfg" "$B/dmoe" bench layer --config "$cfg" --check-tokens 4 --no-backward \
+      --json "$O/quick_$cfg.json"
+  done
+}
+
 part_modes() {
   # The expert GEMM strategies side by side (src/cuda/gemm.cpp): what auto should pick; own-staged = the
   # own kernel storing tiles through shared memory with bulk stores instead of from registers.
@@ -121,7 +130,7 @@ part_gpus() {
 
 for part in ${WHAT//,/ }; do
   case $part in
-    tests | multi | bench | modes | profile | gpus) part_$part ;;
-    *) echo "unknown part '$part'; allowed: tests, multi, bench, modes, profile, gpus, all" >&2; exit 2 ;;
+    tests | multi | bench | quick | modes | profile | gpus) part_$part ;;
+    *) echo "unknown part '$part'; allowed: tests, multi, bench, quick, modes, profile, gpus, all" >&2; exit 2 ;;
   esac
 done

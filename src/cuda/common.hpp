@@ -89,14 +89,14 @@ bool prefer_own_grouped_gemm(double mean_macs);
 struct GroupedGemmNT {
   const __nv_bfloat16* a = nullptr;
   const __nv_bfloat16* b = nullptr;
-  __nv_bfloat16* c = nullptr;
+  __nv_bfloat16* c = nullptr;                  // [rows, n]; with h it may be null (not kept)
   const int64_t* row_offsets = nullptr;
   int32_t groups = 0;
   int64_t n = 0, k = 0;
   __nv_bfloat16* h = nullptr;                  // [rows, n], null: no fused activation
   Activation activation = Activation::relu;    // with h
   const __nv_bfloat16* b2 = nullptr;           // SwiGLU: w3 [groups, n, k]
-  __nv_bfloat16* c2 = nullptr;                 // SwiGLU: pre3 [rows, n]
+  __nv_bfloat16* c2 = nullptr;                 // SwiGLU: pre3 [rows, n]; may be null (not kept)
 };
 
 // True where the kernel can run: an sm_90 GPU, this build targets sm_90a, k and n multiples of 8,
@@ -104,9 +104,18 @@ struct GroupedGemmNT {
 bool sm90_grouped_gemm_usable(const GroupedGemmNT& g);
 // Device scratch the call needs (offsets and the tile table), from the context's workspace.
 size_t sm90_grouped_gemm_scratch_bytes(int32_t groups);
-// block_n: tile width, 128 or 256; 0 = DMOE_SM90_BLOCK_N or 256. epilogue: 1 staged (shared memory and
-// asynchronous bulk stores), 2 direct (stores from registers); 0 = DMOE_SM90_EPILOGUE or direct.
-void sm90_grouped_gemm(const CudaContext& ctx, void* scratch, const GroupedGemmNT& g, int block_n = 0,
-                       int epilogue = 0);
+// How the kernel runs; 0 / -1 fields take the environment's setting or the measured default.
+struct Sm90Tuning {
+  int block_n = 0;    // tile width, 128 or 256; 0 = DMOE_SM90_BLOCK_N or 256
+  int epilogue = 0;   // 1 staged (shared memory, asynchronous bulk stores), 2 direct (stores from
+                      // registers); 0 = DMOE_SM90_EPILOGUE or direct
+  int cluster = 0;    // CTAs per cluster: 1, or 2 (pairs of column tiles share their A loads by multicast;
+                      // direct epilogue only); 0 = DMOE_SM90_CLUSTER or the default
+  int prefetch = -1;  // k-blocks ahead of the loads to prefetch into L2, 0 = off; -1 = DMOE_SM90_PREFETCH
+                      // or the default
+};
+void sm90_grouped_gemm(const CudaContext& ctx, void* scratch, const GroupedGemmNT& g, const Sm90Tuning& tuning = {});
+// Clusters of two CTAs of the paired kernel that fit on the current GPU at once (for benchmarks).
+int sm90_pair_clusters();
 
 }  // namespace dmoe::cuda

@@ -163,28 +163,17 @@ void expert_ffn_forward(const T* x, const T* w1, const T* w3, const T* w2, T* pr
                         Activation activation, const CudaContext& ctx) {
   check_offsets(expert_offsets, local_experts, "expert_ffn_forward");
   const bool swiglu = activation == Activation::swiglu;
-  DMOE_CUDA_REQUIRE(!swiglu || (w3 != nullptr && pre3 != nullptr),
-                    "expert_ffn_forward: SwiGLU needs w3 and pre3");
+  DMOE_CUDA_REQUIRE(!swiglu || w3 != nullptr, "expert_ffn_forward: SwiGLU needs w3");
+  DMOE_CUDA_REQUIRE(!swiglu || (pre1 == nullptr) == (pre3 == nullptr),
+                    "expert_ffn_forward: pre1 and pre3 are both kept or both null (inference)");
   const int64_t row_begin = expert_offsets[0];
   const int64_t rows = expert_offsets[local_experts] - row_begin;
   if (rows == 0 || hidden == 0 || ffn == 0) return;
-
-  const int64_t weight_size = ffn * hidden;  // elements of one expert's w1, w3 or w2
-  std::vector<GemmProblem> up1, up3, down;   // experts with rows only
-  for (int32_t e = 0; e < local_experts; ++e) {
-    const int64_t r0 = expert_offsets[e], n = expert_offsets[e + 1] - r0;
-    if (n == 0) continue;
-    // pre1 [n, I] = x [n, H] · w1_e [I, H]^T (pre3 likewise);  out [n, H] = h [n, I] · w2_e [H, I]^T
-    up1.push_back({n, ffn, hidden, x + r0 * hidden, w1 + e * weight_size, pre1 + r0 * ffn});
-    if (swiglu) up3.push_back({n, ffn, hidden, x + r0 * hidden, w3 + e * weight_size, pre3 + r0 * ffn});
-    down.push_back({n, hidden, ffn, h + r0 * ffn, w2 + e * weight_size, out + r0 * hidden});
-  }
-  ScratchLayout layout;
-  const size_t off_pointers = layout.add(grouped_pointer_bytes(int64_t(up1.size())));
-  const size_t off_sm90 = layout.add(sm90_grouped_gemm_scratch_bytes(local_experts));
-  char* ws = static_cast<char*>(ctx.workspace->reserve(layout.total(), ctx.stream));
-  void* pointers = ws + off_pointers;
-  const cudaDataType_t type = cuda_data_type<T>();
+  // Inference (pre1 null): nothing is kept for the backward pass. The own kernel then stores only h;
+  // the cuBLAS path still needs the pre-activations between its GEMMs and the activation pass: scratch.
+  const bool keep = pre1 != nullptr;
+  int64_t active = 0;  // experts with rows
+  for (int32_t e = 0; e < local_experts; ++e) active += expert_offsets[e + 1] > expert_offsets[e];
 
   // bf16 on Hopper: dmoe's own grouped GEMM (one persistent kernel over all experts' tiles) where the
   // policy in gemm.cpp prefers it for this size of expert product. Its up-projection also applies the
@@ -195,8 +184,36 @@ void expert_ffn_forward(const T* x, const T* w1, const T* w3, const T* w2, T* pr
     up = {x, w1, pre1, expert_offsets, local_experts, ffn, hidden, h, activation, swiglu ? w3 : nullptr,
           swiglu ? pre3 : nullptr};
     g2 = {h, w2, out, expert_offsets, local_experts, hidden, ffn};
-    const double mean_macs = double(rows) * double(hidden) * double(ffn) / double(up1.size());
+    const double mean_macs = double(rows) * double(hidden) * double(ffn) / double(active);
     own_gemm = prefer_own_grouped_gemm(mean_macs) && sm90_grouped_gemm_usable(up) && sm90_grouped_gemm_usable(g2);
+  }
+
+  ScratchLayout layout;
+  const size_t off_pointers = layout.add(grouped_pointer_bytes(active));
+  const size_t off_sm90 = layout.add(sm90_grouped_gemm_scratch_bytes(local_experts));
+  const size_t pre_bytes = keep || own_gemm ? 0 : size_t(rows) * ffn * sizeof(T);
+  const size_t off_pre1 = layout.add(pre_bytes);
+  const size_t off_pre3 = layout.add(swiglu ? pre_bytes : 0);
+  char* ws = static_cast<char*>(ctx.workspace->reserve(layout.total(), ctx.stream));
+  void* pointers = ws + off_pointers;
+  const cudaDataType_t type = cuda_data_type<T>();
+  // Row r of the batch is row r - row_base of pre1 / pre3 (row_base = 0 when they are the caller's).
+  const int64_t row_base = keep ? 0 : row_begin;
+  if (!keep && !own_gemm) {
+    pre1 = reinterpret_cast<T*>(ws + off_pre1);
+    if (swiglu) pre3 = reinterpret_cast<T*>(ws + off_pre3);
+  }
+
+  const int64_t weight_size = ffn * hidden;  // elements of one expert's w1, w3 or w2
+  std::vector<GemmProblem> up1, up3, down;   // experts with rows only
+  for (int32_t e = 0; e < local_experts && !own_gemm; ++e) {
+    const int64_t r0 = expert_offsets[e], n = expert_offsets[e + 1] - r0;
+    if (n == 0) continue;
+    const int64_t p0 = (r0 - row_base) * ffn;
+    // pre1 [n, I] = x [n, H] · w1_e [I, H]^T (pre3 likewise);  out [n, H] = h [n, I] · w2_e [H, I]^T
+    up1.push_back({n, ffn, hidden, x + r0 * hidden, w1 + e * weight_size, pre1 + p0});
+    if (swiglu) up3.push_back({n, ffn, hidden, x + r0 * hidden, w3 + e * weight_size, pre3 + p0});
+    down.push_back({n, hidden, ffn, h + r0 * ffn, w2 + e * weight_size, out + r0 * hidden});
   }
 
   if (own_gemm) {
@@ -206,8 +223,8 @@ void expert_ffn_forward(const T* x, const T* w1, const T* w3, const T* w2, T* pr
     if (swiglu)
       gemm_rm_grouped(ctx, pointers, false, true, hidden, hidden, ffn, 1.f, 0.f, type, type, type, up3);
     const int64_t count = rows * ffn;
-    ActForwardParams<T> ap{pre1 + row_begin * ffn, swiglu ? pre3 + row_begin * ffn : nullptr,
-                           h + row_begin * ffn, count};
+    const int64_t p0 = (row_begin - row_base) * ffn;
+    ActForwardParams<T> ap{pre1 + p0, swiglu ? pre3 + p0 : nullptr, h + row_begin * ffn, count};
     launch_activation<T, ForwardLaunch>(activation, packable<T>(count, {ap.pre1, ap.pre3, ap.h}), ap, count,
                                         ctx.stream);
   }

@@ -70,6 +70,7 @@ struct Sm90Params {
   int32_t groups;
   int32_t tiles;
   int32_t n_tiles;              // column tiles per group
+  int32_t prefetch;             // k-blocks ahead of the loads whose operands are prefetched into L2 (0: off)
   unsigned long long timeout_ns;
   DeviceWaitRecord* wait_record;  // host-mapped; written only when a wait times out
 };
@@ -144,6 +145,51 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map
       "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
       ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
       : "memory");
+}
+
+// Brings the box at (c0, c1) into L2 only (no shared memory, no barrier): issued some k-blocks ahead of
+// its load, it turns that load's DRAM latency into an L2 hit's.
+__device__ __forceinline__ void tma_prefetch_2d(const CUtensorMap* map, int32_t c0, int32_t c1) {
+  asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];"
+               ::"l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1)
+               : "memory");
+}
+
+// The same load, written by TMA into the same shared-memory offsets of every CTA of the cluster in
+// `cta_mask`, completing on the mbarrier at `bar`'s offset in each of them.
+__device__ __forceinline__ void tma_load_2d_multicast(uint32_t dst, const CUtensorMap* map, int32_t c0, int32_t c1,
+                                                      uint32_t bar, uint16_t cta_mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+      " [%0], [%1, {%2, %3}], [%4], %5;"
+      ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar), "h"(cta_mask)
+      : "memory");
+}
+
+__device__ __forceinline__ uint32_t cluster_cta_rank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ uint32_t cluster_index() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%clusterid.x;" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ uint32_t cluster_count() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%nclusterid.x;" : "=r"(r));
+  return r;
+}
+// Every thread of every CTA of the cluster; orders shared-memory (and mbarrier) accesses across it.
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// Arrive on the mbarrier at `bar`'s offset in CTA `cta` of this cluster.
+__device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t cta) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(bar), "r"(cta));
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
 }
 
 // Shared-memory matrix descriptor of a K-major operand written by TMA with the 128-byte swizzle: rows of
@@ -282,7 +328,10 @@ struct TileCoord {
   int32_t group, m_tile, n_tile;
 };
 
-__device__ __forceinline__ TileCoord decode_tile(const Sm90Params& p, int32_t t) {
+// kPair: t numbers pairs of column tiles (2j, 2j + 1), and CTA `cta_rank` of the cluster takes column
+// tile 2j + cta_rank (which may be past the last one when a group has an odd number of column tiles).
+template <bool kPair>
+__device__ __forceinline__ TileCoord decode_tile(const Sm90Params& p, int32_t t, uint32_t cta_rank) {
   TileCoord tc;
   tc.group = find_group(p.tile_offsets, p.groups, t);
   tc.row_begin = __ldg(p.row_offsets + tc.group);
@@ -290,7 +339,7 @@ __device__ __forceinline__ TileCoord decode_tile(const Sm90Params& p, int32_t t)
   const int32_t m_tiles = int32_t((tc.rows + kBlockM - 1) / kBlockM);
   const int32_t local = t - __ldg(p.tile_offsets + tc.group);
   tc.m_tile = local % m_tiles;
-  tc.n_tile = local / m_tiles;
+  tc.n_tile = kPair ? 2 * (local / m_tiles) + int32_t(cta_rank) : local / m_tiles;
   return tc;
 }
 
@@ -299,7 +348,13 @@ __device__ __forceinline__ TileCoord decode_tile(const Sm90Params& p, int32_t t)
 // kFuse: the epilogue also applies the activation A and writes h (GroupedGemmNT). For SwiGLU a tile's BN
 // columns are BN/2 columns of the gate product (B = w1, rows from map_b) followed by the same BN/2 columns
 // of the up product (w3, map_b2), so one thread holds both halves of each h element.
-template <int BN, bool kFuse, Activation A, bool kStaged>
+//
+// kPair: the kernel runs in clusters of two CTAs that take the two column tiles of a pair with the same
+// row tile, so they read the same A rows: each loads one half of the A k-block and multicasts it to both.
+// That cuts what the pair reads from L2 per k-block from 2 × 48 KiB to 80 KiB (BN = 256), for a kernel
+// whose loads run at the L2's bandwidth (docs/perf.md). A slot is refilled only when the consumers of
+// both CTAs have released it: each consumer arrives on the empty barrier of both CTAs.
+template <int BN, bool kFuse, Activation A, bool kStaged, bool kPair>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                              const __grid_constant__ CUtensorMap map_b2, const __grid_constant__ Sm90Params p) {
@@ -318,15 +373,22 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto full = [&](int s) { return bars + 8 * s; };
   auto empty = [&](int s) { return bars + 8 * (S + s); };
 
+  static_assert(!(kPair && kStaged), "the paired kernel stores tiles directly");
+  constexpr int kCtas = kPair ? 2 : 1;
+  const uint32_t cta_rank = kPair ? cluster_cta_rank() : 0;
+  const int32_t first_tile = kPair ? int32_t(cluster_index()) : int32_t(blockIdx.x);
+  const int32_t tile_stride = kPair ? int32_t(cluster_count()) : int32_t(gridDim.x);
   const int warpgroup = threadIdx.x / 128;
   if (threadIdx.x == 0) {
     for (int s = 0; s < S; ++s) {
       mbar_init(full(s), 1);
-      mbar_init(empty(s), kConsumers);
+      mbar_init(empty(s), kConsumers * kCtas);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  __syncthreads();
+  // With a pair, the peer's barriers must be initialised before anything arrives on them or lands in them.
+  if constexpr (kPair) cluster_sync();
+  else __syncthreads();
 
   const int32_t k_blocks = int32_t((p.k + kBlockK - 1) / kBlockK);
 
@@ -339,18 +401,47 @@ __global__ void __launch_bounds__(kThreads, 1)
       if constexpr (kGated)
         asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&map_b2)) : "memory");
       uint32_t it = 0;
-      for (int32_t t = blockIdx.x; t < p.tiles; t += gridDim.x) {
-        const TileCoord tc = decode_tile(p, t);
-        const int32_t a_row = int32_t(tc.row_begin + int64_t(tc.m_tile) * kBlockM);
-        const int32_t b_row = int32_t(int64_t(tc.group) * p.n + int64_t(tc.n_tile) * kOutN);
+      // The rows of A (this CTA's half with a pair) and of B a tile loads.
+      auto a_row_of = [&](const TileCoord& tc) {
+        return int32_t(tc.row_begin + int64_t(tc.m_tile) * kBlockM) + int32_t(cta_rank) * (kBlockM / kCtas);
+      };
+      auto b_row_of = [&](const TileCoord& tc) { return int32_t(int64_t(tc.group) * p.n + int64_t(tc.n_tile) * kOutN); };
+      auto prefetch = [&](int32_t a_row, int32_t b_row, int32_t kb) {
+        tma_prefetch_2d(&map_a, kb * kBlockK, a_row);
+        tma_prefetch_2d(&map_b, kb * kBlockK, b_row);
+        if constexpr (kGated) tma_prefetch_2d(&map_b2, kb * kBlockK, b_row);
+      };
+      for (int32_t t = first_tile; t < p.tiles; t += tile_stride) {
+        const TileCoord tc = decode_tile<kPair>(p, t, cta_rank);
+        const int32_t a_row = a_row_of(tc);
+        // A column tile past the group's last (odd count, pair mode) reads the next group's weights or
+        // TMA's zero fill: loaded (the slot's byte count stays the same), never computed or stored.
+        const int32_t b_row = b_row_of(tc);
+        // Prefetch runs `p.prefetch` k-blocks ahead through this tile into the next one of this CTA.
+        const bool has_next = p.prefetch > 0 && t + tile_stride < p.tiles;
+        int32_t next_a_row = 0, next_b_row = 0;
+        if (has_next) {
+          const TileCoord next = decode_tile<kPair>(p, t + tile_stride, cta_rank);
+          next_a_row = a_row_of(next);
+          next_b_row = b_row_of(next);
+        }
         for (int32_t kb = 0; kb < k_blocks; ++kb, ++it) {
           const int s = int(it % S);
           const uint32_t phase = (it / S) & 1;
           mbar_wait(empty(s), phase ^ 1, 1, s, p);
-          mbar_expect_tx(full(s), Cfg::stage_bytes);
-          tma_load_2d(slot_a(s), &map_a, kb * kBlockK, a_row, full(s));
+          mbar_expect_tx(full(s), Cfg::stage_bytes);  // A's two halves (ours, the peer's) and our B
+          if constexpr (kPair)
+            tma_load_2d_multicast(slot_a(s) + cta_rank * (kBlockM / 2) * 128, &map_a, kb * kBlockK, a_row, full(s),
+                                  0x3);
+          else
+            tma_load_2d(slot_a(s), &map_a, kb * kBlockK, a_row, full(s));
           tma_load_2d(slot_b(s), &map_b, kb * kBlockK, b_row, full(s));
           if constexpr (kGated) tma_load_2d(slot_b(s) + kOutN * 128, &map_b2, kb * kBlockK, b_row, full(s));
+          if (p.prefetch > 0) {
+            const int32_t ahead = kb + p.prefetch;
+            if (ahead < k_blocks) prefetch(a_row, b_row, ahead);
+            else if (has_next && ahead - k_blocks < k_blocks) prefetch(next_a_row, next_b_row, ahead - k_blocks);
+          }
         }
       }
     }
@@ -363,9 +454,29 @@ __global__ void __launch_bounds__(kThreads, 1)
     float acc[BN / 2];
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
+    // Hands slot s back: to this CTA's producer and, with a pair, to the peer's (whose A half is in it).
+    auto release = [&](int s) {
+      if (threadIdx.x % 128 != 0) return;
+      mbar_arrive(empty(s));
+      if constexpr (kPair) mbar_arrive_cluster(empty(s), cta_rank ^ 1);
+    };
     uint32_t it = 0;
-    for (int32_t t = blockIdx.x; t < p.tiles; t += gridDim.x) {
-      const TileCoord tc = decode_tile(p, t);
+    for (int32_t t = first_tile; t < p.tiles; t += tile_stride) {
+      const TileCoord tc = decode_tile<kPair>(p, t, cta_rank);
+      // A group's last row tile often holds 64 rows or fewer (experts of ~256 rows: about half of them
+      // end with such a tile); the second warpgroup's rows are then all past the group, so it skips its
+      // products and stores and only hands the slots back, and the first runs its products alone. The
+      // same for a column tile past the last (pair mode).
+      if (int64_t(tc.m_tile) * kBlockM + consumer * 64 >= tc.rows || int64_t(tc.n_tile) * kOutN >= p.n) {
+        for (int32_t kb = 0; kb < k_blocks; ++kb, ++it) {
+          const int s = int(it % S);
+          // Waiting for the slot to be full first keeps the empty barrier's arrivals in step with the
+          // other consumers' (one arrival per filling of the slot).
+          mbar_wait(full(s), (it / S) & 1, 0, s, p);
+          release(s);
+        }
+        continue;
+      }
       int prev_slot = -1;
       for (int32_t kb = 0; kb < k_blocks; ++kb, ++it) {
         const int s = int(it % S);
@@ -381,11 +492,11 @@ __global__ void __launch_bounds__(kThreads, 1)
         wgmma_commit();
         // Keep this k-block's products in flight; the previous one is done, so its slot goes back.
         wgmma_wait<1>();
-        if (prev_slot >= 0 && threadIdx.x % 128 == 0) mbar_arrive(empty(prev_slot));
+        if (prev_slot >= 0) release(prev_slot);
         prev_slot = s;
       }
       wgmma_wait<0>();
-      if (prev_slot >= 0 && threadIdx.x % 128 == 0) mbar_arrive(empty(prev_slot));
+      if (prev_slot >= 0) release(prev_slot);
 
       if constexpr (kStaged) {
         // Staged epilogue, one output matrix at a time: wait until this warpgroup's previous bulk stores
@@ -407,6 +518,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         // One output matrix: 0 = C, 1 = h, 2 = C2 (SwiGLU's up product).
         auto emit = [&](auto which) {
           constexpr int o = decltype(which)::value;
+          if ((o == 0 && p.c == nullptr) || (o == 2 && p.c2 == nullptr)) return;  // not kept (uniform)
           bulk_wait_read();
           warpgroup_barrier(1 + consumer);
 #pragma unroll
@@ -486,21 +598,29 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
           const int64_t col = int64_t(tc.n_tile) * kOutN + 8 * (4 * jq + q);
           const bool ok = row_ok && col < p.n;  // n is a multiple of 8: a block is all in or all out
-          const uint4 oc = quad_transpose(wc, q);
-          if (ok) *reinterpret_cast<uint4*>(p.c + row + col) = oc;
+          // With a fused activation the pre-activations are stored only when kept for the backward
+          // pass (c, c2 non-null); the test is uniform over the kernel, so the shuffles stay converged.
+          if (!kFuse || p.c != nullptr) {
+            const uint4 oc = quad_transpose(wc, q);
+            if (ok) *reinterpret_cast<uint4*>(p.c + row + col) = oc;
+          }
           if constexpr (kFuse) {
             const uint4 oh = quad_transpose(wh, q);
             if (ok) *reinterpret_cast<uint4*>(p.h + row + col) = oh;
           }
           if constexpr (kGated) {
-            const uint4 ou = quad_transpose(wu, q);
-            if (ok) *reinterpret_cast<uint4*>(p.c2 + row + col) = ou;
+            if (p.c2 != nullptr) {
+              const uint4 ou = quad_transpose(wu, q);
+              if (ok) *reinterpret_cast<uint4*>(p.c2 + row + col) = ou;
+            }
           }
         }
       }
     }
     if constexpr (kStaged) bulk_wait_all();  // the staging tile must outlive its stores
   }
+  // Neither CTA of a pair may exit while the other can still arrive on its barriers.
+  if constexpr (kPair) cluster_sync();
 #endif  // DMOE_SM90A_DEVICE
 }
 
@@ -605,16 +725,19 @@ int column_tile() {
   return bn;
 }
 
-template <int BN, bool kFuse, Activation A, bool kStaged>
-void launch(const CudaContext& ctx, void* scratch, const GroupedGemmNT& g) {
+template <int BN, bool kFuse, Activation A, bool kStaged, bool kPair>
+void launch(const CudaContext& ctx, void* scratch, const GroupedGemmNT& g, int prefetch) {
   using Cfg = TileConfig<BN, kStaged>;
   constexpr bool kGated = kFuse && A == Activation::swiglu;
   constexpr int kOutN = kGated ? BN / 2 : BN;
+  constexpr int kCtas = kPair ? 2 : 1;
+  const auto kernel = grouped_gemm_sm90_kernel<BN, kFuse, A, kStaged, kPair>;
   const int32_t n_tiles = int32_t((g.n + kOutN - 1) / kOutN);
+  const int64_t n_units = (n_tiles + kCtas - 1) / kCtas;  // column tiles, or pairs of them
   std::vector<int32_t> tile_offsets(size_t(g.groups) + 1, 0);
   for (int32_t e = 0; e < g.groups; ++e) {
     const int64_t rows = g.row_offsets[e + 1] - g.row_offsets[e];
-    const int64_t next = int64_t(tile_offsets[e]) + (rows + kBlockM - 1) / kBlockM * int64_t(n_tiles);
+    const int64_t next = int64_t(tile_offsets[e]) + (rows + kBlockM - 1) / kBlockM * n_units;
     DMOE_CUDA_REQUIRE(next < (int64_t(1) << 31), "sm90_grouped_gemm: more than 2^31 - 1 tiles (%d groups, "
                       "%lld rows, n = %lld); split the call", g.groups, (long long)g.row_offsets[g.groups],
                       (long long)g.n);
@@ -629,7 +752,8 @@ void launch(const CudaContext& ctx, void* scratch, const GroupedGemmNT& g) {
   upload_async(ws + offsets_bytes, tile_offsets.data(), tile_offsets.size() * sizeof(int32_t), ctx.stream);
 
   const int64_t rows_total = g.row_offsets[g.groups];
-  const CUtensorMap map_a = make_kmajor_map(g.a, rows_total, g.k, kBlockM);
+  // Pair mode: each CTA loads (and multicasts) one half of the A k-block.
+  const CUtensorMap map_a = make_kmajor_map(g.a, rows_total, g.k, kBlockM / kCtas);
   const CUtensorMap map_b = make_kmajor_map(g.b, int64_t(g.groups) * g.n, g.k, kOutN);
   const CUtensorMap map_b2 = kGated ? make_kmajor_map(g.b2, int64_t(g.groups) * g.n, g.k, kOutN) : map_b;
   Sm90Params p{};
@@ -643,40 +767,87 @@ void launch(const CudaContext& ctx, void* scratch, const GroupedGemmNT& g) {
   p.groups = g.groups;
   p.tiles = tiles;
   p.n_tiles = n_tiles;
+  p.prefetch = prefetch;
   p.timeout_ns = wait_timeout_ns();
   p.wait_record = device_wait_record();
 
-  // The shared-memory opt-in is per function and per device: once for each device this process uses.
-  static std::mutex attribute_mutex;
-  static std::vector<bool> attribute_set;
+  cudaLaunchConfig_t config{};
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = Cfg::smem_bytes;
+  config.stream = ctx.stream;
+  cudaLaunchAttribute cluster{};
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = kCtas;
+  cluster.val.clusterDim.y = 1;
+  cluster.val.clusterDim.z = 1;
+  config.attrs = &cluster;
+  config.numAttrs = kPair ? 1 : 0;
+
+  // Per function and device, once: the shared-memory opt-in, and how many CTAs (pairs: clusters, which
+  // must fit in one GPC) can be resident at once.
+  static std::mutex mutex;
+  static std::vector<int> resident;  // per device; 0 = not set up yet
+  int units = 0;
   {
     int device = 0;
     DMOE_CHECK_CUDA(cudaGetDevice(&device));
-    std::lock_guard<std::mutex> lock(attribute_mutex);
-    if (int(attribute_set.size()) <= device) attribute_set.resize(device + 1, false);
-    if (!attribute_set[device]) {
-      DMOE_CHECK_CUDA(cudaFuncSetAttribute(grouped_gemm_sm90_kernel<BN, kFuse, A, kStaged>,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::smem_bytes));
-      attribute_set[device] = true;
+    std::lock_guard<std::mutex> lock(mutex);
+    if (int(resident.size()) <= device) resident.resize(device + 1, 0);
+    if (resident[device] == 0) {
+      DMOE_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::smem_bytes));
+      int n = device_info().sms;
+      if constexpr (kPair) {
+        config.gridDim = dim3(2 * device_info().sms);
+        DMOE_CHECK_CUDA(cudaOccupancyMaxActiveClusters(&n, kernel, &config));
+        DMOE_CUDA_REQUIRE(n > 0, "sm90_grouped_gemm: no cluster of 2 CTAs of %d bytes of shared memory fits on "
+                          "this GPU; set DMOE_SM90_CLUSTER=1", Cfg::smem_bytes);
+      }
+      resident[device] = n;
     }
+    units = resident[device];
   }
-  const int blocks = std::min(tiles, device_info().sms);
-  grouped_gemm_sm90_kernel<BN, kFuse, A, kStaged>
-      <<<blocks, kThreads, Cfg::smem_bytes, ctx.stream>>>(map_a, map_b, map_b2, p);
+  config.gridDim = dim3(kCtas * std::min(tiles, units));
+  DMOE_CHECK_CUDA(cudaLaunchKernelEx(&config, kernel, map_a, map_b, map_b2, p));
   DMOE_CHECK_LAUNCH();
 }
 
-template <int BN, bool kStaged>
-void launch_for(const CudaContext& ctx, void* scratch, const GroupedGemmNT& g) {
-  if (g.h == nullptr) return launch<BN, false, Activation::relu, kStaged>(ctx, scratch, g);
+template <int BN, bool kStaged, bool kPair>
+void launch_for(const CudaContext& ctx, void* scratch, const GroupedGemmNT& g, int prefetch) {
+  if (g.h == nullptr) return launch<BN, false, Activation::relu, kStaged, kPair>(ctx, scratch, g, prefetch);
   switch (g.activation) {
     case Activation::relu:
-      return launch<BN, true, Activation::relu, kStaged>(ctx, scratch, g);
+      return launch<BN, true, Activation::relu, kStaged, kPair>(ctx, scratch, g, prefetch);
     case Activation::gelu:
-      return launch<BN, true, Activation::gelu, kStaged>(ctx, scratch, g);
+      return launch<BN, true, Activation::gelu, kStaged, kPair>(ctx, scratch, g, prefetch);
     case Activation::swiglu:
-      return launch<BN, true, Activation::swiglu, kStaged>(ctx, scratch, g);
+      return launch<BN, true, Activation::swiglu, kStaged, kPair>(ctx, scratch, g, prefetch);
   }
+}
+
+// DMOE_SM90_PREFETCH=D: k-blocks ahead of the loads to prefetch into L2 (0 = off).
+int prefetch_distance() {
+  static const int d = [] {
+    const char* v = std::getenv("DMOE_SM90_PREFETCH");
+    if (!v || !*v) return 0;
+    char* end = nullptr;
+    const long n = std::strtol(v, &end, 10);
+    DMOE_CUDA_REQUIRE(*end == '\0' && n >= 0 && n <= 64,
+                      "DMOE_SM90_PREFETCH=%s is not supported; allowed: 0 (off) to 64 k-blocks", v);
+    return int(n);
+  }();
+  return d;
+}
+
+// DMOE_SM90_CLUSTER=1 | 2: CTAs per cluster (2: column-tile pairs share their A loads by multicast).
+int cluster_size() {
+  static const int n = [] {
+    const char* v = std::getenv("DMOE_SM90_CLUSTER");
+    if (!v || !*v) return 1;
+    const std::string s(v);
+    DMOE_CUDA_REQUIRE(s == "1" || s == "2", "DMOE_SM90_CLUSTER=%s is not supported; allowed: 1, 2", v);
+    return std::atoi(v);
+  }();
+  return n;
 }
 
 // DMOE_SM90_EPILOGUE=direct (default) | staged: how tiles are written (see TileConfig). Measured on H200
@@ -706,6 +877,8 @@ bool sm90_grouped_gemm_usable(const GroupedGemmNT& g) {
   // TMA: row strides of a multiple of 16 bytes, 16-byte aligned bases; bf16 pairs in the epilogue.
   if (g.k % 8 != 0 || g.n % 8 != 0) return false;
   if (!is_aligned(g.a, 16) || !is_aligned(g.b, 16) || !is_aligned(g.c, 16)) return false;
+  // c (and c2) may be null only with a fused activation: the pre-activations are then not kept.
+  if (g.c == nullptr && g.h == nullptr) return false;
   const bool gated = g.h != nullptr && g.activation == Activation::swiglu;
   if (g.h != nullptr && !is_aligned(g.h, 16)) return false;
   if (gated && (!is_aligned(g.b2, 16) || !is_aligned(g.c2, 16))) return false;
@@ -715,7 +888,7 @@ bool sm90_grouped_gemm_usable(const GroupedGemmNT& g) {
   return device_info().usable;
 }
 
-void sm90_grouped_gemm(const CudaContext& ctx, void* scratch, const GroupedGemmNT& g, int block_n, int epilogue) {
+void sm90_grouped_gemm(const CudaContext& ctx, void* scratch, const GroupedGemmNT& g, const Sm90Tuning& tuning) {
   DMOE_CUDA_REQUIRE(g.groups >= 0, "sm90_grouped_gemm: groups = %d; must be >= 0", g.groups);
   if (g.groups == 0) return;
   for (int32_t e = 0; e < g.groups; ++e)
@@ -725,16 +898,46 @@ void sm90_grouped_gemm(const CudaContext& ctx, void* scratch, const GroupedGemmN
   DMOE_CUDA_REQUIRE(sm90_grouped_gemm_usable(g),
                     "sm90_grouped_gemm: not usable here (needs an sm_90 GPU, a build for sm_90a, k and n multiples "
                     "of 8 — k = %lld, n = %lld — and 16-byte aligned pointers)", (long long)g.k, (long long)g.n);
-  DMOE_CUDA_REQUIRE(block_n == 0 || block_n == 128 || block_n == 256,
-                    "sm90_grouped_gemm: block_n = %d; allowed: 0 (default), 128, 256", block_n);
-  DMOE_CUDA_REQUIRE(epilogue >= 0 && epilogue <= 2,
-                    "sm90_grouped_gemm: epilogue = %d; allowed: 0 (default), 1 (staged), 2 (direct)", epilogue);
-  const bool staged = epilogue == 0 ? staged_epilogue() : epilogue == 1;
-  const bool wide = (block_n == 0 ? column_tile() : block_n) == 256;
-  if (wide)
-    staged ? launch_for<256, true>(ctx, scratch, g) : launch_for<256, false>(ctx, scratch, g);
+  const Sm90Tuning& t = tuning;
+  DMOE_CUDA_REQUIRE(t.block_n == 0 || t.block_n == 128 || t.block_n == 256,
+                    "sm90_grouped_gemm: block_n = %d; allowed: 0 (default), 128, 256", t.block_n);
+  DMOE_CUDA_REQUIRE(t.epilogue >= 0 && t.epilogue <= 2,
+                    "sm90_grouped_gemm: epilogue = %d; allowed: 0 (default), 1 (staged), 2 (direct)", t.epilogue);
+  DMOE_CUDA_REQUIRE(t.cluster >= 0 && t.cluster <= 2, "sm90_grouped_gemm: cluster = %d; allowed: 0 (default), 1, 2",
+                    t.cluster);
+  DMOE_CUDA_REQUIRE(t.prefetch >= -1 && t.prefetch <= 64,
+                    "sm90_grouped_gemm: prefetch = %d; allowed: -1 (default), 0 (off) to 64 k-blocks", t.prefetch);
+  const bool staged = t.epilogue == 0 ? staged_epilogue() : t.epilogue == 1;
+  const bool wide = (t.block_n == 0 ? column_tile() : t.block_n) == 256;
+  // The staged epilogue runs unpaired (its staging tile leaves no room, and it is opt-in only).
+  const bool pair = !staged && (t.cluster == 0 ? cluster_size() : t.cluster) == 2;
+  const int prefetch = t.prefetch < 0 ? prefetch_distance() : t.prefetch;
+  if (pair)
+    wide ? launch_for<256, false, true>(ctx, scratch, g, prefetch) : launch_for<128, false, true>(ctx, scratch, g, prefetch);
+  else if (wide)
+    staged ? launch_for<256, true, false>(ctx, scratch, g, prefetch) : launch_for<256, false, false>(ctx, scratch, g, prefetch);
   else
-    staged ? launch_for<128, true>(ctx, scratch, g) : launch_for<128, false>(ctx, scratch, g);
+    staged ? launch_for<128, true, false>(ctx, scratch, g, prefetch) : launch_for<128, false, false>(ctx, scratch, g, prefetch);
+}
+
+int sm90_pair_clusters() {
+  const auto kernel = grouped_gemm_sm90_kernel<256, false, Activation::relu, false, true>;
+  using Cfg = TileConfig<256, false>;
+  DMOE_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::smem_bytes));
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(2 * device_info().sms);
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = Cfg::smem_bytes;
+  cudaLaunchAttribute cluster{};
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = 2;
+  cluster.val.clusterDim.y = 1;
+  cluster.val.clusterDim.z = 1;
+  config.attrs = &cluster;
+  config.numAttrs = 1;
+  int n = 0;
+  DMOE_CHECK_CUDA(cudaOccupancyMaxActiveClusters(&n, kernel, &config));
+  return n;
 }
 
 }  // namespace dmoe::cuda

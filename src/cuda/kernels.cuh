@@ -166,7 +166,8 @@ void combine_backward(const T* dy, const T* rows, const int32_t* slot, const flo
 
 // All local experts: rows of expert e are [expert_offsets[e], expert_offsets[e+1]) (host array, Le+1
 // entries). x [N, H]; w1, w3 [Le, I, H]; w2 [Le, H, I]; pre1, pre3, h [N, I]; out [N, H]
-// (N = expert_offsets[Le]). w3 and pre3 are null unless SwiGLU.
+// (N = expert_offsets[Le]). w3 and pre3 are null unless SwiGLU. pre1 (and pre3) null: inference, the
+// pre-activations are not kept (the backward pass needs them).
 template <typename T>
 void expert_ffn_forward(const T* x, const T* w1, const T* w3, const T* w2, T* pre1, T* pre3, T* h, T* out,
                         const int64_t* expert_offsets, int32_t local_experts, int64_t hidden, int64_t ffn,

@@ -71,7 +71,8 @@ class Backend {
                        int64_t tokens, int32_t top_k, int64_t hidden) = 0;
   // Grouped expert FFN over the local experts: rows of expert e are [expert_offsets[e],
   // expert_offsets[e+1]) of x (host array, Le+1 entries). w1, w3 [Le, I, H]; w2 [Le, H, I];
-  // pre1, pre3, h [N, I]; out [N, H]. w3 and pre3 are null unless SwiGLU.
+  // pre1, pre3, h [N, I]; out [N, H]. w3 and pre3 are null unless SwiGLU. pre1 and pre3 null: inference
+  // (the pre-activations are not kept; the backend uses scratch where it needs them).
   virtual void expert_ffn_forward(const void* x, const void* w1, const void* w3, const void* w2,
                                   void* pre1, void* pre3, void* h, void* out,
                                   const int64_t* expert_offsets, int32_t local_experts, int64_t hidden,

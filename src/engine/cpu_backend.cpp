@@ -3,6 +3,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <new>
+#include <vector>
 
 #include "core/error.hpp"
 #include "cpu/kernels.hpp"
@@ -85,13 +86,17 @@ class CpuBackend final : public Backend {
                           int32_t local_experts, int64_t hidden, int64_t ffn,
                           Activation activation) override {
     const bool swiglu = activation == Activation::swiglu;
+    // Inference (pre1 null): the pre-activations of one expert at a time live in scratch.
+    std::vector<float> scratch1, scratch3;
     for (int32_t e = 0; e < local_experts; ++e) {
       const int64_t r0 = expert_offsets[e], n = expert_offsets[e + 1] - r0;
       if (n == 0) continue;
       const int64_t wm = ffn * hidden;
+      float* p1 = pre1 ? f(pre1) + r0 * ffn : (scratch1.resize(size_t(n * ffn)), scratch1.data());
+      float* p3 = !swiglu ? nullptr : pre3 ? f(pre3) + r0 * ffn : (scratch3.resize(size_t(n * ffn)), scratch3.data());
       cpu::expert_ffn_forward(f(x) + r0 * hidden, f(w1) + e * wm, swiglu ? f(w3) + e * wm : nullptr,
-                              f(w2) + e * wm, f(pre1) + r0 * ffn, swiglu ? f(pre3) + r0 * ffn : nullptr,
-                              f(h) + r0 * ffn, f(out) + r0 * hidden, n, hidden, ffn, activation, storage_);
+                              f(w2) + e * wm, p1, p3, f(h) + r0 * ffn, f(out) + r0 * hidden, n, hidden, ffn,
+                              activation, storage_);
     }
   }
 

@@ -135,12 +135,14 @@ void EpEngine::exchange_rows(const void* send, const std::vector<int64_t>& send_
   comm_.alltoallv(send, sc.data(), recv, rc.data(), backend_.storage_dtype(), backend_.stream());
 }
 
-void EpEngine::forward(const void* x, void* y) {
+void EpEngine::forward(const void* x, void* y, ForwardMode mode) {
   DMOE_REQUIRE(has_weights_, "EpEngine::forward: set_weights() was not called");
   const int64_t T = config_.tokens, H = config_.hidden, I = config_.ffn;
   const int32_t E = config_.experts, k = config_.top_k, W = config_.world, Le = local_experts_;
   const bool swiglu = config_.activation == Activation::swiglu;
   x_ = x;
+  const bool keep = mode == ForwardMode::train;
+  kept_for_backward_ = false;  // until this forward has stored everything
 
   // 1. Router: logits, softmax, top-k, gate weights.  logits, probs: [T, E]; ids, weights: [T, k].
   float* logits = static_cast<float*>(logits_.ensure(T * E * sizeof(float)));
@@ -204,7 +206,8 @@ void EpEngine::forward(const void* x, void* y) {
 
   // 5. Grouped expert FFN, then back to source-major order.
   backend_.expert_ffn_forward(batch_rows_, w1_.data(), swiglu ? w3_.data() : nullptr, w2_.data(),
-                              pre1_.ensure(N * I * elem_), swiglu ? pre3_.ensure(N * I * elem_) : nullptr,
+                              keep ? pre1_.ensure(N * I * elem_) : nullptr,
+                              keep && swiglu ? pre3_.ensure(N * I * elem_) : nullptr,
                               h_.ensure(N * I * elem_), out_batch_.ensure(N * H * elem_),
                               layout_.expert_offsets.data(), Le, H, I, config_.activation);
   // 6. Results back to the tokens' ranks (same segments, reversed), then the weighted combine.
@@ -225,6 +228,7 @@ void EpEngine::forward(const void* x, void* y) {
   backend_.combine(returned_rows_, plan.slot, weights, y, T, k, H);
 
   compute_losses();
+  kept_for_backward_ = keep;
 }
 
 void EpEngine::compute_losses() {
@@ -252,6 +256,9 @@ void EpEngine::compute_losses() {
 
 void EpEngine::backward(const void* dy, void* dx) {
   DMOE_REQUIRE(x_ != nullptr, "EpEngine::backward: forward() must run first");
+  DMOE_REQUIRE(kept_for_backward_,
+               "EpEngine::backward: the last forward ran in ForwardMode::inference and kept nothing for the "
+               "backward pass; run forward(x, y, ForwardMode::train) (the default) first");
   const int64_t T = config_.tokens, H = config_.hidden, I = config_.ffn;
   const int32_t E = config_.experts, k = config_.top_k, W = config_.world, Le = local_experts_;
   const bool swiglu = config_.activation == Activation::swiglu;

@@ -35,6 +35,11 @@ struct EpOptions {
   int32_t batch_row_multiple = 1;
 };
 
+// What a forward keeps. train: everything backward() needs (the experts' pre-activations, the routing).
+// inference: the experts' pre-activations are not stored — the GPU's fused up-projection then writes only
+// the activation, a third of the bytes for SwiGLU — and backward() refuses to run until a train forward.
+enum class ForwardMode { train, inference };
+
 struct RouterLosses {
   double load_balance = 0;  // E · Σ_e f_e · P_e over all ranks' tokens
   double z_loss = 0;        // mean over all tokens of logsumexp(logits)²
@@ -48,8 +53,9 @@ class EpEngine {
   // Gate [E, H] and this rank's experts (weights.first_expert == config.first_expert(rank)).
   void set_weights(const MoeWeights& weights);
 
-  // x, y: [T, H] in backend memory (storage dtype). Keeps what backward needs.
-  void forward(const void* x, void* y);
+  // x, y: [T, H] in backend memory (storage dtype). train: keeps what backward needs. The outputs are
+  // the same in both modes.
+  void forward(const void* x, void* y, ForwardMode mode = ForwardMode::train);
   // dy, dx: [T, H] in backend memory. Accumulates parameter gradients (see zero_grads / grads()).
   void backward(const void* dy, void* dx);
 
@@ -98,6 +104,7 @@ class EpEngine {
 
   // Forward state.
   const void* x_ = nullptr;
+  bool kept_for_backward_ = false;  // the last forward ran in ForwardMode::train
   Buffer logits_, probs_, ids_, weights_, lse_;
   Buffer slot_, row_token_, row_choice_;
   Buffer send_, recv_, batch_, pre1_, pre3_, h_, out_batch_, out_recv_, ret_;

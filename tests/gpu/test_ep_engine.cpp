@@ -106,6 +106,12 @@ void compare_with_cpu(MoeConfig c, Comm& comm, int device) {
   void* dxd = backend->allocate(T * H * elem);
   backend->upload_f32(xd, x.data() + rank * T * H, T * H);
   backend->upload_f32(dyd, dy.data() + rank * T * H, T * H);
+  // An inference forward (nothing kept for backward) gives the same outputs, bit for bit; backward then
+  // refuses until a train forward has run.
+  std::vector<float> y_inference(T * H);
+  engine.forward(xd, yd, ForwardMode::inference);
+  backend->download_f32(y_inference.data(), yd, T * H);
+  EXPECT_THROW(engine.backward(dyd, dxd), Error);
   engine.forward(xd, yd);
   engine.backward(dyd, dxd);
   std::vector<float> y(T * H), dx(T * H);
@@ -114,6 +120,7 @@ void compare_with_cpu(MoeConfig c, Comm& comm, int device) {
   const MoeWeights g = engine.grads();
   for (void* p : {xd, yd, dyd, dxd}) backend->release(p);
 
+  EXPECT_TRUE(y_inference == y) << "inference forward differs from the train forward";
   // Routing and the plan: exact.
   const auto ids = engine.expert_ids();
   ASSERT_EQ(ids, std::vector<int32_t>(ref.expert_ids.begin() + rank * T * k, ref.expert_ids.begin() + (rank + 1) * T * k));

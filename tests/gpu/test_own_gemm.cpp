@@ -32,6 +32,8 @@ struct OwnGemmShape {
   int block_n;
   int epilogue;  // 0: C only; 1 relu, 2 gelu, 3 swiglu: fused activation (h, and C2 for SwiGLU)
   int store = 1;  // 1: staged in shared memory + bulk stores, 2: direct stores from registers
+  int cluster = 0;  // direct stores: 1 CTA per tile, 2 = pairs of column tiles sharing A (0: default)
+  int prefetch = -1;  // k-blocks prefetched into L2 ahead of the loads (-1: default)
 };
 
 constexpr const char* kEpilogueNames[] = {"plain", "relu", "gelu", "swiglu"};
@@ -60,6 +62,7 @@ TEST_P(CudaKernelsOwnGemm, MatchesHostReference) {
     int64_t rows = int64_t(rng() % uint64_t(s.max_rows + 1));
     if (g == 1) rows = 0;
     if (g == 2) rows = 128;
+    if (g == 3) rows = 40;  // one tile, of which the second consumer's 64 rows are all past the group
     offsets[g + 1] = offsets[g] + rows;
   }
   const int64_t rows_total = offsets.back() + kAfter;
@@ -119,14 +122,35 @@ TEST_P(CudaKernelsOwnGemm, MatchesHostReference) {
     GTEST_SKIP() << "the own grouped GEMM needs an sm_90 GPU and a build for sm_90a";
   }
   void* scratch = workspace.reserve(cuda::sm90_grouped_gemm_scratch_bytes(s.groups), ctx.stream);
-  cuda::sm90_grouped_gemm(ctx, scratch, g, s.block_n, s.store);
+  cuda::Sm90Tuning tuning;
+  tuning.block_n = s.block_n;
+  tuning.epilogue = s.store;
+  tuning.cluster = s.cluster;
+  tuning.prefetch = s.prefetch;
+  cuda::sm90_grouped_gemm(ctx, scratch, g, tuning);
   const cudaError_t status = cudaStreamSynchronize(ctx.stream);
   if (status != cudaSuccess) release();
   ASSERT_EQ(status, cudaSuccess) << cudaGetErrorString(status);
   download(d_c, c);
   if (gated) download(d_c2, c2);
   if (fused) download(d_h, h);
+  // A fused call that keeps no pre-activations (inference: c and c2 null) writes the same h, bit for bit.
+  std::vector<uint16_t> h_only(h.size(), kSentinel);
+  if (fused) {
+    void* d_h_only = upload(h_only);
+    cuda::GroupedGemmNT g_inf = g;
+    g_inf.c = nullptr;
+    g_inf.c2 = nullptr;
+    g_inf.h = static_cast<__nv_bfloat16*>(d_h_only);
+    EXPECT_TRUE(cuda::sm90_grouped_gemm_usable(g_inf));
+    cuda::sm90_grouped_gemm(ctx, scratch, g_inf, tuning);
+    const cudaError_t st = cudaStreamSynchronize(ctx.stream);
+    if (st != cudaSuccess) release();
+    ASSERT_EQ(st, cudaSuccess) << cudaGetErrorString(st);
+    download(d_h_only, h_only);
+  }
   release();
+  if (fused) EXPECT_TRUE(h_only == h) << "h differs when the pre-activations are not kept";
 
   auto value = [](uint16_t bits) { return double(bf16_to_float(bfloat16{bits})); };
   int64_t bad = 0, untouched_bad = 0;
@@ -186,14 +210,26 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CudaKernelsOwnGemm,
                                          OwnGemmShape{20, 300, 264, 136, 128, 2},
                                          OwnGemmShape{20, 300, 264, 136, 256, 3},
                                          OwnGemmShape{20, 300, 200, 72, 128, 3},
-                                         OwnGemmShape{48, 300, 520, 392, 256, 0, 2},
-                                         OwnGemmShape{20, 300, 264, 136, 256, 1, 2},
-                                         OwnGemmShape{20, 300, 264, 136, 128, 3, 2}),
+                                         OwnGemmShape{48, 300, 520, 392, 256, 0, 2, 1},
+                                         OwnGemmShape{48, 300, 520, 392, 256, 0, 2, 2},
+                                         OwnGemmShape{12, 260, 264, 2048, 128, 0, 2, 2},
+                                         OwnGemmShape{3, 70, 8, 8, 128, 0, 2, 2},
+                                         OwnGemmShape{20, 300, 264, 136, 256, 1, 2, 1},
+                                         OwnGemmShape{20, 300, 264, 136, 256, 1, 2, 2},
+                                         OwnGemmShape{20, 300, 264, 136, 128, 2, 2, 2},
+                                         OwnGemmShape{20, 300, 264, 136, 128, 3, 2, 1},
+                                         OwnGemmShape{20, 300, 264, 136, 256, 3, 2, 2},
+                                         OwnGemmShape{20, 300, 200, 72, 128, 3, 2, 2},
+                                         OwnGemmShape{12, 260, 264, 2048, 256, 0, 2, 1, 4},
+                                         OwnGemmShape{3, 70, 8, 8, 128, 0, 2, 1, 4},
+                                         OwnGemmShape{20, 300, 264, 136, 256, 3, 2, 2, 8}),
                          [](const testing::TestParamInfo<OwnGemmShape>& info) {
                            const OwnGemmShape& s = info.param;
                            return "G" + std::to_string(s.groups) + "_n" + std::to_string(s.n) + "_k" +
                                   std::to_string(s.k) + "_bn" + std::to_string(s.block_n) + "_" +
-                                  kEpilogueNames[s.epilogue] + (s.store == 2 ? "_direct" : "_staged");
+                                  kEpilogueNames[s.epilogue] + (s.store == 2 ? "_direct" : "_staged") +
+                                  (s.cluster == 2 ? "_pair" : s.cluster == 1 ? "_single" : "") +
+                                  (s.prefetch > 0 ? "_prefetch" + std::to_string(s.prefetch) : "");
                          });
 
 }  // namespace

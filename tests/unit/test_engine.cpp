@@ -350,3 +350,46 @@ TEST(Engine, CapacityIsBoundedByTokensPerRank) {
 
 }  // namespace
 }  // namespace dmoe
+
+namespace dmoe {
+namespace {
+
+// ForwardMode::inference keeps nothing for the backward pass but must compute the same outputs, bit for
+// bit (the pre-activations go through scratch instead of the kept buffers); backward then refuses.
+TEST(Engine, InferenceForwardMatchesTrainForward) {
+  for (Activation act : {Activation::relu, Activation::gelu, Activation::swiglu})
+    for (DType dtype : {DType::f32, DType::bf16}) {
+      const int32_t world = 2;
+      MoeConfig c = small_config(act, world, 12);
+      c.dtype = dtype;
+      const MoeWeights w = random_moe_weights(c, 31);
+      Rng rng(37);
+      const auto x = rng.normal_vector(size_t(world * c.tokens * c.hidden), 1.0);
+      const auto dy = rng.normal_vector(x.size(), 1.0);
+      std::atomic<int> refused{0};
+      run_thread_ranks(world, [&](int32_t rank, Comm& comm) {
+        auto backend = make_cpu_backend(c.dtype);
+        EpEngine engine(c, *backend, comm);
+        const int32_t Le = c.experts_per_rank();
+        engine.set_weights(slice_experts(w, c.first_expert(rank), Le));
+        const int64_t n = c.tokens * c.hidden;
+        std::vector<float> xl(x.begin() + rank * n, x.begin() + (rank + 1) * n), y_inf(n), y_train(n), dx(n);
+        std::vector<float> dyl(dy.begin() + rank * n, dy.begin() + (rank + 1) * n);
+        backend->upload_f32(xl.data(), xl.data(), n);
+        engine.forward(xl.data(), y_inf.data(), ForwardMode::inference);
+        try {
+          engine.backward(dyl.data(), dx.data());
+        } catch (const Error& e) {
+          refused += std::string(e.what()).find("ForwardMode::inference") != std::string::npos;
+        }
+        engine.forward(xl.data(), y_train.data(), ForwardMode::train);
+        engine.backward(dyl.data(), dx.data());  // allowed again
+        SCOPED_TRACE(std::string(activation_name(act)) + " " + dtype_name(dtype) + " rank " + std::to_string(rank));
+        expect_identical(y_inf, y_train, "y");
+      });
+      EXPECT_EQ(refused.load(), world) << "backward after an inference forward must fail with a clear error";
+    }
+}
+
+}  // namespace
+}  // namespace dmoe

@@ -12,6 +12,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "bench/cuda/gemm_bench.hpp"
 #include "bench/cuda/gpu_timing.hpp"
 #include "bench/cuda/layer_bench.hpp"
 #include "comm/cuda/bootstrap.hpp"
@@ -138,6 +139,7 @@ int run_gpu_layer_bench(const GpuBenchArgs& a) {
     std::printf("F = 2*%g*T*k*H*I = %.4g GFLOP/rank; bytes = Le*%g*H*I*s + 2*T*H*s = %.4g MB/rank; "
                 "roofline = max(F/GEMM, bytes/copy) = %.4f ms; comm = %.4g MB/rank/direction\n",
                 m, r.flop * 1e-9, m, r.bytes * 1e-6, r.roofline_ms, r.comm_bytes * 1e-6);
+    std::printf("fwd: forward in inference mode (nothing kept for backward), as the PyTorch peers run it\n");
     std::printf("%-16s %3s %10s %8s %8s %9s %9s %13s  %s\n", "engine", "W", "fwd ms", "min", "max", "TFLOP/s",
                 "%roofl", "tokens/s", "rel.err");
     Row row{r.engine, env.world, r.forward.median_ms, r.forward.min_ms, r.forward.max_ms, r.tflops(),
@@ -152,6 +154,11 @@ int run_gpu_layer_bench(const GpuBenchArgs& a) {
                         {"tflops", r.tflops()}, {"tokens_per_s", r.tokens_per_s()}, {"comm_bytes", r.comm_bytes},
                         {"max_rel_error", r.max_rel_error}, {"gemm_ceiling_tflops", ceil.gemm_flop_per_s * 1e-12},
                         {"copy_ceiling_gbps", ceil.copy_byte_per_s * 1e-9}};
+    j["forward_train_ms"] = r.forward_train.median_ms;
+    std::printf("%-16s %3d %10.3f %8.3f %8.3f %9.1f %9.1f  (forward that keeps what backward needs; the row "
+                "above keeps nothing)\n", (r.engine + " train").c_str(), env.world, r.forward_train.median_ms,
+                r.forward_train.min_ms, r.forward_train.max_ms, r.flop / (r.forward_train.median_ms * 1e-3) * 1e-12,
+                100.0 * r.roofline_ms / r.forward_train.median_ms);
     if (r.forward_backward.iterations > 0) {
       j["forward_backward_ms"] = r.forward_backward.median_ms;
       std::printf("%-16s %3d %10.3f %8.3f %8.3f %9.1f  (forward+backward, 3F)\n", (r.engine + " f+b").c_str(),
@@ -201,6 +208,47 @@ int run_gpu_layer_bench(const GpuBenchArgs& a) {
   return 0;
 }
 
+int run_gpu_gemm_bench(const GpuBenchArgs& a) {
+  MoeConfig c = a.config;
+  c.world = 1;
+  c.validate();
+  DMOE_CHECK_CUDA(cudaSetDevice(0));
+  cudaStream_t stream;
+  DMOE_CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaDeviceProp prop;
+  DMOE_CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  const auto variants = bench::parse_gemm_variants(a.gemm_variants);
+  const bench::Ceilings ceil = bench::measure_ceilings(stream);
+  const auto rows = bench::bench_expert_gemms(c, variants, a.gemm_square, stream);
+  std::printf("\n%s — %s on %s (%d SMs): expert GEMMs of dmoe's own kernel, inference (h only)\n",
+              a.config_name.c_str(), c.summary().c_str(), prop.name, prop.multiProcessorCount);
+  std::printf("ceilings (this run): bf16 GEMM 8192^3 %.1f TFLOP/s; device copy %.0f GB/s; clusters of 2 resident: "
+              "%d\n", ceil.gemm_flop_per_s * 1e-12, ceil.copy_byte_per_s * 1e-9, cuda::sm90_pair_clusters());
+  std::printf("TFLOP/s = 2*N*n*k / median; tile loads = sum over tiles and k-blocks of (BM + BN rows) * 128 B, "
+              "per second\n");
+  std::printf("%-10s %-14s %10s %10s %10s %9s %14s\n", "variant", "product", "median us", "min", "max", "TFLOP/s",
+              "tile loads TB/s");
+  nlohmann::json out = nlohmann::json::array();
+  for (const auto& r : rows) {
+    const double s = r.stats.median_ms * 1e-3;
+    std::printf("%-10s %-14s %10.1f %10.1f %10.1f %9.1f %14.2f\n", r.variant.c_str(), r.product.c_str(),
+                r.stats.median_ms * 1e3, r.stats.min_ms * 1e3, r.stats.max_ms * 1e3, r.flop / s * 1e-12,
+                r.tile_load_bytes / s * 1e-12);
+    out.push_back({{"config", a.config_name}, {"variant", r.variant}, {"product", r.product},
+                   {"median_ms", r.stats.median_ms}, {"min_ms", r.stats.min_ms}, {"max_ms", r.stats.max_ms},
+                   {"tflops", r.flop / s * 1e-12}, {"tile_load_tbps", r.tile_load_bytes / s * 1e-12},
+                   {"gemm_ceiling_tflops", ceil.gemm_flop_per_s * 1e-12}});
+  }
+  DMOE_CHECK_CUDA(cudaStreamDestroy(stream));
+  if (!a.json_path.empty()) {
+    std::ofstream f(a.json_path);
+    DMOE_REQUIRE(f.good(), "cannot write {}", a.json_path);
+    f << out.dump(2) << "\n";
+    std::printf("wrote %s\n", a.json_path.c_str());
+  }
+  return 0;
+}
+
 }  // namespace dmoe::cli
 
 #else
@@ -208,6 +256,7 @@ int run_gpu_layer_bench(const GpuBenchArgs& a) {
 namespace dmoe::cli {
 bool gpu_available() { return false; }
 int run_gpu_layer_bench(const GpuBenchArgs&) { return 1; }
+int run_gpu_gemm_bench(const GpuBenchArgs&) { return 1; }
 }  // namespace dmoe::cli
 
 #endif

@@ -20,10 +20,14 @@ struct GpuBenchArgs {
   int min_iterations = 20;
   int batch_row_multiple = 1;  // EpOptions::batch_row_multiple (tile padding of the experts' batches)
   bool alltoall = false;       // W > 1: also time the dispatch's all-to-all alone (bandwidth per GPU)
+  std::string gemm_variants = "c1p0,c1p2,c1p4,c1p8,c2p0,c2p4";  // dmoe bench gemm (bench/cuda/gemm_bench.hpp)
+  bool gemm_square = false;    // dmoe bench gemm: also an 8192^3 product per variant
 };
 
 // True when a CUDA device is visible to this process.
 bool gpu_available();
 int run_gpu_layer_bench(const GpuBenchArgs& args);
+// `dmoe bench gemm`: the own grouped GEMM's variants on the config's expert products (one GPU, W = 1).
+int run_gpu_gemm_bench(const GpuBenchArgs& args);
 
 }  // namespace dmoe::cli

@@ -40,6 +40,8 @@ struct BenchOptions {
   int check_tokens = 8;
   int batch_row_multiple = 1;
   bool alltoall = false;
+  std::string gemm_variants = "c1p0,c1p2,c1p4,c1p8,c2p0,c2p4";
+  bool gemm_square = false;
 };
 
 struct Timing {
@@ -74,7 +76,8 @@ double max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
 Command add_bench_command(CLI::App& app) {
   auto o = std::make_shared<BenchOptions>();
   CLI::App* sub = app.add_subcommand("bench", "time the MoE layer and print a table (CPU engine without a GPU)");
-  sub->add_option("what", o->what, "what to time: layer")->check(CLI::IsMember({"layer"}));
+  sub->add_option("what", o->what, "what to time: layer, or gemm (GPU: the own grouped GEMM's variants)")
+      ->check(CLI::IsMember({"layer", "gemm"}));
   add_config_options(*sub, o->config);
   sub->add_option("-n,--worlds", o->worlds, "simulated rank counts to run (each divides E)");
   sub->add_option("--warmup", o->warmup, "untimed iterations first")->check(CLI::NonNegativeNumber);
@@ -94,7 +97,24 @@ Command add_bench_command(CLI::App& app) {
   sub->add_option("--batch-row-multiple", o->batch_row_multiple,
                   "GPU: pad each expert's batch with zero rows to a multiple of this (GEMM tile height)")
       ->check(CLI::PositiveNumber);
+  sub->add_option("--variants", o->gemm_variants,
+                  "gemm: kernel variants, comma-separated: c<N> CTAs per cluster, p<N> L2 prefetch distance, "
+                  "b<N> tile width, s staged epilogue (e.g. c1p0,c2p4)");
+  sub->add_flag("--square", o->gemm_square, "gemm: also an 8192^3 product per variant");
   return [o] {
+    if (o->what == "gemm") {
+      DMOE_REQUIRE(gpu_available(), "dmoe bench gemm times the own GPU kernel: no CUDA device is visible (or this "
+                   "build has no CUDA)");
+      GpuBenchArgs g;
+      ConfigOptions co = o->config;
+      if (co.config_path.empty()) co.config_path = "fine-grained";
+      g.config = resolve_config(co);
+      g.config_name = co.config_path;
+      g.json_path = o->json_path;
+      g.gemm_variants = o->gemm_variants;
+      g.gemm_square = o->gemm_square;
+      return run_gpu_gemm_bench(g);
+    }
     const bool use_gpu = o->engine == "gpu" || (o->engine == "auto" && gpu_available());
     DMOE_REQUIRE(!(o->engine == "gpu" && !gpu_available()),
                  "--engine gpu: no CUDA device is visible (or this build has no CUDA); use --engine cpu");

@@ -62,6 +62,34 @@ GpuTimer::~GpuTimer() {
   cudaEventDestroy(stop_);
 }
 
+float GpuTimer::time_once(const std::function<void()>& fn, bool flush, int salt) {
+  if (flush) DMOE_CHECK_CUDA(cudaMemsetAsync(flush_, salt & 0xff, flush_bytes_, stream_));
+  DMOE_CHECK_CUDA(cudaEventRecord(start_, stream_));
+  fn();
+  DMOE_CHECK_CUDA(cudaEventRecord(stop_, stream_));
+  DMOE_CHECK_CUDA(cudaEventSynchronize(stop_));
+  float t = 0;
+  DMOE_CHECK_CUDA(cudaEventElapsedTime(&t, start_, stop_));
+  return t;
+}
+
+std::vector<Stats> GpuTimer::time_interleaved(const std::vector<std::function<void()>>& fns, const TimingOptions& o) {
+  for (const auto& fn : fns)
+    for (int i = 0; i < o.warmup; ++i) fn();
+  cuda::wait_stream(stream_, "benchmark: warm-up");
+  // Rounds from one timed call of each: enough for min_total_ms of the slowest... of all of them together.
+  double round_ms = 0;
+  for (size_t i = 0; i < fns.size(); ++i) round_ms += time_once(fns[i], o.flush_l2, int(i));
+  int rounds = std::clamp(int(o.min_total_ms / std::max(round_ms, 1e-3)) + 1, o.min_iterations, o.max_iterations);
+  if (o.agree_iterations) rounds = o.agree_iterations(rounds);
+  std::vector<std::vector<double>> ms(fns.size());
+  for (int r = 0; r < rounds; ++r)
+    for (size_t i = 0; i < fns.size(); ++i) ms[i].push_back(time_once(fns[i], o.flush_l2, r));
+  std::vector<Stats> out;
+  for (auto& v : ms) out.push_back(summarize(std::move(v)));
+  return out;
+}
+
 Stats GpuTimer::time(const std::function<void()>& fn, const TimingOptions& o) {
   for (int i = 0; i < o.warmup; ++i) fn();
   cuda::wait_stream(stream_, "benchmark: warm-up");

@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <vector>
 
 #include <cuda_runtime.h>
 
@@ -37,8 +38,13 @@ class GpuTimer {
   GpuTimer(const GpuTimer&) = delete;
   GpuTimer& operator=(const GpuTimer&) = delete;
   Stats time(const std::function<void()>& fn, const TimingOptions& options = {});
+  // Several pieces of work timed in rounds, one call of each per round, so that a drift of the GPU's
+  // clocks over the run (it heats up under sustained tensor-core load) is shared by all of them instead
+  // of favouring whichever runs first. The rounds count covers min_total_ms for all of them together.
+  std::vector<Stats> time_interleaved(const std::vector<std::function<void()>>& fns, const TimingOptions& options = {});
 
  private:
+  float time_once(const std::function<void()>& fn, bool flush, int salt);
   cudaStream_t stream_;
   cudaEvent_t start_ = nullptr, stop_ = nullptr;
   void* flush_ = nullptr;

@@ -78,7 +78,12 @@ LayerBenchResult bench_ep_layer(const MoeConfig& c, Backend& backend, Comm& comm
   LayerBenchResult r;
   r.engine = std::string("ep-") + comm.name();
   r.config = c;
-  r.forward = timer.time([&] { engine.forward(xd, yd); }, timing);
+  // Interleaved, so that the comparison of the two modes does not depend on which ran first.
+  const std::vector<Stats> fwd = timer.time_interleaved(
+      {[&] { engine.forward(xd, yd, ForwardMode::inference); }, [&] { engine.forward(xd, yd, ForwardMode::train); }},
+      timing);
+  r.forward = fwd[0];
+  r.forward_train = fwd[1];
   if (o.backward) {
     void* dyd = backend.allocate(T * H * elem);
     void* dxd = backend.allocate(T * H * elem);
@@ -93,7 +98,7 @@ LayerBenchResult bench_ep_layer(const MoeConfig& c, Backend& backend, Comm& comm
     backend.release(dyd);
     backend.release(dxd);
   }
-  engine.forward(xd, yd);  // a last, untimed forward whose outputs are checked
+  engine.forward(xd, yd, ForwardMode::inference);  // a last, untimed forward whose outputs are checked
 
   r.flop = 2 * m * double(T) * c.top_k * double(H) * double(I);
   r.bytes = double(Le) * m * double(H) * double(I) * elem + 2.0 * double(T) * double(H) * elem;

@@ -1,0 +1,162 @@
+#include "bench/cuda/gemm_bench.hpp"
+
+#include <algorithm>
+#include <functional>
+#include <memory>
+#include <random>
+
+#include "bench/cuda/gpu_timing.hpp"
+#include "core/error.hpp"
+#include "cuda/check.hpp"
+
+namespace dmoe::bench {
+
+std::vector<GemmVariant> parse_gemm_variants(const std::string& list) {
+  std::vector<GemmVariant> out;
+  size_t begin = 0;
+  while (begin <= list.size()) {
+    const size_t end = std::min(list.find(',', begin), list.size());
+    const std::string name = list.substr(begin, end - begin);
+    begin = end + 1;
+    if (name.empty()) continue;
+    GemmVariant v{name, {}};
+    for (size_t i = 0; i < name.size();) {
+      const char key = name[i++];
+      size_t digits = i;
+      while (digits < name.size() && std::isdigit(static_cast<unsigned char>(name[digits]))) ++digits;
+      const std::string number = name.substr(i, digits - i);
+      i = digits;
+      const bool needs_number = key == 'c' || key == 'p' || key == 'b';
+      DMOE_REQUIRE(!needs_number || !number.empty(), "GEMM variant '{}': '{}' needs a number (e.g. c2, p4, b128)",
+                   name, key);
+      switch (key) {
+        case 'c': v.tuning.cluster = std::stoi(number); break;
+        case 'p': v.tuning.prefetch = std::stoi(number); break;
+        case 'b': v.tuning.block_n = std::stoi(number); break;
+        case 's': v.tuning.epilogue = 1; break;
+        case 'd': v.tuning.epilogue = 2; break;
+        default:
+          DMOE_FAIL("GEMM variant '{}': unknown key '{}'; allowed: c<N> (CTAs per cluster), p<N> (L2 prefetch "
+                    "distance), b<N> (tile width), s (staged epilogue), d (direct epilogue)", name, key);
+      }
+    }
+    out.push_back(v);
+  }
+  DMOE_REQUIRE(!out.empty(), "no GEMM variants in '{}'", list);
+  return out;
+}
+
+namespace {
+
+struct DeviceBuffer {
+  void* p = nullptr;
+  explicit DeviceBuffer(size_t bytes) { DMOE_CHECK_CUDA(cudaMalloc(&p, std::max<size_t>(bytes, 16))); }
+  ~DeviceBuffer() { cudaFree(p); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  __nv_bfloat16* bf16() const { return static_cast<__nv_bfloat16*>(p); }
+};
+
+// Rows per expert of T tokens each routed to k distinct experts drawn uniformly.
+std::vector<int64_t> uniform_routing_offsets(int64_t tokens, int32_t experts, int32_t top_k, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<int64_t> counts(experts, 0);
+  std::vector<int32_t> ids(experts);
+  for (int32_t e = 0; e < experts; ++e) ids[e] = e;
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int32_t j = 0; j < top_k; ++j) {  // partial Fisher-Yates: k distinct experts
+      const int32_t pick = j + int32_t(rng() % uint64_t(experts - j));
+      std::swap(ids[j], ids[pick]);
+      ++counts[ids[j]];
+    }
+  std::vector<int64_t> offsets(experts + 1, 0);
+  for (int32_t e = 0; e < experts; ++e) offsets[e + 1] = offsets[e] + counts[e];
+  return offsets;
+}
+
+// Bytes the kernel's tiles load: per tile and k-block, BM rows of A and BN rows of B, 128 bytes each.
+double tile_loads(const std::vector<int64_t>& offsets, int64_t n_out, int64_t k, int tile_n_out, int tile_b_rows) {
+  double bytes = 0;
+  const int64_t k_blocks = (k + 63) / 64, n_tiles = (n_out + tile_n_out - 1) / tile_n_out;
+  for (size_t e = 0; e + 1 < offsets.size(); ++e) {
+    const int64_t m_tiles = (offsets[e + 1] - offsets[e] + 127) / 128;
+    bytes += double(m_tiles * n_tiles * k_blocks) * (128 + tile_b_rows) * 128.0;
+  }
+  return bytes;
+}
+
+}  // namespace
+
+std::vector<GemmBenchRow> bench_expert_gemms(const MoeConfig& c, const std::vector<GemmVariant>& variants,
+                                             bool square, cudaStream_t stream, uint64_t seed) {
+  DMOE_REQUIRE(c.dtype == DType::bf16, "dmoe bench gemm: the own grouped GEMM is bf16 only (config dtype {})",
+               dtype_name(c.dtype));
+  const int64_t H = c.hidden, I = c.ffn;
+  const int32_t E = c.experts_per_rank();
+  const bool swiglu = c.activation == Activation::swiglu;
+  const std::vector<int64_t> offsets = uniform_routing_offsets(c.tokens * c.world, c.experts, c.top_k, seed);
+  std::vector<int64_t> local(offsets.begin(), offsets.begin() + E + 1);  // rank 0's experts
+  const int64_t N = local.back();
+
+  DeviceBuffer x(size_t(N) * H * 2), w1(size_t(E) * I * H * 2), w3(swiglu ? size_t(E) * I * H * 2 : 0),
+      w2(size_t(E) * H * I * 2), h(size_t(N) * I * 2), out(size_t(N) * H * 2);
+  fill_uniform_bf16(x.p, N * H, seed + 1, 1.0f, stream);
+  fill_uniform_bf16(w1.p, E * I * H, seed + 2, 0.03f, stream);
+  if (swiglu) fill_uniform_bf16(w3.p, E * I * H, seed + 3, 0.03f, stream);
+  fill_uniform_bf16(w2.p, E * H * I, seed + 4, 0.03f, stream);
+  fill_uniform_bf16(h.p, N * I, seed + 5, 1.0f, stream);
+
+  cuda::Workspace workspace;
+  cuda::CudaContext ctx;
+  ctx.stream = stream;
+  ctx.workspace = &workspace;
+  void* scratch = workspace.reserve(cuda::sm90_grouped_gemm_scratch_bytes(std::max(E, 1)), stream);
+
+  cuda::GroupedGemmNT up{x.bf16(), w1.bf16(), nullptr, local.data(), E, I, H, h.bf16(), c.activation,
+                         swiglu ? w3.bf16() : nullptr, nullptr};
+  cuda::GroupedGemmNT down{h.bf16(), w2.bf16(), out.bf16(), local.data(), E, H, I};
+  DMOE_REQUIRE(cuda::sm90_grouped_gemm_usable(up) && cuda::sm90_grouped_gemm_usable(down),
+               "dmoe bench gemm: the own grouped GEMM cannot run here (needs an sm_90 GPU and a build for sm_90a)");
+
+  // Every (variant, product) is timed in the same rounds (GpuTimer::time_interleaved), so the GPU's clock
+  // drift over the run does not favour the variants measured first.
+  std::vector<GemmBenchRow> rows;
+  std::vector<std::function<void()>> work;
+  const double up_flop = 2.0 * double(N) * double(swiglu ? 2 * I : I) * double(H);
+  const double down_flop = 2.0 * double(N) * double(H) * double(I);
+  for (const GemmVariant& v : variants) {
+    const int bn = v.tuning.block_n == 0 ? 256 : v.tuning.block_n;
+    rows.push_back({v.name, "up", {}, up_flop, tile_loads(local, I, H, swiglu ? bn / 2 : bn, bn)});
+    work.push_back([&, v] { cuda::sm90_grouped_gemm(ctx, scratch, up, v.tuning); });
+    rows.push_back({v.name, "down", {}, down_flop, tile_loads(local, H, I, bn, bn)});
+    work.push_back([&, v] { cuda::sm90_grouped_gemm(ctx, scratch, down, v.tuning); });
+  }
+  constexpr int64_t S = 8192;
+  const std::vector<int64_t> one{0, S};
+  std::unique_ptr<DeviceBuffer> a, b, cc;
+  cuda::GroupedGemmNT g;
+  if (square) {
+    a = std::make_unique<DeviceBuffer>(size_t(S) * S * 2);
+    b = std::make_unique<DeviceBuffer>(size_t(S) * S * 2);
+    cc = std::make_unique<DeviceBuffer>(size_t(S) * S * 2);
+    fill_uniform_bf16(a->p, S * S, seed + 6, 1.0f, stream);
+    fill_uniform_bf16(b->p, S * S, seed + 7, 1.0f, stream);
+    g = cuda::GroupedGemmNT{a->bf16(), b->bf16(), cc->bf16(), one.data(), 1, S, S};
+    for (const GemmVariant& v : variants) {
+      const int bn = v.tuning.block_n == 0 ? 256 : v.tuning.block_n;
+      rows.push_back({v.name, "square 8192^3", {}, 2.0 * double(S) * S * S, tile_loads(one, S, S, bn, bn)});
+      work.push_back([&, v] { cuda::sm90_grouped_gemm(ctx, scratch, g, v.tuning); });
+    }
+  }
+  GpuTimer timer(stream);
+  TimingOptions timing;
+  timing.warmup = 2;
+  timing.min_iterations = 15;
+  timing.min_total_ms = 3000;
+  const std::vector<Stats> stats = timer.time_interleaved(work, timing);
+  for (size_t i = 0; i < rows.size(); ++i) rows[i].stats = stats[i];
+  DMOE_CHECK_CUDA(cudaStreamSynchronize(stream));
+  return rows;
+}
+
+}  // namespace dmoe::bench

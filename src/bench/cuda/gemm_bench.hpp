@@ -1,0 +1,45 @@
+// gemm_bench.hpp — times dmoe's own grouped GEMM (cuda/grouped_gemm_sm90.cu) on the expert products of a
+// layer config, one variant of the kernel after another in the same process and on the same data, so
+// that kernel changes are compared without the run-to-run spread of whole-layer timings.
+//
+//   rows per expert: uniform top-k routing of T tokens over E experts (seeded), all experts local (W = 1)
+//   up    = x [N, H] · w1_e^T (and w3_e^T for SwiGLU), activation fused, only h stored (inference)
+//   down  = h [N, I] · w2_e^T
+//   F     = 2·N·n·k per product (n = 2I for SwiGLU's up), TFLOP/s = F / median time
+//   loads = what the kernel's tiles read per k-block, summed (A rows + B rows, 128 bytes each), over time:
+//           the L2-to-SM traffic the kernel asks for
+// Every timing: GpuTimer (warm-up, L2 flushed before each call, CUDA events, median).
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include <cuda_runtime.h>
+
+#include "bench/stats.hpp"
+#include "core/config.hpp"
+#include "cuda/common.hpp"
+
+namespace dmoe::bench {
+
+struct GemmVariant {
+  std::string name;  // as parsed: e.g. "c2p4" = cluster 2, prefetch 4; "b128" = 128-column tiles; "s" = staged
+  cuda::Sm90Tuning tuning;
+};
+
+// "c1p0,c2p4,b128s": c = CTAs per cluster, p = L2 prefetch distance, b = tile width, s = staged epilogue.
+std::vector<GemmVariant> parse_gemm_variants(const std::string& list);
+
+struct GemmBenchRow {
+  std::string variant, product;
+  Stats stats;
+  double flop = 0;
+  double tile_load_bytes = 0;
+};
+
+// The config's up and down products for each variant; with `square`, also one 8192×8192×8192 product
+// (a single group) per variant, to set the kernel beside cuBLAS's GEMM ceiling.
+std::vector<GemmBenchRow> bench_expert_gemms(const MoeConfig& config, const std::vector<GemmVariant>& variants,
+                                             bool square, cudaStream_t stream, uint64_t seed = 1);
+
+}  // namespace dmoe::bench
