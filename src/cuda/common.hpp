@@ -104,18 +104,14 @@ struct GroupedGemmNT {
 bool sm90_grouped_gemm_usable(const GroupedGemmNT& g);
 // Device scratch the call needs (offsets and the tile table), from the context's workspace.
 size_t sm90_grouped_gemm_scratch_bytes(int32_t groups);
-// How the kernel runs; 0 / -1 fields take the environment's setting or the measured default.
+// How the kernel runs; 0 fields take the environment's setting or the measured default.
 struct Sm90Tuning {
-  int block_n = 0;    // tile width, 128 or 256; 0 = DMOE_SM90_BLOCK_N or 256
-  int epilogue = 0;   // 1 staged (shared memory, asynchronous bulk stores), 2 direct (stores from
-                      // registers); 0 = DMOE_SM90_EPILOGUE or direct
-  int cluster = 0;    // CTAs per cluster: 1, or 2 (pairs of column tiles share their A loads by multicast;
-                      // direct epilogue only); 0 = DMOE_SM90_CLUSTER or the default
-  int prefetch = -1;  // k-blocks ahead of the loads to prefetch into L2, 0 = off; -1 = DMOE_SM90_PREFETCH
-                      // or the default
+  int block_n = 0;   // tile width, 128 or 256; 0 = DMOE_SM90_BLOCK_N or 256
+  int epilogue = 0;  // 1 staged (shared memory, asynchronous bulk stores), 2 direct (stores from
+                     // registers); 0 = DMOE_SM90_EPILOGUE or direct
+  int leave_out = 0;  // measurement aid, wrong results: 1 = no stores, 2 = no products and no stores (loads
+                      // and the pipeline only); times of the variants place the kernel's time in its stages
 };
 void sm90_grouped_gemm(const CudaContext& ctx, void* scratch, const GroupedGemmNT& g, const Sm90Tuning& tuning = {});
-// Clusters of two CTAs of the paired kernel that fit on the current GPU at once (for benchmarks).
-int sm90_pair_clusters();
 
 }  // namespace dmoe::cuda

@@ -15,9 +15,15 @@
 //                 accumulators as bf16, masked to the group's rows and to N: by default straight from
 //                 registers, the lanes of a quad trading words so that each writes 16 bytes; with
 //                 DMOE_SM90_EPILOGUE=staged through shared memory and bulk stores (measured slower).
+//                 A consumer whose 64 rows all lie past the group skips its products and stores.
 // Tiles are numbered group by group, row tiles fastest within a column tile, so the CTAs running at the
 // same time share A and B slices in L2. A group's last row tile reads rows of the next group (or TMA's
 // zero fill past the end); those rows are computed and not stored. No padding is added in memory.
+//
+// Where the time goes (docs/perf.md, `dmoe bench gemm` with stages left out): on the fine-grained
+// config's products the loads alone take ~50 % of the kernel, loads and products ~80 %, and the stores
+// the rest; 2-CTA clusters sharing A by multicast, L2 prefetch ahead of the loads, 32-column k-blocks
+// (more, smaller slots) and the staged epilogue were each measured and were slower.
 //
 // Every mbarrier wait has a time limit (DMOE_GPU_WAIT_TIMEOUT_MS, default 10 s): a wait that runs past it
 // records which barrier, slot and phase it waited for (cuda/check.hpp) and traps; the CUDA error that
@@ -40,24 +46,34 @@ namespace dmoe::cuda {
 namespace {
 
 constexpr int kBlockM = 128;        // rows per tile: two consumer warpgroups of 64
-constexpr int kBlockK = 64;         // 64 bf16 = 128 bytes, one swizzle row
 constexpr int kThreads = 384;       // producer warpgroup + two consumer warpgroups
 constexpr int kConsumers = 2;
+constexpr int kMaxSmem = 232448;    // dynamic shared memory one CTA may opt into on sm_90 (227 KiB)
 
+// A k-block is BK = 64 columns (128-byte rows, 128-byte swizzle) or BK = 32 (64-byte rows, 64-byte
+// swizzle): half the bytes per slot, so twice the slots fit, and the slot the consumers hold back while
+// their last products finish costs half as much of the ring.
 // kStaged: the epilogue goes through a shared-memory staging tile and asynchronous bulk stores (one per
-// row), so that the consumers start the next tile's products while the stores drain; it costs one slot,
+// row), so that the consumers start the next tile's products while the stores drain; it costs slots,
 // which cost more than the overlap gained on H200 (8-13 % per GEMM, docs/perf.md): opt-in only.
-template <int BN, bool kStaged>
+template <int BN, int BK, bool kStaged>
 struct TileConfig {
-  static constexpr int stages = kStaged ? (BN == 128 ? 5 : 3) : (BN == 128 ? 6 : 4);
-  static constexpr int a_bytes = kBlockM * kBlockK * 2;
-  static constexpr int b_bytes = BN * kBlockK * 2;
+  static_assert(BK == 64 || BK == 32, "k-blocks of 64 or 32 columns");
+  static constexpr int row_bytes = BK * 2;  // one swizzle row
+  static constexpr int a_bytes = kBlockM * row_bytes;
+  static constexpr int b_bytes = BN * row_bytes;
   static constexpr int stage_bytes = a_bytes + b_bytes;
-  // staging: per consumer 64 rows of BN bf16, padded by 16 bytes against bank conflicts
-  static constexpr int staging_row_bytes = (BN + 8) * 2;
+  // staging: per consumer 64 rows of (at most) 128 output columns, unpadded — a tile's outputs leave in
+  // chunks of 128 columns, and 32 KiB in all leaves room for 4 slots of a 128×256 tile
+  static constexpr int staging_cols = BN < 128 ? BN : 128;
+  static constexpr int staging_row_bytes = staging_cols * 2;
   static constexpr int staging_bytes = kStaged ? kConsumers * 64 * staging_row_bytes : 0;
-  // slots, staging, then 2·stages mbarriers, plus 1 KiB to align the slots to the swizzle's 1 KiB atom
+  // As many slots as fit beside the staging tile, the barriers and 1 KiB to align the slots to the
+  // swizzle atom (at most 16).
+  static constexpr int stages_fit = (kMaxSmem - 1024 - staging_bytes - 16 * 16) / stage_bytes;
+  static constexpr int stages = stages_fit < 16 ? stages_fit : 16;
   static constexpr int smem_bytes = stages * stage_bytes + staging_bytes + 2 * stages * 8 + 1024;
+  static_assert(stages >= 2 && smem_bytes <= kMaxSmem, "tile does not fit in shared memory");
 };
 
 struct Sm90Params {
@@ -70,7 +86,7 @@ struct Sm90Params {
   int32_t groups;
   int32_t tiles;
   int32_t n_tiles;              // column tiles per group
-  int32_t prefetch;             // k-blocks ahead of the loads whose operands are prefetched into L2 (0: off)
+  int32_t leave_out;            // measurement aid (Sm90Tuning::leave_out): 1 no stores, 2 no products either
   unsigned long long timeout_ns;
   DeviceWaitRecord* wait_record;  // host-mapped; written only when a wait times out
 };
@@ -147,60 +163,17 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map
       : "memory");
 }
 
-// Brings the box at (c0, c1) into L2 only (no shared memory, no barrier): issued some k-blocks ahead of
-// its load, it turns that load's DRAM latency into an L2 hit's.
-__device__ __forceinline__ void tma_prefetch_2d(const CUtensorMap* map, int32_t c0, int32_t c1) {
-  asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];"
-               ::"l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1)
-               : "memory");
-}
-
-// The same load, written by TMA into the same shared-memory offsets of every CTA of the cluster in
-// `cta_mask`, completing on the mbarrier at `bar`'s offset in each of them.
-__device__ __forceinline__ void tma_load_2d_multicast(uint32_t dst, const CUtensorMap* map, int32_t c0, int32_t c1,
-                                                      uint32_t bar, uint16_t cta_mask) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
-      " [%0], [%1, {%2, %3}], [%4], %5;"
-      ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar), "h"(cta_mask)
-      : "memory");
-}
-
-__device__ __forceinline__ uint32_t cluster_cta_rank() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return r;
-}
-__device__ __forceinline__ uint32_t cluster_index() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%clusterid.x;" : "=r"(r));
-  return r;
-}
-__device__ __forceinline__ uint32_t cluster_count() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%nclusterid.x;" : "=r"(r));
-  return r;
-}
-// Every thread of every CTA of the cluster; orders shared-memory (and mbarrier) accesses across it.
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-// Arrive on the mbarrier at `bar`'s offset in CTA `cta` of this cluster.
-__device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t cta) {
-  uint32_t remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(bar), "r"(cta));
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
-}
-
-// Shared-memory matrix descriptor of a K-major operand written by TMA with the 128-byte swizzle: rows of
-// 128 bytes, 8-row atoms 1024 bytes apart (stride byte offset); the leading byte offset is unused in
-// this mode. Moving along K inside the 128-byte row is a plain start-address offset.
-__device__ __forceinline__ uint64_t kmajor_sw128_desc(uint32_t addr) {
+// Shared-memory matrix descriptor of a K-major operand written by TMA with the swizzle as wide as its
+// rows (128 or 64 bytes): 8-row atoms 8·row_bytes apart (stride byte offset); the leading byte offset is
+// unused in these modes. Moving along K inside a row is a plain start-address offset.
+template <int kRowBytes>
+__device__ __forceinline__ uint64_t kmajor_swizzled_desc(uint32_t addr) {
+  static_assert(kRowBytes == 128 || kRowBytes == 64, "128- or 64-byte swizzle");
   uint64_t d = 0;
   d |= uint64_t((addr & 0x3FFFF) >> 4);
   d |= uint64_t(1) << 16;
-  d |= uint64_t(1024 >> 4) << 32;
-  d |= uint64_t(1) << 62;  // 128-byte swizzle
+  d |= uint64_t(8 * kRowBytes >> 4) << 32;
+  d |= uint64_t(kRowBytes == 128 ? 1 : 2) << 62;  // layout type: 1 = 128-byte swizzle, 2 = 64-byte
   return d;
 }
 
@@ -328,10 +301,7 @@ struct TileCoord {
   int32_t group, m_tile, n_tile;
 };
 
-// kPair: t numbers pairs of column tiles (2j, 2j + 1), and CTA `cta_rank` of the cluster takes column
-// tile 2j + cta_rank (which may be past the last one when a group has an odd number of column tiles).
-template <bool kPair>
-__device__ __forceinline__ TileCoord decode_tile(const Sm90Params& p, int32_t t, uint32_t cta_rank) {
+__device__ __forceinline__ TileCoord decode_tile(const Sm90Params& p, int32_t t) {
   TileCoord tc;
   tc.group = find_group(p.tile_offsets, p.groups, t);
   tc.row_begin = __ldg(p.row_offsets + tc.group);
@@ -339,7 +309,7 @@ __device__ __forceinline__ TileCoord decode_tile(const Sm90Params& p, int32_t t,
   const int32_t m_tiles = int32_t((tc.rows + kBlockM - 1) / kBlockM);
   const int32_t local = t - __ldg(p.tile_offsets + tc.group);
   tc.m_tile = local % m_tiles;
-  tc.n_tile = kPair ? 2 * (local / m_tiles) + int32_t(cta_rank) : local / m_tiles;
+  tc.n_tile = local / m_tiles;
   return tc;
 }
 
@@ -348,20 +318,14 @@ __device__ __forceinline__ TileCoord decode_tile(const Sm90Params& p, int32_t t,
 // kFuse: the epilogue also applies the activation A and writes h (GroupedGemmNT). For SwiGLU a tile's BN
 // columns are BN/2 columns of the gate product (B = w1, rows from map_b) followed by the same BN/2 columns
 // of the up product (w3, map_b2), so one thread holds both halves of each h element.
-//
-// kPair: the kernel runs in clusters of two CTAs that take the two column tiles of a pair with the same
-// row tile, so they read the same A rows: each loads one half of the A k-block and multicasts it to both.
-// That cuts what the pair reads from L2 per k-block from 2 × 48 KiB to 80 KiB (BN = 256), for a kernel
-// whose loads run at the L2's bandwidth (docs/perf.md). A slot is refilled only when the consumers of
-// both CTAs have released it: each consumer arrives on the empty barrier of both CTAs.
-template <int BN, bool kFuse, Activation A, bool kStaged, bool kPair>
+template <int BN, int BK, bool kFuse, Activation A, bool kStaged>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                              const __grid_constant__ CUtensorMap map_b2, const __grid_constant__ Sm90Params p) {
 #ifdef DMOE_SM90A_DEVICE
   constexpr bool kGated = kFuse && A == Activation::swiglu;
   constexpr int kOutN = kGated ? BN / 2 : BN;  // output columns per tile
-  using Cfg = TileConfig<BN, kStaged>;
+  using Cfg = TileConfig<BN, BK, kStaged>;
   constexpr int S = Cfg::stages;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
@@ -373,24 +337,17 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto full = [&](int s) { return bars + 8 * s; };
   auto empty = [&](int s) { return bars + 8 * (S + s); };
 
-  static_assert(!(kPair && kStaged), "the paired kernel stores tiles directly");
-  constexpr int kCtas = kPair ? 2 : 1;
-  const uint32_t cta_rank = kPair ? cluster_cta_rank() : 0;
-  const int32_t first_tile = kPair ? int32_t(cluster_index()) : int32_t(blockIdx.x);
-  const int32_t tile_stride = kPair ? int32_t(cluster_count()) : int32_t(gridDim.x);
   const int warpgroup = threadIdx.x / 128;
   if (threadIdx.x == 0) {
     for (int s = 0; s < S; ++s) {
       mbar_init(full(s), 1);
-      mbar_init(empty(s), kConsumers * kCtas);
+      mbar_init(empty(s), kConsumers);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  // With a pair, the peer's barriers must be initialised before anything arrives on them or lands in them.
-  if constexpr (kPair) cluster_sync();
-  else __syncthreads();
+  __syncthreads();
 
-  const int32_t k_blocks = int32_t((p.k + kBlockK - 1) / kBlockK);
+  const int32_t k_blocks = int32_t((p.k + BK - 1) / BK);
 
   if (warpgroup == 0) {
     // ---- producer ----
@@ -401,47 +358,18 @@ __global__ void __launch_bounds__(kThreads, 1)
       if constexpr (kGated)
         asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&map_b2)) : "memory");
       uint32_t it = 0;
-      // The rows of A (this CTA's half with a pair) and of B a tile loads.
-      auto a_row_of = [&](const TileCoord& tc) {
-        return int32_t(tc.row_begin + int64_t(tc.m_tile) * kBlockM) + int32_t(cta_rank) * (kBlockM / kCtas);
-      };
-      auto b_row_of = [&](const TileCoord& tc) { return int32_t(int64_t(tc.group) * p.n + int64_t(tc.n_tile) * kOutN); };
-      auto prefetch = [&](int32_t a_row, int32_t b_row, int32_t kb) {
-        tma_prefetch_2d(&map_a, kb * kBlockK, a_row);
-        tma_prefetch_2d(&map_b, kb * kBlockK, b_row);
-        if constexpr (kGated) tma_prefetch_2d(&map_b2, kb * kBlockK, b_row);
-      };
-      for (int32_t t = first_tile; t < p.tiles; t += tile_stride) {
-        const TileCoord tc = decode_tile<kPair>(p, t, cta_rank);
-        const int32_t a_row = a_row_of(tc);
-        // A column tile past the group's last (odd count, pair mode) reads the next group's weights or
-        // TMA's zero fill: loaded (the slot's byte count stays the same), never computed or stored.
-        const int32_t b_row = b_row_of(tc);
-        // Prefetch runs `p.prefetch` k-blocks ahead through this tile into the next one of this CTA.
-        const bool has_next = p.prefetch > 0 && t + tile_stride < p.tiles;
-        int32_t next_a_row = 0, next_b_row = 0;
-        if (has_next) {
-          const TileCoord next = decode_tile<kPair>(p, t + tile_stride, cta_rank);
-          next_a_row = a_row_of(next);
-          next_b_row = b_row_of(next);
-        }
+      for (int32_t t = blockIdx.x; t < p.tiles; t += gridDim.x) {
+        const TileCoord tc = decode_tile(p, t);
+        const int32_t a_row = int32_t(tc.row_begin + int64_t(tc.m_tile) * kBlockM);
+        const int32_t b_row = int32_t(int64_t(tc.group) * p.n + int64_t(tc.n_tile) * kOutN);
         for (int32_t kb = 0; kb < k_blocks; ++kb, ++it) {
           const int s = int(it % S);
           const uint32_t phase = (it / S) & 1;
           mbar_wait(empty(s), phase ^ 1, 1, s, p);
-          mbar_expect_tx(full(s), Cfg::stage_bytes);  // A's two halves (ours, the peer's) and our B
-          if constexpr (kPair)
-            tma_load_2d_multicast(slot_a(s) + cta_rank * (kBlockM / 2) * 128, &map_a, kb * kBlockK, a_row, full(s),
-                                  0x3);
-          else
-            tma_load_2d(slot_a(s), &map_a, kb * kBlockK, a_row, full(s));
-          tma_load_2d(slot_b(s), &map_b, kb * kBlockK, b_row, full(s));
-          if constexpr (kGated) tma_load_2d(slot_b(s) + kOutN * 128, &map_b2, kb * kBlockK, b_row, full(s));
-          if (p.prefetch > 0) {
-            const int32_t ahead = kb + p.prefetch;
-            if (ahead < k_blocks) prefetch(a_row, b_row, ahead);
-            else if (has_next && ahead - k_blocks < k_blocks) prefetch(next_a_row, next_b_row, ahead - k_blocks);
-          }
+          mbar_expect_tx(full(s), Cfg::stage_bytes);
+          tma_load_2d(slot_a(s), &map_a, kb * BK, a_row, full(s));
+          tma_load_2d(slot_b(s), &map_b, kb * BK, b_row, full(s));
+          if constexpr (kGated) tma_load_2d(slot_b(s) + kOutN * Cfg::row_bytes, &map_b2, kb * BK, b_row, full(s));
         }
       }
     }
@@ -454,26 +382,19 @@ __global__ void __launch_bounds__(kThreads, 1)
     float acc[BN / 2];
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
-    // Hands slot s back: to this CTA's producer and, with a pair, to the peer's (whose A half is in it).
-    auto release = [&](int s) {
-      if (threadIdx.x % 128 != 0) return;
-      mbar_arrive(empty(s));
-      if constexpr (kPair) mbar_arrive_cluster(empty(s), cta_rank ^ 1);
-    };
     uint32_t it = 0;
-    for (int32_t t = first_tile; t < p.tiles; t += tile_stride) {
-      const TileCoord tc = decode_tile<kPair>(p, t, cta_rank);
+    for (int32_t t = blockIdx.x; t < p.tiles; t += gridDim.x) {
+      const TileCoord tc = decode_tile(p, t);
       // A group's last row tile often holds 64 rows or fewer (experts of ~256 rows: about half of them
       // end with such a tile); the second warpgroup's rows are then all past the group, so it skips its
-      // products and stores and only hands the slots back, and the first runs its products alone. The
-      // same for a column tile past the last (pair mode).
-      if (int64_t(tc.m_tile) * kBlockM + consumer * 64 >= tc.rows || int64_t(tc.n_tile) * kOutN >= p.n) {
+      // products and stores and only hands the slots back.
+      if (int64_t(tc.m_tile) * kBlockM + consumer * 64 >= tc.rows || p.leave_out == 2) {
         for (int32_t kb = 0; kb < k_blocks; ++kb, ++it) {
           const int s = int(it % S);
           // Waiting for the slot to be full first keeps the empty barrier's arrivals in step with the
-          // other consumers' (one arrival per filling of the slot).
+          // other consumer's (one arrival per filling of the slot).
           mbar_wait(full(s), (it / S) & 1, 0, s, p);
-          release(s);
+          if (threadIdx.x % 128 == 0) mbar_arrive(empty(s));
         }
         continue;
       }
@@ -482,30 +403,33 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int s = int(it % S);
         const uint32_t phase = (it / S) & 1;
         mbar_wait(full(s), phase, 0, s, p);
-        const uint32_t a_base = slot_a(s) + consumer * 64 * 128;  // this warpgroup's 64 rows
+        const uint32_t a_base = slot_a(s) + consumer * 64 * Cfg::row_bytes;  // this warpgroup's 64 rows
         const uint32_t b_base = slot_b(s);
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < kBlockK / 16; ++kk)
-          Wgmma<BN>::mma(acc, kmajor_sw128_desc(a_base + kk * 32), kmajor_sw128_desc(b_base + kk * 32),
-                         (kb > 0 || kk > 0) ? 1 : 0);
+        for (int kk = 0; kk < BK / 16; ++kk)
+          Wgmma<BN>::mma(acc, kmajor_swizzled_desc<Cfg::row_bytes>(a_base + kk * 32),
+                         kmajor_swizzled_desc<Cfg::row_bytes>(b_base + kk * 32), (kb > 0 || kk > 0) ? 1 : 0);
         wgmma_commit();
         // Keep this k-block's products in flight; the previous one is done, so its slot goes back.
         wgmma_wait<1>();
-        if (prev_slot >= 0) release(prev_slot);
+        if (prev_slot >= 0 && threadIdx.x % 128 == 0) mbar_arrive(empty(prev_slot));
         prev_slot = s;
       }
       wgmma_wait<0>();
-      if (prev_slot >= 0) release(prev_slot);
+      if (prev_slot >= 0 && threadIdx.x % 128 == 0) mbar_arrive(empty(prev_slot));
+
+      if (p.leave_out != 0) continue;
 
       if constexpr (kStaged) {
-        // Staged epilogue, one output matrix at a time: wait until this warpgroup's previous bulk stores
-        // have read the staging tile, write the fragments into it, then one lane per row sends the row.
+        // Staged epilogue, one chunk of (at most) 128 columns of one output matrix at a time: wait until
+        // this warpgroup's previous bulk stores have read the staging tile, write the fragments into it,
+        // then one lane per row sends the row; the next tile's products start while the stores drain.
+        constexpr int kChunk = kOutN < Cfg::staging_cols ? kOutN : Cfg::staging_cols;  // columns per chunk
         const int tid = threadIdx.x % 128;
         const uint32_t stage_base = staging + consumer * 64 * Cfg::staging_row_bytes;
         uint8_t* stage_ptr = smem + (stage_base - slots);
         const int64_t col_tile = int64_t(tc.n_tile) * kOutN;
-        const uint32_t row_bytes = uint32_t(min(int64_t(kOutN), p.n - col_tile)) * 2;
         const int64_t first_row = int64_t(tc.m_tile) * kBlockM + consumer * 64;  // in the group
         const int q = lane % 4;
         // With a fused activation, h is computed from the stored (bf16-rounded) pre-activations, as the
@@ -515,17 +439,20 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
           for (int i = 0; i < BN / 2; ++i) acc[i] = __bfloat162float(__float2bfloat16_rn(acc[i]));
         }
-        // One output matrix: 0 = C, 1 = h, 2 = C2 (SwiGLU's up product).
-        auto emit = [&](auto which) {
-          constexpr int o = decltype(which)::value;
+        // One chunk of one output matrix: 0 = C, 1 = h, 2 = C2 (SwiGLU's up product).
+        auto emit = [&](auto which, auto chunk) {
+          constexpr int o = decltype(which)::value, c = decltype(chunk)::value;
           if ((o == 0 && p.c == nullptr) || (o == 2 && p.c2 == nullptr)) return;  // not kept (uniform)
+          const int64_t col0 = col_tile + c * kChunk;
+          if (col0 >= p.n) return;  // (uniform)
           bulk_wait_read();
           warpgroup_barrier(1 + consumer);
 #pragma unroll
           for (int half = 0; half < 2; ++half) {
             const int local_row = warp * 16 + lane / 4 + 8 * half;
 #pragma unroll
-            for (int jq = 0; jq < kOutN / 32; ++jq) {
+            for (int jc = 0; jc < kChunk / 32; ++jc) {
+              const int jq = c * (kChunk / 32) + jc;
               uint32_t w[4];
 #pragma unroll
               for (int i = 0; i < 4; ++i) {
@@ -546,21 +473,27 @@ __global__ void __launch_bounds__(kThreads, 1)
                 }
               }
               const uint4 words = quad_transpose(w, q);
-              *reinterpret_cast<uint4*>(stage_ptr + local_row * Cfg::staging_row_bytes + 16 * (4 * jq + q)) = words;
+              *reinterpret_cast<uint4*>(stage_ptr + local_row * Cfg::staging_row_bytes + 16 * (4 * jc + q)) = words;
             }
           }
           fence_async_shared();
           warpgroup_barrier(1 + consumer);
           if (tid < 64 && first_row + tid < tc.rows) {
             __nv_bfloat16* out = o == 0 ? p.c : o == 1 ? p.h : p.c2;
-            bulk_store(out + (tc.row_begin + first_row + tid) * p.n + col_tile,
-                       stage_base + tid * Cfg::staging_row_bytes, row_bytes);
+            const uint32_t bytes = uint32_t(min(int64_t(kChunk), p.n - col0)) * 2;
+            bulk_store(out + (tc.row_begin + first_row + tid) * p.n + col0, stage_base + tid * Cfg::staging_row_bytes,
+                       bytes);
           }
           bulk_commit();
         };
-        emit(std::integral_constant<int, 0>{});
-        if constexpr (kFuse) emit(std::integral_constant<int, 1>{});
-        if constexpr (kGated) emit(std::integral_constant<int, 2>{});
+        auto emit_all = [&](auto which) {
+          emit(which, std::integral_constant<int, 0>{});
+          if constexpr (kOutN > kChunk) emit(which, std::integral_constant<int, 1>{});
+        };
+        static_assert(kOutN <= 2 * kChunk, "at most two chunks per output");
+        emit_all(std::integral_constant<int, 0>{});
+        if constexpr (kFuse) emit_all(std::integral_constant<int, 1>{});
+        if constexpr (kGated) emit_all(std::integral_constant<int, 2>{});
         continue;
       }
 
@@ -619,8 +552,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     if constexpr (kStaged) bulk_wait_all();  // the staging tile must outlive its stores
   }
-  // Neither CTA of a pair may exit while the other can still arrive on its barriers.
-  if constexpr (kPair) cluster_sync();
 #endif  // DMOE_SM90A_DEVICE
 }
 
@@ -646,16 +577,17 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return fn;
 }
 
-// [rows, k] bf16 row-major, boxes of box_rows × 64 with the 128-byte swizzle; out-of-range reads are zeros.
-CUtensorMap make_kmajor_map(const void* base, int64_t rows, int64_t k, int box_rows) {
+// [rows, k] bf16 row-major, boxes of box_rows × box_k (64 or 32) with the swizzle as wide as a box row
+// (128 or 64 bytes); out-of-range reads are zeros.
+CUtensorMap make_kmajor_map(const void* base, int64_t rows, int64_t k, int box_rows, int box_k) {
   CUtensorMap map;
   const cuuint64_t dims[2] = {cuuint64_t(k), cuuint64_t(rows)};
   const cuuint64_t strides[1] = {cuuint64_t(k) * 2};
-  const cuuint32_t box[2] = {cuuint32_t(kBlockK), cuuint32_t(box_rows)};
+  const cuuint32_t box[2] = {cuuint32_t(box_k), cuuint32_t(box_rows)};
   const cuuint32_t element_strides[2] = {1, 1};
   const CUresult r = tensor_map_encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims,
                                           strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                                          CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                          box_k == 64 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                                           CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   DMOE_CUDA_REQUIRE(r == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed (error %d) for a [%lld, %lld] bf16 matrix",
                     int(r), (long long)rows, (long long)k);
@@ -725,19 +657,17 @@ int column_tile() {
   return bn;
 }
 
-template <int BN, bool kFuse, Activation A, bool kStaged, bool kPair>
-void launch(const CudaContext& ctx, void* scratch, const GroupedGemmNT& g, int prefetch) {
-  using Cfg = TileConfig<BN, kStaged>;
+template <int BN, int BK, bool kFuse, Activation A, bool kStaged>
+void launch(const CudaContext& ctx, void* scratch, const GroupedGemmNT& g, int leave_out) {
+  using Cfg = TileConfig<BN, BK, kStaged>;
+  const auto kernel = grouped_gemm_sm90_kernel<BN, BK, kFuse, A, kStaged>;
   constexpr bool kGated = kFuse && A == Activation::swiglu;
   constexpr int kOutN = kGated ? BN / 2 : BN;
-  constexpr int kCtas = kPair ? 2 : 1;
-  const auto kernel = grouped_gemm_sm90_kernel<BN, kFuse, A, kStaged, kPair>;
   const int32_t n_tiles = int32_t((g.n + kOutN - 1) / kOutN);
-  const int64_t n_units = (n_tiles + kCtas - 1) / kCtas;  // column tiles, or pairs of them
   std::vector<int32_t> tile_offsets(size_t(g.groups) + 1, 0);
   for (int32_t e = 0; e < g.groups; ++e) {
     const int64_t rows = g.row_offsets[e + 1] - g.row_offsets[e];
-    const int64_t next = int64_t(tile_offsets[e]) + (rows + kBlockM - 1) / kBlockM * n_units;
+    const int64_t next = int64_t(tile_offsets[e]) + (rows + kBlockM - 1) / kBlockM * int64_t(n_tiles);
     DMOE_CUDA_REQUIRE(next < (int64_t(1) << 31), "sm90_grouped_gemm: more than 2^31 - 1 tiles (%d groups, "
                       "%lld rows, n = %lld); split the call", g.groups, (long long)g.row_offsets[g.groups],
                       (long long)g.n);
@@ -752,10 +682,9 @@ void launch(const CudaContext& ctx, void* scratch, const GroupedGemmNT& g, int p
   upload_async(ws + offsets_bytes, tile_offsets.data(), tile_offsets.size() * sizeof(int32_t), ctx.stream);
 
   const int64_t rows_total = g.row_offsets[g.groups];
-  // Pair mode: each CTA loads (and multicasts) one half of the A k-block.
-  const CUtensorMap map_a = make_kmajor_map(g.a, rows_total, g.k, kBlockM / kCtas);
-  const CUtensorMap map_b = make_kmajor_map(g.b, int64_t(g.groups) * g.n, g.k, kOutN);
-  const CUtensorMap map_b2 = kGated ? make_kmajor_map(g.b2, int64_t(g.groups) * g.n, g.k, kOutN) : map_b;
+  const CUtensorMap map_a = make_kmajor_map(g.a, rows_total, g.k, kBlockM, BK);
+  const CUtensorMap map_b = make_kmajor_map(g.b, int64_t(g.groups) * g.n, g.k, kOutN, BK);
+  const CUtensorMap map_b2 = kGated ? make_kmajor_map(g.b2, int64_t(g.groups) * g.n, g.k, kOutN, BK) : map_b;
   Sm90Params p{};
   p.row_offsets = reinterpret_cast<const int64_t*>(ws);
   p.tile_offsets = reinterpret_cast<const int32_t*>(ws + offsets_bytes);
@@ -767,87 +696,39 @@ void launch(const CudaContext& ctx, void* scratch, const GroupedGemmNT& g, int p
   p.groups = g.groups;
   p.tiles = tiles;
   p.n_tiles = n_tiles;
-  p.prefetch = prefetch;
+  p.leave_out = leave_out;
   p.timeout_ns = wait_timeout_ns();
   p.wait_record = device_wait_record();
 
-  cudaLaunchConfig_t config{};
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = Cfg::smem_bytes;
-  config.stream = ctx.stream;
-  cudaLaunchAttribute cluster{};
-  cluster.id = cudaLaunchAttributeClusterDimension;
-  cluster.val.clusterDim.x = kCtas;
-  cluster.val.clusterDim.y = 1;
-  cluster.val.clusterDim.z = 1;
-  config.attrs = &cluster;
-  config.numAttrs = kPair ? 1 : 0;
-
-  // Per function and device, once: the shared-memory opt-in, and how many CTAs (pairs: clusters, which
-  // must fit in one GPC) can be resident at once.
-  static std::mutex mutex;
-  static std::vector<int> resident;  // per device; 0 = not set up yet
-  int units = 0;
+  // The shared-memory opt-in is per function and per device: once for each device this process uses.
+  static std::mutex attribute_mutex;
+  static std::vector<bool> attribute_set;
   {
     int device = 0;
     DMOE_CHECK_CUDA(cudaGetDevice(&device));
-    std::lock_guard<std::mutex> lock(mutex);
-    if (int(resident.size()) <= device) resident.resize(device + 1, 0);
-    if (resident[device] == 0) {
+    std::lock_guard<std::mutex> lock(attribute_mutex);
+    if (int(attribute_set.size()) <= device) attribute_set.resize(device + 1, false);
+    if (!attribute_set[device]) {
       DMOE_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::smem_bytes));
-      int n = device_info().sms;
-      if constexpr (kPair) {
-        config.gridDim = dim3(2 * device_info().sms);
-        DMOE_CHECK_CUDA(cudaOccupancyMaxActiveClusters(&n, kernel, &config));
-        DMOE_CUDA_REQUIRE(n > 0, "sm90_grouped_gemm: no cluster of 2 CTAs of %d bytes of shared memory fits on "
-                          "this GPU; set DMOE_SM90_CLUSTER=1", Cfg::smem_bytes);
-      }
-      resident[device] = n;
+      attribute_set[device] = true;
     }
-    units = resident[device];
   }
-  config.gridDim = dim3(kCtas * std::min(tiles, units));
-  DMOE_CHECK_CUDA(cudaLaunchKernelEx(&config, kernel, map_a, map_b, map_b2, p));
+  const int blocks = std::min(tiles, device_info().sms);
+  kernel<<<blocks, kThreads, Cfg::smem_bytes, ctx.stream>>>(map_a, map_b, map_b2, p);
   DMOE_CHECK_LAUNCH();
 }
 
-template <int BN, bool kStaged, bool kPair>
-void launch_for(const CudaContext& ctx, void* scratch, const GroupedGemmNT& g, int prefetch) {
-  if (g.h == nullptr) return launch<BN, false, Activation::relu, kStaged, kPair>(ctx, scratch, g, prefetch);
+template <int BN, int BK, bool kStaged>
+void launch_for(const CudaContext& ctx, void* scratch, const GroupedGemmNT& g, int leave_out) {
+  if (g.h == nullptr) return launch<BN, BK, false, Activation::relu, kStaged>(ctx, scratch, g, leave_out);
   switch (g.activation) {
     case Activation::relu:
-      return launch<BN, true, Activation::relu, kStaged, kPair>(ctx, scratch, g, prefetch);
+      return launch<BN, BK, true, Activation::relu, kStaged>(ctx, scratch, g, leave_out);
     case Activation::gelu:
-      return launch<BN, true, Activation::gelu, kStaged, kPair>(ctx, scratch, g, prefetch);
+      return launch<BN, BK, true, Activation::gelu, kStaged>(ctx, scratch, g, leave_out);
     case Activation::swiglu:
-      return launch<BN, true, Activation::swiglu, kStaged, kPair>(ctx, scratch, g, prefetch);
+      return launch<BN, BK, true, Activation::swiglu, kStaged>(ctx, scratch, g, leave_out);
   }
-}
-
-// DMOE_SM90_PREFETCH=D: k-blocks ahead of the loads to prefetch into L2 (0 = off).
-int prefetch_distance() {
-  static const int d = [] {
-    const char* v = std::getenv("DMOE_SM90_PREFETCH");
-    if (!v || !*v) return 0;
-    char* end = nullptr;
-    const long n = std::strtol(v, &end, 10);
-    DMOE_CUDA_REQUIRE(*end == '\0' && n >= 0 && n <= 64,
-                      "DMOE_SM90_PREFETCH=%s is not supported; allowed: 0 (off) to 64 k-blocks", v);
-    return int(n);
-  }();
-  return d;
-}
-
-// DMOE_SM90_CLUSTER=1 | 2: CTAs per cluster (2: column-tile pairs share their A loads by multicast).
-int cluster_size() {
-  static const int n = [] {
-    const char* v = std::getenv("DMOE_SM90_CLUSTER");
-    if (!v || !*v) return 1;
-    const std::string s(v);
-    DMOE_CUDA_REQUIRE(s == "1" || s == "2", "DMOE_SM90_CLUSTER=%s is not supported; allowed: 1, 2", v);
-    return std::atoi(v);
-  }();
-  return n;
 }
 
 // DMOE_SM90_EPILOGUE=direct (default) | staged: how tiles are written (see TileConfig). Measured on H200
@@ -888,7 +769,7 @@ bool sm90_grouped_gemm_usable(const GroupedGemmNT& g) {
   return device_info().usable;
 }
 
-void sm90_grouped_gemm(const CudaContext& ctx, void* scratch, const GroupedGemmNT& g, const Sm90Tuning& tuning) {
+void sm90_grouped_gemm(const CudaContext& ctx, void* scratch, const GroupedGemmNT& g, const Sm90Tuning& t) {
   DMOE_CUDA_REQUIRE(g.groups >= 0, "sm90_grouped_gemm: groups = %d; must be >= 0", g.groups);
   if (g.groups == 0) return;
   for (int32_t e = 0; e < g.groups; ++e)
@@ -898,46 +779,22 @@ void sm90_grouped_gemm(const CudaContext& ctx, void* scratch, const GroupedGemmN
   DMOE_CUDA_REQUIRE(sm90_grouped_gemm_usable(g),
                     "sm90_grouped_gemm: not usable here (needs an sm_90 GPU, a build for sm_90a, k and n multiples "
                     "of 8 — k = %lld, n = %lld — and 16-byte aligned pointers)", (long long)g.k, (long long)g.n);
-  const Sm90Tuning& t = tuning;
   DMOE_CUDA_REQUIRE(t.block_n == 0 || t.block_n == 128 || t.block_n == 256,
                     "sm90_grouped_gemm: block_n = %d; allowed: 0 (default), 128, 256", t.block_n);
   DMOE_CUDA_REQUIRE(t.epilogue >= 0 && t.epilogue <= 2,
                     "sm90_grouped_gemm: epilogue = %d; allowed: 0 (default), 1 (staged), 2 (direct)", t.epilogue);
-  DMOE_CUDA_REQUIRE(t.cluster >= 0 && t.cluster <= 2, "sm90_grouped_gemm: cluster = %d; allowed: 0 (default), 1, 2",
-                    t.cluster);
-  DMOE_CUDA_REQUIRE(t.prefetch >= -1 && t.prefetch <= 64,
-                    "sm90_grouped_gemm: prefetch = %d; allowed: -1 (default), 0 (off) to 64 k-blocks", t.prefetch);
   const bool staged = t.epilogue == 0 ? staged_epilogue() : t.epilogue == 1;
   const bool wide = (t.block_n == 0 ? column_tile() : t.block_n) == 256;
-  // The staged epilogue runs unpaired (its staging tile leaves no room, and it is opt-in only).
-  const bool pair = !staged && (t.cluster == 0 ? cluster_size() : t.cluster) == 2;
-  const int prefetch = t.prefetch < 0 ? prefetch_distance() : t.prefetch;
-  if (pair)
-    wide ? launch_for<256, false, true>(ctx, scratch, g, prefetch) : launch_for<128, false, true>(ctx, scratch, g, prefetch);
-  else if (wide)
-    staged ? launch_for<256, true, false>(ctx, scratch, g, prefetch) : launch_for<256, false, false>(ctx, scratch, g, prefetch);
+  DMOE_CUDA_REQUIRE(t.leave_out >= 0 && t.leave_out <= 2,
+                    "sm90_grouped_gemm: leave_out = %d; allowed: 0, 1 (no stores), 2 (no products, no stores)",
+                    t.leave_out);
+  const int lo = t.leave_out;
+  // k-blocks of 64 columns: 32 (9 slots of 24 KiB instead of 4 of 48) measured 5-10 % slower on every
+  // config (docs/perf.md), so the kernel is instantiated for 64 only.
+  if (staged)
+    wide ? launch_for<256, 64, true>(ctx, scratch, g, lo) : launch_for<128, 64, true>(ctx, scratch, g, lo);
   else
-    staged ? launch_for<128, true, false>(ctx, scratch, g, prefetch) : launch_for<128, false, false>(ctx, scratch, g, prefetch);
-}
-
-int sm90_pair_clusters() {
-  const auto kernel = grouped_gemm_sm90_kernel<256, false, Activation::relu, false, true>;
-  using Cfg = TileConfig<256, false>;
-  DMOE_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::smem_bytes));
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(2 * device_info().sms);
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = Cfg::smem_bytes;
-  cudaLaunchAttribute cluster{};
-  cluster.id = cudaLaunchAttributeClusterDimension;
-  cluster.val.clusterDim.x = 2;
-  cluster.val.clusterDim.y = 1;
-  cluster.val.clusterDim.z = 1;
-  config.attrs = &cluster;
-  config.numAttrs = 1;
-  int n = 0;
-  DMOE_CHECK_CUDA(cudaOccupancyMaxActiveClusters(&n, kernel, &config));
-  return n;
+    wide ? launch_for<256, 64, false>(ctx, scratch, g, lo) : launch_for<128, 64, false>(ctx, scratch, g, lo);
 }
 
 }  // namespace dmoe::cuda

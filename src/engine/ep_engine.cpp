@@ -227,8 +227,16 @@ void EpEngine::forward(const void* x, void* y, ForwardMode mode) {
   }
   backend_.combine(returned_rows_, plan.slot, weights, y, T, k, H);
 
-  compute_losses();
+  // The router's auxiliary losses are training terms: an inference forward skips their kernels and the
+  // host read they end with.
+  if (keep) compute_losses();
   kept_for_backward_ = keep;
+}
+
+RouterLosses EpEngine::losses() const {
+  DMOE_REQUIRE(kept_for_backward_, "EpEngine::losses: the last forward ran in ForwardMode::inference, which does "
+               "not compute the router's auxiliary losses; run forward(x, y, ForwardMode::train) (the default)");
+  return losses_;
 }
 
 void EpEngine::compute_losses() {

@@ -35,9 +35,10 @@ struct EpOptions {
   int32_t batch_row_multiple = 1;
 };
 
-// What a forward keeps. train: everything backward() needs (the experts' pre-activations, the routing).
-// inference: the experts' pre-activations are not stored — the GPU's fused up-projection then writes only
-// the activation, a third of the bytes for SwiGLU — and backward() refuses to run until a train forward.
+// What a forward keeps. train: everything backward() needs (the experts' pre-activations, the routing) and
+// the router's auxiliary losses. inference: the experts' pre-activations are not stored — the GPU's fused
+// up-projection then writes only the activation, a third of the bytes for SwiGLU — the auxiliary losses are
+// not computed, and backward() and losses() refuse to run until a train forward.
 enum class ForwardMode { train, inference };
 
 struct RouterLosses {
@@ -66,7 +67,8 @@ class EpEngine {
   // Results of the last forward, copied to the host.
   std::vector<int32_t> expert_ids();      // [T, k]
   std::vector<float> expert_weights();    // [T, k]
-  RouterLosses losses() const { return losses_; }
+  // The router's auxiliary losses of the last train forward (an inference forward does not compute them).
+  RouterLosses losses() const;
   const std::vector<int64_t>& routed_counts() const { return routed_; }  // [E] this rank, pre-capacity
   const std::vector<int64_t>& kept_counts() const { return kept_; }      // [E] this rank
   int64_t rows_received() const { return layout_.rows(); }          // expert batch rows (padding included)

@@ -355,7 +355,8 @@ namespace dmoe {
 namespace {
 
 // ForwardMode::inference keeps nothing for the backward pass but must compute the same outputs, bit for
-// bit (the pre-activations go through scratch instead of the kept buffers); backward then refuses.
+// bit (the pre-activations go through scratch instead of the kept buffers); backward and losses() then
+// refuse.
 TEST(Engine, InferenceForwardMatchesTrainForward) {
   for (Activation act : {Activation::relu, Activation::gelu, Activation::swiglu})
     for (DType dtype : {DType::f32, DType::bf16}) {
@@ -382,12 +383,18 @@ TEST(Engine, InferenceForwardMatchesTrainForward) {
         } catch (const Error& e) {
           refused += std::string(e.what()).find("ForwardMode::inference") != std::string::npos;
         }
+        try {
+          (void)engine.losses();
+        } catch (const Error& e) {
+          refused += std::string(e.what()).find("ForwardMode::inference") != std::string::npos;
+        }
         engine.forward(xl.data(), y_train.data(), ForwardMode::train);
         engine.backward(dyl.data(), dx.data());  // allowed again
         SCOPED_TRACE(std::string(activation_name(act)) + " " + dtype_name(dtype) + " rank " + std::to_string(rank));
         expect_identical(y_inf, y_train, "y");
       });
-      EXPECT_EQ(refused.load(), world) << "backward after an inference forward must fail with a clear error";
+      EXPECT_EQ(refused.load(), 2 * world)
+          << "backward and losses after an inference forward must fail with a clear error";
     }
 }
 

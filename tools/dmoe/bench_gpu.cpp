@@ -222,8 +222,8 @@ int run_gpu_gemm_bench(const GpuBenchArgs& a) {
   const auto rows = bench::bench_expert_gemms(c, variants, a.gemm_square, stream);
   std::printf("\n%s — %s on %s (%d SMs): expert GEMMs of dmoe's own kernel, inference (h only)\n",
               a.config_name.c_str(), c.summary().c_str(), prop.name, prop.multiProcessorCount);
-  std::printf("ceilings (this run): bf16 GEMM 8192^3 %.1f TFLOP/s; device copy %.0f GB/s; clusters of 2 resident: "
-              "%d\n", ceil.gemm_flop_per_s * 1e-12, ceil.copy_byte_per_s * 1e-9, cuda::sm90_pair_clusters());
+  std::printf("ceilings (this run): bf16 GEMM 8192^3 %.1f TFLOP/s; device copy %.0f GB/s\n",
+              ceil.gemm_flop_per_s * 1e-12, ceil.copy_byte_per_s * 1e-9);
   std::printf("TFLOP/s = 2*N*n*k / median; tile loads = sum over tiles and k-blocks of (BM + BN rows) * 128 B, "
               "per second\n");
   std::printf("%-10s %-14s %10s %10s %10s %9s %14s\n", "variant", "product", "median us", "min", "max", "TFLOP/s",

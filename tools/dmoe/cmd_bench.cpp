@@ -40,7 +40,7 @@ struct BenchOptions {
   int check_tokens = 8;
   int batch_row_multiple = 1;
   bool alltoall = false;
-  std::string gemm_variants = "c1p0,c1p2,c1p4,c1p8,c2p0,c2p4";
+  std::string gemm_variants = "b256,b256s,b256E,b256M,b128";
   bool gemm_square = false;
 };
 
@@ -98,8 +98,8 @@ Command add_bench_command(CLI::App& app) {
                   "GPU: pad each expert's batch with zero rows to a multiple of this (GEMM tile height)")
       ->check(CLI::PositiveNumber);
   sub->add_option("--variants", o->gemm_variants,
-                  "gemm: kernel variants, comma-separated: c<N> CTAs per cluster, p<N> L2 prefetch distance, "
-                  "b<N> tile width, s staged epilogue (e.g. c1p0,c2p4)");
+                  "gemm: kernel variants, comma-separated: b<N> tile width, s staged / d direct epilogue; to "
+                  "place time (wrong results): E stores left out, M products and stores left out (e.g. b256,b256E)");
   sub->add_flag("--square", o->gemm_square, "gemm: also an 8192^3 product per variant");
   return [o] {
     if (o->what == "gemm") {

@@ -26,18 +26,18 @@ std::vector<GemmVariant> parse_gemm_variants(const std::string& list) {
       while (digits < name.size() && std::isdigit(static_cast<unsigned char>(name[digits]))) ++digits;
       const std::string number = name.substr(i, digits - i);
       i = digits;
-      const bool needs_number = key == 'c' || key == 'p' || key == 'b';
-      DMOE_REQUIRE(!needs_number || !number.empty(), "GEMM variant '{}': '{}' needs a number (e.g. c2, p4, b128)",
-                   name, key);
+      const bool needs_number = key == 'b';
+      DMOE_REQUIRE(!needs_number || !number.empty(), "GEMM variant '{}': '{}' needs a number (e.g. b256)", name,
+                   key);
       switch (key) {
-        case 'c': v.tuning.cluster = std::stoi(number); break;
-        case 'p': v.tuning.prefetch = std::stoi(number); break;
         case 'b': v.tuning.block_n = std::stoi(number); break;
         case 's': v.tuning.epilogue = 1; break;
         case 'd': v.tuning.epilogue = 2; break;
+        case 'E': v.tuning.leave_out = 1; break;  // measurement: stores left out
+        case 'M': v.tuning.leave_out = 2; break;  // measurement: products and stores left out
         default:
-          DMOE_FAIL("GEMM variant '{}': unknown key '{}'; allowed: c<N> (CTAs per cluster), p<N> (L2 prefetch "
-                    "distance), b<N> (tile width), s (staged epilogue), d (direct epilogue)", name, key);
+          DMOE_FAIL("GEMM variant '{}': unknown key '{}'; allowed: b<N> (tile width), "
+                    "s (staged epilogue), d (direct epilogue), E (stores left out), M (products and stores left out)", name, key);
       }
     }
     out.push_back(v);

@@ -23,11 +23,12 @@
 namespace dmoe::bench {
 
 struct GemmVariant {
-  std::string name;  // as parsed: e.g. "c2p4" = cluster 2, prefetch 4; "b128" = 128-column tiles; "s" = staged
+  std::string name;  // as parsed: e.g. "b256" = 256-column tiles; "b128s" = 128 columns, staged epilogue
   cuda::Sm90Tuning tuning;
 };
 
-// "c1p0,c2p4,b128s": c = CTAs per cluster, p = L2 prefetch distance, b = tile width, s = staged epilogue.
+// "b256,b256s,b128": b = tile width, s = staged / d = direct epilogue; for
+// measurement only (wrong results): E = stores left out, M = products and stores left out.
 std::vector<GemmVariant> parse_gemm_variants(const std::string& list);
 
 struct GemmBenchRow {
