@@ -139,12 +139,15 @@ int run_gpu_layer_bench(const GpuBenchArgs& a) {
     std::printf("F = 2*%g*T*k*H*I = %.4g GFLOP/rank; bytes = Le*%g*H*I*s + 2*T*H*s = %.4g MB/rank; "
                 "roofline = max(F/GEMM, bytes/copy) = %.4f ms; comm = %.4g MB/rank/direction\n",
                 m, r.flop * 1e-9, m, r.bytes * 1e-6, r.roofline_ms, r.comm_bytes * 1e-6);
+    std::printf("GEMM ceiling timed in the same rounds as the forwards: %.1f TFLOP/s -> roofline %.4f ms; "
+                "%%roofl* below uses it\n", r.gemm_ceiling_same_rounds * 1e-12, r.roofline_same_rounds_ms);
     std::printf("fwd: forward in inference mode (nothing kept for backward), as the PyTorch peers run it\n");
     std::printf("%-16s %3s %10s %8s %8s %9s %9s %13s  %s\n", "engine", "W", "fwd ms", "min", "max", "TFLOP/s",
                 "%roofl", "tokens/s", "rel.err");
     Row row{r.engine, env.world, r.forward.median_ms, r.forward.min_ms, r.forward.max_ms, r.tflops(),
             r.percent_of_roofline(), r.tokens_per_s(), r.max_rel_error,
-            fmt::format("(vs fp64 CPU, {} tokens)", r.checked_tokens)};
+            fmt::format("(vs fp64 CPU, {} tokens); %roofl* {:.1f}", r.checked_tokens,
+                        r.percent_of_roofline_same_rounds())};
     print_row(row);
     nlohmann::json j = {{"config", a.config_name}, {"config_summary", c.summary()}, {"engine", r.engine},
                         {"world", env.world}, {"gpu", prop.name}, {"forward_ms", r.forward.median_ms},
@@ -153,8 +156,10 @@ int run_gpu_layer_bench(const GpuBenchArgs& a) {
                         {"roofline_ms", r.roofline_ms}, {"percent_of_roofline", r.percent_of_roofline()},
                         {"tflops", r.tflops()}, {"tokens_per_s", r.tokens_per_s()}, {"comm_bytes", r.comm_bytes},
                         {"max_rel_error", r.max_rel_error}, {"gemm_ceiling_tflops", ceil.gemm_flop_per_s * 1e-12},
-                        {"copy_ceiling_gbps", ceil.copy_byte_per_s * 1e-9}};
-    j["forward_train_ms"] = r.forward_train.median_ms;
+                        {"copy_ceiling_gbps", ceil.copy_byte_per_s * 1e-9},
+                        {"forward_train_ms", r.forward_train.median_ms},
+                        {"gemm_ceiling_same_rounds_tflops", r.gemm_ceiling_same_rounds * 1e-12},
+                        {"percent_of_roofline_same_rounds", r.percent_of_roofline_same_rounds()}};
     std::printf("%-16s %3d %10.3f %8.3f %8.3f %9.1f %9.1f  (forward that keeps what backward needs; the row "
                 "above keeps nothing)\n", (r.engine + " train").c_str(), env.world, r.forward_train.median_ms,
                 r.forward_train.min_ms, r.forward_train.max_ms, r.flop / (r.forward_train.median_ms * 1e-3) * 1e-12,

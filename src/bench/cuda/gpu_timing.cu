@@ -123,6 +123,30 @@ Stats GpuTimer::time(const std::function<void()>& fn, const TimingOptions& o) {
   return summarize(ms);
 }
 
+CeilingGemm::CeilingGemm(cudaStream_t stream) : stream_(stream) {
+  for (void** p : {&a_, &b_, &d_}) DMOE_CHECK_CUDA(cudaMalloc(p, size_t(kN) * kN * 2));
+  fill_uniform_bf16(a_, int64_t(kN) * kN, 1, 1.f, stream);
+  fill_uniform_bf16(b_, int64_t(kN) * kN, 2, 1.f, stream);
+  cublasHandle_t handle;
+  DMOE_CHECK_CUBLAS(cublasCreate(&handle));
+  DMOE_CHECK_CUBLAS(cublasSetStream(handle, stream));
+  handle_ = handle;
+}
+
+CeilingGemm::~CeilingGemm() {
+  cublasDestroy(static_cast<cublasHandle_t>(handle_));
+  cudaFree(a_);
+  cudaFree(b_);
+  cudaFree(d_);
+}
+
+void CeilingGemm::run() {
+  const float one = 1.f, zero = 0.f;
+  DMOE_CHECK_CUBLAS(cublasGemmEx(static_cast<cublasHandle_t>(handle_), CUBLAS_OP_N, CUBLAS_OP_N, kN, kN, kN, &one,
+                                 a_, CUDA_R_16BF, kN, b_, CUDA_R_16BF, kN, &zero, d_, CUDA_R_16BF, kN,
+                                 CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
 Ceilings measure_ceilings(cudaStream_t stream) {
   Ceilings c;
   GpuTimer timer(stream);
@@ -132,29 +156,11 @@ Ceilings measure_ceilings(cudaStream_t stream) {
   opts.min_total_ms = 100;
 
   // GEMM ceiling: C[n,n] = A[n,n]·B[n,n], bf16 in, fp32 accumulate, bf16 out; FLOP = 2n³.
-  const int n = 8192;
-  void *a = nullptr, *b = nullptr, *d = nullptr;
-  DMOE_CHECK_CUDA(cudaMalloc(&a, size_t(n) * n * 2));
-  DMOE_CHECK_CUDA(cudaMalloc(&b, size_t(n) * n * 2));
-  DMOE_CHECK_CUDA(cudaMalloc(&d, size_t(n) * n * 2));
-  fill_uniform_bf16(a, int64_t(n) * n, 1, 1.f, stream);
-  fill_uniform_bf16(b, int64_t(n) * n, 2, 1.f, stream);
-  cublasHandle_t handle;
-  DMOE_CHECK_CUBLAS(cublasCreate(&handle));
-  DMOE_CHECK_CUBLAS(cublasSetStream(handle, stream));
-  const float one = 1.f, zero = 0.f;
-  c.gemm = timer.time(
-      [&] {
-        DMOE_CHECK_CUBLAS(cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &one, a, CUDA_R_16BF, n, b,
-                                       CUDA_R_16BF, n, &zero, d, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F,
-                                       CUBLAS_GEMM_DEFAULT));
-      },
-      opts);
-  c.gemm_flop_per_s = 2.0 * n * double(n) * n / (c.gemm.median_ms * 1e-3);
-  cublasDestroy(handle);
-  cudaFree(a);
-  cudaFree(b);
-  cudaFree(d);
+  {
+    CeilingGemm gemm(stream);
+    c.gemm = timer.time([&] { gemm.run(); }, opts);
+    c.gemm_flop_per_s = gemm.flop() / (c.gemm.median_ms * 1e-3);
+  }
 
   // Copy ceiling: 2 GiB device-to-device; bytes moved = 2 × 2 GiB (read + write).
   const size_t bytes = size_t(2) << 30;

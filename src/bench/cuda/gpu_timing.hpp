@@ -59,6 +59,25 @@ struct Ceilings {
 
 Ceilings measure_ceilings(cudaStream_t stream);
 
+// The GEMM ceiling's product (bf16 8192×8192×8192 through cuBLAS, fp32 accumulation) as a piece of work,
+// to be timed in the same rounds as other work (GpuTimer::time_interleaved): a ceiling at the clocks the
+// work itself runs at, where measure_ceilings runs first, on a GPU that has not yet warmed up.
+class CeilingGemm {
+ public:
+  explicit CeilingGemm(cudaStream_t stream);
+  ~CeilingGemm();
+  CeilingGemm(const CeilingGemm&) = delete;
+  CeilingGemm& operator=(const CeilingGemm&) = delete;
+  void run();
+  static double flop() { return 2.0 * kN * double(kN) * kN; }
+
+ private:
+  static constexpr int kN = 8192;
+  cudaStream_t stream_;
+  void *a_ = nullptr, *b_ = nullptr, *d_ = nullptr;
+  void* handle_ = nullptr;  // cublasHandle_t
+};
+
 // Fills a device buffer with uniform values in [-scale, scale) from a counter-based hash of (seed, i):
 // the same on every GPU and run; never zeros (zeros run faster than real data on tensor cores).
 void fill_uniform_f32(float* p, int64_t n, uint64_t seed, float scale, cudaStream_t stream);

@@ -3,6 +3,7 @@
 //   F (FLOP, forward)   = 2·m·T·k·H·I     m = 3 for SwiGLU, else 2 (router excluded; ≈ 2·T·H·E more)
 //   bytes (forward)     = Le·m·H·I·s + 2·T·H·s   weights of the local experts + x read + y written, once
 //   roofline            = max(F / GEMM ceiling, bytes / copy ceiling), ceilings measured in the same run
+//                         (first, on a cool GPU; and the GEMM ceiling again in the forwards' rounds)
 //   TFLOP/s             = F / time;   % of roofline = roofline / time
 //   communication bytes = rows sent to other ranks · H · s, per direction
 //   all-to-all bandwidth = those bytes (spread evenly over the peers) / time of one all-to-all alone
@@ -31,10 +32,13 @@ struct LayerBenchResult {
   Stats alltoall;          // the all-to-all alone (LayerBenchOptions::time_alltoall); iterations = 0 if not
   double alltoall_bytes = 0;  // bytes one rank sends to the other ranks in that all-to-all
   double flop = 0, bytes = 0, roofline_ms = 0, comm_bytes = 0;
+  // The GEMM ceiling timed in the same rounds as the forwards (CeilingGemm), and the roofline from it.
+  double gemm_ceiling_same_rounds = 0, roofline_same_rounds_ms = 0;
   double max_rel_error = 0;  // worst per-token ‖y − y_ref‖ / ‖y_ref‖ over the sample
   int checked_tokens = 0;
   double tflops() const { return flop / (forward.median_ms * 1e-3) * 1e-12; }
   double percent_of_roofline() const { return 100.0 * roofline_ms / forward.median_ms; }
+  double percent_of_roofline_same_rounds() const { return 100.0 * roofline_same_rounds_ms / forward.median_ms; }
   double tokens_per_s() const { return double(config.world) * config.tokens / (forward.median_ms * 1e-3); }
 };
 
