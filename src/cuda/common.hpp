@@ -109,8 +109,6 @@ struct Sm90Tuning {
   int block_n = 0;   // tile width, 128 or 256; 0 = DMOE_SM90_BLOCK_N or 256
   int epilogue = 0;  // 1 staged (shared memory, asynchronous bulk stores), 2 direct (stores from
                      // registers); 0 = DMOE_SM90_EPILOGUE or direct
-  int ctas_per_sm = 0;  // 1: 128×block_n tiles, two consumer warpgroups; 2: two CTAs per SM with one consumer
-                        // each and 128×128 tiles (direct stores); 0 = DMOE_SM90_CTAS_PER_SM or 1
   int leave_out = 0;  // measurement aid, wrong results: 1 = no stores, 2 = no products and no stores (loads
                       // and the pipeline only); times of the variants place the kernel's time in its stages
 };

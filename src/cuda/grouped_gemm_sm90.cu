@@ -45,30 +45,19 @@ namespace dmoe::cuda {
 
 namespace {
 
-constexpr int kBlockM = 128;        // rows per tile: two row blocks of 64 (one wgmma m64 each)
-constexpr int kSmemPerSm = 233472;  // shared memory of an sm_90 SM (228 KiB), 1 KiB of it reserved per CTA
+constexpr int kBlockM = 128;        // rows per tile: two consumer warpgroups of 64
+constexpr int kThreads = 384;       // producer warpgroup + two consumer warpgroups
+constexpr int kConsumers = 2;
+constexpr int kMaxSmem = 232448;    // dynamic shared memory one CTA may opt into on sm_90 (227 KiB)
 
-// kWgs: consumer warpgroups per CTA. 2 (one CTA per SM, 384 threads): each consumer owns one 64-row
-// block of the tile. 1 (two CTAs per SM, 256 threads each, tiles of at most 128 columns): the consumer
-// owns both row blocks, and the SM's two CTAs overlap one's stores with the other's products (the
-// stores are ~20-30 % of the one-CTA kernel's time, docs/perf.md).
-template <int kWgs>
-struct CtaShape {
-  static_assert(kWgs == 1 || kWgs == 2, "one or two consumer warpgroups");
-  static constexpr int threads = 128 * (1 + kWgs);
-  static constexpr int ctas_per_sm = kWgs == 1 ? 2 : 1;
-  static constexpr int row_blocks = 2 / kWgs;  // 64-row blocks per consumer
-  static constexpr int max_smem = kSmemPerSm / ctas_per_sm - 1024;  // dynamic shared memory per CTA
-};
-
-// A k-block is BK = 64 columns (128-byte rows, 128-byte swizzle); BK = 32 (64-byte rows, 64-byte swizzle,
-// twice the slots) measured slower and is not instantiated.
+// A k-block is BK = 64 columns (128-byte rows, 128-byte swizzle) or BK = 32 (64-byte rows, 64-byte
+// swizzle): half the bytes per slot, so twice the slots fit, and the slot the consumers hold back while
+// their last products finish costs half as much of the ring.
 // kStaged: the epilogue goes through a shared-memory staging tile and asynchronous bulk stores (one per
 // row), so that the consumers start the next tile's products while the stores drain; it costs slots,
 // which cost more than the overlap gained on H200 (8-13 % per GEMM, docs/perf.md): opt-in only.
-template <int BN, int BK, bool kStaged, int kWgs>
+template <int BN, int BK, bool kStaged>
 struct TileConfig {
-  static constexpr int kMaxSmem = CtaShape<kWgs>::max_smem;
   static_assert(BK == 64 || BK == 32, "k-blocks of 64 or 32 columns");
   static constexpr int row_bytes = BK * 2;  // one swizzle row
   static constexpr int a_bytes = kBlockM * row_bytes;
@@ -78,7 +67,7 @@ struct TileConfig {
   // chunks of 128 columns, and 32 KiB in all leaves room for 4 slots of a 128×256 tile
   static constexpr int staging_cols = BN < 128 ? BN : 128;
   static constexpr int staging_row_bytes = staging_cols * 2;
-  static constexpr int staging_bytes = kStaged ? kBlockM * staging_row_bytes : 0;
+  static constexpr int staging_bytes = kStaged ? kConsumers * 64 * staging_row_bytes : 0;
   // As many slots as fit beside the staging tile, the barriers and 1 KiB to align the slots to the
   // swizzle atom (at most 16).
   static constexpr int stages_fit = (kMaxSmem - 1024 - staging_bytes - 16 * 16) / stage_bytes;
@@ -329,18 +318,15 @@ __device__ __forceinline__ TileCoord decode_tile(const Sm90Params& p, int32_t t)
 // kFuse: the epilogue also applies the activation A and writes h (GroupedGemmNT). For SwiGLU a tile's BN
 // columns are BN/2 columns of the gate product (B = w1, rows from map_b) followed by the same BN/2 columns
 // of the up product (w3, map_b2), so one thread holds both halves of each h element.
-template <int BN, int BK, int kWgs, bool kFuse, Activation A, bool kStaged>
-__global__ void __launch_bounds__(CtaShape<kWgs>::threads, CtaShape<kWgs>::ctas_per_sm)
+template <int BN, int BK, bool kFuse, Activation A, bool kStaged>
+__global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                              const __grid_constant__ CUtensorMap map_b2, const __grid_constant__ Sm90Params p) {
 #ifdef DMOE_SM90A_DEVICE
   constexpr bool kGated = kFuse && A == Activation::swiglu;
   constexpr int kOutN = kGated ? BN / 2 : BN;  // output columns per tile
-  using Cfg = TileConfig<BN, BK, kStaged, kWgs>;
-  using Shape = CtaShape<kWgs>;
+  using Cfg = TileConfig<BN, BK, kStaged>;
   constexpr int S = Cfg::stages;
-  constexpr int kRowBlocks = Shape::row_blocks;
-  static_assert(kWgs == 2 || (BN <= 128 && !kStaged), "one consumer: at most 128 columns, direct stores");
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const uint32_t slots = smem_u32(smem);
@@ -355,7 +341,7 @@ __global__ void __launch_bounds__(CtaShape<kWgs>::threads, CtaShape<kWgs>::ctas_
   if (threadIdx.x == 0) {
     for (int s = 0; s < S; ++s) {
       mbar_init(full(s), 1);
-      mbar_init(empty(s), kWgs);
+      mbar_init(empty(s), kConsumers);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -389,26 +375,20 @@ __global__ void __launch_bounds__(CtaShape<kWgs>::threads, CtaShape<kWgs>::ctas_
     }
   } else {
     // ---- consumers ----
-    if constexpr (kWgs == 1) asm volatile("setmaxnreg.inc.sync.aligned.u32 216;");
-    else asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
     const int consumer = warpgroup - 1;
     const int warp = (threadIdx.x / 32) % 4;
     const int lane = threadIdx.x % 32;
-    float acc_blocks[kRowBlocks][BN / 2];
+    float acc[BN / 2];
 #pragma unroll
-    for (int b = 0; b < kRowBlocks; ++b)
-#pragma unroll
-      for (int i = 0; i < BN / 2; ++i) acc_blocks[b][i] = 0.f;
+    for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
     uint32_t it = 0;
     for (int32_t t = blockIdx.x; t < p.tiles; t += gridDim.x) {
       const TileCoord tc = decode_tile(p, t);
-      const int64_t wg_row0 = int64_t(tc.m_tile) * kBlockM + consumer * kRowBlocks * 64;  // in the group
-      // Row blocks of this consumer that hold rows of the group: a group's last row tile often holds 64
-      // rows or fewer (experts of ~256 rows: about half of them end with such a tile). A consumer with
-      // none skips its products and stores and only hands the slots back; with one of two, it runs the
-      // products of that one only.
-      const int active = int(min(int64_t(kRowBlocks), max(int64_t(0), (tc.rows - wg_row0 + 63) / 64)));
-      if (active == 0 || p.leave_out == 2) {
+      // A group's last row tile often holds 64 rows or fewer (experts of ~256 rows: about half of them
+      // end with such a tile); the second warpgroup's rows are then all past the group, so it skips its
+      // products and stores and only hands the slots back.
+      if (int64_t(tc.m_tile) * kBlockM + consumer * 64 >= tc.rows || p.leave_out == 2) {
         for (int32_t kb = 0; kb < k_blocks; ++kb, ++it) {
           const int s = int(it % S);
           // Waiting for the slot to be full first keeps the empty barrier's arrivals in step with the
@@ -418,40 +398,30 @@ __global__ void __launch_bounds__(CtaShape<kWgs>::threads, CtaShape<kWgs>::ctas_
         }
         continue;
       }
-      // The main loop over k-blocks for the first `blocks` row blocks (a compile-time count, so that each
-      // variant is straight-line wgmma code).
-      auto main_loop = [&](auto blocks) {
-        constexpr int kBlocks = decltype(blocks)::value;
-        int prev_slot = -1;
-        for (int32_t kb = 0; kb < k_blocks; ++kb, ++it) {
-          const int s = int(it % S);
-          const uint32_t phase = (it / S) & 1;
-          mbar_wait(full(s), phase, 0, s, p);
-          const uint32_t a_base = slot_a(s) + consumer * kRowBlocks * 64 * Cfg::row_bytes;  // this consumer's rows
-          const uint32_t b_base = slot_b(s);
-          wgmma_fence();
+      int prev_slot = -1;
+      for (int32_t kb = 0; kb < k_blocks; ++kb, ++it) {
+        const int s = int(it % S);
+        const uint32_t phase = (it / S) & 1;
+        mbar_wait(full(s), phase, 0, s, p);
+        const uint32_t a_base = slot_a(s) + consumer * 64 * Cfg::row_bytes;  // this warpgroup's 64 rows
+        const uint32_t b_base = slot_b(s);
+        wgmma_fence();
 #pragma unroll
-          for (int kk = 0; kk < BK / 16; ++kk)
-#pragma unroll
-            for (int b = 0; b < kBlocks; ++b)
-              Wgmma<BN>::mma(acc_blocks[b], kmajor_swizzled_desc<Cfg::row_bytes>(a_base + b * 64 * Cfg::row_bytes + kk * 32),
-                             kmajor_swizzled_desc<Cfg::row_bytes>(b_base + kk * 32), (kb > 0 || kk > 0) ? 1 : 0);
-          wgmma_commit();
-          // Keep this k-block's products in flight; the previous one is done, so its slot goes back.
-          wgmma_wait<1>();
-          if (prev_slot >= 0 && threadIdx.x % 128 == 0) mbar_arrive(empty(prev_slot));
-          prev_slot = s;
-        }
-        wgmma_wait<0>();
+        for (int kk = 0; kk < BK / 16; ++kk)
+          Wgmma<BN>::mma(acc, kmajor_swizzled_desc<Cfg::row_bytes>(a_base + kk * 32),
+                         kmajor_swizzled_desc<Cfg::row_bytes>(b_base + kk * 32), (kb > 0 || kk > 0) ? 1 : 0);
+        wgmma_commit();
+        // Keep this k-block's products in flight; the previous one is done, so its slot goes back.
+        wgmma_wait<1>();
         if (prev_slot >= 0 && threadIdx.x % 128 == 0) mbar_arrive(empty(prev_slot));
-      };
-      if (kRowBlocks == 2 && active == 2) main_loop(std::integral_constant<int, kRowBlocks>{});
-      else main_loop(std::integral_constant<int, 1>{});
+        prev_slot = s;
+      }
+      wgmma_wait<0>();
+      if (prev_slot >= 0 && threadIdx.x % 128 == 0) mbar_arrive(empty(prev_slot));
 
       if (p.leave_out != 0) continue;
 
       if constexpr (kStaged) {
-        float (&acc)[BN / 2] = acc_blocks[0];  // (two consumers: one row block each)
         // Staged epilogue, one chunk of (at most) 128 columns of one output matrix at a time: wait until
         // this warpgroup's previous bulk stores have read the staging tile, write the fragments into it,
         // then one lane per row sends the row; the next tile's products start while the stores drain.
@@ -527,15 +497,11 @@ __global__ void __launch_bounds__(CtaShape<kWgs>::threads, CtaShape<kWgs>::ctas_
         continue;
       }
 
-      // Epilogue: accumulator fragment (warp w, lane l) of a row block holds rows 16w + l/4 (+8) and, for
-      // every 8-column block j, columns 8j + 2(l%4) + {0, 1}. The four lanes of a quad trade words
-      // (quad_transpose) so that each stores one whole block: 16-byte stores, 64 contiguous bytes per quad.
+      // Epilogue: accumulator fragment (warp w, lane l) holds rows 16w + l/4 (+8) and, for every 8-column
+      // block j, columns 8j + 2(l%4) + {0, 1}. The four lanes of a quad trade words (quad_transpose) so
+      // that each stores one whole block: 16-byte stores, 64 contiguous bytes per quad.
+      const int64_t row_in_group = int64_t(tc.m_tile) * kBlockM + consumer * 64 + warp * 16 + lane / 4;
       const int q = lane % 4;
-#pragma unroll
-      for (int b = 0; b < kRowBlocks; ++b) {
-      if (b >= active) break;
-      float (&acc)[BN / 2] = acc_blocks[b];
-      const int64_t row_in_group = wg_row0 + b * 64 + warp * 16 + lane / 4;
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int64_t r = row_in_group + 8 * half;
@@ -583,7 +549,6 @@ __global__ void __launch_bounds__(CtaShape<kWgs>::threads, CtaShape<kWgs>::ctas_
           }
         }
       }
-      }  // row blocks
     }
     if constexpr (kStaged) bulk_wait_all();  // the staging tile must outlive its stores
   }
@@ -692,11 +657,10 @@ int column_tile() {
   return bn;
 }
 
-template <int BN, int BK, int kWgs, bool kFuse, Activation A, bool kStaged>
+template <int BN, int BK, bool kFuse, Activation A, bool kStaged>
 void launch(const CudaContext& ctx, void* scratch, const GroupedGemmNT& g, int leave_out) {
-  using Cfg = TileConfig<BN, BK, kStaged, kWgs>;
-  using Shape = CtaShape<kWgs>;
-  const auto kernel = grouped_gemm_sm90_kernel<BN, BK, kWgs, kFuse, A, kStaged>;
+  using Cfg = TileConfig<BN, BK, kStaged>;
+  const auto kernel = grouped_gemm_sm90_kernel<BN, BK, kFuse, A, kStaged>;
   constexpr bool kGated = kFuse && A == Activation::swiglu;
   constexpr int kOutN = kGated ? BN / 2 : BN;
   const int32_t n_tiles = int32_t((g.n + kOutN - 1) / kOutN);
@@ -749,35 +713,22 @@ void launch(const CudaContext& ctx, void* scratch, const GroupedGemmNT& g, int l
       attribute_set[device] = true;
     }
   }
-  const int blocks = std::min(tiles, Shape::ctas_per_sm * device_info().sms);
-  kernel<<<blocks, Shape::threads, Cfg::smem_bytes, ctx.stream>>>(map_a, map_b, map_b2, p);
+  const int blocks = std::min(tiles, device_info().sms);
+  kernel<<<blocks, kThreads, Cfg::smem_bytes, ctx.stream>>>(map_a, map_b, map_b2, p);
   DMOE_CHECK_LAUNCH();
 }
 
-template <int BN, int kWgs, bool kStaged>
+template <int BN, int BK, bool kStaged>
 void launch_for(const CudaContext& ctx, void* scratch, const GroupedGemmNT& g, int leave_out) {
-  constexpr int BK = 64;
-  if (g.h == nullptr) return launch<BN, BK, kWgs, false, Activation::relu, kStaged>(ctx, scratch, g, leave_out);
+  if (g.h == nullptr) return launch<BN, BK, false, Activation::relu, kStaged>(ctx, scratch, g, leave_out);
   switch (g.activation) {
     case Activation::relu:
-      return launch<BN, BK, kWgs, true, Activation::relu, kStaged>(ctx, scratch, g, leave_out);
+      return launch<BN, BK, true, Activation::relu, kStaged>(ctx, scratch, g, leave_out);
     case Activation::gelu:
-      return launch<BN, BK, kWgs, true, Activation::gelu, kStaged>(ctx, scratch, g, leave_out);
+      return launch<BN, BK, true, Activation::gelu, kStaged>(ctx, scratch, g, leave_out);
     case Activation::swiglu:
-      return launch<BN, BK, kWgs, true, Activation::swiglu, kStaged>(ctx, scratch, g, leave_out);
+      return launch<BN, BK, true, Activation::swiglu, kStaged>(ctx, scratch, g, leave_out);
   }
-}
-
-// DMOE_SM90_CTAS_PER_SM=1 | 2 (CtaShape).
-int ctas_per_sm() {
-  static const int n = [] {
-    const char* v = std::getenv("DMOE_SM90_CTAS_PER_SM");
-    if (!v || !*v) return 1;
-    const std::string s(v);
-    DMOE_CUDA_REQUIRE(s == "1" || s == "2", "DMOE_SM90_CTAS_PER_SM=%s is not supported; allowed: 1, 2", v);
-    return std::atoi(v);
-  }();
-  return n;
 }
 
 // DMOE_SM90_EPILOGUE=direct (default) | staged: how tiles are written (see TileConfig). Measured on H200
@@ -832,26 +783,18 @@ void sm90_grouped_gemm(const CudaContext& ctx, void* scratch, const GroupedGemmN
                     "sm90_grouped_gemm: block_n = %d; allowed: 0 (default), 128, 256", t.block_n);
   DMOE_CUDA_REQUIRE(t.epilogue >= 0 && t.epilogue <= 2,
                     "sm90_grouped_gemm: epilogue = %d; allowed: 0 (default), 1 (staged), 2 (direct)", t.epilogue);
-  DMOE_CUDA_REQUIRE(t.ctas_per_sm >= 0 && t.ctas_per_sm <= 2,
-                    "sm90_grouped_gemm: ctas_per_sm = %d; allowed: 0 (default), 1, 2", t.ctas_per_sm);
-  const bool two = (t.ctas_per_sm == 0 ? ctas_per_sm() : t.ctas_per_sm) == 2;
-  DMOE_CUDA_REQUIRE(!two || (t.block_n != 256 && t.epilogue != 1),
-                    "sm90_grouped_gemm: two CTAs per SM take tiles of 128 columns and direct stores (block_n = %d, "
-                    "epilogue = %d)", t.block_n, t.epilogue);
-  const bool staged = !two && (t.epilogue == 0 ? staged_epilogue() : t.epilogue == 1);
-  const bool wide = !two && (t.block_n == 0 ? column_tile() : t.block_n) == 256;
+  const bool staged = t.epilogue == 0 ? staged_epilogue() : t.epilogue == 1;
+  const bool wide = (t.block_n == 0 ? column_tile() : t.block_n) == 256;
   DMOE_CUDA_REQUIRE(t.leave_out >= 0 && t.leave_out <= 2,
                     "sm90_grouped_gemm: leave_out = %d; allowed: 0, 1 (no stores), 2 (no products, no stores)",
                     t.leave_out);
   const int lo = t.leave_out;
   // k-blocks of 64 columns: 32 (9 slots of 24 KiB instead of 4 of 48) measured 5-10 % slower on every
   // config (docs/perf.md), so the kernel is instantiated for 64 only.
-  if (two)
-    launch_for<128, 1, false>(ctx, scratch, g, lo);
-  else if (staged)
-    wide ? launch_for<256, 2, true>(ctx, scratch, g, lo) : launch_for<128, 2, true>(ctx, scratch, g, lo);
+  if (staged)
+    wide ? launch_for<256, 64, true>(ctx, scratch, g, lo) : launch_for<128, 64, true>(ctx, scratch, g, lo);
   else
-    wide ? launch_for<256, 2, false>(ctx, scratch, g, lo) : launch_for<128, 2, false>(ctx, scratch, g, lo);
+    wide ? launch_for<256, 64, false>(ctx, scratch, g, lo) : launch_for<128, 64, false>(ctx, scratch, g, lo);
 }
 
 }  // namespace dmoe::cuda

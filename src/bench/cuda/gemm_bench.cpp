@@ -26,18 +26,17 @@ std::vector<GemmVariant> parse_gemm_variants(const std::string& list) {
       while (digits < name.size() && std::isdigit(static_cast<unsigned char>(name[digits]))) ++digits;
       const std::string number = name.substr(i, digits - i);
       i = digits;
-      const bool needs_number = key == 'b' || key == 'c';
-      DMOE_REQUIRE(!needs_number || !number.empty(), "GEMM variant '{}': '{}' needs a number (e.g. b256, c2)",
-                   name, key);
+      const bool needs_number = key == 'b';
+      DMOE_REQUIRE(!needs_number || !number.empty(), "GEMM variant '{}': '{}' needs a number (e.g. b256)", name,
+                   key);
       switch (key) {
         case 'b': v.tuning.block_n = std::stoi(number); break;
-        case 'c': v.tuning.ctas_per_sm = std::stoi(number); break;
         case 's': v.tuning.epilogue = 1; break;
         case 'd': v.tuning.epilogue = 2; break;
         case 'E': v.tuning.leave_out = 1; break;  // measurement: stores left out
         case 'M': v.tuning.leave_out = 2; break;  // measurement: products and stores left out
         default:
-          DMOE_FAIL("GEMM variant '{}': unknown key '{}'; allowed: b<N> (tile width), c<N> (CTAs per SM), "
+          DMOE_FAIL("GEMM variant '{}': unknown key '{}'; allowed: b<N> (tile width), "
                     "s (staged epilogue), d (direct epilogue), E (stores left out), M (products and stores left out)", name, key);
       }
     }
@@ -126,7 +125,7 @@ std::vector<GemmBenchRow> bench_expert_gemms(const MoeConfig& c, const std::vect
   const double up_flop = 2.0 * double(N) * double(swiglu ? 2 * I : I) * double(H);
   const double down_flop = 2.0 * double(N) * double(H) * double(I);
   for (const GemmVariant& v : variants) {
-    const int bn = v.tuning.ctas_per_sm == 2 ? 128 : v.tuning.block_n == 0 ? 256 : v.tuning.block_n;
+    const int bn = v.tuning.block_n == 0 ? 256 : v.tuning.block_n;
     rows.push_back({v.name, "up", {}, up_flop, tile_loads(local, I, H, swiglu ? bn / 2 : bn, bn)});
     work.push_back([&, v] { cuda::sm90_grouped_gemm(ctx, scratch, up, v.tuning); });
     rows.push_back({v.name, "down", {}, down_flop, tile_loads(local, H, I, bn, bn)});
@@ -144,7 +143,7 @@ std::vector<GemmBenchRow> bench_expert_gemms(const MoeConfig& c, const std::vect
     fill_uniform_bf16(b->p, S * S, seed + 7, 1.0f, stream);
     g = cuda::GroupedGemmNT{a->bf16(), b->bf16(), cc->bf16(), one.data(), 1, S, S};
     for (const GemmVariant& v : variants) {
-      const int bn = v.tuning.ctas_per_sm == 2 ? 128 : v.tuning.block_n == 0 ? 256 : v.tuning.block_n;
+      const int bn = v.tuning.block_n == 0 ? 256 : v.tuning.block_n;
       rows.push_back({v.name, "square 8192^3", {}, 2.0 * double(S) * S * S, tile_loads(one, S, S, bn, bn)});
       work.push_back([&, v] { cuda::sm90_grouped_gemm(ctx, scratch, g, v.tuning); });
     }

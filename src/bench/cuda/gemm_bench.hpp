@@ -27,7 +27,7 @@ struct GemmVariant {
   cuda::Sm90Tuning tuning;
 };
 
-// "b256,b256s,b128,c2": b = tile width, c = CTAs per SM, s = staged / d = direct epilogue; for
+// "b256,b256s,b128": b = tile width, s = staged / d = direct epilogue; for
 // measurement only (wrong results): E = stores left out, M = products and stores left out.
 std::vector<GemmVariant> parse_gemm_variants(const std::string& list);
 
