@@ -109,8 +109,6 @@ struct Sm90Tuning {
   int block_n = 0;   // tile width, 128 or 256; 0 = DMOE_SM90_BLOCK_N or 256
   int epilogue = 0;  // 1 staged (shared memory, asynchronous bulk stores), 2 direct (stores from
                      // registers); 0 = DMOE_SM90_EPILOGUE or direct
-  int prefetch_warp = -1;  // k-blocks a warp of the producer warpgroup prefetches the B lines into L2 ahead
-                           // of the loads; 0 = off; -1 = DMOE_SM90_PREFETCH_WARP or off
   int leave_out = 0;  // measurement aid, wrong results: 1 = no stores, 2 = no products and no stores (loads
                       // and the pipeline only); times of the variants place the kernel's time in its stages
 };

@@ -72,7 +72,7 @@ struct TileConfig {
   // swizzle atom (at most 16).
   static constexpr int stages_fit = (kMaxSmem - 1024 - staging_bytes - 16 * 16) / stage_bytes;
   static constexpr int stages = stages_fit < 16 ? stages_fit : 16;
-  static constexpr int smem_bytes = stages * stage_bytes + staging_bytes + 2 * stages * 8 + 16 + 1024;
+  static constexpr int smem_bytes = stages * stage_bytes + staging_bytes + 2 * stages * 8 + 1024;
   static_assert(stages >= 2 && smem_bytes <= kMaxSmem, "tile does not fit in shared memory");
 };
 
@@ -87,9 +87,6 @@ struct Sm90Params {
   int32_t tiles;
   int32_t n_tiles;              // column tiles per group
   int32_t leave_out;            // measurement aid (Sm90Tuning::leave_out): 1 no stores, 2 no products either
-  int32_t prefetch_ahead;       // k-blocks the prefetch warp runs ahead of the loads (0: no prefetch warp)
-  const __nv_bfloat16* b;       // B (and B2) again, for the prefetch warp's addresses
-  const __nv_bfloat16* b2;
   unsigned long long timeout_ns;
   DeviceWaitRecord* wait_record;  // host-mapped; written only when a wait times out
 };
@@ -132,23 +129,6 @@ __device__ __forceinline__ unsigned long long global_time_ns() {
   return t;
 }
 
-// Fails a wait that ran past the time limit: records what it waited for (check.hpp) and traps.
-__device__ __forceinline__ void wait_timed_out(int what, int slot, uint32_t parity, unsigned long long waited,
-                                            const Sm90Params& p) {
-  DeviceWaitRecord* r = p.wait_record;
-  r->kernel = kWaitSm90GroupedGemm;
-  r->what = what;
-  r->block = int(blockIdx.x);
-  r->thread = int(threadIdx.x);
-  r->slot = slot;
-  r->parity = parity;
-  r->waited_ms = waited / 1000000ull;
-  __threadfence_system();
-  *reinterpret_cast<volatile int*>(&r->set) = 1;
-  __threadfence_system();
-  __trap();
-}
-
 // Waits for the phase of `bar` with the given parity to complete. Past the time limit it writes what it
 // waited for into the host-mapped record (check.hpp) and traps. No printf: a call inside the consumers'
 // wgmma pipeline would make ptxas serialise the wgmma instructions.
@@ -157,7 +137,20 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity, int wha
   const unsigned long long start = global_time_ns();
   while (!mbar_try_wait(bar, parity)) {
     const unsigned long long waited = global_time_ns() - start;
-    if (waited > p.timeout_ns) wait_timed_out(what, slot, parity, waited, p);
+    if (waited > p.timeout_ns) {
+      DeviceWaitRecord* r = p.wait_record;
+      r->kernel = kWaitSm90GroupedGemm;
+      r->what = what;
+      r->block = int(blockIdx.x);
+      r->thread = int(threadIdx.x);
+      r->slot = slot;
+      r->parity = parity;
+      r->waited_ms = waited / 1000000ull;
+      __threadfence_system();
+      *reinterpret_cast<volatile int*>(&r->set) = 1;
+      __threadfence_system();
+      __trap();
+    }
   }
 }
 
@@ -338,9 +331,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const uint32_t slots = smem_u32(smem);
   const uint32_t staging = slots + S * Cfg::stage_bytes;
-  const uint32_t bars = staging + Cfg::staging_bytes;  // full[S], then empty[S], then the issue counter
-  // k-blocks the producer has issued, for the prefetch warp (written by the producer thread only)
-  volatile uint32_t* issued = reinterpret_cast<volatile uint32_t*>(smem + (bars - slots) + 16 * S);
+  const uint32_t bars = staging + Cfg::staging_bytes;  // full[S], then empty[S]
   auto slot_a = [&](int s) { return slots + s * Cfg::stage_bytes; };
   auto slot_b = [&](int s) { return slots + s * Cfg::stage_bytes + Cfg::a_bytes; };
   auto full = [&](int s) { return bars + 8 * s; };
@@ -353,7 +344,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_init(empty(s), kConsumers);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    *issued = 0;
   }
   __syncthreads();
 
@@ -380,40 +370,6 @@ __global__ void __launch_bounds__(kThreads, 1)
           tma_load_2d(slot_a(s), &map_a, kb * BK, a_row, full(s));
           tma_load_2d(slot_b(s), &map_b, kb * BK, b_row, full(s));
           if constexpr (kGated) tma_load_2d(slot_b(s) + kOutN * Cfg::row_bytes, &map_b2, kb * BK, b_row, full(s));
-          if (p.prefetch_ahead > 0) *issued = it + 1;
-        }
-      }
-    } else if (threadIdx.x / 32 == 1 && p.prefetch_ahead > 0) {
-      // Prefetch warp: walks the producer's sequence of (tile, k-block) `prefetch_ahead` k-blocks ahead of
-      // it and asks L2 for the B (weight) lines of each, so that the TMA load finds them there instead of
-      // waiting on DRAM. Plain prefetches from this otherwise idle warp; the TMA unit is not involved.
-      const int lane = threadIdx.x % 32;
-      const uint32_t ahead = uint32_t(p.prefetch_ahead);
-      const int64_t b_rows = int64_t(p.groups) * p.n;
-      uint32_t target = 0;  // the iteration whose lines are prefetched next
-      for (int32_t t = blockIdx.x; t < p.tiles; t += gridDim.x) {
-        const TileCoord tc = decode_tile(p, t);
-        const int64_t b_row = int64_t(tc.group) * p.n + int64_t(tc.n_tile) * kOutN;
-        for (int32_t kb = 0; kb < k_blocks; ++kb, ++target) {
-          // At most `ahead` k-blocks ahead of the producer's issue (which waits on the consumers).
-          if (*issued + ahead < target + 1) {
-            const unsigned long long start = global_time_ns();
-            while (*issued + ahead < target + 1) {
-              __nanosleep(256);
-              const unsigned long long waited = global_time_ns() - start;
-              if (waited > p.timeout_ns) wait_timed_out(2, int(target % S), 0, waited, p);
-            }
-          }
-          constexpr int kRows = kGated ? 2 * kOutN : kOutN;  // B rows of one k-block
-#pragma unroll
-          for (int i = lane; i < kRows; i += 32) {
-            const bool second = kGated && i >= kOutN;
-            const int64_t row = b_row + (second ? i - kOutN : i);
-            if (row < b_rows) {
-              const __nv_bfloat16* line = (second ? p.b2 : p.b) + row * p.k + int64_t(kb) * BK;
-              asm volatile("prefetch.global.L2 [%0];" ::"l"(line) : "memory");
-            }
-          }
         }
       }
     }
@@ -702,7 +658,7 @@ int column_tile() {
 }
 
 template <int BN, int BK, bool kFuse, Activation A, bool kStaged>
-void launch(const CudaContext& ctx, void* scratch, const GroupedGemmNT& g, int leave_out, int prefetch_ahead) {
+void launch(const CudaContext& ctx, void* scratch, const GroupedGemmNT& g, int leave_out) {
   using Cfg = TileConfig<BN, BK, kStaged>;
   const auto kernel = grouped_gemm_sm90_kernel<BN, BK, kFuse, A, kStaged>;
   constexpr bool kGated = kFuse && A == Activation::swiglu;
@@ -741,9 +697,6 @@ void launch(const CudaContext& ctx, void* scratch, const GroupedGemmNT& g, int l
   p.tiles = tiles;
   p.n_tiles = n_tiles;
   p.leave_out = leave_out;
-  p.prefetch_ahead = prefetch_ahead;
-  p.b = g.b;
-  p.b2 = g.b2;
   p.timeout_ns = wait_timeout_ns();
   p.wait_record = device_wait_record();
 
@@ -766,30 +719,16 @@ void launch(const CudaContext& ctx, void* scratch, const GroupedGemmNT& g, int l
 }
 
 template <int BN, int BK, bool kStaged>
-void launch_for(const CudaContext& ctx, void* scratch, const GroupedGemmNT& g, int lo, int pf) {
-  if (g.h == nullptr) return launch<BN, BK, false, Activation::relu, kStaged>(ctx, scratch, g, lo, pf);
+void launch_for(const CudaContext& ctx, void* scratch, const GroupedGemmNT& g, int leave_out) {
+  if (g.h == nullptr) return launch<BN, BK, false, Activation::relu, kStaged>(ctx, scratch, g, leave_out);
   switch (g.activation) {
     case Activation::relu:
-      return launch<BN, BK, true, Activation::relu, kStaged>(ctx, scratch, g, lo, pf);
+      return launch<BN, BK, true, Activation::relu, kStaged>(ctx, scratch, g, leave_out);
     case Activation::gelu:
-      return launch<BN, BK, true, Activation::gelu, kStaged>(ctx, scratch, g, lo, pf);
+      return launch<BN, BK, true, Activation::gelu, kStaged>(ctx, scratch, g, leave_out);
     case Activation::swiglu:
-      return launch<BN, BK, true, Activation::swiglu, kStaged>(ctx, scratch, g, lo, pf);
+      return launch<BN, BK, true, Activation::swiglu, kStaged>(ctx, scratch, g, leave_out);
   }
-}
-
-// DMOE_SM90_PREFETCH_WARP=D: k-blocks the prefetch warp runs ahead of the loads (0 = no prefetch warp).
-int prefetch_warp_ahead() {
-  static const int d = [] {
-    const char* v = std::getenv("DMOE_SM90_PREFETCH_WARP");
-    if (!v || !*v) return 0;
-    char* end = nullptr;
-    const long n = std::strtol(v, &end, 10);
-    DMOE_CUDA_REQUIRE(*end == '\0' && n >= 0 && n <= 64,
-                      "DMOE_SM90_PREFETCH_WARP=%s is not supported; allowed: 0 (off) to 64 k-blocks", v);
-    return int(n);
-  }();
-  return d;
 }
 
 // DMOE_SM90_EPILOGUE=direct (default) | staged: how tiles are written (see TileConfig). Measured on H200
@@ -850,16 +789,12 @@ void sm90_grouped_gemm(const CudaContext& ctx, void* scratch, const GroupedGemmN
                     "sm90_grouped_gemm: leave_out = %d; allowed: 0, 1 (no stores), 2 (no products, no stores)",
                     t.leave_out);
   const int lo = t.leave_out;
-  DMOE_CUDA_REQUIRE(t.prefetch_warp >= -1 && t.prefetch_warp <= 64,
-                    "sm90_grouped_gemm: prefetch_warp = %d; allowed: -1 (default), 0 (off) to 64 k-blocks",
-                    t.prefetch_warp);
-  const int pf = t.prefetch_warp < 0 ? prefetch_warp_ahead() : t.prefetch_warp;
   // k-blocks of 64 columns: 32 (9 slots of 24 KiB instead of 4 of 48) measured 5-10 % slower on every
   // config (docs/perf.md), so the kernel is instantiated for 64 only.
   if (staged)
-    wide ? launch_for<256, 64, true>(ctx, scratch, g, lo, pf) : launch_for<128, 64, true>(ctx, scratch, g, lo, pf);
+    wide ? launch_for<256, 64, true>(ctx, scratch, g, lo) : launch_for<128, 64, true>(ctx, scratch, g, lo);
   else
-    wide ? launch_for<256, 64, false>(ctx, scratch, g, lo, pf) : launch_for<128, 64, false>(ctx, scratch, g, lo, pf);
+    wide ? launch_for<256, 64, false>(ctx, scratch, g, lo) : launch_for<128, 64, false>(ctx, scratch, g, lo);
 }
 
 }  // namespace dmoe::cuda

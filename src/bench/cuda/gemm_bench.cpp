@@ -26,18 +26,17 @@ std::vector<GemmVariant> parse_gemm_variants(const std::string& list) {
       while (digits < name.size() && std::isdigit(static_cast<unsigned char>(name[digits]))) ++digits;
       const std::string number = name.substr(i, digits - i);
       i = digits;
-      const bool needs_number = key == 'b' || key == 'w';
-      DMOE_REQUIRE(!needs_number || !number.empty(), "GEMM variant '{}': '{}' needs a number (e.g. b256, w4)",
-                   name, key);
+      const bool needs_number = key == 'b';
+      DMOE_REQUIRE(!needs_number || !number.empty(), "GEMM variant '{}': '{}' needs a number (e.g. b256)", name,
+                   key);
       switch (key) {
         case 'b': v.tuning.block_n = std::stoi(number); break;
-        case 'w': v.tuning.prefetch_warp = std::stoi(number); break;
         case 's': v.tuning.epilogue = 1; break;
         case 'd': v.tuning.epilogue = 2; break;
         case 'E': v.tuning.leave_out = 1; break;  // measurement: stores left out
         case 'M': v.tuning.leave_out = 2; break;  // measurement: products and stores left out
         default:
-          DMOE_FAIL("GEMM variant '{}': unknown key '{}'; allowed: b<N> (tile width), w<N> (prefetch warp distance), "
+          DMOE_FAIL("GEMM variant '{}': unknown key '{}'; allowed: b<N> (tile width), "
                     "s (staged epilogue), d (direct epilogue), E (stores left out), M (products and stores left out)", name, key);
       }
     }
