@@ -107,7 +107,6 @@ size_t sm90_grouped_gemm_scratch_bytes(int32_t groups);
 // How the kernel runs; 0 fields take the environment's setting or the measured default.
 struct Sm90Tuning {
   int block_n = 0;   // tile width, 128 or 256; 0 = DMOE_SM90_BLOCK_N or 256
-  int block_m = 0;   // tile height, 128 or 256 (256: 128 columns, direct stores); 0 = DMOE_SM90_BLOCK_M or 128
   int epilogue = 0;  // 1 staged (shared memory, asynchronous bulk stores), 2 direct (stores from
                      // registers); 0 = DMOE_SM90_EPILOGUE or direct
   int leave_out = 0;  // measurement aid, wrong results: 1 = no stores, 2 = no products and no stores (loads

@@ -45,9 +45,7 @@ namespace dmoe::cuda {
 
 namespace {
 
-// Rows per tile, BM: 128 (each consumer warpgroup owns one 64-row block) or 256 (two blocks each, tiles
-// of at most 128 columns so that the accumulators fit): a weight slice then serves 256 rows per read.
-constexpr int kMaxBlockM = 256;
+constexpr int kBlockM = 128;        // rows per tile: two consumer warpgroups of 64
 constexpr int kThreads = 384;       // producer warpgroup + two consumer warpgroups
 constexpr int kConsumers = 2;
 constexpr int kMaxSmem = 232448;    // dynamic shared memory one CTA may opt into on sm_90 (227 KiB)
@@ -58,12 +56,11 @@ constexpr int kMaxSmem = 232448;    // dynamic shared memory one CTA may opt int
 // kStaged: the epilogue goes through a shared-memory staging tile and asynchronous bulk stores (one per
 // row), so that the consumers start the next tile's products while the stores drain; it costs slots,
 // which cost more than the overlap gained on H200 (8-13 % per GEMM, docs/perf.md): opt-in only.
-template <int BN, int BK, bool kStaged, int BM = 128>
+template <int BN, int BK, bool kStaged>
 struct TileConfig {
-  static_assert(BM == 128 || (BM == 256 && BN <= 128 && !kStaged), "256-row tiles: <= 128 columns, direct stores");
   static_assert(BK == 64 || BK == 32, "k-blocks of 64 or 32 columns");
   static constexpr int row_bytes = BK * 2;  // one swizzle row
-  static constexpr int a_bytes = BM * row_bytes;
+  static constexpr int a_bytes = kBlockM * row_bytes;
   static constexpr int b_bytes = BN * row_bytes;
   static constexpr int stage_bytes = a_bytes + b_bytes;
   // staging: per consumer 64 rows of (at most) 128 output columns, unpadded — a tile's outputs leave in
@@ -304,13 +301,12 @@ struct TileCoord {
   int32_t group, m_tile, n_tile;
 };
 
-template <int BM>
 __device__ __forceinline__ TileCoord decode_tile(const Sm90Params& p, int32_t t) {
   TileCoord tc;
   tc.group = find_group(p.tile_offsets, p.groups, t);
   tc.row_begin = __ldg(p.row_offsets + tc.group);
   tc.rows = __ldg(p.row_offsets + tc.group + 1) - tc.row_begin;
-  const int32_t m_tiles = int32_t((tc.rows + BM - 1) / BM);
+  const int32_t m_tiles = int32_t((tc.rows + kBlockM - 1) / kBlockM);
   const int32_t local = t - __ldg(p.tile_offsets + tc.group);
   tc.m_tile = local % m_tiles;
   tc.n_tile = local / m_tiles;
@@ -322,16 +318,15 @@ __device__ __forceinline__ TileCoord decode_tile(const Sm90Params& p, int32_t t)
 // kFuse: the epilogue also applies the activation A and writes h (GroupedGemmNT). For SwiGLU a tile's BN
 // columns are BN/2 columns of the gate product (B = w1, rows from map_b) followed by the same BN/2 columns
 // of the up product (w3, map_b2), so one thread holds both halves of each h element.
-template <int BN, int BK, int BM, bool kFuse, Activation A, bool kStaged>
+template <int BN, int BK, bool kFuse, Activation A, bool kStaged>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                              const __grid_constant__ CUtensorMap map_b2, const __grid_constant__ Sm90Params p) {
 #ifdef DMOE_SM90A_DEVICE
   constexpr bool kGated = kFuse && A == Activation::swiglu;
   constexpr int kOutN = kGated ? BN / 2 : BN;  // output columns per tile
-  using Cfg = TileConfig<BN, BK, kStaged, BM>;
+  using Cfg = TileConfig<BN, BK, kStaged>;
   constexpr int S = Cfg::stages;
-  constexpr int kRowBlocks = BM / 128;  // 64-row blocks per consumer warpgroup
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const uint32_t slots = smem_u32(smem);
@@ -364,8 +359,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&map_b2)) : "memory");
       uint32_t it = 0;
       for (int32_t t = blockIdx.x; t < p.tiles; t += gridDim.x) {
-        const TileCoord tc = decode_tile<BM>(p, t);
-        const int32_t a_row = int32_t(tc.row_begin + int64_t(tc.m_tile) * BM);
+        const TileCoord tc = decode_tile(p, t);
+        const int32_t a_row = int32_t(tc.row_begin + int64_t(tc.m_tile) * kBlockM);
         const int32_t b_row = int32_t(int64_t(tc.group) * p.n + int64_t(tc.n_tile) * kOutN);
         for (int32_t kb = 0; kb < k_blocks; ++kb, ++it) {
           const int s = int(it % S);
@@ -384,21 +379,16 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int consumer = warpgroup - 1;
     const int warp = (threadIdx.x / 32) % 4;
     const int lane = threadIdx.x % 32;
-    float acc_blocks[kRowBlocks][BN / 2];
+    float acc[BN / 2];
 #pragma unroll
-    for (int b = 0; b < kRowBlocks; ++b)
-#pragma unroll
-      for (int i = 0; i < BN / 2; ++i) acc_blocks[b][i] = 0.f;
+    for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
     uint32_t it = 0;
     for (int32_t t = blockIdx.x; t < p.tiles; t += gridDim.x) {
-      const TileCoord tc = decode_tile<BM>(p, t);
-      const int64_t wg_row0 = int64_t(tc.m_tile) * BM + consumer * (BM / 2);  // this consumer's first row
-      // Row blocks of this consumer holding rows of the group. A group's last row tile is often partly
-      // empty (experts of ~256 rows: about half end with a tile of 64 rows or fewer at BM = 128); a
-      // consumer with no rows there skips its products and stores and only hands the slots back, and one
-      // with one of two blocks runs that block's products only.
-      const int active = int(min(int64_t(kRowBlocks), max(int64_t(0), (tc.rows - wg_row0 + 63) / 64)));
-      if (active == 0 || p.leave_out == 2) {
+      const TileCoord tc = decode_tile(p, t);
+      // A group's last row tile often holds 64 rows or fewer (experts of ~256 rows: about half of them
+      // end with such a tile); the second warpgroup's rows are then all past the group, so it skips its
+      // products and stores and only hands the slots back.
+      if (int64_t(tc.m_tile) * kBlockM + consumer * 64 >= tc.rows || p.leave_out == 2) {
         for (int32_t kb = 0; kb < k_blocks; ++kb, ++it) {
           const int s = int(it % S);
           // Waiting for the slot to be full first keeps the empty barrier's arrivals in step with the
@@ -408,41 +398,30 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
         continue;
       }
-      // The main loop over k-blocks for the first `blocks` row blocks (a compile-time count, so that each
-      // variant is straight-line wgmma code).
-      auto main_loop = [&](auto blocks) {
-        constexpr int kBlocks = decltype(blocks)::value;
-        int prev_slot = -1;
-        for (int32_t kb = 0; kb < k_blocks; ++kb, ++it) {
-          const int s = int(it % S);
-          const uint32_t phase = (it / S) & 1;
-          mbar_wait(full(s), phase, 0, s, p);
-          const uint32_t a_base = slot_a(s) + consumer * (BM / 2) * Cfg::row_bytes;  // this consumer's rows
-          const uint32_t b_base = slot_b(s);
-          wgmma_fence();
+      int prev_slot = -1;
+      for (int32_t kb = 0; kb < k_blocks; ++kb, ++it) {
+        const int s = int(it % S);
+        const uint32_t phase = (it / S) & 1;
+        mbar_wait(full(s), phase, 0, s, p);
+        const uint32_t a_base = slot_a(s) + consumer * 64 * Cfg::row_bytes;  // this warpgroup's 64 rows
+        const uint32_t b_base = slot_b(s);
+        wgmma_fence();
 #pragma unroll
-          for (int kk = 0; kk < BK / 16; ++kk)
-#pragma unroll
-            for (int b = 0; b < kBlocks; ++b)
-              Wgmma<BN>::mma(acc_blocks[b],
-                             kmajor_swizzled_desc<Cfg::row_bytes>(a_base + b * 64 * Cfg::row_bytes + kk * 32),
-                             kmajor_swizzled_desc<Cfg::row_bytes>(b_base + kk * 32), (kb > 0 || kk > 0) ? 1 : 0);
-          wgmma_commit();
-          // Keep this k-block's products in flight; the previous one is done, so its slot goes back.
-          wgmma_wait<1>();
-          if (prev_slot >= 0 && threadIdx.x % 128 == 0) mbar_arrive(empty(prev_slot));
-          prev_slot = s;
-        }
-        wgmma_wait<0>();
+        for (int kk = 0; kk < BK / 16; ++kk)
+          Wgmma<BN>::mma(acc, kmajor_swizzled_desc<Cfg::row_bytes>(a_base + kk * 32),
+                         kmajor_swizzled_desc<Cfg::row_bytes>(b_base + kk * 32), (kb > 0 || kk > 0) ? 1 : 0);
+        wgmma_commit();
+        // Keep this k-block's products in flight; the previous one is done, so its slot goes back.
+        wgmma_wait<1>();
         if (prev_slot >= 0 && threadIdx.x % 128 == 0) mbar_arrive(empty(prev_slot));
-      };
-      if (kRowBlocks == 2 && active == 2) main_loop(std::integral_constant<int, kRowBlocks>{});
-      else main_loop(std::integral_constant<int, 1>{});
+        prev_slot = s;
+      }
+      wgmma_wait<0>();
+      if (prev_slot >= 0 && threadIdx.x % 128 == 0) mbar_arrive(empty(prev_slot));
 
       if (p.leave_out != 0) continue;
 
       if constexpr (kStaged) {
-        float (&acc)[BN / 2] = acc_blocks[0];  // (BM = 128: one row block per consumer)
         // Staged epilogue, one chunk of (at most) 128 columns of one output matrix at a time: wait until
         // this warpgroup's previous bulk stores have read the staging tile, write the fragments into it,
         // then one lane per row sends the row; the next tile's products start while the stores drain.
@@ -451,7 +430,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         const uint32_t stage_base = staging + consumer * 64 * Cfg::staging_row_bytes;
         uint8_t* stage_ptr = smem + (stage_base - slots);
         const int64_t col_tile = int64_t(tc.n_tile) * kOutN;
-        const int64_t first_row = wg_row0;  // in the group
+        const int64_t first_row = int64_t(tc.m_tile) * kBlockM + consumer * 64;  // in the group
         const int q = lane % 4;
         // With a fused activation, h is computed from the stored (bf16-rounded) pre-activations, as the
         // activation kernel computes it: round the accumulators in place once, so that every output below
@@ -521,12 +500,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       // Epilogue: accumulator fragment (warp w, lane l) holds rows 16w + l/4 (+8) and, for every 8-column
       // block j, columns 8j + 2(l%4) + {0, 1}. The four lanes of a quad trade words (quad_transpose) so
       // that each stores one whole block: 16-byte stores, 64 contiguous bytes per quad.
+      const int64_t row_in_group = int64_t(tc.m_tile) * kBlockM + consumer * 64 + warp * 16 + lane / 4;
       const int q = lane % 4;
-#pragma unroll
-      for (int b = 0; b < kRowBlocks; ++b) {
-      if (b >= active) break;
-      float (&acc)[BN / 2] = acc_blocks[b];
-      const int64_t row_in_group = wg_row0 + b * 64 + warp * 16 + lane / 4;
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int64_t r = row_in_group + 8 * half;
@@ -574,7 +549,6 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
         }
       }
-      }  // row blocks
     }
     if constexpr (kStaged) bulk_wait_all();  // the staging tile must outlive its stores
   }
@@ -683,17 +657,17 @@ int column_tile() {
   return bn;
 }
 
-template <int BN, int BK, int BM, bool kFuse, Activation A, bool kStaged>
+template <int BN, int BK, bool kFuse, Activation A, bool kStaged>
 void launch(const CudaContext& ctx, void* scratch, const GroupedGemmNT& g, int leave_out) {
-  using Cfg = TileConfig<BN, BK, kStaged, BM>;
-  const auto kernel = grouped_gemm_sm90_kernel<BN, BK, BM, kFuse, A, kStaged>;
+  using Cfg = TileConfig<BN, BK, kStaged>;
+  const auto kernel = grouped_gemm_sm90_kernel<BN, BK, kFuse, A, kStaged>;
   constexpr bool kGated = kFuse && A == Activation::swiglu;
   constexpr int kOutN = kGated ? BN / 2 : BN;
   const int32_t n_tiles = int32_t((g.n + kOutN - 1) / kOutN);
   std::vector<int32_t> tile_offsets(size_t(g.groups) + 1, 0);
   for (int32_t e = 0; e < g.groups; ++e) {
     const int64_t rows = g.row_offsets[e + 1] - g.row_offsets[e];
-    const int64_t next = int64_t(tile_offsets[e]) + (rows + BM - 1) / BM * int64_t(n_tiles);
+    const int64_t next = int64_t(tile_offsets[e]) + (rows + kBlockM - 1) / kBlockM * int64_t(n_tiles);
     DMOE_CUDA_REQUIRE(next < (int64_t(1) << 31), "sm90_grouped_gemm: more than 2^31 - 1 tiles (%d groups, "
                       "%lld rows, n = %lld); split the call", g.groups, (long long)g.row_offsets[g.groups],
                       (long long)g.n);
@@ -708,7 +682,7 @@ void launch(const CudaContext& ctx, void* scratch, const GroupedGemmNT& g, int l
   upload_async(ws + offsets_bytes, tile_offsets.data(), tile_offsets.size() * sizeof(int32_t), ctx.stream);
 
   const int64_t rows_total = g.row_offsets[g.groups];
-  const CUtensorMap map_a = make_kmajor_map(g.a, rows_total, g.k, BM, BK);
+  const CUtensorMap map_a = make_kmajor_map(g.a, rows_total, g.k, kBlockM, BK);
   const CUtensorMap map_b = make_kmajor_map(g.b, int64_t(g.groups) * g.n, g.k, kOutN, BK);
   const CUtensorMap map_b2 = kGated ? make_kmajor_map(g.b2, int64_t(g.groups) * g.n, g.k, kOutN, BK) : map_b;
   Sm90Params p{};
@@ -744,30 +718,17 @@ void launch(const CudaContext& ctx, void* scratch, const GroupedGemmNT& g, int l
   DMOE_CHECK_LAUNCH();
 }
 
-template <int BN, int BM, bool kStaged>
+template <int BN, int BK, bool kStaged>
 void launch_for(const CudaContext& ctx, void* scratch, const GroupedGemmNT& g, int leave_out) {
-  constexpr int BK = 64;
-  if (g.h == nullptr) return launch<BN, BK, BM, false, Activation::relu, kStaged>(ctx, scratch, g, leave_out);
+  if (g.h == nullptr) return launch<BN, BK, false, Activation::relu, kStaged>(ctx, scratch, g, leave_out);
   switch (g.activation) {
     case Activation::relu:
-      return launch<BN, BK, BM, true, Activation::relu, kStaged>(ctx, scratch, g, leave_out);
+      return launch<BN, BK, true, Activation::relu, kStaged>(ctx, scratch, g, leave_out);
     case Activation::gelu:
-      return launch<BN, BK, BM, true, Activation::gelu, kStaged>(ctx, scratch, g, leave_out);
+      return launch<BN, BK, true, Activation::gelu, kStaged>(ctx, scratch, g, leave_out);
     case Activation::swiglu:
-      return launch<BN, BK, BM, true, Activation::swiglu, kStaged>(ctx, scratch, g, leave_out);
+      return launch<BN, BK, true, Activation::swiglu, kStaged>(ctx, scratch, g, leave_out);
   }
-}
-
-// DMOE_SM90_BLOCK_M=128 | 256: rows per tile (256: 128-column tiles, direct stores).
-int row_tile() {
-  static const int bm = [] {
-    const char* v = std::getenv("DMOE_SM90_BLOCK_M");
-    if (!v || !*v) return 128;
-    const std::string s(v);
-    DMOE_CUDA_REQUIRE(s == "128" || s == "256", "DMOE_SM90_BLOCK_M=%s is not supported; allowed: 128, 256", v);
-    return std::atoi(v);
-  }();
-  return bm;
 }
 
 // DMOE_SM90_EPILOGUE=direct (default) | staged: how tiles are written (see TileConfig). Measured on H200
@@ -803,7 +764,7 @@ bool sm90_grouped_gemm_usable(const GroupedGemmNT& g) {
   if (g.h != nullptr && !is_aligned(g.h, 16)) return false;
   if (gated && (!is_aligned(g.b2, 16) || !is_aligned(g.c2, 16))) return false;
   // Tile coordinates are 32-bit in TMA.
-  if (g.row_offsets[g.groups] >= (int64_t(1) << 31) - kMaxBlockM || int64_t(g.groups) * g.n >= (int64_t(1) << 31))
+  if (g.row_offsets[g.groups] >= (int64_t(1) << 31) - kBlockM || int64_t(g.groups) * g.n >= (int64_t(1) << 31))
     return false;
   return device_info().usable;
 }
@@ -822,26 +783,18 @@ void sm90_grouped_gemm(const CudaContext& ctx, void* scratch, const GroupedGemmN
                     "sm90_grouped_gemm: block_n = %d; allowed: 0 (default), 128, 256", t.block_n);
   DMOE_CUDA_REQUIRE(t.epilogue >= 0 && t.epilogue <= 2,
                     "sm90_grouped_gemm: epilogue = %d; allowed: 0 (default), 1 (staged), 2 (direct)", t.epilogue);
-  DMOE_CUDA_REQUIRE(t.block_m == 0 || t.block_m == 128 || t.block_m == 256,
-                    "sm90_grouped_gemm: block_m = %d; allowed: 0 (default), 128, 256", t.block_m);
-  const bool tall = (t.block_m == 0 ? row_tile() : t.block_m) == 256;
-  DMOE_CUDA_REQUIRE(!tall || (t.block_n != 256 && t.epilogue != 1),
-                    "sm90_grouped_gemm: 256-row tiles take 128 columns and direct stores (block_n = %d, epilogue = %d)",
-                    t.block_n, t.epilogue);
-  const bool staged = !tall && (t.epilogue == 0 ? staged_epilogue() : t.epilogue == 1);
-  const bool wide = !tall && (t.block_n == 0 ? column_tile() : t.block_n) == 256;
+  const bool staged = t.epilogue == 0 ? staged_epilogue() : t.epilogue == 1;
+  const bool wide = (t.block_n == 0 ? column_tile() : t.block_n) == 256;
   DMOE_CUDA_REQUIRE(t.leave_out >= 0 && t.leave_out <= 2,
                     "sm90_grouped_gemm: leave_out = %d; allowed: 0, 1 (no stores), 2 (no products, no stores)",
                     t.leave_out);
   const int lo = t.leave_out;
   // k-blocks of 64 columns: 32 (9 slots of 24 KiB instead of 4 of 48) measured 5-10 % slower on every
   // config (docs/perf.md), so the kernel is instantiated for 64 only.
-  if (tall)
-    launch_for<128, 256, false>(ctx, scratch, g, lo);
-  else if (staged)
-    wide ? launch_for<256, 128, true>(ctx, scratch, g, lo) : launch_for<128, 128, true>(ctx, scratch, g, lo);
+  if (staged)
+    wide ? launch_for<256, 64, true>(ctx, scratch, g, lo) : launch_for<128, 64, true>(ctx, scratch, g, lo);
   else
-    wide ? launch_for<256, 128, false>(ctx, scratch, g, lo) : launch_for<128, 128, false>(ctx, scratch, g, lo);
+    wide ? launch_for<256, 64, false>(ctx, scratch, g, lo) : launch_for<128, 64, false>(ctx, scratch, g, lo);
 }
 
 }  // namespace dmoe::cuda

@@ -26,18 +26,17 @@ std::vector<GemmVariant> parse_gemm_variants(const std::string& list) {
       while (digits < name.size() && std::isdigit(static_cast<unsigned char>(name[digits]))) ++digits;
       const std::string number = name.substr(i, digits - i);
       i = digits;
-      const bool needs_number = key == 'b' || key == 'm';
-      DMOE_REQUIRE(!needs_number || !number.empty(), "GEMM variant '{}': '{}' needs a number (e.g. b256, m256)",
-                   name, key);
+      const bool needs_number = key == 'b';
+      DMOE_REQUIRE(!needs_number || !number.empty(), "GEMM variant '{}': '{}' needs a number (e.g. b256)", name,
+                   key);
       switch (key) {
         case 'b': v.tuning.block_n = std::stoi(number); break;
-        case 'm': v.tuning.block_m = std::stoi(number); break;
         case 's': v.tuning.epilogue = 1; break;
         case 'd': v.tuning.epilogue = 2; break;
         case 'E': v.tuning.leave_out = 1; break;  // measurement: stores left out
         case 'M': v.tuning.leave_out = 2; break;  // measurement: products and stores left out
         default:
-          DMOE_FAIL("GEMM variant '{}': unknown key '{}'; allowed: b<N> (tile width), m<N> (tile height), "
+          DMOE_FAIL("GEMM variant '{}': unknown key '{}'; allowed: b<N> (tile width), "
                     "s (staged epilogue), d (direct epilogue), E (stores left out), M (products and stores left out)", name, key);
       }
     }
@@ -76,13 +75,12 @@ std::vector<int64_t> uniform_routing_offsets(int64_t tokens, int32_t experts, in
 }
 
 // Bytes the kernel's tiles load: per tile and k-block, BM rows of A and BN rows of B, 128 bytes each.
-double tile_loads(const std::vector<int64_t>& offsets, int64_t n_out, int64_t k, int tile_n_out, int tile_b_rows,
-                  int tile_m = 128) {
+double tile_loads(const std::vector<int64_t>& offsets, int64_t n_out, int64_t k, int tile_n_out, int tile_b_rows) {
   double bytes = 0;
   const int64_t k_blocks = (k + 63) / 64, n_tiles = (n_out + tile_n_out - 1) / tile_n_out;
   for (size_t e = 0; e + 1 < offsets.size(); ++e) {
-    const int64_t m_tiles = (offsets[e + 1] - offsets[e] + tile_m - 1) / tile_m;
-    bytes += double(m_tiles * n_tiles * k_blocks) * (tile_m + tile_b_rows) * 128.0;
+    const int64_t m_tiles = (offsets[e + 1] - offsets[e] + 127) / 128;
+    bytes += double(m_tiles * n_tiles * k_blocks) * (128 + tile_b_rows) * 128.0;
   }
   return bytes;
 }
@@ -127,11 +125,10 @@ std::vector<GemmBenchRow> bench_expert_gemms(const MoeConfig& c, const std::vect
   const double up_flop = 2.0 * double(N) * double(swiglu ? 2 * I : I) * double(H);
   const double down_flop = 2.0 * double(N) * double(H) * double(I);
   for (const GemmVariant& v : variants) {
-    const int bm = v.tuning.block_m == 0 ? 128 : v.tuning.block_m;
-    const int bn = bm == 256 ? 128 : v.tuning.block_n == 0 ? 256 : v.tuning.block_n;
-    rows.push_back({v.name, "up", {}, up_flop, tile_loads(local, I, H, swiglu ? bn / 2 : bn, bn, bm)});
+    const int bn = v.tuning.block_n == 0 ? 256 : v.tuning.block_n;
+    rows.push_back({v.name, "up", {}, up_flop, tile_loads(local, I, H, swiglu ? bn / 2 : bn, bn)});
     work.push_back([&, v] { cuda::sm90_grouped_gemm(ctx, scratch, up, v.tuning); });
-    rows.push_back({v.name, "down", {}, down_flop, tile_loads(local, H, I, bn, bn, bm)});
+    rows.push_back({v.name, "down", {}, down_flop, tile_loads(local, H, I, bn, bn)});
     work.push_back([&, v] { cuda::sm90_grouped_gemm(ctx, scratch, down, v.tuning); });
   }
   constexpr int64_t S = 8192;
@@ -146,9 +143,8 @@ std::vector<GemmBenchRow> bench_expert_gemms(const MoeConfig& c, const std::vect
     fill_uniform_bf16(b->p, S * S, seed + 7, 1.0f, stream);
     g = cuda::GroupedGemmNT{a->bf16(), b->bf16(), cc->bf16(), one.data(), 1, S, S};
     for (const GemmVariant& v : variants) {
-      const int bm = v.tuning.block_m == 0 ? 128 : v.tuning.block_m;
-      const int bn = bm == 256 ? 128 : v.tuning.block_n == 0 ? 256 : v.tuning.block_n;
-      rows.push_back({v.name, "square 8192^3", {}, 2.0 * double(S) * S * S, tile_loads(one, S, S, bn, bn, bm)});
+      const int bn = v.tuning.block_n == 0 ? 256 : v.tuning.block_n;
+      rows.push_back({v.name, "square 8192^3", {}, 2.0 * double(S) * S * S, tile_loads(one, S, S, bn, bn)});
       work.push_back([&, v] { cuda::sm90_grouped_gemm(ctx, scratch, g, v.tuning); });
     }
   }
