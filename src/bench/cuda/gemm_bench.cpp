@@ -29,6 +29,7 @@ std::vector<GemmVariant> parse_gemm_variants(const std::string& list) {
       const bool needs_number = key == 'b';
       DMOE_REQUIRE(!needs_number || !number.empty(), "GEMM variant '{}': '{}' needs a number (e.g. b256)", name,
                    key);
+      DMOE_REQUIRE(number.size() <= 4, "GEMM variant '{}': the number after '{}' is too long", name, key);
       switch (key) {
         case 'b': v.tuning.block_n = std::stoi(number); break;
         case 's': v.tuning.epilogue = 1; break;
