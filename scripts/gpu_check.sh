@@ -7,7 +7,7 @@
 #
 # PARTS: comma-separated, run in the order given: tests (one process), multi (W = 2, 4, 8 ranks), modes
 # (expert-GEMM strategies side by side), bench (named configs with the PyTorch peers, weak scaling), quick
-# (named configs, forward only, no peers),
+# (named configs, forward only, no peers), gemm (the own GEMM's variants and its DRAM traffic),
 # profile (per-kernel times under Nsight Compute), gpus (one rank per GPU on a multi-GPU machine);
 # all = tests,multi,bench,modes (default).
 #
@@ -29,7 +29,7 @@ run() {  # run LIMIT_S NAME CMD...: log to $O/NAME.log, print the verdict lines
   timeout -k 5 "$limit" "$@" >"$O/$name.log" 2>&1
   local rc=$?
   echo "== $name: rc=$rc ($((SECONDS - t0)) s)"
-  grep -aE "PASSED|FAILED|SKIPPED \]|rank [0-9]+ failed|error:|Error|^engine|ep-|^torch-|ceilings|F = |all-to-all" "$O/$name.log" |
+  grep -aE "PASSED|FAILED|SKIPPED \]|rank [0-9]+ failed|error:|Error|^engine|ep-|^torch-|ceilings|F = |all-to-all|^b[0-9]+|dram__|lts__t_sector|gpu__time" "$O/$name.log" |
     sed -E 's/^\[rank [0-9]+\] //' | sort | uniq -c | sort -rn | head -25
 }
 
@@ -83,6 +83,19 @@ part_quick() {
   done
 }
 
+part_gemm() {
+  # The own grouped GEMM alone: kernel variants interleaved (E / M: stores / products and stores left
+  # out), then the DRAM bytes and L2 hit rate of the default kernel's products (Nsight Compute; the first
+  # three launches are the warm-up's up, up, down).
+  for cfg in fine-grained flash-paper decode mixtral; do
+    run 100 "gemm_$cfg" "$B/dmoe" bench gemm --config "$cfg" --variants b256,b256E,b256M,b128 \
+      --json "$O/gemm_$cfg.json"
+    run 100 "gemm_dram_$cfg" ncu --clock-control none -k regex:grouped_gemm_sm90 -c 3 --metrics \
+      dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct,gpu__time_duration.sum \
+      "$B/dmoe" bench gemm --config "$cfg" --variants b256
+  done
+}
+
 part_modes() {
   # The expert GEMM strategies side by side (src/cuda/gemm.cpp): what auto should pick; own-staged = the
   # own kernel storing tiles through shared memory with bulk stores instead of from registers.
@@ -130,7 +143,7 @@ part_gpus() {
 
 for part in ${WHAT//,/ }; do
   case $part in
-    tests | multi | bench | quick | modes | profile | gpus) part_$part ;;
-    *) echo "unknown part '$part'; allowed: tests, multi, bench, quick, modes, profile, gpus, all" >&2; exit 2 ;;
+    tests | multi | bench | quick | gemm | modes | profile | gpus) part_$part ;;
+    *) echo "unknown part '$part'; allowed: tests, multi, bench, quick, gemm, modes, profile, gpus, all" >&2; exit 2 ;;
   esac
 done
