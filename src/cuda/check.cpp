@@ -28,7 +28,7 @@ std::string describe(const DeviceWaitRecord& r) {
                   "; the sm90 grouped GEMM kernel (block %d, thread %d) waited more than %llu ms for the %s "
                   "barrier of pipeline slot %d (phase parity %u) and stopped; raise DMOE_GPU_WAIT_TIMEOUT_MS if "
                   "the GPU is shared and slow, otherwise this is a bug",
-                  r.block, r.thread, r.waited_ms, r.what == 0 ? "full (TMA data)" : "empty (slot released)",
+                  r.block, r.thread, r.waited_ms, r.what == 0 ? "full (TMA data)" : r.what == 1 ? "empty (slot released)" : r.what == 3 ? "tile-ring full (next tile index)" : "tile-ring empty (index taken)",
                   r.slot, r.parity);
   } else {
     std::snprintf(text, sizeof(text), "; kernel %d (block %d, thread %d) timed out waiting on flag %d", r.kernel,

@@ -50,10 +50,13 @@ constexpr int kBlockM = 128;        // rows per tile: two consumer warpgroups of
 constexpr int kThreads = 384;       // producer warpgroup + two consumer warpgroups
 constexpr int kConsumers = 2;
 constexpr int kMaxSmem = 232448;    // dynamic shared memory one CTA may opt into on sm_90 (227 KiB)
+// The producer hands each tile index to the consumers through a ring of kTileRing entries (index + full
+// and empty mbarriers), so that tiles can come from a global counter (Sm90Tuning::schedule).
+constexpr int kTileRing = 2;
+constexpr int kTileRingBytes = kTileRing * (8 + 8 + 8);
 
-// A k-block is BK = 64 columns (128-byte rows, 128-byte swizzle) or BK = 32 (64-byte rows, 64-byte
-// swizzle): half the bytes per slot, so twice the slots fit, and the slot the consumers hold back while
-// their last products finish costs half as much of the ring.
+// A k-block is BK = 64 columns (128-byte rows, 128-byte swizzle); the descriptor and map code also take
+// BK = 32 (64-byte swizzle, twice the slots), measured slower and not instantiated.
 // kStaged: the epilogue goes through a shared-memory staging tile and asynchronous bulk stores (one per
 // row), so that the consumers start the next tile's products while the stores drain; it costs slots,
 // which cost more than the overlap gained on H200 (8-13 % per GEMM, docs/perf.md): opt-in only.
@@ -71,9 +74,9 @@ struct TileConfig {
   static constexpr int staging_bytes = kStaged ? kConsumers * 64 * staging_row_bytes : 0;
   // As many slots as fit beside the staging tile, the barriers and 1 KiB to align the slots to the
   // swizzle atom (at most 16).
-  static constexpr int stages_fit = (kMaxSmem - 1024 - staging_bytes - 16 * 16) / stage_bytes;
+  static constexpr int stages_fit = (kMaxSmem - 1024 - staging_bytes - 16 * 16 - kTileRingBytes) / stage_bytes;
   static constexpr int stages = stages_fit < 16 ? stages_fit : 16;
-  static constexpr int smem_bytes = stages * stage_bytes + staging_bytes + 2 * stages * 8 + 1024;
+  static constexpr int smem_bytes = stages * stage_bytes + staging_bytes + 2 * stages * 8 + kTileRingBytes + 1024;
   static_assert(stages >= 2 && smem_bytes <= kMaxSmem, "tile does not fit in shared memory");
 };
 
@@ -88,6 +91,7 @@ struct Sm90Params {
   int32_t tiles;
   int32_t n_tiles;              // column tiles per group
   int32_t leave_out;            // measurement aid (Sm90Tuning::leave_out): 1 no stores, 2 no products either
+  int32_t* tile_counter;        // kDynamic: the next tiles' counter, zeroed before the launch
   unsigned long long timeout_ns;
   DeviceWaitRecord* wait_record;  // host-mapped; written only when a wait times out
 };
@@ -319,7 +323,9 @@ __device__ __forceinline__ TileCoord decode_tile(const Sm90Params& p, int32_t t)
 // kFuse: the epilogue also applies the activation A and writes h (GroupedGemmNT). For SwiGLU a tile's BN
 // columns are BN/2 columns of the gate product (B = w1, rows from map_b) followed by the same BN/2 columns
 // of the up product (w3, map_b2), so one thread holds both halves of each h element.
-template <int BN, int BK, bool kFuse, Activation A, bool kStaged>
+// kDynamic: tiles after the first wave come from a global counter through the tile ring (see the producer);
+// the static schedule (CTA b takes b, b + G, ...) is a separate instantiation without the ring.
+template <int BN, int BK, bool kFuse, Activation A, bool kStaged, bool kDynamic>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                              const __grid_constant__ CUtensorMap map_b2, const __grid_constant__ Sm90Params p) {
@@ -332,11 +338,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const uint32_t slots = smem_u32(smem);
   const uint32_t staging = slots + S * Cfg::stage_bytes;
-  const uint32_t bars = staging + Cfg::staging_bytes;  // full[S], then empty[S]
+  const uint32_t bars = staging + Cfg::staging_bytes;  // full[S], empty[S], tile_full[R], tile_empty[R], ring
   auto slot_a = [&](int s) { return slots + s * Cfg::stage_bytes; };
   auto slot_b = [&](int s) { return slots + s * Cfg::stage_bytes + Cfg::a_bytes; };
   auto full = [&](int s) { return bars + 8 * s; };
   auto empty = [&](int s) { return bars + 8 * (S + s); };
+  auto tile_full = [&](int r) { return bars + 8 * (2 * S + r); };
+  auto tile_empty = [&](int r) { return bars + 8 * (2 * S + kTileRing + r); };
+  volatile int32_t* tile_ring = reinterpret_cast<volatile int32_t*>(smem + (bars - slots) + 8 * (2 * S + 2 * kTileRing));
 
   const int warpgroup = threadIdx.x / 128;
   if (threadIdx.x == 0) {
@@ -344,6 +353,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_init(full(s), 1);
       mbar_init(empty(s), kConsumers);
     }
+    if constexpr (kDynamic)
+      for (int r = 0; r < kTileRing; ++r) {
+        mbar_init(tile_full(r), 1);
+        mbar_init(tile_empty(r), kConsumers * 128);  // every consumer thread reads the index, then arrives
+      }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
@@ -359,7 +373,25 @@ __global__ void __launch_bounds__(kThreads, 1)
       if constexpr (kGated)
         asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&map_b2)) : "memory");
       uint32_t it = 0;
-      for (int32_t t = blockIdx.x; t < p.tiles; t += gridDim.x) {
+      // The tile sequence: the first tile is blockIdx.x; then the static schedule adds gridDim.x, the
+      // dynamic one takes the next index from the global counter, so that tiles start in index order
+      // however the CTAs drift, and the tiles sharing an expert's rows or a weight slice (neighbouring
+      // indices) stay close in time (bench/l2_tile_sim.py, docs/perf.md). Each index goes to the
+      // consumers through the tile ring; -1 ends the sequence.
+      int32_t next = int32_t(blockIdx.x);
+      for (uint32_t i = 0;; ++i) {
+        const int32_t t = next < p.tiles ? next : -1;
+        if constexpr (kDynamic) {
+          const int r = int(i % kTileRing);
+          mbar_wait(tile_empty(r), ((i / kTileRing) & 1) ^ 1, 4, r, p);
+          tile_ring[r] = t;
+          mbar_arrive(tile_full(r));
+          // Fetched before this tile's loads, so that the atomic's latency hides behind them.
+          if (t >= 0) next = int32_t(gridDim.x) + atomicAdd(p.tile_counter, 1);
+        } else {
+          next = t + int32_t(gridDim.x);
+        }
+        if (t < 0) break;
         const TileCoord tc = decode_tile(p, t);
         const int32_t a_row = int32_t(tc.row_begin + int64_t(tc.m_tile) * kBlockM);
         const int32_t b_row = int32_t(int64_t(tc.group) * p.n + int64_t(tc.n_tile) * kOutN);
@@ -384,7 +416,18 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
     uint32_t it = 0;
-    for (int32_t t = blockIdx.x; t < p.tiles; t += gridDim.x) {
+    for (uint32_t i = 0;; ++i) {
+      int32_t t;
+      if constexpr (kDynamic) {
+        const int r = int(i % kTileRing);
+        mbar_wait(tile_full(r), (i / kTileRing) & 1, 3, r, p);
+        t = tile_ring[r];
+        mbar_arrive(tile_empty(r));
+        if (t < 0) break;
+      } else {
+        t = int32_t(blockIdx.x + i * gridDim.x);
+        if (t >= p.tiles) break;
+      }
       const TileCoord tc = decode_tile(p, t);
       // A group's last row tile often holds 64 rows or fewer (experts of ~256 rows: about half of them
       // end with such a tile); the second warpgroup's rows are then all past the group, so it skips its
@@ -658,10 +701,10 @@ int column_tile() {
   return bn;
 }
 
-template <int BN, int BK, bool kFuse, Activation A, bool kStaged>
+template <int BN, int BK, bool kFuse, Activation A, bool kStaged, bool kDynamic>
 void launch(const CudaContext& ctx, void* scratch, const GroupedGemmNT& g, int leave_out) {
   using Cfg = TileConfig<BN, BK, kStaged>;
-  const auto kernel = grouped_gemm_sm90_kernel<BN, BK, kFuse, A, kStaged>;
+  const auto kernel = grouped_gemm_sm90_kernel<BN, BK, kFuse, A, kStaged, kDynamic>;
   constexpr bool kGated = kFuse && A == Activation::swiglu;
   constexpr int kOutN = kGated ? BN / 2 : BN;
   const int32_t n_tiles = int32_t((g.n + kOutN - 1) / kOutN);
@@ -681,6 +724,7 @@ void launch(const CudaContext& ctx, void* scratch, const GroupedGemmNT& g, int l
   const size_t offsets_bytes = (size_t(g.groups) + 1) * sizeof(int64_t);
   upload_async(ws, g.row_offsets, offsets_bytes, ctx.stream);
   upload_async(ws + offsets_bytes, tile_offsets.data(), tile_offsets.size() * sizeof(int32_t), ctx.stream);
+  const size_t counter_offset = offsets_bytes + tile_offsets.size() * sizeof(int32_t);  // 4-byte aligned
 
   const int64_t rows_total = g.row_offsets[g.groups];
   const CUtensorMap map_a = make_kmajor_map(g.a, rows_total, g.k, kBlockM, BK);
@@ -698,6 +742,8 @@ void launch(const CudaContext& ctx, void* scratch, const GroupedGemmNT& g, int l
   p.tiles = tiles;
   p.n_tiles = n_tiles;
   p.leave_out = leave_out;
+  p.tile_counter = reinterpret_cast<int32_t*>(ws + counter_offset);
+  if (kDynamic) DMOE_CHECK_CUDA(cudaMemsetAsync(p.tile_counter, 0, sizeof(int32_t), ctx.stream));
   p.timeout_ns = wait_timeout_ns();
   p.wait_record = device_wait_record();
 
@@ -719,17 +765,29 @@ void launch(const CudaContext& ctx, void* scratch, const GroupedGemmNT& g, int l
   DMOE_CHECK_LAUNCH();
 }
 
-template <int BN, int BK, bool kStaged>
-void launch_for(const CudaContext& ctx, void* scratch, const GroupedGemmNT& g, int leave_out) {
-  if (g.h == nullptr) return launch<BN, BK, false, Activation::relu, kStaged>(ctx, scratch, g, leave_out);
+template <int BN, int BK, bool kStaged, bool kDynamic>
+void launch_for(const CudaContext& ctx, void* scratch, const GroupedGemmNT& g, int lo) {
+  if (g.h == nullptr) return launch<BN, BK, false, Activation::relu, kStaged, kDynamic>(ctx, scratch, g, lo);
   switch (g.activation) {
     case Activation::relu:
-      return launch<BN, BK, true, Activation::relu, kStaged>(ctx, scratch, g, leave_out);
+      return launch<BN, BK, true, Activation::relu, kStaged, kDynamic>(ctx, scratch, g, lo);
     case Activation::gelu:
-      return launch<BN, BK, true, Activation::gelu, kStaged>(ctx, scratch, g, leave_out);
+      return launch<BN, BK, true, Activation::gelu, kStaged, kDynamic>(ctx, scratch, g, lo);
     case Activation::swiglu:
-      return launch<BN, BK, true, Activation::swiglu, kStaged>(ctx, scratch, g, leave_out);
+      return launch<BN, BK, true, Activation::swiglu, kStaged, kDynamic>(ctx, scratch, g, lo);
   }
+}
+
+// DMOE_SM90_SCHEDULE=static (default) | dynamic: how CTAs get their tiles after the first wave.
+bool dynamic_schedule() {
+  static const bool dynamic = [] {
+    const char* v = std::getenv("DMOE_SM90_SCHEDULE");
+    if (!v || !*v || std::string(v) == "static") return false;
+    DMOE_CUDA_REQUIRE(std::string(v) == "dynamic",
+                      "DMOE_SM90_SCHEDULE=%s is not supported; allowed: static, dynamic", v);
+    return true;
+  }();
+  return dynamic;
 }
 
 // DMOE_SM90_EPILOGUE=direct (default) | staged: how tiles are written (see TileConfig). Measured on H200
@@ -750,7 +808,8 @@ bool staged_epilogue() {
 }  // namespace
 
 size_t sm90_grouped_gemm_scratch_bytes(int32_t groups) {
-  const size_t bytes = (size_t(groups) + 1) * (sizeof(int64_t) + sizeof(int32_t));
+  // row offsets (int64), tile offsets (int32), the dynamic schedule's tile counter (int32)
+  const size_t bytes = (size_t(groups) + 1) * (sizeof(int64_t) + sizeof(int32_t)) + sizeof(int32_t);
   return (bytes + 255) / 256 * 256;
 }
 
@@ -790,12 +849,19 @@ void sm90_grouped_gemm(const CudaContext& ctx, void* scratch, const GroupedGemmN
                     "sm90_grouped_gemm: leave_out = %d; allowed: 0, 1 (no stores), 2 (no products, no stores)",
                     t.leave_out);
   const int lo = t.leave_out;
+  DMOE_CUDA_REQUIRE(t.schedule >= 0 && t.schedule <= 2,
+                    "sm90_grouped_gemm: schedule = %d; allowed: 0 (default), 1 (static), 2 (dynamic)", t.schedule);
+  const bool dyn = t.schedule == 0 ? dynamic_schedule() : t.schedule == 2;
   // k-blocks of 64 columns: 32 (9 slots of 24 KiB instead of 4 of 48) measured 5-10 % slower on every
   // config (docs/perf.md), so the kernel is instantiated for 64 only.
+  // The dynamic schedule is built for direct stores (the default); the opt-in staged epilogue runs static.
   if (staged)
-    wide ? launch_for<256, 64, true>(ctx, scratch, g, lo) : launch_for<128, 64, true>(ctx, scratch, g, lo);
+    wide ? launch_for<256, 64, true, false>(ctx, scratch, g, lo) : launch_for<128, 64, true, false>(ctx, scratch, g, lo);
+  else if (dyn)
+    wide ? launch_for<256, 64, false, true>(ctx, scratch, g, lo) : launch_for<128, 64, false, true>(ctx, scratch, g, lo);
   else
-    wide ? launch_for<256, 64, false>(ctx, scratch, g, lo) : launch_for<128, 64, false>(ctx, scratch, g, lo);
+    wide ? launch_for<256, 64, false, false>(ctx, scratch, g, lo)
+         : launch_for<128, 64, false, false>(ctx, scratch, g, lo);
 }
 
 }  // namespace dmoe::cuda

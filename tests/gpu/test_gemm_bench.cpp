@@ -12,8 +12,8 @@ namespace dmoe {
 namespace {
 
 TEST(GemmBenchVariants, ParsesKeys) {
-  const auto v = bench::parse_gemm_variants("b256,b128s,b256E,b256M,d");
-  ASSERT_EQ(v.size(), 5u);
+  const auto v = bench::parse_gemm_variants("b256,b128s,b256E,b256M,d,b256q");
+  ASSERT_EQ(v.size(), 6u);
   EXPECT_EQ(v[0].name, "b256");
   EXPECT_EQ(v[0].tuning.block_n, 256);
   EXPECT_EQ(v[0].tuning.epilogue, 0);
@@ -23,6 +23,7 @@ TEST(GemmBenchVariants, ParsesKeys) {
   EXPECT_EQ(v[3].tuning.leave_out, 2);
   EXPECT_EQ(v[4].tuning.block_n, 0);
   EXPECT_EQ(v[4].tuning.epilogue, 2);
+  EXPECT_EQ(v[5].tuning.schedule, 2);
   EXPECT_EQ(bench::parse_gemm_variants(",b256,,").size(), 1u) << "empty entries are skipped";
 }
 

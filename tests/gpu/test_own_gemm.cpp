@@ -32,6 +32,7 @@ struct OwnGemmShape {
   int block_n;
   int epilogue;  // 0: C only; 1 relu, 2 gelu, 3 swiglu: fused activation (h, and C2 for SwiGLU)
   int store = 1;  // 1: staged in shared memory + bulk stores, 2: direct stores from registers
+  int schedule = 0;  // 0 default, 1 static, 2 dynamic (tiles after the first wave from a global counter)
 };
 
 constexpr const char* kEpilogueNames[] = {"plain", "relu", "gelu", "swiglu"};
@@ -123,6 +124,7 @@ TEST_P(CudaKernelsOwnGemm, MatchesHostReference) {
   cuda::Sm90Tuning tuning;
   tuning.block_n = s.block_n;
   tuning.epilogue = s.store;
+  tuning.schedule = s.schedule;
   cuda::sm90_grouped_gemm(ctx, scratch, g, tuning);
   const cudaError_t status = cudaStreamSynchronize(ctx.stream);
   if (status != cudaSuccess) release();
@@ -213,12 +215,19 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CudaKernelsOwnGemm,
                                          OwnGemmShape{20, 300, 264, 136, 128, 2, 2},
                                          OwnGemmShape{20, 300, 264, 136, 128, 3, 2},
                                          OwnGemmShape{20, 300, 264, 136, 256, 3, 2},
-                                         OwnGemmShape{20, 300, 264, 40, 256, 3, 2}),
+                                         OwnGemmShape{20, 300, 264, 40, 256, 3, 2},
+                                         OwnGemmShape{48, 300, 520, 392, 256, 0, 2, 2},
+                                         OwnGemmShape{12, 260, 264, 2048, 128, 0, 2, 2},
+                                         OwnGemmShape{3, 70, 8, 8, 128, 0, 2, 2},
+                                         OwnGemmShape{20, 300, 264, 136, 256, 1, 2, 2},
+                                         OwnGemmShape{20, 300, 264, 136, 128, 2, 2, 2},
+                                         OwnGemmShape{20, 300, 264, 136, 256, 3, 2, 2}),
                          [](const testing::TestParamInfo<OwnGemmShape>& info) {
                            const OwnGemmShape& s = info.param;
                            return "G" + std::to_string(s.groups) + "_n" + std::to_string(s.n) + "_k" +
                                   std::to_string(s.k) + "_bn" + std::to_string(s.block_n) + "_" +
-                                  kEpilogueNames[s.epilogue] + (s.store == 2 ? "_direct" : "_staged");
+                                  kEpilogueNames[s.epilogue] + (s.store == 2 ? "_direct" : "_staged") +
+                                  (s.schedule == 2 ? "_dynamic" : "");
                          });
 
 }  // namespace

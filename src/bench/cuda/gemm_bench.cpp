@@ -34,11 +34,13 @@ std::vector<GemmVariant> parse_gemm_variants(const std::string& list) {
         case 'b': v.tuning.block_n = std::stoi(number); break;
         case 's': v.tuning.epilogue = 1; break;
         case 'd': v.tuning.epilogue = 2; break;
+        case 'q': v.tuning.schedule = 2; break;  // dynamic tile schedule (a global queue)
         case 'E': v.tuning.leave_out = 1; break;  // measurement: stores left out
         case 'M': v.tuning.leave_out = 2; break;  // measurement: products and stores left out
         default:
           DMOE_FAIL("GEMM variant '{}': unknown key '{}'; allowed: b<N> (tile width), "
-                    "s (staged epilogue), d (direct epilogue), E (stores left out), M (products and stores left out)", name, key);
+                    "s (staged epilogue), d (direct epilogue), q (dynamic tile schedule), E (stores left out), M (products "
+                    "and stores left out)", name, key);
       }
     }
     out.push_back(v);
