@@ -77,7 +77,7 @@ std::vector<Stats> GpuTimer::time_interleaved(const std::vector<std::function<vo
   for (const auto& fn : fns)
     for (int i = 0; i < o.warmup; ++i) fn();
   cuda::wait_stream(stream_, "benchmark: warm-up");
-  // Rounds from one timed call of each: enough for min_total_ms of the slowest... of all of them together.
+  // The round count from one timed call of each: enough rounds for min_total_ms of all of them together.
   double round_ms = 0;
   for (size_t i = 0; i < fns.size(); ++i) round_ms += time_once(fns[i], o.flush_l2, int(i));
   int rounds = std::clamp(int(o.min_total_ms / std::max(round_ms, 1e-3)) + 1, o.min_iterations, o.max_iterations);
@@ -98,25 +98,14 @@ Stats GpuTimer::time(const std::function<void()>& fn, const TimingOptions& o) {
   int fixed = -1;  // with agree_iterations: the count all ranks run
   if (o.agree_iterations) {
     // Estimate the count from one timed call, then agree on it.
-    DMOE_CHECK_CUDA(cudaEventRecord(start_, stream_));
-    fn();
-    DMOE_CHECK_CUDA(cudaEventRecord(stop_, stream_));
-    DMOE_CHECK_CUDA(cudaEventSynchronize(stop_));
-    float t = 0;
-    DMOE_CHECK_CUDA(cudaEventElapsedTime(&t, start_, stop_));
+    const float t = time_once(fn, false, 0);
     const int wanted = std::clamp(int(o.min_total_ms / std::max(t, 1e-3f)) + 1, o.min_iterations, o.max_iterations);
     fixed = o.agree_iterations(wanted);
   }
   while (fixed >= 0 ? int(ms.size()) < fixed
                     : int(ms.size()) < o.max_iterations &&
                           (int(ms.size()) < o.min_iterations || total < o.min_total_ms)) {
-    if (o.flush_l2) DMOE_CHECK_CUDA(cudaMemsetAsync(flush_, int(ms.size() & 0xff), flush_bytes_, stream_));
-    DMOE_CHECK_CUDA(cudaEventRecord(start_, stream_));
-    fn();
-    DMOE_CHECK_CUDA(cudaEventRecord(stop_, stream_));
-    DMOE_CHECK_CUDA(cudaEventSynchronize(stop_));
-    float t = 0;
-    DMOE_CHECK_CUDA(cudaEventElapsedTime(&t, start_, stop_));
+    const float t = time_once(fn, o.flush_l2, int(ms.size()));
     ms.push_back(t);
     total += t;
   }
