@@ -20,7 +20,10 @@ __device__ __forceinline__ float act_value(float x) {
   } else if constexpr (A == Activation::gelu) {
     return 0.5f * x * (1.f + erff(x * kInvSqrt2));
   } else {
-    return x / (1.f + expf(-x));  // silu, the gate half of SwiGLU
+    // silu, the gate half of SwiGLU. __fdividef (within 2 ulp; 0 where 1 + e^-x overflows, the limit) and not
+    // '/': IEEE division calls a slow-path subroutine whose ABI made the own GEMM's fused SwiGLU consumer
+    // (at ptxas's 168-register limit) spill into a stack frame; that kernel hung on the H200 (docs/perf.md).
+    return __fdividef(x, 1.f + expf(-x));
   }
 }
 

@@ -111,7 +111,7 @@ struct Sm90Tuning {
                      // registers); 0 = DMOE_SM90_EPILOGUE or direct
   int schedule = 0;  // tiles after the first wave: 1 static (CTA b takes b, b + G, ...), 2 dynamic (the next
                      // index from a global counter: tiles start in order however CTAs drift); 0 =
-                     // DMOE_SM90_SCHEDULE or static
+                     // DMOE_SM90_SCHEDULE or dynamic
   int leave_out = 0;  // measurement aid, wrong results: 1 = no stores, 2 = no products and no stores (loads
                       // and the pipeline only); times of the variants place the kernel's time in its stages
 };

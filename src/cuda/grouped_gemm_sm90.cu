@@ -17,12 +17,16 @@
 //                 DMOE_SM90_EPILOGUE=staged through shared memory and bulk stores (measured slower).
 //                 A consumer whose 64 rows all lie past the group skips its products and stores.
 // Tiles are numbered group by group, row tiles fastest within a column tile, so the CTAs running at the
-// same time share A and B slices in L2. A group's last row tile reads rows of the next group (or TMA's
+// same time share A and B slices in L2. After the first wave each CTA's producer takes the next index from
+// a global counter (one atomic per tile) and hands it to the consumers through a 2-entry mbarrier ring:
+// tiles start in index order however the CTAs drift, which is what keeps those slices shared (with the
+// static schedule, CTA b taking b, b + G, ..., drift made the fine-grained up projection read 1.64× its
+// minimum DRAM bytes; DMOE_SM90_SCHEDULE=static keeps it for comparison). A group's last row tile reads rows of the next group (or TMA's
 // zero fill past the end); those rows are computed and not stored. No padding is added in memory.
 //
 // Where the time goes (docs/perf.md, `dmoe bench gemm` with stages left out): on the fine-grained
-// config's products the loads alone take ~45 % of the kernel, loads and products ~75 %, and the stores
-// the rest; the up projection reads 1.64× its minimum DRAM bytes (Nsight Compute) and is DRAM-bound.
+// config's up projection the stores take ~20 % of the kernel; with the dynamic schedule it reads 1.05× its
+// minimum DRAM bytes at ~2.4 TB/s (Nsight Compute), so it is no longer DRAM-bound.
 // Measured and slower (git history): 2-CTA clusters sharing A by multicast, L2 prefetch by TMA or by a
 // spare warp, 32-column k-blocks, two CTAs per SM, 256×128 tiles; the staged epilogue (opt-in).
 //
@@ -112,6 +116,16 @@ __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
 
 __device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void st_shared_volatile(uint32_t addr, int32_t v) {
+  asm volatile("st.volatile.shared.s32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ int32_t ld_shared_volatile(uint32_t addr) {
+  int32_t v;
+  asm volatile("ld.volatile.shared.s32 %0, [%1];" : "=r"(v) : "r"(addr) : "memory");
+  return v;
 }
 
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
@@ -300,18 +314,20 @@ __device__ __forceinline__ int find_group(const int32_t* tile_offsets, int32_t g
   return lo;
 }
 
+// 32-bit rows (sm90_grouped_gemm_usable bounds the total below 2^31): the fields live through the whole
+// tile, and the fused SwiGLU consumer at 256 columns is at ptxas's register limit.
 struct TileCoord {
-  int64_t row_begin;  // the group's first row
-  int64_t rows;       // the group's rows
+  int32_t row_begin;  // the group's first row
+  int32_t rows;       // the group's rows
   int32_t group, m_tile, n_tile;
 };
 
 __device__ __forceinline__ TileCoord decode_tile(const Sm90Params& p, int32_t t) {
   TileCoord tc;
   tc.group = find_group(p.tile_offsets, p.groups, t);
-  tc.row_begin = __ldg(p.row_offsets + tc.group);
-  tc.rows = __ldg(p.row_offsets + tc.group + 1) - tc.row_begin;
-  const int32_t m_tiles = int32_t((tc.rows + kBlockM - 1) / kBlockM);
+  tc.row_begin = int32_t(__ldg(p.row_offsets + tc.group));
+  tc.rows = int32_t(__ldg(p.row_offsets + tc.group + 1)) - tc.row_begin;
+  const int32_t m_tiles = (tc.rows + kBlockM - 1) / kBlockM;
   const int32_t local = t - __ldg(p.tile_offsets + tc.group);
   tc.m_tile = local % m_tiles;
   tc.n_tile = local / m_tiles;
@@ -345,7 +361,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto empty = [&](int s) { return bars + 8 * (S + s); };
   auto tile_full = [&](int r) { return bars + 8 * (2 * S + r); };
   auto tile_empty = [&](int r) { return bars + 8 * (2 * S + kTileRing + r); };
-  volatile int32_t* tile_ring = reinterpret_cast<volatile int32_t*>(smem + (bars - slots) + 8 * (2 * S + 2 * kTileRing));
+  // The ring's indices, by shared-space address (a 32-bit register, not a 64-bit generic pointer: the fused
+  // SwiGLU consumer at 256 columns has no registers to spare).
+  const uint32_t tile_ring = bars + 8 * (2 * S + 2 * kTileRing);
 
   const int warpgroup = threadIdx.x / 128;
   if (threadIdx.x == 0) {
@@ -384,7 +402,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         if constexpr (kDynamic) {
           const int r = int(i % kTileRing);
           mbar_wait(tile_empty(r), ((i / kTileRing) & 1) ^ 1, 4, r, p);
-          tile_ring[r] = t;
+          st_shared_volatile(tile_ring + 4 * r, t);
           mbar_arrive(tile_full(r));
           // Fetched before this tile's loads, so that the atomic's latency hides behind them.
           if (t >= 0) next = int32_t(gridDim.x) + atomicAdd(p.tile_counter, 1);
@@ -393,7 +411,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
         if (t < 0) break;
         const TileCoord tc = decode_tile(p, t);
-        const int32_t a_row = int32_t(tc.row_begin + int64_t(tc.m_tile) * kBlockM);
+        const int32_t a_row = tc.row_begin + tc.m_tile * kBlockM;
         const int32_t b_row = int32_t(int64_t(tc.group) * p.n + int64_t(tc.n_tile) * kOutN);
         for (int32_t kb = 0; kb < k_blocks; ++kb, ++it) {
           const int s = int(it % S);
@@ -421,7 +439,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       if constexpr (kDynamic) {
         const int r = int(i % kTileRing);
         mbar_wait(tile_full(r), (i / kTileRing) & 1, 3, r, p);
-        t = tile_ring[r];
+        t = ld_shared_volatile(tile_ring + 4 * r);
         mbar_arrive(tile_empty(r));
         if (t < 0) break;
       } else {
@@ -432,7 +450,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       // A group's last row tile often holds 64 rows or fewer (experts of ~256 rows: about half of them
       // end with such a tile); the second warpgroup's rows are then all past the group, so it skips its
       // products and stores and only hands the slots back.
-      if (int64_t(tc.m_tile) * kBlockM + consumer * 64 >= tc.rows || p.leave_out == 2) {
+      if (tc.m_tile * kBlockM + consumer * 64 >= tc.rows || p.leave_out == 2) {
         for (int32_t kb = 0; kb < k_blocks; ++kb, ++it) {
           const int s = int(it % S);
           // Waiting for the slot to be full first keeps the empty barrier's arrivals in step with the
@@ -525,7 +543,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           if (tid < 64 && first_row + tid < tc.rows) {
             __nv_bfloat16* out = o == 0 ? p.c : o == 1 ? p.h : p.c2;
             const uint32_t bytes = uint32_t(min(int64_t(kChunk), p.n - col0)) * 2;
-            bulk_store(out + (tc.row_begin + first_row + tid) * p.n + col0, stage_base + tid * Cfg::staging_row_bytes,
+            bulk_store(out + (int64_t(tc.row_begin) + first_row + tid) * p.n + col0, stage_base + tid * Cfg::staging_row_bytes,
                        bytes);
           }
           bulk_commit();
@@ -544,13 +562,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       // Epilogue: accumulator fragment (warp w, lane l) holds rows 16w + l/4 (+8) and, for every 8-column
       // block j, columns 8j + 2(l%4) + {0, 1}. The four lanes of a quad trade words (quad_transpose) so
       // that each stores one whole block: 16-byte stores, 64 contiguous bytes per quad.
-      const int64_t row_in_group = int64_t(tc.m_tile) * kBlockM + consumer * 64 + warp * 16 + lane / 4;
+      const int32_t row_in_group = tc.m_tile * kBlockM + consumer * 64 + warp * 16 + lane / 4;
       const int q = lane % 4;
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const int64_t r = row_in_group + 8 * half;
+        const int32_t r = row_in_group + 8 * half;
         const bool row_ok = r < tc.rows;  // the shuffles below need every lane, so only stores are masked
-        const int64_t row = (tc.row_begin + r) * p.n;
+        const int64_t row = int64_t(tc.row_begin + r) * p.n;
 #pragma unroll
         for (int jq = 0; jq < kOutN / 32; ++jq) {
           uint32_t wc[4], wh[4], wu[4];
@@ -778,14 +796,16 @@ void launch_for(const CudaContext& ctx, void* scratch, const GroupedGemmNT& g, i
   }
 }
 
-// DMOE_SM90_SCHEDULE=static (default) | dynamic: how CTAs get their tiles after the first wave.
+// DMOE_SM90_SCHEDULE=dynamic (default) | static: how CTAs get their tiles after the first wave. Measured on
+// the H200 (docs/perf.md, fourth session): dynamic cut the fine-grained up projection's DRAM reads from
+// 1.55 to 0.99 GB (minimum 0.94) and its time 460 -> 408 µs; no config was slower.
 bool dynamic_schedule() {
   static const bool dynamic = [] {
     const char* v = std::getenv("DMOE_SM90_SCHEDULE");
-    if (!v || !*v || std::string(v) == "static") return false;
-    DMOE_CUDA_REQUIRE(std::string(v) == "dynamic",
-                      "DMOE_SM90_SCHEDULE=%s is not supported; allowed: static, dynamic", v);
-    return true;
+    if (!v || !*v || std::string(v) == "dynamic") return true;
+    DMOE_CUDA_REQUIRE(std::string(v) == "static",
+                      "DMOE_SM90_SCHEDULE=%s is not supported; allowed: dynamic, static", v);
+    return false;
   }();
   return dynamic;
 }

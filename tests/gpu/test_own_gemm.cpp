@@ -32,7 +32,7 @@ struct OwnGemmShape {
   int block_n;
   int epilogue;  // 0: C only; 1 relu, 2 gelu, 3 swiglu: fused activation (h, and C2 for SwiGLU)
   int store = 1;  // 1: staged in shared memory + bulk stores, 2: direct stores from registers
-  int schedule = 0;  // 0 default, 1 static, 2 dynamic (tiles after the first wave from a global counter)
+  int schedule = 0;  // 0 default (dynamic), 1 static, 2 dynamic (tiles after the first wave from a global counter)
 };
 
 constexpr const char* kEpilogueNames[] = {"plain", "relu", "gelu", "swiglu"};
@@ -198,7 +198,10 @@ TEST_P(CudaKernelsOwnGemm, MatchesHostReference) {
 // 48 groups of up to 300 rows, n = 520 and k = 392 (tails in both): ~300 tiles of 128 columns, several per
 // CTA, 7 k-blocks each; the same with 256-column tiles; a deep-k case (k = 2048, 32 k-blocks per tile);
 // a tiny one; the fused activations (SwiGLU: half-width output tiles of gate and up columns); both ways
-// of storing tiles.
+// of storing tiles (all with the default, dynamic tile schedule); the static schedule on the same shapes;
+// ~1200 fused SwiGLU tiles of 256 columns whose groups mix last tiles of <= 64 rows (second consumer
+// skips) and longer ones, with both schedules — the case that hung the first dynamic kernel on the H200
+// (fine-grained, decode at T = 1024, mixtral at T = 512; a stack frame from register pressure).
 INSTANTIATE_TEST_SUITE_P(Shapes, CudaKernelsOwnGemm,
                          testing::Values(OwnGemmShape{48, 300, 520, 392, 128, 0},
                                          OwnGemmShape{48, 300, 520, 392, 256, 0},
@@ -216,18 +219,20 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CudaKernelsOwnGemm,
                                          OwnGemmShape{20, 300, 264, 136, 128, 3, 2},
                                          OwnGemmShape{20, 300, 264, 136, 256, 3, 2},
                                          OwnGemmShape{20, 300, 264, 40, 256, 3, 2},
-                                         OwnGemmShape{48, 300, 520, 392, 256, 0, 2, 2},
-                                         OwnGemmShape{12, 260, 264, 2048, 128, 0, 2, 2},
-                                         OwnGemmShape{3, 70, 8, 8, 128, 0, 2, 2},
-                                         OwnGemmShape{20, 300, 264, 136, 256, 1, 2, 2},
-                                         OwnGemmShape{20, 300, 264, 136, 128, 2, 2, 2},
-                                         OwnGemmShape{20, 300, 264, 136, 256, 3, 2, 2}),
+                                         OwnGemmShape{48, 300, 520, 392, 256, 0, 2, 1},
+                                         OwnGemmShape{12, 260, 264, 2048, 128, 0, 2, 1},
+                                         OwnGemmShape{3, 70, 8, 8, 128, 0, 2, 1},
+                                         OwnGemmShape{20, 300, 264, 136, 256, 1, 2, 1},
+                                         OwnGemmShape{20, 300, 264, 136, 128, 2, 2, 1},
+                                         OwnGemmShape{20, 300, 264, 136, 256, 3, 2, 1},
+                                         OwnGemmShape{128, 200, 776, 72, 256, 3, 2, 2},
+                                         OwnGemmShape{128, 200, 776, 72, 256, 3, 2, 1}),
                          [](const testing::TestParamInfo<OwnGemmShape>& info) {
                            const OwnGemmShape& s = info.param;
                            return "G" + std::to_string(s.groups) + "_n" + std::to_string(s.n) + "_k" +
                                   std::to_string(s.k) + "_bn" + std::to_string(s.block_n) + "_" +
                                   kEpilogueNames[s.epilogue] + (s.store == 2 ? "_direct" : "_staged") +
-                                  (s.schedule == 2 ? "_dynamic" : "");
+                                  (s.schedule == 2 ? "_dynamic" : s.schedule == 1 ? "_static" : "");
                          });
 
 }  // namespace

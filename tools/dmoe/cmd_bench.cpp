@@ -98,7 +98,8 @@ Command add_bench_command(CLI::App& app) {
                   "GPU: pad each expert's batch with zero rows to a multiple of this (GEMM tile height)")
       ->check(CLI::PositiveNumber);
   sub->add_option("--variants", o->gemm_variants,
-                  "gemm: kernel variants, comma-separated: b<N> tile width, s staged / d direct epilogue; to "
+                  "gemm: kernel variants, comma-separated: b<N> tile width, s staged / d direct epilogue, q dynamic tile "
+                  "schedule; to "
                   "place time (wrong results): E stores left out, M products and stores left out (e.g. b256,b256E)");
   sub->add_flag("--square", o->gemm_square, "gemm: also an 8192^3 product per variant");
   return [o] {
