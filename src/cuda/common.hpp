@@ -117,4 +117,31 @@ struct Sm90Tuning {
 };
 void sm90_grouped_gemm(const CudaContext& ctx, void* scratch, const GroupedGemmNT& g, const Sm90Tuning& tuning = {});
 
+// ---- dmoe's grouped weight-gradient GEMM (grouped_wgrad.cu) -----------------------------------------------
+//
+// For every group g with rows: C_g [m, n] = A_g^T · B_g (+ C_g with accumulate), A_g = rows
+// [row_offsets[g], row_offsets[g+1]) of A [·, m] (row stride lda), B_g the same rows of B [·, n] (ldb);
+// row r of the offsets is row r - a_first_row of A and r - b_first_row of B. bf16 in, f32 out and
+// accumulation; C_g at c + g·c_group_stride, row-major [m, n]. Groups without rows are left alone.
+// row_offsets is a host array of groups + 1 entries.
+struct GroupedWgrad {
+  const __nv_bfloat16* a = nullptr;
+  const __nv_bfloat16* b = nullptr;
+  float* c = nullptr;
+  const int64_t* row_offsets = nullptr;
+  int32_t groups = 0;
+  int64_t m = 0, n = 0, lda = 0, ldb = 0;
+  int64_t a_first_row = 0, b_first_row = 0;
+  int64_t c_group_stride = 0;
+  bool accumulate = true;
+};
+// True where it can run: an sm_80+ GPU with the kernel in this build, m, n, lda, ldb multiples of 8,
+// 16-byte aligned pointers.
+bool grouped_wgrad_usable(const GroupedWgrad& g);
+size_t grouped_wgrad_scratch_bytes(int32_t groups);
+void grouped_wgrad(const CudaContext& ctx, void* scratch, const GroupedWgrad& g);
+// Whether the backward pass's bf16 weight gradients take grouped_wgrad: DMOE_WGRAD=own|cublas forces one,
+// auto (default) decides by the mean multiply-adds per expert product (measurements in gemm.cpp).
+bool prefer_own_wgrad(double mean_macs);
+
 }  // namespace dmoe::cuda

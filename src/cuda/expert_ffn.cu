@@ -13,10 +13,10 @@
 // GEMMs go through gemm_rm_grouped (cuda/gemm.cpp): one cublasGemmGroupedBatchedEx call for many small
 // expert products (A, B and C of one type, 16-byte aligned), else a loop of cublasGemmEx, one call per
 // expert with rows (faster for large products: on H200 the grouped call reached ~330 TFLOP/s where the
-// loop reached ~840). The weight gradients of bf16 experts always take the loop: the grouped API has no
+// loop reached ~840). The forward's bf16 products take dmoe's own Hopper kernel where auto prefers it
+// (grouped_gemm_sm90.cu). The weight gradients of bf16 experts take dmoe's grouped_wgrad kernel (one
+// launch per product for all experts) where auto prefers it, else the cuBLAS loop: the grouped API has no
 // bf16 × bf16 → f32 form. Every GEMM accumulates in f32 (CUBLAS_COMPUTE_32F; no TF32 for f32 storage).
-// Both paths stay well below one GEMM of the same FLOPs for small experts; a grouped kernel of our own
-// (or the Flash engine's tile GEMM) is the next step there.
 //
 // Stored intermediates (pre1, pre3, h, dh/dpre1, dpre3, dx) have the storage type, as on the CPU with
 // bf16 rounding; for bf16 the SwiGLU dx is rounded twice (after dpre1·w1, then after adding dpre3·w3).
@@ -255,6 +255,7 @@ void expert_ffn_backward(const T* x, const T* w1, const T* w3, const T* w2, cons
   const size_t off_dh = layout.add(size_t(rows) * ffn * sizeof(T));
   const size_t off_dpre3 = layout.add(swiglu ? size_t(rows) * ffn * sizeof(T) : 0);
   const size_t off_pointers = layout.add(grouped_pointer_bytes(active));
+  const size_t off_wgrad = layout.add(std::is_same_v<T, bf16> ? grouped_wgrad_scratch_bytes(local_experts) : 0);
   char* ws = static_cast<char*>(ctx.workspace->reserve(layout.total(), ctx.stream));
   T* dh = reinterpret_cast<T*>(ws + off_dh);  // row r of the batch is dh row r - row_begin
   T* dpre1 = dh;
@@ -280,8 +281,51 @@ void expert_ffn_backward(const T* x, const T* w1, const T* w3, const T* w2, cons
   }
   const cudaDataType_t type = cuda_data_type<T>();
 
+  // The weight gradients of bf16 experts: one grouped_wgrad launch per product where it runs and auto
+  // prefers it (cuBLAS has no grouped bf16 × bf16 → f32 form; its path is one call per expert).
+  bool own_wgrad = false;
+  if constexpr (std::is_same_v<T, bf16>) {
+    const double mean_macs = double(hidden) * double(ffn) * double(rows) / double(std::max<int64_t>(active, 1));
+    GroupedWgrad probe;
+    probe.a = dout;
+    probe.b = h;
+    probe.c = dw2;
+    probe.groups = local_experts;
+    probe.m = hidden;
+    probe.n = ffn;
+    probe.lda = hidden;
+    probe.ldb = ffn;
+    own_wgrad = prefer_own_wgrad(mean_macs) && grouped_wgrad_usable(probe) &&
+                is_aligned(x, 16) && is_aligned(dpre1, 16) && is_aligned(dw1, 16) &&
+                (!swiglu || (is_aligned(dpre3, 16) && is_aligned(dw3, 16)));
+  }
+  // c_g [m, n] += a_g^T · b_g over the experts' rows (a and b indexed like the offsets, from a_first / b_first).
+  auto wgrad = [&](const T* a, int64_t a_first, int64_t m, const T* b, int64_t n, float* c,
+                   const std::vector<GemmProblem>& loop_problems) {
+    if constexpr (std::is_same_v<T, bf16>) {
+      if (own_wgrad) {
+        GroupedWgrad g;
+        g.a = a;
+        g.b = b;
+        g.c = c;
+        g.row_offsets = expert_offsets;
+        g.groups = local_experts;
+        g.m = m;
+        g.n = n;
+        g.lda = m;
+        g.ldb = n;
+        g.a_first_row = a_first;
+        g.c_group_stride = weight_size;
+        g.accumulate = true;
+        grouped_wgrad(ctx, ws + off_wgrad, g);
+        return;
+      }
+    }
+    gemm_rm_grouped(ctx, pointers, true, false, m, n, n, 1.f, 1.f, type, type, CUDA_R_32F, loop_problems);
+  };
+
   gemm_rm_grouped(ctx, pointers, false, false, hidden, ffn, ffn, 1.f, 0.f, type, type, type, dh_p);
-  gemm_rm_grouped(ctx, pointers, true, false, hidden, ffn, ffn, 1.f, 1.f, type, type, CUDA_R_32F, dw2_p);
+  wgrad(dout, 0, hidden, h, ffn, dw2, dw2_p);
 
   const int64_t count = rows * ffn;
   ActBackwardParams<T> bp{
@@ -289,9 +333,8 @@ void expert_ffn_backward(const T* x, const T* w1, const T* w3, const T* w2, cons
   launch_activation<T, BackwardLaunch>(activation, packable<T>(count, {bp.dh, bp.pre1, bp.pre3, bp.dpre3}),
                                        bp, count, ctx.stream);
 
-  gemm_rm_grouped(ctx, pointers, true, false, ffn, hidden, hidden, 1.f, 1.f, type, type, CUDA_R_32F, dw1_p);
-  if (swiglu)
-    gemm_rm_grouped(ctx, pointers, true, false, ffn, hidden, hidden, 1.f, 1.f, type, type, CUDA_R_32F, dw3_p);
+  wgrad(dpre1, row_begin, ffn, x, hidden, dw1, dw1_p);
+  if (swiglu) wgrad(dpre3, row_begin, ffn, x, hidden, dw3, dw3_p);
   gemm_rm_grouped(ctx, pointers, false, false, ffn, hidden, hidden, 1.f, 0.f, type, type, type, dx1_p);
   if (swiglu)
     gemm_rm_grouped(ctx, pointers, false, false, ffn, hidden, hidden, 1.f, 1.f, type, type, type, dx3_p);

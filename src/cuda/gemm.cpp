@@ -116,6 +116,27 @@ constexpr double kOwnMaxMeanMacs = 4e9;
 
 }  // namespace
 
+// The grouped weight-gradient kernel (grouped_wgrad.cu) against the per-expert cuBLAS loop, whole-layer
+// forward + backward on H200 (docs/perf.md, fourth session), by mean multiply-adds per expert product:
+//   0.10 G (decode)          5.28 ms own vs 5.99 loop
+//   0.40 G (fine-grained)    5.01 vs 6.38
+//   1.07 G (flash-paper)     4.28 vs 4.45
+//   60 G (mixtral)           21.0 vs 15.3 (cuBLAS's big tiles reach ~700 TFLOP/s; the kernel's mma.sync
+//                            tiles do not)
+// so auto takes it below the size where the two met, about flash-paper's.
+constexpr double kOwnWgradMaxMeanMacs = 1.5e9;
+
+bool prefer_own_wgrad(double mean_macs) {
+  static const int mode = [] {  // 0 auto, 1 own, 2 cublas
+    const char* v = std::getenv("DMOE_WGRAD");
+    if (!v || !*v || std::string(v) == "auto") return 0;
+    if (std::string(v) == "own") return 1;
+    if (std::string(v) == "cublas") return 2;
+    fail(__FILE__, __LINE__, "DMOE_WGRAD=%s is not supported; allowed: auto, own, cublas", v);
+  }();
+  return mode == 1 || (mode == 0 && mean_macs < kOwnWgradMaxMeanMacs);
+}
+
 bool prefer_own_grouped_gemm(double mean_macs) {
   switch (expert_gemm_mode()) {
     case ExpertGemmMode::own:
