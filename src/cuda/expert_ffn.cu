@@ -8,6 +8,7 @@
 //              dw2 += dout^T·h                           per expert (bf16 inputs, f32 accumulator)
 //              dpre1, dpre3 from dh, pre1, pre3          one elementwise kernel (dpre1 overwrites dh)
 //              dw1 += dpre1^T·x, dw3 += dpre3^T·x        per expert (as dw2)
+//              (accumulate = false: the weight gradients are written, not added: beta = 0)
 //              dx = dpre1·w1 (+ dpre3·w3)                grouped GEMM; the second adds with beta = 1
 //
 // GEMMs go through gemm_rm_grouped (cuda/gemm.cpp): one cublasGemmGroupedBatchedEx call for many small
@@ -239,14 +240,25 @@ template <typename T>
 void expert_ffn_backward(const T* x, const T* w1, const T* w3, const T* w2, const T* pre1, const T* pre3,
                          const T* h, const T* dout, T* dx, float* dw1, float* dw3, float* dw2,
                          const int64_t* expert_offsets, int32_t local_experts, int64_t hidden, int64_t ffn,
-                         Activation activation, const CudaContext& ctx) {
+                         Activation activation, bool accumulate, const CudaContext& ctx) {
   check_offsets(expert_offsets, local_experts, "expert_ffn_backward");
   const bool swiglu = activation == Activation::swiglu;
   DMOE_CUDA_REQUIRE(!swiglu || (w3 != nullptr && pre3 != nullptr && dw3 != nullptr),
                     "expert_ffn_backward: SwiGLU needs w3, pre3 and dw3");
   const int64_t row_begin = expert_offsets[0];
   const int64_t rows = expert_offsets[local_experts] - row_begin;
+  const int64_t weight_size = ffn * hidden;
+  if (!accumulate) {
+    // Overwrite: the products below write (beta = 0) the experts that have rows; the others get zeros.
+    for (int32_t e = 0; e < local_experts; ++e) {
+      if (expert_offsets[e + 1] > expert_offsets[e]) continue;
+      for (float* dw : {dw1, dw3, dw2})
+        if (dw != nullptr)
+          DMOE_CHECK_CUDA(cudaMemsetAsync(dw + e * weight_size, 0, size_t(weight_size) * sizeof(float), ctx.stream));
+    }
+  }
   if (rows == 0 || hidden == 0 || ffn == 0) return;
+  const float beta_w = accumulate ? 1.f : 0.f;
 
   // Scratch: dh [rows, I] (overwritten by dpre1), dpre3 [rows, I] (SwiGLU), grouped pointer arrays.
   int64_t active = 0;
@@ -262,7 +274,6 @@ void expert_ffn_backward(const T* x, const T* w1, const T* w3, const T* w2, cons
   T* dpre3 = swiglu ? reinterpret_cast<T*>(ws + off_dpre3) : nullptr;
   void* pointers = ws + off_pointers;
 
-  const int64_t weight_size = ffn * hidden;
   std::vector<GemmProblem> dh_p, dw2_p, dw1_p, dw3_p, dx1_p, dx3_p;
   for (int32_t e = 0; e < local_experts; ++e) {
     const int64_t r0 = expert_offsets[e], n = expert_offsets[e + 1] - r0;
@@ -316,12 +327,12 @@ void expert_ffn_backward(const T* x, const T* w1, const T* w3, const T* w2, cons
         g.ldb = n;
         g.a_first_row = a_first;
         g.c_group_stride = weight_size;
-        g.accumulate = true;
+        g.accumulate = accumulate;
         grouped_wgrad(ctx, ws + off_wgrad, g);
         return;
       }
     }
-    gemm_rm_grouped(ctx, pointers, true, false, m, n, n, 1.f, 1.f, type, type, CUDA_R_32F, loop_problems);
+    gemm_rm_grouped(ctx, pointers, true, false, m, n, n, 1.f, beta_w, type, type, CUDA_R_32F, loop_problems);
   };
 
   gemm_rm_grouped(ctx, pointers, false, false, hidden, ffn, ffn, 1.f, 0.f, type, type, type, dh_p);
@@ -346,7 +357,7 @@ void expert_ffn_backward(const T* x, const T* w1, const T* w3, const T* w2, cons
                                       const CudaContext&);                                                   \
   template void expert_ffn_backward<T>(const T*, const T*, const T*, const T*, const T*, const T*, const T*, \
                                        const T*, T*, float*, float*, float*, const int64_t*, int32_t,        \
-                                       int64_t, int64_t, Activation, const CudaContext&);
+                                       int64_t, int64_t, Activation, bool, const CudaContext&);
 
 DMOE_INSTANTIATE_EXPERT_FFN(float)
 DMOE_INSTANTIATE_EXPERT_FFN(bf16)

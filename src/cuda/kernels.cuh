@@ -173,11 +173,12 @@ void expert_ffn_forward(const T* x, const T* w1, const T* w3, const T* w2, T* pr
                         const int64_t* expert_offsets, int32_t local_experts, int64_t hidden, int64_t ffn,
                         Activation activation, const CudaContext& ctx);
 
-// dx [N, H] overwritten; dw1, dw3 [Le, I, H], dw2 [Le, H, I] f32 accumulate (+=).
+// dx [N, H] overwritten; dw1, dw3 [Le, I, H], dw2 [Le, H, I] f32 accumulate (+=), or with accumulate =
+// false are overwritten for every local expert (zeros where an expert has no rows).
 template <typename T>
 void expert_ffn_backward(const T* x, const T* w1, const T* w3, const T* w2, const T* pre1, const T* pre3,
                          const T* h, const T* dout, T* dx, float* dw1, float* dw3, float* dw2,
                          const int64_t* expert_offsets, int32_t local_experts, int64_t hidden, int64_t ffn,
-                         Activation activation, const CudaContext& ctx);
+                         Activation activation, bool accumulate, const CudaContext& ctx);
 
 }  // namespace dmoe::cuda

@@ -82,12 +82,14 @@ class Backend {
   virtual void combine_backward(const void* dy, const void* rows, const int32_t* slot,
                                 const float* weights, void* drows, float* dweights, int64_t tokens,
                                 int32_t top_k, int64_t hidden) = 0;
-  // dx [N, H] overwritten; dw1, dw3 [Le, I, H], dw2 [Le, H, I] accumulate (grad_accum_dtype()).
+  // dx [N, H] overwritten; dw1, dw3 [Le, I, H], dw2 [Le, H, I] (grad_accum_dtype()) accumulate, or with
+  // accumulate = false are overwritten for every local expert (zeros for experts without rows): the first
+  // backward after zero_grads then writes the gradients instead of reading zeros back (EpEngine).
   virtual void expert_ffn_backward(const void* x, const void* w1, const void* w3, const void* w2,
                                    const void* pre1, const void* pre3, const void* h, const void* dout,
                                    void* dx, void* dw1, void* dw3, void* dw2,
                                    const int64_t* expert_offsets, int32_t local_experts,
-                                   int64_t hidden, int64_t ffn, Activation activation) = 0;
+                                   int64_t hidden, int64_t ffn, Activation activation, bool accumulate) = 0;
   // Router backward: dlogits [T, E] f32 (overwritten) from dweights [T, k] and the auxiliary terms
   // (aux.expert_fraction: host [E] or null; aux.lse: backend [T] or null); dx_router [T, H] f32
   // (overwritten) = dlogits · wg; dwg [E, H] (grad_accum_dtype) += dlogits^T · x.

@@ -1,5 +1,6 @@
 // cpu_backend.cpp — Backend on the host, running the CPU kernels (src/cpu/). Memory is host memory and
 // activations are stored as f32; a bf16 config is emulated by rounding stored values to bf16.
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <new>
@@ -109,8 +110,14 @@ class CpuBackend final : public Backend {
   void expert_ffn_backward(const void* x, const void* w1, const void* w3, const void* w2, const void* pre1,
                            const void* pre3, const void* h, const void* dout, void* dx, void* dw1, void* dw3,
                            void* dw2, const int64_t* expert_offsets, int32_t local_experts, int64_t hidden,
-                           int64_t ffn, Activation activation) override {
+                           int64_t ffn, Activation activation, bool accumulate) override {
     const bool swiglu = activation == Activation::swiglu;
+    if (!accumulate) {  // overwrite: the kernels below add, so start every expert's gradients at zero
+      const size_t count = size_t(local_experts) * size_t(ffn) * size_t(hidden);
+      std::fill_n(d(dw1), count, 0.0);
+      std::fill_n(d(dw2), count, 0.0);
+      if (swiglu) std::fill_n(d(dw3), count, 0.0);
+    }
     for (int32_t e = 0; e < local_experts; ++e) {
       const int64_t r0 = expert_offsets[e], n = expert_offsets[e + 1] - r0;
       if (n == 0) continue;

@@ -94,12 +94,10 @@ void EpEngine::set_weights(const MoeWeights& w) {
 
 void EpEngine::zero_grads() {
   DMOE_REQUIRE(has_weights_, "EpEngine::zero_grads: set_weights() was not called");
-  const int64_t H = config_.hidden, I = config_.ffn, E = config_.experts, Le = local_experts_;
+  const int64_t H = config_.hidden, E = config_.experts;
   const size_t acc = dtype_size(backend_.grad_accum_dtype());
   backend_.zero(dwg_.data(), E * H * acc);
-  backend_.zero(dw1_.data(), Le * I * H * acc);
-  backend_.zero(dw2_.data(), Le * H * I * acc);
-  if (config_.activation == Activation::swiglu) backend_.zero(dw3_.data(), Le * I * H * acc);
+  expert_grads_zero_ = true;  // dw1/dw2/dw3: written by the next backward (see the member)
 }
 
 void EpEngine::exchange_counts() {
@@ -302,7 +300,9 @@ void EpEngine::backward(const void* dy, void* dx) {
   backend_.expert_ffn_backward(batch_rows_, w1_.data(), swiglu ? w3_.data() : nullptr, w2_.data(),
                                pre1_.data(), swiglu ? pre3_.data() : nullptr, h_.data(), dbatch,
                                dx_batch_.ensure(N * H * elem_), dw1_.data(), swiglu ? dw3_.data() : nullptr,
-                               dw2_.data(), layout_.expert_offsets.data(), Le, H, I, config_.activation);
+                               dw2_.data(), layout_.expert_offsets.data(), Le, H, I, config_.activation,
+                               /*accumulate=*/!expert_grads_zero_);
+  expert_grads_zero_ = false;
 
   // 4. Input gradients back to the tokens' ranks.
   void* dsend = dx_batch_.data();
@@ -378,6 +378,12 @@ MoeWeights EpEngine::grads() {
   backend_.copy(dwg, dwg_.data(), E * H * dtype_size(acc));
   if (config_.world > 1) comm_.allreduce_sum(dwg, E * H, acc, backend_.stream());
   g.gate = download_accum(backend_, dwg, E * H);
+  if (expert_grads_zero_) {  // no backward since zero_grads(): the buffers were never written
+    g.w1.assign(size_t(Le * I * H), 0.f);
+    g.w2.assign(size_t(Le * H * I), 0.f);
+    if (config_.activation == Activation::swiglu) g.w3.assign(size_t(Le * I * H), 0.f);
+    return g;
+  }
   g.w1 = download_accum(backend_, dw1_.data(), Le * I * H);
   g.w2 = download_accum(backend_, dw2_.data(), Le * H * I);
   if (config_.activation == Activation::swiglu) g.w3 = download_accum(backend_, dw3_.data(), Le * I * H);

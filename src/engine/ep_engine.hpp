@@ -101,6 +101,10 @@ class EpEngine {
   // Weights (backend memory).
   Buffer wg_, w1_, w3_, w2_;
   bool has_weights_ = false;
+  // zero_grads() leaves the experts' gradient buffers alone and sets this: the next backward writes them
+  // (accumulate = false) instead of adding to zeros, which saves the memset and, in the weight-gradient
+  // GEMMs, reading every f32 gradient back (the dominant traffic of those products, docs/perf.md).
+  bool expert_grads_zero_ = false;
   // Gradient accumulators (grad_accum_dtype).
   Buffer dwg_, dw1_, dw3_, dw2_;
 

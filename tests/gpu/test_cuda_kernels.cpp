@@ -914,44 +914,53 @@ TEST_P(CudaKernelsFfn, BackwardMatchesCpu) {
   // Both sides start from the CPU's forward activations (already rounded to the storage type), so the
   // activation derivatives see identical inputs.
   const FfnForward f = cpu_ffn_forward(p, storage, activation, H, I);
-  const std::vector<float> dout = rounded(rng.normal_vector(size_t(p.rows * H), 1.0), storage);
-  const size_t weight = size_t(p.local_experts * I * H);
-  const std::vector<float> dw1_0 = rng.normal_vector(weight, 0.1), dw2_0 = rng.normal_vector(weight, 0.1);
-  const std::vector<float> dw3_0 = rng.normal_vector(swiglu ? weight : 0, 0.1);
+  // Both ways of treating the weight gradients: added to (accumulate) or written over (the first
+  // backward after zero_grads).
+  for (const bool accumulate : {true, false}) {
+    SCOPED_TRACE(accumulate ? "accumulate" : "overwrite");
+    const std::vector<float> dout = rounded(rng.normal_vector(size_t(p.rows * H), 1.0), storage);
+    const size_t weight = size_t(p.local_experts * I * H);
+    const std::vector<float> dw1_0 = rng.normal_vector(weight, 0.1), dw2_0 = rng.normal_vector(weight, 0.1);
+    const std::vector<float> dw3_0 = rng.normal_vector(swiglu ? weight : 0, 0.1);
 
-  DeviceBuffer d_x = storage_from(*backend, p.x), d_w1 = storage_from(*backend, p.w1);
-  DeviceBuffer d_w3 = storage_from(*backend, p.w3), d_w2 = storage_from(*backend, p.w2);
-  DeviceBuffer d_pre1 = storage_from(*backend, f.pre1), d_pre3 = storage_from(*backend, f.pre3);
-  DeviceBuffer d_h = storage_from(*backend, f.h), d_dout = storage_from(*backend, dout);
-  DeviceBuffer d_dx(*backend, storage_bytes(*backend, p.rows * H));
-  DeviceBuffer d_dw1 = raw_from(*backend, dw1_0), d_dw3 = raw_from(*backend, dw3_0),
-               d_dw2 = raw_from(*backend, dw2_0);
-  backend->expert_ffn_backward(d_x.get(), d_w1.get(), swiglu ? d_w3.get() : nullptr, d_w2.get(), d_pre1.get(),
-                               swiglu ? d_pre3.get() : nullptr, d_h.get(), d_dout.get(), d_dx.get(),
-                               d_dw1.get(), swiglu ? d_dw3.get() : nullptr, d_dw2.get(), p.offsets.data(),
-                               p.local_experts, H, I, activation);
+    DeviceBuffer d_x = storage_from(*backend, p.x), d_w1 = storage_from(*backend, p.w1);
+    DeviceBuffer d_w3 = storage_from(*backend, p.w3), d_w2 = storage_from(*backend, p.w2);
+    DeviceBuffer d_pre1 = storage_from(*backend, f.pre1), d_pre3 = storage_from(*backend, f.pre3);
+    DeviceBuffer d_h = storage_from(*backend, f.h), d_dout = storage_from(*backend, dout);
+    DeviceBuffer d_dx(*backend, storage_bytes(*backend, p.rows * H));
+    DeviceBuffer d_dw1 = raw_from(*backend, dw1_0), d_dw3 = raw_from(*backend, dw3_0),
+                 d_dw2 = raw_from(*backend, dw2_0);
+    backend->expert_ffn_backward(d_x.get(), d_w1.get(), swiglu ? d_w3.get() : nullptr, d_w2.get(), d_pre1.get(),
+                                 swiglu ? d_pre3.get() : nullptr, d_h.get(), d_dout.get(), d_dx.get(),
+                                 d_dw1.get(), swiglu ? d_dw3.get() : nullptr, d_dw2.get(), p.offsets.data(),
+                                 p.local_experts, H, I, activation, accumulate);
 
-  std::vector<float> c_dx(p.rows * H, 0.f);
-  std::vector<double> c_dw1(dw1_0.begin(), dw1_0.end()), c_dw3(dw3_0.begin(), dw3_0.end()),
-      c_dw2(dw2_0.begin(), dw2_0.end());
-  for (int32_t e = 0; e < p.local_experts; ++e) {
-    const int64_t r0 = p.offsets[e], n = p.offsets[e + 1] - r0;
-    if (n == 0) continue;
-    const int64_t wo = e * I * H;
-    cpu::expert_ffn_backward(
-        p.x.data() + r0 * H, p.w1.data() + wo, swiglu ? p.w3.data() + wo : nullptr, p.w2.data() + wo,
-        f.pre1.data() + r0 * I, swiglu ? f.pre3.data() + r0 * I : nullptr, f.h.data() + r0 * I,
-        dout.data() + r0 * H, c_dx.data() + r0 * H, c_dw1.data() + wo, swiglu ? c_dw3.data() + wo : nullptr,
-        c_dw2.data() + wo, n, H, I, activation, storage);
+    std::vector<float> c_dx(p.rows * H, 0.f);
+    // Accumulate: the reference starts from the buffers' contents; overwrite: from zero (and the buffers'
+    // random contents must not leak into the result).
+    auto start_of = [&](const std::vector<float>& v0) {
+      return accumulate ? std::vector<double>(v0.begin(), v0.end()) : std::vector<double>(v0.size(), 0.0);
+    };
+    std::vector<double> c_dw1 = start_of(dw1_0), c_dw3 = start_of(dw3_0), c_dw2 = start_of(dw2_0);
+    for (int32_t e = 0; e < p.local_experts; ++e) {
+      const int64_t r0 = p.offsets[e], n = p.offsets[e + 1] - r0;
+      if (n == 0) continue;
+      const int64_t wo = e * I * H;
+      cpu::expert_ffn_backward(
+          p.x.data() + r0 * H, p.w1.data() + wo, swiglu ? p.w3.data() + wo : nullptr, p.w2.data() + wo,
+          f.pre1.data() + r0 * I, swiglu ? f.pre3.data() + r0 * I : nullptr, f.h.data() + r0 * I,
+          dout.data() + r0 * H, c_dx.data() + r0 * H, c_dw1.data() + wo, swiglu ? c_dw3.data() + wo : nullptr,
+          c_dw2.data() + wo, n, H, I, activation, storage);
+    }
+    const double tol = storage_tolerance(storage);
+    EXPECT_TRUE(close_rel("dx", storage_to_host(*backend, d_dx, p.rows * H), c_dx, tol));
+    // Weight gradients are f32 accumulators, but for bf16 the GPU rounds dpre1/dpre3 to bf16 before them.
+    EXPECT_TRUE(close_rel("dw1", raw_to_host<float>(*backend, d_dw1, int64_t(weight)), c_dw1, tol));
+    if (swiglu) {
+      EXPECT_TRUE(close_rel("dw3", raw_to_host<float>(*backend, d_dw3, int64_t(weight)), c_dw3, tol));
+    }
+    EXPECT_TRUE(close_rel("dw2", raw_to_host<float>(*backend, d_dw2, int64_t(weight)), c_dw2, tol));
   }
-  const double tol = storage_tolerance(storage);
-  EXPECT_TRUE(close_rel("dx", storage_to_host(*backend, d_dx, p.rows * H), c_dx, tol));
-  // Weight gradients are f32 accumulators, but for bf16 the GPU rounds dpre1/dpre3 to bf16 before them.
-  EXPECT_TRUE(close_rel("dw1", raw_to_host<float>(*backend, d_dw1, int64_t(weight)), c_dw1, tol));
-  if (swiglu) {
-    EXPECT_TRUE(close_rel("dw3", raw_to_host<float>(*backend, d_dw3, int64_t(weight)), c_dw3, tol));
-  }
-  EXPECT_TRUE(close_rel("dw2", raw_to_host<float>(*backend, d_dw2, int64_t(weight)), c_dw2, tol));
 }
 
 // H=72, I=40: 16-byte aligned rows (grouped cuBLAS path); H=36, I=20: bf16 rows of 72/40 bytes break
@@ -964,7 +973,7 @@ INSTANTIATE_TEST_SUITE_P(
                      testing::Values(FfnShape{72, 40}, FfnShape{36, 20}, FfnShape{7, 5}, FfnShape{264, 136})),
     ffn_name);
 
-TEST(CudaKernelsFfnEmpty, NoRowsIsANoOp) {
+TEST(CudaKernelsFfnEmpty, NoRowsLeavesOrZeroesTheGradients) {
   DMOE_SKIP_WITHOUT_GPU();
   auto backend = make_cuda_backend(DType::bf16);
   const int64_t H = 16, I = 8;
@@ -977,8 +986,14 @@ TEST(CudaKernelsFfnEmpty, NoRowsIsANoOp) {
                               d_rows.get(), d_rows.get(), offsets.data(), le, H, I, Activation::swiglu);
   backend->expert_ffn_backward(d_rows.get(), d_w.get(), d_w.get(), d_w.get(), d_rows.get(), d_rows.get(),
                                d_rows.get(), d_rows.get(), d_rows.get(), d_dw.get(), d_dw.get(), d_dw.get(),
-                               offsets.data(), le, H, I, Activation::swiglu);
+                               offsets.data(), le, H, I, Activation::swiglu, /*accumulate=*/true);
   EXPECT_TRUE(equal_exact("dw untouched", raw_to_host<float>(*backend, d_dw, le * I * H), dw0));
+  // Overwriting: experts without rows get zero gradients.
+  backend->expert_ffn_backward(d_rows.get(), d_w.get(), d_w.get(), d_w.get(), d_rows.get(), d_rows.get(),
+                               d_rows.get(), d_rows.get(), d_rows.get(), d_dw.get(), d_dw.get(), d_dw.get(),
+                               offsets.data(), le, H, I, Activation::swiglu, /*accumulate=*/false);
+  EXPECT_TRUE(equal_exact("dw zeroed", raw_to_host<float>(*backend, d_dw, le * I * H),
+                          std::vector<float>(size_t(le * I * H), 0.f)));
 }
 
 }  // namespace

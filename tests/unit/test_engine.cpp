@@ -354,6 +354,70 @@ TEST(Engine, CapacityIsBoundedByTokensPerRank) {
 namespace dmoe {
 namespace {
 
+// Gradient accumulation: zero_grads() (also called by set_weights) leaves the experts' gradients to be
+// written by the next backward instead of added to zeros; later backwards add. So: grads() right after
+// set_weights is all zeros; a second backward on the same data gives exactly twice the first (x + x is
+// exact); after zero_grads() the next backward gives the first result again, bit for bit. With 16 experts
+// and 2 × 3 tokens × top-2 = 12 routed rows, at least 4 experts get no rows: their gradients must read 0
+// in every case (the overwriting backward writes zeros there, it does not skip them).
+TEST(Engine, GradientsAccumulateUntilZeroGrads) {
+  for (DType dtype : {DType::f32, DType::bf16}) {
+    const int32_t world = 2;
+    MoeConfig c = small_config(Activation::swiglu, world, 3);
+    c.experts = 16;
+    c.dtype = dtype;
+    std::atomic<int> empty_experts{0};
+    const MoeWeights w = random_moe_weights(c, 41);
+    Rng rng(43);
+    const auto x = rng.normal_vector(size_t(world * c.tokens * c.hidden), 1.0);
+    const auto dy = rng.normal_vector(x.size(), 1.0);
+    run_thread_ranks(world, [&](int32_t rank, Comm& comm) {
+      auto backend = make_cpu_backend(c.dtype);
+      EpEngine engine(c, *backend, comm);
+      const int32_t Le = c.experts_per_rank();
+      engine.set_weights(slice_experts(w, c.first_expert(rank), Le));
+      const int64_t n = c.tokens * c.hidden;
+      std::vector<float> xl(x.begin() + rank * n, x.begin() + (rank + 1) * n), y(n), dx(n);
+      std::vector<float> dyl(dy.begin() + rank * n, dy.begin() + (rank + 1) * n);
+      SCOPED_TRACE(std::string(dtype_name(dtype)) + " rank " + std::to_string(rank));
+      auto step = [&] {
+        engine.forward(xl.data(), y.data(), ForwardMode::train);
+        engine.backward(dyl.data(), dx.data());
+      };
+      const MoeWeights g0 = engine.grads();
+      for (const auto* v : {&g0.gate, &g0.w1, &g0.w2, &g0.w3})
+        for (float e : *v) ASSERT_EQ(e, 0.f) << "gradients right after set_weights must be zero";
+      step();
+      const MoeWeights g1 = engine.grads();
+      step();
+      const MoeWeights g2 = engine.grads();
+      for (auto [a, b] : {std::pair{&g1.w1, &g2.w1}, std::pair{&g1.w2, &g2.w2}, std::pair{&g1.w3, &g2.w3}}) {
+        std::vector<float> twice(*a);
+        for (float& e : twice) e *= 2.f;
+        expect_identical(*b, twice, "expert gradient after two backwards");
+      }
+      engine.zero_grads();
+      step();
+      const MoeWeights g3 = engine.grads();
+      expect_identical(g3.w1, g1.w1, "w1 gradient after zero_grads");
+      expect_identical(g3.w2, g1.w2, "w2 gradient after zero_grads");
+      expect_identical(g3.w3, g1.w3, "w3 gradient after zero_grads");
+      expect_identical(g3.gate, g1.gate, "gate gradient after zero_grads");
+      const std::vector<int64_t>& offsets = engine.layout().expert_offsets;
+      const int64_t per_expert = c.ffn * c.hidden;
+      for (int32_t e = 0; e < Le; ++e) {
+        if (offsets[e + 1] > offsets[e]) continue;
+        ++empty_experts;
+        for (const MoeWeights* g : {&g1, &g2, &g3})
+          for (const auto* v : {&g->w1, &g->w2, &g->w3})
+            for (int64_t i = 0; i < per_expert; ++i)
+              ASSERT_EQ((*v)[e * per_expert + i], 0.f) << "local expert " << e << " has no rows";
+      }
+    });
+    EXPECT_GE(empty_experts.load(), 4) << "the case meant to have experts without rows has none";
+  }
+}
+
 // ForwardMode::inference keeps nothing for the backward pass but must compute the same outputs, bit for
 // bit (the pre-activations go through scratch instead of the kept buffers); backward and losses() then
 // refuse.

@@ -166,7 +166,7 @@ int run_gpu_layer_bench(const GpuBenchArgs& a) {
                 100.0 * r.roofline_ms / r.forward_train.median_ms);
     if (r.forward_backward.iterations > 0) {
       j["forward_backward_ms"] = r.forward_backward.median_ms;
-      std::printf("%-16s %3d %10.3f %8.3f %8.3f %9.1f  (forward+backward, 3F)\n", (r.engine + " f+b").c_str(),
+      std::printf("%-16s %3d %10.3f %8.3f %8.3f %9.1f  (a training step: zero_grads, forward, backward; 3F)\n", (r.engine + " f+b").c_str(),
                   env.world, r.forward_backward.median_ms, r.forward_backward.min_ms, r.forward_backward.max_ms,
                   3 * r.flop / (r.forward_backward.median_ms * 1e-3) * 1e-12);
     }

@@ -93,8 +93,11 @@ LayerBenchResult bench_ep_layer(const MoeConfig& c, Backend& backend, Comm& comm
     void* dxd = backend.allocate(T * H * elem);
     const auto dy = hashed_activations(o.seed + 2, T, H, bf16);
     backend.upload_f32(dyd, dy.data(), T * H);
+    // One micro-batch's training step: the gradients start from zero_grads (the backward then writes the
+    // experts' gradients instead of adding to zeros), as when each optimizer step takes one micro-batch.
     r.forward_backward = timer.time(
         [&] {
+          engine.zero_grads();
           engine.forward(xd, yd);
           engine.backward(dyd, dxd);
         },

@@ -28,7 +28,7 @@ struct LayerBenchResult {
   MoeConfig config;
   Stats forward;           // ForwardMode::inference: what a served layer costs (the PyTorch peers keep nothing either)
   Stats forward_train;     // ForwardMode::train: also stores what the backward pass needs
-  Stats forward_backward;  // iterations = 0 when not measured
+  Stats forward_backward;  // zero_grads + train forward + backward; iterations = 0 when not measured
   Stats alltoall;          // the all-to-all alone (LayerBenchOptions::time_alltoall); iterations = 0 if not
   double alltoall_bytes = 0;  // bytes one rank sends to the other ranks in that all-to-all
   double flop = 0, bytes = 0, roofline_ms = 0, comm_bytes = 0;
