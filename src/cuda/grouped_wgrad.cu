@@ -23,6 +23,7 @@
 // 123 TFLOP/s. The reduction is short (one expert's rows), so per FLOP the kernel moves as many bytes for
 // C (f32 read + write, 8 bytes per element per tile) as for the operands: ~3.2 GB through L2 and 1.8 GB
 // of DRAM per launch. Prefetching C's tile into L2 at the CTA's start changed nothing (tried, removed).
+// Storing instead (accumulate = false, the first backward after zero_grads) takes 481 µs, 214 TFLOP/s.
 #include <mutex>
 #include <vector>
 
