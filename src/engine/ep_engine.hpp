@@ -60,6 +60,8 @@ class EpEngine {
   // dy, dx: [T, H] in backend memory. Accumulates parameter gradients (see zero_grads / grads()).
   void backward(const void* dy, void* dx);
 
+  // Gradients start over: the next backward's gradients are the only ones (the experts' are then written
+  // rather than added to zeros, see expert_grads_zero_); set_weights() does this too.
   void zero_grads();
   // Gradients on the host: gate (summed over ranks) and this rank's experts, same shapes as the weights.
   MoeWeights grads();
