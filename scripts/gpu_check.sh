@@ -119,26 +119,35 @@ part_profile() {
 }
 
 part_gpus() {
-  # One rank per GPU (issue 4): tests through dmoe launch and mpirun (NcclComm and NvshmemComm both run
-  # where every rank owns a GPU), the named configs at W = #GPUs with each communicator, and W = 1 on the
-  # same machine for the weak-scaling comparison.
-  local n
+  # One rank per GPU (issue 4): tests through dmoe launch and mpirun, the engine suite over each
+  # communicator (auto picks NCCL where every rank owns a GPU), the named configs at W = #GPUs with the
+  # training step and the all-to-all alone, flash-paper with each communicator, weak scaling over
+  # W = 1, 2, 4, 8 as the GPUs allow, and W = 2 on one GPU under MPS beside it.
+  local n w
   n=$(nvidia-smi -L | wc -l)
   nvidia-smi topo -m > "$O/topology.txt" 2>&1
   run 120 "gpus_launch_w$n" "$B/dmoe" launch -n "$n" -- "$B/tests/dmoe_gpu_tests" --gtest_brief=1 \
     --gtest_filter='GpuComm*:*GpuEngine*'
+  DMOE_COMM=nvshmem run 120 "gpus_launch_w${n}_engine_nvshmem" "$B/dmoe" launch -n "$n" -- \
+    "$B/tests/dmoe_gpu_tests" --gtest_brief=1 --gtest_filter='*GpuEngine*'
   run 120 "gpus_mpirun_w$n" mpirun --allow-run-as-root -n "$n" -x LD_LIBRARY_PATH -x DMOE_HOME \
     -x NCCL_NVLS_ENABLE=0 -x NVSHMEM_DISABLE_NVLS=1 -x DMOE_COMM_TIMEOUT_S \
     "$B/tests/dmoe_gpu_tests" --gtest_brief=1 --gtest_filter='GpuComm*:*GpuEngine*'
   for comm in nccl nvshmem; do
     run 60 "gpus_bench_flash-paper_w${n}_$comm" "$B/dmoe" launch -n "$n" -- "$B/dmoe" bench layer \
-      --config flash-paper --no-backward --comm "$comm" --alltoall --json "$O/gpus_flash-paper_w${n}_$comm.json"
+      --config flash-paper --comm "$comm" --alltoall --check-tokens 4 --json "$O/gpus_flash-paper_w${n}_$comm.json"
   done
   for cfg in fine-grained decode mixtral; do
     run 60 "gpus_bench_${cfg}_w$n" "$B/dmoe" launch -n "$n" -- "$B/dmoe" bench layer --config "$cfg" \
-      --no-backward --alltoall --json "$O/gpus_${cfg}_w$n.json"
+      --alltoall --check-tokens 4 --json "$O/gpus_${cfg}_w$n.json"
   done
-  run 60 gpus_bench_flash-paper_w1 "$B/dmoe" bench layer --config flash-paper --no-backward
+  run 60 gpus_bench_flash-paper_w1 "$B/dmoe" bench layer --config flash-paper --check-tokens 4
+  for w in 2 4; do  # weak scaling below W = #GPUs (W = #GPUs ran above)
+    [ "$w" -lt "$n" ] && run 60 "gpus_bench_flash-paper_w${w}_of_$n" "$B/dmoe" launch -n "$w" -- "$B/dmoe" bench \
+      layer --config flash-paper --alltoall --check-tokens 4 --no-backward
+  done
+  CUDA_VISIBLE_DEVICES=0 run 60 gpus_bench_flash-paper_w2_mps "$B/dmoe" launch -n 2 -- "$B/dmoe" bench layer \
+    --config flash-paper --alltoall --check-tokens 4
 }
 
 for part in ${WHAT//,/ }; do
