@@ -294,43 +294,35 @@ void expert_ffn_backward(const T* x, const T* w1, const T* w3, const T* w2, cons
 
   // The weight gradients of bf16 experts: one grouped_wgrad launch per product where it runs and auto
   // prefers it (cuBLAS has no grouped bf16 × bf16 → f32 form; its path is one call per expert).
+  // c_g [m, n] (+)= a_g^T · b_g over the experts' rows (a and b indexed like the offsets, from a_first / 0).
+  // Generic, so that it is instantiated only for bf16 (the kernel's input type).
+  auto wgrad_call = [&](const auto* a, int64_t a_first, int64_t m, const auto* b, int64_t n, float* c) {
+    GroupedWgrad g;
+    g.a = a;
+    g.b = b;
+    g.c = c;
+    g.row_offsets = expert_offsets;
+    g.groups = local_experts;
+    g.m = m;
+    g.n = n;
+    g.lda = m;
+    g.ldb = n;
+    g.a_first_row = a_first;
+    g.c_group_stride = weight_size;
+    g.accumulate = accumulate;
+    return g;
+  };
   bool own_wgrad = false;
   if constexpr (std::is_same_v<T, bf16>) {
     const double mean_macs = double(hidden) * double(ffn) * double(rows) / double(std::max<int64_t>(active, 1));
-    GroupedWgrad probe;
-    probe.a = dout;
-    probe.b = h;
-    probe.c = dw2;
-    probe.groups = local_experts;
-    probe.m = hidden;
-    probe.n = ffn;
-    probe.lda = hidden;
-    probe.ldb = ffn;
-    own_wgrad = prefer_own_wgrad(mean_macs) && grouped_wgrad_usable(probe) &&
-                is_aligned(x, 16) && is_aligned(dpre1, 16) && is_aligned(dw1, 16) &&
-                (!swiglu || (is_aligned(dpre3, 16) && is_aligned(dw3, 16)));
+    own_wgrad = prefer_own_wgrad(mean_macs) && grouped_wgrad_usable(wgrad_call(dout, 0, hidden, h, ffn, dw2)) &&
+                grouped_wgrad_usable(wgrad_call(dpre1, row_begin, ffn, x, hidden, dw1)) &&
+                (!swiglu || grouped_wgrad_usable(wgrad_call(dpre3, row_begin, ffn, x, hidden, dw3)));
   }
-  // c_g [m, n] += a_g^T · b_g over the experts' rows (a and b indexed like the offsets, from a_first / b_first).
   auto wgrad = [&](const T* a, int64_t a_first, int64_t m, const T* b, int64_t n, float* c,
                    const std::vector<GemmProblem>& loop_problems) {
     if constexpr (std::is_same_v<T, bf16>) {
-      if (own_wgrad) {
-        GroupedWgrad g;
-        g.a = a;
-        g.b = b;
-        g.c = c;
-        g.row_offsets = expert_offsets;
-        g.groups = local_experts;
-        g.m = m;
-        g.n = n;
-        g.lda = m;
-        g.ldb = n;
-        g.a_first_row = a_first;
-        g.c_group_stride = weight_size;
-        g.accumulate = accumulate;
-        grouped_wgrad(ctx, ws + off_wgrad, g);
-        return;
-      }
+      if (own_wgrad) return grouped_wgrad(ctx, ws + off_wgrad, wgrad_call(a, a_first, m, b, n, c));
     }
     gemm_rm_grouped(ctx, pointers, true, false, m, n, n, 1.f, beta_w, type, type, CUDA_R_32F, loop_problems);
   };
