@@ -120,28 +120,29 @@ part_profile() {
 
 part_gpus() {
   # One rank per GPU (issue 4): tests through dmoe launch and mpirun, the engine suite over each
-  # communicator (auto picks NCCL where every rank owns a GPU), the named configs at W = #GPUs with the
-  # training step and the all-to-all alone, flash-paper with each communicator, weak scaling over
+  # communicator (auto picks NVSHMEM on one node with peer-connected GPUs), the named configs at W = #GPUs with the
+  # training step and the all-to-all alone, every config with each communicator, weak scaling over
   # W = 1, 2, 4, 8 as the GPUs allow, and W = 2 on one GPU under MPS beside it.
   local n w
   n=$(nvidia-smi -L | wc -l)
   nvidia-smi topo -m > "$O/topology.txt" 2>&1
   run 120 "gpus_launch_w$n" "$B/dmoe" launch -n "$n" -- "$B/tests/dmoe_gpu_tests" --gtest_brief=1 \
     --gtest_filter='GpuComm*:*GpuEngine*'
-  DMOE_COMM=nvshmem run 120 "gpus_launch_w${n}_engine_nvshmem" "$B/dmoe" launch -n "$n" -- \
+  DMOE_COMM=nccl run 120 "gpus_launch_w${n}_engine_nccl" "$B/dmoe" launch -n "$n" -- \
     "$B/tests/dmoe_gpu_tests" --gtest_brief=1 --gtest_filter='*GpuEngine*'
   run 120 "gpus_mpirun_w$n" mpirun --allow-run-as-root -n "$n" -x LD_LIBRARY_PATH -x DMOE_HOME \
     -x NCCL_NVLS_ENABLE=0 -x NVSHMEM_DISABLE_NVLS=1 -x DMOE_COMM_TIMEOUT_S \
     "$B/tests/dmoe_gpu_tests" --gtest_brief=1 --gtest_filter='GpuComm*:*GpuEngine*'
-  for comm in nccl nvshmem; do
-    run 60 "gpus_bench_flash-paper_w${n}_$comm" "$B/dmoe" launch -n "$n" -- "$B/dmoe" bench layer \
-      --config flash-paper --comm "$comm" --alltoall --check-tokens 4 --json "$O/gpus_flash-paper_w${n}_$comm.json"
+  # Every named config with each communicator at W = #GPUs, and at W = 1 in the same run: the weak-scaling
+  # ratio per config and the data for choosing what --comm auto picks on one node.
+  for cfg in flash-paper fine-grained decode mixtral; do
+    for comm in nccl nvshmem; do
+      run 60 "gpus_bench_${cfg}_w${n}_$comm" "$B/dmoe" launch -n "$n" -- "$B/dmoe" bench layer \
+        --config "$cfg" --comm "$comm" --alltoall --check-tokens 4 --json "$O/gpus_${cfg}_w${n}_$comm.json"
+    done
+    run 60 "gpus_bench_${cfg}_w1" "$B/dmoe" bench layer --config "$cfg" --check-tokens 4 \
+      --json "$O/gpus_${cfg}_w1.json"
   done
-  for cfg in fine-grained decode mixtral; do
-    run 60 "gpus_bench_${cfg}_w$n" "$B/dmoe" launch -n "$n" -- "$B/dmoe" bench layer --config "$cfg" \
-      --alltoall --check-tokens 4 --json "$O/gpus_${cfg}_w$n.json"
-  done
-  run 60 gpus_bench_flash-paper_w1 "$B/dmoe" bench layer --config flash-paper --check-tokens 4
   for w in 2 4; do  # weak scaling below W = #GPUs (W = #GPUs ran above)
     [ "$w" -lt "$n" ] && run 60 "gpus_bench_flash-paper_w${w}_of_$n" "$B/dmoe" launch -n "$w" -- "$B/dmoe" bench \
       layer --config flash-paper --alltoall --check-tokens 4 --no-backward

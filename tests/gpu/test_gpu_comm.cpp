@@ -328,6 +328,18 @@ TEST(GpuCommChoice, ParseCommKind) {
   EXPECT_THROW(parse_comm_kind("mpi"), Error);
 }
 
+TEST(GpuCommChoice, AutomaticResolvesByPlacementAndConnectivity) {
+  // (gpus_shared, one_node, peers_connected) -> what auto picks.
+  EXPECT_EQ(resolve_comm_kind(CommKind::automatic, true, true, true), CommKind::nvshmem);
+  EXPECT_EQ(resolve_comm_kind(CommKind::automatic, true, false, false), CommKind::nvshmem);  // NCCL would refuse
+  EXPECT_EQ(resolve_comm_kind(CommKind::automatic, false, true, true), CommKind::nvshmem);   // one NVLink node
+  EXPECT_EQ(resolve_comm_kind(CommKind::automatic, false, true, false), CommKind::nccl);     // no P2P / unknown
+  EXPECT_EQ(resolve_comm_kind(CommKind::automatic, false, false, true), CommKind::nccl);     // several nodes
+  // An explicit choice is never overridden (a refusal of NCCL on shared GPUs comes later, with reasons).
+  EXPECT_EQ(resolve_comm_kind(CommKind::nccl, true, true, true), CommKind::nccl);
+  EXPECT_EQ(resolve_comm_kind(CommKind::nvshmem, false, false, false), CommKind::nvshmem);
+}
+
 TEST(GpuCommChoice, ExplicitNcclOnSharedGpusIsRefused) {
   Shared& s = shared();
   if (!s.has_gpu) GTEST_SKIP() << "no GPU visible";

@@ -40,6 +40,29 @@ bool gpus_are_shared(const ProcessEnv& env, int32_t visible_devices, std::string
   return shared;
 }
 
+CommKind resolve_comm_kind(CommKind requested, bool gpus_shared, bool one_node, bool peers_connected) {
+  if (requested != CommKind::automatic) return requested;
+  if (gpus_shared) return CommKind::nvshmem;
+  return one_node && peers_connected ? CommKind::nvshmem : CommKind::nccl;
+}
+
+namespace {
+
+// Whether this rank sees two or more GPUs and every pair of them can reach each other peer-to-peer.
+bool visible_gpus_peer_connected(int visible) {
+  if (visible < 2) return false;
+  for (int a = 0; a < visible; ++a)
+    for (int b = 0; b < visible; ++b) {
+      if (a == b) continue;
+      int can = 0;
+      DMOE_COMM_CHECK_CUDA(cudaDeviceCanAccessPeer(&can, a, b));
+      if (!can) return false;
+    }
+  return true;
+}
+
+}  // namespace
+
 std::unique_ptr<Comm> make_gpu_comm(const ProcessEnv& env, CommKind kind, size_t max_bytes_per_peer,
                                     cudaStream_t stream) {
   if (env.world > 1) error_rank() = env.rank;
@@ -48,7 +71,10 @@ std::unique_ptr<Comm> make_gpu_comm(const ProcessEnv& env, CommKind kind, size_t
   DMOE_COMM_CHECK_CUDA(cudaGetDeviceCount(&visible));
   std::string why;
   const bool shared = env.world > 1 && gpus_are_shared(env, visible, &why);
-  if (kind == CommKind::automatic) kind = shared ? CommKind::nvshmem : CommKind::nccl;
+  if (kind == CommKind::automatic && env.world > 1)
+    kind = resolve_comm_kind(kind, shared, env.local_world == env.world, visible_gpus_peer_connected(visible));
+  else if (kind == CommKind::automatic)
+    kind = CommKind::nccl;  // one rank: no peers; the cheaper set-up
   if (kind == CommKind::nccl) {
     DMOE_REQUIRE(!shared, "the NCCL communicator needs one GPU per rank, but ranks share GPUs here ({}): NCCL refuses "
                  "two ranks on one GPU (\"Duplicate GPU detected\"). Use the NVSHMEM communicator (auto picks it), "

@@ -3,9 +3,16 @@
 //   ProcessEnv env = detect_process_env();
 //   auto comm = make_gpu_comm(env, CommKind::automatic, /*max_bytes_per_peer=*/64 << 20, stream);
 //
-// Which one (CommKind::automatic): NCCL when every rank has a GPU of its own, NVSHMEM when GPUs are
-// shared (NCCL refuses two ranks on one GPU: "Duplicate GPU detected"; NVSHMEM supports it under MPS).
-// Whether GPUs are shared is decided without talking to the other ranks, so every rank decides alike:
+// Which one (CommKind::automatic), decided by every rank alike without talking to the others:
+//   - NVSHMEM when GPUs are shared (NCCL refuses two ranks on one GPU: "Duplicate GPU detected"; NVSHMEM
+//     supports it under MPS);
+//   - NVSHMEM when all ranks run on one node (local_world == world) and every pair of the GPUs this rank
+//     sees can reach each other peer-to-peer: measured faster than NCCL on every named config at W = 2 on
+//     NVLink (docs/perf.md, fifth session: forward 1.17-1.50x, training step 1.04-1.29x);
+//   - NCCL otherwise: ranks on several nodes (NCCL's network transports are the robust choice there), or a
+//     rank that sees a single GPU of a multi-rank node (per-rank CUDA_VISIBLE_DEVICES: connectivity cannot
+//     be checked, so the communicator that handles every topology).
+// Whether GPUs are shared:
 //   - DMOE_SHARED_GPUS=0|1 when set: dmoe launch sets it (1 when any GPU hosts two or more of its ranks);
 //     users may set it themselves under mpirun/srun;
 //   - otherwise shared exactly when local_world > the number of visible GPUs (then two ranks of this node
@@ -38,6 +45,11 @@ const char* comm_kind_name(CommKind kind);
 // Whether two or more ranks of this job run on one GPU (rules above). `why` (optional) receives the
 // reason in words, for messages.
 bool gpus_are_shared(const ProcessEnv& env, int32_t visible_devices, std::string* why = nullptr);
+
+// What CommKind::automatic resolves to (rules above); an explicit kind is returned as it is. `one_node`:
+// local_world == world; `peers_connected`: this rank sees two or more GPUs and every pair can access
+// the other's memory peer-to-peer.
+CommKind resolve_comm_kind(CommKind requested, bool gpus_shared, bool one_node, bool peers_connected);
 
 // Selects this rank's GPU (select_device), decides the kind (automatic: see above) and creates the
 // communicator. `max_bytes_per_peer` bounds one alltoallv segment (bytes this rank sends to one peer, or
