@@ -125,6 +125,7 @@ int run_gpu_layer_bench(const GpuBenchArgs& a) {
   o.timing.min_iterations = a.min_iterations;
   o.engine.batch_row_multiple = a.batch_row_multiple;
   o.time_alltoall = a.alltoall;
+  o.link_ceiling = a.alltoall && env.world > 1 && env.local_world == env.world;
   bench::LayerBenchData data;
   const bench::LayerBenchResult r =
       bench::bench_ep_layer(c, *backend, *comm, ceil, o, root && env.world == 1 && a.peers ? &data : nullptr);
@@ -179,6 +180,18 @@ int run_gpu_layer_bench(const GpuBenchArgs& a) {
                   " = %.1f GB/s per GPU per direction\n",
                   r.engine.c_str(), r.alltoall_bytes * 1e-6, r.alltoall.median_ms, r.alltoall.min_ms,
                   r.alltoall.max_ms, gbps);
+      // The link ceiling: the better of the two ways, per direction.
+      nlohmann::json links = nlohmann::json::array();
+      for (const auto& l : r.link) {
+        const double ce = l.bytes / (l.copy_engine_ms * 1e-3) * 1e-9, sm = l.bytes / (l.sm_store_ms * 1e-3) * 1e-9;
+        links.push_back({{"bytes", l.bytes}, {"copy_engine_gbps", ce}, {"sm_store_gbps", sm}});
+        std::printf("link ceiling (this run; every GPU pushing %.4g MB into the next rank's GPU at once, slowest "
+                    "rank): copy engine %.1f GB/s, SM stores %.1f GB/s per direction%s\n",
+                    l.bytes * 1e-6, ce, sm,
+                    &l == &r.link.front() ? fmt::format(" -> the all-to-all above at {:.0f} % of the better",
+                                                        100.0 * gbps / std::max(ce, sm)).c_str() : "");
+      }
+      if (!r.link.empty()) j["link_ceiling"] = links;
     }
     rows.push_back(j);
   }

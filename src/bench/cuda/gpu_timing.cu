@@ -4,6 +4,7 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <functional>
 #include <vector>
 
 #include "cuda/check.hpp"
@@ -163,6 +164,80 @@ Ceilings measure_ceilings(cudaStream_t stream) {
   cudaFree(src);
   cudaFree(dst);
   return c;
+}
+
+namespace {
+
+// Grid-stride 16-byte copy; four loads in flight per thread before their stores, so a CTA keeps enough
+// requests outstanding to cover the link's latency. `bytes` is a multiple of 16.
+__global__ void __launch_bounds__(512) peer_store_kernel(int4* __restrict__ dst, const int4* __restrict__ src,
+                                                         int64_t n) {
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  for (; i + 3 * stride < n; i += 4 * stride) {
+    int4 v[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) v[u] = src[i + u * stride];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) dst[i + u * stride] = v[u];
+  }
+  for (; i < n; i += stride) dst[i] = src[i];
+}
+
+}  // namespace
+
+PeerPushTimes time_peer_push(int peer_device, size_t bytes, cudaStream_t stream,
+                             const std::function<void()>& start_together, int iterations) {
+  bytes = (bytes + 15) / 16 * 16;
+  int device = 0, sms = 0;
+  DMOE_CHECK_CUDA(cudaGetDevice(&device));
+  DMOE_CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  int can = 0;
+  DMOE_CHECK_CUDA(cudaDeviceCanAccessPeer(&can, device, peer_device));
+  DMOE_CUDA_REQUIRE(device != peer_device && can, "time_peer_push: GPU %d cannot access GPU %d peer-to-peer", device,
+                    peer_device);
+  const cudaError_t e = cudaDeviceEnablePeerAccess(peer_device, 0);
+  if (e == cudaErrorPeerAccessAlreadyEnabled)
+    (void)cudaGetLastError();  // clear it: enabled already is what is wanted
+  else
+    DMOE_CHECK_CUDA(e);
+  void *src = nullptr, *dst = nullptr;
+  DMOE_CHECK_CUDA(cudaMalloc(&src, bytes));
+  DMOE_CHECK_CUDA(cudaSetDevice(peer_device));
+  const cudaError_t alloc = cudaMalloc(&dst, bytes);
+  DMOE_CHECK_CUDA(cudaSetDevice(device));
+  DMOE_CHECK_CUDA(alloc);
+  fill_uniform_f32(static_cast<float*>(src), int64_t(bytes / 4), 11, 1.f, stream);
+  cudaEvent_t start, stop;
+  DMOE_CHECK_CUDA(cudaEventCreate(&start));
+  DMOE_CHECK_CUDA(cudaEventCreate(&stop));
+
+  PeerPushTimes t;
+  for (int way = 0; way < 2; ++way) {
+    std::vector<double> ms;
+    for (int i = 0; i < 3 + iterations; ++i) {
+      start_together();
+      DMOE_CHECK_CUDA(cudaEventRecord(start, stream));
+      if (way == 0) {
+        DMOE_CHECK_CUDA(cudaMemcpyPeerAsync(dst, peer_device, src, device, bytes, stream));
+      } else {
+        peer_store_kernel<<<sms * 2, 512, 0, stream>>>(static_cast<int4*>(dst), static_cast<const int4*>(src),
+                                                       int64_t(bytes / 16));
+        DMOE_CHECK_LAUNCH();
+      }
+      DMOE_CHECK_CUDA(cudaEventRecord(stop, stream));
+      DMOE_CHECK_CUDA(cudaEventSynchronize(stop));
+      float elapsed = 0;
+      DMOE_CHECK_CUDA(cudaEventElapsedTime(&elapsed, start, stop));
+      if (i >= 3) ms.push_back(elapsed);
+    }
+    (way == 0 ? t.copy_engine : t.sm_store) = summarize(ms);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  cudaFree(src);
+  cudaFree(dst);
+  return t;
 }
 
 }  // namespace dmoe::bench

@@ -59,6 +59,19 @@ struct Ceilings {
 
 Ceilings measure_ceilings(cudaStream_t stream);
 
+// One rank's side of the link ceiling the all-to-all is compared with: `bytes` pushed from this GPU (the
+// current device) into memory on `peer_device` (allocated here; NVLink or PCIe peer access), once by the
+// copy engine (cudaMemcpyPeerAsync) and once by an SM kernel storing into the peer's memory. Every rank
+// runs it at the same time, each to another GPU, so links carry traffic both ways as in an exchange;
+// `start_together` enqueues on `stream` a wait for all ranks (a one-element all-reduce) before each timed
+// push, and is called the same number of times on every rank. CUDA events on `stream`; 3 warm-ups.
+struct PeerPushTimes {
+  Stats copy_engine, sm_store;
+};
+
+PeerPushTimes time_peer_push(int peer_device, size_t bytes, cudaStream_t stream,
+                             const std::function<void()>& start_together, int iterations = 20);
+
 // The GEMM ceiling's product (bf16 8192×8192×8192 through cuBLAS, fp32 accumulation) as a piece of work,
 // to be timed in the same rounds as other work (GpuTimer::time_interleaved): a ceiling at the clocks the
 // work itself runs at, where measure_ceilings runs first, on a GPU that has not yet warmed up.

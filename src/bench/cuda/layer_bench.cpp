@@ -1,5 +1,6 @@
 #include "bench/cuda/layer_bench.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <mutex>
@@ -8,6 +9,7 @@
 #include "core/dispatch_plan.hpp"
 #include "core/error.hpp"
 #include "cpu/kernels.hpp"
+#include "cuda/check.hpp"
 #include "engine/ep_engine.hpp"
 #include "model/moe_weights.hpp"
 
@@ -39,6 +41,48 @@ std::vector<double> ffn_fp64(const MoeWeights& w, int32_t local, const float* x,
     for (int64_t i = 0; i < I; ++i) acc += double(w2[c * I + i]) * h[i];
     out[c] = acc;
   }
+  return out;
+}
+
+// Every rank's `value` (allreduce of a W-slot vector, each rank filling its own slot).
+std::vector<double> gather_doubles(double value, Backend& backend, Comm& comm) {
+  const int32_t W = comm.world();
+  std::vector<double> all(size_t(W), 0.0);
+  all[size_t(comm.rank())] = value;
+  void* d = backend.allocate(all.size() * sizeof(double));
+  backend.upload(d, all.data(), all.size() * sizeof(double));
+  comm.allreduce_sum(d, W, DType::f64, backend.stream());
+  backend.download(all.data(), d, all.size() * sizeof(double));
+  backend.release(d);
+  return all;
+}
+
+// The link ceiling beside the all-to-all (LayerBenchResult::link): each rank pushes into the GPU of the
+// next rank, all at once. Skipped on every rank alike when any rank's next GPU is its own (ranks share a
+// GPU) or not reachable peer-to-peer.
+std::vector<LayerBenchResult::LinkCeiling> measure_link_ceiling(Backend& backend, Comm& comm, size_t exchange_bytes) {
+  const int32_t W = comm.world(), rank = comm.rank();
+  int device = 0;
+  DMOE_CHECK_CUDA(cudaGetDevice(&device));
+  const std::vector<double> devices = gather_doubles(device, backend, comm);
+  const int peer = int(devices[size_t((rank + 1) % W)]);
+  int can = 0;
+  if (peer != device) DMOE_CHECK_CUDA(cudaDeviceCanAccessPeer(&can, device, peer));
+  const std::vector<double> usable = gather_doubles(can ? 1 : 0, backend, comm);
+  if (std::any_of(usable.begin(), usable.end(), [](double u) { return u == 0; })) return {};
+
+  void* token = backend.allocate(sizeof(int64_t));
+  backend.zero(token, sizeof(int64_t));
+  const auto stream = static_cast<cudaStream_t>(backend.stream());
+  std::vector<LayerBenchResult::LinkCeiling> out;
+  for (const size_t bytes : {exchange_bytes, size_t(256) << 20}) {
+    const PeerPushTimes t = time_peer_push(
+        peer, bytes, stream, [&] { comm.allreduce_sum(token, 1, DType::i64, backend.stream()); });
+    const std::vector<double> ce = gather_doubles(t.copy_engine.median_ms, backend, comm);
+    const std::vector<double> sm = gather_doubles(t.sm_store.median_ms, backend, comm);
+    out.push_back({double(bytes), *std::max_element(ce.begin(), ce.end()), *std::max_element(sm.begin(), sm.end())});
+  }
+  backend.release(token);
   return out;
 }
 
@@ -132,6 +176,7 @@ LayerBenchResult bench_ep_layer(const MoeConfig& c, Backend& backend, Comm& comm
     r.alltoall_bytes = double(W - 1) * double(per_peer) * double(elem);
     backend.release(send);
     backend.release(recv);
+    if (o.link_ceiling) r.link = measure_link_ceiling(backend, comm, size_t(r.alltoall_bytes));
   }
 
   // Check a sample of this rank's tokens against the fp64 CPU computation with the engine's routing.

@@ -7,6 +7,7 @@
 //   TFLOP/s             = F / time;   % of roofline = roofline / time
 //   communication bytes = rows sent to other ranks · H · s, per direction
 //   all-to-all bandwidth = those bytes (spread evenly over the peers) / time of one all-to-all alone
+//   link ceiling        = bytes / time of one GPU pushing them into the next rank's GPU, all GPUs at once
 //   tokens/s            = W·T / time (all ranks)
 // s = bytes per element of the storage dtype. Correctness: a sample of tokens is recomputed on the CPU
 // in fp64 from the same (bf16-valued) weights, with the engine's routing, and compared.
@@ -31,6 +32,13 @@ struct LayerBenchResult {
   Stats forward_backward;  // zero_grads + train forward + backward; iterations = 0 when not measured
   Stats alltoall;          // the all-to-all alone (LayerBenchOptions::time_alltoall); iterations = 0 if not
   double alltoall_bytes = 0;  // bytes one rank sends to the other ranks in that all-to-all
+  // The link ceiling beside it (LayerBenchOptions::link_ceiling): every GPU pushing into the next rank's
+  // GPU at once, by copy engine and by SM stores; the slowest rank's median, at the exchange's bytes and
+  // at 256 MiB. Empty when not measured (one node with a GPU per rank and peer access needed).
+  struct LinkCeiling {
+    double bytes = 0, copy_engine_ms = 0, sm_store_ms = 0;
+  };
+  std::vector<LinkCeiling> link;
   double flop = 0, bytes = 0, roofline_ms = 0, comm_bytes = 0;
   // The GEMM ceiling timed in the same rounds as the forwards (CeilingGemm), and the roofline from it.
   double gemm_ceiling_same_rounds = 0, roofline_same_rounds_ms = 0;
@@ -56,6 +64,9 @@ struct LayerBenchOptions {
   // W > 1: also time one all-to-all alone, uniform over the peers, moving the bytes the layer's dispatch
   // sends to other ranks (its bandwidth per GPU is what the issue-4 runs compare with NVLink's).
   bool time_alltoall = false;
+  // With time_alltoall: also measure the link ceiling (LayerBenchResult::link). Set only when all ranks
+  // run on this node (devices are exchanged between ranks and must be peers of one another).
+  bool link_ceiling = false;
   EpOptions engine;
 };
 

@@ -3,16 +3,21 @@
 //
 // The engine's buffers are plain cudaMalloc memory, which other PEs cannot address, so the communicator
 // owns symmetric staging memory (same size on every PE; bytes per PE):
-//   recv_slots_   [world][slot_bytes_]  slot s receives what PE s sends to this PE
+//   recv_slots_   [2][world][slot_bytes_]  slot s of set c receives what PE s sends to this PE in a
+//                                       call of parity c (alltoallv calls alternate between the two sets)
 //   send_slots_   [world][slot_bytes_]  only when some peer is not load/store reachable (another node):
 //                                       a put's source must then be symmetric too
 //   scratch_src_, scratch_dst_  [kScratchBytes] each: operands of reductions and broadcasts, which go
 //                                       through in chunks of kScratchBytes
 //   slot_bytes_ = max_bytes_per_peer rounded up to kAlign.
 //
-// alltoallv: barrier (every PE has copied its slots out of the previous call), put each segment into its
-// slot on the peer (a device copy to nvshmem_ptr(peer) when reachable, else nvshmemx_putmem_on_stream),
-// barrier (all puts landed), copy the slots into the caller's packed receive buffer.
+// alltoallv: put each segment into its slot of this call's set on the peer (a device copy to
+// nvshmem_ptr(peer) when reachable, else nvshmemx_putmem_on_stream), barrier (all puts landed), copy the
+// slots into the caller's packed receive buffer. The segment to itself is copied on a side stream while
+// the puts run. No barrier is needed before the puts: the set a call writes was last read by the copy-out
+// two calls earlier, which every PE's stream finished before entering the previous call's barrier, and
+// this PE issues its puts only after that barrier. (Like every collective here, consecutive calls are
+// ordered on one stream per PE, or by the host in between.)
 #include <exception>
 #include <cuda_runtime.h>
 
@@ -45,8 +50,8 @@ size_t slot_bytes_for(size_t max_bytes_per_peer) { return std::max(kAlign, round
 }  // namespace
 
 size_t nvshmem_comm_heap_bytes(int32_t world, size_t max_bytes_per_peer) {
-  // Upper bound: send slots included (whether they are needed is known only after initialisation).
-  return 2 * size_t(world) * slot_bytes_for(max_bytes_per_peer) + 2 * kScratchBytes + kNvshmemReserveBytes;
+  // Two receive sets, and the send slots (whether they are needed is known only after initialisation).
+  return 3 * size_t(world) * slot_bytes_for(max_bytes_per_peer) + 2 * kScratchBytes + kNvshmemReserveBytes;
 }
 
 #if defined(DMOE_WITH_NVSHMEM)
@@ -68,7 +73,7 @@ class NvshmemComm final : public Comm {
                  "sharing a GPU need an MPS daemon and CUDA_MPS_ACTIVE_THREAD_PERCENTAGE set per rank (adding up to "
                  "<= 100). `dmoe launch` does both; under mpirun start MPS yourself and export the percentage",
                  rank_);
-    recv_slots_ = allocate(size_t(world_) * slot_bytes_, "receive slots");
+    recv_slots_ = allocate(2 * set_bytes(), "receive slots");
     scratch_src_ = allocate(kScratchBytes, "reduction scratch");
     scratch_dst_ = allocate(kScratchBytes, "reduction scratch");
 
@@ -88,7 +93,10 @@ class NvshmemComm final : public Comm {
       DMOE_COMM_CHECK_CUDA(cudaMemcpyAsync(&needs_staging, scratch_dst_, sizeof(int), cudaMemcpyDeviceToHost, stream));
       wait_stream(stream, fmt::format("NvshmemComm set-up on rank {}", rank_));
     }
-    if (needs_staging) send_slots_ = allocate(size_t(world_) * slot_bytes_, "send slots");
+    if (needs_staging) send_slots_ = allocate(set_bytes(), "send slots");
+    DMOE_COMM_CHECK_CUDA(cudaStreamCreateWithFlags(&self_stream_, cudaStreamNonBlocking));
+    DMOE_COMM_CHECK_CUDA(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
+    DMOE_COMM_CHECK_CUDA(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
   }
 
   ~NvshmemComm() override {
@@ -98,6 +106,9 @@ class NvshmemComm final : public Comm {
     if (std::uncaught_exceptions() > 0) return;
     // Queued copies may still use the buffers; nvshmem_free itself synchronises the PEs.
     cudaDeviceSynchronize();
+    cudaEventDestroy(fork_);
+    cudaEventDestroy(join_);
+    cudaStreamDestroy(self_stream_);
     for (char* p : {send_slots_, scratch_dst_, scratch_src_, recv_slots_})
       if (p) nvshmem_free(p);
   }
@@ -125,17 +136,30 @@ class NvshmemComm final : public Comm {
                    rank_, send_bytes > max_bytes_per_peer_ ? "to" : "from", p, std::max(send_bytes, recv_bytes),
                    std::max(send_counts[p], recv_counts[p]), dtype_name(dtype), max_bytes_per_peer_,
                    std::max(send_bytes, recv_bytes));
+      DMOE_REQUIRE(p != rank_ || send_counts[p] == recv_counts[p],
+                   "NvshmemComm alltoallv on rank {}: the segment to itself must be as long sent as received (send "
+                   "count {}, recv count {})", rank_, send_counts[p], recv_counts[p]);
       send_off[p + 1] = send_off[p] + send_bytes;
       recv_off[p + 1] = recv_off[p] + recv_bytes;
     }
     const auto* send_bytes_ptr = static_cast<const char*>(send);
     auto* recv_bytes_ptr = static_cast<char*>(recv);
 
-    nvshmemx_barrier_all_on_stream(s);  // every PE has copied the previous call out of its slots
+    const size_t set_offset = size_t(parity_) * set_bytes();  // this call's receive set
+    parity_ ^= 1;
+    // The segment to itself: on the side stream, beside the puts.
+    const size_t self_bytes = send_off[rank_ + 1] - send_off[rank_];
+    if (self_bytes > 0) {
+      DMOE_COMM_CHECK_CUDA(cudaEventRecord(fork_, s));
+      DMOE_COMM_CHECK_CUDA(cudaStreamWaitEvent(self_stream_, fork_, 0));
+      DMOE_COMM_CHECK_CUDA(cudaMemcpyAsync(recv_bytes_ptr + recv_off[rank_], send_bytes_ptr + send_off[rank_],
+                                           self_bytes, cudaMemcpyDeviceToDevice, self_stream_));
+      DMOE_COMM_CHECK_CUDA(cudaEventRecord(join_, self_stream_));
+    }
     for (int32_t p = 0; p < world_; ++p) {
       const size_t bytes = send_off[p + 1] - send_off[p];
       if (bytes == 0 || p == rank_) continue;
-      const size_t slot_offset = size_t(rank_) * slot_bytes_;  // my slot on peer p
+      const size_t slot_offset = set_offset + size_t(rank_) * slot_bytes_;  // my slot on peer p
       if (peer_recv_slots_[p]) {
         DMOE_COMM_CHECK_CUDA(cudaMemcpyAsync(peer_recv_slots_[p] + slot_offset, send_bytes_ptr + send_off[p], bytes,
                                              cudaMemcpyDeviceToDevice, s));
@@ -148,10 +172,11 @@ class NvshmemComm final : public Comm {
     nvshmemx_barrier_all_on_stream(s);  // completes the puts: every slot addressed to this PE is filled
     for (int32_t p = 0; p < world_; ++p) {
       const size_t bytes = recv_off[p + 1] - recv_off[p];
-      if (bytes == 0) continue;
-      const char* from = p == rank_ ? send_bytes_ptr + send_off[rank_] : recv_slots_ + size_t(p) * slot_bytes_;
+      if (bytes == 0 || p == rank_) continue;
+      const char* from = recv_slots_ + set_offset + size_t(p) * slot_bytes_;
       DMOE_COMM_CHECK_CUDA(cudaMemcpyAsync(recv_bytes_ptr + recv_off[p], from, bytes, cudaMemcpyDeviceToDevice, s));
     }
+    if (self_bytes > 0) DMOE_COMM_CHECK_CUDA(cudaStreamWaitEvent(s, join_, 0));
   }
 
   void allreduce_sum(void* data, int64_t count, DType dtype, Stream stream) override {
@@ -229,8 +254,13 @@ class NvshmemComm final : public Comm {
     DMOE_FAIL("NvshmemComm allreduce_sum: {} is not supported", dtype_name(dtype));
   }
 
+  size_t set_bytes() const { return size_t(world_) * slot_bytes_; }
+
   int32_t rank_, world_;
   size_t max_bytes_per_peer_, slot_bytes_;
+  int parity_ = 0;  // which receive set the next alltoallv writes
+  cudaStream_t self_stream_ = nullptr;  // the segment to itself, beside the puts
+  cudaEvent_t fork_ = nullptr, join_ = nullptr;
   char* recv_slots_ = nullptr;
   char* send_slots_ = nullptr;
   char* scratch_src_ = nullptr;
