@@ -29,7 +29,7 @@ run() {  # run LIMIT_S NAME CMD...: log to $O/NAME.log, print the verdict lines
   timeout -k 5 "$limit" "$@" >"$O/$name.log" 2>&1
   local rc=$?
   echo "== $name: rc=$rc ($((SECONDS - t0)) s)"
-  grep -aE "PASSED|FAILED|SKIPPED \]|rank [0-9]+ failed|error:|Error|^engine|ep-|^torch-|ceilings|F = |all-to-all|^b[0-9]+|dram__|lts__t_sector|gpu__time" "$O/$name.log" |
+  grep -aE "PASSED|FAILED|SKIPPED \]|rank [0-9]+ failed|error:|Error|^engine|ep-|^torch-|ceilings|F = |all-to-all|link ceiling|^b[0-9]+|dram__|lts__t_sector|gpu__time" "$O/$name.log" |
     sed -E 's/^\[rank [0-9]+\] //' | sort | uniq -c | sort -rn | head -25
 }
 
