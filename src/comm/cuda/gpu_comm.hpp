@@ -8,7 +8,7 @@
 //     supports it under MPS);
 //   - NVSHMEM when all ranks run on one node (local_world == world) and every pair of the GPUs this rank
 //     sees can reach each other peer-to-peer: measured faster than NCCL on every named config at W = 2 on
-//     NVLink (docs/perf.md, fifth session: forward 1.03-1.52x, training step 1.03-1.29x);
+//     NVLink (docs/perf.md, fifth session: forward 1.03-1.65x, training step 1.03-1.32x);
 //   - NCCL otherwise: ranks on several nodes (NCCL's network transports are the robust choice there), or a
 //     rank that sees a single GPU of a multi-rank node (per-rank CUDA_VISIBLE_DEVICES: connectivity cannot
 //     be checked, so the communicator that handles every topology).
