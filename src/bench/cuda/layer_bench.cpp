@@ -58,14 +58,18 @@ std::vector<double> gather_doubles(double value, Backend& backend, Comm& comm) {
 }
 
 // The link ceiling beside the all-to-all (LayerBenchResult::link): each rank pushes into the GPU of the
-// next rank, all at once. Skipped on every rank alike when any rank's next GPU is its own (ranks share a
-// GPU) or not reachable peer-to-peer.
+// next rank, all at once. Skipped on every rank alike when ranks share a GPU (several pushes would split
+// one GPU's links, and part of the exchange would not cross a link at all) or a next GPU is not reachable
+// peer-to-peer.
 std::vector<LayerBenchResult::LinkCeiling> measure_link_ceiling(Backend& backend, Comm& comm, size_t exchange_bytes) {
   const int32_t W = comm.world(), rank = comm.rank();
   int device = 0;
   DMOE_CHECK_CUDA(cudaGetDevice(&device));
-  const std::vector<double> devices = gather_doubles(device, backend, comm);
+  std::vector<double> devices = gather_doubles(device, backend, comm);
   const int peer = int(devices[size_t((rank + 1) % W)]);
+  // Shared GPUs: decided from the gathered list alone, so every rank decides alike.
+  std::sort(devices.begin(), devices.end());
+  if (std::adjacent_find(devices.begin(), devices.end()) != devices.end()) return {};
   int can = 0;
   if (peer != device) DMOE_CHECK_CUDA(cudaDeviceCanAccessPeer(&can, device, peer));
   const std::vector<double> usable = gather_doubles(can ? 1 : 0, backend, comm);
