@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "core/config.hpp"
+#include "core/flash_protocol.hpp"
 
 namespace dmoe::cpu {
 
@@ -97,5 +98,14 @@ void expert_ffn_backward(const float* x, const float* w1, const float* w3, const
 // Activation value and derivative (shared by forward, backward and tests).
 float activation_forward(Activation activation, float x);
 float activation_derivative(Activation activation, float x);  // SwiGLU: derivative of silu
+
+// ---- Flash ---------------------------------------------------------------------------------------
+
+// One rank's whole MoE layer forward by the Flash protocol (core/flash_protocol.hpp), the twin of the
+// persistent kernel cuda::flash_forward: p's buffers are host memory laid out as symmetric_layout /
+// local_layout, peers' regions reachable through the local peers table; each rank calls it on its own
+// thread, W ranks at once. f32 storage (bf16 emulated by rounding); grid must be 1. Outputs equal the
+// reference engine's (run_cpu_layer) bit for bit; every wait is bounded by p.timeout_ns and throws.
+void flash_forward(const flash::Params& p);
 
 }  // namespace dmoe::cpu

@@ -21,9 +21,13 @@ std::mutex record_mutex;
 DeviceWaitRecord* record_host = nullptr;    // pinned, mapped; null until a kernel asked for it
 DeviceWaitRecord* record_device = nullptr;  // its device address (portable: the same for every device)
 
+WaitDescriber flash_describer = nullptr;
+
 std::string describe(const DeviceWaitRecord& r) {
-  char text[512];
-  if (r.kernel == kWaitSm90GroupedGemm) {
+  char text[768];
+  if (r.kernel == kWaitFlash && flash_describer != nullptr) {
+    flash_describer(r, text, sizeof(text));
+  } else if (r.kernel == kWaitSm90GroupedGemm) {
     std::snprintf(text, sizeof(text),
                   "; the sm90 grouped GEMM kernel (block %d, thread %d) waited more than %llu ms for the %s "
                   "barrier of pipeline slot %d (phase parity %u) and stopped; raise DMOE_GPU_WAIT_TIMEOUT_MS if "
@@ -38,6 +42,11 @@ std::string describe(const DeviceWaitRecord& r) {
 }
 
 }  // namespace
+
+void set_wait_describer(int kernel, WaitDescriber d) {
+  std::lock_guard<std::mutex> lock(record_mutex);
+  if (kernel == kWaitFlash) flash_describer = d;
+}
 
 // Called at every launch of a kernel that waits: the allocation and address lookup happen once.
 DeviceWaitRecord* device_wait_record() {

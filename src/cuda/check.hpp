@@ -28,12 +28,19 @@ namespace dmoe::cuda {
 struct DeviceWaitRecord {
   int set;        // 0 until a kernel writes the record
   int kernel;     // which kernel (DeviceWaitKernel)
+  int role;       // kernel-specific: which role of a persistent kernel waited (Flash: flash::Role)
   int what;       // kernel-specific: which flag or barrier
   int block, thread, slot;
+  int rank;       // the waiting rank (multi-rank kernels; -1 otherwise)
   unsigned parity;
+  unsigned long long expected, seen;  // flag waits: the value awaited and the last value read
   unsigned long long waited_ms;
 };
-enum DeviceWaitKernel : int { kWaitSm90GroupedGemm = 1 };
+enum DeviceWaitKernel : int { kWaitSm90GroupedGemm = 1, kWaitFlash = 2 };
+
+// Words for a Flash wait record (flash/flash_kernel.cu registers it; null until then).
+using WaitDescriber = void (*)(const DeviceWaitRecord& record, char* text, unsigned long size);
+void set_wait_describer(int kernel, WaitDescriber describe);
 
 // The record's device-side address (created on first use; the same for every device of the process).
 DeviceWaitRecord* device_wait_record();

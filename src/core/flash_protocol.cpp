@@ -1,0 +1,98 @@
+// core/flash_protocol.cpp — buffer layouts and names of the Flash protocol (see flash_protocol.hpp).
+#include "core/flash_protocol.hpp"
+
+#include "core/error.hpp"
+
+namespace dmoe::flash {
+
+namespace {
+
+constexpr size_t kAlign = 256;
+
+size_t carve(size_t& offset, size_t bytes) {
+  const size_t at = offset;
+  offset = (offset + bytes + kAlign - 1) / kAlign * kAlign;
+  return at;
+}
+
+}  // namespace
+
+Shape make_shape(const MoeConfig& c, int32_t grid) {
+  DMOE_REQUIRE(grid >= 1, "flash: grid = {} blocks; must be >= 1", grid);
+  Shape s;
+  s.tokens = c.tokens;
+  s.hidden = c.hidden;
+  s.ffn = c.ffn;
+  s.experts = c.experts;
+  s.top_k = c.top_k;
+  s.world = c.world;
+  s.capacity = c.dropless() ? -1 : c.capacity();
+  s.activation = c.activation;
+  s.renormalize = c.renormalize;
+  s.storage = c.dtype;
+  s.element_bytes = int32_t(dtype_size(c.dtype));
+  s.grid = grid;
+  return s;
+}
+
+SymmetricLayout symmetric_layout(const Shape& s) {
+  const size_t elem = size_t(s.element_bytes);
+  const size_t R = size_t(s.recv_rows());
+  SymmetricLayout l;
+  size_t at = 0;
+  l.recv = carve(at, 2 * R * size_t(s.hidden) * elem);
+  l.meta = carve(at, 2 * R * sizeof(RowMeta));
+  l.out = carve(at, size_t(s.tokens) * size_t(s.top_k) * size_t(s.hidden) * elem);
+  l.counts = carve(at, 2 * size_t(s.world) * size_t(s.experts) * sizeof(uint64_t));
+  l.ready = carve(at, 2 * size_t(s.world) * sizeof(uint64_t));
+  l.arrived = carve(at, sizeof(uint64_t));
+  l.bytes = at;
+  return l;
+}
+
+LocalLayout local_layout(const Shape& s) {
+  const size_t elem = size_t(s.element_bytes);
+  const size_t R = size_t(s.recv_rows());
+  const size_t tk = size_t(s.tokens) * size_t(s.top_k);
+  LocalLayout l;
+  size_t at = 0;
+  l.h = carve(at, R * size_t(s.ffn) * elem);
+  l.ids = carve(at, tk * sizeof(int32_t));
+  l.weights = carve(at, tk * sizeof(float));
+  l.slot = carve(at, tk * sizeof(int32_t));
+  l.block_counts = carve(at, size_t(s.grid) * size_t(s.experts) * sizeof(int32_t));
+  l.up_done = carve(at, size_t(s.max_row_tiles()) * sizeof(uint32_t));
+  l.peers = carve(at, size_t(s.world) * sizeof(uint64_t));
+  l.control = carve(at, sizeof(Control));
+  l.bytes = at;
+  return l;
+}
+
+const char* role_name(int32_t role) {
+  switch (role) {
+    case kRoleGate: return "gate";
+    case kRoleCounts: return "count exchange";
+    case kRoleDispatch: return "dispatch";
+    case kRoleProducer: return "processor (TMA producer)";
+    case kRoleConsumer: return "processor (wgmma consumer)";
+    case kRoleCombine: return "combine";
+  }
+  return "unknown role";
+}
+
+const char* wait_name(int32_t what) {
+  switch (what) {
+    case kWaitGridBarrier: return "the grid barrier after the gate (every block of this rank)";
+    case kWaitCounts: return "the routed-row counts of source rank `slot` (counts inbox)";
+    case kWaitRowsReady: return "the rows of source rank `slot` (ready signal)";
+    case kWaitUpDone: return "the up-projection tiles of row tile `slot` (up_done counter)";
+    case kWaitArrived: return "the expert outputs of this rank's tokens (arrived counter)";
+    case kWaitSlotFull: return "a pipeline slot's TMA data (full barrier)";
+    case kWaitSlotEmpty: return "a pipeline slot to be released (empty barrier)";
+    case kWaitRingFull: return "the next task index (tile ring full)";
+    case kWaitRingEmpty: return "the task ring entry to be taken (tile ring empty)";
+  }
+  return "an unknown flag";
+}
+
+}  // namespace dmoe::flash

@@ -1,0 +1,204 @@
+// core/flash_protocol.hpp — the Flash layer's protocol as plain data, for the host and the device: the
+// signal word, row metadata, the task table (which tiles a rank's arrivals create and in which order they
+// run), and the byte layout of every buffer. The CUDA kernel (flash/flash_kernel.cu) and its CPU twin
+// (cpu/flash.cpp) both read these, so the layout and the scheduling logic are tested on the CPU.
+//
+// One forward on rank r, W ranks, epoch n (the forward's sequence number, 1, 2, ...; parity n & 1):
+//   1. gate: ids/weights of r's tokens, per-block counts per expert;
+//   2. counts: r writes signal(n, routed[e]) into every rank's inbox counts[parity][r][e];
+//      every block waits for all W·E entries of epoch n and derives the same offsets everywhere;
+//   3. dispatch: each kept (t, j) row goes to owner(e)'s recv[parity] at
+//        expert_begin(e) + Σ_{s<r} kept[s][e] + (rank of t among r's tokens routed to e),
+//      with meta {r, t·k + j}; then ready[parity][r] = signal(n, rows) at every destination;
+//   4. tasks on each rank: up tiles (expert, row tile, column tile of the FFN width), then down tiles
+//      (expert, row tile, column tile of H). An up tile waits for the sources whose rows it reads; a down
+//      tile waits until every up tile of its row tile is done (up_done counter). A down tile stores its
+//      rows straight into the home rank's `out` [T·k, H] and adds its rows to the home's `arrived`;
+//   5. combine on the home: once arrived == kept rows · down column tiles, y[t] = Σ_j w[t,j]·out[t·k+j].
+// Signals carry the epoch, so back-to-back forwards need no host barrier; buffers a peer may still read
+// (recv, meta, counts, ready) alternate by parity. docs/flash.md has the ordering argument.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "core/config.hpp"
+#include "core/dtype.hpp"
+
+namespace dmoe::flash {
+
+constexpr int32_t kTileRows = 128;  // rows of a task tile (two consumer warpgroups of 64 on the GPU)
+constexpr int32_t kTileCols = 256;  // accumulator columns of a task tile
+
+// ---- signal word: bits 63..32 the epoch, 31..0 a value (a count) ---------------------------------------
+DMOE_HD constexpr uint64_t make_signal(uint32_t epoch, uint32_t value) { return (uint64_t(epoch) << 32) | value; }
+DMOE_HD constexpr uint32_t signal_epoch(uint64_t s) { return uint32_t(s >> 32); }
+DMOE_HD constexpr uint32_t signal_value(uint64_t s) { return uint32_t(s & 0xffffffffu); }
+
+// Beside every received row: who sent it and which of its (token, choice) pairs it is.
+struct RowMeta {
+  int32_t source;        // sending rank
+  int32_t token_choice;  // t·k + j on the source
+};
+static_assert(sizeof(RowMeta) == 8, "RowMeta is two int32");
+
+// Counters and the epoch of one rank (device memory, local), zero before the first forward.
+struct Control {
+  uint64_t grid_barrier;   // blocks arrived at the barrier after the gate, over all forwards (n·G after n)
+  uint64_t dispatch_done;  // blocks done sending rows, over all forwards
+  uint64_t exit_count;     // blocks done, over all forwards; the last one advances `epoch`
+  uint32_t epoch;          // the sequence number of the next forward minus one (0 before the first)
+  uint32_t task_counter;   // the next task index handed out after the first wave (reset every forward)
+  uint32_t error;          // first error seen (Error below), 0 = none; sticky until the engine reads it
+  uint32_t error_detail;   // e.g. the token
+  uint64_t pad[3];
+};
+static_assert(sizeof(Control) == 64, "Control is one 64-byte block");
+
+enum Error : uint32_t { kErrorNone = 0, kErrorNanRouting = 1 };
+
+// What a kernel's time-out record names (cuda::DeviceWaitRecord::role / what).
+enum Role : int32_t { kRoleGate = 1, kRoleCounts = 2, kRoleDispatch = 3, kRoleProducer = 4, kRoleConsumer = 5,
+                      kRoleCombine = 6 };
+enum WaitWhat : int32_t { kWaitGridBarrier = 1, kWaitCounts = 2, kWaitRowsReady = 3, kWaitUpDone = 4,
+                          kWaitArrived = 5, kWaitSlotFull = 6, kWaitSlotEmpty = 7, kWaitRingFull = 8,
+                          kWaitRingEmpty = 9 };
+const char* role_name(int32_t role);
+const char* wait_name(int32_t what);
+
+// ---- shape ------------------------------------------------------------------------------------------
+struct Shape {
+  int64_t tokens = 0;    // T: tokens per rank
+  int64_t hidden = 0;    // H
+  int64_t ffn = 0;       // I
+  int32_t experts = 0;   // E (all ranks)
+  int32_t top_k = 0;     // k
+  int32_t world = 1;     // W
+  int64_t capacity = -1; // rows one source may send one expert; -1 = dropless
+  Activation activation = Activation::swiglu;
+  bool renormalize = true;
+  DType storage = DType::bf16;  // element type of x, y, weights and every row buffer
+  int32_t element_bytes = 2;    // bytes of one stored element: dtype_size(storage) on the GPU, 4 on the CPU
+                                // (whose twin holds f32 and emulates bf16 by rounding)
+  int32_t grid = 1;      // blocks of the kernel (the CPU twin: 1)
+
+  DMOE_HD int32_t local_experts() const { return experts / world; }
+  // Rows one rank can receive in one forward: every row routed to it by every source.
+  DMOE_HD int64_t recv_rows() const {
+    const int64_t all = int64_t(world) * tokens * top_k;
+    if (capacity < 0) return all;
+    const int64_t capped = int64_t(world) * local_experts() * capacity;
+    return capped < all ? capped : all;
+  }
+  DMOE_HD int32_t up_out_cols() const { return activation == Activation::swiglu ? kTileCols / 2 : kTileCols; }
+  DMOE_HD int32_t up_col_tiles() const { return int32_t((ffn + up_out_cols() - 1) / up_out_cols()); }
+  DMOE_HD int32_t down_col_tiles() const { return int32_t((hidden + kTileCols - 1) / kTileCols); }
+  // Row tiles of one rank's experts in the worst case (recv_rows spread so that each expert ends on a
+  // partial tile): bounds the up_done counters.
+  DMOE_HD int64_t max_row_tiles() const { return (recv_rows() + kTileRows - 1) / kTileRows + local_experts(); }
+};
+
+// Shape of one rank of `config` run with `grid` blocks.
+Shape make_shape(const MoeConfig& config, int32_t grid);
+
+DMOE_HD int32_t row_tiles(int64_t rows) { return int32_t((rows + kTileRows - 1) / kTileRows); }
+
+// ---- task table --------------------------------------------------------------------------------------
+// Tasks of one rank, numbered: all up tiles (expert by expert; inside an expert, row tiles fastest within
+// a column tile, so tiles running together share the weight slice), then all down tiles in the same
+// order. Every down tile's dependencies (its row tile's up tiles) have lower numbers, and up tiles depend
+// only on arrivals, so handing tasks out in number order to co-resident processors cannot deadlock.
+//   offsets [2·Le + 1]: offsets[e] first up task of expert e, offsets[Le + e] first down task, [2Le] total
+//   row_tile_base [Le + 1]: Σ of the row tiles of the experts before e (indexes the up_done counters)
+DMOE_HD void build_task_table(const int32_t* expert_rows, int32_t local_experts, int32_t up_cols,
+                                     int32_t down_cols, int32_t* offsets, int32_t* row_tile_base) {
+  int32_t t = 0, base = 0;
+  for (int32_t e = 0; e < local_experts; ++e) {
+    offsets[e] = t;
+    row_tile_base[e] = base;
+    const int32_t m = row_tiles(expert_rows[e]);
+    t += m * up_cols;
+    base += m;
+  }
+  row_tile_base[local_experts] = base;
+  for (int32_t e = 0; e < local_experts; ++e) {
+    offsets[local_experts + e] = t;
+    t += row_tiles(expert_rows[e]) * down_cols;
+  }
+  offsets[2 * local_experts] = t;
+}
+
+struct Task {
+  int32_t down;      // 0: up projection (+ activation), 1: down projection
+  int32_t expert;    // local expert
+  int32_t m_tile;    // row tile inside the expert's rows
+  int32_t n_tile;    // column tile
+  int32_t row_tile;  // row_tile_base[expert] + m_tile (the up_done counter)
+};
+
+DMOE_HD Task decode_task(const int32_t* offsets, const int32_t* row_tile_base, const int32_t* expert_rows,
+                                int32_t local_experts, int32_t t) {
+  // The group (2·Le of them: up of each expert, then down) whose range holds t; empty groups are skipped
+  // by taking the last group starting at or before t.
+  int32_t lo = 0, hi = 2 * local_experts - 1;
+  while (lo < hi) {
+    const int32_t mid = (lo + hi + 1) / 2;
+    if (offsets[mid] <= t) lo = mid;
+    else hi = mid - 1;
+  }
+  Task task;
+  task.down = lo >= local_experts ? 1 : 0;
+  task.expert = task.down ? lo - local_experts : lo;
+  const int32_t m = row_tiles(expert_rows[task.expert]);
+  const int32_t local = t - offsets[lo];
+  task.m_tile = local % m;
+  task.n_tile = local / m;
+  task.row_tile = row_tile_base[task.expert] + task.m_tile;
+  return task;
+}
+
+// ---- buffers -----------------------------------------------------------------------------------------
+// Symmetric region (every rank allocates the same layout; peers write into it):
+//   recv    [2][R, H]   storage   rows received, by parity; R = Shape::recv_rows()
+//   meta    [2][R]      RowMeta   beside each received row
+//   out     [T·k, H]    storage   expert outputs of this rank's (t, j), written by the experts' ranks
+//   counts  [2][W, E]   u64       signal(epoch, rows source s routed to expert e, before capacity)
+//   ready   [2][W]      u64       signal(epoch, rows source s sent here): all of them have landed
+//   arrived [1]         u64       rows·down-column-tiles of `out` written so far in this forward
+// Local region (this rank only):
+//   h          [R, I]        storage  activations of the received rows
+//   ids        [T, k]        i32      chosen experts
+//   weights    [T, k]        f32      gate weights
+//   slot       [T, k]        i32      rank of t among this rank's tokens routed to ids[t,j] (−1: dropped)
+//   block_counts [G, E]      i32      tokens each block routed to each expert
+//   up_done    [max_row_tiles] u32    finished up tiles (both halves) per row tile
+//   peers      [W]           u64      every rank's symmetric region as this rank addresses it
+//   control    [1]           Control
+// Every part starts on a 256-byte boundary.
+struct SymmetricLayout {
+  size_t recv = 0, meta = 0, out = 0, counts = 0, ready = 0, arrived = 0, bytes = 0;
+};
+struct LocalLayout {
+  size_t h = 0, ids = 0, weights = 0, slot = 0, block_counts = 0, up_done = 0, peers = 0, control = 0, bytes = 0;
+};
+SymmetricLayout symmetric_layout(const Shape& s);
+LocalLayout local_layout(const Shape& s);
+
+// Everything one forward of one rank reads and writes. Plain data: built on the host, passed by value to
+// the kernel (device pointers) or to the CPU twin (host pointers, f32 storage).
+struct Params {
+  Shape shape;
+  int32_t rank = 0;
+  const void* x = nullptr;     // [T, H]
+  const void* gate = nullptr;  // [E, H]
+  const void* w1 = nullptr;    // [Le, I, H]
+  const void* w3 = nullptr;    // [Le, I, H], SwiGLU only
+  const void* w2 = nullptr;    // [Le, H, I]
+  void* y = nullptr;           // [T, H]
+  char* symmetric = nullptr;   // this rank's symmetric region
+  char* local = nullptr;       // this rank's local region (holds the peers table and Control)
+  unsigned long long timeout_ns = 10'000'000'000ull;  // every wait's limit
+  void* wait_record = nullptr;  // GPU: cuda::DeviceWaitRecord (host-mapped)
+};
+
+}  // namespace dmoe::flash

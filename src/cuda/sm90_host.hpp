@@ -1,0 +1,26 @@
+// cuda/sm90_host.hpp — host side of the Hopper tile engine, shared by the grouped GEMM and Flash: tensor maps
+// for K-major bf16 operands, whether this device and build can run sm_90a kernels, and the time limit of
+// device-side waits (DMOE_GPU_WAIT_TIMEOUT_MS). Definitions in grouped_gemm_sm90.cu.
+#pragma once
+
+#include <cuda.h>  // CUtensorMap and its enums (types only; the driver function is looked up at run time)
+
+#include <cstdint>
+
+namespace dmoe::cuda {
+
+struct DeviceInfo {
+  bool usable = false;  // compute capability 9.0 and the sm_90a kernels are in this build
+  int sms = 0;          // multiprocessors this process may use (under MPS: its share)
+};
+// For the current device (cached per device).
+const DeviceInfo& device_info();
+
+// [rows, k] bf16 row-major, boxes of box_rows × box_k (64 or 32) with the swizzle as wide as a box row
+// (128 or 64 bytes); out-of-range reads are zeros.
+CUtensorMap make_kmajor_map(const void* base, int64_t rows, int64_t k, int box_rows, int box_k);
+
+// DMOE_GPU_WAIT_TIMEOUT_MS (default 10 s) in nanoseconds: how long a device-side wait may spin.
+unsigned long long wait_timeout_ns();
+
+}  // namespace dmoe::cuda
