@@ -69,6 +69,7 @@ __device__ __forceinline__ unsigned long long global_time_ns() {
 
 // Past a wait's time limit: writes what was awaited into the host-mapped record (check.hpp) and traps.
 // No printf: a call inside the consumers' wgmma pipeline would make ptxas serialise the wgmma instructions.
+// Out of line: the cold path keeps no registers of the hot loop it is called from.
 static __device__ __noinline__ void report_wait_timeout(DeviceWaitRecord* r, int kernel, int role, int rank, int what, int slot,
                                                  unsigned parity, unsigned long long expected,
                                                  unsigned long long seen, unsigned long long waited_ns) {

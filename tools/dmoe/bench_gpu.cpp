@@ -20,6 +20,7 @@
 #include "comm/cuda/local_comm.hpp"
 #include "comm/process_env.hpp"
 #include "core/error.hpp"
+#include "core/flash_protocol.hpp"
 #include "cuda/check.hpp"
 #include "cuda/cuda_backend.hpp"
 #include "model/checkpoint.hpp"
@@ -108,6 +109,11 @@ int run_gpu_layer_bench(const GpuBenchArgs& a) {
   const int64_t max_rows = std::max<int64_t>(c.tokens * c.top_k,
                                              c.dropless() ? 0 : int64_t(c.experts_per_rank()) * c.capacity());
   const size_t max_bytes_per_peer = size_t(max_rows) * c.hidden * dtype_size(c.dtype);
+  if (a.flash && env.world > 1 && !std::getenv("DMOE_NVSHMEM_MIN_HEAP")) {
+    // NVSHMEM's heap is fixed at start: room for the communicator and Flash's symmetric region.
+    const size_t flash_bytes = flash::symmetric_layout(flash::make_shape(c, 1)).bytes;
+    ::setenv("DMOE_NVSHMEM_MIN_HEAP", std::to_string(flash_bytes + (size_t(3) << 30)).c_str(), 1);
+  }
   std::unique_ptr<Comm> comm = env.world == 1 ? make_local_comm()
                                               : make_gpu_comm(env, parse_comm_kind(a.comm), max_bytes_per_peer, stream);
   const bool root = env.rank == 0;
@@ -125,6 +131,7 @@ int run_gpu_layer_bench(const GpuBenchArgs& a) {
   o.timing.min_iterations = a.min_iterations;
   o.engine.batch_row_multiple = a.batch_row_multiple;
   o.time_alltoall = a.alltoall;
+  o.flash = a.flash;
   o.link_ceiling = a.alltoall && env.world > 1 && env.local_world == env.world;
   bench::LayerBenchData data;
   const bench::LayerBenchResult r =
@@ -137,9 +144,10 @@ int run_gpu_layer_bench(const GpuBenchArgs& a) {
                 prop.multiProcessorCount, env.world, env.launcher.c_str());
     std::printf("ceilings (this run): bf16 GEMM 8192^3 %.1f TFLOP/s; device copy %.0f GB/s (read+write)\n",
                 ceil.gemm_flop_per_s * 1e-12, ceil.copy_byte_per_s * 1e-9);
-    std::printf("F = 2*%g*T*k*H*I = %.4g GFLOP/rank; bytes = Le*%g*H*I*s + 2*T*H*s = %.4g MB/rank; "
-                "roofline = max(F/GEMM, bytes/copy) = %.4f ms; comm = %.4g MB/rank/direction\n",
-                m, r.flop * 1e-9, m, r.bytes * 1e-6, r.roofline_ms, r.comm_bytes * 1e-6);
+    std::printf("F = 2*%g*T*k*H*I = %.4g GFLOP/rank; bytes = Lt*%g*H*I*s + 2*T*H*s = %.4g MB/rank (Lt = %d of %d "
+                "local experts received rows); roofline = max(F/GEMM, bytes/copy) = %.4f ms; comm = %.4g "
+                "MB/rank/direction\n", m, r.flop * 1e-9, m, r.bytes * 1e-6, r.touched_experts, c.experts_per_rank(),
+                r.roofline_ms, r.comm_bytes * 1e-6);
     std::printf("GEMM ceiling timed in the same rounds as the forwards: %.1f TFLOP/s -> roofline %.4f ms; "
                 "%%roofl* below uses it\n", r.gemm_ceiling_same_rounds * 1e-12, r.roofline_same_rounds_ms);
     std::printf("fwd: forward in inference mode (nothing kept for backward), as the PyTorch peers run it\n");
@@ -161,6 +169,22 @@ int run_gpu_layer_bench(const GpuBenchArgs& a) {
                         {"forward_train_ms", r.forward_train.median_ms},
                         {"gemm_ceiling_same_rounds_tflops", r.gemm_ceiling_same_rounds * 1e-12},
                         {"percent_of_roofline_same_rounds", r.percent_of_roofline_same_rounds()}};
+    if (r.flash_forward.iterations > 0) {
+      const double fms = r.flash_forward.median_ms;
+      Row frow{"flash", env.world, fms, r.flash_forward.min_ms, r.flash_forward.max_ms, r.flop / (fms * 1e-3) * 1e-12,
+               r.flash_percent_of_roofline(), double(env.world) * c.tokens / (fms * 1e-3), r.flash_max_rel_error,
+               fmt::format("(vs fp64 CPU); {:.3f}x EP; {} blocks; routing {} EP's", r.forward.median_ms / fms,
+                           r.flash_grid, r.flash_routing_equal ? "equals" : "DIFFERS FROM")};
+      print_row(frow);
+      j["flash_forward_ms"] = fms;
+      j["flash_forward_min_ms"] = r.flash_forward.min_ms;
+      j["flash_forward_max_ms"] = r.flash_forward.max_ms;
+      j["flash_percent_of_roofline"] = r.flash_percent_of_roofline();
+      j["flash_max_rel_error"] = r.flash_max_rel_error;
+      j["flash_speedup_vs_ep"] = r.forward.median_ms / fms;
+      j["flash_routing_equal"] = r.flash_routing_equal;
+      j["flash_grid"] = r.flash_grid;
+    }
     std::printf("%-16s %3d %10.3f %8.3f %8.3f %9.1f %9.1f  (forward that keeps what backward needs; the row "
                 "above keeps nothing)\n", (r.engine + " train").c_str(), env.world, r.forward_train.median_ms,
                 r.forward_train.min_ms, r.forward_train.max_ms, r.flop / (r.forward_train.median_ms * 1e-3) * 1e-12,

@@ -20,6 +20,7 @@ struct GpuBenchArgs {
   int min_iterations = 20;
   int batch_row_multiple = 1;  // EpOptions::batch_row_multiple (tile padding of the experts' batches)
   bool alltoall = false;       // W > 1: also time the dispatch's all-to-all alone (bandwidth per GPU)
+  bool flash = false;          // also time the Flash kernel beside EP (bf16)
   std::string gemm_variants = "b256,b256s,b256E,b256M,b128";  // dmoe bench gemm (bench/cuda/gemm_bench.hpp)
   bool gemm_square = false;    // dmoe bench gemm: also an 8192^3 product per variant
 };

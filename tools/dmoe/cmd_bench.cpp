@@ -40,6 +40,7 @@ struct BenchOptions {
   int check_tokens = 8;
   int batch_row_multiple = 1;
   bool alltoall = false;
+  bool flash = false;
   std::string gemm_variants = "b256,b256s,b256E,b256M,b128";
   bool gemm_square = false;
 };
@@ -92,6 +93,8 @@ Command add_bench_command(CLI::App& app) {
   sub->add_option("--python", o->python, "Python interpreter with PyTorch for --peers");
   sub->add_option("--check-tokens", o->check_tokens, "GPU: tokens recomputed in fp64 on the CPU to check the output")
       ->check(CLI::Range(0, 64));
+  sub->add_flag("--flash", o->flash,
+                "GPU, bf16: also time the Flash kernel (one persistent kernel per rank) in the same rounds as EP");
   sub->add_flag("--alltoall", o->alltoall,
                 "GPU, W > 1: also time one all-to-all of the layer's off-rank bytes alone (GB/s per GPU)");
   sub->add_option("--batch-row-multiple", o->batch_row_multiple,
@@ -135,10 +138,13 @@ Command add_bench_command(CLI::App& app) {
       g.check_tokens = o->check_tokens;
       g.batch_row_multiple = o->batch_row_multiple;
       g.alltoall = o->alltoall;
+      g.flash = o->flash;
       g.warmup = std::max(o->warmup, 3);
       return run_gpu_layer_bench(g);
     }
     if (o->alltoall) std::fprintf(stderr, "note: --alltoall times the GPU communicators; ignored on the CPU\n");
+    DMOE_REQUIRE(!o->flash, "--flash times the Flash GPU kernel; this run is on the CPU engine (no GPU visible, or "
+                 "--engine cpu). The CPU twin of the Flash protocol is tested by the unit tests");
     MoeConfig defaults;  // small enough for a 2-core machine: ~0.2 GFLOP per rank per forward
     defaults.tokens = 128;
     defaults.hidden = 256;

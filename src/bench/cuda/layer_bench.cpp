@@ -1,6 +1,8 @@
 #include "bench/cuda/layer_bench.hpp"
 
 #include <algorithm>
+#include <functional>
+#include <memory>
 #include <cmath>
 #include <map>
 #include <mutex>
@@ -11,6 +13,7 @@
 #include "cpu/kernels.hpp"
 #include "cuda/check.hpp"
 #include "engine/ep_engine.hpp"
+#include "flash/flash_engine.hpp"
 #include "model/moe_weights.hpp"
 
 namespace dmoe::bench {
@@ -102,7 +105,13 @@ LayerBenchResult bench_ep_layer(const MoeConfig& c, Backend& backend, Comm& comm
   const double m = c.activation == Activation::swiglu ? 3 : 2;
 
   EpEngine engine(c, backend, comm, o.engine);
-  engine.set_weights(hashed_moe_weights(c, o.seed, c.first_expert(rank), Le));
+  const MoeWeights weights = hashed_moe_weights(c, o.seed, c.first_expert(rank), Le);
+  engine.set_weights(weights);
+  std::unique_ptr<FlashEngine> flash;
+  if (o.flash) {
+    flash = std::make_unique<FlashEngine>(c, comm);
+    flash->set_weights(weights);
+  }
   const std::vector<float> x_all = hashed_activations(o.seed + 1, W * T, H, bf16);
   const std::vector<float> x(x_all.begin() + rank * T * H, x_all.begin() + (rank + 1) * T * H);
   void* xd = backend.allocate(T * H * elem);
@@ -129,13 +138,21 @@ LayerBenchResult bench_ep_layer(const MoeConfig& c, Backend& backend, Comm& comm
   // Interleaved, so that the comparison of the two modes does not depend on which ran first; the GEMM
   // ceiling's product runs in the same rounds, for a ceiling at the clocks the layer runs at.
   CeilingGemm ceiling_gemm(static_cast<cudaStream_t>(backend.stream()));
-  const std::vector<Stats> fwd = timer.time_interleaved(
-      {[&] { engine.forward(xd, yd, ForwardMode::inference); }, [&] { engine.forward(xd, yd, ForwardMode::train); },
-       [&] { ceiling_gemm.run(); }},
-      timing);
+  void* flash_y = flash ? backend.allocate(T * H * elem) : nullptr;
+  const auto stream = static_cast<cudaStream_t>(backend.stream());
+  std::vector<std::function<void()>> timed = {[&] { engine.forward(xd, yd, ForwardMode::inference); },
+                                              [&] { engine.forward(xd, yd, ForwardMode::train); },
+                                              [&] { ceiling_gemm.run(); }};
+  if (flash) timed.push_back([&] { flash->forward(xd, flash_y, stream); });
+  const std::vector<Stats> fwd = timer.time_interleaved(timed, timing);
   r.forward = fwd[0];
   r.forward_train = fwd[1];
   r.gemm_ceiling_same_rounds = CeilingGemm::flop() / (fwd[2].median_ms * 1e-3);
+  if (flash) {
+    r.flash_forward = fwd[3];
+    r.flash_grid = flash->grid();
+    flash->check(stream);
+  }
   if (o.backward) {
     void* dyd = backend.allocate(T * H * elem);
     void* dxd = backend.allocate(T * H * elem);
@@ -156,7 +173,10 @@ LayerBenchResult bench_ep_layer(const MoeConfig& c, Backend& backend, Comm& comm
   engine.forward(xd, yd, ForwardMode::inference);  // a last, untimed forward whose outputs are checked
 
   r.flop = 2 * m * double(T) * c.top_k * double(H) * double(I);
-  r.bytes = double(Le) * m * double(H) * double(I) * elem + 2.0 * double(T) * double(H) * elem;
+  // Only the experts that received rows have their weights read (decode at T = 1 touches k of E).
+  r.touched_experts = 0;
+  for (int32_t e = 0; e < Le; ++e) r.touched_experts += engine.layout().expert_rows(e) > 0 ? 1 : 0;
+  r.bytes = double(r.touched_experts) * m * double(H) * double(I) * elem + 2.0 * double(T) * double(H) * elem;
   r.roofline_ms = std::max(r.flop / ceilings.gemm_flop_per_s, r.bytes / ceilings.copy_byte_per_s) * 1e3;
   r.roofline_same_rounds_ms =
       std::max(r.flop / r.gemm_ceiling_same_rounds, r.bytes / ceilings.copy_byte_per_s) * 1e3;
@@ -183,41 +203,56 @@ LayerBenchResult bench_ep_layer(const MoeConfig& c, Backend& backend, Comm& comm
     if (o.link_ceiling) r.link = measure_link_ceiling(backend, comm, size_t(r.alltoall_bytes));
   }
 
-  // Check a sample of this rank's tokens against the fp64 CPU computation with the engine's routing.
+  // Check a sample of this rank's tokens against the fp64 CPU computation with each engine's routing.
   std::vector<float> y(T * H);
   backend.download_f32(y.data(), yd, T * H);
   const auto ids = engine.expert_ids();
   const auto ws = engine.expert_weights();
-  const SendPlan plan = build_send_plan(ids.data(), ws.data(), T, c.top_k, c.experts, c.capacity(), c.drop_policy);
   const int n_check = int(std::min<int64_t>(o.check_tokens, T));
   std::map<int32_t, MoeWeights> experts;  // only the experts the sample needs
-  for (int i = 0; i < n_check; ++i) {
-    const int64_t t = i * T / std::max(n_check, 1);
-    for (int32_t j = 0; j < c.top_k; ++j)
-      if (plan.slot[t * c.top_k + j] >= 0 && !experts.count(ids[t * c.top_k + j]))
-        experts.emplace(ids[t * c.top_k + j], hashed_moe_weights(c, o.seed, ids[t * c.top_k + j], 1));
-  }
-  std::vector<double> errors(n_check, 0.0);
-  std::vector<std::thread> pool;
-  for (int i = 0; i < n_check; ++i)
-    pool.emplace_back([&, i] {
+  auto sample_error = [&](const std::vector<float>& yv, const std::vector<int32_t>& idv, const std::vector<float>& wv) {
+    const SendPlan plan = build_send_plan(idv.data(), wv.data(), T, c.top_k, c.experts, c.capacity(), c.drop_policy);
+    for (int i = 0; i < n_check; ++i) {
       const int64_t t = i * T / std::max(n_check, 1);
-      std::vector<double> ref(H, 0.0);
-      for (int32_t j = 0; j < c.top_k; ++j) {
-        if (plan.slot[t * c.top_k + j] < 0) continue;
-        const auto out = ffn_fp64(experts.at(ids[t * c.top_k + j]), 0, x.data() + t * H, c.activation);
-        for (int64_t col = 0; col < H; ++col) ref[col] += double(ws[t * c.top_k + j]) * out[col];
-      }
-      double num = 0, den = 0;
-      for (int64_t col = 0; col < H; ++col) {
-        num += (y[t * H + col] - ref[col]) * (y[t * H + col] - ref[col]);
-        den += ref[col] * ref[col];
-      }
-      errors[i] = std::sqrt(num / std::max(den, 1e-300));
-    });
-  for (auto& th : pool) th.join();
-  for (double e : errors) r.max_rel_error = std::max(r.max_rel_error, e);
+      for (int32_t j = 0; j < c.top_k; ++j)
+        if (plan.slot[t * c.top_k + j] >= 0 && !experts.count(idv[t * c.top_k + j]))
+          experts.emplace(idv[t * c.top_k + j], hashed_moe_weights(c, o.seed, idv[t * c.top_k + j], 1));
+    }
+    std::vector<double> errors(n_check, 0.0);
+    std::vector<std::thread> pool;
+    for (int i = 0; i < n_check; ++i)
+      pool.emplace_back([&, i] {
+        const int64_t t = i * T / std::max(n_check, 1);
+        std::vector<double> ref(H, 0.0);
+        for (int32_t j = 0; j < c.top_k; ++j) {
+          if (plan.slot[t * c.top_k + j] < 0) continue;
+          const auto out = ffn_fp64(experts.at(idv[t * c.top_k + j]), 0, x.data() + t * H, c.activation);
+          for (int64_t col = 0; col < H; ++col) ref[col] += double(wv[t * c.top_k + j]) * out[col];
+        }
+        double num = 0, den = 0;
+        for (int64_t col = 0; col < H; ++col) {
+          num += (yv[t * H + col] - ref[col]) * (yv[t * H + col] - ref[col]);
+          den += ref[col] * ref[col];
+        }
+        errors[i] = std::sqrt(num / std::max(den, 1e-300));
+      });
+    for (auto& th : pool) th.join();
+    double worst = 0;
+    for (double e : errors) worst = std::max(worst, e);
+    return worst;
+  };
+  r.max_rel_error = sample_error(y, ids, ws);
   r.checked_tokens = n_check;
+  if (flash) {
+    flash->forward(xd, flash_y, stream);
+    flash->check(stream);
+    std::vector<float> fy(T * H);
+    backend.download_f32(fy.data(), flash_y, T * H);
+    const auto fids = flash->expert_ids(stream);
+    r.flash_routing_equal = fids == ids;
+    r.flash_max_rel_error = sample_error(fy, fids, flash->expert_weights(stream));
+    backend.release(flash_y);
+  }
 
   if (keep) {
     keep->x = x;

@@ -1,7 +1,8 @@
 // layer_bench.hpp — times one MoE layer engine on a GPU and derives the figures every result shows.
 //
 //   F (FLOP, forward)   = 2·m·T·k·H·I     m = 3 for SwiGLU, else 2 (router excluded; ≈ 2·T·H·E more)
-//   bytes (forward)     = Le·m·H·I·s + 2·T·H·s   weights of the local experts + x read + y written, once
+//   bytes (forward)     = Lt·m·H·I·s + 2·T·H·s   weights of the Lt local experts that received rows
+//                                               (at most Le) + x read + y written, once
 //   roofline            = max(F / GEMM ceiling, bytes / copy ceiling), ceilings measured in the same run
 //                         (first, on a cool GPU; and the GEMM ceiling again in the forwards' rounds)
 //   TFLOP/s             = F / time;   % of roofline = roofline / time
@@ -44,6 +45,14 @@ struct LayerBenchResult {
   double gemm_ceiling_same_rounds = 0, roofline_same_rounds_ms = 0;
   double max_rel_error = 0;  // worst per-token ‖y − y_ref‖ / ‖y_ref‖ over the sample
   int checked_tokens = 0;
+  int32_t touched_experts = 0;  // Lt: local experts that received rows (their weights are read)
+  // LayerBenchOptions::flash: the Flash kernel's forward, timed in the same rounds as EP's (iterations = 0
+  // when not measured), its sampled error and routing agreement with EP.
+  Stats flash_forward;
+  double flash_max_rel_error = 0;
+  int32_t flash_grid = 0;
+  bool flash_routing_equal = false;
+  double flash_percent_of_roofline() const { return 100.0 * roofline_ms / flash_forward.median_ms; }
   double tflops() const { return flop / (forward.median_ms * 1e-3) * 1e-12; }
   double percent_of_roofline() const { return 100.0 * roofline_ms / forward.median_ms; }
   double percent_of_roofline_same_rounds() const { return 100.0 * roofline_same_rounds_ms / forward.median_ms; }
@@ -68,6 +77,9 @@ struct LayerBenchOptions {
   // run on this node (devices are exchanged between ranks and must be peers of one another).
   bool link_ceiling = false;
   EpOptions engine;
+  // Also run the Flash kernel (FlashEngine, bf16) on the same weights and inputs, interleaved with EP's
+  // forwards. W > 1 needs the NVSHMEM communicator with room for Flash's symmetric region in its heap.
+  bool flash = false;
 };
 
 // Runs the vanilla EP engine (EpEngine over `backend` and `comm`) on hashed weights and inputs.

@@ -1,0 +1,179 @@
+// flash/flash_engine.cpp — see flash_engine.hpp.
+#include "flash/flash_engine.hpp"
+
+#include <algorithm>
+#include <cstddef>
+#include <cstring>
+#include <string>
+
+#include "core/error.hpp"
+#include "cuda/check.hpp"
+#include "cuda/sm90_host.hpp"
+#include "flash/flash_kernel.hpp"
+
+namespace dmoe {
+
+namespace {
+
+void* upload_bf16(const std::vector<float>& v) {
+  std::vector<bfloat16> h(v.size());
+  for (size_t i = 0; i < v.size(); ++i) h[i] = float_to_bf16(v[i]);
+  void* d = nullptr;
+  DMOE_CHECK_CUDA(cudaMalloc(&d, std::max<size_t>(h.size() * 2, 16)));
+  if (!h.empty()) DMOE_CHECK_CUDA(cudaMemcpy(d, h.data(), h.size() * 2, cudaMemcpyHostToDevice));
+  return d;
+}
+
+// Ranks that disagree on the config would wait for counts and rows that never come: one sum over ranks of a
+// fingerprint makes every rank see the mismatch (as EpEngine does).
+void check_ranks_agree(const MoeConfig& c, Comm& comm) {
+  const auto bits = [](double v) {
+    uint64_t u;
+    std::memcpy(&u, &v, sizeof(u));
+    return int64_t(u >> 20);
+  };
+  const std::vector<int64_t> mine{c.tokens, c.hidden, c.ffn, c.experts, c.top_k, int64_t(c.activation),
+                                  int64_t(c.renormalize), c.capacity(), bits(c.capacity_factor),
+                                  int64_t(c.drop_policy), int64_t(c.dtype)};
+  const size_t bytes = mine.size() * sizeof(int64_t);
+  void* d = nullptr;
+  DMOE_CHECK_CUDA(cudaMalloc(&d, bytes));
+  DMOE_CHECK_CUDA(cudaMemcpy(d, mine.data(), bytes, cudaMemcpyHostToDevice));
+  comm.allreduce_sum(d, int64_t(mine.size()), DType::i64, nullptr);
+  std::vector<int64_t> sum(mine.size());
+  cuda::wait_stream(nullptr, "FlashEngine: the config check across ranks");
+  DMOE_CHECK_CUDA(cudaMemcpy(sum.data(), d, bytes, cudaMemcpyDeviceToHost));
+  DMOE_CHECK_CUDA(cudaFree(d));
+  for (size_t i = 0; i < mine.size(); ++i)
+    DMOE_REQUIRE(sum[i] == mine[i] * c.world,
+                 "FlashEngine: the {} ranks do not all use the same layer config (field {} of the fingerprint "
+                 "differs; this rank: {})", c.world, i, c.summary());
+}
+
+}  // namespace
+
+FlashEngine::FlashEngine(const MoeConfig& config, Comm& comm) : config_(config), rank_(comm.rank()) {
+  config_.validate();
+  DMOE_REQUIRE(config_.world == comm.world(), "FlashEngine: config.world = {} but the communicator has {} ranks",
+               config_.world, comm.world());
+  DMOE_REQUIRE(config_.dtype == DType::bf16,
+               "FlashEngine: dtype = {}; Flash runs bf16 only (f32 layers run on the EP engine: --engine ep)",
+               dtype_name(config_.dtype));
+  DMOE_REQUIRE(config_.dropless() || config_.drop_policy == DropPolicy::latest_tokens,
+               "FlashEngine: drop_policy = {} is not supported; Flash keeps each expert's earliest tokens "
+               "(latest-tokens)", drop_policy_name(config_.drop_policy));
+  shape_ = flash::make_shape(config_, 1);
+  const std::string why = cuda::flash_unusable_reason(shape_);
+  DMOE_REQUIRE(why.empty(), "FlashEngine: {} ({})", why, config_.summary());
+  shape_.grid = cuda::flash_grid_blocks(shape_);
+  if (config_.world > 1) check_ranks_agree(config_, comm);
+  sl_ = flash::symmetric_layout(shape_);
+  ll_ = flash::local_layout(shape_);
+  symmetric_ = allocate_symmetric(rank_, config_.world, sl_.bytes, "Flash receive buffers and signals");
+  local_bytes_ = ll_.bytes;
+  void* p = nullptr;
+  DMOE_CHECK_CUDA(cudaMalloc(&p, local_bytes_));
+  local_ = static_cast<char*>(p);
+  DMOE_CHECK_CUDA(cudaMemset(local_, 0, local_bytes_));
+  std::vector<uint64_t> peers(symmetric_.peers.size());
+  for (size_t i = 0; i < peers.size(); ++i) peers[i] = reinterpret_cast<uint64_t>(symmetric_.peers[i]);
+  DMOE_CHECK_CUDA(cudaMemcpy(local_ + ll_.peers, peers.data(), peers.size() * sizeof(uint64_t), cudaMemcpyHostToDevice));
+}
+
+FlashEngine::~FlashEngine() {
+  cudaDeviceSynchronize();
+  for (void* p : {gate_, w1_, w3_, w2_, static_cast<void*>(local_)})
+    if (p) cudaFree(p);
+  free_symmetric(symmetric_);
+}
+
+void FlashEngine::set_weights(const MoeWeights& w) {
+  const int32_t Le = config_.experts_per_rank();
+  DMOE_REQUIRE(w.hidden == config_.hidden && w.ffn == config_.ffn && w.experts == config_.experts,
+               "FlashEngine: weights are for H={} I={} E={}; config has H={} I={} E={}", w.hidden, w.ffn, w.experts,
+               config_.hidden, config_.ffn, config_.experts);
+  DMOE_REQUIRE(w.first_expert == config_.first_expert(rank_) && w.num_experts == Le,
+               "FlashEngine: rank {} owns experts [{}, {}); the weights hold [{}, {})", rank_,
+               config_.first_expert(rank_), config_.first_expert(rank_) + Le, w.first_expert,
+               w.first_expert + w.num_experts);
+  DMOE_REQUIRE(w.activation == config_.activation, "FlashEngine: weights are for activation {}; config has {}",
+               activation_name(w.activation), activation_name(config_.activation));
+  DMOE_CHECK_CUDA(cudaDeviceSynchronize());  // a forward in flight may still read the old weights
+  for (void** p : {&gate_, &w1_, &w3_, &w2_})
+    if (*p) {
+      DMOE_CHECK_CUDA(cudaFree(*p));
+      *p = nullptr;
+    }
+  gate_ = upload_bf16(w.gate);
+  w1_ = upload_bf16(w.w1);
+  if (config_.activation == Activation::swiglu) w3_ = upload_bf16(w.w3);
+  w2_ = upload_bf16(w.w2);
+  has_weights_ = true;
+}
+
+void FlashEngine::forward(const void* x, void* y, cudaStream_t stream) {
+  DMOE_REQUIRE(has_weights_, "FlashEngine::forward: set_weights() first");
+  DMOE_REQUIRE(reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(y) % 16 == 0,
+               "FlashEngine::forward: x and y must be 16-byte aligned device pointers");
+  flash::Params p;
+  p.shape = shape_;
+  p.rank = rank_;
+  p.x = x;
+  p.gate = gate_;
+  p.w1 = w1_;
+  p.w3 = w3_;
+  p.w2 = w2_;
+  p.y = y;
+  p.symmetric = symmetric_.local;
+  p.local = local_;
+  p.timeout_ns = cuda::wait_timeout_ns();
+  cuda::flash_forward(p, stream);
+  ++forwards_;
+}
+
+void FlashEngine::check(cudaStream_t stream) {
+  cuda::wait_stream(stream, "FlashEngine: the forward on this rank's stream");
+  flash::Control c{};
+  DMOE_CHECK_CUDA(cudaMemcpy(&c, local_ + ll_.control, sizeof(c), cudaMemcpyDeviceToHost));
+  if (c.error == flash::kErrorNanRouting) {
+    const uint32_t zero[2] = {0, 0};
+    DMOE_CHECK_CUDA(cudaMemcpy(local_ + ll_.control + offsetof(flash::Control, error), zero, sizeof(zero),
+                               cudaMemcpyHostToDevice));
+    DMOE_FAIL("FlashEngine (rank {}): token {} has router logits with a NaN (x or the gate holds a NaN or Inf): "
+              "no expert can be chosen for it and its output row is wrong", rank_, c.error_detail);
+  }
+  DMOE_REQUIRE(c.epoch == forwards_, "FlashEngine (rank {}): {} forwards issued but the kernel counted {}", rank_,
+               forwards_, c.epoch);
+}
+
+std::vector<int32_t> FlashEngine::expert_ids(cudaStream_t stream) {
+  cuda::wait_stream(stream, "FlashEngine::expert_ids");
+  std::vector<int32_t> v(size_t(config_.tokens * config_.top_k));
+  DMOE_CHECK_CUDA(cudaMemcpy(v.data(), local_ + ll_.ids, v.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
+  return v;
+}
+
+std::vector<float> FlashEngine::expert_weights(cudaStream_t stream) {
+  cuda::wait_stream(stream, "FlashEngine::expert_weights");
+  std::vector<float> v(size_t(config_.tokens * config_.top_k));
+  DMOE_CHECK_CUDA(cudaMemcpy(v.data(), local_ + ll_.weights, v.size() * sizeof(float), cudaMemcpyDeviceToHost));
+  return v;
+}
+
+std::vector<int64_t> FlashEngine::expert_rows(cudaStream_t stream) {
+  cuda::wait_stream(stream, "FlashEngine::expert_rows");
+  const int32_t W = config_.world, E = config_.experts, Le = config_.experts_per_rank();
+  std::vector<uint64_t> counts(size_t(W) * E);
+  const uint32_t parity = uint32_t(forwards_) & 1;
+  DMOE_CHECK_CUDA(cudaMemcpy(counts.data(), symmetric_.local + sl_.counts + size_t(parity) * W * E * sizeof(uint64_t),
+                             counts.size() * sizeof(uint64_t), cudaMemcpyDeviceToHost));
+  std::vector<int64_t> rows(size_t(Le), 0);
+  for (int32_t le = 0; le < Le; ++le)
+    for (int32_t s = 0; s < W; ++s) {
+      const int64_t n = flash::signal_value(counts[size_t(s) * E + rank_ * Le + le]);
+      rows[le] += shape_.capacity < 0 ? n : std::min<int64_t>(n, shape_.capacity);
+    }
+  return rows;
+}
+
+}  // namespace dmoe

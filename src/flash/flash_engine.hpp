@@ -1,0 +1,74 @@
+// flash/flash_engine.hpp — FlashEngine: the MoE layer forward of one rank as one persistent kernel
+// (flash/flash_kernel.cu) over the Flash protocol (core/flash_protocol.hpp, docs/flash.md).
+//
+//   FlashEngine engine(config, comm);          // collective when W > 1 (symmetric memory, config check)
+//   engine.set_weights(shard);                 // gate [E, H] and this rank's experts
+//   engine.forward(x, y, stream);              // bf16 device pointers; one kernel launch, no host sync
+//   engine.check(stream);                      // later: waits (bounded) and throws on a flagged error
+//
+// W = 1 runs in plain device memory; W > 1 takes its symmetric region from NVSHMEM's heap (an NvshmemComm
+// must exist: it initialises NVSHMEM) and needs every peer load/store reachable (one node). Forwards may be
+// issued back to back, on one stream or captured in a CUDA graph: each kernel advances its own epoch. All
+// ranks must issue the same number of forwards.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "comm/comm.hpp"
+#include "comm/cuda/symmetric.hpp"
+#include "core/config.hpp"
+#include "core/flash_protocol.hpp"
+#include "model/moe_weights.hpp"
+
+namespace dmoe {
+
+class FlashEngine {
+ public:
+  // config.world == comm.world(); config.dtype bf16. Throws naming the field when Flash cannot run the
+  // config (flash_unusable_reason), and when the ranks disagree on it.
+  FlashEngine(const MoeConfig& config, Comm& comm);
+  ~FlashEngine();
+  FlashEngine(const FlashEngine&) = delete;
+  FlashEngine& operator=(const FlashEngine&) = delete;
+
+  // Gate [E, H] (all experts) and this rank's experts (weights.first_expert == config.first_expert(rank)).
+  void set_weights(const MoeWeights& weights);
+  // x, y: [T, H] bf16 device memory, 16-byte aligned. One cooperative kernel launch on `stream`.
+  void forward(const void* x, void* y, cudaStream_t stream);
+  // Waits for `stream` (bounded, DMOE_COMM_TIMEOUT_S) and throws if a forward flagged an error (a token whose
+  // router logits hold a NaN: no expert can be chosen, its row is dropped).
+  void check(cudaStream_t stream);
+
+  // Routing of the last forward (waits for `stream`).
+  std::vector<int32_t> expert_ids(cudaStream_t stream);
+  std::vector<float> expert_weights(cudaStream_t stream);
+  // Rows this rank received per local expert in the last forward (waits for `stream`).
+  std::vector<int64_t> expert_rows(cudaStream_t stream);
+
+  const MoeConfig& config() const { return config_; }
+  const flash::Shape& shape() const { return shape_; }
+  int32_t grid() const { return shape_.grid; }
+  size_t symmetric_bytes() const { return symmetric_.bytes; }
+  size_t local_bytes() const { return local_bytes_; }
+
+ private:
+  MoeConfig config_;
+  int32_t rank_ = 0;
+  flash::Shape shape_;
+  flash::SymmetricLayout sl_;
+  flash::LocalLayout ll_;
+  SymmetricRegion symmetric_;
+  char* local_ = nullptr;
+  size_t local_bytes_ = 0;
+  void* gate_ = nullptr;
+  void* w1_ = nullptr;
+  void* w3_ = nullptr;
+  void* w2_ = nullptr;
+  bool has_weights_ = false;
+  uint64_t forwards_ = 0;
+};
+
+}  // namespace dmoe

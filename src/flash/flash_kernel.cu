@@ -1,0 +1,830 @@
+// flash/flash_kernel.cu — the Flash layer forward: gate, dispatch, expert FFN and combine of one rank as one
+// persistent kernel (cooperative launch, one 384-thread block per multiprocessor). The protocol — buffers,
+// signals, epochs, the task table — is core/flash_protocol.hpp; cpu/flash.cpp is its CPU twin; docs/flash.md
+// has the ordering argument and how to read a time-out report.
+//
+// Roles (named device functions; the top-level kernel only routes to them):
+//   gate_role        all threads: router logits on tensor cores (mma.sync m16n8k16, f32 accumulation), then
+//                    softmax / top-k / gate weights per token with core/routing.hpp's functions, then each
+//                    token's rank among this block's tokens routed to each expert;
+//   grid_barrier     once, after the gate (block counts complete);
+//   counts_role      block 0 sends this rank's routed counts to every rank; every block waits for all ranks'
+//                    counts and derives the same offsets and the task table;
+//   dispatch_role    warps copy each kept (token, choice) row (and its metadata) to the expert's rank — by
+//                    direct stores into the peer's symmetric buffer (nvshmem_ptr), locally at W = 1 — and the
+//                    last block done signals every destination;
+//   processor_role   the sm90 tile engine: a producer warpgroup takes task indices (first wave: blockIdx, then a
+//                    global counter: the scheduler) and, before loading a task's operands by TMA, subscribes to
+//                    what it needs (its sources' ready signals, or its row tile's up_done counter); two consumer
+//                    warpgroups run wgmma and the epilogues: up tiles store h with the activation fused and count
+//                    themselves in up_done; down tiles store their rows straight into the home rank's `out` and
+//                    add them to the home's `arrived`;
+//   combine_role     consumer threads, once `arrived` says every row is back: y[t] = Σ_j w[t,j]·out[t·k+j].
+// No role burns a whole multiprocessor on scheduling or polling: the queue is one counter and each processor
+// subscribes to its own task's signals (the reference design dedicates blocks to both).
+//
+// Every wait is bounded (DMOE_GPU_WAIT_TIMEOUT_MS); past it the record names the rank, role, what was awaited,
+// the expected and the last seen value (cuda/check.hpp), and the kernel traps.
+#include <cuda.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "core/flash_protocol.hpp"
+#include "core/routing.hpp"
+#include "cuda/activation.cuh"
+#include "cuda/check.hpp"
+#include "cuda/device_utils.cuh"
+#include "cuda/sm90_host.hpp"
+#include "cuda/sm90_primitives.cuh"
+#include "flash/flash_kernel.hpp"
+
+namespace dmoe::cuda {
+
+namespace {
+
+using flash::kTileCols;
+using flash::kTileRows;
+
+constexpr int kThreads = 384;  // producer warpgroup + two consumer warpgroups
+constexpr int kConsumers = 2;
+constexpr int kBK = 64;                               // k-block columns (128-byte rows, 128-byte swizzle)
+constexpr int kRowBytes = kBK * 2;
+constexpr int kABytes = kTileRows * kRowBytes;        // 16 KiB
+constexpr int kBBytes = kTileCols * kRowBytes;        // 32 KiB
+constexpr int kStageBytes = kABytes + kBBytes;        // 48 KiB
+constexpr int kStages = 4;
+constexpr int kRingBytes = kStages * kStageBytes;     // 192 KiB: also the gate's and dispatch's scratch
+constexpr int kTileRing = 2;
+constexpr int kBarrierBytes = 8 * (2 * kStages + 2 * kTileRing) + 4 * kTileRing;
+constexpr int kGateTokens = 64;                       // tokens per gate chunk (4 mma row groups of 16)
+constexpr int kMaxSmem = 232448;
+constexpr int kTableBase = 1024 + kRingBytes + 256;   // tables start after the aligned ring and barriers
+
+static_assert(kBarrierBytes <= 256, "barriers fit their 256 bytes");
+
+// Shared-memory tables that live through the whole kernel (int32 unless said).
+struct TableLayout {
+  int offsets, row_tile_base, expert_rows, expert_begin, seg_begin, scalars, bytes;
+};
+__host__ __device__ inline TableLayout table_layout(int32_t Le, int32_t W) {
+  TableLayout t;
+  int at = 0;
+  t.offsets = at;       at += 4 * (2 * Le + 1);
+  t.row_tile_base = at; at += 4 * (Le + 1);
+  t.expert_rows = at;   at += 4 * Le;
+  t.expert_begin = at;  at += 4 * Le;
+  t.seg_begin = at;     at += 4 * Le * (W + 1);
+  at = (at + 15) / 16 * 16;
+  t.scalars = at;       at += 24;  // u64: kept rows of this rank (combine target), unused, this forward's epoch
+  t.bytes = at;
+  return t;
+}
+
+// Scratch in the ring region before the GEMM phase (bytes from the ring's start).
+struct ScratchLayout {
+  int logits, ids, counts, base, dst_base, kept, column, begin, bytes;
+};
+__host__ __device__ inline ScratchLayout scratch_layout(int32_t E, int32_t k, int32_t W) {
+  ScratchLayout s;
+  int at = 0;
+  s.logits = at;   at += 4 * kGateTokens * (E + 1);
+  s.ids = at;      at += 4 * kGateTokens * k;
+  s.counts = at;   at += 4 * E;  // this block's tokens per expert (gate), then routed totals (counts)
+  s.base = at;     at += 4 * E;  // tokens of earlier blocks per expert
+  s.dst_base = at; at += 4 * E;  // first destination row of this block's rows of each expert
+  s.kept = at;     at += 4 * W * E;
+  s.column = at;   at += 4 * E;
+  s.begin = at;    at += 4 * E;
+  s.bytes = at;
+  return s;
+}
+
+int smem_bytes_for(const flash::Shape& s) {
+  return kTableBase + table_layout(s.local_experts(), s.world).bytes;
+}
+
+// TMA maps of the operands: recv [2R, H] (both parities), h [R, I], w1/w3 [Le·I, H], w2 [Le·H, I].
+struct TileMaps {
+  CUtensorMap recv, h, w1, w3, w2;
+};
+
+struct KernelArgs {
+  flash::Params p;
+  int64_t recv_rows;
+  flash::SymmetricLayout sl;
+  flash::LocalLayout ll;
+};
+
+#ifdef DMOE_SM90A_DEVICE
+
+__device__ __forceinline__ const __nv_bfloat16* bf(const void* p) { return static_cast<const __nv_bfloat16*>(p); }
+
+// Spins until pred(load()) holds; past the limit, records and traps. Returns the value that satisfied it.
+template <typename Load, typename Pred>
+__device__ __forceinline__ uint64_t wait_flag(Load load, Pred pred, const KernelArgs& a, int role, int what, int slot,
+                                              uint64_t expected) {
+  uint64_t v = load();
+  if (pred(v)) return v;
+  const unsigned long long start = global_time_ns();
+  for (;;) {
+    v = load();
+    if (pred(v)) return v;
+    const unsigned long long waited = global_time_ns() - start;
+    if (waited > a.p.timeout_ns)
+      report_wait_timeout(static_cast<DeviceWaitRecord*>(a.p.wait_record), kWaitFlash, role, a.p.rank, what, slot,
+                          0, expected, v, waited);
+  }
+}
+
+__device__ __forceinline__ void flash_mbar_wait(uint32_t bar, uint32_t parity, int what, int slot, const KernelArgs& a,
+                                                int role) {
+  mbar_wait(bar, parity, what, slot, a.p.timeout_ns, static_cast<DeviceWaitRecord*>(a.p.wait_record), kWaitFlash,
+            role);
+}
+
+__device__ __forceinline__ char* peer_base(const KernelArgs& a, int32_t d) {
+  return reinterpret_cast<char*>(reinterpret_cast<const uint64_t*>(a.p.local + a.ll.peers)[d]);
+}
+__device__ __forceinline__ flash::Control* control(const KernelArgs& a) {
+  return reinterpret_cast<flash::Control*>(a.p.local + a.ll.control);
+}
+
+// d[4] += A (16×16 bf16, row-major fragments) · B (16×8 bf16, column fragments).
+__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// ---- grid barrier (once per forward) ---------------------------------------------------------------------
+__device__ void grid_barrier(const KernelArgs& a, uint32_t epoch) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    uint64_t* bar = &control(a)->grid_barrier;
+    const uint64_t target = uint64_t(epoch) * gridDim.x;
+    atomic_add_acq_rel_gpu(bar, 1);
+    wait_flag([&] { return ld_acquire_gpu(bar); }, [&](uint64_t v) { return v >= target; }, a, flash::kRoleGate,
+              flash::kWaitGridBarrier, -1, target);
+  }
+  __syncthreads();
+}
+
+// ---- gate ------------------------------------------------------------------------------------------------
+// This block's tokens [t_begin, t_end): ids, weights, and slot[t·k+j] = rank of t among this block's tokens
+// routed to ids[t,j]; block_counts[block][e] = this block's tokens routed to e.
+__device__ void gate_role(const KernelArgs& a, uint8_t* scratch, int64_t t_begin, int64_t t_end) {
+  const flash::Shape& s = a.p.shape;
+  const int32_t E = s.experts, k = s.top_k;
+  const int64_t H = s.hidden;
+  const ScratchLayout sc = scratch_layout(E, k, s.world);
+  float* logits = reinterpret_cast<float*>(scratch + sc.logits);
+  int32_t* ids_s = reinterpret_cast<int32_t*>(scratch + sc.ids);
+  int32_t* counts = reinterpret_cast<int32_t*>(scratch + sc.counts);
+  auto* ids = reinterpret_cast<int32_t*>(a.p.local + a.ll.ids);
+  auto* weights = reinterpret_cast<float*>(a.p.local + a.ll.weights);
+  auto* slot = reinterpret_cast<int32_t*>(a.p.local + a.ll.slot);
+  const __nv_bfloat16* x = bf(a.p.x);
+  const __nv_bfloat16* wg = bf(a.p.gate);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int stride = E + 1;
+
+  for (int32_t e = threadIdx.x; e < E; e += blockDim.x) counts[e] = 0;
+  for (int64_t c0 = t_begin; c0 < t_end; c0 += kGateTokens) {
+    const int32_t n = int32_t(min(int64_t(kGateTokens), t_end - c0));
+    // logits[16-token group][32-expert group] per warp task; rows/experts past the end are clamped and
+    // their results dropped.
+    const int32_t expert_groups = (E + 31) / 32;
+    for (int32_t task = warp; task < 4 * expert_groups; task += kThreads / 32) {
+      const int32_t tg = task % 4, eg = task / 4;
+      if (tg * 16 >= n) continue;
+      const int32_t q = lane % 4, rr = lane / 4;
+      const int64_t t0 = c0 + min(tg * 16 + rr, n - 1), t1 = c0 + min(tg * 16 + rr + 8, n - 1);
+      const uint32_t* x0 = reinterpret_cast<const uint32_t*>(x + t0 * H);
+      const uint32_t* x1 = reinterpret_cast<const uint32_t*>(x + t1 * H);
+      const uint32_t* wrow[4];
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+        wrow[nt] = reinterpret_cast<const uint32_t*>(wg + int64_t(min(eg * 32 + nt * 8 + rr, E - 1)) * H);
+      float acc[4][4];
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[nt][i] = 0.f;
+      for (int64_t kk = 0; kk < H; kk += 16) {
+        const int64_t w0 = kk / 2 + q, w1 = kk / 2 + 4 + q;  // 32-bit words: columns kk + 2q and kk + 8 + 2q
+        const uint32_t af[4] = {__ldg(x0 + w0), __ldg(x1 + w0), __ldg(x0 + w1), __ldg(x1 + w1)};
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+          const uint32_t bfr[2] = {__ldg(wrow[nt] + w0), __ldg(wrow[nt] + w1)};
+          mma_16816(acc[nt], af, bfr);
+        }
+      }
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+        const int32_t e0 = eg * 32 + nt * 8 + 2 * q;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int32_t row = tg * 16 + rr + (i >= 2 ? 8 : 0), e = e0 + (i & 1);
+          if (row < n && e < E) logits[row * stride + e] = acc[nt][i];
+        }
+      }
+    }
+    __syncthreads();
+    // Softmax, top-k and gate weights per token (core/routing.hpp): the probabilities at the chosen experts
+    // only, by softmax_row<float>'s formula.
+    if (int32_t(threadIdx.x) < n) {
+      const int64_t t = c0 + threadIdx.x;
+      const float* row = logits + threadIdx.x * stride;
+      int32_t* id_row = ids_s + threadIdx.x * k;
+      topk_row(row, E, k, id_row);
+      float m = row[0];
+      for (int32_t e = 1; e < E; ++e) m = row[e] > m ? row[e] : m;
+      float sum = 0.f;
+      for (int32_t e = 0; e < E; ++e) sum += expf(row[e] - m);
+      bool valid = true;
+      for (int32_t j = 0; j < k; ++j) valid = valid && id_row[j] >= 0;
+      float wsum = 0.f;
+      for (int32_t j = 0; j < k; ++j) {
+        const float w = valid ? float(expf(row[id_row[j]] - m) / sum) : __int_as_float(0x7fc00000);
+        weights[t * k + j] = w;
+        wsum += w;
+        ids[t * k + j] = id_row[j];
+      }
+      if (s.renormalize && valid)
+        for (int32_t j = 0; j < k; ++j) weights[t * k + j] = weights[t * k + j] / wsum;
+      if (!valid) {
+        flash::Control* ctl = control(a);
+        if (atomicCAS(&ctl->error, 0u, uint32_t(flash::kErrorNanRouting)) == 0u) ctl->error_detail = uint32_t(t);
+      }
+    }
+    __syncthreads();
+    // Ranks in token order: thread e walks the chunk's tokens.
+    for (int32_t e = threadIdx.x; e < E; e += blockDim.x) {
+      int32_t c = counts[e];
+      for (int32_t i = 0; i < n * k; ++i)
+        if (ids_s[i] == e) slot[c0 * k + i] = c++;
+      counts[e] = c;
+    }
+    for (int32_t i = threadIdx.x; i < n * k; i += blockDim.x)
+      if (ids_s[i] < 0) slot[c0 * k + i] = -1;
+    __syncthreads();
+  }
+  auto* block_counts = reinterpret_cast<int32_t*>(a.p.local + a.ll.block_counts);
+  for (int32_t e = threadIdx.x; e < E; e += blockDim.x) block_counts[int64_t(blockIdx.x) * E + e] = counts[e];
+}
+
+// ---- counts: exchange, offsets, task table ----------------------------------------------------------------
+__device__ void counts_role(const KernelArgs& a, uint8_t* scratch, uint8_t* tables, uint32_t epoch) {
+  const flash::Shape& s = a.p.shape;
+  const int32_t E = s.experts, k = s.top_k, W = s.world, Le = s.local_experts(), me = a.p.rank;
+  const uint32_t parity = epoch & 1;
+  const ScratchLayout sc = scratch_layout(E, k, W);
+  const TableLayout tl = table_layout(Le, W);
+  int32_t* routed = reinterpret_cast<int32_t*>(scratch + sc.counts);
+  int32_t* base = reinterpret_cast<int32_t*>(scratch + sc.base);
+  int32_t* dst_base = reinterpret_cast<int32_t*>(scratch + sc.dst_base);
+  int32_t* kept = reinterpret_cast<int32_t*>(scratch + sc.kept);
+  int32_t* column = reinterpret_cast<int32_t*>(scratch + sc.column);
+  int32_t* begin = reinterpret_cast<int32_t*>(scratch + sc.begin);
+  const auto* block_counts = reinterpret_cast<const int32_t*>(a.p.local + a.ll.block_counts);
+
+  for (int32_t e = threadIdx.x; e < E; e += blockDim.x) {
+    int32_t before = 0, total = 0;
+    for (int32_t b = 0; b < int32_t(gridDim.x); ++b) {
+      const int32_t c = __ldcg(block_counts + int64_t(b) * E + e);  // other blocks wrote it (L2, not L1)
+      if (b < int32_t(blockIdx.x)) before += c;
+      total += c;
+    }
+    base[e] = before;
+    routed[e] = total;
+  }
+  __syncthreads();
+  if (blockIdx.x == 0)
+    for (int32_t i = threadIdx.x; i < W * E; i += blockDim.x) {
+      const int32_t d = i / E, e = i % E;
+      uint64_t* inbox = reinterpret_cast<uint64_t*>(peer_base(a, d) + a.sl.counts) + size_t(parity) * W * E;
+      st_relaxed_sys(inbox + size_t(me) * E + e, flash::make_signal(epoch, uint32_t(routed[e])));
+    }
+  const uint64_t* inbox = reinterpret_cast<const uint64_t*>(a.p.symmetric + a.sl.counts) + size_t(parity) * W * E;
+  for (int32_t i = threadIdx.x; i < W * E; i += blockDim.x) {
+    const uint64_t v = wait_flag([&] { return ld_relaxed_sys(inbox + i); },
+                                 [&](uint64_t seen) { return flash::signal_epoch(seen) == epoch; }, a,
+                                 flash::kRoleCounts, flash::kWaitCounts, i / E, flash::make_signal(epoch, 0));
+    const int64_t n = flash::signal_value(v);
+    kept[i] = int32_t(s.capacity < 0 ? n : min(n, s.capacity));
+  }
+  __syncthreads();
+  for (int32_t e = threadIdx.x; e < E; e += blockDim.x) {
+    int32_t c = 0;
+    for (int32_t src = 0; src < W; ++src) c += kept[src * E + e];
+    column[e] = c;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0)
+    for (int32_t e = 0; e < E; ++e) begin[e] = (e % Le == 0) ? 0 : begin[e - 1] + column[e - 1];
+  __syncthreads();
+  int32_t* expert_rows = reinterpret_cast<int32_t*>(tables + tl.expert_rows);
+  int32_t* expert_begin = reinterpret_cast<int32_t*>(tables + tl.expert_begin);
+  int32_t* seg_begin = reinterpret_cast<int32_t*>(tables + tl.seg_begin);
+  for (int32_t e = threadIdx.x; e < E; e += blockDim.x) {
+    int32_t before_me = 0;
+    for (int32_t src = 0; src < me; ++src) before_me += kept[src * E + e];
+    dst_base[e] = begin[e] + before_me + base[e];
+  }
+  for (int32_t le = threadIdx.x; le < Le; le += blockDim.x) {
+    const int32_t e = me * Le + le;
+    expert_rows[le] = column[e];
+    expert_begin[le] = begin[e];
+    int32_t at = 0;
+    for (int32_t src = 0; src < W; ++src) {
+      seg_begin[le * (W + 1) + src] = at;
+      at += kept[src * E + e];
+    }
+    seg_begin[le * (W + 1) + W] = at;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    flash::build_task_table(expert_rows, Le, s.up_col_tiles(), s.down_col_tiles(),
+                            reinterpret_cast<int32_t*>(tables + tl.offsets),
+                            reinterpret_cast<int32_t*>(tables + tl.row_tile_base));
+    uint64_t mine = 0;
+    for (int32_t e = 0; e < E; ++e) mine += uint64_t(kept[me * E + e]);
+    reinterpret_cast<uint64_t*>(tables + tl.scalars)[0] = mine;
+  }
+  __syncthreads();
+}
+
+// ---- dispatch ----------------------------------------------------------------------------------------------
+__device__ void dispatch_role(const KernelArgs& a, uint8_t* scratch, int64_t t_begin, int64_t t_end, uint32_t epoch) {
+  const flash::Shape& s = a.p.shape;
+  const int32_t E = s.experts, k = s.top_k, W = s.world, Le = s.local_experts(), me = a.p.rank;
+  const int64_t H = s.hidden, R = a.recv_rows;
+  const uint32_t parity = epoch & 1;
+  const ScratchLayout sc = scratch_layout(E, k, W);
+  const int32_t* base = reinterpret_cast<const int32_t*>(scratch + sc.base);
+  const int32_t* dst_base = reinterpret_cast<const int32_t*>(scratch + sc.dst_base);
+  const auto* ids = reinterpret_cast<const int32_t*>(a.p.local + a.ll.ids);
+  auto* slot = reinterpret_cast<int32_t*>(a.p.local + a.ll.slot);
+  const __nv_bfloat16* x = bf(a.p.x);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t chunks = H / 8;  // 16-byte chunks per row
+
+  for (int64_t i = t_begin * k + warp; i < t_end * k; i += kThreads / 32) {
+    const int32_t e = ids[i];
+    const int32_t local_rank = slot[i];
+    const bool kept = e >= 0 && local_rank >= 0 && (s.capacity < 0 || int64_t(base[e]) + local_rank < s.capacity);
+    if (!kept) {
+      if (lane == 0) slot[i] = -1;
+      continue;
+    }
+    const int32_t d = e / Le;
+    const int64_t row = int64_t(dst_base[e]) + local_rank;
+    char* peer = peer_base(a, d);
+    const uint4* src = reinterpret_cast<const uint4*>(x + (i / k) * H);
+    uint4* dst = reinterpret_cast<uint4*>(reinterpret_cast<__nv_bfloat16*>(peer + a.sl.recv) + (parity * R + row) * H);
+    for (int64_t c = lane; c < chunks; c += 32) dst[c] = __ldg(src + c);
+    if (lane == 0) {
+      auto* meta = reinterpret_cast<flash::RowMeta*>(peer + a.sl.meta) + parity * R + row;
+      *meta = flash::RowMeta{me, int32_t(i)};
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    fence_acq_rel_sys();
+    const uint64_t done = atomic_add_acq_rel_gpu(&control(a)->dispatch_done, 1) + 1;
+    if (done == uint64_t(epoch) * gridDim.x) {  // the last block: every row of this rank has been written
+      fence_acq_rel_sys();
+      for (int32_t d = 0; d < W; ++d) {
+        uint64_t* ready = reinterpret_cast<uint64_t*>(peer_base(a, d) + a.sl.ready) + parity * W + me;
+        st_release_sys(ready, flash::make_signal(epoch, 1));
+      }
+    }
+  }
+}
+
+// ---- processors: the tile engine over the task table -------------------------------------------------------
+
+template <Activation A>
+__device__ void processor_role(const KernelArgs& a, const TileMaps& maps, uint8_t* smem, uint8_t* tables,
+                               int64_t t_begin, int64_t t_end, uint32_t epoch) {
+  constexpr bool kGated = A == Activation::swiglu;
+  constexpr int kUpOut = kGated ? kTileCols / 2 : kTileCols;  // h columns per up tile
+  const flash::Shape& s = a.p.shape;
+  const int32_t W = s.world, Le = s.local_experts(), k = s.top_k;
+  const int64_t H = s.hidden, I = s.ffn, R = a.recv_rows;
+  const uint32_t parity = epoch & 1;
+  const TableLayout tl = table_layout(Le, W);
+  const int32_t* offsets = reinterpret_cast<const int32_t*>(tables + tl.offsets);
+  const int32_t* row_tile_base = reinterpret_cast<const int32_t*>(tables + tl.row_tile_base);
+  const int32_t* expert_rows = reinterpret_cast<const int32_t*>(tables + tl.expert_rows);
+  const int32_t* expert_begin = reinterpret_cast<const int32_t*>(tables + tl.expert_begin);
+  const int32_t* seg_begin = reinterpret_cast<const int32_t*>(tables + tl.seg_begin);
+  const int32_t tasks = offsets[2 * Le];
+  const int32_t up_cols = s.up_col_tiles(), down_cols = s.down_col_tiles();
+  auto* up_done = reinterpret_cast<uint32_t*>(a.p.local + a.ll.up_done);
+  flash::Control* ctl = control(a);
+
+  const uint32_t slots = smem_u32(smem);
+  const uint32_t bars = slots + kRingBytes;
+  auto slot_a = [&](int st) { return slots + st * kStageBytes; };
+  auto slot_b = [&](int st) { return slots + st * kStageBytes + kABytes; };
+  auto full = [&](int st) { return bars + 8 * st; };
+  auto empty = [&](int st) { return bars + 8 * (kStages + st); };
+  auto tile_full = [&](int r) { return bars + 8 * (2 * kStages + r); };
+  auto tile_empty = [&](int r) { return bars + 8 * (2 * kStages + kTileRing + r); };
+  const uint32_t tile_ring = bars + 8 * (2 * kStages + 2 * kTileRing);
+  const int warpgroup = threadIdx.x / 128;
+
+  if (warpgroup == 0) {
+    // ---- producer: scheduler (task indices) and subscriber (the task's inputs) ----
+    // 64 registers: the subscriber's waits need more than the GEMM producer's 40 (ptxas spilled at 40-56);
+    // the consumers get 216 (128·64 + 256·216 <= 64 Ki registers per SM) and do not spill there.
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 64;");
+    if (threadIdx.x != 0) return;
+    uint64_t landed = 0;  // sources whose ready signal this block has seen (W <= 64; else always re-read)
+    int32_t next = int32_t(blockIdx.x);
+    uint32_t it = 0;
+    for (uint32_t i = 0;; ++i) {
+      const int32_t t = next < tasks ? next : -1;
+      const int r = int(i % kTileRing);
+      flash_mbar_wait(tile_empty(r), ((i / kTileRing) & 1) ^ 1, flash::kWaitRingEmpty, r, a, flash::kRoleProducer);
+      st_shared_volatile(tile_ring + 4 * r, t);
+      mbar_arrive(tile_full(r));
+      if (t < 0) break;
+      next = int32_t(gridDim.x) + int32_t(atomicAdd(&ctl->task_counter, 1u));
+      const flash::Task task = flash::decode_task(offsets, row_tile_base, expert_rows, Le, t);
+      const int32_t rows = expert_rows[task.expert];
+      const int32_t lo = task.m_tile * kTileRows, hi = min(rows, lo + kTileRows);
+      if (!task.down) {
+        const int32_t* seg = seg_begin + task.expert * (W + 1);
+        for (int32_t src = 0; src < W; ++src) {
+          if (seg[src + 1] <= lo || seg[src] >= hi) continue;  // no rows of this source in the tile
+          if (src < 64 && (landed >> src & 1)) continue;
+          const uint64_t* ready = reinterpret_cast<const uint64_t*>(a.p.symmetric + a.sl.ready) + parity * W + src;
+          wait_flag([&] { return ld_acquire_sys(ready); },
+                    [&](uint64_t v) { return flash::signal_epoch(v) == epoch; }, a, flash::kRoleProducer,
+                    flash::kWaitRowsReady, src, flash::make_signal(epoch, 1));
+          if (src < 64) landed |= uint64_t(1) << src;
+        }
+      } else {
+        const uint32_t* counter = up_done + task.row_tile;
+        const uint64_t target = uint64_t(kConsumers) * uint64_t(up_cols);
+        wait_flag([&] { return uint64_t(ld_acquire_gpu(counter)); }, [&](uint64_t v) { return v >= target; }, a,
+                  flash::kRoleProducer, flash::kWaitUpDone, task.row_tile, target);
+      }
+      fence_proxy_async_global();  // rows written by other blocks/GPUs, read next by TMA
+      const int32_t k_blocks = int32_t(((task.down ? I : H) + kBK - 1) / kBK);
+      const int32_t a_row = int32_t(expert_begin[task.expert] + lo + (task.down ? 0 : int64_t(parity) * R));
+      for (int32_t kb = 0; kb < k_blocks; ++kb, ++it) {
+        const int st = int(it % kStages);
+        flash_mbar_wait(empty(st), ((it / kStages) & 1) ^ 1, flash::kWaitSlotEmpty, st, a, flash::kRoleProducer);
+        mbar_expect_tx(full(st), kStageBytes);
+        if (!task.down) {
+          const int32_t b_row = int32_t(int64_t(task.expert) * I + int64_t(task.n_tile) * kUpOut);
+          tma_load_2d(slot_a(st), &maps.recv, kb * kBK, a_row, full(st));
+          tma_load_2d(slot_b(st), &maps.w1, kb * kBK, b_row, full(st));
+          if constexpr (kGated) tma_load_2d(slot_b(st) + kUpOut * kRowBytes, &maps.w3, kb * kBK, b_row, full(st));
+        } else {
+          const int32_t b_row = int32_t(int64_t(task.expert) * H + int64_t(task.n_tile) * kTileCols);
+          tma_load_2d(slot_a(st), &maps.h, kb * kBK, a_row, full(st));
+          tma_load_2d(slot_b(st), &maps.w2, kb * kBK, b_row, full(st));
+        }
+      }
+    }
+    return;
+  }
+
+  // ---- consumers ----
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 216;");
+  const int consumer = warpgroup - 1;
+  const int warp = (threadIdx.x / 32) % 4;
+  const int lane = threadIdx.x % 32;
+  const int q = lane % 4;
+  float acc[kTileCols / 2];
+  uint32_t it = 0;
+  for (uint32_t i = 0;; ++i) {
+    const int r = int(i % kTileRing);
+    flash_mbar_wait(tile_full(r), (i / kTileRing) & 1, flash::kWaitRingFull, r, a, flash::kRoleConsumer);
+    const int32_t t = ld_shared_volatile(tile_ring + 4 * r);
+    mbar_arrive(tile_empty(r));
+    if (t < 0) break;
+    const flash::Task task = flash::decode_task(offsets, row_tile_base, expert_rows, Le, t);
+    const int32_t rows = expert_rows[task.expert];
+    const int32_t begin = expert_begin[task.expert];
+    const int32_t k_blocks = int32_t(((task.down ? I : H) + kBK - 1) / kBK);
+    const bool skip = task.m_tile * kTileRows + consumer * 64 >= rows;
+    if (skip) {
+      for (int32_t kb = 0; kb < k_blocks; ++kb, ++it) {
+        const int st = int(it % kStages);
+        flash_mbar_wait(full(st), (it / kStages) & 1, flash::kWaitSlotFull, st, a, flash::kRoleConsumer);
+        if (threadIdx.x % 128 == 0) mbar_arrive(empty(st));
+      }
+    } else {
+      int prev_slot = -1;
+      for (int32_t kb = 0; kb < k_blocks; ++kb, ++it) {
+        const int st = int(it % kStages);
+        flash_mbar_wait(full(st), (it / kStages) & 1, flash::kWaitSlotFull, st, a, flash::kRoleConsumer);
+        const uint32_t a_base = slot_a(st) + consumer * 64 * kRowBytes;
+        const uint32_t b_base = slot_b(st);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kBK / 16; ++kk)
+          Wgmma<kTileCols>::mma(acc, kmajor_swizzled_desc<kRowBytes>(a_base + kk * 32),
+                                kmajor_swizzled_desc<kRowBytes>(b_base + kk * 32), (kb > 0 || kk > 0) ? 1 : 0);
+        wgmma_commit();
+        wgmma_wait<1>();
+        if (prev_slot >= 0 && threadIdx.x % 128 == 0) mbar_arrive(empty(prev_slot));
+        prev_slot = st;
+      }
+      wgmma_wait<0>();
+      if (prev_slot >= 0 && threadIdx.x % 128 == 0) mbar_arrive(empty(prev_slot));
+    }
+
+    // Epilogue. Fragment (warp w, lane l): rows 16w + l/4 (+8), columns 8j + 2(l%4) + {0,1} for block j;
+    // the lanes of a quad trade words so that each stores one whole 16-byte block.
+    const int32_t row_in_expert = task.m_tile * kTileRows + consumer * 64 + warp * 16 + lane / 4;
+    if (!task.down) {
+      if (!skip) {
+        __nv_bfloat16* h = reinterpret_cast<__nv_bfloat16*>(a.p.local + a.ll.h);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int32_t rr = row_in_expert + 8 * half;
+          const bool row_ok = rr < rows;
+          const int64_t row = int64_t(begin + rr) * I;
+#pragma unroll
+          for (int jq = 0; jq < kUpOut / 32; ++jq) {
+            uint32_t wh[4];
+#pragma unroll
+            for (int j4 = 0; j4 < 4; ++j4) {
+              const int j = 4 * jq + j4;
+              const __nv_bfloat162 v = __floats2bfloat162_rn(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+              float h0 = act_value<A>(__low2float(v)), h1 = act_value<A>(__high2float(v));
+              if constexpr (kGated) {
+                const int ju = j + kUpOut / 8;
+                const __nv_bfloat162 u = __floats2bfloat162_rn(acc[4 * ju + 2 * half], acc[4 * ju + 2 * half + 1]);
+                h0 *= __low2float(u);
+                h1 *= __high2float(u);
+              }
+              wh[j4] = bf162_bits(__floats2bfloat162_rn(h0, h1));
+            }
+            const int64_t col = int64_t(task.n_tile) * kUpOut + 8 * (4 * jq + q);
+            const uint4 oh = quad_transpose(wh, q);
+            if (row_ok && col < I) *reinterpret_cast<uint4*>(h + row + col) = oh;
+          }
+        }
+      }
+      warpgroup_barrier(1 + consumer);
+      if (threadIdx.x % 128 == 0) atomic_add_release_gpu(up_done + task.row_tile, 1u);
+    } else {
+      if (!skip) {
+        const flash::RowMeta* meta = reinterpret_cast<const flash::RowMeta*>(a.p.symmetric + a.sl.meta) + parity * R;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int32_t rr = row_in_expert + 8 * half;
+          const bool row_ok = rr < rows;
+          __nv_bfloat16* dst = nullptr;
+          if (row_ok) {
+            const int2 m = __ldcg(reinterpret_cast<const int2*>(meta + begin + rr));
+            dst = reinterpret_cast<__nv_bfloat16*>(peer_base(a, m.x) + a.sl.out) + int64_t(m.y) * H;
+          }
+#pragma unroll
+          for (int jq = 0; jq < kTileCols / 32; ++jq) {
+            uint32_t wc[4];
+#pragma unroll
+            for (int j4 = 0; j4 < 4; ++j4) {
+              const int j = 4 * jq + j4;
+              wc[j4] = bf162_bits(__floats2bfloat162_rn(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]));
+            }
+            const int64_t col = int64_t(task.n_tile) * kTileCols + 8 * (4 * jq + q);
+            const uint4 oc = quad_transpose(wc, q);
+            if (row_ok && col < H) *reinterpret_cast<uint4*>(dst + col) = oc;
+          }
+        }
+        warpgroup_barrier(1 + consumer);
+        if (threadIdx.x % 128 == 0) {
+          // This warpgroup's 64 rows, by source: add them to each home's arrival count.
+          fence_acq_rel_sys();
+          const int32_t lo = task.m_tile * kTileRows + consumer * 64, hi = min(rows, lo + 64);
+          const int32_t* seg = seg_begin + task.expert * (W + 1);
+          for (int32_t src = 0; src < W; ++src) {
+            const int32_t n = min(hi, seg[src + 1]) - max(lo, seg[src]);
+            if (n > 0) atomic_add_release_sys(reinterpret_cast<uint64_t*>(peer_base(a, src) + a.sl.arrived), uint64_t(n));
+          }
+        }
+      }
+    }
+  }
+
+  // ---- combine (consumer threads): once every row of this rank's tokens is back ----
+  const TableLayout tl2 = table_layout(Le, W);
+  const uint64_t target = reinterpret_cast<const uint64_t*>(tables + tl2.scalars)[0] * uint64_t(down_cols);
+  if (threadIdx.x == 128) {
+    const uint64_t* arrived = reinterpret_cast<const uint64_t*>(a.p.symmetric + a.sl.arrived);
+    wait_flag([&] { return ld_acquire_sys(arrived); }, [&](uint64_t v) { return v == target; }, a,
+              flash::kRoleCombine, flash::kWaitArrived, -1, target);
+  }
+  asm volatile("bar.sync 3, 256;" ::: "memory");
+  const auto* weights = reinterpret_cast<const float*>(a.p.local + a.ll.weights);
+  const auto* slot = reinterpret_cast<const int32_t*>(a.p.local + a.ll.slot);
+  const __nv_bfloat16* out = reinterpret_cast<const __nv_bfloat16*>(a.p.symmetric + a.sl.out);
+  __nv_bfloat16* y = static_cast<__nv_bfloat16*>(a.p.y);
+  const int cwarp = (threadIdx.x - 128) / 32;
+  const int64_t chunks = H / 8;
+  for (int64_t t = t_begin + cwarp; t < t_end; t += 8) {
+    for (int64_t c = lane; c < chunks; c += 32) {
+      float accy[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      for (int32_t j = 0; j < k; ++j) {
+        if (slot[t * k + j] < 0) continue;
+        const float w = weights[t * k + j];
+        const uint4 raw = __ldcg(reinterpret_cast<const uint4*>(out + (t * k + j) * H) + c);
+        const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+        for (int wi = 0; wi < 4; ++wi) {
+          accy[2 * wi] += w * WordCodec<__nv_bfloat16>::get(words[wi], 0);
+          accy[2 * wi + 1] += w * WordCodec<__nv_bfloat16>::get(words[wi], 1);
+        }
+      }
+      uint32_t packed[4];
+#pragma unroll
+      for (int wi = 0; wi < 4; ++wi) packed[wi] = WordCodec<__nv_bfloat16>::pack(&accy[2 * wi]);
+      reinterpret_cast<uint4*>(y + t * H)[c] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+    }
+  }
+  asm volatile("bar.sync 3, 256;" ::: "memory");
+  if (threadIdx.x == 128) {
+    const uint64_t done = atomic_add_acq_rel_gpu(&ctl->exit_count, 1) + 1;
+    if (done == uint64_t(epoch) * gridDim.x) *reinterpret_cast<volatile uint32_t*>(&ctl->epoch) = epoch;
+  }
+  (void)k;
+}
+
+#endif  // DMOE_SM90A_DEVICE
+
+template <Activation A>
+__global__ void __launch_bounds__(kThreads, 1)
+    flash_forward_kernel(const __grid_constant__ TileMaps maps, const __grid_constant__ KernelArgs a) {
+#ifdef DMOE_SM90A_DEVICE
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint8_t* tables = smem + kRingBytes + 256;
+  uint64_t* epoch_s = reinterpret_cast<uint64_t*>(tables + table_layout(a.p.shape.local_experts(), a.p.shape.world).scalars) + 2;
+  const flash::Shape& s = a.p.shape;
+  // This block's tokens: an even split, in order.
+  const int64_t per = (s.tokens + gridDim.x - 1) / gridDim.x;
+  const int64_t t_begin = min(s.tokens, int64_t(blockIdx.x) * per), t_end = min(s.tokens, t_begin + per);
+
+  if (threadIdx.x == 0) {
+    flash::Control* ctl = control(a);
+    *epoch_s = *reinterpret_cast<volatile uint32_t*>(&ctl->epoch) + 1;
+    if (blockIdx.x == 0) {
+      ctl->task_counter = 0;
+      // No peer adds to `arrived` before it has this forward's rows, which leave after the grid barrier.
+      *reinterpret_cast<volatile uint64_t*>(a.p.symmetric + a.sl.arrived) = 0;
+    }
+    const uint32_t bars = smem_u32(smem) + kRingBytes;
+    for (int st = 0; st < kStages; ++st) {
+      mbar_init(bars + 8 * st, 1);
+      mbar_init(bars + 8 * (kStages + st), kConsumers);
+    }
+    for (int r = 0; r < kTileRing; ++r) {
+      mbar_init(bars + 8 * (2 * kStages + r), 1);
+      mbar_init(bars + 8 * (2 * kStages + kTileRing + r), kConsumers * 128);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&maps.recv)) : "memory");
+    asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&maps.w1)) : "memory");
+  }
+  {
+    auto* up_done = reinterpret_cast<uint32_t*>(a.p.local + a.ll.up_done);
+    const int64_t n = s.max_row_tiles();
+    for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < n; i += int64_t(gridDim.x) * kThreads)
+      up_done[i] = 0;
+  }
+  __syncthreads();
+  const uint32_t epoch = uint32_t(*epoch_s);
+  gate_role(a, smem, t_begin, t_end);
+  grid_barrier(a, epoch);
+  counts_role(a, smem, tables, epoch);
+  dispatch_role(a, smem, t_begin, t_end, epoch);
+  __syncthreads();  // the ring region is the tile engine's from here on
+  processor_role<A>(a, maps, smem, tables, t_begin, t_end, epoch);
+#endif
+}
+
+void describe_flash_wait(const DeviceWaitRecord& r, char* text, unsigned long size) {
+  std::snprintf(text, size,
+                "; the Flash kernel on rank %d (block %d, thread %d, role: %s) waited more than %llu ms for %s "
+                "(slot %d): expected %#llx, last seen %#llx (a signal is epoch << 32 | value). A peer rank that "
+                "failed or never launched the same forward leaves its signals behind; raise "
+                "DMOE_GPU_WAIT_TIMEOUT_MS only if the GPU is shared and slow",
+                r.rank, r.block, r.thread, flash::role_name(r.role), r.waited_ms, flash::wait_name(r.what), r.slot,
+                r.expected, r.seen);
+}
+
+template <Activation A>
+void launch(const KernelArgs& args, const TileMaps& maps, cudaStream_t stream) {
+  const auto kernel = flash_forward_kernel<A>;
+  const int smem = smem_bytes_for(args.p.shape);
+  static std::mutex mutex;
+  static std::vector<bool> attribute_set;
+  {
+    int device = 0;
+    DMOE_CHECK_CUDA(cudaGetDevice(&device));
+    std::lock_guard<std::mutex> lock(mutex);
+    if (int(attribute_set.size()) <= device) attribute_set.resize(device + 1, false);
+    if (!attribute_set[device]) {
+      DMOE_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmem));
+      attribute_set[device] = true;
+    }
+  }
+  void* kernel_args[] = {const_cast<TileMaps*>(&maps), const_cast<KernelArgs*>(&args)};
+  DMOE_CHECK_CUDA(cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(kernel), dim3(args.p.shape.grid),
+                                              dim3(kThreads), kernel_args, size_t(smem), stream));
+}
+
+template <Activation A>
+int max_blocks_per_sm(int smem) {
+  int blocks = 0;
+  DMOE_CHECK_CUDA(cudaFuncSetAttribute(flash_forward_kernel<A>, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmem));
+  DMOE_CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, flash_forward_kernel<A>, kThreads, size_t(smem)));
+  return blocks;
+}
+
+}  // namespace
+
+std::string flash_unusable_reason(const flash::Shape& s) {
+  char text[512];
+  if (s.storage != DType::bf16) return "Flash runs bf16 storage only (dtype f32 is served by the EP engine)";
+  if (s.hidden % 16 != 0) {
+    std::snprintf(text, sizeof(text), "hidden = %lld is not a multiple of 16 (the gate's tensor-core steps)",
+                  (long long)s.hidden);
+    return text;
+  }
+  if (s.ffn % 8 != 0) {
+    std::snprintf(text, sizeof(text), "ffn = %lld is not a multiple of 8 (TMA row strides)", (long long)s.ffn);
+    return text;
+  }
+  if (s.recv_rows() * 2 + kTileRows >= (int64_t(1) << 31) || int64_t(s.local_experts()) * std::max(s.hidden, s.ffn) >= (int64_t(1) << 31))
+    return "the receive buffer or the weights exceed TMA's 32-bit row coordinates";
+  if (scratch_layout(s.experts, s.top_k, s.world).bytes > kRingBytes) {
+    std::snprintf(text, sizeof(text), "E = %d, k = %d, W = %d: the gate's and dispatch's tables (%d bytes) exceed the %d "
+                  "bytes of shared memory they borrow", s.experts, s.top_k, s.world,
+                  scratch_layout(s.experts, s.top_k, s.world).bytes, kRingBytes);
+    return text;
+  }
+  if (smem_bytes_for(s) > kMaxSmem) {
+    std::snprintf(text, sizeof(text), "E/W = %d local experts at W = %d: the task tables need %d bytes of shared "
+                  "memory, more than the %d a block has", s.local_experts(), s.world, smem_bytes_for(s), kMaxSmem);
+    return text;
+  }
+  if (!device_info().usable) return "needs an sm_90 GPU (H100/H200) and a build for sm_90a (DMOE_CUDA_ARCH=90a)";
+  return "";
+}
+
+int32_t flash_grid_blocks(const flash::Shape& s) {
+  const int smem = smem_bytes_for(s);
+  int per_sm = 0;
+  switch (s.activation) {
+    case Activation::relu: per_sm = max_blocks_per_sm<Activation::relu>(smem); break;
+    case Activation::gelu: per_sm = max_blocks_per_sm<Activation::gelu>(smem); break;
+    case Activation::swiglu: per_sm = max_blocks_per_sm<Activation::swiglu>(smem); break;
+  }
+  DMOE_CUDA_REQUIRE(per_sm >= 1, "flash: the kernel does not fit on a multiprocessor (%d bytes of shared memory)", smem);
+  return int32_t(device_info().sms * per_sm);
+}
+
+void flash_forward(const flash::Params& p, cudaStream_t stream) {
+  const std::string why = flash_unusable_reason(p.shape);
+  DMOE_CUDA_REQUIRE(why.empty(), "flash_forward: %s", why.c_str());
+  static std::once_flag registered;
+  std::call_once(registered, [] { set_wait_describer(kWaitFlash, describe_flash_wait); });
+  const flash::Shape& s = p.shape;
+  KernelArgs args{};
+  args.p = p;
+  args.recv_rows = s.recv_rows();
+  args.sl = flash::symmetric_layout(s);
+  args.ll = flash::local_layout(s);
+  if (args.p.wait_record == nullptr) args.p.wait_record = device_wait_record();
+  const int Le = s.local_experts();
+  const int up_out = s.up_out_cols();
+  TileMaps maps;
+  maps.recv = make_kmajor_map(p.symmetric + args.sl.recv, 2 * args.recv_rows, s.hidden, kTileRows, kBK);
+  maps.h = make_kmajor_map(p.local + args.ll.h, args.recv_rows, s.ffn, kTileRows, kBK);
+  maps.w1 = make_kmajor_map(p.w1, int64_t(Le) * s.ffn, s.hidden, up_out, kBK);
+  maps.w3 = s.activation == Activation::swiglu ? make_kmajor_map(p.w3, int64_t(Le) * s.ffn, s.hidden, up_out, kBK)
+                                               : maps.w1;
+  maps.w2 = make_kmajor_map(p.w2, int64_t(Le) * s.hidden, s.ffn, kTileCols, kBK);
+  switch (s.activation) {
+    case Activation::relu: return launch<Activation::relu>(args, maps, stream);
+    case Activation::gelu: return launch<Activation::gelu>(args, maps, stream);
+    case Activation::swiglu: return launch<Activation::swiglu>(args, maps, stream);
+  }
+}
+
+}  // namespace dmoe::cuda

@@ -1,0 +1,30 @@
+// flash/flash_kernel.hpp — host interface of the Flash persistent kernel (flash_kernel.cu): the whole MoE
+// layer forward of one rank as one cooperative launch. The twin of cpu::flash_forward (cpu/kernels.hpp):
+// same Params (device pointers here, bf16 storage), the stream last.
+// Plain host C++: the engine and the tests include it.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <string>
+
+#include "core/flash_protocol.hpp"
+
+namespace dmoe::cuda {
+
+// Why the kernel cannot run `shape` on the current device ("" when it can): needs an sm_90 GPU and a build
+// for sm_90a, bf16 storage, H a multiple of 16 and I a multiple of 8, latest-tokens capacity, and tables
+// that fit in shared memory.
+std::string flash_unusable_reason(const flash::Shape& shape);
+
+// Blocks of the launch: every multiprocessor this process may use times the blocks of the kernel that fit
+// on one (measured occupancy; 1 with its shared memory), so that the cooperative launch holds them all.
+int32_t flash_grid_blocks(const flash::Shape& shape);
+
+// One rank's forward: a cooperative launch of flash_grid_blocks(shape) = p.shape.grid blocks on `stream`.
+// Nothing synchronises; the kernel advances the epoch in p.local's Control itself, so launches may follow
+// each other (or be captured in a CUDA graph) with no host work between them.
+void flash_forward(const flash::Params& p, cudaStream_t stream);
+
+}  // namespace dmoe::cuda
