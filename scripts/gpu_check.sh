@@ -9,7 +9,8 @@
 # (expert-GEMM strategies side by side), bench (named configs with the PyTorch peers, weak scaling), quick
 # (named configs, forward only, no peers), gemm (the own GEMM's variants and its DRAM traffic),
 # profile (per-kernel times under Nsight Compute), gpus (one rank per GPU on a multi-GPU machine),
-# flash (the Flash kernel: its tests at W = 1, 2, 4 and its benchmark beside EP);
+# flash (the Flash kernel at W = 1: its tests, and its benchmark beside EP), flash_multi (Flash at W = 2, 4
+# ranks on the GPU);
 # all = tests,multi,bench,modes (default).
 #
 # Run from the repository root. Needs the NVSHMEM wheel in the Python on PATH (the GPU machine has it in
@@ -154,11 +155,10 @@ part_gpus() {
 
 part_flash() {
   # The Flash persistent kernel: its GPU tests alone first (one process), the own GEMM and EP engine after the
-  # shared tile-engine headers changed, then Flash beside EP in the same rounds on every named config, decode at
-  # small T, and W = 2, 4 ranks on the GPU (MPS) through dmoe launch and mpirun.
-  local n
+  # shared tile-engine headers changed, then Flash beside EP in the same rounds on every named config and decode
+  # at small T.
   export DMOE_GPU_WAIT_TIMEOUT_MS=${DMOE_GPU_WAIT_TIMEOUT_MS:-5000}
-  run 150 flash_tests_w1 "$B/tests/dmoe_gpu_tests" --gtest_brief=1 --gtest_filter='Flash*'
+  run 150 flash_tests_w1 "$B/tests/dmoe_gpu_tests" --gtest_brief=1 --gtest_filter='*Flash*'
   run 150 flash_regress_gemm_ep "$B/tests/dmoe_gpu_tests" --gtest_brief=1 --gtest_filter='*OwnGemm*:*GpuEngine*'
   for cfg in flash-paper fine-grained mixtral decode; do
     run 120 "flash_bench_$cfg" "$B/dmoe" bench layer --config "$cfg" --flash --no-backward --check-tokens 4 \
@@ -168,9 +168,15 @@ part_flash() {
     run 60 "flash_bench_decode_t$t" "$B/dmoe" bench layer --config decode --tokens "$t" --flash --no-backward \
       --check-tokens 1 --json "$O/flash_bench_decode_t$t.json"
   done
+}
+
+part_flash_multi() {
+  # Flash with W = 2, 4 ranks sharing the GPU (MPS) through dmoe launch and mpirun, and its benchmark at W = 4.
+  local n
+  export DMOE_GPU_WAIT_TIMEOUT_MS=${DMOE_GPU_WAIT_TIMEOUT_MS:-5000}
   for n in 2 4; do
     run 200 "flash_launch_w$n" "$B/dmoe" launch -n "$n" -- "$B/tests/dmoe_gpu_tests" --gtest_brief=1 \
-      --gtest_filter='FlashLayer.*'
+      --gtest_filter='*FlashLayer.*'
   done
   run 150 flash_bench_flash-paper_w4 "$B/dmoe" launch -n 4 -- "$B/dmoe" bench layer --config flash-paper --flash \
     --no-backward --check-tokens 2 --json "$O/flash_bench_flash-paper_w4.json"
@@ -181,14 +187,14 @@ part_flash() {
     -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY -x CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25 \
     -x NVSHMEM_DISABLE_NCCL=1 -x NCCL_NVLS_ENABLE=0 -x NVSHMEM_DISABLE_NVLS=1 -x DMOE_COMM_TIMEOUT_S \
     -x DMOE_GPU_WAIT_TIMEOUT_MS -x DMOE_NVSHMEM_MIN_HEAP=4G \
-    "$B/tests/dmoe_gpu_tests" --gtest_brief=1 --gtest_filter='FlashLayer.*'
+    "$B/tests/dmoe_gpu_tests" --gtest_brief=1 --gtest_filter='*FlashLayer.*'
   echo quit | nvidia-cuda-mps-control
   unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
 }
 
 for part in ${WHAT//,/ }; do
   case $part in
-    tests | multi | bench | quick | gemm | modes | profile | gpus | flash) part_$part ;;
-    *) echo "unknown part '$part'; allowed: tests, multi, bench, quick, gemm, modes, profile, gpus, flash, all" >&2; exit 2 ;;
+    tests | multi | bench | quick | gemm | modes | profile | gpus | flash | flash_multi) part_$part ;;
+    *) echo "unknown part '$part'; allowed: tests, multi, bench, quick, gemm, modes, profile, gpus, flash, flash_multi, all" >&2; exit 2 ;;
   esac
 done

@@ -66,6 +66,23 @@ enum WaitWhat : int32_t { kWaitGridBarrier = 1, kWaitCounts = 2, kWaitRowsReady 
 const char* role_name(int32_t role);
 const char* wait_name(int32_t what);
 
+// Where the time goes inside one forward (Params::profile): per block, the global timer (ns) at each
+// phase boundary, and two counters. Written only when profiling is on.
+enum ProfileSlot : int32_t {
+  kStampStart = 0,     // the block starts
+  kStampGate,          // its tokens are routed
+  kStampBarrier,       // every block is routed (grid barrier)
+  kStampCounts,        // every rank's counts are in; offsets and task table built
+  kStampDispatch,      // its rows are sent
+  kStampFirstTask,     // its consumers have their first task
+  kStampTasksDone,     // its consumers have no task left
+  kStampArrived,       // every row of this rank's tokens is back
+  kStampCombined,      // its tokens are combined: the block ends
+  kProducerWaitNs,     // ns its producer spent waiting for tasks' inputs (signals, up_done)
+  kTasksRun,           // tasks its processor ran
+  kProfileSlots
+};
+
 // ---- shape ------------------------------------------------------------------------------------------
 struct Shape {
   int64_t tokens = 0;    // T: tokens per rank
@@ -199,6 +216,7 @@ struct Params {
   char* local = nullptr;       // this rank's local region (holds the peers table and Control)
   unsigned long long timeout_ns = 10'000'000'000ull;  // every wait's limit
   void* wait_record = nullptr;  // GPU: cuda::DeviceWaitRecord (host-mapped)
+  uint64_t* profile = nullptr;  // GPU, optional: [grid, kProfileSlots] (ProfileSlot); null = off
 };
 
 }  // namespace dmoe::flash

@@ -36,6 +36,7 @@
 #include <cuda.h>  // CUtensorMap and its enums (types only; the driver function is looked up at run time)
 #include <cudaTypedefs.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <mutex>
 #include <string>
@@ -579,6 +580,27 @@ CUtensorMap make_kmajor_map(const void* base, int64_t rows, int64_t k, int box_r
   return map;
 }
 
+// Multiprocessors this process's context may use. Under MPS with CUDA_MPS_ACTIVE_THREAD_PERCENTAGE (which
+// `dmoe launch` sets when ranks share a GPU) the device attribute already reports the client's share (seen on the
+// H200: 32 of 132 SMs at 25 %); the driver's execution affinity (CUDA 11.4+) is asked as well, for contexts
+// limited some other way. A persistent kernel that assumed more would wait for blocks that never become resident.
+int context_sm_limit(int device_sms) {
+  int limit = device_sms;
+  DMOE_CHECK_CUDA(cudaFree(nullptr));  // the context must exist to be asked
+  void* f = nullptr;
+  cudaDriverEntryPointQueryResult q{};
+  if (cudaGetDriverEntryPointByVersion("cuCtxGetExecAffinity", &f, 11040, cudaEnableDefault, &q) == cudaSuccess &&
+      q == cudaDriverEntryPointSuccess && f != nullptr) {
+    CUexecAffinityParam param{};
+    if (reinterpret_cast<PFN_cuCtxGetExecAffinity_v11040>(f)(&param, CU_EXEC_AFFINITY_TYPE_SM_COUNT) == CUDA_SUCCESS &&
+        param.param.smCount.val > 0)
+      limit = std::min<int>(limit, int(param.param.smCount.val));
+  } else {
+    (void)cudaGetLastError();
+  }
+  return limit;
+}
+
 const DeviceInfo& device_info() {
   static std::mutex mutex;
   static std::vector<DeviceInfo> infos;
@@ -592,6 +614,7 @@ const DeviceInfo& device_info() {
     DMOE_CHECK_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
     DMOE_CHECK_CUDA(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
     DMOE_CHECK_CUDA(cudaDeviceGetAttribute(&info.sms, cudaDevAttrMultiProcessorCount, device));
+    info.sms = std::min(info.sms, context_sm_limit(info.sms));
     bool built = false;
     if (major == 9 && minor == 0) {
       cudaFuncAttributes attr{};

@@ -5,6 +5,8 @@
 #include <cstddef>
 #include <cstring>
 #include <string>
+#include <tuple>
+#include <utility>
 
 #include "core/error.hpp"
 #include "cuda/check.hpp"
@@ -82,7 +84,7 @@ FlashEngine::FlashEngine(const MoeConfig& config, Comm& comm) : config_(config),
 
 FlashEngine::~FlashEngine() {
   cudaDeviceSynchronize();
-  for (void* p : {gate_, w1_, w3_, w2_, static_cast<void*>(local_)})
+  for (void* p : {gate_, w1_, w3_, w2_, static_cast<void*>(local_), static_cast<void*>(profile_)})
     if (p) cudaFree(p);
   free_symmetric(symmetric_);
 }
@@ -127,6 +129,7 @@ void FlashEngine::forward(const void* x, void* y, cudaStream_t stream) {
   p.symmetric = symmetric_.local;
   p.local = local_;
   p.timeout_ns = cuda::wait_timeout_ns();
+  p.profile = profile_;
   cuda::flash_forward(p, stream);
   ++forwards_;
 }
@@ -144,6 +147,63 @@ void FlashEngine::check(cudaStream_t stream) {
   }
   DMOE_REQUIRE(c.epoch == forwards_, "FlashEngine (rank {}): {} forwards issued but the kernel counted {}", rank_,
                forwards_, c.epoch);
+}
+
+void FlashEngine::set_profiling(bool on) {
+  if (on && profile_ == nullptr) {
+    void* p = nullptr;
+    DMOE_CHECK_CUDA(cudaMalloc(&p, size_t(shape_.grid) * flash::kProfileSlots * sizeof(uint64_t)));
+    DMOE_CHECK_CUDA(cudaMemset(p, 0, size_t(shape_.grid) * flash::kProfileSlots * sizeof(uint64_t)));
+    profile_ = static_cast<uint64_t*>(p);
+  } else if (!on && profile_ != nullptr) {
+    DMOE_CHECK_CUDA(cudaDeviceSynchronize());
+    DMOE_CHECK_CUDA(cudaFree(profile_));
+    profile_ = nullptr;
+  }
+}
+
+std::vector<uint64_t> FlashEngine::profile(cudaStream_t stream) {
+  DMOE_REQUIRE(profile_ != nullptr, "FlashEngine::profile: set_profiling(true) before the forward");
+  cuda::wait_stream(stream, "FlashEngine::profile");
+  std::vector<uint64_t> v(size_t(shape_.grid) * flash::kProfileSlots);
+  DMOE_CHECK_CUDA(cudaMemcpy(v.data(), profile_, v.size() * sizeof(uint64_t), cudaMemcpyDeviceToHost));
+  return v;
+}
+
+FlashProfileSummary summarize_flash_profile(const std::vector<uint64_t>& prof, int32_t grid) {
+  using namespace flash;
+  FlashProfileSummary s;
+  auto at = [&](int32_t b, int32_t slot) { return prof[size_t(b) * kProfileSlots + slot]; };
+  auto median_max = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return std::pair<double, double>{v.empty() ? 0 : v[v.size() / 2], v.empty() ? 0 : v.back()};
+  };
+  static const char* names[] = {"gate (route own tokens)", "grid barrier (all blocks routed)",
+                                "counts (all ranks' counts, tables)", "dispatch (send own rows)",
+                                "to first task", "tasks (first to last)", "wait for all outputs", "combine"};
+  uint64_t first = ~0ull, last = 0;
+  double busy = 0;
+  for (int32_t b = 0; b < grid; ++b) {
+    first = std::min<uint64_t>(first, at(b, kStampStart));
+    last = std::max<uint64_t>(last, at(b, kStampCombined));
+    busy += double(at(b, kStampTasksDone) - at(b, kStampFirstTask));
+  }
+  s.span_ms = double(last - first) * 1e-6;
+  s.processors_busy = s.span_ms > 0 ? busy * 1e-6 / (double(grid) * s.span_ms) : 0;
+  for (int32_t ph = 0; ph < 8; ++ph) {
+    std::vector<double> d;
+    for (int32_t b = 0; b < grid; ++b) d.push_back(double(at(b, ph + 1) - at(b, ph)) * 1e-6);
+    const auto [med, mx] = median_max(d);
+    s.phases.push_back({names[ph], med, mx});
+  }
+  std::vector<double> waits, tasks;
+  for (int32_t b = 0; b < grid; ++b) {
+    waits.push_back(double(at(b, kProducerWaitNs)) * 1e-6);
+    tasks.push_back(double(at(b, kTasksRun)));
+  }
+  std::tie(s.producer_wait_median_ms, s.producer_wait_max_ms) = median_max(waits);
+  s.tasks_per_block_median = median_max(tasks).first;
+  return s;
 }
 
 std::vector<int32_t> FlashEngine::expert_ids(cudaStream_t stream) {

@@ -48,6 +48,11 @@ class FlashEngine {
   // Rows this rank received per local expert in the last forward (waits for `stream`).
   std::vector<int64_t> expert_rows(cudaStream_t stream);
 
+  // Where the time goes: with profiling on, each forward records per-block phase times (ProfileSlot);
+  // profile() reads the last forward's (waits for `stream`), [grid, kProfileSlots].
+  void set_profiling(bool on);
+  std::vector<uint64_t> profile(cudaStream_t stream);
+
   const MoeConfig& config() const { return config_; }
   const flash::Shape& shape() const { return shape_; }
   int32_t grid() const { return shape_.grid; }
@@ -68,7 +73,23 @@ class FlashEngine {
   void* w3_ = nullptr;
   void* w2_ = nullptr;
   bool has_weights_ = false;
+  uint64_t* profile_ = nullptr;  // [grid, kProfileSlots] when profiling
   uint64_t forwards_ = 0;
 };
+
+// The phases of one profiled forward over the blocks: median and max duration of each (ms), the kernel's span,
+// and how busy the processors were (the share of the span between a block's first task and its last).
+struct FlashPhase {
+  const char* name;
+  double median_ms, max_ms;
+};
+struct FlashProfileSummary {
+  std::vector<FlashPhase> phases;
+  double span_ms = 0;           // first block start to last block end
+  double processors_busy = 0;   // Σ over blocks of (tasks done − first task) / (grid · span)
+  double producer_wait_median_ms = 0, producer_wait_max_ms = 0;
+  double tasks_per_block_median = 0;
+};
+FlashProfileSummary summarize_flash_profile(const std::vector<uint64_t>& profile, int32_t grid);
 
 }  // namespace dmoe

@@ -29,6 +29,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -61,6 +62,9 @@ constexpr int kRingBytes = kStages * kStageBytes;     // 192 KiB: also the gate'
 constexpr int kTileRing = 2;
 constexpr int kBarrierBytes = 8 * (2 * kStages + 2 * kTileRing) + 4 * kTileRing;
 constexpr int kGateTokens = 64;                       // tokens per gate chunk (4 mma row groups of 16)
+constexpr int kGateStages = 4;                        // gate chunks of 64 columns in flight
+constexpr int kGateRow = 72;                          // staged row: 64 columns + 8 of padding (bank spread)
+constexpr int kMaxGateTasks = 2;                      // warp tasks per warp: 4·ceil(E/32)/12 <= 2 -> E <= 192
 constexpr int kMaxSmem = 232448;
 constexpr int kTableBase = 1024 + kRingBytes + 256;   // tables start after the aligned ring and barriers
 
@@ -86,7 +90,7 @@ __host__ __device__ inline TableLayout table_layout(int32_t Le, int32_t W) {
 
 // Scratch in the ring region before the GEMM phase (bytes from the ring's start).
 struct ScratchLayout {
-  int logits, ids, counts, base, dst_base, kept, column, begin, bytes;
+  int logits, ids, counts, base, dst_base, kept, column, begin, gate_stage, bytes;
 };
 __host__ __device__ inline ScratchLayout scratch_layout(int32_t E, int32_t k, int32_t W) {
   ScratchLayout s;
@@ -99,6 +103,8 @@ __host__ __device__ inline ScratchLayout scratch_layout(int32_t E, int32_t k, in
   s.kept = at;     at += 4 * W * E;
   s.column = at;   at += 4 * E;
   s.begin = at;    at += 4 * E;
+  at = (at + 127) / 128 * 128;
+  s.gate_stage = at; at += kGateStages * 2 * kGateRow * (kGateTokens + E);  // bf16 [S][64 + E rows][kGateRow]
   s.bytes = at;
   return s;
 }
@@ -153,6 +159,10 @@ __device__ __forceinline__ flash::Control* control(const KernelArgs& a) {
   return reinterpret_cast<flash::Control*>(a.p.local + a.ll.control);
 }
 
+__device__ __forceinline__ void stamp(const KernelArgs& a, int32_t slot) {
+  if (a.p.profile != nullptr) a.p.profile[int64_t(blockIdx.x) * flash::kProfileSlots + slot] = global_time_ns();
+}
+
 // d[4] += A (16×16 bf16, row-major fragments) · B (16×8 bf16, column fragments).
 __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
   asm volatile(
@@ -197,41 +207,95 @@ __device__ void gate_role(const KernelArgs& a, uint8_t* scratch, int64_t t_begin
   for (int32_t e = threadIdx.x; e < E; e += blockDim.x) counts[e] = 0;
   for (int64_t c0 = t_begin; c0 < t_end; c0 += kGateTokens) {
     const int32_t n = int32_t(min(int64_t(kGateTokens), t_end - c0));
-    // logits[16-token group][32-expert group] per warp task; rows/experts past the end are clamped and
-    // their results dropped.
+    // logits [n, E] = x[c0 .. c0+n) · wgᵀ on tensor cores. K in chunks of 64 columns staged in shared memory by
+    // cp.async, two buffers (the next chunk loads while this one is multiplied); rows padded to 72 elements so
+    // that a fragment's 8 rows hit 8 different banks. Warp tasks: (16-token group, 32-expert group), each
+    // summing its outputs in k order alone (deterministic). Rows past n and experts past E are clamped to a
+    // valid row and their results dropped; columns past H are zero-filled.
     const int32_t expert_groups = (E + 31) / 32;
-    for (int32_t task = warp; task < 4 * expert_groups; task += kThreads / 32) {
-      const int32_t tg = task % 4, eg = task / 4;
-      if (tg * 16 >= n) continue;
-      const int32_t q = lane % 4, rr = lane / 4;
-      const int64_t t0 = c0 + min(tg * 16 + rr, n - 1), t1 = c0 + min(tg * 16 + rr + 8, n - 1);
-      const uint32_t* x0 = reinterpret_cast<const uint32_t*>(x + t0 * H);
-      const uint32_t* x1 = reinterpret_cast<const uint32_t*>(x + t1 * H);
-      const uint32_t* wrow[4];
+    const int32_t tasks = 4 * expert_groups;
+    const int32_t my_tasks = (tasks - warp + kThreads / 32 - 1) / (kThreads / 32);  // <= kMaxGateTasks
+    __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(scratch + sc.gate_stage);
+    __nv_bfloat16* ws = xs + kGateStages * kGateTokens * kGateRow;
+    auto stage = [&](int64_t k0, int buf) {
+      __nv_bfloat16* xb = xs + buf * kGateTokens * kGateRow;
+      __nv_bfloat16* wb = ws + int64_t(buf) * E * kGateRow;
+      for (int32_t i = threadIdx.x; i < (kGateTokens + E) * 8; i += kThreads) {
+        const int32_t row = i / 8, chunk = i % 8;
+        const int64_t col = k0 + chunk * 8;
+        const uint32_t bytes = col < H ? 16u : 0u;  // zero fill past H
+        const __nv_bfloat16* src;
+        uint32_t dst;
+        if (row < kGateTokens) {
+          src = x + (c0 + min(row, n - 1)) * H + (bytes ? col : 0);
+          dst = smem_u32(xb + row * kGateRow + chunk * 8);
+        } else {
+          src = wg + int64_t(row - kGateTokens) * H + (bytes ? col : 0);
+          dst = smem_u32(wb + (row - kGateTokens) * kGateRow + chunk * 8);
+        }
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+      }
+      asm volatile("cp.async.commit_group;" ::: "memory");
+    };
+    float acc[kMaxGateTasks][4][4];
+#pragma unroll
+    for (int m = 0; m < kMaxGateTasks; ++m)
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt)
-        wrow[nt] = reinterpret_cast<const uint32_t*>(wg + int64_t(min(eg * 32 + nt * 8 + rr, E - 1)) * H);
-      float acc[4][4];
 #pragma unroll
-      for (int nt = 0; nt < 4; ++nt)
+        for (int i = 0; i < 4; ++i) acc[m][nt][i] = 0.f;
+    const int32_t q = lane % 4, rr = lane / 4;
+    // kGateStages chunks in flight (the loads are L2/DRAM latency-bound: one chunk at a time measured 3 µs
+    // per chunk). Buffer (ck + S - 1) % S is refilled right after the barrier that ends chunk ck - 1's use.
+    const int64_t chunks = (H + 63) / 64;
+    for (int st = 0; st < kGateStages - 1; ++st) {
+      if (st < chunks) stage(st * 64, st);
+      else asm volatile("cp.async.commit_group;" ::: "memory");
+    }
+    for (int64_t ck = 0; ck < chunks; ++ck) {
+      const int buf = int(ck % kGateStages);
+      asm volatile("cp.async.wait_group %0;" ::"n"(kGateStages - 2) : "memory");
+      __syncthreads();
+      if (ck + kGateStages - 1 < chunks) stage((ck + kGateStages - 1) * 64, int((ck + kGateStages - 1) % kGateStages));
+      else asm volatile("cp.async.commit_group;" ::: "memory");
+      const __nv_bfloat16* xb = xs + buf * kGateTokens * kGateRow;
+      const __nv_bfloat16* wb = ws + int64_t(buf) * E * kGateRow;
 #pragma unroll
-        for (int i = 0; i < 4; ++i) acc[nt][i] = 0.f;
-      for (int64_t kk = 0; kk < H; kk += 16) {
-        const int64_t w0 = kk / 2 + q, w1 = kk / 2 + 4 + q;  // 32-bit words: columns kk + 2q and kk + 8 + 2q
-        const uint32_t af[4] = {__ldg(x0 + w0), __ldg(x1 + w0), __ldg(x0 + w1), __ldg(x1 + w1)};
+      for (int m = 0; m < kMaxGateTasks; ++m) {
+        if (m >= my_tasks) break;
+        const int32_t task = warp + m * (kThreads / 32);
+        const int32_t tg = task % 4, eg = task / 4;
+        if (tg * 16 >= n) continue;
+        const uint32_t* x0 = reinterpret_cast<const uint32_t*>(xb + (tg * 16 + rr) * kGateRow);
+        const uint32_t* x1 = reinterpret_cast<const uint32_t*>(xb + (tg * 16 + rr + 8) * kGateRow);
 #pragma unroll
-        for (int nt = 0; nt < 4; ++nt) {
-          const uint32_t bfr[2] = {__ldg(wrow[nt] + w0), __ldg(wrow[nt] + w1)};
-          mma_16816(acc[nt], af, bfr);
+        for (int kk = 0; kk < 4; ++kk) {
+          const int w0 = kk * 8 + q, w1 = kk * 8 + 4 + q;  // 32-bit words: columns 16kk + 2q and 16kk + 8 + 2q
+          const uint32_t af[4] = {x0[w0], x1[w0], x0[w1], x1[w1]};
+#pragma unroll
+          for (int nt = 0; nt < 4; ++nt) {
+            const uint32_t* wrow =
+                reinterpret_cast<const uint32_t*>(wb + min(eg * 32 + nt * 8 + rr, E - 1) * kGateRow);
+            const uint32_t bfr[2] = {wrow[w0], wrow[w1]};
+            mma_16816(acc[m][nt], af, bfr);
+          }
         }
       }
+    }
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+    __syncthreads();
+#pragma unroll
+    for (int m = 0; m < kMaxGateTasks; ++m) {
+      if (m >= my_tasks) break;
+      const int32_t task = warp + m * (kThreads / 32);
+      const int32_t tg = task % 4, eg = task / 4;
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt) {
         const int32_t e0 = eg * 32 + nt * 8 + 2 * q;
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int32_t row = tg * 16 + rr + (i >= 2 ? 8 : 0), e = e0 + (i & 1);
-          if (row < n && e < E) logits[row * stride + e] = acc[nt][i];
+          if (row < n && e < E) logits[row * stride + e] = acc[m][nt][i];
         }
       }
     }
@@ -294,15 +358,28 @@ __device__ void counts_role(const KernelArgs& a, uint8_t* scratch, uint8_t* tabl
   int32_t* begin = reinterpret_cast<int32_t*>(scratch + sc.begin);
   const auto* block_counts = reinterpret_cast<const int32_t*>(a.p.local + a.ll.block_counts);
 
+  // base[e] = Σ of earlier blocks' counts, routed[e] = Σ of all: every thread takes a strided share of the
+  // blocks of one expert (independent loads in flight), summed in shared memory.
   for (int32_t e = threadIdx.x; e < E; e += blockDim.x) {
-    int32_t before = 0, total = 0;
-    for (int32_t b = 0; b < int32_t(gridDim.x); ++b) {
-      const int32_t c = __ldcg(block_counts + int64_t(b) * E + e);  // other blocks wrote it (L2, not L1)
-      if (b < int32_t(blockIdx.x)) before += c;
-      total += c;
+    base[e] = 0;
+    routed[e] = 0;
+  }
+  __syncthreads();
+  {
+    const int32_t lanes_per_expert = max(1, int32_t(blockDim.x) / E);
+    const int32_t G = int32_t(gridDim.x);
+    for (int32_t i = threadIdx.x; i < E * lanes_per_expert; i += blockDim.x) {
+      const int32_t e = i % E, part = i / E;
+      int32_t before = 0, total = 0;
+#pragma unroll 4
+      for (int32_t b = part; b < G; b += lanes_per_expert) {
+        const int32_t c = __ldcg(block_counts + int64_t(b) * E + e);  // other blocks wrote it (L2, not L1)
+        before += b < int32_t(blockIdx.x) ? c : 0;
+        total += c;
+      }
+      atomicAdd(base + e, before);
+      atomicAdd(routed + e, total);
     }
-    base[e] = before;
-    routed[e] = total;
   }
   __syncthreads();
   if (blockIdx.x == 0)
@@ -408,6 +485,71 @@ __device__ void dispatch_role(const KernelArgs& a, uint8_t* scratch, int64_t t_b
   }
 }
 
+// ---- combine (the consumer warpgroups, threads 128..383): once every row of this rank's tokens is back ----------------------------------
+__device__ void combine_role(const KernelArgs& a, uint8_t* tables, int64_t t_begin, int64_t t_end, uint32_t epoch) {
+  const flash::Shape& s = a.p.shape;
+  const int32_t k = s.top_k, Le = s.local_experts(), W = s.world;
+  const int64_t H = s.hidden;
+  const TableLayout tl = table_layout(Le, W);
+  const uint64_t target = reinterpret_cast<const uint64_t*>(tables + tl.scalars)[0] * uint64_t(s.down_col_tiles());
+  if (threadIdx.x == 128) {
+    const uint64_t* arrived = reinterpret_cast<const uint64_t*>(a.p.symmetric + a.sl.arrived);
+    wait_flag([&] { return ld_acquire_sys(arrived); }, [&](uint64_t v) { return v == target; }, a,
+              flash::kRoleCombine, flash::kWaitArrived, -1, target);
+    stamp(a, flash::kStampArrived);
+  }
+  asm volatile("bar.sync 3, 256;" ::: "memory");
+  const auto* weights = reinterpret_cast<const float*>(a.p.local + a.ll.weights);
+  const auto* slot = reinterpret_cast<const int32_t*>(a.p.local + a.ll.slot);
+  const __nv_bfloat16* out = reinterpret_cast<const __nv_bfloat16*>(a.p.symmetric + a.sl.out);
+  __nv_bfloat16* y = static_cast<__nv_bfloat16*>(a.p.y);
+  const int warp = (threadIdx.x - 128) / 32, lane = threadIdx.x % 32;  // 8 warps
+  const int64_t chunks = H / 8;  // 16-byte chunks of a row
+  constexpr int kBatch = 4;      // chunks per lane in flight
+  for (int64_t t = t_begin + warp; t < t_end; t += 8) {
+    for (int64_t c0 = lane; c0 < chunks; c0 += 32 * kBatch) {
+      float accy[kBatch][8];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) accy[u][i] = 0.f;
+      for (int32_t j = 0; j < k; ++j) {
+        if (slot[t * k + j] < 0) continue;  // dropped: contributes nothing
+        const float w = weights[t * k + j];
+        const uint4* row = reinterpret_cast<const uint4*>(out + (t * k + j) * H);
+        uint4 raw[kBatch];
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u)
+          raw[u] = c0 + 32 * u < chunks ? __ldcg(row + c0 + 32 * u) : make_uint4(0, 0, 0, 0);  // written by peers
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+          const uint32_t words[4] = {raw[u].x, raw[u].y, raw[u].z, raw[u].w};
+#pragma unroll
+          for (int wi = 0; wi < 4; ++wi) {
+            accy[u][2 * wi] += w * WordCodec<__nv_bfloat16>::get(words[wi], 0);
+            accy[u][2 * wi + 1] += w * WordCodec<__nv_bfloat16>::get(words[wi], 1);
+          }
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        if (c0 + 32 * u >= chunks) break;
+        uint32_t packed[4];
+#pragma unroll
+        for (int wi = 0; wi < 4; ++wi) packed[wi] = WordCodec<__nv_bfloat16>::pack(&accy[u][2 * wi]);
+        reinterpret_cast<uint4*>(y + t * H)[c0 + 32 * u] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+      }
+    }
+  }
+  asm volatile("bar.sync 3, 256;" ::: "memory");
+  if (threadIdx.x == 128) {
+    stamp(a, flash::kStampCombined);
+    flash::Control* ctl = control(a);
+    const uint64_t done = atomic_add_acq_rel_gpu(&ctl->exit_count, 1) + 1;
+    if (done == uint64_t(epoch) * gridDim.x) *reinterpret_cast<volatile uint32_t*>(&ctl->epoch) = epoch;
+  }
+}
+
 // ---- processors: the tile engine over the task table -------------------------------------------------------
 
 template <Activation A>
@@ -446,8 +588,9 @@ __device__ void processor_role(const KernelArgs& a, const TileMaps& maps, uint8_
     // 64 registers: the subscriber's waits need more than the GEMM producer's 40 (ptxas spilled at 40-56);
     // the consumers get 216 (128·64 + 256·216 <= 64 Ki registers per SM) and do not spill there.
     asm volatile("setmaxnreg.dec.sync.aligned.u32 64;");
-    if (threadIdx.x != 0) return;
+    if (threadIdx.x == 0) {
     uint64_t landed = 0;  // sources whose ready signal this block has seen (W <= 64; else always re-read)
+    uint64_t waited_ns = 0, tasks_run = 0;
     int32_t next = int32_t(blockIdx.x);
     uint32_t it = 0;
     for (uint32_t i = 0;; ++i) {
@@ -458,6 +601,8 @@ __device__ void processor_role(const KernelArgs& a, const TileMaps& maps, uint8_
       mbar_arrive(tile_full(r));
       if (t < 0) break;
       next = int32_t(gridDim.x) + int32_t(atomicAdd(&ctl->task_counter, 1u));
+      ++tasks_run;
+      const unsigned long long wait_start = a.p.profile != nullptr ? global_time_ns() : 0;
       const flash::Task task = flash::decode_task(offsets, row_tile_base, expert_rows, Le, t);
       const int32_t rows = expert_rows[task.expert];
       const int32_t lo = task.m_tile * kTileRows, hi = min(rows, lo + kTileRows);
@@ -478,6 +623,7 @@ __device__ void processor_role(const KernelArgs& a, const TileMaps& maps, uint8_
         wait_flag([&] { return uint64_t(ld_acquire_gpu(counter)); }, [&](uint64_t v) { return v >= target; }, a,
                   flash::kRoleProducer, flash::kWaitUpDone, task.row_tile, target);
       }
+      if (a.p.profile != nullptr) waited_ns += global_time_ns() - wait_start;
       fence_proxy_async_global();  // rows written by other blocks/GPUs, read next by TMA
       const int32_t k_blocks = int32_t(((task.down ? I : H) + kBK - 1) / kBK);
       const int32_t a_row = int32_t(expert_begin[task.expert] + lo + (task.down ? 0 : int64_t(parity) * R));
@@ -497,7 +643,12 @@ __device__ void processor_role(const KernelArgs& a, const TileMaps& maps, uint8_
         }
       }
     }
-    return;
+    if (a.p.profile != nullptr) {
+      a.p.profile[int64_t(blockIdx.x) * flash::kProfileSlots + flash::kProducerWaitNs] = waited_ns;
+      a.p.profile[int64_t(blockIdx.x) * flash::kProfileSlots + flash::kTasksRun] = tasks_run;
+    }
+    }
+    return;  // the producer warpgroup ends here, as the grouped GEMM's does
   }
 
   // ---- consumers ----
@@ -513,6 +664,7 @@ __device__ void processor_role(const KernelArgs& a, const TileMaps& maps, uint8_
     flash_mbar_wait(tile_full(r), (i / kTileRing) & 1, flash::kWaitRingFull, r, a, flash::kRoleConsumer);
     const int32_t t = ld_shared_volatile(tile_ring + 4 * r);
     mbar_arrive(tile_empty(r));
+    if (i == 0 && threadIdx.x == 128) stamp(a, flash::kStampFirstTask);
     if (t < 0) break;
     const flash::Task task = flash::decode_task(offsets, row_tile_base, expert_rows, Le, t);
     const int32_t rows = expert_rows[task.expert];
@@ -621,46 +773,9 @@ __device__ void processor_role(const KernelArgs& a, const TileMaps& maps, uint8_
     }
   }
 
-  // ---- combine (consumer threads): once every row of this rank's tokens is back ----
-  const TableLayout tl2 = table_layout(Le, W);
-  const uint64_t target = reinterpret_cast<const uint64_t*>(tables + tl2.scalars)[0] * uint64_t(down_cols);
-  if (threadIdx.x == 128) {
-    const uint64_t* arrived = reinterpret_cast<const uint64_t*>(a.p.symmetric + a.sl.arrived);
-    wait_flag([&] { return ld_acquire_sys(arrived); }, [&](uint64_t v) { return v == target; }, a,
-              flash::kRoleCombine, flash::kWaitArrived, -1, target);
-  }
-  asm volatile("bar.sync 3, 256;" ::: "memory");
-  const auto* weights = reinterpret_cast<const float*>(a.p.local + a.ll.weights);
-  const auto* slot = reinterpret_cast<const int32_t*>(a.p.local + a.ll.slot);
-  const __nv_bfloat16* out = reinterpret_cast<const __nv_bfloat16*>(a.p.symmetric + a.sl.out);
-  __nv_bfloat16* y = static_cast<__nv_bfloat16*>(a.p.y);
-  const int cwarp = (threadIdx.x - 128) / 32;
-  const int64_t chunks = H / 8;
-  for (int64_t t = t_begin + cwarp; t < t_end; t += 8) {
-    for (int64_t c = lane; c < chunks; c += 32) {
-      float accy[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-      for (int32_t j = 0; j < k; ++j) {
-        if (slot[t * k + j] < 0) continue;
-        const float w = weights[t * k + j];
-        const uint4 raw = __ldcg(reinterpret_cast<const uint4*>(out + (t * k + j) * H) + c);
-        const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-        for (int wi = 0; wi < 4; ++wi) {
-          accy[2 * wi] += w * WordCodec<__nv_bfloat16>::get(words[wi], 0);
-          accy[2 * wi + 1] += w * WordCodec<__nv_bfloat16>::get(words[wi], 1);
-        }
-      }
-      uint32_t packed[4];
-#pragma unroll
-      for (int wi = 0; wi < 4; ++wi) packed[wi] = WordCodec<__nv_bfloat16>::pack(&accy[2 * wi]);
-      reinterpret_cast<uint4*>(y + t * H)[c] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
-    }
-  }
-  asm volatile("bar.sync 3, 256;" ::: "memory");
-  if (threadIdx.x == 128) {
-    const uint64_t done = atomic_add_acq_rel_gpu(&ctl->exit_count, 1) + 1;
-    if (done == uint64_t(epoch) * gridDim.x) *reinterpret_cast<volatile uint32_t*>(&ctl->epoch) = epoch;
-  }
+  if (threadIdx.x == 128) stamp(a, flash::kStampTasksDone);
+  asm volatile("bar.sync 3, 256;" ::: "memory");  // both consumer warpgroups: no task left
+  combine_role(a, tables, t_begin, t_end, epoch);
   (void)k;
 }
 
@@ -708,12 +823,17 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   __syncthreads();
   const uint32_t epoch = uint32_t(*epoch_s);
+  if (threadIdx.x == 0) stamp(a, flash::kStampStart);
   gate_role(a, smem, t_begin, t_end);
+  if (threadIdx.x == 0) stamp(a, flash::kStampGate);
   grid_barrier(a, epoch);
+  if (threadIdx.x == 0) stamp(a, flash::kStampBarrier);
   counts_role(a, smem, tables, epoch);
+  if (threadIdx.x == 0) stamp(a, flash::kStampCounts);
   dispatch_role(a, smem, t_begin, t_end, epoch);
   __syncthreads();  // the ring region is the tile engine's from here on
-  processor_role<A>(a, maps, smem, tables, t_begin, t_end, epoch);
+  if (threadIdx.x == 0) stamp(a, flash::kStampDispatch);
+  processor_role<A>(a, maps, smem, tables, t_begin, t_end, epoch);  // ends with the combine (consumers)
 #endif
 }
 
@@ -772,6 +892,11 @@ std::string flash_unusable_reason(const flash::Shape& s) {
   }
   if (s.recv_rows() * 2 + kTileRows >= (int64_t(1) << 31) || int64_t(s.local_experts()) * std::max(s.hidden, s.ffn) >= (int64_t(1) << 31))
     return "the receive buffer or the weights exceed TMA's 32-bit row coordinates";
+  if (s.experts > 32 * (kThreads / 32) * kMaxGateTasks / 4) {
+    std::snprintf(text, sizeof(text), "E = %d experts: the gate's warps hold at most %d", s.experts,
+                  32 * (kThreads / 32) * kMaxGateTasks / 4);
+    return text;
+  }
   if (scratch_layout(s.experts, s.top_k, s.world).bytes > kRingBytes) {
     std::snprintf(text, sizeof(text), "E = %d, k = %d, W = %d: the gate's and dispatch's tables (%d bytes) exceed the %d "
                   "bytes of shared memory they borrow", s.experts, s.top_k, s.world,
@@ -796,7 +921,22 @@ int32_t flash_grid_blocks(const flash::Shape& s) {
     case Activation::swiglu: per_sm = max_blocks_per_sm<Activation::swiglu>(smem); break;
   }
   DMOE_CUDA_REQUIRE(per_sm >= 1, "flash: the kernel does not fit on a multiprocessor (%d bytes of shared memory)", smem);
-  return int32_t(device_info().sms * per_sm);
+  int32_t grid = int32_t(device_info().sms * per_sm);
+  // Ranks sharing a GPU (MPS): each client's share of the SMs is a cap, not a reservation, and another rank's
+  // kernel that spins on this rank (an NVSHMEM barrier, or its own Flash kernel) can hold SMs of the shares'
+  // sum. A grid that needs its whole share can then never become resident while the other rank waits for it:
+  // seen on the H200 at W = 2 with 66 of 66 blocks (trap at the grid barrier). Leave a quarter free.
+  const char* shared = std::getenv("DMOE_SHARED_GPUS");
+  const char* mps_share = std::getenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE");
+  if ((shared && std::string(shared) == "1") || (mps_share && std::atof(mps_share) < 100))
+    grid = std::max(1, grid * 3 / 4);
+  if (const char* forced = std::getenv("DMOE_FLASH_GRID")) {
+    const int n = std::atoi(forced);
+    DMOE_CUDA_REQUIRE(n >= 1 && n <= grid, "DMOE_FLASH_GRID=%s: allowed 1..%d (the blocks that can be resident here)",
+                      forced, grid);
+    grid = n;
+  }
+  return grid;
 }
 
 void flash_forward(const flash::Params& p, cudaStream_t stream) {

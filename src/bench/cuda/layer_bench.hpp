@@ -52,6 +52,7 @@ struct LayerBenchResult {
   double flash_max_rel_error = 0;
   int32_t flash_grid = 0;
   bool flash_routing_equal = false;
+  std::vector<uint64_t> flash_profile;  // one profiled forward (FlashEngine::profile), [grid, kProfileSlots]
   double flash_percent_of_roofline() const { return 100.0 * roofline_ms / flash_forward.median_ms; }
   double tflops() const { return flop / (forward.median_ms * 1e-3) * 1e-12; }
   double percent_of_roofline() const { return 100.0 * roofline_ms / forward.median_ms; }
