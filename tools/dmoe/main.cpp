@@ -3,6 +3,7 @@
 //   dmoe init   random weights (and inputs) in safetensors
 //   dmoe run    one forward (and backward) of an MoE layer on safetensors inputs
 //   dmoe bench  time the engines on a config and print a table
+//   dmoe init-model / eval   a whole Mixtral model: random HF checkpoint / forward (+ backward) on tokens
 #include <cstdio>
 #include <map>
 
@@ -22,6 +23,8 @@ int main(int argc, char** argv) {
   add(dmoe::cli::add_run_command);
   add(dmoe::cli::add_bench_command);
   add(dmoe::cli::add_launch_command);
+  add(dmoe::cli::add_init_model_command);
+  add(dmoe::cli::add_eval_command);
   try {
     app.parse(argc, argv);
     for (auto& [sub, run] : commands)
