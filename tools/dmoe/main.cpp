@@ -4,6 +4,7 @@
 //   dmoe run    one forward (and backward) of an MoE layer on safetensors inputs
 //   dmoe bench  time the engines on a config and print a table
 //   dmoe init-model / eval   a whole Mixtral model: random HF checkpoint / forward (+ backward) on tokens
+//   dmoe train  train a Mixtral model on byte-level text (CPU)
 #include <cstdio>
 #include <map>
 
@@ -25,6 +26,7 @@ int main(int argc, char** argv) {
   add(dmoe::cli::add_launch_command);
   add(dmoe::cli::add_init_model_command);
   add(dmoe::cli::add_eval_command);
+  add(dmoe::cli::add_train_command);
   try {
     app.parse(argc, argv);
     for (auto& [sub, run] : commands)
