@@ -149,6 +149,10 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
     DMOE_REQUIRE(!state.contains("seed") || state["seed"].get<uint64_t>() == o.seed,
                  "--resume {}: the run used --seed {}, this one {} (the data order would differ)", o.resume_dir,
                  state["seed"].get<uint64_t>(), o.seed);
+    for (const auto& [key, value] : {std::pair<const char*, int64_t>{"batch", o.batch}, {"seq", o.seq}})
+      DMOE_REQUIRE(!state.contains(key) || state[key].get<int64_t>() == value,
+                   "--resume {}: the run used --{} {}, this one {} (the batches would differ from the saved run's)",
+                   o.resume_dir, key, state[key].get<int64_t>(), value);
     full = load_mixtral_weights(CheckpointReader::open((fs::path(o.resume_dir) / "model.safetensors").string()), config);
     const SafetensorsFile opt = SafetensorsFile::open((fs::path(o.resume_dir) / "optimizer.safetensors").string());
     read_prefixed(opt, "exp_avg.", full_m, config);
