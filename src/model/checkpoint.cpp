@@ -232,10 +232,42 @@ void CheckpointReader::read_f32_into(const std::string& name, const std::vector<
   file_of(name).read_f32_into(name, shape, out);
 }
 
+namespace {
+
+// transformers 5.x in memory (and in files saved with save_original_format=False): the router at
+// model.layers.L.mlp.gate.weight and each layer's experts fused, mlp.experts.gate_up_proj [E, 2I, H] (rows
+// [0, I) of expert e are its w1, [I, 2I) its w3) and mlp.experts.down_proj [E, H, I] (w2).
+bool load_fused_moe(const CheckpointReader& reader, const MixtralConfig& c, int layer, MoeWeights& moe) {
+  const std::string p = fmt::format("model.layers.{}.mlp.", layer);
+  if (!reader.has(p + "gate.weight") || !reader.has(p + "experts.gate_up_proj") || !reader.has(p + "experts.down_proj"))
+    return false;
+  const int64_t E = c.num_local_experts, I = c.intermediate_size, H = c.hidden_size, m = I * H;
+  reader.read_f32_into(p + "gate.weight", {E, H}, moe.gate.data());
+  std::vector<float> gate_up(E * 2 * m), down(E * m);
+  reader.read_f32_into(p + "experts.gate_up_proj", {E, 2 * I, H}, gate_up.data());
+  reader.read_f32_into(p + "experts.down_proj", {E, H, I}, down.data());
+  for (int32_t local = 0; local < moe.num_experts; ++local) {
+    const int64_t e = moe.first_expert + local;
+    std::copy(gate_up.begin() + e * 2 * m, gate_up.begin() + e * 2 * m + m, moe.w1.begin() + local * m);
+    std::copy(gate_up.begin() + e * 2 * m + m, gate_up.begin() + (e + 1) * 2 * m, moe.w3.begin() + local * m);
+    std::copy(down.begin() + e * m, down.begin() + (e + 1) * m, moe.w2.begin() + local * m);
+  }
+  return true;
+}
+
+}  // namespace
+
 MixtralWeights load_mixtral_weights(const CheckpointReader& reader, const MixtralConfig& config,
                                     int32_t first_expert, int32_t num_experts) {
   MixtralWeights w = make_mixtral_weights(config, first_expert, num_experts);
+  std::vector<bool> fused(config.num_hidden_layers, false);
+  for (int L = 0; L < config.num_hidden_layers; ++L)
+    if (!reader.has(gate_name(layer_prefix(L)))) fused[L] = load_fused_moe(reader, config, L, w.layers[L].moe);
+  const std::string layers = "model.layers.";
   for (ParamView& p : parameter_views(w, config)) {
+    if (p.name.compare(0, layers.size(), layers) == 0 && p.name.find(".block_sparse_moe.") != std::string::npos &&
+        fused[std::stoi(p.name.substr(layers.size()))])
+      continue;  // read from the fused 5.x tensors above
     DMOE_REQUIRE(reader.has(p.name),
                  "checkpoint '{}': tensor '{}' {} is missing (the config asks for {} layers, {} experts{})",
                  reader.source(), p.name, shape_string(p.shape), config.num_hidden_layers, config.num_local_experts,

@@ -79,7 +79,8 @@ class CheckpointReader {
 
 // Every parameter of `config`, this rank's experts [first_expert, first_expert + num_experts). Missing tensors
 // and wrong shapes are errors naming the tensor; tensors the model does not use are ignored (a tied model's
-// lm_head.weight, rotary inv_freq buffers of old checkpoints).
+// lm_head.weight, rotary inv_freq buffers of old checkpoints). A layer's MoE may also be stored as
+// transformers 5.x holds it in memory (mlp.gate.weight, fused mlp.experts.gate_up_proj / down_proj).
 MixtralWeights load_mixtral_weights(const CheckpointReader& reader, const MixtralConfig& config,
                                     int32_t first_expert, int32_t num_experts);
 MixtralWeights load_mixtral_weights(const CheckpointReader& reader, const MixtralConfig& config);  // all experts

@@ -152,6 +152,33 @@ TEST_F(ModelCli, CheckpointRoundTripsOneFileAndSharded) {
     for (size_t i = 0; i < a.size(); ++i)
       EXPECT_TRUE(std::equal(a[i].data, a[i].data + a[i].numel, b[i].data)) << file << ": " << a[i].name;
   }
+  // transformers 5.x's fused in-memory layout (save_original_format=False) loads to the same weights.
+  {
+    MixtralWeights src = w;
+    SafetensorsWriter fused;
+    const int64_t E = config_.num_local_experts, I = config_.intermediate_size, H = config_.hidden_size;
+    for (const ParamView& v : parameter_views(src, config_))
+      if (v.name.find("block_sparse_moe") == std::string::npos) fused.add_f32(v.name, v.shape, v.data);
+    for (int L = 0; L < config_.num_hidden_layers; ++L) {
+      const MoeWeights& m = w.layers[L].moe;
+      std::vector<float> gate_up(E * 2 * I * H), down(E * H * I);
+      for (int64_t e = 0; e < E; ++e) {
+        std::copy(m.w1_of(int32_t(e)), m.w1_of(int32_t(e)) + I * H, gate_up.begin() + e * 2 * I * H);
+        std::copy(m.w3_of(int32_t(e)), m.w3_of(int32_t(e)) + I * H, gate_up.begin() + e * 2 * I * H + I * H);
+        std::copy(m.w2_of(int32_t(e)), m.w2_of(int32_t(e)) + H * I, down.begin() + e * H * I);
+      }
+      const std::string p5 = "model.layers." + std::to_string(L) + ".mlp.";
+      fused.add_f32(p5 + "gate.weight", {E, H}, m.gate);
+      fused.add_f32(p5 + "experts.gate_up_proj", {E, 2 * I, H}, gate_up);
+      fused.add_f32(p5 + "experts.down_proj", {E, H, I}, down);
+    }
+    fused.write(p("fused.safetensors"));
+    MixtralWeights r = load_mixtral_weights(CheckpointReader::open(p("fused.safetensors")), config_, 2, 2);
+    MixtralWeights want = slice_mixtral_experts(w, 2, 2);
+    std::vector<ParamView> a = parameter_views(r, config_), b = parameter_views(want, config_);
+    for (size_t i = 0; i < a.size(); ++i)
+      EXPECT_TRUE(std::equal(a[i].data, a[i].data + a[i].numel, b[i].data)) << "fused: " << a[i].name;
+  }
   // A config asking for more layers names the first missing tensor.
   MixtralConfig deeper = config_;
   deeper.num_hidden_layers = 3;
