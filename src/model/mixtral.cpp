@@ -178,23 +178,23 @@ void MixtralModel::head_forward(ModelState& st) {
 
 // ---- backward --------------------------------------------------------------------------------------
 
-void MixtralModel::backward(ModelState& st) {
+void MixtralModel::backward(ModelState& st, double loss_scale) {
   DMOE_REQUIRE(st.forward_done, "mixtral: backward() needs a completed forward() on this state");
   std::vector<float> dresid, dh;
-  head_backward(st, dresid);
+  head_backward(st, dresid, loss_scale);
   for (int l = config_.num_hidden_layers - 1; l >= 0; --l) {
-    moe_backward(l, st, dresid, dh);
+    moe_backward(l, st, dresid, dh, loss_scale);
     attention_backward(l, st, dh, dresid);
   }
   embed_backward(st, dresid);
   st.forward_done = false;  // the engines' saved state may be reused by the next forward
 }
 
-void MixtralModel::head_backward(ModelState& st, std::vector<float>& dresid) {
+void MixtralModel::head_backward(ModelState& st, std::vector<float>& dresid, double loss_scale) {
   const int64_t n = st.batch * st.seq, H = config_.hidden_size, V = config_.vocab_size;
   std::vector<float> dlogits(n * V), dxfn(n * H);
   cpu::cross_entropy_backward(st.logits.data(), st.targets.data(), st.lse.data(), dlogits.data(), n, V,
-                              kIgnoreIndex, 1.0 / double(st.ce_count));
+                              kIgnoreIndex, loss_scale / double(st.ce_count));
   const bool tied = config_.tie_word_embeddings;
   const float* lm_head = tied ? weights_.embed_tokens.data() : weights_.lm_head.data();
   float* dlm_head = tied ? grads_.embed_tokens.data() : grads_.lm_head.data();
@@ -207,7 +207,8 @@ void MixtralModel::head_backward(ModelState& st, std::vector<float>& dresid) {
   });
 }
 
-void MixtralModel::moe_backward(int layer, ModelState& st, std::vector<float>& dresid, std::vector<float>& dh) {
+void MixtralModel::moe_backward(int layer, ModelState& st, std::vector<float>& dresid, std::vector<float>& dh,
+                                double loss_scale) {
   const int64_t n = st.batch * st.seq, H = config_.hidden_size;
   const int32_t L = config_.num_hidden_layers, E = config_.num_local_experts;
   BlockState& b = st.blocks[layer];
@@ -217,7 +218,7 @@ void MixtralModel::moe_backward(int layer, ModelState& st, std::vector<float>& d
     const double N = double(b.moe->config().tokens) * world_;
     std::vector<double> dprob(E);
     for (int32_t e = 0; e < E; ++e)
-      dprob[e] = config_.router_aux_loss_coef * E * st.expert_fraction[e] / (double(L) * N);
+      dprob[e] = loss_scale * config_.router_aux_loss_coef * E * st.expert_fraction[e] / (double(L) * N);
     b.moe->set_load_balance_grad(std::move(dprob));
   }
   std::vector<float> dhn2(n * H);

@@ -84,8 +84,9 @@ class MixtralModel {
 
   // tokens [batch, seq] of this rank (row-major). Returns the loss over all ranks' predictions (collective).
   double forward(const int32_t* tokens, int64_t batch, int64_t seq, ModelState& state);
-  // d loss / d parameters, added to grads() (dense gradients: this rank's part until reduce_grads()).
-  void backward(ModelState& state);
+  // d(loss_scale · loss) / d parameters, added to grads() (dense gradients: this rank's part until
+  // reduce_grads()). loss_scale = 1/R averages R equal micro-batches into one step's gradient.
+  void backward(ModelState& state, double loss_scale = 1.0);
   // Sums the replicated parameters' gradients over ranks (not the experts'; not the routers', which
   // EpEngine sums). Collective; a no-op on one rank.
   void reduce_grads();
@@ -96,8 +97,9 @@ class MixtralModel {
   void attention_forward(int layer, ModelState& state);
   void moe_forward(int layer, ModelState& state);
   void head_forward(ModelState& state);
-  void head_backward(ModelState& state, std::vector<float>& dresid);
-  void moe_backward(int layer, ModelState& state, std::vector<float>& dresid, std::vector<float>& dh);
+  void head_backward(ModelState& state, std::vector<float>& dresid, double loss_scale = 1.0);
+  void moe_backward(int layer, ModelState& state, std::vector<float>& dresid, std::vector<float>& dh,
+                    double loss_scale = 1.0);
   void attention_backward(int layer, ModelState& state, std::vector<float>& dh, std::vector<float>& dresid);
   void embed_backward(ModelState& state, const std::vector<float>& dresid);
 

@@ -105,6 +105,9 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
   DMOE_REQUIRE(o.steps >= 1, "train: --steps = {} must be >= 1", o.steps);
   DMOE_REQUIRE(o.world >= 1 && o.batch >= 1 && o.batch % o.world == 0,
                "train: --batch = {} sequences must split evenly over --world = {} ranks", o.batch, o.world);
+  DMOE_REQUIRE(o.micro_batches >= 1 && (o.batch / o.world) % o.micro_batches == 0,
+               "train: the {} sequences per rank (--batch {} / --world {}) do not split into --micro-batches {}",
+               o.batch / o.world, o.batch, o.world, o.micro_batches);
   DMOE_REQUIRE(config.num_local_experts % o.world == 0,
                "train: num_local_experts = {} is not divisible by --world = {}", config.num_local_experts, o.world);
   DMOE_REQUIRE(o.seq >= 2, "train: --seq = {} must be >= 2", o.seq);
@@ -219,7 +222,8 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
     std::vector<ParamView> params = parameter_views(model.weights(), config);
     std::vector<ParamView> grads = parameter_views(model.grads(), config);
     std::vector<ParamView> ms = parameter_views(mom.m, config), vs = parameter_views(mom.v, config);
-    ModelState st;
+    std::vector<ModelState> states(o.micro_batches);
+    const int64_t micro = local / o.micro_batches;
 
     auto validate = [&] {
       double sum = 0;
@@ -236,8 +240,11 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
       const auto t0 = std::chrono::steady_clock::now();
       const std::vector<int32_t> tokens = train_batch(step);
       model.zero_grads();
-      const double loss = model.forward(tokens.data() + rank * local * o.seq, local, o.seq, st);
-      model.backward(st);
+      double loss = 0;
+      for (int32_t r = 0; r < o.micro_batches; ++r)
+        loss += model.forward(tokens.data() + (rank * local + r * micro) * o.seq, micro, o.seq, states[r]) /
+                o.micro_batches;
+      for (int32_t r = o.micro_batches - 1; r >= 0; --r) model.backward(states[r], 1.0 / o.micro_batches);
       model.reduce_grads();
       // Global norm: replicated tensors once (equal on all ranks), experts summed over ranks.
       double sq[2] = {0, 0};  // replicated, experts

@@ -33,6 +33,9 @@ struct TrainOptions {
   int64_t seq = 64;
   int64_t batch = 8;          // global: sequences per step over all ranks
   int32_t world = 1;
+  int32_t micro_batches = 1;  // R: each rank's share runs as R micro-batches (all forwards, then all
+                              // backwards, each with its own ModelState; gradients averaged). The aux loss's
+                              // statistics are then per micro-batch, as HF computes them per forward call.
   double lr = 3e-3, min_lr = -1;  // min_lr < 0: lr / 10
   int64_t warmup = 10;
   double weight_decay = 0.1, beta1 = 0.9, beta2 = 0.95, eps = 1e-8;

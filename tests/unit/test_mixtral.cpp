@@ -165,6 +165,32 @@ TEST(Mixtral, MicroBatchesInFlightKeepTheirOwnState) {
                        test::to_double(std::vector<float>(gs[p].data, gs[p].data + gs[p].numel)), 1e-7, 1e-5);
 }
 
+TEST(Mixtral, MicroBatchesAverageToTheFullBatchGradient) {
+  // Without the aux loss (whose statistics are per forward, as in HF) two micro-batches of 2 sequences with
+  // loss_scale 1/2 give the gradient of one batch of 4: each has the same count of predictions. Differences:
+  // summation order, ~1e-7 relative.
+  const MixtralConfig c = tiny_config(false, false);
+  auto comms = make_thread_comms(1);
+  MixtralModel model(c, *comms[0]);
+  model.set_weights(random_mixtral_weights(c, 8));
+  const std::vector<int32_t> t = random_tokens(4 * 5, c.vocab_size, 4);
+  ModelState full, m0, m1;
+  model.zero_grads();
+  model.forward(t.data(), 4, 5, full);
+  model.backward(full);
+  MixtralWeights want = model.grads();
+  model.zero_grads();
+  model.forward(t.data(), 2, 5, m0);
+  model.forward(t.data() + 2 * 5, 2, 5, m1);
+  model.backward(m1, 0.5);
+  model.backward(m0, 0.5);
+  MixtralWeights got = model.grads();
+  std::vector<ParamView> g = parameter_views(got, c), w = parameter_views(want, c);
+  for (size_t p = 0; p < g.size(); ++p)
+    test::expect_close(g[p].name, test::to_double(std::vector<float>(g[p].data, g[p].data + g[p].numel)),
+                       test::to_double(std::vector<float>(w[p].data, w[p].data + w[p].numel)), 1e-7, 1e-5);
+}
+
 TEST(Mixtral, BadInputsAreNamed) {
   const MixtralConfig c = tiny_config(false, false);
   auto comms = make_thread_comms(1);

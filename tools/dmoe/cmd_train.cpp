@@ -27,6 +27,8 @@ Command add_train_command(CLI::App& app) {
   sub->add_option("--seq", o->seq, "sequence length")->check(CLI::Range(2, 1 << 20));
   sub->add_option("--batch", o->batch, "sequences per step over all ranks")->check(CLI::PositiveNumber);
   sub->add_option("--world", o->world, "simulated ranks (batch split, experts sharded E/W)")->check(CLI::PositiveNumber);
+  sub->add_option("--micro-batches", o->micro_batches, "split each rank's share into R micro-batches (all "
+                  "forwards, then all backwards; gradients averaged)")->check(CLI::PositiveNumber);
   sub->add_option("--engine", *engine, "cpu (the only training engine so far)");
   sub->add_option("--init", o->init, "random, or a model.safetensors / index.json to start from");
   sub->add_option("--resume", o->resume_dir, "continue the run saved in this directory (exact resume)");
