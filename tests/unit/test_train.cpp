@@ -104,7 +104,8 @@ TEST_F(Train, TwoRanksFollowOneRank) {
     EXPECT_NEAR(two.records[i].loss, one.records[i].loss, 1e-6) << "step " << one.records[i].step;
   // Two micro-batches per rank: step 1's loss (before any update) is the same cross-entropy (equal counts per
   // micro-batch) plus router_aux_loss_coef = 0.01 times an aux loss whose statistics are now per micro-batch,
-  // which moves it by 0.01 × (a small change of aux): observed 7e-6, hence 1e-4. (The exact equivalence without aux: Mixtral.MicroBatches*.)
+  // which moves it by 0.01 × (a small change of aux): observed 7e-6, hence 1e-4. (The exact equivalence
+  // without the aux loss is tested in Mixtral.MicroBatchesAverageToTheFullBatchGradient.)
   o.micro_batches = 2;
   const TrainResult micro = train_mixtral(tiny(), o, [](const std::string&) {});
   EXPECT_NEAR(micro.records[0].loss, two.records[0].loss, 1e-4);
