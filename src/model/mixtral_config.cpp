@@ -180,9 +180,12 @@ MixtralConfig mixtral_config_from_json(const json& j) {
       c.rope_theta = theta;
     }
   }
-  if (present(j, "rope_scaling"))
-    DMOE_REQUIRE(j.at("rope_scaling").is_object() && j.at("rope_scaling").value("rope_type", "default") == "default",
-                 "{}: rope_scaling {} is not supported (only default RoPE)", kWhat, j.at("rope_scaling").dump());
+  if (present(j, "rope_scaling")) {  // transformers 4.x spelling of a non-default RoPE (key "rope_type" or "type")
+    const json& rs = j.at("rope_scaling");
+    const bool is_default = rs.is_object() && rs.value("rope_type", rs.value("type", std::string())) == "default";
+    DMOE_REQUIRE(is_default, "{}: rope_scaling {} is not supported (only default RoPE: rope_scaling null)", kWhat,
+                 rs.dump());
+  }
   c.validate();
   return c;
 }

@@ -77,6 +77,8 @@ TEST(ModelConfig, ParsesHfConfigsAndNamesBadKeys) {
   EXPECT_NE(with("hidden_size", 9).find("not divisible by num_attention_heads"), std::string::npos);
   EXPECT_NE(with("hidden_act", "gelu").find("hidden_act"), std::string::npos);
   EXPECT_NE(with("rope_theta", 100.0).find("disagree"), std::string::npos);
+  EXPECT_NE(with("rope_scaling", {{"type", "linear"}, {"factor", 2.0}}).find("rope_scaling"), std::string::npos);
+  EXPECT_NE(with("sliding_window", 0).find("'sliding_window' = 0 must be >= 1"), std::string::npos);
   EXPECT_NE(with("num_experts_per_tok", 5).find("exceeds num_local_experts"), std::string::npos);
   EXPECT_NE(with("vocab_size", "big").find("'vocab_size' must be an integer"), std::string::npos);
   json missing = small_json();
