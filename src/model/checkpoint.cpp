@@ -169,7 +169,13 @@ MoeConfig infer_moe_config(const SafetensorsFile& file, const std::string& prefi
 
 // ---- whole models -----------------------------------------------------------------------------------
 
-CheckpointReader CheckpointReader::open(const std::string& path) {
+CheckpointReader CheckpointReader::open(const std::string& path_or_dir) {
+  std::string path = path_or_dir;
+  if (std::filesystem::is_directory(path_or_dir)) {  // a Hugging Face model directory
+    const std::filesystem::path dir(path_or_dir);
+    path = std::filesystem::exists(dir / "model.safetensors.index.json") ? (dir / "model.safetensors.index.json").string()
+                                                                          : (dir / "model.safetensors").string();
+  }
   CheckpointReader r;
   r.source_ = path;
   const std::filesystem::path p(path);

@@ -57,11 +57,12 @@ MoeConfig infer_moe_config(const SafetensorsFile& file, const std::string& prefi
 
 // ---- whole models -----------------------------------------------------------------------------------
 
-// A checkpoint of one safetensors file or of shards listed by an index.json (a path ending in ".json").
-// Shards are opened on first use. Errors name the index, the shard and the tensor.
+// A checkpoint of one safetensors file or of shards listed by an index.json (a path ending in ".json"), or a
+// Hugging Face model directory (its model.safetensors.index.json, else its model.safetensors). Shards are
+// opened on first use. Errors name the index, the shard and the tensor.
 class CheckpointReader {
  public:
-  static CheckpointReader open(const std::string& path);
+  static CheckpointReader open(const std::string& path_or_dir);
   const std::string& source() const { return source_; }
   bool has(const std::string& name) const;
   std::vector<std::string> names() const;  // sorted

@@ -58,6 +58,12 @@ std::string find_config_file(const std::string& name) {
 }
 
 std::string find_model_config_file(const std::string& name) {
+  namespace fs = std::filesystem;
+  if (fs::is_directory(name)) {  // a Hugging Face model directory
+    const fs::path p = fs::path(name) / "config.json";
+    DMOE_REQUIRE(fs::exists(p), "model config '{}' is a directory without a config.json", name);
+    return p.string();
+  }
   const std::string found = find_in_bench(name, "models");
   if (!found.empty()) return found;
   DMOE_FAIL("model config '{}' is neither a file nor a named model in bench/models (tiny, gpt2-tiny-moe, "
