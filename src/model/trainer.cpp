@@ -166,7 +166,8 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
     full = load_mixtral_weights(CheckpointReader::open(o.init), config);
   }
   const int64_t last_step = o.stop_after > 0 ? std::min(o.stop_after, o.steps) : o.steps;
-  DMOE_REQUIRE(first_step <= last_step, "--resume {}: the saved run is at step {}, --steps {} (--stop-after {}) leaves nothing to do",
+  DMOE_REQUIRE(first_step <= last_step,
+               "--resume {}: the saved run is at step {}, --steps {} (--stop-after {}) leaves nothing to do",
                o.resume_dir, first_step - 1, o.steps, o.stop_after);
 
   std::ofstream log;

@@ -140,7 +140,8 @@ TEST(ModelKernels, AttentionIsCausalSoftmaxAndBackwardMatchesFiniteDifferences) 
     double z = 0;
     for (int64_t j = 0; j <= i; ++j) {
       double d = 0;
-      for (int64_t c = 0; c < D; ++c) d += double(q[((b * seq + i) * Hq + h) * D + c]) * k[((b * seq + j) * Hkv + kvh) * D + c];
+      for (int64_t c = 0; c < D; ++c)
+        d += double(q[((b * seq + i) * Hq + h) * D + c]) * k[((b * seq + j) * Hkv + kvh) * D + c];
       s[j] = std::exp(d / std::sqrt(double(D)));
       z += s[j];
     }

@@ -69,8 +69,10 @@ Command add_init_model_command(CLI::App& app) {
 Command add_eval_command(CLI::App& app) {
   auto o = std::make_shared<EvalOptions>();
   CLI::App* sub = app.add_subcommand("eval", "forward (and backward) of a whole Mixtral model on a token batch");
-  sub->add_option("--config", o->config, "HF Mixtral config.json (or its model directory), or a named model in bench/models")->required();
-  sub->add_option("--weights", o->weights, "model.safetensors, a sharded model.safetensors.index.json, or a model directory")
+  sub->add_option("--config", o->config,
+                  "HF Mixtral config.json (or its model directory), or a named model in bench/models")->required();
+  sub->add_option("--weights", o->weights,
+                  "model.safetensors, a sharded model.safetensors.index.json, or a model directory")
       ->required();
   sub->add_option("--tokens", o->tokens, "safetensors file with tokens [batch, seq] (I32 or I64)")->required();
   sub->add_option("--output", o->output, "safetensors file for logits, loss (and grad.<name>)")->required();
