@@ -248,7 +248,6 @@ void linear_backward(const float* x, const float* w, const float* dy, float* dx,
       std::fill(acc.begin(), acc.end(), 0.0);
       for (int64_t o = 0; o < out; ++o) {
         const double g = dy[r * out + o];
-        if (g == 0) continue;
         const float* wo = w + o * in;
         for (int64_t i = 0; i < in; ++i) acc[i] += g * double(wo[i]);
       }
@@ -259,7 +258,6 @@ void linear_backward(const float* x, const float* w, const float* dy, float* dx,
     const float* xr = x + r * in;
     for (int64_t o = 0; o < out; ++o) {
       const double g = dy[r * out + o];
-      if (g == 0) continue;
       double* dwo = dw + o * in;
       for (int64_t i = 0; i < in; ++i) dwo[i] += g * double(xr[i]);
     }
