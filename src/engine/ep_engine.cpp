@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <utility>
 
 #include "core/error.hpp"
 
@@ -251,9 +252,11 @@ void EpEngine::compute_losses() {
   }
   const double n = double(global_tokens_);
   expert_fraction_.assign(E, 0.0);
+  prob_mean_.assign(E, 0.0);
   losses_ = RouterLosses{};
   for (int32_t e = 0; e < E; ++e) {
     expert_fraction_[e] = stats[E + e] / (n * config_.top_k);
+    prob_mean_[e] = stats[e] / n;
     losses_.load_balance += expert_fraction_[e] * (stats[e] / n);
   }
   losses_.load_balance *= E;
@@ -326,11 +329,22 @@ void EpEngine::backward(const void* dy, void* dx) {
   cpu::RouterAuxGrad aux;
   aux.expert_fraction = lb ? expert_fraction_.data() : nullptr;
   aux.lb_scale = config_.aux_loss_coef * E / n;
+  if (!lb_grad_override_.empty()) {
+    aux.expert_fraction = lb_grad_override_.data();
+    aux.lb_scale = 1.0;
+  }
   aux.lse = z ? lse_.as<float>() : nullptr;
   aux.z_scale = 2.0 * config_.z_loss_coef / n;
   backend_.router_backward(x_, wg_.data(), probs_.as<float>(), ids_.as<int32_t>(), weights_.as<float>(),
                            dweights, aux, dlogits, dx_router, dwg_.data(), T, H, E, k, config_.renormalize);
   backend_.scatter_back(dsend, slot_.as<int32_t>(), dx_router, dx, T, k, H);
+}
+
+void EpEngine::set_load_balance_grad(std::vector<double> dloss_dprob) {
+  DMOE_REQUIRE(dloss_dprob.empty() || int64_t(dloss_dprob.size()) == config_.experts,
+               "EpEngine::set_load_balance_grad: {} values given; expected one per expert ({}) or none",
+               dloss_dprob.size(), config_.experts);
+  lb_grad_override_ = std::move(dloss_dprob);
 }
 
 int64_t EpEngine::rows_sent() const {

@@ -71,6 +71,15 @@ class EpEngine {
   std::vector<float> expert_weights();    // [T, k]
   // The router's auxiliary losses of the last train forward (an inference forward does not compute them).
   RouterLosses losses() const;
+  // Over all ranks' tokens, of the last train forward: f_e = assigned_e / (N·k) and P_e = mean_t probs[t, e]
+  // ([E] each), the two factors of the load-balance loss.
+  const std::vector<double>& expert_fraction() const { return expert_fraction_; }
+  const std::vector<double>& prob_mean() const { return prob_mean_; }
+  // Replaces the config's load-balance term in the following backward passes: ∂L/∂probs[t, e] =
+  // dloss_dprob[e] for every token, whatever aux_loss_coef says. For losses that pool the routing statistics
+  // of several layers, as transformers' Mixtral load_balancing_loss_func does (src/model/mixtral.cpp).
+  // An empty vector returns to the config's term.
+  void set_load_balance_grad(std::vector<double> dloss_dprob);
   const std::vector<int64_t>& routed_counts() const { return routed_; }  // [E] this rank, pre-capacity
   const std::vector<int64_t>& kept_counts() const { return kept_; }      // [E] this rank
   int64_t rows_received() const { return layout_.rows(); }          // expert batch rows (padding included)
@@ -125,6 +134,8 @@ class EpEngine {
   std::vector<int64_t> compact_offsets_, padded_offsets_;  // [E] for pad_rows / unpad_rows
   ExpertBatchLayout layout_;
   std::vector<double> expert_fraction_;  // [E] f_e over all ranks
+  std::vector<double> prob_mean_;        // [E] P_e over all ranks
+  std::vector<double> lb_grad_override_; // [E] set_load_balance_grad; empty: the config's term
   RouterLosses losses_;
   int64_t global_tokens_ = 0;
   bool local_only_ = false;         // one rank: the send buffer is the expert batch (no exchange)

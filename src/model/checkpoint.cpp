@@ -2,7 +2,12 @@
 #include "model/checkpoint.hpp"
 
 #include <cstdint>
+#include <filesystem>
+#include <fstream>
 #include <set>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
 
 #include "core/error.hpp"
 
@@ -160,6 +165,176 @@ MoeConfig infer_moe_config(const SafetensorsFile& file, const std::string& prefi
   c.activation = file.has(expert_weight_name(prefix, 0, "w3")) ? Activation::swiglu : Activation::relu;
   c.dtype = g.dtype == "BF16" ? DType::bf16 : DType::f32;
   return c;
+}
+
+// ---- whole models -----------------------------------------------------------------------------------
+
+CheckpointReader CheckpointReader::open(const std::string& path_or_dir) {
+  std::string path = path_or_dir;
+  if (std::filesystem::is_directory(path_or_dir)) {  // a Hugging Face model directory
+    const std::filesystem::path dir(path_or_dir);
+    path = std::filesystem::exists(dir / "model.safetensors.index.json") ? (dir / "model.safetensors.index.json").string()
+                                                                          : (dir / "model.safetensors").string();
+  }
+  CheckpointReader r;
+  r.source_ = path;
+  const std::filesystem::path p(path);
+  r.directory_ = p.has_parent_path() ? p.parent_path().string() : ".";
+  if (p.extension() != ".json") {
+    r.files_[""] = std::make_shared<SafetensorsFile>(SafetensorsFile::open(path));
+    return r;
+  }
+  std::ifstream in(path, std::ios::binary);
+  DMOE_REQUIRE(in.good(), "checkpoint index '{}': cannot be opened for reading", path);
+  std::stringstream text;
+  text << in.rdbuf();
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(text.str());
+  } catch (const nlohmann::json::exception& e) {
+    DMOE_FAIL("checkpoint index '{}': not valid JSON: {}", path, e.what());
+  }
+  DMOE_REQUIRE(j.is_object() && j.contains("weight_map") && j.at("weight_map").is_object(),
+               "checkpoint index '{}': expected an object with \"weight_map\": {{tensor name: shard file}}", path);
+  for (const auto& [name, file] : j.at("weight_map").items()) {
+    DMOE_REQUIRE(file.is_string(), "checkpoint index '{}': weight_map['{}'] must be a file name (found {})", path,
+                 name, file.type_name());
+    const std::string f = file.get<std::string>();
+    DMOE_REQUIRE(!f.empty() && std::filesystem::path(f).is_relative() && f.find("..") == std::string::npos,
+                 "checkpoint index '{}': weight_map['{}'] = '{}' must be a file name beside the index", path, name, f);
+    r.weight_map_[name] = f;
+  }
+  DMOE_REQUIRE(!r.weight_map_.empty(), "checkpoint index '{}': weight_map is empty", path);
+  return r;
+}
+
+const SafetensorsFile& CheckpointReader::file_of(const std::string& name) const {
+  if (weight_map_.empty()) return *files_.at("");
+  auto it = weight_map_.find(name);
+  DMOE_REQUIRE(it != weight_map_.end(), "checkpoint '{}': tensor '{}' is not in the weight_map", source_, name);
+  auto& file = files_[it->second];
+  if (!file) {
+    const std::string shard = (std::filesystem::path(directory_) / it->second).string();
+    file = std::make_shared<SafetensorsFile>(SafetensorsFile::open(shard));
+  }
+  DMOE_REQUIRE(file->has(name), "checkpoint '{}': the weight_map puts '{}' in '{}', which does not hold it", source_,
+               name, it->second);
+  return *file;
+}
+
+bool CheckpointReader::has(const std::string& name) const {
+  if (weight_map_.empty()) return files_.at("")->has(name);
+  return weight_map_.count(name) != 0;
+}
+
+std::vector<std::string> CheckpointReader::names() const {
+  if (weight_map_.empty()) return files_.at("")->names();
+  std::vector<std::string> v;
+  for (const auto& [name, file] : weight_map_) v.push_back(name);
+  return v;
+}
+
+void CheckpointReader::read_f32_into(const std::string& name, const std::vector<int64_t>& shape, float* out) const {
+  file_of(name).read_f32_into(name, shape, out);
+}
+
+namespace {
+
+// transformers 5.x in memory (and in files saved with save_original_format=False): the router at
+// model.layers.L.mlp.gate.weight and each layer's experts fused, mlp.experts.gate_up_proj [E, 2I, H] (rows
+// [0, I) of expert e are its w1, [I, 2I) its w3) and mlp.experts.down_proj [E, H, I] (w2).
+bool load_fused_moe(const CheckpointReader& reader, const MixtralConfig& c, int layer, MoeWeights& moe) {
+  const std::string p = fmt::format("model.layers.{}.mlp.", layer);
+  if (!reader.has(p + "gate.weight") || !reader.has(p + "experts.gate_up_proj") || !reader.has(p + "experts.down_proj"))
+    return false;
+  const int64_t E = c.num_local_experts, I = c.intermediate_size, H = c.hidden_size, m = I * H;
+  reader.read_f32_into(p + "gate.weight", {E, H}, moe.gate.data());
+  std::vector<float> gate_up(E * 2 * m), down(E * m);
+  reader.read_f32_into(p + "experts.gate_up_proj", {E, 2 * I, H}, gate_up.data());
+  reader.read_f32_into(p + "experts.down_proj", {E, H, I}, down.data());
+  for (int32_t local = 0; local < moe.num_experts; ++local) {
+    const int64_t e = moe.first_expert + local;
+    std::copy(gate_up.begin() + e * 2 * m, gate_up.begin() + e * 2 * m + m, moe.w1.begin() + local * m);
+    std::copy(gate_up.begin() + e * 2 * m + m, gate_up.begin() + (e + 1) * 2 * m, moe.w3.begin() + local * m);
+    std::copy(down.begin() + e * m, down.begin() + (e + 1) * m, moe.w2.begin() + local * m);
+  }
+  return true;
+}
+
+}  // namespace
+
+MixtralWeights load_mixtral_weights(const CheckpointReader& reader, const MixtralConfig& config,
+                                    int32_t first_expert, int32_t num_experts) {
+  MixtralWeights w = make_mixtral_weights(config, first_expert, num_experts);
+  std::vector<bool> fused(config.num_hidden_layers, false);
+  for (int L = 0; L < config.num_hidden_layers; ++L)
+    if (!reader.has(gate_name(layer_prefix(L)))) fused[L] = load_fused_moe(reader, config, L, w.layers[L].moe);
+  const std::string layers = "model.layers.";
+  for (ParamView& p : parameter_views(w, config)) {
+    if (p.name.compare(0, layers.size(), layers) == 0 && p.name.find(".block_sparse_moe.") != std::string::npos &&
+        fused[std::stoi(p.name.substr(layers.size()))])
+      continue;  // read from the fused 5.x tensors above
+    DMOE_REQUIRE(reader.has(p.name),
+                 "checkpoint '{}': tensor '{}' {} is missing (the config asks for {} layers, {} experts{})",
+                 reader.source(), p.name, shape_string(p.shape), config.num_hidden_layers, config.num_local_experts,
+                 config.tie_word_embeddings ? ", tied embeddings" : ", an lm_head");
+    reader.read_f32_into(p.name, p.shape, p.data);
+  }
+  return w;
+}
+
+MixtralWeights load_mixtral_weights(const CheckpointReader& reader, const MixtralConfig& config) {
+  return load_mixtral_weights(reader, config, 0, config.num_local_experts);
+}
+
+void add_mixtral_tensors(SafetensorsWriter& writer, const MixtralWeights& w, const MixtralConfig& config,
+                         const std::string& name_prefix, DType stored_as) {
+  // parameter_views needs a mutable model only to hand out pointers; nothing is written through them.
+  for (const ParamView& p : parameter_views(const_cast<MixtralWeights&>(w), config))
+    writer.add_f32(name_prefix + p.name, p.shape, p.data, stored_as);
+}
+
+void save_mixtral_checkpoint(const std::string& path, const MixtralWeights& w, const MixtralConfig& config,
+                             int64_t max_shard_bytes) {
+  std::vector<ParamView> views = parameter_views(const_cast<MixtralWeights&>(w), config);
+  if (max_shard_bytes <= 0) {
+    SafetensorsWriter writer;
+    for (const ParamView& p : views) writer.add_f32(p.name, p.shape, p.data);
+    writer.set_metadata("format", "pt");
+    writer.write(path);
+    return;
+  }
+  // Consecutive tensors fill a shard until the next one would pass the limit.
+  std::vector<std::vector<const ParamView*>> shards(1);
+  int64_t bytes = 0, total = 0;
+  for (const ParamView& p : views) {
+    const int64_t b = p.numel * 4;
+    if (bytes > 0 && bytes + b > max_shard_bytes) {
+      shards.emplace_back();
+      bytes = 0;
+    }
+    shards.back().push_back(&p);
+    bytes += b;
+    total += b;
+  }
+  const std::filesystem::path dir = std::filesystem::path(path).has_parent_path()
+                                        ? std::filesystem::path(path).parent_path() : std::filesystem::path(".");
+  nlohmann::json index = {{"metadata", {{"total_size", total}}}, {"weight_map", nlohmann::json::object()}};
+  for (size_t s = 0; s < shards.size(); ++s) {
+    const std::string file = fmt::format("model-{:05d}-of-{:05d}.safetensors", s + 1, shards.size());
+    SafetensorsWriter writer;
+    for (const ParamView* p : shards[s]) {
+      writer.add_f32(p->name, p->shape, p->data);
+      index["weight_map"][p->name] = file;
+    }
+    writer.set_metadata("format", "pt");
+    writer.write((dir / file).string());
+  }
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  DMOE_REQUIRE(out.good(), "checkpoint index '{}': cannot be opened for writing", path);
+  out << index.dump(2) << '\n';
+  out.close();
+  DMOE_REQUIRE(!out.fail(), "checkpoint index '{}': write failed", path);
 }
 
 }  // namespace dmoe

@@ -6,13 +6,21 @@
 //   P + "experts.{e}.w3.weight"    [I, H]  up projection, SwiGLU only
 //   P + "experts.{e}.w2.weight"    [H, I]  down projection
 // Gradients are stored as "grad." + the weight's name. bf16/f16 tensors are widened to f32 on load.
+//
+// Whole Mixtral models (every tensor of mixtral_weights.hpp, the MoE layers under the names above) are read
+// from one model.safetensors or a sharded checkpoint (model.safetensors.index.json: {"weight_map":
+// {tensor name: shard file name}}, shards beside the index), and written to one file or sharded.
 #pragma once
 
 #include <cstdint>
+#include <map>
+#include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "core/config.hpp"
+#include "model/mixtral_weights.hpp"
 #include "model/moe_weights.hpp"
 #include "model/safetensors.hpp"
 
@@ -46,5 +54,44 @@ void add_moe_grads(SafetensorsWriter& writer, const MoeWeights& grads, const std
 // activation swiglu when w3 is present (else relu: relu and gelu files look alike), dtype bf16 when the
 // gate is stored as BF16. tokens and top_k cannot be inferred and stay 0 — the caller sets them.
 MoeConfig infer_moe_config(const SafetensorsFile& file, const std::string& prefix);
+
+// ---- whole models -----------------------------------------------------------------------------------
+
+// A checkpoint of one safetensors file or of shards listed by an index.json (a path ending in ".json"), or a
+// Hugging Face model directory (its model.safetensors.index.json, else its model.safetensors). Shards are
+// opened on first use. Errors name the index, the shard and the tensor.
+class CheckpointReader {
+ public:
+  static CheckpointReader open(const std::string& path_or_dir);
+  const std::string& source() const { return source_; }
+  bool has(const std::string& name) const;
+  std::vector<std::string> names() const;  // sorted
+  // The tensor converted to float; its shape must be `shape` (the error names both).
+  void read_f32_into(const std::string& name, const std::vector<int64_t>& shape, float* out) const;
+
+ private:
+  const SafetensorsFile& file_of(const std::string& name) const;
+
+  std::string source_;
+  std::string directory_;                          // where the shards are
+  std::map<std::string, std::string> weight_map_;  // tensor -> shard file (index only)
+  mutable std::map<std::string, std::shared_ptr<SafetensorsFile>> files_;
+};
+
+// Every parameter of `config`, this rank's experts [first_expert, first_expert + num_experts). Missing tensors
+// and wrong shapes are errors naming the tensor; tensors the model does not use are ignored (a tied model's
+// lm_head.weight, rotary inv_freq buffers of old checkpoints). A layer's MoE may also be stored as
+// transformers 5.x holds it in memory (mlp.gate.weight, fused mlp.experts.gate_up_proj / down_proj).
+MixtralWeights load_mixtral_weights(const CheckpointReader& reader, const MixtralConfig& config,
+                                    int32_t first_expert, int32_t num_experts);
+MixtralWeights load_mixtral_weights(const CheckpointReader& reader, const MixtralConfig& config);  // all experts
+// Adds every tensor of w under name_prefix + its HF name ("" for weights, "grad." for gradients).
+void add_mixtral_tensors(SafetensorsWriter& writer, const MixtralWeights& w, const MixtralConfig& config,
+                         const std::string& name_prefix = "", DType stored_as = DType::f32);
+// Writes w as HF would: max_shard_bytes = 0 → one safetensors file at `path`; otherwise `path` is the
+// index.json to write and the shards model-0000i-of-0000N.safetensors go beside it, each up to about
+// max_shard_bytes (a tensor is never split). Metadata {"format": "pt"} as HF writes.
+void save_mixtral_checkpoint(const std::string& path, const MixtralWeights& w, const MixtralConfig& config,
+                             int64_t max_shard_bytes = 0);
 
 }  // namespace dmoe

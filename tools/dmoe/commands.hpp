@@ -13,5 +13,8 @@ Command add_init_command(CLI::App& app);
 Command add_run_command(CLI::App& app);
 Command add_bench_command(CLI::App& app);
 Command add_launch_command(CLI::App& app);
+Command add_init_model_command(CLI::App& app);
+Command add_eval_command(CLI::App& app);
+Command add_train_command(CLI::App& app);
 
 }  // namespace dmoe::cli

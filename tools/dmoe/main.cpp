@@ -3,6 +3,8 @@
 //   dmoe init   random weights (and inputs) in safetensors
 //   dmoe run    one forward (and backward) of an MoE layer on safetensors inputs
 //   dmoe bench  time the engines on a config and print a table
+//   dmoe init-model / eval   a whole Mixtral model: random HF checkpoint / forward (+ backward) on tokens
+//   dmoe train  train a Mixtral model on byte-level text (CPU)
 #include <cstdio>
 #include <map>
 
@@ -22,6 +24,9 @@ int main(int argc, char** argv) {
   add(dmoe::cli::add_run_command);
   add(dmoe::cli::add_bench_command);
   add(dmoe::cli::add_launch_command);
+  add(dmoe::cli::add_init_model_command);
+  add(dmoe::cli::add_eval_command);
+  add(dmoe::cli::add_train_command);
   try {
     app.parse(argc, argv);
     for (auto& [sub, run] : commands)

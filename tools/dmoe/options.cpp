@@ -32,18 +32,42 @@ void add_config_options(CLI::App& app, ConfigOptions& o, bool config_required) {
   app.add_flag("--no-renormalize", o.no_renormalize, "keep the top-k softmax weights as they are");
 }
 
-std::string find_config_file(const std::string& name) {
+namespace {
+
+// name itself when it is a file, else bench/<folder>/<name>.json under $DMOE_HOME or the source tree; "" if none.
+std::string find_in_bench(const std::string& name, const char* folder) {
   namespace fs = std::filesystem;
   if (fs::exists(name)) return name;
   std::vector<fs::path> roots;
   if (const char* home = std::getenv("DMOE_HOME")) roots.emplace_back(home);
   roots.emplace_back(DMOE_SOURCE_DIR);
   for (const auto& root : roots) {
-    fs::path p = root / "bench" / "configs" / (name + ".json");
+    fs::path p = root / "bench" / folder / (name + ".json");
     if (fs::exists(p)) return p.string();
   }
+  return "";
+}
+
+}  // namespace
+
+std::string find_config_file(const std::string& name) {
+  const std::string found = find_in_bench(name, "configs");
+  if (!found.empty()) return found;
   DMOE_FAIL("config '{}' is neither a file nor a named config in bench/configs (e.g. flash-paper, "
             "mixtral, fine-grained, decode)", name);
+}
+
+std::string find_model_config_file(const std::string& name) {
+  namespace fs = std::filesystem;
+  if (fs::is_directory(name)) {  // a Hugging Face model directory
+    const fs::path p = fs::path(name) / "config.json";
+    DMOE_REQUIRE(fs::exists(p), "model config '{}' is a directory without a config.json", name);
+    return p.string();
+  }
+  const std::string found = find_in_bench(name, "models");
+  if (!found.empty()) return found;
+  DMOE_FAIL("model config '{}' is neither a file nor a named model in bench/models (tiny, gpt2-tiny-moe, "
+            "bert-large-moe, llama2-moe, deepseek-v2-s)", name);
 }
 
 MoeConfig resolve_config(const ConfigOptions& o, const MoeConfig& defaults) {

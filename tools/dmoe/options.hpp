@@ -29,5 +29,7 @@ MoeConfig resolve_config(const ConfigOptions& options, const MoeConfig& defaults
 // Named benchmark configs live in bench/configs/NAME.json; a --config that is not a file is looked up
 // there (relative to the source tree the binary was built from, or $DMOE_HOME/bench/configs).
 std::string find_config_file(const std::string& name_or_path);
+// The same for whole-model configs (HF Mixtral config.json) in bench/models/NAME.json.
+std::string find_model_config_file(const std::string& name_or_path);
 
 }  // namespace dmoe::cli

@@ -1,0 +1,247 @@
+// mixtral_config.cpp — Hugging Face Mixtral config.json <-> MixtralConfig (see mixtral_config.hpp).
+#include "model/mixtral_config.hpp"
+
+#include <cmath>
+#include <fstream>
+#include <limits>
+#include <sstream>
+
+#include "core/error.hpp"
+
+namespace dmoe {
+namespace {
+
+using nlohmann::json;
+
+constexpr const char* kWhat = "Mixtral config";
+
+bool present(const json& j, const char* key) { return j.contains(key) && !j.at(key).is_null(); }
+
+int64_t get_int(const json& j, const char* key, int64_t lo) {
+  const json& v = j.at(key);
+  DMOE_REQUIRE(v.is_number_integer(), "{}: key '{}' must be an integer (found {} {})", kWhat, key, v.type_name(),
+               v.dump());
+  DMOE_REQUIRE(!v.is_number_unsigned() || v.get<uint64_t>() <= uint64_t(std::numeric_limits<int64_t>::max()),
+               "{}: key '{}' = {} is too large", kWhat, key, v.dump());
+  const int64_t x = v.get<int64_t>();
+  DMOE_REQUIRE(x >= lo, "{}: key '{}' = {} must be >= {}", kWhat, key, x, lo);
+  return x;
+}
+
+int32_t get_int32(const json& j, const char* key, int64_t lo) {
+  const int64_t x = get_int(j, key, lo);
+  DMOE_REQUIRE(x <= std::numeric_limits<int32_t>::max(), "{}: key '{}' = {} is too large", kWhat, key, x);
+  return int32_t(x);
+}
+
+double get_number(const json& j, const char* key) {
+  const json& v = j.at(key);
+  DMOE_REQUIRE(v.is_number(), "{}: key '{}' must be a number (found {} {})", kWhat, key, v.type_name(), v.dump());
+  return v.get<double>();
+}
+
+bool get_bool(const json& j, const char* key) {
+  const json& v = j.at(key);
+  DMOE_REQUIRE(v.is_boolean(), "{}: key '{}' must be true or false (found {} {})", kWhat, key, v.type_name(),
+               v.dump());
+  return v.get<bool>();
+}
+
+}  // namespace
+
+void MixtralConfig::validate() const {
+  auto positive = [](const char* key, int64_t v) {
+    DMOE_REQUIRE(v > 0, "{}: {} = {} must be positive", kWhat, key, v);
+  };
+  positive("vocab_size", vocab_size);
+  positive("hidden_size", hidden_size);
+  positive("intermediate_size", intermediate_size);
+  positive("num_hidden_layers", num_hidden_layers);
+  positive("num_attention_heads", num_attention_heads);
+  positive("num_key_value_heads", num_key_value_heads);
+  positive("num_local_experts", num_local_experts);
+  positive("num_experts_per_tok", num_experts_per_tok);
+  positive("max_position_embeddings", max_position_embeddings);
+  DMOE_REQUIRE(vocab_size <= std::numeric_limits<int32_t>::max(), "{}: vocab_size = {} does not fit int32 tokens",
+               kWhat, vocab_size);
+  DMOE_REQUIRE(head_dim > 0 || hidden_size % num_attention_heads == 0,
+               "{}: hidden_size = {} is not divisible by num_attention_heads = {} (set head_dim to choose the head "
+               "size)", kWhat, hidden_size, num_attention_heads);
+  DMOE_REQUIRE(head_size() % 2 == 0, "{}: the head size {} must be even (rotary embedding rotates pairs)", kWhat,
+               head_size());
+  DMOE_REQUIRE(num_attention_heads % num_key_value_heads == 0,
+               "{}: num_attention_heads = {} must be a multiple of num_key_value_heads = {}", kWhat,
+               num_attention_heads, num_key_value_heads);
+  DMOE_REQUIRE(num_experts_per_tok <= num_local_experts,
+               "{}: num_experts_per_tok = {} exceeds num_local_experts = {}", kWhat, num_experts_per_tok,
+               num_local_experts);
+  DMOE_REQUIRE(rms_norm_eps > 0 && std::isfinite(rms_norm_eps), "{}: rms_norm_eps = {} must be positive", kWhat,
+               rms_norm_eps);
+  DMOE_REQUIRE(rope_theta > 0 && std::isfinite(rope_theta), "{}: rope_theta = {} must be positive", kWhat,
+               rope_theta);
+  DMOE_REQUIRE(router_aux_loss_coef >= 0 && std::isfinite(router_aux_loss_coef),
+               "{}: router_aux_loss_coef = {} must be >= 0", kWhat, router_aux_loss_coef);
+  DMOE_REQUIRE(sliding_window >= 0, "{}: sliding_window = {} must be null or positive", kWhat, sliding_window);
+}
+
+void MixtralConfig::check_sequence(int64_t seq) const {
+  DMOE_REQUIRE(seq >= 1 && seq <= max_position_embeddings,
+               "sequence length {} is outside [1, max_position_embeddings = {}]", seq, max_position_embeddings);
+  DMOE_REQUIRE(sliding_window == 0 || sliding_window >= seq,
+               "sequence length {} exceeds sliding_window = {}: dmoe has no sliding-window attention mask (set "
+               "sliding_window to null or >= the sequence length)", seq, sliding_window);
+}
+
+MoeConfig MixtralConfig::moe_config(int64_t tokens, int32_t world) const {
+  MoeConfig c;
+  c.tokens = tokens;
+  c.hidden = hidden_size;
+  c.ffn = intermediate_size;
+  c.experts = num_local_experts;
+  c.top_k = num_experts_per_tok;
+  c.activation = Activation::swiglu;
+  c.renormalize = true;
+  c.capacity_factor = 0;
+  c.dtype = DType::f32;
+  c.world = world;
+  return c;
+}
+
+int64_t MixtralConfig::num_parameters() const {
+  const int64_t H = hidden_size, E = num_local_experts;
+  const int64_t attention = H * q_size() * 2 + H * kv_size() * 2;
+  const int64_t moe = E * H + E * 3 * intermediate_size * H;
+  return vocab_size * H * (tie_word_embeddings ? 1 : 2) + H + num_hidden_layers * (attention + moe + 2 * H);
+}
+
+std::string MixtralConfig::summary() const {
+  return fmt::format("mixtral V={} H={} I={} L={} heads={}/{} D={} E={} k={} params={:.3g}M", vocab_size,
+                     hidden_size, intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads,
+                     head_size(), num_local_experts, num_experts_per_tok, double(num_parameters()) / 1e6);
+}
+
+MixtralConfig mixtral_config_from_json(const json& j) {
+  DMOE_REQUIRE(j.is_object(), "{}: JSON must be an object (found {})", kWhat, j.type_name());
+  if (present(j, "model_type")) {
+    DMOE_REQUIRE(j.at("model_type").is_string() && j.at("model_type").get<std::string>() == "mixtral",
+                 "{}: model_type is {}; only \"mixtral\" is supported", kWhat, j.at("model_type").dump());
+  }
+  for (const char* key : {"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                          "num_local_experts", "num_experts_per_tok", "vocab_size"})
+    DMOE_REQUIRE(present(j, key), "{}: required key '{}' is missing (required: hidden_size, intermediate_size, "
+                 "num_hidden_layers, num_attention_heads, num_local_experts, num_experts_per_tok, vocab_size)",
+                 kWhat, key);
+  MixtralConfig c;
+  c.hidden_size = get_int(j, "hidden_size", 1);
+  c.intermediate_size = get_int(j, "intermediate_size", 1);
+  c.num_hidden_layers = get_int32(j, "num_hidden_layers", 1);
+  c.num_attention_heads = get_int32(j, "num_attention_heads", 1);
+  c.num_key_value_heads =
+      present(j, "num_key_value_heads") ? get_int32(j, "num_key_value_heads", 1) : c.num_attention_heads;
+  if (present(j, "head_dim")) c.head_dim = get_int(j, "head_dim", 1);
+  c.num_local_experts = get_int32(j, "num_local_experts", 1);
+  c.num_experts_per_tok = get_int32(j, "num_experts_per_tok", 1);
+  c.vocab_size = get_int(j, "vocab_size", 1);
+  if (present(j, "rms_norm_eps")) c.rms_norm_eps = get_number(j, "rms_norm_eps");
+  if (present(j, "tie_word_embeddings")) c.tie_word_embeddings = get_bool(j, "tie_word_embeddings");
+  if (present(j, "output_router_logits")) c.output_router_logits = get_bool(j, "output_router_logits");
+  if (present(j, "router_aux_loss_coef")) c.router_aux_loss_coef = get_number(j, "router_aux_loss_coef");
+  if (present(j, "max_position_embeddings")) c.max_position_embeddings = get_int(j, "max_position_embeddings", 1);
+  if (present(j, "sliding_window")) c.sliding_window = get_int(j, "sliding_window", 1);
+  if (present(j, "initializer_range")) c.initializer_range = get_number(j, "initializer_range");
+  if (present(j, "hidden_act")) {
+    const json& act = j.at("hidden_act");
+    DMOE_REQUIRE(act.is_string() && act.get<std::string>() == "silu",
+                 "{}: hidden_act is {}; only \"silu\" (SwiGLU experts, as Mixtral) is supported", kWhat, act.dump());
+  }
+  if (present(j, "router_jitter_noise"))
+    DMOE_REQUIRE(get_number(j, "router_jitter_noise") == 0,
+                 "{}: router_jitter_noise = {} is not supported (only 0: dmoe's router is deterministic)", kWhat,
+                 get_number(j, "router_jitter_noise"));
+  // rope_theta: top level (transformers 4.x) and/or rope_parameters.rope_theta (5.x); both must agree.
+  bool have_theta = false;
+  if (present(j, "rope_theta")) {
+    c.rope_theta = get_number(j, "rope_theta");
+    have_theta = true;
+  }
+  if (present(j, "rope_parameters")) {
+    const json& rp = j.at("rope_parameters");
+    DMOE_REQUIRE(rp.is_object(), "{}: rope_parameters must be an object (found {})", kWhat, rp.type_name());
+    if (present(rp, "rope_type")) {
+      DMOE_REQUIRE(rp.at("rope_type").is_string() && rp.at("rope_type").get<std::string>() == "default",
+                   "{}: rope_parameters.rope_type is {}; only \"default\" RoPE is supported", kWhat,
+                   rp.at("rope_type").dump());
+    }
+    if (present(rp, "rope_theta")) {
+      DMOE_REQUIRE(rp.at("rope_theta").is_number(), "{}: rope_parameters.rope_theta must be a number", kWhat);
+      const double theta = rp.at("rope_theta").get<double>();
+      DMOE_REQUIRE(!have_theta || theta == c.rope_theta,
+                   "{}: rope_theta = {} and rope_parameters.rope_theta = {} disagree", kWhat, c.rope_theta, theta);
+      c.rope_theta = theta;
+    }
+  }
+  if (present(j, "rope_scaling")) {  // transformers 4.x spelling of a non-default RoPE (key "rope_type" or "type")
+    const json& rs = j.at("rope_scaling");
+    const bool is_default = rs.is_object() && rs.value("rope_type", rs.value("type", std::string())) == "default";
+    DMOE_REQUIRE(is_default, "{}: rope_scaling {} is not supported (only default RoPE: rope_scaling null)", kWhat,
+                 rs.dump());
+  }
+  c.validate();
+  return c;
+}
+
+json mixtral_config_to_json(const MixtralConfig& c) {
+  json j = {{"architectures", {"MixtralForCausalLM"}},
+            {"model_type", "mixtral"},
+            {"vocab_size", c.vocab_size},
+            {"hidden_size", c.hidden_size},
+            {"intermediate_size", c.intermediate_size},
+            {"num_hidden_layers", c.num_hidden_layers},
+            {"num_attention_heads", c.num_attention_heads},
+            {"num_key_value_heads", c.num_key_value_heads},
+            {"num_local_experts", c.num_local_experts},
+            {"num_experts_per_tok", c.num_experts_per_tok},
+            {"hidden_act", "silu"},
+            {"rms_norm_eps", c.rms_norm_eps},
+            {"rope_theta", c.rope_theta},
+            {"rope_parameters", {{"rope_type", "default"}, {"rope_theta", c.rope_theta}}},
+            {"tie_word_embeddings", c.tie_word_embeddings},
+            {"output_router_logits", c.output_router_logits},
+            {"router_aux_loss_coef", c.router_aux_loss_coef},
+            {"router_jitter_noise", 0.0},
+            {"max_position_embeddings", c.max_position_embeddings},
+            {"initializer_range", c.initializer_range},
+            {"attention_dropout", 0.0},
+            {"torch_dtype", "float32"}};
+  j["head_dim"] = c.head_dim > 0 ? json(c.head_dim) : json(nullptr);
+  j["sliding_window"] = c.sliding_window > 0 ? json(c.sliding_window) : json(nullptr);
+  return j;
+}
+
+MixtralConfig load_mixtral_config(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  DMOE_REQUIRE(in.good(), "config file '{}': cannot be opened for reading", path);
+  std::stringstream text;
+  text << in.rdbuf();
+  json j;
+  try {
+    j = json::parse(text.str());
+  } catch (const json::exception& e) {
+    DMOE_FAIL("config file '{}': not valid JSON: {}", path, e.what());
+  }
+  try {
+    return mixtral_config_from_json(j);
+  } catch (const Error& e) {
+    DMOE_FAIL("config file '{}': {}", path, e.what());
+  }
+}
+
+void save_mixtral_config(const MixtralConfig& c, const std::string& path) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  DMOE_REQUIRE(out.good(), "config file '{}': cannot be opened for writing", path);
+  out << mixtral_config_to_json(c).dump(2) << '\n';
+  out.close();
+  DMOE_REQUIRE(!out.fail(), "config file '{}': write failed", path);
+}
+
+}  // namespace dmoe

@@ -1,0 +1,299 @@
+// trainer.cpp — the CPU training loop of a Mixtral model (see trainer.hpp).
+#include "model/trainer.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <mutex>
+#include <numbers>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "comm/comm.hpp"
+#include "core/error.hpp"
+#include "core/random.hpp"
+#include "cpu/model_kernels.hpp"
+#include "model/checkpoint.hpp"
+#include "model/mixtral.hpp"
+
+namespace dmoe {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+// The bytes of a file, or of every regular file of a directory in name order.
+std::vector<uint8_t> read_corpus(const std::string& path) {
+  std::vector<fs::path> files;
+  if (fs::is_directory(path)) {
+    for (const auto& e : fs::directory_iterator(path))
+      if (fs::is_regular_file(e.path())) files.push_back(e.path());
+    std::sort(files.begin(), files.end());
+  } else {
+    DMOE_REQUIRE(fs::is_regular_file(path), "--data {}: not a file or directory", path);
+    files.push_back(path);
+  }
+  std::vector<uint8_t> bytes;
+  for (const fs::path& f : files) {
+    std::ifstream in(f, std::ios::binary);
+    DMOE_REQUIRE(in.good(), "--data: cannot read '{}'", f.string());
+    bytes.insert(bytes.end(), std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  return bytes;
+}
+
+// Adam moments of one rank's share, laid out like the weights.
+struct Moments {
+  MixtralWeights m, v;
+};
+
+void write_json(const std::string& path, const json& j) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  DMOE_REQUIRE(out.good(), "cannot write '{}'", path);
+  out << j.dump(2) << '\n';
+  out.close();
+  DMOE_REQUIRE(!out.fail(), "write to '{}' failed", path);
+}
+
+json read_json(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  DMOE_REQUIRE(in.good(), "cannot read '{}'", path);
+  std::stringstream text;
+  text << in.rdbuf();
+  try {
+    return json::parse(text.str());
+  } catch (const json::exception& e) {
+    DMOE_FAIL("'{}': not valid JSON: {}", path, e.what());
+  }
+}
+
+// Tensors under name_prefix + HF name from one file into w (all shapes checked).
+void read_prefixed(const SafetensorsFile& f, const std::string& name_prefix, MixtralWeights& w, const MixtralConfig& c) {
+  for (ParamView& p : parameter_views(w, c)) {
+    DMOE_REQUIRE(f.has(name_prefix + p.name), "{}: tensor '{}' is missing", f.source(), name_prefix + p.name);
+    f.read_f32_into(name_prefix + p.name, p.shape, p.data);
+  }
+}
+
+}  // namespace
+
+double scheduled_lr(const TrainOptions& o, int64_t step) {
+  const double min_lr = o.min_lr < 0 ? o.lr / 10 : o.min_lr;
+  if (o.warmup > 0 && step <= o.warmup) return o.lr * double(step) / double(o.warmup);
+  if (o.steps <= o.warmup) return o.lr;
+  const double progress = std::min(1.0, double(step - o.warmup) / double(o.steps - o.warmup));
+  return min_lr + (o.lr - min_lr) * 0.5 * (1.0 + std::cos(std::numbers::pi * progress));
+}
+
+TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
+                          const std::function<void(const std::string&)>& print_fn) {
+  config.validate();
+  auto print = [&](const std::string& line) {
+    if (print_fn) {
+      print_fn(line);
+    } else {
+      std::printf("%s\n", line.c_str());
+      std::fflush(stdout);
+    }
+  };
+  DMOE_REQUIRE(config.vocab_size >= 256, "train: byte-level data needs vocab_size >= 256 (config has {})",
+               config.vocab_size);
+  DMOE_REQUIRE(o.steps >= 1, "train: --steps = {} must be >= 1", o.steps);
+  DMOE_REQUIRE(o.world >= 1 && o.batch >= 1 && o.batch % o.world == 0,
+               "train: --batch = {} sequences must split evenly over --world = {} ranks", o.batch, o.world);
+  DMOE_REQUIRE(o.micro_batches >= 1 && (o.batch / o.world) % o.micro_batches == 0,
+               "train: the {} sequences per rank (--batch {} / --world {}) do not split into --micro-batches {}",
+               o.batch / o.world, o.batch, o.world, o.micro_batches);
+  DMOE_REQUIRE(config.num_local_experts % o.world == 0,
+               "train: num_local_experts = {} is not divisible by --world = {}", config.num_local_experts, o.world);
+  DMOE_REQUIRE(o.seq >= 2, "train: --seq = {} must be >= 2", o.seq);
+  config.check_sequence(o.seq);
+  DMOE_REQUIRE(o.lr > 0 && o.warmup >= 0 && o.clip >= 0 && o.val_fraction > 0 && o.val_fraction < 1,
+               "train: need lr > 0 (is {}), warmup >= 0 ({}), clip >= 0 ({}), 0 < val_fraction < 1 ({})", o.lr,
+               o.warmup, o.clip, o.val_fraction);
+
+  // ---- data
+  const std::vector<uint8_t> corpus = read_corpus(o.data_path);
+  const int64_t val_bytes = int64_t(double(corpus.size()) * o.val_fraction);
+  const int64_t train_bytes = int64_t(corpus.size()) - val_bytes;
+  DMOE_REQUIRE(train_bytes >= o.seq && val_bytes >= o.seq,
+               "train: --data {} has {} bytes: too few for --seq {} windows in both the training part ({} bytes) and "
+               "the held-out part ({} bytes)", o.data_path, corpus.size(), o.seq, train_bytes, val_bytes);
+  auto train_batch = [&](int64_t step) {
+    Rng rng(o.seed * 0x9e3779b97f4a7c15ull + uint64_t(step));
+    std::vector<int32_t> tokens(o.batch * o.seq);
+    for (int64_t b = 0; b < o.batch; ++b) {
+      const int64_t start = int64_t(rng.next() % uint64_t(train_bytes - o.seq + 1));
+      for (int64_t s = 0; s < o.seq; ++s) tokens[b * o.seq + s] = corpus[start + s];
+    }
+    return tokens;
+  };
+  const int64_t val_windows = std::max<int64_t>(1, o.val_batches) * o.batch;
+  std::vector<int32_t> val_tokens(val_windows * o.seq);
+  for (int64_t w = 0; w < val_windows; ++w) {
+    const int64_t start = train_bytes + (val_bytes - o.seq) * w / std::max<int64_t>(1, val_windows - 1);
+    for (int64_t s = 0; s < o.seq; ++s) val_tokens[w * o.seq + s] = corpus[std::min<int64_t>(start + s, corpus.size() - 1)];
+  }
+
+  // ---- start: resume, a checkpoint, or random
+  MixtralWeights full;
+  MixtralWeights full_m = make_mixtral_weights(config, 0, config.num_local_experts);
+  MixtralWeights full_v = make_mixtral_weights(config, 0, config.num_local_experts);
+  int64_t first_step = 1;
+  if (!o.resume_dir.empty()) {
+    const json state = read_json((fs::path(o.resume_dir) / "trainer_state.json").string());
+    DMOE_REQUIRE(state.contains("step") && state["step"].is_number_integer(),
+                 "{}/trainer_state.json: no integer 'step'", o.resume_dir);
+    first_step = state["step"].get<int64_t>() + 1;
+    DMOE_REQUIRE(!state.contains("seed") || state["seed"].get<uint64_t>() == o.seed,
+                 "--resume {}: the run used --seed {}, this one {} (the data order would differ)", o.resume_dir,
+                 state["seed"].get<uint64_t>(), o.seed);
+    for (const auto& [key, value] : {std::pair<const char*, int64_t>{"batch", o.batch}, {"seq", o.seq}})
+      DMOE_REQUIRE(!state.contains(key) || state[key].get<int64_t>() == value,
+                   "--resume {}: the run used --{} {}, this one {} (the batches would differ from the saved run's)",
+                   o.resume_dir, key, state[key].get<int64_t>(), value);
+    full = load_mixtral_weights(CheckpointReader::open((fs::path(o.resume_dir) / "model.safetensors").string()), config);
+    const SafetensorsFile opt = SafetensorsFile::open((fs::path(o.resume_dir) / "optimizer.safetensors").string());
+    read_prefixed(opt, "exp_avg.", full_m, config);
+    read_prefixed(opt, "exp_avg_sq.", full_v, config);
+  } else if (o.init == "random") {
+    full = random_mixtral_weights(config, o.seed);
+  } else {
+    full = load_mixtral_weights(CheckpointReader::open(o.init), config);
+  }
+  const int64_t last_step = o.stop_after > 0 ? std::min(o.stop_after, o.steps) : o.steps;
+  DMOE_REQUIRE(first_step <= last_step,
+               "--resume {}: the saved run is at step {}, --steps {} (--stop-after {}) leaves nothing to do",
+               o.resume_dir, first_step - 1, o.steps, o.stop_after);
+
+  std::ofstream log;
+  if (!o.log_path.empty()) {
+    log.open(o.log_path, std::ios::binary | (first_step > 1 ? std::ios::app : std::ios::trunc));
+    DMOE_REQUIRE(log.good(), "--log {}: cannot be opened for writing", o.log_path);
+  }
+  print(fmt::format("train: {} | data {} ({} bytes: {} train, {} held out) | batch {} x seq {} | world {} | steps "
+                    "{}..{} of {}", config.summary(), o.data_path, corpus.size(), train_bytes, val_bytes, o.batch,
+                    o.seq, o.world, first_step, last_step, o.steps));
+
+  TrainResult result;
+  std::mutex mutex;
+  const int64_t local = o.batch / o.world;
+
+  // Every rank's share into the shared full tensors (dense from rank 0), then rank 0 writes the checkpoint.
+  auto save = [&](int32_t rank, Comm& comm, MixtralModel& model, Moments& mom, int64_t step, const std::string& dir) {
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      auto gather = [&](MixtralWeights& mine, MixtralWeights& all) {
+        std::vector<ParamView> a = parameter_views(all, config);
+        size_t j = 0;
+        for (const ParamView& p : parameter_views(mine, config)) {
+          while (a[j].name != p.name) ++j;
+          if (p.is_expert || rank == 0) std::copy(p.data, p.data + p.numel, a[j].data);
+        }
+      };
+      gather(model.weights(), full);
+      gather(mom.m, full_m);
+      gather(mom.v, full_v);
+    }
+    comm.barrier(nullptr);
+    if (rank == 0 && !dir.empty()) {
+      fs::create_directories(dir);
+      save_mixtral_checkpoint((fs::path(dir) / "model.safetensors").string(), full, config);
+      save_mixtral_config(config, (fs::path(dir) / "config.json").string());
+      SafetensorsWriter opt;
+      add_mixtral_tensors(opt, full_m, config, "exp_avg.");
+      add_mixtral_tensors(opt, full_v, config, "exp_avg_sq.");
+      opt.write((fs::path(dir) / "optimizer.safetensors").string());
+      write_json((fs::path(dir) / "trainer_state.json").string(),
+                 json{{"step", step}, {"seed", o.seed}, {"steps", o.steps}, {"batch", o.batch}, {"seq", o.seq},
+                      {"lr", o.lr}, {"data", o.data_path}});
+    }
+    comm.barrier(nullptr);
+  };
+
+  run_thread_ranks(o.world, [&](int32_t rank, Comm& comm) {
+    MixtralModel model(config, comm);
+    model.set_weights(slice_mixtral_experts(full, model.first_expert(), model.experts_per_rank()));
+    Moments mom{slice_mixtral_experts(full_m, model.first_expert(), model.experts_per_rank()),
+                slice_mixtral_experts(full_v, model.first_expert(), model.experts_per_rank())};
+    std::vector<ParamView> params = parameter_views(model.weights(), config);
+    std::vector<ParamView> grads = parameter_views(model.grads(), config);
+    std::vector<ParamView> ms = parameter_views(mom.m, config), vs = parameter_views(mom.v, config);
+    std::vector<ModelState> states(o.micro_batches);
+    const int64_t micro = local / o.micro_batches;
+
+    auto validate = [&] {
+      double sum = 0;
+      int64_t windows = 0;
+      for (int64_t w0 = 0; w0 + o.batch <= val_windows; w0 += o.batch) {
+        ModelState vst;
+        sum += model.forward(val_tokens.data() + (w0 + rank * local) * o.seq, local, o.seq, vst);
+        ++windows;
+      }
+      return sum / double(windows);  // each forward's loss is already the mean over all ranks
+    };
+
+    for (int64_t step = first_step; step <= last_step; ++step) {
+      const auto t0 = std::chrono::steady_clock::now();
+      const std::vector<int32_t> tokens = train_batch(step);
+      model.zero_grads();
+      double loss = 0;
+      for (int32_t r = 0; r < o.micro_batches; ++r)
+        loss += model.forward(tokens.data() + (rank * local + r * micro) * o.seq, micro, o.seq, states[r]) /
+                o.micro_batches;
+      for (int32_t r = o.micro_batches - 1; r >= 0; --r) model.backward(states[r], 1.0 / o.micro_batches);
+      model.reduce_grads();
+      // Global norm: replicated tensors once (equal on all ranks), experts summed over ranks.
+      double sq[2] = {0, 0};  // replicated, experts
+      for (const ParamView& g : grads) sq[g.is_expert ? 1 : 0] += cpu::sum_of_squares(g.data, g.numel);
+      if (o.world > 1) comm.allreduce_sum(&sq[1], 1, DType::f64, nullptr);
+      const double total_sq = sq[0] + sq[1];
+      const double scale = cpu::clip_coefficient(total_sq, o.clip);
+      cpu::AdamWParams ap;
+      ap.lr = scheduled_lr(o, step);
+      ap.beta1 = o.beta1;
+      ap.beta2 = o.beta2;
+      ap.eps = o.eps;
+      ap.step = step;
+      for (size_t i = 0; i < params.size(); ++i) {
+        if (scale != 1.0) cpu::scale_in_place(grads[i].data, grads[i].numel, scale);
+        ap.weight_decay = params[i].shape.size() >= 2 ? o.weight_decay : 0.0;
+        cpu::adamw_step(params[i].data, grads[i].data, ms[i].data, vs[i].data, params[i].numel, ap);
+      }
+      model.weights_changed();
+      const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+
+      TrainRecord rec;
+      rec.step = step;
+      rec.loss = loss;
+      rec.lr = ap.lr;
+      rec.grad_norm = std::sqrt(total_sq);
+      rec.tokens_per_s = double(o.batch * o.seq) / std::max(seconds, 1e-9);
+      const bool do_val = step == last_step || (o.val_every > 0 && step % o.val_every == 0);
+      if (do_val) rec.val_loss = validate();
+      if (o.save_every > 0 && step % o.save_every == 0 && step != last_step) save(rank, comm, model, mom, step, o.save_dir);
+      if (rank != 0) continue;
+      result.records.push_back(rec);
+      if (log.is_open()) {
+        log << json{{"step", step}, {"loss", loss}, {"lr", ap.lr}, {"grad_norm", rec.grad_norm},
+                    {"tokens_per_s", rec.tokens_per_s}}.dump() << '\n';
+        if (do_val) log << json{{"step", step}, {"val_loss", rec.val_loss}}.dump() << '\n';
+        log.flush();
+      }
+      if (o.print_every > 0 && (step % o.print_every == 0 || step == last_step || do_val))
+        print(fmt::format("step {:>5}/{} | loss {:.4f} | lr {:.3e} | grad norm {:.3f} | {:.0f} tokens/s{}", step,
+                          o.steps, loss, ap.lr, rec.grad_norm, rec.tokens_per_s,
+                          do_val ? fmt::format(" | val loss {:.4f}", rec.val_loss) : std::string()));
+    }
+    save(rank, comm, model, mom, last_step, o.save_dir);
+  });
+  result.weights = full;
+  if (!result.records.empty()) result.final_val_loss = result.records.back().val_loss;
+  return result;
+}
+
+}  // namespace dmoe

@@ -1,0 +1,74 @@
+// trainer.hpp — training a Mixtral model on the CPU: byte-level text data, AdamW with global gradient
+// clipping, linear warm-up + cosine decay, held-out validation, JSON-lines log, checkpoints with exact resume.
+//
+// Data: the bytes of a text file are the tokens (vocab_size >= 256). The last val_fraction of the file is
+// held out. Step t's batch is B windows of seq bytes at offsets drawn from Rng(seed, t) over the training
+// part, so a resumed run sees exactly the batches the uninterrupted one would have. Validation uses fixed,
+// evenly spaced windows of the held-out part.
+//
+// Optimizer: AdamW (cpu::adamw_step) on every tensor, weight decay on matrices only (not RMSNorm weights),
+// gradients clipped to a global norm first (over all ranks' experts and the replicated tensors once).
+// lr(t) = lr·t/warmup for t <= warmup, then min_lr + (lr − min_lr)·(1 + cos(π·(t − warmup)/(steps − warmup)))/2.
+//
+// W ranks (threads + ThreadComm): the global batch is split B/W sequences per rank, replicated tensors see
+// the same summed gradients and the same AdamW arithmetic on every rank (so they stay identical), experts
+// are sharded E/W. Checkpoints are whole models (HF names): DIR/model.safetensors, DIR/config.json,
+// DIR/optimizer.safetensors (exp_avg.<name>, exp_avg_sq.<name>), DIR/trainer_state.json (step, seed, …).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "model/mixtral_config.hpp"
+#include "model/mixtral_weights.hpp"
+
+namespace dmoe {
+
+struct TrainOptions {
+  std::string data_path;      // text file; its bytes are the tokens
+  int64_t steps = 100;        // length of the schedule (steps counted from 1; a resumed run continues to it)
+  int64_t stop_after = 0;     // > 0: stop (and save) after this step, keeping the schedule of `steps`
+  int64_t seq = 64;
+  int64_t batch = 8;          // global: sequences per step over all ranks
+  int32_t world = 1;
+  int32_t micro_batches = 1;  // R: each rank's share runs as R micro-batches (all forwards, then all
+                              // backwards, each with its own ModelState; gradients averaged). The aux loss's
+                              // statistics are then per micro-batch, as HF computes them per forward call.
+  double lr = 3e-3, min_lr = -1;  // min_lr < 0: lr / 10
+  int64_t warmup = 10;
+  double weight_decay = 0.1, beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
+  double clip = 1.0;          // max global gradient norm; 0 = no clipping
+  double val_fraction = 0.1;
+  int64_t val_every = 0;      // 0: validate at the end only
+  int64_t val_batches = 4;    // windows evaluated = val_batches · batch
+  uint64_t seed = 1;          // data order (and the random init)
+  std::string init = "random";  // "random" or a model.safetensors / index.json to start from
+  std::string resume_dir;     // continue the run saved here (weights, moments, step)
+  std::string save_dir;       // write a checkpoint here at the end (and every save_every steps)
+  int64_t save_every = 0;
+  std::string log_path;       // JSON lines
+  int64_t print_every = 1;    // progress line on stdout; 0: none
+};
+
+struct TrainRecord {
+  int64_t step = 0;
+  double loss = 0, lr = 0, grad_norm = 0, tokens_per_s = 0;
+  double val_loss = -1;  // >= 0 where validation ran after this step
+};
+
+struct TrainResult {
+  std::vector<TrainRecord> records;  // one per step run
+  MixtralWeights weights;            // final, all experts
+  double final_val_loss = -1;
+};
+
+// The learning rate of step t (1-based).
+double scheduled_lr(const TrainOptions& o, int64_t step);
+
+// Runs the training; prints progress lines via `print` (null: stdout).
+TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& options,
+                          const std::function<void(const std::string&)>& print = nullptr);
+
+}  // namespace dmoe

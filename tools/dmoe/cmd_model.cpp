@@ -1,0 +1,111 @@
+// dmoe init-model / dmoe eval — whole Mixtral models in Hugging Face layout.
+//
+//   dmoe init-model --config C --out model.safetensors [--seed N] [--shard-bytes B]
+//       random weights (HF initialisation: normal(0, initializer_range), norms 1) under HF names;
+//       with --shard-bytes, --out is the index.json and shards go beside it.
+//   dmoe eval --config C --weights model.safetensors|index.json --tokens FILE --output OUT [--grad] [--world W]
+//       FILE holds tokens [B, S] (I32 or I64). OUT receives logits [B, S, V] f32, loss (scalar f32: mean
+//       next-token cross-entropy + router_aux_loss_coef · aux when output_router_logits), ce_loss and aux_loss
+//       scalars, and with --grad grad.<HF name> for every parameter.
+#include <cstdio>
+
+#include "commands.hpp"
+#include "core/error.hpp"
+#include "model/checkpoint.hpp"
+#include "model/mixtral.hpp"
+#include "model/mixtral_config.hpp"
+#include "options.hpp"
+
+namespace dmoe::cli {
+
+namespace {
+
+struct InitModelOptions {
+  std::string config, out, save_config;
+  uint64_t seed = 1;
+  int64_t shard_bytes = 0;
+};
+
+struct EvalOptions {
+  std::string config, weights, tokens, output, engine = "cpu";
+  bool grad = false;
+  int32_t world = 1;
+};
+
+// tokens [B, S] from a safetensors file, I32 or I64 (values must fit int32).
+HostTensor<int32_t> read_tokens(const std::string& path) {
+  const SafetensorsFile f = SafetensorsFile::open(path);
+  DMOE_REQUIRE(f.has("tokens"), "{}: no tensor 'tokens' (expected tokens [batch, seq], I32 or I64); tensors "
+               "present: {}", path, fmt::join(f.names(), ", "));
+  const TensorInfo& t = f.info("tokens");
+  DMOE_REQUIRE(t.dtype == "I32" || t.dtype == "I64", "{}: tokens has dtype {}; allowed: I32, I64", path, t.dtype);
+  DMOE_REQUIRE(t.shape.size() == 2 && t.shape[0] >= 1 && t.shape[1] >= 2,
+               "{}: tokens has shape {}; expected [batch >= 1, seq >= 2]", path, shape_string(t.shape));
+  return f.read_i32("tokens");
+}
+
+}  // namespace
+
+Command add_init_model_command(CLI::App& app) {
+  auto o = std::make_shared<InitModelOptions>();
+  CLI::App* sub = app.add_subcommand("init-model", "write a random Mixtral model (HF names and layout)");
+  sub->add_option("--config", o->config, "HF Mixtral config.json, or a named model in bench/models (e.g. tiny)")
+      ->required();
+  sub->add_option("--out", o->out, "model.safetensors to write (with --shard-bytes: the index.json)")->required();
+  sub->add_option("--seed", o->seed, "random seed");
+  sub->add_option("--shard-bytes", o->shard_bytes, "write shards of about this many bytes and an index.json")
+      ->check(CLI::NonNegativeNumber);
+  sub->add_option("--save-config", o->save_config, "also write the config as config.json here");
+  return [o] {
+    const MixtralConfig c = load_mixtral_config(find_model_config_file(o->config));
+    const MixtralWeights w = random_mixtral_weights(c, o->seed);
+    save_mixtral_checkpoint(o->out, w, c, o->shard_bytes);
+    if (!o->save_config.empty()) save_mixtral_config(c, o->save_config);
+    std::printf("wrote %s: %s\n", o->out.c_str(), c.summary().c_str());
+    return 0;
+  };
+}
+
+Command add_eval_command(CLI::App& app) {
+  auto o = std::make_shared<EvalOptions>();
+  CLI::App* sub = app.add_subcommand("eval", "forward (and backward) of a whole Mixtral model on a token batch");
+  sub->add_option("--config", o->config,
+                  "HF Mixtral config.json (or its model directory), or a named model in bench/models")->required();
+  sub->add_option("--weights", o->weights,
+                  "model.safetensors, a sharded model.safetensors.index.json, or a model directory")
+      ->required();
+  sub->add_option("--tokens", o->tokens, "safetensors file with tokens [batch, seq] (I32 or I64)")->required();
+  sub->add_option("--output", o->output, "safetensors file for logits, loss (and grad.<name>)")->required();
+  sub->add_flag("--grad", o->grad, "also run backward and write grad.<HF name> for every parameter");
+  sub->add_option("--world", o->world, "simulated ranks: batch split over ranks, experts sharded E/W")
+      ->check(CLI::PositiveNumber);
+  sub->add_option("--engine", o->engine, "cpu (the only engine for whole models so far)");
+  return [o] {
+    DMOE_REQUIRE(o->engine == "cpu", "--engine {}: whole-model eval runs on the CPU engine only (allowed: cpu)",
+                 o->engine);
+    const MixtralConfig c = load_mixtral_config(find_model_config_file(o->config));
+    const HostTensor<int32_t> tokens = read_tokens(o->tokens);
+    const int64_t B = tokens.shape[0], S = tokens.shape[1], V = c.vocab_size;
+    c.check_sequence(S);
+    const MixtralWeights w = load_mixtral_weights(CheckpointReader::open(o->weights), c);
+    const EvalResult r = run_cpu_model(c, w, tokens.values, B, S, o->world, o->grad);
+
+    SafetensorsWriter out;
+    out.add_f32("logits", {B, S, V}, r.logits);
+    const float loss = float(r.loss), ce = float(r.ce_loss), aux = float(r.aux_loss);
+    out.add_f32("loss", {}, &loss);
+    out.add_f32("ce_loss", {}, &ce);
+    out.add_f32("aux_loss", {}, &aux);
+    if (o->grad) add_mixtral_tensors(out, r.grads, c, "grad.");
+    out.set_metadata("producer", "dmoe eval");
+    out.set_metadata("config", c.summary());
+    out.set_metadata("loss", fmt::format("{:.17g}", r.loss));
+    out.write(o->output);
+    std::printf("%s | batch %lld x %lld | world %d | loss %.6f (ce %.6f, aux %.6f) | wrote %s\n",
+                c.summary().c_str(), (long long)B, (long long)S, o->world, r.loss, r.ce_loss, r.aux_loss,
+                o->output.c_str());
+    return 0;
+  };
+}
+
+}  // namespace dmoe::cli
