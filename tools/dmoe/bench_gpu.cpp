@@ -23,6 +23,7 @@
 #include "core/flash_protocol.hpp"
 #include "cuda/check.hpp"
 #include "cuda/cuda_backend.hpp"
+#include "flash/flash_engine.hpp"
 #include "model/checkpoint.hpp"
 #include "model/config_io.hpp"
 #include "model/moe_weights.hpp"
@@ -184,6 +185,19 @@ int run_gpu_layer_bench(const GpuBenchArgs& a) {
       j["flash_speedup_vs_ep"] = r.forward.median_ms / fms;
       j["flash_routing_equal"] = r.flash_routing_equal;
       j["flash_grid"] = r.flash_grid;
+      const FlashProfileSummary ps = summarize_flash_profile(r.flash_profile, r.flash_grid);
+      std::printf("flash inside the kernel (one profiled forward, %d blocks): span %.3f ms, processors busy %.0f %%, "
+                  "producer waiting for inputs median %.3f ms (max %.3f), %.0f tasks per block\n", r.flash_grid,
+                  ps.span_ms, 100.0 * ps.processors_busy, ps.producer_wait_median_ms, ps.producer_wait_max_ms,
+                  ps.tasks_per_block_median);
+      nlohmann::json phases = nlohmann::json::array();
+      for (const auto& ph : ps.phases) {
+        std::printf("flash phase  %-36s median %.3f ms  max %.3f ms\n", ph.name, ph.median_ms, ph.max_ms);
+        phases.push_back({{"phase", ph.name}, {"median_ms", ph.median_ms}, {"max_ms", ph.max_ms}});
+      }
+      j["flash_phases"] = phases;
+      j["flash_span_ms"] = ps.span_ms;
+      j["flash_processors_busy"] = ps.processors_busy;
     }
     std::printf("%-16s %3d %10.3f %8.3f %8.3f %9.1f %9.1f  (forward that keeps what backward needs; the row "
                 "above keeps nothing)\n", (r.engine + " train").c_str(), env.world, r.forward_train.median_ms,
