@@ -63,12 +63,13 @@ constexpr int kTileRing = 2;
 constexpr int kBarrierBytes = 8 * (2 * kStages + 2 * kTileRing) + 4 * kTileRing;
 constexpr int kGateTokens = 64;                       // tokens per gate chunk (4 mma row groups of 16)
 constexpr int kGateStages = 4;                        // gate chunks of 64 columns in flight
-constexpr int kGateRow = 72;                          // staged row: 64 columns + 8 of padding (bank spread)
+constexpr int kGateBarrierOffset = 128;               // the gate's kGateStages mbarriers, in the barrier block
 constexpr int kMaxGateTasks = 2;                      // warp tasks per warp: 4·ceil(E/32)/12 <= 2 -> E <= 192
 constexpr int kMaxSmem = 232448;
 constexpr int kTableBase = 1024 + kRingBytes + 256;   // tables start after the aligned ring and barriers
 
-static_assert(kBarrierBytes <= 256, "barriers fit their 256 bytes");
+static_assert(kBarrierBytes <= kGateBarrierOffset && kGateBarrierOffset + 8 * kGateStages <= 256,
+              "the tile engine's and the gate's barriers fit their 256 bytes");
 
 // Shared-memory tables that live through the whole kernel (int32 unless said).
 struct TableLayout {
@@ -103,8 +104,8 @@ __host__ __device__ inline ScratchLayout scratch_layout(int32_t E, int32_t k, in
   s.kept = at;     at += 4 * W * E;
   s.column = at;   at += 4 * E;
   s.begin = at;    at += 4 * E;
-  at = (at + 127) / 128 * 128;
-  s.gate_stage = at; at += kGateStages * 2 * kGateRow * (kGateTokens + E);  // bf16 [S][64 + E rows][kGateRow]
+  at = (at + 1023) / 1024 * 1024;  // TMA's 128-byte swizzle: stages on 1024-byte boundaries
+  s.gate_stage = at; at += kGateStages * (kGateTokens * 128 + (E * 128 + 1023) / 1024 * 1024);
   s.bytes = at;
   return s;
 }
@@ -113,9 +114,10 @@ int smem_bytes_for(const flash::Shape& s) {
   return kTableBase + table_layout(s.local_experts(), s.world).bytes;
 }
 
-// TMA maps of the operands: recv [2R, H] (both parities), h [R, I], w1/w3 [Le·I, H], w2 [Le·H, I].
+// TMA maps of the operands: recv [2R, H] (both parities), h [R, I], w1/w3 [Le·I, H], w2 [Le·H, I]; the gate's
+// x [T, H] (boxes of 64 rows) and gate [E, H] (one box of E rows).
 struct TileMaps {
-  CUtensorMap recv, h, w1, w3, w2;
+  CUtensorMap recv, h, w1, w3, w2, x, gate;
 };
 
 struct KernelArgs {
@@ -188,7 +190,7 @@ __device__ void grid_barrier(const KernelArgs& a, uint32_t epoch) {
 // ---- gate ------------------------------------------------------------------------------------------------
 // This block's tokens [t_begin, t_end): ids, weights, and slot[t·k+j] = rank of t among this block's tokens
 // routed to ids[t,j]; block_counts[block][e] = this block's tokens routed to e.
-__device__ void gate_role(const KernelArgs& a, uint8_t* scratch, int64_t t_begin, int64_t t_end) {
+__device__ void gate_role(const KernelArgs& a, const TileMaps& maps, uint8_t* scratch, int64_t t_begin, int64_t t_end) {
   const flash::Shape& s = a.p.shape;
   const int32_t E = s.experts, k = s.top_k;
   const int64_t H = s.hidden;
@@ -205,6 +207,7 @@ __device__ void gate_role(const KernelArgs& a, uint8_t* scratch, int64_t t_begin
   const int stride = E + 1;
 
   for (int32_t e = threadIdx.x; e < E; e += blockDim.x) counts[e] = 0;
+  uint32_t gate_seq = 0;  // chunks loaded so far: stage = seq % S, mbarrier parity = (seq / S) & 1
   for (int64_t c0 = t_begin; c0 < t_end; c0 += kGateTokens) {
     const int32_t n = int32_t(min(int64_t(kGateTokens), t_end - c0));
     // logits [n, E] = x[c0 .. c0+n) · wgᵀ on tensor cores. K in chunks of 64 columns staged in shared memory by
@@ -215,28 +218,16 @@ __device__ void gate_role(const KernelArgs& a, uint8_t* scratch, int64_t t_begin
     const int32_t expert_groups = (E + 31) / 32;
     const int32_t tasks = 4 * expert_groups;
     const int32_t my_tasks = (tasks - warp + kThreads / 32 - 1) / (kThreads / 32);  // <= kMaxGateTasks
-    __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(scratch + sc.gate_stage);
-    __nv_bfloat16* ws = xs + kGateStages * kGateTokens * kGateRow;
-    auto stage = [&](int64_t k0, int buf) {
-      __nv_bfloat16* xb = xs + buf * kGateTokens * kGateRow;
-      __nv_bfloat16* wb = ws + int64_t(buf) * E * kGateRow;
-      for (int32_t i = threadIdx.x; i < (kGateTokens + E) * 8; i += kThreads) {
-        const int32_t row = i / 8, chunk = i % 8;
-        const int64_t col = k0 + chunk * 8;
-        const uint32_t bytes = col < H ? 16u : 0u;  // zero fill past H
-        const __nv_bfloat16* src;
-        uint32_t dst;
-        if (row < kGateTokens) {
-          src = x + (c0 + min(row, n - 1)) * H + (bytes ? col : 0);
-          dst = smem_u32(xb + row * kGateRow + chunk * 8);
-        } else {
-          src = wg + int64_t(row - kGateTokens) * H + (bytes ? col : 0);
-          dst = smem_u32(wb + (row - kGateTokens) * kGateRow + chunk * 8);
-        }
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
-      }
-      asm volatile("cp.async.commit_group;" ::: "memory");
-    };
+    // K in chunks of 64 columns, each a TMA box of x [64 rows] and of the gate [E rows] (128-byte swizzle,
+    // zeros past H and past T), kGateStages chunks in flight, one mbarrier per stage. Thread 0 issues; the
+    // stage of chunk ck - 1 is refilled after the barrier that ends its use (and a proxy fence: generic reads
+    // before async-proxy writes).
+    uint8_t* stage_base = scratch + sc.gate_stage;
+    const int x_stage_bytes = kGateTokens * 128, w_stage_bytes = (E * 128 + 1023) / 1024 * 1024;
+    auto x_stage = [&](int st) { return stage_base + st * (x_stage_bytes + w_stage_bytes); };
+    auto w_stage = [&](int st) { return x_stage(st) + x_stage_bytes; };
+    const uint32_t gate_bars = smem_u32(scratch) + kRingBytes + kGateBarrierOffset;
+    const uint32_t stage_bytes = uint32_t(kGateTokens * 128 + E * 128);
     float acc[kMaxGateTasks][4][4];
 #pragma unroll
     for (int m = 0; m < kMaxGateTasks; ++m)
@@ -245,45 +236,53 @@ __device__ void gate_role(const KernelArgs& a, uint8_t* scratch, int64_t t_begin
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[m][nt][i] = 0.f;
     const int32_t q = lane % 4, rr = lane / 4;
-    // kGateStages chunks in flight (the loads are L2/DRAM latency-bound: one chunk at a time measured 3 µs
-    // per chunk). Buffer (ck + S - 1) % S is refilled right after the barrier that ends chunk ck - 1's use.
     const int64_t chunks = (H + 63) / 64;
-    for (int st = 0; st < kGateStages - 1; ++st) {
-      if (st < chunks) stage(st * 64, st);
-      else asm volatile("cp.async.commit_group;" ::: "memory");
-    }
+    auto load_chunk = [&](int64_t ck) {  // thread 0 only
+      const uint32_t g = gate_seq + uint32_t(ck);
+      const int st = int(g % kGateStages);
+      const uint32_t bar = gate_bars + 8 * st;
+      fence_async_shared();
+      mbar_expect_tx(bar, stage_bytes);
+      tma_load_2d(smem_u32(x_stage(st)), &maps.x, int32_t(ck * 64), int32_t(c0), bar);
+      tma_load_2d(smem_u32(w_stage(st)), &maps.gate, int32_t(ck * 64), 0, bar);
+    };
+    if (threadIdx.x == 0)
+      for (int64_t ck = 0; ck < kGateStages - 1 && ck < chunks; ++ck) load_chunk(ck);
     for (int64_t ck = 0; ck < chunks; ++ck) {
-      const int buf = int(ck % kGateStages);
-      asm volatile("cp.async.wait_group %0;" ::"n"(kGateStages - 2) : "memory");
-      __syncthreads();
-      if (ck + kGateStages - 1 < chunks) stage((ck + kGateStages - 1) * 64, int((ck + kGateStages - 1) % kGateStages));
-      else asm volatile("cp.async.commit_group;" ::: "memory");
-      const __nv_bfloat16* xb = xs + buf * kGateTokens * kGateRow;
-      const __nv_bfloat16* wb = ws + int64_t(buf) * E * kGateRow;
+      const uint32_t g = gate_seq + uint32_t(ck);
+      const int st = int(g % kGateStages);
+      flash_mbar_wait(gate_bars + 8 * st, (g / kGateStages) & 1, flash::kWaitSlotFull, st, a, flash::kRoleGate);
+      __syncthreads();  // every warp is done with chunk ck - 1's stage
+      if (threadIdx.x == 0 && ck + kGateStages - 1 < chunks) load_chunk(ck + kGateStages - 1);
+      const uint8_t* xb = x_stage(st);
+      const uint8_t* wb = w_stage(st);
+      // 128-byte swizzle: 16-byte chunk c of row r sits at r·128 + ((c ^ (r % 8)) · 16).
+      auto word = [](const uint8_t* base, int32_t row, int kk, int half, int q4) {
+        const int chunk = (2 * kk + half) ^ (row & 7);
+        return *reinterpret_cast<const uint32_t*>(base + row * 128 + chunk * 16 + q4 * 4);
+      };
 #pragma unroll
       for (int m = 0; m < kMaxGateTasks; ++m) {
         if (m >= my_tasks) break;
         const int32_t task = warp + m * (kThreads / 32);
         const int32_t tg = task % 4, eg = task / 4;
         if (tg * 16 >= n) continue;
-        const uint32_t* x0 = reinterpret_cast<const uint32_t*>(xb + (tg * 16 + rr) * kGateRow);
-        const uint32_t* x1 = reinterpret_cast<const uint32_t*>(xb + (tg * 16 + rr + 8) * kGateRow);
+        const int32_t r0 = tg * 16 + rr, r1 = r0 + 8;
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
-          const int w0 = kk * 8 + q, w1 = kk * 8 + 4 + q;  // 32-bit words: columns 16kk + 2q and 16kk + 8 + 2q
-          const uint32_t af[4] = {x0[w0], x1[w0], x0[w1], x1[w1]};
+          const uint32_t af[4] = {word(xb, r0, kk, 0, q), word(xb, r1, kk, 0, q), word(xb, r0, kk, 1, q),
+                                  word(xb, r1, kk, 1, q)};
 #pragma unroll
           for (int nt = 0; nt < 4; ++nt) {
-            const uint32_t* wrow =
-                reinterpret_cast<const uint32_t*>(wb + min(eg * 32 + nt * 8 + rr, E - 1) * kGateRow);
-            const uint32_t bfr[2] = {wrow[w0], wrow[w1]};
+            const int32_t e = min(eg * 32 + nt * 8 + rr, E - 1);
+            const uint32_t bfr[2] = {word(wb, e, kk, 0, q), word(wb, e, kk, 1, q)};
             mma_16816(acc[m][nt], af, bfr);
           }
         }
       }
     }
-    asm volatile("cp.async.wait_group 0;" ::: "memory");
-    __syncthreads();
+    gate_seq += uint32_t(chunks);
+    __syncthreads();  // the stages are free for the next token chunk
 #pragma unroll
     for (int m = 0; m < kMaxGateTasks; ++m) {
       if (m >= my_tasks) break;
@@ -589,6 +588,7 @@ __device__ void processor_role(const KernelArgs& a, const TileMaps& maps, uint8_
     // the consumers get 216 (128·64 + 256·216 <= 64 Ki registers per SM) and do not spill there.
     asm volatile("setmaxnreg.dec.sync.aligned.u32 64;");
     if (threadIdx.x == 0) {
+    fence_async_shared();  // the ring held the gate's and dispatch's tables (generic writes) until now
     uint64_t landed = 0;  // sources whose ready signal this block has seen (W <= 64; else always re-read)
     uint64_t waited_ns = 0, tasks_run = 0;
     int32_t next = int32_t(blockIdx.x);
@@ -811,6 +811,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_init(bars + 8 * (2 * kStages + r), 1);
       mbar_init(bars + 8 * (2 * kStages + kTileRing + r), kConsumers * 128);
     }
+    for (int st = 0; st < kGateStages; ++st) mbar_init(bars + kGateBarrierOffset + 8 * st, 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&maps.recv)) : "memory");
     asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&maps.w1)) : "memory");
@@ -824,7 +825,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
   const uint32_t epoch = uint32_t(*epoch_s);
   if (threadIdx.x == 0) stamp(a, flash::kStampStart);
-  gate_role(a, smem, t_begin, t_end);
+  gate_role(a, maps, smem, t_begin, t_end);
   if (threadIdx.x == 0) stamp(a, flash::kStampGate);
   grid_barrier(a, epoch);
   if (threadIdx.x == 0) stamp(a, flash::kStampBarrier);
@@ -960,6 +961,8 @@ void flash_forward(const flash::Params& p, cudaStream_t stream) {
   maps.w3 = s.activation == Activation::swiglu ? make_kmajor_map(p.w3, int64_t(Le) * s.ffn, s.hidden, up_out, kBK)
                                                : maps.w1;
   maps.w2 = make_kmajor_map(p.w2, int64_t(Le) * s.hidden, s.ffn, kTileCols, kBK);
+  maps.x = make_kmajor_map(p.x, s.tokens, s.hidden, kGateTokens, kBK);
+  maps.gate = make_kmajor_map(p.gate, s.experts, s.hidden, s.experts, kBK);
   switch (s.activation) {
     case Activation::relu: return launch<Activation::relu>(args, maps, stream);
     case Activation::gelu: return launch<Activation::gelu>(args, maps, stream);
