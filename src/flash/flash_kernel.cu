@@ -557,7 +557,7 @@ __device__ void processor_role(const KernelArgs& a, const TileMaps& maps, uint8_
   constexpr bool kGated = A == Activation::swiglu;
   constexpr int kUpOut = kGated ? kTileCols / 2 : kTileCols;  // h columns per up tile
   const flash::Shape& s = a.p.shape;
-  const int32_t W = s.world, Le = s.local_experts(), k = s.top_k;
+  const int32_t W = s.world, Le = s.local_experts();
   const int64_t H = s.hidden, I = s.ffn, R = a.recv_rows;
   const uint32_t parity = epoch & 1;
   const TableLayout tl = table_layout(Le, W);
@@ -588,65 +588,65 @@ __device__ void processor_role(const KernelArgs& a, const TileMaps& maps, uint8_
     // the consumers get 216 (128·64 + 256·216 <= 64 Ki registers per SM) and do not spill there.
     asm volatile("setmaxnreg.dec.sync.aligned.u32 64;");
     if (threadIdx.x == 0) {
-    fence_async_shared();  // the ring held the gate's and dispatch's tables (generic writes) until now
-    uint64_t landed = 0;  // sources whose ready signal this block has seen (W <= 64; else always re-read)
-    uint64_t waited_ns = 0, tasks_run = 0;
-    int32_t next = int32_t(blockIdx.x);
-    uint32_t it = 0;
-    for (uint32_t i = 0;; ++i) {
-      const int32_t t = next < tasks ? next : -1;
-      const int r = int(i % kTileRing);
-      flash_mbar_wait(tile_empty(r), ((i / kTileRing) & 1) ^ 1, flash::kWaitRingEmpty, r, a, flash::kRoleProducer);
-      st_shared_volatile(tile_ring + 4 * r, t);
-      mbar_arrive(tile_full(r));
-      if (t < 0) break;
-      next = int32_t(gridDim.x) + int32_t(atomicAdd(&ctl->task_counter, 1u));
-      ++tasks_run;
-      const unsigned long long wait_start = a.p.profile != nullptr ? global_time_ns() : 0;
-      const flash::Task task = flash::decode_task(offsets, row_tile_base, expert_rows, Le, t);
-      const int32_t rows = expert_rows[task.expert];
-      const int32_t lo = task.m_tile * kTileRows, hi = min(rows, lo + kTileRows);
-      if (!task.down) {
-        const int32_t* seg = seg_begin + task.expert * (W + 1);
-        for (int32_t src = 0; src < W; ++src) {
-          if (seg[src + 1] <= lo || seg[src] >= hi) continue;  // no rows of this source in the tile
-          if (src < 64 && (landed >> src & 1)) continue;
-          const uint64_t* ready = reinterpret_cast<const uint64_t*>(a.p.symmetric + a.sl.ready) + parity * W + src;
-          wait_flag([&] { return ld_acquire_sys(ready); },
-                    [&](uint64_t v) { return flash::signal_epoch(v) == epoch; }, a, flash::kRoleProducer,
-                    flash::kWaitRowsReady, src, flash::make_signal(epoch, 1));
-          if (src < 64) landed |= uint64_t(1) << src;
-        }
-      } else {
-        const uint32_t* counter = up_done + task.row_tile;
-        const uint64_t target = uint64_t(kConsumers) * uint64_t(up_cols);
-        wait_flag([&] { return uint64_t(ld_acquire_gpu(counter)); }, [&](uint64_t v) { return v >= target; }, a,
-                  flash::kRoleProducer, flash::kWaitUpDone, task.row_tile, target);
-      }
-      if (a.p.profile != nullptr) waited_ns += global_time_ns() - wait_start;
-      fence_proxy_async_global();  // rows written by other blocks/GPUs, read next by TMA
-      const int32_t k_blocks = int32_t(((task.down ? I : H) + kBK - 1) / kBK);
-      const int32_t a_row = int32_t(expert_begin[task.expert] + lo + (task.down ? 0 : int64_t(parity) * R));
-      for (int32_t kb = 0; kb < k_blocks; ++kb, ++it) {
-        const int st = int(it % kStages);
-        flash_mbar_wait(empty(st), ((it / kStages) & 1) ^ 1, flash::kWaitSlotEmpty, st, a, flash::kRoleProducer);
-        mbar_expect_tx(full(st), kStageBytes);
+      fence_async_shared();  // the ring held the gate's and dispatch's tables (generic writes) until now
+      uint64_t landed = 0;  // sources whose ready signal this block has seen (W <= 64; else always re-read)
+      uint64_t waited_ns = 0, tasks_run = 0;
+      int32_t next = int32_t(blockIdx.x);
+      uint32_t it = 0;
+      for (uint32_t i = 0;; ++i) {
+        const int32_t t = next < tasks ? next : -1;
+        const int r = int(i % kTileRing);
+        flash_mbar_wait(tile_empty(r), ((i / kTileRing) & 1) ^ 1, flash::kWaitRingEmpty, r, a, flash::kRoleProducer);
+        st_shared_volatile(tile_ring + 4 * r, t);
+        mbar_arrive(tile_full(r));
+        if (t < 0) break;
+        next = int32_t(gridDim.x) + int32_t(atomicAdd(&ctl->task_counter, 1u));
+        ++tasks_run;
+        const unsigned long long wait_start = a.p.profile != nullptr ? global_time_ns() : 0;
+        const flash::Task task = flash::decode_task(offsets, row_tile_base, expert_rows, Le, t);
+        const int32_t rows = expert_rows[task.expert];
+        const int32_t lo = task.m_tile * kTileRows, hi = min(rows, lo + kTileRows);
         if (!task.down) {
-          const int32_t b_row = int32_t(int64_t(task.expert) * I + int64_t(task.n_tile) * kUpOut);
-          tma_load_2d(slot_a(st), &maps.recv, kb * kBK, a_row, full(st));
-          tma_load_2d(slot_b(st), &maps.w1, kb * kBK, b_row, full(st));
-          if constexpr (kGated) tma_load_2d(slot_b(st) + kUpOut * kRowBytes, &maps.w3, kb * kBK, b_row, full(st));
+          const int32_t* seg = seg_begin + task.expert * (W + 1);
+          for (int32_t src = 0; src < W; ++src) {
+            if (seg[src + 1] <= lo || seg[src] >= hi) continue;  // no rows of this source in the tile
+            if (src < 64 && (landed >> src & 1)) continue;
+            const uint64_t* ready = reinterpret_cast<const uint64_t*>(a.p.symmetric + a.sl.ready) + parity * W + src;
+            wait_flag([&] { return ld_acquire_sys(ready); },
+                      [&](uint64_t v) { return flash::signal_epoch(v) == epoch; }, a, flash::kRoleProducer,
+                      flash::kWaitRowsReady, src, flash::make_signal(epoch, 1));
+            if (src < 64) landed |= uint64_t(1) << src;
+          }
         } else {
-          const int32_t b_row = int32_t(int64_t(task.expert) * H + int64_t(task.n_tile) * kTileCols);
-          tma_load_2d(slot_a(st), &maps.h, kb * kBK, a_row, full(st));
-          tma_load_2d(slot_b(st), &maps.w2, kb * kBK, b_row, full(st));
+          const uint32_t* counter = up_done + task.row_tile;
+          const uint64_t target = uint64_t(kConsumers) * uint64_t(up_cols);
+          wait_flag([&] { return uint64_t(ld_acquire_gpu(counter)); }, [&](uint64_t v) { return v >= target; }, a,
+                    flash::kRoleProducer, flash::kWaitUpDone, task.row_tile, target);
+        }
+        if (a.p.profile != nullptr) waited_ns += global_time_ns() - wait_start;
+        fence_proxy_async_global();  // rows written by other blocks/GPUs, read next by TMA
+        const int32_t k_blocks = int32_t(((task.down ? I : H) + kBK - 1) / kBK);
+        const int32_t a_row = int32_t(expert_begin[task.expert] + lo + (task.down ? 0 : int64_t(parity) * R));
+        for (int32_t kb = 0; kb < k_blocks; ++kb, ++it) {
+          const int st = int(it % kStages);
+          flash_mbar_wait(empty(st), ((it / kStages) & 1) ^ 1, flash::kWaitSlotEmpty, st, a, flash::kRoleProducer);
+          mbar_expect_tx(full(st), kStageBytes);
+          if (!task.down) {
+            const int32_t b_row = int32_t(int64_t(task.expert) * I + int64_t(task.n_tile) * kUpOut);
+            tma_load_2d(slot_a(st), &maps.recv, kb * kBK, a_row, full(st));
+            tma_load_2d(slot_b(st), &maps.w1, kb * kBK, b_row, full(st));
+            if constexpr (kGated) tma_load_2d(slot_b(st) + kUpOut * kRowBytes, &maps.w3, kb * kBK, b_row, full(st));
+          } else {
+            const int32_t b_row = int32_t(int64_t(task.expert) * H + int64_t(task.n_tile) * kTileCols);
+            tma_load_2d(slot_a(st), &maps.h, kb * kBK, a_row, full(st));
+            tma_load_2d(slot_b(st), &maps.w2, kb * kBK, b_row, full(st));
+          }
         }
       }
-    }
-    if (a.p.profile != nullptr) {
-      a.p.profile[int64_t(blockIdx.x) * flash::kProfileSlots + flash::kProducerWaitNs] = waited_ns;
-      a.p.profile[int64_t(blockIdx.x) * flash::kProfileSlots + flash::kTasksRun] = tasks_run;
-    }
+      if (a.p.profile != nullptr) {
+        a.p.profile[int64_t(blockIdx.x) * flash::kProfileSlots + flash::kProducerWaitNs] = waited_ns;
+        a.p.profile[int64_t(blockIdx.x) * flash::kProfileSlots + flash::kTasksRun] = tasks_run;
+      }
     }
     return;  // the producer warpgroup ends here, as the grouped GEMM's does
   }
@@ -776,7 +776,6 @@ __device__ void processor_role(const KernelArgs& a, const TileMaps& maps, uint8_
   if (threadIdx.x == 128) stamp(a, flash::kStampTasksDone);
   asm volatile("bar.sync 3, 256;" ::: "memory");  // both consumer warpgroups: no task left
   combine_role(a, tables, t_begin, t_end, epoch);
-  (void)k;
 }
 
 #endif  // DMOE_SM90A_DEVICE
