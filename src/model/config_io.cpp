@@ -6,6 +6,7 @@
 #include <sstream>
 
 #include "core/error.hpp"
+#include "core/output_file.hpp"
 
 namespace dmoe {
 namespace {
@@ -163,11 +164,7 @@ MoeConfig load_config_file(const std::string& path) {
 }
 
 void save_config_file(const MoeConfig& config, const std::string& path) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  DMOE_REQUIRE(out.good(), "config file '{}': cannot be opened for writing", path);
-  out << config_to_json(config).dump(2) << '\n';
-  out.close();
-  DMOE_REQUIRE(!out.fail(), "config file '{}': write failed", path);
+  write_file_atomically(path, config_to_json(config).dump(2) + "\n");
 }
 
 }  // namespace dmoe

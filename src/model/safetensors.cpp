@@ -16,6 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.hpp"
+#include "core/output_file.hpp"
 
 namespace dmoe {
 
@@ -512,22 +513,7 @@ std::vector<uint8_t> SafetensorsWriter::serialize() const {
 }
 
 void SafetensorsWriter::write(const std::string& path) const {
-  const std::vector<uint8_t> bytes = serialize();
-  const std::string tmp = path + ".tmp";
-  std::FILE* f = std::fopen(tmp.c_str(), "wb");
-  DMOE_REQUIRE(f, "safetensors writer: cannot open '{}' for writing: {}", tmp, std::strerror(errno));
-  const bool wrote = std::fwrite(bytes.data(), 1, bytes.size(), f) == bytes.size();
-  const bool closed = std::fclose(f) == 0;
-  if (!wrote || !closed) {
-    std::remove(tmp.c_str());
-    DMOE_FAIL("safetensors writer: writing '{}' failed ({} bytes): {}", tmp, bytes.size(), std::strerror(errno));
-  }
-  std::error_code ec;
-  std::filesystem::rename(tmp, path, ec);
-  if (ec) {
-    std::remove(tmp.c_str());
-    DMOE_FAIL("safetensors writer: cannot rename '{}' to '{}': {}", tmp, path, ec.message());
-  }
+  write_file_atomically(path, serialize());
 }
 
 }  // namespace dmoe

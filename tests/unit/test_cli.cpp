@@ -154,6 +154,58 @@ TEST_F(Cli, BenchPrintsTableAndJson) {
   EXPECT_EQ(j[1]["max_abs_diff_vs_single_rank"], 0.0);
 }
 
+std::string file_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+TEST_F(Cli, RunRefusesAnOutputThatIsOneOfItsInputs) {
+  ASSERT_EQ(run_cli("init --tokens 4 --hidden 8 --ffn 8 --experts 4 --top-k 2 --out " + p("w.safetensors") +
+                    " --input " + p("x.safetensors") + " --grad-output " + p("dy.safetensors") + " --save-config " +
+                    p("c.json")).status, 0);
+  const std::string x = file_bytes(p("x.safetensors")), w = file_bytes(p("w.safetensors"));
+  fs::create_hard_link(p("w.safetensors"), p("w_link.safetensors"));
+  const std::string args = "run --config " + p("c.json") + " --weights " + p("w.safetensors") + " --input " +
+                           p("x.safetensors") + " --grad-output " + p("dy.safetensors") + " --output ";
+  struct Case {
+    std::string output, option;
+  };
+  for (const Case& k : {Case{(dir_ / "." / "x.safetensors").string(), "--input"},
+                        Case{p("w_link.safetensors"), "--weights"}, Case{p("dy.safetensors"), "--grad-output"},
+                        Case{p("c.json"), "--config"}}) {
+    const auto r = run_cli(args + k.output);
+    EXPECT_EQ(r.status, 1) << r.output;
+    EXPECT_NE(r.output.find("--output '" + k.output + "' is the same file as " + k.option), std::string::npos)
+        << r.output;
+  }
+  EXPECT_EQ(file_bytes(p("x.safetensors")), x);
+  EXPECT_EQ(file_bytes(p("w.safetensors")), w);
+  // Not a regular file: refused before anything runs, and the device stays a device.
+  auto r = run_cli(args + "/dev/full");
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("'/dev/full' is a character device"), std::string::npos) << r.output;
+  EXPECT_TRUE(fs::is_character_file("/dev/full"));
+  // init's outputs may not coincide either.
+  r = run_cli("init --tokens 4 --hidden 8 --ffn 8 --experts 4 --top-k 2 --out " + p("a.safetensors") + " --input " +
+              (dir_ / "." / "a.safetensors").string());
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("are the same file"), std::string::npos) << r.output;
+  EXPECT_FALSE(fs::exists(p("a.safetensors")));
+}
+
+TEST_F(Cli, BenchJsonThatCannotBeWrittenIsRefusedBeforeTiming) {
+  const std::string bench = "bench --engine cpu --tokens 8 --hidden 16 --ffn 16 --experts 4 --top-k 2 -n 1 --repeat 1 "
+                            "--warmup 0 --json ";
+  for (const std::string& path : {std::string("/dev/full"), std::string("/proc/version"), p("no/such/dir/b.json"),
+                                  dir_.string()}) {
+    const auto r = run_cli(bench + path);
+    EXPECT_EQ(r.status, 1) << path << ": " << r.output;
+    EXPECT_NE(r.output.find("--json '" + path + "'"), std::string::npos) << r.output;
+    EXPECT_EQ(r.output.find("engine: cpu"), std::string::npos) << "timed before refusing: " << r.output;
+    EXPECT_EQ(r.output.find("wrote"), std::string::npos) << r.output;
+  }
+}
+
 TEST_F(Cli, HelpForEverySubcommand) {
   for (const char* sub : {"init", "run", "bench"}) {
     auto r = run_cli(std::string(sub) + " --help");

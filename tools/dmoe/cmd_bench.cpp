@@ -8,7 +8,6 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <fstream>
 
 #include <unistd.h>
 
@@ -19,6 +18,7 @@
 #include "core/error.hpp"
 #include "core/random.hpp"
 #include "engine/reference.hpp"
+#include "core/output_file.hpp"
 #include "options.hpp"
 
 namespace dmoe::cli {
@@ -103,6 +103,13 @@ Command add_bench_command(CLI::App& app) {
                   "place time (wrong results): E stores left out, M products and stores left out (e.g. b256,b256E)");
   sub->add_flag("--square", o->gemm_square, "gemm: also an 8192^3 product per variant");
   return [o] {
+    // A benchmark can run for minutes: find out now, not after it, that its JSON cannot be written.
+    if (!o->json_path.empty()) {
+      require_distinct_files({{"--json", o->json_path}},
+                             {{"--config", o->config.config_path.empty() ? std::string()
+                                                                         : find_config_file(o->config.config_path)}});
+      check_output_file(o->json_path, "--json");
+    }
     if (o->what == "gemm") {
       DMOE_REQUIRE(gpu_available(), "dmoe bench gemm times the own GPU kernel: no CUDA device is visible (or this "
                    "build has no CUDA)");
@@ -192,9 +199,7 @@ Command add_bench_command(CLI::App& app) {
                          {"flop_formula", "2*m*rows_kept*H*I + 2*W*T*H*E (m=3 swiglu, else 2); fwd+bwd = 3x"}});
     }
     if (!o->json_path.empty()) {
-      std::ofstream f(o->json_path);
-      DMOE_REQUIRE(f.good(), "cannot write {}", o->json_path);
-      f << results.dump(2) << "\n";
+      write_file_atomically(o->json_path, results.dump(2) + "\n");
       std::printf("wrote %s\n", o->json_path.c_str());
     }
     return 0;

@@ -6,6 +6,7 @@
 #include "core/random.hpp"
 #include "model/checkpoint.hpp"
 #include "model/config_io.hpp"
+#include "core/output_file.hpp"
 #include "options.hpp"
 
 namespace dmoe::cli {
@@ -49,6 +50,17 @@ Command add_init_command(CLI::App& app) {
     defaults.tokens = 64;
     MoeConfig c = resolve_config(o->config, defaults);
     c.validate();
+    // Before anything is generated: the outputs are distinct files, none is the --config read, and each
+    // can be written.
+    const std::vector<NamedPath> outputs{{"--out", o->out},
+                                         {"--input", o->input},
+                                         {"--grad-output", o->grad_output},
+                                         {"--save-config", o->save_config}};
+    require_distinct_files(outputs, {{"--config", o->config.config_path.empty()
+                                                      ? std::string()
+                                                      : find_config_file(o->config.config_path)}});
+    for (const NamedPath& out : outputs)
+      if (!out.path.empty()) check_output_file(out.path, out.option);
     const std::string prefix = o->prefix.empty() ? layer_prefix(o->layer) : o->prefix;
     MoeWeights w = random_moe_weights(c, o->seed);
     SafetensorsWriter writer;

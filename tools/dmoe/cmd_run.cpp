@@ -10,6 +10,7 @@
 #include "core/error.hpp"
 #include "engine/reference.hpp"
 #include "model/checkpoint.hpp"
+#include "core/output_file.hpp"
 #include "options.hpp"
 #include "run_gpu.hpp"
 
@@ -40,6 +41,14 @@ Command add_run_command(CLI::App& app) {
       ->check(CLI::IsMember({"cpu", "cuda"}));
   sub->add_option("--output-dtype", o->output_dtype, "dtype of written activations: f32 | bf16 (default: config dtype)");
   return [o] {
+    // Before anything is read or computed: the output must not be one of the inputs, and must be writable.
+    require_distinct_files({{"--output", o->output}},
+                           {{"--input", o->input},
+                            {"--weights", o->weights},
+                            {"--grad-output", o->grad_output},
+                            {"--config", o->config.config_path.empty() ? std::string()
+                                                                       : find_config_file(o->config.config_path)}});
+    check_output_file(o->output, "--output");
     const SafetensorsFile weights_file = SafetensorsFile::open(o->weights);
     const std::string prefix = o->prefix.empty() ? find_moe_prefix(weights_file, o->layer) : o->prefix;
     // Without --config the shapes come from the weights file; top_k must then be given.
