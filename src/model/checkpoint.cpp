@@ -1,6 +1,7 @@
 // checkpoint.cpp — MoE layer weights <-> safetensors under Mixtral names (see checkpoint.hpp).
 #include "model/checkpoint.hpp"
 
+#include <cmath>
 #include <cstdint>
 #include <set>
 
@@ -64,6 +65,15 @@ void add_layer(SafetensorsWriter& writer, const MoeWeights& w, const std::string
   }
 }
 
+// A NaN or Inf weight would turn every row routed through it into NaN with no error; refuse it on load,
+// naming the tensor and the first bad element. rows x cols floats at `values`.
+void require_finite(const SafetensorsFile& file, const std::string& name, const float* values, int64_t rows,
+                    int64_t cols) {
+  for (int64_t i = 0; i < rows * cols; ++i)
+    DMOE_REQUIRE(std::isfinite(values[i]), "checkpoint '{}': tensor '{}' [{}, {}] is {}; weights must be finite",
+                 file.source(), name, i / cols, i % cols, values[i]);
+}
+
 }  // namespace
 
 std::string layer_prefix(int layer) { return fmt::format("{}{}.block_sparse_moe.", kLayersPrefix, layer); }
@@ -101,6 +111,7 @@ MoeWeights load_moe_weights(const SafetensorsFile& file, const MoeConfig& config
   DMOE_REQUIRE(file.has(gate), "checkpoint '{}': gate tensor '{}' is missing (wrong prefix? see find_moe_prefix)",
                file.source(), gate);
   file.read_f32_into(gate, {config.experts, h}, w.gate.data());
+  require_finite(file, gate, w.gate.data(), config.experts, h);
 
   // A missing matrix is named with its expert; w3 in a non-SwiGLU load means the config does not match.
   auto load_matrix = [&](int32_t e, const char* matrix_name, std::vector<int64_t> shape, float* out) {
@@ -108,6 +119,7 @@ MoeWeights load_moe_weights(const SafetensorsFile& file, const MoeConfig& config
     DMOE_REQUIRE(file.has(name), "checkpoint '{}': expert {} tensor '{}' is missing ({} experts need {})",
                  file.source(), e, name, activation_name(config.activation), swiglu ? "w1, w3, w2" : "w1, w2");
     file.read_f32_into(name, shape, out);
+    require_finite(file, name, out, shape[0], shape[1]);
   };
   for (int32_t local = 0; local < num_experts; ++local) {
     const int32_t e = first_expert + local;

@@ -206,6 +206,79 @@ TEST_F(Cli, BenchJsonThatCannotBeWrittenIsRefusedBeforeTiming) {
   }
 }
 
+TEST_F(Cli, BenchNoBackwardReportsNoBackwardTime) {
+  auto r = run_cli("bench --engine cpu --tokens 8 --hidden 16 --ffn 16 --experts 4 --top-k 2 -n 1 --repeat 1 --warmup 0 "
+                   "--no-backward --json " + p("b.json"));
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("not timed"), std::string::npos) << r.output;
+  std::ifstream f(p("b.json"));
+  const auto j = nlohmann::json::parse(f);
+  ASSERT_EQ(j.size(), 1u);
+  EXPECT_FALSE(j[0].contains("forward_backward_ms")) << j.dump();
+  EXPECT_FALSE(j[0].contains("forward_backward_gflops")) << j.dump();
+}
+
+TEST_F(Cli, BenchWorldTakesEffectOnTheCpuEngine) {
+  const std::string bench = "bench --engine cpu --tokens 8 --hidden 16 --ffn 16 --experts 4 --top-k 2 --repeat 1 "
+                            "--warmup 0 --no-backward --world 2 ";
+  auto r = run_cli(bench + "--json " + p("b.json"));
+  ASSERT_EQ(r.status, 0) << r.output;
+  std::ifstream f(p("b.json"));
+  const auto j = nlohmann::json::parse(f);
+  ASSERT_EQ(j.size(), 1u);
+  EXPECT_EQ(j[0]["world"], 2);
+  r = run_cli(bench + "-n 1 4");
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("disagree"), std::string::npos) << r.output;
+}
+
+TEST_F(Cli, NonFiniteResultsAreAnErrorUnlessAllowed) {
+  ASSERT_EQ(run_cli("init --tokens 4 --hidden 8 --ffn 8 --experts 4 --top-k 2 --out " + p("w.safetensors")).status, 0);
+  {  // finite, but 1e38 overflows the experts' products
+    SafetensorsWriter big;
+    std::vector<float> x(4 * 8, 0.5f);
+    for (int j = 0; j < 8; ++j) x[1 * 8 + j] = 1e38f;
+    big.add_f32("x", {4, 8}, x, DType::f32);
+    big.write(p("xbig.safetensors"));
+  }
+  const std::string run = "run --top-k 2 --weights " + p("w.safetensors") + " --input " + p("xbig.safetensors") +
+                          " --output " + p("y.safetensors");
+  auto r = run_cli(run);
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("y[1, "), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("--allow-non-finite"), std::string::npos) << r.output;
+  EXPECT_FALSE(fs::exists(p("y.safetensors")));
+  r = run_cli(run + " --allow-non-finite");
+  EXPECT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("warning"), std::string::npos) << r.output;
+  EXPECT_TRUE(fs::exists(p("y.safetensors")));
+}
+
+TEST_F(Cli, ConfigTokensMustAgreeAndZeroIsNotReplaced) {
+  std::ofstream(p("c.json")) << R"({"tokens": 3, "hidden": 8, "ffn": 8, "experts": 4, "top_k": 2})";
+  ASSERT_EQ(run_cli("init --tokens 4 --hidden 8 --ffn 8 --experts 4 --top-k 2 --out " + p("w.safetensors") +
+                    " --input " + p("x.safetensors")).status, 0);
+  auto r = run_cli("run --config " + p("c.json") + " --weights " + p("w.safetensors") + " --input " +
+                   p("x.safetensors") + " --output " + p("y.safetensors"));
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("tokens = 3 per rank (from --config"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("4 rows"), std::string::npos) << r.output;
+  std::ofstream(p("c0.json")) << R"({"tokens": 0, "hidden": 8, "ffn": 8, "experts": 4, "top_k": 2})";
+  r = run_cli("init --config " + p("c0.json") + " --out " + p("w0.safetensors"));
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("tokens = 0 is invalid"), std::string::npos) << r.output;
+  // A config without top_k, or --top-k 0: the message gives the value and the rule.
+  r = run_cli("run --weights " + p("w.safetensors") + " --input " + p("x.safetensors") + " --output " +
+              p("y.safetensors"));
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("top_k = 0 is invalid: it must satisfy 1 <= top_k <= experts (4)"), std::string::npos)
+      << r.output;
+  r = run_cli("run --top-k 0 --weights " + p("w.safetensors") + " --input " + p("x.safetensors") + " --output " +
+              p("y.safetensors"));
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("top_k = 0 is invalid"), std::string::npos) << r.output;
+}
+
 TEST_F(Cli, HelpForEverySubcommand) {
   for (const char* sub : {"init", "run", "bench"}) {
     auto r = run_cli(std::string(sub) + " --help");

@@ -79,7 +79,8 @@ Command add_bench_command(CLI::App& app) {
   sub->add_option("what", o->what, "what to time: layer, or gemm (GPU: the own grouped GEMM's variants)")
       ->check(CLI::IsMember({"layer", "gemm"}));
   add_config_options(*sub, o->config);
-  sub->add_option("-n,--worlds", o->worlds, "simulated rank counts to run (each divides E)");
+  CLI::Option* worlds_option =
+      sub->add_option("-n,--worlds", o->worlds, "CPU: simulated rank counts to run (each divides E; --world W = -n W)");
   sub->add_option("--warmup", o->warmup, "untimed iterations first")->check(CLI::NonNegativeNumber);
   sub->add_option("--repeat", o->repeat, "timed iterations (median reported)")->check(CLI::PositiveNumber);
   sub->add_option("--json", o->json_path, "also write the results as JSON here");
@@ -102,7 +103,7 @@ Command add_bench_command(CLI::App& app) {
                   "schedule; to "
                   "place time (wrong results): E stores left out, M products and stores left out (e.g. b256,b256E)");
   sub->add_flag("--square", o->gemm_square, "gemm: also an 8192^3 product per variant");
-  return [o] {
+  return [o, worlds_option] {
     // A benchmark can run for minutes: find out now, not after it, that its JSON cannot be written.
     if (!o->json_path.empty()) {
       require_distinct_files({{"--json", o->json_path}},
@@ -154,6 +155,14 @@ Command add_bench_command(CLI::App& app) {
     defaults.top_k = 2;
     defaults.activation = Activation::swiglu;
     MoeConfig base = resolve_config(o->config, defaults);
+    // A world from --world or the config file is the one rank count to run, unless -n says otherwise.
+    std::vector<int32_t> worlds = o->worlds;
+    if (o->config.world || base.world != 1) {
+      DMOE_REQUIRE(worlds_option->count() == 0 || o->worlds == std::vector<int32_t>{base.world},
+                   "world = {} (from {}) and -n/--worlds {} disagree; give the rank counts once", base.world,
+                   o->config.world ? "--world" : "--config " + o->config.config_path, fmt::join(o->worlds, " "));
+      worlds = {base.world};
+    }
     base.world = 1;
     base.validate();
 
@@ -162,7 +171,7 @@ Command add_bench_command(CLI::App& app) {
                 o->repeat, o->warmup);
     std::printf("%-44s %3s %10s %9s %10s %11s %12s %12s\n", "config", "W", "fwd ms", "GFLOP/s", "fwd+bwd ms",
                 "GFLOP/s", "tokens/s", "max|y-ref|");
-    for (int32_t world : o->worlds) {
+    for (int32_t world : worlds) {
       MoeConfig c = base;
       c.world = world;
       c.validate();
@@ -188,15 +197,22 @@ Command add_bench_command(CLI::App& app) {
       const double m = c.activation == Activation::swiglu ? 3 : 2;
       const double flops = 2 * m * double(kept) * c.hidden * c.ffn + 2.0 * world * c.tokens * c.hidden * c.experts;
       const double tokens = double(world) * c.tokens;
-      std::printf("%-44s %3d %10.2f %9.2f %10.2f %11.2f %12.0f %12.3g\n", c.summary().c_str(), world, fwd.median_ms,
-                  flops / fwd.median_ms * 1e-6, both.median_ms, 3 * flops / std::max(both.median_ms, 1e-9) * 1e-6,
-                  tokens / fwd.median_ms * 1e3, diff);
-      results.push_back({{"engine", "cpu"}, {"config", c.summary()}, {"world", world},
-                         {"tokens_per_rank", c.tokens}, {"forward_ms", {{"median", fwd.median_ms}, {"min", fwd.min_ms}, {"max", fwd.max_ms}}},
-                         {"forward_backward_ms", {{"median", both.median_ms}, {"min", both.min_ms}, {"max", both.max_ms}}},
-                         {"forward_flop", flops}, {"forward_gflops", flops / fwd.median_ms * 1e-6},
-                         {"tokens_per_s", tokens / fwd.median_ms * 1e3}, {"max_abs_diff_vs_single_rank", diff},
-                         {"flop_formula", "2*m*rows_kept*H*I + 2*W*T*H*E (m=3 swiglu, else 2); fwd+bwd = 3x"}});
+      // With --no-backward the fwd+bwd columns say "not timed" and the JSON has no such keys: a zero time
+      // would print as an absurd rate.
+      const std::string both_ms = o->backward ? fmt::format("{:.2f}", both.median_ms) : "not timed";
+      const std::string both_rate = o->backward ? fmt::format("{:.2f}", 3 * flops / both.median_ms * 1e-6) : "-";
+      std::printf("%-44s %3d %10.2f %9.2f %10s %11s %12.0f %12.3g\n", c.summary().c_str(), world, fwd.median_ms,
+                  flops / fwd.median_ms * 1e-6, both_ms.c_str(), both_rate.c_str(), tokens / fwd.median_ms * 1e3, diff);
+      nlohmann::json row = {{"engine", "cpu"}, {"config", c.summary()}, {"world", world},
+                            {"tokens_per_rank", c.tokens}, {"forward_ms", {{"median", fwd.median_ms}, {"min", fwd.min_ms}, {"max", fwd.max_ms}}},
+                            {"forward_flop", flops}, {"forward_gflops", flops / fwd.median_ms * 1e-6},
+                            {"tokens_per_s", tokens / fwd.median_ms * 1e3}, {"max_abs_diff_vs_single_rank", diff},
+                            {"flop_formula", "2*m*rows_kept*H*I + 2*W*T*H*E (m=3 swiglu, else 2); fwd+bwd = 3x"}};
+      if (o->backward) {
+        row["forward_backward_ms"] = {{"median", both.median_ms}, {"min", both.min_ms}, {"max", both.max_ms}};
+        row["forward_backward_gflops"] = 3 * flops / both.median_ms * 1e-6;
+      }
+      results.push_back(row);
     }
     if (!o->json_path.empty()) {
       write_file_atomically(o->json_path, results.dump(2) + "\n");

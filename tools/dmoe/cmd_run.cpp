@@ -22,7 +22,28 @@ struct RunOptions {
   ConfigOptions config;
   std::string weights, input, output, grad_output, prefix, engine = "cpu", output_dtype;
   std::optional<int> layer;
+  bool allow_non_finite = false;
 };
+
+// "y[3, 5] is inf" for the first non-finite value of the results (losses, y, dx, gradients); "" if none.
+std::string first_non_finite(const LayerResult& r, const MoeConfig& c, bool backward) {
+  if (!std::isfinite(r.losses.load_balance)) return fmt::format("the load-balance loss is {}", r.losses.load_balance);
+  if (!std::isfinite(r.losses.z_loss)) return fmt::format("the z-loss is {}", r.losses.z_loss);
+  auto scan = [](const std::vector<float>& v, int64_t cols, const char* name) -> std::string {
+    for (size_t i = 0; i < v.size(); ++i)
+      if (!std::isfinite(v[i])) return fmt::format("{}[{}, {}] is {}", name, i / size_t(cols), i % size_t(cols), v[i]);
+    return "";
+  };
+  std::string bad = scan(r.y, c.hidden, "y");
+  if (bad.empty()) bad = scan(r.expert_weights, c.top_k, "expert_weights");
+  if (!backward) return bad;
+  if (bad.empty()) bad = scan(r.dx, c.hidden, "dx");
+  if (bad.empty()) bad = scan(r.grads.gate, c.hidden, "the gate's gradient");
+  if (bad.empty()) bad = scan(r.grads.w1, c.hidden, "the experts' w1 gradient (stacked)");
+  if (bad.empty()) bad = scan(r.grads.w3, c.hidden, "the experts' w3 gradient (stacked)");
+  if (bad.empty()) bad = scan(r.grads.w2, c.ffn, "the experts' w2 gradient (stacked)");
+  return bad;
+}
 
 }  // namespace
 
@@ -39,6 +60,8 @@ Command add_run_command(CLI::App& app) {
   sub->add_option("--engine", o->engine,
                   "cpu (reference engine; config world = simulated ranks) | cuda (this process's GPU, world 1)")
       ->check(CLI::IsMember({"cpu", "cuda"}));
+  sub->add_flag("--allow-non-finite", o->allow_non_finite,
+               "write results that hold NaN or Inf (by default they are an error and nothing is written)");
   sub->add_option("--output-dtype", o->output_dtype, "dtype of written activations: f32 | bf16 (default: config dtype)");
   return [o] {
     // Before anything is read or computed: the output must not be one of the inputs, and must be writable.
@@ -64,12 +87,18 @@ Command add_run_command(CLI::App& app) {
     DMOE_REQUIRE(c.world >= 1 && total % c.world == 0,
                  "{}: x has {} tokens, not divisible by world = {}", o->input, total, c.world);
     const int64_t per_rank = total / c.world;
-    // Tokens come from the input; an explicit --tokens must agree with it.
-    DMOE_REQUIRE(o->config.tokens.value_or(per_rank) == per_rank,
-                 "--tokens = {} per rank, but x holds {} tokens for {} ranks ({} per rank)", *o->config.tokens,
+    // Tokens come from the input; tokens given by --tokens or by the --config file must agree with it.
+    DMOE_REQUIRE(c.tokens == 0 || c.tokens == per_rank,
+                 "tokens = {} per rank ({}), but x in {} holds {} rows for world = {} ranks ({} per rank); drop "
+                 "tokens or make it match", c.tokens,
+                 o->config.tokens ? std::string("--tokens") : "from --config " + o->config.config_path, o->input,
                  total, c.world, per_rank);
     c.tokens = per_rank;
-    DMOE_REQUIRE(c.top_k >= 1, "top_k is unknown: pass --top-k or a --config that sets it");
+    DMOE_REQUIRE(c.top_k >= 1 || o->config.top_k,
+                 "top_k = {} is invalid: it must satisfy 1 <= top_k <= experts ({}), and {} does not set it; pass "
+                 "--top-k K", c.top_k, c.experts,
+                 o->config.config_path.empty() ? "a weights file does not record it, so"
+                                               : "--config " + o->config.config_path);
     c.validate();
 
     const std::vector<float> x = input.read_f32("x", {total, c.hidden});
@@ -92,6 +121,15 @@ Command add_run_command(CLI::App& app) {
 
     const LayerResult r = o->engine == "cuda" ? run_gpu_layer(c, w, x, dy.empty() ? nullptr : &dy)
                                               : run_cpu_layer(c, w, x, dy.empty() ? nullptr : &dy);
+
+    // Finite inputs and weights can still overflow (x ~ 1e38): a NaN or Inf in the results is an error by
+    // default, and nothing is written.
+    const std::string bad = first_non_finite(r, c, !dy.empty());
+    if (!bad.empty()) {
+      DMOE_REQUIRE(o->allow_non_finite, "{} (inputs and weights are finite: the layer overflowed float); nothing was "
+                   "written to {}; pass --allow-non-finite to write such results anyway", bad, o->output);
+      std::fprintf(stderr, "warning: %s; writing it anyway (--allow-non-finite)\n", bad.c_str());
+    }
 
     const DType out_dtype = o->output_dtype.empty() ? c.dtype : parse_dtype(o->output_dtype);
     SafetensorsWriter out;

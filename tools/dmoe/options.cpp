@@ -48,12 +48,9 @@ std::string find_config_file(const std::string& name) {
 
 MoeConfig resolve_config(const ConfigOptions& o, const MoeConfig& defaults) {
   MoeConfig c = defaults;
-  if (!o.config_path.empty()) {
-    MoeConfig file = load_config_file(find_config_file(o.config_path));
-    // Keep defaults for what a Mixtral config.json cannot say (tokens, world).
-    if (file.tokens == 0) file.tokens = c.tokens;
-    c = file;
-  }
+  // Keys the file does not have (a Mixtral config.json has no tokens or world) keep the defaults; a key
+  // it has, even "tokens": 0, is taken as written and validate() judges it.
+  if (!o.config_path.empty()) c = load_config_file(find_config_file(o.config_path), c);
   if (o.tokens) c.tokens = *o.tokens;
   if (o.hidden) c.hidden = *o.hidden;
   if (o.ffn) c.ffn = *o.ffn;
