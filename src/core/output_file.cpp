@@ -43,34 +43,34 @@ struct OutputTarget {
 
 OutputTarget resolve_output(const std::string& path, std::string_view option) {
   const std::string what = option.empty() ? fmt::format("output '{}'", path) : fmt::format("{} '{}'", option, path);
-  DMOE_REQUIRE(!path.empty(), "{}: the output path is empty", what);
+  DMOE_REQUIRE_INPUT(!path.empty(), "{}: the output path is empty", what);
   OutputTarget t;
   t.path = path;
   struct stat ls {};
   if (::lstat(path.c_str(), &ls) == 0 && S_ISLNK(ls.st_mode)) {
     char* real = ::realpath(path.c_str(), nullptr);
-    DMOE_REQUIRE(real, "{} is a symbolic link whose target cannot be resolved ({}); {}", what, std::strerror(errno),
+    DMOE_REQUIRE_INPUT(real, "{} is a symbolic link whose target cannot be resolved ({}); {}", what, std::strerror(errno),
                  kAllowed);
     t.path = real;
     std::free(real);
   }
   struct stat st {};
   if (::stat(t.path.c_str(), &st) == 0) {
-    DMOE_REQUIRE(S_ISREG(st.st_mode), "{} is {}; {}", what, file_kind(st.st_mode), kAllowed);
+    DMOE_REQUIRE_INPUT(S_ISREG(st.st_mode), "{} is {}; {}", what, file_kind(st.st_mode), kAllowed);
     t.exists = true;
     t.mode = st.st_mode & 07777;
   } else {
-    DMOE_REQUIRE(errno == ENOENT, "{}: cannot inspect it: {}", what, std::strerror(errno));
+    DMOE_REQUIRE_INPUT(errno == ENOENT, "{}: cannot inspect it: {}", what, std::strerror(errno));
   }
   const fs::path p(t.path);
-  DMOE_REQUIRE(p.has_filename(), "{} names a directory, not a file; {}", what, kAllowed);
+  DMOE_REQUIRE_INPUT(p.has_filename(), "{} names a directory, not a file; {}", what, kAllowed);
   t.name = p.filename().string();
   t.directory = p.has_parent_path() ? p.parent_path().string() : std::string(".");
   if (!t.exists) {
     struct stat ds {};
-    DMOE_REQUIRE(::stat(t.directory.c_str(), &ds) == 0, "{}: its directory '{}' does not exist or cannot be read: {}",
+    DMOE_REQUIRE_INPUT(::stat(t.directory.c_str(), &ds) == 0, "{}: its directory '{}' does not exist or cannot be read: {}",
                  what, t.directory, std::strerror(errno));
-    DMOE_REQUIRE(S_ISDIR(ds.st_mode), "{}: '{}' is not a directory", what, t.directory);
+    DMOE_REQUIRE_INPUT(S_ISDIR(ds.st_mode), "{}: '{}' is not a directory", what, t.directory);
   }
   return t;
 }
@@ -82,10 +82,10 @@ int create_temporary(const OutputTarget& t, std::string& tmp, std::string_view w
     tmp = (fs::path(t.directory) / fmt::format(".{}.dmoe-tmp.{}.{}", t.name, ::getpid(), counter++)).string();
     const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
     if (fd >= 0) return fd;
-    DMOE_REQUIRE(errno == EEXIST || errno == EINTR, "{}: cannot create a temporary file in '{}': {}", what,
+    DMOE_REQUIRE_INPUT(errno == EEXIST || errno == EINTR, "{}: cannot create a temporary file in '{}': {}", what,
                  t.directory, std::strerror(errno));
   }
-  DMOE_FAIL("{}: cannot create a temporary file in '{}': 100 names taken", what, t.directory);
+  DMOE_FAIL_INPUT("{}: cannot create a temporary file in '{}': 100 names taken", what, t.directory);
 }
 
 bool write_all(int fd, const uint8_t* data, size_t size) {
@@ -121,7 +121,7 @@ void write_file_atomically(const std::string& path, std::span<const uint8_t> byt
     const int err = errno;
     if (fd_to_close >= 0) ::close(fd_to_close);
     ::unlink(tmp.c_str());
-    DMOE_FAIL("{} failed at {} of its temporary '{}' ({} bytes): {}; '{}' is unchanged", what, step, tmp, bytes.size(),
+    DMOE_FAIL_INPUT("{} failed at {} of its temporary '{}' ({} bytes): {}; '{}' is unchanged", what, step, tmp, bytes.size(),
               std::strerror(err), path);
   };
   if (t.exists && ::fchmod(fd, t.mode) != 0) fail("setting the permissions", fd);
@@ -156,11 +156,11 @@ void require_distinct_files(const std::vector<NamedPath>& outputs, const std::ve
     const NamedPath& out = outputs[i];
     if (out.path.empty()) continue;
     for (const NamedPath& in : inputs)
-      DMOE_REQUIRE(in.path.empty() || !same_file(out.path, in.path),
+      DMOE_REQUIRE_INPUT(in.path.empty() || !same_file(out.path, in.path),
                    "{} '{}' is the same file as {} '{}': writing it would destroy that input; choose another {}",
                    out.option, out.path, in.option, in.path, out.option);
     for (size_t j = 0; j < i; ++j)
-      DMOE_REQUIRE(outputs[j].path.empty() || !same_file(out.path, outputs[j].path),
+      DMOE_REQUIRE_INPUT(outputs[j].path.empty() || !same_file(out.path, outputs[j].path),
                    "{} '{}' and {} '{}' are the same file: one output would overwrite the other", outputs[j].option,
                    outputs[j].path, out.option, out.path);
   }

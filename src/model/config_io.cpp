@@ -37,30 +37,30 @@ std::string shown(const json& v) {
 // An integer in [lo, hi]; a float such as 8.0 is refused too, since it usually means a typo upstream.
 int64_t get_int(const json& j, const char* key, int64_t lo, int64_t hi, const char* what) {
   const json& v = j.at(key);
-  DMOE_REQUIRE(v.is_number_integer(), "{}: key '{}' must be an integer (found {})", what, key, shown(v));
+  DMOE_REQUIRE_INPUT(v.is_number_integer(), "{}: key '{}' must be an integer (found {})", what, key, shown(v));
   if (v.is_number_unsigned())
-    DMOE_REQUIRE(v.get<uint64_t>() <= uint64_t(hi), "{}: key '{}' = {} is out of range [{}, {}]", what, key,
+    DMOE_REQUIRE_INPUT(v.get<uint64_t>() <= uint64_t(hi), "{}: key '{}' = {} is out of range [{}, {}]", what, key,
                  v.get<uint64_t>(), lo, hi);
   const int64_t x = v.get<int64_t>();
-  DMOE_REQUIRE(x >= lo && x <= hi, "{}: key '{}' = {} is out of range [{}, {}]", what, key, x, lo, hi);
+  DMOE_REQUIRE_INPUT(x >= lo && x <= hi, "{}: key '{}' = {} is out of range [{}, {}]", what, key, x, lo, hi);
   return x;
 }
 
 double get_number(const json& j, const char* key, const char* what) {
   const json& v = j.at(key);
-  DMOE_REQUIRE(v.is_number(), "{}: key '{}' must be a number (found {})", what, key, shown(v));
+  DMOE_REQUIRE_INPUT(v.is_number(), "{}: key '{}' must be a number (found {})", what, key, shown(v));
   return v.get<double>();
 }
 
 bool get_bool(const json& j, const char* key, const char* what) {
   const json& v = j.at(key);
-  DMOE_REQUIRE(v.is_boolean(), "{}: key '{}' must be a boolean (found {})", what, key, shown(v));
+  DMOE_REQUIRE_INPUT(v.is_boolean(), "{}: key '{}' must be a boolean (found {})", what, key, shown(v));
   return v.get<bool>();
 }
 
 std::string get_string(const json& j, const char* key, const char* what) {
   const json& v = j.at(key);
-  DMOE_REQUIRE(v.is_string(), "{}: key '{}' must be a string (found {})", what, key, shown(v));
+  DMOE_REQUIRE_INPUT(v.is_string(), "{}: key '{}' must be a string (found {})", what, key, shown(v));
   return v.get<std::string>();
 }
 
@@ -73,7 +73,7 @@ MoeConfig from_dmoe_json(const json& j, const MoeConfig& defaults) {
   for (const auto& [key, value] : j.items()) {
     bool known = false;
     for (const char* k : kDmoeKeys) known = known || key == k;
-    DMOE_REQUIRE(known, "config: unknown key '{}'; allowed keys: {}", key, dmoe_keys());
+    DMOE_REQUIRE_INPUT(known, "config: unknown key '{}'; allowed keys: {}", key, dmoe_keys());
   }
   MoeConfig c = defaults;
   // Range checks here only keep values representable; validate() applies the real rules.
@@ -106,7 +106,7 @@ MoeConfig from_mixtral_json(const json& j, const MoeConfig& defaults) {
   const char* what = "Hugging Face config.json";
   if (j.contains("model_type")) {
     const std::string type = get_string(j, "model_type", what);
-    DMOE_REQUIRE(type == "mixtral",
+    DMOE_REQUIRE_INPUT(type == "mixtral",
                  "{}: model_type '{}' is not supported; dmoe reads the MoE layer of model_type 'mixtral' "
                  "(num_local_experts, num_experts_per_tok, SwiGLU experts w1/w2/w3), or a dmoe JSON config with "
                  "keys {}",
@@ -114,12 +114,12 @@ MoeConfig from_mixtral_json(const json& j, const MoeConfig& defaults) {
   }
   // A dmoe key here would be silently dropped ("dtype" is also Hugging Face's newer name for torch_dtype).
   for (const char* key : kDmoeKeys)
-    DMOE_REQUIRE(std::string_view(key) == "dtype" || !j.contains(key),
+    DMOE_REQUIRE_INPUT(std::string_view(key) == "dtype" || !j.contains(key),
                  "{}: key '{}' is a dmoe config key, which a Hugging Face config.json does not carry; pass it "
                  "as {} or use a dmoe JSON config",
                  what, key, flag_of(key));
   for (const char* key : {"hidden_size", "intermediate_size", "num_local_experts", "num_experts_per_tok"})
-    DMOE_REQUIRE(j.contains(key), "{}: required key '{}' is missing (needed: hidden_size, intermediate_size, "
+    DMOE_REQUIRE_INPUT(j.contains(key), "{}: required key '{}' is missing (needed: hidden_size, intermediate_size, "
                  "num_local_experts, num_experts_per_tok)", what, key);
   MoeConfig c = defaults;
   c.hidden = get_int(j, "hidden_size", 1, kI64Max, what);
@@ -135,7 +135,7 @@ MoeConfig from_mixtral_json(const json& j, const MoeConfig& defaults) {
   } else if (act == "relu") {
     c.activation = Activation::relu;
   } else {
-    DMOE_FAIL("{}: hidden_act '{}' is not supported; allowed: silu (SwiGLU experts), gelu, relu", what, act);
+    DMOE_FAIL_INPUT("{}: hidden_act '{}' is not supported; allowed: silu (SwiGLU experts), gelu, relu", what, act);
   }
   c.renormalize = true;  // Mixtral renormalises the top-k softmax weights
   for (const char* key : {"torch_dtype", "dtype"}) {
@@ -146,7 +146,7 @@ MoeConfig from_mixtral_json(const json& j, const MoeConfig& defaults) {
     } else if (dtype == "float32") {
       c.dtype = DType::f32;
     } else {
-      DMOE_FAIL("{}: {} '{}' is not supported; dmoe stores weights and activations as float32 or bfloat16 "
+      DMOE_FAIL_INPUT("{}: {} '{}' is not supported; dmoe stores weights and activations as float32 or bfloat16 "
                 "(allowed: float32, bfloat16)", what, key, dtype);
     }
     break;
@@ -161,7 +161,7 @@ MoeConfig from_mixtral_json(const json& j, const MoeConfig& defaults) {
 }  // namespace
 
 MoeConfig config_from_json(const json& j, const MoeConfig& defaults) {
-  DMOE_REQUIRE(j.is_object(), "config: JSON must be an object (found {})", j.type_name());
+  DMOE_REQUIRE_INPUT(j.is_object(), "config: JSON must be an object (found {})", j.type_name());
   if (j.contains("num_local_experts") || j.contains("hidden_size") || j.contains("model_type"))
     return from_mixtral_json(j, defaults);
   return from_dmoe_json(j, defaults);
@@ -185,13 +185,13 @@ json config_to_json(const MoeConfig& c) {
 
 MoeConfig load_config_file(const std::string& path, const MoeConfig& defaults) {
   std::error_code ec;
-  DMOE_REQUIRE(!std::filesystem::is_directory(path, ec), "config file '{}' is a directory; expected a JSON file",
+  DMOE_REQUIRE_INPUT(!std::filesystem::is_directory(path, ec), "config file '{}' is a directory; expected a JSON file",
                path);
   std::ifstream in(path, std::ios::binary);
-  DMOE_REQUIRE(in.good(), "config file '{}': cannot be opened for reading", path);
+  DMOE_REQUIRE_INPUT(in.good(), "config file '{}': cannot be opened for reading", path);
   std::stringstream text;
   text << in.rdbuf();
-  DMOE_REQUIRE(!in.bad(), "config file '{}': read error", path);
+  DMOE_REQUIRE_INPUT(!in.bad(), "config file '{}': read error", path);
   // nlohmann's parser keeps the last of duplicate keys; a duplicate is an error here, at any depth.
   std::vector<std::set<std::string>> keys;  // keys seen in each open object, innermost last
   std::string duplicate;
@@ -207,14 +207,14 @@ MoeConfig load_config_file(const std::string& path, const MoeConfig& defaults) {
   try {
     j = json::parse(text.str(), on_event);
   } catch (const json::exception& e) {
-    DMOE_FAIL("config file '{}': not valid JSON: {}", path, e.what());
+    DMOE_FAIL_INPUT("config file '{}': not valid JSON: {}", path, e.what());
   }
-  DMOE_REQUIRE(duplicate.empty(), "config file '{}': key '{}' appears more than once in one object; each key may "
+  DMOE_REQUIRE_INPUT(duplicate.empty(), "config file '{}': key '{}' appears more than once in one object; each key may "
                "be given once", path, duplicate);
   try {
     return config_from_json(j, defaults);
   } catch (const Error& e) {
-    DMOE_FAIL("config file '{}': {}", path, e.what());
+    DMOE_FAIL_INPUT("config file '{}': {}", path, e.what());
   }
 }
 

@@ -279,6 +279,63 @@ TEST_F(Cli, ConfigTokensMustAgreeAndZeroIsNotReplaced) {
   EXPECT_NE(r.output.find("top_k = 0 is invalid"), std::string::npos) << r.output;
 }
 
+TEST_F(Cli, MessagesSayTheRuleWithoutSourceLocations) {
+  auto r = run_cli("bench --repeat 0");
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.output.find("--repeat: Value 0 not in range 1 to 1000000"), std::string::npos) << r.output;
+  EXPECT_LT(r.output.size(), 200u) << r.output;
+  r = run_cli("init --config " + dir_.string() + " --out " + p("w.safetensors"));
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("is a directory; expected a JSON file"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("JSON:"), std::string::npos) << r.output;
+  r = run_cli("init --tokens 4 --hidden 8 --ffn 8 --experts 4 --top-k 2 --prefix model.layers.0.block_sparse_moe --out " +
+              p("w.safetensors"));
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("--prefix 'model.layers.0.block_sparse_moe' must end with '.'"), std::string::npos)
+      << r.output;
+  EXPECT_FALSE(fs::exists(p("w.safetensors")));
+  ASSERT_EQ(run_cli("init --tokens 4 --hidden 8 --ffn 8 --experts 4 --top-k 2 --out " + p("w.safetensors") +
+                    " --input " + p("x.safetensors")).status, 0);
+  r = run_cli("run --top-k 2 --layer 3 --weights " + p("w.safetensors") + " --input " + p("x.safetensors") +
+              " --output " + p("y.safetensors"));
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("layers with an MoE gate: 0"), std::string::npos) << r.output;
+  // Bad input is reported without dmoe's source location ("(config_io.cpp:125)").
+  for (const std::string& bad : {std::string("init --activation tanh --out ") + p("a.safetensors"),
+                                 "run --top-k 9 --weights " + p("w.safetensors") + " --input " + p("x.safetensors") +
+                                     " --output " + p("y.safetensors"),
+                                 "run --top-k 2 --prefix nope. --weights " + p("w.safetensors") + " --input " +
+                                     p("x.safetensors") + " --output " + p("y.safetensors")}) {
+    r = run_cli(bad);
+    EXPECT_EQ(r.status, 1) << bad << ": " << r.output;
+    EXPECT_NE(r.output.find("dmoe: error: "), std::string::npos) << r.output;
+    EXPECT_EQ(r.output.find(".cpp:"), std::string::npos) << r.output;
+  }
+}
+
+TEST_F(Cli, VersionHelpDefaultsAndEngineNames) {
+  auto r = run_cli("--version");
+  EXPECT_EQ(r.status, 0) << r.output;
+  EXPECT_EQ(r.output.rfind("dmoe 0.", 0), 0u) << r.output;
+  r = run_cli("bench --help");
+  EXPECT_EQ(r.status, 0);
+  EXPECT_EQ(r.output.find("{false}"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("=3"), std::string::npos) << "--repeat's default: " << r.output;
+  EXPECT_NE(r.output.find("| cpu | cuda (alias gpu)"), std::string::npos) << r.output;
+  // cuda names the CUDA engine in both subcommands; gpu is accepted as its old name.
+  if (!fs::exists("/dev/nvidia0")) {
+    for (const char* engine : {"cuda", "gpu"}) {
+      r = run_cli(std::string("bench --engine ") + engine + " --tokens 8 --hidden 16 --ffn 16 --experts 4 --top-k 2");
+      EXPECT_EQ(r.status, 1) << r.output;
+      EXPECT_NE(r.output.find("use --engine cpu"), std::string::npos) << r.output;
+      r = run_cli(std::string("run --engine ") + engine + " --top-k 2 --weights " + p("none") + " --input " + p("x") +
+                  " --output " + p("y"));
+      EXPECT_EQ(r.status, 1) << r.output;
+      EXPECT_EQ(r.output.find("not in {"), std::string::npos) << r.output;
+    }
+  }
+}
+
 TEST_F(Cli, HelpForEverySubcommand) {
   for (const char* sub : {"init", "run", "bench"}) {
     auto r = run_cli(std::string(sub) + " --help");

@@ -32,7 +32,7 @@ struct BenchOptions {
   int warmup = 1;
   int repeat = 3;
   std::string json_path;
-  bool backward = true;
+  bool no_backward = false;
   std::string engine = "auto";
   std::string comm = "auto";
   bool peers = false;
@@ -81,12 +81,12 @@ Command add_bench_command(CLI::App& app) {
   add_config_options(*sub, o->config);
   CLI::Option* worlds_option =
       sub->add_option("-n,--worlds", o->worlds, "CPU: simulated rank counts to run (each divides E; --world W = -n W)");
-  sub->add_option("--warmup", o->warmup, "untimed iterations first")->check(CLI::NonNegativeNumber);
-  sub->add_option("--repeat", o->repeat, "timed iterations (median reported)")->check(CLI::PositiveNumber);
+  sub->add_option("--warmup", o->warmup, "untimed iterations first")->check(CLI::Range(0, 1000000));
+  sub->add_option("--repeat", o->repeat, "timed iterations (median reported)")->check(CLI::Range(1, 1000000));
   sub->add_option("--json", o->json_path, "also write the results as JSON here");
-  sub->add_flag("!--no-backward", o->backward, "time the forward pass only");
-  sub->add_option("--engine", o->engine, "auto (GPU when one is visible) | cpu | gpu")
-      ->check(CLI::IsMember({"auto", "cpu", "gpu"}));
+  sub->add_flag("--no-backward", o->no_backward, "time the forward pass only");
+  sub->add_option("--engine", o->engine, "auto (cuda when a GPU is visible) | cpu | cuda (alias gpu)")
+      ->check(CLI::IsMember({"auto", "cpu", "cuda", "gpu"}));
   sub->add_option("--comm", o->comm, "GPU communicator for W > 1: auto | nccl | nvshmem")
       ->check(CLI::IsMember({"auto", "nccl", "nvshmem"}));
   sub->add_flag("--peers", o->peers, "GPU, W = 1: also time the PyTorch peers (bench/peers.py) on the same data");
@@ -97,7 +97,7 @@ Command add_bench_command(CLI::App& app) {
                 "GPU, W > 1: also time one all-to-all of the layer's off-rank bytes alone (GB/s per GPU)");
   sub->add_option("--batch-row-multiple", o->batch_row_multiple,
                   "GPU: pad each expert's batch with zero rows to a multiple of this (GEMM tile height)")
-      ->check(CLI::PositiveNumber);
+      ->check(CLI::Range(1, 4096));
   sub->add_option("--variants", o->gemm_variants,
                   "gemm: kernel variants, comma-separated: b<N> tile width, s staged / d direct epilogue, q dynamic tile "
                   "schedule; to "
@@ -112,7 +112,7 @@ Command add_bench_command(CLI::App& app) {
       check_output_file(o->json_path, "--json");
     }
     if (o->what == "gemm") {
-      DMOE_REQUIRE(gpu_available(), "dmoe bench gemm times the own GPU kernel: no CUDA device is visible (or this "
+      DMOE_REQUIRE_INPUT(gpu_available(), "dmoe bench gemm times the own GPU kernel: no CUDA device is visible (or this "
                    "build has no CUDA)");
       GpuBenchArgs g;
       ConfigOptions co = o->config;
@@ -124,9 +124,11 @@ Command add_bench_command(CLI::App& app) {
       g.gemm_square = o->gemm_square;
       return run_gpu_gemm_bench(g);
     }
-    const bool use_gpu = o->engine == "gpu" || (o->engine == "auto" && gpu_available());
-    DMOE_REQUIRE(!(o->engine == "gpu" && !gpu_available()),
-                 "--engine gpu: no CUDA device is visible (or this build has no CUDA); use --engine cpu");
+    const bool backward = !o->no_backward;
+    const std::string engine = o->engine == "gpu" ? "cuda" : o->engine;  // the old word for the CUDA engine
+    const bool use_gpu = engine == "cuda" || (engine == "auto" && gpu_available());
+    DMOE_REQUIRE_INPUT(!(engine == "cuda" && !gpu_available()),
+                 "--engine {}: no CUDA device is visible (or this build has no CUDA); use --engine cpu", o->engine);
     if (use_gpu) {
       GpuBenchArgs g;
       ConfigOptions co = o->config;
@@ -136,7 +138,7 @@ Command add_bench_command(CLI::App& app) {
         std::fprintf(stderr, "note: --world is ignored on the GPU: ranks are processes (dmoe launch -n W, mpirun)\n");
       g.config_name = co.config_path;
       g.comm = o->comm;
-      g.backward = o->backward;
+      g.backward = backward;
       g.peers = o->peers;
       g.python = o->python;
       g.json_path = o->json_path;
@@ -158,7 +160,7 @@ Command add_bench_command(CLI::App& app) {
     // A world from --world or the config file is the one rank count to run, unless -n says otherwise.
     std::vector<int32_t> worlds = o->worlds;
     if (o->config.world || base.world != 1) {
-      DMOE_REQUIRE(worlds_option->count() == 0 || o->worlds == std::vector<int32_t>{base.world},
+      DMOE_REQUIRE_INPUT(worlds_option->count() == 0 || o->worlds == std::vector<int32_t>{base.world},
                    "world = {} (from {}) and -n/--worlds {} disagree; give the rank counts once", base.world,
                    o->config.world ? "--world" : "--config " + o->config.config_path, fmt::join(o->worlds, " "));
       worlds = {base.world};
@@ -186,7 +188,7 @@ Command add_bench_command(CLI::App& app) {
       const std::string label = fmt::format("W={} forward", world);
       const Timing fwd = time_host(o->warmup, o->repeat, label.c_str(), [&] { r = run_cpu_layer(c, w, x, nullptr); });
       Timing both;
-      if (o->backward)
+      if (backward)
         both = time_host(o->warmup, o->repeat, "forward+backward", [&] { run_cpu_layer(c, w, x, &dy); });
       const LayerResult ref = run_cpu_layer(single, w, x, nullptr);
       const double diff = max_abs_diff(r.y, ref.y);
@@ -199,8 +201,8 @@ Command add_bench_command(CLI::App& app) {
       const double tokens = double(world) * c.tokens;
       // With --no-backward the fwd+bwd columns say "not timed" and the JSON has no such keys: a zero time
       // would print as an absurd rate.
-      const std::string both_ms = o->backward ? fmt::format("{:.2f}", both.median_ms) : "not timed";
-      const std::string both_rate = o->backward ? fmt::format("{:.2f}", 3 * flops / both.median_ms * 1e-6) : "-";
+      const std::string both_ms = backward ? fmt::format("{:.2f}", both.median_ms) : "not timed";
+      const std::string both_rate = backward ? fmt::format("{:.2f}", 3 * flops / both.median_ms * 1e-6) : "-";
       std::printf("%-44s %3d %10.2f %9.2f %10s %11s %12.0f %12.3g\n", c.summary().c_str(), world, fwd.median_ms,
                   flops / fwd.median_ms * 1e-6, both_ms.c_str(), both_rate.c_str(), tokens / fwd.median_ms * 1e3, diff);
       nlohmann::json row = {{"engine", "cpu"}, {"config", c.summary()}, {"world", world},
@@ -208,7 +210,7 @@ Command add_bench_command(CLI::App& app) {
                             {"forward_flop", flops}, {"forward_gflops", flops / fwd.median_ms * 1e-6},
                             {"tokens_per_s", tokens / fwd.median_ms * 1e3}, {"max_abs_diff_vs_single_rank", diff},
                             {"flop_formula", "2*m*rows_kept*H*I + 2*W*T*H*E (m=3 swiglu, else 2); fwd+bwd = 3x"}};
-      if (o->backward) {
+      if (backward) {
         row["forward_backward_ms"] = {{"median", both.median_ms}, {"min", both.min_ms}, {"max", both.max_ms}};
         row["forward_backward_gflops"] = 3 * flops / both.median_ms * 1e-6;
       }

@@ -58,12 +58,15 @@ Command add_run_command(CLI::App& app) {
   sub->add_option("--layer", o->layer, "use model.layers.L.block_sparse_moe. (default: the first MoE layer in the file)");
   sub->add_option("--prefix", o->prefix, "tensor-name prefix of the layer (overrides --layer)");
   sub->add_option("--engine", o->engine,
-                  "cpu (reference engine; config world = simulated ranks) | cuda (this process's GPU, world 1)")
-      ->check(CLI::IsMember({"cpu", "cuda"}));
+                  "cpu (reference engine; config world = simulated ranks) | cuda (alias gpu; this process's GPU, "
+                  "world 1)")
+      ->check(CLI::IsMember({"cpu", "cuda", "gpu"}));
   sub->add_flag("--allow-non-finite", o->allow_non_finite,
                "write results that hold NaN or Inf (by default they are an error and nothing is written)");
   sub->add_option("--output-dtype", o->output_dtype, "dtype of written activations: f32 | bf16 (default: config dtype)");
   return [o] {
+    if (o->engine == "gpu") o->engine = "cuda";  // one vocabulary with bench: auto | cpu | cuda
+    require_prefix_ends_with_dot(o->prefix);
     // Before anything is read or computed: the output must not be one of the inputs, and must be writable.
     require_distinct_files({{"--output", o->output}},
                            {{"--input", o->input},
@@ -79,22 +82,22 @@ Command add_run_command(CLI::App& app) {
     c = resolve_config(o->config, c);
 
     const SafetensorsFile input = SafetensorsFile::open(o->input);
-    DMOE_REQUIRE(input.has("x"), "{}: no tensor 'x' (expected x [tokens, hidden]); tensors present: {}",
+    DMOE_REQUIRE_INPUT(input.has("x"), "{}: no tensor 'x' (expected x [tokens, hidden]); tensors present: {}",
                  o->input, fmt::join(input.names(), ", "));
     const TensorInfo& xi = input.info("x");
-    DMOE_REQUIRE(xi.shape.size() == 2, "{}: x has shape {}; expected [tokens, hidden]", o->input, shape_string(xi.shape));
+    DMOE_REQUIRE_INPUT(xi.shape.size() == 2, "{}: x has shape {}; expected [tokens, hidden]", o->input, shape_string(xi.shape));
     const int64_t total = xi.shape[0];
-    DMOE_REQUIRE(c.world >= 1 && total % c.world == 0,
+    DMOE_REQUIRE_INPUT(c.world >= 1 && total % c.world == 0,
                  "{}: x has {} tokens, not divisible by world = {}", o->input, total, c.world);
     const int64_t per_rank = total / c.world;
     // Tokens come from the input; tokens given by --tokens or by the --config file must agree with it.
-    DMOE_REQUIRE(c.tokens == 0 || c.tokens == per_rank,
+    DMOE_REQUIRE_INPUT(c.tokens == 0 || c.tokens == per_rank,
                  "tokens = {} per rank ({}), but x in {} holds {} rows for world = {} ranks ({} per rank); drop "
                  "tokens or make it match", c.tokens,
                  o->config.tokens ? std::string("--tokens") : "from --config " + o->config.config_path, o->input,
                  total, c.world, per_rank);
     c.tokens = per_rank;
-    DMOE_REQUIRE(c.top_k >= 1 || o->config.top_k,
+    DMOE_REQUIRE_INPUT(c.top_k >= 1 || o->config.top_k,
                  "top_k = {} is invalid: it must satisfy 1 <= top_k <= experts ({}), and {} does not set it; pass "
                  "--top-k K", c.top_k, c.experts,
                  o->config.config_path.empty() ? "a weights file does not record it, so"
@@ -106,14 +109,14 @@ Command add_run_command(CLI::App& app) {
     std::vector<float> dy;
     if (!o->grad_output.empty()) {
       const SafetensorsFile g = SafetensorsFile::open(o->grad_output);
-      DMOE_REQUIRE(g.has("dy"), "{}: no tensor 'dy' (expected dy [tokens, hidden])", o->grad_output);
+      DMOE_REQUIRE_INPUT(g.has("dy"), "{}: no tensor 'dy' (expected dy [tokens, hidden])", o->grad_output);
       dy = g.read_f32("dy", {total, c.hidden});
     }
 
     // Non-finite inputs would reach the router as NaN logits; name the first bad element instead.
     auto require_finite = [&](const std::vector<float>& v, const char* name, const std::string& file) {
       for (size_t i = 0; i < v.size(); ++i)
-        DMOE_REQUIRE(std::isfinite(v[i]), "{}: {}[{}, {}] is {}; inputs must be finite", file, name,
+        DMOE_REQUIRE_INPUT(std::isfinite(v[i]), "{}: {}[{}, {}] is {}; inputs must be finite", file, name,
                      i / size_t(c.hidden), i % size_t(c.hidden), v[i]);
     };
     require_finite(x, "x", o->input);
@@ -126,7 +129,7 @@ Command add_run_command(CLI::App& app) {
     // default, and nothing is written.
     const std::string bad = first_non_finite(r, c, !dy.empty());
     if (!bad.empty()) {
-      DMOE_REQUIRE(o->allow_non_finite, "{} (inputs and weights are finite: the layer overflowed float); nothing was "
+      DMOE_REQUIRE_INPUT(o->allow_non_finite, "{} (inputs and weights are finite: the layer overflowed float); nothing was "
                    "written to {}; pass --allow-non-finite to write such results anyway", bad, o->output);
       std::fprintf(stderr, "warning: %s; writing it anyway (--allow-non-finite)\n", bad.c_str());
     }

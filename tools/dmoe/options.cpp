@@ -42,8 +42,14 @@ std::string find_config_file(const std::string& name) {
     fs::path p = root / "bench" / "configs" / (name + ".json");
     if (fs::exists(p)) return p.string();
   }
-  DMOE_FAIL("config '{}' is neither a file nor a named config in bench/configs (e.g. flash-paper, "
+  DMOE_FAIL_INPUT("config '{}' is neither a file nor a named config in bench/configs (e.g. flash-paper, "
             "mixtral, fine-grained, decode)", name);
+}
+
+void require_prefix_ends_with_dot(const std::string& prefix) {
+  DMOE_REQUIRE_INPUT(prefix.empty() || prefix.back() == '.',
+                     "--prefix '{}' must end with '.': tensor names are the prefix followed by 'gate.weight', "
+                     "'experts.0.w1.weight', ... (e.g. --prefix {}.)", prefix, prefix);
 }
 
 MoeConfig resolve_config(const ConfigOptions& o, const MoeConfig& defaults) {

@@ -30,4 +30,7 @@ MoeConfig resolve_config(const ConfigOptions& options, const MoeConfig& defaults
 // there (relative to the source tree the binary was built from, or $DMOE_HOME/bench/configs).
 std::string find_config_file(const std::string& name_or_path);
 
+// --prefix is glued to the tensor names ("P" + "gate.weight"): it must be empty or end in '.'.
+void require_prefix_ends_with_dot(const std::string& prefix);
+
 }  // namespace dmoe::cli
