@@ -336,6 +336,24 @@ TEST_F(Cli, VersionHelpDefaultsAndEngineNames) {
   }
 }
 
+TEST_F(Cli, JobsTooLargeForThisMachineAreRefusedUpFrontWritingNothing) {
+  // 10^9 tokens × 1024 columns: terabytes; refused with the estimate before any file exists.
+  auto r = run_cli("init --tokens 1000000000 --hidden 1024 --ffn 8 --experts 4 --top-k 2 --out " +
+                   p("w.safetensors") + " --input " + p("x.safetensors"));
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("would allocate about"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("TiB"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("MemAvailable"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("bad_alloc"), std::string::npos) << r.output;
+  EXPECT_TRUE(fs::is_empty(dir_));
+  // W = 4096 on the CPU engine: every rank's gate replica alone is 4096·4096·4096·4 bytes.
+  r = run_cli("bench --engine cpu --world 4096 --experts 4096 --hidden 4096 --ffn 16 --tokens 1 --top-k 1");
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("the CPU engine on T=1 H=4096"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("would allocate about"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("engine: cpu"), std::string::npos) << "started before refusing: " << r.output;
+}
+
 TEST_F(Cli, HelpForEverySubcommand) {
   for (const char* sub : {"init", "run", "bench"}) {
     auto r = run_cli(std::string(sub) + " --help");

@@ -16,9 +16,9 @@
 #include "bench_gpu.hpp"
 #include "commands.hpp"
 #include "core/error.hpp"
+#include "core/output_file.hpp"
 #include "core/random.hpp"
 #include "engine/reference.hpp"
-#include "core/output_file.hpp"
 #include "options.hpp"
 
 namespace dmoe::cli {
@@ -50,17 +50,31 @@ struct Timing {
 
 template <typename F>
 Timing time_host(int warmup, int repeat, const char* label, F&& fn) {
-  // Progress on a terminal only: piped output (logs, CI) stays clean.
-  const bool progress = ::isatty(2);
-  for (int i = 0; i < warmup; ++i) fn();
+  // Progress on a terminal (one line, rewritten); elsewhere (logs, CI) a line per call once the timing has
+  // run for more than 2 s, so a slow config is never silent and a fast one stays clean.
+  const bool terminal = ::isatty(2);
+  const auto start = std::chrono::steady_clock::now();
+  auto report = [&](const char* phase, int done, int total, double last_ms) {
+    const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (terminal)
+      std::fprintf(stderr, "\r  %s %s: %d/%d (%.0f ms)   ", label, phase, done, total, last_ms);
+    else if (elapsed > 2)
+      std::fprintf(stderr, "  %s %s: %d/%d (%.0f ms, %.0f s so far)\n", label, phase, done, total, last_ms, elapsed);
+  };
+  for (int i = 0; i < warmup; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    fn();
+    report("warm-up", i + 1, warmup,
+           std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+  }
   std::vector<double> ms;
   for (int i = 0; i < repeat; ++i) {
     const auto t0 = std::chrono::steady_clock::now();
     fn();
     ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
-    if (progress) std::fprintf(stderr, "\r  %s: %d/%d (%.0f ms)   ", label, i + 1, repeat, ms.back());
+    report("timed", i + 1, repeat, ms.back());
   }
-  if (progress) std::fprintf(stderr, "\r%*s\r", 60, "");
+  if (terminal) std::fprintf(stderr, "\r%*s\r", 70, "");
   std::sort(ms.begin(), ms.end());
   return Timing{ms[ms.size() / 2], ms.front(), ms.back()};
 }
@@ -168,6 +182,13 @@ Command add_bench_command(CLI::App& app) {
     base.world = 1;
     base.validate();
 
+    // Before anything is timed: each world's memory and time (warm-ups, timed calls, the reference run).
+    for (int32_t world : worlds) {
+      MoeConfig c = base;
+      c.world = world;
+      c.validate();
+      check_cpu_engine_cost(c, o->warmup + o->repeat + 1, backward ? o->warmup + o->repeat : 0);
+    }
     nlohmann::json results = nlohmann::json::array();
     std::printf("engine: cpu reference (simulated ranks as threads); time = median of %d after %d warm-up\n",
                 o->repeat, o->warmup);
@@ -179,6 +200,8 @@ Command add_bench_command(CLI::App& app) {
       c.validate();
       MoeConfig single = base;
       single.tokens = base.tokens * world;
+      const double params = double(c.experts) * c.hidden * (1.0 + expert_matrices(c.activation) * double(c.ffn));
+      if (params > 2e8) std::fprintf(stderr, "  generating %.3g random weights for W=%d\n", params, world);
       const MoeWeights w = random_moe_weights(single, 1);
       Rng rng(2);
       const auto x = rng.normal_vector(size_t(single.tokens * c.hidden), 1.0);
@@ -189,7 +212,9 @@ Command add_bench_command(CLI::App& app) {
       const Timing fwd = time_host(o->warmup, o->repeat, label.c_str(), [&] { r = run_cpu_layer(c, w, x, nullptr); });
       Timing both;
       if (backward)
-        both = time_host(o->warmup, o->repeat, "forward+backward", [&] { run_cpu_layer(c, w, x, &dy); });
+        both = time_host(o->warmup, o->repeat, fmt::format("W={} forward+backward", world).c_str(), [&] { run_cpu_layer(c, w, x, &dy); });
+      if (fwd.median_ms > 2000)
+        std::fprintf(stderr, "  W=%d: the single-rank reference run (~%.0f s)\n", world, fwd.median_ms * 1e-3 * world);
       const LayerResult ref = run_cpu_layer(single, w, x, nullptr);
       const double diff = max_abs_diff(r.y, ref.y);
 

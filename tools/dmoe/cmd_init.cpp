@@ -1,12 +1,17 @@
 // dmoe init — random MoE layer weights (Mixtral names) and, optionally, random inputs.
+#include <sys/stat.h>
+
+#include <algorithm>
 #include <cstdio>
+#include <filesystem>
 
 #include "commands.hpp"
 #include "core/error.hpp"
+#include "core/host_resources.hpp"
+#include "core/output_file.hpp"
 #include "core/random.hpp"
 #include "model/checkpoint.hpp"
 #include "model/config_io.hpp"
-#include "core/output_file.hpp"
 #include "options.hpp"
 
 namespace dmoe::cli {
@@ -30,6 +35,51 @@ void write_activation(const std::string& path, const char* name, const MoeConfig
   w.write(path);
   std::printf("wrote %s: %s [%lld, %lld] %s\n", path.c_str(), name, (long long)rows, (long long)c.hidden,
               dtype_name(c.dtype));
+}
+
+// Before anything is generated: the memory the weights and activations take while being serialised, and
+// the disk space of the files, against what this machine has (nothing is written when either is short).
+void check_init_resources(const MoeConfig& c, const InitOptions& o) {
+  const double stored = double(dtype_size(c.dtype));
+  const double params = double(c.experts) * double(c.hidden) *
+                        (1.0 + expert_matrices(c.activation) * double(c.ffn));  // gate + experts
+  const double activation = double(c.tokens) * double(c.world) * double(c.hidden);  // x or dy elements
+  const bool any_activation = !o.input.empty() || !o.grad_output.empty();
+  // f32 weights stay alive; each file is held as the writer's copy and the serialised bytes (2 × stored),
+  // an activation also as f32 while being generated.
+  const double peak = 4 * params + std::max(2 * stored * params, any_activation ? (4 + 2 * stored) * activation : 0.0);
+  require_host_memory(peak, fmt::format("init ({:.3g} weight parameters{})", params,
+                                        any_activation ? fmt::format(", x/dy [{}, {}]", c.tokens * c.world, c.hidden)
+                                                       : std::string()));
+  // Disk: the files that land on each file system, against its free space.
+  struct Volume {
+    dev_t device;
+    std::string directory;
+    double bytes;
+  };
+  std::vector<Volume> volumes;
+  auto add = [&](const std::string& path, double bytes) {
+    if (path.empty()) return;
+    const std::filesystem::path parent = std::filesystem::path(path).parent_path();
+    const std::string dir = parent.empty() ? std::string(".") : parent.string();
+    struct stat st {};
+    if (::stat(dir.c_str(), &st) != 0) return;
+    for (Volume& v : volumes)
+      if (v.device == st.st_dev) {
+        v.bytes += bytes;
+        return;
+      }
+    volumes.push_back({st.st_dev, dir, bytes});
+  };
+  add(o.out, stored * params);
+  add(o.input, stored * activation);
+  add(o.grad_output, stored * activation);
+  for (const Volume& v : volumes) {
+    const std::optional<uint64_t> free = disk_free_bytes(v.directory);
+    DMOE_REQUIRE_INPUT(!free || v.bytes <= double(*free),
+                       "init would write about {} to the file system of '{}', which has {} free", format_bytes(v.bytes),
+                       v.directory, format_bytes(double(*free)));
+  }
 }
 
 }  // namespace
@@ -62,6 +112,7 @@ Command add_init_command(CLI::App& app) {
                                                       : find_config_file(o->config.config_path)}});
     for (const NamedPath& out : outputs)
       if (!out.path.empty()) check_output_file(out.path, out.option);
+    check_init_resources(c, *o);
     const std::string prefix = o->prefix.empty() ? layer_prefix(o->layer) : o->prefix;
     MoeWeights w = random_moe_weights(c, o->seed);
     SafetensorsWriter writer;

@@ -8,9 +8,9 @@
 
 #include "commands.hpp"
 #include "core/error.hpp"
+#include "core/output_file.hpp"
 #include "engine/reference.hpp"
 #include "model/checkpoint.hpp"
-#include "core/output_file.hpp"
 #include "options.hpp"
 #include "run_gpu.hpp"
 
@@ -122,6 +122,7 @@ Command add_run_command(CLI::App& app) {
     require_finite(x, "x", o->input);
     if (!dy.empty()) require_finite(dy, "dy", o->grad_output);
 
+    if (o->engine == "cpu") check_cpu_engine_cost(c, dy.empty() ? 1 : 0, dy.empty() ? 0 : 1);
     const LayerResult r = o->engine == "cuda" ? run_gpu_layer(c, w, x, dy.empty() ? nullptr : &dy)
                                               : run_cpu_layer(c, w, x, dy.empty() ? nullptr : &dy);
 

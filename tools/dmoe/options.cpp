@@ -1,9 +1,13 @@
 #include "options.hpp"
 
+#include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <thread>
 
 #include "core/error.hpp"
+#include "core/host_resources.hpp"
 #include "model/config_io.hpp"
 
 #ifndef DMOE_SOURCE_DIR
@@ -44,6 +48,25 @@ std::string find_config_file(const std::string& name) {
   }
   DMOE_FAIL_INPUT("config '{}' is neither a file nor a named config in bench/configs (e.g. flash-paper, "
             "mixtral, fine-grained, decode)", name);
+}
+
+void check_cpu_engine_cost(const MoeConfig& c, int forward_calls, int backward_calls) {
+  const CpuLayerEstimate fwd = estimate_cpu_layer(c, false), both = estimate_cpu_layer(c, true);
+  require_host_memory(backward_calls > 0 ? both.bytes : fwd.bytes, fmt::format("the CPU engine on {}", c.summary()));
+  // The CPU kernels are plain loops with fp64 accumulation, one thread per simulated rank; measured on the
+  // 2-core CI machine: 4.6 GFLOP/s per core at T=128 H=256 I=512 E=8 k=2 f32, 1.1 at the decode config
+  // (H=4096, bf16 emulated). The slower rate makes the estimate an upper one.
+  constexpr double kFlopPerSecondPerCore = 1e9;
+  const double flop = fwd.flop * forward_calls + both.flop * backward_calls;
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  const double seconds = flop / (kFlopPerSecondPerCore * std::min<double>(c.world, cores));
+  if (seconds > 10)
+    std::fprintf(stderr,
+                 "note: the CPU engine may need up to ~%.0f s here: %.3g GFLOP (%d forward, %d forward+backward calls "
+                 "of %s) at >= 1 GFLOP/s per core on %u of %u cores, and about %s of memory\n",
+                 seconds, flop * 1e-9, forward_calls, backward_calls, c.summary().c_str(),
+                 unsigned(std::min<double>(c.world, cores)), cores,
+                 format_bytes(backward_calls > 0 ? both.bytes : fwd.bytes).c_str());
 }
 
 void require_prefix_ends_with_dot(const std::string& prefix) {
