@@ -4,6 +4,7 @@
 // Every collective is "publish pointers, barrier, read peers, barrier": after the first barrier all
 // peers' buffers are visible; the second keeps a peer from reusing its buffer while others still read.
 // Reductions sum in rank order, so every rank gets the same bits.
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
@@ -12,6 +13,7 @@
 #include <thread>
 
 #include "comm/comm.hpp"
+#include "core/env.hpp"
 #include "core/error.hpp"
 
 namespace dmoe {
@@ -23,10 +25,19 @@ void Comm::alltoall(const void* send, void* recv, int64_t count_per_peer, DType 
 
 namespace {
 
-// A barrier that fails instead of hanging: when a rank dies (poison) or the wait exceeds the timeout.
+// Thrown by ThreadComm::exit_rank: the rank's thread ends as if its process had died.
+struct RankExited {
+  std::string why;
+};
+
+// A barrier that fails instead of hanging: when a rank dies (poison) or the wait exceeds the timeout
+// (DMOE_COMM_TIMEOUT_S). Every rank's current stage is kept, so that errors name where the failed or
+// missing ranks were.
 class ThreadGroup {
  public:
-  explicit ThreadGroup(int32_t world) : send_(world), counts_(world), data_(world), world_(world) {}
+  explicit ThreadGroup(int32_t world)
+      : send_(world), counts_(world), data_(world), world_(world), arrived_mask_(size_t(world), 0),
+        stages_(size_t(world), FaultStage::none), timeout_(host_wait_timeout_seconds()) {}
 
   int32_t world() const { return world_; }
 
@@ -35,10 +46,12 @@ class ThreadGroup {
   // rank leave early and free a buffer a peer still reads.
   void barrier(int32_t rank, const char* what, bool closing = false) {
     std::unique_lock<std::mutex> lock(mutex_);
-    if (poisoned_ && !closing) DMOE_FAIL("ThreadComm: {} aborted on rank {}: another rank failed", what, rank);
+    if (poisoned_ && !closing) fail_poisoned(rank, what);
     const uint64_t gen = generation_;
+    arrived_mask_[size_t(rank)] = 1;
     if (++arrived_ == world_) {
       arrived_ = 0;
+      std::fill(arrived_mask_.begin(), arrived_mask_.end(), 0);
       ++generation_;
       cv_.notify_all();
       return;
@@ -46,16 +59,39 @@ class ThreadGroup {
     const bool done =
         cv_.wait_for(lock, timeout_, [&] { return generation_ != gen || (poisoned_ && !closing); });
     if (generation_ != gen) return;  // everyone arrived: the collective goes on, even if poisoned since
-    if (poisoned_) DMOE_FAIL("ThreadComm: {} aborted on rank {}: another rank failed", what, rank);
-    if (!done)
-      DMOE_FAIL("ThreadComm: rank {} waited {} s in {} for {} of {} ranks to arrive", rank,
-                timeout_.count(), what, world_ - arrived_, world_);
+    if (poisoned_) fail_poisoned(rank, what);
+    if (!done) {
+      // The ranks that never came, with the stage each was last in; the others learn it through the poison.
+      std::string missing;
+      for (int32_t r = 0; r < world_; ++r)
+        if (!arrived_mask_[size_t(r)])
+          missing += fmt::format("{}rank {} (last in stage {})", missing.empty() ? "" : ", ", r,
+                                 fault_stage_name(stages_[size_t(r)]));
+      const std::string cause = fmt::format("rank {} waited {:g} s in {} (stage {}) for {} of {} ranks: {}", rank,
+                                            timeout_.count(), what, fault_stage_name(stages_[size_t(rank)]),
+                                            world_ - arrived_, world_, missing);
+      poison_locked(cause);
+      lock.unlock();
+      DMOE_FAIL("ThreadComm: {}; the limit is DMOE_COMM_TIMEOUT_S", cause);
+    }
   }
 
-  void poison() {
+  // `cause` says which rank failed and where; the first cause is the one reported to the others.
+  void poison(const std::string& cause) {
     std::lock_guard<std::mutex> lock(mutex_);
-    poisoned_ = true;
-    cv_.notify_all();
+    poison_locked(cause);
+  }
+  bool poisoned() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return poisoned_;
+  }
+  void enter_stage(int32_t rank, FaultStage stage) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stages_[size_t(rank)] = stage;
+  }
+  FaultStage stage_of(int32_t rank) const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return stages_[size_t(rank)];
   }
 
   // Published per collective (valid between the two barriers).
@@ -64,13 +100,26 @@ class ThreadGroup {
   std::vector<void*> data_;
 
  private:
+  void poison_locked(const std::string& cause) {
+    if (!poisoned_) cause_ = cause;
+    poisoned_ = true;
+    cv_.notify_all();
+  }
+  // Called with mutex_ held (the caller's unique_lock releases it as the error unwinds).
+  [[noreturn]] void fail_poisoned(int32_t rank, const char* what) {
+    DMOE_FAIL("ThreadComm: {} aborted on rank {}: another rank failed: {}", what, rank, cause_);
+  }
+
   int32_t world_;
-  std::mutex mutex_;
+  mutable std::mutex mutex_;
   std::condition_variable cv_;
   int32_t arrived_ = 0;
+  std::vector<char> arrived_mask_;   // [W] arrived at the current generation's barrier
+  std::vector<FaultStage> stages_;   // [W] the stage each rank last entered
   uint64_t generation_ = 0;
   bool poisoned_ = false;
-  std::chrono::seconds timeout_{600};
+  std::string cause_;
+  std::chrono::duration<double> timeout_;
 };
 
 template <typename T>
@@ -147,7 +196,13 @@ class ThreadComm final : public Comm {
 
   void barrier(Stream) override { group_->barrier(rank_, "barrier"); }
 
-  void poison() { group_->poison(); }
+  void enter_stage(FaultStage stage) override { group_->enter_stage(rank_, stage); }
+  bool abandoned() const override { return group_->poisoned(); }
+  [[noreturn]] void exit_rank(const std::string& why) override { throw RankExited{why}; }
+
+  // Marks the group failed: the others stop at their next wait with `cause`.
+  void poison(const std::string& cause) { group_->poison(cause); }
+  FaultStage stage() const { return group_->stage_of(rank_); }
 
  private:
   std::shared_ptr<ThreadGroup> group_;
@@ -171,11 +226,19 @@ void run_thread_ranks(int32_t world, const std::function<void(int32_t, Comm&)>& 
   for (int32_t r = 0; r < world; ++r)
     threads.emplace_back([&, r] {
       error_rank() = world > 1 ? r : -1;
+      auto& comm = static_cast<ThreadComm&>(*comms[r]);
       try {
-        fn(r, *comms[r]);
+        fn(r, comm);
+      } catch (const RankExited& exited) {
+        // A rank that stops without an error of its own: the run fails all the same, naming it.
+        errors[r] = std::make_exception_ptr(Error(fmt::format("[rank {}] {}", r, exited.why)));
+        comm.poison(fmt::format("rank {} exited in stage {}", r, fault_stage_name(comm.stage())));
+      } catch (const std::exception& e) {
+        errors[r] = std::current_exception();
+        comm.poison(fmt::format("rank {} failed in stage {}: {}", r, fault_stage_name(comm.stage()), e.what()));
       } catch (...) {
         errors[r] = std::current_exception();
-        static_cast<ThreadComm&>(*comms[r]).poison();
+        comm.poison(fmt::format("rank {} failed in stage {}", r, fault_stage_name(comm.stage())));
       }
     });
   for (auto& t : threads) t.join();

@@ -22,8 +22,9 @@ struct Result {
   std::string output;
 };
 
-Result run_cli(const std::string& args) {
-  const std::string cmd = std::string(DMOE_CLI_PATH) + " " + args + " 2>&1";
+// `env`: "NAME=value ..." assignments for the command's environment.
+Result run_cli(const std::string& args, const std::string& env = "") {
+  const std::string cmd = (env.empty() ? "" : env + " ") + std::string(DMOE_CLI_PATH) + " " + args + " 2>&1";
   Result r{-1, ""};
   FILE* pipe = popen(cmd.c_str(), "r");
   if (!pipe) return r;
@@ -352,6 +353,16 @@ TEST_F(Cli, JobsTooLargeForThisMachineAreRefusedUpFrontWritingNothing) {
   EXPECT_NE(r.output.find("the CPU engine on T=1 H=4096"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("would allocate about"), std::string::npos) << r.output;
   EXPECT_EQ(r.output.find("engine: cpu"), std::string::npos) << "started before refusing: " << r.output;
+}
+
+TEST_F(Cli, InjectedHangOnOneRankEndsTheRunInTime) {
+  ASSERT_EQ(run_cli("init --tokens 4 --hidden 8 --ffn 8 --experts 4 --top-k 2 --world 2 --out " + p("w.safetensors") +
+                    " --input " + p("x.safetensors")).status, 0);
+  const auto r = run_cli("run --world 2 --top-k 2 --weights " + p("w.safetensors") + " --input " + p("x.safetensors") +
+                         " --output " + p("y.safetensors"), "DMOE_FAULT=1:expert_gemm:hang DMOE_COMM_TIMEOUT_S=0.3");
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("rank 1 (last in stage expert_gemm)"), std::string::npos) << r.output;
+  EXPECT_FALSE(fs::exists(p("y.safetensors")));
 }
 
 TEST_F(Cli, HelpForEverySubcommand) {
