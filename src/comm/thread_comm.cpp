@@ -3,6 +3,7 @@
 //
 // Every collective is "publish pointers, barrier, read peers, barrier": after the first barrier all
 // peers' buffers are visible; the second keeps a peer from reusing its buffer while others still read.
+// (allreduce has three: each rank reduces one slice, then all copy the slices.)
 // Reductions sum in rank order, so every rank gets the same bits.
 #include <algorithm>
 #include <chrono>
@@ -36,7 +37,7 @@ struct RankExited {
 class ThreadGroup {
  public:
   explicit ThreadGroup(int32_t world)
-      : send_(world), counts_(world), data_(world), world_(world), arrived_mask_(size_t(world), 0),
+      : send_(world), counts_(world), offsets_(world), data_(world), partials_(world), world_(world), arrived_mask_(size_t(world), 0),
         stages_(size_t(world), FaultStage::none), timeout_(host_wait_timeout_seconds()) {}
 
   int32_t world() const { return world_; }
@@ -97,7 +98,9 @@ class ThreadGroup {
   // Published per collective (valid between the two barriers).
   std::vector<const void*> send_;
   std::vector<const int64_t*> counts_;
+  std::vector<const int64_t*> offsets_;
   std::vector<void*> data_;
+  std::vector<const void*> partials_;
 
  private:
   void poison_locked(const std::string& cause) {
@@ -142,8 +145,18 @@ class ThreadComm final : public Comm {
   void alltoallv(const void* send, const int64_t* send_counts, void* recv, const int64_t* recv_counts,
                  DType dtype, Stream) override {
     const size_t elem = dtype_size(dtype);
+    // Where each peer's elements start in this rank's send buffer, published so that a receiver finds
+    // its segment in O(1): summing the sender's counts per receiver made the exchange O(W^3) over all
+    // ranks (minutes at W = 4096).
+    send_offsets_.resize(size_t(world()));
+    int64_t offset = 0;
+    for (int32_t p = 0; p < world(); ++p) {
+      send_offsets_[size_t(p)] = offset;
+      offset += send_counts[p];
+    }
     group_->send_[rank_] = send;
     group_->counts_[rank_] = send_counts;
+    group_->offsets_[rank_] = send_offsets_.data();
     group_->barrier(rank_, "alltoallv");
     // NOTE: nothing may throw between the two barriers (a peer may be reading this rank's buffers);
     // a mismatch is reported after the closing barrier.
@@ -151,8 +164,7 @@ class ThreadComm final : public Comm {
     int64_t recv_offset = 0;
     for (int32_t p = 0; p < world(); ++p) {
       const int64_t* peer_counts = group_->counts_[p];
-      int64_t peer_offset = 0;
-      for (int32_t q = 0; q < rank_; ++q) peer_offset += peer_counts[q];
+      const int64_t peer_offset = group_->offsets_[p][rank_];
       if (peer_counts[rank_] != recv_counts[p]) {
         if (mismatch.empty())
           mismatch = fmt::format("ThreadComm alltoallv: rank {} expects {} elements from rank {}, which sends {}",
@@ -170,20 +182,34 @@ class ThreadComm final : public Comm {
     if (!mismatch.empty()) DMOE_FAIL("{}", mismatch);
   }
 
+  // Reduce-scatter, then all-gather: rank r sums its slice [count·r/W, count·(r+1)/W) over all ranks (in
+  // rank order, so every rank gets the same bits), then every rank copies all slices. O(count) per rank;
+  // every rank summing everything was O(W·count) per rank, which at W = E = 1024 took most of a forward.
   void allreduce_sum(void* data, int64_t count, DType dtype, Stream) override {
     DMOE_REQUIRE(dtype != DType::bf16, "ThreadComm allreduce: bf16 is not supported; reduce in f32 or f64");
+    const size_t elem = dtype_size(dtype);
+    const int64_t lo = count * rank_ / world(), hi = count * (rank_ + 1) / world();
+    partial_.resize(size_t(hi - lo) * elem);
     group_->data_[rank_] = data;
     group_->barrier(rank_, "allreduce");
-    std::vector<char> result(size_t(count) * dtype_size(dtype));
+    std::vector<void*> slices(static_cast<size_t>(world()));
+    for (int32_t r = 0; r < world(); ++r) slices[size_t(r)] = static_cast<char*>(group_->data_[r]) + lo * elem;
     switch (dtype) {
-      case DType::f32: sum_in_rank_order(group_->data_, world(), count, reinterpret_cast<float*>(result.data())); break;
-      case DType::f64: sum_in_rank_order(group_->data_, world(), count, reinterpret_cast<double*>(result.data())); break;
-      case DType::i32: sum_in_rank_order(group_->data_, world(), count, reinterpret_cast<int32_t*>(result.data())); break;
-      case DType::i64: sum_in_rank_order(group_->data_, world(), count, reinterpret_cast<int64_t*>(result.data())); break;
+      case DType::f32: sum_in_rank_order(slices, world(), hi - lo, reinterpret_cast<float*>(partial_.data())); break;
+      case DType::f64: sum_in_rank_order(slices, world(), hi - lo, reinterpret_cast<double*>(partial_.data())); break;
+      case DType::i32: sum_in_rank_order(slices, world(), hi - lo, reinterpret_cast<int32_t*>(partial_.data())); break;
+      case DType::i64: sum_in_rank_order(slices, world(), hi - lo, reinterpret_cast<int64_t*>(partial_.data())); break;
       case DType::bf16: break;  // rejected above
     }
+    group_->partials_[rank_] = partial_.data();
+    // NOTE: closing semantics for the middle barrier too: peers may still read this rank's data.
     group_->barrier(rank_, "allreduce", /*closing=*/true);
-    std::memcpy(data, result.data(), result.size());
+    // Every rank has read every `data` (first phase): each may now overwrite its own with the result.
+    for (int32_t r = 0; r < world(); ++r) {
+      const int64_t rlo = count * r / world(), rhi = count * (r + 1) / world();
+      if (rhi > rlo) std::memcpy(static_cast<char*>(data) + rlo * elem, group_->partials_[r], size_t(rhi - rlo) * elem);
+    }
+    group_->barrier(rank_, "allreduce", /*closing=*/true);
   }
 
   void broadcast(void* data, int64_t count, DType dtype, int32_t root, Stream) override {
@@ -207,6 +233,8 @@ class ThreadComm final : public Comm {
  private:
   std::shared_ptr<ThreadGroup> group_;
   int32_t rank_;
+  std::vector<int64_t> send_offsets_;  // [W] of the current alltoallv (read by peers between its barriers)
+  std::vector<char> partial_;          // this rank's slice of the current allreduce's sum (read by peers)
 };
 
 }  // namespace

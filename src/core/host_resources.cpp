@@ -53,7 +53,10 @@ CpuLayerEstimate estimate_cpu_layer(const MoeConfig& c, bool backward) {
   const double weights = (1 + bwd) * (E * m * I * H * 2 + E * H * (1 + W));
   const double per_rank =
       T * (4 + 2 * bwd) * H + 6 * T * k * H + (m + 1) * T * k * I * (1 + bwd) + 2 * T * E;
-  e.bytes = 4 * (weights + W * per_rank);
+  // Per (rank, peer or expert) bookkeeping (counts, offsets, layouts, the exchange's pointers): measured
+  // ~230 bytes per W·max(W, E) at W = E = 4096 (4.4 GB with T = 1, H = I = 8).
+  const double bookkeeping = 256 * W * std::max(W, E);
+  e.bytes = 4 * (weights + W * per_rank) + bookkeeping;
   return e;
 }
 

@@ -184,9 +184,13 @@ json config_to_json(const MoeConfig& c) {
 }
 
 MoeConfig load_config_file(const std::string& path, const MoeConfig& defaults) {
+  // Only a regular file: a FIFO or /dev/zero would block or never end.
   std::error_code ec;
-  DMOE_REQUIRE_INPUT(!std::filesystem::is_directory(path, ec), "config file '{}' is a directory; expected a JSON file",
-               path);
+  const auto status = std::filesystem::status(path, ec);
+  DMOE_REQUIRE_INPUT(!std::filesystem::is_directory(status), "config file '{}' is a directory; expected a JSON file",
+                     path);
+  DMOE_REQUIRE_INPUT(ec || !std::filesystem::exists(status) || std::filesystem::is_regular_file(status),
+                     "config file '{}' is not a regular file (a FIFO, device or socket); expected a JSON file", path);
   std::ifstream in(path, std::ios::binary);
   DMOE_REQUIRE_INPUT(in.good(), "config file '{}': cannot be opened for reading", path);
   std::stringstream text;

@@ -16,6 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.hpp"
+#include "core/host_resources.hpp"
 #include "core/output_file.hpp"
 
 namespace dmoe {
@@ -234,13 +235,15 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
   std::error_code ec;
   DMOE_REQUIRE_INPUT(std::filesystem::is_regular_file(path, ec), "safetensors '{}': not a readable regular file{}",
                path, ec ? " (" + ec.message() + ")" : std::string());
+  // The whole file is held in memory: one larger than what is available is refused before reading.
+  const uint64_t size_hint = std::filesystem::file_size(path, ec);
+  if (!ec) require_host_memory(double(size_hint), fmt::format("reading safetensors '{}' into memory", path));
   std::FILE* f = std::fopen(path.c_str(), "rb");
   DMOE_REQUIRE_INPUT(f, "safetensors '{}': cannot open: {}", path, std::strerror(errno));
   std::vector<uint8_t> bytes;
   uint8_t chunk[1 << 16];
   size_t got = 0;
   // Read to EOF rather than trusting a size query (the file may change underneath).
-  const uint64_t size_hint = std::filesystem::file_size(path, ec);
   if (!ec) bytes.reserve(size_t(size_hint));
   while ((got = std::fread(chunk, 1, sizeof(chunk), f)) > 0) bytes.insert(bytes.end(), chunk, chunk + got);
   const bool failed = std::ferror(f) != 0;

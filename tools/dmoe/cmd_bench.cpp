@@ -194,6 +194,7 @@ Command add_bench_command(CLI::App& app) {
                 o->repeat, o->warmup);
     std::printf("%-44s %3s %10s %9s %10s %11s %12s %12s\n", "config", "W", "fwd ms", "GFLOP/s", "fwd+bwd ms",
                 "GFLOP/s", "tokens/s", "max|y-ref|");
+    std::fflush(stdout);  // a slow config's header shows at once, also through a pipe
     for (int32_t world : worlds) {
       MoeConfig c = base;
       c.world = world;
@@ -214,7 +215,8 @@ Command add_bench_command(CLI::App& app) {
       if (backward)
         both = time_host(o->warmup, o->repeat, fmt::format("W={} forward+backward", world).c_str(), [&] { run_cpu_layer(c, w, x, &dy); });
       if (fwd.median_ms > 2000)
-        std::fprintf(stderr, "  W=%d: the single-rank reference run (~%.0f s)\n", world, fwd.median_ms * 1e-3 * world);
+        std::fprintf(stderr, "  W=%d: the single-rank reference run (all %lld tokens on one thread)\n", world,
+                     (long long)single.tokens);
       const LayerResult ref = run_cpu_layer(single, w, x, nullptr);
       const double diff = max_abs_diff(r.y, ref.y);
 
@@ -240,6 +242,7 @@ Command add_bench_command(CLI::App& app) {
         row["forward_backward_gflops"] = 3 * flops / both.median_ms * 1e-6;
       }
       results.push_back(row);
+      std::fflush(stdout);
     }
     if (!o->json_path.empty()) {
       write_file_atomically(o->json_path, results.dump(2) + "\n");
