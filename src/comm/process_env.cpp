@@ -37,7 +37,7 @@ int32_t slurm_tasks_on_node(const char* variable, std::string_view text, int32_t
            parse_int32(item.substr(paren + 2, item.size() - paren - 3), repeat) && repeat >= 1;
     }
     DMOE_REQUIRE_INPUT(ok && tasks >= 1, "{}='{}' is malformed: expected counts like '4' or '2(x3),1'", variable,
-                 text);
+                       text);
     if (node_idx < node + repeat) return tasks;
     node += repeat;
   }
@@ -48,19 +48,19 @@ void validate(const ProcessEnv& e, const char* rank_var, const char* world_var, 
               const char* local_world_var) {
   DMOE_REQUIRE_INPUT(e.world >= 1, "{}={} is invalid: the world size must be >= 1", world_var, e.world);
   DMOE_REQUIRE_INPUT(e.rank >= 0 && e.rank < e.world, "{}={} is invalid: must be in [0, {}) ({}={})", rank_var,
-               e.rank, e.world, world_var, e.world);
+                     e.rank, e.world, world_var, e.world);
   DMOE_REQUIRE_INPUT(e.local_world >= 1 && e.local_world <= e.world,
-               "{}={} is invalid: must be in [1, {}] ({}={})", local_world_var, e.local_world, e.world,
-               world_var, e.world);
+                     "{}={} is invalid: must be in [1, {}] ({}={})", local_world_var, e.local_world, e.world,
+                     world_var, e.world);
   DMOE_REQUIRE_INPUT(e.local_rank >= 0 && e.local_rank < e.local_world, "{}={} is invalid: must be in [0, {}) ({}={})",
-               local_rank_var, e.local_rank, e.local_world, local_world_var, e.local_world);
+                     local_rank_var, e.local_rank, e.local_world, local_world_var, e.local_world);
 }
 
 // Reads a required variable of a launcher whose other variables are present.
 int32_t required(const char* name, const char* launcher_hint) {
   int32_t v = 0;
   DMOE_REQUIRE_INPUT(env_int32(name, v), "{} is not set, but other {} variables are: the launcher's environment is incomplete",
-               name, launcher_hint);
+                     name, launcher_hint);
   return v;
 }
 
@@ -117,7 +117,7 @@ ProcessEnv detect_process_env() {
                                                                           : "SLURM_TASKS_PER_NODE";
       const char* per_node = std::getenv(per_node_var);
       DMOE_REQUIRE_INPUT(per_node, "srun environment without tasks per node: none of SLURM_NTASKS_PER_NODE, "
-                   "SLURM_STEP_TASKS_PER_NODE, SLURM_TASKS_PER_NODE is set");
+                         "SLURM_STEP_TASKS_PER_NODE, SLURM_TASKS_PER_NODE is set");
       e.local_world = slurm_tasks_on_node(per_node_var, per_node, node_idx);
       local_world_var = per_node_var;
     }
@@ -142,11 +142,11 @@ ProcessEnv detect_process_env() {
 
 int32_t choose_device(const ProcessEnv& env, int32_t device_count) {
   DMOE_REQUIRE_INPUT(device_count >= 1, "rank {}: no GPU is visible (device count {}); a GPU communicator needs one",
-               env.rank, device_count);
+                     env.rank, device_count);
   int32_t device = 0;
   if (env_int32("DMOE_DEVICE", device)) {
     DMOE_REQUIRE_INPUT(device >= 0 && device < device_count, "DMOE_DEVICE={} is invalid: must be in [0, {}) ({} GPUs visible)",
-                 device, device_count, device_count);
+                       device, device_count, device_count);
     return device;
   }
   return env.local_rank % device_count;

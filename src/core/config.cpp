@@ -49,28 +49,28 @@ void MoeConfig::validate() const {
   DMOE_REQUIRE_INPUT(ffn >= 1, "config: ffn = {} is invalid; expert FFN width must be >= 1", ffn);
   DMOE_REQUIRE_INPUT(experts >= 1, "config: experts = {} is invalid; must be >= 1", experts);
   DMOE_REQUIRE_INPUT(top_k >= 1 && top_k <= experts,
-               "config: top_k = {} is invalid; must satisfy 1 <= top_k <= experts ({})", top_k, experts);
+                     "config: top_k = {} is invalid; must satisfy 1 <= top_k <= experts ({})", top_k, experts);
   DMOE_REQUIRE_INPUT(world >= 1, "config: world = {} is invalid; must be >= 1", world);
   DMOE_REQUIRE_INPUT(experts % world == 0,
-               "config: experts = {} is not divisible by world = {}; each rank must own E/W experts",
-               experts, world);
+                     "config: experts = {} is not divisible by world = {}; each rank must own E/W experts",
+                     experts, world);
   DMOE_REQUIRE_INPUT(std::isfinite(capacity_factor) && capacity_factor >= 0,
-               "config: capacity_factor = {} is invalid; use 0 for dropless or a positive number",
-               capacity_factor);
+                     "config: capacity_factor = {} is invalid; use 0 for dropless or a positive number",
+                     capacity_factor);
   DMOE_REQUIRE_INPUT(dtype == DType::f32 || dtype == DType::bf16,
-               "config: dtype = {} is invalid; allowed: f32, bf16", dtype_name(dtype));
+                     "config: dtype = {} is invalid; allowed: f32, bf16", dtype_name(dtype));
   DMOE_REQUIRE_INPUT(std::isfinite(aux_loss_coef) && aux_loss_coef >= 0,
-               "config: aux_loss_coef = {} is invalid; must be finite and >= 0", aux_loss_coef);
+                     "config: aux_loss_coef = {} is invalid; must be finite and >= 0", aux_loss_coef);
   DMOE_REQUIRE_INPUT(std::isfinite(z_loss_coef) && z_loss_coef >= 0,
-               "config: z_loss_coef = {} is invalid; must be finite and >= 0", z_loss_coef);
+                     "config: z_loss_coef = {} is invalid; must be finite and >= 0", z_loss_coef);
   // Row counts and element offsets are int64; keep every buffer's element count far from overflow.
   const double biggest = double(tokens) * double(world) * double(top_k) * double(std::max(hidden, ffn));
   DMOE_REQUIRE_INPUT(biggest < 0x1p52,
-               "config: tokens*world*top_k*max(hidden, ffn) = {:.3g} is too large; must be < 2^52",
-               biggest);
+                     "config: tokens*world*top_k*max(hidden, ffn) = {:.3g} is too large; must be < 2^52",
+                     biggest);
   DMOE_REQUIRE_INPUT(double(tokens) * double(world) * double(top_k) < 0x1p31,
-               "config: tokens*world*top_k = {} is too large; row indices are int32 (< 2^31)",
-               tokens * world * top_k);
+                     "config: tokens*world*top_k = {} is too large; row indices are int32 (< 2^31)",
+                     tokens * world * top_k);
 }
 
 int64_t MoeConfig::capacity() const {

@@ -13,7 +13,7 @@ double host_wait_timeout_seconds() {
   char* end = nullptr;
   const double v = std::strtod(text, &end);
   DMOE_REQUIRE_INPUT(end != text && *end == '\0' && v > 0, "DMOE_COMM_TIMEOUT_S='{}' is invalid: expected seconds > 0",
-               text);
+                     text);
   return v;
 }
 

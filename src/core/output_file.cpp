@@ -50,7 +50,7 @@ OutputTarget resolve_output(const std::string& path, std::string_view option) {
   if (::lstat(path.c_str(), &ls) == 0 && S_ISLNK(ls.st_mode)) {
     char* real = ::realpath(path.c_str(), nullptr);
     DMOE_REQUIRE_INPUT(real, "{} is a symbolic link whose target cannot be resolved ({}); {}", what, std::strerror(errno),
-                 kAllowed);
+                       kAllowed);
     t.path = real;
     std::free(real);
   }
@@ -69,7 +69,7 @@ OutputTarget resolve_output(const std::string& path, std::string_view option) {
   if (!t.exists) {
     struct stat ds {};
     DMOE_REQUIRE_INPUT(::stat(t.directory.c_str(), &ds) == 0, "{}: its directory '{}' does not exist or cannot be read: {}",
-                 what, t.directory, std::strerror(errno));
+                       what, t.directory, std::strerror(errno));
     DMOE_REQUIRE_INPUT(S_ISDIR(ds.st_mode), "{}: '{}' is not a directory", what, t.directory);
   }
   return t;
@@ -83,7 +83,7 @@ int create_temporary(const OutputTarget& t, std::string& tmp, std::string_view w
     const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
     if (fd >= 0) return fd;
     DMOE_REQUIRE_INPUT(errno == EEXIST || errno == EINTR, "{}: cannot create a temporary file in '{}': {}", what,
-                 t.directory, std::strerror(errno));
+                       t.directory, std::strerror(errno));
   }
   DMOE_FAIL_INPUT("{}: cannot create a temporary file in '{}': 100 names taken", what, t.directory);
 }
@@ -122,7 +122,7 @@ void write_file_atomically(const std::string& path, std::span<const uint8_t> byt
     if (fd_to_close >= 0) ::close(fd_to_close);
     ::unlink(tmp.c_str());
     DMOE_FAIL_INPUT("{} failed at {} of its temporary '{}' ({} bytes): {}; '{}' is unchanged", what, step, tmp, bytes.size(),
-              std::strerror(err), path);
+                    std::strerror(err), path);
   };
   if (t.exists && ::fchmod(fd, t.mode) != 0) fail("setting the permissions", fd);
   if (!write_all(fd, bytes.data(), bytes.size())) fail("the write", fd);
@@ -157,12 +157,12 @@ void require_distinct_files(const std::vector<NamedPath>& outputs, const std::ve
     if (out.path.empty()) continue;
     for (const NamedPath& in : inputs)
       DMOE_REQUIRE_INPUT(in.path.empty() || !same_file(out.path, in.path),
-                   "{} '{}' is the same file as {} '{}': writing it would destroy that input; choose another {}",
-                   out.option, out.path, in.option, in.path, out.option);
+                         "{} '{}' is the same file as {} '{}': writing it would destroy that input; choose another {}",
+                         out.option, out.path, in.option, in.path, out.option);
     for (size_t j = 0; j < i; ++j)
       DMOE_REQUIRE_INPUT(outputs[j].path.empty() || !same_file(out.path, outputs[j].path),
                    "{} '{}' and {} '{}' are the same file: one output would overwrite the other", outputs[j].option,
-                   outputs[j].path, out.option, out.path);
+                         outputs[j].path, out.option, out.path);
   }
 }
 

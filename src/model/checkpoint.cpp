@@ -71,7 +71,7 @@ void require_finite(const SafetensorsFile& file, const std::string& name, const 
                     int64_t cols) {
   for (int64_t i = 0; i < rows * cols; ++i)
     DMOE_REQUIRE_INPUT(std::isfinite(values[i]), "checkpoint '{}': tensor '{}' [{}, {}] is {}; weights must be finite",
-                 file.source(), name, i / cols, i % cols, values[i]);
+                       file.source(), name, i / cols, i % cols, values[i]);
 }
 
 // "layers with an MoE gate: 0, 3" or what else was found, for errors about a missing gate.
@@ -99,15 +99,15 @@ std::string find_moe_prefix(const SafetensorsFile& file, std::optional<int> laye
     if (file.has(gate_name(prefix))) return prefix;
     const std::set<int> layers = moe_layers(file);
     DMOE_FAIL_INPUT("checkpoint '{}': layer {} has no MoE gate '{}'; layers with an MoE gate: {}", file.source(),
-              *layer, gate_name(prefix), layers.empty() ? std::string("none") : join(layers));
+                    *layer, gate_name(prefix), layers.empty() ? std::string("none") : join(layers));
   }
   const std::set<int> layers = moe_layers(file);
   if (!layers.empty()) return layer_prefix(*layers.begin());
   if (file.has("block_sparse_moe.gate.weight")) return "block_sparse_moe.";
   if (file.has("gate.weight")) return "";
   DMOE_FAIL_INPUT("checkpoint '{}': no MoE layer found; looked for 'model.layers.{{L}}.block_sparse_moe.gate.weight', "
-            "'block_sparse_moe.gate.weight' and 'gate.weight' among its {} tensors",
-            file.source(), file.size());
+                  "'block_sparse_moe.gate.weight' and 'gate.weight' among its {} tensors",
+                  file.source(), file.size());
 }
 
 MoeWeights load_moe_weights(const SafetensorsFile& file, const MoeConfig& config, const std::string& prefix,
@@ -118,7 +118,7 @@ MoeWeights load_moe_weights(const SafetensorsFile& file, const MoeConfig& config
 
   const std::string gate = gate_name(prefix);
   DMOE_REQUIRE_INPUT(file.has(gate), "checkpoint '{}': gate tensor '{}' is missing (check --prefix / --layer; {})",
-               file.source(), gate, moe_layers_present(file));
+                     file.source(), gate, moe_layers_present(file));
   file.read_f32_into(gate, {config.experts, h}, w.gate.data());
   require_finite(file, gate, w.gate.data(), config.experts, h);
 
@@ -126,7 +126,7 @@ MoeWeights load_moe_weights(const SafetensorsFile& file, const MoeConfig& config
   auto load_matrix = [&](int32_t e, const char* matrix_name, std::vector<int64_t> shape, float* out) {
     const std::string name = expert_weight_name(prefix, e, matrix_name);
     DMOE_REQUIRE_INPUT(file.has(name), "checkpoint '{}': expert {} tensor '{}' is missing ({} experts need {})",
-                 file.source(), e, name, activation_name(config.activation), swiglu ? "w1, w3, w2" : "w1, w2");
+                       file.source(), e, name, activation_name(config.activation), swiglu ? "w1, w3, w2" : "w1, w2");
     file.read_f32_into(name, shape, out);
     require_finite(file, name, out, shape[0], shape[1]);
   };
@@ -137,9 +137,9 @@ MoeWeights load_moe_weights(const SafetensorsFile& file, const MoeConfig& config
       load_matrix(e, "w3", {i, h}, w.w3.data() + local * matrix);
     } else {
       DMOE_REQUIRE_INPUT(!file.has(expert_weight_name(prefix, e, "w3")),
-                   "checkpoint '{}': '{}' is present but the config's activation is {}; a file with w3 holds "
-                   "SwiGLU experts (set activation swiglu)",
-                   file.source(), expert_weight_name(prefix, e, "w3"), activation_name(config.activation));
+                         "checkpoint '{}': '{}' is present but the config's activation is {}; a file with w3 holds "
+                         "SwiGLU experts (set activation swiglu)",
+                         file.source(), expert_weight_name(prefix, e, "w3"), activation_name(config.activation));
     }
     load_matrix(e, "w2", {h, i}, w.w2.data() + local * matrix);
   }
@@ -166,14 +166,14 @@ MoeConfig infer_moe_config(const SafetensorsFile& file, const std::string& prefi
                      "--prefix / --layer; {})", file.source(), gate, moe_layers_present(file));
   const TensorInfo& g = file.info(gate);
   DMOE_REQUIRE_INPUT(g.shape.size() == 2 && g.shape[0] >= 1 && g.shape[0] <= INT32_MAX,
-               "checkpoint '{}': gate '{}' has shape {}, expected [experts, hidden]", file.source(), gate,
-               shape_string(g.shape));
+                     "checkpoint '{}': gate '{}' has shape {}, expected [experts, hidden]", file.source(), gate,
+                     shape_string(g.shape));
   const std::string w1 = expert_weight_name(prefix, 0, "w1");
   DMOE_REQUIRE_INPUT(file.has(w1), "checkpoint '{}': cannot infer the FFN width: '{}' is missing", file.source(), w1);
   const TensorInfo& up = file.info(w1);
   DMOE_REQUIRE_INPUT(up.shape.size() == 2 && up.shape[1] == g.shape[1],
                "checkpoint '{}': '{}' has shape {}, expected [ffn, {}]", file.source(), w1, shape_string(up.shape),
-               g.shape[1]);
+                     g.shape[1]);
   MoeConfig c;
   c.experts = int32_t(g.shape[0]);
   c.hidden = g.shape[1];

@@ -40,7 +40,7 @@ int64_t get_int(const json& j, const char* key, int64_t lo, int64_t hi, const ch
   DMOE_REQUIRE_INPUT(v.is_number_integer(), "{}: key '{}' must be an integer (found {})", what, key, shown(v));
   if (v.is_number_unsigned())
     DMOE_REQUIRE_INPUT(v.get<uint64_t>() <= uint64_t(hi), "{}: key '{}' = {} is out of range [{}, {}]", what, key,
-                 v.get<uint64_t>(), lo, hi);
+                       v.get<uint64_t>(), lo, hi);
   const int64_t x = v.get<int64_t>();
   DMOE_REQUIRE_INPUT(x >= lo && x <= hi, "{}: key '{}' = {} is out of range [{}, {}]", what, key, x, lo, hi);
   return x;
@@ -107,20 +107,20 @@ MoeConfig from_mixtral_json(const json& j, const MoeConfig& defaults) {
   if (j.contains("model_type")) {
     const std::string type = get_string(j, "model_type", what);
     DMOE_REQUIRE_INPUT(type == "mixtral",
-                 "{}: model_type '{}' is not supported; dmoe reads the MoE layer of model_type 'mixtral' "
-                 "(num_local_experts, num_experts_per_tok, SwiGLU experts w1/w2/w3), or a dmoe JSON config with "
-                 "keys {}",
-                 what, type, dmoe_keys());
+                       "{}: model_type '{}' is not supported; dmoe reads the MoE layer of model_type 'mixtral' "
+                       "(num_local_experts, num_experts_per_tok, SwiGLU experts w1/w2/w3), or a dmoe JSON config with "
+                       "keys {}",
+                       what, type, dmoe_keys());
   }
   // A dmoe key here would be silently dropped ("dtype" is also Hugging Face's newer name for torch_dtype).
   for (const char* key : kDmoeKeys)
     DMOE_REQUIRE_INPUT(std::string_view(key) == "dtype" || !j.contains(key),
-                 "{}: key '{}' is a dmoe config key, which a Hugging Face config.json does not carry; pass it "
-                 "as {} or use a dmoe JSON config",
-                 what, key, flag_of(key));
+                       "{}: key '{}' is a dmoe config key, which a Hugging Face config.json does not carry; pass it "
+                       "as {} or use a dmoe JSON config",
+                       what, key, flag_of(key));
   for (const char* key : {"hidden_size", "intermediate_size", "num_local_experts", "num_experts_per_tok"})
     DMOE_REQUIRE_INPUT(j.contains(key), "{}: required key '{}' is missing (needed: hidden_size, intermediate_size, "
-                 "num_local_experts, num_experts_per_tok)", what, key);
+                       "num_local_experts, num_experts_per_tok)", what, key);
   MoeConfig c = defaults;
   c.hidden = get_int(j, "hidden_size", 1, kI64Max, what);
   c.ffn = get_int(j, "intermediate_size", 1, kI64Max, what);
@@ -147,7 +147,7 @@ MoeConfig from_mixtral_json(const json& j, const MoeConfig& defaults) {
       c.dtype = DType::f32;
     } else {
       DMOE_FAIL_INPUT("{}: {} '{}' is not supported; dmoe stores weights and activations as float32 or bfloat16 "
-                "(allowed: float32, bfloat16)", what, key, dtype);
+                      "(allowed: float32, bfloat16)", what, key, dtype);
     }
     break;
   }
@@ -214,7 +214,7 @@ MoeConfig load_config_file(const std::string& path, const MoeConfig& defaults) {
     DMOE_FAIL_INPUT("config file '{}': not valid JSON: {}", path, e.what());
   }
   DMOE_REQUIRE_INPUT(duplicate.empty(), "config file '{}': key '{}' appears more than once in one object; each key may "
-               "be given once", path, duplicate);
+                     "be given once", path, duplicate);
   try {
     return config_from_json(j, defaults);
   } catch (const Error& e) {

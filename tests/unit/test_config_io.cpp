@@ -276,6 +276,16 @@ TEST(ConfigIoTest, DuplicateKeysAndDirectoriesAreRefused) {
   }
   EXPECT_HAS(msg, "is a directory; expected a JSON file");
   std::filesystem::remove(dir);
+  // A device or FIFO would block or never end (/dev/zero); refused before reading.
+  for (const char* device : {"/dev/zero", "/dev/null"}) {
+    msg.clear();
+    try {
+      load_config_file(device);
+    } catch (const Error& e) {
+      msg = e.what();
+    }
+    EXPECT_HAS(msg, "is not a regular file");
+  }
 }
 
 TEST(ConfigIoTest, FileErrorsNameTheFile) {

@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "bench_gpu.hpp"
+#include "comm/process_env.hpp"
 #include "commands.hpp"
 #include "core/error.hpp"
 #include "core/output_file.hpp"
@@ -127,7 +128,7 @@ Command add_bench_command(CLI::App& app) {
     }
     if (o->what == "gemm") {
       DMOE_REQUIRE_INPUT(gpu_available(), "dmoe bench gemm times the own GPU kernel: no CUDA device is visible (or this "
-                   "build has no CUDA)");
+                         "build has no CUDA)");
       GpuBenchArgs g;
       ConfigOptions co = o->config;
       if (co.config_path.empty()) co.config_path = "fine-grained";
@@ -148,8 +149,12 @@ Command add_bench_command(CLI::App& app) {
       ConfigOptions co = o->config;
       if (co.config_path.empty()) co.config_path = "flash-paper";
       g.config = resolve_config(co);
-      if (o->config.world && *o->config.world != 1)
-        std::fprintf(stderr, "note: --world is ignored on the GPU: ranks are processes (dmoe launch -n W, mpirun)\n");
+      // On the GPU the ranks are processes: a --world that is not this job's size would be ignored.
+      const int32_t job_world = detect_process_env().world;
+      DMOE_REQUIRE_INPUT(!o->config.world || *o->config.world == job_world,
+                         "--world {}: on the GPU the ranks are processes and this job has {}; start W ranks with "
+                         "dmoe launch -n W -- dmoe bench ... (or mpirun), or use --engine cpu for simulated ranks",
+                         *o->config.world, job_world);
       g.config_name = co.config_path;
       g.comm = o->comm;
       g.backward = backward;
@@ -175,8 +180,8 @@ Command add_bench_command(CLI::App& app) {
     std::vector<int32_t> worlds = o->worlds;
     if (o->config.world || base.world != 1) {
       DMOE_REQUIRE_INPUT(worlds_option->count() == 0 || o->worlds == std::vector<int32_t>{base.world},
-                   "world = {} (from {}) and -n/--worlds {} disagree; give the rank counts once", base.world,
-                   o->config.world ? "--world" : "--config " + o->config.config_path, fmt::join(o->worlds, " "));
+                         "world = {} (from {}) and -n/--worlds {} disagree; give the rank counts once", base.world,
+                         o->config.world ? "--world" : "--config " + o->config.config_path, fmt::join(o->worlds, " "));
       worlds = {base.world};
     }
     base.world = 1;

@@ -26,7 +26,7 @@ std::vector<int32_t> parse_gpu_list(const std::string& text) {
       used = 0;
     }
     DMOE_REQUIRE_INPUT(used == item.size() && !item.empty() && value >= 0,
-                 "--gpus '{}' is invalid: expected a comma-separated list of GPU indices such as 0,1,2", text);
+                       "--gpus '{}' is invalid: expected a comma-separated list of GPU indices such as 0,1,2", text);
     gpus.push_back(value);
   }
   DMOE_REQUIRE_INPUT(!gpus.empty(), "--gpus '{}' is empty: list GPU indices such as 0,1", text);

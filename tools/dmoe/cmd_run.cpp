@@ -83,24 +83,24 @@ Command add_run_command(CLI::App& app) {
 
     const SafetensorsFile input = SafetensorsFile::open(o->input);
     DMOE_REQUIRE_INPUT(input.has("x"), "{}: no tensor 'x' (expected x [tokens, hidden]); tensors present: {}",
-                 o->input, fmt::join(input.names(), ", "));
+                       o->input, fmt::join(input.names(), ", "));
     const TensorInfo& xi = input.info("x");
     DMOE_REQUIRE_INPUT(xi.shape.size() == 2, "{}: x has shape {}; expected [tokens, hidden]", o->input, shape_string(xi.shape));
     const int64_t total = xi.shape[0];
     DMOE_REQUIRE_INPUT(c.world >= 1 && total % c.world == 0,
-                 "{}: x has {} tokens, not divisible by world = {}", o->input, total, c.world);
+                       "{}: x has {} tokens, not divisible by world = {}", o->input, total, c.world);
     const int64_t per_rank = total / c.world;
     // Tokens come from the input; tokens given by --tokens or by the --config file must agree with it.
     DMOE_REQUIRE_INPUT(c.tokens == 0 || c.tokens == per_rank,
-                 "tokens = {} per rank ({}), but x in {} holds {} rows for world = {} ranks ({} per rank); drop "
-                 "tokens or make it match", c.tokens,
-                 o->config.tokens ? std::string("--tokens") : "from --config " + o->config.config_path, o->input,
-                 total, c.world, per_rank);
+                       "tokens = {} per rank ({}), but x in {} holds {} rows for world = {} ranks ({} per rank); drop "
+                       "tokens or make it match", c.tokens,
+                       o->config.tokens ? std::string("--tokens") : "from --config " + o->config.config_path, o->input,
+                       total, c.world, per_rank);
     c.tokens = per_rank;
     DMOE_REQUIRE_INPUT(c.top_k >= 1 || o->config.top_k,
                  "top_k = {} is invalid: it must satisfy 1 <= top_k <= experts ({}), and {} does not set it; pass "
-                 "--top-k K", c.top_k, c.experts,
-                 o->config.config_path.empty() ? "a weights file does not record it, so"
+                       "--top-k K", c.top_k, c.experts,
+                       o->config.config_path.empty() ? "a weights file does not record it, so"
                                                : "--config " + o->config.config_path);
     c.validate();
 
@@ -117,7 +117,7 @@ Command add_run_command(CLI::App& app) {
     auto require_finite = [&](const std::vector<float>& v, const char* name, const std::string& file) {
       for (size_t i = 0; i < v.size(); ++i)
         DMOE_REQUIRE_INPUT(std::isfinite(v[i]), "{}: {}[{}, {}] is {}; inputs must be finite", file, name,
-                     i / size_t(c.hidden), i % size_t(c.hidden), v[i]);
+                           i / size_t(c.hidden), i % size_t(c.hidden), v[i]);
     };
     require_finite(x, "x", o->input);
     if (!dy.empty()) require_finite(dy, "dy", o->grad_output);
@@ -131,7 +131,7 @@ Command add_run_command(CLI::App& app) {
     const std::string bad = first_non_finite(r, c, !dy.empty());
     if (!bad.empty()) {
       DMOE_REQUIRE_INPUT(o->allow_non_finite, "{} (inputs and weights are finite: the layer overflowed float); nothing was "
-                   "written to {}; pass --allow-non-finite to write such results anyway", bad, o->output);
+                         "written to {}; pass --allow-non-finite to write such results anyway", bad, o->output);
       std::fprintf(stderr, "warning: %s; writing it anyway (--allow-non-finite)\n", bad.c_str());
     }
 

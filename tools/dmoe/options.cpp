@@ -47,7 +47,7 @@ std::string find_config_file(const std::string& name) {
     if (fs::exists(p)) return p.string();
   }
   DMOE_FAIL_INPUT("config '{}' is neither a file nor a named config in bench/configs (e.g. flash-paper, "
-            "mixtral, fine-grained, decode)", name);
+                  "mixtral, fine-grained, decode)", name);
 }
 
 void check_cpu_engine_cost(const MoeConfig& c, int forward_calls, int backward_calls) {

@@ -17,8 +17,8 @@ LayerResult run_gpu_layer(const MoeConfig& c, const MoeWeights& w, const std::ve
 #if DMOE_WITH_CUDA
   DMOE_REQUIRE_INPUT(gpu_available(), "--engine cuda: no CUDA device is visible to this process; use --engine cpu");
   DMOE_REQUIRE_INPUT(c.world == 1,
-               "--engine cuda runs one rank per process: world = {} here; use --engine cpu for simulated ranks",
-               c.world);
+                     "--engine cuda runs one rank per process: world = {} here; use --engine cpu for simulated ranks",
+                     c.world);
   c.validate();
   const int64_t T = c.tokens, H = c.hidden;
   auto backend = make_cuda_backend(c.dtype, 0);
