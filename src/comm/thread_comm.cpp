@@ -190,9 +190,9 @@ class ThreadComm final : public Comm {
     const size_t elem = dtype_size(dtype);
     const int64_t lo = count * rank_ / world(), hi = count * (rank_ + 1) / world();
     partial_.resize(size_t(hi - lo) * elem);
+    std::vector<void*> slices(static_cast<size_t>(world()));  // allocated here: nothing may throw below
     group_->data_[rank_] = data;
     group_->barrier(rank_, "allreduce");
-    std::vector<void*> slices(static_cast<size_t>(world()));
     for (int32_t r = 0; r < world(); ++r) slices[size_t(r)] = static_cast<char*>(group_->data_[r]) + lo * elem;
     switch (dtype) {
       case DType::f32: sum_in_rank_order(slices, world(), hi - lo, reinterpret_cast<float*>(partial_.data())); break;

@@ -85,7 +85,8 @@ Command add_run_command(CLI::App& app) {
     DMOE_REQUIRE_INPUT(input.has("x"), "{}: no tensor 'x' (expected x [tokens, hidden]); tensors present: {}",
                        o->input, fmt::join(input.names(), ", "));
     const TensorInfo& xi = input.info("x");
-    DMOE_REQUIRE_INPUT(xi.shape.size() == 2, "{}: x has shape {}; expected [tokens, hidden]", o->input, shape_string(xi.shape));
+    DMOE_REQUIRE_INPUT(xi.shape.size() == 2, "{}: x has shape {}; expected [tokens, hidden]", o->input,
+                       shape_string(xi.shape));
     const int64_t total = xi.shape[0];
     DMOE_REQUIRE_INPUT(c.world >= 1 && total % c.world == 0,
                        "{}: x has {} tokens, not divisible by world = {}", o->input, total, c.world);
@@ -98,10 +99,10 @@ Command add_run_command(CLI::App& app) {
                        total, c.world, per_rank);
     c.tokens = per_rank;
     DMOE_REQUIRE_INPUT(c.top_k >= 1 || o->config.top_k,
-                 "top_k = {} is invalid: it must satisfy 1 <= top_k <= experts ({}), and {} does not set it; pass "
-                       "--top-k K", c.top_k, c.experts,
+                       "top_k = {} is invalid: it must satisfy 1 <= top_k <= experts ({}), and {} does not set it; "
+                       "pass --top-k K", c.top_k, c.experts,
                        o->config.config_path.empty() ? "a weights file does not record it, so"
-                                               : "--config " + o->config.config_path);
+                                                     : "--config " + o->config.config_path);
     c.validate();
 
     const std::vector<float> x = input.read_f32("x", {total, c.hidden});
@@ -130,8 +131,9 @@ Command add_run_command(CLI::App& app) {
     // default, and nothing is written.
     const std::string bad = first_non_finite(r, c, !dy.empty());
     if (!bad.empty()) {
-      DMOE_REQUIRE_INPUT(o->allow_non_finite, "{} (inputs and weights are finite: the layer overflowed float); nothing was "
-                         "written to {}; pass --allow-non-finite to write such results anyway", bad, o->output);
+      DMOE_REQUIRE_INPUT(o->allow_non_finite,
+                         "{} (inputs and weights are finite: the layer overflowed float); nothing was written to {}; "
+                         "pass --allow-non-finite to write such results anyway", bad, o->output);
       std::fprintf(stderr, "warning: %s; writing it anyway (--allow-non-finite)\n", bad.c_str());
     }
 
