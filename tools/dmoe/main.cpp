@@ -36,6 +36,10 @@ int main(int argc, char** argv) {
   add(dmoe::cli::add_run_command);
   add(dmoe::cli::add_bench_command);
   add(dmoe::cli::add_launch_command);
+  // Defaults that say nothing: a required option's placeholder ("=0 REQUIRED"), an empty list ("=[]").
+  for (CLI::App* sub : app.get_subcommands({}))
+    for (CLI::Option* option : sub->get_options())
+      if (option->get_required() || option->get_default_str() == "[]") option->default_str("");
   try {
     app.parse(argc, argv);
     for (auto& [sub, run] : commands)
