@@ -112,7 +112,7 @@ void check_output_file(const std::string& path, std::string_view option) {
   ::unlink(tmp.c_str());
 }
 
-void write_file_atomically(const std::string& path, std::span<const uint8_t> bytes) {
+void OutputFileSet::write(const std::string& path, std::span<const uint8_t> bytes) {
   const OutputTarget t = resolve_output(path, "");
   const std::string what = fmt::format("writing '{}'", path);
   std::string tmp;
@@ -121,20 +121,55 @@ void write_file_atomically(const std::string& path, std::span<const uint8_t> byt
     const int err = errno;
     if (fd_to_close >= 0) ::close(fd_to_close);
     ::unlink(tmp.c_str());
-    DMOE_FAIL_INPUT("{} failed at {} of its temporary '{}' ({} bytes): {}; '{}' is unchanged", what, step, tmp, bytes.size(),
-                    std::strerror(err), path);
+    const bool others = !written_.empty();
+    discard();
+    DMOE_FAIL_INPUT("{} failed at {} of its temporary '{}' ({} bytes): {}; '{}' is unchanged{}", what, step, tmp,
+                    bytes.size(), std::strerror(err), path, others ? ", and so are the other outputs written with it" : "");
   };
   if (t.exists && ::fchmod(fd, t.mode) != 0) fail("setting the permissions", fd);
   if (!write_all(fd, bytes.data(), bytes.size())) fail("the write", fd);
   if (::fsync(fd) != 0) fail("fsync", fd);
   if (::close(fd) != 0) fail("close", -1);
-  if (::rename(tmp.c_str(), t.path.c_str()) != 0) fail("the rename onto the target", -1);
-  // Make the rename itself durable; a directory that cannot be synced (some file systems) is no error.
-  const int dir = ::open(t.directory.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dir >= 0) {
-    (void)::fsync(dir);
-    ::close(dir);
+  written_.push_back({path, tmp, t.path, t.directory});
+}
+
+void OutputFileSet::write(const std::string& path, std::string_view text) {
+  write(path, std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(text.data()), text.size()));
+}
+
+void OutputFileSet::commit() {
+  for (size_t i = 0; i < written_.size(); ++i) {
+    const Written& w = written_[i];
+    if (::rename(w.temporary.c_str(), w.target.c_str()) != 0) {
+      const int err = errno;
+      std::string replaced;
+      for (size_t j = 0; j < i; ++j) replaced += fmt::format("{}'{}'", j ? ", " : "", written_[j].path);
+      written_.erase(written_.begin(), written_.begin() + std::ptrdiff_t(i));
+      discard();
+      DMOE_FAIL_INPUT("writing '{}' failed at the rename of its temporary onto it: {}; it is unchanged{}", w.path,
+                      std::strerror(err), replaced.empty() ? "" : "; already replaced: " + replaced);
+    }
+    // Make the rename itself durable; a directory that cannot be synced (some file systems) is no error.
+    const int dir = ::open(w.directory.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dir >= 0) {
+      (void)::fsync(dir);
+      ::close(dir);
+    }
   }
+  written_.clear();
+}
+
+void OutputFileSet::discard() {
+  for (const Written& w : written_) ::unlink(w.temporary.c_str());
+  written_.clear();
+}
+
+OutputFileSet::~OutputFileSet() { discard(); }
+
+void write_file_atomically(const std::string& path, std::span<const uint8_t> bytes) {
+  OutputFileSet file;
+  file.write(path, bytes);
+  file.commit();
 }
 
 void write_file_atomically(const std::string& path, std::string_view text) {

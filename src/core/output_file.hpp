@@ -32,6 +32,28 @@ void check_output_file(const std::string& path, std::string_view option);
 void write_file_atomically(const std::string& path, std::span<const uint8_t> bytes);
 void write_file_atomically(const std::string& path, std::string_view text);
 
+// Several outputs that appear together or not at all: write() puts each file's bytes in its temporary
+// (checked as above), commit() renames them all onto their targets. A failed write(), or destruction
+// without commit(), removes every temporary of the set and leaves all targets untouched.
+class OutputFileSet {
+ public:
+  OutputFileSet() = default;
+  OutputFileSet(const OutputFileSet&) = delete;
+  OutputFileSet& operator=(const OutputFileSet&) = delete;
+  ~OutputFileSet();
+
+  void write(const std::string& path, std::span<const uint8_t> bytes);
+  void write(const std::string& path, std::string_view text);
+  void commit();
+
+ private:
+  struct Written {
+    std::string path, temporary, target, directory;
+  };
+  void discard();
+  std::vector<Written> written_;
+};
+
 // True when a and b name the same file: same (st_dev, st_ino) when both exist (symlinks followed),
 // otherwise the same absolute, lexically normalised path.
 bool same_file(const std::string& a, const std::string& b);

@@ -369,6 +369,21 @@ TEST_F(Cli, InjectedHangOnOneRankEndsTheRunInTime) {
   EXPECT_FALSE(fs::exists(p("y.safetensors")));
 }
 
+TEST_F(Cli, InitWritesAllItsFilesOrNone) {
+  // A file-size limit (SIGXFSZ ignored: write() fails with EFBIG, as on a full disk) that the weights
+  // (~4 KB) fit under and x (1000 x 8 floats, 32 KB) does not: nothing may appear, not even the weights.
+  const std::string init = "init --tokens 1000 --hidden 8 --ffn 8 --experts 4 --top-k 2 --out " + p("w.safetensors") +
+                           " --input " + p("x.safetensors") + " --save-config " + p("c.json");
+  auto r = run_cli(init, "trap '' XFSZ; ulimit -f 16;");
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("x.safetensors"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("and so are the other outputs written with it"), std::string::npos) << r.output;
+  EXPECT_TRUE(fs::is_empty(dir_)) << "left behind: " << fs::directory_iterator(dir_)->path();
+  r = run_cli(init);
+  EXPECT_EQ(r.status, 0) << r.output;
+  EXPECT_TRUE(fs::exists(p("w.safetensors")) && fs::exists(p("x.safetensors")) && fs::exists(p("c.json")));
+}
+
 TEST_F(Cli, HelpForEverySubcommand) {
   for (const char* sub : {"init", "run", "bench"}) {
     auto r = run_cli(std::string(sub) + " --help");

@@ -25,16 +25,16 @@ struct InitOptions {
   uint64_t seed = 1;
 };
 
-void write_activation(const std::string& path, const char* name, const MoeConfig& c, uint64_t seed) {
+// A random activation [world*tokens, hidden] named `name`, written into `files` (not yet in place).
+void write_activation(OutputFileSet& files, const std::string& path, const char* name, const MoeConfig& c,
+                      uint64_t seed) {
   Rng rng(seed);
   const int64_t rows = c.tokens * c.world;
   std::vector<float> v = rng.normal_vector(size_t(rows * c.hidden), 1.0);
   SafetensorsWriter w;
   w.add_f32(name, {rows, c.hidden}, v, c.dtype);
   w.set_metadata("producer", "dmoe init");
-  w.write(path);
-  std::printf("wrote %s: %s [%lld, %lld] %s\n", path.c_str(), name, (long long)rows, (long long)c.hidden,
-              dtype_name(c.dtype));
+  files.write(path, w.serialize());
 }
 
 // Before anything is generated: the memory the weights and activations take while being serialised, and
@@ -114,18 +114,27 @@ Command add_init_command(CLI::App& app) {
       if (!out.path.empty()) check_output_file(out.path, out.option);
     check_init_resources(c, *o);
     const std::string prefix = o->prefix.empty() ? layer_prefix(o->layer) : o->prefix;
-    MoeWeights w = random_moe_weights(c, o->seed);
-    SafetensorsWriter writer;
-    save_moe_weights(writer, w, prefix, c.dtype);
-    writer.set_metadata("producer", "dmoe init");
-    writer.write(o->out);
-    std::printf("wrote %s: %s (prefix %s)\n", o->out.c_str(), c.summary().c_str(), prefix.c_str());
-    if (!o->input.empty()) write_activation(o->input, "x", c, o->seed + 1);
-    if (!o->grad_output.empty()) write_activation(o->grad_output, "dy", c, o->seed + 2);
-    if (!o->save_config.empty()) {
-      save_config_file(c, o->save_config);
-      std::printf("wrote %s\n", o->save_config.c_str());
+    // All files appear together or none does (a failure part-way, e.g. a full disk, leaves no new weights
+    // beside an old x).
+    OutputFileSet files;
+    {
+      MoeWeights w = random_moe_weights(c, o->seed);
+      SafetensorsWriter writer;
+      save_moe_weights(writer, w, prefix, c.dtype);
+      writer.set_metadata("producer", "dmoe init");
+      files.write(o->out, writer.serialize());
     }
+    if (!o->input.empty()) write_activation(files, o->input, "x", c, o->seed + 1);
+    if (!o->grad_output.empty()) write_activation(files, o->grad_output, "dy", c, o->seed + 2);
+    if (!o->save_config.empty()) files.write(o->save_config, config_to_json(c).dump(2) + "\n");
+    files.commit();
+    const int64_t rows = c.tokens * c.world;
+    std::printf("wrote %s: %s (prefix %s)\n", o->out.c_str(), c.summary().c_str(), prefix.c_str());
+    for (const auto& [path, name] : {std::pair{o->input, "x"}, std::pair{o->grad_output, "dy"}})
+      if (!path.empty())
+        std::printf("wrote %s: %s [%lld, %lld] %s\n", path.c_str(), name, (long long)rows, (long long)c.hidden,
+                    dtype_name(c.dtype));
+    if (!o->save_config.empty()) std::printf("wrote %s\n", o->save_config.c_str());
     return 0;
   };
 }
