@@ -268,16 +268,26 @@ TEST_F(Cli, ConfigTokensMustAgreeAndZeroIsNotReplaced) {
   r = run_cli("init --config " + p("c0.json") + " --out " + p("w0.safetensors"));
   EXPECT_EQ(r.status, 1) << r.output;
   EXPECT_NE(r.output.find("tokens = 0 is invalid"), std::string::npos) << r.output;
-  // A config without top_k, or --top-k 0: the message gives the value and the rule.
+  // top_k nowhere (a weights file does not record it; a config without the key): said so, with the rule.
   r = run_cli("run --weights " + p("w.safetensors") + " --input " + p("x.safetensors") + " --output " +
               p("y.safetensors"));
   EXPECT_EQ(r.status, 1) << r.output;
-  EXPECT_NE(r.output.find("top_k = 0 is invalid: it must satisfy 1 <= top_k <= experts (4)"), std::string::npos)
-      << r.output;
-  r = run_cli("run --top-k 0 --weights " + p("w.safetensors") + " --input " + p("x.safetensors") + " --output " +
-              p("y.safetensors"));
+  EXPECT_NE(r.output.find("top_k is not known: the weights file"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("pass --top-k K (1 <= K <= experts = 4)"), std::string::npos) << r.output;
+  std::ofstream(p("nok.json")) << R"({"hidden": 8, "ffn": 8, "experts": 4})";
+  r = run_cli("run --config " + p("nok.json") + " --weights " + p("w.safetensors") + " --input " + p("x.safetensors") +
+              " --output " + p("y.safetensors"));
   EXPECT_EQ(r.status, 1) << r.output;
-  EXPECT_NE(r.output.find("top_k = 0 is invalid"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("top_k is not known: --config"), std::string::npos) << r.output;
+  // top_k: 0 given (flag or file): the value and the rule, not "unknown".
+  std::ofstream(p("k0.json")) << R"({"hidden": 8, "ffn": 8, "experts": 4, "top_k": 0})";
+  for (const std::string& how : {std::string("--top-k 0"), "--config " + p("k0.json")}) {
+    r = run_cli("run " + how + " --weights " + p("w.safetensors") + " --input " + p("x.safetensors") + " --output " +
+                p("y.safetensors"));
+    EXPECT_EQ(r.status, 1) << r.output;
+    EXPECT_NE(r.output.find("top_k = 0 is invalid; must satisfy 1 <= top_k <= experts (4)"), std::string::npos)
+        << how << ": " << r.output;
+  }
 }
 
 TEST_F(Cli, MessagesSayTheRuleWithoutSourceLocations) {

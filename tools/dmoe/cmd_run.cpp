@@ -77,9 +77,17 @@ Command add_run_command(CLI::App& app) {
     check_output_file(o->output, "--output");
     const SafetensorsFile weights_file = SafetensorsFile::open(o->weights);
     const std::string prefix = o->prefix.empty() ? find_moe_prefix(weights_file, o->layer) : o->prefix;
-    // Without --config the shapes come from the weights file; top_k must then be given.
+    // Without --config the shapes come from the weights file; top_k must then be given. kTopKUnknown marks
+    // "nobody said" apart from a top_k of 0 given by a flag or the file (which validate() names).
+    constexpr int32_t kTopKUnknown = -1;
     MoeConfig c = o->config.config_path.empty() ? infer_moe_config(weights_file, prefix) : MoeConfig{};
+    c.top_k = kTopKUnknown;
     c = resolve_config(o->config, c);
+    DMOE_REQUIRE_INPUT(c.top_k != kTopKUnknown,
+                       "top_k is not known: {} does not record it; pass --top-k K (1 <= K <= experts = {})",
+                       o->config.config_path.empty() ? "the weights file " + o->weights
+                                                     : "--config " + o->config.config_path,
+                       c.experts);
 
     const SafetensorsFile input = SafetensorsFile::open(o->input);
     DMOE_REQUIRE_INPUT(input.has("x"), "{}: no tensor 'x' (expected x [tokens, hidden]); tensors present: {}",
@@ -98,11 +106,6 @@ Command add_run_command(CLI::App& app) {
                        o->config.tokens ? std::string("--tokens") : "from --config " + o->config.config_path, o->input,
                        total, c.world, per_rank);
     c.tokens = per_rank;
-    DMOE_REQUIRE_INPUT(c.top_k >= 1 || o->config.top_k,
-                       "top_k = {} is invalid: it must satisfy 1 <= top_k <= experts ({}), and {} does not set it; "
-                       "pass --top-k K", c.top_k, c.experts,
-                       o->config.config_path.empty() ? "a weights file does not record it, so"
-                                                     : "--config " + o->config.config_path);
     c.validate();
 
     const std::vector<float> x = input.read_f32("x", {total, c.hidden});
