@@ -12,9 +12,11 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "core/dtype.hpp"
+#include "core/fault.hpp"
 
 namespace dmoe {
 
@@ -38,11 +40,28 @@ class Comm {
 
   // Every peer sends count_per_peer elements to every peer (a fixed-size alltoallv).
   void alltoall(const void* send, void* recv, int64_t count_per_peer, DType dtype, Stream stream);
+
+  // Failure handling (fault_point below). enter_stage records the stage this rank enters where its peers
+  // can name it in their errors (ThreadComm; a no-op across processes). abandoned() is true once the other
+  // ranks have given up on this one (ends an injected hang). exit_rank stops this rank as if its process
+  // had died: a process exits (code kFaultExitCode); ThreadComm ends the rank's thread.
+  virtual void enter_stage(FaultStage stage) {}
+  virtual bool abandoned() const { return false; }
+  [[noreturn]] virtual void exit_rank(const std::string& why);
 };
 
+inline constexpr int kFaultExitCode = 86;
+
+// Called by the engine as it enters each stage: records the stage (enter_stage) and, when DMOE_FAULT
+// (core/fault.hpp) names this rank and stage, fails the way it says: throw a dmoe::Error, exit_rank, or
+// hang until abandoned() (bounded by 4 × DMOE_COMM_TIMEOUT_S, then a dmoe::Error).
+void fault_point(Comm& comm, FaultStage stage);
+
 // Ranks as threads: make_thread_comms(W) returns W communicators sharing one state; give one to each
-// thread. Collectives block until all W threads arrive; a thread that throws poisons the group so the
-// others fail instead of waiting forever.
+// thread. Collectives block until all W threads arrive; a thread that throws (or exits, exit_rank)
+// poisons the group so the others fail instead of waiting forever, naming the failed rank and its stage;
+// every wait is bounded by DMOE_COMM_TIMEOUT_S (the error names the ranks that did not arrive and the
+// stages they were last in).
 std::vector<std::unique_ptr<Comm>> make_thread_comms(int32_t world);
 
 // Runs fn(rank, comm) on `world` threads with ThreadComms and rethrows the first error (with its rank).

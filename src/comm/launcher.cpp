@@ -548,13 +548,13 @@ std::vector<int32_t> assign_devices(int32_t num_ranks, const std::vector<int32_t
 }
 
 int launch(const LaunchOptions& o) {
-  DMOE_REQUIRE(o.num_ranks >= 1 && o.num_ranks <= 4096, "-n {} is invalid: the number of ranks must be in [1, 4096]",
-               o.num_ranks);
-  DMOE_REQUIRE(!o.command.empty(), "no command to launch: give it after `--`, e.g. dmoe launch -n 2 -- dmoe bench ...");
-  for (int32_t g : o.gpus) DMOE_REQUIRE(g >= 0, "--gpus lists {}: GPU indices must be >= 0", g);
+  DMOE_REQUIRE_INPUT(o.num_ranks >= 1 && o.num_ranks <= 4096, "-n {} is invalid: the number of ranks must be in [1, 4096]",
+                     o.num_ranks);
+  DMOE_REQUIRE_INPUT(!o.command.empty(), "no command to launch: give it after `--`, e.g. dmoe launch -n 2 -- dmoe bench ...");
+  for (int32_t g : o.gpus) DMOE_REQUIRE_INPUT(g >= 0, "--gpus lists {}: GPU indices must be >= 0", g);
   const std::string program = find_program(o.command[0]);
-  DMOE_REQUIRE(!program.empty(), "cannot find an executable '{}'{}", o.command[0],
-               o.command[0].find('/') == std::string::npos ? " on PATH" : "");
+  DMOE_REQUIRE_INPUT(!program.empty(), "cannot find an executable '{}'{}", o.command[0],
+                     o.command[0].find('/') == std::string::npos ? " on PATH" : "");
 
   // GPUs: dealt round-robin; count the ranks on each to size MPS shares.
   std::vector<int32_t> gpus = o.gpus;

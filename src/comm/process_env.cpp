@@ -36,31 +36,31 @@ int32_t slurm_tasks_on_node(const char* variable, std::string_view text, int32_t
       ok = parse_int32(item.substr(0, paren), tasks) && item.back() == ')' &&
            parse_int32(item.substr(paren + 2, item.size() - paren - 3), repeat) && repeat >= 1;
     }
-    DMOE_REQUIRE(ok && tasks >= 1, "{}='{}' is malformed: expected counts like '4' or '2(x3),1'", variable,
-                 text);
+    DMOE_REQUIRE_INPUT(ok && tasks >= 1, "{}='{}' is malformed: expected counts like '4' or '2(x3),1'", variable,
+                       text);
     if (node_idx < node + repeat) return tasks;
     node += repeat;
   }
-  DMOE_FAIL("{}='{}' lists {} nodes, but SLURM_NODEID is {}", variable, text, node, node_idx);
+  DMOE_FAIL_INPUT("{}='{}' lists {} nodes, but SLURM_NODEID is {}", variable, text, node, node_idx);
 }
 
 void validate(const ProcessEnv& e, const char* rank_var, const char* world_var, const char* local_rank_var,
               const char* local_world_var) {
-  DMOE_REQUIRE(e.world >= 1, "{}={} is invalid: the world size must be >= 1", world_var, e.world);
-  DMOE_REQUIRE(e.rank >= 0 && e.rank < e.world, "{}={} is invalid: must be in [0, {}) ({}={})", rank_var,
-               e.rank, e.world, world_var, e.world);
-  DMOE_REQUIRE(e.local_world >= 1 && e.local_world <= e.world,
-               "{}={} is invalid: must be in [1, {}] ({}={})", local_world_var, e.local_world, e.world,
-               world_var, e.world);
-  DMOE_REQUIRE(e.local_rank >= 0 && e.local_rank < e.local_world, "{}={} is invalid: must be in [0, {}) ({}={})",
-               local_rank_var, e.local_rank, e.local_world, local_world_var, e.local_world);
+  DMOE_REQUIRE_INPUT(e.world >= 1, "{}={} is invalid: the world size must be >= 1", world_var, e.world);
+  DMOE_REQUIRE_INPUT(e.rank >= 0 && e.rank < e.world, "{}={} is invalid: must be in [0, {}) ({}={})", rank_var,
+                     e.rank, e.world, world_var, e.world);
+  DMOE_REQUIRE_INPUT(e.local_world >= 1 && e.local_world <= e.world,
+                     "{}={} is invalid: must be in [1, {}] ({}={})", local_world_var, e.local_world, e.world,
+                     world_var, e.world);
+  DMOE_REQUIRE_INPUT(e.local_rank >= 0 && e.local_rank < e.local_world, "{}={} is invalid: must be in [0, {}) ({}={})",
+                     local_rank_var, e.local_rank, e.local_world, local_world_var, e.local_world);
 }
 
 // Reads a required variable of a launcher whose other variables are present.
 int32_t required(const char* name, const char* launcher_hint) {
   int32_t v = 0;
-  DMOE_REQUIRE(env_int32(name, v), "{} is not set, but other {} variables are: the launcher's environment is incomplete",
-               name, launcher_hint);
+  DMOE_REQUIRE_INPUT(env_int32(name, v), "{} is not set, but other {} variables are: the launcher's environment is incomplete",
+                     name, launcher_hint);
   return v;
 }
 
@@ -69,7 +69,7 @@ int32_t required(const char* name, const char* launcher_hint) {
 bool env_int32(const char* name, int32_t& value) {
   const char* text = std::getenv(name);
   if (!text) return false;
-  DMOE_REQUIRE(parse_int32(text, value), "{}='{}' is malformed: expected a decimal integer", name, text);
+  DMOE_REQUIRE_INPUT(parse_int32(text, value), "{}='{}' is malformed: expected a decimal integer", name, text);
   return true;
 }
 
@@ -116,8 +116,8 @@ ProcessEnv detect_process_env() {
       const char* per_node_var = std::getenv("SLURM_STEP_TASKS_PER_NODE") ? "SLURM_STEP_TASKS_PER_NODE"
                                                                           : "SLURM_TASKS_PER_NODE";
       const char* per_node = std::getenv(per_node_var);
-      DMOE_REQUIRE(per_node, "srun environment without tasks per node: none of SLURM_NTASKS_PER_NODE, "
-                   "SLURM_STEP_TASKS_PER_NODE, SLURM_TASKS_PER_NODE is set");
+      DMOE_REQUIRE_INPUT(per_node, "srun environment without tasks per node: none of SLURM_NTASKS_PER_NODE, "
+                         "SLURM_STEP_TASKS_PER_NODE, SLURM_TASKS_PER_NODE is set");
       e.local_world = slurm_tasks_on_node(per_node_var, per_node, node_idx);
       local_world_var = per_node_var;
     }
@@ -141,12 +141,12 @@ ProcessEnv detect_process_env() {
 }
 
 int32_t choose_device(const ProcessEnv& env, int32_t device_count) {
-  DMOE_REQUIRE(device_count >= 1, "rank {}: no GPU is visible (device count {}); a GPU communicator needs one",
-               env.rank, device_count);
+  DMOE_REQUIRE_INPUT(device_count >= 1, "rank {}: no GPU is visible (device count {}); a GPU communicator needs one",
+                     env.rank, device_count);
   int32_t device = 0;
   if (env_int32("DMOE_DEVICE", device)) {
-    DMOE_REQUIRE(device >= 0 && device < device_count, "DMOE_DEVICE={} is invalid: must be in [0, {}) ({} GPUs visible)",
-                 device, device_count, device_count);
+    DMOE_REQUIRE_INPUT(device >= 0 && device < device_count, "DMOE_DEVICE={} is invalid: must be in [0, {}) ({} GPUs visible)",
+                       device, device_count, device_count);
     return device;
   }
   return env.local_rank % device_count;

@@ -28,49 +28,49 @@ Activation parse_activation(std::string_view name) {
   if (name == "relu") return Activation::relu;
   if (name == "gelu") return Activation::gelu;
   if (name == "swiglu" || name == "silu") return Activation::swiglu;
-  DMOE_FAIL("activation '{}' is not supported; allowed: relu, gelu, swiglu (alias silu)", name);
+  DMOE_FAIL_INPUT("activation '{}' is not supported; allowed: relu, gelu, swiglu (alias silu)", name);
 }
 
 DropPolicy parse_drop_policy(std::string_view name) {
   if (name == "latest-tokens") return DropPolicy::latest_tokens;
   if (name == "lowest-weight") return DropPolicy::lowest_weight;
-  DMOE_FAIL("drop_policy '{}' is not supported; allowed: latest-tokens, lowest-weight", name);
+  DMOE_FAIL_INPUT("drop_policy '{}' is not supported; allowed: latest-tokens, lowest-weight", name);
 }
 
 DType parse_dtype(std::string_view name) {
   if (name == "f32" || name == "float32" || name == "F32") return DType::f32;
   if (name == "bf16" || name == "bfloat16" || name == "BF16") return DType::bf16;
-  DMOE_FAIL("dtype '{}' is not supported; allowed: f32 (float32), bf16 (bfloat16)", name);
+  DMOE_FAIL_INPUT("dtype '{}' is not supported; allowed: f32 (float32), bf16 (bfloat16)", name);
 }
 
 void MoeConfig::validate() const {
-  DMOE_REQUIRE(tokens >= 1, "config: tokens = {} is invalid; tokens per rank must be >= 1", tokens);
-  DMOE_REQUIRE(hidden >= 1, "config: hidden = {} is invalid; hidden size must be >= 1", hidden);
-  DMOE_REQUIRE(ffn >= 1, "config: ffn = {} is invalid; expert FFN width must be >= 1", ffn);
-  DMOE_REQUIRE(experts >= 1, "config: experts = {} is invalid; must be >= 1", experts);
-  DMOE_REQUIRE(top_k >= 1 && top_k <= experts,
-               "config: top_k = {} is invalid; must satisfy 1 <= top_k <= experts ({})", top_k, experts);
-  DMOE_REQUIRE(world >= 1, "config: world = {} is invalid; must be >= 1", world);
-  DMOE_REQUIRE(experts % world == 0,
-               "config: experts = {} is not divisible by world = {}; each rank must own E/W experts",
-               experts, world);
-  DMOE_REQUIRE(std::isfinite(capacity_factor) && capacity_factor >= 0,
-               "config: capacity_factor = {} is invalid; use 0 for dropless or a positive number",
-               capacity_factor);
-  DMOE_REQUIRE(dtype == DType::f32 || dtype == DType::bf16,
-               "config: dtype = {} is invalid; allowed: f32, bf16", dtype_name(dtype));
-  DMOE_REQUIRE(std::isfinite(aux_loss_coef) && aux_loss_coef >= 0,
-               "config: aux_loss_coef = {} is invalid; must be finite and >= 0", aux_loss_coef);
-  DMOE_REQUIRE(std::isfinite(z_loss_coef) && z_loss_coef >= 0,
-               "config: z_loss_coef = {} is invalid; must be finite and >= 0", z_loss_coef);
+  DMOE_REQUIRE_INPUT(tokens >= 1, "config: tokens = {} is invalid; tokens per rank must be >= 1", tokens);
+  DMOE_REQUIRE_INPUT(hidden >= 1, "config: hidden = {} is invalid; hidden size must be >= 1", hidden);
+  DMOE_REQUIRE_INPUT(ffn >= 1, "config: ffn = {} is invalid; expert FFN width must be >= 1", ffn);
+  DMOE_REQUIRE_INPUT(experts >= 1, "config: experts = {} is invalid; must be >= 1", experts);
+  DMOE_REQUIRE_INPUT(top_k >= 1 && top_k <= experts,
+                     "config: top_k = {} is invalid; must satisfy 1 <= top_k <= experts ({})", top_k, experts);
+  DMOE_REQUIRE_INPUT(world >= 1, "config: world = {} is invalid; must be >= 1", world);
+  DMOE_REQUIRE_INPUT(experts % world == 0,
+                     "config: experts = {} is not divisible by world = {}; each rank must own E/W experts",
+                     experts, world);
+  DMOE_REQUIRE_INPUT(std::isfinite(capacity_factor) && capacity_factor >= 0,
+                     "config: capacity_factor = {} is invalid; use 0 for dropless or a positive number",
+                     capacity_factor);
+  DMOE_REQUIRE_INPUT(dtype == DType::f32 || dtype == DType::bf16,
+                     "config: dtype = {} is invalid; allowed: f32, bf16", dtype_name(dtype));
+  DMOE_REQUIRE_INPUT(std::isfinite(aux_loss_coef) && aux_loss_coef >= 0,
+                     "config: aux_loss_coef = {} is invalid; must be finite and >= 0", aux_loss_coef);
+  DMOE_REQUIRE_INPUT(std::isfinite(z_loss_coef) && z_loss_coef >= 0,
+                     "config: z_loss_coef = {} is invalid; must be finite and >= 0", z_loss_coef);
   // Row counts and element offsets are int64; keep every buffer's element count far from overflow.
   const double biggest = double(tokens) * double(world) * double(top_k) * double(std::max(hidden, ffn));
-  DMOE_REQUIRE(biggest < 0x1p52,
-               "config: tokens*world*top_k*max(hidden, ffn) = {:.3g} is too large; must be < 2^52",
-               biggest);
-  DMOE_REQUIRE(double(tokens) * double(world) * double(top_k) < 0x1p31,
-               "config: tokens*world*top_k = {} is too large; row indices are int32 (< 2^31)",
-               tokens * world * top_k);
+  DMOE_REQUIRE_INPUT(biggest < 0x1p52,
+                     "config: tokens*world*top_k*max(hidden, ffn) = {:.3g} is too large; must be < 2^52",
+                     biggest);
+  DMOE_REQUIRE_INPUT(double(tokens) * double(world) * double(top_k) < 0x1p31,
+                     "config: tokens*world*top_k = {} is too large; row indices are int32 (< 2^31)",
+                     tokens * world * top_k);
 }
 
 int64_t MoeConfig::capacity() const {

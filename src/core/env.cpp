@@ -12,8 +12,8 @@ double host_wait_timeout_seconds() {
   if (!text) return 600.0;
   char* end = nullptr;
   const double v = std::strtod(text, &end);
-  DMOE_REQUIRE(end != text && *end == '\0' && v > 0, "DMOE_COMM_TIMEOUT_S='{}' is invalid: expected seconds > 0",
-               text);
+  DMOE_REQUIRE_INPUT(end != text && *end == '\0' && v > 0, "DMOE_COMM_TIMEOUT_S='{}' is invalid: expected seconds > 0",
+                     text);
   return v;
 }
 

@@ -16,4 +16,9 @@ void throw_error(const char* file, int line, const std::string& message) {
   throw Error(fmt::format("{} ({}:{})", message, base, line));
 }
 
+void throw_input_error(const std::string& message) {
+  if (error_rank() >= 0) throw Error(fmt::format("[rank {}] {}", error_rank(), message), ErrorKind::input);
+  throw Error(message, ErrorKind::input);
+}
+
 }  // namespace dmoe

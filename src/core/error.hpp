@@ -1,7 +1,12 @@
 // error.hpp — dmoe::Error and the checking macros every layer uses.
 //
-// Errors carry what failed, where (file:line) and, once a rank is known, which rank. Bad user input is
-// reported with DMOE_REQUIRE: the message names the field, the value and the rule that was broken.
+// Two kinds of error, one type:
+//   - bad input (a flag, a config field, a file, an environment variable the user gave): DMOE_REQUIRE_INPUT
+//     and DMOE_FAIL_INPUT. The message names the field, the value and the rule that was broken; it carries
+//     no source location, since it is about the input, not about dmoe's code.
+//   - internal (a broken invariant, a failed system or library call): DMOE_REQUIRE and DMOE_FAIL. The
+//     message ends in (file:line), for the bug report.
+// Both carry the rank, once one is known ("[rank r] ...").
 #pragma once
 
 #include <stdexcept>
@@ -11,22 +16,41 @@
 
 namespace dmoe {
 
+enum class ErrorKind { input, internal };
+
 class Error : public std::runtime_error {
  public:
-  explicit Error(const std::string& what) : std::runtime_error(what) {}
+  explicit Error(const std::string& what, ErrorKind kind = ErrorKind::internal)
+      : std::runtime_error(what), kind_(kind) {}
+  ErrorKind kind() const { return kind_; }
+  bool is_input() const { return kind_ == ErrorKind::input; }
+
+ private:
+  ErrorKind kind_;
 };
 
 // The rank printed in error messages; -1 until a launcher or engine sets it for this process/thread.
 int& error_rank();
 
+// Internal error: the message with (file:line).
 [[noreturn]] void throw_error(const char* file, int line, const std::string& message);
+// Bad input: the message alone.
+[[noreturn]] void throw_input_error(const std::string& message);
 
 }  // namespace dmoe
 
-// DMOE_REQUIRE(cond, "fmt {}", args...): throws dmoe::Error with the formatted message when cond fails.
+// DMOE_REQUIRE(cond, "fmt {}", args...): throws an internal dmoe::Error (with file:line) when cond fails.
 #define DMOE_REQUIRE(cond, ...)                                                  \
   do {                                                                           \
     if (!(cond)) ::dmoe::throw_error(__FILE__, __LINE__, fmt::format(__VA_ARGS__)); \
   } while (0)
 
 #define DMOE_FAIL(...) ::dmoe::throw_error(__FILE__, __LINE__, fmt::format(__VA_ARGS__))
+
+// DMOE_REQUIRE_INPUT(cond, "fmt {}", args...): throws a bad-input dmoe::Error when cond fails.
+#define DMOE_REQUIRE_INPUT(cond, ...)                                      \
+  do {                                                                     \
+    if (!(cond)) ::dmoe::throw_input_error(fmt::format(__VA_ARGS__));      \
+  } while (0)
+
+#define DMOE_FAIL_INPUT(...) ::dmoe::throw_input_error(fmt::format(__VA_ARGS__))

@@ -55,6 +55,7 @@ void EpEngine::check_ranks_agree(const EpOptions& options) {
   const size_t bytes = mine.size() * sizeof(int64_t);
   Buffer dev(backend_);
   backend_.upload(dev.ensure(bytes), mine.data(), bytes);
+  fault_point(comm_, FaultStage::allreduce);
   comm_.allreduce_sum(dev.data(), int64_t(mine.size()), DType::i64, backend_.stream());
   std::vector<int64_t> sum(mine.size());
   backend_.download(sum.data(), dev.data(), bytes);
@@ -117,6 +118,7 @@ void EpEngine::exchange_counts() {
   // kept_ is [E] = [W, Le]: segment d holds the counts for rank d's experts, as the all-to-all wants.
   backend_.upload(counts_dev_.ensure(E * sizeof(int64_t)), kept_.data(), E * sizeof(int64_t));
   void* recv = recv_counts_dev_.ensure(int64_t(W) * Le * sizeof(int64_t));
+  fault_point(comm_, FaultStage::alltoall);
   comm_.alltoall(counts_dev_.data(), recv, Le, DType::i64, backend_.stream());
   std::vector<int64_t> counts(int64_t(W) * Le);
   backend_.download(counts.data(), recv, counts.size() * sizeof(int64_t));
@@ -131,6 +133,7 @@ void EpEngine::exchange_rows(const void* send, const std::vector<int64_t>& send_
     sc[p] = send_rows[p] * width;
     rc[p] = recv_rows[p] * width;
   }
+  fault_point(comm_, FaultStage::alltoall);
   comm_.alltoallv(send, sc.data(), recv, rc.data(), backend_.storage_dtype(), backend_.stream());
 }
 
@@ -173,6 +176,7 @@ void EpEngine::forward(const void* x, void* y, ForwardMode mode) {
   const int64_t S = send_rows_total_;
 
   // 3. send [S, H] = x rows in expert-major order; in padded mode the wire carries [E·C, H].
+  fault_point(comm_, FaultStage::before_dispatch);
   backend_.gather_rows(x, plan.row_token, send_.ensure(S * H * elem_), S, H);
   void* wire = send_.data();
   if (padded_) {
@@ -204,6 +208,7 @@ void EpEngine::forward(const void* x, void* y, ForwardMode mode) {
   }
 
   // 5. Grouped expert FFN, then back to source-major order.
+  fault_point(comm_, FaultStage::expert_gemm);
   backend_.expert_ffn_forward(batch_rows_, w1_.data(), swiglu ? w3_.data() : nullptr, w2_.data(),
                               keep ? pre1_.ensure(N * I * elem_) : nullptr,
                               keep && swiglu ? pre3_.ensure(N * I * elem_) : nullptr,
@@ -224,6 +229,7 @@ void EpEngine::forward(const void* x, void* y, ForwardMode mode) {
     unpad_rows(returned_rows_, ret_compact_.ensure(S * H * elem_));
     returned_rows_ = ret_compact_.data();
   }
+  fault_point(comm_, FaultStage::combine);
   backend_.combine(returned_rows_, plan.slot, weights, y, T, k, H);
 
   // The router's auxiliary losses are training terms: an inference forward skips their kernels and the
@@ -247,6 +253,7 @@ void EpEngine::compute_losses() {
   if (config_.world > 1) {
     void* dev = stats_dev_.ensure(stats.size() * sizeof(double));
     backend_.upload(dev, stats.data(), stats.size() * sizeof(double));
+    fault_point(comm_, FaultStage::allreduce);
     comm_.allreduce_sum(dev, int64_t(stats.size()), DType::f64, backend_.stream());
     backend_.download(stats.data(), dev, stats.size() * sizeof(double));
   }
@@ -272,6 +279,7 @@ void EpEngine::backward(const void* dy, void* dx) {
   const int32_t E = config_.experts, k = config_.top_k, W = config_.world, Le = local_experts_;
   const bool swiglu = config_.activation == Activation::swiglu;
   const int64_t S = send_rows_total_, N = layout_.rows(), segments = int64_t(W) * Le;
+  fault_point(comm_, FaultStage::backward);
 
   // 1. Combine backward: gradient of each returned row and of each gate weight.
   float* dweights = static_cast<float*>(dweights_.ensure(T * k * sizeof(float)));
@@ -300,6 +308,7 @@ void EpEngine::backward(const void* dy, void* dx) {
   }
 
   // 3. Expert FFN backward: input gradients and accumulated weight gradients.
+  fault_point(comm_, FaultStage::expert_gemm);
   backend_.expert_ffn_backward(batch_rows_, w1_.data(), swiglu ? w3_.data() : nullptr, w2_.data(),
                                pre1_.data(), swiglu ? pre3_.data() : nullptr, h_.data(), dbatch,
                                dx_batch_.ensure(N * H * elem_), dw1_.data(), swiglu ? dw3_.data() : nullptr,
@@ -390,7 +399,10 @@ MoeWeights EpEngine::grads() {
   Buffer reduced(backend_);
   void* dwg = reduced.ensure(E * H * dtype_size(acc));
   backend_.copy(dwg, dwg_.data(), E * H * dtype_size(acc));
-  if (config_.world > 1) comm_.allreduce_sum(dwg, E * H, acc, backend_.stream());
+  if (config_.world > 1) {
+    fault_point(comm_, FaultStage::allreduce);
+    comm_.allreduce_sum(dwg, E * H, acc, backend_.stream());
+  }
   g.gate = download_accum(backend_, dwg, E * H);
   if (expert_grads_zero_) {  // no backward since zero_grads(): the buffers were never written
     g.w1.assign(size_t(Le * I * H), 0.f);

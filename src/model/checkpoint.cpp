@@ -1,6 +1,7 @@
 // checkpoint.cpp — MoE layer weights <-> safetensors under Mixtral names (see checkpoint.hpp).
 #include "model/checkpoint.hpp"
 
+#include <cmath>
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
@@ -69,6 +70,24 @@ void add_layer(SafetensorsWriter& writer, const MoeWeights& w, const std::string
   }
 }
 
+// A NaN or Inf weight would turn every row routed through it into NaN with no error; refuse it on load,
+// naming the tensor and the first bad element. rows x cols floats at `values`.
+void require_finite(const SafetensorsFile& file, const std::string& name, const float* values, int64_t rows,
+                    int64_t cols) {
+  for (int64_t i = 0; i < rows * cols; ++i)
+    DMOE_REQUIRE_INPUT(std::isfinite(values[i]), "checkpoint '{}': tensor '{}' [{}, {}] is {}; weights must be finite",
+                       file.source(), name, i / cols, i % cols, values[i]);
+}
+
+// "layers with an MoE gate: 0, 3" or what else was found, for errors about a missing gate.
+std::string moe_layers_present(const SafetensorsFile& file) {
+  const std::set<int> layers = moe_layers(file);
+  if (!layers.empty()) return "layers with an MoE gate: " + join(layers);
+  if (file.has("block_sparse_moe.gate.weight")) return "the file has 'block_sparse_moe.gate.weight'";
+  if (file.has("gate.weight")) return "the file has a bare 'gate.weight' (prefix '')";
+  return fmt::format("no MoE gate among its {} tensors", file.size());
+}
+
 }  // namespace
 
 std::string layer_prefix(int layer) { return fmt::format("{}{}.block_sparse_moe.", kLayersPrefix, layer); }
@@ -84,16 +103,16 @@ std::string find_moe_prefix(const SafetensorsFile& file, std::optional<int> laye
     const std::string prefix = layer_prefix(*layer);
     if (file.has(gate_name(prefix))) return prefix;
     const std::set<int> layers = moe_layers(file);
-    DMOE_FAIL("checkpoint '{}': layer {} has no MoE gate '{}'; layers with an MoE gate: {}", file.source(),
-              *layer, gate_name(prefix), layers.empty() ? std::string("none") : join(layers));
+    DMOE_FAIL_INPUT("checkpoint '{}': layer {} has no MoE gate '{}'; layers with an MoE gate: {}", file.source(),
+                    *layer, gate_name(prefix), layers.empty() ? std::string("none") : join(layers));
   }
   const std::set<int> layers = moe_layers(file);
   if (!layers.empty()) return layer_prefix(*layers.begin());
   if (file.has("block_sparse_moe.gate.weight")) return "block_sparse_moe.";
   if (file.has("gate.weight")) return "";
-  DMOE_FAIL("checkpoint '{}': no MoE layer found; looked for 'model.layers.{{L}}.block_sparse_moe.gate.weight', "
-            "'block_sparse_moe.gate.weight' and 'gate.weight' among its {} tensors",
-            file.source(), file.size());
+  DMOE_FAIL_INPUT("checkpoint '{}': no MoE layer found; looked for 'model.layers.{{L}}.block_sparse_moe.gate.weight', "
+                  "'block_sparse_moe.gate.weight' and 'gate.weight' among its {} tensors",
+                  file.source(), file.size());
 }
 
 MoeWeights load_moe_weights(const SafetensorsFile& file, const MoeConfig& config, const std::string& prefix,
@@ -103,16 +122,18 @@ MoeWeights load_moe_weights(const SafetensorsFile& file, const MoeConfig& config
   const bool swiglu = config.activation == Activation::swiglu;
 
   const std::string gate = gate_name(prefix);
-  DMOE_REQUIRE(file.has(gate), "checkpoint '{}': gate tensor '{}' is missing (wrong prefix? see find_moe_prefix)",
-               file.source(), gate);
+  DMOE_REQUIRE_INPUT(file.has(gate), "checkpoint '{}': gate tensor '{}' is missing (check --prefix / --layer; {})",
+                     file.source(), gate, moe_layers_present(file));
   file.read_f32_into(gate, {config.experts, h}, w.gate.data());
+  require_finite(file, gate, w.gate.data(), config.experts, h);
 
   // A missing matrix is named with its expert; w3 in a non-SwiGLU load means the config does not match.
   auto load_matrix = [&](int32_t e, const char* matrix_name, std::vector<int64_t> shape, float* out) {
     const std::string name = expert_weight_name(prefix, e, matrix_name);
-    DMOE_REQUIRE(file.has(name), "checkpoint '{}': expert {} tensor '{}' is missing ({} experts need {})",
-                 file.source(), e, name, activation_name(config.activation), swiglu ? "w1, w3, w2" : "w1, w2");
+    DMOE_REQUIRE_INPUT(file.has(name), "checkpoint '{}': expert {} tensor '{}' is missing ({} experts need {})",
+                       file.source(), e, name, activation_name(config.activation), swiglu ? "w1, w3, w2" : "w1, w2");
     file.read_f32_into(name, shape, out);
+    require_finite(file, name, out, shape[0], shape[1]);
   };
   for (int32_t local = 0; local < num_experts; ++local) {
     const int32_t e = first_expert + local;
@@ -120,10 +141,10 @@ MoeWeights load_moe_weights(const SafetensorsFile& file, const MoeConfig& config
     if (swiglu) {
       load_matrix(e, "w3", {i, h}, w.w3.data() + local * matrix);
     } else {
-      DMOE_REQUIRE(!file.has(expert_weight_name(prefix, e, "w3")),
-                   "checkpoint '{}': '{}' is present but the config's activation is {}; a file with w3 holds "
-                   "SwiGLU experts (set activation swiglu)",
-                   file.source(), expert_weight_name(prefix, e, "w3"), activation_name(config.activation));
+      DMOE_REQUIRE_INPUT(!file.has(expert_weight_name(prefix, e, "w3")),
+                         "checkpoint '{}': '{}' is present but the config's activation is {}; a file with w3 holds "
+                         "SwiGLU experts (set activation swiglu)",
+                         file.source(), expert_weight_name(prefix, e, "w3"), activation_name(config.activation));
     }
     load_matrix(e, "w2", {h, i}, w.w2.data() + local * matrix);
   }
@@ -146,18 +167,18 @@ void add_moe_grads(SafetensorsWriter& writer, const MoeWeights& grads, const std
 
 MoeConfig infer_moe_config(const SafetensorsFile& file, const std::string& prefix) {
   const std::string gate = gate_name(prefix);
-  DMOE_REQUIRE(file.has(gate), "checkpoint '{}': cannot infer the config: gate tensor '{}' is missing",
-               file.source(), gate);
+  DMOE_REQUIRE_INPUT(file.has(gate), "checkpoint '{}': cannot infer the config: gate tensor '{}' is missing (check "
+                     "--prefix / --layer; {})", file.source(), gate, moe_layers_present(file));
   const TensorInfo& g = file.info(gate);
-  DMOE_REQUIRE(g.shape.size() == 2 && g.shape[0] >= 1 && g.shape[0] <= INT32_MAX,
-               "checkpoint '{}': gate '{}' has shape {}, expected [experts, hidden]", file.source(), gate,
-               shape_string(g.shape));
+  DMOE_REQUIRE_INPUT(g.shape.size() == 2 && g.shape[0] >= 1 && g.shape[0] <= INT32_MAX,
+                     "checkpoint '{}': gate '{}' has shape {}, expected [experts, hidden]", file.source(), gate,
+                     shape_string(g.shape));
   const std::string w1 = expert_weight_name(prefix, 0, "w1");
-  DMOE_REQUIRE(file.has(w1), "checkpoint '{}': cannot infer the FFN width: '{}' is missing", file.source(), w1);
+  DMOE_REQUIRE_INPUT(file.has(w1), "checkpoint '{}': cannot infer the FFN width: '{}' is missing", file.source(), w1);
   const TensorInfo& up = file.info(w1);
-  DMOE_REQUIRE(up.shape.size() == 2 && up.shape[1] == g.shape[1],
+  DMOE_REQUIRE_INPUT(up.shape.size() == 2 && up.shape[1] == g.shape[1],
                "checkpoint '{}': '{}' has shape {}, expected [ffn, {}]", file.source(), w1, shape_string(up.shape),
-               g.shape[1]);
+                     g.shape[1]);
   MoeConfig c;
   c.experts = int32_t(g.shape[0]);
   c.hidden = g.shape[1];

@@ -1,11 +1,16 @@
 // config_io.cpp — JSON <-> MoeConfig, with errors that name the key, the expected type and the file.
 #include "model/config_io.hpp"
 
+#include <filesystem>
 #include <fstream>
 #include <limits>
+#include <set>
 #include <sstream>
+#include <string_view>
+#include <vector>
 
 #include "core/error.hpp"
+#include "core/output_file.hpp"
 
 namespace dmoe {
 namespace {
@@ -32,30 +37,30 @@ std::string shown(const json& v) {
 // An integer in [lo, hi]; a float such as 8.0 is refused too, since it usually means a typo upstream.
 int64_t get_int(const json& j, const char* key, int64_t lo, int64_t hi, const char* what) {
   const json& v = j.at(key);
-  DMOE_REQUIRE(v.is_number_integer(), "{}: key '{}' must be an integer (found {})", what, key, shown(v));
+  DMOE_REQUIRE_INPUT(v.is_number_integer(), "{}: key '{}' must be an integer (found {})", what, key, shown(v));
   if (v.is_number_unsigned())
-    DMOE_REQUIRE(v.get<uint64_t>() <= uint64_t(hi), "{}: key '{}' = {} is out of range [{}, {}]", what, key,
-                 v.get<uint64_t>(), lo, hi);
+    DMOE_REQUIRE_INPUT(v.get<uint64_t>() <= uint64_t(hi), "{}: key '{}' = {} is out of range [{}, {}]", what, key,
+                       v.get<uint64_t>(), lo, hi);
   const int64_t x = v.get<int64_t>();
-  DMOE_REQUIRE(x >= lo && x <= hi, "{}: key '{}' = {} is out of range [{}, {}]", what, key, x, lo, hi);
+  DMOE_REQUIRE_INPUT(x >= lo && x <= hi, "{}: key '{}' = {} is out of range [{}, {}]", what, key, x, lo, hi);
   return x;
 }
 
 double get_number(const json& j, const char* key, const char* what) {
   const json& v = j.at(key);
-  DMOE_REQUIRE(v.is_number(), "{}: key '{}' must be a number (found {})", what, key, shown(v));
+  DMOE_REQUIRE_INPUT(v.is_number(), "{}: key '{}' must be a number (found {})", what, key, shown(v));
   return v.get<double>();
 }
 
 bool get_bool(const json& j, const char* key, const char* what) {
   const json& v = j.at(key);
-  DMOE_REQUIRE(v.is_boolean(), "{}: key '{}' must be a boolean (found {})", what, key, shown(v));
+  DMOE_REQUIRE_INPUT(v.is_boolean(), "{}: key '{}' must be a boolean (found {})", what, key, shown(v));
   return v.get<bool>();
 }
 
 std::string get_string(const json& j, const char* key, const char* what) {
   const json& v = j.at(key);
-  DMOE_REQUIRE(v.is_string(), "{}: key '{}' must be a string (found {})", what, key, shown(v));
+  DMOE_REQUIRE_INPUT(v.is_string(), "{}: key '{}' must be a string (found {})", what, key, shown(v));
   return v.get<std::string>();
 }
 
@@ -63,14 +68,14 @@ constexpr int64_t kI64Max = std::numeric_limits<int64_t>::max();
 constexpr int64_t kI32Max = std::numeric_limits<int32_t>::max();
 constexpr int64_t kI32Min = std::numeric_limits<int32_t>::min();
 
-MoeConfig from_dmoe_json(const json& j) {
+MoeConfig from_dmoe_json(const json& j, const MoeConfig& defaults) {
   const char* what = "config";
   for (const auto& [key, value] : j.items()) {
     bool known = false;
     for (const char* k : kDmoeKeys) known = known || key == k;
-    DMOE_REQUIRE(known, "config: unknown key '{}'; allowed keys: {}", key, dmoe_keys());
+    DMOE_REQUIRE_INPUT(known, "config: unknown key '{}'; allowed keys: {}", key, dmoe_keys());
   }
-  MoeConfig c;
+  MoeConfig c = defaults;
   // Range checks here only keep values representable; validate() applies the real rules.
   if (j.contains("tokens")) c.tokens = get_int(j, "tokens", -kI64Max, kI64Max, what);
   if (j.contains("hidden")) c.hidden = get_int(j, "hidden", -kI64Max, kI64Max, what);
@@ -88,12 +93,35 @@ MoeConfig from_dmoe_json(const json& j) {
   return c;
 }
 
-MoeConfig from_mixtral_json(const json& j) {
-  const char* what = "Mixtral config.json";
+// The flag that sets a dmoe key, for errors that point to it.
+std::string flag_of(std::string_view key) {
+  if (key == "renormalize") return "--no-renormalize";
+  std::string flag = "--" + std::string(key);
+  for (char& ch : flag)
+    if (ch == '_') ch = '-';
+  return flag;
+}
+
+MoeConfig from_mixtral_json(const json& j, const MoeConfig& defaults) {
+  const char* what = "Hugging Face config.json";
+  if (j.contains("model_type")) {
+    const std::string type = get_string(j, "model_type", what);
+    DMOE_REQUIRE_INPUT(type == "mixtral",
+                       "{}: model_type '{}' is not supported; dmoe reads the MoE layer of model_type 'mixtral' "
+                       "(num_local_experts, num_experts_per_tok, SwiGLU experts w1/w2/w3), or a dmoe JSON config with "
+                       "keys {}",
+                       what, type, dmoe_keys());
+  }
+  // A dmoe key here would be silently dropped ("dtype" is also Hugging Face's newer name for torch_dtype).
+  for (const char* key : kDmoeKeys)
+    DMOE_REQUIRE_INPUT(std::string_view(key) == "dtype" || !j.contains(key),
+                       "{}: key '{}' is a dmoe config key, which a Hugging Face config.json does not carry; pass it "
+                       "as {} or use a dmoe JSON config",
+                       what, key, flag_of(key));
   for (const char* key : {"hidden_size", "intermediate_size", "num_local_experts", "num_experts_per_tok"})
-    DMOE_REQUIRE(j.contains(key), "{}: required key '{}' is missing (needed: hidden_size, intermediate_size, "
-                 "num_local_experts, num_experts_per_tok)", what, key);
-  MoeConfig c;
+    DMOE_REQUIRE_INPUT(j.contains(key), "{}: required key '{}' is missing (needed: hidden_size, intermediate_size, "
+                       "num_local_experts, num_experts_per_tok)", what, key);
+  MoeConfig c = defaults;
   c.hidden = get_int(j, "hidden_size", 1, kI64Max, what);
   c.ffn = get_int(j, "intermediate_size", 1, kI64Max, what);
   c.experts = int32_t(get_int(j, "num_local_experts", 1, kI32Max, what));
@@ -107,24 +135,36 @@ MoeConfig from_mixtral_json(const json& j) {
   } else if (act == "relu") {
     c.activation = Activation::relu;
   } else {
-    DMOE_FAIL("{}: hidden_act '{}' is not supported; allowed: silu (SwiGLU experts), gelu, relu", what, act);
+    DMOE_FAIL_INPUT("{}: hidden_act '{}' is not supported; allowed: silu (SwiGLU experts), gelu, relu", what, act);
   }
   c.renormalize = true;  // Mixtral renormalises the top-k softmax weights
   for (const char* key : {"torch_dtype", "dtype"}) {
-    if (j.contains(key) && j.at(key).is_string()) {
-      c.dtype = j.at(key).get<std::string>() == "bfloat16" ? DType::bf16 : DType::f32;
-      break;
+    if (!j.contains(key) || j.at(key).is_null()) continue;
+    const std::string dtype = get_string(j, key, what);
+    if (dtype == "bfloat16") {
+      c.dtype = DType::bf16;
+    } else if (dtype == "float32") {
+      c.dtype = DType::f32;
+    } else {
+      DMOE_FAIL_INPUT("{}: {} '{}' is not supported; dmoe stores weights and activations as float32 or bfloat16 "
+                      "(allowed: float32, bfloat16)", what, key, dtype);
     }
+    break;
   }
+  // The router losses' weights (HF adds the load-balancing loss when output_router_logits is set; dmoe's
+  // backward always applies the coefficients it is given).
+  if (j.contains("router_aux_loss_coef")) c.aux_loss_coef = get_number(j, "router_aux_loss_coef", what);
+  if (j.contains("router_z_loss_coef")) c.z_loss_coef = get_number(j, "router_z_loss_coef", what);
   return c;
 }
 
 }  // namespace
 
-MoeConfig config_from_json(const json& j) {
-  DMOE_REQUIRE(j.is_object(), "config: JSON must be an object (found {})", j.type_name());
-  if (j.contains("num_local_experts") || j.contains("hidden_size")) return from_mixtral_json(j);
-  return from_dmoe_json(j);
+MoeConfig config_from_json(const json& j, const MoeConfig& defaults) {
+  DMOE_REQUIRE_INPUT(j.is_object(), "config: JSON must be an object (found {})", j.type_name());
+  if (j.contains("num_local_experts") || j.contains("hidden_size") || j.contains("model_type"))
+    return from_mixtral_json(j, defaults);
+  return from_dmoe_json(j, defaults);
 }
 
 json config_to_json(const MoeConfig& c) {
@@ -143,31 +183,47 @@ json config_to_json(const MoeConfig& c) {
               {"z_loss_coef", c.z_loss_coef}};
 }
 
-MoeConfig load_config_file(const std::string& path) {
+MoeConfig load_config_file(const std::string& path, const MoeConfig& defaults) {
+  // Only a regular file: a FIFO or /dev/zero would block or never end.
+  std::error_code ec;
+  const auto status = std::filesystem::status(path, ec);
+  DMOE_REQUIRE_INPUT(!std::filesystem::is_directory(status), "config file '{}' is a directory; expected a JSON file",
+                     path);
+  DMOE_REQUIRE_INPUT(ec || !std::filesystem::exists(status) || std::filesystem::is_regular_file(status),
+                     "config file '{}' is not a regular file (a FIFO, device or socket); expected a JSON file", path);
   std::ifstream in(path, std::ios::binary);
-  DMOE_REQUIRE(in.good(), "config file '{}': cannot be opened for reading", path);
+  DMOE_REQUIRE_INPUT(in.good(), "config file '{}': cannot be opened for reading", path);
   std::stringstream text;
   text << in.rdbuf();
-  DMOE_REQUIRE(!in.bad(), "config file '{}': read error", path);
+  DMOE_REQUIRE_INPUT(!in.bad(), "config file '{}': read error", path);
+  // nlohmann's parser keeps the last of duplicate keys; a duplicate is an error here, at any depth.
+  std::vector<std::set<std::string>> keys;  // keys seen in each open object, innermost last
+  std::string duplicate;
+  const json::parser_callback_t on_event = [&](int, json::parse_event_t event, json& parsed) {
+    if (event == json::parse_event_t::object_start) keys.emplace_back();
+    if (event == json::parse_event_t::object_end && !keys.empty()) keys.pop_back();
+    if (event == json::parse_event_t::key && !keys.empty() && !keys.back().insert(parsed.get<std::string>()).second &&
+        duplicate.empty())
+      duplicate = parsed.get<std::string>();
+    return true;
+  };
   json j;
   try {
-    j = json::parse(text.str());
+    j = json::parse(text.str(), on_event);
   } catch (const json::exception& e) {
-    DMOE_FAIL("config file '{}': not valid JSON: {}", path, e.what());
+    DMOE_FAIL_INPUT("config file '{}': not valid JSON: {}", path, e.what());
   }
+  DMOE_REQUIRE_INPUT(duplicate.empty(), "config file '{}': key '{}' appears more than once in one object; each key may "
+                     "be given once", path, duplicate);
   try {
-    return config_from_json(j);
+    return config_from_json(j, defaults);
   } catch (const Error& e) {
-    DMOE_FAIL("config file '{}': {}", path, e.what());
+    DMOE_FAIL_INPUT("config file '{}': {}", path, e.what());
   }
 }
 
 void save_config_file(const MoeConfig& config, const std::string& path) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  DMOE_REQUIRE(out.good(), "config file '{}': cannot be opened for writing", path);
-  out << config_to_json(config).dump(2) << '\n';
-  out.close();
-  DMOE_REQUIRE(!out.fail(), "config file '{}': write failed", path);
+  write_file_atomically(path, config_to_json(config).dump(2) + "\n");
 }
 
 }  // namespace dmoe

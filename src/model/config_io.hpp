@@ -2,10 +2,13 @@
 //
 // dmoe format: {"tokens", "hidden", "ffn", "experts", "top_k", "activation", "renormalize",
 // "capacity_factor", "drop_policy", "dtype", "world", "aux_loss_coef", "z_loss_coef"}; a missing key keeps
-// the MoeConfig default, an unknown key or a wrong JSON type is an error naming the key.
-// Mixtral format (detected by "num_local_experts" or "hidden_size"): hidden_size, intermediate_size,
-// num_local_experts, num_experts_per_tok, hidden_act, torch_dtype; tokens stay 0 (the caller sets them
-// from its input). Neither function calls validate(): callers do, once tokens are known.
+// the value in `defaults`, an unknown key or a wrong JSON type is an error naming the key.
+// Hugging Face format (detected by "num_local_experts", "hidden_size" or "model_type"): model_type must be
+// "mixtral" when present; hidden_size, intermediate_size, num_local_experts, num_experts_per_tok,
+// hidden_act, torch_dtype (or dtype: float32 | bfloat16, float16 refused), router_aux_loss_coef and
+// router_z_loss_coef are read; a dmoe key (other than dtype) is an error pointing to its flag; tokens,
+// world, capacity_factor and drop_policy keep `defaults`. Files with a key repeated in one object are
+// refused. Neither function calls validate(): callers do, once tokens are known.
 #pragma once
 
 #include <string>
@@ -16,11 +19,11 @@
 
 namespace dmoe {
 
-MoeConfig config_from_json(const nlohmann::json& j);
+MoeConfig config_from_json(const nlohmann::json& j, const MoeConfig& defaults = MoeConfig{});
 // dmoe format with every key; config_from_json(config_to_json(c)) == c.
 nlohmann::json config_to_json(const MoeConfig& config);
 // Reads and parses a JSON file in either format; errors name the file.
-MoeConfig load_config_file(const std::string& path);
+MoeConfig load_config_file(const std::string& path, const MoeConfig& defaults = MoeConfig{});
 // Writes config_to_json(config), pretty-printed.
 void save_config_file(const MoeConfig& config, const std::string& path);
 

@@ -16,6 +16,8 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.hpp"
+#include "core/host_resources.hpp"
+#include "core/output_file.hpp"
 
 namespace dmoe {
 
@@ -130,69 +132,69 @@ json parse_header(const uint8_t* begin, const uint8_t* end, const std::string& s
   try {
     header = json::parse(reinterpret_cast<const char*>(begin), reinterpret_cast<const char*>(end), on_event);
   } catch (const json::exception& e) {
-    DMOE_FAIL("safetensors '{}': header is not valid JSON: {}", src, e.what());
+    DMOE_FAIL_INPUT("safetensors '{}': header is not valid JSON: {}", src, e.what());
   }
   if (!duplicate.empty()) {
     if (duplicate_level == 1)
-      DMOE_FAIL("safetensors '{}': duplicate tensor name '{}' in the header", src, duplicate);
-    DMOE_FAIL("safetensors '{}': duplicate key '{}' inside a header entry (nesting level {})", src, duplicate,
-              duplicate_level);
+      DMOE_FAIL_INPUT("safetensors '{}': duplicate tensor name '{}' in the header", src, duplicate);
+    DMOE_FAIL_INPUT("safetensors '{}': duplicate key '{}' inside a header entry (nesting level {})", src, duplicate,
+                    duplicate_level);
   }
   return header;
 }
 
 TensorInfo parse_entry(const std::string& name, const json& entry, uint64_t data_size, const std::string& src) {
-  DMOE_REQUIRE(entry.is_object(), "safetensors '{}': entry for tensor '{}' is not an object (found {})", src,
-               name, describe(entry));
+  DMOE_REQUIRE_INPUT(entry.is_object(), "safetensors '{}': entry for tensor '{}' is not an object (found {})", src,
+                     name, describe(entry));
   TensorInfo t;
   t.name = name;
 
   const auto dtype = entry.find("dtype");
-  DMOE_REQUIRE(dtype != entry.end(), "safetensors '{}': tensor '{}' has no dtype", src, name);
-  DMOE_REQUIRE(dtype->is_string(), "safetensors '{}': tensor '{}': dtype must be a string (found {})", src,
-               name, describe(*dtype));
+  DMOE_REQUIRE_INPUT(dtype != entry.end(), "safetensors '{}': tensor '{}' has no dtype", src, name);
+  DMOE_REQUIRE_INPUT(dtype->is_string(), "safetensors '{}': tensor '{}': dtype must be a string (found {})", src,
+                     name, describe(*dtype));
   t.dtype = dtype->get<std::string>();
   const size_t elem = safetensors_dtype_size(t.dtype);
-  DMOE_REQUIRE(elem != 0, "safetensors '{}': tensor '{}' has unknown dtype '{}'; allowed: {}", src, name,
-               t.dtype, allowed_dtypes());
+  DMOE_REQUIRE_INPUT(elem != 0, "safetensors '{}': tensor '{}' has unknown dtype '{}'; allowed: {}", src, name,
+                     t.dtype, allowed_dtypes());
 
   const auto shape = entry.find("shape");
-  DMOE_REQUIRE(shape != entry.end(), "safetensors '{}': tensor '{}' has no shape", src, name);
-  DMOE_REQUIRE(shape->is_array(), "safetensors '{}': tensor '{}': shape must be an array (found {})", src, name,
-               describe(*shape));
+  DMOE_REQUIRE_INPUT(shape != entry.end(), "safetensors '{}': tensor '{}' has no shape", src, name);
+  DMOE_REQUIRE_INPUT(shape->is_array(), "safetensors '{}': tensor '{}': shape must be an array (found {})", src, name,
+                     describe(*shape));
   for (const json& d : *shape) {
     uint64_t dim = 0;
-    DMOE_REQUIRE(get_count(d, uint64_t(std::numeric_limits<int64_t>::max()), &dim),
-                 "safetensors '{}': tensor '{}': shape entries must be non-negative integers (found {})", src,
-                 name, describe(d));
+    DMOE_REQUIRE_INPUT(get_count(d, uint64_t(std::numeric_limits<int64_t>::max()), &dim),
+                       "safetensors '{}': tensor '{}': shape entries must be non-negative integers (found {})", src,
+                       name, describe(d));
     t.shape.push_back(int64_t(dim));
   }
   const int64_t numel = checked_numel(t.shape);
-  DMOE_REQUIRE(numel >= 0, "safetensors '{}': tensor '{}': shape {} has an element count that overflows int64",
-               src, name, shape_string(t.shape));
+  DMOE_REQUIRE_INPUT(numel >= 0, "safetensors '{}': tensor '{}': shape {} has an element count that overflows int64",
+                     src, name, shape_string(t.shape));
   uint64_t expected_bytes = 0;
-  DMOE_REQUIRE(!__builtin_mul_overflow(uint64_t(numel), uint64_t(elem), &expected_bytes),
-               "safetensors '{}': tensor '{}': shape {} of {} overflows the byte count", src, name,
-               shape_string(t.shape), t.dtype);
+  DMOE_REQUIRE_INPUT(!__builtin_mul_overflow(uint64_t(numel), uint64_t(elem), &expected_bytes),
+                     "safetensors '{}': tensor '{}': shape {} of {} overflows the byte count", src, name,
+                     shape_string(t.shape), t.dtype);
 
   const auto offsets = entry.find("data_offsets");
-  DMOE_REQUIRE(offsets != entry.end(), "safetensors '{}': tensor '{}' has no data_offsets", src, name);
-  DMOE_REQUIRE(offsets->is_array() && offsets->size() == 2,
-               "safetensors '{}': tensor '{}': data_offsets must be an array [begin, end] (found {})", src, name,
-               describe(*offsets));
+  DMOE_REQUIRE_INPUT(offsets != entry.end(), "safetensors '{}': tensor '{}' has no data_offsets", src, name);
+  DMOE_REQUIRE_INPUT(offsets->is_array() && offsets->size() == 2,
+                     "safetensors '{}': tensor '{}': data_offsets must be an array [begin, end] (found {})", src, name,
+                     describe(*offsets));
   const uint64_t u64_max = std::numeric_limits<uint64_t>::max();
-  DMOE_REQUIRE(get_count((*offsets)[0], u64_max, &t.begin) && get_count((*offsets)[1], u64_max, &t.end),
-               "safetensors '{}': tensor '{}': data_offsets must be non-negative integers (found {})", src,
-               name, describe(*offsets));
-  DMOE_REQUIRE(t.begin <= t.end, "safetensors '{}': tensor '{}': data_offsets begin {} > end {}", src, name,
-               t.begin, t.end);
-  DMOE_REQUIRE(t.end <= data_size,
-               "safetensors '{}': tensor '{}': data_offsets end {} is beyond the data region ({} bytes; file "
-               "truncated?)",
-               src, name, t.end, data_size);
-  DMOE_REQUIRE(t.nbytes() == expected_bytes,
-               "safetensors '{}': tensor '{}': byte size {} does not match shape {} of {} ({} bytes)", src,
-               name, t.nbytes(), shape_string(t.shape), t.dtype, expected_bytes);
+  DMOE_REQUIRE_INPUT(get_count((*offsets)[0], u64_max, &t.begin) && get_count((*offsets)[1], u64_max, &t.end),
+                     "safetensors '{}': tensor '{}': data_offsets must be non-negative integers (found {})", src,
+                     name, describe(*offsets));
+  DMOE_REQUIRE_INPUT(t.begin <= t.end, "safetensors '{}': tensor '{}': data_offsets begin {} > end {}", src, name,
+                     t.begin, t.end);
+  DMOE_REQUIRE_INPUT(t.end <= data_size,
+                     "safetensors '{}': tensor '{}': data_offsets end {} is beyond the data region ({} bytes; file "
+                     "truncated?)",
+                     src, name, t.end, data_size);
+  DMOE_REQUIRE_INPUT(t.nbytes() == expected_bytes,
+                     "safetensors '{}': tensor '{}': byte size {} does not match shape {} of {} ({} bytes)", src,
+                     name, t.nbytes(), shape_string(t.shape), t.dtype, expected_bytes);
   return t;
 }
 
@@ -231,20 +233,22 @@ std::string shape_string(const std::vector<int64_t>& shape) {
 
 SafetensorsFile SafetensorsFile::open(const std::string& path) {
   std::error_code ec;
-  DMOE_REQUIRE(std::filesystem::is_regular_file(path, ec), "safetensors '{}': not a readable regular file{}",
-               path, ec ? " (" + ec.message() + ")" : std::string());
+  DMOE_REQUIRE_INPUT(std::filesystem::is_regular_file(path, ec), "safetensors '{}': not a readable regular file{}",
+                     path, ec ? " (" + ec.message() + ")" : std::string());
+  // The whole file is held in memory: one larger than what is available is refused before reading.
+  const uint64_t size_hint = std::filesystem::file_size(path, ec);
+  if (!ec) require_host_memory(double(size_hint), fmt::format("reading safetensors '{}' into memory", path));
   std::FILE* f = std::fopen(path.c_str(), "rb");
-  DMOE_REQUIRE(f, "safetensors '{}': cannot open: {}", path, std::strerror(errno));
+  DMOE_REQUIRE_INPUT(f, "safetensors '{}': cannot open: {}", path, std::strerror(errno));
   std::vector<uint8_t> bytes;
   uint8_t chunk[1 << 16];
   size_t got = 0;
   // Read to EOF rather than trusting a size query (the file may change underneath).
-  const uint64_t size_hint = std::filesystem::file_size(path, ec);
   if (!ec) bytes.reserve(size_t(size_hint));
   while ((got = std::fread(chunk, 1, sizeof(chunk), f)) > 0) bytes.insert(bytes.end(), chunk, chunk + got);
   const bool failed = std::ferror(f) != 0;
   std::fclose(f);
-  DMOE_REQUIRE(!failed, "safetensors '{}': read error", path);
+  DMOE_REQUIRE_INPUT(!failed, "safetensors '{}': read error", path);
   return parse(std::move(bytes), path);
 }
 
@@ -254,33 +258,33 @@ SafetensorsFile SafetensorsFile::parse(std::vector<uint8_t> bytes, std::string s
   file.bytes_ = std::move(bytes);
   const std::string& src = file.source_;
   const uint64_t size = file.bytes_.size();
-  DMOE_REQUIRE(size >= 8, "safetensors '{}': file is {} bytes, shorter than the 8-byte header length", src,
-               size);
+  DMOE_REQUIRE_INPUT(size >= 8, "safetensors '{}': file is {} bytes, shorter than the 8-byte header length", src,
+                     size);
 
   uint64_t header_len = 0;
   for (int i = 0; i < 8; ++i) header_len |= uint64_t(file.bytes_[size_t(i)]) << (8 * i);
-  DMOE_REQUIRE(header_len <= kMaxHeaderBytes,
-               "safetensors '{}': header length {} is absurd (limit {} bytes); not a safetensors file?", src,
-               header_len, kMaxHeaderBytes);
-  DMOE_REQUIRE(header_len <= size - 8,
-               "safetensors '{}': header length {} is larger than the file ({} bytes after the length field; "
-               "file truncated?)",
-               src, header_len, size - 8);
+  DMOE_REQUIRE_INPUT(header_len <= kMaxHeaderBytes,
+                     "safetensors '{}': header length {} is absurd (limit {} bytes); not a safetensors file?", src,
+                     header_len, kMaxHeaderBytes);
+  DMOE_REQUIRE_INPUT(header_len <= size - 8,
+                     "safetensors '{}': header length {} is larger than the file ({} bytes after the length field; "
+                     "file truncated?)",
+                     src, header_len, size - 8);
   file.data_start_ = 8 + header_len;
   const uint64_t data_size = size - file.data_start_;
 
   const uint8_t* header_begin = file.bytes_.data() + 8;
   const json header = parse_header(header_begin, header_begin + header_len, src);
-  DMOE_REQUIRE(header.is_object(), "safetensors '{}': header is not a JSON object (found {})", src,
-               header.type_name());
+  DMOE_REQUIRE_INPUT(header.is_object(), "safetensors '{}': header is not a JSON object (found {})", src,
+                     header.type_name());
 
   for (const auto& [name, entry] : header.items()) {
     if (name == kMetadataKey) {
-      DMOE_REQUIRE(entry.is_object(), "safetensors '{}': __metadata__ must be an object of strings (found {})",
-                   src, describe(entry));
+      DMOE_REQUIRE_INPUT(entry.is_object(), "safetensors '{}': __metadata__ must be an object of strings (found {})",
+                         src, describe(entry));
       for (const auto& [key, value] : entry.items()) {
-        DMOE_REQUIRE(value.is_string(), "safetensors '{}': __metadata__ value of '{}' must be a string (found {})",
-                     src, key, describe(value));
+        DMOE_REQUIRE_INPUT(value.is_string(), "safetensors '{}': __metadata__ value of '{}' must be a string (found {})",
+                           src, key, describe(value));
         file.metadata_[key] = value.get<std::string>();
       }
       continue;
@@ -298,9 +302,9 @@ SafetensorsFile SafetensorsFile::parse(std::vector<uint8_t> bytes, std::string s
   for (size_t i = 1; i < by_offset.size(); ++i) {
     const TensorInfo& a = *by_offset[i - 1];
     const TensorInfo& b = *by_offset[i];
-    DMOE_REQUIRE(b.begin >= a.end,
-                 "safetensors '{}': tensors '{}' [{}, {}) and '{}' [{}, {}) overlap in the data region", src,
-                 a.name, a.begin, a.end, b.name, b.begin, b.end);
+    DMOE_REQUIRE_INPUT(b.begin >= a.end,
+                       "safetensors '{}': tensors '{}' [{}, {}) and '{}' [{}, {}) overlap in the data region", src,
+                       a.name, a.begin, a.end, b.name, b.begin, b.end);
   }
   return file;
 }
@@ -319,8 +323,8 @@ const TensorInfo& SafetensorsFile::info(const std::string& name) const {
   std::string some;
   for (size_t i = 0; i < ranked.size() && i < 6; ++i) some += fmt::format("{}'{}'", i ? ", " : "", *ranked[i].second);
   if (ranked.size() > 6) some += ", ...";
-  DMOE_FAIL("safetensors '{}': no tensor '{}' ({} tensors{}{})", source_, name, tensors_.size(),
-            tensors_.empty() ? "" : "; closest: ", some);
+  DMOE_FAIL_INPUT("safetensors '{}': no tensor '{}' ({} tensors{}{})", source_, name, tensors_.size(),
+                  tensors_.empty() ? "" : "; closest: ", some);
 }
 
 std::vector<std::string> SafetensorsFile::names() const {
@@ -336,8 +340,8 @@ std::span<const uint8_t> SafetensorsFile::raw(const std::string& name) const {
 }
 
 void SafetensorsFile::check_shape(const TensorInfo& t, const std::vector<int64_t>& expected_shape) const {
-  DMOE_REQUIRE(t.shape == expected_shape, "safetensors '{}': tensor '{}' has shape {}, expected {}", source_,
-               t.name, shape_string(t.shape), shape_string(expected_shape));
+  DMOE_REQUIRE_INPUT(t.shape == expected_shape, "safetensors '{}': tensor '{}' has shape {}, expected {}", source_,
+                     t.name, shape_string(t.shape), shape_string(expected_shape));
 }
 
 void SafetensorsFile::read_f32_into(const std::string& name, const std::vector<int64_t>& expected_shape,
@@ -355,8 +359,8 @@ void SafetensorsFile::read_f32_into(const std::string& name, const std::vector<i
   } else if (t.dtype == "F64") {
     for (size_t i = 0; i < n; ++i) out[i] = double_to_float(load<double>(p + 8 * i));
   } else {
-    DMOE_FAIL("safetensors '{}': tensor '{}' has dtype {}; only F32, BF16, F16 and F64 can be read as float",
-              source_, name, t.dtype);
+    DMOE_FAIL_INPUT("safetensors '{}': tensor '{}' has dtype {}; only F32, BF16, F16 and F64 can be read as float",
+                    source_, name, t.dtype);
   }
 }
 
@@ -384,14 +388,14 @@ void SafetensorsFile::read_i32_into(const TensorInfo& t, int32_t* out) const {
   } else if (t.dtype == "I64") {
     for (size_t i = 0; i < n; ++i) {
       const int64_t v = load<int64_t>(p + 8 * i);
-      DMOE_REQUIRE(v >= std::numeric_limits<int32_t>::min() && v <= std::numeric_limits<int32_t>::max(),
-                   "safetensors '{}': tensor '{}' (I64) element {} = {} does not fit in int32", source_, t.name,
-                   i, v);
+      DMOE_REQUIRE_INPUT(v >= std::numeric_limits<int32_t>::min() && v <= std::numeric_limits<int32_t>::max(),
+                         "safetensors '{}': tensor '{}' (I64) element {} = {} does not fit in int32", source_, t.name,
+                         i, v);
       out[i] = int32_t(v);
     }
   } else {
-    DMOE_FAIL("safetensors '{}': tensor '{}' has dtype {}; only I32 and I64 can be read as int32", source_,
-              t.name, t.dtype);
+    DMOE_FAIL_INPUT("safetensors '{}': tensor '{}' has dtype {}; only I32 and I64 can be read as int32", source_,
+                    t.name, t.dtype);
   }
 }
 
@@ -416,25 +420,25 @@ HostTensor<int32_t> SafetensorsFile::read_i32(const std::string& name) const {
 // Element count of a shape handed to the writer; throws on negative or overflowing dimensions.
 static size_t writer_numel(const std::string& name, const std::vector<int64_t>& shape) {
   const int64_t numel = checked_numel(shape);
-  DMOE_REQUIRE(numel >= 0, "safetensors writer: tensor '{}': shape {} has a negative or overflowing size", name,
-               shape_string(shape));
+  DMOE_REQUIRE_INPUT(numel >= 0, "safetensors writer: tensor '{}': shape {} has a negative or overflowing size", name,
+                     shape_string(shape));
   return size_t(numel);
 }
 
 void SafetensorsWriter::add(const std::string& name, DType dtype, const std::vector<int64_t>& shape,
                             const void* data) {
-  DMOE_REQUIRE(name != kMetadataKey, "safetensors writer: '{}' is reserved and cannot name a tensor", name);
-  DMOE_REQUIRE(!has(name), "safetensors writer: tensor '{}' was already added", name);
+  DMOE_REQUIRE_INPUT(name != kMetadataKey, "safetensors writer: '{}' is reserved and cannot name a tensor", name);
+  DMOE_REQUIRE_INPUT(!has(name), "safetensors writer: tensor '{}' was already added", name);
   try {
     (void)json(name).dump();  // the header must be valid UTF-8; fail here rather than at write()
   } catch (const json::exception&) {
-    DMOE_FAIL("safetensors writer: tensor name is not valid UTF-8: '{}'", name);
+    DMOE_FAIL_INPUT("safetensors writer: tensor name is not valid UTF-8: '{}'", name);
   }
   size_t nbytes = 0;
-  DMOE_REQUIRE(!__builtin_mul_overflow(writer_numel(name, shape), dtype_size(dtype), &nbytes),
+  DMOE_REQUIRE_INPUT(!__builtin_mul_overflow(writer_numel(name, shape), dtype_size(dtype), &nbytes),
                "safetensors writer: tensor '{}': shape {} of {} overflows the byte count", name, shape_string(shape),
-               dtype_name(dtype));
-  DMOE_REQUIRE(data != nullptr || nbytes == 0, "safetensors writer: tensor '{}': data is null", name);
+                     dtype_name(dtype));
+  DMOE_REQUIRE_INPUT(data != nullptr || nbytes == 0, "safetensors writer: tensor '{}': data is null", name);
   Entry e{dtype, shape, std::vector<uint8_t>(nbytes)};
   if (nbytes > 0) std::memcpy(e.bytes.data(), data, nbytes);
   tensors_.emplace(name, std::move(e));
@@ -458,23 +462,23 @@ void SafetensorsWriter::add_f32(const std::string& name, const std::vector<int64
     }
     default: break;
   }
-  DMOE_FAIL("safetensors writer: tensor '{}': floats cannot be stored as {}; use f32, bf16 or f64", name,
-            dtype_name(stored_as));
+  DMOE_FAIL_INPUT("safetensors writer: tensor '{}': floats cannot be stored as {}; use f32, bf16 or f64", name,
+                  dtype_name(stored_as));
 }
 
 void SafetensorsWriter::add_f32(const std::string& name, const std::vector<int64_t>& shape,
                                 const std::vector<float>& values, DType stored_as) {
   const size_t numel = writer_numel(name, shape);
-  DMOE_REQUIRE(numel == values.size(), "safetensors writer: tensor '{}': shape {} needs {} values, got {}", name,
-               shape_string(shape), numel, values.size());
+  DMOE_REQUIRE_INPUT(numel == values.size(), "safetensors writer: tensor '{}': shape {} needs {} values, got {}", name,
+                     shape_string(shape), numel, values.size());
   add_f32(name, shape, values.data(), stored_as);
 }
 
 void SafetensorsWriter::add_i32(const std::string& name, const std::vector<int64_t>& shape,
                                 const std::vector<int32_t>& values) {
   const size_t numel = writer_numel(name, shape);
-  DMOE_REQUIRE(numel == values.size(), "safetensors writer: tensor '{}': shape {} needs {} values, got {}", name,
-               shape_string(shape), numel, values.size());
+  DMOE_REQUIRE_INPUT(numel == values.size(), "safetensors writer: tensor '{}': shape {} needs {} values, got {}", name,
+                     shape_string(shape), numel, values.size());
   add(name, DType::i32, shape, values.data());
 }
 
@@ -483,7 +487,7 @@ void SafetensorsWriter::set_metadata(const std::string& key, const std::string& 
     (void)json(key).dump();
     (void)json(value).dump();
   } catch (const json::exception&) {
-    DMOE_FAIL("safetensors writer: metadata key or value is not valid UTF-8 (key '{}')", key);
+    DMOE_FAIL_INPUT("safetensors writer: metadata key or value is not valid UTF-8 (key '{}')", key);
   }
   metadata_[key] = value;
 }
@@ -512,22 +516,7 @@ std::vector<uint8_t> SafetensorsWriter::serialize() const {
 }
 
 void SafetensorsWriter::write(const std::string& path) const {
-  const std::vector<uint8_t> bytes = serialize();
-  const std::string tmp = path + ".tmp";
-  std::FILE* f = std::fopen(tmp.c_str(), "wb");
-  DMOE_REQUIRE(f, "safetensors writer: cannot open '{}' for writing: {}", tmp, std::strerror(errno));
-  const bool wrote = std::fwrite(bytes.data(), 1, bytes.size(), f) == bytes.size();
-  const bool closed = std::fclose(f) == 0;
-  if (!wrote || !closed) {
-    std::remove(tmp.c_str());
-    DMOE_FAIL("safetensors writer: writing '{}' failed ({} bytes): {}", tmp, bytes.size(), std::strerror(errno));
-  }
-  std::error_code ec;
-  std::filesystem::rename(tmp, path, ec);
-  if (ec) {
-    std::remove(tmp.c_str());
-    DMOE_FAIL("safetensors writer: cannot rename '{}' to '{}': {}", tmp, path, ec.message());
-  }
+  write_file_atomically(path, serialize());
 }
 
 }  // namespace dmoe

@@ -107,7 +107,8 @@ class SafetensorsWriter {
 
   // The complete file: length, padded header, tensors in name order with contiguous offsets.
   std::vector<uint8_t> serialize() const;
-  // Writes serialize() to path + ".tmp", then renames it onto path (no half-written files).
+  // Writes serialize() with write_file_atomically (core/output_file.hpp: temporary + rename, every write
+  // checked, only regular files replaced).
   void write(const std::string& path) const;
 
  private:

@@ -5,6 +5,7 @@
 
 #include <unistd.h>
 
+#include <cmath>
 #include <filesystem>
 #include <functional>
 #include <string>
@@ -244,6 +245,19 @@ TEST(CheckpointTest, InferConfigFromWeights) {
   EXPECT_EQ(inferred.top_k, 0);
   const MoeConfig relu = infer_moe_config(saved(random_moe_weights(small_config(Activation::relu), 13), ""), "");
   EXPECT_EQ(relu.activation, Activation::relu);
+}
+
+TEST(CheckpointTest, NonFiniteWeightsAreRefusedNamingTheTensorAndIndex) {
+  const MoeConfig c = small_config(Activation::swiglu);
+  MoeWeights w = random_moe_weights(c, 3);
+  w.w3[2 * c.ffn * c.hidden + 1 * c.hidden + 5] = std::nanf("");  // expert 2's w3 [1, 5]
+  std::string msg = error_of([&] { load_moe_weights(saved(w, ""), c, ""); });
+  EXPECT_HAS(msg, "tensor 'experts.2.w3.weight' [1, 5] is nan");
+  EXPECT_HAS(msg, "weights must be finite");
+  w = random_moe_weights(c, 3);
+  w.gate[3 * c.hidden + 7] = -INFINITY;
+  msg = error_of([&] { load_moe_weights(saved(w, "", DType::bf16), c, ""); });
+  EXPECT_HAS(msg, "tensor 'gate.weight' [3, 7] is -inf");
 }
 
 }  // namespace

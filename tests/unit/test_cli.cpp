@@ -22,8 +22,9 @@ struct Result {
   std::string output;
 };
 
-Result run_cli(const std::string& args) {
-  const std::string cmd = std::string(DMOE_CLI_PATH) + " " + args + " 2>&1";
+// `env`: "NAME=value ..." assignments for the command's environment.
+Result run_cli(const std::string& args, const std::string& env = "") {
+  const std::string cmd = (env.empty() ? "" : env + " ") + std::string(DMOE_CLI_PATH) + " " + args + " 2>&1";
   Result r{-1, ""};
   FILE* pipe = popen(cmd.c_str(), "r");
   if (!pipe) return r;
@@ -152,6 +153,245 @@ TEST_F(Cli, BenchPrintsTableAndJson) {
   ASSERT_EQ(j.size(), 2u);
   EXPECT_EQ(j[1]["world"], 2);
   EXPECT_EQ(j[1]["max_abs_diff_vs_single_rank"], 0.0);
+}
+
+std::string file_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+TEST_F(Cli, RunRefusesAnOutputThatIsOneOfItsInputs) {
+  ASSERT_EQ(run_cli("init --tokens 4 --hidden 8 --ffn 8 --experts 4 --top-k 2 --out " + p("w.safetensors") +
+                    " --input " + p("x.safetensors") + " --grad-output " + p("dy.safetensors") + " --save-config " +
+                    p("c.json")).status, 0);
+  const std::string x = file_bytes(p("x.safetensors")), w = file_bytes(p("w.safetensors"));
+  fs::create_hard_link(p("w.safetensors"), p("w_link.safetensors"));
+  const std::string args = "run --config " + p("c.json") + " --weights " + p("w.safetensors") + " --input " +
+                           p("x.safetensors") + " --grad-output " + p("dy.safetensors") + " --output ";
+  struct Case {
+    std::string output, option;
+  };
+  for (const Case& k : {Case{(dir_ / "." / "x.safetensors").string(), "--input"},
+                        Case{p("w_link.safetensors"), "--weights"}, Case{p("dy.safetensors"), "--grad-output"},
+                        Case{p("c.json"), "--config"}}) {
+    const auto r = run_cli(args + k.output);
+    EXPECT_EQ(r.status, 1) << r.output;
+    EXPECT_NE(r.output.find("--output '" + k.output + "' is the same file as " + k.option), std::string::npos)
+        << r.output;
+  }
+  EXPECT_EQ(file_bytes(p("x.safetensors")), x);
+  EXPECT_EQ(file_bytes(p("w.safetensors")), w);
+  // Not a regular file: refused before anything runs, and the device stays a device.
+  auto r = run_cli(args + "/dev/full");
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("'/dev/full' is a character device"), std::string::npos) << r.output;
+  EXPECT_TRUE(fs::is_character_file("/dev/full"));
+  // init's outputs may not coincide either.
+  r = run_cli("init --tokens 4 --hidden 8 --ffn 8 --experts 4 --top-k 2 --out " + p("a.safetensors") + " --input " +
+              (dir_ / "." / "a.safetensors").string());
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("are the same file"), std::string::npos) << r.output;
+  EXPECT_FALSE(fs::exists(p("a.safetensors")));
+}
+
+TEST_F(Cli, BenchJsonThatCannotBeWrittenIsRefusedBeforeTiming) {
+  const std::string bench = "bench --engine cpu --tokens 8 --hidden 16 --ffn 16 --experts 4 --top-k 2 -n 1 --repeat 1 "
+                            "--warmup 0 --json ";
+  for (const std::string& path : {std::string("/dev/full"), std::string("/proc/version"), p("no/such/dir/b.json"),
+                                  dir_.string()}) {
+    const auto r = run_cli(bench + path);
+    EXPECT_EQ(r.status, 1) << path << ": " << r.output;
+    EXPECT_NE(r.output.find("--json '" + path + "'"), std::string::npos) << r.output;
+    EXPECT_EQ(r.output.find("engine: cpu"), std::string::npos) << "timed before refusing: " << r.output;
+    EXPECT_EQ(r.output.find("wrote"), std::string::npos) << r.output;
+  }
+}
+
+TEST_F(Cli, BenchNoBackwardReportsNoBackwardTime) {
+  auto r = run_cli("bench --engine cpu --tokens 8 --hidden 16 --ffn 16 --experts 4 --top-k 2 -n 1 --repeat 1 --warmup 0 "
+                   "--no-backward --json " + p("b.json"));
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("not timed"), std::string::npos) << r.output;
+  std::ifstream f(p("b.json"));
+  const auto j = nlohmann::json::parse(f);
+  ASSERT_EQ(j.size(), 1u);
+  EXPECT_FALSE(j[0].contains("forward_backward_ms")) << j.dump();
+  EXPECT_FALSE(j[0].contains("forward_backward_gflops")) << j.dump();
+}
+
+TEST_F(Cli, BenchWorldTakesEffectOnTheCpuEngine) {
+  const std::string bench = "bench --engine cpu --tokens 8 --hidden 16 --ffn 16 --experts 4 --top-k 2 --repeat 1 "
+                            "--warmup 0 --no-backward --world 2 ";
+  auto r = run_cli(bench + "--json " + p("b.json"));
+  ASSERT_EQ(r.status, 0) << r.output;
+  std::ifstream f(p("b.json"));
+  const auto j = nlohmann::json::parse(f);
+  ASSERT_EQ(j.size(), 1u);
+  EXPECT_EQ(j[0]["world"], 2);
+  r = run_cli(bench + "-n 1 4");
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("disagree"), std::string::npos) << r.output;
+}
+
+TEST_F(Cli, NonFiniteResultsAreAnErrorUnlessAllowed) {
+  ASSERT_EQ(run_cli("init --tokens 4 --hidden 8 --ffn 8 --experts 4 --top-k 2 --out " + p("w.safetensors")).status, 0);
+  {  // finite, but 1e38 overflows the experts' products
+    SafetensorsWriter big;
+    std::vector<float> x(4 * 8, 0.5f);
+    for (int j = 0; j < 8; ++j) x[1 * 8 + j] = 1e38f;
+    big.add_f32("x", {4, 8}, x, DType::f32);
+    big.write(p("xbig.safetensors"));
+  }
+  const std::string run = "run --top-k 2 --weights " + p("w.safetensors") + " --input " + p("xbig.safetensors") +
+                          " --output " + p("y.safetensors");
+  auto r = run_cli(run);
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("y[1, "), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("--allow-non-finite"), std::string::npos) << r.output;
+  EXPECT_FALSE(fs::exists(p("y.safetensors")));
+  r = run_cli(run + " --allow-non-finite");
+  EXPECT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("warning"), std::string::npos) << r.output;
+  EXPECT_TRUE(fs::exists(p("y.safetensors")));
+}
+
+TEST_F(Cli, ConfigTokensMustAgreeAndZeroIsNotReplaced) {
+  std::ofstream(p("c.json")) << R"({"tokens": 3, "hidden": 8, "ffn": 8, "experts": 4, "top_k": 2})";
+  ASSERT_EQ(run_cli("init --tokens 4 --hidden 8 --ffn 8 --experts 4 --top-k 2 --out " + p("w.safetensors") +
+                    " --input " + p("x.safetensors")).status, 0);
+  auto r = run_cli("run --config " + p("c.json") + " --weights " + p("w.safetensors") + " --input " +
+                   p("x.safetensors") + " --output " + p("y.safetensors"));
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("tokens = 3 per rank (from --config"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("4 rows"), std::string::npos) << r.output;
+  std::ofstream(p("c0.json")) << R"({"tokens": 0, "hidden": 8, "ffn": 8, "experts": 4, "top_k": 2})";
+  r = run_cli("init --config " + p("c0.json") + " --out " + p("w0.safetensors"));
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("tokens = 0 is invalid"), std::string::npos) << r.output;
+  // top_k nowhere (a weights file does not record it; a config without the key): said so, with the rule.
+  r = run_cli("run --weights " + p("w.safetensors") + " --input " + p("x.safetensors") + " --output " +
+              p("y.safetensors"));
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("top_k is not known: the weights file"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("pass --top-k K (1 <= K <= experts = 4)"), std::string::npos) << r.output;
+  std::ofstream(p("nok.json")) << R"({"hidden": 8, "ffn": 8, "experts": 4})";
+  r = run_cli("run --config " + p("nok.json") + " --weights " + p("w.safetensors") + " --input " + p("x.safetensors") +
+              " --output " + p("y.safetensors"));
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("top_k is not known: --config"), std::string::npos) << r.output;
+  // top_k: 0 given (flag or file): the value and the rule, not "unknown".
+  std::ofstream(p("k0.json")) << R"({"hidden": 8, "ffn": 8, "experts": 4, "top_k": 0})";
+  for (const std::string& how : {std::string("--top-k 0"), "--config " + p("k0.json")}) {
+    r = run_cli("run " + how + " --weights " + p("w.safetensors") + " --input " + p("x.safetensors") + " --output " +
+                p("y.safetensors"));
+    EXPECT_EQ(r.status, 1) << r.output;
+    EXPECT_NE(r.output.find("top_k = 0 is invalid; must satisfy 1 <= top_k <= experts (4)"), std::string::npos)
+        << how << ": " << r.output;
+  }
+}
+
+TEST_F(Cli, MessagesSayTheRuleWithoutSourceLocations) {
+  auto r = run_cli("bench --repeat 0");
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.output.find("--repeat: Value 0 not in range 1 to 1000000"), std::string::npos) << r.output;
+  EXPECT_LT(r.output.size(), 200u) << r.output;
+  r = run_cli("init --config " + dir_.string() + " --out " + p("w.safetensors"));
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("is a directory; expected a JSON file"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("JSON:"), std::string::npos) << r.output;
+  r = run_cli("init --tokens 4 --hidden 8 --ffn 8 --experts 4 --top-k 2 --prefix model.layers.0.block_sparse_moe --out " +
+              p("w.safetensors"));
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("--prefix 'model.layers.0.block_sparse_moe' must end with '.'"), std::string::npos)
+      << r.output;
+  EXPECT_FALSE(fs::exists(p("w.safetensors")));
+  ASSERT_EQ(run_cli("init --tokens 4 --hidden 8 --ffn 8 --experts 4 --top-k 2 --out " + p("w.safetensors") +
+                    " --input " + p("x.safetensors")).status, 0);
+  r = run_cli("run --top-k 2 --layer 3 --weights " + p("w.safetensors") + " --input " + p("x.safetensors") +
+              " --output " + p("y.safetensors"));
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("layers with an MoE gate: 0"), std::string::npos) << r.output;
+  // Bad input is reported without dmoe's source location ("(config_io.cpp:125)").
+  for (const std::string& bad : {std::string("init --activation tanh --out ") + p("a.safetensors"),
+                                 "run --top-k 9 --weights " + p("w.safetensors") + " --input " + p("x.safetensors") +
+                                     " --output " + p("y.safetensors"),
+                                 "run --top-k 2 --prefix nope. --weights " + p("w.safetensors") + " --input " +
+                                     p("x.safetensors") + " --output " + p("y.safetensors")}) {
+    r = run_cli(bad);
+    EXPECT_EQ(r.status, 1) << bad << ": " << r.output;
+    EXPECT_NE(r.output.find("dmoe: error: "), std::string::npos) << r.output;
+    EXPECT_EQ(r.output.find(".cpp:"), std::string::npos) << r.output;
+  }
+}
+
+TEST_F(Cli, VersionHelpDefaultsAndEngineNames) {
+  auto r = run_cli("--version");
+  EXPECT_EQ(r.status, 0) << r.output;
+  EXPECT_EQ(r.output.rfind("dmoe 0.", 0), 0u) << r.output;
+  r = run_cli("bench --help");
+  EXPECT_EQ(r.status, 0);
+  EXPECT_EQ(r.output.find("{false}"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("=3"), std::string::npos) << "--repeat's default: " << r.output;
+  EXPECT_NE(r.output.find("| cpu | cuda (alias gpu)"), std::string::npos) << r.output;
+  r = run_cli("launch --help");
+  EXPECT_EQ(r.status, 0);
+  EXPECT_EQ(r.output.find("=0 REQUIRED"), std::string::npos) << "a required option's placeholder: " << r.output;
+  EXPECT_EQ(r.output.find("=[]"), std::string::npos) << r.output;
+  // cuda names the CUDA engine in both subcommands; gpu is accepted as its old name.
+  if (!fs::exists("/dev/nvidia0")) {
+    for (const char* engine : {"cuda", "gpu"}) {
+      r = run_cli(std::string("bench --engine ") + engine + " --tokens 8 --hidden 16 --ffn 16 --experts 4 --top-k 2");
+      EXPECT_EQ(r.status, 1) << r.output;
+      EXPECT_NE(r.output.find("use --engine cpu"), std::string::npos) << r.output;
+      r = run_cli(std::string("run --engine ") + engine + " --top-k 2 --weights " + p("none") + " --input " + p("x") +
+                  " --output " + p("y"));
+      EXPECT_EQ(r.status, 1) << r.output;
+      EXPECT_EQ(r.output.find("not in {"), std::string::npos) << r.output;
+    }
+  }
+}
+
+TEST_F(Cli, JobsTooLargeForThisMachineAreRefusedUpFrontWritingNothing) {
+  // 10^9 tokens × 1024 columns: terabytes; refused with the estimate before any file exists.
+  auto r = run_cli("init --tokens 1000000000 --hidden 1024 --ffn 8 --experts 4 --top-k 2 --out " +
+                   p("w.safetensors") + " --input " + p("x.safetensors"));
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("would allocate about"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("TiB"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("MemAvailable"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("bad_alloc"), std::string::npos) << r.output;
+  EXPECT_TRUE(fs::is_empty(dir_));
+  // W = 4096 on the CPU engine: every rank's gate replica alone is 4096·4096·4096·4 bytes.
+  r = run_cli("bench --engine cpu --world 4096 --experts 4096 --hidden 4096 --ffn 16 --tokens 1 --top-k 1");
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("the CPU engine on T=1 H=4096"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("would allocate about"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("engine: cpu"), std::string::npos) << "started before refusing: " << r.output;
+}
+
+TEST_F(Cli, InjectedHangOnOneRankEndsTheRunInTime) {
+  ASSERT_EQ(run_cli("init --tokens 4 --hidden 8 --ffn 8 --experts 4 --top-k 2 --world 2 --out " + p("w.safetensors") +
+                    " --input " + p("x.safetensors")).status, 0);
+  const auto r = run_cli("run --world 2 --top-k 2 --weights " + p("w.safetensors") + " --input " + p("x.safetensors") +
+                         " --output " + p("y.safetensors"), "DMOE_FAULT=1:expert_gemm:hang DMOE_COMM_TIMEOUT_S=1");
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("rank 1 (last in stage expert_gemm)"), std::string::npos) << r.output;
+  EXPECT_FALSE(fs::exists(p("y.safetensors")));
+}
+
+TEST_F(Cli, InitWritesAllItsFilesOrNone) {
+  // A file-size limit (SIGXFSZ ignored: write() fails with EFBIG, as on a full disk) that the weights
+  // (~4 KB) fit under and x (1000 x 8 floats, 32 KB) does not: nothing may appear, not even the weights.
+  const std::string init = "init --tokens 1000 --hidden 8 --ffn 8 --experts 4 --top-k 2 --out " + p("w.safetensors") +
+                           " --input " + p("x.safetensors") + " --save-config " + p("c.json");
+  auto r = run_cli(init, "trap '' XFSZ; ulimit -f 16;");
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("x.safetensors"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("and so are the other outputs written with it"), std::string::npos) << r.output;
+  EXPECT_TRUE(fs::is_empty(dir_)) << "left behind: " << fs::directory_iterator(dir_)->path();
+  r = run_cli(init);
+  EXPECT_EQ(r.status, 0) << r.output;
+  EXPECT_TRUE(fs::exists(p("w.safetensors")) && fs::exists(p("x.safetensors")) && fs::exists(p("c.json")));
 }
 
 TEST_F(Cli, HelpForEverySubcommand) {

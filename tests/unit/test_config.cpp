@@ -211,5 +211,30 @@ TEST(ConfigFlops, Formula) {
   EXPECT_DOUBLE_EQ(c.expert_flops(), 2.0 * 2 * 6 * 2 * 8 * 16);
 }
 
+TEST(ErrorKinds, BadInputHasNoSourceLocationInternalErrorsDo) {
+  MoeConfig c = valid_config();
+  c.top_k = 0;
+  try {
+    c.validate();
+    ADD_FAILURE() << "top_k = 0 accepted";
+  } catch (const Error& e) {
+    EXPECT_TRUE(e.is_input());
+    EXPECT_EQ(std::string(e.what()).find(".cpp:"), std::string::npos) << e.what();
+  }
+  try {
+    DMOE_REQUIRE(false, "an invariant");
+  } catch (const Error& e) {
+    EXPECT_FALSE(e.is_input());
+    EXPECT_NE(std::string(e.what()).find("test_config.cpp:"), std::string::npos) << e.what();
+  }
+  error_rank() = 3;
+  try {
+    DMOE_FAIL_INPUT("bad value {}", 7);
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()), "[rank 3] bad value 7");
+  }
+  error_rank() = -1;
+}
+
 }  // namespace
 }  // namespace dmoe

@@ -187,8 +187,9 @@ TEST(ConfigIoTest, MixtralVariantsAndErrors) {
   json j = json::parse(kMixtral8x7B);
   j["torch_dtype"] = "float32";
   EXPECT_EQ(config_from_json(j).dtype, DType::f32);
-  j["torch_dtype"] = "float16";  // no f16 engine: computed in f32
-  EXPECT_EQ(config_from_json(j).dtype, DType::f32);
+  j["torch_dtype"] = "float16";  // no f16 engine: refused rather than silently run in f32
+  EXPECT_HAS(error_of(j), "torch_dtype 'float16' is not supported");
+  EXPECT_HAS(error_of(j), "allowed: float32, bfloat16");
   j.erase("torch_dtype");
   j["dtype"] = "bfloat16";  // newer transformers spell it "dtype"
   EXPECT_EQ(config_from_json(j).dtype, DType::bf16);
@@ -214,6 +215,77 @@ TEST(ConfigIoTest, MixtralVariantsAndErrors) {
   l["intermediate_size"] = 0;
   msg = error_of(l);
   EXPECT_HAS(msg, "key 'intermediate_size' = 0 is out of range");
+}
+
+TEST(ConfigIoTest, HuggingFaceFieldsTakeEffectOrAreRefused) {
+  // router_aux_loss_coef (0.02 in Mixtral's config) becomes the load-balancing loss weight.
+  json j = json::parse(kMixtral8x7B);
+  EXPECT_EQ(config_from_json(j).aux_loss_coef, 0.02);
+  j["router_z_loss_coef"] = 0.001;
+  EXPECT_EQ(config_from_json(j).z_loss_coef, 0.001);
+  // Keys the file lacks keep the caller's defaults (tokens, world).
+  MoeConfig defaults;
+  defaults.tokens = 64;
+  defaults.world = 2;
+  EXPECT_EQ(config_from_json(j, defaults).tokens, 64);
+  EXPECT_EQ(config_from_json(j, defaults).world, 2);
+  // A dmoe key inside a Hugging Face config would be dropped: refused, pointing to its flag.
+  for (const char* key : {"tokens", "top_k", "capacity_factor", "world"}) {
+    json k = json::parse(kMixtral8x7B);
+    k[key] = 4;
+    const std::string msg = error_of(k);
+    EXPECT_HAS(msg, fmt::format("key '{}' is a dmoe config key", key));
+    EXPECT_HAS(msg, "--");
+  }
+  // Another model type is not read as Mixtral.
+  json q = json::parse(kMixtral8x7B);
+  q["model_type"] = "qwen2_moe";
+  const std::string msg = error_of(q);
+  EXPECT_HAS(msg, "model_type 'qwen2_moe' is not supported");
+  EXPECT_HAS(msg, "'mixtral'");
+  EXPECT_HAS(error_of(json{{"model_type", "qwen2_moe"}, {"num_experts", 60}}), "model_type 'qwen2_moe'");
+}
+
+TEST(ConfigIoTest, DuplicateKeysAndDirectoriesAreRefused) {
+  const std::string dup = temp_path("dup");
+  write_text(dup, R"({"hidden": 8, "top_k": 2, "experts": 4, "top_k": 1})");
+  std::string msg;
+  try {
+    load_config_file(dup);
+  } catch (const Error& e) {
+    msg = e.what();
+  }
+  EXPECT_HAS(msg, dup);
+  EXPECT_HAS(msg, "key 'top_k' appears more than once");
+  write_text(dup, R"({"model_type": "mixtral", "rope_scaling": {"type": "a", "type": "b"}})");
+  msg.clear();
+  try {
+    load_config_file(dup);
+  } catch (const Error& e) {
+    msg = e.what();
+  }
+  EXPECT_HAS(msg, "key 'type' appears more than once");
+  std::filesystem::remove(dup);
+  const std::string dir = temp_path("dir");
+  std::filesystem::create_directories(dir);
+  msg.clear();
+  try {
+    load_config_file(dir);
+  } catch (const Error& e) {
+    msg = e.what();
+  }
+  EXPECT_HAS(msg, "is a directory; expected a JSON file");
+  std::filesystem::remove(dir);
+  // A device or FIFO would block or never end (/dev/zero); refused before reading.
+  for (const char* device : {"/dev/zero", "/dev/null"}) {
+    msg.clear();
+    try {
+      load_config_file(device);
+    } catch (const Error& e) {
+      msg = e.what();
+    }
+    EXPECT_HAS(msg, "is not a regular file");
+  }
 }
 
 TEST(ConfigIoTest, FileErrorsNameTheFile) {

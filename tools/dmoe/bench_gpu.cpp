@@ -27,6 +27,7 @@
 #include "model/checkpoint.hpp"
 #include "model/config_io.hpp"
 #include "model/moe_weights.hpp"
+#include "core/output_file.hpp"
 
 #ifndef DMOE_SOURCE_DIR
 #define DMOE_SOURCE_DIR "."
@@ -259,9 +260,7 @@ int run_gpu_layer_bench(const GpuBenchArgs& a) {
   comm.reset();
   if (nvshmem_is_initialized()) finalize_nvshmem();
   if (root && !a.json_path.empty()) {
-    std::ofstream f(a.json_path);
-    DMOE_REQUIRE(f.good(), "cannot write {}", a.json_path);
-    f << rows.dump(2) << "\n";
+    write_file_atomically(a.json_path, rows.dump(2) + "\n");
     std::printf("wrote %s\n", a.json_path.c_str());
   }
   return 0;
@@ -300,9 +299,7 @@ int run_gpu_gemm_bench(const GpuBenchArgs& a) {
   }
   DMOE_CHECK_CUDA(cudaStreamDestroy(stream));
   if (!a.json_path.empty()) {
-    std::ofstream f(a.json_path);
-    DMOE_REQUIRE(f.good(), "cannot write {}", a.json_path);
-    f << out.dump(2) << "\n";
+    write_file_atomically(a.json_path, out.dump(2) + "\n");
     std::printf("wrote %s\n", a.json_path.c_str());
   }
   return 0;

@@ -8,15 +8,16 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <fstream>
 
 #include <unistd.h>
 
 #include <nlohmann/json.hpp>
 
 #include "bench_gpu.hpp"
+#include "comm/process_env.hpp"
 #include "commands.hpp"
 #include "core/error.hpp"
+#include "core/output_file.hpp"
 #include "core/random.hpp"
 #include "engine/reference.hpp"
 #include "options.hpp"
@@ -32,7 +33,7 @@ struct BenchOptions {
   int warmup = 1;
   int repeat = 3;
   std::string json_path;
-  bool backward = true;
+  bool no_backward = false;
   std::string engine = "auto";
   std::string comm = "auto";
   bool peers = false;
@@ -51,17 +52,31 @@ struct Timing {
 
 template <typename F>
 Timing time_host(int warmup, int repeat, const char* label, F&& fn) {
-  // Progress on a terminal only: piped output (logs, CI) stays clean.
-  const bool progress = ::isatty(2);
-  for (int i = 0; i < warmup; ++i) fn();
+  // Progress on a terminal (one line, rewritten); elsewhere (logs, CI) a line per call once the timing has
+  // run for more than 2 s, so a slow config is never silent and a fast one stays clean.
+  const bool terminal = ::isatty(2);
+  const auto start = std::chrono::steady_clock::now();
+  auto report = [&](const char* phase, int done, int total, double last_ms) {
+    const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (terminal)
+      std::fprintf(stderr, "\r  %s %s: %d/%d (%.0f ms)   ", label, phase, done, total, last_ms);
+    else if (elapsed > 2)
+      std::fprintf(stderr, "  %s %s: %d/%d (%.0f ms, %.0f s so far)\n", label, phase, done, total, last_ms, elapsed);
+  };
+  for (int i = 0; i < warmup; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    fn();
+    report("warm-up", i + 1, warmup,
+           std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+  }
   std::vector<double> ms;
   for (int i = 0; i < repeat; ++i) {
     const auto t0 = std::chrono::steady_clock::now();
     fn();
     ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
-    if (progress) std::fprintf(stderr, "\r  %s: %d/%d (%.0f ms)   ", label, i + 1, repeat, ms.back());
+    report("timed", i + 1, repeat, ms.back());
   }
-  if (progress) std::fprintf(stderr, "\r%*s\r", 60, "");
+  if (terminal) std::fprintf(stderr, "\r%*s\r", 70, "");
   std::sort(ms.begin(), ms.end());
   return Timing{ms[ms.size() / 2], ms.front(), ms.back()};
 }
@@ -80,13 +95,14 @@ Command add_bench_command(CLI::App& app) {
   sub->add_option("what", o->what, "what to time: layer, or gemm (GPU: the own grouped GEMM's variants)")
       ->check(CLI::IsMember({"layer", "gemm"}));
   add_config_options(*sub, o->config);
-  sub->add_option("-n,--worlds", o->worlds, "simulated rank counts to run (each divides E)");
-  sub->add_option("--warmup", o->warmup, "untimed iterations first")->check(CLI::NonNegativeNumber);
-  sub->add_option("--repeat", o->repeat, "timed iterations (median reported)")->check(CLI::PositiveNumber);
+  CLI::Option* worlds_option =
+      sub->add_option("-n,--worlds", o->worlds, "CPU: simulated rank counts to run (each divides E; --world W = -n W)");
+  sub->add_option("--warmup", o->warmup, "untimed iterations first")->check(CLI::Range(0, 1000000));
+  sub->add_option("--repeat", o->repeat, "timed iterations (median reported)")->check(CLI::Range(1, 1000000));
   sub->add_option("--json", o->json_path, "also write the results as JSON here");
-  sub->add_flag("!--no-backward", o->backward, "time the forward pass only");
-  sub->add_option("--engine", o->engine, "auto (GPU when one is visible) | cpu | gpu")
-      ->check(CLI::IsMember({"auto", "cpu", "gpu"}));
+  sub->add_flag("--no-backward", o->no_backward, "time the forward pass only");
+  sub->add_option("--engine", o->engine, "auto (cuda when a GPU is visible) | cpu | cuda (alias gpu)")
+      ->check(CLI::IsMember({"auto", "cpu", "cuda", "gpu"}));
   sub->add_option("--comm", o->comm, "GPU communicator for W > 1: auto | nccl | nvshmem")
       ->check(CLI::IsMember({"auto", "nccl", "nvshmem"}));
   sub->add_flag("--peers", o->peers, "GPU, W = 1: also time the PyTorch peers (bench/peers.py) on the same data");
@@ -99,16 +115,23 @@ Command add_bench_command(CLI::App& app) {
                 "GPU, W > 1: also time one all-to-all of the layer's off-rank bytes alone (GB/s per GPU)");
   sub->add_option("--batch-row-multiple", o->batch_row_multiple,
                   "GPU: pad each expert's batch with zero rows to a multiple of this (GEMM tile height)")
-      ->check(CLI::PositiveNumber);
+      ->check(CLI::Range(1, 4096));
   sub->add_option("--variants", o->gemm_variants,
                   "gemm: kernel variants, comma-separated: b<N> tile width, s staged / d direct epilogue, q dynamic tile "
                   "schedule; to "
                   "place time (wrong results): E stores left out, M products and stores left out (e.g. b256,b256E)");
   sub->add_flag("--square", o->gemm_square, "gemm: also an 8192^3 product per variant");
-  return [o] {
+  return [o, worlds_option] {
+    // A benchmark can run for minutes: find out now, not after it, that its JSON cannot be written.
+    if (!o->json_path.empty()) {
+      require_distinct_files({{"--json", o->json_path}},
+                             {{"--config", o->config.config_path.empty() ? std::string()
+                                                                         : find_config_file(o->config.config_path)}});
+      check_output_file(o->json_path, "--json");
+    }
     if (o->what == "gemm") {
-      DMOE_REQUIRE(gpu_available(), "dmoe bench gemm times the own GPU kernel: no CUDA device is visible (or this "
-                   "build has no CUDA)");
+      DMOE_REQUIRE_INPUT(gpu_available(), "dmoe bench gemm times the own GPU kernel: no CUDA device is visible (or this "
+                         "build has no CUDA)");
       GpuBenchArgs g;
       ConfigOptions co = o->config;
       if (co.config_path.empty()) co.config_path = "fine-grained";
@@ -119,19 +142,25 @@ Command add_bench_command(CLI::App& app) {
       g.gemm_square = o->gemm_square;
       return run_gpu_gemm_bench(g);
     }
-    const bool use_gpu = o->engine == "gpu" || (o->engine == "auto" && gpu_available());
-    DMOE_REQUIRE(!(o->engine == "gpu" && !gpu_available()),
-                 "--engine gpu: no CUDA device is visible (or this build has no CUDA); use --engine cpu");
+    const bool backward = !o->no_backward;
+    const std::string engine = o->engine == "gpu" ? "cuda" : o->engine;  // the old word for the CUDA engine
+    const bool use_gpu = engine == "cuda" || (engine == "auto" && gpu_available());
+    DMOE_REQUIRE_INPUT(!(engine == "cuda" && !gpu_available()),
+                 "--engine {}: no CUDA device is visible (or this build has no CUDA); use --engine cpu", o->engine);
     if (use_gpu) {
       GpuBenchArgs g;
       ConfigOptions co = o->config;
       if (co.config_path.empty()) co.config_path = "flash-paper";
       g.config = resolve_config(co);
-      if (o->config.world && *o->config.world != 1)
-        std::fprintf(stderr, "note: --world is ignored on the GPU: ranks are processes (dmoe launch -n W, mpirun)\n");
+      // On the GPU the ranks are processes: a --world that is not this job's size would be ignored.
+      const int32_t job_world = detect_process_env().world;
+      DMOE_REQUIRE_INPUT(!o->config.world || *o->config.world == job_world,
+                         "--world {}: on the GPU the ranks are processes and this job has {}; start W ranks with "
+                         "dmoe launch -n W -- dmoe bench ... (or mpirun), or use --engine cpu for simulated ranks",
+                         *o->config.world, job_world);
       g.config_name = co.config_path;
       g.comm = o->comm;
-      g.backward = o->backward;
+      g.backward = backward;
       g.peers = o->peers;
       g.python = o->python;
       g.json_path = o->json_path;
@@ -153,20 +182,38 @@ Command add_bench_command(CLI::App& app) {
     defaults.top_k = 2;
     defaults.activation = Activation::swiglu;
     MoeConfig base = resolve_config(o->config, defaults);
+    // A world from --world or the config file is the one rank count to run, unless -n says otherwise.
+    std::vector<int32_t> worlds = o->worlds;
+    if (o->config.world || base.world != 1) {
+      DMOE_REQUIRE_INPUT(worlds_option->count() == 0 || o->worlds == std::vector<int32_t>{base.world},
+                         "world = {} (from {}) and -n/--worlds {} disagree; give the rank counts once", base.world,
+                         o->config.world ? "--world" : "--config " + o->config.config_path, fmt::join(o->worlds, " "));
+      worlds = {base.world};
+    }
     base.world = 1;
     base.validate();
 
+    // Before anything is timed: each world's memory and time (warm-ups, timed calls, the reference run).
+    for (int32_t world : worlds) {
+      MoeConfig c = base;
+      c.world = world;
+      c.validate();
+      check_cpu_engine_cost(c, o->warmup + o->repeat + 1, backward ? o->warmup + o->repeat : 0);
+    }
     nlohmann::json results = nlohmann::json::array();
     std::printf("engine: cpu reference (simulated ranks as threads); time = median of %d after %d warm-up\n",
                 o->repeat, o->warmup);
     std::printf("%-44s %3s %10s %9s %10s %11s %12s %12s\n", "config", "W", "fwd ms", "GFLOP/s", "fwd+bwd ms",
                 "GFLOP/s", "tokens/s", "max|y-ref|");
-    for (int32_t world : o->worlds) {
+    std::fflush(stdout);  // a slow config's header shows at once, also through a pipe
+    for (int32_t world : worlds) {
       MoeConfig c = base;
       c.world = world;
       c.validate();
       MoeConfig single = base;
       single.tokens = base.tokens * world;
+      const double params = double(c.experts) * c.hidden * (1.0 + expert_matrices(c.activation) * double(c.ffn));
+      if (params > 2e8) std::fprintf(stderr, "  generating %.3g random weights for W=%d\n", params, world);
       const MoeWeights w = random_moe_weights(single, 1);
       Rng rng(2);
       const auto x = rng.normal_vector(size_t(single.tokens * c.hidden), 1.0);
@@ -176,8 +223,11 @@ Command add_bench_command(CLI::App& app) {
       const std::string label = fmt::format("W={} forward", world);
       const Timing fwd = time_host(o->warmup, o->repeat, label.c_str(), [&] { r = run_cpu_layer(c, w, x, nullptr); });
       Timing both;
-      if (o->backward)
-        both = time_host(o->warmup, o->repeat, "forward+backward", [&] { run_cpu_layer(c, w, x, &dy); });
+      if (backward)
+        both = time_host(o->warmup, o->repeat, fmt::format("W={} forward+backward", world).c_str(), [&] { run_cpu_layer(c, w, x, &dy); });
+      if (fwd.median_ms > 2000)
+        std::fprintf(stderr, "  W=%d: the single-rank reference run (all %lld tokens on one thread)\n", world,
+                     (long long)single.tokens);
       const LayerResult ref = run_cpu_layer(single, w, x, nullptr);
       const double diff = max_abs_diff(r.y, ref.y);
 
@@ -187,20 +237,26 @@ Command add_bench_command(CLI::App& app) {
       const double m = c.activation == Activation::swiglu ? 3 : 2;
       const double flops = 2 * m * double(kept) * c.hidden * c.ffn + 2.0 * world * c.tokens * c.hidden * c.experts;
       const double tokens = double(world) * c.tokens;
-      std::printf("%-44s %3d %10.2f %9.2f %10.2f %11.2f %12.0f %12.3g\n", c.summary().c_str(), world, fwd.median_ms,
-                  flops / fwd.median_ms * 1e-6, both.median_ms, 3 * flops / std::max(both.median_ms, 1e-9) * 1e-6,
-                  tokens / fwd.median_ms * 1e3, diff);
-      results.push_back({{"engine", "cpu"}, {"config", c.summary()}, {"world", world},
-                         {"tokens_per_rank", c.tokens}, {"forward_ms", {{"median", fwd.median_ms}, {"min", fwd.min_ms}, {"max", fwd.max_ms}}},
-                         {"forward_backward_ms", {{"median", both.median_ms}, {"min", both.min_ms}, {"max", both.max_ms}}},
-                         {"forward_flop", flops}, {"forward_gflops", flops / fwd.median_ms * 1e-6},
-                         {"tokens_per_s", tokens / fwd.median_ms * 1e3}, {"max_abs_diff_vs_single_rank", diff},
-                         {"flop_formula", "2*m*rows_kept*H*I + 2*W*T*H*E (m=3 swiglu, else 2); fwd+bwd = 3x"}});
+      // With --no-backward the fwd+bwd columns say "not timed" and the JSON has no such keys: a zero time
+      // would print as an absurd rate.
+      const std::string both_ms = backward ? fmt::format("{:.2f}", both.median_ms) : "not timed";
+      const std::string both_rate = backward ? fmt::format("{:.2f}", 3 * flops / both.median_ms * 1e-6) : "-";
+      std::printf("%-44s %3d %10.2f %9.2f %10s %11s %12.0f %12.3g\n", c.summary().c_str(), world, fwd.median_ms,
+                  flops / fwd.median_ms * 1e-6, both_ms.c_str(), both_rate.c_str(), tokens / fwd.median_ms * 1e3, diff);
+      nlohmann::json row = {{"engine", "cpu"}, {"config", c.summary()}, {"world", world},
+                            {"tokens_per_rank", c.tokens}, {"forward_ms", {{"median", fwd.median_ms}, {"min", fwd.min_ms}, {"max", fwd.max_ms}}},
+                            {"forward_flop", flops}, {"forward_gflops", flops / fwd.median_ms * 1e-6},
+                            {"tokens_per_s", tokens / fwd.median_ms * 1e3}, {"max_abs_diff_vs_single_rank", diff},
+                            {"flop_formula", "2*m*rows_kept*H*I + 2*W*T*H*E (m=3 swiglu, else 2); fwd+bwd = 3x"}};
+      if (backward) {
+        row["forward_backward_ms"] = {{"median", both.median_ms}, {"min", both.min_ms}, {"max", both.max_ms}};
+        row["forward_backward_gflops"] = 3 * flops / both.median_ms * 1e-6;
+      }
+      results.push_back(row);
+      std::fflush(stdout);
     }
     if (!o->json_path.empty()) {
-      std::ofstream f(o->json_path);
-      DMOE_REQUIRE(f.good(), "cannot write {}", o->json_path);
-      f << results.dump(2) << "\n";
+      write_file_atomically(o->json_path, results.dump(2) + "\n");
       std::printf("wrote %s\n", o->json_path.c_str());
     }
     return 0;

@@ -1,8 +1,14 @@
 // dmoe init — random MoE layer weights (Mixtral names) and, optionally, random inputs.
+#include <sys/stat.h>
+
+#include <algorithm>
 #include <cstdio>
+#include <filesystem>
 
 #include "commands.hpp"
 #include "core/error.hpp"
+#include "core/host_resources.hpp"
+#include "core/output_file.hpp"
 #include "core/random.hpp"
 #include "model/checkpoint.hpp"
 #include "model/config_io.hpp"
@@ -19,16 +25,61 @@ struct InitOptions {
   uint64_t seed = 1;
 };
 
-void write_activation(const std::string& path, const char* name, const MoeConfig& c, uint64_t seed) {
+// A random activation [world*tokens, hidden] named `name`, written into `files` (not yet in place).
+void write_activation(OutputFileSet& files, const std::string& path, const char* name, const MoeConfig& c,
+                      uint64_t seed) {
   Rng rng(seed);
   const int64_t rows = c.tokens * c.world;
   std::vector<float> v = rng.normal_vector(size_t(rows * c.hidden), 1.0);
   SafetensorsWriter w;
   w.add_f32(name, {rows, c.hidden}, v, c.dtype);
   w.set_metadata("producer", "dmoe init");
-  w.write(path);
-  std::printf("wrote %s: %s [%lld, %lld] %s\n", path.c_str(), name, (long long)rows, (long long)c.hidden,
-              dtype_name(c.dtype));
+  files.write(path, w.serialize());
+}
+
+// Before anything is generated: the memory the weights and activations take while being serialised, and
+// the disk space of the files, against what this machine has (nothing is written when either is short).
+void check_init_resources(const MoeConfig& c, const InitOptions& o) {
+  const double stored = double(dtype_size(c.dtype));
+  const double params = double(c.experts) * double(c.hidden) *
+                        (1.0 + expert_matrices(c.activation) * double(c.ffn));  // gate + experts
+  const double activation = double(c.tokens) * double(c.world) * double(c.hidden);  // x or dy elements
+  const bool any_activation = !o.input.empty() || !o.grad_output.empty();
+  // f32 weights stay alive; each file is held as the writer's copy and the serialised bytes (2 × stored),
+  // an activation also as f32 while being generated.
+  const double peak = 4 * params + std::max(2 * stored * params, any_activation ? (4 + 2 * stored) * activation : 0.0);
+  require_host_memory(peak, fmt::format("init ({:.3g} weight parameters{})", params,
+                                        any_activation ? fmt::format(", x/dy [{}, {}]", c.tokens * c.world, c.hidden)
+                                                       : std::string()));
+  // Disk: the files that land on each file system, against its free space.
+  struct Volume {
+    dev_t device;
+    std::string directory;
+    double bytes;
+  };
+  std::vector<Volume> volumes;
+  auto add = [&](const std::string& path, double bytes) {
+    if (path.empty()) return;
+    const std::filesystem::path parent = std::filesystem::path(path).parent_path();
+    const std::string dir = parent.empty() ? std::string(".") : parent.string();
+    struct stat st {};
+    if (::stat(dir.c_str(), &st) != 0) return;
+    for (Volume& v : volumes)
+      if (v.device == st.st_dev) {
+        v.bytes += bytes;
+        return;
+      }
+    volumes.push_back({st.st_dev, dir, bytes});
+  };
+  add(o.out, stored * params);
+  add(o.input, stored * activation);
+  add(o.grad_output, stored * activation);
+  for (const Volume& v : volumes) {
+    const std::optional<uint64_t> free = disk_free_bytes(v.directory);
+    DMOE_REQUIRE_INPUT(!free || v.bytes <= double(*free),
+                       "init would write about {} to the file system of '{}', which has {} free", format_bytes(v.bytes),
+                       v.directory, format_bytes(double(*free)));
+  }
 }
 
 }  // namespace
@@ -38,30 +89,52 @@ Command add_init_command(CLI::App& app) {
   CLI::App* sub = app.add_subcommand("init", "write random MoE layer weights (and inputs) as safetensors");
   add_config_options(*sub, o->config);
   sub->add_option("--out", o->out, "weights file to write")->required();
-  sub->add_option("--layer", o->layer, "layer index L in model.layers.L.block_sparse_moe.")->check(CLI::NonNegativeNumber);
+  sub->add_option("--layer", o->layer, "layer index L in model.layers.L.block_sparse_moe.")->check(CLI::Range(0, 1000000));
   sub->add_option("--prefix", o->prefix, "tensor-name prefix (overrides --layer)");
   sub->add_option("--seed", o->seed, "random seed");
   sub->add_option("--input", o->input, "also write a random input x [world*tokens, hidden] here");
   sub->add_option("--grad-output", o->grad_output, "also write a random dy [world*tokens, hidden] here");
   sub->add_option("--save-config", o->save_config, "also write the resolved config as dmoe JSON");
   return [o] {
+    require_prefix_ends_with_dot(o->prefix);
     MoeConfig defaults;
     defaults.tokens = 64;
     MoeConfig c = resolve_config(o->config, defaults);
     c.validate();
+    // Before anything is generated: the outputs are distinct files, none is the --config read, and each
+    // can be written.
+    const std::vector<NamedPath> outputs{{"--out", o->out},
+                                         {"--input", o->input},
+                                         {"--grad-output", o->grad_output},
+                                         {"--save-config", o->save_config}};
+    require_distinct_files(outputs, {{"--config", o->config.config_path.empty()
+                                                      ? std::string()
+                                                      : find_config_file(o->config.config_path)}});
+    for (const NamedPath& out : outputs)
+      if (!out.path.empty()) check_output_file(out.path, out.option);
+    check_init_resources(c, *o);
     const std::string prefix = o->prefix.empty() ? layer_prefix(o->layer) : o->prefix;
-    MoeWeights w = random_moe_weights(c, o->seed);
-    SafetensorsWriter writer;
-    save_moe_weights(writer, w, prefix, c.dtype);
-    writer.set_metadata("producer", "dmoe init");
-    writer.write(o->out);
-    std::printf("wrote %s: %s (prefix %s)\n", o->out.c_str(), c.summary().c_str(), prefix.c_str());
-    if (!o->input.empty()) write_activation(o->input, "x", c, o->seed + 1);
-    if (!o->grad_output.empty()) write_activation(o->grad_output, "dy", c, o->seed + 2);
-    if (!o->save_config.empty()) {
-      save_config_file(c, o->save_config);
-      std::printf("wrote %s\n", o->save_config.c_str());
+    // All files appear together or none does (a failure part-way, e.g. a full disk, leaves no new weights
+    // beside an old x).
+    OutputFileSet files;
+    {
+      MoeWeights w = random_moe_weights(c, o->seed);
+      SafetensorsWriter writer;
+      save_moe_weights(writer, w, prefix, c.dtype);
+      writer.set_metadata("producer", "dmoe init");
+      files.write(o->out, writer.serialize());
     }
+    if (!o->input.empty()) write_activation(files, o->input, "x", c, o->seed + 1);
+    if (!o->grad_output.empty()) write_activation(files, o->grad_output, "dy", c, o->seed + 2);
+    if (!o->save_config.empty()) files.write(o->save_config, config_to_json(c).dump(2) + "\n");
+    files.commit();
+    const int64_t rows = c.tokens * c.world;
+    std::printf("wrote %s: %s (prefix %s)\n", o->out.c_str(), c.summary().c_str(), prefix.c_str());
+    for (const auto& [path, name] : {std::pair{o->input, "x"}, std::pair{o->grad_output, "dy"}})
+      if (!path.empty())
+        std::printf("wrote %s: %s [%lld, %lld] %s\n", path.c_str(), name, (long long)rows, (long long)c.hidden,
+                    dtype_name(c.dtype));
+    if (!o->save_config.empty()) std::printf("wrote %s\n", o->save_config.c_str());
     return 0;
   };
 }

@@ -25,11 +25,11 @@ std::vector<int32_t> parse_gpu_list(const std::string& text) {
     } catch (const std::exception&) {
       used = 0;
     }
-    DMOE_REQUIRE(used == item.size() && !item.empty() && value >= 0,
-                 "--gpus '{}' is invalid: expected a comma-separated list of GPU indices such as 0,1,2", text);
+    DMOE_REQUIRE_INPUT(used == item.size() && !item.empty() && value >= 0,
+                       "--gpus '{}' is invalid: expected a comma-separated list of GPU indices such as 0,1,2", text);
     gpus.push_back(value);
   }
-  DMOE_REQUIRE(!gpus.empty(), "--gpus '{}' is empty: list GPU indices such as 0,1", text);
+  DMOE_REQUIRE_INPUT(!gpus.empty(), "--gpus '{}' is empty: list GPU indices such as 0,1", text);
   return gpus;
 }
 

@@ -8,6 +8,7 @@
 
 #include "commands.hpp"
 #include "core/error.hpp"
+#include "core/output_file.hpp"
 #include "engine/reference.hpp"
 #include "model/checkpoint.hpp"
 #include "options.hpp"
@@ -21,7 +22,28 @@ struct RunOptions {
   ConfigOptions config;
   std::string weights, input, output, grad_output, prefix, engine = "cpu", output_dtype;
   std::optional<int> layer;
+  bool allow_non_finite = false;
 };
+
+// "y[3, 5] is inf" for the first non-finite value of the results (losses, y, dx, gradients); "" if none.
+std::string first_non_finite(const LayerResult& r, const MoeConfig& c, bool backward) {
+  if (!std::isfinite(r.losses.load_balance)) return fmt::format("the load-balance loss is {}", r.losses.load_balance);
+  if (!std::isfinite(r.losses.z_loss)) return fmt::format("the z-loss is {}", r.losses.z_loss);
+  auto scan = [](const std::vector<float>& v, int64_t cols, const char* name) -> std::string {
+    for (size_t i = 0; i < v.size(); ++i)
+      if (!std::isfinite(v[i])) return fmt::format("{}[{}, {}] is {}", name, i / size_t(cols), i % size_t(cols), v[i]);
+    return "";
+  };
+  std::string bad = scan(r.y, c.hidden, "y");
+  if (bad.empty()) bad = scan(r.expert_weights, c.top_k, "expert_weights");
+  if (!backward) return bad;
+  if (bad.empty()) bad = scan(r.dx, c.hidden, "dx");
+  if (bad.empty()) bad = scan(r.grads.gate, c.hidden, "the gate's gradient");
+  if (bad.empty()) bad = scan(r.grads.w1, c.hidden, "the experts' w1 gradient (stacked)");
+  if (bad.empty()) bad = scan(r.grads.w3, c.hidden, "the experts' w3 gradient (stacked)");
+  if (bad.empty()) bad = scan(r.grads.w2, c.ffn, "the experts' w2 gradient (stacked)");
+  return bad;
+}
 
 }  // namespace
 
@@ -36,31 +58,54 @@ Command add_run_command(CLI::App& app) {
   sub->add_option("--layer", o->layer, "use model.layers.L.block_sparse_moe. (default: the first MoE layer in the file)");
   sub->add_option("--prefix", o->prefix, "tensor-name prefix of the layer (overrides --layer)");
   sub->add_option("--engine", o->engine,
-                  "cpu (reference engine; config world = simulated ranks) | cuda (this process's GPU, world 1)")
-      ->check(CLI::IsMember({"cpu", "cuda"}));
+                  "cpu (reference engine; config world = simulated ranks) | cuda (alias gpu; this process's GPU, "
+                  "world 1)")
+      ->check(CLI::IsMember({"cpu", "cuda", "gpu"}));
+  sub->add_flag("--allow-non-finite", o->allow_non_finite,
+               "write results that hold NaN or Inf (by default they are an error and nothing is written)");
   sub->add_option("--output-dtype", o->output_dtype, "dtype of written activations: f32 | bf16 (default: config dtype)");
   return [o] {
+    if (o->engine == "gpu") o->engine = "cuda";  // one vocabulary with bench: auto | cpu | cuda
+    require_prefix_ends_with_dot(o->prefix);
+    // Before anything is read or computed: the output must not be one of the inputs, and must be writable.
+    require_distinct_files({{"--output", o->output}},
+                           {{"--input", o->input},
+                            {"--weights", o->weights},
+                            {"--grad-output", o->grad_output},
+                            {"--config", o->config.config_path.empty() ? std::string()
+                                                                       : find_config_file(o->config.config_path)}});
+    check_output_file(o->output, "--output");
     const SafetensorsFile weights_file = SafetensorsFile::open(o->weights);
     const std::string prefix = o->prefix.empty() ? find_moe_prefix(weights_file, o->layer) : o->prefix;
-    // Without --config the shapes come from the weights file; top_k must then be given.
+    // Without --config the shapes come from the weights file; top_k must then be given. kTopKUnknown marks
+    // "nobody said" apart from a top_k of 0 given by a flag or the file (which validate() names).
+    constexpr int32_t kTopKUnknown = -1;
     MoeConfig c = o->config.config_path.empty() ? infer_moe_config(weights_file, prefix) : MoeConfig{};
+    c.top_k = kTopKUnknown;
     c = resolve_config(o->config, c);
+    DMOE_REQUIRE_INPUT(c.top_k != kTopKUnknown,
+                       "top_k is not known: {} does not record it; pass --top-k K (1 <= K <= experts = {})",
+                       o->config.config_path.empty() ? "the weights file " + o->weights
+                                                     : "--config " + o->config.config_path,
+                       c.experts);
 
     const SafetensorsFile input = SafetensorsFile::open(o->input);
-    DMOE_REQUIRE(input.has("x"), "{}: no tensor 'x' (expected x [tokens, hidden]); tensors present: {}",
-                 o->input, fmt::join(input.names(), ", "));
+    DMOE_REQUIRE_INPUT(input.has("x"), "{}: no tensor 'x' (expected x [tokens, hidden]); tensors present: {}",
+                       o->input, fmt::join(input.names(), ", "));
     const TensorInfo& xi = input.info("x");
-    DMOE_REQUIRE(xi.shape.size() == 2, "{}: x has shape {}; expected [tokens, hidden]", o->input, shape_string(xi.shape));
+    DMOE_REQUIRE_INPUT(xi.shape.size() == 2, "{}: x has shape {}; expected [tokens, hidden]", o->input,
+                       shape_string(xi.shape));
     const int64_t total = xi.shape[0];
-    DMOE_REQUIRE(c.world >= 1 && total % c.world == 0,
-                 "{}: x has {} tokens, not divisible by world = {}", o->input, total, c.world);
+    DMOE_REQUIRE_INPUT(c.world >= 1 && total % c.world == 0,
+                       "{}: x has {} tokens, not divisible by world = {}", o->input, total, c.world);
     const int64_t per_rank = total / c.world;
-    // Tokens come from the input; an explicit --tokens must agree with it.
-    DMOE_REQUIRE(o->config.tokens.value_or(per_rank) == per_rank,
-                 "--tokens = {} per rank, but x holds {} tokens for {} ranks ({} per rank)", *o->config.tokens,
-                 total, c.world, per_rank);
+    // Tokens come from the input; tokens given by --tokens or by the --config file must agree with it.
+    DMOE_REQUIRE_INPUT(c.tokens == 0 || c.tokens == per_rank,
+                       "tokens = {} per rank ({}), but x in {} holds {} rows for world = {} ranks ({} per rank); drop "
+                       "tokens or make it match", c.tokens,
+                       o->config.tokens ? std::string("--tokens") : "from --config " + o->config.config_path, o->input,
+                       total, c.world, per_rank);
     c.tokens = per_rank;
-    DMOE_REQUIRE(c.top_k >= 1, "top_k is unknown: pass --top-k or a --config that sets it");
     c.validate();
 
     const std::vector<float> x = input.read_f32("x", {total, c.hidden});
@@ -68,21 +113,32 @@ Command add_run_command(CLI::App& app) {
     std::vector<float> dy;
     if (!o->grad_output.empty()) {
       const SafetensorsFile g = SafetensorsFile::open(o->grad_output);
-      DMOE_REQUIRE(g.has("dy"), "{}: no tensor 'dy' (expected dy [tokens, hidden])", o->grad_output);
+      DMOE_REQUIRE_INPUT(g.has("dy"), "{}: no tensor 'dy' (expected dy [tokens, hidden])", o->grad_output);
       dy = g.read_f32("dy", {total, c.hidden});
     }
 
     // Non-finite inputs would reach the router as NaN logits; name the first bad element instead.
     auto require_finite = [&](const std::vector<float>& v, const char* name, const std::string& file) {
       for (size_t i = 0; i < v.size(); ++i)
-        DMOE_REQUIRE(std::isfinite(v[i]), "{}: {}[{}, {}] is {}; inputs must be finite", file, name,
-                     i / size_t(c.hidden), i % size_t(c.hidden), v[i]);
+        DMOE_REQUIRE_INPUT(std::isfinite(v[i]), "{}: {}[{}, {}] is {}; inputs must be finite", file, name,
+                           i / size_t(c.hidden), i % size_t(c.hidden), v[i]);
     };
     require_finite(x, "x", o->input);
     if (!dy.empty()) require_finite(dy, "dy", o->grad_output);
 
+    if (o->engine == "cpu") check_cpu_engine_cost(c, dy.empty() ? 1 : 0, dy.empty() ? 0 : 1);
     const LayerResult r = o->engine == "cuda" ? run_gpu_layer(c, w, x, dy.empty() ? nullptr : &dy)
                                               : run_cpu_layer(c, w, x, dy.empty() ? nullptr : &dy);
+
+    // Finite inputs and weights can still overflow (x ~ 1e38): a NaN or Inf in the results is an error by
+    // default, and nothing is written.
+    const std::string bad = first_non_finite(r, c, !dy.empty());
+    if (!bad.empty()) {
+      DMOE_REQUIRE_INPUT(o->allow_non_finite,
+                         "{} (inputs and weights are finite: the layer overflowed float); nothing was written to {}; "
+                         "pass --allow-non-finite to write such results anyway", bad, o->output);
+      std::fprintf(stderr, "warning: %s; writing it anyway (--allow-non-finite)\n", bad.c_str());
+    }
 
     const DType out_dtype = o->output_dtype.empty() ? c.dtype : parse_dtype(o->output_dtype);
     SafetensorsWriter out;

@@ -7,12 +7,26 @@
 //   dmoe train  train a Mixtral model on byte-level text (CPU)
 #include <cstdio>
 #include <map>
+#include <new>
 
 #include "commands.hpp"
 #include "core/error.hpp"
 
+#ifndef DMOE_VERSION
+#define DMOE_VERSION "unknown"
+#endif
+
+#if defined(DMOE_WITH_CUDA)
+#define DMOE_ENGINES "engines: cpu, cuda"
+#else
+#define DMOE_ENGINES "engines: cpu (built without CUDA)"
+#endif
+
 int main(int argc, char** argv) {
   CLI::App app{"dmoe: distributed Mixture-of-Experts engine (CPU reference; CUDA when built with it)"};
+  app.set_version_flag("--version", "dmoe " DMOE_VERSION " (" DMOE_ENGINES ")");
+  // --help shows each option's default ("[3]"); options without one show nothing.
+  app.option_defaults()->always_capture_default();
   app.require_subcommand(1);
   std::map<CLI::App*, dmoe::cli::Command> commands;
   auto add = [&](dmoe::cli::Command (*make)(CLI::App&)) {
@@ -27,6 +41,10 @@ int main(int argc, char** argv) {
   add(dmoe::cli::add_init_model_command);
   add(dmoe::cli::add_eval_command);
   add(dmoe::cli::add_train_command);
+  // Defaults that say nothing: a required option's placeholder ("=0 REQUIRED"), an empty list ("=[]").
+  for (CLI::App* sub : app.get_subcommands({}))
+    for (CLI::Option* option : sub->get_options())
+      if (option->get_required() || option->get_default_str() == "[]") option->default_str("");
   try {
     app.parse(argc, argv);
     for (auto& [sub, run] : commands)
@@ -35,7 +53,12 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   } catch (const dmoe::Error& e) {
+    // Bad input is the message alone; other errors end in their source location (core/error.hpp).
     std::fprintf(stderr, "dmoe: error: %s\n", e.what());
+    return 1;
+  } catch (const std::bad_alloc&) {
+    std::fprintf(stderr, "dmoe: error: out of host memory (std::bad_alloc); make the problem smaller (tokens, "
+                 "hidden, ffn, experts, world)\n");
     return 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "dmoe: unexpected error: %s\n", e.what());

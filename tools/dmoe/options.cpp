@@ -1,9 +1,13 @@
 #include "options.hpp"
 
+#include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <thread>
 
 #include "core/error.hpp"
+#include "core/host_resources.hpp"
 #include "model/config_io.hpp"
 
 #ifndef DMOE_SOURCE_DIR
@@ -53,31 +57,57 @@ std::string find_in_bench(const std::string& name, const char* folder) {
 std::string find_config_file(const std::string& name) {
   const std::string found = find_in_bench(name, "configs");
   if (!found.empty()) return found;
-  DMOE_FAIL("config '{}' is neither a file nor a named config in bench/configs (e.g. flash-paper, "
-            "mixtral, fine-grained, decode)", name);
+  DMOE_FAIL_INPUT("config '{}' is neither a file nor a named config in bench/configs (e.g. flash-paper, "
+                  "mixtral, fine-grained, decode)", name);
+}
+
+void check_cpu_engine_cost(const MoeConfig& c, int forward_calls, int backward_calls) {
+  const CpuLayerEstimate fwd = estimate_cpu_layer(c, false), both = estimate_cpu_layer(c, true);
+  require_host_memory(backward_calls > 0 ? both.bytes : fwd.bytes, fmt::format("the CPU engine on {}", c.summary()));
+  // The CPU kernels are plain loops with fp64 accumulation, one thread per simulated rank; measured on the
+  // 2-core CI machine: 4.6 GFLOP/s per core at T=128 H=256 I=512 E=8 k=2 f32, 1.1 at the decode config
+  // (H=4096, bf16 emulated). The slower rate makes the estimate an upper one.
+  constexpr double kFlopPerSecondPerCore = 1e9;
+  const double flop = fwd.flop * forward_calls + both.flop * backward_calls;
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  // Plus what grows with W² whatever the shapes (every rank visits every peer in each exchange, holds
+  // the whole gate, wakes at each barrier): measured ~1.9 s per forward at W = E = 2048, T = 1, H = I = 8.
+  const double per_call_w2 = 5e-7 * double(c.world) * double(c.world);
+  const double seconds = flop / (kFlopPerSecondPerCore * std::min<double>(c.world, cores)) +
+                         per_call_w2 * (forward_calls + 3.0 * backward_calls);
+  if (seconds > 10)
+    std::fprintf(stderr,
+                 "note: the CPU engine may need up to ~%.0f s here: %.3g GFLOP (%d forward, %d forward+backward calls "
+                 "of %s) at >= 1 GFLOP/s per core on %u of %u cores, and about %s of memory\n",
+                 seconds, flop * 1e-9, forward_calls, backward_calls, c.summary().c_str(),
+                 unsigned(std::min<double>(c.world, cores)), cores,
+                 format_bytes(backward_calls > 0 ? both.bytes : fwd.bytes).c_str());
+}
+
+void require_prefix_ends_with_dot(const std::string& prefix) {
+  DMOE_REQUIRE_INPUT(prefix.empty() || prefix.back() == '.',
+                     "--prefix '{}' must end with '.': tensor names are the prefix followed by 'gate.weight', "
+                     "'experts.0.w1.weight', ... (e.g. --prefix {}.)", prefix, prefix);
 }
 
 std::string find_model_config_file(const std::string& name) {
   namespace fs = std::filesystem;
   if (fs::is_directory(name)) {  // a Hugging Face model directory
     const fs::path p = fs::path(name) / "config.json";
-    DMOE_REQUIRE(fs::exists(p), "model config '{}' is a directory without a config.json", name);
+    DMOE_REQUIRE_INPUT(fs::exists(p), "model config '{}' is a directory without a config.json", name);
     return p.string();
   }
   const std::string found = find_in_bench(name, "models");
   if (!found.empty()) return found;
-  DMOE_FAIL("model config '{}' is neither a file nor a named model in bench/models (tiny, gpt2-tiny-moe, "
-            "bert-large-moe, llama2-moe, deepseek-v2-s)", name);
+  DMOE_FAIL_INPUT("model config '{}' is neither a file nor a named model in bench/models (tiny, gpt2-tiny-moe, "
+                  "bert-large-moe, llama2-moe, deepseek-v2-s)", name);
 }
 
 MoeConfig resolve_config(const ConfigOptions& o, const MoeConfig& defaults) {
   MoeConfig c = defaults;
-  if (!o.config_path.empty()) {
-    MoeConfig file = load_config_file(find_config_file(o.config_path));
-    // Keep defaults for what a Mixtral config.json cannot say (tokens, world).
-    if (file.tokens == 0) file.tokens = c.tokens;
-    c = file;
-  }
+  // Keys the file does not have (a Mixtral config.json has no tokens or world) keep the defaults; a key
+  // it has, even "tokens": 0, is taken as written and validate() judges it.
+  if (!o.config_path.empty()) c = load_config_file(find_config_file(o.config_path), c);
   if (o.tokens) c.tokens = *o.tokens;
   if (o.hidden) c.hidden = *o.hidden;
   if (o.ffn) c.ffn = *o.ffn;

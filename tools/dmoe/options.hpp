@@ -32,4 +32,12 @@ std::string find_config_file(const std::string& name_or_path);
 // The same for whole-model configs (HF Mixtral config.json) in bench/models/NAME.json.
 std::string find_model_config_file(const std::string& name_or_path);
 
+// Before the CPU engine starts: refuses a job whose memory estimate (core/host_resources.hpp) exceeds what
+// this machine has, and prints a note with the estimate when `forward_calls` forwards and `backward_calls`
+// forward+backward calls would take more than ~10 s (at a rate measured on the CI machine).
+void check_cpu_engine_cost(const MoeConfig& config, int forward_calls, int backward_calls);
+
+// --prefix is glued to the tensor names ("P" + "gate.weight"): it must be empty or end in '.'.
+void require_prefix_ends_with_dot(const std::string& prefix);
+
 }  // namespace dmoe::cli

@@ -15,10 +15,10 @@ namespace dmoe::cli {
 LayerResult run_gpu_layer(const MoeConfig& c, const MoeWeights& w, const std::vector<float>& x,
                           const std::vector<float>* dy) {
 #if DMOE_WITH_CUDA
-  DMOE_REQUIRE(gpu_available(), "--engine cuda: no CUDA device is visible to this process; use --engine cpu");
-  DMOE_REQUIRE(c.world == 1,
-               "--engine cuda runs one rank per process: world = {} here; use --engine cpu for simulated ranks",
-               c.world);
+  DMOE_REQUIRE_INPUT(gpu_available(), "--engine cuda: no CUDA device is visible to this process; use --engine cpu");
+  DMOE_REQUIRE_INPUT(c.world == 1,
+                     "--engine cuda runs one rank per process: world = {} here; use --engine cpu for simulated ranks",
+                     c.world);
   c.validate();
   const int64_t T = c.tokens, H = c.hidden;
   auto backend = make_cuda_backend(c.dtype, 0);
@@ -50,7 +50,7 @@ LayerResult run_gpu_layer(const MoeConfig& c, const MoeWeights& w, const std::ve
   return r;
 #else
   (void)c, (void)w, (void)x, (void)dy;
-  DMOE_FAIL("--engine cuda: this dmoe was built without CUDA (configure with -DDMOE_CUDA=ON); use --engine cpu");
+  DMOE_FAIL_INPUT("--engine cuda: this dmoe was built without CUDA (configure with -DDMOE_CUDA=ON); use --engine cpu");
 #endif
 }
 

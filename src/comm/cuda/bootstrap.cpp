@@ -22,6 +22,7 @@
 #include "comm/cuda/comm_detail.hpp"
 #include "core/env.hpp"
 #include "core/error.hpp"
+#include "core/output_file.hpp"
 #include "cuda/check.hpp"
 
 namespace dmoe {
@@ -80,17 +81,9 @@ std::string rendezvous_dir(const ProcessEnv& env) {
   return dir;
 }
 
-// Writes to a temp name, then renames: a reader sees the whole file or none of it.
+// Written atomically (temporary + rename): a reader sees the whole file or none of it.
 void publish_file(const std::string& path, const void* data, size_t bytes) {
-  const std::string temp = path + ".tmp." + std::to_string(::getpid());
-  {
-    std::ofstream out(temp, std::ios::binary | std::ios::trunc);
-    out.write(static_cast<const char*>(data), std::streamsize(bytes));
-    out.close();
-    DMOE_REQUIRE(out.good(), "cannot write the rendezvous file {}: {}", temp, std::strerror(errno));
-  }
-  DMOE_REQUIRE(std::rename(temp.c_str(), path.c_str()) == 0, "cannot rename {} to {}: {}", temp, path,
-               std::strerror(errno));
+  write_file_atomically(path, std::span<const uint8_t>(static_cast<const uint8_t*>(data), bytes));
 }
 
 // Waits (bounded) for rank 0's file of exactly `bytes` bytes and reads it.

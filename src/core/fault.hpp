@@ -1,0 +1,39 @@
+// fault.hpp — fault injection for the failure tests: DMOE_FAULT=rank:stage:kind makes one rank fail at
+// one stage of the MoE layer, so that the tests can check that every other rank stops within the
+// communicator's time limit (DMOE_COMM_TIMEOUT_S) with an error naming the failed rank and its stage.
+//
+//   stage: before_dispatch (after the router, before the first exchange), alltoall (entering an
+//          all-to-all: counts or rows, forward or backward), expert_gemm (before the experts' FFN,
+//          forward or backward), combine (before the weighted combine), backward (entering backward),
+//          allreduce (entering an all-reduce: the engine's config check, the losses, the gate gradient)
+//   kind:  throw (the rank throws a dmoe::Error), exit (the rank stops as if its process had died),
+//          hang (the rank stops making progress until the others give up on it)
+// The fault fires the first time the rank reaches the stage. Plain data and parsing here; the injection
+// point is comm/comm.hpp's fault_point(), since exit and hang depend on how ranks run.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+
+namespace dmoe {
+
+enum class FaultStage : int8_t { none = -1, before_dispatch, alltoall, expert_gemm, combine, backward, allreduce };
+enum class FaultKind : int8_t { throw_error, exit, hang };
+
+const char* fault_stage_name(FaultStage stage);
+const char* fault_kind_name(FaultKind kind);
+
+struct Fault {
+  int32_t rank = -1;
+  FaultStage stage = FaultStage::none;
+  FaultKind kind = FaultKind::throw_error;
+};
+
+// "3:expert_gemm:hang"; a bad spec is a dmoe::Error naming it and listing what is allowed.
+Fault parse_fault(std::string_view text);
+// DMOE_FAULT, parsed on every call (so a test can set it between runs); nullopt when unset or empty.
+std::optional<Fault> fault_from_env();
+
+}  // namespace dmoe

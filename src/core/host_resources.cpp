@@ -1,0 +1,72 @@
+// host_resources.cpp — see host_resources.hpp.
+#include "core/host_resources.hpp"
+
+#include <sys/statvfs.h>
+
+#include <algorithm>
+#include <fstream>
+#include <string>
+
+#include "core/error.hpp"
+
+namespace dmoe {
+
+std::optional<uint64_t> host_memory_available_bytes() {
+  std::ifstream in("/proc/meminfo");
+  std::string key, unit;
+  uint64_t value = 0;
+  while (in >> key >> value) {
+    std::getline(in, unit);
+    if (key == "MemAvailable:") return value * 1024;  // reported in kB
+  }
+  return std::nullopt;
+}
+
+std::optional<uint64_t> disk_free_bytes(const std::string& directory) {
+  struct statvfs s {};
+  if (::statvfs(directory.c_str(), &s) != 0) return std::nullopt;
+  return uint64_t(s.f_bavail) * uint64_t(s.f_frsize);
+}
+
+std::string format_bytes(double bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+  int u = 0;
+  while (bytes >= 1024 && u < 6) {
+    bytes /= 1024;
+    ++u;
+  }
+  return u == 0 ? fmt::format("{:.0f} B", bytes) : fmt::format("{:.1f} {}", bytes, units[u]);
+}
+
+CpuLayerEstimate estimate_cpu_layer(const MoeConfig& c, bool backward) {
+  const double W = c.world, T = double(c.tokens), H = double(c.hidden), I = double(c.ffn), E = c.experts,
+               k = c.top_k, m = expert_matrices(c.activation);
+  CpuLayerEstimate e;
+  e.flop = W * (2 * m * T * k * H * I + 2 * T * H * E) * (backward ? 3 : 1);
+  // Bytes (f32 = 4 each):
+  //   weights: the caller's copy, every rank's slice (W copies of the gate [E, H], one of the experts),
+  //     and with backward the same again for the gradients: (1 + bwd)·(E·m·I·H·2 + E·H·(1 + W))
+  //   activations per rank, in the engine and in the result: x, y (and dx, dy) [T, H]; gathered,
+  //     received and returned rows [T·k, H] twice each; the experts' pre-activations and h [T·k, I]·m;
+  //     logits, probabilities [T, E]: T·(4 + 2·bwd)·H + 6·T·k·H + (m + 1)·T·k·I·(1 + bwd) + 2·T·E
+  const double bwd = backward ? 1 : 0;
+  const double weights = (1 + bwd) * (E * m * I * H * 2 + E * H * (1 + W));
+  const double per_rank =
+      T * (4 + 2 * bwd) * H + 6 * T * k * H + (m + 1) * T * k * I * (1 + bwd) + 2 * T * E;
+  // Per (rank, peer or expert) bookkeeping (counts, offsets, layouts, the exchange's pointers): measured
+  // ~230 bytes per W·max(W, E) at W = E = 4096 (4.4 GB with T = 1, H = I = 8).
+  const double bookkeeping = 256 * W * std::max(W, E);
+  e.bytes = 4 * (weights + W * per_rank) + bookkeeping;
+  return e;
+}
+
+void require_host_memory(double bytes, const std::string& what) {
+  const std::optional<uint64_t> available = host_memory_available_bytes();
+  if (!available) return;
+  DMOE_REQUIRE_INPUT(bytes <= double(*available),
+                     "{} would allocate about {}, but this machine has {} available (MemAvailable in "
+                     "/proc/meminfo); make the problem smaller (tokens, hidden, ffn, experts, world)",
+                     what, format_bytes(bytes), format_bytes(double(*available)));
+}
+
+}  // namespace dmoe

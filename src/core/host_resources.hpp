@@ -1,0 +1,33 @@
+// host_resources.hpp — what this machine has (memory, disk, cores) and up-front estimates of what a
+// command will need, so that a job too large fails at once with the numbers instead of ending in a bare
+// std::bad_alloc, a partial file, or minutes of silence.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "core/config.hpp"
+
+namespace dmoe {
+
+// MemAvailable from /proc/meminfo, in bytes; nullopt where it cannot be read (not Linux).
+std::optional<uint64_t> host_memory_available_bytes();
+// Bytes free to an unprivileged writer in the file system holding `directory`; nullopt if unknown.
+std::optional<uint64_t> disk_free_bytes(const std::string& directory);
+// "3.2 GiB", "512 MiB", "12 KiB", "100 B".
+std::string format_bytes(double bytes);
+
+// What `dmoe run` / `dmoe bench` on the CPU reference engine needs for one layer call (formulas in the
+// .cpp; an upper estimate: every buffer counted once, scratch included).
+struct CpuLayerEstimate {
+  double flop = 0;   // forward, all ranks: W·(2·m·T·k·H·I + 2·T·H·E); with backward ×3
+  double bytes = 0;  // peak host memory
+};
+CpuLayerEstimate estimate_cpu_layer(const MoeConfig& config, bool backward);
+
+// Refuses (dmoe::Error naming what, how much and what is available) when `bytes` exceeds MemAvailable.
+// `what` says what would be allocated ("the CPU engine's buffers for T=... W=...").
+void require_host_memory(double bytes, const std::string& what);
+
+}  // namespace dmoe

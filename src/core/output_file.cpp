@@ -1,0 +1,204 @@
+// output_file.cpp — see output_file.hpp for the policy.
+#include "core/output_file.hpp"
+
+#include <atomic>
+#include <cerrno>
+#include <climits>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "core/error.hpp"
+
+namespace dmoe {
+namespace {
+
+namespace fs = std::filesystem;
+
+const char* file_kind(mode_t mode) {
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISFIFO(mode)) return "a FIFO (named pipe)";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISSOCK(mode)) return "a socket";
+  if (S_ISLNK(mode)) return "a symbolic link";
+  return "not a regular file";
+}
+
+constexpr const char* kAllowed = "outputs must be regular files (replaced atomically), new files in an existing "
+                                 "directory, or symbolic links to a regular file";
+
+// Where the bytes will land: `path` itself or, for a symlink, its resolved target.
+struct OutputTarget {
+  std::string path;       // the file to replace or create
+  std::string directory;  // its directory (for the temporary)
+  std::string name;       // its file name
+  bool exists = false;
+  mode_t mode = 0;        // permission bits of the existing file
+};
+
+OutputTarget resolve_output(const std::string& path, std::string_view option) {
+  const std::string what = option.empty() ? fmt::format("output '{}'", path) : fmt::format("{} '{}'", option, path);
+  DMOE_REQUIRE_INPUT(!path.empty(), "{}: the output path is empty", what);
+  OutputTarget t;
+  t.path = path;
+  struct stat ls {};
+  if (::lstat(path.c_str(), &ls) == 0 && S_ISLNK(ls.st_mode)) {
+    char* real = ::realpath(path.c_str(), nullptr);
+    DMOE_REQUIRE_INPUT(real, "{} is a symbolic link whose target cannot be resolved ({}); {}", what, std::strerror(errno),
+                       kAllowed);
+    t.path = real;
+    std::free(real);
+  }
+  struct stat st {};
+  if (::stat(t.path.c_str(), &st) == 0) {
+    DMOE_REQUIRE_INPUT(S_ISREG(st.st_mode), "{} is {}; {}", what, file_kind(st.st_mode), kAllowed);
+    t.exists = true;
+    t.mode = st.st_mode & 07777;
+  } else {
+    DMOE_REQUIRE_INPUT(errno == ENOENT, "{}: cannot inspect it: {}", what, std::strerror(errno));
+  }
+  const fs::path p(t.path);
+  DMOE_REQUIRE_INPUT(p.has_filename(), "{} names a directory, not a file; {}", what, kAllowed);
+  t.name = p.filename().string();
+  t.directory = p.has_parent_path() ? p.parent_path().string() : std::string(".");
+  if (!t.exists) {
+    struct stat ds {};
+    DMOE_REQUIRE_INPUT(::stat(t.directory.c_str(), &ds) == 0, "{}: its directory '{}' does not exist or cannot be read: {}",
+                       what, t.directory, std::strerror(errno));
+    DMOE_REQUIRE_INPUT(S_ISDIR(ds.st_mode), "{}: '{}' is not a directory", what, t.directory);
+  }
+  return t;
+}
+
+// Creates a new temporary file next to the target; returns its descriptor and sets `tmp` to its path.
+int create_temporary(const OutputTarget& t, std::string& tmp, std::string_view what) {
+  static std::atomic<unsigned> counter{0};
+  for (int attempt = 0; attempt < 100; ++attempt) {
+    tmp = (fs::path(t.directory) / fmt::format(".{}.dmoe-tmp.{}.{}", t.name, ::getpid(), counter++)).string();
+    const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+    if (fd >= 0) return fd;
+    DMOE_REQUIRE_INPUT(errno == EEXIST || errno == EINTR, "{}: cannot create a temporary file in '{}': {}", what,
+                       t.directory, std::strerror(errno));
+  }
+  DMOE_FAIL_INPUT("{}: cannot create a temporary file in '{}': 100 names taken", what, t.directory);
+}
+
+bool write_all(int fd, const uint8_t* data, size_t size) {
+  while (size > 0) {
+    const ssize_t n = ::write(fd, data, size);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      if (n == 0) errno = EIO;
+      return false;
+    }
+    data += n;
+    size -= size_t(n);
+  }
+  return true;
+}
+
+}  // namespace
+
+void check_output_file(const std::string& path, std::string_view option) {
+  const OutputTarget t = resolve_output(path, option);
+  std::string tmp;
+  const int fd = create_temporary(t, tmp, fmt::format("{} '{}'", option, path));
+  ::close(fd);
+  ::unlink(tmp.c_str());
+}
+
+void OutputFileSet::write(const std::string& path, std::span<const uint8_t> bytes) {
+  const OutputTarget t = resolve_output(path, "");
+  const std::string what = fmt::format("writing '{}'", path);
+  std::string tmp;
+  const int fd = create_temporary(t, tmp, what);
+  auto fail = [&](const char* step, int fd_to_close) {
+    const int err = errno;
+    if (fd_to_close >= 0) ::close(fd_to_close);
+    ::unlink(tmp.c_str());
+    const bool others = !written_.empty();
+    discard();
+    DMOE_FAIL_INPUT("{} failed at {} of its temporary '{}' ({} bytes): {}; '{}' is unchanged{}", what, step, tmp,
+                    bytes.size(), std::strerror(err), path, others ? ", and so are the other outputs written with it" : "");
+  };
+  if (t.exists && ::fchmod(fd, t.mode) != 0) fail("setting the permissions", fd);
+  if (!write_all(fd, bytes.data(), bytes.size())) fail("the write", fd);
+  if (::fsync(fd) != 0) fail("fsync", fd);
+  if (::close(fd) != 0) fail("close", -1);
+  written_.push_back({path, tmp, t.path, t.directory});
+}
+
+void OutputFileSet::write(const std::string& path, std::string_view text) {
+  write(path, std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(text.data()), text.size()));
+}
+
+void OutputFileSet::commit() {
+  for (size_t i = 0; i < written_.size(); ++i) {
+    const Written& w = written_[i];
+    if (::rename(w.temporary.c_str(), w.target.c_str()) != 0) {
+      const int err = errno;
+      std::string replaced;
+      for (size_t j = 0; j < i; ++j) replaced += fmt::format("{}'{}'", j ? ", " : "", written_[j].path);
+      written_.erase(written_.begin(), written_.begin() + std::ptrdiff_t(i));
+      discard();
+      DMOE_FAIL_INPUT("writing '{}' failed at the rename of its temporary onto it: {}; it is unchanged{}", w.path,
+                      std::strerror(err), replaced.empty() ? "" : "; already replaced: " + replaced);
+    }
+    // Make the rename itself durable; a directory that cannot be synced (some file systems) is no error.
+    const int dir = ::open(w.directory.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dir >= 0) {
+      (void)::fsync(dir);
+      ::close(dir);
+    }
+  }
+  written_.clear();
+}
+
+void OutputFileSet::discard() {
+  for (const Written& w : written_) ::unlink(w.temporary.c_str());
+  written_.clear();
+}
+
+OutputFileSet::~OutputFileSet() { discard(); }
+
+void write_file_atomically(const std::string& path, std::span<const uint8_t> bytes) {
+  OutputFileSet file;
+  file.write(path, bytes);
+  file.commit();
+}
+
+void write_file_atomically(const std::string& path, std::string_view text) {
+  write_file_atomically(path, std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(text.data()), text.size()));
+}
+
+bool same_file(const std::string& a, const std::string& b) {
+  struct stat sa {}, sb {};
+  if (::stat(a.c_str(), &sa) == 0 && ::stat(b.c_str(), &sb) == 0)
+    return sa.st_dev == sb.st_dev && sa.st_ino == sb.st_ino;
+  std::error_code ec;
+  const fs::path pa = fs::weakly_canonical(fs::absolute(a, ec), ec);
+  const fs::path pb = fs::weakly_canonical(fs::absolute(b, ec), ec);
+  return pa.lexically_normal() == pb.lexically_normal();
+}
+
+void require_distinct_files(const std::vector<NamedPath>& outputs, const std::vector<NamedPath>& inputs) {
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    const NamedPath& out = outputs[i];
+    if (out.path.empty()) continue;
+    for (const NamedPath& in : inputs)
+      DMOE_REQUIRE_INPUT(in.path.empty() || !same_file(out.path, in.path),
+                         "{} '{}' is the same file as {} '{}': writing it would destroy that input; choose another {}",
+                         out.option, out.path, in.option, in.path, out.option);
+    for (size_t j = 0; j < i; ++j)
+      DMOE_REQUIRE_INPUT(outputs[j].path.empty() || !same_file(out.path, outputs[j].path),
+                   "{} '{}' and {} '{}' are the same file: one output would overwrite the other", outputs[j].option,
+                         outputs[j].path, out.option, out.path);
+  }
+}
+
+}  // namespace dmoe

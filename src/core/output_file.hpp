@@ -1,0 +1,71 @@
+// output_file.hpp — every file dmoe writes goes through here: checked up front, written atomically.
+//
+// Policy (README, "Output files"):
+//   - a new path, or an existing regular file: the bytes go to a temporary file in the same directory
+//     (every write, the fsync and the close checked), which is then renamed over the target, so the
+//     target holds the old content or the whole new content, never a part; a failed write removes the
+//     temporary and leaves the old file untouched. An existing file keeps its permission bits; other
+//     hard links to it keep the old content (the name now points to a new file).
+//   - a symbolic link: resolved, and its final target is replaced as above (the link stays a link); a
+//     link whose target does not exist is refused.
+//   - anything else (directory, FIFO, character or block device, socket): refused with an error naming
+//     the path, what it is, and what is allowed. /dev/full, /dev/null and pipes are therefore errors.
+//   - an output that is the same file as one of the command's inputs (same device and inode, so hard
+//     links, symlinks and "./x" vs "x" count as the same file) is refused before anything runs.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace dmoe {
+
+// Checks, before any long work, that write_file_atomically(path, …) can succeed as far as the file
+// system can tell: the target is a regular file, a symlink to one, or a new name in an existing
+// directory where a temporary file can be created (one is created and removed). `option` (e.g.
+// "--output") is named in the error.
+void check_output_file(const std::string& path, std::string_view option);
+
+// Writes `bytes` to `path` under the policy above; throws dmoe::Error naming the path and the cause.
+void write_file_atomically(const std::string& path, std::span<const uint8_t> bytes);
+void write_file_atomically(const std::string& path, std::string_view text);
+
+// Several outputs that appear together or not at all: write() puts each file's bytes in its temporary
+// (checked as above), commit() renames them all onto their targets. A failed write(), or destruction
+// without commit(), removes every temporary of the set and leaves all targets untouched.
+class OutputFileSet {
+ public:
+  OutputFileSet() = default;
+  OutputFileSet(const OutputFileSet&) = delete;
+  OutputFileSet& operator=(const OutputFileSet&) = delete;
+  ~OutputFileSet();
+
+  void write(const std::string& path, std::span<const uint8_t> bytes);
+  void write(const std::string& path, std::string_view text);
+  void commit();
+
+ private:
+  struct Written {
+    std::string path, temporary, target, directory;
+  };
+  void discard();
+  std::vector<Written> written_;
+};
+
+// True when a and b name the same file: same (st_dev, st_ino) when both exist (symlinks followed),
+// otherwise the same absolute, lexically normalised path.
+bool same_file(const std::string& a, const std::string& b);
+
+// One file a command reads or writes, with the option that named it ("--input").
+struct NamedPath {
+  std::string option;
+  std::string path;
+};
+
+// Refuses an output that is the same file as an input or as another output, naming both options.
+// Empty paths are skipped.
+void require_distinct_files(const std::vector<NamedPath>& outputs, const std::vector<NamedPath>& inputs);
+
+}  // namespace dmoe

@@ -1,0 +1,142 @@
+// test_output_file.cpp — write_file_atomically and the output checks (core/output_file.hpp): a failed
+// write leaves the old file untouched and no temporary behind; only regular files are replaced; file
+// identity (hard links, symlinks, "./x") is what decides "same file".
+//
+// Run: dmoe_unit_tests --gtest_filter='OutputFile*'.
+#include <gtest/gtest.h>
+
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <csignal>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <sstream>
+#include <string>
+
+#include "core/error.hpp"
+#include "core/output_file.hpp"
+
+namespace dmoe {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+std::string read_text(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+class OutputFile : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() / ("dmoe_outfile_" + std::to_string(::getpid()) + "_" +
+                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::create_directories(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  std::string p(const char* name) const { return (dir_ / name).string(); }
+  size_t entries() const { return size_t(std::distance(fs::directory_iterator(dir_), fs::directory_iterator())); }
+  fs::path dir_;
+};
+
+TEST_F(OutputFile, WritesNewAndReplacesRegularFileKeepingItsMode) {
+  write_file_atomically(p("a.txt"), std::string_view("first"));
+  EXPECT_EQ(read_text(p("a.txt")), "first");
+  ::chmod(p("a.txt").c_str(), 0640);
+  write_file_atomically(p("a.txt"), std::string_view("second, longer"));
+  EXPECT_EQ(read_text(p("a.txt")), "second, longer");
+  struct stat st {};
+  ASSERT_EQ(::stat(p("a.txt").c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 07777, 0640u);
+  EXPECT_EQ(entries(), 1u);  // no temporary left
+}
+
+TEST_F(OutputFile, FailedWriteLeavesOldFileAndNoTemporary) {
+  write_file_atomically(p("a.txt"), std::string_view("old content"));
+  // A file-size limit makes write() fail with EFBIG part-way (SIGXFSZ ignored), as a full disk would.
+  struct rlimit old_limit {};
+  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &old_limit), 0);
+  struct rlimit small = old_limit;
+  small.rlim_cur = 1000;
+  auto old_handler = std::signal(SIGXFSZ, SIG_IGN);
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &small), 0);
+  const std::string msg = error_of([&] { write_file_atomically(p("a.txt"), std::string(5000, 'x')); });
+  ::setrlimit(RLIMIT_FSIZE, &old_limit);
+  std::signal(SIGXFSZ, old_handler);
+  EXPECT_NE(msg.find("a.txt"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("unchanged"), std::string::npos) << msg;
+  EXPECT_EQ(read_text(p("a.txt")), "old content");
+  EXPECT_EQ(entries(), 1u);
+}
+
+TEST_F(OutputFile, RefusesDevicesDirectoriesFifosAndProc) {
+  for (const char* path : {"/dev/full", "/dev/null"}) {
+    if (!fs::exists(path)) continue;
+    const std::string msg = error_of([&] { write_file_atomically(path, std::string_view("x")); });
+    EXPECT_NE(msg.find("character device"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("regular files"), std::string::npos) << msg;
+    EXPECT_TRUE(fs::is_character_file(path));
+    EXPECT_NE(error_of([&] { check_output_file(path, "--json"); }).find("--json"), std::string::npos);
+  }
+  EXPECT_NE(error_of([&] { write_file_atomically(dir_.string(), std::string_view("x")); }).find("a directory"),
+            std::string::npos);
+  ASSERT_EQ(::mkfifo(p("fifo").c_str(), 0600), 0);
+  EXPECT_NE(error_of([&] { check_output_file(p("fifo"), "--output"); }).find("FIFO"), std::string::npos);
+  EXPECT_TRUE(fs::is_fifo(p("fifo")));
+  // A regular file where no temporary can be created (even as root).
+  if (fs::exists("/proc/version"))
+    EXPECT_NE(error_of([&] { check_output_file("/proc/version", "--json"); }).find("cannot create a temporary"),
+              std::string::npos);
+  EXPECT_NE(error_of([&] { check_output_file(p("no-dir/x.json"), "--json"); }).find("does not exist"),
+            std::string::npos);
+  EXPECT_EQ(entries(), 1u);  // the FIFO only
+}
+
+TEST_F(OutputFile, SymlinkTargetIsReplacedAndDanglingLinkRefused) {
+  write_file_atomically(p("target.txt"), std::string_view("old"));
+  fs::create_symlink(p("target.txt"), p("link.txt"));
+  write_file_atomically(p("link.txt"), std::string_view("new"));
+  EXPECT_TRUE(fs::is_symlink(p("link.txt")));
+  EXPECT_EQ(read_text(p("target.txt")), "new");
+  fs::create_symlink(p("nowhere.txt"), p("dangling.txt"));
+  EXPECT_NE(error_of([&] { check_output_file(p("dangling.txt"), "--output"); }).find("symbolic link"),
+            std::string::npos);
+}
+
+TEST_F(OutputFile, SameFileByIdentity) {
+  write_file_atomically(p("x.bin"), std::string_view("x"));
+  fs::create_hard_link(p("x.bin"), p("hard.bin"));
+  fs::create_symlink(p("x.bin"), p("soft.bin"));
+  EXPECT_TRUE(same_file(p("x.bin"), p("hard.bin")));
+  EXPECT_TRUE(same_file(p("x.bin"), p("soft.bin")));
+  EXPECT_TRUE(same_file(p("x.bin"), (dir_ / "." / "x.bin").string()));
+  EXPECT_TRUE(same_file(p("new.bin"), (dir_ / "." / "new.bin").string()));  // neither exists yet
+  EXPECT_FALSE(same_file(p("x.bin"), p("new.bin")));
+  const std::string msg =
+      error_of([&] { require_distinct_files({{"--output", p("hard.bin")}}, {{"--input", p("x.bin")}}); });
+  EXPECT_NE(msg.find("--output"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("--input"), std::string::npos) << msg;
+  EXPECT_NE(error_of([&] {
+              require_distinct_files({{"--out", p("a")}, {"--input", (dir_ / "." / "a").string()}}, {});
+            }).find("same file"),
+            std::string::npos);
+  EXPECT_EQ(error_of([&] { require_distinct_files({{"--output", p("y.bin")}}, {{"--input", p("x.bin")}, {"--grad-output", ""}}); }),
+            "");
+}
+
+}  // namespace
+}  // namespace dmoe
