@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.hpp"
+#include "core/output_file.hpp"
 
 namespace dmoe {
 namespace {
@@ -351,11 +352,7 @@ void save_mixtral_checkpoint(const std::string& path, const MixtralWeights& w, c
     writer.set_metadata("format", "pt");
     writer.write((dir / file).string());
   }
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  DMOE_REQUIRE(out.good(), "checkpoint index '{}': cannot be opened for writing", path);
-  out << index.dump(2) << '\n';
-  out.close();
-  DMOE_REQUIRE(!out.fail(), "checkpoint index '{}': write failed", path);
+  write_file_atomically(path, index.dump(2) + "\n");
 }
 
 }  // namespace dmoe

@@ -183,19 +183,19 @@ json config_to_json(const MoeConfig& c) {
               {"z_loss_coef", c.z_loss_coef}};
 }
 
-MoeConfig load_config_file(const std::string& path, const MoeConfig& defaults) {
+nlohmann::json read_json_file(const std::string& path, std::string_view what) {
   // Only a regular file: a FIFO or /dev/zero would block or never end.
   std::error_code ec;
   const auto status = std::filesystem::status(path, ec);
-  DMOE_REQUIRE_INPUT(!std::filesystem::is_directory(status), "config file '{}' is a directory; expected a JSON file",
+  DMOE_REQUIRE_INPUT(!std::filesystem::is_directory(status), "{} '{}' is a directory; expected a JSON file", what,
                      path);
   DMOE_REQUIRE_INPUT(ec || !std::filesystem::exists(status) || std::filesystem::is_regular_file(status),
-                     "config file '{}' is not a regular file (a FIFO, device or socket); expected a JSON file", path);
+                     "{} '{}' is not a regular file (a FIFO, device or socket); expected a JSON file", what, path);
   std::ifstream in(path, std::ios::binary);
-  DMOE_REQUIRE_INPUT(in.good(), "config file '{}': cannot be opened for reading", path);
+  DMOE_REQUIRE_INPUT(in.good(), "{} '{}': cannot be opened for reading", what, path);
   std::stringstream text;
   text << in.rdbuf();
-  DMOE_REQUIRE_INPUT(!in.bad(), "config file '{}': read error", path);
+  DMOE_REQUIRE_INPUT(!in.bad(), "{} '{}': read error", what, path);
   // nlohmann's parser keeps the last of duplicate keys; a duplicate is an error here, at any depth.
   std::vector<std::set<std::string>> keys;  // keys seen in each open object, innermost last
   std::string duplicate;
@@ -211,10 +211,15 @@ MoeConfig load_config_file(const std::string& path, const MoeConfig& defaults) {
   try {
     j = json::parse(text.str(), on_event);
   } catch (const json::exception& e) {
-    DMOE_FAIL_INPUT("config file '{}': not valid JSON: {}", path, e.what());
+    DMOE_FAIL_INPUT("{} '{}': not valid JSON: {}", what, path, e.what());
   }
-  DMOE_REQUIRE_INPUT(duplicate.empty(), "config file '{}': key '{}' appears more than once in one object; each key may "
-                     "be given once", path, duplicate);
+  DMOE_REQUIRE_INPUT(duplicate.empty(), "{} '{}': key '{}' appears more than once in one object; each key may "
+                     "be given once", what, path, duplicate);
+  return j;
+}
+
+MoeConfig load_config_file(const std::string& path, const MoeConfig& defaults) {
+  const json j = read_json_file(path, "config file");
   try {
     return config_from_json(j, defaults);
   } catch (const Error& e) {

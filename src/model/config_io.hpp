@@ -12,6 +12,7 @@
 #pragma once
 
 #include <string>
+#include <string_view>
 
 #include <nlohmann/json.hpp>
 
@@ -24,6 +25,10 @@ MoeConfig config_from_json(const nlohmann::json& j, const MoeConfig& defaults = 
 nlohmann::json config_to_json(const MoeConfig& config);
 // Reads and parses a JSON file in either format; errors name the file.
 MoeConfig load_config_file(const std::string& path, const MoeConfig& defaults = MoeConfig{});
+
+// A JSON file as every dmoe reader takes it: a regular file (not a directory, FIFO or device), valid JSON, no
+// key twice in one object; errors name `what` (e.g. "config file") and the path.
+nlohmann::json read_json_file(const std::string& path, std::string_view what);
 // Writes config_to_json(config), pretty-printed.
 void save_config_file(const MoeConfig& config, const std::string& path);
 

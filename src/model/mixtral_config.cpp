@@ -7,6 +7,8 @@
 #include <sstream>
 
 #include "core/error.hpp"
+#include "core/output_file.hpp"
+#include "model/config_io.hpp"
 
 namespace dmoe {
 namespace {
@@ -219,29 +221,16 @@ json mixtral_config_to_json(const MixtralConfig& c) {
 }
 
 MixtralConfig load_mixtral_config(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  DMOE_REQUIRE(in.good(), "config file '{}': cannot be opened for reading", path);
-  std::stringstream text;
-  text << in.rdbuf();
-  json j;
-  try {
-    j = json::parse(text.str());
-  } catch (const json::exception& e) {
-    DMOE_FAIL("config file '{}': not valid JSON: {}", path, e.what());
-  }
+  const json j = read_json_file(path, "model config");
   try {
     return mixtral_config_from_json(j);
   } catch (const Error& e) {
-    DMOE_FAIL("config file '{}': {}", path, e.what());
+    DMOE_FAIL_INPUT("model config '{}': {}", path, e.what());
   }
 }
 
 void save_mixtral_config(const MixtralConfig& c, const std::string& path) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  DMOE_REQUIRE(out.good(), "config file '{}': cannot be opened for writing", path);
-  out << mixtral_config_to_json(c).dump(2) << '\n';
-  out.close();
-  DMOE_REQUIRE(!out.fail(), "config file '{}': write failed", path);
+  write_file_atomically(path, mixtral_config_to_json(c).dump(2) + "\n");
 }
 
 }  // namespace dmoe

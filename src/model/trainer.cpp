@@ -15,9 +15,11 @@
 
 #include "comm/comm.hpp"
 #include "core/error.hpp"
+#include "core/output_file.hpp"
 #include "core/random.hpp"
 #include "cpu/model_kernels.hpp"
 #include "model/checkpoint.hpp"
+#include "model/config_io.hpp"
 #include "model/mixtral.hpp"
 
 namespace dmoe {
@@ -51,25 +53,9 @@ struct Moments {
   MixtralWeights m, v;
 };
 
-void write_json(const std::string& path, const json& j) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  DMOE_REQUIRE(out.good(), "cannot write '{}'", path);
-  out << j.dump(2) << '\n';
-  out.close();
-  DMOE_REQUIRE(!out.fail(), "write to '{}' failed", path);
-}
+void write_json(const std::string& path, const json& j) { write_file_atomically(path, j.dump(2) + "\n"); }
 
-json read_json(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  DMOE_REQUIRE(in.good(), "cannot read '{}'", path);
-  std::stringstream text;
-  text << in.rdbuf();
-  try {
-    return json::parse(text.str());
-  } catch (const json::exception& e) {
-    DMOE_FAIL("'{}': not valid JSON: {}", path, e.what());
-  }
-}
+json read_json(const std::string& path) { return read_json_file(path, "training state"); }
 
 // Tensors under name_prefix + HF name from one file into w (all shapes checked).
 void read_prefixed(const SafetensorsFile& f, const std::string& name_prefix, MixtralWeights& w, const MixtralConfig& c) {
@@ -170,10 +156,13 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
                "--resume {}: the saved run is at step {}, --steps {} (--stop-after {}) leaves nothing to do",
                o.resume_dir, first_step - 1, o.steps, o.stop_after);
 
+  // The log grows line by line (so a crash keeps what was written): not atomic, but checked before the run
+  // and after every line.
   std::ofstream log;
   if (!o.log_path.empty()) {
+    check_output_file(o.log_path, "--log");
     log.open(o.log_path, std::ios::binary | (first_step > 1 ? std::ios::app : std::ios::trunc));
-    DMOE_REQUIRE(log.good(), "--log {}: cannot be opened for writing", o.log_path);
+    DMOE_REQUIRE_INPUT(log.good(), "--log {}: cannot be opened for writing", o.log_path);
   }
   print(fmt::format("train: {} | data {} ({} bytes: {} train, {} held out) | batch {} x seq {} | world {} | steps "
                     "{}..{} of {}", config.summary(), o.data_path, corpus.size(), train_bytes, val_bytes, o.batch,
@@ -283,6 +272,7 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
                     {"tokens_per_s", rec.tokens_per_s}}.dump() << '\n';
         if (do_val) log << json{{"step", step}, {"val_loss", rec.val_loss}}.dump() << '\n';
         log.flush();
+        DMOE_REQUIRE(!log.fail(), "--log {}: write failed (disk full?)", o.log_path);
       }
       if (o.print_every > 0 && (step % o.print_every == 0 || step == last_step || do_val))
         print(fmt::format("step {:>5}/{} | loss {:.4f} | lr {:.3e} | grad norm {:.3f} | {:.0f} tokens/s{}", step,

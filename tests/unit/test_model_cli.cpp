@@ -268,6 +268,16 @@ TEST_F(ModelCli, EvalReadsShardedCheckpointsAndNamesBadInput) {
   auto shape = run_cli("eval --config " + p("other.json") + " --tokens " + p("tokens.safetensors") + " --weights " +
                        p("model.safetensors") + " --output " + p("c.safetensors"));
   EXPECT_NE(shape.output.find("has shape [6, 8], expected [7, 8]"), std::string::npos) << shape.output;
+  // An output that is one of the inputs is refused before anything is written: the weights stay intact.
+  const auto before = SafetensorsFile::open(p("model.safetensors")).read_f32("model.norm.weight").values;
+  auto clobber = run_cli("eval" + common + " --weights " + p("model.safetensors") + " --output ./" +
+                         std::filesystem::relative(p("model.safetensors")).string());
+  EXPECT_NE(clobber.status, 0);
+  EXPECT_NE(clobber.output.find("--weights"), std::string::npos) << clobber.output;
+  EXPECT_EQ(SafetensorsFile::open(p("model.safetensors")).read_f32("model.norm.weight").values, before);
+  auto onto_config = run_cli("init-model --config " + p("config.json") + " --out " + p("config.json"));
+  EXPECT_NE(onto_config.status, 0);
+  EXPECT_NE(onto_config.output.find("--config"), std::string::npos) << onto_config.output;
 }
 
 }  // namespace

@@ -11,6 +11,7 @@
 
 #include "commands.hpp"
 #include "core/error.hpp"
+#include "core/output_file.hpp"
 #include "model/checkpoint.hpp"
 #include "model/mixtral.hpp"
 #include "model/mixtral_config.hpp"
@@ -57,7 +58,12 @@ Command add_init_model_command(CLI::App& app) {
       ->check(CLI::NonNegativeNumber);
   sub->add_option("--save-config", o->save_config, "also write the config as config.json here");
   return [o] {
-    const MixtralConfig c = load_mixtral_config(find_model_config_file(o->config));
+    const std::string config_path = find_model_config_file(o->config);
+    // Before anything is computed: the outputs are not the config and can be written.
+    require_distinct_files({{"--out", o->out}, {"--save-config", o->save_config}}, {{"--config", config_path}});
+    check_output_file(o->out, "--out");
+    if (!o->save_config.empty()) check_output_file(o->save_config, "--save-config");
+    const MixtralConfig c = load_mixtral_config(config_path);
     const MixtralWeights w = random_mixtral_weights(c, o->seed);
     save_mixtral_checkpoint(o->out, w, c, o->shard_bytes);
     if (!o->save_config.empty()) save_mixtral_config(c, o->save_config);
@@ -83,7 +89,12 @@ Command add_eval_command(CLI::App& app) {
   return [o] {
     DMOE_REQUIRE(o->engine == "cpu", "--engine {}: whole-model eval runs on the CPU engine only (allowed: cpu)",
                  o->engine);
-    const MixtralConfig c = load_mixtral_config(find_model_config_file(o->config));
+    const std::string config_path = find_model_config_file(o->config);
+    // Before anything is read or computed: the output is none of the inputs and can be written.
+    require_distinct_files({{"--output", o->output}},
+                           {{"--config", config_path}, {"--weights", o->weights}, {"--tokens", o->tokens}});
+    check_output_file(o->output, "--output");
+    const MixtralConfig c = load_mixtral_config(config_path);
     const HostTensor<int32_t> tokens = read_tokens(o->tokens);
     const int64_t B = tokens.shape[0], S = tokens.shape[1], V = c.vocab_size;
     c.check_sequence(S);
