@@ -216,20 +216,23 @@ SimResult simulate(const TaskGraph& g, const CostModel& costs, LinkModel link) {
   return simulate(g, task_costs_ms(g, costs), link);
 }
 
-std::string trace_json(const TaskGraph& g, const SimResult& r) {
+json trace_json(const TaskGraph& g, const SimResult& r, int pid) {
   json events = json::array();
   for (const TraceEvent& e : r.events) {
     const Task& t = g.tasks[size_t(e.task)];
     json ev = {{"name", g.describe(e.task)}, {"cat", task_kind_name(t.kind)}, {"ph", "X"},
                {"ts", e.start_ms * 1e3},      {"dur", (e.end_ms - e.start_ms) * 1e3},
-               {"pid", 0},                    {"tid", int(t.stream)},
+               {"pid", pid},                  {"tid", int(t.stream)},
                {"args", {{"layer", t.layer}, {"micro_batch", t.micro_batch}, {"deps", t.deps}}}};
     if (t.kind == TaskKind::allreduce) ev["args"]["bytes"] = t.bytes;
     events.push_back(std::move(ev));
   }
   for (Stream s : {Stream::compute, Stream::alltoall, Stream::allreduce})
-    events.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", 0}, {"tid", int(s)},
+    events.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", pid}, {"tid", int(s)},
                       {"args", {{"name", stream_name(s)}}}});
+  events.push_back({{"name", "process_name"}, {"ph", "M"}, {"pid", pid},
+                    {"args", {{"name", fmt::format("{} (R={}, Sp={} B)", schedule_name(g.spec.schedule),
+                                                   g.spec.micro_batches, g.spec.chunk_bytes)}}}});
   json out = {{"traceEvents", events},
               {"displayTimeUnit", "ms"},
               {"flow", {{"schedule", schedule_name(g.spec.schedule)},
@@ -242,7 +245,7 @@ std::string trace_json(const TaskGraph& g, const SimResult& r) {
                         {"compute_busy_ms", r.compute_busy_ms},
                         {"alltoall_busy_ms", r.alltoall_busy_ms},
                         {"allreduce_busy_ms", r.allreduce_busy_ms}}}};
-  return out.dump(1);
+  return out;
 }
 
 }  // namespace dmoe::flow

@@ -71,7 +71,8 @@ struct SimResult {
 SimResult simulate(const TaskGraph& graph, const std::vector<double>& cost_ms, LinkModel link = LinkModel::exclusive);
 SimResult simulate(const TaskGraph& graph, const CostModel& costs, LinkModel link = LinkModel::exclusive);
 
-// Chrome trace-event JSON: one complete event ("ph": "X") per task, tid 0 compute, 1 all-to-all, 2 AR.
-std::string trace_json(const TaskGraph& graph, const SimResult& result);
+// Chrome trace-event JSON: one complete event ("ph": "X") per task, tid 0 compute, 1 all-to-all, 2 AR, all
+// under process `pid` (several schedules can share one file, one process each), and a "flow" summary.
+nlohmann::json trace_json(const TaskGraph& graph, const SimResult& result, int pid = 0);
 
 }  // namespace dmoe::flow

@@ -264,7 +264,7 @@ TEST(FlowSimulator, CostModelAndTrace) {
   const TaskGraph m = build_task_graph(spec_of(Schedule::pipe_moe, 2, 2, 0));
   EXPECT_DOUBLE_EQ(task_costs_ms(m, c)[size_t(find(m, "AT[l=1,all]"))], 0.1 + 2.0);
   const SimResult r = simulate(g, c);
-  const json trace = json::parse(trace_json(g, r));
+  const json trace = trace_json(g, r);
   int complete = 0;
   for (const json& e : trace.at("traceEvents")) complete += e.at("ph") == "X";
   EXPECT_EQ(complete, int(g.tasks.size()));
