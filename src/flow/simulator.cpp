@@ -212,6 +212,95 @@ SimResult simulate(const TaskGraph& g, const std::vector<double>& cost, LinkMode
   return res;
 }
 
+RanksResult simulate_ranks(const TaskGraph& g, const std::vector<std::vector<double>>& cost, LinkModel link) {
+  const size_t W = cost.size(), n = g.tasks.size();
+  DMOE_REQUIRE(W >= 1, "simulate_ranks: no ranks");
+  for (size_t r = 0; r < W; ++r) {
+    DMOE_REQUIRE(cost[r].size() == n, "simulate_ranks: rank {} has {} costs for {} tasks", r, cost[r].size(), n);
+    for (double c : cost[r]) DMOE_REQUIRE(std::isfinite(c) && c > 0, "simulate_ranks: costs must be finite and > 0");
+  }
+  RanksResult res;
+  res.alltoall_issue.resize(W);
+  res.allreduce_issue.resize(W);
+  std::vector<std::vector<uint8_t>> done(W, std::vector<uint8_t>(n, 0));
+  std::vector<CommQueue> queues;
+  for (size_t r = 0; r < W; ++r) queues.emplace_back(g, link);
+  std::vector<size_t> compute_next(W, 0);
+  std::vector<int32_t> compute_running(W, -1);
+  std::vector<double> compute_end(W, 0);
+  std::vector<int32_t> issued(n, 0);             // ranks that issued collective id
+  std::vector<double> collective_end(n, -1);      // >= 0 once started on all ranks
+  std::vector<int32_t> collectives_running;
+  size_t completed = 0;                           // (rank, task) pairs
+  double t = 0;
+  auto ready = [&](size_t r, int32_t id) {
+    for (int32_t d : g.tasks[size_t(id)].deps)
+      if (!done[r][size_t(d)]) return false;
+    return true;
+  };
+  while (completed < W * n) {
+    for (size_t r = 0; r < W; ++r) {
+      if (compute_running[r] < 0 && compute_next[r] < g.compute_order.size() &&
+          ready(r, g.compute_order[compute_next[r]])) {
+        compute_running[r] = g.compute_order[compute_next[r]++];
+        compute_end[r] = t + cost[r][size_t(compute_running[r])];
+      }
+      const CommQueue::Pick p = queues[r].pick(done[r]);
+      for (int32_t id : {p.alltoall, p.allreduce})
+        if (id >= 0) {
+          queues[r].started(id);
+          (g.tasks[size_t(id)].stream == Stream::alltoall ? res.alltoall_issue : res.allreduce_issue)[r].push_back(id);
+          if (++issued[size_t(id)] == int32_t(W)) {
+            double c = 0;
+            for (size_t q = 0; q < W; ++q) c = std::max(c, cost[q][size_t(id)]);
+            collective_end[size_t(id)] = t + c;
+            collectives_running.push_back(id);
+          }
+        }
+    }
+    double next = std::numeric_limits<double>::infinity();
+    for (size_t r = 0; r < W; ++r)
+      if (compute_running[r] >= 0) next = std::min(next, compute_end[r]);
+    for (int32_t id : collectives_running) next = std::min(next, collective_end[size_t(id)]);
+    if (!std::isfinite(next)) {
+      res.deadlocked = true;
+      for (size_t r = 0; r < W; ++r) {
+        std::string waiting;
+        for (int32_t id : {queues[r].next_alltoall(), queues[r].next_allreduce()})
+          if (id >= 0) waiting += (waiting.empty() ? "" : ", next ") + g.describe(id);
+        res.deadlock += fmt::format("{}rank {}: {} (all-to-all {}, AR {})", r ? "; " : "", r,
+                                    waiting.empty() ? "nothing left to issue" : "next " + waiting,
+                                    queues[r].alltoall_running() ? "issued, waiting for peers" : "idle",
+                                    queues[r].allreduce_running() ? "issued, waiting for peers" : "idle");
+      }
+      return res;
+    }
+    t = next;
+    for (size_t r = 0; r < W; ++r)
+      if (compute_running[r] >= 0 && compute_end[r] <= t) {
+        done[r][size_t(compute_running[r])] = 1;
+        compute_running[r] = -1;
+        ++completed;
+      }
+    for (size_t i = 0; i < collectives_running.size();) {
+      const int32_t id = collectives_running[i];
+      if (collective_end[size_t(id)] <= t) {
+        for (size_t r = 0; r < W; ++r) {
+          done[r][size_t(id)] = 1;
+          queues[r].finished(id);
+          ++completed;
+        }
+        collectives_running[i] = collectives_running.back();
+        collectives_running.pop_back();
+      } else {
+        ++i;
+      }
+    }
+  }
+  res.step_ms = t;
+  return res;
+}
+
 SimResult simulate(const TaskGraph& g, const CostModel& costs, LinkModel link) {
   return simulate(g, task_costs_ms(g, costs), link);
 }

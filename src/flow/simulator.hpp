@@ -71,6 +71,19 @@ struct SimResult {
 SimResult simulate(const TaskGraph& graph, const std::vector<double>& cost_ms, LinkModel link = LinkModel::exclusive);
 SimResult simulate(const TaskGraph& graph, const CostModel& costs, LinkModel link = LinkModel::exclusive);
 
+// W ranks with their own costs (cost_ms[rank][task]), collectives matched across ranks: a collective starts
+// when every rank has issued it and takes the longest of the ranks' costs. Each rank issues by CommQueue's rule
+// with `link`: separate = the all-to-all and AR communicators progress independently (Flow's choice);
+// exclusive = one serial communication engine per rank (a rank that issued a chunk cannot issue an all-to-all
+// until the chunk completes). With different timings per rank, the latter can deadlock: reported, not thrown.
+struct RanksResult {
+  bool deadlocked = false;
+  std::string deadlock;                            // what each rank was waiting in, when deadlocked
+  double step_ms = 0;                              // the last rank's end
+  std::vector<std::vector<int32_t>> alltoall_issue, allreduce_issue;  // [rank]: the order each rank issued
+};
+RanksResult simulate_ranks(const TaskGraph& graph, const std::vector<std::vector<double>>& cost_ms, LinkModel link);
+
 // Chrome trace-event JSON: one complete event ("ph": "X") per task, tid 0 compute, 1 all-to-all, 2 AR, all
 // under process `pid` (several schedules can share one file, one process each), and a "flow" summary.
 nlohmann::json trace_json(const TaskGraph& graph, const SimResult& result, int pid = 0);

@@ -247,6 +247,40 @@ TEST(FlowSimulator, ChunkedAllReduceNeverSlowerThanAllReduceAfterBackward) {
   EXPECT_GT(strictly_better, 50) << "the overlap should usually help, not only tie";
 }
 
+TEST(FlowSimulator, RanksWithDifferentTimingsNeverDeadlockWithTwoCommunicators) {
+  // docs/flow.md's argument, on W ranks whose costs differ (each rank its own random costs): with the
+  // all-to-alls and the AR chunks on communicators of their own every run completes and every rank issues
+  // the graph's order on each communicator; with one serial communication engine per rank and the same
+  // dynamic rule, some runs deadlock (a rank holds a chunk its peer will not join while the peer holds an
+  // all-to-all the first will not join). With equal costs on every rank the serial engine completes too.
+  Rng rng(5);
+  int serial_deadlocks = 0;
+  for (int trial = 0; trial < 60; ++trial) {
+    const int W = 2 + int(rng.next() % 3), L = 1 + int(rng.next() % 3), R = 1 << (rng.next() % 3);
+    const TaskGraph g = build_task_graph(spec_of(Schedule::chunked_ar, L, R, 1 << 20, int64_t(128 << 10) << (rng.next() % 3)));
+    std::vector<std::vector<double>> costs(static_cast<size_t>(W));
+    for (auto& c : costs) {
+      c.resize(g.tasks.size());
+      for (double& x : c) x = 0.05 + rng.uniform();
+    }
+    SCOPED_TRACE(::testing::Message() << "trial " << trial << " W=" << W << " L=" << L << " R=" << R);
+    const RanksResult sep = simulate_ranks(g, costs, LinkModel::separate);
+    ASSERT_FALSE(sep.deadlocked) << sep.deadlock;
+    for (int r = 0; r < W; ++r) {
+      EXPECT_EQ(sep.alltoall_issue[size_t(r)], g.alltoall_order);
+      EXPECT_EQ(sep.allreduce_issue[size_t(r)], g.allreduce_order);
+    }
+    const RanksResult serial = simulate_ranks(g, costs, LinkModel::exclusive);
+    serial_deadlocks += serial.deadlocked;
+    const std::vector<std::vector<double>> same(static_cast<size_t>(W), costs[0]);
+    const RanksResult symmetric = simulate_ranks(g, same, LinkModel::exclusive);
+    EXPECT_FALSE(symmetric.deadlocked) << symmetric.deadlock;
+    // Symmetric ranks: the one-rank simulator's timeline is the step.
+    EXPECT_NEAR(symmetric.step_ms, simulate(g, costs[0]).step_ms, 1e-9 * symmetric.step_ms);
+  }
+  EXPECT_GT(serial_deadlocks, 0) << "the hazard that motivates AR's own communicator did not show up";
+}
+
 TEST(FlowSimulator, CostModelAndTrace) {
   const json j = json::parse(R"({
     "layers": 2, "dense_grad_bytes_per_layer": 2000000,
