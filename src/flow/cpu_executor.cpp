@@ -1,6 +1,7 @@
 // cpu_executor.cpp — the Flow task graph driving the CPU Mixtral model (see cpu_executor.hpp).
 #include "flow/cpu_executor.hpp"
 
+#include <chrono>
 #include <condition_variable>
 #include <exception>
 #include <mutex>
@@ -64,7 +65,7 @@ int64_t mixtral_dense_grad_bytes_per_layer(const MixtralConfig& c) {
 }
 
 double run_cpu_flow_step(MixtralModel& model, Comm& ar_comm, const TaskGraph& g, const int32_t* tokens, int64_t batch,
-                         int64_t seq, std::vector<ModelState>& states) {
+                         int64_t seq, std::vector<ModelState>& states, std::vector<TraceEvent>* timeline) {
   const MixtralConfig& c = model.config();
   const int32_t L = c.num_hidden_layers, R = g.spec.micro_batches;
   DMOE_REQUIRE(g.spec.layers == L, "flow executor: graph layers {} but the model has {}", g.spec.layers, L);
@@ -148,6 +149,18 @@ double run_cpu_flow_step(MixtralModel& model, Comm& ar_comm, const TaskGraph& g,
 
   Shared sh;
   sh.done.assign(g.tasks.size(), 0);
+  const auto t0 = std::chrono::steady_clock::now();
+  auto now_ms = [&] { return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count(); };
+  if (timeline) timeline->clear();
+  // Runs fn as task id, recording its start and end (the end before the task is marked done).
+  auto timed = [&](int32_t id, auto&& fn) {
+    const double start = now_ms();
+    fn();
+    if (!timeline) return;
+    const double end = now_ms();
+    std::lock_guard<std::mutex> lock(sh.mutex);
+    timeline->push_back({id, start, end});
+  };
   const int rank_for_errors = error_rank();
   std::exception_ptr compute_error, allreduce_error, alltoall_error;
 
@@ -158,7 +171,7 @@ double run_cpu_flow_step(MixtralModel& model, Comm& ar_comm, const TaskGraph& g,
         const Task& t = g.tasks[size_t(id)];
         if (!is_empty(t.kind)) {
           sh.wait_deps(t);
-          run_compute(t);
+          timed(id, [&] { run_compute(t); });
         }
         sh.mark_done(id);
       }
@@ -188,7 +201,9 @@ double run_cpu_flow_step(MixtralModel& model, Comm& ar_comm, const TaskGraph& g,
           });
           sh.check_failed();
         }
-        if (model.world() > 1) allreduce_elements(begin / 4, (begin + t.bytes) / 4);
+        timed(id, [&] {
+          if (model.world() > 1) allreduce_elements(begin / 4, (begin + t.bytes) / 4);
+        });
         begin += t.bytes;
         sh.mark_done(id);
       }
@@ -216,7 +231,7 @@ double run_cpu_flow_step(MixtralModel& model, Comm& ar_comm, const TaskGraph& g,
           sh.alltoall_running = true;
           sh.alltoall_next = i + 1;
         }
-        run_alltoall(t);
+        timed(id, [&] { run_alltoall(t); });
       }
       std::lock_guard<std::mutex> lock(sh.mutex);
       sh.alltoall_running = false;

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "comm/comm.hpp"
+#include "flow/simulator.hpp"
 #include "flow/task_graph.hpp"
 #include "model/mixtral.hpp"
 
@@ -40,7 +41,10 @@ int64_t mixtral_dense_grad_bytes_per_layer(const MixtralConfig& config);
 // sequences; states: R states (resized). Adds the gradients (scaled 1/R) to model.grads() and all-reduces the
 // dense ones over ranks through allreduce_comm (a communicator of its own, same ranks as the model's).
 // Returns the mean of the micro-batches' losses. Collective over the model's ranks.
+// timeline (optional): every non-empty task's wall-clock start and end in ms from the step's start, in the order
+// the tasks ended (measured per-task times: the input a cost file for the simulator is fitted from).
 double run_cpu_flow_step(MixtralModel& model, Comm& allreduce_comm, const TaskGraph& graph, const int32_t* tokens,
-                         int64_t batch, int64_t seq, std::vector<ModelState>& states);
+                         int64_t batch, int64_t seq, std::vector<ModelState>& states,
+                         std::vector<TraceEvent>* timeline = nullptr);
 
 }  // namespace dmoe::flow
