@@ -1,6 +1,7 @@
 // cpu_executor.cpp — the Flow task graph driving the CPU Mixtral model (see cpu_executor.hpp).
 #include "flow/cpu_executor.hpp"
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <exception>
@@ -262,6 +263,37 @@ double run_cpu_flow_step(MixtralModel& model, Comm& ar_comm, const TaskGraph& g,
   double loss = 0;
   for (const ModelState& st : states) loss += st.loss / R;
   return loss;
+}
+
+CpuFlowMeasurement measure_cpu_flow(const MixtralConfig& c, const MixtralWeights& w, const std::vector<int32_t>& tokens,
+                                    int64_t batch, int64_t seq, int32_t world, const GraphSpec& spec, int32_t steps) {
+  DMOE_REQUIRE(steps >= 1, "--steps {}: must be >= 1", steps);
+  DMOE_REQUIRE(int64_t(tokens.size()) == world * batch * seq, "measure: {} tokens for [{} x {}, {}]", tokens.size(),
+               world, batch, seq);
+  const TaskGraph g = build_task_graph(spec);
+  CpuFlowMeasurement m;
+  m.spec = spec;
+  std::vector<double> times;
+  auto ar_comms = make_thread_comms(world);
+  run_thread_ranks(world, [&](int32_t rank, Comm& comm) {
+    MixtralModel model(c, comm);
+    model.set_weights(slice_mixtral_experts(w, model.first_expert(), model.experts_per_rank()));
+    std::vector<ModelState> states;
+    std::vector<TraceEvent> timeline;
+    for (int32_t s = 0; s < steps; ++s) {
+      model.zero_grads();
+      comm.barrier(nullptr);
+      const auto t0 = std::chrono::steady_clock::now();
+      run_cpu_flow_step(model, *ar_comms[size_t(rank)], g, tokens.data() + rank * batch * seq, batch, seq, states,
+                        rank == 0 ? &timeline : nullptr);
+      if (rank == 0)
+        times.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    }
+    if (rank == 0) m.timeline = std::move(timeline);
+  });
+  std::sort(times.begin(), times.end());
+  m.step_ms = times[times.size() / 2];
+  return m;
 }
 
 }  // namespace dmoe::flow

@@ -47,4 +47,16 @@ double run_cpu_flow_step(MixtralModel& model, Comm& allreduce_comm, const TaskGr
                          int64_t batch, int64_t seq, std::vector<ModelState>& states,
                          std::vector<TraceEvent>* timeline = nullptr);
 
+// Measurement on W thread ranks (two ThreadComm groups): `steps` training steps (zero_grads + one
+// run_cpu_flow_step) of a model with these weights on tokens [W·batch, seq]; step_ms is rank 0's median wall
+// time per step (a barrier before each), timeline rank 0's last step.
+struct CpuFlowMeasurement {
+  GraphSpec spec;
+  double step_ms = 0;
+  std::vector<TraceEvent> timeline;
+};
+CpuFlowMeasurement measure_cpu_flow(const MixtralConfig& config, const MixtralWeights& weights,
+                                    const std::vector<int32_t>& tokens, int64_t batch, int64_t seq, int32_t world,
+                                    const GraphSpec& spec, int32_t steps);
+
 }  // namespace dmoe::flow

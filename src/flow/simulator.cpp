@@ -92,6 +92,78 @@ CostModel parse_cost_model(const json& j, const std::string& where) {
   return c;
 }
 
+json cost_model_json(const CostModel& c) {
+  json tasks = json::object();
+  for (int k = 0; k < 8; ++k)
+    tasks[task_kind_name(TaskKind(k))] = {{"fixed_ms", c.tasks[size_t(k)].fixed_ms}, {"batch_ms", c.tasks[size_t(k)].batch_ms}};
+  json j = {{"dense_grad_bytes_per_layer", c.dense_grad_bytes_per_layer},
+            {"tasks", tasks},
+            {"allreduce", {{"alpha_ms", c.ar_alpha_ms}, {"gbytes_per_s", c.ar_bytes_per_ms / 1e6}}}};
+  if (c.layers > 0) j["layers"] = c.layers;
+  return j;
+}
+
+namespace {
+// Least squares y = a + b·x; false when the x do not take two distinct values.
+bool fit_line(const std::vector<double>& x, const std::vector<double>& y, double* a, double* b) {
+  const double n = double(x.size());
+  double sx = 0, sy = 0;
+  for (size_t i = 0; i < x.size(); ++i) sx += x[i], sy += y[i];
+  const double mx = sx / n, my = sy / n;
+  double sxx = 0, sxy = 0;
+  for (size_t i = 0; i < x.size(); ++i) sxx += (x[i] - mx) * (x[i] - mx), sxy += (x[i] - mx) * (y[i] - my);
+  if (!(sxx > 1e-12 * (1 + mx * mx))) return false;
+  *b = sxy / sxx;
+  *a = my - *b * mx;
+  return true;
+}
+}  // namespace
+
+CostModel fit_cost_model(const std::vector<MeasuredRun>& runs) {
+  DMOE_REQUIRE(!runs.empty(), "fit_cost_model: no measured runs");
+  std::array<std::vector<double>, 9> x, y;  // per kind: m/R (AR: bytes) and the measured duration
+  CostModel c;
+  for (size_t i = 0; i < runs.size(); ++i) {
+    DMOE_REQUIRE(runs[i].graph, "fit_cost_model: run {} has no graph", i);
+    const TaskGraph& g = *runs[i].graph;
+    if (i == 0) c.dense_grad_bytes_per_layer = g.spec.dense_grad_bytes_per_layer, c.layers = g.spec.layers;
+    for (const TraceEvent& e : runs[i].timeline) {
+      DMOE_REQUIRE(e.task >= 0 && e.task < int32_t(g.tasks.size()) && e.end_ms >= e.start_ms,
+                   "fit_cost_model: run {}: event for task {} [{}, {}] is not a task of its graph or ends before it starts",
+                   i, e.task, e.start_ms, e.end_ms);
+      const Task& t = g.tasks[size_t(e.task)];
+      const size_t k = size_t(t.kind);
+      x[k].push_back(t.kind == TaskKind::allreduce ? double(t.bytes)
+                                                   : double(t.num_micro_batches) / double(g.spec.micro_batches));
+      y[k].push_back(e.end_ms - e.start_ms);
+    }
+  }
+  for (int k = 0; k < 8; ++k) {
+    if (x[size_t(k)].empty()) continue;  // not measured: costs 0
+    double a = 0, b = 0;
+    DMOE_REQUIRE(fit_line(x[size_t(k)], y[size_t(k)], &a, &b),
+                 "fit_cost_model: task kind {}: all {} measured tasks cover the same share of the batch; measure two "
+                 "values of R (micro_batches) to separate fixed_ms from batch_ms",
+                 task_kind_name(TaskKind(k)), x[size_t(k)].size());
+    c.tasks[size_t(k)] = {std::max(0.0, a), std::max(0.0, b)};
+  }
+  const size_t ar = size_t(TaskKind::allreduce);
+  if (!x[ar].empty()) {
+    double a = 0, b = 0;
+    if (fit_line(x[ar], y[ar], &a, &b) && b > 0) {
+      c.ar_alpha_ms = std::max(0.0, a);
+      c.ar_bytes_per_ms = 1.0 / b;
+    } else {  // one size only (or no growth with size): the mean time per call, bytes free
+      double mean = 0;
+      for (double v : y[ar]) mean += v / double(y[ar].size());
+      c.ar_alpha_ms = mean;
+      c.ar_bytes_per_ms = kUnmeasuredBytesPerMs;
+    }
+  }
+  validate(c);
+  return c;
+}
+
 CostModel load_cost_model(const std::string& path) {
   std::ifstream f(path);
   DMOE_REQUIRE(f.good(), "--costs {}: cannot open the file", path);

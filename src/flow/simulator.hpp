@@ -49,6 +49,9 @@ CostModel parse_cost_model(const nlohmann::json& j, const std::string& where = "
 CostModel load_cost_model(const std::string& path);
 void validate(const CostModel& costs);
 
+// The inverse of parse_cost_model (parse_cost_model(cost_model_json(c)) == c).
+nlohmann::json cost_model_json(const CostModel& costs);
+
 double task_cost_ms(const Task& task, const CostModel& costs, int32_t micro_batches);
 std::vector<double> task_costs_ms(const TaskGraph& graph, const CostModel& costs);
 
@@ -83,6 +86,20 @@ struct RanksResult {
   std::vector<std::vector<int32_t>> alltoall_issue, allreduce_issue;  // [rank]: the order each rank issued
 };
 RanksResult simulate_ranks(const TaskGraph& graph, const std::vector<std::vector<double>>& cost_ms, LinkModel link);
+
+// Calibration: fits a CostModel to measured timelines (each run: a graph and every task's start and end, e.g.
+// run_cpu_flow_step's timeline, or a GPU executor's). Per task kind, a least-squares line through the measured
+// durations d = fixed_ms + batch_ms · x with x = m / R (so the runs must cover two values of x: two R, or
+// pipe-moe's whole-batch tasks beside micro-batch ones); the AR, d = alpha_ms + bytes / beta when the calls
+// have two sizes at least and the time grows with them — otherwise alpha_ms = their mean time and beta =
+// kUnmeasuredBytesPerMs (bytes free). A kind with no measured task (the CPU executor's empty E, C, E', D')
+// costs 0. Negative fitted values (noise) are clamped to 0. Errors name the kind and what is missing.
+constexpr double kUnmeasuredBytesPerMs = 1e15;
+struct MeasuredRun {
+  const TaskGraph* graph = nullptr;
+  std::vector<TraceEvent> timeline;
+};
+CostModel fit_cost_model(const std::vector<MeasuredRun>& runs);
 
 // Chrome trace-event JSON: one complete event ("ph": "X") per task, tid 0 compute, 1 all-to-all, 2 AR, all
 // under process `pid` (several schedules can share one file, one process each), and a "flow" summary.

@@ -98,6 +98,29 @@ TEST_F(FlowCli, OneScheduleAndTune) {
   EXPECT_GE(tj.at("best").at("step_ms").get<double>(), tj.at("grid_best").at("step_ms").get<double>());
 }
 
+TEST_F(FlowCli, MeasureFitsAndPredicts) {
+  // The CPU executor at R = 1, 2 on the tiny model: the fitted cost file loads, every row has a measured and
+  // a predicted step (how close they are depends on the machine's load: not asserted).
+  const Result r = run_cli("flow measure --config tiny --batch 4 --seq 8 --world 2 --measure-r 1,2 --steps 1 "
+                           "--costs-out " + (dir / "fit.json").string() + " --json " + (dir / "m.json").string());
+  ASSERT_EQ(r.status, 0) << r.output;
+  const json m = read_json(dir / "m.json");
+  ASSERT_EQ(m.at("rows").size(), 2u);
+  for (const json& row : m.at("rows")) {
+    EXPECT_GT(row.at("measured_ms").get<double>(), 0);
+    EXPECT_GT(row.at("predicted_ms").get<double>(), 0);
+  }
+  const CostModel fit = load_cost_model((dir / "fit.json").string());
+  EXPECT_EQ(fit.layers, 2);
+  EXPECT_GT(fit[TaskKind::attention_fwd].fixed_ms + fit[TaskKind::attention_fwd].batch_ms, 0);
+  EXPECT_EQ(fit[TaskKind::expert_fwd].batch_ms, 0);  // empty on the CPU executor: inside the MoE stage
+  const Result bad = run_cli("flow measure --config tiny --batch 4 --measure-r 1,3");
+  EXPECT_NE(bad.status, 0);
+  EXPECT_NE(bad.output.find("--measure-r 3: must divide --batch 4"), std::string::npos) << bad.output;
+  const Result no_costs = run_cli("flow simulate");
+  EXPECT_NE(no_costs.output.find("--costs: required for flow simulate"), std::string::npos) << no_costs.output;
+}
+
 TEST_F(FlowCli, BadInputNamesTheField) {
   auto fails_with = [&](const std::string& args, const std::string& needle) {
     const Result r = run_cli(args);
@@ -107,7 +130,7 @@ TEST_F(FlowCli, BadInputNamesTheField) {
   fails_with("flow simulate --costs " + costs.string() + " --schedule fast", "--schedule 'fast': unknown schedule");
   fails_with("flow simulate --costs /nonexistent.json", "--costs /nonexistent.json: cannot open");
   fails_with("flow simulate --costs " + costs.string() + " --micro-batches 0", "--micro-batches 0");
-  fails_with("flow walk --costs " + costs.string(), "flow walk: unknown action (allowed: simulate, tune)");
+  fails_with("flow walk --costs " + costs.string(), "flow walk: unknown action (allowed: simulate, tune, measure)");
   std::ofstream(dir / "bad.json") << R"({"dense_grad_bytes_per_layer": 10, "tasks": {}, "allreduce": {}})";
   fails_with("flow simulate --costs " + (dir / "bad.json").string(), "tasks: missing key 'AT'");
   json nl = read_json(costs);

@@ -3,7 +3,12 @@
 //   dmoe flow simulate --costs bench/flow/example.json [--layers L] [--micro-batches R] [--schedule all|NAME]
 //                      [--chunk-bytes Sp] [--samples N] [--seed S] [--trace trace.json] [--json out.json]
 //   dmoe flow tune     --costs bench/flow/example.json [--layers L] [--samples N] [--seed S] [--json out.json]
+//   dmoe flow measure  --config tiny [--batch 8] [--seq 32] [--world 1] [--schedule pipe-attn] [--measure-r 1,2,4]
+//                      [--steps 3] [--costs-out fitted.json] [--json out.json]
 //
+// measure runs the CPU executor (the Mixtral model's stages in the graph's orders, src/flow/cpu_executor.*) at
+// each R, fits a cost file to the first two R's timelines and compares the simulator's prediction with the
+// measured step at every R.
 // simulate prints the step time of each schedule (the paper's ablation: vanilla, pipe-moe, pipe-attn,
 // chunked-ar, tuned) from per-task costs; tune runs the Bayesian optimiser of (Sp, R) against the simulator
 // and compares its best with the best of the whole grid.
@@ -16,7 +21,12 @@
 
 #include "commands.hpp"
 #include "core/error.hpp"
+#include "core/random.hpp"
 #include "flow/ablation.hpp"
+#include "flow/cpu_executor.hpp"
+#include "model/mixtral_config.hpp"
+#include "model/mixtral_weights.hpp"
+#include "options.hpp"
 
 namespace dmoe::cli {
 
@@ -34,6 +44,12 @@ struct FlowOptions {
   int32_t samples = 10;
   uint64_t seed = 1;
   std::string trace_path, json_path;
+  // measure
+  std::string model_config = "tiny", costs_out;
+  int64_t batch = 8, seq = 32;
+  int32_t world = 1, steps = 3;
+  std::vector<int32_t> measure_r = {1, 2, 4};
+  bool schedule_given = false;
 };
 
 void write_json(const std::string& path, const json& j, const char* what) {
@@ -150,14 +166,68 @@ int tune_command(const FlowOptions& o, const flow::CostModel& costs, int32_t lay
   return 0;
 }
 
+int measure_command(const FlowOptions& o) {
+  const MixtralConfig c = load_mixtral_config(find_model_config_file(o.model_config));
+  const flow::Schedule schedule = flow::parse_schedule(o.schedule_given ? o.schedule : "pipe-attn", "--schedule");
+  DMOE_REQUIRE(o.measure_r.size() >= 2, "--measure-r: give at least two values of R (the fit needs two)");
+  DMOE_REQUIRE(o.world >= 1 && o.batch >= 1 && o.seq >= 2, "--world {} (>= 1), --batch {} (>= 1), --seq {} (>= 2)",
+               o.world, o.batch, o.seq);
+  for (int32_t r : o.measure_r)
+    DMOE_REQUIRE(r >= 1 && o.batch % r == 0, "--measure-r {}: must divide --batch {} (sequences per rank)", r, o.batch);
+  const MixtralWeights w = random_mixtral_weights(c, 1);
+  Rng rng(2);
+  std::vector<int32_t> tokens(size_t(o.world * o.batch * o.seq));
+  for (auto& t : tokens) t = int32_t(rng.next() % uint64_t(c.vocab_size));
+  std::vector<flow::CpuFlowMeasurement> runs;
+  std::vector<flow::TaskGraph> graphs;
+  for (int32_t r : o.measure_r) {
+    flow::GraphSpec spec;
+    spec.layers = c.num_hidden_layers;
+    spec.micro_batches = r;
+    spec.schedule = schedule;
+    spec.dense_grad_bytes_per_layer = flow::mixtral_dense_grad_bytes_per_layer(c);
+    spec.chunk_bytes = o.chunk_bytes;
+    runs.push_back(flow::measure_cpu_flow(c, w, tokens, o.batch, o.seq, o.world, spec, o.steps));
+    graphs.push_back(flow::build_task_graph(spec));
+  }
+  const flow::CostModel fit =
+      flow::fit_cost_model({{&graphs[0], runs[0].timeline}, {&graphs[1], runs[1].timeline}});
+  std::printf("flow measure: CPU executor, model %s (%d layers), %lld sequences x %lld tokens per rank, W = %d, "
+              "schedule %s, median of %d steps; costs fitted to R = %d and %d, simulator with separate "
+              "communicators\n",
+              o.model_config.c_str(), c.num_hidden_layers, (long long)o.batch, (long long)o.seq, o.world,
+              flow::schedule_name(schedule), o.steps, o.measure_r[0], o.measure_r[1]);
+  std::printf("%3s %12s %13s %8s\n", "R", "measured ms", "predicted ms", "error");
+  json rows = json::array();
+  for (size_t i = 0; i < runs.size(); ++i) {
+    const double predicted = flow::simulate(graphs[i], fit, flow::LinkModel::separate).step_ms;
+    std::printf("%3d %12.2f %13.2f %7.1f%%\n", o.measure_r[i], runs[i].step_ms, predicted,
+                100.0 * (predicted - runs[i].step_ms) / runs[i].step_ms);
+    rows.push_back({{"micro_batches", o.measure_r[i]}, {"measured_ms", runs[i].step_ms}, {"predicted_ms", predicted}});
+  }
+  if (!o.costs_out.empty()) {
+    json costs = flow::cost_model_json(fit);
+    costs["note"] = fmt::format("fitted by dmoe flow measure (CPU executor, model {}, batch {} x {}, W = {}, schedule {})",
+                                o.model_config, o.batch, o.seq, o.world, flow::schedule_name(schedule));
+    write_json(o.costs_out, costs, "--costs-out");
+    std::printf("wrote %s\n", o.costs_out.c_str());
+  }
+  if (!o.json_path.empty()) {
+    write_json(o.json_path, {{"model", o.model_config}, {"schedule", flow::schedule_name(schedule)}, {"rows", rows},
+                             {"costs", flow::cost_model_json(fit)}}, "--json");
+    std::printf("wrote %s\n", o.json_path.c_str());
+  }
+  return 0;
+}
+
 }  // namespace
 
 Command add_flow_command(CLI::App& app) {
   auto o = std::make_shared<FlowOptions>();
   CLI::App* sub = app.add_subcommand("flow", "Flow's schedules on the simulator: simulate (the ablation) or tune (Sp, R)");
-  sub->add_option("action", o->action, "simulate or tune")->required();
-  sub->add_option("--costs", o->costs_path, "per-task costs JSON (e.g. bench/flow/example.json; docs/flow.md)")
+  sub->add_option("action", o->action, "simulate, tune, or measure (the CPU executor against the simulator)")
       ->required();
+  sub->add_option("--costs", o->costs_path, "simulate, tune: per-task costs JSON (e.g. bench/flow/example.json)");
   sub->add_option("--layers", o->layers, "layers (default: the cost file's \"layers\")");
   sub->add_option("--micro-batches", o->micro_batches, "R for pipe-moe, pipe-attn, chunked-ar (vanilla runs R = 1 in "
                   "the ablation)");
@@ -167,9 +237,19 @@ Command add_flow_command(CLI::App& app) {
   sub->add_option("--seed", o->seed, "tuner seed");
   sub->add_option("--trace", o->trace_path, "simulate: write the timelines as Chrome trace-event JSON");
   sub->add_option("--json", o->json_path, "also write the results as JSON");
-  return [o] {
-    DMOE_REQUIRE(o->action == "simulate" || o->action == "tune", "flow {}: unknown action (allowed: simulate, tune)",
-                 o->action);
+  sub->add_option("--config", o->model_config, "measure: HF Mixtral config.json or a named model in bench/models");
+  sub->add_option("--batch", o->batch, "measure: sequences per rank");
+  sub->add_option("--seq", o->seq, "measure: sequence length");
+  sub->add_option("--world", o->world, "measure: simulated ranks");
+  sub->add_option("--measure-r", o->measure_r, "measure: values of R (the first two are fitted)")->delimiter(',');
+  sub->add_option("--steps", o->steps, "measure: steps per R (median)");
+  sub->add_option("--costs-out", o->costs_out, "measure: write the fitted cost file here");
+  return [o, sub] {
+    DMOE_REQUIRE(o->action == "simulate" || o->action == "tune" || o->action == "measure",
+                 "flow {}: unknown action (allowed: simulate, tune, measure)", o->action);
+    o->schedule_given = sub->count("--schedule") > 0;
+    if (o->action == "measure") return measure_command(*o);
+    DMOE_REQUIRE(!o->costs_path.empty(), "--costs: required for flow {}", o->action);
     const flow::CostModel costs = flow::load_cost_model(o->costs_path);
     const int32_t layers = o->layers > 0 ? o->layers : costs.layers;
     DMOE_REQUIRE(layers >= 1, "--layers {}: must be >= 1 (or give \"layers\" in {})", o->layers, o->costs_path);
