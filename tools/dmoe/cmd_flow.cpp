@@ -7,8 +7,8 @@
 //                      [--steps 3] [--costs-out fitted.json] [--json out.json]
 //
 // measure runs the CPU executor (the Mixtral model's stages in the graph's orders, src/flow/cpu_executor.*) at
-// each R, fits a cost file to the first two R's timelines and compares the simulator's prediction with the
-// measured step at every R.
+// each R, fits a cost file to the timelines of every R but the last (both when two are given) and compares the
+// simulator's prediction with the measured step at every R (the last one out of sample).
 // simulate prints the step time of each schedule (the paper's ablation: vanilla, pipe-moe, pipe-attn,
 // chunked-ar, tuned) from per-task costs; tune runs the Bayesian optimiser of (Sp, R) against the simulator
 // and compares its best with the best of the whole grid.
@@ -190,13 +190,17 @@ int measure_command(const FlowOptions& o) {
     runs.push_back(flow::measure_cpu_flow(c, w, tokens, o.batch, o.seq, o.world, spec, o.steps));
     graphs.push_back(flow::build_task_graph(spec));
   }
-  const flow::CostModel fit =
-      flow::fit_cost_model({{&graphs[0], runs[0].timeline}, {&graphs[1], runs[1].timeline}});
+  // Fit on every R but the last (on both when there are two), so the last row is a prediction out of sample.
+  const size_t num_fit = runs.size() > 2 ? runs.size() - 1 : runs.size();
+  std::vector<flow::MeasuredRun> measured;
+  for (size_t i = 0; i < num_fit; ++i) measured.push_back({&graphs[i], runs[i].timeline});
+  const flow::CostModel fit = flow::fit_cost_model(measured);
+  std::string fitted;
+  for (size_t i = 0; i < num_fit; ++i) fitted += fmt::format("{}{}", i ? ", " : "", o.measure_r[i]);
   std::printf("flow measure: CPU executor, model %s (%d layers), %lld sequences x %lld tokens per rank, W = %d, "
-              "schedule %s, median of %d steps; costs fitted to R = %d and %d, simulator with separate "
-              "communicators\n",
+              "schedule %s, median of %d steps; costs fitted to R = %s, simulator with separate communicators\n",
               o.model_config.c_str(), c.num_hidden_layers, (long long)o.batch, (long long)o.seq, o.world,
-              flow::schedule_name(schedule), o.steps, o.measure_r[0], o.measure_r[1]);
+              flow::schedule_name(schedule), o.steps, fitted.c_str());
   std::printf("%3s %12s %13s %8s\n", "R", "measured ms", "predicted ms", "error");
   json rows = json::array();
   for (size_t i = 0; i < runs.size(); ++i) {
@@ -241,7 +245,7 @@ Command add_flow_command(CLI::App& app) {
   sub->add_option("--batch", o->batch, "measure: sequences per rank");
   sub->add_option("--seq", o->seq, "measure: sequence length");
   sub->add_option("--world", o->world, "measure: simulated ranks");
-  sub->add_option("--measure-r", o->measure_r, "measure: values of R (the first two are fitted)")->delimiter(',');
+  sub->add_option("--measure-r", o->measure_r, "measure: values of R (all but the last are fitted)")->delimiter(',');
   sub->add_option("--steps", o->steps, "measure: steps per R (median)");
   sub->add_option("--costs-out", o->costs_out, "measure: write the fitted cost file here");
   return [o, sub] {
