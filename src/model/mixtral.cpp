@@ -38,16 +38,31 @@ void MixtralModel::zero_grads() {
   for (ParamView& p : parameter_views(grads_, config_)) std::fill(p.data, p.data + p.numel, 0.0f);
 }
 
+// NOTE: one scratch per thread, not per model: a Flow executor runs stages of one model on two threads at once
+// (attention_backward on the compute thread, moe_backward on the communication thread).
 template <typename Fn>
 void MixtralModel::accumulate(float* grad, int64_t numel, Fn&& kernel) {
-  scratch_.assign(size_t(numel), 0.0);
-  kernel(scratch_.data());
-  for (int64_t i = 0; i < numel; ++i) grad[i] = float(double(grad[i]) + scratch_[i]);
+  static thread_local std::vector<double> scratch;
+  scratch.assign(size_t(numel), 0.0);
+  kernel(scratch.data());
+  for (int64_t i = 0; i < numel; ++i) grad[i] = float(double(grad[i]) + scratch[i]);
 }
 
 // ---- forward ---------------------------------------------------------------------------------------
 
 double MixtralModel::forward(const int32_t* tokens, int64_t batch, int64_t seq, ModelState& st) {
+  begin_forward(tokens, batch, seq, st);
+  embed_forward(st);
+  for (int l = 0; l < config_.num_hidden_layers; ++l) {
+    attention_forward(l, st);
+    moe_forward(l, st);
+  }
+  head_forward(st);
+  st.forward_done = true;
+  return st.loss;
+}
+
+void MixtralModel::begin_forward(const int32_t* tokens, int64_t batch, int64_t seq, ModelState& st) {
   DMOE_REQUIRE(!weights_.layers.empty(), "mixtral: set_weights() was not called");
   DMOE_REQUIRE(batch >= 1, "mixtral: batch = {} must be >= 1", batch);
   config_.check_sequence(seq);
@@ -65,15 +80,6 @@ double MixtralModel::forward(const int32_t* tokens, int64_t batch, int64_t seq, 
     for (int64_t s = 0; s + 1 < seq; ++s) st.targets[b * seq + s] = tokens[b * seq + s + 1];
   st.blocks.resize(config_.num_hidden_layers);
   st.forward_done = false;
-
-  embed_forward(st);
-  for (int l = 0; l < config_.num_hidden_layers; ++l) {
-    attention_forward(l, st);
-    moe_forward(l, st);
-  }
-  head_forward(st);
-  st.forward_done = true;
-  return st.loss;
 }
 
 void MixtralModel::embed_forward(ModelState& st) {

@@ -91,6 +91,9 @@ class MixtralModel {
   // EpEngine sums). Collective; a no-op on one rank.
   void reduce_grads();
 
+  // Checks tokens [batch, seq] and sets up the state (tokens, targets, blocks): what forward() does before
+  // its stages, for a scheduler that runs the stages itself (then sets state.forward_done after head_forward).
+  void begin_forward(const int32_t* tokens, int64_t batch, int64_t seq, ModelState& state);
   // The stages forward() and backward() run, in order: embed, then per layer attention and moe, then head;
   // backward: head, then per layer (last first) moe and attention, then embed.
   void embed_forward(ModelState& state);
@@ -120,7 +123,6 @@ class MixtralModel {
   int32_t rank_ = 0, world_ = 1;
   MixtralWeights weights_, grads_;
   uint64_t weights_version_ = 1;
-  std::vector<double> scratch_;
 };
 
 // A whole batch on W simulated ranks (threads + ThreadComm), as `dmoe eval` runs it.

@@ -16,5 +16,6 @@ Command add_launch_command(CLI::App& app);
 Command add_init_model_command(CLI::App& app);
 Command add_eval_command(CLI::App& app);
 Command add_train_command(CLI::App& app);
+Command add_flow_command(CLI::App& app);
 
 }  // namespace dmoe::cli

@@ -5,6 +5,7 @@
 //   dmoe bench  time the engines on a config and print a table
 //   dmoe init-model / eval   a whole Mixtral model: random HF checkpoint / forward (+ backward) on tokens
 //   dmoe train  train a Mixtral model on byte-level text (CPU)
+//   dmoe flow   Flow's schedules on the simulator: simulate (the ablation), tune (Sp, R)
 #include <cstdio>
 #include <map>
 #include <new>
@@ -41,6 +42,7 @@ int main(int argc, char** argv) {
   add(dmoe::cli::add_init_model_command);
   add(dmoe::cli::add_eval_command);
   add(dmoe::cli::add_train_command);
+  add(dmoe::cli::add_flow_command);
   // Defaults that say nothing: a required option's placeholder ("=0 REQUIRED"), an empty list ("=[]").
   for (CLI::App* sub : app.get_subcommands({}))
     for (CLI::Option* option : sub->get_options())

@@ -1,0 +1,48 @@
+// ablation.hpp — the paper's ablation on the simulator: the five schedules from one cost file, and the
+// tuner run against the simulator (what `dmoe flow simulate` and `dmoe flow tune` print).
+//
+//   vanilla      R = 1 (no micro-batches), whole AR after backward
+//   pipe-moe     R micro-batches through D/E/C, AT on the whole batch
+//   pipe-attn    + AT per micro-batch
+//   chunked-ar   + AR in chunks of Sp (default 1 MiB) under the priority rule
+//   tuned        chunked-ar at the (Sp, R) the tuner found in `samples` simulated steps
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "flow/simulator.hpp"
+#include "flow/task_graph.hpp"
+#include "flow/tuner.hpp"
+
+namespace dmoe::flow {
+
+struct ScheduleRun {
+  GraphSpec spec;
+  SimResult result;
+};
+
+struct TuneSample {
+  TunePoint point;
+  double step_ms = 0;
+};
+
+struct TuneRun {
+  std::vector<TuneSample> samples;  // in the order the tuner asked for them
+  TunePoint best;
+  double best_step_ms = 0;
+};
+
+// The simulated step at (Sp, R) with the tuned schedule.
+double simulated_step_ms(int32_t layers, const CostModel& costs, const TunePoint& point);
+TuneRun tune_on_simulator(int32_t layers, const CostModel& costs, int32_t samples, const TunerOptions& options = {});
+
+// One schedule (vanilla runs with R = 1 unless vanilla_with_r). schedule tuned: runs the tuner first.
+ScheduleRun run_schedule(Schedule schedule, int32_t layers, int32_t micro_batches, int64_t chunk_bytes,
+                         const CostModel& costs, int32_t tune_samples = 10, const TunerOptions& options = {},
+                         bool vanilla_with_r = false);
+// All five, in the ablation's order.
+std::vector<ScheduleRun> run_ablation(int32_t layers, int32_t micro_batches, int64_t chunk_bytes, const CostModel& costs,
+                                      int32_t tune_samples = 10, const TunerOptions& options = {});
+
+}  // namespace dmoe::flow

@@ -1,0 +1,299 @@
+// cpu_executor.cpp — the Flow task graph driving the CPU Mixtral model (see cpu_executor.hpp).
+#include "flow/cpu_executor.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <exception>
+#include <mutex>
+#include <thread>
+
+#include "core/error.hpp"
+
+namespace dmoe::flow {
+
+namespace {
+
+struct Segment {
+  float* data = nullptr;
+  int64_t numel = 0;
+};
+
+bool layer_dense(const ParamView& p, int layer) {
+  return !p.is_expert && !p.is_gate && p.name.rfind(fmt::format("model.layers.{}.", layer), 0) == 0;
+}
+
+// The state the three threads share (one mutex: the tasks are coarse, milliseconds each).
+struct Shared {
+  std::mutex mutex;
+  std::condition_variable changed;
+  std::vector<uint8_t> done;
+  bool failed = false;
+  bool alltoall_running = false;  // a real stage on the all-to-all thread
+  size_t alltoall_next = 0;       // position in alltoall_order of the next task not yet started
+  bool alltoall_finished = false, compute_finished = false;
+
+  bool deps_done(const Task& t) const {
+    for (int32_t d : t.deps)
+      if (!done[size_t(d)]) return false;
+    return true;
+  }
+  void check_failed() const {
+    if (failed) DMOE_FAIL("flow executor: another thread of this rank failed");
+  }
+  void wait_deps(const Task& t) {
+    std::unique_lock<std::mutex> lock(mutex);
+    changed.wait(lock, [&] { return failed || deps_done(t); });
+    check_failed();
+  }
+  void mark_done(int32_t id) {
+    std::lock_guard<std::mutex> lock(mutex);
+    done[size_t(id)] = 1;
+    changed.notify_all();
+  }
+  void fail() {
+    std::lock_guard<std::mutex> lock(mutex);
+    failed = true;
+    changed.notify_all();
+  }
+};
+
+}  // namespace
+
+int64_t mixtral_dense_grad_bytes_per_layer(const MixtralConfig& c) {
+  const int64_t H = c.hidden_size;
+  return 4 * (2 * H + 2 * c.q_size() * H + 2 * c.kv_size() * H);  // norms, q and o, k and v (f32)
+}
+
+double run_cpu_flow_step(MixtralModel& model, Comm& ar_comm, const TaskGraph& g, const int32_t* tokens, int64_t batch,
+                         int64_t seq, std::vector<ModelState>& states, std::vector<TraceEvent>* timeline) {
+  const MixtralConfig& c = model.config();
+  const int32_t L = c.num_hidden_layers, R = g.spec.micro_batches;
+  DMOE_REQUIRE(g.spec.layers == L, "flow executor: graph layers {} but the model has {}", g.spec.layers, L);
+  DMOE_REQUIRE(batch % R == 0, "flow executor: batch {} sequences do not split into micro_batches {}", batch, R);
+  DMOE_REQUIRE(!c.tie_word_embeddings,
+               "flow executor: tie_word_embeddings = true is not supported (head and embedding backward add into "
+               "one tensor on one thread in another order than the sequential one)");
+  DMOE_REQUIRE(g.spec.dense_grad_bytes_per_layer == mixtral_dense_grad_bytes_per_layer(c),
+               "flow executor: graph dense_grad_bytes_per_layer {} but the model's layers hold {} bytes of all-reduced "
+               "gradients", g.spec.dense_grad_bytes_per_layer, mixtral_dense_grad_bytes_per_layer(c));
+  for (int32_t id : g.allreduce_order)
+    DMOE_REQUIRE(g.tasks[size_t(id)].bytes % 4 == 0, "flow executor: chunk_bytes {}: must be a multiple of 4 (f32 "
+                 "gradients)", g.spec.chunk_bytes);
+  DMOE_REQUIRE(ar_comm.world() == model.world() && ar_comm.rank() == model.rank(),
+               "flow executor: the all-reduce communicator is rank {} of {}, the model's rank {} of {}", ar_comm.rank(),
+               ar_comm.world(), model.rank(), model.world());
+  check_task_graph(g);
+
+  const int64_t micro = batch / R;
+  states.resize(size_t(R));
+  for (int32_t r = 0; r < R; ++r) model.begin_forward(tokens + r * micro * seq, micro, seq, states[size_t(r)]);
+  std::vector<std::vector<float>> dresid(static_cast<size_t>(R)), dh(static_cast<size_t>(R));
+  const double scale = 1.0 / R;
+
+  // The dense gradients in backward's order (layer L−1 first), and the rest (embedding, norm, lm_head).
+  std::vector<ParamView> views = parameter_views(model.grads(), c);
+  std::vector<Segment> layered, tail;
+  for (int l = L - 1; l >= 0; --l)
+    for (const ParamView& p : views)
+      if (layer_dense(p, l)) layered.push_back({p.data, p.numel});
+  for (const ParamView& p : views) {
+    bool in_layer = false;
+    for (int l = 0; l < L; ++l) in_layer |= layer_dense(p, l);
+    if (!p.is_expert && !p.is_gate && !in_layer) tail.push_back({p.data, p.numel});
+  }
+  auto allreduce_elements = [&](int64_t begin, int64_t end) {  // [begin, end) of the layered gradients
+    int64_t offset = 0;
+    for (const Segment& s : layered) {
+      const int64_t lo = std::max(begin, offset), hi = std::min(end, offset + s.numel);
+      if (lo < hi) ar_comm.allreduce_sum(s.data + (lo - offset), hi - lo, DType::f32, nullptr);
+      offset += s.numel;
+    }
+  };
+
+  auto each_r = [&](const Task& t, auto&& fn) {
+    if (t.micro_batch >= 0) return fn(t.micro_batch);
+    for (int32_t r = 0; r < R; ++r) fn(r);
+  };
+  auto run_compute = [&](const Task& t) {
+    if (t.kind == TaskKind::attention_fwd)
+      each_r(t, [&](int32_t r) {
+        if (t.layer == 0) model.embed_forward(states[size_t(r)]);
+        model.attention_forward(t.layer, states[size_t(r)]);
+      });
+    else if (t.kind == TaskKind::attention_bwd)
+      each_r(t, [&](int32_t r) {
+        model.attention_backward(t.layer, states[size_t(r)], dh[size_t(r)], dresid[size_t(r)]);
+        if (t.layer == 0) {
+          model.embed_backward(states[size_t(r)], dresid[size_t(r)]);
+          states[size_t(r)].forward_done = false;
+        }
+      });
+  };
+  auto run_alltoall = [&](const Task& t) {
+    ModelState& st = states[size_t(t.micro_batch)];
+    if (t.kind == TaskKind::dispatch_fwd) {
+      model.moe_forward(t.layer, st);
+      if (t.layer == L - 1) {
+        model.head_forward(st);
+        st.forward_done = true;
+      }
+    } else if (t.kind == TaskKind::combine_bwd) {
+      if (t.layer == L - 1) model.head_backward(st, dresid[size_t(t.micro_batch)], scale);
+      model.moe_backward(t.layer, st, dresid[size_t(t.micro_batch)], dh[size_t(t.micro_batch)], scale);
+    }
+  };
+  auto is_empty = [](TaskKind k) {
+    return k == TaskKind::expert_fwd || k == TaskKind::combine_fwd || k == TaskKind::expert_bwd ||
+           k == TaskKind::dispatch_bwd;
+  };
+
+  Shared sh;
+  sh.done.assign(g.tasks.size(), 0);
+  const auto t0 = std::chrono::steady_clock::now();
+  auto now_ms = [&] { return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count(); };
+  if (timeline) timeline->clear();
+  // Runs fn as task id, recording its start and end (the end before the task is marked done).
+  auto timed = [&](int32_t id, auto&& fn) {
+    const double start = now_ms();
+    fn();
+    if (!timeline) return;
+    const double end = now_ms();
+    std::lock_guard<std::mutex> lock(sh.mutex);
+    timeline->push_back({id, start, end});
+  };
+  const int rank_for_errors = error_rank();
+  std::exception_ptr compute_error, allreduce_error, alltoall_error;
+
+  std::thread compute([&] {
+    error_rank() = rank_for_errors;
+    try {
+      for (int32_t id : g.compute_order) {
+        const Task& t = g.tasks[size_t(id)];
+        if (!is_empty(t.kind)) {
+          sh.wait_deps(t);
+          timed(id, [&] { run_compute(t); });
+        }
+        sh.mark_done(id);
+      }
+      std::lock_guard<std::mutex> lock(sh.mutex);
+      sh.compute_finished = true;
+      sh.changed.notify_all();
+    } catch (...) {
+      compute_error = std::current_exception();
+      sh.fail();
+    }
+  });
+  std::thread allreduce([&] {
+    error_rank() = rank_for_errors;
+    try {
+      int64_t begin = 0;
+      for (int32_t id : g.allreduce_order) {
+        const Task& t = g.tasks[size_t(id)];
+        {
+          // The priority rule: dependencies done, and no all-to-all stage running or ready.
+          std::unique_lock<std::mutex> lock(sh.mutex);
+          sh.changed.wait(lock, [&] {
+            if (sh.failed) return true;
+            if (!sh.deps_done(t)) return false;
+            if (sh.alltoall_finished) return true;
+            return !sh.alltoall_running &&
+                   !sh.deps_done(g.tasks[size_t(g.alltoall_order[sh.alltoall_next])]);
+          });
+          sh.check_failed();
+        }
+        timed(id, [&] {
+          if (model.world() > 1) allreduce_elements(begin / 4, (begin + t.bytes) / 4);
+        });
+        begin += t.bytes;
+        sh.mark_done(id);
+      }
+      {
+        std::unique_lock<std::mutex> lock(sh.mutex);
+        sh.changed.wait(lock, [&] { return sh.failed || (sh.compute_finished && sh.alltoall_finished); });
+        sh.check_failed();
+      }
+      if (model.world() > 1)
+        for (const Segment& s : tail) ar_comm.allreduce_sum(s.data, s.numel, DType::f32, nullptr);
+    } catch (...) {
+      allreduce_error = std::current_exception();
+      sh.fail();
+    }
+  });
+  // The all-to-all thread is this one.
+  try {
+    for (size_t i = 0; i < g.alltoall_order.size(); ++i) {
+      const int32_t id = g.alltoall_order[i];
+      const Task& t = g.tasks[size_t(id)];
+      if (!is_empty(t.kind)) {
+        sh.wait_deps(t);
+        {
+          std::lock_guard<std::mutex> lock(sh.mutex);
+          sh.alltoall_running = true;
+          sh.alltoall_next = i + 1;
+        }
+        timed(id, [&] { run_alltoall(t); });
+      }
+      std::lock_guard<std::mutex> lock(sh.mutex);
+      sh.alltoall_running = false;
+      sh.alltoall_next = i + 1;
+      sh.done[size_t(id)] = 1;
+      if (sh.alltoall_next == g.alltoall_order.size()) sh.alltoall_finished = true;
+      sh.changed.notify_all();
+    }
+  } catch (...) {
+    alltoall_error = std::current_exception();
+    sh.fail();
+  }
+  compute.join();
+  allreduce.join();
+  // The root cause first: an error of its own before the "another thread failed" ones it caused.
+  std::exception_ptr first;
+  for (const std::exception_ptr& e : {alltoall_error, compute_error, allreduce_error}) {
+    if (!e || first) continue;
+    try {
+      std::rethrow_exception(e);
+    } catch (const std::exception& x) {
+      if (std::string(x.what()).find("another thread of this rank failed") == std::string::npos) first = e;
+    }
+  }
+  for (const std::exception_ptr& e : {alltoall_error, compute_error, allreduce_error})
+    if (e && !first) first = e;
+  if (first) std::rethrow_exception(first);
+  double loss = 0;
+  for (const ModelState& st : states) loss += st.loss / R;
+  return loss;
+}
+
+CpuFlowMeasurement measure_cpu_flow(const MixtralConfig& c, const MixtralWeights& w, const std::vector<int32_t>& tokens,
+                                    int64_t batch, int64_t seq, int32_t world, const GraphSpec& spec, int32_t steps) {
+  DMOE_REQUIRE(steps >= 1, "--steps {}: must be >= 1", steps);
+  DMOE_REQUIRE(int64_t(tokens.size()) == world * batch * seq, "measure: {} tokens for [{} x {}, {}]", tokens.size(),
+               world, batch, seq);
+  const TaskGraph g = build_task_graph(spec);
+  CpuFlowMeasurement m;
+  m.spec = spec;
+  std::vector<double> times;
+  auto ar_comms = make_thread_comms(world);
+  run_thread_ranks(world, [&](int32_t rank, Comm& comm) {
+    MixtralModel model(c, comm);
+    model.set_weights(slice_mixtral_experts(w, model.first_expert(), model.experts_per_rank()));
+    std::vector<ModelState> states;
+    std::vector<TraceEvent> timeline;
+    for (int32_t s = 0; s < steps; ++s) {
+      model.zero_grads();
+      comm.barrier(nullptr);
+      const auto t0 = std::chrono::steady_clock::now();
+      run_cpu_flow_step(model, *ar_comms[size_t(rank)], g, tokens.data() + rank * batch * seq, batch, seq, states,
+                        rank == 0 ? &timeline : nullptr);
+      if (rank == 0)
+        times.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    }
+    if (rank == 0) m.timeline = std::move(timeline);
+  });
+  std::sort(times.begin(), times.end());
+  m.step_ms = times[times.size() / 2];
+  return m;
+}
+
+}  // namespace dmoe::flow

@@ -1,0 +1,62 @@
+// cpu_executor.hpp — runs one training step of the CPU Mixtral model (src/model/mixtral.*) in a Flow task
+// graph's issue orders, on three host threads per rank:
+//
+//   compute thread     compute_order:  AT  → embed_forward (l = 0) + attention_forward
+//                                      AT' → attention_backward + embed_backward (l = 0)
+//   all-to-all thread  alltoall_order: D   → moe_forward (the model's MoE stage runs D, E and C inside one
+//                                            EpEngine call) + head_forward (l = L−1: the loss all-reduce)
+//                                      C'  → head_backward (l = L−1) + moe_backward (C', E', D')
+//                      (the caller's thread: every collective on the model's communicator is issued here,
+//                      in alltoall_order, so every rank issues them in the same order)
+//   all-reduce thread  allreduce_order on its own communicator: chunk k all-reduces bytes [k·Sp, (k+1)·Sp)
+//                      of the layers' dense gradients laid out layer L−1 first (the graph's layout), under
+//                      the priority rule (no all-to-all stage ready or running); then the embedding, final
+//                      norm and lm_head gradients in one call once everything else is done.
+//
+// E, C, E', D' are empty here (their work is inside the merged stages above): they are marked done when their
+// thread reaches them, without waiting. Every other task waits for its true dependencies only.
+//
+// The gradients are bit-identical to running, on the same micro-batches, forward(r) for r = 0..R−1, then
+// backward(r, 1/R) for r = 0..R−1, then reduce_grads(): every gradient tensor receives its micro-batches'
+// contributions in the same order (each stage kind runs its micro-batches in order on one thread), and the
+// chunked all-reduce sums each element over ranks as reduce_grads() does. Not with tied embeddings: there
+// head_backward and embed_backward both add into embed_tokens, in another order than the sequential one
+// (refused). (The trainer runs its backwards from r = R−1 down; that order is not this one.)
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "comm/comm.hpp"
+#include "flow/simulator.hpp"
+#include "flow/task_graph.hpp"
+#include "model/mixtral.hpp"
+
+namespace dmoe::flow {
+
+// Bytes of one layer's all-reduced gradients (norms, q/k/v/o; not the gate, which EpEngine sums, nor experts).
+int64_t mixtral_dense_grad_bytes_per_layer(const MixtralConfig& config);
+
+// One step on this rank: tokens [batch, seq], split into graph.spec.micro_batches micro-batches of whole
+// sequences; states: R states (resized). Adds the gradients (scaled 1/R) to model.grads() and all-reduces the
+// dense ones over ranks through allreduce_comm (a communicator of its own, same ranks as the model's).
+// Returns the mean of the micro-batches' losses. Collective over the model's ranks.
+// timeline (optional): every non-empty task's wall-clock start and end in ms from the step's start, in the order
+// the tasks ended (measured per-task times: the input a cost file for the simulator is fitted from).
+double run_cpu_flow_step(MixtralModel& model, Comm& allreduce_comm, const TaskGraph& graph, const int32_t* tokens,
+                         int64_t batch, int64_t seq, std::vector<ModelState>& states,
+                         std::vector<TraceEvent>* timeline = nullptr);
+
+// Measurement on W thread ranks (two ThreadComm groups): `steps` training steps (zero_grads + one
+// run_cpu_flow_step) of a model with these weights on tokens [W·batch, seq]; step_ms is rank 0's median wall
+// time per step (a barrier before each), timeline rank 0's last step.
+struct CpuFlowMeasurement {
+  GraphSpec spec;
+  double step_ms = 0;
+  std::vector<TraceEvent> timeline;
+};
+CpuFlowMeasurement measure_cpu_flow(const MixtralConfig& config, const MixtralWeights& weights,
+                                    const std::vector<int32_t>& tokens, int64_t batch, int64_t seq, int32_t world,
+                                    const GraphSpec& spec, int32_t steps);
+
+}  // namespace dmoe::flow

@@ -1,0 +1,412 @@
+// simulator.cpp — the discrete-event simulator of Flow's schedules (see simulator.hpp).
+#include "flow/simulator.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <limits>
+
+#include <nlohmann/json.hpp>
+
+#include "core/error.hpp"
+
+namespace dmoe::flow {
+
+using nlohmann::json;
+
+namespace {
+
+double number_at(const json& j, const std::string& key, const std::string& where) {
+  DMOE_REQUIRE(j.contains(key), "{}: missing key '{}'", where, key);
+  DMOE_REQUIRE(j.at(key).is_number(), "{}.{}: must be a number (got {})", where, key, j.at(key).dump());
+  const double v = j.at(key).get<double>();
+  DMOE_REQUIRE(std::isfinite(v) && v >= 0, "{}.{} = {}: must be finite and >= 0", where, key, v);
+  return v;
+}
+
+void only_keys(const json& j, std::initializer_list<const char*> keys, const std::string& where) {
+  DMOE_REQUIRE(j.is_object(), "{}: must be a JSON object (got {})", where, j.dump());
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    bool known = false;
+    std::string allowed;
+    for (const char* k : keys) {
+      known |= it.key() == k;
+      allowed += std::string(allowed.empty() ? "" : ", ") + k;
+    }
+    DMOE_REQUIRE(known, "{}: unknown key '{}' (allowed: {})", where, it.key(), allowed);
+  }
+}
+
+}  // namespace
+
+void validate(const CostModel& c) {
+  for (int k = 0; k < 8; ++k) {
+    const char* name = task_kind_name(TaskKind(k));
+    DMOE_REQUIRE(std::isfinite(c.tasks[size_t(k)].fixed_ms) && c.tasks[size_t(k)].fixed_ms >= 0,
+                 "costs.tasks.{}.fixed_ms = {}: must be finite and >= 0", name, c.tasks[size_t(k)].fixed_ms);
+    DMOE_REQUIRE(std::isfinite(c.tasks[size_t(k)].batch_ms) && c.tasks[size_t(k)].batch_ms >= 0,
+                 "costs.tasks.{}.batch_ms = {}: must be finite and >= 0", name, c.tasks[size_t(k)].batch_ms);
+  }
+  DMOE_REQUIRE(std::isfinite(c.ar_alpha_ms) && c.ar_alpha_ms >= 0, "costs.allreduce.alpha_ms = {}: must be finite and >= 0",
+               c.ar_alpha_ms);
+  DMOE_REQUIRE(std::isfinite(c.ar_bytes_per_ms) && c.ar_bytes_per_ms > 0,
+               "costs.allreduce.gbytes_per_s = {}: must be finite and > 0", c.ar_bytes_per_ms / 1e6);
+  DMOE_REQUIRE(c.dense_grad_bytes_per_layer >= 0, "costs.dense_grad_bytes_per_layer = {}: must be >= 0",
+               c.dense_grad_bytes_per_layer);
+}
+
+CostModel parse_cost_model(const json& j, const std::string& where) {
+  only_keys(j, {"layers", "dense_grad_bytes_per_layer", "tasks", "allreduce", "note"}, where);
+  CostModel c;
+  if (j.contains("layers")) {
+    DMOE_REQUIRE(j.at("layers").is_number_integer() && j.at("layers").get<int64_t>() >= 1 &&
+                     j.at("layers").get<int64_t>() <= 100000,
+                 "{}.layers = {}: must be an integer in [1, 100000]", where, j.at("layers").dump());
+    c.layers = j.at("layers").get<int32_t>();
+  }
+  DMOE_REQUIRE(j.contains("dense_grad_bytes_per_layer"), "{}: missing key 'dense_grad_bytes_per_layer'", where);
+  DMOE_REQUIRE(j.at("dense_grad_bytes_per_layer").is_number_integer() &&
+                   j.at("dense_grad_bytes_per_layer").get<int64_t>() >= 0,
+               "{}.dense_grad_bytes_per_layer = {}: must be an integer >= 0", where,
+               j.at("dense_grad_bytes_per_layer").dump());
+  c.dense_grad_bytes_per_layer = j.at("dense_grad_bytes_per_layer").get<int64_t>();
+  DMOE_REQUIRE(j.contains("tasks"), "{}: missing key 'tasks' (AT, D, E, C, C', E', D', AT')", where);
+  const json& tasks = j.at("tasks");
+  only_keys(tasks, {"AT", "D", "E", "C", "C'", "E'", "D'", "AT'"}, where + ".tasks");
+  for (int k = 0; k < 8; ++k) {
+    const std::string name = task_kind_name(TaskKind(k));
+    DMOE_REQUIRE(tasks.contains(name), "{}.tasks: missing key '{}' (every one of AT, D, E, C, C', E', D', AT' is required)",
+                 where, name);
+    const std::string w = where + ".tasks." + name;
+    only_keys(tasks.at(name), {"fixed_ms", "batch_ms"}, w);
+    c.tasks[size_t(k)].fixed_ms = tasks.at(name).contains("fixed_ms") ? number_at(tasks.at(name), "fixed_ms", w) : 0.0;
+    c.tasks[size_t(k)].batch_ms = number_at(tasks.at(name), "batch_ms", w);
+  }
+  DMOE_REQUIRE(j.contains("allreduce"), "{}: missing key 'allreduce' ({{\"alpha_ms\", \"gbytes_per_s\"}})", where);
+  only_keys(j.at("allreduce"), {"alpha_ms", "gbytes_per_s"}, where + ".allreduce");
+  c.ar_alpha_ms = number_at(j.at("allreduce"), "alpha_ms", where + ".allreduce");
+  const double gbps = number_at(j.at("allreduce"), "gbytes_per_s", where + ".allreduce");
+  DMOE_REQUIRE(gbps > 0, "{}.allreduce.gbytes_per_s = {}: must be > 0", where, gbps);
+  c.ar_bytes_per_ms = gbps * 1e6;  // 1 GB/s = 1e9 B / 1e3 ms
+  validate(c);
+  return c;
+}
+
+json cost_model_json(const CostModel& c) {
+  json tasks = json::object();
+  for (int k = 0; k < 8; ++k)
+    tasks[task_kind_name(TaskKind(k))] = {{"fixed_ms", c.tasks[size_t(k)].fixed_ms}, {"batch_ms", c.tasks[size_t(k)].batch_ms}};
+  json j = {{"dense_grad_bytes_per_layer", c.dense_grad_bytes_per_layer},
+            {"tasks", tasks},
+            {"allreduce", {{"alpha_ms", c.ar_alpha_ms}, {"gbytes_per_s", c.ar_bytes_per_ms / 1e6}}}};
+  if (c.layers > 0) j["layers"] = c.layers;
+  return j;
+}
+
+namespace {
+// Least squares y = a + b·x; false when the x do not take two distinct values.
+bool fit_line(const std::vector<double>& x, const std::vector<double>& y, double* a, double* b) {
+  const double n = double(x.size());
+  double sx = 0, sy = 0;
+  for (size_t i = 0; i < x.size(); ++i) sx += x[i], sy += y[i];
+  const double mx = sx / n, my = sy / n;
+  double sxx = 0, sxy = 0;
+  for (size_t i = 0; i < x.size(); ++i) sxx += (x[i] - mx) * (x[i] - mx), sxy += (x[i] - mx) * (y[i] - my);
+  if (!(sxx > 1e-12 * (1 + mx * mx))) return false;
+  *b = sxy / sxx;
+  *a = my - *b * mx;
+  return true;
+}
+}  // namespace
+
+CostModel fit_cost_model(const std::vector<MeasuredRun>& runs) {
+  DMOE_REQUIRE(!runs.empty(), "fit_cost_model: no measured runs");
+  std::array<std::vector<double>, 9> x, y;  // per kind: m/R (AR: bytes) and the measured duration
+  CostModel c;
+  for (size_t i = 0; i < runs.size(); ++i) {
+    DMOE_REQUIRE(runs[i].graph, "fit_cost_model: run {} has no graph", i);
+    const TaskGraph& g = *runs[i].graph;
+    if (i == 0) c.dense_grad_bytes_per_layer = g.spec.dense_grad_bytes_per_layer, c.layers = g.spec.layers;
+    for (const TraceEvent& e : runs[i].timeline) {
+      DMOE_REQUIRE(e.task >= 0 && e.task < int32_t(g.tasks.size()) && e.end_ms >= e.start_ms,
+                   "fit_cost_model: run {}: event for task {} [{}, {}] is not a task of its graph or ends before it starts",
+                   i, e.task, e.start_ms, e.end_ms);
+      const Task& t = g.tasks[size_t(e.task)];
+      const size_t k = size_t(t.kind);
+      x[k].push_back(t.kind == TaskKind::allreduce ? double(t.bytes)
+                                                   : double(t.num_micro_batches) / double(g.spec.micro_batches));
+      y[k].push_back(e.end_ms - e.start_ms);
+    }
+  }
+  for (int k = 0; k < 8; ++k) {
+    if (x[size_t(k)].empty()) continue;  // not measured: costs 0
+    double a = 0, b = 0;
+    DMOE_REQUIRE(fit_line(x[size_t(k)], y[size_t(k)], &a, &b),
+                 "fit_cost_model: task kind {}: all {} measured tasks cover the same share of the batch; measure two "
+                 "values of R (micro_batches) to separate fixed_ms from batch_ms",
+                 task_kind_name(TaskKind(k)), x[size_t(k)].size());
+    c.tasks[size_t(k)] = {std::max(0.0, a), std::max(0.0, b)};
+  }
+  const size_t ar = size_t(TaskKind::allreduce);
+  if (!x[ar].empty()) {
+    double a = 0, b = 0;
+    if (fit_line(x[ar], y[ar], &a, &b) && b > 0) {
+      c.ar_alpha_ms = std::max(0.0, a);
+      c.ar_bytes_per_ms = 1.0 / b;
+    } else {  // one size only (or no growth with size): the mean time per call, bytes free
+      double mean = 0;
+      for (double v : y[ar]) mean += v / double(y[ar].size());
+      c.ar_alpha_ms = mean;
+      c.ar_bytes_per_ms = kUnmeasuredBytesPerMs;
+    }
+  }
+  validate(c);
+  return c;
+}
+
+CostModel load_cost_model(const std::string& path) {
+  std::ifstream f(path);
+  DMOE_REQUIRE(f.good(), "--costs {}: cannot open the file", path);
+  json j;
+  try {
+    f >> j;
+  } catch (const json::exception& e) {
+    DMOE_FAIL("--costs {}: not valid JSON ({})", path, e.what());
+  }
+  return parse_cost_model(j, path);
+}
+
+double task_cost_ms(const Task& t, const CostModel& c, int32_t micro_batches) {
+  if (t.kind == TaskKind::allreduce) return c.ar_alpha_ms + double(t.bytes) / c.ar_bytes_per_ms;
+  const TaskCost& k = c[t.kind];
+  return k.fixed_ms + k.batch_ms * double(t.num_micro_batches) / double(micro_batches);
+}
+
+std::vector<double> task_costs_ms(const TaskGraph& g, const CostModel& c) {
+  validate(c);
+  std::vector<double> v(g.tasks.size());
+  for (const Task& t : g.tasks) v[size_t(t.id)] = task_cost_ms(t, c, g.spec.micro_batches);
+  return v;
+}
+
+std::vector<int32_t> SimResult::start_order(const TaskGraph& g, Stream s) const {
+  std::vector<int32_t> v;
+  for (const TraceEvent& e : events)
+    if (g.tasks[size_t(e.task)].stream == s) v.push_back(e.task);
+  return v;
+}
+
+SimResult simulate(const TaskGraph& g, const std::vector<double>& cost, LinkModel link) {
+  const size_t n = g.tasks.size();
+  DMOE_REQUIRE(cost.size() == n, "costs: {} entries for {} tasks", cost.size(), n);
+  for (size_t i = 0; i < n; ++i)
+    DMOE_REQUIRE(std::isfinite(cost[i]) && cost[i] >= 0, "cost of task {} = {}: must be finite and >= 0",
+                 g.describe(int32_t(i)), cost[i]);
+  SimResult res;
+  std::vector<uint8_t> done(n, 0);
+  std::vector<double> end(n, 0);
+  CommQueue queue(g, link);
+  size_t compute_next = 0;
+  int32_t compute_running = -1;
+  std::vector<int32_t> running;  // tasks in flight (at most one per resource)
+  size_t completed = 0;
+  double t = 0;
+  auto ready = [&](int32_t id) {
+    for (int32_t d : g.tasks[size_t(id)].deps)
+      if (!done[size_t(d)]) return false;
+    return true;
+  };
+  auto retire = [&](int32_t id) {
+    done[size_t(id)] = 1;
+    ++completed;
+    if (id == compute_running)
+      compute_running = -1;
+    else
+      queue.finished(id);
+  };
+  // Starts a task at time t; a task of zero cost is retired at once, so what depends on it sees it done
+  // at the same instant (returns true then: the start phase runs again).
+  auto start = [&](int32_t id) {
+    end[size_t(id)] = t + cost[size_t(id)];
+    res.events.push_back({id, t, end[size_t(id)]});
+    if (cost[size_t(id)] > 0) {
+      running.push_back(id);
+      return false;
+    }
+    retire(id);
+    return true;
+  };
+  while (completed < n) {
+    // Start what can start at time t: the next compute task, then the link's pick, until nothing changes.
+    for (bool again = true; again;) {
+      again = false;
+      // Compute first, through any zero-cost tasks, so the link decides on everything done at time t.
+      while (compute_running < 0 && compute_next < g.compute_order.size() && ready(g.compute_order[compute_next])) {
+        compute_running = g.compute_order[compute_next++];
+        if (!start(compute_running)) break;
+      }
+      const CommQueue::Pick p = queue.pick(done);
+      for (int32_t id : {p.alltoall, p.allreduce})
+        if (id >= 0) {
+          queue.started(id);
+          again |= start(id);
+        }
+    }
+    if (completed == n) break;
+    // Advance to the next completion and retire every task ending then.
+    DMOE_REQUIRE(!running.empty(), "simulation stuck at {} ms with {} of {} tasks done (next compute {}, next "
+                 "all-to-all {}): the stream orders contradict the dependencies",
+                 t, completed, n, compute_next < g.compute_order.size() ? g.describe(g.compute_order[compute_next]) : "none",
+                 queue.next_alltoall() >= 0 ? g.describe(queue.next_alltoall()) : "none");
+    double next = std::numeric_limits<double>::infinity();
+    for (int32_t id : running) next = std::min(next, end[size_t(id)]);
+    t = next;
+    for (size_t i = 0; i < running.size();) {
+      const int32_t id = running[i];
+      if (end[size_t(id)] <= t) {
+        running[i] = running.back();
+        running.pop_back();
+        retire(id);
+      } else {
+        ++i;
+      }
+    }
+  }
+  for (const Task& task : g.tasks) {
+    const double e = end[size_t(task.id)], c = cost[size_t(task.id)];
+    res.step_ms = std::max(res.step_ms, e);
+    if (task.id < g.num_forward_tasks) res.forward_end_ms = std::max(res.forward_end_ms, e);
+    if (task.stream != Stream::allreduce) res.backward_end_ms = std::max(res.backward_end_ms, e);
+    (task.stream == Stream::compute    ? res.compute_busy_ms
+     : task.stream == Stream::alltoall ? res.alltoall_busy_ms
+                                       : res.allreduce_busy_ms) += c;
+  }
+  return res;
+}
+
+RanksResult simulate_ranks(const TaskGraph& g, const std::vector<std::vector<double>>& cost, LinkModel link) {
+  const size_t W = cost.size(), n = g.tasks.size();
+  DMOE_REQUIRE(W >= 1, "simulate_ranks: no ranks");
+  for (size_t r = 0; r < W; ++r) {
+    DMOE_REQUIRE(cost[r].size() == n, "simulate_ranks: rank {} has {} costs for {} tasks", r, cost[r].size(), n);
+    for (double c : cost[r]) DMOE_REQUIRE(std::isfinite(c) && c > 0, "simulate_ranks: costs must be finite and > 0");
+  }
+  RanksResult res;
+  res.alltoall_issue.resize(W);
+  res.allreduce_issue.resize(W);
+  std::vector<std::vector<uint8_t>> done(W, std::vector<uint8_t>(n, 0));
+  std::vector<CommQueue> queues;
+  for (size_t r = 0; r < W; ++r) queues.emplace_back(g, link);
+  std::vector<size_t> compute_next(W, 0);
+  std::vector<int32_t> compute_running(W, -1);
+  std::vector<double> compute_end(W, 0);
+  std::vector<int32_t> issued(n, 0);             // ranks that issued collective id
+  std::vector<double> collective_end(n, -1);      // >= 0 once started on all ranks
+  std::vector<int32_t> collectives_running;
+  size_t completed = 0;                           // (rank, task) pairs
+  double t = 0;
+  auto ready = [&](size_t r, int32_t id) {
+    for (int32_t d : g.tasks[size_t(id)].deps)
+      if (!done[r][size_t(d)]) return false;
+    return true;
+  };
+  while (completed < W * n) {
+    for (size_t r = 0; r < W; ++r) {
+      if (compute_running[r] < 0 && compute_next[r] < g.compute_order.size() &&
+          ready(r, g.compute_order[compute_next[r]])) {
+        compute_running[r] = g.compute_order[compute_next[r]++];
+        compute_end[r] = t + cost[r][size_t(compute_running[r])];
+      }
+      const CommQueue::Pick p = queues[r].pick(done[r]);
+      for (int32_t id : {p.alltoall, p.allreduce})
+        if (id >= 0) {
+          queues[r].started(id);
+          (g.tasks[size_t(id)].stream == Stream::alltoall ? res.alltoall_issue : res.allreduce_issue)[r].push_back(id);
+          if (++issued[size_t(id)] == int32_t(W)) {
+            double c = 0;
+            for (size_t q = 0; q < W; ++q) c = std::max(c, cost[q][size_t(id)]);
+            collective_end[size_t(id)] = t + c;
+            collectives_running.push_back(id);
+          }
+        }
+    }
+    double next = std::numeric_limits<double>::infinity();
+    for (size_t r = 0; r < W; ++r)
+      if (compute_running[r] >= 0) next = std::min(next, compute_end[r]);
+    for (int32_t id : collectives_running) next = std::min(next, collective_end[size_t(id)]);
+    if (!std::isfinite(next)) {
+      res.deadlocked = true;
+      for (size_t r = 0; r < W; ++r) {
+        std::string waiting;
+        for (int32_t id : {queues[r].next_alltoall(), queues[r].next_allreduce()})
+          if (id >= 0) waiting += (waiting.empty() ? "" : ", next ") + g.describe(id);
+        res.deadlock += fmt::format("{}rank {}: {} (all-to-all {}, AR {})", r ? "; " : "", r,
+                                    waiting.empty() ? "nothing left to issue" : "next " + waiting,
+                                    queues[r].alltoall_running() ? "issued, waiting for peers" : "idle",
+                                    queues[r].allreduce_running() ? "issued, waiting for peers" : "idle");
+      }
+      return res;
+    }
+    t = next;
+    for (size_t r = 0; r < W; ++r)
+      if (compute_running[r] >= 0 && compute_end[r] <= t) {
+        done[r][size_t(compute_running[r])] = 1;
+        compute_running[r] = -1;
+        ++completed;
+      }
+    for (size_t i = 0; i < collectives_running.size();) {
+      const int32_t id = collectives_running[i];
+      if (collective_end[size_t(id)] <= t) {
+        for (size_t r = 0; r < W; ++r) {
+          done[r][size_t(id)] = 1;
+          queues[r].finished(id);
+          ++completed;
+        }
+        collectives_running[i] = collectives_running.back();
+        collectives_running.pop_back();
+      } else {
+        ++i;
+      }
+    }
+  }
+  res.step_ms = t;
+  return res;
+}
+
+SimResult simulate(const TaskGraph& g, const CostModel& costs, LinkModel link) {
+  return simulate(g, task_costs_ms(g, costs), link);
+}
+
+json trace_json(const TaskGraph& g, const SimResult& r, int pid) {
+  json events = json::array();
+  for (const TraceEvent& e : r.events) {
+    const Task& t = g.tasks[size_t(e.task)];
+    json ev = {{"name", g.describe(e.task)}, {"cat", task_kind_name(t.kind)}, {"ph", "X"},
+               {"ts", e.start_ms * 1e3},      {"dur", (e.end_ms - e.start_ms) * 1e3},
+               {"pid", pid},                  {"tid", int(t.stream)},
+               {"args", {{"layer", t.layer}, {"micro_batch", t.micro_batch}, {"deps", t.deps}}}};
+    if (t.kind == TaskKind::allreduce) ev["args"]["bytes"] = t.bytes;
+    events.push_back(std::move(ev));
+  }
+  for (Stream s : {Stream::compute, Stream::alltoall, Stream::allreduce})
+    events.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", pid}, {"tid", int(s)},
+                      {"args", {{"name", stream_name(s)}}}});
+  events.push_back({{"name", "process_name"}, {"ph", "M"}, {"pid", pid},
+                    {"args", {{"name", fmt::format("{} (R={}, Sp={} B)", schedule_name(g.spec.schedule),
+                                                   g.spec.micro_batches, g.spec.chunk_bytes)}}}});
+  json out = {{"traceEvents", events},
+              {"displayTimeUnit", "ms"},
+              {"flow", {{"schedule", schedule_name(g.spec.schedule)},
+                        {"layers", g.spec.layers},
+                        {"micro_batches", g.spec.micro_batches},
+                        {"chunk_bytes", g.spec.chunk_bytes},
+                        {"step_ms", r.step_ms},
+                        {"forward_end_ms", r.forward_end_ms},
+                        {"backward_end_ms", r.backward_end_ms},
+                        {"compute_busy_ms", r.compute_busy_ms},
+                        {"alltoall_busy_ms", r.alltoall_busy_ms},
+                        {"allreduce_busy_ms", r.allreduce_busy_ms}}}};
+  return out;
+}
+
+}  // namespace dmoe::flow

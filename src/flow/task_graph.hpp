@@ -1,0 +1,102 @@
+// task_graph.hpp — Flow's static task graph of one training step (issue 15, after FlowMoE), plain data.
+//
+// One step's batch is split along samples into R micro-batches. Per layer l and micro-batch r:
+//   forward:   AT (attention + gate, compute)  D (dispatch all-to-all, comm)  E (experts, compute)
+//              C (combine all-to-all, comm)
+//   backward:  the mirror image, layer L−1 first: C' (combine backward: the output gradients go to the
+//              experts, comm)  E' (experts backward, compute)  D' (dispatch backward: the input gradients
+//              come home, comm)  AT' (gate + attention backward, compute; completes layer l's dense
+//              gradients once all R micro-batches have run it)
+//   AR:        the all-reduce of the dense (data-parallel) parameters' gradients, one task or chunks of Sp
+//              bytes of the gradient buffer laid out in the order backward produces it (layer L−1 first).
+//
+// A task lists its true dependencies; each stream also has a fixed issue order (in-order streams, as CUDA
+// streams are). Three issue sequences: compute, all-to-all (communicator A) and all-reduce chunks
+// (communicator B, its own; docs/flow.md says why). All three are a pure function of the GraphSpec — never
+// of timing — so every rank issues the same operations in the same order on each communicator.
+//
+// Schedules (the ablation of the paper):
+//   vanilla     every task waits for the previous one in the sequential order (for r: forward of r; for r:
+//               backward of r; then the whole AR), i.e. nothing overlaps;
+//   pipe-moe    D/E/C pipelined over R micro-batches, AT on the whole batch; whole AR after backward;
+//   pipe-attn   AT pipelined too (AT_{l+1,r} waits only for C_{l,r}); whole AR after backward;
+//   chunked-ar  + AR in chunks of chunk_bytes, each available once the layers it covers are complete;
+//   tuned       the chunked-ar graph; R and Sp chosen by the tuner (src/flow/tuner.hpp).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace dmoe::flow {
+
+enum class TaskKind : uint8_t {
+  attention_fwd,   // AT
+  dispatch_fwd,    // D
+  expert_fwd,      // E
+  combine_fwd,     // C
+  combine_bwd,     // C'
+  expert_bwd,      // E'
+  dispatch_bwd,    // D'
+  attention_bwd,   // AT'
+  allreduce,       // AR chunk (or the whole AR)
+};
+constexpr int kNumTaskKinds = 9;
+
+enum class Stream : uint8_t { compute, alltoall, allreduce };
+
+enum class Schedule : uint8_t { vanilla, pipe_moe, pipe_attn, chunked_ar, tuned };
+
+const char* task_kind_name(TaskKind kind);   // "AT", "D", "E", "C", "C'", "E'", "D'", "AT'", "AR"
+const char* stream_name(Stream stream);      // "compute", "alltoall", "allreduce"
+const char* schedule_name(Schedule schedule);  // "vanilla", "pipe-moe", "pipe-attn", "chunked-ar", "tuned"
+// Parses a schedule name; bad names throw dmoe::Error naming the field and the allowed values.
+Schedule parse_schedule(const std::string& name, const char* field = "schedule");
+Stream stream_of(TaskKind kind);
+
+constexpr int64_t kDefaultChunkBytes = int64_t(1) << 20;  // the paper's fixed Sp of the chunked-ar ablation step
+constexpr int64_t kMaxTasks = int64_t(1) << 22;           // refuse graphs beyond this (a mistyped Sp)
+
+struct GraphSpec {
+  int32_t layers = 1;
+  int32_t micro_batches = 1;                 // R
+  Schedule schedule = Schedule::vanilla;
+  int64_t dense_grad_bytes_per_layer = 0;    // bytes of layer l's all-reduced gradients (attention, norms, gate)
+  int64_t chunk_bytes = kDefaultChunkBytes;  // Sp; used by chunked-ar and tuned only
+};
+
+// Throws dmoe::Error naming the field, the value and what is allowed.
+void validate(const GraphSpec& spec);
+
+struct Task {
+  int32_t id = 0;
+  TaskKind kind = TaskKind::attention_fwd;
+  Stream stream = Stream::compute;
+  int32_t layer = 0;         // 0-based; -1 for an AR task
+  int32_t micro_batch = 0;   // 0-based; -1 for a task on the whole batch (pipe-moe's AT, AR)
+  int32_t chunk = -1;        // AR chunk index (0 = the first bytes backward produces); -1 otherwise
+  int64_t bytes = 0;         // AR: the chunk's bytes; 0 otherwise
+  int32_t num_micro_batches = 1;  // how many micro-batches the task covers (R for whole-batch tasks)
+  std::vector<int32_t> deps;      // true dependencies (task ids), sorted, no duplicates
+};
+
+struct TaskGraph {
+  GraphSpec spec;
+  std::vector<Task> tasks;               // tasks[i].id == i
+  std::vector<int32_t> compute_order;    // issue order of the compute stream
+  std::vector<int32_t> alltoall_order;   // issue order on the all-to-all communicator
+  std::vector<int32_t> allreduce_order;  // issue order on the all-reduce communicator (chunk index order)
+  int32_t num_forward_tasks = 0;         // tasks of kind AT..C
+  int64_t total_dense_bytes() const { return int64_t(spec.layers) * spec.dense_grad_bytes_per_layer; }
+  const std::vector<int32_t>& order(Stream s) const;
+  std::string describe(int32_t task_id) const;  // e.g. "E'[l=3,r=1]", "AR[chunk 7, 1048576 B]"
+};
+
+TaskGraph build_task_graph(const GraphSpec& spec);
+
+// A check of the structural invariants: ids, deps in range and earlier-issued, each task on exactly one
+// stream order, the graph of deps plus stream-order edges acyclic. Throws dmoe::Error naming the first
+// violation. (build_task_graph's output passes; the tests also feed it broken graphs.)
+void check_task_graph(const TaskGraph& graph);
+
+}  // namespace dmoe::flow

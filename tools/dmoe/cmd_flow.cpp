@@ -1,0 +1,272 @@
+// dmoe flow — Flow's schedules on the discrete-event simulator (src/flow/, docs/flow.md).
+//
+//   dmoe flow simulate --costs bench/flow/example.json [--layers L] [--micro-batches R] [--schedule all|NAME]
+//                      [--chunk-bytes Sp] [--samples N] [--seed S] [--trace trace.json] [--json out.json]
+//   dmoe flow tune     --costs bench/flow/example.json [--layers L] [--samples N] [--seed S] [--json out.json]
+//   dmoe flow measure  --config tiny [--batch 8] [--seq 32] [--world 1] [--schedule pipe-attn] [--measure-r 1,2,4]
+//                      [--steps 3] [--costs-out fitted.json] [--json out.json]
+//
+// measure runs the CPU executor (the Mixtral model's stages in the graph's orders, src/flow/cpu_executor.*) at
+// each R, fits a cost file to the timelines of every R but the last (both when two are given) and compares the
+// simulator's prediction with the measured step at every R (the last one out of sample).
+// simulate prints the step time of each schedule (the paper's ablation: vanilla, pipe-moe, pipe-attn,
+// chunked-ar, tuned) from per-task costs; tune runs the Bayesian optimiser of (Sp, R) against the simulator
+// and compares its best with the best of the whole grid.
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <limits>
+
+#include <nlohmann/json.hpp>
+
+#include "commands.hpp"
+#include "core/error.hpp"
+#include "core/random.hpp"
+#include "flow/ablation.hpp"
+#include "flow/cpu_executor.hpp"
+#include "model/mixtral_config.hpp"
+#include "model/mixtral_weights.hpp"
+#include "options.hpp"
+
+namespace dmoe::cli {
+
+namespace {
+
+using nlohmann::json;
+
+struct FlowOptions {
+  std::string action;
+  std::string costs_path;
+  int32_t layers = 0;
+  int32_t micro_batches = 2;
+  std::string schedule = "all";
+  int64_t chunk_bytes = flow::kDefaultChunkBytes;
+  int32_t samples = 10;
+  uint64_t seed = 1;
+  std::string trace_path, json_path;
+  // measure
+  std::string model_config = "tiny", costs_out;
+  int64_t batch = 8, seq = 32;
+  int32_t world = 1, steps = 3;
+  std::vector<int32_t> measure_r = {1, 2, 4};
+  bool schedule_given = false;
+};
+
+void write_json(const std::string& path, const json& j, const char* what) {
+  std::ofstream f(path);
+  DMOE_REQUIRE(f.good(), "{} {}: cannot write the file", what, path);
+  f << j.dump(1) << "\n";
+  DMOE_REQUIRE(f.good(), "{} {}: write failed", what, path);
+}
+
+json run_json(const flow::ScheduleRun& run) {
+  const flow::SimResult& r = run.result;
+  return {{"schedule", flow::schedule_name(run.spec.schedule)},
+          {"micro_batches", run.spec.micro_batches},
+          {"chunk_bytes", run.spec.chunk_bytes},
+          {"step_ms", r.step_ms},
+          {"forward_end_ms", r.forward_end_ms},
+          {"backward_end_ms", r.backward_end_ms},
+          {"compute_busy_ms", r.compute_busy_ms},
+          {"alltoall_busy_ms", r.alltoall_busy_ms},
+          {"allreduce_busy_ms", r.allreduce_busy_ms}};
+}
+
+bool chunked(flow::Schedule s) { return s == flow::Schedule::chunked_ar || s == flow::Schedule::tuned; }
+
+int simulate_command(const FlowOptions& o, const flow::CostModel& costs, int32_t layers) {
+  std::vector<flow::ScheduleRun> runs;
+  flow::TunerOptions tuner;
+  tuner.seed = o.seed;
+  if (o.schedule == "all") {
+    runs = flow::run_ablation(layers, o.micro_batches, o.chunk_bytes, costs, o.samples, tuner);
+  } else {
+    const flow::Schedule s = flow::parse_schedule(o.schedule, "--schedule");
+    runs.push_back(flow::run_schedule(s, layers, o.micro_batches, o.chunk_bytes, costs, o.samples, tuner, true));
+  }
+  std::printf("flow simulate: %d layers, %lld dense gradient bytes per layer, costs %s (one rank's timeline; ranks "
+              "symmetric)\n",
+              layers, (long long)costs.dense_grad_bytes_per_layer, o.costs_path.c_str());
+  std::printf("%-11s %3s %10s %10s %8s %8s %9s %9s %9s %9s %9s\n", "schedule", "R", "Sp KiB", "step ms", "speedup",
+              "vs prev", "fwd ms", "bwd ms", "compute", "a2a", "AR");
+  const double base = runs.front().result.step_ms;
+  double previous = base;
+  for (const flow::ScheduleRun& run : runs) {
+    const flow::SimResult& r = run.result;
+    const std::string sp = chunked(run.spec.schedule) ? fmt::format("{:.0f}", double(run.spec.chunk_bytes) / 1024) : "-";
+    std::printf("%-11s %3d %10s %10.2f %7.2fx %7.1f%% %9.2f %9.2f %9.2f %9.2f %9.2f\n",
+                flow::schedule_name(run.spec.schedule), run.spec.micro_batches, sp.c_str(), r.step_ms,
+                base / r.step_ms, 100.0 * (r.step_ms - previous) / previous, r.forward_end_ms, r.backward_end_ms,
+                r.compute_busy_ms, r.alltoall_busy_ms, r.allreduce_busy_ms);
+    previous = r.step_ms;
+  }
+  std::printf("speedup = first row's step / this step; vs prev = change from the row above; compute/a2a/AR = busy "
+              "ms of the compute stream, the all-to-alls and the all-reduce\n");
+  if (!o.trace_path.empty()) {
+    json trace = {{"traceEvents", json::array()}, {"displayTimeUnit", "ms"}, {"flow", json::array()}};
+    for (size_t i = 0; i < runs.size(); ++i) {
+      const json t = flow::trace_json(flow::build_task_graph(runs[i].spec), runs[i].result, int(i));
+      for (const json& e : t.at("traceEvents")) trace["traceEvents"].push_back(e);
+      trace["flow"].push_back(t.at("flow"));
+    }
+    write_json(o.trace_path, trace, "--trace");
+    std::printf("wrote %s (Chrome trace events: chrome://tracing or ui.perfetto.dev; one process per schedule)\n",
+                o.trace_path.c_str());
+  }
+  if (!o.json_path.empty()) {
+    json out = {{"layers", layers}, {"costs", o.costs_path}, {"runs", json::array()}};
+    for (const flow::ScheduleRun& run : runs) out["runs"].push_back(run_json(run));
+    write_json(o.json_path, out, "--json");
+    std::printf("wrote %s\n", o.json_path.c_str());
+  }
+  return 0;
+}
+
+int tune_command(const FlowOptions& o, const flow::CostModel& costs, int32_t layers) {
+  flow::TunerOptions tuner;
+  tuner.seed = o.seed;
+  const flow::TuneRun run = flow::tune_on_simulator(layers, costs, o.samples, tuner);
+  std::printf("flow tune: %d layers, costs %s; Bayesian optimisation (GP, Matern-5/2, EI) of log2(Sp) in [17, 24] x "
+              "R in {1, 2, 4, 8}, seed %llu\n",
+              layers, o.costs_path.c_str(), (unsigned long long)o.seed);
+  std::printf("%6s %8s %10s %3s %10s %10s\n", "sample", "log2 Sp", "Sp KiB", "R", "step ms", "best ms");
+  double best = std::numeric_limits<double>::infinity();
+  json samples = json::array();
+  for (size_t i = 0; i < run.samples.size(); ++i) {
+    const flow::TuneSample& s = run.samples[i];
+    best = std::min(best, s.step_ms);
+    std::printf("%6zu %8.3f %10.0f %3d %10.3f %10.3f\n", i + 1, s.point.log2_chunk_bytes,
+                double(s.point.chunk_bytes()) / 1024, s.point.micro_batches, s.step_ms, best);
+    samples.push_back({{"log2_chunk_bytes", s.point.log2_chunk_bytes}, {"chunk_bytes", s.point.chunk_bytes()},
+                       {"micro_batches", s.point.micro_batches}, {"step_ms", s.step_ms}});
+  }
+  // The whole grid, for reference (what the tuner's samples save).
+  const flow::FlowTuner grid(tuner);
+  flow::TunePoint grid_point;
+  double grid_best = std::numeric_limits<double>::infinity();
+  for (const flow::TunePoint& p : grid.candidates()) {
+    const double v = flow::simulated_step_ms(layers, costs, p);
+    if (v < grid_best) grid_best = v, grid_point = p;
+  }
+  std::printf("best: Sp = %.0f KiB (log2 %.3f), R = %d: %.3f ms; the grid's best (%zu simulations): %.3f ms at Sp = "
+              "%.0f KiB, R = %d (tuner %.2f%% above)\n",
+              double(run.best.chunk_bytes()) / 1024, run.best.log2_chunk_bytes, run.best.micro_batches,
+              run.best_step_ms, grid.candidates().size(), grid_best, double(grid_point.chunk_bytes()) / 1024,
+              grid_point.micro_batches, 100.0 * (run.best_step_ms - grid_best) / grid_best);
+  if (!o.json_path.empty()) {
+    write_json(o.json_path,
+               {{"layers", layers}, {"costs", o.costs_path}, {"seed", o.seed}, {"samples", samples},
+                {"best", {{"chunk_bytes", run.best.chunk_bytes()}, {"micro_batches", run.best.micro_batches},
+                          {"step_ms", run.best_step_ms}}},
+                {"grid_best", {{"chunk_bytes", grid_point.chunk_bytes()}, {"micro_batches", grid_point.micro_batches},
+                               {"step_ms", grid_best}, {"simulations", grid.candidates().size()}}}},
+               "--json");
+    std::printf("wrote %s\n", o.json_path.c_str());
+  }
+  return 0;
+}
+
+int measure_command(const FlowOptions& o) {
+  const MixtralConfig c = load_mixtral_config(find_model_config_file(o.model_config));
+  const flow::Schedule schedule = flow::parse_schedule(o.schedule_given ? o.schedule : "pipe-attn", "--schedule");
+  DMOE_REQUIRE(o.measure_r.size() >= 2, "--measure-r: give at least two values of R (the fit needs two)");
+  DMOE_REQUIRE(o.world >= 1 && o.batch >= 1 && o.seq >= 2, "--world {} (>= 1), --batch {} (>= 1), --seq {} (>= 2)",
+               o.world, o.batch, o.seq);
+  for (int32_t r : o.measure_r)
+    DMOE_REQUIRE(r >= 1 && o.batch % r == 0, "--measure-r {}: must divide --batch {} (sequences per rank)", r, o.batch);
+  const MixtralWeights w = random_mixtral_weights(c, 1);
+  Rng rng(2);
+  std::vector<int32_t> tokens(size_t(o.world * o.batch * o.seq));
+  for (auto& t : tokens) t = int32_t(rng.next() % uint64_t(c.vocab_size));
+  std::vector<flow::CpuFlowMeasurement> runs;
+  std::vector<flow::TaskGraph> graphs;
+  for (int32_t r : o.measure_r) {
+    flow::GraphSpec spec;
+    spec.layers = c.num_hidden_layers;
+    spec.micro_batches = r;
+    spec.schedule = schedule;
+    spec.dense_grad_bytes_per_layer = flow::mixtral_dense_grad_bytes_per_layer(c);
+    spec.chunk_bytes = o.chunk_bytes;
+    runs.push_back(flow::measure_cpu_flow(c, w, tokens, o.batch, o.seq, o.world, spec, o.steps));
+    graphs.push_back(flow::build_task_graph(spec));
+  }
+  // Fit on every R but the last (on both when there are two), so the last row is a prediction out of sample.
+  const size_t num_fit = runs.size() > 2 ? runs.size() - 1 : runs.size();
+  std::vector<flow::MeasuredRun> measured;
+  for (size_t i = 0; i < num_fit; ++i) measured.push_back({&graphs[i], runs[i].timeline});
+  const flow::CostModel fit = flow::fit_cost_model(measured);
+  std::string fitted;
+  for (size_t i = 0; i < num_fit; ++i) fitted += fmt::format("{}{}", i ? ", " : "", o.measure_r[i]);
+  std::printf("flow measure: CPU executor, model %s (%d layers), %lld sequences x %lld tokens per rank, W = %d, "
+              "schedule %s, median of %d steps; costs fitted to R = %s, simulator with separate communicators\n",
+              o.model_config.c_str(), c.num_hidden_layers, (long long)o.batch, (long long)o.seq, o.world,
+              flow::schedule_name(schedule), o.steps, fitted.c_str());
+  std::printf("%3s %12s %13s %8s\n", "R", "measured ms", "predicted ms", "error");
+  json rows = json::array();
+  for (size_t i = 0; i < runs.size(); ++i) {
+    const double predicted = flow::simulate(graphs[i], fit, flow::LinkModel::separate).step_ms;
+    std::printf("%3d %12.2f %13.2f %7.1f%%\n", o.measure_r[i], runs[i].step_ms, predicted,
+                100.0 * (predicted - runs[i].step_ms) / runs[i].step_ms);
+    rows.push_back({{"micro_batches", o.measure_r[i]}, {"measured_ms", runs[i].step_ms}, {"predicted_ms", predicted}});
+  }
+  if (!o.costs_out.empty()) {
+    json costs = flow::cost_model_json(fit);
+    costs["note"] = fmt::format("fitted by dmoe flow measure (CPU executor, model {}, batch {} x {}, W = {}, schedule {})",
+                                o.model_config, o.batch, o.seq, o.world, flow::schedule_name(schedule));
+    write_json(o.costs_out, costs, "--costs-out");
+    std::printf("wrote %s\n", o.costs_out.c_str());
+  }
+  if (!o.json_path.empty()) {
+    write_json(o.json_path, {{"model", o.model_config}, {"schedule", flow::schedule_name(schedule)}, {"rows", rows},
+                             {"costs", flow::cost_model_json(fit)}}, "--json");
+    std::printf("wrote %s\n", o.json_path.c_str());
+  }
+  return 0;
+}
+
+}  // namespace
+
+Command add_flow_command(CLI::App& app) {
+  auto o = std::make_shared<FlowOptions>();
+  CLI::App* sub = app.add_subcommand("flow", "Flow's schedules on the simulator: simulate (the ablation) or tune (Sp, R)");
+  sub->add_option("action", o->action, "simulate, tune, or measure (the CPU executor against the simulator)")
+      ->required();
+  sub->add_option("--costs", o->costs_path, "simulate, tune: per-task costs JSON (e.g. bench/flow/example.json)");
+  sub->add_option("--layers", o->layers, "layers (default: the cost file's \"layers\")");
+  sub->add_option("--micro-batches", o->micro_batches, "R for pipe-moe, pipe-attn, chunked-ar (vanilla runs R = 1 in "
+                  "the ablation)");
+  sub->add_option("--schedule", o->schedule, "all, or one of vanilla, pipe-moe, pipe-attn, chunked-ar, tuned");
+  sub->add_option("--chunk-bytes", o->chunk_bytes, "Sp of chunked-ar (default 1 MiB)");
+  sub->add_option("--samples", o->samples, "tuner samples (simulated steps)");
+  sub->add_option("--seed", o->seed, "tuner seed");
+  sub->add_option("--trace", o->trace_path, "simulate: write the timelines as Chrome trace-event JSON");
+  sub->add_option("--json", o->json_path, "also write the results as JSON");
+  sub->add_option("--config", o->model_config, "measure: HF Mixtral config.json or a named model in bench/models");
+  sub->add_option("--batch", o->batch, "measure: sequences per rank");
+  sub->add_option("--seq", o->seq, "measure: sequence length");
+  sub->add_option("--world", o->world, "measure: simulated ranks");
+  sub->add_option("--measure-r", o->measure_r, "measure: values of R (all but the last are fitted)")->delimiter(',');
+  sub->add_option("--steps", o->steps, "measure: steps per R (median)");
+  sub->add_option("--costs-out", o->costs_out, "measure: write the fitted cost file here");
+  return [o, sub] {
+    DMOE_REQUIRE(o->action == "simulate" || o->action == "tune" || o->action == "measure",
+                 "flow {}: unknown action (allowed: simulate, tune, measure)", o->action);
+    o->schedule_given = sub->count("--schedule") > 0;
+    if (o->action == "measure") return measure_command(*o);
+    DMOE_REQUIRE(!o->costs_path.empty(), "--costs: required for flow {}", o->action);
+    const flow::CostModel costs = flow::load_cost_model(o->costs_path);
+    const int32_t layers = o->layers > 0 ? o->layers : costs.layers;
+    DMOE_REQUIRE(layers >= 1, "--layers {}: must be >= 1 (or give \"layers\" in {})", o->layers, o->costs_path);
+    DMOE_REQUIRE(o->micro_batches >= 1 && o->micro_batches <= 4096, "--micro-batches {}: must be in [1, 4096]",
+                 o->micro_batches);
+    DMOE_REQUIRE(o->chunk_bytes >= 1, "--chunk-bytes {}: must be >= 1", o->chunk_bytes);
+    DMOE_REQUIRE(o->samples >= 1 && o->samples <= 1000, "--samples {}: must be in [1, 1000]", o->samples);
+    if (o->action == "tune") {
+      DMOE_REQUIRE(o->trace_path.empty(), "--trace: only with flow simulate");
+      return tune_command(*o, costs, layers);
+    }
+    return simulate_command(*o, costs, layers);
+  };
+}
+
+}  // namespace dmoe::cli
