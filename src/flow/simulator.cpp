@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.hpp"
+#include "model/config_io.hpp"
 
 namespace dmoe::flow {
 
@@ -165,15 +166,7 @@ CostModel fit_cost_model(const std::vector<MeasuredRun>& runs) {
 }
 
 CostModel load_cost_model(const std::string& path) {
-  std::ifstream f(path);
-  DMOE_REQUIRE(f.good(), "--costs {}: cannot open the file", path);
-  json j;
-  try {
-    f >> j;
-  } catch (const json::exception& e) {
-    DMOE_FAIL("--costs {}: not valid JSON ({})", path, e.what());
-  }
-  return parse_cost_model(j, path);
+  return parse_cost_model(read_json_file(path, "--costs"), path);
 }
 
 double task_cost_ms(const Task& t, const CostModel& c, int32_t micro_batches) {

@@ -21,6 +21,7 @@
 
 #include "commands.hpp"
 #include "core/error.hpp"
+#include "core/output_file.hpp"
 #include "core/random.hpp"
 #include "flow/ablation.hpp"
 #include "flow/cpu_executor.hpp"
@@ -53,10 +54,8 @@ struct FlowOptions {
 };
 
 void write_json(const std::string& path, const json& j, const char* what) {
-  std::ofstream f(path);
-  DMOE_REQUIRE(f.good(), "{} {}: cannot write the file", what, path);
-  f << j.dump(1) << "\n";
-  DMOE_REQUIRE(f.good(), "{} {}: write failed", what, path);
+  check_output_file(path, what);
+  write_file_atomically(path, j.dump(1) + "\n");
 }
 
 json run_json(const flow::ScheduleRun& run) {
