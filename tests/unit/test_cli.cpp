@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "cli_test_util.hpp"
 #include "engine/reference.hpp"
 #include "model/checkpoint.hpp"
 #include "model/config_io.hpp"
@@ -17,23 +18,8 @@ namespace {
 
 namespace fs = std::filesystem;
 
-struct Result {
-  int status;
-  std::string output;
-};
-
-// `env`: "NAME=value ..." assignments for the command's environment.
-Result run_cli(const std::string& args, const std::string& env = "") {
-  const std::string cmd = (env.empty() ? "" : env + " ") + std::string(DMOE_CLI_PATH) + " " + args + " 2>&1";
-  Result r{-1, ""};
-  FILE* pipe = popen(cmd.c_str(), "r");
-  if (!pipe) return r;
-  std::array<char, 4096> buf;
-  while (size_t n = fread(buf.data(), 1, buf.size(), pipe)) r.output.append(buf.data(), n);
-  const int status = pclose(pipe);
-  r.status = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
-}
+using Result = test::CliResult;
+using test::run_cli;
 
 class Cli : public ::testing::Test {
  protected:

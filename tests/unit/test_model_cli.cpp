@@ -12,6 +12,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "cli_test_util.hpp"
 #include "core/error.hpp"
 #include "model/checkpoint.hpp"
 #include "model/mixtral.hpp"
@@ -23,22 +24,8 @@ namespace {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
-struct Result {
-  int status;
-  std::string output;
-};
-
-Result run_cli(const std::string& args) {
-  const std::string cmd = std::string(DMOE_CLI_PATH) + " " + args + " 2>&1";
-  Result r{-1, ""};
-  FILE* pipe = popen(cmd.c_str(), "r");
-  if (!pipe) return r;
-  std::array<char, 4096> buf;
-  while (size_t n = fread(buf.data(), 1, buf.size(), pipe)) r.output.append(buf.data(), n);
-  const int status = pclose(pipe);
-  r.status = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
-}
+using Result = test::CliResult;
+using test::run_cli;
 
 json small_json() {
   return json{{"model_type", "mixtral"},   {"vocab_size", 13},         {"hidden_size", 8},

@@ -12,6 +12,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "cli_test_util.hpp"
 #include "core/error.hpp"
 #include "model/mixtral_config.hpp"
 #include "model/trainer.hpp"
@@ -116,22 +117,8 @@ TEST_F(Train, TwoRanksFollowOneRank) {
   EXPECT_THROW(train_mixtral(tiny(), o, [](const std::string&) {}), Error);  // 3 sequences over 2 ranks
 }
 
-struct Result {
-  int status;
-  std::string output;
-};
-
-Result run_cli(const std::string& args) {
-  const std::string cmd = std::string(DMOE_CLI_PATH) + " " + args + " 2>&1";
-  Result r{-1, ""};
-  FILE* pipe = popen(cmd.c_str(), "r");
-  if (!pipe) return r;
-  std::array<char, 4096> buf;
-  while (size_t n = fread(buf.data(), 1, buf.size(), pipe)) r.output.append(buf.data(), n);
-  const int status = pclose(pipe);
-  r.status = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
-}
+using Result = test::CliResult;
+using test::run_cli;
 
 TEST_F(Train, CliTrainsTinyAndTheLossFalls) {
   auto r = run_cli("train --config tiny --data " + readme() + " --steps 30 --seq 32 --batch 4 --warmup 5 --lr 3e-3 "
