@@ -121,7 +121,7 @@ part_profile() {
 }
 
 part_gpus() {
-  # One rank per GPU (issue 4): tests through dmoe launch and mpirun, the engine suite over each
+  # One rank per GPU (issues 4 and 17): tests through dmoe launch and mpirun, the engine suite over each
   # communicator (auto picks NVSHMEM on one node with peer-connected GPUs), the named configs at W = #GPUs with the
   # training step and the all-to-all alone, every config with each communicator, weak scaling over
   # W = 1, 2, 4, 8 as the GPUs allow, and W = 2 on one GPU under MPS beside it.
@@ -151,6 +151,19 @@ part_gpus() {
   done
   CUDA_VISIBLE_DEVICES=0 run 60 gpus_bench_flash-paper_w2_mps "$B/dmoe" launch -n 2 -- "$B/dmoe" bench layer \
     --config flash-paper --alltoall --check-tokens 4
+  # Flash with one rank per GPU (issue 17): its tests through dmoe launch and mpirun (direct stores into the peers'
+  # GPUs over NVLink), and every named config at W = #GPUs beside EP in the same rounds, with W = 1 for weak scaling.
+  DMOE_GPU_WAIT_TIMEOUT_MS=10000 run 120 "gpus_flash_launch_w$n" "$B/dmoe" launch -n "$n" -- \
+    "$B/tests/dmoe_gpu_tests" --gtest_brief=1 --gtest_filter='*FlashLayer.*'
+  run 120 "gpus_flash_mpirun_w$n" mpirun --allow-run-as-root -n "$n" -x LD_LIBRARY_PATH -x DMOE_HOME \
+    -x NCCL_NVLS_ENABLE=0 -x NVSHMEM_DISABLE_NVLS=1 -x DMOE_COMM_TIMEOUT_S -x DMOE_NVSHMEM_MIN_HEAP=8G \
+    "$B/tests/dmoe_gpu_tests" --gtest_brief=1 --gtest_filter='*FlashLayer.*'
+  for cfg in flash-paper fine-grained decode mixtral; do
+    run 90 "gpus_flash_bench_${cfg}_w$n" "$B/dmoe" launch -n "$n" -- "$B/dmoe" bench layer --config "$cfg" --flash \
+      --alltoall --no-backward --check-tokens 4 --json "$O/gpus_flash_${cfg}_w$n.json"
+    run 60 "gpus_flash_bench_${cfg}_w1" "$B/dmoe" bench layer --config "$cfg" --flash --no-backward --check-tokens 4 \
+      --json "$O/gpus_flash_${cfg}_w1.json"
+  done
 }
 
 part_flash() {
