@@ -17,6 +17,7 @@
 
 #include <gtest/gtest.h>
 
+#include "fd_util.hpp"
 #include "core/dtype.hpp"
 #include "core/error.hpp"
 #include "core/random.hpp"
@@ -28,29 +29,8 @@ namespace {
 using cpu::activation_derivative;
 using cpu::activation_forward;
 
-std::vector<double> to_double(const std::vector<float>& v) { return std::vector<double>(v.begin(), v.end()); }
-
-// Element-wise |got − want| <= atol + rtol·|want|; on failure prints the max abs/rel error and the first
-// mismatches.
-void expect_close(const std::string& what, const std::vector<double>& got, const std::vector<double>& want,
-                  double atol, double rtol) {
-  ASSERT_EQ(got.size(), want.size()) << what;
-  double max_abs = 0, max_rel = 0;  // relative error only where |want| > atol (near 0 it means nothing)
-  std::string first;
-  int bad = 0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    const double err = std::abs(got[i] - want[i]);
-    max_abs = std::max(max_abs, err);
-    if (std::abs(want[i]) > atol) max_rel = std::max(max_rel, err / std::abs(want[i]));
-    if (!(err <= atol + rtol * std::abs(want[i]))) {
-      if (bad < 5) first += fmt::format("\n  [{}] got {:.9g} want {:.9g}", i, got[i], want[i]);
-      ++bad;
-    }
-  }
-  EXPECT_EQ(bad, 0) << fmt::format("{}: {} of {} out of tolerance (atol {:.3g}, rtol {:.3g}); max abs err "
-                                   "{:.3g}, max rel err {:.3g}{}",
-                                   what, bad, got.size(), atol, rtol, max_abs, max_rel, first);
-}
+using test::expect_close;  // fd_util.hpp, shared with the model tests
+using test::to_double;
 
 // Central difference of loss() w.r.t. each element of param, perturbed in float.
 std::vector<double> numeric_grad(std::vector<float>& param, float step, const std::function<double()>& loss) {

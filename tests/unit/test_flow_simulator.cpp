@@ -12,6 +12,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "flow_test_util.hpp"
 #include "core/error.hpp"
 #include "core/random.hpp"
 #include "flow/comm_queue.hpp"
@@ -22,24 +23,8 @@ namespace {
 
 using nlohmann::json;
 
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
-
-GraphSpec spec_of(Schedule s, int32_t layers, int32_t r, int64_t dense = 3 << 20, int64_t chunk = 1 << 20) {
-  GraphSpec spec;
-  spec.layers = layers;
-  spec.micro_batches = r;
-  spec.schedule = s;
-  spec.dense_grad_bytes_per_layer = dense;
-  spec.chunk_bytes = chunk;
-  return spec;
-}
+using test::error_of;
+using test::spec_of;
 
 int32_t find(const TaskGraph& g, const std::string& name) {
   for (const Task& t : g.tasks)

@@ -10,30 +10,15 @@
 #include <numeric>
 #include <tuple>
 
+#include "flow_test_util.hpp"
 #include "core/error.hpp"
 #include "flow/task_graph.hpp"
 
 namespace dmoe::flow {
 namespace {
 
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
-
-GraphSpec spec_of(Schedule s, int32_t layers, int32_t r, int64_t dense = 3 << 20, int64_t chunk = 1 << 20) {
-  GraphSpec spec;
-  spec.layers = layers;
-  spec.micro_batches = r;
-  spec.schedule = s;
-  spec.dense_grad_bytes_per_layer = dense;
-  spec.chunk_bytes = chunk;
-  return spec;
-}
+using test::error_of;
+using test::spec_of;
 
 std::vector<std::string> names(const TaskGraph& g, const std::vector<int32_t>& ids) {
   std::vector<std::string> v;

@@ -7,6 +7,7 @@
 
 #include <cmath>
 
+#include "flow_test_util.hpp"
 #include "core/error.hpp"
 #include "flow/simulator.hpp"
 #include "flow/tuner.hpp"
@@ -14,14 +15,7 @@
 namespace dmoe::flow {
 namespace {
 
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
+using test::error_of;
 
 TEST(FlowGp, MaternAndExpectedImprovementFormulas) {
   EXPECT_DOUBLE_EQ(matern52(0), 1.0);
