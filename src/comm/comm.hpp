@@ -66,5 +66,8 @@ std::vector<std::unique_ptr<Comm>> make_thread_comms(int32_t world);
 
 // Runs fn(rank, comm) on `world` threads with ThreadComms and rethrows the first error (with its rank).
 void run_thread_ranks(int32_t world, const std::function<void(int32_t, Comm&)>& fn);
+// The same on communicators made by make_thread_comms (kept across calls, e.g. by engines bound to them).
+// After a call that failed, the group is poisoned: make new communicators.
+void run_thread_ranks(const std::vector<std::unique_ptr<Comm>>& comms, const std::function<void(int32_t, Comm&)>& fn);
 
 }  // namespace dmoe

@@ -249,6 +249,14 @@ std::vector<std::unique_ptr<Comm>> make_thread_comms(int32_t world) {
 
 void run_thread_ranks(int32_t world, const std::function<void(int32_t, Comm&)>& fn) {
   auto comms = make_thread_comms(world);
+  run_thread_ranks(comms, fn);
+}
+
+void run_thread_ranks(const std::vector<std::unique_ptr<Comm>>& comms, const std::function<void(int32_t, Comm&)>& fn) {
+  const int32_t world = int32_t(comms.size());
+  for (const auto& c : comms)
+    DMOE_REQUIRE(c && dynamic_cast<ThreadComm*>(c.get()) != nullptr && c->world() == world,
+                 "run_thread_ranks: the communicators must be the {} of one make_thread_comms({})", world, world);
   std::vector<std::exception_ptr> errors(world);
   std::vector<std::thread> threads;
   for (int32_t r = 0; r < world; ++r)

@@ -29,6 +29,8 @@ class CudaBackend final : public Backend {
                  device, count);
     DMOE_CHECK_CUDA(cudaSetDevice(device));
     DMOE_CHECK_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    own_stream_ = stream_;
+    DMOE_CHECK_CUDA(cudaEventCreateWithFlags(&switch_event_, cudaEventDisableTiming));
     DMOE_CHECK_CUBLAS(cublasCreate(&cublas_));
     DMOE_CHECK_CUBLAS(cublasSetStream(cublas_, stream_));
     // f32 GEMMs must be true f32 (the CPU comparison assumes it): no TF32 tensor-op math.
@@ -38,9 +40,23 @@ class CudaBackend final : public Backend {
 
   ~CudaBackend() override {
     (void)cuda::wait_stream_quietly(stream_);
+    if (stream_ != own_stream_) (void)cuda::wait_stream_quietly(own_stream_);
     (void)cublasDestroy(cublas_);
-    (void)cudaStreamDestroy(stream_);
+    (void)cudaEventDestroy(switch_event_);
+    (void)cudaStreamDestroy(own_stream_);  // never a caller's stream
   }
+
+  // See set_cuda_backend_stream. The caller's stream may be the legacy default stream (null).
+  void use_stream(cudaStream_t next) {
+    if (next == stream_) return;
+    DMOE_CHECK_CUDA(cudaSetDevice(device_));
+    DMOE_CHECK_CUDA(cudaEventRecord(switch_event_, stream_));
+    DMOE_CHECK_CUDA(cudaStreamWaitEvent(next, switch_event_, 0));
+    DMOE_CHECK_CUBLAS(cublasSetStream(cublas_, next));
+    stream_ = next;
+    ctx_.stream = next;
+  }
+  cudaStream_t own_stream() const { return own_stream_; }
 
   CudaBackend(const CudaBackend&) = delete;
   CudaBackend& operator=(const CudaBackend&) = delete;
@@ -245,7 +261,9 @@ class CudaBackend final : public Backend {
 
   DType storage_;
   int device_;
-  cudaStream_t stream_ = nullptr;
+  cudaStream_t stream_ = nullptr;      // where work is issued: own_stream_ or a caller's
+  cudaStream_t own_stream_ = nullptr;  // created and destroyed by the backend
+  cudaEvent_t switch_event_ = nullptr; // orders the old stream's work before the new one's (use_stream)
   cublasHandle_t cublas_ = nullptr;
   cuda::Workspace workspace_;
   cuda::HostStaging host_staging_;
@@ -256,6 +274,23 @@ class CudaBackend final : public Backend {
 
 std::unique_ptr<Backend> make_cuda_backend(DType storage, int device) {
   return std::make_unique<CudaBackend>(storage, device);
+}
+
+namespace {
+CudaBackend& as_cuda_backend(Backend& backend, const char* what) {
+  auto* cuda = dynamic_cast<CudaBackend*>(&backend);
+  DMOE_REQUIRE(cuda != nullptr, "{}: the {} backend is not a CUDA backend (make_cuda_backend)", what, backend.name());
+  return *cuda;
+}
+}  // namespace
+
+void set_cuda_backend_stream(Backend& backend, Stream stream) {
+  as_cuda_backend(backend, "set_cuda_backend_stream").use_stream(static_cast<cudaStream_t>(stream));
+}
+
+void use_own_cuda_backend_stream(Backend& backend) {
+  CudaBackend& cuda = as_cuda_backend(backend, "use_own_cuda_backend_stream");
+  cuda.use_stream(cuda.own_stream());
 }
 
 }  // namespace dmoe

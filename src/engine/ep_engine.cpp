@@ -9,7 +9,7 @@
 namespace dmoe {
 
 EpEngine::EpEngine(const MoeConfig& config, Backend& backend, Comm& comm, const EpOptions& options)
-    : config_(config), backend_(backend), comm_(comm) {
+    : config_(config), backend_(backend), comm_(comm), options_(options) {
   config_.validate();
   DMOE_REQUIRE(config_.world == comm_.world(),
                "EpEngine: config world = {} but the communicator has {} ranks", config_.world, comm_.world());
@@ -85,20 +85,83 @@ void EpEngine::set_weights(const MoeWeights& w) {
   backend_.upload_f32(w1_.ensure(Le * I * H * elem_), w.w1.data(), Le * I * H);
   backend_.upload_f32(w2_.ensure(Le * H * I * elem_), w.w2.data(), Le * H * I);
   if (swiglu) backend_.upload_f32(w3_.ensure(Le * I * H * elem_), w.w3.data(), Le * I * H);
-  const size_t acc = dtype_size(backend_.grad_accum_dtype());
-  dwg_.ensure(E * H * acc);
-  dw1_.ensure(Le * I * H * acc);
-  dw2_.ensure(Le * H * I * acc);
-  if (swiglu) dw3_.ensure(Le * I * H * acc);
+  wg_ptr_ = wg_.data();
+  w1_ptr_ = w1_.data();
+  w2_ptr_ = w2_.data();
+  w3_ptr_ = swiglu ? w3_.data() : nullptr;
+  ensure_own_grads();
   has_weights_ = true;
   zero_grads();
 }
 
+void EpEngine::ensure_own_grads() {
+  const int64_t H = config_.hidden, I = config_.ffn, E = config_.experts, Le = local_experts_;
+  const bool swiglu = config_.activation == Activation::swiglu;
+  const size_t acc = dtype_size(backend_.grad_accum_dtype());
+  grad_.gate = dwg_.ensure(E * H * acc);
+  grad_.w1 = dw1_.ensure(Le * I * H * acc);
+  grad_.w2 = dw2_.ensure(Le * H * I * acc);
+  grad_.w3 = swiglu ? dw3_.ensure(Le * I * H * acc) : nullptr;
+  has_grads_ = true;
+}
+
+void EpEngine::set_weight_views(const WeightViews& v) {
+  const bool swiglu = config_.activation == Activation::swiglu;
+  DMOE_REQUIRE(v.gate && v.w1 && v.w2, "EpEngine::set_weight_views: the gate, w1 and w2 pointers must not be null");
+  DMOE_REQUIRE((v.w3 != nullptr) == swiglu,
+               "EpEngine::set_weight_views: w3 is {} but the activation is {}; w3 is given exactly for swiglu",
+               v.w3 ? "given" : "null", activation_name(config_.activation));
+  wg_ptr_ = v.gate;
+  w1_ptr_ = v.w1;
+  w3_ptr_ = v.w3;
+  w2_ptr_ = v.w2;
+  has_weights_ = true;
+}
+
+void EpEngine::set_grad_views(const GradViews& v) {
+  const bool swiglu = config_.activation == Activation::swiglu;
+  DMOE_REQUIRE(v.gate && v.w1 && v.w2, "EpEngine::set_grad_views: the gate, w1 and w2 pointers must not be null");
+  DMOE_REQUIRE((v.w3 != nullptr) == swiglu,
+               "EpEngine::set_grad_views: w3 is {} but the activation is {}; w3 is given exactly for swiglu",
+               v.w3 ? "given" : "null", activation_name(config_.activation));
+  grad_ = v;
+  has_grads_ = true;
+  zero_grads();
+}
+
+GradViews EpEngine::grad_views() const {
+  DMOE_REQUIRE(has_grads_, "EpEngine::grad_views: no gradient accumulators (set_weights() or set_grad_views() "
+               "was not called)");
+  return grad_;
+}
+
+void EpEngine::reduce_gate_grad() {
+  DMOE_REQUIRE(has_grads_, "EpEngine::reduce_gate_grad: no gradient accumulators (set_weights() or "
+               "set_grad_views() was not called)");
+  if (config_.world == 1) return;
+  fault_point(comm_, FaultStage::allreduce);
+  comm_.allreduce_sum(grad_.gate, config_.experts * config_.hidden, backend_.grad_accum_dtype(), backend_.stream());
+}
+
+void EpEngine::set_tokens(int64_t tokens) {
+  MoeConfig next = config_;
+  next.tokens = tokens;
+  next.validate();
+  config_ = next;
+  global_tokens_ = config_.tokens * config_.world;
+  x_ = nullptr;
+  kept_for_backward_ = false;
+  if (config_.world > 1) check_ranks_agree(options_);
+  if (padded_)
+    for (int32_t e = 0; e < config_.experts; ++e) padded_offsets_[e] = int64_t(e) * config_.capacity();
+}
+
 void EpEngine::zero_grads() {
-  DMOE_REQUIRE(has_weights_, "EpEngine::zero_grads: set_weights() was not called");
+  DMOE_REQUIRE(has_grads_, "EpEngine::zero_grads: no gradient accumulators (set_weights() or set_grad_views() "
+               "was not called)");
   const int64_t H = config_.hidden, E = config_.experts;
   const size_t acc = dtype_size(backend_.grad_accum_dtype());
-  backend_.zero(dwg_.data(), E * H * acc);
+  backend_.zero(grad_.gate, E * H * acc);
   expert_grads_zero_ = true;  // dw1/dw2/dw3: written by the next backward (see the member)
 }
 
@@ -152,7 +215,7 @@ void EpEngine::forward(const void* x, void* y, ForwardMode mode) {
   int32_t* ids = static_cast<int32_t*>(ids_.ensure(T * k * sizeof(int32_t)));
   float* weights = static_cast<float*>(weights_.ensure(T * k * sizeof(float)));
   float* lse = static_cast<float*>(lse_.ensure(T * sizeof(float)));
-  backend_.router_forward(x, wg_.data(), logits, probs, ids, weights, lse, T, H, E, k, config_.renormalize);
+  backend_.router_forward(x, wg_ptr_, logits, probs, ids, weights, lse, T, H, E, k, config_.renormalize);
 
   // 2. Send plan: which assignments travel (capacity), in canonical order.
   SendPlanBuffers plan;
@@ -209,7 +272,7 @@ void EpEngine::forward(const void* x, void* y, ForwardMode mode) {
 
   // 5. Grouped expert FFN, then back to source-major order.
   fault_point(comm_, FaultStage::expert_gemm);
-  backend_.expert_ffn_forward(batch_rows_, w1_.data(), swiglu ? w3_.data() : nullptr, w2_.data(),
+  backend_.expert_ffn_forward(batch_rows_, w1_ptr_, swiglu ? w3_ptr_ : nullptr, w2_ptr_,
                               keep ? pre1_.ensure(N * I * elem_) : nullptr,
                               keep && swiglu ? pre3_.ensure(N * I * elem_) : nullptr,
                               h_.ensure(N * I * elem_), out_batch_.ensure(N * H * elem_),
@@ -272,6 +335,8 @@ void EpEngine::compute_losses() {
 
 void EpEngine::backward(const void* dy, void* dx) {
   DMOE_REQUIRE(x_ != nullptr, "EpEngine::backward: forward() must run first");
+  DMOE_REQUIRE(has_grads_, "EpEngine::backward: there are no gradient accumulators; set_weight_views() borrows "
+               "none: call set_grad_views() first (set_weights() makes the engine's own)");
   DMOE_REQUIRE(kept_for_backward_,
                "EpEngine::backward: the last forward ran in ForwardMode::inference and kept nothing for the "
                "backward pass; run forward(x, y, ForwardMode::train) (the default) first");
@@ -309,10 +374,10 @@ void EpEngine::backward(const void* dy, void* dx) {
 
   // 3. Expert FFN backward: input gradients and accumulated weight gradients.
   fault_point(comm_, FaultStage::expert_gemm);
-  backend_.expert_ffn_backward(batch_rows_, w1_.data(), swiglu ? w3_.data() : nullptr, w2_.data(),
+  backend_.expert_ffn_backward(batch_rows_, w1_ptr_, swiglu ? w3_ptr_ : nullptr, w2_ptr_,
                                pre1_.data(), swiglu ? pre3_.data() : nullptr, h_.data(), dbatch,
-                               dx_batch_.ensure(N * H * elem_), dw1_.data(), swiglu ? dw3_.data() : nullptr,
-                               dw2_.data(), layout_.expert_offsets.data(), Le, H, I, config_.activation,
+                               dx_batch_.ensure(N * H * elem_), grad_.w1, swiglu ? grad_.w3 : nullptr,
+                               grad_.w2, layout_.expert_offsets.data(), Le, H, I, config_.activation,
                                /*accumulate=*/!expert_grads_zero_);
   expert_grads_zero_ = false;
 
@@ -344,8 +409,8 @@ void EpEngine::backward(const void* dy, void* dx) {
   }
   aux.lse = z ? lse_.as<float>() : nullptr;
   aux.z_scale = 2.0 * config_.z_loss_coef / n;
-  backend_.router_backward(x_, wg_.data(), probs_.as<float>(), ids_.as<int32_t>(), weights_.as<float>(),
-                           dweights, aux, dlogits, dx_router, dwg_.data(), T, H, E, k, config_.renormalize);
+  backend_.router_backward(x_, wg_ptr_, probs_.as<float>(), ids_.as<int32_t>(), weights_.as<float>(),
+                           dweights, aux, dlogits, dx_router, grad_.gate, T, H, E, k, config_.renormalize);
   backend_.scatter_back(dsend, slot_.as<int32_t>(), dx_router, dx, T, k, H);
 }
 
@@ -390,7 +455,8 @@ std::vector<float> download_accum(Backend& backend, const void* src, int64_t cou
 }  // namespace
 
 MoeWeights EpEngine::grads() {
-  DMOE_REQUIRE(has_weights_, "EpEngine::grads: set_weights() was not called");
+  DMOE_REQUIRE(has_grads_, "EpEngine::grads: no gradient accumulators (set_weights() or set_grad_views() was not "
+               "called)");
   const int64_t H = config_.hidden, I = config_.ffn, E = config_.experts, Le = local_experts_;
   MoeWeights g = make_moe_weights(config_, config_.first_expert(rank_), Le);
   // The gate is replicated: its gradient is the sum over ranks (reduced on a copy, so grads() can be
@@ -398,7 +464,7 @@ MoeWeights EpEngine::grads() {
   const DType acc = backend_.grad_accum_dtype();
   Buffer reduced(backend_);
   void* dwg = reduced.ensure(E * H * dtype_size(acc));
-  backend_.copy(dwg, dwg_.data(), E * H * dtype_size(acc));
+  backend_.copy(dwg, grad_.gate, E * H * dtype_size(acc));
   if (config_.world > 1) {
     fault_point(comm_, FaultStage::allreduce);
     comm_.allreduce_sum(dwg, E * H, acc, backend_.stream());
@@ -410,10 +476,15 @@ MoeWeights EpEngine::grads() {
     if (config_.activation == Activation::swiglu) g.w3.assign(size_t(Le * I * H), 0.f);
     return g;
   }
-  g.w1 = download_accum(backend_, dw1_.data(), Le * I * H);
-  g.w2 = download_accum(backend_, dw2_.data(), Le * H * I);
-  if (config_.activation == Activation::swiglu) g.w3 = download_accum(backend_, dw3_.data(), Le * I * H);
+  g.w1 = download_accum(backend_, grad_.w1, Le * I * H);
+  g.w2 = download_accum(backend_, grad_.w2, Le * H * I);
+  if (config_.activation == Activation::swiglu) g.w3 = download_accum(backend_, grad_.w3, Le * I * H);
   return g;
+}
+
+RoutingViews EpEngine::routing_views() const {
+  DMOE_REQUIRE(x_ != nullptr, "EpEngine::routing_views: forward() has not run");
+  return RoutingViews{logits_.as<float>(), probs_.as<float>(), ids_.as<int32_t>(), weights_.as<float>()};
 }
 
 std::vector<int32_t> EpEngine::expert_ids() {

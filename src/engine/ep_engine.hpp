@@ -41,6 +41,35 @@ struct EpOptions {
 // not computed, and backward() and losses() refuse to run until a train forward.
 enum class ForwardMode { train, inference };
 
+// Weights owned by the caller (EpEngine::set_weight_views): backend memory in the storage dtype, row-major,
+// the layouts of MoeWeights — gate [E, H], w1 and w3 [Le, I, H] (w3 null unless SwiGLU), w2 [Le, H, I] for this
+// rank's Le experts. The engine reads them in every forward and backward and never writes or frees them.
+struct WeightViews {
+  const void* gate = nullptr;
+  const void* w1 = nullptr;
+  const void* w3 = nullptr;
+  const void* w2 = nullptr;
+};
+
+// Gradient accumulators owned by the caller (EpEngine::set_grad_views): backend memory of
+// Backend::grad_accum_dtype() (f32 on CUDA, f64 on the CPU), the weights' shapes. The engine writes and adds
+// to them as it does to its own accumulators (zero_grads, backward) and never frees them.
+struct GradViews {
+  void* gate = nullptr;
+  void* w1 = nullptr;
+  void* w3 = nullptr;
+  void* w2 = nullptr;
+};
+
+// The routing of the last forward in backend memory (EpEngine::routing_views): logits and probs [T, E] f32,
+// ids [T, k] i32, weights [T, k] f32 (the gate weights the combine used; a dropped assignment keeps its weight).
+struct RoutingViews {
+  const float* logits = nullptr;
+  const float* probs = nullptr;
+  const int32_t* ids = nullptr;
+  const float* weights = nullptr;
+};
+
 struct RouterLosses {
   double load_balance = 0;  // E · Σ_e f_e · P_e over all ranks' tokens
   double z_loss = 0;        // mean over all tokens of logsumexp(logits)²
@@ -51,8 +80,28 @@ class EpEngine {
   // config.world must equal comm.world(); config.tokens is this rank's token count.
   EpEngine(const MoeConfig& config, Backend& backend, Comm& comm, const EpOptions& options = {});
 
-  // Gate [E, H] and this rank's experts (weights.first_expert == config.first_expert(rank)).
+  // Gate [E, H] and this rank's experts (weights.first_expert == config.first_expert(rank)), copied into
+  // the engine's memory (converted to the storage dtype). Gradients go back to the engine's own accumulators.
   void set_weights(const MoeWeights& weights);
+  // The same weights borrowed instead of copied (see WeightViews): no copy, the caller keeps them alive and
+  // unchanged while a forward or backward that reads them runs. Does not touch the gradients and allocates
+  // no accumulators: before a backward, set_grad_views() (or set_weights()) must have given some.
+  void set_weight_views(const WeightViews& views);
+  // Gradients into the caller's memory from now on (see GradViews); set_weights() returns to the engine's
+  // own. The accumulators' state is as after zero_grads() (call it before a backward to use them).
+  void set_grad_views(const GradViews& views);
+  // Where the gradients accumulate now (the engine's own accumulators or the caller's), grad_accum_dtype().
+  // Device pointers: read them on the backend's stream. The gate's is this rank's share (see reduce_gate_grad);
+  // the experts' hold nothing until a backward has run after zero_grads() (expert_grads_written()).
+  GradViews grad_views() const;
+  bool expert_grads_written() const { return !expert_grads_zero_; }
+  // Sums the gate's gradient over the ranks in place (collective; nothing to do with one rank). grads() does
+  // the same on a copy; after this, grads() would count the other ranks twice.
+  void reduce_gate_grad();
+  // Changes this rank's token count (config.tokens, and the capacity with it) for the following forwards;
+  // with W > 1 collective (the ranks check again that they agree). Forgets the last forward: backward() needs
+  // a forward after it.
+  void set_tokens(int64_t tokens);
 
   // x, y: [T, H] in backend memory (storage dtype). train: keeps what backward needs. The outputs are
   // the same in both modes.
@@ -69,6 +118,8 @@ class EpEngine {
   // Results of the last forward, copied to the host.
   std::vector<int32_t> expert_ids();      // [T, k]
   std::vector<float> expert_weights();    // [T, k]
+  // The same (and the logits and probabilities) without a copy, valid until the next forward.
+  RoutingViews routing_views() const;
   // The router's auxiliary losses of the last train forward (an inference forward does not compute them).
   RouterLosses losses() const;
   // Over all ranks' tokens, of the last train forward: f_e = assigned_e / (N·k) and P_e = mean_t probs[t, e]
@@ -109,15 +160,25 @@ class EpEngine {
   int32_t local_experts_ = 0;
   size_t elem_ = 4;  // bytes per stored activation element
 
-  // Weights (backend memory).
+  // Weights (backend memory): the engine's copies (set_weights) or the caller's (set_weight_views);
+  // wg_ptr_ .. w2_ptr_ point at the ones in use.
   Buffer wg_, w1_, w3_, w2_;
+  const void* wg_ptr_ = nullptr;
+  const void* w1_ptr_ = nullptr;
+  const void* w3_ptr_ = nullptr;
+  const void* w2_ptr_ = nullptr;
   bool has_weights_ = false;
+  EpOptions options_;
   // zero_grads() leaves the experts' gradient buffers alone and sets this: the next backward writes them
   // (accumulate = false) instead of adding to zeros, which saves the memset and, in the weight-gradient
   // GEMMs, reading every f32 gradient back (the dominant traffic of those products, docs/perf.md).
   bool expert_grads_zero_ = false;
-  // Gradient accumulators (grad_accum_dtype).
+  // Gradient accumulators (grad_accum_dtype): the engine's own, or the caller's (set_grad_views); grad_
+  // points at the ones in use.
   Buffer dwg_, dw1_, dw3_, dw2_;
+  GradViews grad_;
+  bool has_grads_ = false;
+  void ensure_own_grads();
 
   // Forward state.
   const void* x_ = nullptr;

@@ -84,7 +84,10 @@ FlashEngine::FlashEngine(const MoeConfig& config, Comm& comm) : config_(config),
 
 FlashEngine::~FlashEngine() {
   cudaDeviceSynchronize();
-  for (void* p : {gate_, w1_, w3_, w2_, static_cast<void*>(local_), static_cast<void*>(profile_)})
+  if (owns_weights_)
+    for (void* p : {gate_, w1_, w3_, w2_})
+      if (p) cudaFree(p);
+  for (void* p : {static_cast<void*>(local_), static_cast<void*>(profile_)})
     if (p) cudaFree(p);
   free_symmetric(symmetric_);
 }
@@ -100,16 +103,40 @@ void FlashEngine::set_weights(const MoeWeights& w) {
                w.first_expert + w.num_experts);
   DMOE_REQUIRE(w.activation == config_.activation, "FlashEngine: weights are for activation {}; config has {}",
                activation_name(w.activation), activation_name(config_.activation));
-  DMOE_CHECK_CUDA(cudaDeviceSynchronize());  // a forward in flight may still read the old weights
-  for (void** p : {&gate_, &w1_, &w3_, &w2_})
-    if (*p) {
-      DMOE_CHECK_CUDA(cudaFree(*p));
-      *p = nullptr;
-    }
+  release_weights();
   gate_ = upload_bf16(w.gate);
   w1_ = upload_bf16(w.w1);
   if (config_.activation == Activation::swiglu) w3_ = upload_bf16(w.w3);
   w2_ = upload_bf16(w.w2);
+  owns_weights_ = true;
+  has_weights_ = true;
+}
+
+void FlashEngine::release_weights() {
+  DMOE_CHECK_CUDA(cudaDeviceSynchronize());  // a forward in flight may still read the old weights
+  for (void** p : {&gate_, &w1_, &w3_, &w2_}) {
+    if (*p && owns_weights_) DMOE_CHECK_CUDA(cudaFree(*p));
+    *p = nullptr;
+  }
+  owns_weights_ = false;
+  has_weights_ = false;
+}
+
+void FlashEngine::set_weight_views(const void* gate, const void* w1, const void* w3, const void* w2) {
+  const bool swiglu = config_.activation == Activation::swiglu;
+  DMOE_REQUIRE(gate && w1 && w2, "FlashEngine::set_weight_views: the gate, w1 and w2 pointers must not be null");
+  DMOE_REQUIRE((w3 != nullptr) == swiglu,
+               "FlashEngine::set_weight_views: w3 is {} but the activation is {}; w3 is given exactly for swiglu",
+               w3 ? "given" : "null", activation_name(config_.activation));
+  for (const void* p : {gate, w1, w3, w2})
+    DMOE_REQUIRE(reinterpret_cast<uintptr_t>(p) % 16 == 0,
+                 "FlashEngine::set_weight_views: weight pointers must be 16-byte aligned (TMA loads)");
+  if (gate == gate_ && w1 == w1_ && w3 == w3_ && w2 == w2_ && !owns_weights_) return;  // the same views
+  release_weights();
+  gate_ = const_cast<void*>(gate);
+  w1_ = const_cast<void*>(w1);
+  w3_ = const_cast<void*>(w3);
+  w2_ = const_cast<void*>(w2);
   has_weights_ = true;
 }
 

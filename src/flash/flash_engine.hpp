@@ -36,6 +36,10 @@ class FlashEngine {
 
   // Gate [E, H] (all experts) and this rank's experts (weights.first_expert == config.first_expert(rank)).
   void set_weights(const MoeWeights& weights);
+  // The same weights borrowed from the caller instead of copied: bf16 device memory, 16-byte aligned, gate
+  // [E, H], w1 and w3 [Le, I, H] (w3 null unless SwiGLU), w2 [Le, H, I]. The engine never writes or frees them;
+  // the caller keeps them alive and unchanged while a forward that reads them runs.
+  void set_weight_views(const void* gate, const void* w1, const void* w3, const void* w2);
   // x, y: [T, H] bf16 device memory, 16-byte aligned. One cooperative kernel launch on `stream`.
   void forward(const void* x, void* y, cudaStream_t stream);
   // Waits for `stream` (bounded, DMOE_COMM_TIMEOUT_S) and throws if a forward flagged an error (a token whose
@@ -60,6 +64,8 @@ class FlashEngine {
   size_t local_bytes() const { return local_bytes_; }
 
  private:
+  void release_weights();
+
   MoeConfig config_;
   int32_t rank_ = 0;
   flash::Shape shape_;
@@ -73,6 +79,7 @@ class FlashEngine {
   void* w3_ = nullptr;
   void* w2_ = nullptr;
   bool has_weights_ = false;
+  bool owns_weights_ = false;  // gate_ .. w2_ were allocated by set_weights (not set_weight_views)
   uint64_t* profile_ = nullptr;  // [grid, kProfileSlots] when profiling
   uint64_t forwards_ = 0;
 };
