@@ -1,0 +1,133 @@
+"""dmoe: distributed Mixture-of-Experts layers (C++/CUDA engines) for Python.
+
+Two ways in:
+
+* ``dmoe.MoELayer`` (module ``dmoe.module``): a ``torch.nn.Module`` whose gate and experts are
+  ``torch.nn.Parameter`` s, running dmoe's engines forward and backward (torch is imported only when it is used);
+* ``dmoe.layer_forward`` / ``dmoe.layer_backward``: numpy arrays in and out, on the CPU reference engine with
+  ``world`` simulated ranks (threads), for tests and for use without torch.
+
+Weight layout (Mixtral's checkpoint layout, experts stacked): gate ``[E, H]``; ``w1`` (gate projection) and
+``w3`` (up projection, SwiGLU only) ``[E, I, H]``; ``w2`` (down projection) ``[E, H, I]``. An expert computes
+``w2 @ act(w1 @ x)`` (relu, gelu) or ``w2 @ (silu(w1 @ x) * (w3 @ x))`` (swiglu); a token's output is the sum of
+its top-k experts' outputs weighted by the softmax of the router logits ``x @ gate.T`` over the chosen k
+(renormalised to sum to 1 when ``renormalize``).
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from . import _dmoe  # noqa: F401  (the extension; raises ImportError with the loader's message when it cannot load)
+from ._dmoe import Session, cuda_built
+
+__all__ = ["Session", "cuda_built", "layer_forward", "layer_backward", "MoELayer", "__version__"]
+
+_ACTIVATIONS = ("relu", "gelu", "swiglu")
+
+
+def _np():
+    import numpy
+
+    return numpy
+
+
+def _as_f32(name, a, shape):
+    np = _np()
+    if not isinstance(a, np.ndarray):
+        raise TypeError(f"dmoe: {name} must be a numpy.ndarray, got {type(a).__name__}")
+    if a.dtype != np.float32:
+        raise TypeError(f"dmoe: {name} has dtype {a.dtype}; allowed: float32")
+    if tuple(a.shape) != tuple(shape):
+        raise ValueError(f"dmoe: {name} has shape {list(a.shape)}; expected {list(shape)}")
+    return np.ascontiguousarray(a)
+
+
+def _run(x, gate, w1, w3, w2, top_k, activation, world, dy, renormalize, capacity_factor, drop_policy,
+         aux_loss_coef, z_loss_coef, dtype, pad_to_capacity, batch_row_multiple):
+    np = _np()
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"dmoe: activation '{activation}' is unknown; allowed: {', '.join(_ACTIVATIONS)}")
+    if not isinstance(gate, np.ndarray) or gate.ndim != 2:
+        raise ValueError("dmoe: gate must be a 2-D numpy array [experts, hidden]")
+    if not isinstance(w1, np.ndarray) or w1.ndim != 3:
+        raise ValueError("dmoe: w1 must be a 3-D numpy array [experts, ffn, hidden]")
+    E, H = gate.shape
+    I = w1.shape[1]
+    gate = _as_f32("gate", gate, (E, H))
+    w1 = _as_f32("w1", w1, (E, I, H))
+    w2 = _as_f32("w2", w2, (E, H, I))
+    if activation == "swiglu":
+        if w3 is None:
+            raise ValueError("dmoe: w3 is None but the activation is swiglu, which needs it ([experts, ffn, hidden])")
+        w3 = _as_f32("w3", w3, (E, I, H))
+    elif w3 is not None:
+        raise ValueError(f"dmoe: w3 is given but the activation is {activation}; w3 is only for swiglu")
+    if not isinstance(x, np.ndarray) or x.ndim != 2:
+        raise ValueError("dmoe: x must be a 2-D numpy array [tokens, hidden] (world ranks' tokens in rank order)")
+    x = _as_f32("x", x, (x.shape[0], H))
+    rows = x.shape[0]
+    s = Session(H, I, E, top_k, activation, world=world, engine="cpu", dtype=dtype, renormalize=renormalize,
+                capacity_factor=capacity_factor, drop_policy=drop_policy, aux_loss_coef=aux_loss_coef,
+                z_loss_coef=z_loss_coef, pad_to_capacity=pad_to_capacity, batch_row_multiple=batch_row_multiple)
+    out = {
+        "y": np.empty_like(x),
+        "expert_ids": np.empty((rows, top_k), np.int32),
+        "expert_weights": np.empty((rows, top_k), np.float32),
+        "router_logits": np.empty((rows, E), np.float32),
+    }
+    ticket = s.forward(x, out["y"], gate, w1, w3, w2, train=True, expert_ids=out["expert_ids"],
+                       expert_weights=out["expert_weights"], router_logits=out["router_logits"])
+    lb, z = s.losses(ticket)
+    out["losses"] = {"load_balance": lb, "z_loss": z}
+    if dy is None:
+        s.release(ticket)
+        return out
+    dy = _as_f32("dy", dy, (rows, H))
+    out["dx"] = np.empty_like(x)
+    g = {"gate": np.empty((E, H), np.float64), "w1": np.empty((E, I, H), np.float64),
+         "w3": np.empty((E, I, H), np.float64) if activation == "swiglu" else None,
+         "w2": np.empty((E, H, I), np.float64)}
+    s.backward(ticket, dy, out["dx"], g["gate"], g["w1"], g["w3"], g["w2"])
+    out["grads"] = {k: v for k, v in g.items() if v is not None}
+    return out
+
+
+def layer_forward(x, gate, w1, w3, w2, *, top_k, activation="swiglu", world=1, renormalize=True,
+                  capacity_factor=0.0, drop_policy="latest-tokens", aux_loss_coef=0.0, z_loss_coef=0.0,
+                  dtype="float32", pad_to_capacity=True, batch_row_multiple=1):
+    """The layer's forward on the CPU reference engine, ``world`` ranks simulated as threads.
+
+    ``x`` is ``[world * T, H]`` float32 (rank r's T tokens at rows ``r*T .. (r+1)*T``); the weights are float32 in
+    the layout of the module docstring (``w3`` None unless swiglu). ``capacity_factor`` 0 is dropless; otherwise
+    each (rank, expert) keeps at most ``ceil(cf * T * k / E)`` rows (``drop_policy`` 'latest-tokens' or
+    'lowest-weight'). ``dtype`` 'bfloat16' rounds every stored activation to bf16 as a bf16 GPU engine stores
+    them. Returns a dict: ``y`` [N, H], ``expert_ids`` [N, k] int32, ``expert_weights`` [N, k], ``router_logits``
+    [N, E], ``losses`` {'load_balance', 'z_loss'} (over all ranks' tokens).
+    """
+    return _run(x, gate, w1, w3, w2, top_k, activation, world, None, renormalize, capacity_factor, drop_policy,
+                aux_loss_coef, z_loss_coef, dtype, pad_to_capacity, batch_row_multiple)
+
+
+def layer_backward(x, gate, w1, w3, w2, dy, *, top_k, activation="swiglu", world=1, renormalize=True,
+                   capacity_factor=0.0, drop_policy="latest-tokens", aux_loss_coef=0.0, z_loss_coef=0.0,
+                   dtype="float32", pad_to_capacity=True, batch_row_multiple=1):
+    """Forward and backward: what ``layer_forward`` returns plus ``dx`` [N, H] and ``grads`` (float64, fp64
+    accumulation): 'gate' (summed over ranks), 'w1', 'w3' (swiglu), 'w2' — the gradients of ``sum(y * dy)``
+    plus ``aux_loss_coef * load_balance + z_loss_coef * z_loss``.
+    """
+    return _run(x, gate, w1, w3, w2, top_k, activation, world, dy, renormalize, capacity_factor, drop_policy,
+                aux_loss_coef, z_loss_coef, dtype, pad_to_capacity, batch_row_multiple)
+
+
+def __getattr__(name):
+    # MoELayer needs torch: imported on first use, so numpy-only use of dmoe never imports torch.
+    if name == "MoELayer":
+        from .module import MoELayer
+
+        return MoELayer
+    if name == "hf":
+        import importlib
+
+        return importlib.import_module(".hf", __name__)
+    raise AttributeError(f"module 'dmoe' has no attribute '{name}'")

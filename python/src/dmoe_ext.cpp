@@ -1,0 +1,279 @@
+// dmoe_ext.cpp — the extension module dmoe._dmoe: LayerSession (engine/layer_session.hpp) for Python.
+//
+// Arrays cross as nanobind ndarrays (DLPack: numpy arrays, torch tensors, anything with __dlpack__) without
+// copies: the engine reads and writes the caller's memory. Every array is checked before any work — device
+// (host memory for the cpu engine, this session's GPU for ep/flash), dtype, shape and C-contiguity — and a
+// mismatch raises TypeError or ValueError naming the argument, what it is and what is allowed. dmoe's own
+// errors become ValueError (bad input) or RuntimeError (internal). The GIL is released while the engine runs.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/config.hpp"
+#include "core/error.hpp"
+#include "engine/layer_session.hpp"
+
+namespace nb = nanobind;
+
+namespace dmoe {
+namespace {
+
+using Array = nb::ndarray<>;
+
+std::string dtype_text(nb::dlpack::dtype t) {
+  const auto code = static_cast<nb::dlpack::dtype_code>(t.code);
+  std::string base = code == nb::dlpack::dtype_code::Float    ? "float"
+                     : code == nb::dlpack::dtype_code::Bfloat ? "bfloat"
+                     : code == nb::dlpack::dtype_code::Int    ? "int"
+                     : code == nb::dlpack::dtype_code::UInt   ? "uint"
+                     : code == nb::dlpack::dtype_code::Bool   ? "bool"
+                                                              : "complex";
+  return base + std::to_string(int(t.bits)) + (t.lanes != 1 ? "x" + std::to_string(int(t.lanes)) : "");
+}
+
+nb::dlpack::dtype dlpack_of(DType t) {
+  switch (t) {
+    case DType::f32: return nb::dtype<float>();
+    case DType::f64: return nb::dtype<double>();
+    case DType::i32: return nb::dtype<int32_t>();
+    case DType::i64: return nb::dtype<int64_t>();
+    case DType::bf16: return nb::dlpack::dtype{uint8_t(nb::dlpack::dtype_code::Bfloat), 16, 1};
+  }
+  return {};
+}
+
+std::string shape_text(const std::vector<int64_t>& s) {
+  std::string out = "[";
+  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + "]";
+}
+
+std::string shape_of(const Array& a) {
+  std::vector<int64_t> s;
+  for (size_t i = 0; i < a.ndim(); ++i) s.push_back(int64_t(a.shape(i)));
+  return shape_text(s);
+}
+
+// What the session's arrays must live on, for messages and checks.
+struct Place {
+  bool cuda = false;
+  int device = -1;
+  std::string text() const { return cuda ? "CUDA device " + std::to_string(device) : "host (CPU) memory"; }
+};
+
+// Checks one array and returns its data pointer: device, dtype, shape (the element count only when
+// `flat`: any shape with that many elements, e.g. [B, S, H] for [rows, H]), C-contiguity.
+void* check_array(const Array& a, const char* name, const Place& place, DType dtype, const std::vector<int64_t>& shape,
+                  bool flat = false) {
+  const bool on_cuda = a.device_type() == nb::device::cuda::value;
+  const bool on_host = a.device_type() == nb::device::cpu::value;
+  if (place.cuda ? !(on_cuda && a.device_id() == place.device) : !on_host) {
+    const std::string where = on_cuda ? "CUDA device " + std::to_string(a.device_id())
+                              : on_host ? "host (CPU) memory"
+                                        : "device type " + std::to_string(a.device_type());
+    throw nb::value_error(("dmoe: " + std::string(name) + " is in " + where + "; this session's engine needs it in " +
+                           place.text() + (place.cuda ? "" : " (engine 'cpu'; for a GPU use engine 'ep' or 'flash')"))
+                              .c_str());
+  }
+  if (a.dtype() != dlpack_of(dtype))
+    throw nb::type_error(("dmoe: " + std::string(name) + " has dtype " + dtype_text(a.dtype()) + "; allowed: " +
+                          dtype_text(dlpack_of(dtype)) + " (" + dtype_name(dtype) + ")")
+                             .c_str());
+  int64_t count = 1;
+  for (int64_t s : shape) count *= s;
+  bool shape_ok = true;
+  if (flat) {
+    shape_ok = int64_t(a.size()) == count && a.ndim() >= 1 && int64_t(a.shape(a.ndim() - 1)) == shape.back();
+  } else {
+    shape_ok = a.ndim() == shape.size();
+    for (size_t i = 0; shape_ok && i < shape.size(); ++i) shape_ok = int64_t(a.shape(i)) == shape[i];
+  }
+  if (!shape_ok)
+    throw nb::value_error(("dmoe: " + std::string(name) + " has shape " + shape_of(a) + "; expected " +
+                           shape_text(shape) + (flat ? " (or any shape with that last dimension and element count)" : ""))
+                              .c_str());
+  int64_t expect = 1;  // C-contiguous: strides (in elements) of dims longer than 1 are products of the later dims
+  for (size_t i = a.ndim(); i-- > 0;) {
+    if (a.shape(i) > 1 && a.stride(i) != expect)
+      throw nb::value_error(("dmoe: " + std::string(name) + " (shape " + shape_of(a) +
+                             ") is not C-contiguous; pass a contiguous array (numpy.ascontiguousarray, "
+                             "tensor.contiguous())")
+                                .c_str());
+    expect *= int64_t(a.shape(i));
+  }
+  return a.data();
+}
+
+DType parse_storage(const std::string& name) {
+  if (name == "f32" || name == "float32") return DType::f32;
+  if (name == "bf16" || name == "bfloat16") return DType::bf16;
+  throw nb::value_error(("dmoe: dtype '" + name + "' is not supported; allowed: float32 (f32), bfloat16 (bf16)").c_str());
+}
+
+class PySession {
+ public:
+  PySession(int64_t hidden, int64_t ffn, int32_t experts, int32_t top_k, const std::string& activation,
+            int32_t world, const std::string& engine, const std::string& dtype, bool renormalize,
+            double capacity_factor, const std::string& drop_policy, double aux_loss_coef, double z_loss_coef,
+            int32_t device, const std::string& comm, int64_t max_tokens, bool pad_to_capacity,
+            int32_t batch_row_multiple) {
+    MoeConfig c;
+    c.tokens = 1;
+    c.hidden = hidden;
+    c.ffn = ffn;
+    c.experts = experts;
+    c.top_k = top_k;
+    c.activation = parse_activation(activation);
+    c.world = world;
+    c.dtype = parse_storage(dtype);
+    c.renormalize = renormalize;
+    c.capacity_factor = capacity_factor;
+    c.drop_policy = parse_drop_policy(drop_policy);
+    c.aux_loss_coef = aux_loss_coef;
+    c.z_loss_coef = z_loss_coef;
+    SessionOptions o;
+    o.engine = parse_engine_kind(engine);
+    o.device = device;
+    o.comm = comm;
+    o.max_tokens = max_tokens;
+    o.ep.pad_to_capacity = pad_to_capacity;
+    o.ep.batch_row_multiple = batch_row_multiple;
+    session_ = std::make_unique<LayerSession>(c, o);
+    place_.cuda = o.engine != EngineKind::cpu;
+    place_.device = session_->device();
+    // The CPU engine stores f32 (a bf16 config is emulated by rounding); CUDA stores the config's dtype.
+    storage_ = place_.cuda ? c.dtype : DType::f32;
+  }
+
+  LayerSession& session() { return *session_; }
+  const Place& place() const { return place_; }
+  DType storage() const { return storage_; }
+
+  void set_stream(uintptr_t stream) { session_->set_stream(reinterpret_cast<Stream>(stream)); }
+
+  int64_t forward(const Array& x, const Array& y, const Array& gate, const Array& w1, const std::optional<Array>& w3,
+                  const Array& w2, bool train, const std::optional<Array>& expert_ids,
+                  const std::optional<Array>& expert_weights, const std::optional<Array>& router_logits) {
+    const MoeConfig& c = session_->config();
+    const int64_t H = c.hidden, I = c.ffn, E = c.experts, k = c.top_k, Ne = session_->held_experts();
+    if (x.ndim() < 1 || int64_t(x.shape(x.ndim() - 1)) != H)
+      throw nb::value_error(("dmoe: x has shape " + shape_of(x) + "; its last dimension must be hidden = " +
+                             std::to_string(H)).c_str());
+    const int64_t rows = int64_t(x.size()) / H;
+    SessionForward f;
+    f.rows = rows;
+    f.train = train;
+    f.x = check_array(x, "x", place_, storage_, {rows, H}, true);
+    f.y = check_array(y, "y", place_, storage_, {rows, H}, true);
+    check_weights(gate, w1, w3, w2, storage_, Ne, "");
+    f.weights = WeightViews{gate.data(), w1.data(), w3 ? w3->data() : nullptr, w2.data()};
+    if (expert_ids) f.expert_ids = static_cast<int32_t*>(check_array(*expert_ids, "expert_ids", place_, DType::i32, {rows, k}));
+    if (expert_weights)
+      f.expert_weights = static_cast<float*>(check_array(*expert_weights, "expert_weights", place_, DType::f32, {rows, k}));
+    if (router_logits)
+      f.router_logits = static_cast<float*>(check_array(*router_logits, "router_logits", place_, DType::f32, {rows, E}));
+    (void)I;
+    nb::gil_scoped_release release;
+    return session_->forward(f);
+  }
+
+  void backward(int64_t ticket, const Array& dy, const Array& dx, const Array& dgate, const Array& dw1,
+                const std::optional<Array>& dw3, const Array& dw2) {
+    const MoeConfig& c = session_->config();
+    const int64_t H = c.hidden;
+    if (dy.ndim() < 1 || int64_t(dy.shape(dy.ndim() - 1)) != H)
+      throw nb::value_error(("dmoe: dy has shape " + shape_of(dy) + "; its last dimension must be hidden = " +
+                             std::to_string(H)).c_str());
+    const int64_t rows = int64_t(dy.size()) / H;
+    SessionBackward b;
+    b.ticket = ticket;
+    b.dy = check_array(dy, "dy", place_, storage_, {rows, H}, true);
+    b.dx = check_array(dx, "dx", place_, storage_, {rows, H}, true);
+    check_weights(dgate, dw1, dw3, dw2, session_->grad_dtype(), session_->held_experts(), "grad ");
+    b.grads = GradViews{dgate.data(), dw1.data(), dw3 ? dw3->data() : nullptr, dw2.data()};
+    nb::gil_scoped_release release;
+    session_->backward(b);
+  }
+
+ private:
+  void check_weights(const Array& gate, const Array& w1, const std::optional<Array>& w3, const Array& w2, DType dtype,
+                     int64_t Ne, const std::string& prefix) {
+    const MoeConfig& c = session_->config();
+    const int64_t H = c.hidden, I = c.ffn, E = c.experts;
+    const bool swiglu = c.activation == Activation::swiglu;
+    check_array(gate, (prefix + "gate").c_str(), place_, dtype, {E, H});
+    check_array(w1, (prefix + "w1").c_str(), place_, dtype, {Ne, I, H});
+    check_array(w2, (prefix + "w2").c_str(), place_, dtype, {Ne, H, I});
+    if (swiglu != w3.has_value())
+      throw nb::value_error(("dmoe: " + prefix + "w3 is " + (w3 ? "given" : "None") + " but the activation is " +
+                             activation_name(c.activation) + "; w3 (the up projection) is given exactly for swiglu")
+                                .c_str());
+    if (w3) check_array(*w3, (prefix + "w3").c_str(), place_, dtype, {Ne, I, H});
+  }
+
+  std::unique_ptr<LayerSession> session_;
+  Place place_;
+  DType storage_ = DType::f32;
+};
+
+}  // namespace
+}  // namespace dmoe
+
+NB_MODULE(_dmoe, m) {
+  using namespace dmoe;
+  m.doc() = "dmoe's engines (see dmoe.MoELayer and dmoe.layer_forward for the Python API)";
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const dmoe::Error& e) {
+      PyErr_SetString(e.is_input() ? PyExc_ValueError : PyExc_RuntimeError, e.what());
+    }
+  });
+  m.def("cuda_built", &cuda_engines_built, "Whether this build has the CUDA engines (ep, flash).");
+
+  nb::class_<PySession>(m, "Session",
+                        "One MoE layer's engine state (dmoe::LayerSession): forward/backward on caller-owned arrays.")
+      .def(nb::init<int64_t, int64_t, int32_t, int32_t, const std::string&, int32_t, const std::string&,
+                    const std::string&, bool, double, const std::string&, double, double, int32_t, const std::string&,
+                    int64_t, bool, int32_t>(),
+           nb::arg("hidden"), nb::arg("ffn"), nb::arg("experts"), nb::arg("top_k"), nb::arg("activation") = "swiglu",
+           nb::arg("world") = 1, nb::arg("engine") = "cpu", nb::arg("dtype") = "f32", nb::arg("renormalize") = true,
+           nb::arg("capacity_factor") = 0.0, nb::arg("drop_policy") = "latest-tokens", nb::arg("aux_loss_coef") = 0.0,
+           nb::arg("z_loss_coef") = 0.0, nb::arg("device") = -1, nb::arg("comm") = "auto",
+           nb::arg("max_tokens") = 8192, nb::arg("pad_to_capacity") = true, nb::arg("batch_row_multiple") = 1)
+      .def_prop_ro("rank", [](PySession& s) { return s.session().rank(); })
+      .def_prop_ro("world", [](PySession& s) { return s.session().world(); })
+      .def_prop_ro("device", [](PySession& s) { return s.session().device(); })
+      .def_prop_ro("engine", [](PySession& s) { return std::string(engine_kind_name(s.session().engine())); })
+      .def_prop_ro("comm", [](PySession& s) { return std::string(s.session().comm_name()); })
+      .def_prop_ro("first_expert", [](PySession& s) { return s.session().first_expert(); })
+      .def_prop_ro("held_experts", [](PySession& s) { return s.session().held_experts(); })
+      .def_prop_ro("storage_dtype", [](PySession& s) { return std::string(dtype_name(s.storage())); })
+      .def_prop_ro("grad_dtype", [](PySession& s) { return std::string(dtype_name(s.session().grad_dtype())); })
+      .def_prop_ro("pending", [](PySession& s) { return s.session().pending(); })
+      .def_prop_ro("engines", [](PySession& s) { return s.session().engines(); })
+      .def("set_stream", &PySession::set_stream, nb::arg("stream"),
+           "CUDA: issue the following calls' work on this cudaStream_t (an int, e.g. torch's "
+           "current_stream().cuda_stream; 0 is the legacy default stream).")
+      .def("forward", &PySession::forward, nb::arg("x"), nb::arg("y"), nb::arg("gate"), nb::arg("w1"),
+           nb::arg("w3").none(), nb::arg("w2"), nb::arg("train") = true, nb::arg("expert_ids").none() = nb::none(),
+           nb::arg("expert_weights").none() = nb::none(), nb::arg("router_logits").none() = nb::none(),
+           "Writes y; returns a ticket for backward() when train (-1 otherwise).")
+      .def("backward", &PySession::backward, nb::arg("ticket"), nb::arg("dy"), nb::arg("dx"), nb::arg("dgate"),
+           nb::arg("dw1"), nb::arg("dw3").none(), nb::arg("dw2"),
+           "Writes dx and the gradients (grad_dtype; gate summed over ranks) of the forward behind ticket.")
+      .def("release", [](PySession& s, int64_t ticket) { s.session().release(ticket); }, nb::arg("ticket"))
+      .def("losses",
+           [](PySession& s, int64_t ticket) {
+             const RouterLosses l = s.session().losses(ticket);
+             return std::make_tuple(l.load_balance, l.z_loss);
+           },
+           nb::arg("ticket"), "(load_balance, z_loss) of a pending train forward, over all ranks' tokens.");
+}
