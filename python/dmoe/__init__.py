@@ -48,6 +48,9 @@ def _run(x, gate, w1, w3, w2, top_k, activation, world, dy, renormalize, capacit
     np = _np()
     if activation not in _ACTIVATIONS:
         raise ValueError(f"dmoe: activation '{activation}' is unknown; allowed: {', '.join(_ACTIVATIONS)}")
+    for name, a in (("x", x), ("gate", gate), ("w1", w1), ("w3", w3), ("w2", w2), ("dy", dy)):
+        if a is not None and not isinstance(a, np.ndarray):
+            raise TypeError(f"dmoe: {name} must be a numpy.ndarray, got {type(a).__name__}")
     if not isinstance(gate, np.ndarray) or gate.ndim != 2:
         raise ValueError("dmoe: gate must be a 2-D numpy array [experts, hidden]")
     if not isinstance(w1, np.ndarray) or w1.ndim != 3:

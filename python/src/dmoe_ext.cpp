@@ -228,6 +228,8 @@ class PySession {
 
 NB_MODULE(_dmoe, m) {
   using namespace dmoe;
+  // Modules holding sessions may live until interpreter exit (torch keeps modules in globals): not a leak.
+  nb::set_leak_warnings(false);
   m.doc() = "dmoe's engines (see dmoe.MoELayer and dmoe.layer_forward for the Python API)";
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     try {

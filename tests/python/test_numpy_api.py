@@ -1,0 +1,141 @@
+"""dmoe.layer_forward / layer_backward (the CPU engine, W simulated ranks) against reference_moe.py, an
+independent float64 implementation, and the API's refusals of bad input. Needs numpy only."""
+
+import numpy as np
+import pytest
+
+import dmoe
+from reference_moe import layer as reference_layer
+
+H, I, E, K = 16, 24, 8, 2
+
+
+def make(activation, rows, seed=0):
+    rng = np.random.default_rng(seed)
+    f = lambda *s, scale=1.0: (rng.standard_normal(s) * scale).astype(np.float32)  # noqa: E731
+    x = f(rows, H)
+    gate = f(E, H, scale=0.5)
+    w1 = f(E, I, H, scale=1 / np.sqrt(H))
+    w3 = f(E, I, H, scale=1 / np.sqrt(H)) if activation == "swiglu" else None
+    w2 = f(E, H, I, scale=1 / np.sqrt(I))
+    dy = f(rows, H)
+    return x, gate, w1, w3, w2, dy
+
+
+def rel_err(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+
+# f32 storage of the activations (h, pre-activations, expert outputs) against a float64 reference: relative
+# errors of a few f32 ulps per stage; 2e-5 of the largest magnitude bounds them with room (measured < 3e-6).
+TOL = 2e-5
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu", "swiglu"])
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("capacity_factor,policy", [(0.0, "latest-tokens"), (1.0, "latest-tokens"),
+                                                    (0.75, "lowest-weight")])
+def test_forward_and_gradients_match_reference(activation, world, capacity_factor, policy):
+    rows = 12 * world
+    x, gate, w1, w3, w2, dy = make(activation, rows, seed=world)
+    kw = dict(top_k=K, activation=activation, world=world, capacity_factor=capacity_factor, drop_policy=policy,
+              aux_loss_coef=0.01, z_loss_coef=0.001)
+    got = dmoe.layer_backward(x, gate, w1, w3, w2, dy, **kw)
+    ref = reference_layer(x, gate, w1, w3, w2, dy, **kw)
+    if capacity_factor:
+        assert not ref["kept"].all(), "the capacity case must drop something, else it tests nothing new"
+    np.testing.assert_array_equal(got["expert_ids"], ref["expert_ids"])
+    assert rel_err(got["expert_weights"], ref["expert_weights"]) < TOL
+    assert rel_err(got["router_logits"], ref["router_logits"]) < TOL
+    assert rel_err(got["y"], ref["y"]) < TOL
+    assert rel_err(got["dx"], ref["dx"]) < TOL
+    assert set(got["grads"]) == set(ref["grads"])
+    for name, g in ref["grads"].items():
+        assert got["grads"][name].dtype == np.float64
+        assert rel_err(got["grads"][name], g) < TOL, name
+    for name in ("load_balance", "z_loss"):
+        assert abs(got["losses"][name] - ref["losses"][name]) < 1e-5 * abs(ref["losses"][name]), name
+
+
+def test_ranks_agree_with_one_rank():
+    # Dropless: W simulated ranks give the single-rank result bit for bit (docs/architecture.md), except the
+    # gate's gradient, summed per rank first (last-bit differences of the fp64 sum).
+    x, gate, w1, w3, w2, dy = make("swiglu", 16, seed=3)
+    one = dmoe.layer_backward(x, gate, w1, w3, w2, dy, top_k=K, world=1)
+    four = dmoe.layer_backward(x, gate, w1, w3, w2, dy, top_k=K, world=4)
+    np.testing.assert_array_equal(one["y"], four["y"])
+    np.testing.assert_array_equal(one["dx"], four["dx"])
+    np.testing.assert_array_equal(one["grads"]["w1"], four["grads"]["w1"])
+    assert rel_err(four["grads"]["gate"], one["grads"]["gate"]) < 1e-12
+
+
+def test_forward_without_backward_and_no_renormalize():
+    x, gate, w1, w3, w2, _ = make("gelu", 10, seed=5)
+    got = dmoe.layer_forward(x, gate, w1, None, w2, top_k=3, activation="gelu", renormalize=False)
+    ref = reference_layer(x, gate, w1, None, w2, None, top_k=3, activation="gelu", renormalize=False)
+    assert "dx" not in got and "grads" not in got
+    assert rel_err(got["y"], ref["y"]) < TOL
+    assert np.all(got["expert_weights"].sum(axis=1) < 1.0)  # not renormalised
+
+
+def test_bf16_rounds_activations():
+    x, gate, w1, w3, w2, _ = make("swiglu", 8, seed=6)
+    f32 = dmoe.layer_forward(x, gate, w1, w3, w2, top_k=K)
+    bf16 = dmoe.layer_forward(x, gate, w1, w3, w2, top_k=K, dtype="bfloat16")
+    # bf16 keeps 8 mantissa bits: every y differs from f32 by at most a few bf16 ulps but not by nothing
+    err = rel_err(bf16["y"], f32["y"])
+    assert 1e-4 < err < 5e-2, err
+    y = bf16["y"].view(np.uint32)
+    assert np.all((y & 0xFFFF) == 0), "bf16 storage: the low 16 bits of every stored f32 are zero"
+
+
+def expect(exc, match, fn, *a, **kw):
+    with pytest.raises(exc, match=match):
+        fn(*a, **kw)
+
+
+def test_bad_input_is_refused_with_a_clear_message():
+    x, gate, w1, w3, w2, dy = make("swiglu", 8)
+    kw = dict(top_k=K)
+    expect(TypeError, "x has dtype float64; allowed: float32", dmoe.layer_forward, x.astype(np.float64), gate, w1, w3,
+           w2, **kw)
+    expect(ValueError, r"w2 has shape \[8, 24, 16\]; expected \[8, 16, 24\]", dmoe.layer_forward, x, gate, w1, w3,
+           w2.transpose(0, 2, 1).copy(), **kw)
+    expect(ValueError, "w3 is None but the activation is swiglu", dmoe.layer_forward, x, gate, w1, None, w2, **kw)
+    expect(ValueError, "w3 is given but the activation is relu", dmoe.layer_forward, x, gate, w1, w3, w2, top_k=K,
+           activation="relu")
+    expect(ValueError, "activation 'tanh' is unknown; allowed: relu, gelu, swiglu", dmoe.layer_forward, x, gate, w1,
+           w3, w2, top_k=K, activation="tanh")
+    expect(ValueError, "experts = 8 is not divisible by world = 3", dmoe.layer_forward, x, gate, w1, w3, w2, top_k=K,
+           world=3)
+    expect(ValueError, "7 rows cannot be split over world = 2", dmoe.layer_forward, x[:7], gate, w1, w3, w2, top_k=K,
+           world=2)
+    expect(ValueError, "top_k", dmoe.layer_forward, x, gate, w1, w3, w2, top_k=9)
+    expect(ValueError, "capacity_factor", dmoe.layer_forward, x, gate, w1, w3, w2, top_k=K, capacity_factor=-1.0)
+    expect(ValueError, "drop", dmoe.layer_forward, x, gate, w1, w3, w2, top_k=K, capacity_factor=1.0,
+           drop_policy="random")
+    expect(TypeError, "must be a numpy.ndarray", dmoe.layer_forward, x.tolist(), gate, w1, w3, w2, **kw)
+
+
+def test_session_checks_arrays():
+    x, gate, w1, w3, w2, dy = make("swiglu", 8)
+    s = dmoe.Session(H, I, E, K)
+    y = np.empty_like(x)
+    expect(ValueError, "is not C-contiguous", s.forward, x, y, gate, w1, w3, np.ascontiguousarray(w2)[:, :, ::-1])
+    expect(ValueError, "x has shape", s.forward, x[:, :8].copy(), y, gate, w1, w3, w2)
+    expect(ValueError, r"y has shape \[4, 16\]", s.forward, x, y[:4], gate, w1, w3, w2)
+    expect(TypeError, "expert_ids has dtype int64; allowed: int32", s.forward, x, y, gate, w1, w3, w2,
+           expert_ids=np.empty((8, K), np.int64))
+    ticket = s.forward(x, y, gate, w1, w3, w2)
+    assert s.pending == 1
+    dx = np.empty_like(x)
+    grads = [np.empty(a.shape, np.float32) for a in (gate, w1, w3, w2)]
+    expect(TypeError, "grad gate has dtype float32; allowed: float64", s.backward, ticket, dy, dx, *grads)
+    grads = [np.empty(a.shape, np.float64) for a in (gate, w1, w3, w2)]
+    s.backward(ticket, dy, dx, *grads)
+    assert s.pending == 0
+    expect(ValueError, "not a pending train forward", s.backward, ticket, dy, dx, *grads)
+    expect(ValueError, "engine 'gpu' is unknown; allowed: cpu, ep, flash", dmoe.Session, H, I, E, K, engine="gpu")
+    if not dmoe.cuda_built():
+        expect(ValueError, "built without CUDA", dmoe.Session, H, I, E, K, engine="ep")
