@@ -1,0 +1,220 @@
+"""dmoe.MoELayer on the CPU engine against a plain torch implementation and against transformers' Mixtral block
+(forward and every gradient), optimizer / state_dict / torch.save, and the module's refusals. Skips without torch."""
+
+import copy
+import io
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed: the torch module tests need it")
+import torch.nn.functional as F  # noqa: E402
+
+import dmoe  # noqa: E402
+
+torch.set_num_threads(2)
+H, I, E, K = 16, 24, 8, 2
+
+
+def torch_moe(x, gate, w1, w3, w2, top_k, activation, renormalize=True):
+    """The layer in plain torch (dense over experts, autograd does the backward); float64 for a reference."""
+    logits = x @ gate.T
+    p = torch.softmax(logits, dim=-1)
+    w, ids = torch.topk(p, top_k, dim=-1)
+    if renormalize:
+        w = w / w.sum(dim=-1, keepdim=True)
+    y = torch.zeros_like(x)
+    for e in range(gate.shape[0]):
+        a1 = x @ w1[e].T
+        if activation == "swiglu":
+            h = F.silu(a1) * (x @ w3[e].T)
+        elif activation == "gelu":
+            h = F.gelu(a1)
+        else:
+            h = F.relu(a1)
+        out = h @ w2[e].T
+        weight = (w * (ids == e)).sum(dim=-1, keepdim=True)
+        y = y + weight * out
+    return y, ids
+
+
+def params_of(m):
+    return [p for p in (m.gate, m.w1, m.w3, m.w2) if p is not None]
+
+
+# f32 engine vs float64 torch reference: a few f32 ulps per stage; 2e-5 of the largest magnitude (measured < 3e-6).
+TOL = 2e-5
+
+
+def close(a, b, tol=TOL):
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30)) < tol
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu", "swiglu"])
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_matches_plain_torch(activation, world, renormalize):
+    torch.manual_seed(world)
+    m = dmoe.MoELayer(H, I, E, K, activation, world=world, engine="cpu", renormalize=renormalize)
+    x = torch.randn(2, 6, H, requires_grad=True)
+    dy = torch.randn(2, 6, H)
+    out = m(x, return_routing=True)
+    (out.y * dy).sum().backward()
+    ref_params = [p.detach().double().requires_grad_() for p in params_of(m)]
+    xr = x.detach().double().requires_grad_()
+    w3 = ref_params[2] if activation == "swiglu" else None
+    w2 = ref_params[-1]
+    yr, ids = torch_moe(xr.reshape(-1, H), ref_params[0], ref_params[1], w3, w2, K, activation, renormalize)
+    (yr.reshape(x.shape) * dy.double()).sum().backward()
+    assert close(out.y, yr.reshape(x.shape))
+    assert torch.equal(out.expert_ids.long(), ids)
+    assert out.router_logits.shape == (12, E) and close(out.router_logits, xr.reshape(-1, H) @ ref_params[0].T)
+    assert out.load_balance is not None and out.load_balance > 0
+    assert close(x.grad, xr.grad)
+    for p, r in zip(params_of(m), ref_params):
+        assert p.grad.dtype == torch.float32 and p.grad.shape == p.shape
+        assert close(p.grad, r.grad)
+
+
+def test_aux_losses_add_their_gradients():
+    torch.manual_seed(1)
+    plain = dmoe.MoELayer(H, I, E, K, engine="cpu")
+    aux = dmoe.MoELayer(H, I, E, K, engine="cpu", aux_loss_coef=0.5, z_loss_coef=0.1)
+    aux.load_state_dict(plain.state_dict())
+    x = torch.randn(10, H)
+    plain(x).sum().backward()
+    aux(x).sum().backward()
+    assert torch.equal(plain.w1.grad, aux.w1.grad)  # the losses depend on the router only
+    assert not torch.allclose(plain.gate.grad, aux.gate.grad)
+    # the gate's extra gradient is the losses' gradient: compare with torch autograd of the loss formulas
+    g = plain.gate.detach().double().requires_grad_()
+    logits = x.double() @ g.T
+    p = torch.softmax(logits, -1)
+    ids = torch.topk(p, K, -1).indices
+    f = torch.bincount(ids.flatten(), minlength=E).double() / (10 * K)
+    lb = E * (f * p.mean(0)).sum()
+    z = (torch.logsumexp(logits, -1) ** 2).mean()
+    (0.5 * lb + 0.1 * z).backward()
+    assert close(aux.gate.grad - plain.gate.grad, g.grad, 1e-4)
+
+
+def test_matches_transformers_mixtral_block():
+    tr = pytest.importorskip("transformers", reason="transformers is not installed")
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+    cfg = tr.MixtralConfig(hidden_size=H, intermediate_size=I, num_local_experts=E, num_experts_per_tok=K)
+    torch.manual_seed(3)
+    block = MixtralSparseMoeBlock(cfg)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    holder = torch.nn.Sequential(copy.deepcopy(block))
+    assert dmoe.hf.replace_moe_blocks(holder) == 1
+    mine = holder[0]
+    x = torch.randn(2, 5, H)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = block(xa), mine(xb)
+    ya = ya[0] if isinstance(ya, tuple) else ya
+    yb = yb[0] if isinstance(yb, tuple) else yb
+    dy = torch.randn_like(ya)
+    (ya * dy).sum().backward()
+    (yb * dy).sum().backward()
+    # float32 both; the stock block sums the experts' products in another order: 1e-5 of the largest value
+    assert close(yb, ya, 1e-5)
+    assert close(xb.grad, xa.grad, 1e-5)
+    assert close(mine.moe.gate.grad, block.gate.weight.grad, 1e-5)
+    if hasattr(block.experts, "gate_up_proj"):  # transformers 5.x
+        gu, down = block.experts.gate_up_proj.grad, block.experts.down_proj.grad
+        assert close(mine.moe.w1.grad, gu[:, :I], 1e-5)
+        assert close(mine.moe.w3.grad, gu[:, I:], 1e-5)
+        assert close(mine.moe.w2.grad, down, 1e-5)
+    else:  # 4.x
+        assert close(mine.moe.w1.grad, torch.stack([e.w1.weight.grad for e in block.experts]), 1e-5)
+
+
+def test_optimizer_state_dict_and_save():
+    torch.manual_seed(4)
+    m = dmoe.MoELayer(H, I, E, K, engine="cpu")
+    ref = copy.deepcopy(m)
+    assert [n for n, _ in m.named_parameters()] == ["gate", "w1", "w3", "w2"]
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    x = torch.randn(8, H)
+    for _ in range(3):
+        opt.zero_grad()
+        m(x).pow(2).mean().backward()
+        opt.step()
+    assert not torch.equal(m.w2, ref.w2)  # the step changed the weights
+    loss_after = m(x).pow(2).mean().item()
+    buf = io.BytesIO()
+    torch.save(m.state_dict(), buf)
+    buf.seek(0)
+    ref.load_state_dict(torch.load(buf))
+    assert ref(x).pow(2).mean().item() == loss_after
+    buf = io.BytesIO()
+    torch.save(m, buf)
+    buf.seek(0)
+    whole = torch.load(buf, weights_only=False)
+    assert torch.equal(whole(x), m(x))
+
+
+def test_forwards_in_flight_and_checkpointing():
+    torch.manual_seed(5)
+    m = dmoe.MoELayer(H, I, E, K, engine="cpu")
+    a, b = torch.randn(6, H, requires_grad=True), torch.randn(4, H, requires_grad=True)
+    ya, yb = m(a), m(b)  # two forwards before either backward, different token counts
+    yb.sum().backward()
+    gb = m.w1.grad.clone()
+    m.zero_grad()
+    ya.sum().backward()
+    ga = m.w1.grad.clone()
+    m.zero_grad()
+    m(a).sum().backward()
+    assert torch.equal(m.w1.grad, ga)
+    m.zero_grad()
+    m(b).sum().backward()
+    assert torch.equal(m.w1.grad, gb)
+    # the same layer twice in one graph, and under activation checkpointing
+    m.zero_grad()
+    (m(a) + m(m(a))).sum().backward()
+    g_twice = m.w1.grad.clone()
+    m.zero_grad()
+    from torch.utils.checkpoint import checkpoint
+
+    (checkpoint(m, a, use_reentrant=False) + m(checkpoint(m, a, use_reentrant=False))).sum().backward()
+    assert torch.equal(m.w1.grad, g_twice)
+    assert m._session.pending == 0
+    # an autograd graph dropped without backward frees its engine state
+    y = m(a)
+    assert m._session.pending == 1
+    del y
+    assert m._session.pending == 0
+
+
+def test_inference_keeps_nothing():
+    m = dmoe.MoELayer(H, I, E, K, engine="cpu")
+    x = torch.randn(5, H)
+    with torch.no_grad():
+        out = m(x, return_routing=True)
+    assert out.y.grad_fn is None and out.load_balance is None
+    assert m._session.pending == 0
+    with torch.inference_mode():
+        assert torch.equal(m(x), out.y)
+
+
+def test_bad_input_is_refused():
+    with pytest.raises(ValueError, match="engine 'gpu' is unknown; allowed: auto, cpu, ep, flash"):
+        dmoe.MoELayer(H, I, E, K, engine="gpu")
+    with pytest.raises(ValueError, match="experts = 8 cannot be split over world = 3"):
+        dmoe.MoELayer(H, I, E, K, world=3)
+    m = dmoe.MoELayer(H, I, E, K, engine="cpu")
+    with pytest.raises(ValueError, match="last dimension must be hidden = 16"):
+        m(torch.randn(4, 8))
+    with pytest.raises(TypeError, match="x is torch.float64 but the parameters are torch.float32"):
+        m(torch.randn(4, H, dtype=torch.float64))
+    with pytest.raises(TypeError, match="engine 'cpu' computes in float32"):
+        dmoe.MoELayer(H, I, E, K, engine="cpu", dtype=torch.bfloat16)(torch.randn(4, H, dtype=torch.bfloat16))
+    w2 = dmoe.MoELayer(H, I, E, K, world=2, engine="cpu")
+    with pytest.raises(ValueError, match="5 rows cannot be split over world = 2"):
+        w2(torch.randn(5, H))
+    if not dmoe.cuda_built():
+        with pytest.raises(ValueError, match="needs dmoe's CUDA engines"):
+            dmoe.MoELayer(H, I, E, K, engine="flash")
