@@ -13,3 +13,6 @@ cmake --preset asan
 cmake --build --preset asan -j"$jobs" --target dmoe_unit_tests dmoe_cli
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
   ctest --preset asan -j"$jobs" -L unit
+
+# The Python package (pip install . built CPU-only, pytest over tests/python).
+scripts/test-python.sh

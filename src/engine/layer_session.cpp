@@ -132,7 +132,9 @@ void LayerSession::set_stream(Stream stream) {
   stream_ = stream;
   have_stream_ = true;
 #if defined(DMOE_WITH_CUDA)
-  if (backend_) set_cuda_backend_stream(*backend_, stream);
+  // Flash launches on stream_ itself; its backend stays on its own stream, so that setting a stream that is
+  // capturing a CUDA graph queues nothing on it (the switch's event would join the capture).
+  if (backend_ && options_.engine == EngineKind::ep) set_cuda_backend_stream(*backend_, stream);
 #endif
 }
 

@@ -113,7 +113,7 @@ void FlashEngine::set_weights(const MoeWeights& w) {
 }
 
 void FlashEngine::release_weights() {
-  DMOE_CHECK_CUDA(cudaDeviceSynchronize());  // a forward in flight may still read the old weights
+  if (has_weights_) DMOE_CHECK_CUDA(cudaDeviceSynchronize());  // a forward in flight may still read the old weights
   for (void** p : {&gate_, &w1_, &w3_, &w2_}) {
     if (*p && owns_weights_) DMOE_CHECK_CUDA(cudaFree(*p));
     *p = nullptr;
