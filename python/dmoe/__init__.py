@@ -18,7 +18,18 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from . import _dmoe  # noqa: F401  (the extension; raises ImportError with the loader's message when it cannot load)
+try:
+    from ._build_info import CUDA as _BUILT_WITH_CUDA
+except ImportError:  # the source tree's python/dmoe, not a build
+    _BUILT_WITH_CUDA = False
+if _BUILT_WITH_CUDA:
+    # A CUDA build links NCCL and NVSHMEM by soname; torch ships its own (often newer) copies. Whichever loads
+    # first serves both, and torch needs symbols older copies lack: so torch, when installed, loads first.
+    import importlib.util as _util
+
+    if _util.find_spec("torch") is not None:
+        import torch  # noqa: F401
+from . import _dmoe  # noqa: F401,E402  (the extension; ImportError with the loader's message when it cannot load)
 from ._dmoe import Session, cuda_built
 
 __all__ = ["Session", "cuda_built", "layer_forward", "layer_backward", "MoELayer", "__version__"]

@@ -54,6 +54,41 @@ struct LayerSession::Slot {
   RouterLosses losses;
 };
 
+namespace {
+
+// Makes the session's GPU current for one call and restores the caller's (torch keeps its own current device;
+// the engines' cudaMalloc and launches must go to the session's). No-op for the CPU engine (device -1).
+class DeviceGuard {
+ public:
+  // quiet: never throws (destructors); a failure then shows in the next CUDA call.
+  explicit DeviceGuard(int32_t device, bool quiet = false) {
+#if defined(DMOE_WITH_CUDA)
+    if (device < 0) return;
+    if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
+    if (previous_ != device) {
+      const bool ok = cudaSetDevice(device) == cudaSuccess;
+      DMOE_REQUIRE(ok || quiet, "LayerSession: cannot make CUDA device {} current", device);
+    } else {
+      previous_ = -1;
+    }
+#else
+    (void)device;
+#endif
+  }
+  ~DeviceGuard() {
+#if defined(DMOE_WITH_CUDA)
+    if (previous_ >= 0) (void)cudaSetDevice(previous_);
+#endif
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = -1;
+};
+
+}  // namespace
+
 #if defined(DMOE_WITH_CUDA)
 struct LayerSession::FlashState {
   std::map<int64_t, std::unique_ptr<FlashEngine>> engines;  // by rows per forward
@@ -111,6 +146,7 @@ LayerSession::LayerSession(const MoeConfig& config, const SessionOptions& option
 }
 
 LayerSession::~LayerSession() {
+  const DeviceGuard guard(device_, /*quiet=*/true);
   // Engines before the backend and communicator they use.
   slots_.clear();
   flash_.reset();
@@ -129,6 +165,7 @@ DType LayerSession::grad_dtype() const { return options_.engine == EngineKind::c
 const char* LayerSession::comm_name() const { return comm_ ? comm_->name() : "thread"; }
 
 void LayerSession::set_stream(Stream stream) {
+  const DeviceGuard guard(device_);
   stream_ = stream;
   have_stream_ = true;
 #if defined(DMOE_WITH_CUDA)
@@ -198,6 +235,7 @@ char* offset(void* p, int64_t bytes) { return p ? static_cast<char*>(p) + bytes 
 }  // namespace
 
 int64_t LayerSession::forward(const SessionForward& f) {
+  const DeviceGuard guard(device_);
   DMOE_REQUIRE_INPUT(f.rows >= 1, "forward: rows = {} is invalid; the input needs at least one token", f.rows);
   DMOE_REQUIRE(f.x && f.y, "forward: x and y must not be null");
   DMOE_REQUIRE(f.weights.gate && f.weights.w1 && f.weights.w2, "forward: the weights must not be null");
@@ -241,6 +279,7 @@ int64_t LayerSession::forward(const SessionForward& f) {
 }
 
 void LayerSession::backward(const SessionBackward& b) {
+  const DeviceGuard guard(device_);
   DMOE_REQUIRE_INPUT(options_.engine != EngineKind::flash,
                      "backward: engine 'flash' runs the forward only (there is no Flash backward yet); train with "
                      "engine 'ep'");
