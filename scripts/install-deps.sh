@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-debs=(g++ cmake ninja-build python3 python3-pip libgtest-dev nlohmann-json3-dev libcli11-dev libfmt-dev)
+debs=(g++ cmake ninja-build python3 python3-pip python3-venv libgtest-dev nlohmann-json3-dev libcli11-dev libfmt-dev)
 missing=()
 for p in "${debs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
