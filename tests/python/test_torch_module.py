@@ -218,3 +218,33 @@ def test_bad_input_is_refused():
     if not dmoe.cuda_built():
         with pytest.raises(ValueError, match="needs dmoe's CUDA engines"):
             dmoe.MoELayer(H, I, E, K, engine="flash")
+
+
+def test_torchrun_env_is_mapped_onto_dmoe_launch(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    code = ("import os, dmoe.module as m; m.map_launcher_env(); "
+            "print(*[os.environ.get(v, '-') for v in ('DMOE_RANK', 'DMOE_WORLD', 'DMOE_LOCAL_RANK', 'DMOE_LOCAL_WORLD')]); "
+            "print(os.path.isdir(os.environ['DMOE_RENDEZVOUS']), os.environ['DMOE_RENDEZVOUS'])")
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("DMOE_", "OMPI_", "SLURM_", "PMI_"))}
+    torchrun = dict(base, RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                    MASTER_PORT="29511", TORCHELASTIC_RUN_ID="t1")
+    out = subprocess.run([sys.executable, "-c", code], env=torchrun, capture_output=True, text=True, check=True).stdout
+    ids, place = out.splitlines()
+    assert ids == "1 2 1 2"
+    assert place.startswith("True /tmp/dmoe-torchrun-127.0.0.1-29511-t1-")
+    # a directory given by the user wins; several nodes without one is an error that says what to do
+    given = dict(torchrun, DMOE_RENDEZVOUS=str(tmp_path / "rdv"))
+    out = subprocess.run([sys.executable, "-c", code], env=given, capture_output=True, text=True, check=True).stdout
+    assert out.splitlines()[1] == f"True {tmp_path / 'rdv'}"
+    nodes = dict(torchrun, WORLD_SIZE="4")
+    r = subprocess.run([sys.executable, "-c", code], env=nodes, capture_output=True, text=True)
+    assert r.returncode != 0 and "set DMOE_RENDEZVOUS to a directory on a shared file system" in r.stderr
+    # under dmoe launch nothing changes
+    launched = dict(torchrun, DMOE_RANK="0", DMOE_WORLD="2")
+    r = subprocess.run([sys.executable, "-c", "import os, dmoe.module as m; m.map_launcher_env(); "
+                        "print(os.environ['DMOE_RANK'], 'DMOE_RENDEZVOUS' in os.environ)"],
+                       env=launched, capture_output=True, text=True, check=True)
+    assert r.stdout.split() == ["0", "False"]
