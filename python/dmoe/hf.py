@@ -17,6 +17,9 @@ returned. In 5.x it keeps a router submodule of the model's router class (``gate
 layer's gate parameter) that is called only while transformers records router logits (``output_router_logits``),
 so the load-balancing loss and its gradient work as in the stock model.
 
+``restore_moe_blocks(model)`` puts stock blocks holding the current weights back (for ``save_pretrained``: a
+replaced model's state_dict names the dmoe layers' parameters, ``mlp.moe.w1`` etc.).
+
 Expert activation must be SiLU (``hidden_act`` 'silu'): dmoe's 'swiglu' is silu(w1 x) * (w3 x).
 """
 
@@ -62,9 +65,10 @@ class DmoeSparseMoeBlock(torch.nn.Module):
     """One replaced HF sparse MoE block: ``moe`` (a dmoe.MoELayer) plus what the block kept in torch."""
 
     def __init__(self, moe: MoELayer, *, returns_logits: bool, router_class=None, jitter_noise: float = 0.0,
-                 shared_expert=None, shared_expert_gate=None):
+                 shared_expert=None, shared_expert_gate=None, stock_class=None):
         super().__init__()
         self.moe = moe
+        self.stock_class = stock_class  # the replaced block's class (restore_moe_blocks)
         self.returns_logits = returns_logits  # 4.x: (hidden_states, router_logits)
         self.jitter_noise = float(jitter_noise)
         self.gate = _make_router(router_class, moe.gate, moe.top_k) if router_class is not None else None
@@ -157,7 +161,7 @@ def replace_moe_blocks(model: torch.nn.Module, engine: str = "auto", world: int 
             layer, returns_logits=per_expert, router_class=None if per_expert else type(block.gate),
             jitter_noise=getattr(block, "jitter_noise", 0.0) if kind == "MixtralSparseMoeBlock" else 0.0,
             shared_expert=getattr(block, "shared_expert", None),
-            shared_expert_gate=getattr(block, "shared_expert_gate", None))
+            shared_expert_gate=getattr(block, "shared_expert_gate", None), stock_class=type(block))
         new.train(block.training)
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
@@ -178,3 +182,48 @@ def _install_router_hook(router) -> None:
     from transformers.utils.output_capturing import install_output_capuring_hook
 
     install_output_capuring_hook(router, "router_logits", 0)
+
+
+def restore_moe_blocks(model: torch.nn.Module) -> int:
+    """The inverse of replace_moe_blocks: every DmoeSparseMoeBlock becomes a block of the class it replaced, made
+    from the model's config and holding the dmoe block's current weights (e.g. after training, before
+    ``save_pretrained``, whose tensor names are the stock blocks'); the shared expert modules move back as they
+    are. Returns how many were restored. Needs every expert in this process (engine 'cpu', or world = 1).
+    """
+    config = getattr(model, "config", None)
+    text_config = getattr(config, "text_config", None) or config
+    targets = [(n, m) for n, m in model.named_modules() if isinstance(m, DmoeSparseMoeBlock)]
+    for name, blk in targets:
+        layer = blk.moe
+        if layer.w1.shape[0] != layer.experts:
+            raise ValueError(f"dmoe.hf.restore_moe_blocks: {name} holds {layer.w1.shape[0]} of {layer.experts} "
+                             "experts (this rank's share, world > 1); gather every expert first")
+        if blk.stock_class is None or text_config is None:
+            raise ValueError(f"dmoe.hf.restore_moe_blocks: {name} does not know the block class it replaced or the "
+                             "model has no config")
+        with torch.device(layer.gate.device):
+            stock = blk.stock_class(text_config)
+        stock = stock.to(layer.gate.dtype)
+        with torch.no_grad():
+            if isinstance(stock.experts, torch.nn.ModuleList):  # 4.x
+                stock.gate.weight.copy_(layer.gate)
+                mixtral = hasattr(stock.experts[0], "w1")
+                for e, mlp in enumerate(stock.experts):
+                    (mlp.w1 if mixtral else mlp.gate_proj).weight.copy_(layer.w1[e])
+                    (mlp.w3 if mixtral else mlp.up_proj).weight.copy_(layer.w3[e])
+                    (mlp.w2 if mixtral else mlp.down_proj).weight.copy_(layer.w2[e])
+            else:  # 5.x: gate_up_proj = [w1; w3] per expert
+                stock.gate.weight.copy_(layer.gate)
+                stock.experts.gate_up_proj.copy_(torch.cat([layer.w1, layer.w3], dim=1))
+                stock.experts.down_proj.copy_(layer.w2)
+        if blk.shared_expert is not None:
+            stock.shared_expert = blk.shared_expert
+        if blk.shared_expert_gate is not None:
+            stock.shared_expert_gate = blk.shared_expert_gate
+        stock.train(blk.training)
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, stock)
+        if _hooks_installed(model) and not isinstance(stock.experts, torch.nn.ModuleList):
+            _install_router_hook(stock.gate)
+    return len(targets)

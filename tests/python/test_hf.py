@@ -124,3 +124,27 @@ def test_unsupported_activation_is_refused():
     model = tr.MixtralForCausalLM(cfg)
     with pytest.raises(ValueError, match="hidden_act 'gelu'"):
         dmoe.hf.replace_moe_blocks(model)
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
+def test_restore_after_training(kind):
+    model = tiny(kind).train()
+    dmoe.hf.replace_moe_blocks(model)
+    ids = tokens(seed=4)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(2):
+        opt.zero_grad()
+        model(ids, labels=ids).loss.backward()
+        opt.step()
+    model.eval()
+    with torch.no_grad():
+        trained = model(ids, output_router_logits=True)
+    assert dmoe.hf.restore_moe_blocks(model) == 2
+    assert not any(isinstance(m, dmoe.hf.DmoeSparseMoeBlock) for m in model.modules())
+    keys = set(model.state_dict())
+    assert any(k.endswith("mlp.experts.gate_up_proj") or k.endswith("experts.0.w1.weight")
+               or k.endswith("experts.0.gate_proj.weight") for k in keys), sorted(keys)[:20]
+    with torch.no_grad():
+        back = model(ids, output_router_logits=True)
+    assert rel(back.logits, trained.logits) < TOL  # the stock blocks hold the trained weights
+    assert abs(float(back.aux_loss) - float(trained.aux_loss)) < 1e-5 * abs(float(trained.aux_loss))
