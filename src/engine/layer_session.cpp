@@ -112,12 +112,14 @@ LayerSession::LayerSession(const MoeConfig& config, const SessionOptions& option
     flash_ = std::make_unique<FlashState>();
   }
   const ProcessEnv env = detect_process_env();
-  DMOE_REQUIRE_INPUT(env.world == config_.world,
+  // world = 1 is a layer of this process alone, whatever job it is part of (e.g. data parallel ranks that each
+  // hold every expert); world > 1 is the job's ranks.
+  DMOE_REQUIRE_INPUT(config_.world == 1 || env.world == config_.world,
                      "world = {} but this process was started as one of {} ranks (launcher: {}); with engine '{}' "
                      "every rank is a process: start world processes (dmoe launch, mpirun, srun, or torchrun) or "
                      "pass world = {}", config_.world, env.world, env.launcher, engine_kind_name(options_.engine),
                      env.world);
-  rank_ = env.rank;
+  rank_ = config_.world == 1 ? 0 : env.rank;
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess) count = 0;
   DMOE_REQUIRE_INPUT(count > 0, "engine '{}' needs a CUDA GPU, and none is visible; use engine 'cpu'",
