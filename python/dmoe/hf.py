@@ -66,7 +66,7 @@ class DmoeSparseMoeBlock(torch.nn.Module):
 
     def __init__(self, moe: MoELayer, *, returns_logits: bool, router_class=None, jitter_noise: float = 0.0,
                  shared_expert=None, shared_expert_gate=None, stock_class=None):
-        super().__init__()
+        torch.nn.Module.__init__(self)  # not super(): in _block_class's subclasses that is the stock block's
         self.moe = moe
         self.stock_class = stock_class  # the replaced block's class (restore_moe_blocks)
         self.returns_logits = returns_logits  # 4.x: (hidden_states, router_logits)
@@ -93,6 +93,18 @@ class DmoeSparseMoeBlock(torch.nn.Module):
         if self.gate is not None and _recording_router_logits():
             self.gate(x)  # its output is what transformers' recorder hooks collect
         return y
+
+
+_BLOCK_CLASSES: dict = {}
+
+
+def _block_class(stock_class):
+    """DmoeSparseMoeBlock that is also an instance of the stock block's class (dmoe's forward first): transformers
+    4.5x records router logits from the blocks of that class (OutputRecorder(MixtralSparseMoeBlock, index=1))."""
+    if stock_class not in _BLOCK_CLASSES:
+        _BLOCK_CLASSES[stock_class] = type("Dmoe" + stock_class.__name__, (DmoeSparseMoeBlock, stock_class),
+                                           {"__module__": __name__})
+    return _BLOCK_CLASSES[stock_class]
 
 
 def _block_kind(module):
@@ -157,7 +169,7 @@ def replace_moe_blocks(model: torch.nn.Module, engine: str = "auto", world: int 
             layer.w1.copy_(w1[first:first + held])
             layer.w3.copy_(w3[first:first + held])
             layer.w2.copy_(w2[first:first + held])
-        new = DmoeSparseMoeBlock(
+        new = _block_class(type(block))(
             layer, returns_logits=per_expert, router_class=None if per_expert else type(block.gate),
             jitter_noise=getattr(block, "jitter_noise", 0.0) if kind == "MixtralSparseMoeBlock" else 0.0,
             shared_expert=getattr(block, "shared_expert", None),

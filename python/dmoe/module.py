@@ -128,7 +128,7 @@ class _MoEFunction(torch.autograd.Function):
                                "the same forward is not supported)")
         layer = ctx.layer
         x2d, gate, w1, w3, w2 = ctx.saved_tensors
-        s = layer._session
+        s = ticket.session  # the session of that forward (the layer may have made a new one since, e.g. .to())
         dy = dy.contiguous()
         dx = torch.empty_like(x2d)
         gdt = torch.float64 if s.grad_dtype == "f64" else torch.float32
