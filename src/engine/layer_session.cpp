@@ -120,6 +120,16 @@ LayerSession::LayerSession(const MoeConfig& config, const SessionOptions& option
                      "pass world = {}", config_.world, env.world, env.launcher, engine_kind_name(options_.engine),
                      env.world);
   rank_ = config_.world == 1 ? 0 : env.rank;
+  // Making the backend selects its GPU: the caller's current device (torch's) is restored on the way out.
+  struct RestoreDevice {
+    int device = -1;
+    RestoreDevice() {
+      if (cudaGetDevice(&device) != cudaSuccess) device = -1;
+    }
+    ~RestoreDevice() {
+      if (device >= 0) (void)cudaSetDevice(device);
+    }
+  } restore;
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess) count = 0;
   DMOE_REQUIRE_INPUT(count > 0, "engine '{}' needs a CUDA GPU, and none is visible; use engine 'cpu'",
@@ -247,6 +257,9 @@ int64_t LayerSession::forward(const SessionForward& f) {
   DMOE_REQUIRE_INPUT(f.rows % ranks == 0,
                      "forward: {} rows cannot be split over world = {} simulated ranks; the CPU engine gives every "
                      "rank the same number of tokens: pass a multiple of {}", f.rows, ranks, ranks);
+  DMOE_REQUIRE_INPUT(cpu || config_.world == 1 || f.rows <= options_.max_tokens,
+                     "forward: {} tokens on this rank, more than max_tokens = {}, which sized the communicator's "
+                     "buffers; make the layer with a larger max_tokens", f.rows, options_.max_tokens);
   const int64_t T = f.rows / ranks, H = config_.hidden, I = config_.ffn, E = config_.experts, k = config_.top_k;
   const int32_t Le = config_.experts_per_rank();
   const size_t elem = dtype_size(config_.dtype);
