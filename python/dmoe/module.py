@@ -158,8 +158,8 @@ class MoELayer(torch.nn.Module):
             one process per rank (torchrun, dmoe launch, mpirun, srun), each holding its E/world experts
             (experts rank·E/world ..) and its own tokens; every rank must call forward/backward alike.
         engine: 'cpu' (the reference engine), 'ep' (expert parallelism on CUDA), 'flash' (one persistent
-            kernel per rank; bf16; forward only: training raises an error), 'auto': 'ep' when ``device`` is a
-            CUDA device, else 'cpu'.
+            kernel per rank; bf16; forward only: training raises an error), 'auto': 'ep' for inputs on a CUDA
+            device, else 'cpu' (decided at each call with world = 1, from ``device`` at construction otherwise).
         renormalize: renormalise the k gate weights to sum to 1 (Mixtral; Qwen's norm_topk_prob).
         capacity_factor: 0 = dropless; else each (rank, expert) keeps at most ceil(cf·T·k/E) rows.
         drop_policy: 'latest-tokens' or 'lowest-weight' (capacity mode).
@@ -190,6 +190,9 @@ class MoELayer(torch.nn.Module):
         if top_k > experts:
             raise ValueError(f"dmoe.MoELayer: top_k = {top_k} is larger than experts = {experts}")
         device = torch.device(device) if device is not None else torch.device("cpu")
+        # 'auto' with one rank follows the input's device at every call (layer.cuda() then runs 'ep'); with several
+        # ranks the parameters' shapes depend on the engine, so it is decided here.
+        self._auto = engine == "auto" and world == 1
         if engine == "auto":
             engine = "ep" if device.type == "cuda" else "cpu"
         if engine != "cpu" and not cuda_built():
@@ -241,8 +244,10 @@ class MoELayer(torch.nn.Module):
 
     # ---- the engine session ----------------------------------------------------------------------------------
     def _session_for(self, x):
+        if self._auto:
+            self.engine = "ep" if x.device.type == "cuda" else "cpu"
         dtype = self.w1.dtype
-        key = (x.device, dtype)
+        key = (x.device, dtype, self.engine)
         if self._session is not None and self._session_key == key:
             return self._session
         if self.engine == "cpu":
