@@ -29,7 +29,28 @@ if _BUILT_WITH_CUDA:
 
     if _util.find_spec("torch") is not None:
         import torch  # noqa: F401
-from . import _dmoe  # noqa: F401,E402  (the extension; ImportError with the loader's message when it cannot load)
+    else:  # NVSHMEM from its pip package (nvidia-nvshmem-cu13), when the loader path does not have it
+        try:
+            import ctypes
+            import glob
+            import os
+
+            import nvidia.nvshmem as _nvshmem
+
+            for _lib in glob.glob(os.path.join(list(_nvshmem.__path__)[0], "lib", "libnvshmem_host.so.*")):
+                ctypes.CDLL(_lib, mode=ctypes.RTLD_GLOBAL)
+                break
+        except (ImportError, OSError):
+            pass
+try:
+    from . import _dmoe  # noqa: F401,E402  (the extension)
+except ImportError as _err:
+    if "cannot open shared object file" not in str(_err):
+        raise
+    raise ImportError(
+        f"dmoe: the extension could not load a shared library it links ({_err}); a CUDA build needs cuBLAS and NCCL "
+        "(the CUDA toolkit's lib directory) and NVSHMEM (pip package nvidia-nvshmem-cu13, or NVSHMEM_HOME/lib) on "
+        "LD_LIBRARY_PATH, unless torch (imported first when installed) has loaded them") from _err
 from ._dmoe import Session, cuda_built
 
 __all__ = ["Session", "cuda_built", "layer_forward", "layer_backward", "MoELayer", "__version__"]
