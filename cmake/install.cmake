@@ -19,6 +19,8 @@ set(DMOE_INSTALL_HEADERDIR ${CMAKE_INSTALL_INCLUDEDIR}/dmoe)
 # An installed static library gets linked into shared objects too (the Python extension module, a
 # consumer's plugin), so its code is position-independent.
 set_target_properties(dmoe PROPERTIES POSITION_INDEPENDENT_CODE ON)
+# The headers are C++20 (std::span, among others): a consumer compiles them as such.
+target_compile_features(dmoe PUBLIC cxx_std_20)
 
 # ---- the tool and its data -------------------------------------------------------------------------
 # The tool looks for its data at <dir of the executable>/<this path>. Both folders are relative to the
