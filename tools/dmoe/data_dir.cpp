@@ -97,10 +97,9 @@ std::string find_named_json(const std::string& name, const std::string& folder, 
   std::error_code ec;
   if (fs::exists(name, ec)) return name;
   DMOE_REQUIRE_INPUT(!name.empty(), "{}: an empty name is neither a file nor a named {}", what, what);
-  // A path (a '/' in it, or a .json name) is not looked up among the named files: it is just missing.
-  DMOE_REQUIRE_INPUT(name.find('/') == std::string::npos && fs::path(name).extension() != ".json",
-                     "{} '{}': no such file (relative paths are taken from the working directory, {})", what, name,
-                     fs::current_path(ec).string());
+  // A path (a '/' in it, or a .json name) is not looked up among the named files: the caller's reader
+  // reports it missing, naming its option.
+  if (name.find('/') != std::string::npos || fs::path(name).extension() == ".json") return name;
   const std::vector<DataRoot> roots = data_roots();
   const std::string relative = folder + "/" + name + ".json";
   const std::string found = find_data_file(roots, relative);

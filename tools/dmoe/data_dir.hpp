@@ -35,7 +35,8 @@ std::vector<std::string> data_file_names(const std::vector<DataRoot>& roots, con
 // saying that $DMOE_HOME is not set when it is not.
 std::string describe_search(const std::vector<DataRoot>& roots, const std::string& relative);
 
-// `name` itself when it is a file, else <root>/<folder>/<name>.json in the first root that has it. A name
+// `name` itself when it is a file or looks like a path (a '/' in it, or a .json ending: the caller's
+// reader then says it is missing), else <root>/<folder>/<name>.json in the first root that has it. A name
 // found nowhere is a bad-input error saying what `what` is ("config", "model config"), listing every
 // place looked at and the names available.
 std::string find_named_json(const std::string& name, const std::string& folder, const std::string& what);
