@@ -16,7 +16,7 @@ namespace dmoe::cli {
 
 struct DataRoot {
   std::string path;    // the folder that should hold bench/
-  std::string origin;  // why it is searched: "$DMOE_HOME", "the install's data folder next to ...", ...
+  std::string origin;  // why it is searched: "$DMOE_HOME", "the install's data folder, beside ...", ...
 };
 
 // The roots in search order. A DMOE_HOME that is set but not a directory is a bad-input error: it was
