@@ -8,6 +8,10 @@
 #   P/include/dmoe/<layer>/*.hpp     src/'s headers in their source layout (core/, engine/, comm/, model/, ...)
 #   P/lib/cmake/dmoe/                dmoeConfig.cmake, its version file, dmoeTargets.cmake, FindNVSHMEM.cmake
 #
+# Two install components, so that a packager can take one (e.g. a Python wheel build that installs only
+# its own module): dmoe_tool (bin/ and share/) and dmoe_dev (lib/, include/, the CMake package). A plain
+# `cmake --install` installs both.
+#
 # Included once from CMakeLists.txt after the targets `dmoe` and `dmoe_cli` exist.
 include(GNUInstallDirs)
 include(CMakePackageConfigHelpers)
@@ -30,18 +34,19 @@ target_compile_definitions(dmoe_cli PRIVATE DMOE_DATA_DIR_FROM_BIN="${_dmoe_data
 # The libraries found outside the build (cuBLAS, NCCL, NVSHMEM's wheel in site-packages) stay on the
 # installed binary's RPATH, which CMake would otherwise clear at install.
 set_target_properties(dmoe_cli PROPERTIES INSTALL_RPATH_USE_LINK_PATH TRUE)
-install(TARGETS dmoe_cli RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
+install(TARGETS dmoe_cli RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR} COMPONENT dmoe_tool)
 install(DIRECTORY bench/configs bench/models bench/flow DESTINATION ${DMOE_INSTALL_DATADIR}/bench
-        FILES_MATCHING PATTERN "*.json")
-install(PROGRAMS bench/peers.py DESTINATION ${DMOE_INSTALL_DATADIR}/bench)
+        COMPONENT dmoe_tool FILES_MATCHING PATTERN "*.json")
+install(PROGRAMS bench/peers.py DESTINATION ${DMOE_INSTALL_DATADIR}/bench COMPONENT dmoe_tool)
 
 # ---- the library and its headers ------------------------------------------------------------------
 # Headers keep their source layout under include/dmoe/, so their own includes ("core/config.hpp") resolve
 # through include/dmoe on the include path, and <dmoe/dmoe.hpp> through include/.
 install(TARGETS dmoe EXPORT dmoeTargets
-        ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
+        ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR} COMPONENT dmoe_dev
         INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR} ${DMOE_INSTALL_HEADERDIR})
-install(DIRECTORY include/dmoe/ DESTINATION ${DMOE_INSTALL_HEADERDIR} FILES_MATCHING PATTERN "*.hpp")
+install(DIRECTORY include/dmoe/ DESTINATION ${DMOE_INSTALL_HEADERDIR} COMPONENT dmoe_dev
+        FILES_MATCHING PATTERN "*.hpp")
 # The folders compiled only with CUDA ship their headers only then (a CPU-only install has no such code).
 set(_dmoe_cuda_only_dirs cuda comm/cuda bench/cuda flash)
 set(_dmoe_header_excludes)
@@ -50,7 +55,7 @@ if(NOT DMOE_WITH_CUDA)
     list(APPEND _dmoe_header_excludes REGEX "/src/${_d}(/|$)" EXCLUDE)
   endforeach()
 endif()
-install(DIRECTORY src/ DESTINATION ${DMOE_INSTALL_HEADERDIR}
+install(DIRECTORY src/ DESTINATION ${DMOE_INSTALL_HEADERDIR} COMPONENT dmoe_dev
         FILES_MATCHING PATTERN "*.hpp" PATTERN "*.cuh" ${_dmoe_header_excludes})
 
 # ---- the CMake package -----------------------------------------------------------------------------
@@ -73,7 +78,7 @@ if(DMOE_WITH_CUDA)
   endif()
 endif()
 
-install(EXPORT dmoeTargets NAMESPACE dmoe:: DESTINATION ${DMOE_INSTALL_CMAKEDIR})
+install(EXPORT dmoeTargets NAMESPACE dmoe:: DESTINATION ${DMOE_INSTALL_CMAKEDIR} COMPONENT dmoe_dev)
 configure_package_config_file(cmake/dmoeConfig.cmake.in ${CMAKE_CURRENT_BINARY_DIR}/dmoeConfig.cmake
                               INSTALL_DESTINATION ${DMOE_INSTALL_CMAKEDIR}
                               PATH_VARS DMOE_INSTALL_DATADIR CMAKE_INSTALL_BINDIR)
@@ -82,4 +87,4 @@ write_basic_package_version_file(${CMAKE_CURRENT_BINARY_DIR}/dmoeConfigVersion.c
                                  VERSION ${PROJECT_VERSION} COMPATIBILITY SameMinorVersion)
 install(FILES ${CMAKE_CURRENT_BINARY_DIR}/dmoeConfig.cmake ${CMAKE_CURRENT_BINARY_DIR}/dmoeConfigVersion.cmake
               cmake/FindNVSHMEM.cmake
-        DESTINATION ${DMOE_INSTALL_CMAKEDIR})
+        DESTINATION ${DMOE_INSTALL_CMAKEDIR} COMPONENT dmoe_dev)
