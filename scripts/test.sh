@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds and runs every test: the normal build (CUDA code compiled when nvcc is present; GPU tests,
-# label `gpu`, skip with a message where there is no GPU) and an ASan+UBSan build of the CPU tests.
+# label `gpu`, skip with a message where there is no GPU), its install (scripts/check_install.sh) and an
+# ASan+UBSan build of the CPU tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 jobs=$(nproc)
@@ -8,6 +9,9 @@ jobs=$(nproc)
 cmake --preset default
 cmake --build --preset default -j"$jobs"
 ctest --preset default -j"$jobs"
+# The installed library and tool as a user meets them: cmake --install, find_package(dmoe) from
+# examples/consumer, the installed dmoe with named configs from another directory.
+scripts/check_install.sh build
 
 cmake --preset asan
 cmake --build --preset asan -j"$jobs" --target dmoe_unit_tests dmoe_cli
