@@ -174,11 +174,13 @@ std::string StageBoard::failed_peer() {
     const char* stage = stage_words(s.stage);
     switch (s.state) {
       case RankState::failed:
-        map_->last_failure = fmt::format("rank {} failed in stage {}", r, stage);
+      case RankState::exited: {
+        // A rank that failed because a third one hangs: name the hung one too.
+        const std::string hung = hanging_peers(r);
+        map_->last_failure = fmt::format("rank {} {} in stage {}{}{}", r, s.state == RankState::failed ? "failed" : "exited",
+                                         stage, hung.empty() ? "" : "; ", hung);
         return map_->last_failure;
-      case RankState::exited:
-        map_->last_failure = fmt::format("rank {} exited in stage {}", r, stage);
-        return map_->last_failure;
+      }
       case RankState::gave_up:
         map_->last_failure = fmt::format("rank {} gave up waiting in stage {} ({})", r, stage, describe_peers());
         return map_->last_failure;
@@ -197,6 +199,27 @@ std::string StageBoard::failed_peer() {
   return {};
 }
 
+namespace {
+
+bool is_hanging(const RankSlot& s) { return s.pid != 0 && s.state == RankState::running && s.process_alive && !s.waiting; }
+
+std::string hanging_text(int32_t r, const RankSlot& s) {
+  return fmt::format("rank {} (pid {}) is not waiting for the GPU or its peers: stuck or busy in stage {} for {:.1f} s",
+                     r, s.pid, stage_words(s.stage), s.seconds_in_stage);
+}
+
+}  // namespace
+
+std::string StageBoard::hanging_peers(int32_t except) const {
+  std::string out;
+  for (int32_t r = 0; r < world_; ++r) {
+    if (r == rank_ || r == except) continue;
+    const RankSlot s = slot(r);
+    if (is_hanging(s)) out += (out.empty() ? "" : "; ") + hanging_text(r, s);
+  }
+  return out;
+}
+
 std::string StageBoard::describe_peers() {
   std::string hanging, others;
   for (int32_t r = 0; r < world_; ++r) {
@@ -205,10 +228,8 @@ std::string StageBoard::describe_peers() {
     std::string text;
     if (s.pid == 0) {
       text = fmt::format("rank {}: not seen on this node", r);
-    } else if (s.state == RankState::running && s.process_alive && !s.waiting) {
-      hanging += fmt::format("{}rank {} (pid {}) is not waiting for the GPU or its peers: stuck or busy in stage {} "
-                             "for {:.1f} s", hanging.empty() ? "" : "; ", r, s.pid, stage_words(s.stage),
-                             s.seconds_in_stage);
+    } else if (is_hanging(s)) {
+      hanging += (hanging.empty() ? "" : "; ") + hanging_text(r, s);
       continue;
     } else {
       text = fmt::format("rank {}: {}{}, in stage {} for {:.1f} s", r, rank_state_name(s.state),

@@ -64,6 +64,8 @@ class StageBoard final : public PeerWatch {
   void give_up() override { mark(RankState::gave_up); }
 
  private:
+  // The peers (other than `except`) that run and do not wait: the ones that hang, in words.
+  std::string hanging_peers(int32_t except) const;
   struct Mapping;
   std::string path_;
   int32_t world_ = 0, rank_ = 0, local_world_ = 0;

@@ -52,6 +52,19 @@ TEST(StageBoard, SlotsWrittenByOneRankAreSeenByAnother) {
   EXPECT_EQ(r0.failed_peer(), "rank 1 failed in stage expert_gemm");
 }
 
+TEST(StageBoard, ARankThatFailedBecauseAThirdHangsNamesTheHungOneToo) {
+  TempBoardDir t;
+  StageBoard r0(t.path(), 3, 0, 3), r1(t.path(), 3, 1, 3), r2(t.path(), 3, 2, 3);
+  r0.enter(FaultStage::alltoall);
+  r0.set_waiting(true);
+  r1.enter(FaultStage::alltoall);
+  r2.enter(FaultStage::expert_gemm);  // runs, does not wait: hangs
+  r1.mark(RankState::failed);         // gave up on rank 2 and failed
+  const std::string failed = r0.failed_peer();
+  EXPECT_NE(failed.find("rank 1 failed in stage alltoall; rank 2 (pid"), std::string::npos) << failed;
+  EXPECT_NE(failed.find("stage expert_gemm"), std::string::npos) << failed;
+}
+
 TEST(StageBoard, PeerProcessThatDiesWithoutAWordIsNamedWithItsStage) {
   TempBoardDir t;
   StageBoard r0(t.path(), 2, 0, 2);
