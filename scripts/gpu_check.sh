@@ -10,7 +10,7 @@
 # (named configs, forward only, no peers), gemm (the own GEMM's variants and its DRAM traffic),
 # profile (per-kernel times under Nsight Compute), gpus (one rank per GPU on a multi-GPU machine),
 # flash (the Flash kernel at W = 1: its tests, and its benchmark beside EP), flash_multi (Flash at W = 2, 4
-# ranks on the GPU);
+# ranks on the GPU), faults (the fault-injection matrix over GPU processes), sanitize (compute-sanitizer);
 # all = tests,multi,bench,modes (default).
 #
 # Run from the repository root. Needs the NVSHMEM wheel in the Python on PATH (the GPU machine has it in
@@ -205,9 +205,123 @@ part_flash_multi() {
   unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
 }
 
+part_faults() {
+  # Issue 11's fault matrix on the GPU (docs/faults.md): DMOE_FAULT=rank:stage:kind on the last rank of a
+  # W-rank training step (train forward + backward of a small bf16 layer), ranks sharing the GPU under MPS,
+  # so the NVSHMEM communicator (NCCL needs a GPU per rank). Each case passes when the job fails (rc != 0),
+  # ends within its bound (the no-fault run's time + 10 s, + DMOE_COMM_TIMEOUT_S for hangs), and its output
+  # names the failed rank and the stage; "survivor" says whether a surviving rank's own error did (the stage
+  # board; under dmoe launch and mpirun a rank that exits or throws takes the job down before survivors
+  # time out). Table in $O/faults.md. FAULT_WORLDS / FAULT_MPIRUN_WORLDS choose W.
+  local shape="bench layer --engine cuda --tokens 256 --hidden 256 --ffn 512 --experts 8 --top-k 2 --dtype bf16"
+  shape="$shape --warmup 0 --repeat 1 --check-tokens 0"
+  local limit=5 w f stage kind t0 rc s base named surv ok
+  local table="$O/faults.md"
+  if [ ! -f "$table" ]; then  # a second call (other W) adds rows
+    echo "| launcher | W | stage | kind | rc | s | bound s | names rank+stage | survivor named it | ranks left | verdict |" >"$table"
+    echo "|---|---|---|---|---|---|---|---|---|---|---|" >>"$table"
+  fi
+  fault_case() {  # fault_case LAUNCHER W STAGE KIND BASE_S CMD...
+    local launcher=$1 w=$2 stage=$3 kind=$4 base=$5
+    shift 5
+    f=$((w - 1))
+    local bound=$((base + 10))
+    [ "$kind" = hang ] && bound=$((bound + limit))
+    local log="$O/fault_${launcher}_w${w}_${stage}_$kind.log"
+    t0=$(date +%s.%N)
+    DMOE_FAULT="$f:$stage:$kind" DMOE_COMM_TIMEOUT_S=$limit timeout -k 5 $((bound + 30)) "$@" >"$log" 2>&1
+    rc=$?
+    s=$(python3 -c "import time; print(f'{time.time() - $t0:.1f}')")
+    # Ranks still alive once the launcher is gone would be a failure of their own (and would hold the GPU's MPS
+    # server for the next case): count and end them.
+    local strays
+    strays=$(pgrep -fc "$B/dmoe $shape" || true)
+    if [ "${strays:-0}" -gt 0 ]; then
+      pkill -9 -f "$B/dmoe $shape"
+      sleep 2
+    fi
+    # A shared MPS daemon (mpirun) needs a moment to release the clients of a job that ended in a failure; the next
+    # job's cudaSetDevice fails with "busy or unavailable" until then. dmoe launch runs a daemon per job.
+    [ "$launcher" = mpirun ] && sleep 3
+    named=no
+    grep -aq "rank $f" "$log" && grep -aq "$stage" "$log" && named=yes
+    surv=no
+    grep -aE "rank $f (\(pid [0-9]+\) is not waiting|failed in stage|exited in stage|gave up|'s process)" "$log" |
+      grep -avq "^\[rank $f\]" && surv=yes
+    ok=pass
+    [ "$rc" -eq 0 ] && ok=FAIL
+    [ "$named" = no ] && ok=FAIL
+    python3 -c "import sys; sys.exit(0 if $s <= $bound else 1)" || ok=FAIL
+    [ "${strays:-0}" -gt 0 ] && ok=FAIL
+    echo "| $launcher | $w | $stage | $kind | $rc | $s | $bound | $named | $surv | ${strays:-0} | $ok |" >>"$table"
+    echo "== fault $launcher W=$w $stage $kind: rc=$rc ${s}s (bound $bound) named=$named survivor=$surv strays=${strays:-0} $ok"
+  }
+  for w in ${FAULT_WORLDS-2 4 8}; do
+    t0=$SECONDS
+    run 120 "fault_baseline_launch_w$w" "$B/dmoe" launch -n "$w" -- "$B/dmoe" $shape
+    base=$((SECONDS - t0))
+    for stage in before_dispatch alltoall expert_gemm combine backward allreduce; do
+      for kind in throw exit hang; do
+        fault_case launch "$w" "$stage" "$kind" "$base" "$B/dmoe" launch -n "$w" -- "$B/dmoe" $shape
+      done
+    done
+  done
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/dmoe-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/dmoe-mps/log
+  mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
+  nvidia-cuda-mps-control -d
+  for w in ${FAULT_MPIRUN_WORLDS-4}; do
+    local mpi=(mpirun --allow-run-as-root --oversubscribe -n "$w" -x LD_LIBRARY_PATH -x DMOE_HOME
+      -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY -x CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$((100 / w))
+      -x NVSHMEM_DISABLE_NCCL=1 -x NCCL_NVLS_ENABLE=0 -x NVSHMEM_DISABLE_NVLS=1 -x DMOE_FAULT -x DMOE_COMM_TIMEOUT_S)
+    t0=$SECONDS
+    DMOE_FAULT= run 120 "fault_baseline_mpirun_w$w" "${mpi[@]}" "$B/dmoe" $shape
+    base=$((SECONDS - t0))
+    for stage in ${FAULT_MPIRUN_STAGES:-before_dispatch alltoall expert_gemm combine backward allreduce}; do
+      for kind in throw exit hang; do
+        fault_case mpirun "$w" "$stage" "$kind" "$base" "${mpi[@]}" "$B/dmoe" $shape
+      done
+    done
+  done
+  echo quit | nvidia-cuda-mps-control
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+  grep -c "| pass |" "$table" | sed 's/^/faults passed: /'
+  grep -c "| FAIL |" "$table" | sed 's/^/faults failed: /'
+}
+
+part_sanitize() {
+  # compute-sanitizer's four tools over the GPU tests (issue 11), with the kernels' and the host's wait limits
+  # raised for the slowdown, then initcheck on `dmoe run --engine cuda` (a report seen there before). Each
+  # tool's summary line ("ERROR SUMMARY: n errors") is the verdict; the logs keep every report.
+  export DMOE_GPU_WAIT_TIMEOUT_MS=900000 DMOE_COMM_TIMEOUT_S=900
+  local filter=${SANITIZE_FILTER:-'*CudaKernels*:*GpuEngine*:FlashLayer*:*FlashLayer.*:FlashEngine*:-*ThousandBackToBack*:*Determinism*'}
+  local tool
+  for tool in memcheck racecheck synccheck initcheck; do
+    run "${SANITIZE_LIMIT:-150}" "san_$tool" compute-sanitizer --tool "$tool" --print-limit 50 \
+      "$B/tests/dmoe_gpu_tests" --gtest_filter="$filter"
+    grep -aE "ERROR SUMMARY|RACECHECK SUMMARY|^\[  (PASSED|FAILED) " "$O/san_$tool.log" | tail -3
+  done
+  # initcheck and stores it may not track: plain stores, TMA bulk stores, cuBLAS (tests/sanitizer).
+  for mode in plain bulk cublas; do
+    compute-sanitizer --tool initcheck "$B/tests/dmoe_initcheck_repro" "$mode" >"$O/san_repro_$mode.log" 2>&1
+    echo "== initcheck repro $mode: rc=$? $(grep -ac 'Uninitialized __global__' "$O/san_repro_$mode.log") reports; \
+$(grep -a 'sum' "$O/san_repro_$mode.log")"
+  done
+  local d="$O/san_run"
+  mkdir -p "$d"
+  "$B/dmoe" init --hidden 512 --ffn 1024 --experts 8 --top-k 2 --tokens 256 --world 1 --dtype bf16 \
+    --out "$d/w.safetensors" --input "$d/x.safetensors" --grad-output "$d/dy.safetensors" --save-config "$d/c.json" \
+    >"$d/init.log" 2>&1
+  run 120 san_initcheck_run compute-sanitizer --tool initcheck --print-limit 50 "$B/dmoe" run --engine cuda \
+    --config "$d/c.json" --weights "$d/w.safetensors" --input "$d/x.safetensors" --grad-output "$d/dy.safetensors" \
+    --output "$d/y.safetensors"
+  grep -aE "ERROR SUMMARY" "$O/san_initcheck_run.log" | tail -1
+  unset DMOE_GPU_WAIT_TIMEOUT_MS
+  export DMOE_COMM_TIMEOUT_S=60
+}
+
 for part in ${WHAT//,/ }; do
   case $part in
-    tests | multi | bench | quick | gemm | modes | profile | gpus | flash | flash_multi) part_$part ;;
-    *) echo "unknown part '$part'; allowed: tests, multi, bench, quick, gemm, modes, profile, gpus, flash, flash_multi, all" >&2; exit 2 ;;
+    tests | multi | bench | quick | gemm | modes | profile | gpus | flash | flash_multi | faults | sanitize) part_$part ;;
+    *) echo "unknown part '$part'; allowed: tests, multi, bench, quick, gemm, modes, profile, gpus, flash, flash_multi, faults, sanitize, all" >&2; exit 2 ;;
   esac
 done

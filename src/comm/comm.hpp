@@ -42,11 +42,12 @@ class Comm {
   void alltoall(const void* send, void* recv, int64_t count_per_peer, DType dtype, Stream stream);
 
   // Failure handling (fault_point below). enter_stage records the stage this rank enters where its peers
-  // can name it in their errors (ThreadComm; a no-op across processes). abandoned() is true once the other
-  // ranks have given up on this one (ends an injected hang). exit_rank stops this rank as if its process
+  // can name it in their errors (ThreadComm in its shared state; across processes in the process's stage
+  // board, comm/stage_board.hpp, when one is open). abandoned() is true once the other ranks have given up
+  // on this one, or one of them failed (ends an injected hang). exit_rank stops this rank as if its process
   // had died: a process exits (code kFaultExitCode); ThreadComm ends the rank's thread.
-  virtual void enter_stage(FaultStage stage) {}
-  virtual bool abandoned() const { return false; }
+  virtual void enter_stage(FaultStage stage);
+  virtual bool abandoned() const;
   [[noreturn]] virtual void exit_rank(const std::string& why);
 };
 

@@ -5,12 +5,23 @@
 #include <thread>
 
 #include "comm/comm.hpp"
+#include "comm/stage_board.hpp"
 #include "core/env.hpp"
 #include "core/error.hpp"
 
 namespace dmoe {
 
+void Comm::enter_stage(FaultStage stage) {
+  if (StageBoard* board = process_stage_board()) board->enter(stage);
+}
+
+bool Comm::abandoned() const {
+  StageBoard* board = process_stage_board();
+  return board && !board->failed_peer().empty();
+}
+
 void Comm::exit_rank(const std::string& why) {
+  if (StageBoard* board = process_stage_board()) board->mark(RankState::exited);
   std::fprintf(stderr, "dmoe: [rank %d] %s\n", rank(), why.c_str());
   std::fflush(nullptr);
   std::_Exit(kFaultExitCode);
@@ -31,6 +42,9 @@ void fault_point(Comm& comm, FaultStage stage) {
       const auto start = std::chrono::steady_clock::now();
       while (!comm.abandoned() && std::chrono::steady_clock::now() - start < limit)
         std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      // Across processes, a real hang never wakes: the ranks that gave up report and the launcher ends this
+      // one. Give them a second to do so before this injected one ends.
+      if (process_stage_board()) std::this_thread::sleep_for(std::chrono::seconds(1));
       throw Error(fmt::format("[rank {}] injected fault: rank {} hung at stage {} ({}) until the other ranks gave up",
                               comm.rank(), comm.rank(), fault_stage_name(stage), spec));
     }

@@ -2,6 +2,7 @@
 #include "cuda/check.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdarg>
 #include <cstdio>
@@ -11,6 +12,7 @@
 #include <thread>
 
 #include "core/env.hpp"
+#include "core/peer_watch.hpp"
 #include "core/error.hpp"
 
 namespace dmoe::cuda {
@@ -63,34 +65,109 @@ DeviceWaitRecord* device_wait_record() {
   return record_device;
 }
 
+namespace {
+std::atomic<bool> g_gpu_abandoned{false};
+}
+
+bool gpu_abandoned() { return g_gpu_abandoned.load(std::memory_order_relaxed); }
+void abandon_gpu() { g_gpu_abandoned.store(true, std::memory_order_relaxed); }
+
+void free_quietly(void* p) noexcept {
+  if (p && !gpu_abandoned()) (void)cudaFree(p);
+}
+
+bool synchronize_device_quietly() noexcept {
+  if (gpu_abandoned()) return false;
+  return cudaDeviceSynchronize() == cudaSuccess;
+}
+
+namespace {
+
+// Marks this rank waiting on the process's stage board (core/peer_watch.hpp) while a wait sleeps.
+struct WaitingMark {
+  PeerWatch* watch = peer_watch();
+  bool set = false;
+  void on() {
+    if (watch && !set) watch->set_waiting(set = true);
+  }
+  ~WaitingMark() {
+    if (set) watch->set_waiting(false);
+  }
+};
+
+}  // namespace
+
 void wait_stream(cudaStream_t stream, const char* what, const std::function<void()>& poll) {
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
   const double limit = host_wait_timeout_seconds();
+  WaitingMark mark;
   // Spin for the first 2 ms (the engine's waits on its critical path are tens of microseconds), then
   // sleep 50 µs growing to 1 ms between polls.
   auto sleep = std::chrono::microseconds(50);
   for (;;) {
     const cudaError_t status = cudaStreamQuery(stream);
     if (status == cudaSuccess) return;
-    if (status != cudaErrorNotReady)
+    if (status != cudaErrorNotReady) {
+      abandon_gpu();
       fail(__FILE__, __LINE__, "%s: the GPU reported %s (%s) while waiting for the stream", what,
            cudaGetErrorString(status), cudaGetErrorName(status));
-    if (poll) poll();
+    }
+    if (poll) {
+      try {
+        poll();
+      } catch (...) {
+        abandon_gpu();
+        throw;
+      }
+    }
     const double waited = std::chrono::duration<double>(Clock::now() - start).count();
-    if (waited > limit)
+    if (waited > limit) {
+      abandon_gpu();
+      std::string peers;
+      if (mark.watch) {
+        mark.watch->give_up();
+        peers = mark.watch->describe_peers();
+      }
       fail(__FILE__, __LINE__,
            "%s: waited %.0f s for the GPU stream to finish (DMOE_COMM_TIMEOUT_S=%.0f); the GPU work hangs — "
-           "most likely a peer rank failed, or is not calling the same collective this rank's stream waits on",
-           what, waited, limit);
+           "most likely a peer rank failed, or is not calling the same collective this rank's stream waits on%s%s",
+           what, waited, limit, peers.empty() ? "" : "; ", peers.c_str());
+    }
     if (waited > 2e-3) {
+      // A peer known to have failed will never take part in the collective this stream may wait on.
+      mark.on();
+      if (mark.watch) {
+        if (const std::string failed = mark.watch->failed_peer(); !failed.empty()) {
+          abandon_gpu();
+          fail(__FILE__, __LINE__, "%s: stopped waiting for the GPU stream after %.1f s: %s", what, waited,
+               failed.c_str());
+        }
+      }
       std::this_thread::sleep_for(sleep);
       sleep = std::min(sleep * 2, std::chrono::microseconds(1000));
     }
   }
 }
 
+void* device_malloc(size_t bytes, const char* what) {
+  void* p = nullptr;
+  const cudaError_t status = cudaMalloc(&p, bytes == 0 ? 16 : bytes);
+  if (status == cudaSuccess) return p;
+  (void)cudaGetLastError();  // cudaMalloc's error is not sticky; clear it for the calls that follow
+  size_t free_bytes = 0, total_bytes = 0;
+  int device = -1;
+  (void)cudaGetDevice(&device);
+  (void)cudaMemGetInfo(&free_bytes, &total_bytes);
+  fail(__FILE__, __LINE__,
+       "out of GPU memory: allocating %s needs %zu bytes (%.2f GiB) on device %d, which has %.2f GiB free of %.2f GiB "
+       "(%s); use fewer tokens per rank or more ranks, or free the memory other processes hold (nvidia-smi)",
+       what, bytes, double(bytes) / double(1ull << 30), device, double(free_bytes) / double(1ull << 30),
+       double(total_bytes) / double(1ull << 30), cudaGetErrorString(status));
+}
+
 bool wait_stream_quietly(cudaStream_t stream) noexcept {
+  if (gpu_abandoned()) return false;
   try {
     wait_stream(stream, "");
     return true;

@@ -45,6 +45,21 @@ void set_wait_describer(int kernel, WaitDescriber describe);
 // The record's device-side address (created on first use; the same for every device of the process).
 DeviceWaitRecord* device_wait_record();
 
+// Once a host-side wait has given up on the GPU (time-out, a peer rank known to have failed, a GPU error),
+// kernels may spin forever: every later cudaFree, cudaDeviceSynchronize or cublasDestroy (which
+// synchronise the device implicitly) would hang the process while it unwinds and exits. gpu_abandoned()
+// says so; the release paths below then leave memory to process exit instead.
+bool gpu_abandoned();
+void abandon_gpu();
+// cudaFree / cudaDeviceSynchronize for destructors: skipped (false) once the GPU is abandoned; never throw.
+void free_quietly(void* p) noexcept;
+bool synchronize_device_quietly() noexcept;
+
+// cudaMalloc that says what failed: on failure a dmoe::Error naming `what`, the bytes asked for, the device
+// and its free and total memory (cudaMemGetInfo), instead of a bare "out of memory". Never returns null
+// (bytes == 0 gets a 16-byte block, so kernels see a valid pointer).
+void* device_malloc(size_t bytes, const char* what);
+
 // cudaStreamSynchronize with a time limit (DMOE_COMM_TIMEOUT_S, core/env.hpp): spins briefly, then polls
 // with growing sleeps; past the limit it fails naming `what` (e.g. a peer rank died inside a collective
 // that this stream waits on). GPU errors fail as DMOE_CHECK_CUDA would. `poll`, when given, runs between

@@ -27,7 +27,12 @@ class CudaBackend final : public Backend {
     DMOE_CHECK_CUDA(cudaGetDeviceCount(&count));
     DMOE_REQUIRE(device >= 0 && device < count, "cuda backend: device {} does not exist; this machine has {}",
                  device, count);
-    DMOE_CHECK_CUDA(cudaSetDevice(device));
+    if (const cudaError_t e = cudaSetDevice(device); e == cudaErrorDevicesUnavailable)
+      DMOE_FAIL("cannot use GPU {}: {} — it is in exclusive-process mode and another process holds it, or its MPS "
+                "server refuses clients (still releasing the ranks of a job that failed a moment ago: retry in a few "
+                "seconds; `nvidia-smi -q -d COMPUTE` shows the mode)", device, cudaGetErrorString(e));
+    else
+      DMOE_CHECK_CUDA(e);
     DMOE_CHECK_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     own_stream_ = stream_;
     DMOE_CHECK_CUDA(cudaEventCreateWithFlags(&switch_event_, cudaEventDisableTiming));
@@ -39,9 +44,10 @@ class CudaBackend final : public Backend {
   }
 
   ~CudaBackend() override {
-    (void)cuda::wait_stream_quietly(stream_);
-    if (stream_ != own_stream_) (void)cuda::wait_stream_quietly(own_stream_);
-    (void)cublasDestroy(cublas_);
+    // cublasDestroy synchronises the device: left to process exit when the GPU work hangs.
+    const bool idle = cuda::wait_stream_quietly(stream_) &&
+                      (stream_ == own_stream_ || cuda::wait_stream_quietly(own_stream_));
+    if (idle) (void)cublasDestroy(cublas_);
     (void)cudaEventDestroy(switch_event_);
     (void)cudaStreamDestroy(own_stream_);  // never a caller's stream
   }
@@ -70,16 +76,7 @@ class CudaBackend final : public Backend {
   // ---- memory ----
   void* allocate(size_t bytes) override {
     if (bytes == 0) return nullptr;
-    void* p = nullptr;
-    const cudaError_t status = cudaMalloc(&p, bytes);
-    if (status != cudaSuccess) {
-      size_t free_bytes = 0, total_bytes = 0;
-      (void)cudaGetLastError();
-      (void)cudaMemGetInfo(&free_bytes, &total_bytes);
-      DMOE_FAIL("cuda backend: cudaMalloc of {} bytes on device {} failed: {} ({} of {} bytes free)", bytes,
-                device_, cudaGetErrorString(status), free_bytes, total_bytes);
-    }
-    return p;
+    return cuda::device_malloc(bytes, "an engine buffer");
   }
   void release(void* p) noexcept override {
     if (!p) return;

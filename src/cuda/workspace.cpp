@@ -10,7 +10,7 @@ namespace dmoe::cuda {
 
 Workspace::~Workspace() {
   // Queued work may still use the block; cudaFree waits for the device, errors cannot be reported here.
-  if (data_) (void)cudaFree(data_);
+  free_quietly(data_);
 }
 
 void* Workspace::reserve(size_t bytes, cudaStream_t stream) {
@@ -24,13 +24,14 @@ void* Workspace::reserve(size_t bytes, cudaStream_t stream) {
     data_ = nullptr;
     bytes_ = 0;
   }
-  DMOE_CHECK_CUDA(cudaMalloc(&data_, rounded));
+  data_ = device_malloc(rounded, "the kernels' scratch block");
   bytes_ = rounded;
   return data_;
 }
 
 HostStaging::~HostStaging() {
-  if (data_) (void)cudaFreeHost(data_);
+  // cudaFreeHost synchronises the device: not when its work hangs (gpu_abandoned).
+  if (data_ && !gpu_abandoned()) (void)cudaFreeHost(data_);
 }
 
 void* HostStaging::reserve(size_t bytes, cudaStream_t stream) {

@@ -20,8 +20,7 @@ namespace {
 void* upload_bf16(const std::vector<float>& v) {
   std::vector<bfloat16> h(v.size());
   for (size_t i = 0; i < v.size(); ++i) h[i] = float_to_bf16(v[i]);
-  void* d = nullptr;
-  DMOE_CHECK_CUDA(cudaMalloc(&d, std::max<size_t>(h.size() * 2, 16)));
+  void* d = cuda::device_malloc(std::max<size_t>(h.size() * 2, 16), "Flash weights");
   if (!h.empty()) DMOE_CHECK_CUDA(cudaMemcpy(d, h.data(), h.size() * 2, cudaMemcpyHostToDevice));
   return d;
 }
@@ -73,8 +72,7 @@ FlashEngine::FlashEngine(const MoeConfig& config, Comm& comm) : config_(config),
   ll_ = flash::local_layout(shape_);
   symmetric_ = allocate_symmetric(rank_, config_.world, sl_.bytes, "Flash receive buffers and signals");
   local_bytes_ = ll_.bytes;
-  void* p = nullptr;
-  DMOE_CHECK_CUDA(cudaMalloc(&p, local_bytes_));
+  void* p = cuda::device_malloc(local_bytes_, "Flash's local buffers (expert batches, h, routing)");
   local_ = static_cast<char*>(p);
   DMOE_CHECK_CUDA(cudaMemset(local_, 0, local_bytes_));
   std::vector<uint64_t> peers(symmetric_.peers.size());
@@ -83,12 +81,10 @@ FlashEngine::FlashEngine(const MoeConfig& config, Comm& comm) : config_(config),
 }
 
 FlashEngine::~FlashEngine() {
-  cudaDeviceSynchronize();
-  if (owns_weights_)
-    for (void* p : {gate_, w1_, w3_, w2_})
-      if (p) cudaFree(p);
-  for (void* p : {static_cast<void*>(local_), static_cast<void*>(profile_)})
-    if (p) cudaFree(p);
+  if (!cuda::synchronize_device_quietly()) return;  // hung or failed GPU work: left to process exit
+  if (owns_weights_)  // borrowed weights (set_weight_views) belong to the caller
+    for (void* p : {gate_, w1_, w3_, w2_}) cuda::free_quietly(p);
+  for (void* p : {static_cast<void*>(local_), static_cast<void*>(profile_)}) cuda::free_quietly(p);
   free_symmetric(symmetric_);
 }
 

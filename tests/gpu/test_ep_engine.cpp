@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <string>
 
 #include "comm/cuda/gpu_comm.hpp"
 #include "comm/cuda/local_comm.hpp"
@@ -67,6 +68,22 @@ void compare_with_cpu(MoeConfig c, Comm& comm, int device) {
   backend->download_f32(y.data(), yd, T * H);
   backend->download_f32(dx.data(), dxd, T * H);
   const MoeWeights g = engine.grads();
+  // Determinism (docs/architecture.md): a second engine on the same inputs gives the same bits — no
+  // floating-point atomics whose order varies, on any rank.
+  {
+    EpEngine again(c, *backend, comm);
+    again.set_weights(slice_experts(w, c.first_expert(rank), Le));
+    again.forward(xd, yd);
+    again.backward(dyd, dxd);
+    std::vector<float> y2(T * H), dx2(T * H);
+    backend->download_f32(y2.data(), yd, T * H);
+    backend->download_f32(dx2.data(), dxd, T * H);
+    const MoeWeights g2 = again.grads();
+    EXPECT_TRUE(y2 == y) << "rank " << rank << ": y differs between two runs";
+    EXPECT_TRUE(dx2 == dx) << "rank " << rank << ": dx differs between two runs";
+    EXPECT_TRUE(g2.gate == g.gate && g2.w1 == g.w1 && g2.w2 == g.w2 && g2.w3 == g.w3)
+        << "rank " << rank << ": the gradients differ between two runs";
+  }
   for (void* p : {xd, yd, dyd, dxd}) backend->release(p);
 
   EXPECT_TRUE(y_inference == y) << "inference forward differs from the train forward";
@@ -135,6 +152,77 @@ INSTANTIATE_TEST_SUITE_P(
       return std::string(activation_name(info.param.act)) + "_" + dtype_name(info.param.dtype) +
              (info.param.capacity_factor > 0 ? "_capacity" : "_dropless");
     });
+
+// Determinism at a size where the own Hopper GEMM, the grouped weight-gradient kernel and the multi-block
+// reductions all run (the small cases above may take other paths): the training step twice, bit for bit.
+TEST(GpuEngineDeterminism, TrainingStepRepeatsBitForBit) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  const ProcessEnv env = detect_process_env();
+  if (env.world > 1) GTEST_SKIP() << "one process";
+  MoeConfig c;
+  c.tokens = 2048;
+  c.hidden = 1024;
+  c.ffn = 1536;
+  c.experts = 16;
+  c.top_k = 4;
+  c.activation = Activation::swiglu;
+  c.dtype = DType::bf16;
+  c.aux_loss_coef = 0.01;
+  c.z_loss_coef = 0.001;
+  const MoeWeights w = random_moe_weights(c, 31);
+  Rng rng(7);
+  const auto x = rng.normal_vector(size_t(c.tokens * c.hidden), 1.0);
+  const auto dy = rng.normal_vector(x.size(), 1.0);
+  auto backend = make_cuda_backend(c.dtype, 0);
+  auto comm = make_local_comm();
+  const int64_t n = c.tokens * c.hidden;
+  void* xd = backend->allocate(n * 2);
+  void* yd = backend->allocate(n * 2);
+  void* dyd = backend->allocate(n * 2);
+  void* dxd = backend->allocate(n * 2);
+  backend->upload_f32(xd, x.data(), n);
+  backend->upload_f32(dyd, dy.data(), n);
+  std::vector<float> y[2], dx[2];
+  MoeWeights g[2];
+  for (int run = 0; run < 2; ++run) {
+    EpEngine engine(c, *backend, *comm);
+    engine.set_weights(w);
+    for (int step = 0; step < 2; ++step) {  // the second step writes the gradients over the first's
+      engine.zero_grads();
+      engine.forward(xd, yd);
+      engine.backward(dyd, dxd);
+    }
+    y[run].resize(n);
+    dx[run].resize(n);
+    backend->download_f32(y[run].data(), yd, n);
+    backend->download_f32(dx[run].data(), dxd, n);
+    g[run] = engine.grads();
+  }
+  for (void* p : {xd, yd, dyd, dxd}) backend->release(p);
+  EXPECT_TRUE(y[0] == y[1]) << "y differs between two runs";
+  EXPECT_TRUE(dx[0] == dx[1]) << "dx differs between two runs";
+  EXPECT_TRUE(g[0].gate == g[1].gate) << "dWg differs between two runs";
+  EXPECT_TRUE(g[0].w1 == g[1].w1 && g[0].w3 == g[1].w3 && g[0].w2 == g[1].w2) << "the experts' gradients differ";
+}
+
+TEST(GpuEngineErrors, OutOfMemorySaysWhatHowMuchAndWhatIsFree) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  auto backend = make_cuda_backend(DType::bf16, 0);
+  try {
+    backend->allocate(size_t(1) << 50);  // 1 PiB
+    FAIL() << "a 1 PiB allocation succeeded";
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("out of GPU memory"), std::string::npos) << m;
+    EXPECT_NE(m.find("1125899906842624 bytes"), std::string::npos) << m;
+    EXPECT_NE(m.find("GiB free of"), std::string::npos) << m;
+  }
+  // The device is still usable afterwards (cudaMalloc's error is not left behind).
+  void* p = backend->allocate(1 << 20);
+  EXPECT_NE(p, nullptr);
+  backend->release(p);
+  backend->synchronize();
+}
 
 }  // namespace
 }  // namespace dmoe

@@ -15,9 +15,9 @@ struct CliResult {
   std::string output;  // stdout + stderr
 };
 
-// `env`: "NAME=value ..." assignments for the command's environment.
-inline CliResult run_cli(const std::string& args, const std::string& env = "") {
-  const std::string cmd = (env.empty() ? "" : env + " ") + std::string(DMOE_CLI_PATH) + " " + args + " 2>&1";
+// Runs a shell command line (stderr joined to stdout).
+inline CliResult run_shell(const std::string& command) {
+  const std::string cmd = command + " 2>&1";
   CliResult r{-1, ""};
   FILE* pipe = popen(cmd.c_str(), "r");
   if (!pipe) return r;
@@ -26,6 +26,11 @@ inline CliResult run_cli(const std::string& args, const std::string& env = "") {
   const int status = pclose(pipe);
   r.status = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
   return r;
+}
+
+// `env`: "NAME=value ..." assignments for the command's environment.
+inline CliResult run_cli(const std::string& args, const std::string& env = "") {
+  return run_shell((env.empty() ? "" : env + " ") + std::string(DMOE_CLI_PATH) + " " + args);
 }
 
 }  // namespace dmoe::test

@@ -28,10 +28,7 @@
 #include "model/config_io.hpp"
 #include "model/moe_weights.hpp"
 #include "core/output_file.hpp"
-
-#ifndef DMOE_SOURCE_DIR
-#define DMOE_SOURCE_DIR "."
-#endif
+#include "data_dir.hpp"
 
 namespace dmoe::cli {
 
@@ -54,9 +51,20 @@ void print_row(const Row& r) {
               r.max_ms, r.tflops, r.pct_roofline, r.tokens_per_s, r.error, r.error_note.c_str());
 }
 
+// bench/peers.py from the data roots (data_dir.hpp); a bad-input error listing where it looked if none has it.
+std::string find_peers_script() {
+  const std::vector<DataRoot> roots = data_roots();
+  const std::string script = find_data_file(roots, "bench/peers.py");
+  DMOE_REQUIRE_INPUT(!script.empty(),
+                     "--peers: bench/peers.py was not found; looked in, in this order:{}\nset DMOE_HOME to a folder "
+                     "holding it (a dmoe source tree or an install's share/dmoe)",
+                     describe_search(roots, "bench/peers.py"));
+  return script;
+}
+
 // Runs bench/peers.py on the data of the dmoe run and returns its JSON (empty on failure, with a note).
-nlohmann::json run_peers(const GpuBenchArgs& a, const MoeConfig& c, const bench::LayerBenchData& data,
-                         uint64_t seed) {
+nlohmann::json run_peers(const GpuBenchArgs& a, const std::string& script, const MoeConfig& c,
+                         const bench::LayerBenchData& data, uint64_t seed) {
   namespace fs = std::filesystem;
   const fs::path dir = fs::temp_directory_path() / ("dmoe_peers_" + std::to_string(::getpid()));
   fs::create_directories(dir);
@@ -76,8 +84,6 @@ nlohmann::json run_peers(const GpuBenchArgs& a, const MoeConfig& c, const bench:
     y.write((dir / "dmoe.safetensors").string());
   }
   save_config_file(c, (dir / "config.json").string());
-  std::string script = std::string(DMOE_SOURCE_DIR) + "/bench/peers.py";
-  if (const char* home = std::getenv("DMOE_HOME")) script = std::string(home) + "/bench/peers.py";
   const std::string cmd = fmt::format("{} {} --config {} --weights {} --input {} --dmoe {} --json {}", a.python, script,
                                       (dir / "config.json").string(), (dir / "weights.safetensors").string(),
                                       (dir / "x.safetensors").string(), (dir / "dmoe.safetensors").string(),
@@ -104,6 +110,8 @@ int run_gpu_layer_bench(const GpuBenchArgs& a) {
   MoeConfig c = a.config;
   c.world = env.world;
   c.validate();
+  // Before any GPU work: --peers needs bench/peers.py (W = 1 only).
+  const std::string peers_script = a.peers && env.world == 1 ? find_peers_script() : std::string();
   auto backend = make_cuda_backend(c.dtype, device);
   const auto stream = static_cast<cudaStream_t>(backend->stream());
   // The largest segment one rank sends another: all its T·k rows (dropless worst case), or Le·C rows
@@ -238,7 +246,7 @@ int run_gpu_layer_bench(const GpuBenchArgs& a) {
     rows.push_back(j);
   }
   if (root && env.world == 1 && a.peers) {
-    const nlohmann::json peers = run_peers(a, c, data, o.seed);
+    const nlohmann::json peers = run_peers(a, peers_script, c, data, o.seed);
     if (peers.contains("peers"))
       for (auto& [name, p] : peers["peers"].items()) {
         if (p.contains("skipped")) {

@@ -23,6 +23,7 @@
 #include "core/error.hpp"
 #include "core/output_file.hpp"
 #include "core/random.hpp"
+#include "data_dir.hpp"
 #include "flow/ablation.hpp"
 #include "flow/cpu_executor.hpp"
 #include "model/mixtral_config.hpp"
@@ -230,7 +231,8 @@ Command add_flow_command(CLI::App& app) {
   CLI::App* sub = app.add_subcommand("flow", "Flow's schedules on the simulator: simulate (the ablation) or tune (Sp, R)");
   sub->add_option("action", o->action, "simulate, tune, or measure (the CPU executor against the simulator)")
       ->required();
-  sub->add_option("--costs", o->costs_path, "simulate, tune: per-task costs JSON (e.g. bench/flow/example.json)");
+  sub->add_option("--costs", o->costs_path,
+                  "simulate, tune: per-task costs JSON, or a named one in bench/flow (e.g. example)");
   sub->add_option("--layers", o->layers, "layers (default: the cost file's \"layers\")");
   sub->add_option("--micro-batches", o->micro_batches, "R for pipe-moe, pipe-attn, chunked-ar (vanilla runs R = 1 in "
                   "the ablation)");
@@ -252,7 +254,9 @@ Command add_flow_command(CLI::App& app) {
                  "flow {}: unknown action (allowed: simulate, tune, measure)", o->action);
     o->schedule_given = sub->count("--schedule") > 0;
     if (o->action == "measure") return measure_command(*o);
-    DMOE_REQUIRE(!o->costs_path.empty(), "--costs: required for flow {}", o->action);
+    DMOE_REQUIRE_INPUT(!o->costs_path.empty(), "--costs: required for flow {} (a cost JSON file, or a named one "
+                       "from bench/flow such as example)", o->action);
+    o->costs_path = find_named_json(o->costs_path, "bench/flow", "cost file");  // printed as the file read
     const flow::CostModel costs = flow::load_cost_model(o->costs_path);
     const int32_t layers = o->layers > 0 ? o->layers : costs.layers;
     DMOE_REQUIRE(layers >= 1, "--layers {}: must be >= 1 (or give \"layers\" in {})", o->layers, o->costs_path);

@@ -7,9 +7,11 @@
 //   dmoe train  train a Mixtral model on byte-level text (CPU)
 //   dmoe flow   Flow's schedules on the simulator: simulate (the ablation), tune (Sp, R)
 #include <cstdio>
+#include <cstdlib>
 #include <map>
 #include <new>
 
+#include "comm/stage_board.hpp"
 #include "commands.hpp"
 #include "core/error.hpp"
 
@@ -22,6 +24,21 @@
 #else
 #define DMOE_ENGINES "engines: cpu (built without CUDA)"
 #endif
+
+namespace {
+
+// A rank of a multi-process job that failed ends at once, without the exit handlers: NVSHMEM's and the
+// CUDA runtime's would synchronise with GPU work that waits for peers which will never come, or with peers
+// that are themselves stuck, and the launcher (dmoe launch, mpirun) only tears the job down once a rank has
+// exited. The stage board records the failure first (comm/stage_board.hpp).
+int failed_exit(int code) {
+  if (dmoe::process_stage_board() == nullptr) return code;
+  dmoe::finish_stage_board();
+  std::fflush(nullptr);
+  std::_Exit(code);
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"dmoe: distributed Mixture-of-Experts engine (CPU reference; CUDA when built with it)"};
@@ -57,13 +74,13 @@ int main(int argc, char** argv) {
   } catch (const dmoe::Error& e) {
     // Bad input is the message alone; other errors end in their source location (core/error.hpp).
     std::fprintf(stderr, "dmoe: error: %s\n", e.what());
-    return 1;
+    return failed_exit(1);
   } catch (const std::bad_alloc&) {
     std::fprintf(stderr, "dmoe: error: out of host memory (std::bad_alloc); make the problem smaller (tokens, "
                  "hidden, ffn, experts, world)\n");
-    return 1;
+    return failed_exit(1);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "dmoe: unexpected error: %s\n", e.what());
-    return 2;
+    return failed_exit(2);
   }
 }

@@ -8,11 +8,8 @@
 
 #include "core/error.hpp"
 #include "core/host_resources.hpp"
+#include "data_dir.hpp"
 #include "model/config_io.hpp"
-
-#ifndef DMOE_SOURCE_DIR
-#define DMOE_SOURCE_DIR "."
-#endif
 
 namespace dmoe::cli {
 
@@ -36,30 +33,7 @@ void add_config_options(CLI::App& app, ConfigOptions& o, bool config_required) {
   app.add_flag("--no-renormalize", o.no_renormalize, "keep the top-k softmax weights as they are");
 }
 
-namespace {
-
-// name itself when it is a file, else bench/<folder>/<name>.json under $DMOE_HOME or the source tree; "" if none.
-std::string find_in_bench(const std::string& name, const char* folder) {
-  namespace fs = std::filesystem;
-  if (fs::exists(name)) return name;
-  std::vector<fs::path> roots;
-  if (const char* home = std::getenv("DMOE_HOME")) roots.emplace_back(home);
-  roots.emplace_back(DMOE_SOURCE_DIR);
-  for (const auto& root : roots) {
-    fs::path p = root / "bench" / folder / (name + ".json");
-    if (fs::exists(p)) return p.string();
-  }
-  return "";
-}
-
-}  // namespace
-
-std::string find_config_file(const std::string& name) {
-  const std::string found = find_in_bench(name, "configs");
-  if (!found.empty()) return found;
-  DMOE_FAIL_INPUT("config '{}' is neither a file nor a named config in bench/configs (e.g. flash-paper, "
-                  "mixtral, fine-grained, decode)", name);
-}
+std::string find_config_file(const std::string& name) { return find_named_json(name, "bench/configs", "config"); }
 
 void check_cpu_engine_cost(const MoeConfig& c, int forward_calls, int backward_calls) {
   const CpuLayerEstimate fwd = estimate_cpu_layer(c, false), both = estimate_cpu_layer(c, true);
@@ -97,10 +71,7 @@ std::string find_model_config_file(const std::string& name) {
     DMOE_REQUIRE_INPUT(fs::exists(p), "model config '{}' is a directory without a config.json", name);
     return p.string();
   }
-  const std::string found = find_in_bench(name, "models");
-  if (!found.empty()) return found;
-  DMOE_FAIL_INPUT("model config '{}' is neither a file nor a named model in bench/models (tiny, gpt2-tiny-moe, "
-                  "bert-large-moe, llama2-moe, deepseek-v2-s)", name);
+  return find_named_json(name, "bench/models", "model config");
 }
 
 MoeConfig resolve_config(const ConfigOptions& o, const MoeConfig& defaults) {

@@ -27,7 +27,8 @@ void add_config_options(CLI::App& app, ConfigOptions& options, bool config_requi
 MoeConfig resolve_config(const ConfigOptions& options, const MoeConfig& defaults = MoeConfig{});
 
 // Named benchmark configs live in bench/configs/NAME.json; a --config that is not a file is looked up
-// there (relative to the source tree the binary was built from, or $DMOE_HOME/bench/configs).
+// there under $DMOE_HOME, the install's share/dmoe beside the executable, then the source tree the binary
+// was built from (data_dir.hpp); the error for a name found nowhere lists each place.
 std::string find_config_file(const std::string& name_or_path);
 // The same for whole-model configs (HF Mixtral config.json) in bench/models/NAME.json.
 std::string find_model_config_file(const std::string& name_or_path);

@@ -54,7 +54,7 @@ namespace {
 struct DeviceBuffer {
   void* p = nullptr;
   explicit DeviceBuffer(size_t bytes) { DMOE_CHECK_CUDA(cudaMalloc(&p, std::max<size_t>(bytes, 16))); }
-  ~DeviceBuffer() { cudaFree(p); }
+  ~DeviceBuffer() { cuda::free_quietly(p); }
   DeviceBuffer(const DeviceBuffer&) = delete;
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
   __nv_bfloat16* bf16() const { return static_cast<__nv_bfloat16*>(p); }

@@ -58,7 +58,7 @@ GpuTimer::GpuTimer(cudaStream_t stream) : stream_(stream) {
 }
 
 GpuTimer::~GpuTimer() {
-  cudaFree(flush_);
+  cuda::free_quietly(flush_);
   cudaEventDestroy(start_);
   cudaEventDestroy(stop_);
 }
@@ -124,10 +124,11 @@ CeilingGemm::CeilingGemm(cudaStream_t stream) : stream_(stream) {
 }
 
 CeilingGemm::~CeilingGemm() {
+  if (cuda::gpu_abandoned()) return;  // cublasDestroy would synchronise with hung work
   cublasDestroy(static_cast<cublasHandle_t>(handle_));
-  cudaFree(a_);
-  cudaFree(b_);
-  cudaFree(d_);
+  cuda::free_quietly(a_);
+  cuda::free_quietly(b_);
+  cuda::free_quietly(d_);
 }
 
 void CeilingGemm::run() {

@@ -21,6 +21,7 @@
 
 #include "comm/cuda/comm_detail.hpp"
 #include "core/env.hpp"
+#include "core/peer_watch.hpp"
 #include "core/error.hpp"
 #include "core/output_file.hpp"
 #include "cuda/check.hpp"
@@ -58,10 +59,24 @@ void wait_nccl_ready(ncclComm_t comm, const std::string& what) {
       DMOE_FAIL("{}: NCCL failed: {} ({})", what, ncclGetErrorString(state), detail);
     }
     const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    PeerWatch* watch = peer_watch();
+    if (watch && waited > 2e-3) {
+      if (const std::string failed = watch->failed_peer(); !failed.empty()) {
+        cuda::abandon_gpu();
+        ncclCommAbort(comm);
+        DMOE_FAIL("{}: stopped waiting for NCCL after {:.1f} s: {}", what, waited, failed);
+      }
+    }
     if (waited > timeout) {
+      cuda::abandon_gpu();
       ncclCommAbort(comm);
+      std::string peers;
+      if (watch) {
+        watch->give_up();
+        peers = watch->describe_peers();
+      }
       DMOE_FAIL("{}: waited {:.0f} s for NCCL (DMOE_COMM_TIMEOUT_S={:.0f}); a peer rank has probably failed or is "
-                "not making the same call", what, waited, timeout);
+                "not making the same call{}{}", what, waited, timeout, peers.empty() ? "" : "; ", peers);
     }
     std::this_thread::sleep_for(sleep);
     sleep = std::min(sleep * 2, std::chrono::microseconds(2000));

@@ -6,6 +6,7 @@
 
 #include "comm/cuda/bootstrap.hpp"
 #include "comm/cuda/comm_detail.hpp"
+#include "comm/stage_board.hpp"
 #include "core/error.hpp"
 
 namespace dmoe {
@@ -61,6 +62,37 @@ bool visible_gpus_peer_connected(int visible) {
   return true;
 }
 
+// A communicator of a multi-rank job with the process's stage board attached for its lifetime
+// (comm/stage_board.hpp): its peers see this rank's stages and whether it failed. Members end in reverse
+// order: the communicator first (its destruction waits, bounded, on the peers), then the board use.
+class WatchedComm final : public Comm {
+ public:
+  WatchedComm(const ProcessEnv& env, std::unique_ptr<Comm> inner) : use_(env), inner_(std::move(inner)) {}
+  int32_t rank() const override { return inner_->rank(); }
+  int32_t world() const override { return inner_->world(); }
+  const char* name() const override { return inner_->name(); }
+  void alltoallv(const void* send, const int64_t* send_counts, void* recv, const int64_t* recv_counts, DType dtype,
+                 Stream stream) override {
+    inner_->alltoallv(send, send_counts, recv, recv_counts, dtype, stream);
+  }
+  void allreduce_sum(void* data, int64_t count, DType dtype, Stream stream) override {
+    inner_->allreduce_sum(data, count, dtype, stream);
+  }
+  void broadcast(void* data, int64_t count, DType dtype, int32_t root, Stream stream) override {
+    inner_->broadcast(data, count, dtype, root, stream);
+  }
+  void barrier(Stream stream) override { inner_->barrier(stream); }
+
+ private:
+  StageBoardUse use_;
+  std::unique_ptr<Comm> inner_;
+};
+
+std::unique_ptr<Comm> watched(const ProcessEnv& env, std::unique_ptr<Comm> comm) {
+  if (env.world <= 1) return comm;
+  return std::make_unique<WatchedComm>(env, std::move(comm));
+}
+
 }  // namespace
 
 std::unique_ptr<Comm> make_gpu_comm(const ProcessEnv& env, CommKind kind, size_t max_bytes_per_peer,
@@ -79,9 +111,9 @@ std::unique_ptr<Comm> make_gpu_comm(const ProcessEnv& env, CommKind kind, size_t
     DMOE_REQUIRE(!shared, "the NCCL communicator needs one GPU per rank, but ranks share GPUs here ({}): NCCL refuses "
                  "two ranks on one GPU (\"Duplicate GPU detected\"). Use the NVSHMEM communicator (auto picks it), "
                  "or give every rank its own GPU", why);
-    return make_nccl_comm(env);
+    return watched(env, make_nccl_comm(env));
   }
-  return make_nvshmem_comm(env, max_bytes_per_peer, stream);
+  return watched(env, make_nvshmem_comm(env, max_bytes_per_peer, stream));
 }
 
 }  // namespace dmoe

@@ -13,6 +13,7 @@
 #include "comm/cuda/comm_detail.hpp"
 #include "comm/cuda/gpu_comm.hpp"
 #include "core/error.hpp"
+#include "cuda/check.hpp"
 
 namespace dmoe {
 
@@ -39,7 +40,7 @@ class NcclComm final : public Comm {
   NcclComm& operator=(const NcclComm&) = delete;
 
   ~NcclComm() override {
-    if (token_) cudaFree(token_);
+    cuda::free_quietly(token_);
     if (!comm_) return;  // aborted after an error
     // Finalize flushes outstanding work; bounded like every other wait. A destructor must not throw.
     const ncclResult_t finalize = ncclCommFinalize(comm_);

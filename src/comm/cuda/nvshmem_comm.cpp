@@ -29,6 +29,7 @@
 #include "comm/cuda/comm_detail.hpp"
 #include "comm/cuda/gpu_comm.hpp"
 #include "core/error.hpp"
+#include "cuda/check.hpp"
 
 #if defined(DMOE_WITH_NVSHMEM)
 #include <nvshmem_host.h>
@@ -103,9 +104,9 @@ class NvshmemComm final : public Comm {
     if (!nvshmem_is_initialized()) return;  // finalized already: the heap is gone
     // Unwinding from an error that maybe only this rank saw: nvshmem_free is collective and would wait
     // for peers that may never come, hiding the error. Leave the buffers to process exit instead.
-    if (std::uncaught_exceptions() > 0) return;
+    if (std::uncaught_exceptions() > 0 || cuda::gpu_abandoned()) return;
     // Queued copies may still use the buffers; nvshmem_free itself synchronises the PEs.
-    cudaDeviceSynchronize();
+    if (!cuda::synchronize_device_quietly()) return;
     cudaEventDestroy(fork_);
     cudaEventDestroy(join_);
     cudaStreamDestroy(self_stream_);

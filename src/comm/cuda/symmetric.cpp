@@ -8,6 +8,7 @@
 #include "comm/cuda/bootstrap.hpp"
 #include "comm/cuda/comm_detail.hpp"
 #include "core/error.hpp"
+#include "cuda/check.hpp"
 
 #if defined(DMOE_WITH_NVSHMEM)
 #include <nvshmem_host.h>
@@ -19,8 +20,7 @@ SymmetricRegion allocate_symmetric(int32_t rank, int32_t world, size_t bytes, co
   SymmetricRegion r;
   r.bytes = bytes;
   if (world == 1) {
-    void* p = nullptr;
-    DMOE_COMM_CHECK_CUDA(cudaMalloc(&p, bytes));
+    void* p = cuda::device_malloc(bytes, what);
     DMOE_COMM_CHECK_CUDA(cudaMemset(p, 0, bytes));
     DMOE_COMM_CHECK_CUDA(cudaDeviceSynchronize());
     r.local = static_cast<char*>(p);
@@ -59,11 +59,11 @@ SymmetricRegion allocate_symmetric(int32_t rank, int32_t world, size_t bytes, co
 void free_symmetric(SymmetricRegion& r) noexcept {
   if (r.local == nullptr) return;
   if (!r.from_nvshmem) {
-    cudaFree(r.local);
+    cuda::free_quietly(r.local);
   } else {
 #if defined(DMOE_WITH_NVSHMEM)
-    if (nvshmem_is_initialized()) {
-      cudaDeviceSynchronize();
+    // nvshmem_free is collective: not when this rank gave up on its peers (they may never come).
+    if (nvshmem_is_initialized() && cuda::synchronize_device_quietly()) {
       nvshmem_free(r.local);  // collective
     }
 #endif

@@ -1,0 +1,194 @@
+// test_stage_board.cpp — the shared-memory stage board (comm/stage_board.hpp) that lets ranks running as
+// processes name a failed or hung peer: slots written by one rank and read by another, a peer process that
+// dies without a word, an injected hang that ends as soon as a peer gives up, the file rules and the errors.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <string>
+#include <thread>
+
+#include "comm/comm.hpp"
+#include "comm/stage_board.hpp"
+#include "core/error.hpp"
+
+namespace dmoe {
+namespace {
+
+namespace fs = std::filesystem;
+
+struct TempBoardDir {
+  fs::path dir;
+  TempBoardDir() {
+    char tmpl[] = "/tmp/dmoe-stage-board-test-XXXXXX";
+    dir = ::mkdtemp(tmpl);
+  }
+  ~TempBoardDir() { fs::remove_all(dir); }
+  std::string path(const char* name = "board") const { return (dir / name).string(); }
+};
+
+TEST(StageBoard, SlotsWrittenByOneRankAreSeenByAnother) {
+  TempBoardDir t;
+  StageBoard r0(t.path(), 2, 0, 2), r1(t.path(), 2, 1, 2);
+  EXPECT_EQ(r0.slot(1).state, RankState::running);
+  EXPECT_EQ(r0.slot(1).pid, ::getpid());
+  EXPECT_EQ(r0.slot(1).stage, FaultStage::none);
+  r1.enter(FaultStage::expert_gemm);
+  EXPECT_EQ(r0.slot(1).stage, FaultStage::expert_gemm);
+  EXPECT_TRUE(r0.failed_peer().empty());
+  // Rank 0 waits, rank 1 does not: on a time-out rank 0 names rank 1 and its stage.
+  r0.set_waiting(true);
+  const std::string seen_by_0 = r0.describe_peers();
+  EXPECT_NE(seen_by_0.find("rank 1"), std::string::npos) << seen_by_0;
+  EXPECT_NE(seen_by_0.find("not waiting"), std::string::npos) << seen_by_0;
+  EXPECT_NE(seen_by_0.find("expert_gemm"), std::string::npos) << seen_by_0;
+  const std::string seen_by_1 = r1.describe_peers();
+  EXPECT_NE(seen_by_1.find("rank 0: running, waiting"), std::string::npos) << seen_by_1;
+  r1.mark(RankState::failed);
+  std::this_thread::sleep_for(std::chrono::milliseconds(15));  // failed_peer looks at most every 10 ms
+  EXPECT_EQ(r0.failed_peer(), "rank 1 failed in stage expert_gemm");
+}
+
+TEST(StageBoard, ARankThatFailedBecauseAThirdHangsNamesTheHungOneToo) {
+  TempBoardDir t;
+  StageBoard r0(t.path(), 3, 0, 3), r1(t.path(), 3, 1, 3), r2(t.path(), 3, 2, 3);
+  r0.enter(FaultStage::alltoall);
+  r0.set_waiting(true);
+  r1.enter(FaultStage::alltoall);
+  r2.enter(FaultStage::expert_gemm);  // runs, does not wait: hangs
+  r1.mark(RankState::failed);         // gave up on rank 2 and failed
+  const std::string failed = r0.failed_peer();
+  EXPECT_NE(failed.find("rank 1 failed in stage alltoall; rank 2 (pid"), std::string::npos) << failed;
+  EXPECT_NE(failed.find("stage expert_gemm"), std::string::npos) << failed;
+}
+
+TEST(StageBoard, PeerProcessThatDiesWithoutAWordIsNamedWithItsStage) {
+  TempBoardDir t;
+  StageBoard r0(t.path(), 2, 0, 2);
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    try {
+      StageBoard r1(t.path(), 2, 1, 2);
+      r1.enter(FaultStage::combine);
+    } catch (...) {
+      ::_exit(2);
+    }
+    ::_exit(0);  // gone while "running": as if killed
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  const RankSlot s = r0.slot(1);
+  EXPECT_EQ(s.pid, child);
+  EXPECT_FALSE(s.process_alive);
+  const std::string failed = r0.failed_peer();
+  EXPECT_NE(failed.find("rank 1's process (pid " + std::to_string(child) + ") is gone"), std::string::npos) << failed;
+  EXPECT_NE(failed.find("combine"), std::string::npos) << failed;
+}
+
+TEST(StageBoard, RefusesAFileOfAnotherWorldAndAPathItCannotCreate) {
+  TempBoardDir t;
+  { StageBoard four(t.path(), 4, 0, 4); }
+  try {
+    StageBoard two(t.path(), 2, 0, 2);
+    FAIL() << "a board of 4 ranks was opened as one of 2";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(t.path()), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(StageBoard(t.path("no/such/dir/board"), 2, 0, 2), Error);
+  EXPECT_THROW(StageBoard(t.path(), 4, 4, 4), Error);  // rank out of range
+}
+
+TEST(StageBoard, PathFollowsTheLauncher) {
+  ProcessEnv env;
+  env.world = 2;
+  ::unsetenv("DMOE_STAGE_BOARD");
+  env.launcher = "single";
+  EXPECT_EQ(stage_board_path(env), "");
+  env.launcher = "dmoe-launch";
+  ::setenv("DMOE_RENDEZVOUS", "/tmp/launch-x/rendezvous", 1);
+  EXPECT_EQ(stage_board_path(env), "/tmp/launch-x/rendezvous/stage-board");
+  ::unsetenv("DMOE_RENDEZVOUS");
+  EXPECT_EQ(stage_board_path(env), "");
+  env.launcher = "mpirun";
+  ::setenv("PMIX_NAMESPACE", "prterun-host-1234@1", 1);
+  EXPECT_EQ(stage_board_path(env), "/dev/shm/dmoe-stage-board-prterun-host-1234_1-" + std::to_string(::getuid()));
+  ::unsetenv("PMIX_NAMESPACE");
+  ::setenv("DMOE_STAGE_BOARD", "off", 1);
+  EXPECT_EQ(stage_board_path(env), "");
+  ::setenv("DMOE_STAGE_BOARD", "/tmp/my-board", 1);
+  EXPECT_EQ(stage_board_path(env), "/tmp/my-board");
+  ::unsetenv("DMOE_STAGE_BOARD");
+}
+
+// A one-process Comm whose failure handling is the base class's (the process's stage board), as the GPU
+// communicators' is; its collectives are never called here.
+class BoardOnlyComm final : public Comm {
+ public:
+  int32_t rank() const override { return 0; }
+  int32_t world() const override { return 2; }
+  const char* name() const override { return "board-only"; }
+  void alltoallv(const void*, const int64_t*, void*, const int64_t*, DType, Stream) override {}
+  void allreduce_sum(void*, int64_t, DType, Stream) override {}
+  void broadcast(void*, int64_t, DType, int32_t, Stream) override {}
+  void barrier(Stream) override {}
+};
+
+// The process board is one per process: this is the only test that attaches it.
+TEST(StageBoard, InjectedHangEndsAsSoonAsAPeerProcessGivesUp) {
+  TempBoardDir t;
+  ::setenv("DMOE_STAGE_BOARD", t.path().c_str(), 1);
+  ProcessEnv env;
+  env.world = env.local_world = 2;
+  env.launcher = "mpirun";
+  StageBoard* board = attach_stage_board(env);
+  ::unsetenv("DMOE_STAGE_BOARD");
+  ASSERT_NE(board, nullptr);
+  ASSERT_EQ(process_stage_board(), board);
+  ASSERT_EQ(peer_watch(), board);
+  BoardOnlyComm comm;
+  comm.enter_stage(FaultStage::backward);
+  EXPECT_EQ(board->slot(0).stage, FaultStage::backward);
+
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {  // rank 1: waits a little, then gives up on rank 0
+    try {
+      StageBoard r1(t.path(), 2, 1, 2);
+      r1.enter(FaultStage::alltoall);
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      r1.give_up();
+      std::this_thread::sleep_for(std::chrono::milliseconds(500));  // alive: only the state says it
+    } catch (...) {
+      ::_exit(2);
+    }
+    ::_exit(0);
+  }
+  ::setenv("DMOE_FAULT", "0:alltoall:hang", 1);
+  ::setenv("DMOE_COMM_TIMEOUT_S", "30", 1);  // without the board the hang would last 4 × 30 s
+  const auto start = std::chrono::steady_clock::now();
+  std::string error;
+  try {
+    fault_point(comm, FaultStage::alltoall);
+  } catch (const Error& e) {
+    error = e.what();
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  ::unsetenv("DMOE_FAULT");
+  ::unsetenv("DMOE_COMM_TIMEOUT_S");
+  int status = 0;
+  ::waitpid(child, &status, 0);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  EXPECT_NE(error.find("hung at stage alltoall"), std::string::npos) << error;
+  EXPECT_LT(seconds, 5.0);
+  EXPECT_GT(seconds, 0.15);
+  detach_stage_board(false);
+  EXPECT_EQ(board->slot(0).state, RankState::done);
+}
+
+}  // namespace
+}  // namespace dmoe

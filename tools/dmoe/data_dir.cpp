@@ -1,0 +1,117 @@
+#include "data_dir.hpp"
+
+#include <algorithm>
+#include <cstdlib>
+#include <filesystem>
+#include <set>
+#include <system_error>
+
+#include "core/error.hpp"
+
+// Both are set by the build (CMakeLists.txt, cmake/install.cmake); the defaults are for a build without them.
+#ifndef DMOE_SOURCE_DIR
+#define DMOE_SOURCE_DIR "."
+#endif
+#ifndef DMOE_DATA_DIR_FROM_BIN
+#define DMOE_DATA_DIR_FROM_BIN "../share/dmoe"
+#endif
+
+namespace dmoe::cli {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+bool is_dir(const fs::path& p) {
+  std::error_code ec;
+  return fs::is_directory(p, ec);
+}
+
+bool is_file(const fs::path& p) {
+  std::error_code ec;
+  return fs::is_regular_file(p, ec);
+}
+
+}  // namespace
+
+std::vector<DataRoot> data_roots() {
+  std::vector<DataRoot> roots;
+  if (const char* home = std::getenv("DMOE_HOME"); home && *home) {
+    DMOE_REQUIRE_INPUT(is_dir(home),
+                       "DMOE_HOME='{}' is not a directory: it must name a folder holding bench/ (a dmoe source "
+                       "tree, or an install's <prefix>/share/dmoe); unset it to use the data installed beside the "
+                       "dmoe executable",
+                       home);
+    roots.push_back({home, "$DMOE_HOME"});
+  }
+  std::error_code ec;
+  const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+  if (!ec && !exe.empty()) {
+    const fs::path data = (exe.parent_path() / DMOE_DATA_DIR_FROM_BIN).lexically_normal();
+    roots.push_back({data.string(), "the install's data folder, beside " + exe.string()});
+  }
+  roots.push_back({DMOE_SOURCE_DIR, "the source tree dmoe was built from"});
+  return roots;
+}
+
+std::string find_data_file(const std::vector<DataRoot>& roots, const std::string& relative) {
+  for (const DataRoot& r : roots) {
+    const fs::path p = fs::path(r.path) / relative;
+    if (is_file(p)) return p.string();
+  }
+  return "";
+}
+
+std::vector<std::string> data_file_names(const std::vector<DataRoot>& roots, const std::string& folder,
+                                         const std::string& extension) {
+  std::set<std::string> names;
+  for (const DataRoot& r : roots) {
+    const fs::path dir = fs::path(r.path) / folder;
+    if (!is_dir(dir)) continue;
+    std::error_code ec;
+    for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec))
+      if (it->path().extension() == extension && is_file(it->path())) names.insert(it->path().stem().string());
+  }
+  return {names.begin(), names.end()};
+}
+
+std::string describe_search(const std::vector<DataRoot>& roots, const std::string& relative) {
+  std::string out;
+  if (const char* home = std::getenv("DMOE_HOME"); !home || !*home)
+    out += "\n  ($DMOE_HOME, searched first, is not set)";
+  for (const DataRoot& r : roots) {
+    const fs::path p = fs::path(r.path) / relative;
+    std::string why;
+    if (!is_dir(r.path))
+      why = ": no such folder";
+    else if (!is_dir(fs::path(r.path) / "bench"))
+      why = ": it has no bench/ folder";
+    else if (!is_file(p))
+      why = ": not there";
+    out += fmt::format("\n  {} ({}{})", p.string(), r.origin, why);
+  }
+  return out;
+}
+
+std::string find_named_json(const std::string& name, const std::string& folder, const std::string& what) {
+  std::error_code ec;
+  if (fs::exists(name, ec)) return name;
+  DMOE_REQUIRE_INPUT(!name.empty(), "{}: an empty name is neither a file nor a named {}", what, what);
+  // A path (a '/' in it, or a .json name) is not looked up among the named files: the caller's reader
+  // reports it missing, naming its option.
+  if (name.find('/') != std::string::npos || fs::path(name).extension() == ".json") return name;
+  const std::vector<DataRoot> roots = data_roots();
+  const std::string relative = folder + "/" + name + ".json";
+  const std::string found = find_data_file(roots, relative);
+  if (!found.empty()) return found;
+  const std::vector<std::string> names = data_file_names(roots, folder, ".json");
+  std::string available;
+  for (const std::string& n : names) available += (available.empty() ? "" : ", ") + n;
+  DMOE_FAIL_INPUT("{} '{}' is neither a file nor a named {}; looked for it in, in this order:{}\n{}",
+                  what, name, what, describe_search(roots, relative),
+                  names.empty() ? "no named " + what + "s were found in any of these places: set DMOE_HOME to a "
+                                      "folder holding bench/ (a dmoe source tree or an install's share/dmoe)"
+                                : "named " + what + "s there: " + available);
+}
+
+}  // namespace dmoe::cli
