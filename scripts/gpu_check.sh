@@ -212,7 +212,7 @@ part_faults() {
   # ends within its bound (the no-fault run's time + 10 s, + DMOE_COMM_TIMEOUT_S for hangs), and its output
   # names the failed rank and the stage; "survivor" says whether a surviving rank's own error did (the stage
   # board; under dmoe launch and mpirun a rank that exits or throws takes the job down before survivors
-  # time out). Table in $O/faults.md. FAULT_WORLDS / FAULT_MPIRUN_WORLDS choose W.
+  # time out). Table in $O/faults.md. FAULT_WORLDS / FAULT_MPIRUN_WORLDS choose W, FAULT_KINDS the kinds.
   local shape="bench layer --engine cuda --tokens 256 --hidden 256 --ffn 512 --experts 8 --top-k 2 --dtype bf16"
   shape="$shape --warmup 0 --repeat 1 --check-tokens 0"
   local limit=5 w f stage kind t0 rc s base named surv ok
@@ -261,7 +261,7 @@ part_faults() {
     run 120 "fault_baseline_launch_w$w" "$B/dmoe" launch -n "$w" -- "$B/dmoe" $shape
     base=$((SECONDS - t0))
     for stage in before_dispatch alltoall expert_gemm combine backward allreduce; do
-      for kind in throw exit hang; do
+      for kind in ${FAULT_KINDS:-throw exit hang}; do
         fault_case launch "$w" "$stage" "$kind" "$base" "$B/dmoe" launch -n "$w" -- "$B/dmoe" $shape
       done
     done
@@ -277,7 +277,7 @@ part_faults() {
     DMOE_FAULT= run 120 "fault_baseline_mpirun_w$w" "${mpi[@]}" "$B/dmoe" $shape
     base=$((SECONDS - t0))
     for stage in ${FAULT_MPIRUN_STAGES:-before_dispatch alltoall expert_gemm combine backward allreduce}; do
-      for kind in throw exit hang; do
+      for kind in ${FAULT_KINDS:-throw exit hang}; do
         fault_case mpirun "$w" "$stage" "$kind" "$base" "${mpi[@]}" "$B/dmoe" $shape
       done
     done

@@ -94,7 +94,8 @@ class LayerSession {
   const char* comm_name() const;
 
   // CUDA: the stream the following calls issue their work on (a cudaStream_t, may be the null stream);
-  // nothing waits for it. cpu: ignored.
+  // nothing waits for it. The stream must outlive the session, or be replaced by another first: the
+  // destructor and buffer releases wait on it. cpu: ignored.
   void set_stream(Stream stream);
 
   // Runs the forward. train: returns a ticket for backward() (release() it when no backward follows);
