@@ -205,6 +205,13 @@ TEST_F(BadInput, OptionValuesCli11WouldTakeSilentlyAreRefused) {
   // Still fine: the largest seed, hex integers, options left out.
   EXPECT_EQ(run_cli(init + " --seed 18446744073709551615").status, 0);
   EXPECT_EQ(run_cli(shape + " --tokens 0x4").status, 0);
+  // DMOE_FAULT naming a rank the run does not have never fired: the run ended with rc 0.
+  ASSERT_EQ(run_cli(init + " --world 2 --input " + p("x.st")).status, 0);
+  expect_user_error(run_cli("run --hidden 8 --ffn 8 --experts 4 --top-k 2 --world 2 --weights " + p("w.st") +
+                                " --input " + p("x.st") + " --output " + p("y.st"),
+                            "DMOE_FAULT=9:alltoall:throw"),
+                    "DMOE_FAULT names rank 9, but this run has 2 ranks", "fault on a missing rank");
+  EXPECT_FALSE(fs::exists(p("y.st")));
   // bench --peers needs the GPU; on the CPU engine it was silently left out.
   expect_user_error(run_cli("bench --engine cpu --peers --repeat 1 --warmup 0 --tokens 2 --hidden 8 --ffn 8 "
                             "--experts 4 --top-k 2 -n 1"),
