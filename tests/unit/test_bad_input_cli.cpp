@@ -6,7 +6,8 @@
 //   - option values CLI11 took silently: "" (as "not given"), --seed -1 (wrapped), integers past 64 bits
 //     (clamped); range errors with DBL_MAX's 309 digits; AdamW's betas and decay unchecked;
 //   - config fields dropped: an HF layer config's router_jitter_noise, torch_dtype vs dtype disagreeing, a
-//     model config's attention_dropout; DMOE_COMM_TIMEOUT_S=1e309; bench --peers on the CPU ignored.
+//     model config's attention_dropout; DMOE_COMM_TIMEOUT_S=1e309; bench --peers on the CPU ignored;
+//   - DMOE_FAULT naming a rank the run does not have (it never fired, rc 0).
 //
 // Run: dmoe_unit_tests --gtest_filter='BadInput*'
 #include <gtest/gtest.h>
