@@ -30,6 +30,9 @@ void Comm::exit_rank(const std::string& why) {
 void fault_point(Comm& comm, FaultStage stage) {
   comm.enter_stage(stage);
   const std::optional<Fault> fault = fault_from_env();
+  // A rank that does not exist would never fail, and the run would pass as if the fault had been survived.
+  DMOE_REQUIRE_INPUT(!fault || fault->rank < comm.world(), "DMOE_FAULT names rank {}, but this run has {} ranks "
+                     "(0 to {}); the fault would never fire", fault ? fault->rank : 0, comm.world(), comm.world() - 1);
   if (!fault || fault->rank != comm.rank() || fault->stage != stage) return;
   const std::string spec =
       fmt::format("DMOE_FAULT={}:{}:{}", fault->rank, fault_stage_name(stage), fault_kind_name(fault->kind));

@@ -18,15 +18,15 @@ using nlohmann::json;
 namespace {
 
 double number_at(const json& j, const std::string& key, const std::string& where) {
-  DMOE_REQUIRE(j.contains(key), "{}: missing key '{}'", where, key);
-  DMOE_REQUIRE(j.at(key).is_number(), "{}.{}: must be a number (got {})", where, key, j.at(key).dump());
+  DMOE_REQUIRE_INPUT(j.contains(key), "{}: missing key '{}'", where, key);
+  DMOE_REQUIRE_INPUT(j.at(key).is_number(), "{}.{}: must be a number (got {})", where, key, j.at(key).dump());
   const double v = j.at(key).get<double>();
-  DMOE_REQUIRE(std::isfinite(v) && v >= 0, "{}.{} = {}: must be finite and >= 0", where, key, v);
+  DMOE_REQUIRE_INPUT(std::isfinite(v) && v >= 0, "{}.{} = {}: must be finite and >= 0", where, key, v);
   return v;
 }
 
 void only_keys(const json& j, std::initializer_list<const char*> keys, const std::string& where) {
-  DMOE_REQUIRE(j.is_object(), "{}: must be a JSON object (got {})", where, j.dump());
+  DMOE_REQUIRE_INPUT(j.is_object(), "{}: must be a JSON object (got {})", where, j.dump());
   for (auto it = j.begin(); it != j.end(); ++it) {
     bool known = false;
     std::string allowed;
@@ -34,7 +34,7 @@ void only_keys(const json& j, std::initializer_list<const char*> keys, const std
       known |= it.key() == k;
       allowed += std::string(allowed.empty() ? "" : ", ") + k;
     }
-    DMOE_REQUIRE(known, "{}: unknown key '{}' (allowed: {})", where, it.key(), allowed);
+    DMOE_REQUIRE_INPUT(known, "{}: unknown key '{}' (allowed: {})", where, it.key(), allowed);
   }
 }
 
@@ -60,34 +60,34 @@ CostModel parse_cost_model(const json& j, const std::string& where) {
   only_keys(j, {"layers", "dense_grad_bytes_per_layer", "tasks", "allreduce", "note"}, where);
   CostModel c;
   if (j.contains("layers")) {
-    DMOE_REQUIRE(j.at("layers").is_number_integer() && j.at("layers").get<int64_t>() >= 1 &&
+    DMOE_REQUIRE_INPUT(j.at("layers").is_number_integer() && j.at("layers").get<int64_t>() >= 1 &&
                      j.at("layers").get<int64_t>() <= 100000,
                  "{}.layers = {}: must be an integer in [1, 100000]", where, j.at("layers").dump());
     c.layers = j.at("layers").get<int32_t>();
   }
-  DMOE_REQUIRE(j.contains("dense_grad_bytes_per_layer"), "{}: missing key 'dense_grad_bytes_per_layer'", where);
-  DMOE_REQUIRE(j.at("dense_grad_bytes_per_layer").is_number_integer() &&
+  DMOE_REQUIRE_INPUT(j.contains("dense_grad_bytes_per_layer"), "{}: missing key 'dense_grad_bytes_per_layer'", where);
+  DMOE_REQUIRE_INPUT(j.at("dense_grad_bytes_per_layer").is_number_integer() &&
                    j.at("dense_grad_bytes_per_layer").get<int64_t>() >= 0,
                "{}.dense_grad_bytes_per_layer = {}: must be an integer >= 0", where,
                j.at("dense_grad_bytes_per_layer").dump());
   c.dense_grad_bytes_per_layer = j.at("dense_grad_bytes_per_layer").get<int64_t>();
-  DMOE_REQUIRE(j.contains("tasks"), "{}: missing key 'tasks' (AT, D, E, C, C', E', D', AT')", where);
+  DMOE_REQUIRE_INPUT(j.contains("tasks"), "{}: missing key 'tasks' (AT, D, E, C, C', E', D', AT')", where);
   const json& tasks = j.at("tasks");
   only_keys(tasks, {"AT", "D", "E", "C", "C'", "E'", "D'", "AT'"}, where + ".tasks");
   for (int k = 0; k < 8; ++k) {
     const std::string name = task_kind_name(TaskKind(k));
-    DMOE_REQUIRE(tasks.contains(name), "{}.tasks: missing key '{}' (every one of AT, D, E, C, C', E', D', AT' is required)",
+    DMOE_REQUIRE_INPUT(tasks.contains(name), "{}.tasks: missing key '{}' (every one of AT, D, E, C, C', E', D', AT' is required)",
                  where, name);
     const std::string w = where + ".tasks." + name;
     only_keys(tasks.at(name), {"fixed_ms", "batch_ms"}, w);
     c.tasks[size_t(k)].fixed_ms = tasks.at(name).contains("fixed_ms") ? number_at(tasks.at(name), "fixed_ms", w) : 0.0;
     c.tasks[size_t(k)].batch_ms = number_at(tasks.at(name), "batch_ms", w);
   }
-  DMOE_REQUIRE(j.contains("allreduce"), "{}: missing key 'allreduce' ({{\"alpha_ms\", \"gbytes_per_s\"}})", where);
+  DMOE_REQUIRE_INPUT(j.contains("allreduce"), "{}: missing key 'allreduce' ({{\"alpha_ms\", \"gbytes_per_s\"}})", where);
   only_keys(j.at("allreduce"), {"alpha_ms", "gbytes_per_s"}, where + ".allreduce");
   c.ar_alpha_ms = number_at(j.at("allreduce"), "alpha_ms", where + ".allreduce");
   const double gbps = number_at(j.at("allreduce"), "gbytes_per_s", where + ".allreduce");
-  DMOE_REQUIRE(gbps > 0, "{}.allreduce.gbytes_per_s = {}: must be > 0", where, gbps);
+  DMOE_REQUIRE_INPUT(gbps > 0, "{}.allreduce.gbytes_per_s = {}: must be > 0", where, gbps);
   c.ar_bytes_per_ms = gbps * 1e6;  // 1 GB/s = 1e9 B / 1e3 ms
   validate(c);
   return c;

@@ -47,7 +47,7 @@ const char* schedule_name(Schedule schedule) {
 Schedule parse_schedule(const std::string& name, const char* field) {
   for (Schedule s : {Schedule::vanilla, Schedule::pipe_moe, Schedule::pipe_attn, Schedule::chunked_ar, Schedule::tuned})
     if (name == schedule_name(s)) return s;
-  DMOE_FAIL("{} '{}': unknown schedule (allowed: vanilla, pipe-moe, pipe-attn, chunked-ar, tuned)", field, name);
+  DMOE_FAIL_INPUT("{} '{}': unknown schedule (allowed: vanilla, pipe-moe, pipe-attn, chunked-ar, tuned)", field, name);
 }
 
 Stream stream_of(TaskKind kind) {

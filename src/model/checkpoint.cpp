@@ -207,39 +207,39 @@ CheckpointReader CheckpointReader::open(const std::string& path_or_dir) {
     return r;
   }
   std::ifstream in(path, std::ios::binary);
-  DMOE_REQUIRE(in.good(), "checkpoint index '{}': cannot be opened for reading", path);
+  DMOE_REQUIRE_INPUT(in.good(), "checkpoint index '{}': cannot be opened for reading", path);
   std::stringstream text;
   text << in.rdbuf();
   nlohmann::json j;
   try {
     j = nlohmann::json::parse(text.str());
   } catch (const nlohmann::json::exception& e) {
-    DMOE_FAIL("checkpoint index '{}': not valid JSON: {}", path, e.what());
+    DMOE_FAIL_INPUT("checkpoint index '{}': not valid JSON: {}", path, e.what());
   }
-  DMOE_REQUIRE(j.is_object() && j.contains("weight_map") && j.at("weight_map").is_object(),
+  DMOE_REQUIRE_INPUT(j.is_object() && j.contains("weight_map") && j.at("weight_map").is_object(),
                "checkpoint index '{}': expected an object with \"weight_map\": {{tensor name: shard file}}", path);
   for (const auto& [name, file] : j.at("weight_map").items()) {
-    DMOE_REQUIRE(file.is_string(), "checkpoint index '{}': weight_map['{}'] must be a file name (found {})", path,
+    DMOE_REQUIRE_INPUT(file.is_string(), "checkpoint index '{}': weight_map['{}'] must be a file name (found {})", path,
                  name, file.type_name());
     const std::string f = file.get<std::string>();
-    DMOE_REQUIRE(!f.empty() && std::filesystem::path(f).is_relative() && f.find("..") == std::string::npos,
+    DMOE_REQUIRE_INPUT(!f.empty() && std::filesystem::path(f).is_relative() && f.find("..") == std::string::npos,
                  "checkpoint index '{}': weight_map['{}'] = '{}' must be a file name beside the index", path, name, f);
     r.weight_map_[name] = f;
   }
-  DMOE_REQUIRE(!r.weight_map_.empty(), "checkpoint index '{}': weight_map is empty", path);
+  DMOE_REQUIRE_INPUT(!r.weight_map_.empty(), "checkpoint index '{}': weight_map is empty", path);
   return r;
 }
 
 const SafetensorsFile& CheckpointReader::file_of(const std::string& name) const {
   if (weight_map_.empty()) return *files_.at("");
   auto it = weight_map_.find(name);
-  DMOE_REQUIRE(it != weight_map_.end(), "checkpoint '{}': tensor '{}' is not in the weight_map", source_, name);
+  DMOE_REQUIRE_INPUT(it != weight_map_.end(), "checkpoint '{}': tensor '{}' is not in the weight_map", source_, name);
   auto& file = files_[it->second];
   if (!file) {
     const std::string shard = (std::filesystem::path(directory_) / it->second).string();
     file = std::make_shared<SafetensorsFile>(SafetensorsFile::open(shard));
   }
-  DMOE_REQUIRE(file->has(name), "checkpoint '{}': the weight_map puts '{}' in '{}', which does not hold it", source_,
+  DMOE_REQUIRE_INPUT(file->has(name), "checkpoint '{}': the weight_map puts '{}' in '{}', which does not hold it", source_,
                name, it->second);
   return *file;
 }
@@ -296,7 +296,7 @@ MixtralWeights load_mixtral_weights(const CheckpointReader& reader, const Mixtra
     if (p.name.compare(0, layers.size(), layers) == 0 && p.name.find(".block_sparse_moe.") != std::string::npos &&
         fused[std::stoi(p.name.substr(layers.size()))])
       continue;  // read from the fused 5.x tensors above
-    DMOE_REQUIRE(reader.has(p.name),
+    DMOE_REQUIRE_INPUT(reader.has(p.name),
                  "checkpoint '{}': tensor '{}' {} is missing (the config asks for {} layers, {} experts{})",
                  reader.source(), p.name, shape_string(p.shape), config.num_hidden_layers, config.num_local_experts,
                  config.tie_word_embeddings ? ", tied embeddings" : ", an lm_head");

@@ -31,6 +31,7 @@ std::string dmoe_keys() {
 std::string shown(const json& v) {
   std::string s = v.dump(-1, ' ', false, json::error_handler_t::replace);
   if (s.size() > 40) s = s.substr(0, 37) + "...";
+  if (v.is_null()) return "null";  // not "null null"
   return fmt::format("{} {}", v.type_name(), s);
 }
 
@@ -103,7 +104,12 @@ std::string flag_of(std::string_view key) {
 }
 
 MoeConfig from_mixtral_json(const json& j, const MoeConfig& defaults) {
-  const char* what = "Hugging Face config.json";
+  // Why the file is read as Hugging Face's, for the errors below (a dmoe config with a stray HF key
+  // would otherwise be told it "is a Hugging Face config.json").
+  const char* hf_key = j.contains("model_type") ? "model_type" : j.contains("hidden_size") ? "hidden_size"
+                                                                                             : "num_local_experts";
+  const std::string what_text = fmt::format("Hugging Face config.json (read as one because it has '{}')", hf_key);
+  const char* what = what_text.c_str();
   if (j.contains("model_type")) {
     const std::string type = get_string(j, "model_type", what);
     DMOE_REQUIRE_INPUT(type == "mixtral",
@@ -138,6 +144,10 @@ MoeConfig from_mixtral_json(const json& j, const MoeConfig& defaults) {
     DMOE_FAIL_INPUT("{}: hidden_act '{}' is not supported; allowed: silu (SwiGLU experts), gelu, relu", what, act);
   }
   c.renormalize = true;  // Mixtral renormalises the top-k softmax weights
+  if (j.contains("torch_dtype") && !j.at("torch_dtype").is_null() && j.contains("dtype") && !j.at("dtype").is_null())
+    DMOE_REQUIRE_INPUT(j.at("torch_dtype") == j.at("dtype"),
+                       "{}: torch_dtype {} and dtype {} disagree (dtype is the newer name of torch_dtype); give one",
+                       what, j.at("torch_dtype").dump(), j.at("dtype").dump());
   for (const char* key : {"torch_dtype", "dtype"}) {
     if (!j.contains(key) || j.at(key).is_null()) continue;
     const std::string dtype = get_string(j, key, what);
@@ -155,6 +165,11 @@ MoeConfig from_mixtral_json(const json& j, const MoeConfig& defaults) {
   // backward always applies the coefficients it is given).
   if (j.contains("router_aux_loss_coef")) c.aux_loss_coef = get_number(j, "router_aux_loss_coef", what);
   if (j.contains("router_z_loss_coef")) c.z_loss_coef = get_number(j, "router_z_loss_coef", what);
+  // HF's training-time router noise: dmoe's router has none, so a nonzero value cannot take effect.
+  if (j.contains("router_jitter_noise") && !j.at("router_jitter_noise").is_null())
+    DMOE_REQUIRE_INPUT(get_number(j, "router_jitter_noise", what) == 0,
+                       "{}: router_jitter_noise = {} is not supported (only 0 or null: dmoe's router is deterministic)",
+                       what, j.at("router_jitter_noise").dump());
   return c;
 }
 

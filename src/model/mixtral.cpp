@@ -19,7 +19,7 @@ void add_into(std::vector<float>& dst, const std::vector<float>& src) {
 MixtralModel::MixtralModel(const MixtralConfig& config, Comm& comm)
     : config_(config), comm_(comm), rank_(comm.rank()), world_(comm.world()) {
   config_.validate();
-  DMOE_REQUIRE(config_.num_local_experts % world_ == 0,
+  DMOE_REQUIRE_INPUT(config_.num_local_experts % world_ == 0,
                "mixtral: num_local_experts = {} is not divisible by world = {} (each rank owns E/W experts)",
                config_.num_local_experts, world_);
   grads_ = make_mixtral_weights(config_, first_expert(), experts_per_rank());
@@ -64,12 +64,12 @@ double MixtralModel::forward(const int32_t* tokens, int64_t batch, int64_t seq, 
 
 void MixtralModel::begin_forward(const int32_t* tokens, int64_t batch, int64_t seq, ModelState& st) {
   DMOE_REQUIRE(!weights_.layers.empty(), "mixtral: set_weights() was not called");
-  DMOE_REQUIRE(batch >= 1, "mixtral: batch = {} must be >= 1", batch);
+  DMOE_REQUIRE_INPUT(batch >= 1, "mixtral: batch = {} must be >= 1", batch);
   config_.check_sequence(seq);
-  DMOE_REQUIRE(seq >= 2, "mixtral: sequence length {} leaves no next-token prediction (need >= 2)", seq);
+  DMOE_REQUIRE_INPUT(seq >= 2, "mixtral: sequence length {} leaves no next-token prediction (need >= 2)", seq);
   const int64_t n = batch * seq;
   for (int64_t t = 0; t < n; ++t)
-    DMOE_REQUIRE(tokens[t] >= 0 && tokens[t] < config_.vocab_size,
+    DMOE_REQUIRE_INPUT(tokens[t] >= 0 && tokens[t] < config_.vocab_size,
                  "mixtral: token {} at [{}, {}] is outside the vocabulary [0, {})", tokens[t], t / seq, t % seq,
                  config_.vocab_size);
   st.batch = batch;
@@ -297,7 +297,7 @@ void MixtralModel::reduce_grads() {
 
 EvalResult run_cpu_model(const MixtralConfig& config, const MixtralWeights& weights, const std::vector<int32_t>& tokens,
                          int64_t batch, int64_t seq, int32_t world, bool with_grad) {
-  DMOE_REQUIRE(world >= 1 && batch % world == 0,
+  DMOE_REQUIRE_INPUT(world >= 1 && batch % world == 0,
                "mixtral: batch = {} sequences cannot be split evenly over world = {} ranks", batch, world);
   DMOE_REQUIRE(int64_t(tokens.size()) == batch * seq, "mixtral: {} tokens given for [{}, {}]", tokens.size(), batch,
                seq);

@@ -21,30 +21,30 @@ bool present(const json& j, const char* key) { return j.contains(key) && !j.at(k
 
 int64_t get_int(const json& j, const char* key, int64_t lo) {
   const json& v = j.at(key);
-  DMOE_REQUIRE(v.is_number_integer(), "{}: key '{}' must be an integer (found {} {})", kWhat, key, v.type_name(),
+  DMOE_REQUIRE_INPUT(v.is_number_integer(), "{}: key '{}' must be an integer (found {} {})", kWhat, key, v.type_name(),
                v.dump());
-  DMOE_REQUIRE(!v.is_number_unsigned() || v.get<uint64_t>() <= uint64_t(std::numeric_limits<int64_t>::max()),
+  DMOE_REQUIRE_INPUT(!v.is_number_unsigned() || v.get<uint64_t>() <= uint64_t(std::numeric_limits<int64_t>::max()),
                "{}: key '{}' = {} is too large", kWhat, key, v.dump());
   const int64_t x = v.get<int64_t>();
-  DMOE_REQUIRE(x >= lo, "{}: key '{}' = {} must be >= {}", kWhat, key, x, lo);
+  DMOE_REQUIRE_INPUT(x >= lo, "{}: key '{}' = {} must be >= {}", kWhat, key, x, lo);
   return x;
 }
 
 int32_t get_int32(const json& j, const char* key, int64_t lo) {
   const int64_t x = get_int(j, key, lo);
-  DMOE_REQUIRE(x <= std::numeric_limits<int32_t>::max(), "{}: key '{}' = {} is too large", kWhat, key, x);
+  DMOE_REQUIRE_INPUT(x <= std::numeric_limits<int32_t>::max(), "{}: key '{}' = {} is too large", kWhat, key, x);
   return int32_t(x);
 }
 
 double get_number(const json& j, const char* key) {
   const json& v = j.at(key);
-  DMOE_REQUIRE(v.is_number(), "{}: key '{}' must be a number (found {} {})", kWhat, key, v.type_name(), v.dump());
+  DMOE_REQUIRE_INPUT(v.is_number(), "{}: key '{}' must be a number (found {} {})", kWhat, key, v.type_name(), v.dump());
   return v.get<double>();
 }
 
 bool get_bool(const json& j, const char* key) {
   const json& v = j.at(key);
-  DMOE_REQUIRE(v.is_boolean(), "{}: key '{}' must be true or false (found {} {})", kWhat, key, v.type_name(),
+  DMOE_REQUIRE_INPUT(v.is_boolean(), "{}: key '{}' must be true or false (found {} {})", kWhat, key, v.type_name(),
                v.dump());
   return v.get<bool>();
 }
@@ -53,7 +53,7 @@ bool get_bool(const json& j, const char* key) {
 
 void MixtralConfig::validate() const {
   auto positive = [](const char* key, int64_t v) {
-    DMOE_REQUIRE(v > 0, "{}: {} = {} must be positive", kWhat, key, v);
+    DMOE_REQUIRE_INPUT(v > 0, "{}: {} = {} must be positive", kWhat, key, v);
   };
   positive("vocab_size", vocab_size);
   positive("hidden_size", hidden_size);
@@ -64,32 +64,32 @@ void MixtralConfig::validate() const {
   positive("num_local_experts", num_local_experts);
   positive("num_experts_per_tok", num_experts_per_tok);
   positive("max_position_embeddings", max_position_embeddings);
-  DMOE_REQUIRE(vocab_size <= std::numeric_limits<int32_t>::max(), "{}: vocab_size = {} does not fit int32 tokens",
+  DMOE_REQUIRE_INPUT(vocab_size <= std::numeric_limits<int32_t>::max(), "{}: vocab_size = {} does not fit int32 tokens",
                kWhat, vocab_size);
-  DMOE_REQUIRE(head_dim > 0 || hidden_size % num_attention_heads == 0,
+  DMOE_REQUIRE_INPUT(head_dim > 0 || hidden_size % num_attention_heads == 0,
                "{}: hidden_size = {} is not divisible by num_attention_heads = {} (set head_dim to choose the head "
                "size)", kWhat, hidden_size, num_attention_heads);
-  DMOE_REQUIRE(head_size() % 2 == 0, "{}: the head size {} must be even (rotary embedding rotates pairs)", kWhat,
+  DMOE_REQUIRE_INPUT(head_size() % 2 == 0, "{}: the head size {} must be even (rotary embedding rotates pairs)", kWhat,
                head_size());
-  DMOE_REQUIRE(num_attention_heads % num_key_value_heads == 0,
+  DMOE_REQUIRE_INPUT(num_attention_heads % num_key_value_heads == 0,
                "{}: num_attention_heads = {} must be a multiple of num_key_value_heads = {}", kWhat,
                num_attention_heads, num_key_value_heads);
-  DMOE_REQUIRE(num_experts_per_tok <= num_local_experts,
+  DMOE_REQUIRE_INPUT(num_experts_per_tok <= num_local_experts,
                "{}: num_experts_per_tok = {} exceeds num_local_experts = {}", kWhat, num_experts_per_tok,
                num_local_experts);
-  DMOE_REQUIRE(rms_norm_eps > 0 && std::isfinite(rms_norm_eps), "{}: rms_norm_eps = {} must be positive", kWhat,
+  DMOE_REQUIRE_INPUT(rms_norm_eps > 0 && std::isfinite(rms_norm_eps), "{}: rms_norm_eps = {} must be positive", kWhat,
                rms_norm_eps);
-  DMOE_REQUIRE(rope_theta > 0 && std::isfinite(rope_theta), "{}: rope_theta = {} must be positive", kWhat,
+  DMOE_REQUIRE_INPUT(rope_theta > 0 && std::isfinite(rope_theta), "{}: rope_theta = {} must be positive", kWhat,
                rope_theta);
-  DMOE_REQUIRE(router_aux_loss_coef >= 0 && std::isfinite(router_aux_loss_coef),
+  DMOE_REQUIRE_INPUT(router_aux_loss_coef >= 0 && std::isfinite(router_aux_loss_coef),
                "{}: router_aux_loss_coef = {} must be >= 0", kWhat, router_aux_loss_coef);
-  DMOE_REQUIRE(sliding_window >= 0, "{}: sliding_window = {} must be null or positive", kWhat, sliding_window);
+  DMOE_REQUIRE_INPUT(sliding_window >= 0, "{}: sliding_window = {} must be null or positive", kWhat, sliding_window);
 }
 
 void MixtralConfig::check_sequence(int64_t seq) const {
-  DMOE_REQUIRE(seq >= 1 && seq <= max_position_embeddings,
+  DMOE_REQUIRE_INPUT(seq >= 1 && seq <= max_position_embeddings,
                "sequence length {} is outside [1, max_position_embeddings = {}]", seq, max_position_embeddings);
-  DMOE_REQUIRE(sliding_window == 0 || sliding_window >= seq,
+  DMOE_REQUIRE_INPUT(sliding_window == 0 || sliding_window >= seq,
                "sequence length {} exceeds sliding_window = {}: dmoe has no sliding-window attention mask (set "
                "sliding_window to null or >= the sequence length)", seq, sliding_window);
 }
@@ -123,14 +123,14 @@ std::string MixtralConfig::summary() const {
 }
 
 MixtralConfig mixtral_config_from_json(const json& j) {
-  DMOE_REQUIRE(j.is_object(), "{}: JSON must be an object (found {})", kWhat, j.type_name());
+  DMOE_REQUIRE_INPUT(j.is_object(), "{}: JSON must be an object (found {})", kWhat, j.type_name());
   if (present(j, "model_type")) {
-    DMOE_REQUIRE(j.at("model_type").is_string() && j.at("model_type").get<std::string>() == "mixtral",
+    DMOE_REQUIRE_INPUT(j.at("model_type").is_string() && j.at("model_type").get<std::string>() == "mixtral",
                  "{}: model_type is {}; only \"mixtral\" is supported", kWhat, j.at("model_type").dump());
   }
   for (const char* key : {"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                           "num_local_experts", "num_experts_per_tok", "vocab_size"})
-    DMOE_REQUIRE(present(j, key), "{}: required key '{}' is missing (required: hidden_size, intermediate_size, "
+    DMOE_REQUIRE_INPUT(present(j, key), "{}: required key '{}' is missing (required: hidden_size, intermediate_size, "
                  "num_hidden_layers, num_attention_heads, num_local_experts, num_experts_per_tok, vocab_size)",
                  kWhat, key);
   MixtralConfig c;
@@ -153,13 +153,17 @@ MixtralConfig mixtral_config_from_json(const json& j) {
   if (present(j, "initializer_range")) c.initializer_range = get_number(j, "initializer_range");
   if (present(j, "hidden_act")) {
     const json& act = j.at("hidden_act");
-    DMOE_REQUIRE(act.is_string() && act.get<std::string>() == "silu",
+    DMOE_REQUIRE_INPUT(act.is_string() && act.get<std::string>() == "silu",
                  "{}: hidden_act is {}; only \"silu\" (SwiGLU experts, as Mixtral) is supported", kWhat, act.dump());
   }
   if (present(j, "router_jitter_noise"))
-    DMOE_REQUIRE(get_number(j, "router_jitter_noise") == 0,
+    DMOE_REQUIRE_INPUT(get_number(j, "router_jitter_noise") == 0,
                  "{}: router_jitter_noise = {} is not supported (only 0: dmoe's router is deterministic)", kWhat,
                  get_number(j, "router_jitter_noise"));
+  if (present(j, "attention_dropout"))
+    DMOE_REQUIRE_INPUT(get_number(j, "attention_dropout") == 0,
+                       "{}: attention_dropout = {} is not supported (only 0: dmoe's attention has no dropout)", kWhat,
+                       get_number(j, "attention_dropout"));
   // rope_theta: top level (transformers 4.x) and/or rope_parameters.rope_theta (5.x); both must agree.
   bool have_theta = false;
   if (present(j, "rope_theta")) {
@@ -168,16 +172,16 @@ MixtralConfig mixtral_config_from_json(const json& j) {
   }
   if (present(j, "rope_parameters")) {
     const json& rp = j.at("rope_parameters");
-    DMOE_REQUIRE(rp.is_object(), "{}: rope_parameters must be an object (found {})", kWhat, rp.type_name());
+    DMOE_REQUIRE_INPUT(rp.is_object(), "{}: rope_parameters must be an object (found {})", kWhat, rp.type_name());
     if (present(rp, "rope_type")) {
-      DMOE_REQUIRE(rp.at("rope_type").is_string() && rp.at("rope_type").get<std::string>() == "default",
+      DMOE_REQUIRE_INPUT(rp.at("rope_type").is_string() && rp.at("rope_type").get<std::string>() == "default",
                    "{}: rope_parameters.rope_type is {}; only \"default\" RoPE is supported", kWhat,
                    rp.at("rope_type").dump());
     }
     if (present(rp, "rope_theta")) {
-      DMOE_REQUIRE(rp.at("rope_theta").is_number(), "{}: rope_parameters.rope_theta must be a number", kWhat);
+      DMOE_REQUIRE_INPUT(rp.at("rope_theta").is_number(), "{}: rope_parameters.rope_theta must be a number", kWhat);
       const double theta = rp.at("rope_theta").get<double>();
-      DMOE_REQUIRE(!have_theta || theta == c.rope_theta,
+      DMOE_REQUIRE_INPUT(!have_theta || theta == c.rope_theta,
                    "{}: rope_theta = {} and rope_parameters.rope_theta = {} disagree", kWhat, c.rope_theta, theta);
       c.rope_theta = theta;
     }
@@ -185,7 +189,7 @@ MixtralConfig mixtral_config_from_json(const json& j) {
   if (present(j, "rope_scaling")) {  // transformers 4.x spelling of a non-default RoPE (key "rope_type" or "type")
     const json& rs = j.at("rope_scaling");
     const bool is_default = rs.is_object() && rs.value("rope_type", rs.value("type", std::string())) == "default";
-    DMOE_REQUIRE(is_default, "{}: rope_scaling {} is not supported (only default RoPE: rope_scaling null)", kWhat,
+    DMOE_REQUIRE_INPUT(is_default, "{}: rope_scaling {} is not supported (only default RoPE: rope_scaling null)", kWhat,
                  rs.dump());
   }
   c.validate();

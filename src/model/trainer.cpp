@@ -36,13 +36,13 @@ std::vector<uint8_t> read_corpus(const std::string& path) {
       if (fs::is_regular_file(e.path())) files.push_back(e.path());
     std::sort(files.begin(), files.end());
   } else {
-    DMOE_REQUIRE(fs::is_regular_file(path), "--data {}: not a file or directory", path);
+    DMOE_REQUIRE_INPUT(fs::is_regular_file(path), "--data {}: not a file or directory", path);
     files.push_back(path);
   }
   std::vector<uint8_t> bytes;
   for (const fs::path& f : files) {
     std::ifstream in(f, std::ios::binary);
-    DMOE_REQUIRE(in.good(), "--data: cannot read '{}'", f.string());
+    DMOE_REQUIRE_INPUT(in.good(), "--data: cannot read '{}'", f.string());
     bytes.insert(bytes.end(), std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
   }
   return bytes;
@@ -60,7 +60,7 @@ json read_json(const std::string& path) { return read_json_file(path, "training 
 // Tensors under name_prefix + HF name from one file into w (all shapes checked).
 void read_prefixed(const SafetensorsFile& f, const std::string& name_prefix, MixtralWeights& w, const MixtralConfig& c) {
   for (ParamView& p : parameter_views(w, c)) {
-    DMOE_REQUIRE(f.has(name_prefix + p.name), "{}: tensor '{}' is missing", f.source(), name_prefix + p.name);
+    DMOE_REQUIRE_INPUT(f.has(name_prefix + p.name), "{}: tensor '{}' is missing", f.source(), name_prefix + p.name);
     f.read_f32_into(name_prefix + p.name, p.shape, p.data);
   }
 }
@@ -86,27 +86,36 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
       std::fflush(stdout);
     }
   };
-  DMOE_REQUIRE(config.vocab_size >= 256, "train: byte-level data needs vocab_size >= 256 (config has {})",
+  DMOE_REQUIRE_INPUT(config.vocab_size >= 256, "train: byte-level data needs vocab_size >= 256 (config has {})",
                config.vocab_size);
-  DMOE_REQUIRE(o.steps >= 1, "train: --steps = {} must be >= 1", o.steps);
-  DMOE_REQUIRE(o.world >= 1 && o.batch >= 1 && o.batch % o.world == 0,
+  DMOE_REQUIRE_INPUT(o.steps >= 1, "train: --steps = {} must be >= 1", o.steps);
+  DMOE_REQUIRE_INPUT(o.world >= 1 && o.batch >= 1 && o.batch % o.world == 0,
                "train: --batch = {} sequences must split evenly over --world = {} ranks", o.batch, o.world);
-  DMOE_REQUIRE(o.micro_batches >= 1 && (o.batch / o.world) % o.micro_batches == 0,
+  DMOE_REQUIRE_INPUT(o.micro_batches >= 1 && (o.batch / o.world) % o.micro_batches == 0,
                "train: the {} sequences per rank (--batch {} / --world {}) do not split into --micro-batches {}",
                o.batch / o.world, o.batch, o.world, o.micro_batches);
-  DMOE_REQUIRE(config.num_local_experts % o.world == 0,
+  DMOE_REQUIRE_INPUT(config.num_local_experts % o.world == 0,
                "train: num_local_experts = {} is not divisible by --world = {}", config.num_local_experts, o.world);
-  DMOE_REQUIRE(o.seq >= 2, "train: --seq = {} must be >= 2", o.seq);
+  DMOE_REQUIRE_INPUT(o.seq >= 2, "train: --seq = {} must be >= 2", o.seq);
   config.check_sequence(o.seq);
-  DMOE_REQUIRE(o.lr > 0 && o.warmup >= 0 && o.clip >= 0 && o.val_fraction > 0 && o.val_fraction < 1,
+  DMOE_REQUIRE_INPUT(o.lr > 0 && o.warmup >= 0 && o.clip >= 0 && o.val_fraction > 0 && o.val_fraction < 1,
                "train: need lr > 0 (is {}), warmup >= 0 ({}), clip >= 0 ({}), 0 < val_fraction < 1 ({})", o.lr,
                o.warmup, o.clip, o.val_fraction);
+  // AdamW's hyper-parameters: outside these ranges the moments or the decay diverge (NaN weights later).
+  DMOE_REQUIRE_INPUT(std::isfinite(o.lr) && std::isfinite(o.clip), "train: --lr {} and --clip {} must be finite",
+                     o.lr, o.clip);
+  DMOE_REQUIRE_INPUT(o.beta1 >= 0 && o.beta1 < 1, "train: --beta1 {} must be in [0, 1)", o.beta1);
+  DMOE_REQUIRE_INPUT(o.beta2 >= 0 && o.beta2 < 1, "train: --beta2 {} must be in [0, 1)", o.beta2);
+  DMOE_REQUIRE_INPUT(o.weight_decay >= 0 && std::isfinite(o.weight_decay),
+                     "train: --weight-decay {} must be finite and >= 0", o.weight_decay);
+  DMOE_REQUIRE_INPUT(o.min_lr < 0 || (o.min_lr <= o.lr && std::isfinite(o.min_lr)),
+                     "train: --min-lr {} must be <= --lr {} (or negative for the default, lr/10)", o.min_lr, o.lr);
 
   // ---- data
   const std::vector<uint8_t> corpus = read_corpus(o.data_path);
   const int64_t val_bytes = int64_t(double(corpus.size()) * o.val_fraction);
   const int64_t train_bytes = int64_t(corpus.size()) - val_bytes;
-  DMOE_REQUIRE(train_bytes >= o.seq && val_bytes >= o.seq,
+  DMOE_REQUIRE_INPUT(train_bytes >= o.seq && val_bytes >= o.seq,
                "train: --data {} has {} bytes: too few for --seq {} windows in both the training part ({} bytes) and "
                "the held-out part ({} bytes)", o.data_path, corpus.size(), o.seq, train_bytes, val_bytes);
   auto train_batch = [&](int64_t step) {
@@ -132,14 +141,14 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
   int64_t first_step = 1;
   if (!o.resume_dir.empty()) {
     const json state = read_json((fs::path(o.resume_dir) / "trainer_state.json").string());
-    DMOE_REQUIRE(state.contains("step") && state["step"].is_number_integer(),
+    DMOE_REQUIRE_INPUT(state.contains("step") && state["step"].is_number_integer(),
                  "{}/trainer_state.json: no integer 'step'", o.resume_dir);
     first_step = state["step"].get<int64_t>() + 1;
-    DMOE_REQUIRE(!state.contains("seed") || state["seed"].get<uint64_t>() == o.seed,
+    DMOE_REQUIRE_INPUT(!state.contains("seed") || state["seed"].get<uint64_t>() == o.seed,
                  "--resume {}: the run used --seed {}, this one {} (the data order would differ)", o.resume_dir,
                  state["seed"].get<uint64_t>(), o.seed);
     for (const auto& [key, value] : {std::pair<const char*, int64_t>{"batch", o.batch}, {"seq", o.seq}})
-      DMOE_REQUIRE(!state.contains(key) || state[key].get<int64_t>() == value,
+      DMOE_REQUIRE_INPUT(!state.contains(key) || state[key].get<int64_t>() == value,
                    "--resume {}: the run used --{} {}, this one {} (the batches would differ from the saved run's)",
                    o.resume_dir, key, state[key].get<int64_t>(), value);
     full = load_mixtral_weights(CheckpointReader::open((fs::path(o.resume_dir) / "model.safetensors").string()), config);
@@ -152,7 +161,7 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
     full = load_mixtral_weights(CheckpointReader::open(o.init), config);
   }
   const int64_t last_step = o.stop_after > 0 ? std::min(o.stop_after, o.steps) : o.steps;
-  DMOE_REQUIRE(first_step <= last_step,
+  DMOE_REQUIRE_INPUT(first_step <= last_step,
                "--resume {}: the saved run is at step {}, --steps {} (--stop-after {}) leaves nothing to do",
                o.resume_dir, first_step - 1, o.steps, o.stop_after);
 

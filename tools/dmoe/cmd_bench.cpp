@@ -172,7 +172,12 @@ Command add_bench_command(CLI::App& app) {
       return run_gpu_layer_bench(g);
     }
     if (o->alltoall) std::fprintf(stderr, "note: --alltoall times the GPU communicators; ignored on the CPU\n");
-    DMOE_REQUIRE(!o->flash, "--flash times the Flash GPU kernel; this run is on the CPU engine (no GPU visible, or "
+    if (o->comm != "auto")
+      std::fprintf(stderr, "note: --comm %s picks a GPU communicator; ignored on the CPU (ranks are threads)\n",
+                   o->comm.c_str());
+    DMOE_REQUIRE_INPUT(!o->peers, "--peers times the PyTorch peers on the GPU; this run is on the CPU engine (no GPU "
+                       "visible, or --engine cpu), which has no peers to compare with");
+    DMOE_REQUIRE_INPUT(!o->flash, "--flash times the Flash GPU kernel; this run is on the CPU engine (no GPU visible, or "
                  "--engine cpu). The CPU twin of the Flash protocol is tested by the unit tests");
     MoeConfig defaults;  // small enough for a 2-core machine: ~0.2 GFLOP per rank per forward
     defaults.tokens = 128;

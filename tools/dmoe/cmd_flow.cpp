@@ -169,11 +169,16 @@ int tune_command(const FlowOptions& o, const flow::CostModel& costs, int32_t lay
 int measure_command(const FlowOptions& o) {
   const MixtralConfig c = load_mixtral_config(find_model_config_file(o.model_config));
   const flow::Schedule schedule = flow::parse_schedule(o.schedule_given ? o.schedule : "pipe-attn", "--schedule");
-  DMOE_REQUIRE(o.measure_r.size() >= 2, "--measure-r: give at least two values of R (the fit needs two)");
-  DMOE_REQUIRE(o.world >= 1 && o.batch >= 1 && o.seq >= 2, "--world {} (>= 1), --batch {} (>= 1), --seq {} (>= 2)",
-               o.world, o.batch, o.seq);
+  DMOE_REQUIRE_INPUT(o.measure_r.size() >= 2, "--measure-r: give at least two values of R (the fit needs two)");
+  DMOE_REQUIRE_INPUT(o.world >= 1 && o.batch >= 1 && o.seq >= 2,
+                     "--world {} (>= 1), --batch {} (>= 1), --seq {} (>= 2)", o.world, o.batch, o.seq);
+  DMOE_REQUIRE_INPUT(o.steps >= 1, "--steps {}: must be >= 1", o.steps);
+  DMOE_REQUIRE_INPUT(c.num_local_experts % o.world == 0,
+                     "--world {}: must divide num_local_experts = {} of --config {} (each rank owns E/W experts)",
+                     o.world, c.num_local_experts, o.model_config);
   for (int32_t r : o.measure_r)
-    DMOE_REQUIRE(r >= 1 && o.batch % r == 0, "--measure-r {}: must divide --batch {} (sequences per rank)", r, o.batch);
+    DMOE_REQUIRE_INPUT(r >= 1 && o.batch % r == 0, "--measure-r {}: must divide --batch {} (sequences per rank)", r,
+                       o.batch);
   const MixtralWeights w = random_mixtral_weights(c, 1);
   Rng rng(2);
   std::vector<int32_t> tokens(size_t(o.world * o.batch * o.seq));
@@ -250,22 +255,34 @@ Command add_flow_command(CLI::App& app) {
   sub->add_option("--steps", o->steps, "measure: steps per R (median)");
   sub->add_option("--costs-out", o->costs_out, "measure: write the fitted cost file here");
   return [o, sub] {
-    DMOE_REQUIRE(o->action == "simulate" || o->action == "tune" || o->action == "measure",
-                 "flow {}: unknown action (allowed: simulate, tune, measure)", o->action);
+    DMOE_REQUIRE_INPUT(o->action == "simulate" || o->action == "tune" || o->action == "measure",
+                       "flow {}: unknown action (allowed: simulate, tune, measure)", o->action);
     o->schedule_given = sub->count("--schedule") > 0;
-    if (o->action == "measure") return measure_command(*o);
+    // Outputs are checked before any work, and none may be one of the inputs (--trace onto --costs would
+    // replace the cost file with the trace).
+    for (const auto& [option, path] : {std::pair<const char*, const std::string*>{"--trace", &o->trace_path},
+                                       {"--json", &o->json_path}, {"--costs-out", &o->costs_out}})
+      if (!path->empty()) check_output_file(*path, option);
+    const std::vector<NamedPath> outputs = {{"--trace", o->trace_path}, {"--json", o->json_path},
+                                            {"--costs-out", o->costs_out}};
+    if (o->action == "measure") {
+      require_distinct_files(outputs, {{"--config", find_model_config_file(o->model_config)}});
+      return measure_command(*o);
+    }
     DMOE_REQUIRE_INPUT(!o->costs_path.empty(), "--costs: required for flow {} (a cost JSON file, or a named one "
                        "from bench/flow such as example)", o->action);
     o->costs_path = find_named_json(o->costs_path, "bench/flow", "cost file");  // printed as the file read
+    require_distinct_files(outputs, {{"--costs", o->costs_path}});
     const flow::CostModel costs = flow::load_cost_model(o->costs_path);
+    DMOE_REQUIRE_INPUT(o->layers >= 0, "--layers {}: must be >= 1, or 0 for the cost file's \"layers\"", o->layers);
     const int32_t layers = o->layers > 0 ? o->layers : costs.layers;
-    DMOE_REQUIRE(layers >= 1, "--layers {}: must be >= 1 (or give \"layers\" in {})", o->layers, o->costs_path);
-    DMOE_REQUIRE(o->micro_batches >= 1 && o->micro_batches <= 4096, "--micro-batches {}: must be in [1, 4096]",
-                 o->micro_batches);
-    DMOE_REQUIRE(o->chunk_bytes >= 1, "--chunk-bytes {}: must be >= 1", o->chunk_bytes);
-    DMOE_REQUIRE(o->samples >= 1 && o->samples <= 1000, "--samples {}: must be in [1, 1000]", o->samples);
+    DMOE_REQUIRE_INPUT(layers >= 1, "--layers {}: must be >= 1 (or give \"layers\" in {})", o->layers, o->costs_path);
+    DMOE_REQUIRE_INPUT(o->micro_batches >= 1 && o->micro_batches <= 4096, "--micro-batches {}: must be in [1, 4096]",
+                       o->micro_batches);
+    DMOE_REQUIRE_INPUT(o->chunk_bytes >= 1, "--chunk-bytes {}: must be >= 1", o->chunk_bytes);
+    DMOE_REQUIRE_INPUT(o->samples >= 1 && o->samples <= 1000, "--samples {}: must be in [1, 1000]", o->samples);
     if (o->action == "tune") {
-      DMOE_REQUIRE(o->trace_path.empty(), "--trace: only with flow simulate");
+      DMOE_REQUIRE_INPUT(o->trace_path.empty(), "--trace: only with flow simulate");
       return tune_command(*o, costs, layers);
     }
     return simulate_command(*o, costs, layers);

@@ -8,6 +8,7 @@
 //       next-token cross-entropy + router_aux_loss_coef · aux when output_router_logits), ce_loss and aux_loss
 //       scalars, and with --grad grad.<HF name> for every parameter.
 #include <cstdio>
+#include <limits>
 
 #include "commands.hpp"
 #include "core/error.hpp"
@@ -36,11 +37,11 @@ struct EvalOptions {
 // tokens [B, S] from a safetensors file, I32 or I64 (values must fit int32).
 HostTensor<int32_t> read_tokens(const std::string& path) {
   const SafetensorsFile f = SafetensorsFile::open(path);
-  DMOE_REQUIRE(f.has("tokens"), "{}: no tensor 'tokens' (expected tokens [batch, seq], I32 or I64); tensors "
+  DMOE_REQUIRE_INPUT(f.has("tokens"), "{}: no tensor 'tokens' (expected tokens [batch, seq], I32 or I64); tensors "
                "present: {}", path, fmt::join(f.names(), ", "));
   const TensorInfo& t = f.info("tokens");
-  DMOE_REQUIRE(t.dtype == "I32" || t.dtype == "I64", "{}: tokens has dtype {}; allowed: I32, I64", path, t.dtype);
-  DMOE_REQUIRE(t.shape.size() == 2 && t.shape[0] >= 1 && t.shape[1] >= 2,
+  DMOE_REQUIRE_INPUT(t.dtype == "I32" || t.dtype == "I64", "{}: tokens has dtype {}; allowed: I32, I64", path, t.dtype);
+  DMOE_REQUIRE_INPUT(t.shape.size() == 2 && t.shape[0] >= 1 && t.shape[1] >= 2,
                "{}: tokens has shape {}; expected [batch >= 1, seq >= 2]", path, shape_string(t.shape));
   return f.read_i32("tokens");
 }
@@ -55,7 +56,7 @@ Command add_init_model_command(CLI::App& app) {
   sub->add_option("--out", o->out, "model.safetensors to write (with --shard-bytes: the index.json)")->required();
   sub->add_option("--seed", o->seed, "random seed");
   sub->add_option("--shard-bytes", o->shard_bytes, "write shards of about this many bytes and an index.json")
-      ->check(CLI::NonNegativeNumber);
+      ->check(CLI::Range(int64_t(0), std::numeric_limits<int64_t>::max()));
   sub->add_option("--save-config", o->save_config, "also write the config as config.json here");
   return [o] {
     const std::string config_path = find_model_config_file(o->config);
@@ -84,10 +85,10 @@ Command add_eval_command(CLI::App& app) {
   sub->add_option("--output", o->output, "safetensors file for logits, loss (and grad.<name>)")->required();
   sub->add_flag("--grad", o->grad, "also run backward and write grad.<HF name> for every parameter");
   sub->add_option("--world", o->world, "simulated ranks: batch split over ranks, experts sharded E/W")
-      ->check(CLI::PositiveNumber);
+      ->check(CLI::Range(1, 4096));
   sub->add_option("--engine", o->engine, "cpu (the only engine for whole models so far)");
   return [o] {
-    DMOE_REQUIRE(o->engine == "cpu", "--engine {}: whole-model eval runs on the CPU engine only (allowed: cpu)",
+    DMOE_REQUIRE_INPUT(o->engine == "cpu", "--engine {}: whole-model eval runs on the CPU engine only (allowed: cpu)",
                  o->engine);
     const std::string config_path = find_model_config_file(o->config);
     // Before anything is read or computed: the output is none of the inputs and can be written.

@@ -3,14 +3,57 @@
 //   dmoe train --config tiny --data /usr/share/common-licenses --steps 200 --seq 64 --batch 8
 //         [--world W] [--init random|CKPT] [--resume DIR] [--save DIR] [--log FILE] [--lr 3e-3] ...
 #include <cstdio>
+#include <filesystem>
+#include <vector>
 
 #include "commands.hpp"
 #include "core/error.hpp"
+#include "core/output_file.hpp"
 #include "model/mixtral_config.hpp"
 #include "model/trainer.hpp"
 #include "options.hpp"
 
 namespace dmoe::cli {
+
+namespace {
+
+// Before training: --log (truncated at the start) must not be one of the files the run reads, and --save
+// must be a directory or a new name, not the data (the checkpoint's files would land among the text).
+void check_train_paths(const TrainOptions& o, const std::string& config_file) {
+  namespace fs = std::filesystem;
+  std::vector<NamedPath> inputs = {{"--config", config_file}, {"--data", o.data_path}};
+  if (o.init != "random") inputs.push_back({"--init", o.init});
+  std::error_code ec;
+  if (fs::is_directory(o.data_path, ec))
+    for (const auto& e : fs::directory_iterator(o.data_path, ec))
+      if (fs::is_regular_file(e.path(), ec)) inputs.push_back({"--data", e.path().string()});
+  if (!o.resume_dir.empty())
+    for (const char* name : {"trainer_state.json", "model.safetensors", "optimizer.safetensors", "config.json"})
+      inputs.push_back({"--resume", (fs::path(o.resume_dir) / name).string()});
+  if (!o.log_path.empty()) {
+    check_output_file(o.log_path, "--log");
+    require_distinct_files({{"--log", o.log_path}}, inputs);
+  }
+  if (!o.save_dir.empty()) {
+    DMOE_REQUIRE_INPUT(!fs::exists(o.save_dir, ec) || fs::is_directory(o.save_dir, ec),
+                       "--save '{}' exists and is not a directory; a checkpoint is a directory (model.safetensors, "
+                       "config.json, optimizer.safetensors, trainer_state.json): give a directory or a new name",
+                       o.save_dir);
+    DMOE_REQUIRE_INPUT(!same_file(o.save_dir, o.data_path),
+                       "--save '{}' is the --data directory; the checkpoint's files would become training text: "
+                       "give another directory", o.save_dir);
+    if (!o.log_path.empty())
+      for (const char* name : {"trainer_state.json", "model.safetensors", "optimizer.safetensors", "config.json"})
+        DMOE_REQUIRE_INPUT(!same_file(o.log_path, (fs::path(o.save_dir) / name).string()),
+                           "--log '{}' is the checkpoint's {} in --save '{}': saving would replace the log; give "
+                           "another --log", o.log_path, name, o.save_dir);
+  }
+}
+
+}  // namespace
+
+// Step counts' upper bound in the option checks (a readable range in the error, not DBL_MAX's 309 digits).
+constexpr int64_t kMaxSteps = 1000000000;
 
 Command add_train_command(CLI::App& app) {
   auto o = std::make_shared<TrainOptions>();
@@ -21,35 +64,37 @@ Command add_train_command(CLI::App& app) {
       ->required();
   sub->add_option("--data", o->data_path, "text file (or a directory of them) whose bytes are the tokens, e.g. "
                   "/usr/share/common-licenses (Debian base-files)")->required();
-  sub->add_option("--steps", o->steps, "last training step")->check(CLI::PositiveNumber);
+  sub->add_option("--steps", o->steps, "last training step")->check(CLI::Range(int64_t(1), kMaxSteps));
   sub->add_option("--stop-after", o->stop_after, "stop (and save) after this step of the --steps schedule")
-      ->check(CLI::NonNegativeNumber);
+      ->check(CLI::Range(int64_t(0), kMaxSteps));
   sub->add_option("--seq", o->seq, "sequence length")->check(CLI::Range(2, 1 << 20));
-  sub->add_option("--batch", o->batch, "sequences per step over all ranks")->check(CLI::PositiveNumber);
-  sub->add_option("--world", o->world, "simulated ranks (batch split, experts sharded E/W)")->check(CLI::PositiveNumber);
+  sub->add_option("--batch", o->batch, "sequences per step over all ranks")->check(CLI::Range(int64_t(1), int64_t(1) << 20));
+  sub->add_option("--world", o->world, "simulated ranks (batch split, experts sharded E/W)")->check(CLI::Range(1, 4096));
   sub->add_option("--micro-batches", o->micro_batches, "split each rank's share into R micro-batches (all "
-                  "forwards, then all backwards; gradients averaged)")->check(CLI::PositiveNumber);
+                  "forwards, then all backwards; gradients averaged)")->check(CLI::Range(1, 1 << 20));
   sub->add_option("--engine", *engine, "cpu (the only training engine so far)");
   sub->add_option("--init", o->init, "random, or a model.safetensors / index.json to start from");
   sub->add_option("--resume", o->resume_dir, "continue the run saved in this directory (exact resume)");
   sub->add_option("--save", o->save_dir, "write a checkpoint here at the end (and every --save-every steps)");
-  sub->add_option("--save-every", o->save_every, "also save every N steps")->check(CLI::NonNegativeNumber);
+  sub->add_option("--save-every", o->save_every, "also save every N steps")->check(CLI::Range(int64_t(0), kMaxSteps));
   sub->add_option("--log", o->log_path, "JSON-lines log: {step, loss, lr, grad_norm, tokens_per_s}, {step, val_loss}");
   sub->add_option("--lr", o->lr, "peak learning rate");
   sub->add_option("--min-lr", o->min_lr, "final learning rate of the cosine (default lr/10)");
-  sub->add_option("--warmup", o->warmup, "linear warm-up steps")->check(CLI::NonNegativeNumber);
+  sub->add_option("--warmup", o->warmup, "linear warm-up steps")->check(CLI::Range(int64_t(0), kMaxSteps));
   sub->add_option("--weight-decay", o->weight_decay, "AdamW decoupled weight decay (matrices only)");
   sub->add_option("--beta1", o->beta1);
   sub->add_option("--beta2", o->beta2);
-  sub->add_option("--clip", o->clip, "max global gradient norm (0: none)")->check(CLI::NonNegativeNumber);
+  sub->add_option("--clip", o->clip, "max global gradient norm (0: none)")->check(CLI::Range(0.0, 1e9));
   sub->add_option("--val-fraction", o->val_fraction, "held-out tail of the data");
-  sub->add_option("--val-every", o->val_every, "validate every N steps (and at the end)")->check(CLI::NonNegativeNumber);
-  sub->add_option("--val-batches", o->val_batches, "held-out windows = val-batches x batch")->check(CLI::PositiveNumber);
+  sub->add_option("--val-every", o->val_every, "validate every N steps (and at the end)")->check(CLI::Range(int64_t(0), kMaxSteps));
+  sub->add_option("--val-batches", o->val_batches, "held-out windows = val-batches x batch")->check(CLI::Range(int64_t(1), int64_t(1) << 20));
   sub->add_option("--seed", o->seed, "data order and random init");
-  sub->add_option("--print-every", o->print_every, "progress line every N steps (0: none)")->check(CLI::NonNegativeNumber);
+  sub->add_option("--print-every", o->print_every, "progress line every N steps (0: none)")->check(CLI::Range(int64_t(0), kMaxSteps));
   return [o, config, engine] {
-    DMOE_REQUIRE(*engine == "cpu", "--engine {}: training runs on the CPU engine only (allowed: cpu)", *engine);
-    const MixtralConfig c = load_mixtral_config(find_model_config_file(*config));
+    DMOE_REQUIRE_INPUT(*engine == "cpu", "--engine {}: training runs on the CPU engine only (allowed: cpu)", *engine);
+    const std::string config_file = find_model_config_file(*config);
+    check_train_paths(*o, config_file);
+    const MixtralConfig c = load_mixtral_config(config_file);
     const TrainResult r = train_mixtral(c, *o);
     if (!r.records.empty())
       std::printf("done: step %lld loss %.4f val loss %.4f%s%s\n", (long long)r.records.back().step,

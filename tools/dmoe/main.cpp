@@ -13,6 +13,7 @@
 
 #include "comm/stage_board.hpp"
 #include "commands.hpp"
+#include "options.hpp"
 #include "core/error.hpp"
 
 #ifndef DMOE_VERSION
@@ -64,6 +65,7 @@ int main(int argc, char** argv) {
   for (CLI::App* sub : app.get_subcommands({}))
     for (CLI::Option* option : sub->get_options())
       if (option->get_required() || option->get_default_str() == "[]") option->default_str("");
+  for (CLI::App* sub : app.get_subcommands({})) dmoe::cli::check_option_values(*sub);
   try {
     app.parse(argc, argv);
     for (auto& [sub, run] : commands)

@@ -1,6 +1,7 @@
 #include "options.hpp"
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -31,6 +32,33 @@ void add_config_options(CLI::App& app, ConfigOptions& o, bool config_required) {
   app.add_option("--aux-loss-coef", o.aux_loss_coef, "load-balancing loss weight in backward");
   app.add_option("--z-loss-coef", o.z_loss_coef, "router z-loss weight in backward");
   app.add_flag("--no-renormalize", o.no_renormalize, "keep the top-k softmax weights as they are");
+}
+
+void check_option_values(CLI::App& app) {
+  for (CLI::Option* option : app.get_options()) {
+    if (option->get_type_size_max() == 0 || !option->nonpositional()) continue;  // flags, positionals
+    const std::string type = option->get_type_name();
+    const bool is_uint = type.rfind("UINT", 0) == 0, is_int = !is_uint && type.rfind("INT", 0) == 0;
+    // Unnamed, so --help shows the type as before.
+    option->check(CLI::Validator(
+        [is_uint, is_int](std::string& value) -> std::string {
+          if (value.empty()) return "the value is empty; give a value, or leave the option out for its default";
+          if (is_uint && value.find('-') != std::string::npos)
+            return "'" + value + "' is negative; expected an integer >= 0";
+          if (is_int || is_uint) {
+            errno = 0;
+            char* end = nullptr;
+            if (is_uint) {
+              (void)std::strtoull(value.c_str(), &end, 0);
+            } else {
+              (void)std::strtoll(value.c_str(), &end, 0);
+            }
+            if (errno == ERANGE) return "'" + value + "' does not fit in a 64-bit integer";
+          }
+          return std::string();
+        },
+        ""));
+  }
 }
 
 std::string find_config_file(const std::string& name) { return find_named_json(name, "bench/configs", "config"); }

@@ -23,6 +23,11 @@ struct ConfigOptions {
 // Adds --config and the per-field flags to `app`.
 void add_config_options(CLI::App& app, ConfigOptions& options, bool config_required = false);
 
+// Adds to every option of `app` that takes a value a check that refuses what CLI11 would otherwise take
+// silently: an empty value (read as "not given", or as 0) and, for integers, a value past 64 bits (clamped)
+// or, for unsigned ones, a negative value (wrapped around).
+void check_option_values(CLI::App& app);
+
 // The file's config (or defaults), with the flags applied on top. Does not validate.
 MoeConfig resolve_config(const ConfigOptions& options, const MoeConfig& defaults = MoeConfig{});
 

@@ -1,0 +1,267 @@
+// test_bad_input_cli.cpp — the findings of issue 11's seventh-session bad-input pass (docs/faults.md,
+// "Bad-input pass (2026-12-01, seventh session)"): each case below failed before its fix.
+//   - outputs that are inputs: flow --trace/--json/--costs-out onto the cost file or the model config, train
+//     --log onto the text it trains on, --save onto a file (the error came after the whole run);
+//   - user errors that ended in a source location (whole models, train, flow);
+//   - option values CLI11 took silently: "" (as "not given"), --seed -1 (wrapped), integers past 64 bits
+//     (clamped); range errors with DBL_MAX's 309 digits; AdamW's betas and decay unchecked;
+//   - config fields dropped: an HF layer config's router_jitter_noise, torch_dtype vs dtype disagreeing, a
+//     model config's attention_dropout; DMOE_COMM_TIMEOUT_S=1e309; bench --peers on the CPU ignored;
+//   - DMOE_FAULT naming a rank the run does not have (it never fired, rc 0).
+//
+// Run: dmoe_unit_tests --gtest_filter='BadInput*'
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <regex>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "cli_test_util.hpp"
+#include "core/env.hpp"
+#include "core/error.hpp"
+#include "model/config_io.hpp"
+#include "model/mixtral_config.hpp"
+#include "model/safetensors.hpp"
+
+namespace dmoe {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+using Result = test::CliResult;
+using test::run_cli;
+
+std::string slurp(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+// A user error: not 0, not a crash, no "(file.cpp:123)".
+void expect_user_error(const Result& r, const std::string& needle, const std::string& what) {
+  EXPECT_EQ(r.status, 1) << what << "\n" << r.output;
+  EXPECT_NE(r.output.find(needle), std::string::npos) << what << ": expected '" << needle << "' in\n" << r.output;
+  EXPECT_FALSE(std::regex_search(r.output, std::regex(R"(\.(cpp|hpp|cu):[0-9]+\))")))
+      << what << ": a source location on a user error\n" << r.output;
+}
+
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    EXPECT_TRUE(e.is_input()) << e.what();
+    return e.what();
+  }
+  return "no error";
+}
+
+class BadInput : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() / ("dmoe_bad_input_" + std::to_string(::getpid()) + "_" +
+                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::create_directories(dir_ / "data");
+    std::string text;
+    for (int i = 0; i < 400; ++i) text += "the quick brown fox jumps over the lazy dog " + std::to_string(i) + "\n";
+    std::ofstream(dir_ / "data" / "a.txt") << text;
+    fs::copy_file(fs::path(DMOE_SOURCE_DIR) / "bench/flow/example.json", dir_ / "costs.json");
+    fs::copy_file(fs::path(DMOE_SOURCE_DIR) / "bench/models/tiny.json", dir_ / "tiny.json");
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  std::string p(const std::string& name) const { return (dir_ / name).string(); }
+  fs::path dir_;
+};
+
+TEST_F(BadInput, FlowOutputsThatAreInputsAreRefusedAndTheInputsKept) {
+  const std::string costs = slurp(p("costs.json"));
+  for (const char* option : {"--trace", "--json"}) {
+    const Result r = run_cli("flow simulate --costs " + p("costs.json") + " " + option + " " + p("costs.json"));
+    expect_user_error(r, "same file", option);
+    EXPECT_EQ(slurp(p("costs.json")), costs) << option << " replaced the cost file";
+  }
+  // Two outputs onto one file, and measure's --costs-out onto its model config.
+  expect_user_error(run_cli("flow simulate --costs " + p("costs.json") + " --trace " + p("o.json") + " --json " +
+                            p("o.json")),
+                    "same file", "--trace = --json");
+  const std::string tiny = slurp(p("tiny.json"));
+  expect_user_error(run_cli("flow measure --steps 1 --config " + p("tiny.json") + " --costs-out " + p("tiny.json")),
+                    "same file", "--costs-out = --config");
+  EXPECT_EQ(slurp(p("tiny.json")), tiny);
+  // An output that cannot be written is refused before the work, and --layers -1 is no longer "the file's".
+  expect_user_error(run_cli("flow simulate --costs " + p("costs.json") + " --json " + p("nodir/o.json")),
+                    "does not exist", "--json in a missing directory");
+  expect_user_error(run_cli("flow simulate --costs " + p("costs.json") + " --layers -1"), "--layers -1", "--layers -1");
+}
+
+TEST_F(BadInput, TrainLogAndSaveCannotDestroyItsInputs) {
+  const std::string text = slurp(p("data/a.txt"));
+  const std::string train = "train --config " + p("tiny.json") + " --steps 1 --seq 16 --batch 2 --print-every 0 ";
+  expect_user_error(run_cli(train + "--data " + p("data") + " --log " + p("data/a.txt")), "same file",
+                    "--log inside --data");
+  expect_user_error(run_cli(train + "--data " + p("data/a.txt") + " --log " + p("data/a.txt")), "same file",
+                    "--log = --data");
+  expect_user_error(run_cli(train + "--data " + p("data") + " --log " + p("tiny.json")), "same file",
+                    "--log = --config");
+  EXPECT_EQ(slurp(p("data/a.txt")), text) << "--log truncated the training text";
+  // --save onto a file: refused before training (it used to fail after the last step, as an unexpected error).
+  const Result save = run_cli(train + "--data " + p("data") + " --save " + p("data/a.txt"));
+  expect_user_error(save, "is not a directory", "--save onto a file");
+  EXPECT_EQ(save.output.find("train:"), std::string::npos) << "training started:\n" << save.output;
+  expect_user_error(run_cli(train + "--data " + p("data") + " --save " + p("data")), "--data directory",
+                    "--save = --data");
+  EXPECT_EQ(slurp(p("data/a.txt")), text);
+}
+
+TEST_F(BadInput, TrainOptionsAreCheckedAndNameTheRule) {
+  const std::string train = "train --config " + p("tiny.json") + " --data " + p("data") +
+                            " --steps 1 --seq 16 --batch 2 --print-every 0 ";
+  expect_user_error(run_cli(train + "--beta1 1.5"), "--beta1 1.5 must be in [0, 1)", "beta1");
+  expect_user_error(run_cli(train + "--beta2 -3"), "--beta2 -3 must be in [0, 1)", "beta2");
+  expect_user_error(run_cli(train + "--weight-decay -1"), "--weight-decay -1", "weight decay");
+  expect_user_error(run_cli(train + "--min-lr 1"), "--min-lr 1 must be <= --lr", "min lr");
+  expect_user_error(run_cli(train + "--lr nan"), "need lr > 0", "lr nan");
+  expect_user_error(run_cli("train --config " + p("tiny.json") + " --data " + p("data") + " --steps 1 --seq 300"),
+                    "max_position_embeddings", "seq past the model");
+  expect_user_error(run_cli(train + "--world 3"), "split evenly", "world");
+  expect_user_error(run_cli("train --config " + p("tiny.json") + " --data " + p("nothing") + " --steps 1"),
+                    "not a file or directory", "missing data");
+  std::ofstream(p("empty.txt")).close();
+  expect_user_error(run_cli("train --config " + p("tiny.json") + " --data " + p("empty.txt") + " --steps 1"),
+                    "has 0 bytes", "empty data");
+  // Range errors say the range, not DBL_MAX's 309 digits.
+  for (const std::string& args : {train + "--steps 0", train + "--batch 0", std::string("eval --config tiny "
+                                  "--weights x --tokens y --output z --world 0")}) {
+    const Result r = run_cli(args);
+    EXPECT_NE(r.status, 0) << args;
+    EXPECT_EQ(r.output.find("1797693"), std::string::npos) << args << "\n" << r.output;
+    EXPECT_NE(r.output.find("not in range 1 to"), std::string::npos) << args << "\n" << r.output;
+  }
+}
+
+TEST_F(BadInput, WholeModelErrorsCarryNoSourceLocation) {
+  ASSERT_EQ(run_cli("init-model --config " + p("tiny.json") + " --out " + p("m.safetensors")).status, 0);
+  auto tokens = [&](const char* name, const char* dtype, std::vector<int64_t> shape, std::vector<int64_t> v) {
+    SafetensorsWriter w;
+    std::vector<int32_t> v32(v.begin(), v.end());
+    std::vector<float> vf(v.begin(), v.end());
+    if (std::string(dtype) == "I64") w.add("tokens", DType::i64, shape, v.data());
+    if (std::string(dtype) == "I32") w.add_i32("tokens", shape, v32);
+    if (std::string(dtype) == "F32") w.add_f32("tokens", shape, vf);
+    w.write(p(name));
+  };
+  tokens("f32.st", "F32", {1, 4}, {1, 2, 3, 4});
+  tokens("flat.st", "I32", {4}, {1, 2, 3, 4});
+  tokens("oov.st", "I64", {1, 4}, {1, 2, 3, 100000});
+  tokens("odd.st", "I32", {3, 4}, {1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 4});
+  const std::string eval = "eval --config " + p("tiny.json") + " --weights " + p("m.safetensors") + " --output " +
+                           p("o.st") + " --tokens ";
+  expect_user_error(run_cli(eval + p("f32.st")), "allowed: I32, I64", "float tokens");
+  expect_user_error(run_cli(eval + p("flat.st")), "expected [batch >= 1, seq >= 2]", "1-D tokens");
+  expect_user_error(run_cli(eval + p("oov.st")), "outside the vocabulary", "token out of range");
+  expect_user_error(run_cli(eval + p("odd.st") + " --world 2"), "split evenly", "batch over world");
+  expect_user_error(run_cli(eval + p("odd.st") + " --engine cuda"), "allowed: cpu", "eval engine");
+  // A layer file is not a model; a model config without a required key.
+  ASSERT_EQ(run_cli("init --hidden 8 --ffn 8 --experts 4 --top-k 2 --tokens 2 --out " + p("layer.st")).status, 0);
+  expect_user_error(run_cli("eval --config " + p("tiny.json") + " --weights " + p("layer.st") + " --output " +
+                            p("o.st") + " --tokens " + p("odd.st")),
+                    "is missing", "layer file as a model");
+  json cfg = json::parse(slurp(p("tiny.json")));
+  cfg.erase("num_hidden_layers");
+  std::ofstream(p("nolayers.json")) << cfg.dump();
+  expect_user_error(run_cli("init-model --config " + p("nolayers.json") + " --out " + p("m2.st")),
+                    "required key 'num_hidden_layers' is missing", "model config without a key");
+  // flow's cost file and options.
+  json costs = json::parse(slurp(p("costs.json")));
+  costs["tasks"]["AT"].erase("batch_ms");
+  std::ofstream(p("bad_costs.json")) << costs.dump();
+  expect_user_error(run_cli("flow simulate --costs " + p("bad_costs.json")), "missing key 'batch_ms'", "cost key");
+  expect_user_error(run_cli("flow simulate --costs " + p("costs.json") + " --schedule bogus"), "unknown schedule",
+                    "schedule");
+  expect_user_error(run_cli("flow bogus"), "unknown action", "flow action");
+  expect_user_error(run_cli("flow measure --world 3 --steps 1"), "must divide num_local_experts", "measure world");
+  expect_user_error(run_cli("bench --engine cpu --flash --repeat 1 --warmup 0"), "--flash", "bench --flash on cpu");
+}
+
+TEST_F(BadInput, OptionValuesCli11WouldTakeSilentlyAreRefused) {
+  const std::string shape = "init --hidden 8 --ffn 8 --experts 4 --top-k 2 --out " + p("w.st");
+  const std::string init = shape + " --tokens 2";
+  // "" was "not given" (--tokens '' became the default 64), -1 and 2^64 became 2^64 - 1, 1e20 became 2^63 - 1.
+  for (const std::string& bad : {shape + " --tokens ''", init + " --capacity-factor ''", init + " --config ''",
+                                 init + " --prefix ''", init + " --seed -1", init + " --seed 18446744073709551616",
+                                 shape + " --tokens 99999999999999999999"}) {
+    const Result r = run_cli(bad);
+    EXPECT_NE(r.status, 0) << bad << "\n" << r.output;
+    EXPECT_FALSE(fs::exists(p("w.st"))) << bad;
+  }
+  EXPECT_NE(run_cli(init + " --seed ''").output.find("the value is empty"), std::string::npos);
+  EXPECT_NE(run_cli(init + " --seed -1").output.find("is negative"), std::string::npos);
+  EXPECT_NE(run_cli(shape + " --tokens 99999999999999999999").output.find("does not fit in a 64-bit integer"),
+            std::string::npos);
+  // Still fine: the largest seed, hex integers, options left out.
+  EXPECT_EQ(run_cli(init + " --seed 18446744073709551615").status, 0);
+  EXPECT_EQ(run_cli(shape + " --tokens 0x4").status, 0);
+  // DMOE_FAULT naming a rank the run does not have never fired: the run ended with rc 0.
+  ASSERT_EQ(run_cli(init + " --world 2 --input " + p("x.st")).status, 0);
+  expect_user_error(run_cli("run --hidden 8 --ffn 8 --experts 4 --top-k 2 --world 2 --weights " + p("w.st") +
+                                " --input " + p("x.st") + " --output " + p("y.st"),
+                            "DMOE_FAULT=9:alltoall:throw"),
+                    "DMOE_FAULT names rank 9, but this run has 2 ranks", "fault on a missing rank");
+  EXPECT_FALSE(fs::exists(p("y.st")));
+  // bench --peers needs the GPU; on the CPU engine it was silently left out.
+  expect_user_error(run_cli("bench --engine cpu --peers --repeat 1 --warmup 0 --tokens 2 --hidden 8 --ffn 8 "
+                            "--experts 4 --top-k 2 -n 1"),
+                    "--peers", "bench --peers on cpu");
+}
+
+TEST(BadInputConfig, FieldsThatCannotTakeEffectAreRefused) {
+  const json layer = {{"model_type", "mixtral"}, {"hidden_size", 16}, {"intermediate_size", 32},
+                      {"num_local_experts", 4}, {"num_experts_per_tok", 2}};
+  json jitter = layer;
+  jitter["router_jitter_noise"] = 0.1;
+  EXPECT_NE(error_of([&] { config_from_json(jitter); }).find("router_jitter_noise = 0.1 is not supported"),
+            std::string::npos);
+  jitter["router_jitter_noise"] = 0.0;
+  EXPECT_EQ(config_from_json(jitter).experts, 4);  // 0 is what dmoe does
+  json dtypes = layer;
+  dtypes["torch_dtype"] = "float32";
+  dtypes["dtype"] = "bfloat16";
+  EXPECT_NE(error_of([&] { config_from_json(dtypes); }).find("disagree"), std::string::npos);
+  dtypes["dtype"] = "float32";
+  EXPECT_EQ(config_from_json(dtypes).dtype, DType::f32);
+  // A dmoe config with one stray HF key is told why it was read as a Hugging Face config.json.
+  const json stray = {{"hidden", 16}, {"ffn", 32}, {"experts", 4}, {"top_k", 2}, {"tokens", 8}, {"hidden_size", 16}};
+  EXPECT_NE(error_of([&] { config_from_json(stray); }).find("because it has 'hidden_size'"), std::string::npos);
+  // "found null", not "found null null".
+  json null_key = layer;
+  null_key["router_aux_loss_coef"] = nullptr;
+  const std::string null_error = error_of([&] { config_from_json(null_key); });
+  EXPECT_NE(null_error.find("(found null)"), std::string::npos) << null_error;
+  // A whole-model config: attention_dropout is not applied by dmoe's attention.
+  json model = {{"model_type", "mixtral"},   {"vocab_size", 13},       {"hidden_size", 8},
+                {"intermediate_size", 6},    {"num_hidden_layers", 1}, {"num_attention_heads", 4},
+                {"num_local_experts", 4},    {"num_experts_per_tok", 2}, {"attention_dropout", 0.1}};
+  EXPECT_NE(error_of([&] { mixtral_config_from_json(model); }).find("attention_dropout = 0.1 is not supported"),
+            std::string::npos);
+  model["attention_dropout"] = 0.0;
+  EXPECT_EQ(mixtral_config_from_json(model).num_local_experts, 4);
+}
+
+TEST(BadInputEnv, CommTimeoutMustBeFiniteAndBounded) {
+  for (const char* bad : {"1e309", "inf", "1e10"}) {
+    ::setenv("DMOE_COMM_TIMEOUT_S", bad, 1);
+    EXPECT_NE(error_of([] { host_wait_timeout_seconds(); }).find("expected seconds > 0 and <= 1e9"), std::string::npos)
+        << bad;
+  }
+  ::setenv("DMOE_COMM_TIMEOUT_S", "1e9", 1);
+  EXPECT_EQ(host_wait_timeout_seconds(), 1e9);
+  ::unsetenv("DMOE_COMM_TIMEOUT_S");
+}
+
+}  // namespace
+}  // namespace dmoe
