@@ -1,5 +1,5 @@
-// fd_util.hpp — helpers shared by the model tests: element-wise comparison with a printed report, and
-// central finite differences of a scalar loss w.r.t. a float buffer.
+// fd_util.hpp — helpers shared by the unit tests: element-wise comparison with a printed report (within a
+// tolerance, or bit for bit), and central finite differences of a scalar loss w.r.t. a float buffer.
 //
 // Finite differences: an element is perturbed in float by ±step and the denominator is the difference of
 // the two float values actually stored; the loss is evaluated (and differenced) in fp64.
@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <string>
 #include <vector>
@@ -15,6 +16,14 @@
 #include <gtest/gtest.h>
 
 namespace dmoe::test {
+
+// Bit-for-bit equality, with the index and values of the first difference.
+template <typename T>
+void expect_identical(const std::vector<T>& a, const std::vector<T>& b, const std::string& what) {
+  ASSERT_EQ(a.size(), b.size()) << what;
+  for (size_t i = 0; i < a.size(); ++i)
+    ASSERT_EQ(std::memcmp(&a[i], &b[i], sizeof(T)), 0) << what << " differs at " << i << ": " << a[i] << " vs " << b[i];
+}
 
 // |got − want| <= atol + rtol·|want| element-wise; on failure prints max abs/rel error and the first misses.
 inline void expect_close(const std::string& what, const std::vector<double>& got, const std::vector<double>& want,

@@ -10,6 +10,7 @@
 #include "core/random.hpp"
 #include "cpu/kernels.hpp"
 #include "engine/reference.hpp"
+#include "fd_util.hpp"
 
 namespace dmoe {
 namespace {
@@ -28,13 +29,7 @@ MoeConfig small_config(Activation act, int32_t world, int64_t tokens) {
   return c;
 }
 
-// Bit-for-bit equality with the index of the first difference.
-template <typename T>
-void expect_identical(const std::vector<T>& a, const std::vector<T>& b, const char* what) {
-  ASSERT_EQ(a.size(), b.size()) << what;
-  for (size_t i = 0; i < a.size(); ++i)
-    ASSERT_EQ(std::memcmp(&a[i], &b[i], sizeof(T)), 0) << what << " differs at " << i << ": " << a[i] << " vs " << b[i];
-}
+using test::expect_identical;
 
 double max_rel_diff(const std::vector<float>& a, const std::vector<float>& b) {
   double num = 0, den = 0;

@@ -10,6 +10,7 @@
 #include "core/random.hpp"
 #include "engine/layer_session.hpp"
 #include "engine/reference.hpp"
+#include "fd_util.hpp"
 
 namespace dmoe {
 namespace {
@@ -29,12 +30,7 @@ MoeConfig session_config(Activation act, int32_t world, double cf = 0) {
   return c;
 }
 
-template <typename T>
-void expect_identical(const std::vector<T>& a, const std::vector<T>& b, const std::string& what) {
-  ASSERT_EQ(a.size(), b.size()) << what;
-  for (size_t i = 0; i < a.size(); ++i)
-    ASSERT_EQ(std::memcmp(&a[i], &b[i], sizeof(T)), 0) << what << " differs at " << i << ": " << a[i] << " vs " << b[i];
-}
+using test::expect_identical;
 
 std::vector<float> to_float(const std::vector<double>& v) { return std::vector<float>(v.begin(), v.end()); }
 
