@@ -27,12 +27,7 @@ class CudaBackend final : public Backend {
     DMOE_CHECK_CUDA(cudaGetDeviceCount(&count));
     DMOE_REQUIRE(device >= 0 && device < count, "cuda backend: device {} does not exist; this machine has {}",
                  device, count);
-    if (const cudaError_t e = cudaSetDevice(device); e == cudaErrorDevicesUnavailable)
-      DMOE_FAIL("cannot use GPU {}: {} — it is in exclusive-process mode and another process holds it, or its MPS "
-                "server refuses clients (still releasing the ranks of a job that failed a moment ago: retry in a few "
-                "seconds; `nvidia-smi -q -d COMPUTE` shows the mode)", device, cudaGetErrorString(e));
-    else
-      DMOE_CHECK_CUDA(e);
+    cuda::set_device_with_retry(device, "cuda backend");
     DMOE_CHECK_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     own_stream_ = stream_;
     DMOE_CHECK_CUDA(cudaEventCreateWithFlags(&switch_event_, cudaEventDisableTiming));
