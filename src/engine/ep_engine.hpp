@@ -94,6 +94,10 @@ class EpEngine {
   // Device pointers: read them on the backend's stream. The gate's is this rank's share (see reduce_gate_grad);
   // the experts' hold nothing until a backward has run after zero_grads() (expert_grads_written()).
   GradViews grad_views() const;
+  // The next backward adds the experts' gradients to the accumulators as they hold them (instead of writing
+  // them, as the first backward after zero_grads() does): for a caller whose accumulators were zeroed or
+  // written by another engine — a model's micro-batches, each with its own engine, sharing one gradient.
+  void accumulate_grads() { expert_grads_zero_ = false; }
   bool expert_grads_written() const { return !expert_grads_zero_; }
   // Sums the gate's gradient over the ranks in place (collective; nothing to do with one rank). grads() does
   // the same on a copy; after this, grads() would count the other ranks twice.

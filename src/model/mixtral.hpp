@@ -33,6 +33,7 @@
 #include "comm/comm.hpp"
 #include "engine/backend.hpp"
 #include "engine/ep_engine.hpp"
+#include "core/dtype.hpp"
 #include "model/mixtral_config.hpp"
 #include "model/mixtral_weights.hpp"
 
@@ -133,5 +134,9 @@ struct EvalResult {
 };
 EvalResult run_cpu_model(const MixtralConfig& config, const MixtralWeights& weights, const std::vector<int32_t>& tokens,
                          int64_t batch, int64_t seq, int32_t world, bool with_grad);
+// The same on this process's GPU, one rank (model/cuda/cuda_mixtral.hpp), the model in `storage` (f32 or bf16).
+// Throws a clear error in a build without CUDA or on a machine without a GPU.
+EvalResult run_cuda_model(const MixtralConfig& config, const MixtralWeights& weights, const std::vector<int32_t>& tokens,
+                          int64_t batch, int64_t seq, DType storage, bool with_grad);
 
 }  // namespace dmoe

@@ -21,6 +21,7 @@
 #include "model/checkpoint.hpp"
 #include "model/config_io.hpp"
 #include "model/mixtral.hpp"
+#include "model/train_replica.hpp"
 
 namespace dmoe {
 namespace {
@@ -180,10 +181,17 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
   TrainResult result;
   std::mutex mutex;
   const int64_t local = o.batch / o.world;
+  const bool on_gpu = o.engine == "cuda";
+  if (on_gpu && o.world > 1)
+    DMOE_REQUIRE_INPUT(o.save_dir.empty(), "train: --save with --engine cuda and {} ranks is not supported yet (the "
+                       "experts' shares would have to be gathered from the ranks' processes); run with one rank, or "
+                       "without --save", o.world);
 
   // Every rank's share into the shared full tensors (dense from rank 0), then rank 0 writes the checkpoint.
-  auto save = [&](int32_t rank, Comm& comm, MixtralModel& model, Moments& mom, int64_t step, const std::string& dir) {
+  auto save = [&](int32_t rank, Comm& comm, TrainReplica& replica, int64_t step, const std::string& dir) {
     {
+      MixtralWeights w, m, v;
+      replica.export_share(w, m, v);
       std::lock_guard<std::mutex> lock(mutex);
       auto gather = [&](MixtralWeights& mine, MixtralWeights& all) {
         std::vector<ParamView> a = parameter_views(all, config);
@@ -193,11 +201,11 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
           if (p.is_expert || rank == 0) std::copy(p.data, p.data + p.numel, a[j].data);
         }
       };
-      gather(model.weights(), full);
-      gather(mom.m, full_m);
-      gather(mom.v, full_v);
+      gather(w, full);
+      gather(m, full_m);
+      gather(v, full_v);
     }
-    comm.barrier(nullptr);
+    if (!on_gpu) comm.barrier(nullptr);  // the threads' shares are all in `full`
     if (rank == 0 && !dir.empty()) {
       fs::create_directories(dir);
       save_mixtral_checkpoint((fs::path(dir) / "model.safetensors").string(), full, config);
@@ -210,26 +218,19 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
                  json{{"step", step}, {"seed", o.seed}, {"steps", o.steps}, {"batch", o.batch}, {"seq", o.seq},
                       {"lr", o.lr}, {"data", o.data_path}});
     }
-    comm.barrier(nullptr);
+    if (!on_gpu) comm.barrier(nullptr);
   };
 
-  run_thread_ranks(o.world, [&](int32_t rank, Comm& comm) {
-    MixtralModel model(config, comm);
-    model.set_weights(slice_mixtral_experts(full, model.first_expert(), model.experts_per_rank()));
-    Moments mom{slice_mixtral_experts(full_m, model.first_expert(), model.experts_per_rank()),
-                slice_mixtral_experts(full_v, model.first_expert(), model.experts_per_rank())};
-    std::vector<ParamView> params = parameter_views(model.weights(), config);
-    std::vector<ParamView> grads = parameter_views(model.grads(), config);
-    std::vector<ParamView> ms = parameter_views(mom.m, config), vs = parameter_views(mom.v, config);
-    std::vector<ModelState> states(o.micro_batches);
+  // One rank's loop, on either engine (train_replica.hpp).
+  auto run_rank = [&](int32_t rank, TrainReplica& replica) {
+    Comm& comm = replica.comm();
     const int64_t micro = local / o.micro_batches;
 
     auto validate = [&] {
       double sum = 0;
       int64_t windows = 0;
       for (int64_t w0 = 0; w0 + o.batch <= val_windows; w0 += o.batch) {
-        ModelState vst;
-        sum += model.forward(val_tokens.data() + (w0 + rank * local) * o.seq, local, o.seq, vst);
+        sum += replica.evaluate(val_tokens.data() + (w0 + rank * local) * o.seq, local, o.seq);
         ++windows;
       }
       return sum / double(windows);  // each forward's loss is already the mean over all ranks
@@ -238,17 +239,16 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
     for (int64_t step = first_step; step <= last_step; ++step) {
       const auto t0 = std::chrono::steady_clock::now();
       const std::vector<int32_t> tokens = train_batch(step);
-      model.zero_grads();
+      replica.zero_grads();
       double loss = 0;
       for (int32_t r = 0; r < o.micro_batches; ++r)
-        loss += model.forward(tokens.data() + (rank * local + r * micro) * o.seq, micro, o.seq, states[r]) /
+        loss += replica.forward(tokens.data() + (rank * local + r * micro) * o.seq, micro, o.seq, r) /
                 o.micro_batches;
-      for (int32_t r = o.micro_batches - 1; r >= 0; --r) model.backward(states[r], 1.0 / o.micro_batches);
-      model.reduce_grads();
+      for (int32_t r = o.micro_batches - 1; r >= 0; --r) replica.backward(r, 1.0 / o.micro_batches);
+      replica.reduce_grads();
       // Global norm: replicated tensors once (equal on all ranks), experts summed over ranks.
-      double sq[2] = {0, 0};  // replicated, experts
-      for (const ParamView& g : grads) sq[g.is_expert ? 1 : 0] += cpu::sum_of_squares(g.data, g.numel);
-      if (o.world > 1) comm.allreduce_sum(&sq[1], 1, DType::f64, nullptr);
+      double sq[2] = {0, 0};  // replicated, experts (over all ranks)
+      replica.grad_sum_of_squares(sq);
       const double total_sq = sq[0] + sq[1];
       const double scale = cpu::clip_coefficient(total_sq, o.clip);
       cpu::AdamWParams ap;
@@ -257,12 +257,7 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
       ap.beta2 = o.beta2;
       ap.eps = o.eps;
       ap.step = step;
-      for (size_t i = 0; i < params.size(); ++i) {
-        if (scale != 1.0) cpu::scale_in_place(grads[i].data, grads[i].numel, scale);
-        ap.weight_decay = params[i].shape.size() >= 2 ? o.weight_decay : 0.0;
-        cpu::adamw_step(params[i].data, grads[i].data, ms[i].data, vs[i].data, params[i].numel, ap);
-      }
-      model.weights_changed();
+      replica.adamw_step(ap, o.weight_decay, scale);
       const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 
       TrainRecord rec;
@@ -273,7 +268,7 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
       rec.tokens_per_s = double(o.batch * o.seq) / std::max(seconds, 1e-9);
       const bool do_val = step == last_step || (o.val_every > 0 && step % o.val_every == 0);
       if (do_val) rec.val_loss = validate();
-      if (o.save_every > 0 && step % o.save_every == 0 && step != last_step) save(rank, comm, model, mom, step, o.save_dir);
+      if (o.save_every > 0 && step % o.save_every == 0 && step != last_step) save(rank, comm, replica, step, o.save_dir);
       if (rank != 0) continue;
       result.records.push_back(rec);
       if (log.is_open()) {
@@ -288,8 +283,28 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
                           o.steps, loss, ap.lr, rec.grad_norm, rec.tokens_per_s,
                           do_val ? fmt::format(" | val loss {:.4f}", rec.val_loss) : std::string()));
     }
-    save(rank, comm, model, mom, last_step, o.save_dir);
-  });
+    save(rank, comm, replica, last_step, o.save_dir);
+  };
+
+  if (on_gpu) {
+    int32_t rank = 0, job_world = 1;
+    cuda_job_size(&rank, &job_world);
+    DMOE_REQUIRE_INPUT(job_world == o.world, "train: --world {} but this GPU job has {} ranks (dmoe launch -n W, "
+                       "mpirun -n W); give --world {} or start W processes", o.world, job_world, job_world);
+    std::unique_ptr<TrainReplica> replica =
+        make_cuda_replica(config, o.dtype, full, full_m, full_v, o.micro_batches, local / o.micro_batches * o.seq);
+    run_rank(rank, *replica);
+  } else {
+    DMOE_REQUIRE_INPUT(o.dtype == DType::f32, "train: --dtype {} on the CPU engine; it trains in f32 (allowed: f32; "
+                       "bf16 with --engine cuda)", dtype_name(o.dtype));
+    run_thread_ranks(o.world, [&](int32_t rank, Comm& comm) {
+      const int32_t per = config.num_local_experts / o.world, first = rank * per;
+      std::unique_ptr<TrainReplica> replica =
+          make_cpu_replica(config, comm, slice_mixtral_experts(full, first, per), slice_mixtral_experts(full_m, first, per),
+                           slice_mixtral_experts(full_v, first, per), o.micro_batches);
+      run_rank(rank, *replica);
+    });
+  }
   result.weights = full;
   if (!result.records.empty()) result.final_val_loss = result.records.back().val_loss;
   return result;

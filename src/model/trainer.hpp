@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "core/dtype.hpp"
 #include "model/mixtral_config.hpp"
 #include "model/mixtral_weights.hpp"
 
@@ -50,6 +51,9 @@ struct TrainOptions {
   int64_t save_every = 0;
   std::string log_path;       // JSON lines
   int64_t print_every = 1;    // progress line on stdout; 0: none
+  std::string engine = "cpu"; // cpu: W ranks as threads in this process; cuda: this process is one rank of a GPU
+                              // job (dmoe launch / mpirun / srun, or alone) and `world` must be the job's size
+  DType dtype = DType::f32;   // cuda: the model's storage (f32 or bf16; f32 master weights and moments either way)
 };
 
 struct TrainRecord {
@@ -67,7 +71,8 @@ struct TrainResult {
 // The learning rate of step t (1-based).
 double scheduled_lr(const TrainOptions& o, int64_t step);
 
-// Runs the training; prints progress lines via `print` (null: stdout).
+// Runs the training; prints progress lines via `print` (null: stdout). With engine cuda and W > 1 ranks every
+// process calls it (collective); rank 0 prints, logs and saves.
 TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& options,
                           const std::function<void(const std::string&)>& print = nullptr);
 

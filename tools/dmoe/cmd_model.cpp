@@ -11,6 +11,7 @@
 #include <limits>
 
 #include "commands.hpp"
+#include "core/config.hpp"
 #include "core/error.hpp"
 #include "core/output_file.hpp"
 #include "model/checkpoint.hpp"
@@ -29,7 +30,7 @@ struct InitModelOptions {
 };
 
 struct EvalOptions {
-  std::string config, weights, tokens, output, engine = "cpu";
+  std::string config, weights, tokens, output, engine = "cpu", dtype = "f32";
   bool grad = false;
   int32_t world = 1;
 };
@@ -86,10 +87,18 @@ Command add_eval_command(CLI::App& app) {
   sub->add_flag("--grad", o->grad, "also run backward and write grad.<HF name> for every parameter");
   sub->add_option("--world", o->world, "simulated ranks: batch split over ranks, experts sharded E/W")
       ->check(CLI::Range(1, 4096));
-  sub->add_option("--engine", o->engine, "cpu (the only engine for whole models so far)");
+  sub->add_option("--engine", o->engine, "cpu (ranks as threads) | cuda (alias gpu; this process's GPU, one rank)");
+  sub->add_option("--dtype", o->dtype, "cuda: f32 | bf16 (the weights and activations the kernels use)");
   return [o] {
-    DMOE_REQUIRE_INPUT(o->engine == "cpu", "--engine {}: whole-model eval runs on the CPU engine only (allowed: cpu)",
-                 o->engine);
+    if (o->engine == "gpu") o->engine = "cuda";
+    DMOE_REQUIRE_INPUT(o->engine == "cpu" || o->engine == "cuda", "--engine '{}' is not an engine; allowed: cpu, cuda",
+                       o->engine);
+    DMOE_REQUIRE_INPUT(o->dtype == "f32" || (o->dtype == "bf16" && o->engine == "cuda"),
+                       "--dtype '{}' is not allowed with --engine {}; allowed: f32 (cpu, cuda), bf16 (cuda)", o->dtype,
+                       o->engine);
+    DMOE_REQUIRE_INPUT(o->engine == "cpu" || o->world == 1,
+                       "--world {} with --engine cuda: whole-model eval runs on one GPU rank so far (give --world 1, "
+                       "or --engine cpu for simulated ranks)", o->world);
     const std::string config_path = find_model_config_file(o->config);
     // Before anything is read or computed: the output is none of the inputs and can be written.
     require_distinct_files({{"--output", o->output}},
@@ -100,7 +109,8 @@ Command add_eval_command(CLI::App& app) {
     const int64_t B = tokens.shape[0], S = tokens.shape[1], V = c.vocab_size;
     c.check_sequence(S);
     const MixtralWeights w = load_mixtral_weights(CheckpointReader::open(o->weights), c);
-    const EvalResult r = run_cpu_model(c, w, tokens.values, B, S, o->world, o->grad);
+    const EvalResult r = o->engine == "cuda" ? run_cuda_model(c, w, tokens.values, B, S, parse_dtype(o->dtype), o->grad)
+                                             : run_cpu_model(c, w, tokens.values, B, S, o->world, o->grad);
 
     SafetensorsWriter out;
     out.add_f32("logits", {B, S, V}, r.logits);

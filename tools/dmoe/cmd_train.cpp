@@ -1,4 +1,4 @@
-// dmoe train — train a Mixtral model on the CPU engine from byte-level text (see src/model/trainer.hpp).
+// dmoe train — train a Mixtral model from byte-level text on the CPU engine or the GPU (src/model/trainer.hpp).
 //
 //   dmoe train --config tiny --data /usr/share/common-licenses --steps 200 --seq 64 --batch 8
 //         [--world W] [--init random|CKPT] [--resume DIR] [--save DIR] [--log FILE] [--lr 3e-3] ...
@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "commands.hpp"
+#include "core/config.hpp"
 #include "core/error.hpp"
 #include "core/output_file.hpp"
 #include "model/mixtral_config.hpp"
@@ -59,7 +60,8 @@ Command add_train_command(CLI::App& app) {
   auto o = std::make_shared<TrainOptions>();
   auto config = std::make_shared<std::string>();
   auto engine = std::make_shared<std::string>("cpu");
-  CLI::App* sub = app.add_subcommand("train", "train a Mixtral model on byte-level text (CPU engine)");
+  auto dtype = std::make_shared<std::string>("f32");
+  CLI::App* sub = app.add_subcommand("train", "train a Mixtral model on byte-level text (CPU or GPU engine)");
   sub->add_option("--config", *config, "HF Mixtral config.json or a named model in bench/models (e.g. tiny)")
       ->required();
   sub->add_option("--data", o->data_path, "text file (or a directory of them) whose bytes are the tokens, e.g. "
@@ -72,7 +74,10 @@ Command add_train_command(CLI::App& app) {
   sub->add_option("--world", o->world, "simulated ranks (batch split, experts sharded E/W)")->check(CLI::Range(1, 4096));
   sub->add_option("--micro-batches", o->micro_batches, "split each rank's share into R micro-batches (all "
                   "forwards, then all backwards; gradients averaged)")->check(CLI::Range(1, 1 << 20));
-  sub->add_option("--engine", *engine, "cpu (the only training engine so far)");
+  sub->add_option("--engine", *engine, "cpu (ranks as threads, --world of them) | cuda (alias gpu; this process is "
+                  "one rank of a GPU job: dmoe launch -n W / mpirun, --world W)");
+  sub->add_option("--dtype", *dtype, "f32 | bf16 (cuda: the weights and activations the kernels use; master weights "
+                  "and AdamW moments stay f32)");
   sub->add_option("--init", o->init, "random, or a model.safetensors / index.json to start from");
   sub->add_option("--resume", o->resume_dir, "continue the run saved in this directory (exact resume)");
   sub->add_option("--save", o->save_dir, "write a checkpoint here at the end (and every --save-every steps)");
@@ -90,8 +95,13 @@ Command add_train_command(CLI::App& app) {
   sub->add_option("--val-batches", o->val_batches, "held-out windows = val-batches x batch")->check(CLI::Range(int64_t(1), int64_t(1) << 20));
   sub->add_option("--seed", o->seed, "data order and random init");
   sub->add_option("--print-every", o->print_every, "progress line every N steps (0: none)")->check(CLI::Range(int64_t(0), kMaxSteps));
-  return [o, config, engine] {
-    DMOE_REQUIRE_INPUT(*engine == "cpu", "--engine {}: training runs on the CPU engine only (allowed: cpu)", *engine);
+  return [o, config, engine, dtype] {
+    if (*engine == "gpu") *engine = "cuda";
+    DMOE_REQUIRE_INPUT(*engine == "cpu" || *engine == "cuda", "--engine '{}' is not an engine; allowed: cpu, cuda",
+                       *engine);
+    DMOE_REQUIRE_INPUT(*dtype == "f32" || *dtype == "bf16", "--dtype '{}' is not allowed; allowed: f32, bf16", *dtype);
+    o->engine = *engine;
+    o->dtype = parse_dtype(*dtype);
     const std::string config_file = find_model_config_file(*config);
     check_train_paths(*o, config_file);
     const MixtralConfig c = load_mixtral_config(config_file);

@@ -222,8 +222,7 @@ def check_training(dtype, steps):
         for _ in range(63):
             seq.append((5 * seq[-1] + 3) % 256)
         data.append(torch.stack(seq, 1))
-    curves = []
-    for model in (stock, mine):
+    def train(model):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         curve = []
         for ids in data:
@@ -232,11 +231,30 @@ def check_training(dtype, steps):
             out.loss.backward()
             opt.step()
             curve.append(out.loss.item())
-        curves.append(curve)
-    worst = max(abs(a - b) / abs(a) for a, b in zip(*curves))
+        return curve
+
+    # f32 before anything trains: the bf16 runs are judged against it (from the same bf16-rounded weights).
+    reference = copy.deepcopy(stock).to(torch.float32) if dtype != torch.float32 else None
+    curves = [train(stock), train(mine)]
     learned = curves[1][-1] < 0.9 * curves[1][0]  # and the dmoe model did learn
-    record(name, worst < tol and learned, learned=learned, steps=steps, worst_rel_diff=worst, tol=tol, first=(curves[0][0], curves[1][0]),
-           last=(curves[0][-1], curves[1][-1]))
+    extra = {}
+    if reference is None:
+        # f32: the two runs do the same arithmetic up to summation order; their curves agree step by step.
+        worst = max(abs(a - b) / abs(a) for a, b in zip(*curves))
+        ok = worst < tol
+    else:
+        # bf16: 50 steps of AdamW amplify rounding differences (two bf16 runs of the same model part by ~10 %
+        # late in the curve), so step-by-step agreement with stock bf16 is not the test. Each bf16 curve is
+        # compared with the f32 curve of the same start; dmoe's mean deviation must be within twice stock's
+        # + 0.01 (the rule of the block check: dmoe's bf16 is no further from exact than transformers').
+        f32 = train(reference)
+        dev = [sum(abs(a - b) / abs(b) for a, b in zip(c, f32)) / len(f32) for c in curves]
+        worst = max(abs(a - b) / abs(a) for a, b in zip(*curves))
+        ok = dev[1] <= 2 * dev[0] + 1e-2
+        extra = dict(mean_rel_dev_vs_f32={"stock": dev[0], "dmoe": dev[1]}, rule="dmoe <= 2*stock + 0.01",
+                     last_f32=f32[-1])
+    record(name, ok and learned, learned=learned, steps=steps, worst_rel_diff=worst, tol=tol,
+           first=(curves[0][0], curves[1][0]), last=(curves[0][-1], curves[1][-1]), **extra)
     results.setdefault("curves", {})[name] = {"stock": curves[0], "dmoe": curves[1]}
 
 

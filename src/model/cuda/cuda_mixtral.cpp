@@ -1,0 +1,500 @@
+// model/cuda/cuda_mixtral.cpp — the Mixtral model's stages on one GPU (see cuda_mixtral.hpp; the CPU twin of
+// every stage is in model/mixtral.cpp, and this file follows it step by step).
+#include "model/cuda/cuda_mixtral.hpp"
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "core/error.hpp"
+#include "cuda/check.hpp"
+#include "cuda/model_kernels.cuh"
+
+namespace dmoe {
+namespace {
+
+using cuda::bf16;
+
+// Calls fn(T{}) with T the storage type.
+template <typename Fn>
+void with_storage(DType storage, Fn&& fn) {
+  if (storage == DType::bf16)
+    fn(bf16{});
+  else
+    fn(float{});
+}
+
+std::vector<float>* embed_of(MixtralWeights& w, int32_t) { return &w.embed_tokens; }
+std::vector<float>* norm_of(MixtralWeights& w, int32_t) { return &w.norm; }
+std::vector<float>* lm_head_of(MixtralWeights& w, int32_t) { return &w.lm_head; }
+std::vector<float>* in_ln_of(MixtralWeights& w, int32_t l) { return &w.layers[l].input_layernorm; }
+std::vector<float>* post_ln_of(MixtralWeights& w, int32_t l) { return &w.layers[l].post_attention_layernorm; }
+std::vector<float>* q_of(MixtralWeights& w, int32_t l) { return &w.layers[l].q_proj; }
+std::vector<float>* k_of(MixtralWeights& w, int32_t l) { return &w.layers[l].k_proj; }
+std::vector<float>* v_of(MixtralWeights& w, int32_t l) { return &w.layers[l].v_proj; }
+std::vector<float>* o_of(MixtralWeights& w, int32_t l) { return &w.layers[l].o_proj; }
+std::vector<float>* gate_of(MixtralWeights& w, int32_t l) { return &w.layers[l].moe.gate; }
+std::vector<float>* w1_of(MixtralWeights& w, int32_t l) { return &w.layers[l].moe.w1; }
+std::vector<float>* w3_of(MixtralWeights& w, int32_t l) { return &w.layers[l].moe.w3; }
+std::vector<float>* w2_of(MixtralWeights& w, int32_t l) { return &w.layers[l].moe.w2; }
+
+}  // namespace
+
+ParamLayout make_param_layout(const MixtralConfig& c, int32_t experts_per_rank) {
+  const int64_t H = c.hidden_size, V = c.vocab_size, Q = c.q_size(), KV = c.kv_size(), I = c.intermediate_size;
+  const int64_t E = c.num_local_experts, Le = experts_per_rank;
+  const int32_t L = c.num_hidden_layers;
+  ParamLayout p;
+  p.layers.resize(L);
+  int64_t at = 0;
+  // Each tensor starts at a multiple of 64 elements (256 bytes in f32, 128 in bf16): aligned for the
+  // vectorised kernels and cuBLAS.
+  auto add = [&](ParamLayout::Group g, std::vector<float>* (*sel)(MixtralWeights&, int32_t), int32_t layer,
+                 int64_t numel) {
+    at = (at + 63) / 64 * 64;
+    p.entries.push_back({sel, layer, g, at, numel});
+    const int64_t offset = at;
+    at += numel;
+    return offset;
+  };
+  p.group_begin[ParamLayout::norms] = 0;
+  for (int32_t l = 0; l < L; ++l) {
+    p.layers[l].input_layernorm = add(ParamLayout::norms, in_ln_of, l, H);
+    p.layers[l].post_attention_layernorm = add(ParamLayout::norms, post_ln_of, l, H);
+  }
+  p.norm = add(ParamLayout::norms, norm_of, -1, H);
+  at = (at + 63) / 64 * 64;
+  p.group_begin[ParamLayout::dense] = at;
+  p.embed_tokens = add(ParamLayout::dense, embed_of, -1, V * H);
+  for (int32_t l = 0; l < L; ++l) {
+    p.layers[l].q_proj = add(ParamLayout::dense, q_of, l, Q * H);
+    p.layers[l].k_proj = add(ParamLayout::dense, k_of, l, KV * H);
+    p.layers[l].v_proj = add(ParamLayout::dense, v_of, l, KV * H);
+    p.layers[l].o_proj = add(ParamLayout::dense, o_of, l, H * Q);
+  }
+  if (!c.tie_word_embeddings) p.lm_head = add(ParamLayout::dense, lm_head_of, -1, V * H);
+  at = (at + 63) / 64 * 64;
+  p.group_begin[ParamLayout::routers] = at;
+  for (int32_t l = 0; l < L; ++l) p.layers[l].gate = add(ParamLayout::routers, gate_of, l, E * H);
+  at = (at + 63) / 64 * 64;
+  p.group_begin[ParamLayout::experts] = at;
+  for (int32_t l = 0; l < L; ++l) {
+    p.layers[l].w1 = add(ParamLayout::experts, w1_of, l, Le * I * H);
+    p.layers[l].w3 = add(ParamLayout::experts, w3_of, l, Le * I * H);
+    p.layers[l].w2 = add(ParamLayout::experts, w2_of, l, Le * H * I);
+  }
+  at = (at + 63) / 64 * 64;
+  p.group_begin[4] = at;
+  return p;
+}
+
+struct CudaMixtralModel::Impl {
+  cublasHandle_t cublas = nullptr;
+  cuda::Workspace ws;
+  cudaStream_t stream = nullptr;
+  ~Impl() {
+    if (cublas && cuda::wait_stream_quietly(stream)) (void)cublasDestroy(cublas);
+  }
+};
+
+CudaMixtralModel::CudaMixtralModel(const MixtralConfig& config, DType storage, Comm& comm,
+                                   std::unique_ptr<Backend> backend)
+    : config_(config), storage_(storage), comm_(comm), rank_(comm.rank()), world_(comm.world()),
+      backend_(std::move(backend)), impl_(std::make_unique<Impl>()) {
+  config_.validate();
+  DMOE_REQUIRE(backend_ && backend_->on_device(), "cuda mixtral: needs a CUDA backend");
+  DMOE_REQUIRE_INPUT(storage == DType::f32 || storage == DType::bf16,
+                     "cuda mixtral: dtype {} is not supported; allowed: f32, bf16", dtype_name(storage));
+  DMOE_REQUIRE(backend_->storage_dtype() == storage, "cuda mixtral: the backend stores {}, the model {}",
+               dtype_name(backend_->storage_dtype()), dtype_name(storage));
+  DMOE_REQUIRE_INPUT(config_.num_local_experts % world_ == 0,
+                     "mixtral: num_local_experts = {} is not divisible by the {} ranks", config_.num_local_experts,
+                     world_);
+  DMOE_REQUIRE_INPUT(config_.head_size() % 2 == 0 && config_.head_size() <= 256,
+                     "cuda mixtral: head_dim {} must be even and <= 256", config_.head_size());
+  elem_ = dtype_size(storage);
+  impl_->stream = static_cast<cudaStream_t>(backend_->stream());
+  DMOE_CHECK_CUBLAS(cublasCreate(&impl_->cublas));
+  DMOE_CHECK_CUBLAS(cublasSetStream(impl_->cublas, impl_->stream));
+  DMOE_CHECK_CUBLAS(cublasSetMathMode(impl_->cublas, CUBLAS_DEFAULT_MATH));  // no TF32: f32 is f32
+  layout_ = make_param_layout(config_, experts_per_rank());
+  for (Buffer* b : {&master_, &grad_, &m_, &v_, &compute_}) b->bind(*backend_);
+  for (Buffer& b : scratch_) b.bind(*backend_);
+  const size_t bytes = size_t(layout_.total()) * sizeof(float);
+  master_.ensure(bytes);
+  grad_.ensure(bytes);
+  m_.ensure(bytes);
+  v_.ensure(bytes);
+  backend_->zero(master_.data(), bytes);  // the padding between tensors stays 0 in every buffer
+  backend_->zero(grad_.data(), bytes);
+  backend_->zero(m_.data(), bytes);
+  backend_->zero(v_.data(), bytes);
+  if (storage_ == DType::bf16) {
+    compute_.ensure(size_t(layout_.total()) * 2);
+    backend_->zero(compute_.data(), size_t(layout_.total()) * 2);
+  }
+  experts_fresh_.assign(config_.num_hidden_layers, true);
+}
+
+CudaMixtralModel::~CudaMixtralModel() = default;
+
+size_t CudaMixtralModel::parameter_bytes() const {
+  return size_t(layout_.total()) * (16 + (storage_ == DType::bf16 ? 2 : 0));
+}
+
+void* CudaMixtralModel::w(int64_t offset) const {
+  if (storage_ == DType::bf16) return compute_.as<bf16>() + offset;
+  return master_.as<float>() + offset;
+}
+float* CudaMixtralModel::g(int64_t offset) const { return grad_.as<float>() + offset; }
+
+void CudaMixtralModel::upload_share(const MixtralWeights& src_const, float* dst) {
+  MixtralWeights& src = const_cast<MixtralWeights&>(src_const);  // select() gives non-const; nothing is written
+  DMOE_REQUIRE(src.first_expert == first_expert() && src.num_experts == experts_per_rank(),
+               "cuda mixtral: rank {} owns experts [{}, {}) but was given [{}, {})", rank_, first_expert(),
+               first_expert() + experts_per_rank(), src.first_expert, src.first_expert + src.num_experts);
+  parameter_views(src, config_);  // checks every shape
+  for (const ParamLayout::Entry& e : layout_.entries) {
+    const std::vector<float>& t = *e.select(src, e.layer);
+    DMOE_REQUIRE(int64_t(t.size()) == e.numel, "cuda mixtral: a tensor of layer {} has {} elements, expected {}",
+                 e.layer, t.size(), e.numel);
+    backend_->upload(dst + e.offset, t.data(), size_t(e.numel) * sizeof(float));
+  }
+}
+
+void CudaMixtralModel::download_share(const float* src, MixtralWeights& dst) {
+  dst = make_mixtral_weights(config_, first_expert(), experts_per_rank());
+  for (const ParamLayout::Entry& e : layout_.entries) {
+    std::vector<float>& t = *e.select(dst, e.layer);
+    backend_->download(t.data(), src + e.offset, size_t(e.numel) * sizeof(float));
+  }
+}
+
+void CudaMixtralModel::refresh_compute_copy() {
+  if (storage_ != DType::bf16) return;
+  cuda::convert_from_f32<bf16>(master_.as<float>(), compute_.as<bf16>(), layout_.total(), impl_->stream);
+}
+
+void CudaMixtralModel::set_weights(const MixtralWeights& share) {
+  upload_share(share, master_.as<float>());
+  refresh_compute_copy();
+}
+
+void CudaMixtralModel::set_moments(const MixtralWeights& m, const MixtralWeights& v) {
+  upload_share(m, m_.as<float>());
+  upload_share(v, v_.as<float>());
+}
+
+MixtralWeights CudaMixtralModel::weights() {
+  MixtralWeights out;
+  download_share(master_.as<float>(), out);
+  return out;
+}
+
+MixtralWeights CudaMixtralModel::grads() {
+  MixtralWeights out;
+  download_share(grad_.as<float>(), out);
+  return out;
+}
+
+void CudaMixtralModel::moments(MixtralWeights& m, MixtralWeights& v) {
+  download_share(m_.as<float>(), m);
+  download_share(v_.as<float>(), v);
+}
+
+void CudaMixtralModel::zero_grads() {
+  // The experts' gradients are not cleared: the first backward of each layer writes them (EpEngine).
+  backend_->zero(grad_.data(), size_t(layout_.group_begin[ParamLayout::experts]) * sizeof(float));
+  experts_fresh_.assign(config_.num_hidden_layers, true);
+}
+
+// ---- forward ---------------------------------------------------------------------------------------
+
+double CudaMixtralModel::forward(const int32_t* tokens, int64_t batch, int64_t seq, CudaModelState& st) {
+  DMOE_REQUIRE_INPUT(batch >= 1, "mixtral: batch = {} must be >= 1", batch);
+  config_.check_sequence(seq);
+  DMOE_REQUIRE_INPUT(seq >= 2, "mixtral: sequence length {} leaves no next-token prediction (need >= 2)", seq);
+  const int64_t n = batch * seq;
+  for (int64_t t = 0; t < n; ++t)
+    DMOE_REQUIRE_INPUT(tokens[t] >= 0 && tokens[t] < config_.vocab_size,
+                       "mixtral: token {} at [{}, {}] is outside the vocabulary [0, {})", tokens[t], t / seq, t % seq,
+                       config_.vocab_size);
+  st.batch = batch;
+  st.seq = seq;
+  st.tokens.assign(tokens, tokens + n);
+  std::vector<int32_t> targets(n, -100);
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t s = 0; s + 1 < seq; ++s) targets[b * seq + s] = tokens[b * seq + s + 1];
+  for (Buffer* b : {&st.tokens_dev, &st.targets_dev, &st.out, &st.xfn, &st.rstdf, &st.logits, &st.lse_head,
+                    &st.loss_sum, &st.count})
+    b->bind(*backend_);
+  backend_->upload(st.tokens_dev.ensure(n * 4), tokens, n * 4);
+  backend_->upload(st.targets_dev.ensure(n * 4), targets.data(), n * 4);
+  st.blocks.resize(config_.num_hidden_layers);
+  st.forward_done = false;
+  embed_forward(st);
+  for (int l = 0; l < config_.num_hidden_layers; ++l) {
+    attention_forward(l, st);
+    moe_forward(l, st);
+  }
+  head_forward(st);
+  st.forward_done = true;
+  return st.loss;
+}
+
+void CudaMixtralModel::embed_forward(CudaModelState& st) {
+  const int64_t n = st.batch * st.seq, H = config_.hidden_size;
+  with_storage(storage_, [&](auto tag) {
+    using T = decltype(tag);
+    cuda::embedding_forward<T>(st.tokens_dev.as<int32_t>(), static_cast<const T*>(w(layout_.embed_tokens)),
+                               static_cast<T*>(st.out.ensure(n * H * elem_)), n, config_.vocab_size, H,
+                               impl_->stream);
+  });
+}
+
+void CudaMixtralModel::attention_forward(int layer, CudaModelState& st) {
+  const int64_t n = st.batch * st.seq, H = config_.hidden_size, Q = config_.q_size(), KV = config_.kv_size();
+  const int32_t heads = config_.num_attention_heads, kv_heads = config_.num_key_value_heads;
+  const int64_t D = config_.head_size();
+  const ParamLayout::Layer& lw = layout_.layers[layer];
+  CudaBlockState& b = st.blocks[layer];
+  for (Buffer* x : {&b.x, &b.xn1, &b.rstd1, &b.q, &b.k, &b.v, &b.attn, &b.lse, &b.h, &b.hn2, &b.rstd2, &b.moe_out})
+    x->bind(*backend_);
+  // The block's input is the residual stream so far (st.out): kept as this block's x, and st.out becomes
+  // free for the block's output (swap, no copy).
+  std::swap(b.x, st.out);
+  cudaStream_t s = impl_->stream;
+  with_storage(storage_, [&](auto tag) {
+    using T = decltype(tag);
+    auto W = [&](int64_t off) { return static_cast<const T*>(w(off)); };
+    T* x = b.x.as<T>();
+    T* xn1 = static_cast<T*>(b.xn1.ensure(n * H * elem_));
+    float* rstd1 = static_cast<float*>(b.rstd1.ensure(n * 4));
+    cuda::rmsnorm_forward<T>(x, W(lw.input_layernorm), xn1, rstd1, n, H, float(config_.rms_norm_eps), s);
+    T* q = static_cast<T*>(b.q.ensure(n * Q * elem_));
+    T* k = static_cast<T*>(b.k.ensure(n * KV * elem_));
+    T* v = static_cast<T*>(b.v.ensure(n * KV * elem_));
+    cuda::linear_forward<T, T>(xn1, W(lw.q_proj), q, n, H, Q, impl_->cublas);
+    cuda::linear_forward<T, T>(xn1, W(lw.k_proj), k, n, H, KV, impl_->cublas);
+    cuda::linear_forward<T, T>(xn1, W(lw.v_proj), v, n, H, KV, impl_->cublas);
+    cuda::rope_forward<T>(q, q, n, st.seq, heads, D, config_.rope_theta, s);
+    cuda::rope_forward<T>(k, k, n, st.seq, kv_heads, D, config_.rope_theta, s);
+    T* attn = static_cast<T*>(b.attn.ensure(n * Q * elem_));
+    float* lse = static_cast<float*>(b.lse.ensure(st.batch * heads * st.seq * 4));
+    cuda::attention_forward<T>(q, k, v, attn, lse, st.batch, st.seq, heads, kv_heads, D, impl_->ws, s);
+    T* h = static_cast<T*>(b.h.ensure(n * H * elem_));
+    cuda::linear_forward<T, T>(attn, W(lw.o_proj), h, n, Q, H, impl_->cublas);
+    cuda::add_into<T>(h, x, n * H, s);
+    T* hn2 = static_cast<T*>(b.hn2.ensure(n * H * elem_));
+    float* rstd2 = static_cast<float*>(b.rstd2.ensure(n * 4));
+    cuda::rmsnorm_forward<T>(h, W(lw.post_attention_layernorm), hn2, rstd2, n, H, float(config_.rms_norm_eps), s);
+  });
+}
+
+void CudaMixtralModel::prepare_moe(CudaBlockState& b, int64_t tokens, int layer) {
+  if (!b.moe || b.moe->config().tokens != tokens) {
+    b.moe.reset();
+    MoeConfig mc = config_.moe_config(tokens, world_);
+    mc.dtype = storage_;
+    b.moe = std::make_unique<EpEngine>(mc, *backend_, comm_);
+    // Views into the flat buffers (fixed for the model's life): the engine always reads the current weights and
+    // adds into the gradients. Set once: set_grad_views clears the router's gradient.
+    const ParamLayout::Layer& lw = layout_.layers[layer];
+    b.moe->set_weight_views(WeightViews{w(lw.gate), w(lw.w1), w(lw.w3), w(lw.w2)});
+    b.moe->set_grad_views(GradViews{g(lw.gate), g(lw.w1), g(lw.w3), g(lw.w2)});
+  }
+}
+
+void CudaMixtralModel::moe_forward(int layer, CudaModelState& st) {
+  const int64_t n = st.batch * st.seq, H = config_.hidden_size;
+  CudaBlockState& b = st.blocks[layer];
+  prepare_moe(b, n, layer);
+  void* out = b.moe_out.ensure(n * H * elem_);
+  b.moe->forward(b.hn2.data(), out, ForwardMode::train);
+  // The block's output (the next block's input): h + MoE(hn2).
+  void* next = st.out.ensure(n * H * elem_);
+  backend_->copy(next, b.h.data(), n * H * elem_);
+  with_storage(storage_, [&](auto tag) {
+    using T = decltype(tag);
+    cuda::add_into<T>(static_cast<T*>(next), static_cast<const T*>(out), n * H, impl_->stream);
+  });
+}
+
+void CudaMixtralModel::head_forward(CudaModelState& st) {
+  const int64_t n = st.batch * st.seq, H = config_.hidden_size, V = config_.vocab_size;
+  const int32_t L = config_.num_hidden_layers, E = config_.num_local_experts;
+  cudaStream_t s = impl_->stream;
+  with_storage(storage_, [&](auto tag) {
+    using T = decltype(tag);
+    T* xfn = static_cast<T*>(st.xfn.ensure(n * H * elem_));
+    float* rstd = static_cast<float*>(st.rstdf.ensure(n * 4));
+    cuda::rmsnorm_forward<T>(st.out.as<T>(), static_cast<const T*>(w(layout_.norm)), xfn, rstd, n, H,
+                             float(config_.rms_norm_eps), s);
+    const int64_t head = layout_.lm_head >= 0 ? layout_.lm_head : layout_.embed_tokens;
+    float* logits = static_cast<float*>(st.logits.ensure(size_t(n) * V * 4));
+    cuda::linear_forward<T, float>(xfn, static_cast<const T*>(w(head)), logits, n, H, V, impl_->cublas);
+  });
+  float* lse = static_cast<float*>(st.lse_head.ensure(n * 4));
+  double* loss_sum = static_cast<double*>(st.loss_sum.ensure(8));
+  int64_t* count = static_cast<int64_t*>(st.count.ensure(8));
+  cuda::cross_entropy_forward(st.logits.as<float>(), st.targets_dev.as<int32_t>(), lse, loss_sum, count, n, V, -100,
+                              impl_->ws, s);
+  double sums[2] = {0, 0};
+  int64_t c = 0;
+  if (world_ > 1) {
+    // The loss over all ranks: the count goes next to the sum (as a double) and both are summed on the device.
+    comm_.allreduce_sum(loss_sum, 1, DType::f64, backend_->stream());
+    comm_.allreduce_sum(count, 1, DType::i64, backend_->stream());
+  }
+  backend_->download(&sums[0], loss_sum, 8);  // waits for the stream (bounded)
+  backend_->download(&c, count, 8);
+  sums[1] = double(c);
+  st.ce_count = int64_t(sums[1]);
+  DMOE_REQUIRE(st.ce_count > 0, "mixtral: no next-token prediction in the batch");
+  st.ce_loss = sums[0] / sums[1];
+  st.aux_loss = 0;
+  st.expert_fraction.assign(E, 0.0);
+  if (config_.output_router_logits) {
+    std::vector<double> prob(E, 0.0);
+    for (int l = 0; l < L; ++l) {
+      const EpEngine& engine = *st.blocks[l].moe;
+      for (int32_t e = 0; e < E; ++e) {
+        st.expert_fraction[e] += engine.expert_fraction()[e] * config_.num_experts_per_tok / L;
+        prob[e] += engine.prob_mean()[e] / L;
+      }
+    }
+    for (int32_t e = 0; e < E; ++e) st.aux_loss += st.expert_fraction[e] * prob[e];
+    st.aux_loss *= E;
+  }
+  st.loss = st.ce_loss + (config_.output_router_logits ? config_.router_aux_loss_coef * st.aux_loss : 0.0);
+}
+
+std::vector<float> CudaMixtralModel::logits(const CudaModelState& st) {
+  DMOE_REQUIRE(st.forward_done, "cuda mixtral: logits() needs a completed forward()");
+  std::vector<float> out(size_t(st.batch * st.seq * config_.vocab_size));
+  backend_->download(out.data(), st.logits.data(), out.size() * 4);
+  return out;
+}
+
+// ---- backward --------------------------------------------------------------------------------------
+
+void CudaMixtralModel::backward(CudaModelState& st, double loss_scale) {
+  DMOE_REQUIRE(st.forward_done, "mixtral: backward() needs a completed forward() on this state");
+  const int64_t n = st.batch * st.seq, H = config_.hidden_size, V = config_.vocab_size, Q = config_.q_size(),
+                KV = config_.kv_size(), D = config_.head_size();
+  const int32_t L = config_.num_hidden_layers, E = config_.num_local_experts;
+  const int32_t heads = config_.num_attention_heads, kv_heads = config_.num_key_value_heads;
+  cudaStream_t s = impl_->stream;
+  // Scratch kept by the model between backwards (grow-only; one stream, so one backward at a time uses it).
+  Buffer& dresid = scratch_[0];
+  Buffer& dh = scratch_[1];
+  Buffer& tmp = scratch_[2];
+  Buffer& dattn = scratch_[3];
+  Buffer& dq = scratch_[4];
+  Buffer& dk = scratch_[5];
+  Buffer& dv = scratch_[6];
+  Buffer& dxn1 = scratch_[7];
+  Buffer& dlogits = scratch_[8];
+  with_storage(storage_, [&](auto tag) {
+    using T = decltype(tag);
+    auto W = [&](int64_t off) { return static_cast<const T*>(w(off)); };
+    T* dr = static_cast<T*>(dresid.ensure(n * H * elem_));
+    // ---- head
+    {
+      T* dl = static_cast<T*>(dlogits.ensure(size_t(n) * V * elem_));
+      cuda::cross_entropy_backward<T>(st.logits.as<float>(), st.targets_dev.as<int32_t>(), st.lse_head.as<float>(), dl,
+                                      n, V, -100, loss_scale / double(st.ce_count), s);
+      const bool tied = layout_.lm_head < 0;
+      const int64_t head = tied ? layout_.embed_tokens : layout_.lm_head;
+      T* dxfn = static_cast<T*>(tmp.ensure(n * H * elem_));
+      // dlogits is T: bf16 for a bf16 model, the precision its GEMMs take (the CPU twin keeps f32).
+      cuda::linear_backward<T>(st.xfn.as<T>(), W(head), dl, dxfn, g(head), n, H, V, impl_->cublas);
+      cuda::rmsnorm_backward<T>(st.out.as<T>(), W(layout_.norm), st.rstdf.as<float>(), dxfn, dr, g(layout_.norm), n,
+                                H, impl_->ws, s);
+    }
+    for (int l = L - 1; l >= 0; --l) {
+      CudaBlockState& b = st.blocks[l];
+      const ParamLayout::Layer& lw = layout_.layers[l];
+      // ---- moe
+      if (config_.output_router_logits) {
+        const double N = double(b.moe->config().tokens) * world_;
+        std::vector<double> dprob(E);
+        for (int32_t e = 0; e < E; ++e)
+          dprob[e] = loss_scale * config_.router_aux_loss_coef * E * st.expert_fraction[e] / (double(L) * N);
+        b.moe->set_load_balance_grad(std::move(dprob));
+      }
+      if (experts_fresh_[l]) {
+        b.moe->zero_grads();  // the gate's share is zero already; the experts' are written by this backward
+        experts_fresh_[l] = false;
+      } else {
+        b.moe->accumulate_grads();
+      }
+      T* dhn2 = static_cast<T*>(tmp.ensure(n * H * elem_));
+      b.moe->backward(dr, dhn2);
+      T* dhp = static_cast<T*>(dh.ensure(n * H * elem_));
+      cuda::rmsnorm_backward<T>(b.h.as<T>(), W(lw.post_attention_layernorm), b.rstd2.as<float>(), dhn2, dhp,
+                                g(lw.post_attention_layernorm), n, H, impl_->ws, s);
+      cuda::add_into<T>(dhp, dr, n * H, s);  // h feeds the residual and the norm
+      // ---- attention
+      T* da = static_cast<T*>(dattn.ensure(n * Q * elem_));
+      cuda::linear_backward<T>(b.attn.as<T>(), W(lw.o_proj), dhp, da, g(lw.o_proj), n, Q, H, impl_->cublas);
+      T* dqp = static_cast<T*>(dq.ensure(n * Q * elem_));
+      T* dkp = static_cast<T*>(dk.ensure(n * KV * elem_));
+      T* dvp = static_cast<T*>(dv.ensure(n * KV * elem_));
+      cuda::attention_backward<T>(b.q.as<T>(), b.k.as<T>(), b.v.as<T>(), b.attn.as<T>(), b.lse.as<float>(), da, dqp,
+                                  dkp, dvp, st.batch, st.seq, heads, kv_heads, D, impl_->ws, s);
+      cuda::rope_backward<T>(dqp, dqp, n, st.seq, heads, D, config_.rope_theta, s);
+      cuda::rope_backward<T>(dkp, dkp, n, st.seq, kv_heads, D, config_.rope_theta, s);
+      // xn1 feeds q, k and v: its gradient is the sum of the three.
+      T* dx1 = static_cast<T*>(dxn1.ensure(n * H * elem_));
+      cuda::linear_backward<T>(b.xn1.as<T>(), W(lw.q_proj), dqp, dx1, g(lw.q_proj), n, H, Q, impl_->cublas);
+      cuda::linear_backward<T>(b.xn1.as<T>(), W(lw.k_proj), dkp, dx1, g(lw.k_proj), n, H, KV, impl_->cublas, true);
+      cuda::linear_backward<T>(b.xn1.as<T>(), W(lw.v_proj), dvp, dx1, g(lw.v_proj), n, H, KV, impl_->cublas, true);
+      cuda::rmsnorm_backward<T>(b.x.as<T>(), W(lw.input_layernorm), b.rstd1.as<float>(), dx1, dr,
+                                g(lw.input_layernorm), n, H, impl_->ws, s);
+      cuda::add_into<T>(dr, dhp, n * H, s);  // dresid = dh + d(norm input)
+    }
+    // ---- embedding
+    cuda::embedding_backward<T>(st.tokens_dev.as<int32_t>(), dr, g(layout_.embed_tokens), n, config_.vocab_size, H,
+                                impl_->ws, s);
+  });
+  st.forward_done = false;
+}
+
+void CudaMixtralModel::reduce_grads() {
+  if (world_ == 1) return;
+  // Norms, dense matrices and routers are contiguous: one all-reduce (the experts stay with their owners).
+  comm_.allreduce_sum(grad_.data(), layout_.group_begin[ParamLayout::experts], DType::f32, backend_->stream());
+}
+
+void CudaMixtralModel::grad_sum_of_squares(double out[2]) {
+  Buffer acc(*backend_);
+  double* d = static_cast<double*>(acc.ensure(16));
+  const int64_t split = layout_.group_begin[ParamLayout::experts];
+  cuda::sum_of_squares(g(0), split, d, impl_->ws, impl_->stream);
+  cuda::sum_of_squares(g(split), layout_.total() - split, d + 1, impl_->ws, impl_->stream);
+  if (world_ > 1) comm_.allreduce_sum(d + 1, 1, DType::f64, backend_->stream());  // the experts of every rank
+  backend_->download(out, d, 16);
+}
+
+void CudaMixtralModel::adamw_step(const cpu::AdamWParams& p, double weight_decay, double grad_scale) {
+  const int64_t split = layout_.group_begin[ParamLayout::dense];  // norms: no weight decay
+  cpu::AdamWParams no_decay = p, decay = p;
+  no_decay.weight_decay = 0;
+  decay.weight_decay = weight_decay;
+  float* pm = master_.as<float>();
+  float* gr = grad_.as<float>();
+  float* m = m_.as<float>();
+  float* v = v_.as<float>();
+  with_storage(storage_, [&](auto tag) {
+    using T = decltype(tag);
+    T* copy = storage_ == DType::bf16 ? reinterpret_cast<T*>(compute_.data()) : nullptr;
+    cuda::adamw_step<T>(pm, gr, m, v, split, no_decay, grad_scale, copy, impl_->stream);
+    cuda::adamw_step<T>(pm + split, gr + split, m + split, v + split, layout_.total() - split, decay, grad_scale,
+                        copy ? copy + split : nullptr, impl_->stream);
+  });
+}
+
+}  // namespace dmoe

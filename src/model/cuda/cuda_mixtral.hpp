@@ -1,0 +1,141 @@
+// model/cuda/cuda_mixtral.hpp — the Mixtral model of model/mixtral.hpp on one GPU per rank: the same stages,
+// the same per-micro-batch state passed in (never kept in the model), the CUDA twins of the CPU kernels
+// (cuda/model_kernels.cuh), cuBLAS for the dense projections, and the MoE layers on EpEngine over the CUDA
+// backend (NCCL or NVSHMEM between ranks).
+//
+// Parameters live in four flat device buffers of one layout (ParamLayout): f32 master weights, f32 gradients,
+// and AdamW's two f32 moments; a bf16 model also keeps a bf16 copy of the weights, which every kernel reads
+// (an f32 model reads the master weights). The layout groups the tensors by how the step treats them:
+//   [norms | dense matrices | routers | experts]
+// so one all-reduce covers the replicated gradients (norms, dense, routers), one AdamW launch with weight
+// decay covers dense..experts and one without covers the norms, and the gradient norm is two sums. Within the
+// experts group a layer's w1, w3 and w2 are each one [Le, ·, ·] stack, the layout EpEngine reads.
+//
+// Activations are in the storage type (f32 or bf16); logits f32. Everything is issued on the backend's stream;
+// forward() waits once at the end for the loss (and the routers' statistics of the aux loss).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "comm/comm.hpp"
+#include "core/dtype.hpp"
+#include "cpu/model_kernels.hpp"
+#include "engine/backend.hpp"
+#include "engine/buffer.hpp"
+#include "engine/ep_engine.hpp"
+#include "model/mixtral_config.hpp"
+#include "model/mixtral_weights.hpp"
+
+namespace dmoe {
+
+// Where each tensor of a rank's share lives in the flat parameter buffers (offsets in elements).
+struct ParamLayout {
+  enum Group { norms = 0, dense = 1, routers = 2, experts = 3 };
+  struct Entry {
+    std::vector<float>* (*select)(MixtralWeights&, int32_t layer);  // the host tensor of the same role
+    int32_t layer = -1;
+    Group group = dense;
+    int64_t offset = 0, numel = 0;
+  };
+  std::vector<Entry> entries;
+  int64_t group_begin[5] = {0, 0, 0, 0, 0};  // group g is [group_begin[g], group_begin[g + 1])
+  int64_t total() const { return group_begin[4]; }
+  // Per layer: offsets of the input/post-attention norms, q/k/v/o, the router and the three expert stacks.
+  struct Layer {
+    int64_t input_layernorm, post_attention_layernorm, q_proj, k_proj, v_proj, o_proj, gate, w1, w3, w2;
+  };
+  std::vector<Layer> layers;
+  int64_t embed_tokens = 0, norm = 0, lm_head = -1;  // lm_head -1: tied to embed_tokens
+};
+ParamLayout make_param_layout(const MixtralConfig& c, int32_t experts_per_rank);
+
+// What one block keeps between its forward and its backward, in device memory (n tokens).
+struct CudaBlockState {
+  Buffer x, xn1, rstd1, q, k, v, attn, lse, h, hn2, rstd2, moe_out;
+  std::unique_ptr<EpEngine> moe;
+};
+
+struct CudaModelState {
+  int64_t batch = 0, seq = 0;
+  std::vector<int32_t> tokens;  // host copy [n]
+  Buffer tokens_dev, targets_dev;
+  std::vector<CudaBlockState> blocks;
+  Buffer out;                   // [n, H] the last block's output (the final norm's input)
+  Buffer xfn, rstdf, logits, lse_head, loss_sum, count;
+  int64_t ce_count = 0;
+  double ce_loss = 0, aux_loss = 0, loss = 0;
+  std::vector<double> expert_fraction;
+  bool forward_done = false;
+};
+
+class CudaMixtralModel {
+ public:
+  // storage f32 or bf16; the process's GPU must be current (select_device); `comm` the job's communicator
+  // (its collectives are issued on the stream of backend()).
+  CudaMixtralModel(const MixtralConfig& config, DType storage, Comm& comm, std::unique_ptr<Backend> backend);
+  ~CudaMixtralModel();
+  CudaMixtralModel(const CudaMixtralModel&) = delete;
+  CudaMixtralModel& operator=(const CudaMixtralModel&) = delete;
+
+  // This rank's share (experts [first_expert(), +experts_per_rank())) uploaded as the master weights;
+  // moments start at zero unless given (resume).
+  void set_weights(const MixtralWeights& share);
+  void set_moments(const MixtralWeights& m, const MixtralWeights& v);
+  // Copies back to the host (same share layout).
+  MixtralWeights weights();
+  MixtralWeights grads();
+  void moments(MixtralWeights& m, MixtralWeights& v);
+
+  void zero_grads();
+  // tokens [batch, seq] (host). Returns the loss over all ranks (collective); waits for the GPU once.
+  double forward(const int32_t* tokens, int64_t batch, int64_t seq, CudaModelState& state);
+  void backward(CudaModelState& state, double loss_scale = 1.0);
+  void reduce_grads();  // replicated gradients summed over ranks (collective)
+  // Σ g²: [0] the replicated tensors, [1] the experts of all ranks (collective; waits for the GPU).
+  void grad_sum_of_squares(double out[2]);
+  // AdamW on every tensor with g = grad_scale · grad; weight decay on all but the norms.
+  void adamw_step(const cpu::AdamWParams& p, double weight_decay, double grad_scale);
+  // The logits of the state's last forward, [n, V] f32 on the host.
+  std::vector<float> logits(const CudaModelState& state);
+
+  void embed_forward(CudaModelState& st);
+  void attention_forward(int layer, CudaModelState& st);
+  void moe_forward(int layer, CudaModelState& st);
+  void head_forward(CudaModelState& st);
+
+  const MixtralConfig& config() const { return config_; }
+  int32_t rank() const { return rank_; }
+  int32_t world() const { return world_; }
+  int32_t first_expert() const { return rank_ * experts_per_rank(); }
+  int32_t experts_per_rank() const { return config_.num_local_experts / world_; }
+  DType storage() const { return storage_; }
+  Backend& backend() { return *backend_; }
+  const ParamLayout& layout() const { return layout_; }
+  size_t parameter_bytes() const;  // device memory of the parameter buffers
+
+ private:
+  struct Impl;
+  void* w(int64_t offset) const;  // compute copy (storage type) at an element offset
+  float* g(int64_t offset) const; // gradient at an element offset
+  void prepare_moe(CudaBlockState& b, int64_t tokens, int layer);
+  void upload_share(const MixtralWeights& src, float* dst);
+  void download_share(const float* src, MixtralWeights& dst);
+  void refresh_compute_copy();
+
+  MixtralConfig config_;
+  DType storage_;
+  Comm& comm_;
+  int32_t rank_ = 0, world_ = 1;
+  std::unique_ptr<Backend> backend_;
+  std::unique_ptr<Impl> impl_;  // cuBLAS handle, workspace (CUDA types stay out of this header)
+  ParamLayout layout_;
+  Buffer master_, grad_, m_, v_, compute_;  // compute_: bf16 copy (empty for f32)
+  std::vector<bool> experts_fresh_;         // per layer: no backward since zero_grads()
+  Buffer scratch_[9];                       // backward's gradients of activations (grow-only)
+  size_t elem_ = 4;
+};
+
+}  // namespace dmoe

@@ -1,0 +1,123 @@
+// model/cuda/cuda_replica.cpp — TrainReplica on a GPU: this process is one rank of the job (dmoe launch,
+// mpirun, srun, or alone) and runs CudaMixtralModel on its GPU.
+#include <algorithm>
+#include <vector>
+
+#include "comm/cuda/bootstrap.hpp"
+#include "comm/cuda/gpu_comm.hpp"
+#include "comm/cuda/local_comm.hpp"
+#include "comm/process_env.hpp"
+#include "core/error.hpp"
+#include "cuda/cuda_backend.hpp"
+#include "model/cuda/cuda_mixtral.hpp"
+#include "model/mixtral.hpp"
+#include "model/train_replica.hpp"
+
+namespace dmoe {
+namespace {
+
+class CudaReplica final : public TrainReplica {
+ public:
+  CudaReplica(const MixtralConfig& config, DType storage, const MixtralWeights& full, const MixtralWeights& m,
+              const MixtralWeights& v, int32_t micro_batches, int64_t max_tokens)
+      : states_(micro_batches) {
+    const ProcessEnv env = detect_process_env();
+    int count = 0;
+    if (cudaGetDeviceCount(&count) != cudaSuccess) count = 0;
+    DMOE_REQUIRE_INPUT(count > 0, "--engine cuda needs a CUDA GPU, and none is visible; use --engine cpu");
+    std::unique_ptr<Backend> backend;
+    if (env.world == 1) {
+      backend = make_cuda_backend(storage, choose_device(env, count));
+      comm_ = make_local_comm();
+    } else {
+      const int32_t device = select_device(env);
+      backend = make_cuda_backend(storage, device);
+      const int64_t k = config.num_experts_per_tok, Le = config.num_local_experts / env.world;
+      const size_t per_peer = size_t(std::max(max_tokens * k, max_tokens * Le)) * size_t(config.hidden_size) *
+                              dtype_size(storage);
+      comm_ = make_gpu_comm(env, CommKind::automatic, per_peer, static_cast<cudaStream_t>(backend->stream()));
+    }
+    model_ = std::make_unique<CudaMixtralModel>(config, storage, *comm_, std::move(backend));
+    const int32_t first = model_->first_expert(), held = model_->experts_per_rank();
+    model_->set_weights(slice_mixtral_experts(full, first, held));
+    model_->set_moments(slice_mixtral_experts(m, first, held), slice_mixtral_experts(v, first, held));
+  }
+  ~CudaReplica() override {
+    states_.clear();  // engines before the model's backend and the communicator
+    eval_.reset();
+    model_.reset();
+  }
+  double forward(const int32_t* tokens, int64_t batch, int64_t seq, int32_t slot) override {
+    return model_->forward(tokens, batch, seq, states_.at(slot));
+  }
+  void backward(int32_t slot, double loss_scale) override { model_->backward(states_.at(slot), loss_scale); }
+  double evaluate(const int32_t* tokens, int64_t batch, int64_t seq) override {
+    if (!eval_) eval_ = std::make_unique<CudaModelState>();
+    return model_->forward(tokens, batch, seq, *eval_);
+  }
+  void zero_grads() override { model_->zero_grads(); }
+  void reduce_grads() override { model_->reduce_grads(); }
+  void grad_sum_of_squares(double out[2]) override { model_->grad_sum_of_squares(out); }
+  void adamw_step(const cpu::AdamWParams& p, double weight_decay, double grad_scale) override {
+    model_->adamw_step(p, weight_decay, grad_scale);
+  }
+  void export_share(MixtralWeights& weights, MixtralWeights& m, MixtralWeights& v) override {
+    weights = model_->weights();
+    model_->moments(m, v);
+  }
+  Comm& comm() override { return *comm_; }
+  const char* engine_name() const override { return "cuda"; }
+
+ private:
+  std::unique_ptr<Comm> comm_;
+  std::unique_ptr<CudaMixtralModel> model_;
+  std::vector<CudaModelState> states_;
+  std::unique_ptr<CudaModelState> eval_;
+};
+
+}  // namespace
+
+std::unique_ptr<TrainReplica> make_cuda_replica(const MixtralConfig& config, DType storage, const MixtralWeights& full,
+                                                const MixtralWeights& m, const MixtralWeights& v,
+                                                int32_t micro_batches, int64_t max_tokens) {
+  return std::make_unique<CudaReplica>(config, storage, full, m, v, micro_batches, max_tokens);
+}
+
+EvalResult run_cuda_model(const MixtralConfig& config, const MixtralWeights& weights, const std::vector<int32_t>& tokens,
+                          int64_t batch, int64_t seq, DType storage, bool with_grad) {
+  DMOE_REQUIRE(int64_t(tokens.size()) == batch * seq, "mixtral: {} tokens given for [{}, {}]", tokens.size(), batch,
+               seq);
+  DMOE_REQUIRE(weights.first_expert == 0 && weights.num_experts == config.num_local_experts,
+               "mixtral: the weights must hold all {} experts", config.num_local_experts);
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) count = 0;
+  DMOE_REQUIRE_INPUT(count > 0, "--engine cuda needs a CUDA GPU, and none is visible; use --engine cpu");
+  const ProcessEnv env = detect_process_env();
+  std::unique_ptr<Comm> comm = make_local_comm();
+  EvalResult result;
+  {
+    CudaMixtralModel model(config, storage, *comm, make_cuda_backend(storage, choose_device(env, count)));
+    model.set_weights(weights);
+    CudaModelState st;
+    model.zero_grads();
+    model.forward(tokens.data(), batch, seq, st);
+    result.logits = model.logits(st);
+    result.loss = st.loss;
+    result.ce_loss = st.ce_loss;
+    result.aux_loss = st.aux_loss;
+    if (with_grad) {
+      model.backward(st);
+      result.grads = model.grads();
+    }
+    st.blocks.clear();  // engines before the model's backend
+  }
+  return result;
+}
+
+void cuda_job_size(int32_t* rank, int32_t* world) {
+  const ProcessEnv env = detect_process_env();
+  *rank = env.rank;
+  *world = env.world;
+}
+
+}  // namespace dmoe

@@ -1,0 +1,54 @@
+// train_replica.hpp — one rank's model as the training loop (model/trainer.cpp) drives it, on the CPU engine
+// (MixtralModel, host memory) or on a GPU (CudaMixtralModel, device memory): forward and backward of
+// micro-batches, the gradient reduction, the global-norm parts and the AdamW step, and the weights and
+// moments back on the host for checkpoints. The loop's arithmetic (schedule, clipping factor, logging) is
+// written once above this interface.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "comm/comm.hpp"
+#include "core/dtype.hpp"
+#include "cpu/model_kernels.hpp"
+#include "model/mixtral_config.hpp"
+#include "model/mixtral_weights.hpp"
+
+namespace dmoe {
+
+class TrainReplica {
+ public:
+  virtual ~TrainReplica() = default;
+  // Micro-batch `slot` (0 .. micro_batches-1) of this rank: tokens [batch, seq]; the loss over all ranks.
+  virtual double forward(const int32_t* tokens, int64_t batch, int64_t seq, int32_t slot) = 0;
+  virtual void backward(int32_t slot, double loss_scale) = 0;
+  // A forward that keeps nothing for a backward (validation); the loss over all ranks.
+  virtual double evaluate(const int32_t* tokens, int64_t batch, int64_t seq) = 0;
+  virtual void zero_grads() = 0;
+  virtual void reduce_grads() = 0;
+  // Σ g² of the gradients: [0] the replicated tensors (the same on every rank), [1] the experts of all ranks
+  // (collective).
+  virtual void grad_sum_of_squares(double out[2]) = 0;
+  // AdamW (cpu::adamw_step's arithmetic) on g = grad_scale · grad, weight decay on matrices only.
+  virtual void adamw_step(const cpu::AdamWParams& p, double weight_decay, double grad_scale) = 0;
+  // This rank's share of the weights and the two moments, on the host.
+  virtual void export_share(MixtralWeights& weights, MixtralWeights& m, MixtralWeights& v) = 0;
+  virtual Comm& comm() = 0;
+  virtual const char* engine_name() const = 0;
+};
+
+// The CPU engine's rank `comm.rank()` of a W-thread job, starting from its share of the weights and moments.
+std::unique_ptr<TrainReplica> make_cpu_replica(const MixtralConfig& config, Comm& comm, MixtralWeights share,
+                                               MixtralWeights m, MixtralWeights v, int32_t micro_batches);
+
+// This process as one rank of a GPU job (dmoe launch / mpirun / srun, or alone): its GPU, a communicator over
+// the job's processes (NCCL or NVSHMEM; none at W = 1), the model in `storage` (f32 or bf16). `full`, `m`, `v`
+// hold every expert; the replica takes its rank's share. `max_tokens` is the most tokens per micro-batch (sizes
+// the communicator's buffers). Throws a clear error in a build without CUDA.
+std::unique_ptr<TrainReplica> make_cuda_replica(const MixtralConfig& config, DType storage, const MixtralWeights& full,
+                                                const MixtralWeights& m, const MixtralWeights& v,
+                                                int32_t micro_batches, int64_t max_tokens);
+// The rank and size of the GPU job this process belongs to (1 rank when not started by a launcher).
+void cuda_job_size(int32_t* rank, int32_t* world);
+
+}  // namespace dmoe
