@@ -15,6 +15,7 @@
 #include "bench/cuda/gemm_bench.hpp"
 #include "bench/cuda/gpu_timing.hpp"
 #include "bench/cuda/layer_bench.hpp"
+#include "bench/cuda/model_bench.hpp"
 #include "comm/cuda/bootstrap.hpp"
 #include "comm/cuda/gpu_comm.hpp"
 #include "comm/cuda/local_comm.hpp"
@@ -313,6 +314,49 @@ int run_gpu_gemm_bench(const GpuBenchArgs& a) {
   return 0;
 }
 
+int run_gpu_model_bench(const ModelBenchArgs& a) {
+  DMOE_CHECK_CUDA(cudaSetDevice(0));
+  cudaDeviceProp prop;
+  DMOE_CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  bench::ModelBenchOptions o;
+  o.batch = a.batch;
+  o.seq = a.seq;
+  o.dtype = a.dtype;
+  o.warmup = a.warmup;
+  o.min_iterations = a.repeat;
+  const bench::ModelBenchResult r = bench::bench_model_step(a.config, o);
+  const double n = double(a.batch) * double(a.seq);
+  const double step_s = r.step.median_ms * 1e-3, fwd_s = r.forward.median_ms * 1e-3;
+  const double mfu = r.step_flop / step_s / r.gemm_ceiling_flop_per_s;
+  std::printf("\n%s — %s, %.3g parameters, batch %lld x seq %lld, %s, on %s\n", a.config_name.c_str(),
+              a.config.summary().c_str(), r.parameters, (long long)a.batch, (long long)a.seq, dtype_name(a.dtype),
+              prop.name);
+  std::printf("FLOP: forward %.4g, step 3 x forward = %.4g (formula: src/bench/cuda/model_bench.hpp); bf16 GEMM "
+              "ceiling in the same rounds %.1f TFLOP/s\n", r.forward_flop, r.step_flop, r.gemm_ceiling_flop_per_s * 1e-12);
+  std::printf("%-26s %10s %10s %10s %12s %9s %8s\n", "", "median ms", "min", "max", "tokens/s", "TFLOP/s", "MFU");
+  std::printf("%-26s %10.2f %10.2f %10.2f %12.0f %9.1f %7.1f%%\n", "training step (fwd+bwd+opt)", r.step.median_ms,
+              r.step.min_ms, r.step.max_ms, n / step_s, r.step_flop / step_s * 1e-12, 100 * mfu);
+  std::printf("%-26s %10.2f %10.2f %10.2f %12.0f %9.1f %7.1f%%\n", "forward (with the loss)", r.forward.median_ms,
+              r.forward.min_ms, r.forward.max_ms, n / fwd_s, r.forward_flop / fwd_s * 1e-12,
+              100 * r.forward_flop / fwd_s / r.gemm_ceiling_flop_per_s);
+  std::printf("device memory in use after the steps %.2f GiB (parameter buffers %.2f GiB); loss %.4f -> %.4f over "
+              "%d steps\n", r.device_bytes_in_use / double(1ull << 30), r.parameter_bytes / double(1ull << 30),
+              r.loss_first, r.loss_last, r.step.iterations + a.warmup);
+  if (!a.json_path.empty()) {
+    nlohmann::json j{{"config", a.config_name}, {"batch", a.batch}, {"seq", a.seq}, {"dtype", dtype_name(a.dtype)},
+                     {"gpu", prop.name}, {"parameters", r.parameters}, {"step_median_ms", r.step.median_ms},
+                     {"step_min_ms", r.step.min_ms}, {"step_max_ms", r.step.max_ms},
+                     {"step_iterations", r.step.iterations}, {"forward_median_ms", r.forward.median_ms},
+                     {"step_flop", r.step_flop}, {"forward_flop", r.forward_flop},
+                     {"gemm_ceiling_tflops", r.gemm_ceiling_flop_per_s * 1e-12}, {"mfu", mfu},
+                     {"tokens_per_s", n / step_s}, {"device_bytes_in_use", r.device_bytes_in_use},
+                     {"parameter_bytes", r.parameter_bytes}, {"loss_first", r.loss_first}, {"loss_last", r.loss_last}};
+    write_file_atomically(a.json_path, j.dump(2) + "\n");
+    std::printf("wrote %s\n", a.json_path.c_str());
+  }
+  return 0;
+}
+
 }  // namespace dmoe::cli
 
 #else
@@ -321,6 +365,7 @@ namespace dmoe::cli {
 bool gpu_available() { return false; }
 int run_gpu_layer_bench(const GpuBenchArgs&) { return 1; }
 int run_gpu_gemm_bench(const GpuBenchArgs&) { return 1; }
+int run_gpu_model_bench(const ModelBenchArgs&) { return 1; }
 }  // namespace dmoe::cli
 
 #endif

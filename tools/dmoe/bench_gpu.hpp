@@ -4,6 +4,8 @@
 #include <string>
 
 #include "core/config.hpp"
+#include "core/dtype.hpp"
+#include "model/mixtral_config.hpp"
 
 namespace dmoe::cli {
 
@@ -26,9 +28,19 @@ struct GpuBenchArgs {
 };
 
 // True when a CUDA device is visible to this process.
+// `dmoe bench model`: a whole Mixtral model's training step on this GPU (bench/cuda/model_bench.hpp).
+struct ModelBenchArgs {
+  MixtralConfig config;
+  std::string config_name, json_path;
+  int64_t batch = 8, seq = 1024;
+  DType dtype = DType::bf16;
+  int warmup = 2, repeat = 5;
+};
+
 bool gpu_available();
 int run_gpu_layer_bench(const GpuBenchArgs& args);
 // `dmoe bench gemm`: the own grouped GEMM's variants on the config's expert products (one GPU, W = 1).
 int run_gpu_gemm_bench(const GpuBenchArgs& args);
+int run_gpu_model_bench(const ModelBenchArgs& args);
 
 }  // namespace dmoe::cli

@@ -20,6 +20,7 @@
 #include "core/output_file.hpp"
 #include "core/random.hpp"
 #include "engine/reference.hpp"
+#include "model/mixtral_config.hpp"
 #include "options.hpp"
 
 namespace dmoe::cli {
@@ -44,6 +45,7 @@ struct BenchOptions {
   bool flash = false;
   std::string gemm_variants = "b256,b256s,b256E,b256M,b128";
   bool gemm_square = false;
+  int64_t batch = 8, seq = 1024;  // model
 };
 
 struct Timing {
@@ -92,8 +94,9 @@ double max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
 Command add_bench_command(CLI::App& app) {
   auto o = std::make_shared<BenchOptions>();
   CLI::App* sub = app.add_subcommand("bench", "time the MoE layer and print a table (CPU engine without a GPU)");
-  sub->add_option("what", o->what, "what to time: layer, or gemm (GPU: the own grouped GEMM's variants)")
-      ->check(CLI::IsMember({"layer", "gemm"}));
+  sub->add_option("what", o->what, "what to time: layer, gemm (GPU: the own grouped GEMM's variants), or model (GPU: "
+                  "a whole Mixtral model's training step; --config a model of bench/models or a config.json)")
+      ->check(CLI::IsMember({"layer", "gemm", "model"}));
   add_config_options(*sub, o->config);
   CLI::Option* worlds_option =
       sub->add_option("-n,--worlds", o->worlds, "CPU: simulated rank counts to run (each divides E; --world W = -n W)");
@@ -121,13 +124,32 @@ Command add_bench_command(CLI::App& app) {
                   "schedule; to "
                   "place time (wrong results): E stores left out, M products and stores left out (e.g. b256,b256E)");
   sub->add_flag("--square", o->gemm_square, "gemm: also an 8192^3 product per variant");
+  sub->add_option("--batch", o->batch, "model: sequences per step")->check(CLI::Range(int64_t(1), int64_t(1) << 20));
+  sub->add_option("--seq", o->seq, "model: sequence length")->check(CLI::Range(int64_t(2), int64_t(1) << 24));
   return [o, worlds_option] {
     // A benchmark can run for minutes: find out now, not after it, that its JSON cannot be written.
     if (!o->json_path.empty()) {
       require_distinct_files({{"--json", o->json_path}},
                              {{"--config", o->config.config_path.empty() ? std::string()
-                                                                         : find_config_file(o->config.config_path)}});
+                                           : o->what == "model" ? find_model_config_file(o->config.config_path)
+                                                                : find_config_file(o->config.config_path)}});
       check_output_file(o->json_path, "--json");
+    }
+    if (o->what == "model") {
+      DMOE_REQUIRE_INPUT(gpu_available(), "dmoe bench model times a whole model on the GPU: no CUDA device is visible "
+                         "(or this build has no CUDA); `dmoe train --engine cpu` trains on the CPU");
+      ModelBenchArgs m;
+      m.config_name = o->config.config_path.empty() ? "gpt2-tiny-moe" : o->config.config_path;
+      m.config = load_mixtral_config(find_model_config_file(m.config_name));
+      m.batch = o->batch;
+      m.seq = o->seq;
+      const std::string dt = o->config.dtype.value_or("bf16");
+      DMOE_REQUIRE_INPUT(dt == "f32" || dt == "bf16", "--dtype '{}' is not allowed; allowed: f32, bf16", dt);
+      m.dtype = parse_dtype(dt);
+      m.warmup = std::max(1, o->warmup);
+      m.repeat = o->repeat;
+      m.json_path = o->json_path;
+      return run_gpu_model_bench(m);
     }
     if (o->what == "gemm") {
       DMOE_REQUIRE_INPUT(gpu_available(), "dmoe bench gemm times the own GPU kernel: no CUDA device is visible (or this "

@@ -115,6 +115,9 @@ class CudaMixtralModel {
   Backend& backend() { return *backend_; }
   const ParamLayout& layout() const { return layout_; }
   size_t parameter_bytes() const;  // device memory of the parameter buffers
+  // The f32 master weights (layout()); after writing them directly, refresh_compute_copy() updates the bf16 copy.
+  float* master_weights() { return master_.as<float>(); }
+  void refresh_compute_copy();
 
  private:
   struct Impl;
@@ -123,7 +126,6 @@ class CudaMixtralModel {
   void prepare_moe(CudaBlockState& b, int64_t tokens, int layer);
   void upload_share(const MixtralWeights& src, float* dst);
   void download_share(const float* src, MixtralWeights& dst);
-  void refresh_compute_copy();
 
   MixtralConfig config_;
   DType storage_;

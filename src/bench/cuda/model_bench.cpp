@@ -1,0 +1,100 @@
+// bench/cuda/model_bench.cpp — see model_bench.hpp.
+#include "bench/cuda/model_bench.hpp"
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <memory>
+#include <vector>
+
+#include "bench/cuda/gpu_timing.hpp"
+#include "comm/cuda/local_comm.hpp"
+#include "core/error.hpp"
+#include "core/random.hpp"
+#include "cuda/check.hpp"
+#include "cuda/cuda_backend.hpp"
+#include "model/cuda/cuda_mixtral.hpp"
+
+namespace dmoe::bench {
+
+double model_forward_flop(const MixtralConfig& c, int64_t batch, int64_t seq) {
+  const double n = double(batch) * double(seq), H = double(c.hidden_size), Q = double(c.q_size()),
+               KV = double(c.kv_size()), I = double(c.intermediate_size), E = double(c.num_local_experts),
+               k = double(c.num_experts_per_tok), V = double(c.vocab_size), D = double(c.head_size());
+  const double per_layer = 2 * n * H * (Q + 2 * KV) + 2 * n * Q * H + 2 * n * H * E + 2 * n * k * 3 * H * I +
+                           2 * double(batch) * c.num_attention_heads * double(seq) * double(seq) * D;
+  return per_layer * c.num_hidden_layers + 2 * n * H * V;
+}
+
+ModelBenchResult bench_model_step(const MixtralConfig& config, const ModelBenchOptions& o) {
+  DMOE_REQUIRE_INPUT(o.batch >= 1 && o.seq >= 2, "bench model: --batch {} and --seq {} (need >= 1 and >= 2)", o.batch,
+                     o.seq);
+  config.check_sequence(o.seq);
+  std::unique_ptr<Comm> comm = make_local_comm();
+  CudaMixtralModel model(config, o.dtype, *comm, make_cuda_backend(o.dtype, 0));
+  cudaStream_t stream = static_cast<cudaStream_t>(model.backend().stream());
+  // Random weights straight on the device (a host-side init of billions of values would take minutes):
+  // uniform with HF's standard deviation for matrices (±√3·σ), norms 1.
+  const ParamLayout& lay = model.layout();
+  const float a = float(std::sqrt(3.0) * config.initializer_range);
+  uint64_t seed = 11;
+  for (const ParamLayout::Entry& e : lay.entries) {
+    float* p = model.master_weights() + e.offset;
+    if (e.group == ParamLayout::norms) {
+      std::vector<float> ones(size_t(e.numel), 1.0f);
+      model.backend().upload(p, ones.data(), ones.size() * 4);
+    } else {
+      fill_uniform_f32(p, e.numel, seed++, a, stream);
+    }
+  }
+  model.refresh_compute_copy();
+
+  const int64_t n = o.batch * o.seq;
+  Rng rng(5);
+  std::vector<int32_t> tokens(n);
+  for (auto& t : tokens) t = int32_t(rng.next() % uint64_t(config.vocab_size));
+  CudaModelState train, eval;
+  ModelBenchResult r;
+  int64_t step_no = 0;
+  bool first = true;
+  auto step = [&] {
+    model.zero_grads();
+    const double loss = model.forward(tokens.data(), o.batch, o.seq, train);
+    model.backward(train);
+    model.reduce_grads();
+    double sq[2];
+    model.grad_sum_of_squares(sq);
+    cpu::AdamWParams p;
+    p.lr = 1e-4;
+    p.step = ++step_no;
+    model.adamw_step(p, 0.1, cpu::clip_coefficient(sq[0] + sq[1], 1.0));
+    if (first) r.loss_first = loss;
+    first = false;
+    r.loss_last = loss;
+  };
+  auto forward = [&] { model.forward(tokens.data(), o.batch, o.seq, eval); };
+  CeilingGemm ceiling(stream);
+  GpuTimer timer(stream);
+  TimingOptions t;
+  t.warmup = o.warmup;
+  t.min_iterations = o.min_iterations;
+  t.max_iterations = std::max(o.min_iterations, 50);
+  t.min_total_ms = 0;
+  t.flush_l2 = false;  // a step moves gigabytes; an L2 flush would change nothing but the run time
+  const std::vector<Stats> s = timer.time_interleaved({step, forward, [&] { ceiling.run(); }}, t);
+  r.step = s[0];
+  r.forward = s[1];
+  r.gemm_ceiling_flop_per_s = CeilingGemm::flop() / (s[2].median_ms * 1e-3);
+  r.forward_flop = model_forward_flop(config, o.batch, o.seq);
+  r.step_flop = 3 * r.forward_flop;
+  r.parameters = double(config.num_parameters());
+  r.parameter_bytes = double(model.parameter_bytes());
+  size_t free_b = 0, total_b = 0;
+  DMOE_CHECK_CUDA(cudaMemGetInfo(&free_b, &total_b));
+  r.device_bytes_in_use = double(total_b - free_b);
+  train.blocks.clear();
+  eval.blocks.clear();
+  return r;
+}
+
+}  // namespace dmoe::bench
