@@ -176,22 +176,24 @@ __global__ void __launch_bounds__(kRows * kTpr, 1) attention_forward_kernel(cons
 
 // ---- backward ------------------------------------------------------------------------------------------
 
-// di[b, h, s] = Σ_d dout·out (f32, lanes then the warp tree): one warp per (token, head) row.
+// di[b, h, s] = Σ_d dout·out (f32, lanes then the warp tree): one warp per (token, head) row, grid-stride.
 template <typename T>
 __global__ void __launch_bounds__(256) attention_di_kernel(const __grid_constant__ AttentionParams<T> p,
                                                             int64_t rows) {
   const int lane = lane_id();
-  const int64_t row = int64_t(blockIdx.x) * (256 / kWarp) + threadIdx.x / kWarp;  // = token·Hq + h
-  if (row >= rows) return;
-  const T* g = p.dout + row * p.head_dim;
-  const T* o = p.out + row * p.head_dim;
-  float s = 0.f;
-  for (int d = lane; d < p.head_dim; d += kWarp) s = fmaf(to_f32(g[d]), to_f32(o[d]), s);
-  s = warp_sum(s);
-  if (lane == 0) {
-    const int64_t token = row / p.heads, h = row % p.heads;
-    const int64_t b = token / p.seq, i = token % p.seq;
-    p.di[(b * p.heads + h) * p.seq + i] = s;
+  const int64_t warps = int64_t(gridDim.x) * (256 / kWarp);
+  for (int64_t row = int64_t(blockIdx.x) * (256 / kWarp) + threadIdx.x / kWarp; row < rows; row += warps) {
+    // row = token·Hq + h
+    const T* g = p.dout + row * p.head_dim;
+    const T* o = p.out + row * p.head_dim;
+    float s = 0.f;
+    for (int d = lane; d < p.head_dim; d += kWarp) s = fmaf(to_f32(g[d]), to_f32(o[d]), s);
+    s = warp_sum(s);
+    if (lane == 0) {
+      const int64_t token = row / p.heads, h = row % p.heads;
+      const int64_t b = token / p.seq, i = token % p.seq;
+      p.di[(b * p.heads + h) * p.seq + i] = s;
+    }
   }
 }
 
