@@ -23,7 +23,10 @@ WHAT=${3:-all}
 mkdir -p "$O"
 export DMOE_HOME=$PWD NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 DMOE_COMM_TIMEOUT_S=60
 NV=$(python3 -c "import nvidia.nvshmem as m; print(m.__path__[0])" 2>/dev/null)/lib
-export LD_LIBRARY_PATH=$NV:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+# libcudnn.so.9 for CudnnAttention (dlopen'ed; PyTorch's nvidia-cudnn wheel) and the shared CUDA runtime that
+# cudnn-frontend loads beside it (/usr/local/cuda/lib64).
+CUDNN_LIB=$(python3 -c "import nvidia.cudnn as m; print(m.__path__[0])" 2>/dev/null)/lib
+export LD_LIBRARY_PATH=$NV:$CUDNN_LIB:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 run() {  # run LIMIT_S NAME CMD...: log to $O/NAME.log, print the verdict lines
   local limit=$1 name=$2
   shift 2
