@@ -631,8 +631,8 @@ template <typename T>
 void rmsnorm_backward(const T* x, const T* w, const float* rstd, const T* dy, T* dx, float* dw, int64_t rows,
                       int64_t hidden, Workspace& ws, cudaStream_t stream) {
   if (rows <= 0 || hidden <= 0) return;
-  // The partition of the rows shapes dw's sum: it depends on `rows` alone. 16 rows a block up to 256
-  // blocks, then more rows a block (at most 1024 blocks).
+  // The partition of the rows shapes dw's sum: it depends on `rows` alone. 16 rows a block up to 1024
+  // blocks (16384 rows), then more rows a block. Scratch: [blocks, hidden] f32 partials.
   const int64_t blocks = std::clamp<int64_t>((rows + 15) / 16, 1, 1024);
   const int64_t rows_per_block = (rows + blocks - 1) / blocks;
   const int64_t used_blocks = (rows + rows_per_block - 1) / rows_per_block;
