@@ -7,9 +7,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <string>
+#include <type_traits>
 
 #include "core/error.hpp"
 #include "cuda/check.hpp"
+#include "cuda/attention_cudnn.hpp"
 #include "cuda/model_kernels.cuh"
 
 namespace dmoe {
@@ -94,6 +98,10 @@ struct CudaMixtralModel::Impl {
   cublasHandle_t cublas = nullptr;
   cuda::Workspace ws;
   cudaStream_t stream = nullptr;
+  // bf16: cuDNN's fused attention when it can run here (DMOE_ATTENTION=own forces the own kernels); f32 and
+  // head_dim not a multiple of 8 use the own kernels.
+  std::unique_ptr<cuda::CudnnAttention> cudnn;
+  std::string attention = "own";
   ~Impl() {
     if (cublas && cuda::wait_stream_quietly(stream)) (void)cublasDestroy(cublas);
   }
@@ -119,6 +127,22 @@ CudaMixtralModel::CudaMixtralModel(const MixtralConfig& config, DType storage, C
   DMOE_CHECK_CUBLAS(cublasCreate(&impl_->cublas));
   DMOE_CHECK_CUBLAS(cublasSetStream(impl_->cublas, impl_->stream));
   DMOE_CHECK_CUBLAS(cublasSetMathMode(impl_->cublas, CUBLAS_DEFAULT_MATH));  // no TF32: f32 is f32
+  const char* choice = std::getenv("DMOE_ATTENTION");
+  const std::string want = choice && *choice ? choice : "auto";
+  DMOE_REQUIRE_INPUT(want == "auto" || want == "own" || want == "cudnn",
+                     "DMOE_ATTENTION='{}' is not allowed; allowed: auto, own, cudnn", want);
+  if (storage_ == DType::bf16 && want != "own" && config_.head_size() % 8 == 0) {
+    std::string why;
+    if (cuda::CudnnAttention::available(&why)) {
+      impl_->cudnn = std::make_unique<cuda::CudnnAttention>();
+      impl_->attention = "cudnn";
+    } else {
+      DMOE_REQUIRE_INPUT(want != "cudnn", "DMOE_ATTENTION=cudnn, but cuDNN attention cannot run here: {}", why);
+    }
+  } else {
+    DMOE_REQUIRE_INPUT(want != "cudnn", "DMOE_ATTENTION=cudnn needs a bf16 model with head_dim a multiple of 8 (this "
+                       "one: {}, head_dim {})", dtype_name(storage_), config_.head_size());
+  }
   layout_ = make_param_layout(config_, experts_per_rank());
   for (Buffer* b : {&master_, &grad_, &m_, &v_, &compute_}) b->bind(*backend_);
   for (Buffer& b : scratch_) b.bind(*backend_);
@@ -139,6 +163,8 @@ CudaMixtralModel::CudaMixtralModel(const MixtralConfig& config, DType storage, C
 }
 
 CudaMixtralModel::~CudaMixtralModel() = default;
+
+const char* CudaMixtralModel::attention_kernel() const { return impl_->attention.c_str(); }
 
 size_t CudaMixtralModel::parameter_bytes() const {
   return size_t(layout_.total()) * (16 + (storage_ == DType::bf16 ? 2 : 0));
@@ -283,7 +309,15 @@ void CudaMixtralModel::attention_forward(int layer, CudaModelState& st) {
     cuda::rope_forward<T>(k, k, n, st.seq, kv_heads, D, config_.rope_theta, s);
     T* attn = static_cast<T*>(b.attn.ensure(n * Q * elem_));
     float* lse = static_cast<float*>(b.lse.ensure(st.batch * heads * st.seq * 4));
-    cuda::attention_forward<T>(q, k, v, attn, lse, st.batch, st.seq, heads, kv_heads, D, impl_->ws, s);
+    if constexpr (std::is_same_v<T, bf16>) {
+      if (impl_->cudnn) {
+        impl_->cudnn->forward(q, k, v, attn, lse, st.batch, st.seq, heads, kv_heads, D, s);
+      } else {
+        cuda::attention_forward<T>(q, k, v, attn, lse, st.batch, st.seq, heads, kv_heads, D, impl_->ws, s);
+      }
+    } else {
+      cuda::attention_forward<T>(q, k, v, attn, lse, st.batch, st.seq, heads, kv_heads, D, impl_->ws, s);
+    }
     T* h = static_cast<T*>(b.h.ensure(n * H * elem_));
     cuda::linear_forward<T, T>(attn, W(lw.o_proj), h, n, Q, H, impl_->cublas);
     cuda::add_into<T>(h, x, n * H, s);
@@ -443,8 +477,17 @@ void CudaMixtralModel::backward(CudaModelState& st, double loss_scale) {
       T* dqp = static_cast<T*>(dq.ensure(n * Q * elem_));
       T* dkp = static_cast<T*>(dk.ensure(n * KV * elem_));
       T* dvp = static_cast<T*>(dv.ensure(n * KV * elem_));
-      cuda::attention_backward<T>(b.q.as<T>(), b.k.as<T>(), b.v.as<T>(), b.attn.as<T>(), b.lse.as<float>(), da, dqp,
-                                  dkp, dvp, st.batch, st.seq, heads, kv_heads, D, impl_->ws, s);
+      bool done = false;
+      if constexpr (std::is_same_v<T, bf16>) {
+        if (impl_->cudnn) {
+          impl_->cudnn->backward(b.q.as<T>(), b.k.as<T>(), b.v.as<T>(), b.attn.as<T>(), b.lse.as<float>(), da, dqp,
+                                 dkp, dvp, st.batch, st.seq, heads, kv_heads, D, s);
+          done = true;
+        }
+      }
+      if (!done)
+        cuda::attention_backward<T>(b.q.as<T>(), b.k.as<T>(), b.v.as<T>(), b.attn.as<T>(), b.lse.as<float>(), da,
+                                    dqp, dkp, dvp, st.batch, st.seq, heads, kv_heads, D, impl_->ws, s);
       cuda::rope_backward<T>(dqp, dqp, n, st.seq, heads, D, config_.rope_theta, s);
       cuda::rope_backward<T>(dkp, dkp, n, st.seq, kv_heads, D, config_.rope_theta, s);
       // xn1 feeds q, k and v: its gradient is the sum of the three.

@@ -115,6 +115,7 @@ class CudaMixtralModel {
   Backend& backend() { return *backend_; }
   const ParamLayout& layout() const { return layout_; }
   size_t parameter_bytes() const;  // device memory of the parameter buffers
+  const char* attention_kernel() const;  // "cudnn" or "own" (DMOE_ATTENTION)
   // The f32 master weights (layout()); after writing them directly, refresh_compute_copy() updates the bf16 copy.
   float* master_weights() { return master_.as<float>(); }
   void refresh_compute_copy();
