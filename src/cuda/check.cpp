@@ -167,34 +167,18 @@ void* device_malloc(size_t bytes, const char* what) {
        double(total_bytes) / double(1ull << 30), cudaGetErrorString(status));
 }
 
-void set_device_with_retry(int device, const char* who) {
-  double limit_s = 15;
-  if (const char* v = std::getenv("DMOE_DEVICE_RETRY_S"); v && *v) {
-    char* end = nullptr;
-    limit_s = std::strtod(v, &end);
-    if (end == v || *end != '\0' || !(limit_s >= 0) || limit_s > 3600)
-      fail(__FILE__, __LINE__, "DMOE_DEVICE_RETRY_S='%s' is not a number of seconds in [0, 3600]", v);
-  }
-  const auto start = std::chrono::steady_clock::now();
-  int attempts = 0;
-  for (;;) {
-    const cudaError_t status = cudaSetDevice(device);
-    ++attempts;
-    if (status == cudaSuccess) return;
-    if (status != cudaErrorDevicesUnavailable)
-      fail(__FILE__, __LINE__, "%s: cudaSetDevice(%d) failed: %s (%s)", who, device, cudaGetErrorString(status),
-           cudaGetErrorName(status));
-    (void)cudaGetLastError();
-    const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    if (waited >= limit_s)
-      fail(__FILE__, __LINE__,
-           "%s: cannot use GPU %d: %s after %d attempts over %.1f s (DMOE_DEVICE_RETRY_S=%g) — it is in "
-           "exclusive-process mode and another process holds it, or its MPS server refuses clients (a shared MPS "
-           "daemon does so for a few seconds while it releases the ranks of a job that failed; "
-           "`nvidia-smi -q -d COMPUTE` shows the mode)",
-           who, device, cudaGetErrorString(status), attempts, waited, limit_s);
-    std::this_thread::sleep_for(std::chrono::milliseconds(200));
-  }
+void set_device_or_explain(int device, const char* who) {
+  const cudaError_t status = cudaSetDevice(device);
+  if (status == cudaSuccess) return;
+  (void)cudaGetLastError();
+  if (status == cudaErrorDevicesUnavailable)
+    fail(__FILE__, __LINE__,
+         "%s: cannot use GPU %d: %s — it is in exclusive-process mode and another process holds it, or its MPS "
+         "server refuses clients (a shared MPS daemon does so for 2-3 s after a job whose ranks failed: start the "
+         "job again; `nvidia-smi -q -d COMPUTE` shows the mode)",
+         who, device, cudaGetErrorString(status));
+  fail(__FILE__, __LINE__, "%s: cudaSetDevice(%d) failed: %s (%s)", who, device, cudaGetErrorString(status),
+       cudaGetErrorName(status));
 }
 
 bool wait_stream_quietly(cudaStream_t stream) noexcept {

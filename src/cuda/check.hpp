@@ -60,11 +60,12 @@ bool synchronize_device_quietly() noexcept;
 // (bytes == 0 gets a 16-byte block, so kernels see a valid pointer).
 void* device_malloc(size_t bytes, const char* what);
 
-// cudaSetDevice(device), retried while the device is "busy or unavailable" (cudaErrorDevicesUnavailable): an MPS
-// server shared by several jobs (mpirun, Slurm) refuses new clients for a few seconds while it releases the ranks of
-// a job that failed. Waits up to DMOE_DEVICE_RETRY_S (default 15 s, 0 = no retry), polling every 200 ms, then fails
-// naming `who`, the device, how long it waited and what the error can mean. Other errors fail at once.
-void set_device_with_retry(int device, const char* who);
+// cudaSetDevice(device) that names `who` and, for "busy or unavailable" (cudaErrorDevicesUnavailable), what it can
+// mean: an exclusive-process GPU held by another process, or an MPS server refusing clients — a shared MPS daemon
+// (mpirun, Slurm) does so for 2-3 s after a job whose ranks died with kernels in flight. Not retried: measured on
+// the H200, the refusal sticks inside the process (73 attempts over 15 s all failed) while a new process opens the
+// GPU 2-3 s after the failed job (docs/faults.md).
+void set_device_or_explain(int device, const char* who);
 
 // cudaStreamSynchronize with a time limit (DMOE_COMM_TIMEOUT_S, core/env.hpp): spins briefly, then polls
 // with growing sleeps; past the limit it fails naming `what` (e.g. a peer rank died inside a collective

@@ -27,7 +27,7 @@ class CudaBackend final : public Backend {
     DMOE_CHECK_CUDA(cudaGetDeviceCount(&count));
     DMOE_REQUIRE(device >= 0 && device < count, "cuda backend: device {} does not exist; this machine has {}",
                  device, count);
-    cuda::set_device_with_retry(device, "cuda backend");
+    cuda::set_device_or_explain(device, "cuda backend");
     DMOE_CHECK_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     own_stream_ = stream_;
     DMOE_CHECK_CUDA(cudaEventCreateWithFlags(&switch_event_, cudaEventDisableTiming));

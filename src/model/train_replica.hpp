@@ -43,8 +43,8 @@ std::unique_ptr<TrainReplica> make_cpu_replica(const MixtralConfig& config, Comm
 
 // This process as one rank of a GPU job (dmoe launch / mpirun / srun, or alone): its GPU, a communicator over
 // the job's processes (NCCL or NVSHMEM; none at W = 1), the model in `storage` (f32 or bf16). `full`, `m`, `v`
-// hold every expert; the replica takes its rank's share. `max_tokens` is the most tokens per micro-batch (sizes
-// the communicator's buffers). Throws a clear error in a build without CUDA.
+// hold every expert; the replica takes its rank's share. `max_tokens` is the most tokens of one forward (a micro-batch,
+// or the validation share: sizes the communicator's buffers). Throws a clear error in a build without CUDA.
 std::unique_ptr<TrainReplica> make_cuda_replica(const MixtralConfig& config, DType storage, const MixtralWeights& full,
                                                 const MixtralWeights& m, const MixtralWeights& v,
                                                 int32_t micro_batches, int64_t max_tokens);

@@ -292,7 +292,8 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
     DMOE_REQUIRE_INPUT(job_world == o.world, "train: --world {} but this GPU job has {} ranks (dmoe launch -n W, "
                        "mpirun -n W); give --world {} or start W processes", o.world, job_world, job_world);
     std::unique_ptr<TrainReplica> replica =
-        make_cuda_replica(config, o.dtype, full, full_m, full_v, o.micro_batches, local / o.micro_batches * o.seq);
+        make_cuda_replica(config, o.dtype, full, full_m, full_v, o.micro_batches,
+                          local * o.seq);  // validation runs a rank's whole share in one forward
     run_rank(rank, *replica);
   } else {
     DMOE_REQUIRE_INPUT(o.dtype == DType::f32, "train: --dtype {} on the CPU engine; it trains in f32 (allowed: f32; "

@@ -150,8 +150,12 @@ std::vector<uint8_t> download_bytes(const DeviceBuffer& buffer, int64_t count) {
   return raw;
 }
 
-// ‖gpu − cpu‖₂ / ‖cpu‖₂ <= tolerance, with the largest absolute error and its index on failure.
-void expect_close(const std::vector<float>& gpu, const std::vector<float>& cpu, double tolerance, const char* what) {
+// ‖gpu − cpu‖₂ / max(‖cpu‖₂, floor) <= tolerance, with the largest absolute error and its index on failure.
+// floor: for results that can be zero in exact arithmetic (dq and dk at seq = 1, where the softmax over one key
+// has no gradient): 1 % of a typical result's norm (inputs N(0, 1): gradient elements O(1)), so that rounding
+// noise around an exact zero is judged against that instead of against the zero.
+void expect_close(const std::vector<float>& gpu, const std::vector<float>& cpu, double tolerance, const char* what,
+                  double floor = 1e-30) {
   ASSERT_EQ(gpu.size(), cpu.size()) << what;
   double diff2 = 0, ref2 = 0, max_abs = 0;
   size_t where = 0;
@@ -166,7 +170,7 @@ void expect_close(const std::vector<float>& gpu, const std::vector<float>& cpu, 
       where = i;
     }
   }
-  const double rel = std::sqrt(diff2) / std::max(std::sqrt(ref2), 1e-30);
+  const double rel = std::sqrt(diff2) / std::max(std::sqrt(ref2), floor);
   EXPECT_TRUE(finite) << what << ": the GPU result holds a NaN or an infinity";
   EXPECT_LE(rel, tolerance) << what << ": relative L2 error " << rel << " (tolerance " << tolerance
                             << "); largest absolute error " << max_abs << " at " << where << " (gpu " << gpu[where]
@@ -277,8 +281,8 @@ void own_kernels_match_cpu() {
     run_own<T>(s, d, ws, stream);
     expect_close(download<T>(d.out, s.q_count()), r.out, tol_out, "out");
     expect_close(download<float>(d.lse, s.lse_count()), r.lse, tol_lse, "lse");
-    expect_close(download<T>(d.dq, s.q_count()), r.dq, tol_grad, "dq");
-    expect_close(download<T>(d.dk, s.kv_count()), r.dk, tol_grad, "dk");
+    expect_close(download<T>(d.dq, s.q_count()), r.dq, tol_grad, "dq", 1e-2 * std::sqrt(double(s.q_count())));
+    expect_close(download<T>(d.dk, s.kv_count()), r.dk, tol_grad, "dk", 1e-2 * std::sqrt(double(s.kv_count())));
     expect_close(download<T>(d.dv, s.kv_count()), r.dv, tol_grad, "dv");
     if (::testing::Test::HasFailure()) return;  // one failing shape is enough to read
   }
@@ -311,8 +315,8 @@ TEST(CudaAttention, OwnBackwardF32FromCpuForward) {
                                   d.dv.as<float>(), s.batch, s.seq, s.heads, s.kv_heads, s.head_dim, ws,
                                   stream.get());
   stream.sync();
-  expect_close(download<float>(d.dq, s.q_count()), r.dq, kTolF32Backward, "dq");
-  expect_close(download<float>(d.dk, s.kv_count()), r.dk, kTolF32Backward, "dk");
+  expect_close(download<float>(d.dq, s.q_count()), r.dq, kTolF32Backward, "dq", 1e-2 * std::sqrt(double(s.q_count())));
+  expect_close(download<float>(d.dk, s.kv_count()), r.dk, kTolF32Backward, "dk", 1e-2 * std::sqrt(double(s.kv_count())));
   expect_close(download<float>(d.dv, s.kv_count()), r.dv, kTolF32Backward, "dv");
 }
 
@@ -405,8 +409,8 @@ TEST(CudnnAttention, MatchesCpu) {
     run_cudnn(attention, s, d, stream);
     expect_close(download<bf16>(d.out, s.q_count()), r.out, kTolBf16, "out");
     expect_close(download<float>(d.lse, s.lse_count()), r.lse, kTolLseCudnn, "lse");
-    expect_close(download<bf16>(d.dq, s.q_count()), r.dq, kTolBf16, "dq");
-    expect_close(download<bf16>(d.dk, s.kv_count()), r.dk, kTolBf16, "dk");
+    expect_close(download<bf16>(d.dq, s.q_count()), r.dq, kTolBf16, "dq", 1e-2 * std::sqrt(double(s.q_count())));
+    expect_close(download<bf16>(d.dk, s.kv_count()), r.dk, kTolBf16, "dk", 1e-2 * std::sqrt(double(s.kv_count())));
     expect_close(download<bf16>(d.dv, s.kv_count()), r.dv, kTolBf16, "dv");
     if (::testing::Test::HasFailure()) return;
   }

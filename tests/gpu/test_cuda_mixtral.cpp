@@ -92,7 +92,12 @@ TEST(GpuMixtral, F32MatchesCpuModel) {
 
 TEST(GpuMixtral, Bf16NearCpuModel) {
   if (!test::has_cuda_device()) GTEST_SKIP() << "no CUDA device";
-  const MixtralConfig c = odd_config();
+  // Every token goes to all experts (k = E): no top-k choice a bf16 rounding could flip. With k < E a near-tie
+  // between the k-th and the next expert picks another expert for a few of the 148 (token, layer) choices, and
+  // those tokens' logits and their experts' gradients then differ by tens of % (measured: logits 4.7e-2, an
+  // expert's w1 gradient 0.28): what is compared here is the bf16 arithmetic, not the routing's sensitivity.
+  MixtralConfig c = odd_config();
+  c.num_experts_per_tok = c.num_local_experts;
   const MixtralWeights w = random_mixtral_weights(c, 7);
   const int64_t B = 2, S = 37;
   const std::vector<int32_t> tokens = random_tokens(B * S, c.vocab_size, 3);

@@ -339,6 +339,12 @@ int run_gpu_model_bench(const ModelBenchArgs& a) {
   std::printf("%-26s %10.2f %10.2f %10.2f %12.0f %9.1f %7.1f%%\n", "forward (with the loss)", r.forward.median_ms,
               r.forward.min_ms, r.forward.max_ms, n / fwd_s, r.forward_flop / fwd_s * 1e-12,
               100 * r.forward_flop / fwd_s / r.gemm_ceiling_flop_per_s);
+  std::printf("%-26s %10.2f %10.2f %10.2f   (backward = this - forward: %.2f ms)\n", "forward + backward",
+              r.forward_backward.median_ms, r.forward_backward.min_ms, r.forward_backward.max_ms,
+              r.forward_backward.median_ms - r.forward.median_ms);
+  std::printf("%-26s %10.2f %10.2f %10.2f   (%.1f GB/s over the %.2f GiB of parameter buffers)\n",
+              "optimizer (norm + AdamW)", r.optimizer.median_ms, r.optimizer.min_ms, r.optimizer.max_ms,
+              r.parameter_bytes / (r.optimizer.median_ms * 1e-3) * 1e-9, r.parameter_bytes / double(1ull << 30));
   std::printf("device memory in use after the steps %.2f GiB (parameter buffers %.2f GiB); loss %.4f -> %.4f over "
               "%d steps\n", r.device_bytes_in_use / double(1ull << 30), r.parameter_bytes / double(1ull << 30),
               r.loss_first, r.loss_last, r.step.iterations + a.warmup);
@@ -347,6 +353,8 @@ int run_gpu_model_bench(const ModelBenchArgs& a) {
                      {"gpu", prop.name}, {"parameters", r.parameters}, {"step_median_ms", r.step.median_ms},
                      {"step_min_ms", r.step.min_ms}, {"step_max_ms", r.step.max_ms},
                      {"step_iterations", r.step.iterations}, {"forward_median_ms", r.forward.median_ms},
+                     {"forward_backward_median_ms", r.forward_backward.median_ms},
+                     {"optimizer_median_ms", r.optimizer.median_ms},
                      {"step_flop", r.step_flop}, {"forward_flop", r.forward_flop},
                      {"gemm_ceiling_tflops", r.gemm_ceiling_flop_per_s * 1e-12}, {"mfu", mfu},
                      {"tokens_per_s", n / step_s}, {"device_bytes_in_use", r.device_bytes_in_use},

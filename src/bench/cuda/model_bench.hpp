@@ -31,6 +31,8 @@ struct ModelBenchOptions {
 
 struct ModelBenchResult {
   Stats step, forward;
+  Stats forward_backward;  // zero_grads, forward, backward (no optimizer)
+  Stats optimizer;         // gradient all-reduce (W > 1), global norm, AdamW over every parameter
   double step_flop = 0, forward_flop = 0;
   double gemm_ceiling_flop_per_s = 0;  // same rounds
   double loss_first = 0, loss_last = 0;  // of the timed steps (random tokens: the loss near ln V, and falling)

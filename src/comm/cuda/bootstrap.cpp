@@ -177,7 +177,7 @@ int32_t select_device(const ProcessEnv& env) {
                cudaGetErrorName(status));
   if (status != cudaSuccess) count = 0;
   const int32_t device = choose_device(env, count);
-  cuda::set_device_with_retry(device, fmt::format("rank {}", env.rank).c_str());
+  cuda::set_device_or_explain(device, fmt::format("rank {}", env.rank).c_str());
   return device;
 }
 
