@@ -7,6 +7,9 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "comm/comm.hpp"
 #include "core/dtype.hpp"
@@ -34,6 +37,8 @@ class TrainReplica {
   // This rank's share of the weights and the two moments, on the host.
   virtual void export_share(MixtralWeights& weights, MixtralWeights& m, MixtralWeights& v) = 0;
   virtual Comm& comm() = 0;
+  // Time per stage summed over the steps so far, ms (the GPU model's stage events; empty on the CPU engine).
+  virtual std::vector<std::pair<std::string, double>> stage_times() { return {}; }
   virtual const char* engine_name() const = 0;
 };
 

@@ -284,6 +284,17 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
                           do_val ? fmt::format(" | val loss {:.4f}", rec.val_loss) : std::string()));
     }
     save(rank, comm, replica, last_step, o.save_dir);
+    const auto stages = replica.stage_times();
+    if (rank == 0 && !stages.empty() && o.print_every > 0) {
+      const double steps = double(last_step - first_step + 1);
+      double total = 0;
+      for (const auto& st : stages) total += st.second;
+      std::string table = fmt::format("time per stage (ms per step over {} steps, validation included; sum {:.2f}):",
+                                      last_step - first_step + 1, total / steps);
+      for (const auto& [name, ms] : stages)
+        table += fmt::format("\n  {:<46} {:9.2f} {:6.1f}%", name, ms / steps, 100 * ms / std::max(total, 1e-9));
+      print(table);
+    }
   };
 
   if (on_gpu) {

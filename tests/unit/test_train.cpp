@@ -8,6 +8,7 @@
 
 #include <array>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 
@@ -148,6 +149,25 @@ TEST_F(Train, CliTrainsTinyAndTheLossFalls) {
   EXPECT_LT(last, losses[0] - 1.0) << "first " << losses[0] << ", mean of the last 5 " << last;
   EXPECT_LT(val.back(), losses[0] - 1.0);
   EXPECT_TRUE(fs::exists(p("ckpt/model.safetensors")) && fs::exists(p("ckpt/trainer_state.json")));
+
+  // Engines and dtypes: a word that is no engine, bf16 on the CPU engine, and (without a GPU) the GPU engine
+  // are refused naming what is allowed; eval on the GPU takes one rank.
+  auto no_engine = run_cli("train --config tiny --data " + train_text() + " --steps 2 --engine tpu");
+  EXPECT_NE(no_engine.status, 0);
+  EXPECT_NE(no_engine.output.find("allowed: cpu, cuda"), std::string::npos) << no_engine.output;
+  auto cpu_bf16 = run_cli("train --config tiny --data " + train_text() + " --steps 2 --dtype bf16");
+  EXPECT_NE(cpu_bf16.status, 0);
+  EXPECT_NE(cpu_bf16.output.find("bf16 with --engine cuda"), std::string::npos) << cpu_bf16.output;
+  auto eval_world = run_cli("eval --config tiny --weights " + p("ckpt/model.safetensors") + " --tokens x --output " +
+                            p("o.safetensors") + " --engine cuda --world 2");
+  EXPECT_NE(eval_world.status, 0);
+  EXPECT_NE(eval_world.output.find("one GPU rank"), std::string::npos) << eval_world.output;
+  if (!std::getenv("CUDA_VISIBLE_DEVICES") && !fs::exists("/dev/nvidia0")) {
+    auto gpu = run_cli("train --config tiny --data " + train_text() + " --steps 2 --engine cuda");
+    EXPECT_NE(gpu.status, 0);
+    EXPECT_TRUE(gpu.output.find("needs a CUDA GPU, and none is visible") != std::string::npos ||
+                gpu.output.find("built without CUDA") != std::string::npos) << gpu.output;
+  }
 
   // A missing --data file is named.
   auto bad = run_cli("train --config tiny --data " + p("missing.txt") + " --steps 2");

@@ -345,6 +345,12 @@ int run_gpu_model_bench(const ModelBenchArgs& a) {
   std::printf("%-26s %10.2f %10.2f %10.2f   (%.1f GB/s over the %.2f GiB of parameter buffers)\n",
               "optimizer (norm + AdamW)", r.optimizer.median_ms, r.optimizer.min_ms, r.optimizer.max_ms,
               r.parameter_bytes / (r.optimizer.median_ms * 1e-3) * 1e-9, r.parameter_bytes / double(1ull << 30));
+  double staged = 0;
+  for (const auto& st : r.stages) staged += st.second;
+  std::printf("time per stage of a step (ms; all layers; events on the stream, host waits included; sum %.2f):\n",
+              staged);
+  for (const auto& [name, ms] : r.stages)
+    std::printf("  %-46s %9.2f %6.1f%%\n", name.c_str(), ms, 100 * ms / std::max(staged, 1e-9));
   std::printf("device memory in use after the steps %.2f GiB (parameter buffers %.2f GiB); loss %.4f -> %.4f over "
               "%d steps\n", r.device_bytes_in_use / double(1ull << 30), r.parameter_bytes / double(1ull << 30),
               r.loss_first, r.loss_last, r.step.iterations + a.warmup);
@@ -355,6 +361,11 @@ int run_gpu_model_bench(const ModelBenchArgs& a) {
                      {"step_iterations", r.step.iterations}, {"forward_median_ms", r.forward.median_ms},
                      {"forward_backward_median_ms", r.forward_backward.median_ms},
                      {"optimizer_median_ms", r.optimizer.median_ms},
+                     {"stages_ms", [&] {
+                        nlohmann::json st = nlohmann::json::object();
+                        for (const auto& [name, ms] : r.stages) st[name] = ms;
+                        return st;
+                      }()},
                      {"step_flop", r.step_flop}, {"forward_flop", r.forward_flop},
                      {"gemm_ceiling_tflops", r.gemm_ceiling_flop_per_s * 1e-12}, {"mfu", mfu},
                      {"tokens_per_s", n / step_s}, {"device_bytes_in_use", r.device_bytes_in_use},

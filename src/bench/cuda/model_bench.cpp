@@ -100,6 +100,13 @@ ModelBenchResult bench_model_step(const MixtralConfig& config, const ModelBenchO
   r.forward_backward = s[2];
   r.optimizer = s[3];
   r.gemm_ceiling_flop_per_s = CeilingGemm::flop() / (s[4].median_ms * 1e-3);
+  // Where a step's time goes: stage times over a few more steps (events only; no extra waits inside the step).
+  const int breakdown_steps = 3;
+  model.reset_stage_times();
+  model.enable_stage_times(true);
+  for (int i = 0; i < breakdown_steps; ++i) step();
+  for (auto& [name, ms] : model.stage_times()) r.stages.emplace_back(name, ms / breakdown_steps);
+  model.enable_stage_times(false);
   r.forward_flop = model_forward_flop(config, o.batch, o.seq);
   r.step_flop = 3 * r.forward_flop;
   r.parameters = double(config.num_parameters());

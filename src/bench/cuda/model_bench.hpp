@@ -15,6 +15,8 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "bench/stats.hpp"
 #include "core/dtype.hpp"
@@ -39,6 +41,7 @@ struct ModelBenchResult {
   double parameters = 0;               // of the model (all experts)
   double device_bytes_in_use = 0;      // after the steps (cudaMemGetInfo): parameters, moments, activations
   double parameter_bytes = 0;          // the model's parameter buffers (f32 master, grads, 2 moments, bf16 copy)
+  std::vector<std::pair<std::string, double>> stages;  // ms per step of each stage (CudaMixtralModel::stage_times)
 };
 
 ModelBenchResult bench_model_step(const MixtralConfig& config, const ModelBenchOptions& options);

@@ -7,6 +7,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
+#include <utility>
+#include <vector>
 #include <cstdlib>
 #include <string>
 #include <type_traits>
@@ -45,6 +48,69 @@ std::vector<float>* w3_of(MixtralWeights& w, int32_t l) { return &w.layers[l].mo
 std::vector<float>* w2_of(MixtralWeights& w, int32_t l) { return &w.layers[l].moe.w2; }
 
 }  // namespace
+
+// Stage times on the stream (enable_stage_times): a pair of events around each stage, from a pool reused every
+// step; collected after the GPU passed them. Host waits inside a stage (the EP engine reads its counts) count,
+// as they do for the user.
+struct StageTimer {
+  bool on = false;
+  cudaStream_t stream = nullptr;
+  std::vector<cudaEvent_t> pool;
+  size_t used = 0;
+  std::vector<std::pair<std::string, std::pair<cudaEvent_t, cudaEvent_t>>> open;
+  std::vector<std::pair<std::string, double>> totals;  // ms, in the order stages first ran
+  int steps = 0;
+  cudaEvent_t next() {
+    if (used == pool.size()) {
+      cudaEvent_t e;
+      DMOE_CHECK_CUDA(cudaEventCreate(&e));
+      pool.push_back(e);
+    }
+    return pool[used++];
+  }
+  ~StageTimer() {
+    for (cudaEvent_t e : pool) (void)cudaEventDestroy(e);
+  }
+  void collect() {
+    if (open.empty()) return;
+    cuda::wait_stream(stream, "stage times: waiting for the GPU");
+    for (auto& [name, ev] : open) {
+      float ms = 0;
+      DMOE_CHECK_CUDA(cudaEventElapsedTime(&ms, ev.first, ev.second));
+      auto it = std::find_if(totals.begin(), totals.end(), [&](const auto& t) { return t.first == name; });
+      if (it == totals.end())
+        totals.emplace_back(name, double(ms));
+      else
+        it->second += double(ms);
+    }
+    open.clear();
+    used = 0;
+  }
+};
+
+// Times the enclosing scope as stage `name` when the timer is on.
+class StageScope {
+ public:
+  StageScope(StageTimer& t, const char* name) : t_(t) {
+    if (!t_.on) return;
+    if (t_.used + 2 > 4096) t_.collect();  // bounded pool: collect (waits) before it grows without limit
+    begin_ = t_.next();
+    name_ = name;
+    DMOE_CHECK_CUDA(cudaEventRecord(begin_, t_.stream));
+  }
+  ~StageScope() {
+    if (!t_.on || !begin_) return;
+    cudaEvent_t end = t_.next();
+    if (cudaEventRecord(end, t_.stream) == cudaSuccess) t_.open.push_back({name_, {begin_, end}});
+  }
+  StageScope(const StageScope&) = delete;
+  StageScope& operator=(const StageScope&) = delete;
+
+ private:
+  StageTimer& t_;
+  cudaEvent_t begin_ = nullptr;
+  const char* name_ = "";
+};
 
 ParamLayout make_param_layout(const MixtralConfig& c, int32_t experts_per_rank) {
   const int64_t H = c.hidden_size, V = c.vocab_size, Q = c.q_size(), KV = c.kv_size(), I = c.intermediate_size;
@@ -102,6 +168,7 @@ struct CudaMixtralModel::Impl {
   // head_dim not a multiple of 8 use the own kernels.
   std::unique_ptr<cuda::CudnnAttention> cudnn;
   std::string attention = "own";
+  StageTimer timer;
   ~Impl() {
     if (cublas && cuda::wait_stream_quietly(stream)) (void)cublasDestroy(cublas);
   }
@@ -165,6 +232,22 @@ CudaMixtralModel::CudaMixtralModel(const MixtralConfig& config, DType storage, C
 CudaMixtralModel::~CudaMixtralModel() = default;
 
 const char* CudaMixtralModel::attention_kernel() const { return impl_->attention.c_str(); }
+
+void CudaMixtralModel::enable_stage_times(bool on) {
+  impl_->timer.collect();
+  impl_->timer.on = on;
+  impl_->timer.stream = impl_->stream;
+}
+
+std::vector<std::pair<std::string, double>> CudaMixtralModel::stage_times() {
+  impl_->timer.collect();
+  return impl_->timer.totals;
+}
+
+void CudaMixtralModel::reset_stage_times() {
+  impl_->timer.collect();
+  impl_->timer.totals.clear();
+}
 
 size_t CudaMixtralModel::parameter_bytes() const {
   return size_t(layout_.total()) * (16 + (storage_ == DType::bf16 ? 2 : 0));
@@ -231,6 +314,7 @@ void CudaMixtralModel::moments(MixtralWeights& m, MixtralWeights& v) {
 }
 
 void CudaMixtralModel::zero_grads() {
+  StageScope scope(impl_->timer, "zero gradients");
   // The experts' gradients are not cleared: the first backward of each layer writes them (EpEngine).
   backend_->zero(grad_.data(), size_t(layout_.group_begin[ParamLayout::experts]) * sizeof(float));
   experts_fresh_.assign(config_.num_hidden_layers, true);
@@ -271,6 +355,7 @@ double CudaMixtralModel::forward(const int32_t* tokens, int64_t batch, int64_t s
 }
 
 void CudaMixtralModel::embed_forward(CudaModelState& st) {
+  StageScope scope(impl_->timer, "fwd embedding");
   const int64_t n = st.batch * st.seq, H = config_.hidden_size;
   with_storage(storage_, [&](auto tag) {
     using T = decltype(tag);
@@ -295,6 +380,8 @@ void CudaMixtralModel::attention_forward(int layer, CudaModelState& st) {
   with_storage(storage_, [&](auto tag) {
     using T = decltype(tag);
     auto W = [&](int64_t off) { return static_cast<const T*>(w(off)); };
+    std::optional<StageScope> scope;
+    scope.emplace(impl_->timer, "fwd norm + q/k/v + rope");
     T* x = b.x.as<T>();
     T* xn1 = static_cast<T*>(b.xn1.ensure(n * H * elem_));
     float* rstd1 = static_cast<float*>(b.rstd1.ensure(n * 4));
@@ -309,6 +396,8 @@ void CudaMixtralModel::attention_forward(int layer, CudaModelState& st) {
     cuda::rope_forward<T>(k, k, n, st.seq, kv_heads, D, config_.rope_theta, s);
     T* attn = static_cast<T*>(b.attn.ensure(n * Q * elem_));
     float* lse = static_cast<float*>(b.lse.ensure(st.batch * heads * st.seq * 4));
+    scope.reset();
+    scope.emplace(impl_->timer, "fwd attention core");
     if constexpr (std::is_same_v<T, bf16>) {
       if (impl_->cudnn) {
         impl_->cudnn->forward(q, k, v, attn, lse, st.batch, st.seq, heads, kv_heads, D, s);
@@ -318,6 +407,8 @@ void CudaMixtralModel::attention_forward(int layer, CudaModelState& st) {
     } else {
       cuda::attention_forward<T>(q, k, v, attn, lse, st.batch, st.seq, heads, kv_heads, D, impl_->ws, s);
     }
+    scope.reset();
+    scope.emplace(impl_->timer, "fwd o-proj + residual + norm");
     T* h = static_cast<T*>(b.h.ensure(n * H * elem_));
     cuda::linear_forward<T, T>(attn, W(lw.o_proj), h, n, Q, H, impl_->cublas);
     cuda::add_into<T>(h, x, n * H, s);
@@ -342,6 +433,7 @@ void CudaMixtralModel::prepare_moe(CudaBlockState& b, int64_t tokens, int layer)
 }
 
 void CudaMixtralModel::moe_forward(int layer, CudaModelState& st) {
+  StageScope scope(impl_->timer, "fwd MoE (router, dispatch, experts, combine)");
   const int64_t n = st.batch * st.seq, H = config_.hidden_size;
   CudaBlockState& b = st.blocks[layer];
   prepare_moe(b, n, layer);
@@ -357,6 +449,7 @@ void CudaMixtralModel::moe_forward(int layer, CudaModelState& st) {
 }
 
 void CudaMixtralModel::head_forward(CudaModelState& st) {
+  StageScope scope(impl_->timer, "fwd final norm + LM head + loss");
   const int64_t n = st.batch * st.seq, H = config_.hidden_size, V = config_.vocab_size;
   const int32_t L = config_.num_hidden_layers, E = config_.num_local_experts;
   cudaStream_t s = impl_->stream;
@@ -435,8 +528,10 @@ void CudaMixtralModel::backward(CudaModelState& st, double loss_scale) {
     using T = decltype(tag);
     auto W = [&](int64_t off) { return static_cast<const T*>(w(off)); };
     T* dr = static_cast<T*>(dresid.ensure(n * H * elem_));
+    std::optional<StageScope> scope;
     // ---- head
     {
+      scope.emplace(impl_->timer, "bwd loss + LM head + final norm");
       T* dl = static_cast<T*>(dlogits.ensure(size_t(n) * V * elem_));
       cuda::cross_entropy_backward<T>(st.logits.as<float>(), st.targets_dev.as<int32_t>(), st.lse_head.as<float>(), dl,
                                       n, V, -100, loss_scale / double(st.ce_count), s);
@@ -452,6 +547,8 @@ void CudaMixtralModel::backward(CudaModelState& st, double loss_scale) {
       CudaBlockState& b = st.blocks[l];
       const ParamLayout::Layer& lw = layout_.layers[l];
       // ---- moe
+      scope.reset();
+      scope.emplace(impl_->timer, "bwd MoE (combine, experts, dispatch, router)");
       if (config_.output_router_logits) {
         const double N = double(b.moe->config().tokens) * world_;
         std::vector<double> dprob(E);
@@ -472,8 +569,12 @@ void CudaMixtralModel::backward(CudaModelState& st, double loss_scale) {
                                 g(lw.post_attention_layernorm), n, H, impl_->ws, s);
       cuda::add_into<T>(dhp, dr, n * H, s);  // h feeds the residual and the norm
       // ---- attention
+      scope.reset();
+      scope.emplace(impl_->timer, "bwd o-proj");
       T* da = static_cast<T*>(dattn.ensure(n * Q * elem_));
       cuda::linear_backward<T>(b.attn.as<T>(), W(lw.o_proj), dhp, da, g(lw.o_proj), n, Q, H, impl_->cublas);
+      scope.reset();
+      scope.emplace(impl_->timer, "bwd attention core");
       T* dqp = static_cast<T*>(dq.ensure(n * Q * elem_));
       T* dkp = static_cast<T*>(dk.ensure(n * KV * elem_));
       T* dvp = static_cast<T*>(dv.ensure(n * KV * elem_));
@@ -488,6 +589,8 @@ void CudaMixtralModel::backward(CudaModelState& st, double loss_scale) {
       if (!done)
         cuda::attention_backward<T>(b.q.as<T>(), b.k.as<T>(), b.v.as<T>(), b.attn.as<T>(), b.lse.as<float>(), da,
                                     dqp, dkp, dvp, st.batch, st.seq, heads, kv_heads, D, impl_->ws, s);
+      scope.reset();
+      scope.emplace(impl_->timer, "bwd rope + q/k/v + norm");
       cuda::rope_backward<T>(dqp, dqp, n, st.seq, heads, D, config_.rope_theta, s);
       cuda::rope_backward<T>(dkp, dkp, n, st.seq, kv_heads, D, config_.rope_theta, s);
       // xn1 feeds q, k and v: its gradient is the sum of the three.
@@ -500,6 +603,8 @@ void CudaMixtralModel::backward(CudaModelState& st, double loss_scale) {
       cuda::add_into<T>(dr, dhp, n * H, s);  // dresid = dh + d(norm input)
     }
     // ---- embedding
+    scope.reset();
+    scope.emplace(impl_->timer, "bwd embedding");
     cuda::embedding_backward<T>(st.tokens_dev.as<int32_t>(), dr, g(layout_.embed_tokens), n, config_.vocab_size, H,
                                 impl_->ws, s);
   });
@@ -508,11 +613,13 @@ void CudaMixtralModel::backward(CudaModelState& st, double loss_scale) {
 
 void CudaMixtralModel::reduce_grads() {
   if (world_ == 1) return;
+  StageScope scope(impl_->timer, "gradient all-reduce");
   // Norms, dense matrices and routers are contiguous: one all-reduce (the experts stay with their owners).
   comm_.allreduce_sum(grad_.data(), layout_.group_begin[ParamLayout::experts], DType::f32, backend_->stream());
 }
 
 void CudaMixtralModel::grad_sum_of_squares(double out[2]) {
+  StageScope scope(impl_->timer, "gradient norm");
   Buffer acc(*backend_);
   double* d = static_cast<double*>(acc.ensure(16));
   const int64_t split = layout_.group_begin[ParamLayout::experts];
@@ -523,6 +630,7 @@ void CudaMixtralModel::grad_sum_of_squares(double out[2]) {
 }
 
 void CudaMixtralModel::adamw_step(const cpu::AdamWParams& p, double weight_decay, double grad_scale) {
+  StageScope scope(impl_->timer, "AdamW");
   const int64_t split = layout_.group_begin[ParamLayout::dense];  // norms: no weight decay
   cpu::AdamWParams no_decay = p, decay = p;
   no_decay.weight_decay = 0;

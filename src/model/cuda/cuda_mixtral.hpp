@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "comm/comm.hpp"
@@ -116,6 +117,11 @@ class CudaMixtralModel {
   const ParamLayout& layout() const { return layout_; }
   size_t parameter_bytes() const;  // device memory of the parameter buffers
   const char* attention_kernel() const;  // "cudnn" or "own" (DMOE_ATTENTION)
+  // Per-stage GPU time (events on the stream around each stage; host waits inside a stage count): off by default.
+  // stage_times() waits for the GPU and returns the totals since the last reset, in ms, in first-run order.
+  void enable_stage_times(bool on);
+  std::vector<std::pair<std::string, double>> stage_times();
+  void reset_stage_times();
   // The f32 master weights (layout()); after writing them directly, refresh_compute_copy() updates the bf16 copy.
   float* master_weights() { return master_.as<float>(); }
   void refresh_compute_copy();

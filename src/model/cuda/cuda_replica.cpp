@@ -41,6 +41,7 @@ class CudaReplica final : public TrainReplica {
     const int32_t first = model_->first_expert(), held = model_->experts_per_rank();
     model_->set_weights(slice_mixtral_experts(full, first, held));
     model_->set_moments(slice_mixtral_experts(m, first, held), slice_mixtral_experts(v, first, held));
+    model_->enable_stage_times(true);
   }
   ~CudaReplica() override {
     states_.clear();  // engines before the model's backend and the communicator
@@ -66,6 +67,7 @@ class CudaReplica final : public TrainReplica {
     model_->moments(m, v);
   }
   Comm& comm() override { return *comm_; }
+  std::vector<std::pair<std::string, double>> stage_times() override { return model_->stage_times(); }
   const char* engine_name() const override { return "cuda"; }
 
  private:
