@@ -51,6 +51,7 @@ class CpuReplica final : public TrainReplica {
     v = v_;
   }
   Comm& comm() override { return comm_; }
+  void barrier() override { comm_.barrier(nullptr); }
   const char* engine_name() const override { return "cpu"; }
 
  private:

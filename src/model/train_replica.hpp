@@ -36,7 +36,11 @@ class TrainReplica {
   virtual void adamw_step(const cpu::AdamWParams& p, double weight_decay, double grad_scale) = 0;
   // This rank's share of the weights and the two moments, on the host.
   virtual void export_share(MixtralWeights& weights, MixtralWeights& m, MixtralWeights& v) = 0;
+  // Ranks that are processes (the GPU engine at W > 1): every expert of the weights and moments gathered to rank 0
+  // (collective; true), where threads share memory instead (false: nothing done).
+  virtual bool gather_full(MixtralWeights& weights, MixtralWeights& m, MixtralWeights& v) { return false; }
   virtual Comm& comm() = 0;
+  virtual void barrier() = 0;  // every rank here (collective; waits)
   // Time per stage summed over the steps so far, ms (the GPU model's stage events; empty on the CPU engine).
   virtual std::vector<std::pair<std::string, double>> stage_times() { return {}; }
   virtual const char* engine_name() const = 0;

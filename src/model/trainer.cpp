@@ -182,14 +182,14 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
   std::mutex mutex;
   const int64_t local = o.batch / o.world;
   const bool on_gpu = o.engine == "cuda";
-  if (on_gpu && o.world > 1)
-    DMOE_REQUIRE_INPUT(o.save_dir.empty(), "train: --save with --engine cuda and {} ranks is not supported yet (the "
-                       "experts' shares would have to be gathered from the ranks' processes); run with one rank, or "
-                       "without --save", o.world);
 
-  // Every rank's share into the shared full tensors (dense from rank 0), then rank 0 writes the checkpoint.
-  auto save = [&](int32_t rank, Comm& comm, TrainReplica& replica, int64_t step, const std::string& dir) {
-    {
+  // Every rank's share into the full tensors (dense from rank 0): shared memory for threads, the communicator for GPU
+  // processes; then rank 0 writes the checkpoint.
+  auto save = [&](int32_t rank, TrainReplica& replica, int64_t step, const std::string& dir) {
+    if (on_gpu && o.world > 1) {
+      // Ranks are processes: the experts come to rank 0 through the communicator.
+      if (!replica.gather_full(full, full_m, full_v)) DMOE_FAIL("train: this engine's ranks cannot gather a checkpoint");
+    } else {
       MixtralWeights w, m, v;
       replica.export_share(w, m, v);
       std::lock_guard<std::mutex> lock(mutex);
@@ -205,7 +205,7 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
       gather(m, full_m);
       gather(v, full_v);
     }
-    if (!on_gpu) comm.barrier(nullptr);  // the threads' shares are all in `full`
+    replica.barrier();  // the threads' shares are all in `full`
     if (rank == 0 && !dir.empty()) {
       fs::create_directories(dir);
       save_mixtral_checkpoint((fs::path(dir) / "model.safetensors").string(), full, config);
@@ -218,12 +218,11 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
                  json{{"step", step}, {"seed", o.seed}, {"steps", o.steps}, {"batch", o.batch}, {"seq", o.seq},
                       {"lr", o.lr}, {"data", o.data_path}});
     }
-    if (!on_gpu) comm.barrier(nullptr);
+    replica.barrier();  // no rank goes on (e.g. to resume from the checkpoint) before it is written
   };
 
   // One rank's loop, on either engine (train_replica.hpp).
   auto run_rank = [&](int32_t rank, TrainReplica& replica) {
-    Comm& comm = replica.comm();
     const int64_t micro = local / o.micro_batches;
 
     auto validate = [&] {
@@ -268,7 +267,7 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
       rec.tokens_per_s = double(o.batch * o.seq) / std::max(seconds, 1e-9);
       const bool do_val = step == last_step || (o.val_every > 0 && step % o.val_every == 0);
       if (do_val) rec.val_loss = validate();
-      if (o.save_every > 0 && step % o.save_every == 0 && step != last_step) save(rank, comm, replica, step, o.save_dir);
+      if (o.save_every > 0 && step % o.save_every == 0 && step != last_step) save(rank, replica, step, o.save_dir);
       if (rank != 0) continue;
       result.records.push_back(rec);
       if (log.is_open()) {
@@ -283,7 +282,7 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
                           o.steps, loss, ap.lr, rec.grad_norm, rec.tokens_per_s,
                           do_val ? fmt::format(" | val loss {:.4f}", rec.val_loss) : std::string()));
     }
-    save(rank, comm, replica, last_step, o.save_dir);
+    save(rank, replica, last_step, o.save_dir);
     const auto stages = replica.stage_times();
     if (rank == 0 && !stages.empty() && o.print_every > 0) {
       const double steps = double(last_step - first_step + 1);

@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <unistd.h>
 #include <filesystem>
 #include <string>
 #include <vector>
@@ -155,6 +156,51 @@ TEST(GpuMixtral, TrainingStepsMatchCpuEngine) {
   }
   EXPECT_NEAR(gpu.final_val_loss, cpu.final_val_loss, 1e-4 * cpu.final_val_loss);
   EXPECT_LT(gpu.records.back().loss, gpu.records.front().loss);  // it learns
+}
+
+// A run stopped after step 3, saved and resumed to step 6 ends with the same weights, bit for bit, as the run that
+// went through (the GPU kernels are deterministic and the checkpoint holds the f32 master weights and both moments).
+// Under dmoe launch -n W the checkpoint's experts are gathered from the ranks' processes.
+TEST(GpuMixtral, ResumeIsExact) {
+  if (!test::has_cuda_device()) GTEST_SKIP() << "no CUDA device";
+  int32_t rank = 0, world = 1;
+  cuda_job_size(&rank, &world);
+  if (4 % world != 0) GTEST_SKIP() << "the tiny model's 4 experts do not split over " << world << " ranks";
+  const MixtralConfig c = load_mixtral_config((fs::path(DMOE_SOURCE_DIR) / "bench/models/tiny.json").string());
+  // The ranks of one job share the parent (dmoe launch); one directory for all of them.
+  const fs::path dir = fs::temp_directory_path() / ("dmoe_gpu_resume_" + std::to_string(::getppid()));
+  if (rank == 0) fs::remove_all(dir);
+  TrainOptions o;
+  o.data_path = (fs::path(DMOE_SOURCE_DIR) / "tests" / "data" / "train_text.txt").string();
+  o.steps = 6;
+  o.seq = 32;
+  o.batch = 2 * world;
+  o.world = world;
+  o.warmup = 2;
+  o.print_every = 0;
+  o.engine = "cuda";
+  o.dtype = DType::bf16;
+  auto quiet = [](const std::string&) {};
+  const TrainResult through = train_mixtral(c, o, quiet);
+  o.stop_after = 3;
+  o.save_dir = (dir / "ckpt").string();
+  train_mixtral(c, o, quiet);
+  o.stop_after = 0;
+  o.resume_dir = o.save_dir;
+  o.save_dir = (dir / "ckpt2").string();
+  const TrainResult resumed = train_mixtral(c, o, quiet);
+  if (rank == 0) {
+    ASSERT_EQ(resumed.records.size(), 3u);
+    for (size_t i = 0; i < 3; ++i)
+      EXPECT_EQ(resumed.records[i].loss, through.records[3 + i].loss) << "step " << 4 + i;
+    MixtralWeights a = through.weights, b = resumed.weights;
+    const std::vector<ParamView> va = parameter_views(a, c), vb = parameter_views(b, c);
+    ASSERT_EQ(va.size(), vb.size());
+    for (size_t i = 0; i < va.size(); ++i)
+      EXPECT_EQ(std::memcmp(va[i].data, vb[i].data, size_t(va[i].numel) * 4), 0) << va[i].name;
+    EXPECT_TRUE(fs::exists(dir / "ckpt2" / "model.safetensors"));
+    fs::remove_all(dir);
+  }
 }
 
 }  // namespace

@@ -325,20 +325,28 @@ int run_gpu_model_bench(const ModelBenchArgs& a) {
   o.warmup = a.warmup;
   o.min_iterations = a.repeat;
   const bench::ModelBenchResult r = bench::bench_model_step(a.config, o);
-  const double n = double(a.batch) * double(a.seq);
+  if (r.rank != 0) return 0;  // rank 0 reports for the job
+  const double n = double(a.batch) * double(a.seq) * r.world;  // tokens of a step over all ranks
   const double step_s = r.step.median_ms * 1e-3, fwd_s = r.forward.median_ms * 1e-3;
-  const double mfu = r.step_flop / step_s / r.gemm_ceiling_flop_per_s;
-  std::printf("\n%s — %s, %.3g parameters, batch %lld x seq %lld, %s, on %s\n", a.config_name.c_str(),
-              a.config.summary().c_str(), r.parameters, (long long)a.batch, (long long)a.seq, dtype_name(a.dtype),
-              prop.name);
-  std::printf("FLOP: forward %.4g, step 3 x forward = %.4g (formula: src/bench/cuda/model_bench.hpp); bf16 GEMM "
+  // FLOP/s of the whole job against the ceiling of the GPUs it runs on (ranks sharing one GPU under MPS share its
+  // ceiling; W ranks on W GPUs have W of them). The ceiling is rank 0's, timed in the same rounds.
+  int visible = 1;
+  DMOE_CHECK_CUDA(cudaGetDeviceCount(&visible));
+  const int gpus = std::max(1, std::min(r.world, visible));
+  const double job_flop = r.step_flop * r.world, job_fwd_flop = r.forward_flop * r.world;
+  const double mfu = job_flop / step_s / (r.gemm_ceiling_flop_per_s * gpus);
+  std::printf("\n%s — %s, %.3g parameters, batch %lld x seq %lld per rank, %d rank%s, %s, on %s\n",
+              a.config_name.c_str(), a.config.summary().c_str(), r.parameters, (long long)a.batch, (long long)a.seq,
+              r.world, r.world == 1 ? "" : "s (tokens/s, TFLOP/s and MFU of the whole job; FLOP per rank below)",
+              dtype_name(a.dtype), prop.name);
+  std::printf("FLOP per rank: forward %.4g, step 3 x forward = %.4g (formula: src/bench/cuda/model_bench.hpp); bf16 GEMM "
               "ceiling in the same rounds %.1f TFLOP/s\n", r.forward_flop, r.step_flop, r.gemm_ceiling_flop_per_s * 1e-12);
   std::printf("%-26s %10s %10s %10s %12s %9s %8s\n", "", "median ms", "min", "max", "tokens/s", "TFLOP/s", "MFU");
   std::printf("%-26s %10.2f %10.2f %10.2f %12.0f %9.1f %7.1f%%\n", "training step (fwd+bwd+opt)", r.step.median_ms,
-              r.step.min_ms, r.step.max_ms, n / step_s, r.step_flop / step_s * 1e-12, 100 * mfu);
+              r.step.min_ms, r.step.max_ms, n / step_s, job_flop / step_s * 1e-12, 100 * mfu);
   std::printf("%-26s %10.2f %10.2f %10.2f %12.0f %9.1f %7.1f%%\n", "forward (with the loss)", r.forward.median_ms,
-              r.forward.min_ms, r.forward.max_ms, n / fwd_s, r.forward_flop / fwd_s * 1e-12,
-              100 * r.forward_flop / fwd_s / r.gemm_ceiling_flop_per_s);
+              r.forward.min_ms, r.forward.max_ms, n / fwd_s, job_fwd_flop / fwd_s * 1e-12,
+              100 * job_fwd_flop / fwd_s / (r.gemm_ceiling_flop_per_s * gpus));
   std::printf("%-26s %10.2f %10.2f %10.2f   (backward = this - forward: %.2f ms)\n", "forward + backward",
               r.forward_backward.median_ms, r.forward_backward.min_ms, r.forward_backward.max_ms,
               r.forward_backward.median_ms - r.forward.median_ms);
@@ -355,7 +363,7 @@ int run_gpu_model_bench(const ModelBenchArgs& a) {
               "%d steps\n", r.device_bytes_in_use / double(1ull << 30), r.parameter_bytes / double(1ull << 30),
               r.loss_first, r.loss_last, r.step.iterations + a.warmup);
   if (!a.json_path.empty()) {
-    nlohmann::json j{{"config", a.config_name}, {"batch", a.batch}, {"seq", a.seq}, {"dtype", dtype_name(a.dtype)},
+    nlohmann::json j{{"config", a.config_name}, {"world", r.world}, {"gpus", gpus}, {"batch", a.batch}, {"seq", a.seq}, {"dtype", dtype_name(a.dtype)},
                      {"gpu", prop.name}, {"parameters", r.parameters}, {"step_median_ms", r.step.median_ms},
                      {"step_min_ms", r.step.min_ms}, {"step_max_ms", r.step.max_ms},
                      {"step_iterations", r.step.iterations}, {"forward_median_ms", r.forward.median_ms},

@@ -27,11 +27,19 @@ double model_forward_flop(const MixtralConfig& c, int64_t batch, int64_t seq) {
 }
 
 ModelBenchResult bench_model_step(const MixtralConfig& config, const ModelBenchOptions& o) {
+  int32_t r_world = 1;
   DMOE_REQUIRE_INPUT(o.batch >= 1 && o.seq >= 2, "bench model: --batch {} and --seq {} (need >= 1 and >= 2)", o.batch,
                      o.seq);
   config.check_sequence(o.seq);
-  std::unique_ptr<Comm> comm = make_local_comm();
-  CudaMixtralModel model(config, o.dtype, *comm, make_cuda_backend(o.dtype, 0));
+  // This process is one rank of the job (W = 1 alone; under dmoe launch / mpirun each rank its own batch, the
+  // experts sharded E/W, the replicated gradients all-reduced: weak scaling in tokens per rank).
+  CudaRank rank = open_cuda_rank(config, o.dtype, o.batch * o.seq);
+  DMOE_REQUIRE_INPUT(config.num_local_experts % rank.world == 0,
+                     "bench model: num_local_experts = {} does not split over the job's {} ranks",
+                     config.num_local_experts, rank.world);
+  std::unique_ptr<Comm> comm = std::move(rank.comm);
+  CudaMixtralModel model(config, o.dtype, *comm, std::move(rank.backend));
+  r_world = rank.world;
   cudaStream_t stream = static_cast<cudaStream_t>(model.backend().stream());
   // Random weights straight on the device (a host-side init of billions of values would take minutes):
   // uniform with HF's standard deviation for matrices (±√3·σ), norms 1.
@@ -50,7 +58,7 @@ ModelBenchResult bench_model_step(const MixtralConfig& config, const ModelBenchO
   model.refresh_compute_copy();
 
   const int64_t n = o.batch * o.seq;
-  Rng rng(5);
+  Rng rng(5 + uint64_t(comm->rank()));  // each rank its own batch
   std::vector<int32_t> tokens(n);
   for (auto& t : tokens) t = int32_t(rng.next() % uint64_t(config.vocab_size));
   // One state for every timed piece (a second one would double the activations' memory: LLaMA2-MoE's 32 layers
@@ -91,6 +99,18 @@ ModelBenchResult bench_model_step(const MixtralConfig& config, const ModelBenchO
   t.max_iterations = std::max(o.min_iterations, 50);
   t.min_total_ms = 0;
   t.flush_l2 = false;  // a step moves gigabytes; an L2 flush would change nothing but the run time
+  Buffer agree(model.backend());
+  if (comm->world() > 1) {
+    // Every rank runs as many timed rounds as rank 0 (the steps are collective).
+    void* n_dev = agree.ensure(8);
+    t.agree_iterations = [&model, &comm, n_dev](int wanted) {
+      int64_t count = wanted;
+      model.backend().upload(n_dev, &count, sizeof(count));
+      comm->broadcast(n_dev, 1, DType::i64, 0, model.backend().stream());
+      model.backend().download(&count, n_dev, sizeof(count));
+      return int(count);
+    };
+  }
   // The optimizer alone runs on the gradients of the last backward (its numbers change nothing timed after it:
   // each step starts from zero_grads).
   const std::vector<Stats> s =
@@ -114,6 +134,8 @@ ModelBenchResult bench_model_step(const MixtralConfig& config, const ModelBenchO
   size_t free_b = 0, total_b = 0;
   DMOE_CHECK_CUDA(cudaMemGetInfo(&free_b, &total_b));
   r.device_bytes_in_use = double(total_b - free_b);
+  r.world = r_world;
+  r.rank = comm->rank();
   train.blocks.clear();
   return r;
 }

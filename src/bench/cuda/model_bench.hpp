@@ -41,6 +41,7 @@ struct ModelBenchResult {
   double parameters = 0;               // of the model (all experts)
   double device_bytes_in_use = 0;      // after the steps (cudaMemGetInfo): parameters, moments, activations
   double parameter_bytes = 0;          // the model's parameter buffers (f32 master, grads, 2 moments, bf16 copy)
+  int32_t rank = 0, world = 1;         // of the job (each rank its own batch: tokens/s of the job = world × one's)
   std::vector<std::pair<std::string, double>> stages;  // ms per step of each stage (CudaMixtralModel::stage_times)
 };
 

@@ -313,6 +313,30 @@ void CudaMixtralModel::moments(MixtralWeights& m, MixtralWeights& v) {
   download_share(v_.as<float>(), v);
 }
 
+void CudaMixtralModel::gather_full_buffer(const float* src, MixtralWeights& dst) {
+  const int32_t E = config_.num_local_experts, Le = experts_per_rank();
+  if (rank_ == 0) dst = make_mixtral_weights(config_, 0, E);
+  Buffer full(*backend_);
+  for (const ParamLayout::Entry& e : layout_.entries) {
+    if (e.group != ParamLayout::experts) {  // replicated: rank 0's copy is everyone's
+      if (rank_ == 0) backend_->download(e.select(dst, e.layer)->data(), src + e.offset, size_t(e.numel) * 4);
+      continue;
+    }
+    const int64_t per_expert = e.numel / Le, all = per_expert * E;
+    float* f = static_cast<float*>(full.ensure(size_t(all) * 4));
+    backend_->zero(f, size_t(all) * 4);
+    backend_->copy(f + int64_t(first_expert()) * per_expert, src + e.offset, size_t(e.numel) * 4);
+    comm_.allreduce_sum(f, all, DType::f32, backend_->stream());  // x + 0 + … = x exactly
+    if (rank_ == 0) backend_->download(e.select(dst, e.layer)->data(), f, size_t(all) * 4);
+  }
+}
+
+void CudaMixtralModel::gather_full(MixtralWeights& w, MixtralWeights& m, MixtralWeights& v) {
+  gather_full_buffer(master_.as<float>(), w);
+  gather_full_buffer(m_.as<float>(), m);
+  gather_full_buffer(v_.as<float>(), v);
+}
+
 void CudaMixtralModel::zero_grads() {
   StageScope scope(impl_->timer, "zero gradients");
   // The experts' gradients are not cleared: the first backward of each layer writes them (EpEngine).

@@ -72,6 +72,16 @@ struct CudaModelState {
   bool forward_done = false;
 };
 
+// This process as one rank of a GPU job (dmoe launch / mpirun / srun, or alone): its GPU made current, a CUDA
+// backend of `storage`, and a communicator over the job's processes (NCCL or NVSHMEM, chosen as make_gpu_comm
+// does; a local one at W = 1) with buffers for `max_tokens` tokens of one forward. Throws naming what is missing.
+struct CudaRank {
+  int32_t rank = 0, world = 1;
+  std::unique_ptr<Backend> backend;
+  std::unique_ptr<Comm> comm;
+};
+CudaRank open_cuda_rank(const MixtralConfig& config, DType storage, int64_t max_tokens);
+
 class CudaMixtralModel {
  public:
   // storage f32 or bf16; the process's GPU must be current (select_device); `comm` the job's communicator
@@ -89,6 +99,10 @@ class CudaMixtralModel {
   MixtralWeights weights();
   MixtralWeights grads();
   void moments(MixtralWeights& m, MixtralWeights& v);
+  // Every expert of the weights and moments (all ranks' shares) into w, m, v on rank 0 (collective; the other ranks'
+  // outputs are left empty): each expert stack is summed over the ranks from zeros and this rank's share, on the
+  // device, through the communicator.
+  void gather_full(MixtralWeights& w, MixtralWeights& m, MixtralWeights& v);
 
   void zero_grads();
   // tokens [batch, seq] (host). Returns the loss over all ranks (collective); waits for the GPU once.
@@ -133,6 +147,7 @@ class CudaMixtralModel {
   void prepare_moe(CudaBlockState& b, int64_t tokens, int layer);
   void upload_share(const MixtralWeights& src, float* dst);
   void download_share(const float* src, MixtralWeights& dst);
+  void gather_full_buffer(const float* src, MixtralWeights& dst);
 
   MixtralConfig config_;
   DType storage_;

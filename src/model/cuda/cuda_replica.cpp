@@ -21,22 +21,9 @@ class CudaReplica final : public TrainReplica {
   CudaReplica(const MixtralConfig& config, DType storage, const MixtralWeights& full, const MixtralWeights& m,
               const MixtralWeights& v, int32_t micro_batches, int64_t max_tokens)
       : states_(micro_batches) {
-    const ProcessEnv env = detect_process_env();
-    int count = 0;
-    if (cudaGetDeviceCount(&count) != cudaSuccess) count = 0;
-    DMOE_REQUIRE_INPUT(count > 0, "--engine cuda needs a CUDA GPU, and none is visible; use --engine cpu");
-    std::unique_ptr<Backend> backend;
-    if (env.world == 1) {
-      backend = make_cuda_backend(storage, choose_device(env, count));
-      comm_ = make_local_comm();
-    } else {
-      const int32_t device = select_device(env);
-      backend = make_cuda_backend(storage, device);
-      const int64_t k = config.num_experts_per_tok, Le = config.num_local_experts / env.world;
-      const size_t per_peer = size_t(std::max(max_tokens * k, max_tokens * Le)) * size_t(config.hidden_size) *
-                              dtype_size(storage);
-      comm_ = make_gpu_comm(env, CommKind::automatic, per_peer, static_cast<cudaStream_t>(backend->stream()));
-    }
+    CudaRank r = open_cuda_rank(config, storage, max_tokens);
+    comm_ = std::move(r.comm);
+    std::unique_ptr<Backend> backend = std::move(r.backend);
     model_ = std::make_unique<CudaMixtralModel>(config, storage, *comm_, std::move(backend));
     const int32_t first = model_->first_expert(), held = model_->experts_per_rank();
     model_->set_weights(slice_mixtral_experts(full, first, held));
@@ -66,7 +53,14 @@ class CudaReplica final : public TrainReplica {
     weights = model_->weights();
     model_->moments(m, v);
   }
+  bool gather_full(MixtralWeights& weights, MixtralWeights& m, MixtralWeights& v) override {
+    model_->gather_full(weights, m, v);
+    return true;
+  }
   Comm& comm() override { return *comm_; }
+  void barrier() override {
+    if (comm_->world() > 1) comm_->barrier(model_->backend().stream());
+  }
   std::vector<std::pair<std::string, double>> stage_times() override { return model_->stage_times(); }
   const char* engine_name() const override { return "cuda"; }
 
@@ -78,6 +72,28 @@ class CudaReplica final : public TrainReplica {
 };
 
 }  // namespace
+
+CudaRank open_cuda_rank(const MixtralConfig& config, DType storage, int64_t max_tokens) {
+  const ProcessEnv env = detect_process_env();
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) count = 0;
+  DMOE_REQUIRE_INPUT(count > 0, "--engine cuda needs a CUDA GPU, and none is visible; use --engine cpu");
+  CudaRank r;
+  r.rank = env.rank;
+  r.world = env.world;
+  if (env.world == 1) {
+    r.backend = make_cuda_backend(storage, choose_device(env, count));
+    r.comm = make_local_comm();
+  } else {
+    const int32_t device = select_device(env);
+    r.backend = make_cuda_backend(storage, device);
+    const int64_t k = config.num_experts_per_tok, Le = config.num_local_experts / env.world;
+    const size_t per_peer = size_t(std::max(max_tokens * k, max_tokens * Le)) * size_t(config.hidden_size) *
+                            dtype_size(storage);
+    r.comm = make_gpu_comm(env, CommKind::automatic, per_peer, static_cast<cudaStream_t>(r.backend->stream()));
+  }
+  return r;
+}
 
 std::unique_ptr<TrainReplica> make_cuda_replica(const MixtralConfig& config, DType storage, const MixtralWeights& full,
                                                 const MixtralWeights& m, const MixtralWeights& v,
