@@ -282,9 +282,12 @@ TEST_P(GpuCommKinds, AllreduceSumAllDtypes) {
 
 TEST_P(GpuCommKinds, AllreduceSumLargerThanStaging) {
   COMM_OR_SKIP(GetParam());
-  // NvshmemComm reduces through 4 MiB of staging: 3.1 M floats (12.4 MB) takes four chunks.
-  check_allreduce<float>(*comm, shared().stream, DType::f32, 3 * (1 << 20) + 12345);
-  check_allreduce<int64_t>(*comm, shared().stream, DType::i64, (1 << 19) + 17);
+  // NvshmemComm reduces through 16 MiB of staging: 9.4 M floats (37.7 MB) take three chunks, the last one partial
+  // and no multiple of the 64-element slices its reduce-scatter splits a chunk into; 2.1 M int64 two chunks.
+  check_allreduce<float>(*comm, shared().stream, DType::f32, 9 * (1 << 20) + 12345);
+  check_allreduce<int64_t>(*comm, shared().stream, DType::i64, 2 * (1 << 20) + 17);
+  // Fewer elements than PEs × 64: some PEs' slices are empty.
+  check_allreduce<float>(*comm, shared().stream, DType::f32, 65);
 }
 
 TEST_P(GpuCommKinds, BroadcastFromEveryRoot) {

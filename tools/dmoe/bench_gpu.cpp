@@ -341,6 +341,9 @@ int run_gpu_model_bench(const ModelBenchArgs& a) {
               dtype_name(a.dtype), prop.name);
   std::printf("FLOP per rank: forward %.4g, step 3 x forward = %.4g (formula: src/bench/cuda/model_bench.hpp); bf16 GEMM "
               "ceiling in the same rounds %.1f TFLOP/s\n", r.forward_flop, r.step_flop, r.gemm_ceiling_flop_per_s * 1e-12);
+  if (gpus < r.world)
+    std::printf("ranks share a GPU (MPS): the MFU column is against rank 0's ceiling timed while the other ranks run, "
+                "so it overstates; compare tokens/s with W = 1 instead\n");
   std::printf("%-26s %10s %10s %10s %12s %9s %8s\n", "", "median ms", "min", "max", "tokens/s", "TFLOP/s", "MFU");
   std::printf("%-26s %10.2f %10.2f %10.2f %12.0f %9.1f %7.1f%%\n", "training step (fwd+bwd+opt)", r.step.median_ms,
               r.step.min_ms, r.step.max_ms, n / step_s, job_flop / step_s * 1e-12, 100 * mfu);
