@@ -48,7 +48,7 @@ install(TARGETS dmoe EXPORT dmoeTargets
 install(DIRECTORY include/dmoe/ DESTINATION ${DMOE_INSTALL_HEADERDIR} COMPONENT dmoe_dev
         FILES_MATCHING PATTERN "*.hpp")
 # The folders compiled only with CUDA ship their headers only then (a CPU-only install has no such code).
-set(_dmoe_cuda_only_dirs cuda comm/cuda bench/cuda flash)
+set(_dmoe_cuda_only_dirs cuda comm/cuda bench/cuda flash model/cuda)
 set(_dmoe_header_excludes)
 if(NOT DMOE_WITH_CUDA)
   foreach(_d IN LISTS _dmoe_cuda_only_dirs)

@@ -1,5 +1,5 @@
-// train_replica.cpp — the CPU engine's TrainReplica (MixtralModel on the host), and the CUDA factory's stand-in in
-// a build without CUDA.
+// train_replica.cpp — the CPU engine's TrainReplica (MixtralModel on the host). The GPU's is in model/cuda/ (a build
+// without CUDA compiles model/no_cuda/ instead).
 #include "model/train_replica.hpp"
 
 #include <vector>
@@ -69,21 +69,5 @@ std::unique_ptr<TrainReplica> make_cpu_replica(const MixtralConfig& config, Comm
   return std::make_unique<CpuReplica>(config, comm, std::move(share), std::move(m), std::move(v), micro_batches);
 }
 
-#if !defined(DMOE_WITH_CUDA)
-std::unique_ptr<TrainReplica> make_cuda_replica(const MixtralConfig&, DType, const MixtralWeights&,
-                                                const MixtralWeights&, const MixtralWeights&, int32_t, int64_t) {
-  DMOE_FAIL_INPUT("--engine cuda needs the CUDA engines, and this dmoe was built without CUDA (DMOE_CUDA=OFF or no "
-                  "nvcc); use --engine cpu");
-}
-EvalResult run_cuda_model(const MixtralConfig&, const MixtralWeights&, const std::vector<int32_t>&, int64_t, int64_t,
-                          DType, bool) {
-  DMOE_FAIL_INPUT("--engine cuda needs the CUDA engines, and this dmoe was built without CUDA (DMOE_CUDA=OFF or no "
-                  "nvcc); use --engine cpu");
-}
-void cuda_job_size(int32_t* rank, int32_t* world) {
-  *rank = 0;
-  *world = 1;
-}
-#endif
 
 }  // namespace dmoe
