@@ -210,6 +210,7 @@ void EpEngine::forward(const void* x, void* y, ForwardMode mode) {
   kept_for_backward_ = false;  // until this forward has stored everything
 
   // 1. Router: logits, softmax, top-k, gate weights.  logits, probs: [T, E]; ids, weights: [T, k].
+  mark("MoE fwd router + send plan");
   float* logits = static_cast<float*>(logits_.ensure(T * E * sizeof(float)));
   float* probs = static_cast<float*>(probs_.ensure(T * E * sizeof(float)));
   int32_t* ids = static_cast<int32_t*>(ids_.ensure(T * k * sizeof(int32_t)));
@@ -239,6 +240,7 @@ void EpEngine::forward(const void* x, void* y, ForwardMode mode) {
   const int64_t S = send_rows_total_;
 
   // 3. send [S, H] = x rows in expert-major order; in padded mode the wire carries [E·C, H].
+  mark("MoE fwd dispatch (gather, all-to-all, permute)");
   fault_point(comm_, FaultStage::before_dispatch);
   backend_.gather_rows(x, plan.row_token, send_.ensure(S * H * elem_), S, H);
   void* wire = send_.data();
@@ -271,6 +273,7 @@ void EpEngine::forward(const void* x, void* y, ForwardMode mode) {
   }
 
   // 5. Grouped expert FFN, then back to source-major order.
+  mark("MoE fwd experts");
   fault_point(comm_, FaultStage::expert_gemm);
   backend_.expert_ffn_forward(batch_rows_, w1_ptr_, swiglu ? w3_ptr_ : nullptr, w2_ptr_,
                               keep ? pre1_.ensure(N * I * elem_) : nullptr,
@@ -278,6 +281,7 @@ void EpEngine::forward(const void* x, void* y, ForwardMode mode) {
                               h_.ensure(N * I * elem_), out_batch_.ensure(N * H * elem_),
                               layout_.expert_offsets.data(), Le, H, I, config_.activation);
   // 6. Results back to the tokens' ranks (same segments, reversed), then the weighted combine.
+  mark("MoE fwd combine (permute, all-to-all, combine)");
   const int64_t wire_total = rows_sent();
   returned_rows_ = out_batch_.data();
   if (!aliased) {
@@ -297,7 +301,11 @@ void EpEngine::forward(const void* x, void* y, ForwardMode mode) {
 
   // The router's auxiliary losses are training terms: an inference forward skips their kernels and the
   // host read they end with.
-  if (keep) compute_losses();
+  if (keep) {
+    mark("MoE fwd router statistics (aux loss)");
+    compute_losses();
+  }
+  mark(nullptr);
   kept_for_backward_ = keep;
 }
 
@@ -347,6 +355,7 @@ void EpEngine::backward(const void* dy, void* dx) {
   fault_point(comm_, FaultStage::backward);
 
   // 1. Combine backward: gradient of each returned row and of each gate weight.
+  mark("MoE bwd combine + row gradients to the experts");
   float* dweights = static_cast<float*>(dweights_.ensure(T * k * sizeof(float)));
   backend_.combine_backward(dy, returned_rows_, slot_.as<int32_t>(), weights_.as<float>(),
                             dret_.ensure(S * H * elem_), dweights, T, k, H);
@@ -373,6 +382,7 @@ void EpEngine::backward(const void* dy, void* dx) {
   }
 
   // 3. Expert FFN backward: input gradients and accumulated weight gradients.
+  mark("MoE bwd experts");
   fault_point(comm_, FaultStage::expert_gemm);
   backend_.expert_ffn_backward(batch_rows_, w1_ptr_, swiglu ? w3_ptr_ : nullptr, w2_ptr_,
                                pre1_.data(), swiglu ? pre3_.data() : nullptr, h_.data(), dbatch,
@@ -382,6 +392,7 @@ void EpEngine::backward(const void* dy, void* dx) {
   expert_grads_zero_ = false;
 
   // 4. Input gradients back to the tokens' ranks.
+  mark("MoE bwd dispatch back + router");
   void* dsend = dx_batch_.data();
   if (!aliased) {
     void* dx_recv = local_only_ ? dsend_.ensure(rows_sent() * H * elem_) : dx_recv_.ensure(R * H * elem_);
@@ -412,6 +423,7 @@ void EpEngine::backward(const void* dy, void* dx) {
   backend_.router_backward(x_, wg_ptr_, probs_.as<float>(), ids_.as<int32_t>(), weights_.as<float>(),
                            dweights, aux, dlogits, dx_router, grad_.gate, T, H, E, k, config_.renormalize);
   backend_.scatter_back(dsend, slot_.as<int32_t>(), dx_router, dx, T, k, H);
+  mark(nullptr);
 }
 
 void EpEngine::set_load_balance_grad(std::vector<double> dloss_dprob) {

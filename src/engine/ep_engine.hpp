@@ -70,6 +70,14 @@ struct RoutingViews {
   const float* weights = nullptr;
 };
 
+// Told where the engine's stages begin (mark(name)) and where the last one ends (mark(nullptr)), in the order
+// the engine issues them; a profiler (the GPU model's stage times) records events there. Names are literals.
+class StageObserver {
+ public:
+  virtual ~StageObserver() = default;
+  virtual void mark(const char* stage) = 0;
+};
+
 struct RouterLosses {
   double load_balance = 0;  // E · Σ_e f_e · P_e over all ranks' tokens
   double z_loss = 0;        // mean over all tokens of logsumexp(logits)²
@@ -145,6 +153,8 @@ class EpEngine {
 
   const MoeConfig& config() const { return config_; }
   Backend& backend() { return backend_; }
+  // Stage marks for a profiler from now on (null: none). The observer outlives the engine's calls.
+  void set_stage_observer(StageObserver* observer) { observer_ = observer; }
 
  private:
   void check_ranks_agree(const EpOptions& options);
@@ -157,7 +167,12 @@ class EpEngine {
   void pad_rows(const void* compact, void* padded);
   void unpad_rows(const void* padded, void* compact);
 
+  void mark(const char* stage) {
+    if (observer_) observer_->mark(stage);
+  }
+
   MoeConfig config_;
+  StageObserver* observer_ = nullptr;
   Backend& backend_;
   Comm& comm_;
   int32_t rank_ = 0;

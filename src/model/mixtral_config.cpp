@@ -109,6 +109,15 @@ MoeConfig MixtralConfig::moe_config(int64_t tokens, int32_t world) const {
   return c;
 }
 
+double MixtralConfig::forward_flop(int64_t batch, int64_t seq) const {
+  const double n = double(batch) * double(seq), H = double(hidden_size), Q = double(q_size()), KV = double(kv_size()),
+               I = double(intermediate_size), E = double(num_local_experts), k = double(num_experts_per_tok),
+               V = double(vocab_size), D = double(head_size());
+  const double per_layer = 2 * n * H * (Q + 2 * KV) + 2 * n * Q * H + 2 * n * H * E + 2 * n * k * 3 * H * I +
+                           2 * double(batch) * num_attention_heads * double(seq) * double(seq) * D;
+  return per_layer * num_hidden_layers + 2 * n * H * V;
+}
+
 int64_t MixtralConfig::num_parameters() const {
   const int64_t H = hidden_size, E = num_local_experts;
   const int64_t attention = H * q_size() * 2 + H * kv_size() * 2;

@@ -52,6 +52,10 @@ struct MixtralConfig {
   MoeConfig moe_config(int64_t tokens, int32_t world) const;
   // Parameters in the model (tied lm_head counted once).
   int64_t num_parameters() const;
+  // FLOP of one forward over batch × seq tokens (n = batch·seq), per layer 2nH(Q+2KV) + 2nQH (projections) + 2nHE
+  // (router) + 2nk·3HI (the k experts a token goes to) + 2·batch·heads·seq²·D (causal attention: QKᵀ and PV over
+  // the visible half), plus 2nHV for the LM head. A training step is 3 × this (6·parameters·tokens convention).
+  double forward_flop(int64_t batch, int64_t seq) const;
   std::string summary() const;
 };
 

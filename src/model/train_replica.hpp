@@ -41,6 +41,8 @@ class TrainReplica {
   virtual bool gather_full(MixtralWeights& weights, MixtralWeights& m, MixtralWeights& v) { return false; }
   virtual Comm& comm() = 0;
   virtual void barrier() = 0;  // every rank here (collective; waits)
+  // The bf16 GEMM ceiling of this rank's GPU (FLOP/s), measured when the replica was made; 0 on the CPU engine.
+  virtual double gemm_ceiling_flop_per_s() const { return 0; }
   // Time per stage summed over the steps so far, ms (the GPU model's stage events; empty on the CPU engine).
   virtual std::vector<std::pair<std::string, double>> stage_times() { return {}; }
   virtual const char* engine_name() const = 0;

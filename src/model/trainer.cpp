@@ -224,6 +224,10 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
   // One rank's loop, on either engine (train_replica.hpp).
   auto run_rank = [&](int32_t rank, TrainReplica& replica) {
     const int64_t micro = local / o.micro_batches;
+    // A step's FLOP over all ranks (3 × forward, MixtralConfig::forward_flop) and the ceiling the MFU is against
+    // (the GPU's bf16 GEMM timed by the replica; none on the CPU). Ranks sharing one GPU overstate it.
+    const double step_flop = 3 * config.forward_flop(o.batch, o.seq);
+    const double ceiling = replica.gemm_ceiling_flop_per_s();
 
     auto validate = [&] {
       double sum = 0;
@@ -271,15 +275,19 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
       if (rank != 0) continue;
       result.records.push_back(rec);
       if (log.is_open()) {
-        log << json{{"step", step}, {"loss", loss}, {"lr", ap.lr}, {"grad_norm", rec.grad_norm},
-                    {"tokens_per_s", rec.tokens_per_s}}.dump() << '\n';
+        json line{{"step", step}, {"loss", loss}, {"lr", ap.lr}, {"grad_norm", rec.grad_norm},
+                  {"tokens_per_s", rec.tokens_per_s}, {"tflop_per_s", step_flop / seconds * 1e-12}};
+        if (ceiling > 0) line["mfu"] = step_flop / seconds / (ceiling * o.world);
+        log << line.dump() << '\n';
         if (do_val) log << json{{"step", step}, {"val_loss", rec.val_loss}}.dump() << '\n';
         log.flush();
         DMOE_REQUIRE(!log.fail(), "--log {}: write failed (disk full?)", o.log_path);
       }
       if (o.print_every > 0 && (step % o.print_every == 0 || step == last_step || do_val))
-        print(fmt::format("step {:>5}/{} | loss {:.4f} | lr {:.3e} | grad norm {:.3f} | {:.0f} tokens/s{}", step,
-                          o.steps, loss, ap.lr, rec.grad_norm, rec.tokens_per_s,
+        print(fmt::format("step {:>5}/{} | loss {:.4f} | lr {:.3e} | grad norm {:.3f} | {:.0f} tokens/s | {:.3g} "
+                          "TFLOP/s{}{}", step, o.steps, loss, ap.lr, rec.grad_norm, rec.tokens_per_s, step_flop / seconds * 1e-12,
+                          ceiling > 0 ? fmt::format(" | MFU {:.1f}%", 100 * step_flop / seconds / (ceiling * o.world))
+                                      : std::string(),
                           do_val ? fmt::format(" | val loss {:.4f}", rec.val_loss) : std::string()));
     }
     save(rank, replica, last_step, o.save_dir);

@@ -17,14 +17,7 @@
 
 namespace dmoe::bench {
 
-double model_forward_flop(const MixtralConfig& c, int64_t batch, int64_t seq) {
-  const double n = double(batch) * double(seq), H = double(c.hidden_size), Q = double(c.q_size()),
-               KV = double(c.kv_size()), I = double(c.intermediate_size), E = double(c.num_local_experts),
-               k = double(c.num_experts_per_tok), V = double(c.vocab_size), D = double(c.head_size());
-  const double per_layer = 2 * n * H * (Q + 2 * KV) + 2 * n * Q * H + 2 * n * H * E + 2 * n * k * 3 * H * I +
-                           2 * double(batch) * c.num_attention_heads * double(seq) * double(seq) * D;
-  return per_layer * c.num_hidden_layers + 2 * n * H * V;
-}
+double model_forward_flop(const MixtralConfig& c, int64_t batch, int64_t seq) { return c.forward_flop(batch, seq); }
 
 ModelBenchResult bench_model_step(const MixtralConfig& config, const ModelBenchOptions& o) {
   int32_t r_world = 1;

@@ -2,7 +2,8 @@
 // (CudaMixtralModel: forward with the loss, backward, gradient norm, AdamW), and its forward alone, timed in the
 // same rounds as the GEMM ceiling; FLOPs, MFU and the memory the model holds.
 //
-// FLOPs of a step (written out so the MFU can be checked by hand), n = batch·seq tokens, per layer
+// FLOPs of a step (MixtralConfig::forward_flop; written out so the MFU can be checked by hand), n = batch·seq tokens,
+// per layer
 //   dense  = 2·n·H·(Q + 2·KV) + 2·n·Q·H          (q, k, v, o projections)
 //   router = 2·n·H·E
 //   experts = 2·n·k·3·H·I                        (the k experts a token is routed to; SwiGLU: w1, w3, w2)

@@ -112,6 +112,16 @@ class StageScope {
   const char* name_ = "";
 };
 
+// The MoE engines' stage marks (EpEngine::set_stage_observer) as stage times of the model's timer.
+struct EngineMarks final : StageObserver {
+  StageTimer* timer = nullptr;
+  std::optional<StageScope> open;
+  void mark(const char* stage) override {
+    open.reset();
+    if (stage) open.emplace(*timer, stage);
+  }
+};
+
 ParamLayout make_param_layout(const MixtralConfig& c, int32_t experts_per_rank) {
   const int64_t H = c.hidden_size, V = c.vocab_size, Q = c.q_size(), KV = c.kv_size(), I = c.intermediate_size;
   const int64_t E = c.num_local_experts, Le = experts_per_rank;
@@ -169,6 +179,7 @@ struct CudaMixtralModel::Impl {
   std::unique_ptr<cuda::CudnnAttention> cudnn;
   std::string attention = "own";
   StageTimer timer;
+  EngineMarks marks;
   ~Impl() {
     if (cublas && cuda::wait_stream_quietly(stream)) (void)cublasDestroy(cublas);
   }
@@ -191,6 +202,7 @@ CudaMixtralModel::CudaMixtralModel(const MixtralConfig& config, DType storage, C
                      "cuda mixtral: head_dim {} must be even and <= 256", config_.head_size());
   elem_ = dtype_size(storage);
   impl_->stream = static_cast<cudaStream_t>(backend_->stream());
+  impl_->marks.timer = &impl_->timer;
   DMOE_CHECK_CUBLAS(cublasCreate(&impl_->cublas));
   DMOE_CHECK_CUBLAS(cublasSetStream(impl_->cublas, impl_->stream));
   DMOE_CHECK_CUBLAS(cublasSetMathMode(impl_->cublas, CUBLAS_DEFAULT_MATH));  // no TF32: f32 is f32
@@ -453,16 +465,17 @@ void CudaMixtralModel::prepare_moe(CudaBlockState& b, int64_t tokens, int layer)
     const ParamLayout::Layer& lw = layout_.layers[layer];
     b.moe->set_weight_views(WeightViews{w(lw.gate), w(lw.w1), w(lw.w3), w(lw.w2)});
     b.moe->set_grad_views(GradViews{g(lw.gate), g(lw.w1), g(lw.w3), g(lw.w2)});
+    b.moe->set_stage_observer(&impl_->marks);
   }
 }
 
 void CudaMixtralModel::moe_forward(int layer, CudaModelState& st) {
-  StageScope scope(impl_->timer, "fwd MoE (router, dispatch, experts, combine)");
   const int64_t n = st.batch * st.seq, H = config_.hidden_size;
   CudaBlockState& b = st.blocks[layer];
   prepare_moe(b, n, layer);
   void* out = b.moe_out.ensure(n * H * elem_);
-  b.moe->forward(b.hn2.data(), out, ForwardMode::train);
+  b.moe->forward(b.hn2.data(), out, ForwardMode::train);  // its stages: the engine's marks
+  StageScope scope(impl_->timer, "fwd MoE residual");
   // The block's output (the next block's input): h + MoE(hn2).
   void* next = st.out.ensure(n * H * elem_);
   backend_->copy(next, b.h.data(), n * H * elem_);
@@ -572,7 +585,6 @@ void CudaMixtralModel::backward(CudaModelState& st, double loss_scale) {
       const ParamLayout::Layer& lw = layout_.layers[l];
       // ---- moe
       scope.reset();
-      scope.emplace(impl_->timer, "bwd MoE (combine, experts, dispatch, router)");
       if (config_.output_router_logits) {
         const double N = double(b.moe->config().tokens) * world_;
         std::vector<double> dprob(E);
@@ -587,7 +599,8 @@ void CudaMixtralModel::backward(CudaModelState& st, double loss_scale) {
         b.moe->accumulate_grads();
       }
       T* dhn2 = static_cast<T*>(tmp.ensure(n * H * elem_));
-      b.moe->backward(dr, dhn2);
+      b.moe->backward(dr, dhn2);  // its stages: the engine's marks
+      scope.emplace(impl_->timer, "bwd post-attention norm + residual");
       T* dhp = static_cast<T*>(dh.ensure(n * H * elem_));
       cuda::rmsnorm_backward<T>(b.h.as<T>(), W(lw.post_attention_layernorm), b.rstd2.as<float>(), dhn2, dhp,
                                 g(lw.post_attention_layernorm), n, H, impl_->ws, s);

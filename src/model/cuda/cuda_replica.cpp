@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "bench/cuda/gpu_timing.hpp"
 #include "comm/cuda/bootstrap.hpp"
 #include "comm/cuda/gpu_comm.hpp"
 #include "comm/cuda/local_comm.hpp"
@@ -29,7 +30,22 @@ class CudaReplica final : public TrainReplica {
     model_->set_weights(slice_mixtral_experts(full, first, held));
     model_->set_moments(slice_mixtral_experts(m, first, held), slice_mixtral_experts(v, first, held));
     model_->enable_stage_times(true);
+    // The MFU of the progress line is against the bf16 GEMM ceiling of this GPU, timed once here (8192³, best
+    // of 3 after a warm-up: ~10 ms).
+    {
+      cudaStream_t s = static_cast<cudaStream_t>(model_->backend().stream());
+      bench::CeilingGemm gemm(s);
+      bench::GpuTimer timer(s);
+      bench::TimingOptions t;
+      t.warmup = 1;
+      t.min_iterations = 3;
+      t.max_iterations = 3;
+      t.min_total_ms = 0;
+      t.flush_l2 = false;
+      ceiling_ = bench::CeilingGemm::flop() / (timer.time([&] { gemm.run(); }, t).min_ms * 1e-3);
+    }
   }
+  double gemm_ceiling_flop_per_s() const override { return ceiling_; }
   ~CudaReplica() override {
     states_.clear();  // engines before the model's backend and the communicator
     eval_.reset();
@@ -69,6 +85,7 @@ class CudaReplica final : public TrainReplica {
   std::unique_ptr<CudaMixtralModel> model_;
   std::vector<CudaModelState> states_;
   std::unique_ptr<CudaModelState> eval_;
+  double ceiling_ = 0;
 };
 
 }  // namespace
