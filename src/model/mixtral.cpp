@@ -16,6 +16,48 @@ void add_into(std::vector<float>& dst, const std::vector<float>& src) {
 
 }  // namespace
 
+std::vector<int32_t> next_token_targets(const MixtralConfig& config, const int32_t* tokens, int64_t batch,
+                                        int64_t seq) {
+  DMOE_REQUIRE_INPUT(batch >= 1, "mixtral: batch = {} must be >= 1", batch);
+  config.check_sequence(seq);
+  DMOE_REQUIRE_INPUT(seq >= 2, "mixtral: sequence length {} leaves no next-token prediction (need >= 2)", seq);
+  const int64_t n = batch * seq;
+  for (int64_t t = 0; t < n; ++t)
+    DMOE_REQUIRE_INPUT(tokens[t] >= 0 && tokens[t] < config.vocab_size,
+                       "mixtral: token {} at [{}, {}] is outside the vocabulary [0, {})", tokens[t], t / seq, t % seq,
+                       config.vocab_size);
+  std::vector<int32_t> targets(n, kIgnoreIndex);
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t s = 0; s + 1 < seq; ++s) targets[b * seq + s] = tokens[b * seq + s + 1];
+  return targets;
+}
+
+double pooled_load_balance_loss(const MixtralConfig& config, const std::vector<const EpEngine*>& layers,
+                                std::vector<double>& expert_fraction) {
+  const int32_t E = config.num_local_experts;
+  const double L = double(layers.size());
+  expert_fraction.assign(E, 0.0);
+  std::vector<double> prob(E, 0.0);
+  for (const EpEngine* engine : layers)
+    for (int32_t e = 0; e < E; ++e) {
+      expert_fraction[e] += engine->expert_fraction()[e] * config.num_experts_per_tok / L;
+      prob[e] += engine->prob_mean()[e] / L;
+    }
+  double aux = 0;
+  for (int32_t e = 0; e < E; ++e) aux += expert_fraction[e] * prob[e];
+  return aux * E;
+}
+
+std::vector<double> load_balance_prob_grad(const MixtralConfig& config, const std::vector<double>& expert_fraction,
+                                           double tokens_all_ranks, double loss_scale) {
+  const int32_t E = config.num_local_experts;
+  std::vector<double> dprob(E);
+  for (int32_t e = 0; e < E; ++e)
+    dprob[e] = loss_scale * config.router_aux_loss_coef * E * expert_fraction[e] /
+               (double(config.num_hidden_layers) * tokens_all_ranks);
+  return dprob;
+}
+
 MixtralModel::MixtralModel(const MixtralConfig& config, Comm& comm)
     : config_(config), comm_(comm), rank_(comm.rank()), world_(comm.world()) {
   config_.validate();
@@ -64,20 +106,10 @@ double MixtralModel::forward(const int32_t* tokens, int64_t batch, int64_t seq, 
 
 void MixtralModel::begin_forward(const int32_t* tokens, int64_t batch, int64_t seq, ModelState& st) {
   DMOE_REQUIRE(!weights_.layers.empty(), "mixtral: set_weights() was not called");
-  DMOE_REQUIRE_INPUT(batch >= 1, "mixtral: batch = {} must be >= 1", batch);
-  config_.check_sequence(seq);
-  DMOE_REQUIRE_INPUT(seq >= 2, "mixtral: sequence length {} leaves no next-token prediction (need >= 2)", seq);
-  const int64_t n = batch * seq;
-  for (int64_t t = 0; t < n; ++t)
-    DMOE_REQUIRE_INPUT(tokens[t] >= 0 && tokens[t] < config_.vocab_size,
-                 "mixtral: token {} at [{}, {}] is outside the vocabulary [0, {})", tokens[t], t / seq, t % seq,
-                 config_.vocab_size);
+  st.targets = next_token_targets(config_, tokens, batch, seq);
   st.batch = batch;
   st.seq = seq;
-  st.tokens.assign(tokens, tokens + n);
-  st.targets.assign(n, kIgnoreIndex);
-  for (int64_t b = 0; b < batch; ++b)
-    for (int64_t s = 0; s + 1 < seq; ++s) st.targets[b * seq + s] = tokens[b * seq + s + 1];
+  st.tokens.assign(tokens, tokens + batch * seq);
   st.blocks.resize(config_.num_hidden_layers);
   st.forward_done = false;
 }
@@ -163,21 +195,13 @@ void MixtralModel::head_forward(ModelState& st) {
   st.ce_count = int64_t(totals[1]);
   st.ce_loss = totals[0] / totals[1];
 
-  // Mixtral's load-balancing loss pools all layers: F_e = k/L · Σ_l f_e^l (f^l = assigned / (N·k) per
-  // layer), P_e = 1/L · Σ_l P_e^l; the engines' statistics are already over all ranks.
+  // Mixtral's load-balancing loss pools all layers (the engines' statistics are already over all ranks).
   st.aux_loss = 0;
   st.expert_fraction.assign(E, 0.0);
   if (config_.output_router_logits) {
-    std::vector<double> prob(E, 0.0);
-    for (int l = 0; l < L; ++l) {
-      const EpEngine& engine = *st.blocks[l].moe;
-      for (int32_t e = 0; e < E; ++e) {
-        st.expert_fraction[e] += engine.expert_fraction()[e] * config_.num_experts_per_tok / L;
-        prob[e] += engine.prob_mean()[e] / L;
-      }
-    }
-    for (int32_t e = 0; e < E; ++e) st.aux_loss += st.expert_fraction[e] * prob[e];
-    st.aux_loss *= E;
+    std::vector<const EpEngine*> engines;
+    for (int l = 0; l < L; ++l) engines.push_back(st.blocks[l].moe.get());
+    st.aux_loss = pooled_load_balance_loss(config_, engines, st.expert_fraction);
   }
   st.loss = st.ce_loss + (config_.output_router_logits ? config_.router_aux_loss_coef * st.aux_loss : 0.0);
 }
@@ -216,17 +240,12 @@ void MixtralModel::head_backward(ModelState& st, std::vector<float>& dresid, dou
 void MixtralModel::moe_backward(int layer, ModelState& st, std::vector<float>& dresid, std::vector<float>& dh,
                                 double loss_scale) {
   const int64_t n = st.batch * st.seq, H = config_.hidden_size;
-  const int32_t L = config_.num_hidden_layers, E = config_.num_local_experts;
   BlockState& b = st.blocks[layer];
   MixtralLayerWeights& g = grads_.layers[layer];
   // d(coef·aux)/d probs[t, e] = coef · E · F_e / (L·N), the same for every token of every layer.
-  if (config_.output_router_logits) {
-    const double N = double(b.moe->config().tokens) * world_;
-    std::vector<double> dprob(E);
-    for (int32_t e = 0; e < E; ++e)
-      dprob[e] = loss_scale * config_.router_aux_loss_coef * E * st.expert_fraction[e] / (double(L) * N);
-    b.moe->set_load_balance_grad(std::move(dprob));
-  }
+  if (config_.output_router_logits)
+    b.moe->set_load_balance_grad(
+        load_balance_prob_grad(config_, st.expert_fraction, double(b.moe->config().tokens) * world_, loss_scale));
   std::vector<float> dhn2(n * H);
   b.moe->backward(dresid.data(), dhn2.data());
   const MoeWeights mg = b.moe->grads();  // collective: gate summed over ranks

@@ -70,6 +70,20 @@ struct ModelState {
   bool forward_done = false;
 };
 
+// What the CPU and the GPU model compute alike (model/mixtral.cpp, model/cuda/cuda_mixtral.cpp):
+// Checks tokens [batch, seq] (batch >= 1, the sequence length against the config, every token in the vocabulary)
+// and returns the next-token targets: targets[b, s] = tokens[b, s+1], kIgnoreIndex at s = seq − 1.
+std::vector<int32_t> next_token_targets(const MixtralConfig& config, const int32_t* tokens, int64_t batch,
+                                        int64_t seq);
+// Mixtral's load-balancing loss pooled over the layers' engines (their statistics are over all ranks already):
+// F_e = k/L · Σ_l f_e^l, P_e = 1/L · Σ_l P_e^l, aux = E · Σ_e F_e·P_e. Fills expert_fraction with F [E].
+double pooled_load_balance_loss(const MixtralConfig& config, const std::vector<const EpEngine*>& layers,
+                                std::vector<double>& expert_fraction);
+// d(loss_scale · coef · aux) / d probs[t, e] for every token of a layer with `tokens_all_ranks` tokens: the same
+// for every token, coef · E · F_e / (L · N) (EpEngine::set_load_balance_grad).
+std::vector<double> load_balance_prob_grad(const MixtralConfig& config, const std::vector<double>& expert_fraction,
+                                           double tokens_all_ranks, double loss_scale);
+
 class MixtralModel {
  public:
   MixtralModel(const MixtralConfig& config, Comm& comm);

@@ -18,6 +18,7 @@
 #include "cuda/check.hpp"
 #include "cuda/attention_cudnn.hpp"
 #include "cuda/model_kernels.cuh"
+#include "model/mixtral.hpp"
 
 namespace dmoe {
 namespace {
@@ -359,20 +360,11 @@ void CudaMixtralModel::zero_grads() {
 // ---- forward ---------------------------------------------------------------------------------------
 
 double CudaMixtralModel::forward(const int32_t* tokens, int64_t batch, int64_t seq, CudaModelState& st) {
-  DMOE_REQUIRE_INPUT(batch >= 1, "mixtral: batch = {} must be >= 1", batch);
-  config_.check_sequence(seq);
-  DMOE_REQUIRE_INPUT(seq >= 2, "mixtral: sequence length {} leaves no next-token prediction (need >= 2)", seq);
+  const std::vector<int32_t> targets = next_token_targets(config_, tokens, batch, seq);
   const int64_t n = batch * seq;
-  for (int64_t t = 0; t < n; ++t)
-    DMOE_REQUIRE_INPUT(tokens[t] >= 0 && tokens[t] < config_.vocab_size,
-                       "mixtral: token {} at [{}, {}] is outside the vocabulary [0, {})", tokens[t], t / seq, t % seq,
-                       config_.vocab_size);
   st.batch = batch;
   st.seq = seq;
   st.tokens.assign(tokens, tokens + n);
-  std::vector<int32_t> targets(n, -100);
-  for (int64_t b = 0; b < batch; ++b)
-    for (int64_t s = 0; s + 1 < seq; ++s) targets[b * seq + s] = tokens[b * seq + s + 1];
   for (Buffer* b : {&st.tokens_dev, &st.targets_dev, &st.out, &st.xfn, &st.rstdf, &st.logits, &st.lse_head,
                     &st.loss_sum, &st.count})
     b->bind(*backend_);
@@ -521,16 +513,9 @@ void CudaMixtralModel::head_forward(CudaModelState& st) {
   st.aux_loss = 0;
   st.expert_fraction.assign(E, 0.0);
   if (config_.output_router_logits) {
-    std::vector<double> prob(E, 0.0);
-    for (int l = 0; l < L; ++l) {
-      const EpEngine& engine = *st.blocks[l].moe;
-      for (int32_t e = 0; e < E; ++e) {
-        st.expert_fraction[e] += engine.expert_fraction()[e] * config_.num_experts_per_tok / L;
-        prob[e] += engine.prob_mean()[e] / L;
-      }
-    }
-    for (int32_t e = 0; e < E; ++e) st.aux_loss += st.expert_fraction[e] * prob[e];
-    st.aux_loss *= E;
+    std::vector<const EpEngine*> engines;
+    for (int l = 0; l < L; ++l) engines.push_back(st.blocks[l].moe.get());
+    st.aux_loss = pooled_load_balance_loss(config_, engines, st.expert_fraction);
   }
   st.loss = st.ce_loss + (config_.output_router_logits ? config_.router_aux_loss_coef * st.aux_loss : 0.0);
 }
@@ -548,7 +533,7 @@ void CudaMixtralModel::backward(CudaModelState& st, double loss_scale) {
   DMOE_REQUIRE(st.forward_done, "mixtral: backward() needs a completed forward() on this state");
   const int64_t n = st.batch * st.seq, H = config_.hidden_size, V = config_.vocab_size, Q = config_.q_size(),
                 KV = config_.kv_size(), D = config_.head_size();
-  const int32_t L = config_.num_hidden_layers, E = config_.num_local_experts;
+  const int32_t L = config_.num_hidden_layers;
   const int32_t heads = config_.num_attention_heads, kv_heads = config_.num_key_value_heads;
   cudaStream_t s = impl_->stream;
   // Scratch kept by the model between backwards (grow-only; one stream, so one backward at a time uses it).
@@ -585,13 +570,9 @@ void CudaMixtralModel::backward(CudaModelState& st, double loss_scale) {
       const ParamLayout::Layer& lw = layout_.layers[l];
       // ---- moe
       scope.reset();
-      if (config_.output_router_logits) {
-        const double N = double(b.moe->config().tokens) * world_;
-        std::vector<double> dprob(E);
-        for (int32_t e = 0; e < E; ++e)
-          dprob[e] = loss_scale * config_.router_aux_loss_coef * E * st.expert_fraction[e] / (double(L) * N);
-        b.moe->set_load_balance_grad(std::move(dprob));
-      }
+      if (config_.output_router_logits)
+        b.moe->set_load_balance_grad(
+            load_balance_prob_grad(config_, st.expert_fraction, double(b.moe->config().tokens) * world_, loss_scale));
       if (experts_fresh_[l]) {
         b.moe->zero_grads();  // the gate's share is zero already; the experts' are written by this backward
         experts_fresh_[l] = false;
