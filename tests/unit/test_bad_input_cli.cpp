@@ -165,7 +165,9 @@ TEST_F(BadInput, WholeModelErrorsCarryNoSourceLocation) {
   expect_user_error(run_cli(eval + p("flat.st")), "expected [batch >= 1, seq >= 2]", "1-D tokens");
   expect_user_error(run_cli(eval + p("oov.st")), "outside the vocabulary", "token out of range");
   expect_user_error(run_cli(eval + p("odd.st") + " --world 2"), "split evenly", "batch over world");
-  expect_user_error(run_cli(eval + p("odd.st") + " --engine cuda"), "allowed: cpu", "eval engine");
+  expect_user_error(run_cli(eval + p("odd.st") + " --engine tpu"), "allowed: cpu, cuda", "eval engine");
+  expect_user_error(run_cli(eval + p("odd.st") + " --dtype bf16"), "allowed: f32 (cpu, cuda), bf16 (cuda)",
+                    "bf16 eval on the CPU engine");
   // A layer file is not a model; a model config without a required key.
   ASSERT_EQ(run_cli("init --hidden 8 --ffn 8 --experts 4 --top-k 2 --tokens 2 --out " + p("layer.st")).status, 0);
   expect_user_error(run_cli("eval --config " + p("tiny.json") + " --weights " + p("layer.st") + " --output " +
