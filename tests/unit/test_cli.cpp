@@ -205,6 +205,23 @@ TEST_F(Cli, BenchNoBackwardReportsNoBackwardTime) {
   EXPECT_FALSE(j[0].contains("forward_backward_gflops")) << j.dump();
 }
 
+// `dmoe bench model` (a whole model's training step) needs a GPU; its --batch/--seq are refused on the layer
+// benchmark, where they would be ignored.
+TEST_F(Cli, BenchModelOptionsAreItsOwn) {
+  auto r = run_cli("bench --engine cpu --tokens 8 --hidden 16 --ffn 16 --experts 4 --top-k 2 -n 1 --repeat 1 "
+                   "--warmup 0 --batch 4");
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.output.find("--batch is an option of `dmoe bench model`"), std::string::npos) << r.output;
+  auto s = run_cli("bench gemm --seq 64");
+  EXPECT_NE(s.status, 0);
+  EXPECT_NE(s.output.find("--seq is an option of `dmoe bench model`"), std::string::npos) << s.output;
+  if (!fs::exists("/dev/nvidia0")) {
+    auto m = run_cli("bench model --config tiny");
+    EXPECT_NE(m.status, 0);
+    EXPECT_NE(m.output.find("no CUDA device is visible"), std::string::npos) << m.output;
+  }
+}
+
 TEST_F(Cli, BenchWorldTakesEffectOnTheCpuEngine) {
   const std::string bench = "bench --engine cpu --tokens 8 --hidden 16 --ffn 16 --experts 4 --top-k 2 --repeat 1 "
                             "--warmup 0 --no-backward --world 2 ";

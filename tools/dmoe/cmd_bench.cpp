@@ -124,9 +124,16 @@ Command add_bench_command(CLI::App& app) {
                   "schedule; to "
                   "place time (wrong results): E stores left out, M products and stores left out (e.g. b256,b256E)");
   sub->add_flag("--square", o->gemm_square, "gemm: also an 8192^3 product per variant");
-  sub->add_option("--batch", o->batch, "model: sequences per step")->check(CLI::Range(int64_t(1), int64_t(1) << 20));
-  sub->add_option("--seq", o->seq, "model: sequence length")->check(CLI::Range(int64_t(2), int64_t(1) << 24));
-  return [o, worlds_option] {
+  CLI::Option* batch_option =
+      sub->add_option("--batch", o->batch, "model: sequences per step")->check(CLI::Range(int64_t(1), int64_t(1) << 20));
+  CLI::Option* seq_option =
+      sub->add_option("--seq", o->seq, "model: sequence length")->check(CLI::Range(int64_t(2), int64_t(1) << 24));
+  return [o, worlds_option, batch_option, seq_option] {
+    // A model's options on another benchmark would be ignored: refuse them instead.
+    for (const CLI::Option* opt : {batch_option, seq_option})
+      DMOE_REQUIRE_INPUT(o->what == "model" || opt->count() == 0,
+                         "{} is an option of `dmoe bench model` (a whole model's step); `dmoe bench {}` times one "
+                         "layer's tokens: give --tokens instead", opt->get_name(), o->what);
     // A benchmark can run for minutes: find out now, not after it, that its JSON cannot be written.
     if (!o->json_path.empty()) {
       require_distinct_files({{"--json", o->json_path}},
