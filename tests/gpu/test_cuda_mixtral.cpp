@@ -4,15 +4,18 @@
 // Run: dmoe_gpu_tests --gtest_filter='GpuMixtral*'
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <unistd.h>
 #include <filesystem>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/random.hpp"
 #include "gpu_test_util.hpp"
+#include "model/cuda/cuda_mixtral.hpp"
 #include "model/mixtral.hpp"
 #include "model/mixtral_config.hpp"
 #include "model/train_replica.hpp"
@@ -76,6 +79,45 @@ void compare(const EvalResult& gpu, const EvalResult& cpu, const MixtralConfig& 
   }
   std::printf("%s: logits %.2e, loss %.2e, worst gradient %.2e (%s)\n", what, rel_error(gpu.logits, cpu.logits),
               std::abs(gpu.loss - cpu.loss) / std::abs(cpu.loss), worst, worst_name.c_str());
+}
+
+// The flat parameter layout the GPU model's all-reduce, norm and AdamW ranges rely on (host code: runs without a GPU):
+// every tensor of a rank's share exactly once, of its size, 64-element aligned, inside its group, the groups in the
+// order norms | dense | routers | experts, and a layer's expert stacks of the shapes EpEngine reads.
+TEST(GpuMixtral, ParamLayoutCoversEveryTensorOnce) {
+  for (bool tied : {false, true})
+    for (int32_t world : {1, 2, 4}) {
+      MixtralConfig c = odd_config();
+      c.tie_word_embeddings = tied;
+      const int32_t Le = c.num_local_experts / world;
+      const ParamLayout lay = make_param_layout(c, Le);
+      MixtralWeights share = make_mixtral_weights(c, 0, Le);
+      int64_t numel = 0;
+      for (const ParamView& v : parameter_views(share, c)) numel += v.numel;
+      int64_t covered = 0;
+      std::vector<std::pair<int64_t, int64_t>> ranges;
+      for (const ParamLayout::Entry& e : lay.entries) {
+        EXPECT_EQ(e.offset % 64, 0) << "tied " << tied << " world " << world;
+        EXPECT_EQ(int64_t(e.select(share, e.layer)->size()), e.numel) << "layer " << e.layer << " group " << e.group;
+        EXPECT_GE(e.offset, lay.group_begin[e.group]);
+        EXPECT_LE(e.offset + e.numel, lay.group_begin[e.group + 1]);
+        ranges.emplace_back(e.offset, e.offset + e.numel);
+        covered += e.numel;
+      }
+      // Expert tensors count per expert in parameter_views, per stack here; the totals agree.
+      EXPECT_EQ(covered, numel) << "tied " << tied << " world " << world;
+      std::sort(ranges.begin(), ranges.end());
+      for (size_t i = 1; i < ranges.size(); ++i) EXPECT_LE(ranges[i - 1].second, ranges[i].first) << "overlap";
+      for (int g = 0; g < 4; ++g) EXPECT_LE(lay.group_begin[g], lay.group_begin[g + 1]);
+      EXPECT_EQ(lay.lm_head < 0, tied);
+      const int64_t H = c.hidden_size, I = c.intermediate_size;
+      for (const ParamLayout::Layer& l : lay.layers) {
+        EXPECT_EQ(l.w3 - l.w1, (Le * I * H + 63) / 64 * 64);  // w1 stack [Le, I, H], then w3
+        EXPECT_GE(l.w1, lay.group_begin[ParamLayout::experts]);
+        EXPECT_GE(l.gate, lay.group_begin[ParamLayout::routers]);
+        EXPECT_LT(l.gate, lay.group_begin[ParamLayout::experts]);
+      }
+    }
 }
 
 TEST(GpuMixtral, F32MatchesCpuModel) {
