@@ -186,10 +186,9 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
   // Every rank's share into the full tensors (dense from rank 0): shared memory for threads, the communicator for GPU
   // processes; then rank 0 writes the checkpoint.
   auto save = [&](int32_t rank, TrainReplica& replica, int64_t step, const std::string& dir) {
-    if (on_gpu && o.world > 1) {
-      // Ranks are processes: the experts come to rank 0 through the communicator.
-      if (!replica.gather_full(full, full_m, full_v)) DMOE_FAIL("train: this engine's ranks cannot gather a checkpoint");
-    } else {
+    // Ranks that are processes gather the experts to rank 0 through the communicator (gather_full); threads
+    // copy their shares into the shared full tensors.
+    if (o.world == 1 || !replica.gather_full(full, full_m, full_v)) {
       MixtralWeights w, m, v;
       replica.export_share(w, m, v);
       std::lock_guard<std::mutex> lock(mutex);
