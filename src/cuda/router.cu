@@ -12,6 +12,7 @@
 #include "core/routing.hpp"
 #include "cuda/common.hpp"
 #include "cuda/device_utils.cuh"
+#include "cuda/warp_routing.cuh"
 
 namespace dmoe::cuda {
 
@@ -102,11 +103,8 @@ __global__ void __launch_bounds__(kTopkThreads)
 }
 
 // One warp per token (the version above runs one thread per token: at T = 4096 that is 32 blocks, and each
-// thread walks E logits k+2 times; measured 118 µs at E = 128, k = 8 on H200). Lane l holds experts
-// l, l + 32, ... (kSlots of them); max and sum are warp reductions (f32, a different summation order than
-// the per-thread loop: probabilities differ in the last bits); each of the k picks is a warp arg-max under
-// ranks_before, a strict total order on non-NaN logits, so the ids equal topk_row's. A row holding a NaN
-// takes the per-thread code (lane 0), which defines what NaN routing does (routing.hpp, write_gate_weights).
+// thread walks E logits k+2 times; measured 118 µs at E = 128, k = 8 on H200): cuda/warp_routing.cuh, the
+// same code as Flash's gate. A row holding a NaN takes the per-thread code (lane 0).
 constexpr int kTopkWarpThreads = 256;
 constexpr int kTopkWarpTokens = kTopkWarpThreads / kWarp;
 
@@ -121,17 +119,8 @@ __global__ void __launch_bounds__(kTopkWarpThreads)
   float* prob_row = p.probs + t * num_experts;
   int32_t* id_row = p.ids + t * p.top_k;
 
-  float v[kSlots];
-  bool nan = false;
-  float max_logit = -INFINITY;
-#pragma unroll
-  for (int i = 0; i < kSlots; ++i) {
-    const int32_t e = lane + kWarp * i;
-    v[i] = e < num_experts ? logit_row[e] : -INFINITY;
-    nan = nan || isnan(v[i]);
-    max_logit = fmaxf(max_logit, v[i]);
-  }
-  if (__any_sync(kFullMask, nan)) {
+  WarpRoutingRow<kSlots> r;
+  if (!warp_softmax_stats(logit_row, num_experts, lane, r)) {
     if (lane == 0) {
       p.lse[t] = softmax_row<float>(logit_row, num_experts, prob_row);
       topk_row(logit_row, num_experts, p.top_k, id_row);
@@ -140,48 +129,12 @@ __global__ void __launch_bounds__(kTopkWarpThreads)
     return;
   }
 #pragma unroll
-  for (int offset = kWarp / 2; offset > 0; offset /= 2)
-    max_logit = fmaxf(max_logit, __shfl_xor_sync(kFullMask, max_logit, offset));
-  float ex[kSlots];
-  float sum = 0.f;
-#pragma unroll
-  for (int i = 0; i < kSlots; ++i) {
-    ex[i] = lane + kWarp * i < num_experts ? expf(v[i] - max_logit) : 0.f;
-    sum += ex[i];
-  }
-  sum = warp_sum(sum);
-#pragma unroll
   for (int i = 0; i < kSlots; ++i)
-    if (lane + kWarp * i < num_experts) prob_row[lane + kWarp * i] = ex[i] / sum;
-  if (lane == 0) p.lse[t] = max_logit + logf(sum);
-
-  float prev_v = 0.f;
-  int32_t prev_e = -1;
-  for (int32_t j = 0; j < p.top_k; ++j) {
-    float best_v = 0.f;
-    int32_t best = -1;
-#pragma unroll
-    for (int i = 0; i < kSlots; ++i) {
-      const int32_t e = lane + kWarp * i;
-      if (e >= num_experts || (prev_e >= 0 && !ranks_before(prev_v, prev_e, v[i], e))) continue;
-      if (best < 0 || ranks_before(v[i], e, best_v, best)) {
-        best = e;
-        best_v = v[i];
-      }
-    }
-#pragma unroll
-    for (int offset = kWarp / 2; offset > 0; offset /= 2) {
-      const float other_v = __shfl_xor_sync(kFullMask, best_v, offset);
-      const int32_t other = __shfl_xor_sync(kFullMask, best, offset);
-      if (other >= 0 && (best < 0 || ranks_before(other_v, other, best_v, best))) {
-        best = other;
-        best_v = other_v;
-      }
-    }
+    if (lane + kWarp * i < num_experts) prob_row[lane + kWarp * i] = r.ex[i] / r.sum;
+  if (lane == 0) p.lse[t] = r.max_logit + logf(r.sum);
+  warp_topk(r, num_experts, p.top_k, lane, [&](int32_t j, int32_t best, float) {
     if (lane == 0) id_row[j] = best;
-    prev_v = best_v;
-    prev_e = best;
-  }
+  });
   __syncwarp();  // probabilities and ids written by the other lanes are read below
   if (lane == 0) write_gate_weights(prob_row, id_row, p.top_k, p.renormalize, p.weights + t * p.top_k);
 }
