@@ -70,6 +70,7 @@ const char* wait_name(int32_t what);
 // phase boundary, and two counters. Written only when profiling is on.
 enum ProfileSlot : int32_t {
   kStampStart = 0,     // the block starts
+  kStampLogits,        // its tokens' router logits are computed
   kStampGate,          // its tokens are routed
   kStampBarrier,       // every block is routed (grid barrier)
   kStampCounts,        // every rank's counts are in; offsets and task table built
@@ -143,6 +144,21 @@ DMOE_HD void build_task_table(const int32_t* expert_rows, int32_t local_experts,
     t += row_tiles(expert_rows[e]) * down_cols;
   }
   offsets[2 * local_experts] = t;
+}
+
+// Entry e of the same table from the exclusive prefix of the experts' row tiles (tile_prefix[e] = Σ_{e'<e}
+// row_tiles(expert_rows[e']), tile_prefix[Le] = all), so that every thread can write one entry (Flash's counts
+// phase); e = Le writes the totals. Equal to build_task_table (tests/unit/test_flash_protocol.cpp).
+DMOE_HD void task_table_entry(int32_t e, const int32_t* tile_prefix, int32_t local_experts, int32_t up_cols,
+                              int32_t down_cols, int32_t* offsets, int32_t* row_tile_base) {
+  const int32_t all = tile_prefix[local_experts];
+  row_tile_base[e] = tile_prefix[e];
+  if (e < local_experts) {
+    offsets[e] = tile_prefix[e] * up_cols;
+    offsets[local_experts + e] = all * up_cols + tile_prefix[e] * down_cols;
+  } else {
+    offsets[2 * local_experts] = all * (up_cols + down_cols);
+  }
 }
 
 struct Task {

@@ -201,7 +201,7 @@ FlashProfileSummary summarize_flash_profile(const std::vector<uint64_t>& prof, i
     std::sort(v.begin(), v.end());
     return std::pair<double, double>{v.empty() ? 0 : v[v.size() / 2], v.empty() ? 0 : v.back()};
   };
-  static const char* names[] = {"gate (route own tokens)", "grid barrier (all blocks routed)",
+  static const char* names[] = {"gate: logits of own tokens", "gate: softmax, top-k, ranks", "grid barrier (all blocks routed)",
                                 "counts (all ranks' counts, tables)", "dispatch (send own rows)",
                                 "to first task", "tasks (first to last)", "wait for all outputs", "combine"};
   uint64_t first = ~0ull, last = 0;
@@ -213,7 +213,7 @@ FlashProfileSummary summarize_flash_profile(const std::vector<uint64_t>& prof, i
   }
   s.span_ms = double(last - first) * 1e-6;
   s.processors_busy = s.span_ms > 0 ? busy * 1e-6 / (double(grid) * s.span_ms) : 0;
-  for (int32_t ph = 0; ph < 8; ++ph) {
+  for (int32_t ph = 0; ph < 9; ++ph) {
     std::vector<double> d;
     for (int32_t b = 0; b < grid; ++b) d.push_back(double(at(b, ph + 1) - at(b, ph)) * 1e-6);
     const auto [med, mx] = median_max(d);

@@ -4,9 +4,9 @@
 // has the ordering argument and how to read a time-out report.
 //
 // Roles (named device functions; the top-level kernel only routes to them):
-//   gate_role        all threads: router logits on tensor cores (mma.sync m16n8k16, f32 accumulation), then
-//                    softmax / top-k / gate weights per token with core/routing.hpp's functions, then each
-//                    token's rank among this block's tokens routed to each expert;
+//   gate_role        all threads: router logits on tensor cores (mma.sync, f32 accumulation), then softmax /
+//                    top-k / gate weights, a warp per token (cuda/warp_routing.cuh, as the EP router), then
+//                    each token's rank among this block's tokens routed to each expert;
 //   grid_barrier     once, after the gate (block counts complete);
 //   counts_role      block 0 sends this rank's routed counts to every rank; every block waits for all ranks'
 //                    counts and derives the same offsets and the task table;
@@ -41,6 +41,7 @@
 #include "cuda/device_utils.cuh"
 #include "cuda/sm90_host.hpp"
 #include "cuda/sm90_primitives.cuh"
+#include "cuda/warp_routing.cuh"
 #include "flash/flash_kernel.hpp"
 
 namespace dmoe::cuda {
@@ -62,13 +63,16 @@ constexpr int kRingBytes = kStages * kStageBytes;     // 192 KiB: also the gate'
 constexpr int kTileRing = 2;
 constexpr int kBarrierBytes = 8 * (2 * kStages + 2 * kTileRing) + 4 * kTileRing;
 constexpr int kGateTokens = 64;                       // tokens per gate chunk (4 mma row groups of 16)
-constexpr int kGateStages = 4;                        // gate chunks of 64 columns in flight
-constexpr int kGateBarrierOffset = 128;               // the gate's kGateStages mbarriers, in the barrier block
+constexpr int kMaxGateStages = 8;                     // gate chunks of 64 columns in flight, at most
+constexpr int kMinGateStages = 2;
+constexpr int kGateBarrierOffset = 128;               // the gate's kMaxGateStages mbarriers, in the barrier block
 constexpr int kMaxGateTasks = 2;                      // warp tasks per warp: 4·ceil(E/32)/12 <= 2 -> E <= 192
+constexpr int kMaxGateExperts = 32 * (kThreads / 32) * kMaxGateTasks / 4;
+constexpr int kGateSlots = kMaxGateExperts / 32;      // logits per lane in the warp routing (warp_routing.cuh)
 constexpr int kMaxSmem = 232448;
 constexpr int kTableBase = 1024 + kRingBytes + 256;   // tables start after the aligned ring and barriers
 
-static_assert(kBarrierBytes <= kGateBarrierOffset && kGateBarrierOffset + 8 * kGateStages <= 256,
+static_assert(kBarrierBytes <= kGateBarrierOffset && kGateBarrierOffset + 8 * kMaxGateStages <= 256,
               "the tile engine's and the gate's barriers fit their 256 bytes");
 
 // Shared-memory tables that live through the whole kernel (int32 unless said).
@@ -91,7 +95,8 @@ __host__ __device__ inline TableLayout table_layout(int32_t Le, int32_t W) {
 
 // Scratch in the ring region before the GEMM phase (bytes from the ring's start).
 struct ScratchLayout {
-  int logits, ids, counts, base, dst_base, kept, column, begin, gate_stage, bytes;
+  int logits, ids, counts, base, dst_base, kept, column, begin, prefix, tiles, gate_stage, gate_stages, gate_stage_bytes,
+      bytes;
 };
 __host__ __device__ inline ScratchLayout scratch_layout(int32_t E, int32_t k, int32_t W) {
   ScratchLayout s;
@@ -104,8 +109,15 @@ __host__ __device__ inline ScratchLayout scratch_layout(int32_t E, int32_t k, in
   s.kept = at;     at += 4 * W * E;
   s.column = at;   at += 4 * E;
   s.begin = at;    at += 4 * E;
+  s.prefix = at;   at += 4 * (E + 1);  // exclusive prefix of column (begin)
+  s.tiles = at;    at += 4 * (E + 1);  // exclusive prefix of the local experts' row tiles (task table)
   at = (at + 1023) / 1024 * 1024;  // TMA's 128-byte swizzle: stages on 1024-byte boundaries
-  s.gate_stage = at; at += kGateStages * (kGateTokens * 128 + (E * 128 + 1023) / 1024 * 1024);
+  // A stage: x [64 tokens, 64 columns] and the gate [E rows, 64 columns] (on 1024-byte boundaries). As many
+  // stages as the ring has room for, up to 8.
+  s.gate_stage = at;
+  s.gate_stage_bytes = kGateTokens * 128 + (E * 128 + 1023) / 1024 * 1024;
+  s.gate_stages = max(kMinGateStages, min(kMaxGateStages, (kRingBytes - at) / s.gate_stage_bytes));
+  at += s.gate_stages * s.gate_stage_bytes;
   s.bytes = at;
   return s;
 }
@@ -174,6 +186,15 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4],
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+// Four 8×8 b16 matrices from shared memory; lane l gives the address of row l % 8 of matrix l / 8 and gets,
+// of each matrix, the word of row l / 4, columns 2(l % 4) and 2(l % 4) + 1: mma.sync's fragment layout.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+}
+
 // ---- grid barrier (once per forward) ---------------------------------------------------------------------
 __device__ void grid_barrier(const KernelArgs& a, uint32_t epoch) {
   __syncthreads();
@@ -190,6 +211,45 @@ __device__ void grid_barrier(const KernelArgs& a, uint32_t epoch) {
 // ---- gate ------------------------------------------------------------------------------------------------
 // This block's tokens [t_begin, t_end): ids, weights, and slot[t·k+j] = rank of t among this block's tokens
 // routed to ids[t,j]; block_counts[block][e] = this block's tokens routed to e.
+//
+// Logits [64 tokens, E] on tensor cores (mma.sync m16n8k16, f32 accumulation; fragments by ldmatrix). Warp
+// tasks: (16-token group, 32-expert group), each summing its outputs in k order alone (deterministic). K in
+// chunks of 64 columns, each a TMA box of x [64 rows] and of the gate [E rows] (128-byte swizzle: 16-byte chunk
+// c of row r at r·128 + (c ^ r % 8)·16; zeros past H and T), 2-8 chunks in flight (scratch_layout); thread 0
+// refills the stage of chunk ck − 1 after the barrier that ends its use. Rows past n and experts past E are
+// clamped to a valid row and their results dropped.
+// Measured (docs/perf.md, ninth session): fragments by one 32-bit shared load per word made the loop issue-
+// bound at ~0.5 µs per chunk; routing one token per thread (topk_row's O(k·E) loop) took 17-59 µs, so one warp
+// routes a token with the EP router's code (cuda/warp_routing.cuh). wgmma here was tried and rejected: ptxas
+// then serialises every wgmma of the kernel, the tile engine's included (C7512, registers).
+__device__ void route_token_serial(const KernelArgs& a, const float* row, int64_t t, int32_t* id_row) {
+  const flash::Shape& s = a.p.shape;
+  const int32_t E = s.experts, k = s.top_k;
+  auto* ids = reinterpret_cast<int32_t*>(a.p.local + a.ll.ids);
+  auto* weights = reinterpret_cast<float*>(a.p.local + a.ll.weights);
+  // The per-thread code of core/routing.hpp (rows holding a NaN: it defines what NaN routing does).
+  topk_row(row, E, k, id_row);
+  float m = row[0];
+  for (int32_t e = 1; e < E; ++e) m = row[e] > m ? row[e] : m;
+  float sum = 0.f;
+  for (int32_t e = 0; e < E; ++e) sum += expf(row[e] - m);
+  bool valid = true;
+  for (int32_t j = 0; j < k; ++j) valid = valid && id_row[j] >= 0;
+  float wsum = 0.f;
+  for (int32_t j = 0; j < k; ++j) {
+    const float w = valid ? float(expf(row[id_row[j]] - m) / sum) : __int_as_float(0x7fc00000);
+    weights[t * k + j] = w;
+    wsum += w;
+    ids[t * k + j] = id_row[j];
+  }
+  if (s.renormalize && valid)
+    for (int32_t j = 0; j < k; ++j) weights[t * k + j] = weights[t * k + j] / wsum;
+  if (!valid) {
+    flash::Control* ctl = control(a);
+    if (atomicCAS(&ctl->error, 0u, uint32_t(flash::kErrorNanRouting)) == 0u) ctl->error_detail = uint32_t(t);
+  }
+}
+
 __device__ void gate_role(const KernelArgs& a, const TileMaps& maps, uint8_t* scratch, int64_t t_begin, int64_t t_end) {
   const flash::Shape& s = a.p.shape;
   const int32_t E = s.experts, k = s.top_k;
@@ -201,33 +261,39 @@ __device__ void gate_role(const KernelArgs& a, const TileMaps& maps, uint8_t* sc
   auto* ids = reinterpret_cast<int32_t*>(a.p.local + a.ll.ids);
   auto* weights = reinterpret_cast<float*>(a.p.local + a.ll.weights);
   auto* slot = reinterpret_cast<int32_t*>(a.p.local + a.ll.slot);
-  const __nv_bfloat16* x = bf(a.p.x);
-  const __nv_bfloat16* wg = bf(a.p.gate);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int stride = E + 1;
 
+  uint8_t* stage_base = scratch + sc.gate_stage;
+  const int S = sc.gate_stages;
+  auto x_stage = [&](int st) { return stage_base + st * sc.gate_stage_bytes; };
+  auto w_stage = [&](int st) { return x_stage(st) + kGateTokens * 128; };
+  const uint32_t gate_bars = smem_u32(scratch) + kRingBytes + kGateBarrierOffset;
+  const uint32_t box_bytes = uint32_t(kGateTokens * 128 + E * 128);  // what TMA writes per stage
+  const int64_t chunks = (H + 63) / 64;
+  const int32_t tasks = 4 * ((E + 31) / 32);
+  const int32_t my_tasks = (tasks - warp + kThreads / 32 - 1) / (kThreads / 32);  // <= kMaxGateTasks
+  // ldmatrix.x4: lane l gives row l % 8 of matrix l / 8 (A: rows +8 for odd matrices, k + 8 for the upper
+  // two; B: the next 8 experts for the upper two, k + 8 for odd ones). Rows of a matrix start at multiples
+  // of 8, so the swizzle of row r is r % 8 = l % 8 (A); B's clamped rows use their own.
+  const int mi = lane / 8, r8 = lane % 8;
+
   for (int32_t e = threadIdx.x; e < E; e += blockDim.x) counts[e] = 0;
+  if (threadIdx.x == 0 && t_begin >= t_end) stamp(a, flash::kStampLogits);  // no tokens: the phase is empty
   uint32_t gate_seq = 0;  // chunks loaded so far: stage = seq % S, mbarrier parity = (seq / S) & 1
   for (int64_t c0 = t_begin; c0 < t_end; c0 += kGateTokens) {
     const int32_t n = int32_t(min(int64_t(kGateTokens), t_end - c0));
-    // logits [n, E] = x[c0 .. c0+n) · wgᵀ on tensor cores. K in chunks of 64 columns staged in shared memory by
-    // cp.async, two buffers (the next chunk loads while this one is multiplied); rows padded to 72 elements so
-    // that a fragment's 8 rows hit 8 different banks. Warp tasks: (16-token group, 32-expert group), each
-    // summing its outputs in k order alone (deterministic). Rows past n and experts past E are clamped to a
-    // valid row and their results dropped; columns past H are zero-filled.
-    const int32_t expert_groups = (E + 31) / 32;
-    const int32_t tasks = 4 * expert_groups;
-    const int32_t my_tasks = (tasks - warp + kThreads / 32 - 1) / (kThreads / 32);  // <= kMaxGateTasks
-    // K in chunks of 64 columns, each a TMA box of x [64 rows] and of the gate [E rows] (128-byte swizzle,
-    // zeros past H and past T), kGateStages chunks in flight, one mbarrier per stage. Thread 0 issues; the
-    // stage of chunk ck - 1 is refilled after the barrier that ends its use (and a proxy fence: generic reads
-    // before async-proxy writes).
-    uint8_t* stage_base = scratch + sc.gate_stage;
-    const int x_stage_bytes = kGateTokens * 128, w_stage_bytes = (E * 128 + 1023) / 1024 * 1024;
-    auto x_stage = [&](int st) { return stage_base + st * (x_stage_bytes + w_stage_bytes); };
-    auto w_stage = [&](int st) { return x_stage(st) + x_stage_bytes; };
-    const uint32_t gate_bars = smem_u32(scratch) + kRingBytes + kGateBarrierOffset;
-    const uint32_t stage_bytes = uint32_t(kGateTokens * 128 + E * 128);
+    auto load_chunk = [&](int64_t ck) {  // thread 0 only
+      const uint32_t g = gate_seq + uint32_t(ck);
+      const int st = int(g % S);
+      const uint32_t bar = gate_bars + 8 * st;
+      fence_async_shared();
+      mbar_expect_tx(bar, box_bytes);
+      tma_load_2d(smem_u32(x_stage(st)), &maps.x, int32_t(ck * 64), int32_t(c0), bar);
+      tma_load_2d(smem_u32(w_stage(st)), &maps.gate, int32_t(ck * 64), 0, bar);
+    };
+    if (threadIdx.x == 0)
+      for (int64_t ck = 0; ck < S - 1 && ck < chunks; ++ck) load_chunk(ck);
     float acc[kMaxGateTasks][4][4];
 #pragma unroll
     for (int m = 0; m < kMaxGateTasks; ++m)
@@ -235,54 +301,39 @@ __device__ void gate_role(const KernelArgs& a, const TileMaps& maps, uint8_t* sc
       for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[m][nt][i] = 0.f;
-    const int32_t q = lane % 4, rr = lane / 4;
-    const int64_t chunks = (H + 63) / 64;
-    auto load_chunk = [&](int64_t ck) {  // thread 0 only
-      const uint32_t g = gate_seq + uint32_t(ck);
-      const int st = int(g % kGateStages);
-      const uint32_t bar = gate_bars + 8 * st;
-      fence_async_shared();
-      mbar_expect_tx(bar, stage_bytes);
-      tma_load_2d(smem_u32(x_stage(st)), &maps.x, int32_t(ck * 64), int32_t(c0), bar);
-      tma_load_2d(smem_u32(w_stage(st)), &maps.gate, int32_t(ck * 64), 0, bar);
-    };
-    if (threadIdx.x == 0)
-      for (int64_t ck = 0; ck < kGateStages - 1 && ck < chunks; ++ck) load_chunk(ck);
     for (int64_t ck = 0; ck < chunks; ++ck) {
       const uint32_t g = gate_seq + uint32_t(ck);
-      const int st = int(g % kGateStages);
-      flash_mbar_wait(gate_bars + 8 * st, (g / kGateStages) & 1, flash::kWaitSlotFull, st, a, flash::kRoleGate);
-      __syncthreads();  // every warp is done with chunk ck - 1's stage
-      if (threadIdx.x == 0 && ck + kGateStages - 1 < chunks) load_chunk(ck + kGateStages - 1);
-      const uint8_t* xb = x_stage(st);
-      const uint8_t* wb = w_stage(st);
-      // 128-byte swizzle: 16-byte chunk c of row r sits at r·128 + ((c ^ (r % 8)) · 16).
-      auto word = [](const uint8_t* base, int32_t row, int kk, int half, int q4) {
-        const int chunk = (2 * kk + half) ^ (row & 7);
-        return *reinterpret_cast<const uint32_t*>(base + row * 128 + chunk * 16 + q4 * 4);
-      };
+      const int st = int(g % S);
+      flash_mbar_wait(gate_bars + 8 * st, (g / S) & 1, flash::kWaitSlotFull, st, a, flash::kRoleGate);
+      __syncthreads();  // every warp is done with chunk ck − 1's stage
+      if (threadIdx.x == 0 && ck + S - 1 < chunks) load_chunk(ck + S - 1);
+      const uint32_t xb = smem_u32(x_stage(st)), wb = smem_u32(w_stage(st));
 #pragma unroll
       for (int m = 0; m < kMaxGateTasks; ++m) {
         if (m >= my_tasks) break;
         const int32_t task = warp + m * (kThreads / 32);
         const int32_t tg = task % 4, eg = task / 4;
         if (tg * 16 >= n) continue;
-        const int32_t r0 = tg * 16 + rr, r1 = r0 + 8;
+        const int32_t a_row = tg * 16 + 8 * (mi % 2) + r8;
+        const int32_t b_row0 = min(eg * 32 + 8 * (mi / 2) + r8, E - 1);
+        const int32_t b_row1 = min(eg * 32 + 16 + 8 * (mi / 2) + r8, E - 1);
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
-          const uint32_t af[4] = {word(xb, r0, kk, 0, q), word(xb, r1, kk, 0, q), word(xb, r0, kk, 1, q),
-                                  word(xb, r1, kk, 1, q)};
-#pragma unroll
-          for (int nt = 0; nt < 4; ++nt) {
-            const int32_t e = min(eg * 32 + nt * 8 + rr, E - 1);
-            const uint32_t bfr[2] = {word(wb, e, kk, 0, q), word(wb, e, kk, 1, q)};
-            mma_16816(acc[m][nt], af, bfr);
-          }
+          uint32_t af[4], b01[4], b23[4];
+          ldmatrix_x4(af, xb + a_row * 128 + (((2 * kk + mi / 2) ^ r8) << 4));
+          ldmatrix_x4(b01, wb + b_row0 * 128 + (((2 * kk + mi % 2) ^ (b_row0 & 7)) << 4));
+          ldmatrix_x4(b23, wb + b_row1 * 128 + (((2 * kk + mi % 2) ^ (b_row1 & 7)) << 4));
+          const uint32_t f0[2] = {b01[0], b01[1]}, f1[2] = {b01[2], b01[3]};
+          const uint32_t f2[2] = {b23[0], b23[1]}, f3[2] = {b23[2], b23[3]};
+          mma_16816(acc[m][0], af, f0);
+          mma_16816(acc[m][1], af, f1);
+          mma_16816(acc[m][2], af, f2);
+          mma_16816(acc[m][3], af, f3);
         }
       }
     }
     gate_seq += uint32_t(chunks);
-    __syncthreads();  // the stages are free for the next token chunk
+    __syncthreads();  // every warp is done with the last stages
 #pragma unroll
     for (int m = 0; m < kMaxGateTasks; ++m) {
       if (m >= my_tasks) break;
@@ -290,52 +341,67 @@ __device__ void gate_role(const KernelArgs& a, const TileMaps& maps, uint8_t* sc
       const int32_t tg = task % 4, eg = task / 4;
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt) {
-        const int32_t e0 = eg * 32 + nt * 8 + 2 * q;
+        const int32_t e0 = eg * 32 + nt * 8 + 2 * (lane % 4);
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          const int32_t row = tg * 16 + rr + (i >= 2 ? 8 : 0), e = e0 + (i & 1);
+          const int32_t row = tg * 16 + lane / 4 + (i >= 2 ? 8 : 0), e = e0 + (i & 1);
           if (row < n && e < E) logits[row * stride + e] = acc[m][nt][i];
         }
       }
     }
-    __syncthreads();
-    // Softmax, top-k and gate weights per token (core/routing.hpp): the probabilities at the chosen experts
-    // only, by softmax_row<float>'s formula.
-    if (int32_t(threadIdx.x) < n) {
-      const int64_t t = c0 + threadIdx.x;
-      const float* row = logits + threadIdx.x * stride;
-      int32_t* id_row = ids_s + threadIdx.x * k;
-      topk_row(row, E, k, id_row);
-      float m = row[0];
-      for (int32_t e = 1; e < E; ++e) m = row[e] > m ? row[e] : m;
-      float sum = 0.f;
-      for (int32_t e = 0; e < E; ++e) sum += expf(row[e] - m);
-      bool valid = true;
-      for (int32_t j = 0; j < k; ++j) valid = valid && id_row[j] >= 0;
-      float wsum = 0.f;
-      for (int32_t j = 0; j < k; ++j) {
-        const float w = valid ? float(expf(row[id_row[j]] - m) / sum) : __int_as_float(0x7fc00000);
-        weights[t * k + j] = w;
-        wsum += w;
-        ids[t * k + j] = id_row[j];
-      }
-      if (s.renormalize && valid)
-        for (int32_t j = 0; j < k; ++j) weights[t * k + j] = weights[t * k + j] / wsum;
-      if (!valid) {
-        flash::Control* ctl = control(a);
-        if (atomicCAS(&ctl->error, 0u, uint32_t(flash::kErrorNanRouting)) == 0u) ctl->error_detail = uint32_t(t);
+    __syncthreads();  // logits complete; every stage is free for the next token chunk
+    if (threadIdx.x == 0) stamp(a, flash::kStampLogits);
+    // Softmax, top-k and gate weights: one warp per token, the EP router's code (equal ids and weights).
+    for (int32_t row = warp; row < n; row += kThreads / 32) {
+      const int64_t t = c0 + row;
+      const float* lrow = logits + row * stride;
+      int32_t* id_row = ids_s + row * k;
+      WarpRoutingRow<kGateSlots> r;
+      if (warp_softmax_stats(lrow, E, lane, r)) {
+        // Pick j is the same on every lane: every lane sums the weights in j order (gate_weights_row<float>'s
+        // order), and lane j % 32 keeps pick j in its slot j / 32, so the stores are coalesced and nothing
+        // is read back from global memory.
+        int32_t my_id[kGateSlots];
+        float my_w[kGateSlots], wsum = 0.f;
+        warp_topk(r, E, k, lane, [&](int32_t j, int32_t best, float best_v) {
+          const float w = expf(best_v - r.max_logit) / r.sum;
+          wsum += w;
+#pragma unroll
+          for (int i = 0; i < kGateSlots; ++i)
+            if (j == lane + 32 * i) {
+              my_id[i] = best;
+              my_w[i] = w;
+            }
+        });
+#pragma unroll
+        for (int i = 0; i < kGateSlots; ++i) {
+          const int32_t j = lane + 32 * i;
+          if (j >= k) break;
+          id_row[j] = my_id[i];
+          ids[t * k + j] = my_id[i];
+          weights[t * k + j] = s.renormalize ? my_w[i] / wsum : my_w[i];
+        }
+      } else if (lane == 0) {
+        route_token_serial(a, lrow, t, id_row);
       }
     }
     __syncthreads();
-    // Ranks in token order: thread e walks the chunk's tokens.
-    for (int32_t e = threadIdx.x; e < E; e += blockDim.x) {
-      int32_t c = counts[e];
-      for (int32_t i = 0; i < n * k; ++i)
-        if (ids_s[i] == e) slot[c0 * k + i] = c++;
-      counts[e] = c;
+    // Ranks in token order: warp 0 walks the chunk's n·k choices 32 at a time; the lanes holding the same
+    // expert rank among themselves by lane (match_any), after that expert's count so far.
+    if (warp == 0) {
+      const int32_t nk = n * k;
+      for (int32_t c = 0; c < nk; c += 32) {
+        const int32_t i = c + lane;
+        const int32_t e = i < nk ? ids_s[i] : -1;
+        const unsigned same = __match_any_sync(kFullMask, e);
+        const int32_t before = __popc(same & ((1u << lane) - 1u));
+        const int32_t so_far = e >= 0 ? counts[e] : 0;
+        __syncwarp();
+        if (i < nk) slot[c0 * k + i] = e >= 0 ? so_far + before : -1;
+        if (e >= 0 && before == 0) counts[e] = so_far + __popc(same);
+        __syncwarp();
+      }
     }
-    for (int32_t i = threadIdx.x; i < n * k; i += blockDim.x)
-      if (ids_s[i] < 0) slot[c0 * k + i] = -1;
     __syncthreads();
   }
   auto* block_counts = reinterpret_cast<int32_t*>(a.p.local + a.ll.block_counts);
@@ -343,6 +409,18 @@ __device__ void gate_role(const KernelArgs& a, const TileMaps& maps, uint8_t* sc
 }
 
 // ---- counts: exchange, offsets, task table ----------------------------------------------------------------
+// out[i] = Σ_{j<i} in[j] for i < n and out[n] = the total, by one warp (in may be out).
+__device__ void warp_exclusive_scan(const int32_t* in, int32_t n, int32_t* out, int lane) {
+  int32_t carry = 0;
+  for (int32_t c = 0; c < n; c += 32) {
+    const int32_t v = c + lane < n ? in[c + lane] : 0;
+    const int32_t inclusive = warp_inclusive_scan(v, lane);
+    if (c + lane < n) out[c + lane] = carry + inclusive - v;
+    carry += __shfl_sync(kFullMask, inclusive, 31);
+  }
+  if (lane == 0) out[n] = carry;
+}
+
 __device__ void counts_role(const KernelArgs& a, uint8_t* scratch, uint8_t* tables, uint32_t epoch) {
   const flash::Shape& s = a.p.shape;
   const int32_t E = s.experts, k = s.top_k, W = s.world, Le = s.local_experts(), me = a.p.rank;
@@ -402,8 +480,33 @@ __device__ void counts_role(const KernelArgs& a, uint8_t* scratch, uint8_t* tabl
     column[e] = c;
   }
   __syncthreads();
-  if (threadIdx.x == 0)
-    for (int32_t e = 0; e < E; ++e) begin[e] = (e % Le == 0) ? 0 : begin[e - 1] + column[e - 1];
+  // Three warps at once (a thread walking E or Le serially took ~10 µs of this phase at E = 128):
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  int32_t* prefix = reinterpret_cast<int32_t*>(scratch + sc.prefix);
+  int32_t* tiles = reinterpret_cast<int32_t*>(scratch + sc.tiles);
+  if (warp == 0) {
+    // begin[e] = rows of the experts of e's owner that precede e: the exclusive prefix of column, less its
+    // value at the owner's first expert.
+    warp_exclusive_scan(column, E, prefix, lane);
+    __syncwarp();
+    for (int32_t e = lane; e < E; e += 32) begin[e] = prefix[e] - prefix[e - e % Le];
+  } else if (warp == 1) {
+    // the rows this rank sends, all of which come back (the combine's target)
+    uint32_t mine = 0;
+    for (int32_t e = lane; e < E; e += 32) mine += uint32_t(kept[me * E + e]);
+    mine = __reduce_add_sync(kFullMask, mine);
+    if (lane == 0) reinterpret_cast<uint64_t*>(tables + tl.scalars)[0] = mine;
+  } else if (warp == 2) {
+    // the task table (core/flash_protocol.hpp: task_table_entry), from the local experts' row tiles
+    for (int32_t le = lane; le < Le; le += 32) tiles[le] = flash::row_tiles(column[me * Le + le]);
+    __syncwarp();
+    warp_exclusive_scan(tiles, Le, tiles, lane);
+    __syncwarp();
+    for (int32_t le = lane; le <= Le; le += 32)
+      flash::task_table_entry(le, tiles, Le, s.up_col_tiles(), s.down_col_tiles(),
+                              reinterpret_cast<int32_t*>(tables + tl.offsets),
+                              reinterpret_cast<int32_t*>(tables + tl.row_tile_base));
+  }
   __syncthreads();
   int32_t* expert_rows = reinterpret_cast<int32_t*>(tables + tl.expert_rows);
   int32_t* expert_begin = reinterpret_cast<int32_t*>(tables + tl.expert_begin);
@@ -423,15 +526,6 @@ __device__ void counts_role(const KernelArgs& a, uint8_t* scratch, uint8_t* tabl
       at += kept[src * E + e];
     }
     seg_begin[le * (W + 1) + W] = at;
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    flash::build_task_table(expert_rows, Le, s.up_col_tiles(), s.down_col_tiles(),
-                            reinterpret_cast<int32_t*>(tables + tl.offsets),
-                            reinterpret_cast<int32_t*>(tables + tl.row_tile_base));
-    uint64_t mine = 0;
-    for (int32_t e = 0; e < E; ++e) mine += uint64_t(kept[me * E + e]);
-    reinterpret_cast<uint64_t*>(tables + tl.scalars)[0] = mine;
   }
   __syncthreads();
 }
@@ -810,7 +904,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_init(bars + 8 * (2 * kStages + r), 1);
       mbar_init(bars + 8 * (2 * kStages + kTileRing + r), kConsumers * 128);
     }
-    for (int st = 0; st < kGateStages; ++st) mbar_init(bars + kGateBarrierOffset + 8 * st, 1);
+    for (int st = 0; st < kMaxGateStages; ++st) mbar_init(bars + kGateBarrierOffset + 8 * st, 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&maps.recv)) : "memory");
     asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&maps.w1)) : "memory");
@@ -892,9 +986,9 @@ std::string flash_unusable_reason(const flash::Shape& s) {
   }
   if (s.recv_rows() * 2 + kTileRows >= (int64_t(1) << 31) || int64_t(s.local_experts()) * std::max(s.hidden, s.ffn) >= (int64_t(1) << 31))
     return "the receive buffer or the weights exceed TMA's 32-bit row coordinates";
-  if (s.experts > 32 * (kThreads / 32) * kMaxGateTasks / 4) {
+  if (s.experts > kMaxGateExperts) {
     std::snprintf(text, sizeof(text), "E = %d experts: the gate's warps hold at most %d", s.experts,
-                  32 * (kThreads / 32) * kMaxGateTasks / 4);
+                  kMaxGateExperts);
     return text;
   }
   if (scratch_layout(s.experts, s.top_k, s.world).bytes > kRingBytes) {

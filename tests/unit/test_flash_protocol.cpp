@@ -40,6 +40,13 @@ TEST(FlashProtocol, TaskTableCoversEveryTileOnceInDependencyOrder) {
     for (auto& r : rows) r = uniform_int(rng, 0, 3) == 0 ? 0 : int32_t(uniform_int(rng, 1, 600));
     std::vector<int32_t> offsets(size_t(2 * Le + 1)), base(size_t(Le + 1));
     flash::build_task_table(rows.data(), Le, up_cols, down_cols, offsets.data(), base.data());
+    // The per-entry form the kernel uses gives the same table.
+    std::vector<int32_t> prefix(size_t(Le + 1), 0), offsets2(offsets.size(), -7), base2(base.size(), -7);
+    for (int32_t e = 0; e < Le; ++e) prefix[size_t(e + 1)] = prefix[size_t(e)] + flash::row_tiles(rows[size_t(e)]);
+    for (int32_t e = 0; e <= Le; ++e)
+      flash::task_table_entry(e, prefix.data(), Le, up_cols, down_cols, offsets2.data(), base2.data());
+    ASSERT_EQ(offsets2, offsets);
+    ASSERT_EQ(base2, base);
     int32_t expected_total = 0;
     for (auto r : rows) expected_total += flash::row_tiles(r) * (up_cols + down_cols);
     ASSERT_EQ(offsets[2 * Le], expected_total);
