@@ -236,22 +236,26 @@ __global__ void __launch_bounds__(kThreads, 1)
         const TileCoord tc = decode_tile(p, t);
         const int32_t a_row = tc.row_begin + tc.m_tile * kBlockM;
         const int32_t b_row = int32_t(int64_t(tc.group) * p.n + int64_t(tc.n_tile) * kOutN);
+        // NN: B panels holding columns below n (sm90::mn_panels_in; all BN/64 but in a last column tile).
+        [[maybe_unused]] const int32_t col0 = tc.n_tile * BN;
+        [[maybe_unused]] const int panels = kNN ? sm90::mn_panels_in(p.n, col0, BN) : 0;
         for (int32_t kb = 0; kb < k_blocks; ++kb, ++it) {
           const int s = int(it % S);
           const uint32_t phase = (it / S) & 1;
           mbar_wait(empty(s), phase ^ 1, 1, s, p);
-          mbar_expect_tx(full(s), Cfg::stage_bytes);
           if constexpr (kNN) {
-            // The part's maps and its k-block; B as BN/64 panels of one group's [BK k-rows, 64 columns]
-            // (together BN·BK·2 = b_bytes, what the barrier expects besides A).
+            // The part's maps and its k-block; B as the panels of one group's [BK k-rows, 64 columns].
             const bool second = kb >= k_blocks_part;
             const int32_t kl = second ? kb - k_blocks_part : kb;
+            mbar_expect_tx(full(s), Cfg::a_bytes + panels * sm90::mn_panel_bytes(BK));
             tma_load_2d(slot_a(s), second ? &map_a2 : &map_a, kl * BK, a_row, full(s));
 #pragma unroll
             for (int j = 0; j < BN / sm90::kMnPanelCols; ++j)
-              tma_load_3d(slot_b(s) + sm90::mn_panel_offset(j, BK), second ? &map_b2 : &map_b,
-                          tc.n_tile * BN + j * sm90::kMnPanelCols, kl * BK, tc.group, full(s));
+              if (j < panels)
+                tma_load_3d(slot_b(s) + sm90::mn_panel_offset(j, BK), second ? &map_b2 : &map_b,
+                            col0 + j * sm90::kMnPanelCols, kl * BK, tc.group, full(s));
           } else {
+            mbar_expect_tx(full(s), Cfg::stage_bytes);
             tma_load_2d(slot_a(s), &map_a, kb * BK, a_row, full(s));
             tma_load_2d(slot_b(s), &map_b, kb * BK, b_row, full(s));
             if constexpr (kGated) tma_load_2d(slot_b(s) + kOutN * Cfg::row_bytes, &map_b2, kb * BK, b_row, full(s));

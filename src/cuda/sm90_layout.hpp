@@ -62,6 +62,14 @@ constexpr int kMnPanelCols = 64;                                      // 128 byt
 constexpr DMOE_SM90_HD uint32_t mn_panel_bytes(int bk) { return uint32_t(bk) * 128; }
 constexpr DMOE_SM90_HD uint32_t mn_panel_offset(int panel, int bk) { return uint32_t(panel) * mn_panel_bytes(bk); }
 constexpr DMOE_SM90_HD uint32_t mn_kstep_offset(int kk) { return uint32_t(kk) * 16 * 128; }
+// Panels of a tile starting at column col0 that hold columns below n (at least 1: tiles start below n).
+// The producer loads only these: a box wholly past the matrix is not asked of TMA, and the stale panels
+// left in the slot only feed output columns >= n, which are never stored (a wgmma output column reads
+// only its own B column).
+constexpr DMOE_SM90_HD int mn_panels_in(int64_t n, int64_t col0, int bn) {
+  const int64_t left = (n - col0 + kMnPanelCols - 1) / kMnPanelCols;
+  return left < bn / kMnPanelCols ? int(left) : bn / kMnPanelCols;
+}
 // LBO = next panel (64 MN-columns on), SBO = next 8 k-rows.
 constexpr DMOE_SM90_HD uint64_t mnmajor_desc(uint32_t addr, int bk) {
   return smem_desc(addr, mn_panel_bytes(bk), 8 * 128, kLayoutSwizzle128);

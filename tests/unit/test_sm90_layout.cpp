@@ -49,6 +49,16 @@ TEST(Sm90Layout, DescriptorBitsMatchHandDerivedValues) {
   for (int kk = 0; kk < 4; ++kk) EXPECT_EQ(mn_kstep_offset(kk) % 1024, 0u);
   EXPECT_EQ(mn_panel_offset(3, 64), 3u * 8192);
   EXPECT_EQ(mn_panel_bytes(64), 8192u);
+  // Panels a tile loads: all but in the last column tile (n = 520: tile 2 starts at 512, 8 columns, one
+  // panel; n = 200, 256 columns: 4 panels cover 256, 200 needs 4 (the last partly); n = 8: one).
+  EXPECT_EQ(mn_panels_in(520, 0, 256), 4);
+  EXPECT_EQ(mn_panels_in(520, 512, 256), 1);
+  EXPECT_EQ(mn_panels_in(200, 0, 256), 4);
+  EXPECT_EQ(mn_panels_in(130, 0, 256), 3);
+  EXPECT_EQ(mn_panels_in(8, 0, 256), 1);
+  EXPECT_EQ(mn_panels_in(8, 0, 128), 1);
+  EXPECT_EQ(mn_panels_in(2048, 1792, 256), 4);
+  EXPECT_EQ(mn_panels_in(264, 256, 128), 1);
 }
 
 void expect_tma_limits(const TmaSpec& s) {
@@ -182,7 +192,10 @@ void check_tile(const TileCase& t) {
   if (t.nn) {
     const TmaSpec sb = mnmajor_spec(t.groups, t.k, t.n, BK);
     ASSERT_EQ(sb.box_bytes() * uint32_t(t.bn / kMnPanelCols), uint32_t(t.bn) * 128) << "expect_tx bytes";
-    for (int j = 0; j < t.bn / kMnPanelCols; ++j)
+    // Only the panels the producer loads; the others keep stale bytes (0xEE here), which feed only
+    // columns >= n (not compared below: never stored).
+    const int panels = mn_panels_in(t.n, t.n_tile * t.bn, t.bn);
+    for (int j = 0; j < panels; ++j)
       tma_write(smem, slot_b + mn_panel_offset(j, BK), sb, b, {t.n_tile * t.bn + j * kMnPanelCols, t.kb * BK, t.group});
   } else {
     const TmaSpec sb = kmajor_spec(int64_t(t.groups) * t.n, t.k, t.bn, BK);
@@ -198,7 +211,7 @@ void check_tile(const TileCase& t) {
   for (int consumer = 0; consumer < 2; ++consumer) {
     const uint32_t a_base = slot + uint32_t(consumer) * 64 * 128;
     for (int m = 0; m < 64; m += 7)
-      for (int col = 0; col < t.bn; col += 3) {
+      for (int col = 0; col < t.bn && t.n_tile * t.bn + col < t.n; col += 3) {
         int64_t got = 0, want = 0;
         for (int kk = 0; kk < BK / 16; ++kk) {
           const uint64_t da = kmajor_desc(a_base + kmajor_kstep_offset(kk), 128);
@@ -230,6 +243,7 @@ TEST(Sm90Layout, EmulatedNnTileMatchesTheProduct) {
   check_tile({true, 3, 300, 520, 136, 256, 1, 128, 2, 2});  // n tail (520 = 2·256 + 8), k tail: zeros, not
                                                              // group 2's rows
   check_tile({true, 2, 200, 192, 72, 128, 0, 100, 1, 1});    // 128 columns, k tail of 8 rows in group 0
+  check_tile({true, 2, 200, 130, 136, 256, 1, 0, 0, 2});     // 3 of 4 panels loaded, the third partly
   check_tile({true, 4, 130, 2048, 768, 256, 3, 2, 7, 11});   // fine-grained dx's shapes, last group
 }
 
