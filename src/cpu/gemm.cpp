@@ -1,11 +1,15 @@
-// cpu/gemm.cpp — the one CPU matrix product, C = A · B^T, used by the router and the expert FFN.
+// cpu/gemm.cpp — the one CPU matrix product, C = A · B^T, used by the router and the expert FFN; and the
+// grouped NN product (the twin of the CUDA kernel's NN variant), C = A · B_g per group.
 //
 // Both operands are row-major with the reduction dimension innermost, so every output element is a dot
 // product of two contiguous rows. Each dot product is accumulated in fp64 in index order 0..k-1 and
 // rounded to float once; C[i, j] therefore depends only on row i of A and row j of B, never on m, n or
 // how the work is split (what lets W simulated ranks reproduce one rank bit for bit).
 #include <cstdint>
+#include <vector>
 
+#include "core/dtype.hpp"
+#include "core/error.hpp"
 #include "cpu/kernels.hpp"
 
 namespace dmoe::cpu {
@@ -68,6 +72,39 @@ void gemm_nt(const float* a, const float* b, float* c, int64_t m, int64_t n, int
   }
   for (; i < m; ++i)
     for (int64_t j = 0; j < n; ++j) c[i * n + j] = dot_rows(a + i * k, b + j * k, k);
+}
+
+void grouped_gemm_nn(const float* a, const float* b, const float* a2, const float* b2, float* c,
+                     const int64_t* row_offsets, int32_t groups, int64_t n, int64_t k, DType storage) {
+  DMOE_REQUIRE(groups >= 0 && n >= 0 && k >= 0, "grouped_gemm_nn: groups = {}, n = {}, k = {}; must be >= 0", groups,
+               n, k);
+  DMOE_REQUIRE((a2 == nullptr) == (b2 == nullptr), "grouped_gemm_nn: a2 and b2 are both given or both null");
+  if (groups > 0) DMOE_REQUIRE(row_offsets[0] >= 0, "grouped_gemm_nn: row_offsets[0] = {}; must be >= 0", row_offsets[0]);
+  std::vector<double> acc(static_cast<size_t>(n));
+  for (int32_t g = 0; g < groups; ++g) {
+    DMOE_REQUIRE(row_offsets[g + 1] >= row_offsets[g], "grouped_gemm_nn: row_offsets[{}] = {} < row_offsets[{}] = {}",
+                 g + 1, row_offsets[g + 1], g, row_offsets[g]);
+    for (int64_t r = row_offsets[g]; r < row_offsets[g + 1]; ++r) {
+      std::fill(acc.begin(), acc.end(), 0.0);
+      // Each acc[j] runs over p in order (row p of B_g is contiguous in j): A·B, then A2·B2.
+      auto add = [&](const float* am, const float* bm) {
+        const float* arow = am + r * k;
+        const float* bg = bm + int64_t(g) * k * n;
+        for (int64_t p = 0; p < k; ++p) {
+          const double x = arow[p];
+          const float* brow = bg + p * n;
+          for (int64_t j = 0; j < n; ++j) acc[j] += x * double(brow[j]);
+        }
+      };
+      add(a, b);
+      if (a2 != nullptr) add(a2, b2);
+      float* crow = c + r * n;
+      for (int64_t j = 0; j < n; ++j) {
+        const float f = float(acc[j]);
+        crow[j] = storage == DType::bf16 ? round_to_bf16(f) : f;
+      }
+    }
+  }
 }
 
 }  // namespace dmoe::cpu

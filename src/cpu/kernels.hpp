@@ -16,6 +16,16 @@ namespace dmoe::cpu {
 // C[m, n] = A[m, k] · B[n, k]^T  (fp64 accumulation, then rounded to float).
 void gemm_nt(const float* a, const float* b, float* c, int64_t m, int64_t n, int64_t k);
 
+// For every group g and its rows r in [row_offsets[g], row_offsets[g+1]):
+//   C[r, :] = A[r, :] · B_g (+ A2[r, :] · B2_g)
+// A, A2 [rows, k], C [rows, n] (rows indexed from 0 like the offsets), B, B2 [groups, k, n] (each group's
+// [k, n] row-major: the "NN" product of the backward pass, dh = dout·w2 and dx = dpre1·w1 + dpre3·w3).
+// a2 and b2 are both null or both given; one fp64 sum per element over both products (p = 0..k-1 of A·B,
+// then of A2·B2), rounded to float once (then to bf16 when storage is bf16). Rows outside every group are
+// left untouched. The CUDA twin runs dmoe's own Hopper kernel (bf16).
+void grouped_gemm_nn(const float* a, const float* b, const float* a2, const float* b2, float* c,
+                     const int64_t* row_offsets, int32_t groups, int64_t n, int64_t k, DType storage);
+
 // ---- router --------------------------------------------------------------------------------------
 
 // logits[T, E] = x[T, H] · wg[E, H]^T.

@@ -117,6 +117,38 @@ struct Sm90Tuning {
 };
 void sm90_grouped_gemm(const CudaContext& ctx, void* scratch, const GroupedGemmNT& g, const Sm90Tuning& tuning = {});
 
+// ---- the NN variant (grouped_gemm_sm90.cu): the backward pass's input-gradient products -----------------
+//
+// For every group g: C[r, :] = A[r, :] · B_g (+ A2[r, :] · B2_g) for the rows r in [row_offsets[g],
+// row_offsets[g+1]); A, A2 [rows, k] and C [rows, n] row-major, B, B2 = [groups, k, n] (each group's
+// matrix [k, n] row-major, as w2 [H, I] is for dh = dout·w2 and w1, w3 [I, H] are for dx = dpre1·w1 +
+// dpre3·w3). bf16 in and out, fp32 accumulation; with A2 (and B2) both products run in one accumulation
+// over 2k (one rounding, where cuBLAS's beta = 1 second pass rounds twice). Rows of C outside every
+// group are not written. row_offsets is a host array of groups + 1 entries. Same kernel, tile scheduler
+// and tunings as sm90_grouped_gemm, with B loaded MN-major (sm90_layout.hpp); the staged epilogue is not
+// built for it (Sm90Tuning::epilogue = 1 is refused).
+struct GroupedGemmNN {
+  const __nv_bfloat16* a = nullptr;
+  const __nv_bfloat16* b = nullptr;
+  __nv_bfloat16* c = nullptr;
+  const int64_t* row_offsets = nullptr;
+  int32_t groups = 0;
+  int64_t n = 0, k = 0;
+  const __nv_bfloat16* a2 = nullptr;  // second product's A [rows, k], or null (then b2 is null too)
+  const __nv_bfloat16* b2 = nullptr;  // second product's B [groups, k, n]
+};
+// True where the kernel can run: an sm_90 GPU, this build targets sm_90a, k and n multiples of 8 (TMA's
+// 16-byte row strides; 16-byte stores), 16-byte aligned pointers, a2 and b2 both given or both null, fewer
+// than 2^31 - 128 rows. Any row counts (empty groups, 1 row), any k, n tails past the tile.
+bool sm90_grouped_gemm_nn_usable(const GroupedGemmNN& g);
+// Scratch: as sm90_grouped_gemm_scratch_bytes (offsets, tile table, counter).
+void sm90_grouped_gemm_nn(const CudaContext& ctx, void* scratch, const GroupedGemmNN& g,
+                          const Sm90Tuning& tuning = {});
+// Whether the backward pass's bf16 input-gradient products (dh = dout·w2, dx = dpre1·w1 + dpre3·w3) take
+// sm90_grouped_gemm_nn: DMOE_DGRAD=cublas (default, until measured on the H200) | own (wherever usable) |
+// auto (own below the forward's size bound, kOwnMaxMeanMacs in gemm.cpp; an unmeasured guess).
+bool prefer_own_dgrad(double mean_macs);
+
 // ---- dmoe's grouped weight-gradient GEMM (grouped_wgrad.cu) -----------------------------------------------
 //
 // For every group g with rows: C_g [m, n] = A_g^T · B_g (+ C_g with accumulate), A_g = rows

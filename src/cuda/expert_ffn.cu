@@ -10,6 +10,7 @@
 //              dw1 += dpre1^T·x, dw3 += dpre3^T·x        per expert (as dw2)
 //              (accumulate = false: the weight gradients are written, not added: beta = 0)
 //              dx = dpre1·w1 (+ dpre3·w3)                grouped GEMM; the second adds with beta = 1
+//                                                        (own NN kernel: one product over both, k = 2·I)
 //
 // GEMMs go through gemm_rm_grouped (cuda/gemm.cpp): one cublasGemmGroupedBatchedEx call for many small
 // expert products (A, B and C of one type, 16-byte aligned), else a loop of cublasGemmEx, one call per
@@ -19,8 +20,12 @@
 // launch per product for all experts) where auto prefers it, else the cuBLAS loop: the grouped API has no
 // bf16 × bf16 → f32 form. Every GEMM accumulates in f32 (CUBLAS_COMPUTE_32F; no TF32 for f32 storage).
 //
+// The input-gradient products (dh, dx) of bf16 experts take the own kernel's NN variant (B MN-major:
+// the weights as stored) where DMOE_DGRAD prefers it (default cuBLAS until measured; gemm.cpp).
+//
 // Stored intermediates (pre1, pre3, h, dh/dpre1, dpre3, dx) have the storage type, as on the CPU with
-// bf16 rounding; for bf16 the SwiGLU dx is rounded twice (after dpre1·w1, then after adding dpre3·w3).
+// bf16 rounding; for bf16 on cuBLAS the SwiGLU dx is rounded twice (after dpre1·w1, then after adding
+// dpre3·w3), on the own NN kernel once.
 #include <vector>
 
 #include "cuda/common.hpp"
@@ -268,6 +273,7 @@ void expert_ffn_backward(const T* x, const T* w1, const T* w3, const T* w2, cons
   const size_t off_dpre3 = layout.add(swiglu ? size_t(rows) * ffn * sizeof(T) : 0);
   const size_t off_pointers = layout.add(grouped_pointer_bytes(active));
   const size_t off_wgrad = layout.add(std::is_same_v<T, bf16> ? grouped_wgrad_scratch_bytes(local_experts) : 0);
+  const size_t off_dgrad = layout.add(std::is_same_v<T, bf16> ? sm90_grouped_gemm_scratch_bytes(local_experts) : 0);
   char* ws = static_cast<char*>(ctx.workspace->reserve(layout.total(), ctx.stream));
   T* dh = reinterpret_cast<T*>(ws + off_dh);  // row r of the batch is dh row r - row_begin
   T* dpre1 = dh;
@@ -327,7 +333,33 @@ void expert_ffn_backward(const T* x, const T* w1, const T* w3, const T* w2, cons
     gemm_rm_grouped(ctx, pointers, true, false, m, n, n, 1.f, beta_w, type, type, CUDA_R_32F, loop_problems);
   };
 
-  gemm_rm_grouped(ctx, pointers, false, false, hidden, ffn, ffn, 1.f, 0.f, type, type, type, dh_p);
+  // The input-gradient products of bf16 experts on the own kernel's NN variant (B = the weights as stored,
+  // MN-major) where DMOE_DGRAD prefers it (default: cuBLAS until measured, gemm.cpp) and it can run. Offsets
+  // rebased to the batch's first row, so that A and C both start there (dh, dpre1 and dpre3 start at
+  // row_begin). SwiGLU's dx is one product over both halves (dpre1·w1 + dpre3·w3, one rounding) where
+  // cuBLAS adds the second with beta = 1.
+  bool own_dgrad = false;
+  std::vector<int64_t> rebased;
+  if constexpr (std::is_same_v<T, bf16>) {
+    const double mean_macs = double(rows) * double(hidden) * double(ffn) / double(std::max<int64_t>(active, 1));
+    if (prefer_own_dgrad(mean_macs)) {
+      rebased.resize(size_t(local_experts) + 1);
+      for (int32_t e = 0; e <= local_experts; ++e) rebased[e] = expert_offsets[e] - row_begin;
+      const GroupedGemmNN dh_g{dout + row_begin * hidden, w2, dh, rebased.data(), local_experts, ffn, hidden};
+      const GroupedGemmNN dx_g{dpre1, w1, dx + row_begin * hidden, rebased.data(), local_experts, hidden, ffn,
+                               swiglu ? dpre3 : nullptr, swiglu ? w3 : nullptr};
+      own_dgrad = sm90_grouped_gemm_nn_usable(dh_g) && sm90_grouped_gemm_nn_usable(dx_g);
+    }
+  }
+  auto dgrad_own = [&](const T* a, const T* b, const T* a2, const T* b2, T* c, int64_t n, int64_t k) {
+    if constexpr (std::is_same_v<T, bf16>)
+      sm90_grouped_gemm_nn(ctx, ws + off_dgrad, GroupedGemmNN{a, b, c, rebased.data(), local_experts, n, k, a2, b2});
+  };
+
+  if (own_dgrad)
+    dgrad_own(dout + row_begin * hidden, w2, nullptr, nullptr, dh, ffn, hidden);
+  else
+    gemm_rm_grouped(ctx, pointers, false, false, hidden, ffn, ffn, 1.f, 0.f, type, type, type, dh_p);
   wgrad(dout, 0, hidden, h, ffn, dw2, dw2_p);
 
   const int64_t count = rows * ffn;
@@ -338,6 +370,10 @@ void expert_ffn_backward(const T* x, const T* w1, const T* w3, const T* w2, cons
 
   wgrad(dpre1, row_begin, ffn, x, hidden, dw1, dw1_p);
   if (swiglu) wgrad(dpre3, row_begin, ffn, x, hidden, dw3, dw3_p);
+  if (own_dgrad) {
+    dgrad_own(dpre1, w1, swiglu ? dpre3 : nullptr, swiglu ? w3 : nullptr, dx + row_begin * hidden, hidden, ffn);
+    return;
+  }
   gemm_rm_grouped(ctx, pointers, false, false, ffn, hidden, hidden, 1.f, 0.f, type, type, type, dx1_p);
   if (swiglu)
     gemm_rm_grouped(ctx, pointers, false, false, ffn, hidden, hidden, 1.f, 1.f, type, type, type, dx3_p);

@@ -137,6 +137,21 @@ bool prefer_own_wgrad(double mean_macs) {
   return mode == 1 || (mode == 0 && mean_macs < kOwnWgradMaxMeanMacs);
 }
 
+// DMOE_DGRAD: the input-gradient products of the backward pass (dh = dout·w2, dx = dpre1·w1 + dpre3·w3) on
+// the own kernel's NN variant. The default stays cuBLAS until the NN kernel is measured on the H200 (then
+// set the default and the bound here from `dmoe bench gemm --dgrad` and `dmoe bench layer`); auto takes
+// the forward's bound, kOwnMaxMeanMacs, as a first guess.
+bool prefer_own_dgrad(double mean_macs) {
+  static const int mode = [] {  // 0 auto, 1 own, 2 cublas
+    const char* v = std::getenv("DMOE_DGRAD");
+    if (!v || !*v || std::string(v) == "cublas") return 2;
+    if (std::string(v) == "auto") return 0;
+    if (std::string(v) == "own") return 1;
+    fail(__FILE__, __LINE__, "DMOE_DGRAD=%s is not supported; allowed: auto, own, cublas", v);
+  }();
+  return mode == 1 || (mode == 0 && mean_macs < kOwnMaxMeanMacs);
+}
+
 bool prefer_own_grouped_gemm(double mean_macs) {
   switch (expert_gemm_mode()) {
     case ExpertGemmMode::own:

@@ -1,6 +1,9 @@
 // cuda/grouped_gemm_sm90.cu — dmoe's own grouped GEMM for Hopper (sm_90a), the expert FFN's forward
 // products: for every group g (a local expert) C[r, :] = A[r, :] · B_g^T over the group's rows r, bf16
-// in and out, fp32 accumulation.
+// in and out, fp32 accumulation. Its NN variant (GroupedGemmNN, same kernel template with kNN) computes
+// the backward's input gradients C[r, :] = A[r, :] · B_g (+ A2[r, :] · B2_g) with B_g row-major [k, n]
+// (MN-major for wgmma): B tiles are 64-column panels from a rank-3 map, read with transpose-B set
+// (layout, descriptors and why they match: sm90_layout.hpp).
 //
 // Why: cuBLAS runs the experts' products one after another (or in a grouped call that behaves alike), and
 // one product of a few hundred rows is only a handful of output tiles, so most of the 132 SMs idle
@@ -47,6 +50,7 @@
 #include "cuda/common.hpp"
 #include "cuda/device_utils.cuh"
 #include "cuda/sm90_host.hpp"
+#include "cuda/sm90_layout.hpp"
 #include "cuda/sm90_primitives.cuh"
 
 namespace dmoe::cuda {
@@ -93,8 +97,9 @@ struct Sm90Params {
   __nv_bfloat16* c;
   __nv_bfloat16* c2;            // fused SwiGLU: the up half (pre3)
   __nv_bfloat16* h;             // fused activation output
-  int64_t n, k;
+  int64_t n, k;                 // NN: k per part (a second part, A2·B2, has the same k)
   int32_t groups;
+  int32_t k_parts;              // NN: 2 = C = A·B + A2·B2 (both parts' k-blocks in one accumulation), else 1
   int32_t tiles;
   int32_t n_tiles;              // column tiles per group
   int32_t leave_out;            // measurement aid (Sm90Tuning::leave_out): 1 no stores, 2 no products either
@@ -143,16 +148,22 @@ __device__ __forceinline__ TileCoord decode_tile(const Sm90Params& p, int32_t t)
 
 #endif  // DMOE_SM90A_DEVICE
 
+// kNN: B is MN-major (GroupedGemmNN: C = A·B_g with B_g row-major [k, n]); its tiles are BN/64 panels of
+// 64 columns × BK k-rows, loaded by a rank-3 map [groups, k, n] and read by wgmma with transpose-B set
+// (layout and descriptor in sm90_layout.hpp). With k_parts = 2 the producer runs the k-blocks of A·B, then
+// those of A2·B2 (map_a2, map_b2) into the same slots; the consumers see one longer reduction.
 // kFuse: the epilogue also applies the activation A and writes h (GroupedGemmNT). For SwiGLU a tile's BN
 // columns are BN/2 columns of the gate product (B = w1, rows from map_b) followed by the same BN/2 columns
 // of the up product (w3, map_b2), so one thread holds both halves of each h element.
 // kDynamic: tiles after the first wave come from a global counter through the tile ring (see the producer);
 // the static schedule (CTA b takes b, b + G, ...) is a separate instantiation without the ring.
-template <int BN, int BK, bool kFuse, Activation A, bool kStaged, bool kDynamic>
+template <int BN, int BK, bool kFuse, Activation A, bool kStaged, bool kDynamic, bool kNN = false>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
-                             const __grid_constant__ CUtensorMap map_b2, const __grid_constant__ Sm90Params p) {
+                             const __grid_constant__ CUtensorMap map_b2, const __grid_constant__ CUtensorMap map_a2,
+                             const __grid_constant__ Sm90Params p) {
 #ifdef DMOE_SM90A_DEVICE
+  static_assert(!kNN || (!kFuse && BK == 64), "NN: no fused activation; k-blocks of 64 rows (128-byte panels)");
   constexpr bool kGated = kFuse && A == Activation::swiglu;
   constexpr int kOutN = kGated ? BN / 2 : BN;  // output columns per tile
   using Cfg = TileConfig<BN, BK, kStaged>;
@@ -187,7 +198,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   __syncthreads();
 
-  const int32_t k_blocks = int32_t((p.k + BK - 1) / BK);
+  const int32_t k_blocks_part = int32_t((p.k + BK - 1) / BK);
+  const int32_t k_blocks = kNN ? k_blocks_part * p.k_parts : k_blocks_part;
 
   if (warpgroup == 0) {
     // ---- producer ----
@@ -197,6 +209,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&map_b)) : "memory");
       if constexpr (kGated)
         asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&map_b2)) : "memory");
+      if (kNN && p.k_parts == 2) {
+        asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&map_a2)) : "memory");
+        asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&map_b2)) : "memory");
+      }
       uint32_t it = 0;
       // The tile sequence: the first tile is blockIdx.x; then the static schedule adds gridDim.x, the
       // dynamic one takes the next index from the global counter, so that tiles start in index order
@@ -220,14 +236,30 @@ __global__ void __launch_bounds__(kThreads, 1)
         const TileCoord tc = decode_tile(p, t);
         const int32_t a_row = tc.row_begin + tc.m_tile * kBlockM;
         const int32_t b_row = int32_t(int64_t(tc.group) * p.n + int64_t(tc.n_tile) * kOutN);
+        // NN: B panels holding columns below n (sm90::mn_panels_in; all BN/64 but in a last column tile).
+        [[maybe_unused]] const int32_t col0 = tc.n_tile * BN;
+        [[maybe_unused]] const int panels = kNN ? sm90::mn_panels_in(p.n, col0, BN) : 0;
         for (int32_t kb = 0; kb < k_blocks; ++kb, ++it) {
           const int s = int(it % S);
           const uint32_t phase = (it / S) & 1;
           mbar_wait(empty(s), phase ^ 1, 1, s, p);
-          mbar_expect_tx(full(s), Cfg::stage_bytes);
-          tma_load_2d(slot_a(s), &map_a, kb * BK, a_row, full(s));
-          tma_load_2d(slot_b(s), &map_b, kb * BK, b_row, full(s));
-          if constexpr (kGated) tma_load_2d(slot_b(s) + kOutN * Cfg::row_bytes, &map_b2, kb * BK, b_row, full(s));
+          if constexpr (kNN) {
+            // The part's maps and its k-block; B as the panels of one group's [BK k-rows, 64 columns].
+            const bool second = kb >= k_blocks_part;
+            const int32_t kl = second ? kb - k_blocks_part : kb;
+            mbar_expect_tx(full(s), Cfg::a_bytes + panels * sm90::mn_panel_bytes(BK));
+            tma_load_2d(slot_a(s), second ? &map_a2 : &map_a, kl * BK, a_row, full(s));
+#pragma unroll
+            for (int j = 0; j < BN / sm90::kMnPanelCols; ++j)
+              if (j < panels)
+                tma_load_3d(slot_b(s) + sm90::mn_panel_offset(j, BK), second ? &map_b2 : &map_b,
+                            col0 + j * sm90::kMnPanelCols, kl * BK, tc.group, full(s));
+          } else {
+            mbar_expect_tx(full(s), Cfg::stage_bytes);
+            tma_load_2d(slot_a(s), &map_a, kb * BK, a_row, full(s));
+            tma_load_2d(slot_b(s), &map_b, kb * BK, b_row, full(s));
+            if constexpr (kGated) tma_load_2d(slot_b(s) + kOutN * Cfg::row_bytes, &map_b2, kb * BK, b_row, full(s));
+          }
         }
       }
     }
@@ -276,9 +308,15 @@ __global__ void __launch_bounds__(kThreads, 1)
         const uint32_t b_base = slot_b(s);
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < BK / 16; ++kk)
-          Wgmma<BN>::mma(acc, kmajor_swizzled_desc<Cfg::row_bytes>(a_base + kk * 32),
-                         kmajor_swizzled_desc<Cfg::row_bytes>(b_base + kk * 32), (kb > 0 || kk > 0) ? 1 : 0);
+        for (int kk = 0; kk < BK / 16; ++kk) {
+          const uint64_t desc_a = kmajor_swizzled_desc<Cfg::row_bytes>(a_base + sm90::kmajor_kstep_offset(kk));
+          if constexpr (kNN)
+            Wgmma<BN>::template mma<1>(acc, desc_a, mnmajor_swizzled_desc<BK>(b_base + sm90::mn_kstep_offset(kk)),
+                                       (kb > 0 || kk > 0) ? 1 : 0);
+          else
+            Wgmma<BN>::mma(acc, desc_a, kmajor_swizzled_desc<Cfg::row_bytes>(b_base + sm90::kmajor_kstep_offset(kk)),
+                           (kb > 0 || kk > 0) ? 1 : 0);
+        }
         wgmma_commit();
         // Keep this k-block's products in flight; the previous one is done, so its slot goes back.
         wgmma_wait<1>();
@@ -445,67 +483,113 @@ int column_tile() {
   return bn;
 }
 
+// The tile table of a call (tiles numbered group by group, row tiles fastest), uploaded into the scratch
+// with the row offsets, and the parameters every instantiation shares. Returns the number of tiles (0:
+// nothing to launch).
+int32_t prepare_tiles(const CudaContext& ctx, void* scratch, const int64_t* row_offsets, int32_t groups, int64_t n,
+                      int64_t k, int out_n, bool dynamic, int leave_out, Sm90Params& p) {
+  const int32_t n_tiles = int32_t((n + out_n - 1) / out_n);
+  std::vector<int32_t> tile_offsets(size_t(groups) + 1, 0);
+  for (int32_t e = 0; e < groups; ++e) {
+    const int64_t rows = row_offsets[e + 1] - row_offsets[e];
+    const int64_t next = int64_t(tile_offsets[e]) + (rows + kBlockM - 1) / kBlockM * int64_t(n_tiles);
+    DMOE_CUDA_REQUIRE(next < (int64_t(1) << 31), "sm90_grouped_gemm: more than 2^31 - 1 tiles (%d groups, "
+                      "%lld rows, n = %lld); split the call", groups, (long long)row_offsets[groups],
+                      (long long)n);
+    tile_offsets[e + 1] = int32_t(next);
+  }
+  const int32_t tiles = tile_offsets[groups];
+  if (tiles == 0) return 0;
+
+  char* ws = static_cast<char*>(scratch);
+  const size_t offsets_bytes = (size_t(groups) + 1) * sizeof(int64_t);
+  upload_async(ws, row_offsets, offsets_bytes, ctx.stream);
+  upload_async(ws + offsets_bytes, tile_offsets.data(), tile_offsets.size() * sizeof(int32_t), ctx.stream);
+  const size_t counter_offset = offsets_bytes + tile_offsets.size() * sizeof(int32_t);  // 4-byte aligned
+
+  p = Sm90Params{};
+  p.row_offsets = reinterpret_cast<const int64_t*>(ws);
+  p.tile_offsets = reinterpret_cast<const int32_t*>(ws + offsets_bytes);
+  p.n = n;
+  p.k = k;
+  p.groups = groups;
+  p.k_parts = 1;
+  p.tiles = tiles;
+  p.n_tiles = n_tiles;
+  p.leave_out = leave_out;
+  p.tile_counter = reinterpret_cast<int32_t*>(ws + counter_offset);
+  if (dynamic) DMOE_CHECK_CUDA(cudaMemsetAsync(p.tile_counter, 0, sizeof(int32_t), ctx.stream));
+  p.timeout_ns = wait_timeout_ns();
+  p.wait_record = device_wait_record();
+  return tiles;
+}
+
+// The shared-memory opt-in is per function and per device: once for each device this process uses. One
+// object per kernel instantiation (a static in each launcher).
+struct SmemOptIn {
+  std::mutex mutex;
+  std::vector<bool> set;
+  template <typename Kernel>
+  void apply(Kernel kernel, int bytes) {
+    int device = 0;
+    DMOE_CHECK_CUDA(cudaGetDevice(&device));
+    std::lock_guard<std::mutex> lock(mutex);
+    if (int(set.size()) <= device) set.resize(device + 1, false);
+    if (!set[device]) {
+      DMOE_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+      set[device] = true;
+    }
+  }
+};
+
 template <int BN, int BK, bool kFuse, Activation A, bool kStaged, bool kDynamic>
 void launch(const CudaContext& ctx, void* scratch, const GroupedGemmNT& g, int leave_out) {
   using Cfg = TileConfig<BN, BK, kStaged>;
   const auto kernel = grouped_gemm_sm90_kernel<BN, BK, kFuse, A, kStaged, kDynamic>;
   constexpr bool kGated = kFuse && A == Activation::swiglu;
   constexpr int kOutN = kGated ? BN / 2 : BN;
-  const int32_t n_tiles = int32_t((g.n + kOutN - 1) / kOutN);
-  std::vector<int32_t> tile_offsets(size_t(g.groups) + 1, 0);
-  for (int32_t e = 0; e < g.groups; ++e) {
-    const int64_t rows = g.row_offsets[e + 1] - g.row_offsets[e];
-    const int64_t next = int64_t(tile_offsets[e]) + (rows + kBlockM - 1) / kBlockM * int64_t(n_tiles);
-    DMOE_CUDA_REQUIRE(next < (int64_t(1) << 31), "sm90_grouped_gemm: more than 2^31 - 1 tiles (%d groups, "
-                      "%lld rows, n = %lld); split the call", g.groups, (long long)g.row_offsets[g.groups],
-                      (long long)g.n);
-    tile_offsets[e + 1] = int32_t(next);
-  }
-  const int32_t tiles = tile_offsets[g.groups];
+  Sm90Params p;
+  const int32_t tiles = prepare_tiles(ctx, scratch, g.row_offsets, g.groups, g.n, g.k, kOutN, kDynamic, leave_out, p);
   if (tiles == 0) return;
-
-  char* ws = static_cast<char*>(scratch);
-  const size_t offsets_bytes = (size_t(g.groups) + 1) * sizeof(int64_t);
-  upload_async(ws, g.row_offsets, offsets_bytes, ctx.stream);
-  upload_async(ws + offsets_bytes, tile_offsets.data(), tile_offsets.size() * sizeof(int32_t), ctx.stream);
-  const size_t counter_offset = offsets_bytes + tile_offsets.size() * sizeof(int32_t);  // 4-byte aligned
 
   const int64_t rows_total = g.row_offsets[g.groups];
   const CUtensorMap map_a = make_kmajor_map(g.a, rows_total, g.k, kBlockM, BK);
   const CUtensorMap map_b = make_kmajor_map(g.b, int64_t(g.groups) * g.n, g.k, kOutN, BK);
   const CUtensorMap map_b2 = kGated ? make_kmajor_map(g.b2, int64_t(g.groups) * g.n, g.k, kOutN, BK) : map_b;
-  Sm90Params p{};
-  p.row_offsets = reinterpret_cast<const int64_t*>(ws);
-  p.tile_offsets = reinterpret_cast<const int32_t*>(ws + offsets_bytes);
   p.c = g.c;
   p.c2 = g.c2;
   p.h = g.h;
-  p.n = g.n;
-  p.k = g.k;
-  p.groups = g.groups;
-  p.tiles = tiles;
-  p.n_tiles = n_tiles;
-  p.leave_out = leave_out;
-  p.tile_counter = reinterpret_cast<int32_t*>(ws + counter_offset);
-  if (kDynamic) DMOE_CHECK_CUDA(cudaMemsetAsync(p.tile_counter, 0, sizeof(int32_t), ctx.stream));
-  p.timeout_ns = wait_timeout_ns();
-  p.wait_record = device_wait_record();
 
-  // The shared-memory opt-in is per function and per device: once for each device this process uses.
-  static std::mutex attribute_mutex;
-  static std::vector<bool> attribute_set;
-  {
-    int device = 0;
-    DMOE_CHECK_CUDA(cudaGetDevice(&device));
-    std::lock_guard<std::mutex> lock(attribute_mutex);
-    if (int(attribute_set.size()) <= device) attribute_set.resize(device + 1, false);
-    if (!attribute_set[device]) {
-      DMOE_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::smem_bytes));
-      attribute_set[device] = true;
-    }
-  }
+  static SmemOptIn opt_in;
+  opt_in.apply(kernel, Cfg::smem_bytes);
   const int blocks = std::min(tiles, device_info().sms);
-  kernel<<<blocks, kThreads, Cfg::smem_bytes, ctx.stream>>>(map_a, map_b, map_b2, p);
+  kernel<<<blocks, kThreads, Cfg::smem_bytes, ctx.stream>>>(map_a, map_b, map_b2, map_a, p);
+  DMOE_CHECK_LAUNCH();
+}
+
+// The NN product (GroupedGemmNN): direct epilogue only, BK = 64.
+template <int BN, bool kDynamic>
+void launch_nn(const CudaContext& ctx, void* scratch, const GroupedGemmNN& g, int leave_out) {
+  constexpr int BK = 64;
+  using Cfg = TileConfig<BN, BK, false>;
+  const auto kernel = grouped_gemm_sm90_kernel<BN, BK, false, Activation::relu, false, kDynamic, true>;
+  Sm90Params p;
+  const int32_t tiles = prepare_tiles(ctx, scratch, g.row_offsets, g.groups, g.n, g.k, BN, kDynamic, leave_out, p);
+  if (tiles == 0) return;
+
+  const bool two = g.a2 != nullptr;
+  const int64_t rows_total = g.row_offsets[g.groups];
+  const CUtensorMap map_a = make_kmajor_map(g.a, rows_total, g.k, kBlockM, BK);
+  const CUtensorMap map_b = make_mnmajor_map(g.b, g.groups, g.k, g.n, BK);
+  const CUtensorMap map_a2 = two ? make_kmajor_map(g.a2, rows_total, g.k, kBlockM, BK) : map_a;
+  const CUtensorMap map_b2 = two ? make_mnmajor_map(g.b2, g.groups, g.k, g.n, BK) : map_b;
+  p.c = g.c;
+  p.k_parts = two ? 2 : 1;
+
+  static SmemOptIn opt_in;
+  opt_in.apply(kernel, Cfg::smem_bytes);
+  const int blocks = std::min(tiles, device_info().sms);
+  kernel<<<blocks, kThreads, Cfg::smem_bytes, ctx.stream>>>(map_a, map_b, map_b2, map_a2, p);
   DMOE_CHECK_LAUNCH();
 }
 
@@ -565,19 +649,37 @@ static PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return fn;
 }
 
-CUtensorMap make_kmajor_map(const void* base, int64_t rows, int64_t k, int box_rows, int box_k) {
+// Encodes a map from its parameters (sm90_layout.hpp, where the host unit test checks them).
+static CUtensorMap encode_map(const void* base, const sm90::TmaSpec& spec, const char* what) {
   CUtensorMap map;
-  const cuuint64_t dims[2] = {cuuint64_t(k), cuuint64_t(rows)};
-  const cuuint64_t strides[1] = {cuuint64_t(k) * 2};
-  const cuuint32_t box[2] = {cuuint32_t(box_k), cuuint32_t(box_rows)};
-  const cuuint32_t element_strides[2] = {1, 1};
-  const CUresult r = tensor_map_encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims,
-                                          strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                                          box_k == 64 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+  cuuint64_t dims[3];
+  cuuint64_t strides[2];
+  cuuint32_t box[3];
+  const cuuint32_t element_strides[3] = {1, 1, 1};
+  for (int i = 0; i < spec.rank; ++i) {
+    dims[i] = spec.dims[i];
+    box[i] = spec.box[i];
+    if (i + 1 < spec.rank) strides[i] = spec.strides[i];
+  }
+  const CUtensorMapSwizzle swizzle = spec.swizzle_bytes == 128 ? CU_TENSOR_MAP_SWIZZLE_128B
+                                     : spec.swizzle_bytes == 64 ? CU_TENSOR_MAP_SWIZZLE_64B
+                                                                : CU_TENSOR_MAP_SWIZZLE_32B;
+  const CUresult r = tensor_map_encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, cuuint32_t(spec.rank),
+                                          const_cast<void*>(base), dims, strides, box, element_strides,
+                                          CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                                           CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  DMOE_CUDA_REQUIRE(r == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed (error %d) for a [%lld, %lld] bf16 matrix",
-                    int(r), (long long)rows, (long long)k);
+  DMOE_CUDA_REQUIRE(r == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed (error %d) for %s [%llu, %llu, %llu] bf16",
+                    int(r), what, (unsigned long long)spec.dims[2], (unsigned long long)spec.dims[1],
+                    (unsigned long long)spec.dims[0]);
   return map;
+}
+
+CUtensorMap make_kmajor_map(const void* base, int64_t rows, int64_t k, int box_rows, int box_k) {
+  return encode_map(base, sm90::kmajor_spec(rows, k, box_rows, box_k), "a K-major matrix");
+}
+
+CUtensorMap make_mnmajor_map(const void* base, int32_t groups, int64_t k, int64_t n, int box_k) {
+  return encode_map(base, sm90::mnmajor_spec(groups, k, n, box_k), "MN-major matrices");
 }
 
 // Multiprocessors this process's context may use. Under MPS with CUDA_MPS_ACTIVE_THREAD_PERCENTAGE (which
@@ -704,6 +806,67 @@ void sm90_grouped_gemm(const CudaContext& ctx, void* scratch, const GroupedGemmN
   else
     wide ? launch_for<256, 64, false, false>(ctx, scratch, g, lo)
          : launch_for<128, 64, false, false>(ctx, scratch, g, lo);
+}
+
+bool sm90_grouped_gemm_nn_usable(const GroupedGemmNN& g) {
+  if (g.groups <= 0 || g.n <= 0 || g.k <= 0) return false;
+  // TMA: row strides of a multiple of 16 bytes (A: 2k, B: 2n), 16-byte aligned bases; the epilogue stores
+  // 8-column blocks.
+  if (g.k % 8 != 0 || g.n % 8 != 0) return false;
+  if (!is_aligned(g.a, 16) || !is_aligned(g.b, 16) || !is_aligned(g.c, 16)) return false;
+  if ((g.a2 == nullptr) != (g.b2 == nullptr)) return false;
+  if (g.a2 != nullptr && (!is_aligned(g.a2, 16) || !is_aligned(g.b2, 16))) return false;
+  // Tile coordinates are 32-bit in TMA (rows of A; columns, k-rows and groups of B).
+  if (g.row_offsets[g.groups] >= (int64_t(1) << 31) - kBlockM || g.n >= (int64_t(1) << 31) ||
+      g.k >= (int64_t(1) << 31))
+    return false;
+  return device_info().usable;
+}
+
+void sm90_grouped_gemm_nn(const CudaContext& ctx, void* scratch, const GroupedGemmNN& g, const Sm90Tuning& t) {
+  DMOE_CUDA_REQUIRE(g.groups >= 0, "sm90_grouped_gemm_nn: groups = %d; must be >= 0", g.groups);
+  if (g.groups == 0) return;
+  for (int32_t e = 0; e < g.groups; ++e)
+    DMOE_CUDA_REQUIRE(g.row_offsets[e + 1] >= g.row_offsets[e] && g.row_offsets[0] >= 0,
+                      "sm90_grouped_gemm_nn: row_offsets[%d] = %lld < row_offsets[%d] = %lld; offsets must not "
+                      "decrease", e + 1, (long long)g.row_offsets[e + 1], e, (long long)g.row_offsets[e]);
+  DMOE_CUDA_REQUIRE(sm90_grouped_gemm_nn_usable(g),
+                    "sm90_grouped_gemm_nn: not usable here (needs an sm_90 GPU, a build for sm_90a, k and n multiples "
+                    "of 8 — k = %lld, n = %lld — 16-byte aligned pointers, a2 and b2 both given or both null)",
+                    (long long)g.k, (long long)g.n);
+  DMOE_CUDA_REQUIRE(t.block_n == 0 || t.block_n == 128 || t.block_n == 256,
+                    "sm90_grouped_gemm_nn: block_n = %d; allowed: 0 (default), 128, 256", t.block_n);
+  DMOE_CUDA_REQUIRE(t.epilogue == 0 || t.epilogue == 2,
+                    "sm90_grouped_gemm_nn: epilogue = %d; allowed: 0 (default: direct), 2 (direct); the staged "
+                    "epilogue is not built for the NN product", t.epilogue);
+  DMOE_CUDA_REQUIRE(t.leave_out >= 0 && t.leave_out <= 2,
+                    "sm90_grouped_gemm_nn: leave_out = %d; allowed: 0, 1 (no stores), 2 (no products, no stores)",
+                    t.leave_out);
+  DMOE_CUDA_REQUIRE(t.schedule >= 0 && t.schedule <= 2,
+                    "sm90_grouped_gemm_nn: schedule = %d; allowed: 0 (default), 1 (static), 2 (dynamic)", t.schedule);
+  const bool wide = (t.block_n == 0 ? column_tile() : t.block_n) == 256;
+  const bool dyn = t.schedule == 0 ? dynamic_schedule() : t.schedule == 2;
+  if (dyn)
+    wide ? launch_nn<256, true>(ctx, scratch, g, t.leave_out) : launch_nn<128, true>(ctx, scratch, g, t.leave_out);
+  else
+    wide ? launch_nn<256, false>(ctx, scratch, g, t.leave_out) : launch_nn<128, false>(ctx, scratch, g, t.leave_out);
+}
+
+// The twin of cpu::grouped_gemm_nn: scratch from the context's workspace (reserved here, so callers that
+// hold pointers into the workspace call sm90_grouped_gemm_nn with their own scratch instead).
+void grouped_gemm_nn(const bf16* a, const bf16* b, const bf16* a2, const bf16* b2, bf16* c,
+                     const int64_t* row_offsets, int32_t groups, int64_t n, int64_t k, const CudaContext& ctx) {
+  DMOE_CUDA_REQUIRE(groups >= 0, "grouped_gemm_nn: groups = %d; must be >= 0", groups);
+  if (groups == 0 || n == 0 || row_offsets[groups] == row_offsets[0]) return;
+  if (k == 0) {  // empty sums: the groups' rows (contiguous from row_offsets[0]) are zeros
+    DMOE_CHECK_CUDA(cudaMemsetAsync(c + row_offsets[0] * n, 0,
+                                    size_t(row_offsets[groups] - row_offsets[0]) * size_t(n) * sizeof(bf16), ctx.stream));
+    return;
+  }
+  GroupedGemmNN g{a, b, c, row_offsets, groups, n, k, a2, b2};
+  DMOE_CUDA_REQUIRE(ctx.workspace != nullptr, "grouped_gemm_nn: the context has no workspace");
+  void* scratch = ctx.workspace->reserve(sm90_grouped_gemm_scratch_bytes(groups), ctx.stream);
+  sm90_grouped_gemm_nn(ctx, scratch, g);
 }
 
 }  // namespace dmoe::cuda

@@ -162,6 +162,14 @@ template <typename T>
 void combine_backward(const T* dy, const T* rows, const int32_t* slot, const float* weights, T* drows,
                       float* dweights, int64_t tokens, int32_t top_k, int64_t hidden, cudaStream_t stream);
 
+// ---- grouped NN product --------------------------------------------------------------------------
+
+// C[r, :] = A[r, :]·B_g (+ A2[r, :]·B2_g) over each group's rows (cpu/kernels.hpp), bf16, on dmoe's own
+// Hopper kernel (sm90_grouped_gemm_nn in common.hpp), scratch from the context's workspace; fails with a
+// message where the kernel cannot run (sm90_grouped_gemm_nn_usable). row_offsets is a host array.
+void grouped_gemm_nn(const bf16* a, const bf16* b, const bf16* a2, const bf16* b2, bf16* c,
+                     const int64_t* row_offsets, int32_t groups, int64_t n, int64_t k, const CudaContext& ctx);
+
 // ---- expert FFN ----------------------------------------------------------------------------------
 
 // All local experts: rows of expert e are [expert_offsets[e], expert_offsets[e+1]) (host array, Le+1

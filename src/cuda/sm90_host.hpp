@@ -1,5 +1,5 @@
 // cuda/sm90_host.hpp — host side of the Hopper tile engine, shared by the grouped GEMM and Flash: tensor maps
-// for K-major bf16 operands, whether this device and build can run sm_90a kernels, and the time limit of
+// for K-major and MN-major bf16 operands, whether this device and build can run sm_90a kernels, and the time limit of
 // device-side waits (DMOE_GPU_WAIT_TIMEOUT_MS). Definitions in grouped_gemm_sm90.cu.
 #pragma once
 
@@ -19,6 +19,10 @@ const DeviceInfo& device_info();
 // [rows, k] bf16 row-major, boxes of box_rows × box_k (64 or 32) with the swizzle as wide as a box row
 // (128 or 64 bytes); out-of-range reads are zeros.
 CUtensorMap make_kmajor_map(const void* base, int64_t rows, int64_t k, int box_rows, int box_k);
+// [groups, k, n] bf16 (each group's [k, n] row-major: MN-major for wgmma's B), boxes of one group's
+// box_k rows × 64 columns with the 128-byte swizzle (sm90_layout.hpp: mnmajor_spec); out-of-range reads
+// (past a group's k rows, past n) are zeros.
+CUtensorMap make_mnmajor_map(const void* base, int32_t groups, int64_t k, int64_t n, int box_k);
 
 // DMOE_GPU_WAIT_TIMEOUT_MS (default 10 s) in nanoseconds: how long a device-side wait may spin.
 unsigned long long wait_timeout_ns();

@@ -16,6 +16,7 @@
 
 #include "cuda/check.hpp"
 #include "cuda/device_utils.cuh"
+#include "cuda/sm90_layout.hpp"
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define DMOE_SM90A_DEVICE 1
@@ -111,18 +112,30 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map
       : "memory");
 }
 
+// 3-D TMA load of the box at (c0 = innermost, c1, c2) into shared memory; completes on `bar`.
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, int32_t c0, int32_t c1, int32_t c2,
+                                            uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];"
+      ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+      : "memory");
+}
+
 // Shared-memory matrix descriptor of a K-major operand written by TMA with the swizzle as wide as its
 // rows (128 or 64 bytes): 8-row atoms 8·row_bytes apart (stride byte offset); the leading byte offset is
-// unused in these modes. Moving along K inside a row is a plain start-address offset.
+// unused in these modes. Moving along K inside a row is a plain start-address offset. The bit fields and
+// the reasoning are in sm90_layout.hpp (checked by a host unit test).
 template <int kRowBytes>
 __device__ __forceinline__ uint64_t kmajor_swizzled_desc(uint32_t addr) {
   static_assert(kRowBytes == 128 || kRowBytes == 64, "128- or 64-byte swizzle");
-  uint64_t d = 0;
-  d |= uint64_t((addr & 0x3FFFF) >> 4);
-  d |= uint64_t(1) << 16;
-  d |= uint64_t(8 * kRowBytes >> 4) << 32;
-  d |= uint64_t(kRowBytes == 128 ? 1 : 2) << 62;  // layout type: 1 = 128-byte swizzle, 2 = 64-byte
-  return d;
+  return sm90::kmajor_desc(addr, kRowBytes);
+}
+
+// Descriptor of an MN-major B tile (the NN kernel): panels of 64 columns × kBK k-rows, 128-byte swizzle;
+// LBO = one panel (the next 64 columns), SBO = 8 k-rows (sm90_layout.hpp).
+template <int kBK>
+__device__ __forceinline__ uint64_t mnmajor_swizzled_desc(uint32_t addr) {
+  return sm90::mnmajor_desc(addr, kBK);
 }
 
 // Asynchronous bulk store of `bytes` (a multiple of 16) from shared to global memory, in this thread's
@@ -148,12 +161,15 @@ __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
 }
 
+// kTransB = 1: B is MN-major in shared memory (the instruction's transpose-B immediate; bf16 supports it),
+// 0: K-major. A is always K-major.
 template <int BN>
 struct Wgmma;
 
 template <>
 struct Wgmma<128> {
   // d[64] += A (64×16, smem) · B (128×16, smem)^T; scale_d = 0 overwrites d instead.
+  template <int kTransB = 0>
   __device__ __forceinline__ static void mma(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int scale_d) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
@@ -162,7 +178,7 @@ struct Wgmma<128> {
       "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
       "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
       "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-        "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+        "}, %64, %65, p, 1, 1, 0, %67;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
           "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
           "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
@@ -171,13 +187,14 @@ struct Wgmma<128> {
           "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
           "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
           "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransB));
   }
 };
 
 template <>
 struct Wgmma<256> {
   // d[128] += A (64×16, smem) · B (256×16, smem)^T; scale_d = 0 overwrites d instead.
+  template <int kTransB = 0>
   __device__ __forceinline__ static void mma(float (&d)[128], uint64_t desc_a, uint64_t desc_b, int scale_d) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
@@ -190,7 +207,7 @@ struct Wgmma<256> {
       "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
       "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
       "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
-        "}, %128, %129, p, 1, 1, 0, 0;\n}\n"
+        "}, %128, %129, p, 1, 1, 0, %131;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
           "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
           "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
@@ -210,7 +227,7 @@ struct Wgmma<256> {
           "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]),
           "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]),
           "+f"(d[126]), "+f"(d[127])
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransB));
   }
 };
 

@@ -77,6 +77,63 @@ TEST(CpuKernelsGemm, MatchesNaiveFormula) {
   }
 }
 
+// ---- grouped NN product (twin of the own kernel's NN variant) ---------------------------------------
+
+// Groups: rows before, an empty group, a 1-row group, longer ones, rows after; with and without the second
+// product; k = 0. Bit-exact against gemm_nt on the transposed weights (the same fp64 order: A·B's p =
+// 0..k-1, then A2·B2's, which is gemm_nt over the concatenated [A | A2] and [B; B2]^T).
+TEST(CpuKernelsGroupedGemmNN, MatchesGemmOfTransposedWeights) {
+  Rng rng(103);
+  for (const bool two : {false, true})
+    for (const int64_t k : {int64_t(6), int64_t(1), int64_t(0)}) {
+      const int32_t groups = 4;
+      const int64_t n = 5;
+      const std::vector<int64_t> offsets{2, 5, 5, 6, 9};  // rows 0-1 and 9-10 belong to no group
+      const int64_t rows = 11;
+      const std::vector<float> a = rng.normal_vector(rows * k, 1.0), a2 = rng.normal_vector(rows * k, 1.0);
+      const std::vector<float> b = rng.normal_vector(groups * k * n, 1.0), b2 = rng.normal_vector(groups * k * n, 1.0);
+      constexpr float kSentinel = -777.f;
+      std::vector<float> c(rows * n, kSentinel);
+      cpu::grouped_gemm_nn(a.data(), b.data(), two ? a2.data() : nullptr, two ? b2.data() : nullptr, c.data(),
+                           offsets.data(), groups, n, k, DType::f32);
+      const int64_t kk = two ? 2 * k : k;
+      for (int32_t g = 0; g < groups; ++g) {
+        const int64_t m = offsets[g + 1] - offsets[g];
+        std::vector<float> at(m * kk), bt(n * kk), ref(m * n);
+        for (int64_t r = 0; r < m; ++r)
+          for (int64_t p = 0; p < kk; ++p)
+            at[r * kk + p] = p < k ? a[(offsets[g] + r) * k + p] : a2[(offsets[g] + r) * k + p - k];
+        for (int64_t j = 0; j < n; ++j)
+          for (int64_t p = 0; p < kk; ++p)
+            bt[j * kk + p] = p < k ? b[(g * k + p) * n + j] : b2[(g * k + p - k) * n + j];
+        cpu::gemm_nt(at.data(), bt.data(), ref.data(), m, n, kk);
+        for (int64_t r = 0; r < m; ++r)
+          for (int64_t j = 0; j < n; ++j)
+            EXPECT_EQ(c[(offsets[g] + r) * n + j], ref[r * n + j]) << "two " << two << " k " << k << " group " << g;
+      }
+      for (const int64_t r : {int64_t(0), int64_t(1), int64_t(9), int64_t(10)})
+        for (int64_t j = 0; j < n; ++j) EXPECT_EQ(c[r * n + j], kSentinel) << "row " << r << " is in no group";
+    }
+}
+
+TEST(CpuKernelsGroupedGemmNN, Bf16StorageRoundsOnceAndChecksArguments) {
+  Rng rng(104);
+  const int64_t n = 3, k = 4;
+  const std::vector<int64_t> offsets{0, 2};
+  const std::vector<float> a = rng.normal_vector(2 * k, 1.0), b = rng.normal_vector(k * n, 1.0);
+  std::vector<float> c32(2 * n), c16(2 * n);
+  cpu::grouped_gemm_nn(a.data(), b.data(), nullptr, nullptr, c32.data(), offsets.data(), 1, n, k, DType::f32);
+  cpu::grouped_gemm_nn(a.data(), b.data(), nullptr, nullptr, c16.data(), offsets.data(), 1, n, k, DType::bf16);
+  for (size_t i = 0; i < c32.size(); ++i) EXPECT_EQ(c16[i], round_to_bf16(c32[i]));
+  EXPECT_THROW(cpu::grouped_gemm_nn(a.data(), b.data(), a.data(), nullptr, c32.data(), offsets.data(), 1, n, k,
+                                    DType::f32),
+               Error);
+  const std::vector<int64_t> decreasing{0, 2, 1};
+  EXPECT_THROW(cpu::grouped_gemm_nn(a.data(), b.data(), nullptr, nullptr, c32.data(), decreasing.data(), 2, n, k,
+                                    DType::f32),
+               Error);
+}
+
 // ---- activations ------------------------------------------------------------------------------------
 
 TEST(CpuKernelsActivation, KnownValues) {

@@ -286,11 +286,18 @@ int run_gpu_gemm_bench(const GpuBenchArgs& a) {
   DMOE_CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   const auto variants = bench::parse_gemm_variants(a.gemm_variants);
   const bench::Ceilings ceil = bench::measure_ceilings(stream);
-  const auto rows = bench::bench_expert_gemms(c, variants, a.gemm_square, stream);
+  auto rows = bench::bench_expert_gemms(c, variants, a.gemm_square, stream);
+  if (a.gemm_dgrad) {
+    const auto dgrad = bench::bench_dgrad_gemms(c, variants, stream);
+    rows.insert(rows.end(), dgrad.begin(), dgrad.end());
+  }
   std::printf("\n%s — %s on %s (%d SMs): expert GEMMs of dmoe's own kernel, inference (h only)\n",
               a.config_name.c_str(), c.summary().c_str(), prop.name, prop.multiProcessorCount);
   std::printf("ceilings (this run): bf16 GEMM 8192^3 %.1f TFLOP/s; device copy %.0f GB/s\n",
               ceil.gemm_flop_per_s * 1e-12, ceil.copy_byte_per_s * 1e-9);
+  if (a.gemm_dgrad)
+    std::printf("dh, dx: the backward's input-gradient products (GroupedGemmNN: B MN-major; SwiGLU's dx one product "
+                "over 2I) per variant, and on cuBLAS as expert_ffn_backward runs them (variant cublas)\n");
   std::printf("TFLOP/s = 2*N*n*k / median; tile loads = sum over tiles and k-blocks of (BM + BN rows) * 128 B, "
               "per second\n");
   std::printf("%-10s %-14s %10s %10s %10s %9s %14s\n", "variant", "product", "median us", "min", "max", "TFLOP/s",

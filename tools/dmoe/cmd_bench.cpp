@@ -45,6 +45,7 @@ struct BenchOptions {
   bool flash = false;
   std::string gemm_variants = "b256,b256s,b256E,b256M,b128";
   bool gemm_square = false;
+  bool gemm_dgrad = false;
   int64_t batch = 8, seq = 1024;  // model
 };
 
@@ -124,6 +125,9 @@ Command add_bench_command(CLI::App& app) {
                   "schedule; to "
                   "place time (wrong results): E stores left out, M products and stores left out (e.g. b256,b256E)");
   sub->add_flag("--square", o->gemm_square, "gemm: also an 8192^3 product per variant");
+  sub->add_flag("--dgrad", o->gemm_dgrad,
+                "gemm: also the backward's input-gradient products (dh = dout·w2, dx = dpre·w1) on the own NN "
+                "kernel per variant and on cuBLAS (variant cublas)");
   CLI::Option* batch_option =
       sub->add_option("--batch", o->batch, "model: sequences per step")->check(CLI::Range(int64_t(1), int64_t(1) << 20));
   CLI::Option* seq_option =
@@ -169,6 +173,7 @@ Command add_bench_command(CLI::App& app) {
       g.json_path = o->json_path;
       g.gemm_variants = o->gemm_variants;
       g.gemm_square = o->gemm_square;
+      g.gemm_dgrad = o->gemm_dgrad;
       return run_gpu_gemm_bench(g);
     }
     const bool backward = !o->no_backward;

@@ -162,4 +162,92 @@ std::vector<GemmBenchRow> bench_expert_gemms(const MoeConfig& c, const std::vect
   return rows;
 }
 
+std::vector<GemmBenchRow> bench_dgrad_gemms(const MoeConfig& c, const std::vector<GemmVariant>& variants,
+                                            cudaStream_t stream, uint64_t seed) {
+  DMOE_REQUIRE(c.dtype == DType::bf16, "dmoe bench gemm --dgrad: the own grouped GEMM is bf16 only (config dtype {})",
+               dtype_name(c.dtype));
+  const int64_t H = c.hidden, I = c.ffn;
+  const int32_t E = c.experts_per_rank();
+  const bool swiglu = c.activation == Activation::swiglu;
+  const std::vector<int64_t> offsets = uniform_routing_offsets(c.tokens * c.world, c.experts, c.top_k, seed);
+  std::vector<int64_t> local(offsets.begin(), offsets.begin() + E + 1);  // rank 0's experts
+  const int64_t N = local.back();
+
+  DeviceBuffer dout(size_t(N) * H * 2), dpre1(size_t(N) * I * 2), dpre3(swiglu ? size_t(N) * I * 2 : 0),
+      w1(size_t(E) * I * H * 2), w3(swiglu ? size_t(E) * I * H * 2 : 0), w2(size_t(E) * H * I * 2),
+      dh(size_t(N) * I * 2), dx(size_t(N) * H * 2);
+  fill_uniform_bf16(dout.p, N * H, seed + 11, 1.0f, stream);
+  fill_uniform_bf16(dpre1.p, N * I, seed + 12, 1.0f, stream);
+  if (swiglu) fill_uniform_bf16(dpre3.p, N * I, seed + 13, 1.0f, stream);
+  fill_uniform_bf16(w1.p, E * I * H, seed + 14, 0.03f, stream);
+  if (swiglu) fill_uniform_bf16(w3.p, E * I * H, seed + 15, 0.03f, stream);
+  fill_uniform_bf16(w2.p, E * H * I, seed + 16, 0.03f, stream);
+
+  cuda::Workspace workspace;
+  cuda::CudaContext ctx;
+  ctx.stream = stream;
+  ctx.workspace = &workspace;
+  struct Handle {
+    cublasHandle_t h = nullptr;
+    ~Handle() {
+      if (h) cublasDestroy(h);
+    }
+  } blas;
+  DMOE_CHECK_CUBLAS(cublasCreate(&blas.h));
+  DMOE_CHECK_CUBLAS(cublasSetStream(blas.h, stream));
+  DMOE_CHECK_CUBLAS(cublasSetMathMode(blas.h, CUBLAS_DEFAULT_MATH));  // no TF32, as the engine's handle
+  ctx.cublas = blas.h;
+  const size_t scratch_bytes = (cuda::sm90_grouped_gemm_scratch_bytes(std::max(E, 1)) + 255) / 256 * 256;
+  char* ws = static_cast<char*>(workspace.reserve(scratch_bytes + cuda::grouped_pointer_bytes(E) + 256, stream));
+  void* scratch = ws;
+  void* pointers = ws + scratch_bytes;
+
+  const cuda::GroupedGemmNN g_dh{dout.bf16(), w2.bf16(), dh.bf16(), local.data(), E, I, H};
+  const cuda::GroupedGemmNN g_dx{dpre1.bf16(), w1.bf16(), dx.bf16(), local.data(), E, H, I,
+                                 swiglu ? dpre3.bf16() : nullptr, swiglu ? w3.bf16() : nullptr};
+  DMOE_REQUIRE(cuda::sm90_grouped_gemm_nn_usable(g_dh) && cuda::sm90_grouped_gemm_nn_usable(g_dx),
+               "dmoe bench gemm --dgrad: the own NN kernel cannot run here (needs an sm_90 GPU and a build for sm_90a)");
+
+  // cuBLAS's problems, as expert_ffn_backward builds them (experts with rows only).
+  std::vector<cuda::GemmProblem> dh_p, dx1_p, dx3_p;
+  for (int32_t e = 0; e < E; ++e) {
+    const int64_t r0 = local[e], n = local[e + 1] - r0;
+    if (n == 0) continue;
+    const int64_t w = e * H * I;
+    dh_p.push_back({n, I, H, dout.bf16() + r0 * H, w2.bf16() + w, dh.bf16() + r0 * I});
+    dx1_p.push_back({n, H, I, dpre1.bf16() + r0 * I, w1.bf16() + w, dx.bf16() + r0 * H});
+    if (swiglu) dx3_p.push_back({n, H, I, dpre3.bf16() + r0 * I, w3.bf16() + w, dx.bf16() + r0 * H});
+  }
+  const cudaDataType_t t = CUDA_R_16BF;
+
+  std::vector<GemmBenchRow> rows;
+  std::vector<std::function<void()>> work;
+  const double dh_flop = 2.0 * double(N) * double(I) * double(H);
+  const double dx_flop = dh_flop * (swiglu ? 2 : 1);
+  for (const GemmVariant& v : variants) {
+    if (v.tuning.epilogue == 1) continue;  // staged: not built for NN
+    const int bn = v.tuning.block_n == 0 ? 256 : v.tuning.block_n;
+    rows.push_back({v.name, "dh", {}, dh_flop, tile_loads(local, I, H, bn, bn)});
+    work.push_back([&, v] { cuda::sm90_grouped_gemm_nn(ctx, scratch, g_dh, v.tuning); });
+    rows.push_back({v.name, "dx", {}, dx_flop, tile_loads(local, H, swiglu ? 2 * I : I, bn, bn)});
+    work.push_back([&, v] { cuda::sm90_grouped_gemm_nn(ctx, scratch, g_dx, v.tuning); });
+  }
+  rows.push_back({"cublas", "dh", {}, dh_flop, 0});
+  work.push_back([&] { cuda::gemm_rm_grouped(ctx, pointers, false, false, H, I, I, 1.f, 0.f, t, t, t, dh_p); });
+  rows.push_back({"cublas", "dx", {}, dx_flop, 0});
+  work.push_back([&] {
+    cuda::gemm_rm_grouped(ctx, pointers, false, false, I, H, H, 1.f, 0.f, t, t, t, dx1_p);
+    if (swiglu) cuda::gemm_rm_grouped(ctx, pointers, false, false, I, H, H, 1.f, 1.f, t, t, t, dx3_p);
+  });
+  GpuTimer timer(stream);
+  TimingOptions timing;
+  timing.warmup = 2;
+  timing.min_iterations = 15;
+  timing.min_total_ms = 3000;
+  const std::vector<Stats> stats = timer.time_interleaved(work, timing);
+  for (size_t i = 0; i < rows.size(); ++i) rows[i].stats = stats[i];
+  DMOE_CHECK_CUDA(cudaStreamSynchronize(stream));
+  return rows;
+}
+
 }  // namespace dmoe::bench

@@ -7,7 +7,7 @@
 //   down  = h [N, I] · w2_e^T
 //   F     = 2·N·n·k per product (n = 2I for SwiGLU's up), TFLOP/s = F / median time
 //   loads = what the kernel's tiles read per k-block, summed (A rows + B rows, 128 bytes each), over time:
-//           the L2-to-SM traffic the kernel asks for
+//           the L2-to-SM traffic the kernel asks for (NN: A rows + B's BN columns × 64 k-rows, the same bytes)
 // Every timing: GpuTimer (warm-up, L2 flushed before each call, CUDA events, median).
 #pragma once
 
@@ -42,5 +42,15 @@ struct GemmBenchRow {
 // (a single group) per variant, to set the kernel beside cuBLAS's GEMM ceiling.
 std::vector<GemmBenchRow> bench_expert_gemms(const MoeConfig& config, const std::vector<GemmVariant>& variants,
                                              bool square, cudaStream_t stream, uint64_t seed = 1);
+
+// The backward pass's input-gradient products (same routing):
+//   dh = dout [N, H] · w2_e [H, I]                       (n = I, k = H)
+//   dx = dpre1 [N, I] · w1_e [I, H] (+ dpre3 · w3_e)     (n = H, k = I; SwiGLU: one product over 2I)
+// for each variant on the own kernel's NN variant (sm90_grouped_gemm_nn; variants with the staged
+// epilogue are left out: it is not built for NN), and as expert_ffn_backward runs them on cuBLAS
+// (gemm_rm_grouped: grouped call or loop as DMOE_EXPERT_GEMM / its size policy picks; SwiGLU's dx as two
+// calls, the second with beta = 1), variant "cublas". All timed in the same rounds.
+std::vector<GemmBenchRow> bench_dgrad_gemms(const MoeConfig& config, const std::vector<GemmVariant>& variants,
+                                            cudaStream_t stream, uint64_t seed = 1);
 
 }  // namespace dmoe::bench
