@@ -70,6 +70,20 @@ TEST(FlowCudaHost, MeasureEngineCudaBadInputNamesWhatIsAllowed) {
   fails_with("flow measure --config tiny --dtype bf16", "--dtype: only with --engine cuda");
 }
 
+TEST(FlowCudaHost, TrainScheduleBadInputNamesWhatIsAllowed) {
+  const std::string base = std::string("train --config tiny --steps 1 --batch 2 --seq 8 --data ") + DMOE_SOURCE_DIR +
+                           "/tests/data/train_text.txt";
+  auto fails_with = [](const std::string& args, const std::string& needle) {
+    const test::CliResult r = test::run_cli(args);
+    EXPECT_NE(r.status, 0) << args;
+    EXPECT_NE(r.output.find(needle), std::string::npos) << args << "\n" << r.output;
+  };
+  fails_with(base + " --schedule fast", "--schedule 'fast': unknown schedule");
+  fails_with(base + " --schedule pipe-attn", "--schedule pipe-attn needs --engine cuda");
+  fails_with(base + " --schedule tuned --engine cuda", "--schedule tuned is not available yet");
+  fails_with(base + " --schedule chunked-ar --engine cuda --chunk-bytes 6", "--chunk-bytes 6 must be a positive multiple of 4");
+}
+
 #if !defined(DMOE_WITH_CUDA)
 TEST(FlowCudaHost, CpuOnlyBuildRefusesTheGpuExecutor) {
   const test::CliResult r = test::run_cli("flow measure --config tiny --engine cuda --batch 2 --seq 8 --measure-r 1,2");
@@ -77,6 +91,11 @@ TEST(FlowCudaHost, CpuOnlyBuildRefusesTheGpuExecutor) {
   EXPECT_NE(r.output.find("built without CUDA"), std::string::npos) << r.output;
   MixtralConfig c;
   EXPECT_THROW(CudaFlowSession(c, MixtralWeights{}, DType::f32, 16), Error);
+  const test::CliResult t = test::run_cli(std::string("train --config tiny --steps 1 --batch 2 --seq 8 --engine cuda "
+                                                      "--schedule pipe-attn --data ") + DMOE_SOURCE_DIR +
+                                          "/tests/data/train_text.txt");
+  EXPECT_NE(t.status, 0);
+  EXPECT_NE(t.output.find("built without CUDA"), std::string::npos) << t.output;
 }
 #endif
 
