@@ -12,6 +12,7 @@
 #include "comm/cuda/gpu_comm.hpp"
 #include "comm/cuda/local_comm.hpp"
 #include "comm/process_env.hpp"
+#include "core/env.hpp"
 #include "core/error.hpp"
 #include "cuda/check.hpp"
 #include "model/cuda/cuda_mixtral.hpp"
@@ -256,7 +257,7 @@ double CudaFlowExecutor::step(const TaskGraph& g, const int32_t* tokens, int64_t
   // order (issued or not) does not have all its dependencies complete. An issued all-to-all whose inputs are not
   // there yet only sits in its stream: it is neither ready nor running.
   size_t next_ar = 0, next_a2a_done = 0;
-  auto poll_allreduce = [&](bool everything_issued) {
+  auto poll_allreduce = [&](bool) {
     while (next_ar < g.allreduce_order.size()) {
       const Task& chunk = g.tasks[size_t(g.allreduce_order[next_ar])];
       for (const int32_t d : chunk.deps)
@@ -272,30 +273,29 @@ double CudaFlowExecutor::step(const TaskGraph& g, const int32_t* tokens, int64_t
       issue(chunk.id);
       ++next_ar;
     }
-    (void)everything_issued;
   };
 
   for (int32_t id : merged_issue_order(g)) {
     issue(id);
     poll_allreduce(false);
   }
-  // Everything but the chunks is issued: poll until the rule has let every chunk go (bounded: the GPU finishes
-  // the issued work, after which the rule holds for every chunk).
+  // Everything but the chunks is issued: poll until the rule has let every chunk go. Bounded: the issued work
+  // finishes (or a stream fails), after which the rule holds for every chunk; the limit is the communicators'
+  // (DMOE_COMM_TIMEOUT_S), for a peer that died with collectives in flight.
   const auto t0 = std::chrono::steady_clock::now();
+  const double limit_s = host_wait_timeout_seconds();
   while (next_ar < g.allreduce_order.size()) {
     poll_allreduce(true);
     if (next_ar == g.allreduce_order.size()) break;
     std::this_thread::sleep_for(std::chrono::microseconds(20));
-    const cudaError_t a = cudaStreamQuery(x.a2a), cst = cudaStreamQuery(x.compute);
-    if (a != cudaSuccess && a != cudaErrorNotReady) DMOE_CHECK_CUDA(a);
-    if (cst != cudaSuccess && cst != cudaErrorNotReady) DMOE_CHECK_CUDA(cst);
-    if (a == cudaSuccess && cst == cudaSuccess) {  // nothing left to wait for: the rule holds now
-      poll_allreduce(true);
-      DMOE_REQUIRE(next_ar == g.allreduce_order.size(), "flow executor: AR chunk {} not issued with both streams idle",
-                   next_ar);
+    for (cudaStream_t st : {x.a2a, x.compute, x.ar}) {
+      const cudaError_t q = cudaStreamQuery(st);
+      if (q != cudaSuccess && q != cudaErrorNotReady) DMOE_CHECK_CUDA(q);
     }
-    DMOE_REQUIRE(std::chrono::steady_clock::now() - t0 < std::chrono::hours(1),
-                 "flow executor: the AR chunks waited for an hour");
+    DMOE_REQUIRE(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() < limit_s,
+                 "flow executor: AR chunk {} of {} still waits for the priority rule after {} s (DMOE_COMM_TIMEOUT_S): "
+                 "the GPU did not finish the issued work (a peer rank stopped?)", next_ar, g.allreduce_order.size(),
+                 limit_s);
   }
   // Embedding, final norm, lm_head: last, in one call each, as the CPU executor does.
   DMOE_CHECK_CUDA(cudaStreamWaitEvent(x.ar, x.done[size_t(g.compute_order.back())], 0));
