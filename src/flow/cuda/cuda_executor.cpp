@@ -80,6 +80,9 @@ struct CudaFlowExecutor::Impl {
                                     s.chunk_bytes};
     const size_t bytes = mine.size() * sizeof(int64_t);
     Backend& be = model.backend();
+    // After every collective the caller issued on the compute stream (one order per communicator).
+    DMOE_CHECK_CUDA(cudaEventRecord(prelude, compute));
+    DMOE_CHECK_CUDA(cudaStreamWaitEvent(a2a, prelude, 0));
     void* dev = be.allocate(bytes);
     std::vector<int64_t> sum(mine.size());
     try {
@@ -145,13 +148,14 @@ double CudaFlowExecutor::step(const TaskGraph& g, const int32_t* tokens, int64_t
   const int64_t micro = batch / R;
   const double scale = 1.0 / R;
   states.resize(size_t(R));
-  DMOE_CHECK_CUDA(cudaEventRecord(x.step_begin, x.compute));
-  DMOE_CHECK_CUDA(cudaStreamWaitEvent(x.a2a, x.step_begin, 0));  // what the caller issued before the step
-  DMOE_CHECK_CUDA(cudaStreamWaitEvent(x.ar, x.step_begin, 0));
   for (int32_t r = 0; r < R; ++r) {
     model.begin_forward(tokens + r * micro * seq, micro, seq, states[size_t(r)]);
     model.prepare_engines(states[size_t(r)]);  // their config checks before the streams diverge
   }
+  // The other streams start after what the caller and the set-up issued on the compute stream.
+  DMOE_CHECK_CUDA(cudaEventRecord(x.step_begin, x.compute));
+  DMOE_CHECK_CUDA(cudaStreamWaitEvent(x.a2a, x.step_begin, 0));
+  DMOE_CHECK_CUDA(cudaStreamWaitEvent(x.ar, x.step_begin, 0));
 
   // The replicated gradients in backward's order (layer L−1 first), and the rest (embedding, final norm, lm_head).
   const ParamLayout& lay = model.layout();
