@@ -5,6 +5,8 @@
 // Run: dmoe_gpu_tests --gtest_filter='GpuFlow*'   (and under dmoe launch -n 2 -- ... for W = 2)
 #include <gtest/gtest.h>
 
+#include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <memory>
 #include <string>
@@ -25,6 +27,18 @@ namespace dmoe {
 namespace {
 
 namespace fs = std::filesystem;
+
+// dmoe launch sets DMOE_SHARED_GPUS=1 when ranks share a GPU (MPS): the executor's all-reduce communicator is NCCL,
+// which needs a GPU per rank, so it refuses there.
+bool ranks_share_gpus() {
+  const char* v = std::getenv("DMOE_SHARED_GPUS");
+  return v && std::strcmp(v, "1") == 0;
+}
+#define SKIP_WITHOUT_OWN_GPUS()                                                                        \
+  do {                                                                                                 \
+    if (!test::has_cuda_device()) GTEST_SKIP() << "no CUDA device";                                    \
+    if (ranks_share_gpus()) GTEST_SKIP() << "ranks share a GPU: Flow's NCCL all-reduce needs one per rank"; \
+  } while (0)
 
 MixtralConfig flow_config() {
   MixtralConfig c = load_mixtral_config((fs::path(DMOE_SOURCE_DIR) / "bench/models/tiny.json").string());
@@ -126,12 +140,12 @@ void schedules_equal_sequential(DType dtype) {
 }
 
 TEST(GpuFlow, EveryScheduleEqualsSequentialF32) {
-  if (!test::has_cuda_device()) GTEST_SKIP() << "no CUDA device";
+  SKIP_WITHOUT_OWN_GPUS();
   schedules_equal_sequential(DType::f32);
 }
 
 TEST(GpuFlow, EveryScheduleEqualsSequentialBf16) {
-  if (!test::has_cuda_device()) GTEST_SKIP() << "no CUDA device";
+  SKIP_WITHOUT_OWN_GPUS();
   schedules_equal_sequential(DType::bf16);
 }
 
@@ -139,7 +153,7 @@ TEST(GpuFlow, EveryScheduleEqualsSequentialBf16) {
 // stream's tasks do not overlap each other, and (W > 1, where the all-to-alls move data) some all-to-all runs while
 // the compute stream runs a task of another micro-batch.
 TEST(GpuFlow, TimelineRespectsDependenciesAndOverlaps) {
-  if (!test::has_cuda_device()) GTEST_SKIP() << "no CUDA device";
+  SKIP_WITHOUT_OWN_GPUS();
   const MixtralConfig c = flow_config();
   int32_t rank = 0, world = 1;
   cuda_job_size(&rank, &world);
@@ -188,7 +202,7 @@ TEST(GpuFlow, TimelineRespectsDependenciesAndOverlaps) {
 // dmoe train --engine cuda --schedule S: the same training curve as the sequential loop (the first step's loss is
 // the same double; later steps differ in the last bits, since the loop runs its backwards from r = R−1 down).
 TEST(GpuFlow, TrainingWithSchedulesFollowsTheSequentialLoop) {
-  if (!test::has_cuda_device()) GTEST_SKIP() << "no CUDA device";
+  SKIP_WITHOUT_OWN_GPUS();
   int32_t rank = 0, world = 1;
   cuda_job_size(&rank, &world);
   if (4 % world != 0) GTEST_SKIP() << "the tiny model's 4 experts do not split over " << world << " ranks";
