@@ -92,6 +92,15 @@ class CudaBackend final : public Backend {
     // cudaMemcpyAsync until the GPU is done, however long that takes).
     cuda::download_bounded(host, src, bytes, stream_, &host_staging_, "cuda backend: reading device memory");
   }
+  void upload_on(void* dst, const void* host, size_t bytes, Stream stream) override {
+    if (bytes)
+      DMOE_CHECK_CUDA(cudaMemcpyAsync(dst, host, bytes, cudaMemcpyHostToDevice, static_cast<cudaStream_t>(stream)));
+  }
+  void download_on(void* host, const void* src, size_t bytes, Stream stream) override {
+    // The staging block is shared with download(): one host thread issues both, and each waits before returning.
+    cuda::download_bounded(host, src, bytes, static_cast<cudaStream_t>(stream), &host_staging_,
+                           "cuda backend: reading device memory (exchange stream)");
+  }
   void zero(void* p, size_t bytes) override {
     if (bytes) DMOE_CHECK_CUDA(cudaMemsetAsync(p, 0, bytes, stream_));
   }

@@ -44,6 +44,11 @@ class Backend {
   virtual void download(void* host, const void* src, size_t bytes) = 0;   // backend -> host (syncs)
   virtual void zero(void* p, size_t bytes) = 0;
   virtual void synchronize() = 0;
+  // upload/download issued on `stream` instead of stream(): for engine phases that run on another stream
+  // than the backend's (EpEngine's exchange phases, Flow's all-to-all stream). download_on waits for `stream`
+  // only. The CPU backend has one order and ignores the stream.
+  virtual void upload_on(void* dst, const void* host, size_t bytes, Stream stream) { upload(dst, host, bytes); }
+  virtual void download_on(void* host, const void* src, size_t bytes, Stream stream) { download(host, src, bytes); }
 
   // Host f32 <-> storage dtype buffers (upload converts to storage_dtype, download converts back).
   virtual void upload_f32(void* dst, const float* host, int64_t count) = 0;

@@ -151,6 +151,7 @@ void EpEngine::set_tokens(int64_t tokens) {
   global_tokens_ = config_.tokens * config_.world;
   x_ = nullptr;
   kept_for_backward_ = false;
+  fwd_phase_ = bwd_phase_ = Phase::none;
   if (config_.world > 1) check_ranks_agree(options_);
   if (padded_)
     for (int32_t e = 0; e < config_.experts; ++e) padded_offsets_[e] = int64_t(e) * config_.capacity();
@@ -165,7 +166,7 @@ void EpEngine::zero_grads() {
   expert_grads_zero_ = true;  // dw1/dw2/dw3: written by the next backward (see the member)
 }
 
-void EpEngine::exchange_counts() {
+void EpEngine::exchange_counts(Stream lane) {
   const int32_t W = config_.world, Le = local_experts_, E = config_.experts;
   if (padded_) {  // fixed shapes: every (source, expert) segment is C rows; nothing to exchange
     const std::vector<int64_t> counts(int64_t(W) * Le, config_.capacity());
@@ -179,35 +180,62 @@ void EpEngine::exchange_counts() {
     return;
   }
   // kept_ is [E] = [W, Le]: segment d holds the counts for rank d's experts, as the all-to-all wants.
-  backend_.upload(counts_dev_.ensure(E * sizeof(int64_t)), kept_.data(), E * sizeof(int64_t));
+  backend_.upload_on(counts_dev_.ensure(E * sizeof(int64_t)), kept_.data(), E * sizeof(int64_t), lane);
   void* recv = recv_counts_dev_.ensure(int64_t(W) * Le * sizeof(int64_t));
   fault_point(comm_, FaultStage::alltoall);
-  comm_.alltoall(counts_dev_.data(), recv, Le, DType::i64, backend_.stream());
+  comm_.alltoall(counts_dev_.data(), recv, Le, DType::i64, lane);
   std::vector<int64_t> counts(int64_t(W) * Le);
-  backend_.download(counts.data(), recv, counts.size() * sizeof(int64_t));
+  backend_.download_on(counts.data(), recv, counts.size() * sizeof(int64_t), lane);
   layout_ = build_expert_batch_layout(counts.data(), W, Le, row_multiple_);
   for (int32_t p = 0; p < W; ++p) recv_rows_[p] = layout_.source_counts[p];
 }
 
 void EpEngine::exchange_rows(const void* send, const std::vector<int64_t>& send_rows, void* recv,
-                             const std::vector<int64_t>& recv_rows, int64_t width) {
+                             const std::vector<int64_t>& recv_rows, int64_t width, Stream lane) {
   std::vector<int64_t> sc(send_rows.size()), rc(recv_rows.size());
   for (size_t p = 0; p < sc.size(); ++p) {
     sc[p] = send_rows[p] * width;
     rc[p] = recv_rows[p] * width;
   }
   fault_point(comm_, FaultStage::alltoall);
-  comm_.alltoallv(send, sc.data(), recv, rc.data(), backend_.storage_dtype(), backend_.stream());
+  comm_.alltoallv(send, sc.data(), recv, rc.data(), backend_.storage_dtype(), lane);
+}
+
+namespace {
+const char* phase_name(int p) {
+  static const char* names[] = {"none", "route", "dispatch", "experts", "combine", "finish"};
+  return names[p];
+}
+}  // namespace
+
+void EpEngine::expect_forward(Phase at, const char* what) const {
+  DMOE_REQUIRE(fwd_phase_ == at, "EpEngine::{}: the forward's phases must run in order (route, dispatch, experts, "
+               "combine, finish); the last one that ran is {}", what, phase_name(int(fwd_phase_)));
+}
+
+void EpEngine::expect_backward(Phase at, const char* what) const {
+  DMOE_REQUIRE(bwd_phase_ == at, "EpEngine::{}: the backward's phases must run in order (combine, dispatch, experts, "
+               "return, finish); the last one that ran is {}", what, phase_name(int(bwd_phase_)));
 }
 
 void EpEngine::forward(const void* x, void* y, ForwardMode mode) {
+  const Stream s = backend_.stream();
+  forward_route(x, mode);
+  forward_dispatch(s);
+  forward_experts();
+  forward_combine(s);
+  forward_finish(y);
+  mark(nullptr);
+}
+
+void EpEngine::forward_route(const void* x, ForwardMode mode) {
   DMOE_REQUIRE(has_weights_, "EpEngine::forward: set_weights() was not called");
-  const int64_t T = config_.tokens, H = config_.hidden, I = config_.ffn;
+  const int64_t T = config_.tokens, H = config_.hidden;
   const int32_t E = config_.experts, k = config_.top_k, W = config_.world, Le = local_experts_;
-  const bool swiglu = config_.activation == Activation::swiglu;
   x_ = x;
-  const bool keep = mode == ForwardMode::train;
+  keep_ = mode == ForwardMode::train;
   kept_for_backward_ = false;  // until this forward has stored everything
+  bwd_phase_ = Phase::none;
 
   // 1. Router: logits, softmax, top-k, gate weights.  logits, probs: [T, E]; ids, weights: [T, k].
   mark("MoE fwd router + send plan");
@@ -240,31 +268,48 @@ void EpEngine::forward(const void* x, void* y, ForwardMode mode) {
   const int64_t S = send_rows_total_;
 
   // 3. send [S, H] = x rows in expert-major order; in padded mode the wire carries [E·C, H].
-  mark("MoE fwd dispatch (gather, all-to-all, permute)");
+  mark("MoE fwd gather");
   fault_point(comm_, FaultStage::before_dispatch);
   backend_.gather_rows(x, plan.row_token, send_.ensure(S * H * elem_), S, H);
-  void* wire = send_.data();
-  if (padded_) {
-    wire = send_wire_.ensure(E * config_.capacity() * H * elem_);
-    pad_rows(send_.data(), wire);
-  }
+  if (padded_) pad_rows(send_.data(), send_wire_.ensure(E * config_.capacity() * H * elem_));
+  // The router's auxiliary losses are training terms: an inference forward skips their kernels and the
+  // host read they end with. The partial sums are read here, on the backend's stream, so that the exchange
+  // phase only sums them.
+  if (keep_) router_partials();
+  fwd_phase_ = Phase::routed;
+}
 
+void EpEngine::forward_dispatch(Stream lane) {
+  expect_forward(Phase::routed, "forward_dispatch");
+  const int64_t H = config_.hidden;
   // 4. Counts, then rows, to the experts' owners.  recv: [R, H] source-major (R = rows received);
   // batch: [N, H] expert-major (N = R plus any tile padding of the experts' batches).
   // NOTE: with one rank and no tile padding the send buffer already is the expert batch (expert-major,
-  // token order), so the all-to-alls and permutes below would be copies onto the same layout: skipped.
-  exchange_counts();
+  // token order), so the all-to-alls and permutes would be copies onto the same layout: skipped.
+  mark("MoE fwd dispatch (all-to-all)");
+  exchange_counts(lane);
+  if (keep_) compute_losses(lane);
+  const void* wire = padded_ ? send_wire_.data() : send_.data();
+  if (!local_only_) {
+    const int64_t R = layout_.source_offsets.back();
+    exchange_rows(wire, wire_rows_, recv_.ensure(R * H * elem_), recv_rows_, H, lane);
+  }
+  fwd_phase_ = Phase::dispatched;
+}
+
+void EpEngine::forward_experts() {
+  expect_forward(Phase::dispatched, "forward_experts");
+  const int64_t H = config_.hidden, I = config_.ffn;
+  const int32_t W = config_.world, Le = local_experts_;
+  const bool swiglu = config_.activation == Activation::swiglu;
   const int64_t N = layout_.rows();
   const int64_t R = layout_.source_offsets.back();
   const int64_t segments = int64_t(W) * Le;
   const bool aliased = local_only_ && !layout_.padded();
+  void* wire = padded_ ? send_wire_.data() : send_.data();
   batch_rows_ = wire;
   if (!aliased) {
-    const void* recv = wire;
-    if (!local_only_) {
-      exchange_rows(wire, wire_rows_, recv_.ensure(R * H * elem_), recv_rows_, H);
-      recv = recv_.data();
-    }
+    const void* recv = local_only_ ? wire : recv_.data();
     void* batch = batch_.ensure(N * H * elem_);
     if (layout_.padded()) backend_.zero(batch, size_t(N * H) * elem_);  // padding rows stay zero
     backend_.permute_segments(recv, batch, layout_.recv_offsets.data(), layout_.batch_offsets.data(),
@@ -276,37 +321,46 @@ void EpEngine::forward(const void* x, void* y, ForwardMode mode) {
   mark("MoE fwd experts");
   fault_point(comm_, FaultStage::expert_gemm);
   backend_.expert_ffn_forward(batch_rows_, w1_ptr_, swiglu ? w3_ptr_ : nullptr, w2_ptr_,
-                              keep ? pre1_.ensure(N * I * elem_) : nullptr,
-                              keep && swiglu ? pre3_.ensure(N * I * elem_) : nullptr,
+                              keep_ ? pre1_.ensure(N * I * elem_) : nullptr,
+                              keep_ && swiglu ? pre3_.ensure(N * I * elem_) : nullptr,
                               h_.ensure(N * I * elem_), out_batch_.ensure(N * H * elem_),
                               layout_.expert_offsets.data(), Le, H, I, config_.activation);
-  // 6. Results back to the tokens' ranks (same segments, reversed), then the weighted combine.
   mark("MoE fwd combine (permute, all-to-all, combine)");
-  const int64_t wire_total = rows_sent();
   returned_rows_ = out_batch_.data();
   if (!aliased) {
     // With one rank the source-major order is the wire order: permute straight into ret_.
+    const int64_t wire_total = rows_sent();
     void* out_recv = local_only_ ? ret_.ensure(wire_total * H * elem_) : out_recv_.ensure(R * H * elem_);
     backend_.permute_segments(out_batch_.data(), out_recv, layout_.batch_offsets.data(),
                               layout_.recv_offsets.data(), layout_.counts.data(), segments, H);
-    if (!local_only_) exchange_rows(out_recv, recv_rows_, ret_.ensure(wire_total * H * elem_), wire_rows_, H);
     returned_rows_ = ret_.data();
   }
+  fwd_phase_ = Phase::experts;
+}
+
+void EpEngine::forward_combine(Stream lane) {
+  expect_forward(Phase::experts, "forward_combine");
+  // 6. Results back to the tokens' ranks (same segments, reversed).
+  const int64_t H = config_.hidden;
+  if (!local_only_) {
+    exchange_rows(out_recv_.data(), recv_rows_, ret_.ensure(rows_sent() * H * elem_), wire_rows_, H, lane);
+    returned_rows_ = ret_.data();  // ensure() may have moved it
+  }
+  fwd_phase_ = Phase::combined;
+}
+
+void EpEngine::forward_finish(void* y) {
+  expect_forward(Phase::combined, "forward_finish");
+  const int64_t T = config_.tokens, H = config_.hidden, S = send_rows_total_;
   if (padded_) {
     unpad_rows(returned_rows_, ret_compact_.ensure(S * H * elem_));
     returned_rows_ = ret_compact_.data();
   }
+  // The weighted combine.
   fault_point(comm_, FaultStage::combine);
-  backend_.combine(returned_rows_, plan.slot, weights, y, T, k, H);
-
-  // The router's auxiliary losses are training terms: an inference forward skips their kernels and the
-  // host read they end with.
-  if (keep) {
-    mark("MoE fwd router statistics (aux loss)");
-    compute_losses();
-  }
-  mark(nullptr);
-  kept_for_backward_ = keep;
+  backend_.combine(returned_rows_, slot_.as<int32_t>(), weights_.as<float>(), y, T, config_.top_k, H);
+  fwd_phase_ = Phase::done;
+  kept_for_backward_ = keep_;
 }
 
 RouterLosses EpEngine::losses() const {
@@ -315,18 +369,24 @@ RouterLosses EpEngine::losses() const {
   return losses_;
 }
 
-void EpEngine::compute_losses() {
+void EpEngine::router_partials() {
+  mark("MoE fwd router statistics (aux loss)");
   const int32_t E = config_.experts;
-  // Partial sums [prob_sum (E), assigned (E), z_sum (1)], summed over ranks in f64.
-  std::vector<double> stats(2 * E + 1, 0.0);
+  // Partial sums [prob_sum (E), assigned (E), z_sum (1)], summed over ranks in f64 (compute_losses).
+  stats_.assign(2 * E + 1, 0.0);
   backend_.router_aux_partials(probs_.as<float>(), lse_.as<float>(), ids_.as<int32_t>(), config_.tokens, E,
-                               config_.top_k, stats.data(), stats.data() + E, stats.data() + 2 * E);
+                               config_.top_k, stats_.data(), stats_.data() + E, stats_.data() + 2 * E);
+}
+
+void EpEngine::compute_losses(Stream lane) {
+  const int32_t E = config_.experts;
+  std::vector<double>& stats = stats_;
   if (config_.world > 1) {
     void* dev = stats_dev_.ensure(stats.size() * sizeof(double));
-    backend_.upload(dev, stats.data(), stats.size() * sizeof(double));
+    backend_.upload_on(dev, stats.data(), stats.size() * sizeof(double), lane);
     fault_point(comm_, FaultStage::allreduce);
-    comm_.allreduce_sum(dev, int64_t(stats.size()), DType::f64, backend_.stream());
-    backend_.download(stats.data(), dev, stats.size() * sizeof(double));
+    comm_.allreduce_sum(dev, int64_t(stats.size()), DType::f64, lane);
+    backend_.download_on(stats.data(), dev, stats.size() * sizeof(double), lane);
   }
   const double n = double(global_tokens_);
   expert_fraction_.assign(E, 0.0);
@@ -342,16 +402,25 @@ void EpEngine::compute_losses() {
 }
 
 void EpEngine::backward(const void* dy, void* dx) {
+  const Stream s = backend_.stream();
+  backward_combine(dy);
+  backward_dispatch(s);
+  backward_experts();
+  backward_return(s);
+  backward_finish(dx);
+  mark(nullptr);
+}
+
+void EpEngine::backward_combine(const void* dy) {
   DMOE_REQUIRE(x_ != nullptr, "EpEngine::backward: forward() must run first");
   DMOE_REQUIRE(has_grads_, "EpEngine::backward: there are no gradient accumulators; set_weight_views() borrows "
                "none: call set_grad_views() first (set_weights() makes the engine's own)");
   DMOE_REQUIRE(kept_for_backward_,
                "EpEngine::backward: the last forward ran in ForwardMode::inference and kept nothing for the "
                "backward pass; run forward(x, y, ForwardMode::train) (the default) first");
-  const int64_t T = config_.tokens, H = config_.hidden, I = config_.ffn;
-  const int32_t E = config_.experts, k = config_.top_k, W = config_.world, Le = local_experts_;
-  const bool swiglu = config_.activation == Activation::swiglu;
-  const int64_t S = send_rows_total_, N = layout_.rows(), segments = int64_t(W) * Le;
+  const int64_t T = config_.tokens, H = config_.hidden;
+  const int32_t E = config_.experts, k = config_.top_k;
+  const int64_t S = send_rows_total_;
   fault_point(comm_, FaultStage::backward);
 
   // 1. Combine backward: gradient of each returned row and of each gate weight.
@@ -359,22 +428,34 @@ void EpEngine::backward(const void* dy, void* dx) {
   float* dweights = static_cast<float*>(dweights_.ensure(T * k * sizeof(float)));
   backend_.combine_backward(dy, returned_rows_, slot_.as<int32_t>(), weights_.as<float>(),
                             dret_.ensure(S * H * elem_), dweights, T, k, H);
+  if (padded_) pad_rows(dret_.data(), dret_wire_.ensure(E * config_.capacity() * H * elem_));
+  bwd_phase_ = Phase::routed;
+}
 
-  // 2. Row gradients to the experts (the dispatch pattern again), expert-major.
-  void* dwire = dret_.data();
-  if (padded_) {
-    dwire = dret_wire_.ensure(E * config_.capacity() * H * elem_);
-    pad_rows(dret_.data(), dwire);
+void EpEngine::backward_dispatch(Stream lane) {
+  expect_backward(Phase::routed, "backward_dispatch");
+  // 2. Row gradients to the experts (the dispatch pattern again).
+  const int64_t H = config_.hidden;
+  const void* dwire = padded_ ? dret_wire_.data() : dret_.data();
+  if (!local_only_) {
+    const int64_t R = layout_.source_offsets.back();
+    exchange_rows(dwire, wire_rows_, drecv_.ensure(R * H * elem_), recv_rows_, H, lane);
   }
+  bwd_phase_ = Phase::dispatched;
+}
+
+void EpEngine::backward_experts() {
+  expect_backward(Phase::dispatched, "backward_experts");
+  const int64_t H = config_.hidden, I = config_.ffn;
+  const int32_t W = config_.world, Le = local_experts_;
+  const bool swiglu = config_.activation == Activation::swiglu;
+  const int64_t N = layout_.rows(), segments = int64_t(W) * Le;
   const int64_t R = layout_.source_offsets.back();
   const bool aliased = local_only_ && !layout_.padded();
+  void* dwire = padded_ ? dret_wire_.data() : dret_.data();
   void* dbatch = dwire;
   if (!aliased) {
-    const void* drecv = dwire;
-    if (!local_only_) {
-      exchange_rows(dwire, wire_rows_, drecv_.ensure(R * H * elem_), recv_rows_, H);
-      drecv = drecv_.data();
-    }
+    const void* drecv = local_only_ ? dwire : drecv_.data();
     dbatch = dbatch_.ensure(N * H * elem_);
     if (layout_.padded()) backend_.zero(dbatch, size_t(N * H) * elem_);  // no gradient on padding rows
     backend_.permute_segments(drecv, dbatch, layout_.recv_offsets.data(), layout_.batch_offsets.data(),
@@ -391,16 +472,29 @@ void EpEngine::backward(const void* dy, void* dx) {
                                /*accumulate=*/!expert_grads_zero_);
   expert_grads_zero_ = false;
 
-  // 4. Input gradients back to the tokens' ranks.
+  // 4. Input gradients back to source-major order (the exchange is backward_return).
   mark("MoE bwd dispatch back + router");
-  void* dsend = dx_batch_.data();
   if (!aliased) {
     void* dx_recv = local_only_ ? dsend_.ensure(rows_sent() * H * elem_) : dx_recv_.ensure(R * H * elem_);
     backend_.permute_segments(dx_batch_.data(), dx_recv, layout_.batch_offsets.data(),
                               layout_.recv_offsets.data(), layout_.counts.data(), segments, H);
-    if (!local_only_) exchange_rows(dx_recv, recv_rows_, dsend_.ensure(rows_sent() * H * elem_), wire_rows_, H);
-    dsend = dsend_.data();
   }
+  bwd_phase_ = Phase::experts;
+}
+
+void EpEngine::backward_return(Stream lane) {
+  expect_backward(Phase::experts, "backward_return");
+  const int64_t H = config_.hidden;
+  if (!local_only_) exchange_rows(dx_recv_.data(), recv_rows_, dsend_.ensure(rows_sent() * H * elem_), wire_rows_, H, lane);
+  bwd_phase_ = Phase::combined;
+}
+
+void EpEngine::backward_finish(void* dx) {
+  expect_backward(Phase::combined, "backward_finish");
+  const int64_t T = config_.tokens, H = config_.hidden, S = send_rows_total_;
+  const int32_t E = config_.experts, k = config_.top_k;
+  const bool aliased = local_only_ && !layout_.padded();
+  void* dsend = aliased ? dx_batch_.data() : dsend_.data();
   if (padded_) {
     unpad_rows(dsend, dsend_compact_.ensure(S * H * elem_));
     dsend = dsend_compact_.data();
@@ -421,9 +515,9 @@ void EpEngine::backward(const void* dy, void* dx) {
   aux.lse = z ? lse_.as<float>() : nullptr;
   aux.z_scale = 2.0 * config_.z_loss_coef / n;
   backend_.router_backward(x_, wg_ptr_, probs_.as<float>(), ids_.as<int32_t>(), weights_.as<float>(),
-                           dweights, aux, dlogits, dx_router, grad_.gate, T, H, E, k, config_.renormalize);
+                           dweights_.as<float>(), aux, dlogits, dx_router, grad_.gate, T, H, E, k, config_.renormalize);
   backend_.scatter_back(dsend, slot_.as<int32_t>(), dx_router, dx, T, k, H);
-  mark(nullptr);
+  bwd_phase_ = Phase::done;
 }
 
 void EpEngine::set_load_balance_grad(std::vector<double> dloss_dprob) {

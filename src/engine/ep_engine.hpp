@@ -121,6 +121,31 @@ class EpEngine {
   // dy, dx: [T, H] in backend memory. Accumulates parameter gradients (see zero_grads / grads()).
   void backward(const void* dy, void* dx);
 
+  // The same two passes cut at their all-to-alls, for a caller that issues the phases on different streams
+  // (Flow's GPU executor, src/flow/cuda_executor.hpp). forward(x, y, mode) is exactly
+  //   forward_route(x, mode); forward_dispatch(s); forward_experts(); forward_combine(s); forward_finish(y);
+  // and backward(dy, dx) is
+  //   backward_combine(dy); backward_dispatch(s); backward_experts(); backward_return(s); backward_finish(dx);
+  // with s = backend().stream(). Compute phases (route, experts, finish; backward's combine, experts, finish)
+  // issue kernels on the backend's stream; exchange phases (dispatch, combine, backward's dispatch and return)
+  // issue only collectives on the engine's communicator and their small host transfers, on `lane`. The caller
+  // orders the streams (events): each phase reads what the previous one wrote. Phases must come in this order
+  // (checked). Host waits (the only ones): forward_route waits for the backend's stream twice (the send plan's
+  // counts; in train mode the router statistics); forward_dispatch waits for `lane` when it reads the peers'
+  // row counts (W > 1 without padding) and the summed router statistics (W > 1, train). The other phases never
+  // wait. Collectives, in this order on every rank: dispatch: counts (W > 1, unpadded), router statistics
+  // (W > 1, train), rows; combine: rows; backward dispatch: rows; backward return: rows (none at W = 1).
+  void forward_route(const void* x, ForwardMode mode = ForwardMode::train);
+  void forward_dispatch(Stream lane);
+  void forward_experts();
+  void forward_combine(Stream lane);
+  void forward_finish(void* y);
+  void backward_combine(const void* dy);
+  void backward_dispatch(Stream lane);
+  void backward_experts();
+  void backward_return(Stream lane);
+  void backward_finish(void* dx);
+
   // Gradients start over: the next backward's gradients are the only ones (the experts' are then written
   // rather than added to zeros, see expert_grads_zero_); set_weights() does this too.
   void zero_grads();
@@ -158,10 +183,17 @@ class EpEngine {
 
  private:
   void check_ranks_agree(const EpOptions& options);
-  void exchange_counts();
+  void exchange_counts(Stream lane);
   void exchange_rows(const void* send, const std::vector<int64_t>& send_rows, void* recv,
-                     const std::vector<int64_t>& recv_rows, int64_t width);
-  void compute_losses();
+                     const std::vector<int64_t>& recv_rows, int64_t width, Stream lane);
+  // The router statistics: partial sums on this rank (forward_route), summed over ranks (forward_dispatch).
+  void router_partials();
+  void compute_losses(Stream lane);
+  // Where the phases are (forward_* and backward_* must come in order; `what` names the caller).
+  enum class Phase : uint8_t { none, routed, dispatched, experts, combined, done };
+  void expect_forward(Phase at, const char* what) const;
+  void expect_backward(Phase at, const char* what) const;
+  Phase fwd_phase_ = Phase::none, bwd_phase_ = Phase::none;
   // Compact expert-major rows [S, H] <-> the padded wire layout [E·C, H] (zero rows fill each expert's
   // segment up to C). Only in padded mode.
   void pad_rows(const void* compact, void* padded);
@@ -202,6 +234,8 @@ class EpEngine {
   // Forward state.
   const void* x_ = nullptr;
   bool kept_for_backward_ = false;  // the last forward ran in ForwardMode::train
+  bool keep_ = false;               // the forward under way runs in ForwardMode::train
+  std::vector<double> stats_;       // [2E + 1] router statistics of the forward under way (router_partials)
   Buffer logits_, probs_, ids_, weights_, lse_;
   Buffer slot_, row_token_, row_choice_;
   Buffer send_, recv_, batch_, pre1_, pre3_, h_, out_batch_, out_recv_, ret_;

@@ -8,6 +8,11 @@
 #include "model/mixtral.hpp"
 
 namespace dmoe {
+
+double TrainReplica::flow_step(const flow::TaskGraph&, const int32_t*, int64_t, int64_t) {
+  DMOE_FAIL_INPUT("train --schedule: the {} engine has no Flow executor in the trainer; use --engine cuda (the CPU "
+                  "executor runs in dmoe flow measure)", engine_name());
+}
 namespace {
 
 class CpuReplica final : public TrainReplica {

@@ -14,6 +14,7 @@
 #include "comm/comm.hpp"
 #include "core/dtype.hpp"
 #include "cpu/model_kernels.hpp"
+#include "flow/task_graph.hpp"
 #include "model/mixtral_config.hpp"
 #include "model/mixtral_weights.hpp"
 
@@ -29,6 +30,10 @@ class TrainReplica {
   virtual double evaluate(const int32_t* tokens, int64_t batch, int64_t seq) = 0;
   virtual void zero_grads() = 0;
   virtual void reduce_grads() = 0;
+  // One step's forwards, backwards (1/R each) and the replicated gradients' all-reduce as a Flow task graph
+  // (graph.spec.micro_batches micro-batches of this rank's tokens [batch, seq]); the mean of the micro-batches'
+  // losses. Only the GPU engine has an executor for it (docs/flow.md).
+  virtual double flow_step(const flow::TaskGraph& graph, const int32_t* tokens, int64_t batch, int64_t seq);
   // Σ g² of the gradients: [0] the replicated tensors (the same on every rank), [1] the experts of all ranks
   // (collective).
   virtual void grad_sum_of_squares(double out[2]) = 0;

@@ -9,6 +9,7 @@
 #include <fstream>
 #include <mutex>
 #include <numbers>
+#include <optional>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
@@ -18,6 +19,8 @@
 #include "core/output_file.hpp"
 #include "core/random.hpp"
 #include "cpu/model_kernels.hpp"
+#include "flow/cuda_executor.hpp"
+#include "flow/task_graph.hpp"
 #include "model/checkpoint.hpp"
 #include "model/config_io.hpp"
 #include "model/mixtral.hpp"
@@ -98,6 +101,26 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
   DMOE_REQUIRE_INPUT(config.num_local_experts % o.world == 0,
                "train: num_local_experts = {} is not divisible by --world = {}", config.num_local_experts, o.world);
   DMOE_REQUIRE_INPUT(o.seq >= 2, "train: --seq = {} must be >= 2", o.seq);
+  std::optional<flow::TaskGraph> flow_graph;  // --schedule: every step is this task graph on the GPU executor
+  if (!o.schedule.empty()) {
+    const flow::Schedule s = flow::parse_schedule(o.schedule, "--schedule");
+    DMOE_REQUIRE_INPUT(s != flow::Schedule::tuned, "train: --schedule tuned is not available yet (the online tuner is "
+                       "not built); choose vanilla, pipe-moe, pipe-attn or chunked-ar (dmoe flow tune suggests "
+                       "--micro-batches and --chunk-bytes)");
+    DMOE_REQUIRE_INPUT(o.engine == "cuda", "train: --schedule {} needs --engine cuda (the trainer's Flow executor is "
+                       "the GPU one)", o.schedule);
+    DMOE_REQUIRE_INPUT(!config.tie_word_embeddings, "train: --schedule needs untied embeddings (tie_word_embeddings = "
+                       "false): the executor refuses tied ones");
+    DMOE_REQUIRE_INPUT(o.chunk_bytes >= 4 && o.chunk_bytes % 4 == 0, "train: --chunk-bytes {} must be a positive "
+                       "multiple of 4", o.chunk_bytes);
+    flow::GraphSpec spec;
+    spec.layers = config.num_hidden_layers;
+    spec.micro_batches = o.micro_batches;
+    spec.schedule = s;
+    spec.dense_grad_bytes_per_layer = flow::cuda_mixtral_dense_grad_bytes_per_layer(config);
+    spec.chunk_bytes = o.chunk_bytes;
+    flow_graph = flow::build_task_graph(spec);
+  }
   config.check_sequence(o.seq);
   DMOE_REQUIRE_INPUT(o.lr > 0 && o.warmup >= 0 && o.clip >= 0 && o.val_fraction > 0 && o.val_fraction < 1,
                "train: need lr > 0 (is {}), warmup >= 0 ({}), clip >= 0 ({}), 0 < val_fraction < 1 ({})", o.lr,
@@ -243,11 +266,15 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
       const std::vector<int32_t> tokens = train_batch(step);
       replica.zero_grads();
       double loss = 0;
-      for (int32_t r = 0; r < o.micro_batches; ++r)
-        loss += replica.forward(tokens.data() + (rank * local + r * micro) * o.seq, micro, o.seq, r) /
-                o.micro_batches;
-      for (int32_t r = o.micro_batches - 1; r >= 0; --r) replica.backward(r, 1.0 / o.micro_batches);
-      replica.reduce_grads();
+      if (flow_graph) {  // forwards, backwards and the all-reduce as one task graph (docs/flow.md)
+        loss = replica.flow_step(*flow_graph, tokens.data() + rank * local * o.seq, local, o.seq);
+      } else {
+        for (int32_t r = 0; r < o.micro_batches; ++r)
+          loss += replica.forward(tokens.data() + (rank * local + r * micro) * o.seq, micro, o.seq, r) /
+                  o.micro_batches;
+        for (int32_t r = o.micro_batches - 1; r >= 0; --r) replica.backward(r, 1.0 / o.micro_batches);
+        replica.reduce_grads();
+      }
       // Global norm: replicated tensors once (equal on all ranks), experts summed over ranks.
       double sq[2] = {0, 0};  // replicated, experts (over all ranks)
       replica.grad_sum_of_squares(sq);

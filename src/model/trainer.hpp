@@ -54,6 +54,12 @@ struct TrainOptions {
   std::string engine = "cpu"; // cpu: W ranks as threads in this process; cuda: this process is one rank of a GPU
                               // job (dmoe launch / mpirun / srun, or alone) and `world` must be the job's size
   DType dtype = DType::f32;   // cuda: the model's storage (f32 or bf16; f32 master weights and moments either way)
+  // Flow (docs/flow.md): empty runs the loop below (R forwards, R backwards from r = R−1 down, one all-reduce);
+  // vanilla | pipe-moe | pipe-attn | chunked-ar runs each step as one task graph on the GPU executor (cuda only;
+  // backwards r = 0..R−1, so the gradients differ from the empty schedule's in the last bits). tuned is refused
+  // (the online tuner is not built).
+  std::string schedule;
+  int64_t chunk_bytes = int64_t(1) << 20;  // Sp of chunked-ar
 };
 
 struct TrainRecord {

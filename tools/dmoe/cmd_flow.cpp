@@ -5,6 +5,11 @@
 //   dmoe flow tune     --costs bench/flow/example.json [--layers L] [--samples N] [--seed S] [--json out.json]
 //   dmoe flow measure  --config tiny [--batch 8] [--seq 32] [--world 1] [--schedule pipe-attn] [--measure-r 1,2,4]
 //                      [--steps 3] [--costs-out fitted.json] [--json out.json]
+//                      [--engine cpu|cuda] [--dtype f32|bf16] [--micro-batches 2] [--trace t.json]
+//
+// --engine cuda runs the GPU executor (src/flow/cuda_executor.*) in this process as one rank of the job
+// (dmoe launch -n W; --world must be 1 or W): --schedule all measures the ablation (vanilla at R = 1, the others
+// at --micro-batches); one schedule measures it at every --measure-r and fits costs as the CPU measure does.
 //
 // measure runs the CPU executor (the Mixtral model's stages in the graph's orders, src/flow/cpu_executor.*) at
 // each R, fits a cost file to the timelines of every R but the last (both when two are given) and compares the
@@ -12,6 +17,7 @@
 // simulate prints the step time of each schedule (the paper's ablation: vanilla, pipe-moe, pipe-attn,
 // chunked-ar, tuned) from per-task costs; tune runs the Bayesian optimiser of (Sp, R) against the simulator
 // and compares its best with the best of the whole grid.
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -26,6 +32,7 @@
 #include "data_dir.hpp"
 #include "flow/ablation.hpp"
 #include "flow/cpu_executor.hpp"
+#include "flow/cuda_executor.hpp"
 #include "model/mixtral_config.hpp"
 #include "model/mixtral_weights.hpp"
 #include "options.hpp"
@@ -52,6 +59,7 @@ struct FlowOptions {
   int32_t world = 1, steps = 3;
   std::vector<int32_t> measure_r = {1, 2, 4};
   bool schedule_given = false;
+  std::string engine = "cpu", dtype = "f32";
 };
 
 void write_json(const std::string& path, const json& j, const char* what) {
@@ -229,6 +237,127 @@ int measure_command(const FlowOptions& o) {
   return 0;
 }
 
+// The trace of measured timelines (one process per run), as the simulator's --trace writes it.
+json measured_trace(const std::vector<std::pair<flow::GraphSpec, std::vector<flow::TraceEvent>>>& runs) {
+  json trace = {{"traceEvents", json::array()}, {"displayTimeUnit", "ms"}, {"flow", json::array()}};
+  for (size_t i = 0; i < runs.size(); ++i) {
+    flow::SimResult r;
+    r.events = runs[i].second;
+    for (const flow::TraceEvent& e : r.events) r.step_ms = std::max(r.step_ms, e.end_ms);
+    const json t = flow::trace_json(flow::build_task_graph(runs[i].first), r, int(i));
+    for (const json& e : t.at("traceEvents")) trace["traceEvents"].push_back(e);
+    trace["flow"].push_back(t.at("flow"));
+  }
+  return trace;
+}
+
+int measure_cuda_command(const FlowOptions& o) {
+  const MixtralConfig c = load_mixtral_config(find_model_config_file(o.model_config));
+  DMOE_REQUIRE_INPUT(o.dtype == "f32" || o.dtype == "bf16", "--dtype {}: allowed: f32, bf16", o.dtype);
+  const DType storage = o.dtype == "bf16" ? DType::bf16 : DType::f32;
+  const bool ablation = o.schedule_given && o.schedule == "all";
+  const flow::Schedule schedule =
+      flow::parse_schedule(o.schedule_given && !ablation ? o.schedule : "pipe-attn", "--schedule");
+  DMOE_REQUIRE_INPUT(ablation || o.measure_r.size() >= 2,
+                     "--measure-r: give at least two values of R (the fit needs two), or --schedule all");
+  DMOE_REQUIRE_INPUT(o.batch >= 1 && o.seq >= 2, "--batch {} (>= 1), --seq {} (>= 2)", o.batch, o.seq);
+  DMOE_REQUIRE_INPUT(o.steps >= 1, "--steps {}: must be >= 1", o.steps);
+  DMOE_REQUIRE_INPUT(o.micro_batches >= 1 && o.batch % o.micro_batches == 0,
+                     "--micro-batches {}: must be >= 1 and divide --batch {}", o.micro_batches, o.batch);
+  if (!ablation)
+    for (int32_t r : o.measure_r)
+      DMOE_REQUIRE_INPUT(r >= 1 && o.batch % r == 0, "--measure-r {}: must divide --batch {} (sequences per rank)", r,
+                         o.batch);
+  const MixtralWeights w = random_mixtral_weights(c, 1);
+  flow::CudaFlowSession session(c, w, storage, o.batch * o.seq);
+  const int32_t world = session.world(), rank = session.rank();
+  DMOE_REQUIRE_INPUT(o.world == 1 || o.world == world,
+                     "--world {}: with --engine cuda the ranks are the job's processes (dmoe launch -n W); this job has "
+                     "{}: leave --world out or give {}", o.world, world, world);
+  DMOE_REQUIRE_INPUT(c.num_local_experts % world == 0, "the job's {} ranks must divide num_local_experts = {} of --config {}",
+                     world, c.num_local_experts, o.model_config);
+  Rng rng(2);
+  std::vector<int32_t> tokens(size_t(world * o.batch * o.seq));
+  for (auto& t : tokens) t = int32_t(rng.next() % uint64_t(c.vocab_size));
+  const int32_t* mine = tokens.data() + size_t(rank) * o.batch * o.seq;
+  auto spec_of = [&](flow::Schedule sch, int32_t r) {
+    flow::GraphSpec spec;
+    spec.layers = c.num_hidden_layers;
+    spec.micro_batches = r;
+    spec.schedule = sch;
+    spec.dense_grad_bytes_per_layer = flow::cuda_mixtral_dense_grad_bytes_per_layer(c);
+    spec.chunk_bytes = o.chunk_bytes;
+    return spec;
+  };
+  std::vector<flow::GraphSpec> specs;
+  if (ablation) {
+    specs.push_back(spec_of(flow::Schedule::vanilla, 1));
+    for (flow::Schedule sch : {flow::Schedule::pipe_moe, flow::Schedule::pipe_attn, flow::Schedule::chunked_ar})
+      specs.push_back(spec_of(sch, o.micro_batches));
+  } else {
+    for (int32_t r : o.measure_r) specs.push_back(spec_of(schedule, r));
+  }
+  std::vector<flow::CudaFlowMeasurement> runs;
+  for (const flow::GraphSpec& spec : specs) runs.push_back(session.measure(spec, mine, o.batch, o.seq, o.steps));
+  if (rank != 0) return 0;
+  std::vector<flow::TaskGraph> graphs;
+  for (const flow::GraphSpec& spec : specs) graphs.push_back(flow::build_task_graph(spec));
+  std::printf("flow measure: GPU executor (%s), model %s (%d layers), %lld sequences x %lld tokens per rank, W = %d, "
+              "median of %d steps after a warm-up step\n", o.dtype.c_str(), o.model_config.c_str(), c.num_hidden_layers,
+              (long long)o.batch, (long long)o.seq, world, o.steps);
+  json rows = json::array();
+  std::vector<std::pair<flow::GraphSpec, std::vector<flow::TraceEvent>>> traced;
+  for (const flow::CudaFlowMeasurement& m : runs) traced.push_back({m.spec, m.timeline});
+  if (ablation) {
+    std::printf("%-11s %3s %12s %8s %9s\n", "schedule", "R", "measured ms", "speedup", "loss");
+    for (const flow::CudaFlowMeasurement& m : runs) {
+      std::printf("%-11s %3d %12.3f %7.2fx %9.5f\n", flow::schedule_name(m.spec.schedule), m.spec.micro_batches,
+                  m.step_ms, runs[0].step_ms / m.step_ms, m.loss);
+      rows.push_back({{"schedule", flow::schedule_name(m.spec.schedule)}, {"micro_batches", m.spec.micro_batches},
+                      {"chunk_bytes", m.spec.chunk_bytes}, {"measured_ms", m.step_ms}, {"loss", m.loss}});
+    }
+  }
+  flow::CostModel fit;
+  bool fitted_costs = false;
+  if (!ablation) {
+    const size_t num_fit = runs.size() > 2 ? runs.size() - 1 : runs.size();
+    std::vector<flow::MeasuredRun> measured;
+    for (size_t i = 0; i < num_fit; ++i) measured.push_back({&graphs[i], runs[i].timeline});
+    fit = flow::fit_cost_model(measured);
+    fitted_costs = true;
+    std::printf("schedule %s; costs fitted to all but the last R; simulator with separate communicators\n",
+                flow::schedule_name(schedule));
+    std::printf("%3s %12s %13s %8s\n", "R", "measured ms", "predicted ms", "error");
+    for (size_t i = 0; i < runs.size(); ++i) {
+      const double predicted = flow::simulate(graphs[i], fit, flow::LinkModel::separate).step_ms;
+      std::printf("%3d %12.3f %13.3f %7.1f%%\n", specs[i].micro_batches, runs[i].step_ms, predicted,
+                  100.0 * (predicted - runs[i].step_ms) / runs[i].step_ms);
+      rows.push_back({{"micro_batches", specs[i].micro_batches}, {"measured_ms", runs[i].step_ms},
+                      {"predicted_ms", predicted}});
+    }
+  }
+  if (!o.costs_out.empty()) {
+    DMOE_REQUIRE_INPUT(fitted_costs, "--costs-out: needs one --schedule measured at several --measure-r (not all)");
+    json costs = flow::cost_model_json(fit);
+    costs["note"] = fmt::format("fitted by dmoe flow measure (GPU executor, {}, model {}, batch {} x {}, W = {}, "
+                                "schedule {})", o.dtype, o.model_config, o.batch, o.seq, world,
+                                flow::schedule_name(schedule));
+    write_json(o.costs_out, costs, "--costs-out");
+    std::printf("wrote %s\n", o.costs_out.c_str());
+  }
+  if (!o.trace_path.empty()) {
+    write_json(o.trace_path, measured_trace(traced), "--trace");
+    std::printf("wrote %s (measured GPU timelines, CUDA events; one process per run)\n", o.trace_path.c_str());
+  }
+  if (!o.json_path.empty()) {
+    json out = {{"engine", "cuda"}, {"model", o.model_config}, {"world", world}, {"rows", rows}};
+    if (fitted_costs) out["costs"] = flow::cost_model_json(fit);
+    write_json(o.json_path, out, "--json");
+    std::printf("wrote %s\n", o.json_path.c_str());
+  }
+  return 0;
+}
+
 }  // namespace
 
 Command add_flow_command(CLI::App& app) {
@@ -254,6 +383,9 @@ Command add_flow_command(CLI::App& app) {
   sub->add_option("--measure-r", o->measure_r, "measure: values of R (all but the last are fitted)")->delimiter(',');
   sub->add_option("--steps", o->steps, "measure: steps per R (median)");
   sub->add_option("--costs-out", o->costs_out, "measure: write the fitted cost file here");
+  sub->add_option("--engine", o->engine, "measure: cpu (the CPU executor, simulated ranks) or cuda (the GPU executor; "
+                  "ranks: dmoe launch -n W)");
+  sub->add_option("--dtype", o->dtype, "measure --engine cuda: f32 or bf16");
   return [o, sub] {
     DMOE_REQUIRE_INPUT(o->action == "simulate" || o->action == "tune" || o->action == "measure",
                        "flow {}: unknown action (allowed: simulate, tune, measure)", o->action);
@@ -267,6 +399,10 @@ Command add_flow_command(CLI::App& app) {
                                             {"--costs-out", o->costs_out}};
     if (o->action == "measure") {
       require_distinct_files(outputs, {{"--config", find_model_config_file(o->model_config)}});
+      DMOE_REQUIRE_INPUT(o->engine == "cpu" || o->engine == "cuda", "--engine {}: allowed: cpu, cuda", o->engine);
+      if (o->engine == "cuda") return measure_cuda_command(*o);
+      DMOE_REQUIRE_INPUT(sub->count("--dtype") == 0, "--dtype: only with --engine cuda (the CPU model is f32)");
+      DMOE_REQUIRE_INPUT(o->trace_path.empty(), "--trace: with flow measure only for --engine cuda");
       return measure_command(*o);
     }
     DMOE_REQUIRE_INPUT(!o->costs_path.empty(), "--costs: required for flow {} (a cost JSON file, or a named one "

@@ -175,6 +175,7 @@ struct CudaMixtralModel::Impl {
   cublasHandle_t cublas = nullptr;
   cuda::Workspace ws;
   cudaStream_t stream = nullptr;
+  cudaEvent_t head_event = nullptr;  // orders head_forward's loss all-reduce on another stream after the loss
   // bf16: cuDNN's fused attention when it can run here (DMOE_ATTENTION=own forces the own kernels); f32 and
   // head_dim not a multiple of 8 use the own kernels.
   std::unique_ptr<cuda::CudnnAttention> cudnn;
@@ -183,6 +184,7 @@ struct CudaMixtralModel::Impl {
   EngineMarks marks;
   ~Impl() {
     if (cublas && cuda::wait_stream_quietly(stream)) (void)cublasDestroy(cublas);
+    if (head_event) (void)cudaEventDestroy(head_event);
   }
 };
 
@@ -204,6 +206,7 @@ CudaMixtralModel::CudaMixtralModel(const MixtralConfig& config, DType storage, C
   elem_ = dtype_size(storage);
   impl_->stream = static_cast<cudaStream_t>(backend_->stream());
   impl_->marks.timer = &impl_->timer;
+  DMOE_CHECK_CUDA(cudaEventCreateWithFlags(&impl_->head_event, cudaEventDisableTiming));
   DMOE_CHECK_CUBLAS(cublasCreate(&impl_->cublas));
   DMOE_CHECK_CUBLAS(cublasSetStream(impl_->cublas, impl_->stream));
   DMOE_CHECK_CUBLAS(cublasSetMathMode(impl_->cublas, CUBLAS_DEFAULT_MATH));  // no TF32: f32 is f32
@@ -360,26 +363,29 @@ void CudaMixtralModel::zero_grads() {
 // ---- forward ---------------------------------------------------------------------------------------
 
 double CudaMixtralModel::forward(const int32_t* tokens, int64_t batch, int64_t seq, CudaModelState& st) {
-  const std::vector<int32_t> targets = next_token_targets(config_, tokens, batch, seq);
-  const int64_t n = batch * seq;
-  st.batch = batch;
-  st.seq = seq;
-  st.tokens.assign(tokens, tokens + n);
-  for (Buffer* b : {&st.tokens_dev, &st.targets_dev, &st.out, &st.xfn, &st.rstdf, &st.logits, &st.lse_head,
-                    &st.loss_sum, &st.count})
-    b->bind(*backend_);
-  backend_->upload(st.tokens_dev.ensure(n * 4), tokens, n * 4);
-  backend_->upload(st.targets_dev.ensure(n * 4), targets.data(), n * 4);
-  st.blocks.resize(config_.num_hidden_layers);
-  st.forward_done = false;
+  begin_forward(tokens, batch, seq, st);
   embed_forward(st);
   for (int l = 0; l < config_.num_hidden_layers; ++l) {
     attention_forward(l, st);
     moe_forward(l, st);
   }
   head_forward(st);
-  st.forward_done = true;
   return st.loss;
+}
+
+void CudaMixtralModel::begin_forward(const int32_t* tokens, int64_t batch, int64_t seq, CudaModelState& st) {
+  const std::vector<int32_t> targets = next_token_targets(config_, tokens, batch, seq);
+  const int64_t n = batch * seq;
+  st.batch = batch;
+  st.seq = seq;
+  st.tokens.assign(tokens, tokens + n);
+  for (Buffer* b : {&st.tokens_dev, &st.targets_dev, &st.out, &st.xfn, &st.rstdf, &st.logits, &st.lse_head,
+                    &st.loss_sum, &st.count, &st.dresid, &st.dmoe})
+    b->bind(*backend_);
+  backend_->upload(st.tokens_dev.ensure(n * 4), tokens, n * 4);
+  backend_->upload(st.targets_dev.ensure(n * 4), targets.data(), n * 4);
+  st.blocks.resize(config_.num_hidden_layers);
+  st.forward_done = false;
 }
 
 void CudaMixtralModel::embed_forward(CudaModelState& st) {
@@ -462,11 +468,40 @@ void CudaMixtralModel::prepare_moe(CudaBlockState& b, int64_t tokens, int layer)
 }
 
 void CudaMixtralModel::moe_forward(int layer, CudaModelState& st) {
+  const Stream s = backend_->stream();
+  moe_route(layer, st);
+  moe_dispatch(layer, st, s);
+  moe_experts(layer, st);
+  moe_combine(layer, st, s);
+  moe_finish(layer, st);
+}
+
+void CudaMixtralModel::prepare_engines(CudaModelState& st) {
+  for (int l = 0; l < config_.num_hidden_layers; ++l) prepare_moe(st.blocks[size_t(l)], st.batch * st.seq, l);
+}
+
+void CudaMixtralModel::moe_route(int layer, CudaModelState& st) {
+  CudaBlockState& b = st.blocks[layer];
+  prepare_moe(b, st.batch * st.seq, layer);
+  b.moe->forward_route(b.hn2.data(), ForwardMode::train);  // its stages: the engine's marks
+}
+
+void CudaMixtralModel::moe_dispatch(int layer, CudaModelState& st, Stream lane) {
+  st.blocks[layer].moe->forward_dispatch(lane);
+}
+
+void CudaMixtralModel::moe_experts(int layer, CudaModelState& st) { st.blocks[layer].moe->forward_experts(); }
+
+void CudaMixtralModel::moe_combine(int layer, CudaModelState& st, Stream lane) {
+  st.blocks[layer].moe->forward_combine(lane);
+}
+
+void CudaMixtralModel::moe_finish(int layer, CudaModelState& st) {
   const int64_t n = st.batch * st.seq, H = config_.hidden_size;
   CudaBlockState& b = st.blocks[layer];
-  prepare_moe(b, n, layer);
   void* out = b.moe_out.ensure(n * H * elem_);
-  b.moe->forward(b.hn2.data(), out, ForwardMode::train);  // its stages: the engine's marks
+  b.moe->forward_finish(out);
+  impl_->marks.mark(nullptr);
   StageScope scope(impl_->timer, "fwd MoE residual");
   // The block's output (the next block's input): h + MoE(hn2).
   void* next = st.out.ensure(n * H * elem_);
@@ -477,7 +512,7 @@ void CudaMixtralModel::moe_forward(int layer, CudaModelState& st) {
   });
 }
 
-void CudaMixtralModel::head_forward(CudaModelState& st) {
+void CudaMixtralModel::head_forward(CudaModelState& st, Stream lane) {
   StageScope scope(impl_->timer, "fwd final norm + LM head + loss");
   const int64_t n = st.batch * st.seq, H = config_.hidden_size, V = config_.vocab_size;
   const int32_t L = config_.num_hidden_layers, E = config_.num_local_experts;
@@ -499,13 +534,18 @@ void CudaMixtralModel::head_forward(CudaModelState& st) {
                               impl_->ws, s);
   double sums[2] = {0, 0};
   int64_t c = 0;
+  const Stream on = lane ? lane : backend_->stream();
+  if (on != backend_->stream()) {  // the all-reduce and the read on `lane`, after the loss kernels
+    DMOE_CHECK_CUDA(cudaEventRecord(impl_->head_event, s));
+    DMOE_CHECK_CUDA(cudaStreamWaitEvent(static_cast<cudaStream_t>(on), impl_->head_event, 0));
+  }
   if (world_ > 1) {
     // The loss over all ranks: the count goes next to the sum (as a double) and both are summed on the device.
-    comm_.allreduce_sum(loss_sum, 1, DType::f64, backend_->stream());
-    comm_.allreduce_sum(count, 1, DType::i64, backend_->stream());
+    comm_.allreduce_sum(loss_sum, 1, DType::f64, on);
+    comm_.allreduce_sum(count, 1, DType::i64, on);
   }
-  backend_->download(&sums[0], loss_sum, 8);  // waits for the stream (bounded)
-  backend_->download(&c, count, 8);
+  backend_->download_on(&sums[0], loss_sum, 8, on);  // waits for the stream (bounded)
+  backend_->download_on(&c, count, 8, on);
   sums[1] = double(c);
   st.ce_count = int64_t(sums[1]);
   DMOE_REQUIRE(st.ce_count > 0, "mixtral: no next-token prediction in the batch");
@@ -518,6 +558,7 @@ void CudaMixtralModel::head_forward(CudaModelState& st) {
     st.aux_loss = pooled_load_balance_loss(config_, engines, st.expert_fraction);
   }
   st.loss = st.ce_loss + (config_.output_router_logits ? config_.router_aux_loss_coef * st.aux_loss : 0.0);
+  st.forward_done = true;
 }
 
 std::vector<float> CudaMixtralModel::logits(const CudaModelState& st) {
@@ -531,100 +572,145 @@ std::vector<float> CudaMixtralModel::logits(const CudaModelState& st) {
 
 void CudaMixtralModel::backward(CudaModelState& st, double loss_scale) {
   DMOE_REQUIRE(st.forward_done, "mixtral: backward() needs a completed forward() on this state");
-  const int64_t n = st.batch * st.seq, H = config_.hidden_size, V = config_.vocab_size, Q = config_.q_size(),
-                KV = config_.kv_size(), D = config_.head_size();
-  const int32_t L = config_.num_hidden_layers;
+  head_backward(st, loss_scale);
+  for (int l = config_.num_hidden_layers - 1; l >= 0; --l) {
+    moe_backward(l, st, loss_scale);
+    attention_backward(l, st);
+  }
+  embed_backward(st);
+}
+
+// Scratch kept by the model between stages (grow-only): used inside one compute stage only, and compute stages
+// run one at a time on the backend's stream. What passes between stages is in the state (dresid, dmoe).
+void CudaMixtralModel::head_backward(CudaModelState& st, double loss_scale) {
+  DMOE_REQUIRE(st.forward_done, "mixtral: backward() needs a completed forward() on this state");
+  const int64_t n = st.batch * st.seq, H = config_.hidden_size, V = config_.vocab_size;
+  cudaStream_t s = impl_->stream;
+  StageScope scope(impl_->timer, "bwd loss + LM head + final norm");
+  with_storage(storage_, [&](auto tag) {
+    using T = decltype(tag);
+    auto W = [&](int64_t off) { return static_cast<const T*>(w(off)); };
+    T* dr = static_cast<T*>(st.dresid.ensure(n * H * elem_));
+    T* dl = static_cast<T*>(scratch_[8].ensure(size_t(n) * V * elem_));
+    cuda::cross_entropy_backward<T>(st.logits.as<float>(), st.targets_dev.as<int32_t>(), st.lse_head.as<float>(), dl,
+                                    n, V, -100, loss_scale / double(st.ce_count), s);
+    const bool tied = layout_.lm_head < 0;
+    const int64_t head = tied ? layout_.embed_tokens : layout_.lm_head;
+    T* dxfn = static_cast<T*>(scratch_[2].ensure(n * H * elem_));
+    // dlogits is T: bf16 for a bf16 model, the precision its GEMMs take (the CPU twin keeps f32).
+    cuda::linear_backward<T>(st.xfn.as<T>(), W(head), dl, dxfn, g(head), n, H, V, impl_->cublas);
+    cuda::rmsnorm_backward<T>(st.out.as<T>(), W(layout_.norm), st.rstdf.as<float>(), dxfn, dr, g(layout_.norm), n,
+                              H, impl_->ws, s);
+  });
+}
+
+void CudaMixtralModel::moe_backward(int layer, CudaModelState& st, double loss_scale) {
+  const Stream s = backend_->stream();
+  moe_backward_combine(layer, st, loss_scale);
+  moe_backward_dispatch(layer, st, s);
+  moe_backward_experts(layer, st);
+  moe_backward_return(layer, st, s);
+  moe_backward_finish(layer, st);
+}
+
+void CudaMixtralModel::moe_backward_combine(int layer, CudaModelState& st, double loss_scale) {
+  CudaBlockState& b = st.blocks[layer];
+  if (config_.output_router_logits)
+    b.moe->set_load_balance_grad(
+        load_balance_prob_grad(config_, st.expert_fraction, double(b.moe->config().tokens) * world_, loss_scale));
+  // The first backward of a layer after zero_grads() writes its experts' gradients, the others add to them
+  // (in the order these calls come, which is the order their expert phases run on the backend's stream).
+  if (experts_fresh_[layer]) {
+    b.moe->zero_grads();  // the gate's share is zero already; the experts' are written by this backward
+    experts_fresh_[layer] = false;
+  } else {
+    b.moe->accumulate_grads();
+  }
+  b.moe->backward_combine(st.dresid.data());  // its stages: the engine's marks
+}
+
+void CudaMixtralModel::moe_backward_dispatch(int layer, CudaModelState& st, Stream lane) {
+  st.blocks[layer].moe->backward_dispatch(lane);
+}
+
+void CudaMixtralModel::moe_backward_experts(int layer, CudaModelState& st) { st.blocks[layer].moe->backward_experts(); }
+
+void CudaMixtralModel::moe_backward_return(int layer, CudaModelState& st, Stream lane) {
+  st.blocks[layer].moe->backward_return(lane);
+}
+
+void CudaMixtralModel::moe_backward_finish(int layer, CudaModelState& st) {
+  const int64_t n = st.batch * st.seq, H = config_.hidden_size;
+  st.blocks[layer].moe->backward_finish(st.dmoe.ensure(n * H * elem_));
+  impl_->marks.mark(nullptr);
+}
+
+void CudaMixtralModel::attention_backward(int layer, CudaModelState& st) {
+  const int64_t n = st.batch * st.seq, H = config_.hidden_size, Q = config_.q_size(), KV = config_.kv_size(),
+                D = config_.head_size();
   const int32_t heads = config_.num_attention_heads, kv_heads = config_.num_key_value_heads;
   cudaStream_t s = impl_->stream;
-  // Scratch kept by the model between backwards (grow-only; one stream, so one backward at a time uses it).
-  Buffer& dresid = scratch_[0];
   Buffer& dh = scratch_[1];
-  Buffer& tmp = scratch_[2];
   Buffer& dattn = scratch_[3];
   Buffer& dq = scratch_[4];
   Buffer& dk = scratch_[5];
   Buffer& dv = scratch_[6];
   Buffer& dxn1 = scratch_[7];
-  Buffer& dlogits = scratch_[8];
+  CudaBlockState& b = st.blocks[layer];
+  const ParamLayout::Layer& lw = layout_.layers[layer];
   with_storage(storage_, [&](auto tag) {
     using T = decltype(tag);
     auto W = [&](int64_t off) { return static_cast<const T*>(w(off)); };
-    T* dr = static_cast<T*>(dresid.ensure(n * H * elem_));
+    T* dr = st.dresid.as<T>();
+    T* dhn2 = st.dmoe.as<T>();
     std::optional<StageScope> scope;
-    // ---- head
-    {
-      scope.emplace(impl_->timer, "bwd loss + LM head + final norm");
-      T* dl = static_cast<T*>(dlogits.ensure(size_t(n) * V * elem_));
-      cuda::cross_entropy_backward<T>(st.logits.as<float>(), st.targets_dev.as<int32_t>(), st.lse_head.as<float>(), dl,
-                                      n, V, -100, loss_scale / double(st.ce_count), s);
-      const bool tied = layout_.lm_head < 0;
-      const int64_t head = tied ? layout_.embed_tokens : layout_.lm_head;
-      T* dxfn = static_cast<T*>(tmp.ensure(n * H * elem_));
-      // dlogits is T: bf16 for a bf16 model, the precision its GEMMs take (the CPU twin keeps f32).
-      cuda::linear_backward<T>(st.xfn.as<T>(), W(head), dl, dxfn, g(head), n, H, V, impl_->cublas);
-      cuda::rmsnorm_backward<T>(st.out.as<T>(), W(layout_.norm), st.rstdf.as<float>(), dxfn, dr, g(layout_.norm), n,
-                                H, impl_->ws, s);
-    }
-    for (int l = L - 1; l >= 0; --l) {
-      CudaBlockState& b = st.blocks[l];
-      const ParamLayout::Layer& lw = layout_.layers[l];
-      // ---- moe
-      scope.reset();
-      if (config_.output_router_logits)
-        b.moe->set_load_balance_grad(
-            load_balance_prob_grad(config_, st.expert_fraction, double(b.moe->config().tokens) * world_, loss_scale));
-      if (experts_fresh_[l]) {
-        b.moe->zero_grads();  // the gate's share is zero already; the experts' are written by this backward
-        experts_fresh_[l] = false;
-      } else {
-        b.moe->accumulate_grads();
-      }
-      T* dhn2 = static_cast<T*>(tmp.ensure(n * H * elem_));
-      b.moe->backward(dr, dhn2);  // its stages: the engine's marks
-      scope.emplace(impl_->timer, "bwd post-attention norm + residual");
-      T* dhp = static_cast<T*>(dh.ensure(n * H * elem_));
-      cuda::rmsnorm_backward<T>(b.h.as<T>(), W(lw.post_attention_layernorm), b.rstd2.as<float>(), dhn2, dhp,
-                                g(lw.post_attention_layernorm), n, H, impl_->ws, s);
-      cuda::add_into<T>(dhp, dr, n * H, s);  // h feeds the residual and the norm
-      // ---- attention
-      scope.reset();
-      scope.emplace(impl_->timer, "bwd o-proj");
-      T* da = static_cast<T*>(dattn.ensure(n * Q * elem_));
-      cuda::linear_backward<T>(b.attn.as<T>(), W(lw.o_proj), dhp, da, g(lw.o_proj), n, Q, H, impl_->cublas);
-      scope.reset();
-      scope.emplace(impl_->timer, "bwd attention core");
-      T* dqp = static_cast<T*>(dq.ensure(n * Q * elem_));
-      T* dkp = static_cast<T*>(dk.ensure(n * KV * elem_));
-      T* dvp = static_cast<T*>(dv.ensure(n * KV * elem_));
-      bool done = false;
-      if constexpr (std::is_same_v<T, bf16>) {
-        if (impl_->cudnn) {
-          impl_->cudnn->backward(b.q.as<T>(), b.k.as<T>(), b.v.as<T>(), b.attn.as<T>(), b.lse.as<float>(), da, dqp,
-                                 dkp, dvp, st.batch, st.seq, heads, kv_heads, D, s);
-          done = true;
-        }
-      }
-      if (!done)
-        cuda::attention_backward<T>(b.q.as<T>(), b.k.as<T>(), b.v.as<T>(), b.attn.as<T>(), b.lse.as<float>(), da,
-                                    dqp, dkp, dvp, st.batch, st.seq, heads, kv_heads, D, impl_->ws, s);
-      scope.reset();
-      scope.emplace(impl_->timer, "bwd rope + q/k/v + norm");
-      cuda::rope_backward<T>(dqp, dqp, n, st.seq, heads, D, config_.rope_theta, s);
-      cuda::rope_backward<T>(dkp, dkp, n, st.seq, kv_heads, D, config_.rope_theta, s);
-      // xn1 feeds q, k and v: its gradient is the sum of the three.
-      T* dx1 = static_cast<T*>(dxn1.ensure(n * H * elem_));
-      cuda::linear_backward<T>(b.xn1.as<T>(), W(lw.q_proj), dqp, dx1, g(lw.q_proj), n, H, Q, impl_->cublas);
-      cuda::linear_backward<T>(b.xn1.as<T>(), W(lw.k_proj), dkp, dx1, g(lw.k_proj), n, H, KV, impl_->cublas, true);
-      cuda::linear_backward<T>(b.xn1.as<T>(), W(lw.v_proj), dvp, dx1, g(lw.v_proj), n, H, KV, impl_->cublas, true);
-      cuda::rmsnorm_backward<T>(b.x.as<T>(), W(lw.input_layernorm), b.rstd1.as<float>(), dx1, dr,
-                                g(lw.input_layernorm), n, H, impl_->ws, s);
-      cuda::add_into<T>(dr, dhp, n * H, s);  // dresid = dh + d(norm input)
-    }
-    // ---- embedding
+    scope.emplace(impl_->timer, "bwd post-attention norm + residual");
+    T* dhp = static_cast<T*>(dh.ensure(n * H * elem_));
+    cuda::rmsnorm_backward<T>(b.h.as<T>(), W(lw.post_attention_layernorm), b.rstd2.as<float>(), dhn2, dhp,
+                              g(lw.post_attention_layernorm), n, H, impl_->ws, s);
+    cuda::add_into<T>(dhp, dr, n * H, s);  // h feeds the residual and the norm
     scope.reset();
-    scope.emplace(impl_->timer, "bwd embedding");
-    cuda::embedding_backward<T>(st.tokens_dev.as<int32_t>(), dr, g(layout_.embed_tokens), n, config_.vocab_size, H,
-                                impl_->ws, s);
+    scope.emplace(impl_->timer, "bwd o-proj");
+    T* da = static_cast<T*>(dattn.ensure(n * Q * elem_));
+    cuda::linear_backward<T>(b.attn.as<T>(), W(lw.o_proj), dhp, da, g(lw.o_proj), n, Q, H, impl_->cublas);
+    scope.reset();
+    scope.emplace(impl_->timer, "bwd attention core");
+    T* dqp = static_cast<T*>(dq.ensure(n * Q * elem_));
+    T* dkp = static_cast<T*>(dk.ensure(n * KV * elem_));
+    T* dvp = static_cast<T*>(dv.ensure(n * KV * elem_));
+    bool done = false;
+    if constexpr (std::is_same_v<T, bf16>) {
+      if (impl_->cudnn) {
+        impl_->cudnn->backward(b.q.as<T>(), b.k.as<T>(), b.v.as<T>(), b.attn.as<T>(), b.lse.as<float>(), da, dqp,
+                               dkp, dvp, st.batch, st.seq, heads, kv_heads, D, s);
+        done = true;
+      }
+    }
+    if (!done)
+      cuda::attention_backward<T>(b.q.as<T>(), b.k.as<T>(), b.v.as<T>(), b.attn.as<T>(), b.lse.as<float>(), da,
+                                  dqp, dkp, dvp, st.batch, st.seq, heads, kv_heads, D, impl_->ws, s);
+    scope.reset();
+    scope.emplace(impl_->timer, "bwd rope + q/k/v + norm");
+    cuda::rope_backward<T>(dqp, dqp, n, st.seq, heads, D, config_.rope_theta, s);
+    cuda::rope_backward<T>(dkp, dkp, n, st.seq, kv_heads, D, config_.rope_theta, s);
+    // xn1 feeds q, k and v: its gradient is the sum of the three.
+    T* dx1 = static_cast<T*>(dxn1.ensure(n * H * elem_));
+    cuda::linear_backward<T>(b.xn1.as<T>(), W(lw.q_proj), dqp, dx1, g(lw.q_proj), n, H, Q, impl_->cublas);
+    cuda::linear_backward<T>(b.xn1.as<T>(), W(lw.k_proj), dkp, dx1, g(lw.k_proj), n, H, KV, impl_->cublas, true);
+    cuda::linear_backward<T>(b.xn1.as<T>(), W(lw.v_proj), dvp, dx1, g(lw.v_proj), n, H, KV, impl_->cublas, true);
+    cuda::rmsnorm_backward<T>(b.x.as<T>(), W(lw.input_layernorm), b.rstd1.as<float>(), dx1, dr,
+                              g(lw.input_layernorm), n, H, impl_->ws, s);
+    cuda::add_into<T>(dr, dhp, n * H, s);  // dresid = dh + d(norm input)
+  });
+}
+
+void CudaMixtralModel::embed_backward(CudaModelState& st) {
+  const int64_t n = st.batch * st.seq, H = config_.hidden_size;
+  StageScope scope(impl_->timer, "bwd embedding");
+  with_storage(storage_, [&](auto tag) {
+    using T = decltype(tag);
+    cuda::embedding_backward<T>(st.tokens_dev.as<int32_t>(), st.dresid.as<T>(), g(layout_.embed_tokens), n,
+                                config_.vocab_size, H, impl_->ws, impl_->stream);
   });
   st.forward_done = false;
 }

@@ -66,6 +66,9 @@ struct CudaModelState {
   std::vector<CudaBlockState> blocks;
   Buffer out;                   // [n, H] the last block's output (the final norm's input)
   Buffer xfn, rstdf, logits, lse_head, loss_sum, count;
+  // Backward's activation gradients that pass from one stage to the next (per micro-batch, so that several
+  // backwards can be in flight): dresid [n, H] the residual stream's, dmoe [n, H] the MoE input's.
+  Buffer dresid, dmoe;
   int64_t ce_count = 0;
   double ce_loss = 0, aux_loss = 0, loss = 0;
   std::vector<double> expert_fraction;
@@ -116,10 +119,41 @@ class CudaMixtralModel {
   // The logits of the state's last forward, [n, V] f32 on the host.
   std::vector<float> logits(const CudaModelState& state);
 
+  // The stages forward() and backward() run, for an executor that issues them itself (Flow's GPU executor,
+  // src/flow/cuda_executor.hpp). forward() = begin_forward, embed_forward, per layer attention_forward and
+  // moe_forward, head_forward; backward() = head_backward, per layer (L−1 first) moe_backward and
+  // attention_backward, embed_backward. Compute stages issue on backend().stream(); the MoE stage is cut at its
+  // all-to-alls (EpEngine's phases): moe_forward = moe_route, moe_dispatch(s), moe_experts, moe_combine(s),
+  // moe_finish and moe_backward = moe_backward_combine, moe_backward_dispatch(s), moe_backward_experts,
+  // moe_backward_return(s), moe_backward_finish with s = backend().stream(); the exchange phases issue only the
+  // engine's collectives on `lane` (the caller orders lane and the backend's stream with events).
+  // head_forward's loss all-reduce (W > 1) goes on `lane` (null: the backend's stream), after an event that
+  // orders it behind the loss kernels; it then waits for `lane` (the loss is read on the host).
+  void begin_forward(const int32_t* tokens, int64_t batch, int64_t seq, CudaModelState& st);
+  // Creates the state's MoE engines for its token count now (with W > 1 each checks the ranks' configs with a
+  // collective on the backend's stream), so that no collective of the model's communicator is issued from a
+  // compute stage later; moe_route does it otherwise. After begin_forward.
+  void prepare_engines(CudaModelState& st);
   void embed_forward(CudaModelState& st);
   void attention_forward(int layer, CudaModelState& st);
   void moe_forward(int layer, CudaModelState& st);
-  void head_forward(CudaModelState& st);
+  void moe_route(int layer, CudaModelState& st);
+  void moe_dispatch(int layer, CudaModelState& st, Stream lane);
+  void moe_experts(int layer, CudaModelState& st);
+  void moe_combine(int layer, CudaModelState& st, Stream lane);
+  void moe_finish(int layer, CudaModelState& st);
+  void head_forward(CudaModelState& st, Stream lane = nullptr);
+  void head_backward(CudaModelState& st, double loss_scale);
+  void moe_backward(int layer, CudaModelState& st, double loss_scale);
+  void moe_backward_combine(int layer, CudaModelState& st, double loss_scale);
+  void moe_backward_dispatch(int layer, CudaModelState& st, Stream lane);
+  void moe_backward_experts(int layer, CudaModelState& st);
+  void moe_backward_return(int layer, CudaModelState& st, Stream lane);
+  void moe_backward_finish(int layer, CudaModelState& st);
+  void attention_backward(int layer, CudaModelState& st);
+  void embed_backward(CudaModelState& st);
+  // The f32 gradient buffer (layout()), e.g. for an all-reduce of parts of it.
+  float* gradients() { return grad_.as<float>(); }
 
   const MixtralConfig& config() const { return config_; }
   int32_t rank() const { return rank_; }
@@ -128,6 +162,7 @@ class CudaMixtralModel {
   int32_t experts_per_rank() const { return config_.num_local_experts / world_; }
   DType storage() const { return storage_; }
   Backend& backend() { return *backend_; }
+  Comm& comm() { return comm_; }  // the job's (all-to-all) communicator
   const ParamLayout& layout() const { return layout_; }
   size_t parameter_bytes() const;  // device memory of the parameter buffers
   const char* attention_kernel() const;  // "cudnn" or "own" (DMOE_ATTENTION)

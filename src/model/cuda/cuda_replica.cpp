@@ -10,6 +10,7 @@
 #include "comm/process_env.hpp"
 #include "core/error.hpp"
 #include "cuda/cuda_backend.hpp"
+#include "flow/cuda_executor.hpp"
 #include "model/cuda/cuda_mixtral.hpp"
 #include "model/mixtral.hpp"
 #include "model/train_replica.hpp"
@@ -49,7 +50,17 @@ class CudaReplica final : public TrainReplica {
   ~CudaReplica() override {
     states_.clear();  // engines before the model's backend and the communicator
     eval_.reset();
+    executor_.reset();
     model_.reset();
+  }
+  double flow_step(const flow::TaskGraph& graph, const int32_t* tokens, int64_t batch, int64_t seq) override {
+    if (!executor_) {  // collective: every rank reaches its first Flow step together
+      ar_comm_ = flow::open_cuda_allreduce_comm(comm_->world());
+      executor_ = std::make_unique<flow::CudaFlowExecutor>(*model_, *ar_comm_);
+      // The stage timer marks one stream in issue order: meaningless with three streams interleaved.
+      model_->enable_stage_times(false);
+    }
+    return executor_->step(graph, tokens, batch, seq, states_);
   }
   double forward(const int32_t* tokens, int64_t batch, int64_t seq, int32_t slot) override {
     return model_->forward(tokens, batch, seq, states_.at(slot));
@@ -82,7 +93,9 @@ class CudaReplica final : public TrainReplica {
 
  private:
   std::unique_ptr<Comm> comm_;
+  std::unique_ptr<Comm> ar_comm_;  // Flow's all-reduce communicator (flow_step), after comm_ in destruction order
   std::unique_ptr<CudaMixtralModel> model_;
+  std::unique_ptr<flow::CudaFlowExecutor> executor_;
   std::vector<CudaModelState> states_;
   std::unique_ptr<CudaModelState> eval_;
   double ceiling_ = 0;

@@ -1,0 +1,115 @@
+// cuda_executor.hpp — one training step of the GPU Mixtral model (src/model/cuda/cuda_mixtral.*) in a Flow task
+// graph's issue orders, on three CUDA streams of this rank's GPU, issued by one host thread (docs/flow.md, "The GPU
+// executor"):
+//
+//   compute stream (the backend's)  AT  → moe_finish of layer l−1 (l > 0) or embed_forward (l = 0),
+//                                         attention_forward, moe_route (gate, send plan, gather)
+//                                   E   → moe_experts;  E' → moe_backward_experts
+//                                   AT' → moe_backward_finish (router backward, dx), attention_backward,
+//                                         embed_backward (l = 0)
+//   all-to-all stream               D → moe_dispatch;  C → moe_combine;  C' → moe_backward_dispatch;
+//                                   D' → moe_backward_return (the model's communicator: every collective on it)
+//                                   C' first issues its compute prelude on the compute stream: moe_backward_combine
+//                                   and, for l = L−1, moe_finish + head_forward (its loss all-reduce on this
+//                                   stream) + head_backward — the graph folds the head into C'[L−1, r]
+//   all-reduce stream               chunk k: bytes [k·Sp, (k+1)·Sp) of the layers' replicated gradients laid out
+//                                   layer L−1 first (norms, q/k/v/o, router of each layer), on its own
+//                                   communicator, under the priority rule; then embedding, final norm, lm_head
+//
+// True dependencies are CUDA events (one per task, recorded at its end on its stream; a task's stream waits for
+// the events of its dependencies on other streams). The host issues the compute and all-to-all tasks in one fixed
+// merge of their two orders — a pure function of the graph, identical on every rank — and the AR chunks in chunk
+// order whenever the priority rule allows (a timing-dependent decision that changes only *when* a chunk is
+// issued on its own communicator, never the order of any communicator's collectives).
+//
+// Gradients are bit-identical at W = 1 to forward(r) for r = 0..R−1, then backward(r, 1/R) for r = 0..R−1, then
+// reduce_grads() (each tensor gets its micro-batches' contributions in the same order on the one compute stream;
+// the kernels are deterministic). At W > 1 too when the all-reduce sums each element in an order that does not
+// depend on how the buffer is cut (two ranks: a + b; NVSHMEM's rank-order sum); NCCL's sums over more ranks may
+// differ in the last bits between chunkings. Refused: tied embeddings (head and embedding backward add into one
+// tensor in another order than the sequential one), a graph whose dense_grad_bytes_per_layer is not the model's,
+// Sp not a multiple of 4.
+//
+// Without CUDA (DMOE_CUDA=OFF) the executor's constructor and measure_cuda_flow refuse with a dmoe::Error.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "comm/comm.hpp"
+#include "core/dtype.hpp"
+#include "flow/simulator.hpp"
+#include "flow/task_graph.hpp"
+#include "model/mixtral_config.hpp"
+#include "model/mixtral_weights.hpp"
+
+namespace dmoe {
+class CudaMixtralModel;
+struct CudaModelState;
+}  // namespace dmoe
+
+namespace dmoe::flow {
+
+// Bytes of one layer's all-reduced gradients in the GPU model: norms, q/k/v/o and the router, f32 (the GPU
+// model all-reduces its routers' gradients with the dense ones; the CPU model's EpEngine sums them itself).
+int64_t cuda_mixtral_dense_grad_bytes_per_layer(const MixtralConfig& config);
+
+// The merged issue order of the compute and all-to-all tasks the executor's host thread follows: at each point
+// the next all-to-all if all its dependencies have been issued, else the next compute task (whose dependencies
+// then have been issued: the graph is acyclic with in-order streams). All-to-all first because the host blocks
+// inside some compute phases (the send plan's counts), and an all-to-all issued before that wait keeps the link
+// busy during it. AR tasks are not in it. Pure function of the graph (host code, unit-tested).
+std::vector<int32_t> merged_issue_order(const TaskGraph& graph);
+
+class CudaFlowExecutor {
+ public:
+  // `allreduce_comm`: a communicator of its own over the model's ranks (same rank, same world). Creates the
+  // all-to-all and all-reduce streams and the events. Throws in a build without CUDA.
+  CudaFlowExecutor(CudaMixtralModel& model, Comm& allreduce_comm);
+  ~CudaFlowExecutor();
+  CudaFlowExecutor(const CudaFlowExecutor&) = delete;
+  CudaFlowExecutor& operator=(const CudaFlowExecutor&) = delete;
+
+  // One step: tokens [batch, seq] of this rank split into graph.spec.micro_batches micro-batches of whole
+  // sequences; states: R states (resized). Adds the gradients (scaled 1/R) to the model's and all-reduces the
+  // replicated ones over ranks. Returns the mean of the micro-batches' losses once the GPU is done. Collective
+  // over the model's ranks (the first step of a spec checks with one small all-reduce that every rank has it).
+  // timeline (optional): every task's GPU start and end (CUDA events) in ms from the step's start.
+  double step(const TaskGraph& graph, const int32_t* tokens, int64_t batch, int64_t seq,
+              std::vector<CudaModelState>& states, std::vector<TraceEvent>* timeline = nullptr);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// This process as one rank of a GPU job (dmoe launch -n W, or alone): `steps` steps (zero_grads + one step) of a
+// model with these weights (all experts; each rank takes its share) on this rank's tokens [batch, seq]; step_ms is
+// the median over ranks' rank-0 wall time per step after one warm-up step (a barrier before each), timeline rank
+// 0's last step (empty on the other ranks).
+struct CudaFlowMeasurement {
+  GraphSpec spec;
+  double step_ms = 0;
+  double loss = 0;
+  std::vector<TraceEvent> timeline;
+};
+// The executor's all-reduce communicator for this process's rank of the job: a local one at W = 1, else a second
+// NCCL communicator (refused when ranks share GPUs: NCCL needs one GPU per rank; two NVSHMEM communicators would
+// pair their world barriers wrongly across streams). Collective over the job's ranks.
+std::unique_ptr<Comm> open_cuda_allreduce_comm(int32_t world);
+
+struct CudaFlowJob;  // the rank's model, communicators and executor, kept across measurements
+class CudaFlowSession {
+ public:
+  CudaFlowSession(const MixtralConfig& config, const MixtralWeights& full_weights, DType storage, int64_t max_tokens);
+  ~CudaFlowSession();
+  int32_t rank() const;
+  int32_t world() const;
+  CudaFlowMeasurement measure(const GraphSpec& spec, const int32_t* tokens, int64_t batch, int64_t seq, int32_t steps);
+
+ private:
+  std::unique_ptr<CudaFlowJob> job_;
+};
+
+}  // namespace dmoe::flow
