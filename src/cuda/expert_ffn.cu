@@ -21,7 +21,7 @@
 // bf16 × bf16 → f32 form. Every GEMM accumulates in f32 (CUBLAS_COMPUTE_32F; no TF32 for f32 storage).
 //
 // The input-gradient products (dh, dx) of bf16 experts take the own kernel's NN variant (B MN-major:
-// the weights as stored) where DMOE_DGRAD prefers it (default cuBLAS until measured; gemm.cpp).
+// the weights as stored) where DMOE_DGRAD prefers it (auto by default; gemm.cpp).
 //
 // Stored intermediates (pre1, pre3, h, dh/dpre1, dpre3, dx) have the storage type, as on the CPU with
 // bf16 rounding; for bf16 on cuBLAS the SwiGLU dx is rounded twice (after dpre1·w1, then after adding
@@ -334,7 +334,7 @@ void expert_ffn_backward(const T* x, const T* w1, const T* w3, const T* w2, cons
   };
 
   // The input-gradient products of bf16 experts on the own kernel's NN variant (B = the weights as stored,
-  // MN-major) where DMOE_DGRAD prefers it (default: cuBLAS until measured, gemm.cpp) and it can run. Offsets
+  // MN-major) where DMOE_DGRAD prefers it (auto by default, gemm.cpp) and it can run. Offsets
   // rebased to the batch's first row, so that A and C both start there (dh, dpre1 and dpre3 start at
   // row_begin). SwiGLU's dx is one product over both halves (dpre1·w1 + dpre3·w3, one rounding) where
   // cuBLAS adds the second with beta = 1.

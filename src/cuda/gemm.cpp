@@ -138,14 +138,14 @@ bool prefer_own_wgrad(double mean_macs) {
 }
 
 // DMOE_DGRAD: the input-gradient products of the backward pass (dh = dout·w2, dx = dpre1·w1 + dpre3·w3) on
-// the own kernel's NN variant. The default stays cuBLAS until the NN kernel is measured on the H200 (then
-// set the default and the bound here from `dmoe bench gemm --dgrad` and `dmoe bench layer`); auto takes
-// the forward's bound, kOwnMaxMeanMacs, as a first guess.
+// the own kernel's NN variant. Default auto, with the forward's bound kOwnMaxMeanMacs: measured on the H200
+// (docs/perf.md, ninth session) dh and dx ran 1.96× (flash-paper) and 1.7-2.2× (fine-grained) faster than
+// cuBLAS's grouped call, whose shapes the forward's bound also sends to the own kernel.
 bool prefer_own_dgrad(double mean_macs) {
   static const int mode = [] {  // 0 auto, 1 own, 2 cublas
     const char* v = std::getenv("DMOE_DGRAD");
-    if (!v || !*v || std::string(v) == "cublas") return 2;
-    if (std::string(v) == "auto") return 0;
+    if (!v || !*v || std::string(v) == "auto") return 0;
+    if (std::string(v) == "cublas") return 2;
     if (std::string(v) == "own") return 1;
     fail(__FILE__, __LINE__, "DMOE_DGRAD=%s is not supported; allowed: auto, own, cublas", v);
   }();

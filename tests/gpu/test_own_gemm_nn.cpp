@@ -175,15 +175,17 @@ TEST_P(CudaKernelsOwnGemmNN, MatchesCpuTwinAndCublas) {
         continue;
       }
       const double ref = twin[i], got = value(c[i]), blas = value(c_blas[i]);
-      // Own kernel vs the twin: one bf16 rounding of each (2^-9 relative each, 4e-3 covers both with
-      // room) plus fp32 accumulation over k_total terms of size ~1 (1e-5 per term, as test_own_gemm.cpp).
-      const double tol = 4e-3 * std::abs(ref) + 1e-5 * k_total;
+      // Own kernel vs the twin: both round to bf16 from sums that differ in their last bits (fp32 in
+      // another order), so they may land on neighbouring bf16 values: one ulp, <= 2^-7 relative (seen on
+      // the H200: -4.40625 against -4.4375), plus fp32 accumulation over k_total terms of size ~1 (1e-5
+      // per term, as test_own_gemm.cpp).
+      const double tol = 7.9e-3 * std::abs(ref) + 1e-5 * k_total;
       if (!(std::abs(got - ref) <= tol) && bad++ == 0)
         first_bad = "row " + std::to_string(r) + " col " + std::to_string(j) + ": got " + std::to_string(got) +
                     ", twin " + std::to_string(ref);
       // Own kernel vs cuBLAS: both within their bound of the exact sum; cuBLAS's two-product result also
       // carries the rounding of its first product (|first| · 2^-9, taken as 4e-3 · |first|).
-      const double tol_blas = tol + 4e-3 * std::abs(ref) + 1e-5 * k_total + (s.two ? 4e-3 * std::abs(first[i]) : 0.0);
+      const double tol_blas = tol + 7.9e-3 * std::abs(ref) + 1e-5 * k_total + (s.two ? 7.9e-3 * std::abs(first[i]) : 0.0);
       if (!(std::abs(got - blas) <= tol_blas) && bad_blas++ == 0)
         first_bad_blas = "row " + std::to_string(r) + " col " + std::to_string(j) + ": got " + std::to_string(got) +
                          ", cuBLAS " + std::to_string(blas);
