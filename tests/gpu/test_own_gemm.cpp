@@ -24,7 +24,9 @@
 namespace dmoe {
 namespace {
 
+using test::grouped_test_offsets;
 using test::has_cuda_device;
+using test::random_bf16_bits;
 
 struct OwnGemmShape {
   int32_t groups;
@@ -56,22 +58,9 @@ TEST_P(CudaKernelsOwnGemm, MatchesHostReference) {
 
   // Rows: 5 untouched rows, the groups (group 1 empty, group 2 exactly 128 rows), 3 untouched rows.
   constexpr int64_t kBefore = 5, kAfter = 3;
-  std::vector<int64_t> offsets(s.groups + 1, kBefore);
-  for (int32_t g = 0; g < s.groups; ++g) {
-    int64_t rows = int64_t(rng() % uint64_t(s.max_rows + 1));
-    if (g == 1) rows = 0;
-    if (g == 2) rows = 128;
-    if (g == 3) rows = 40;  // one tile, of which the second consumer's 64 rows are all past the group
-    offsets[g + 1] = offsets[g] + rows;
-  }
+  const std::vector<int64_t> offsets = grouped_test_offsets(rng, s.groups, s.max_rows, kBefore);
   const int64_t rows_total = offsets.back() + kAfter;
-
-  std::normal_distribution<float> normal(0.f, 1.f);
-  auto random_bf16 = [&](size_t count) {
-    std::vector<uint16_t> v(count);
-    for (auto& x : v) x = float_to_bf16(normal(rng)).bits;
-    return v;
-  };
+  auto random_bf16 = [&](size_t count) { return random_bf16_bits(rng, count); };
   const std::vector<uint16_t> a = random_bf16(size_t(rows_total * s.k));
   const bool fused = s.epilogue != 0, gated = s.epilogue == 3;
   const std::vector<uint16_t> b = random_bf16(size_t(s.groups) * s.n * s.k);

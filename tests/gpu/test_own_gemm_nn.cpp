@@ -29,7 +29,9 @@
 namespace dmoe {
 namespace {
 
+using test::grouped_test_offsets;
 using test::has_cuda_device;
+using test::random_bf16_bits;
 
 struct NnShape {
   int32_t groups;
@@ -67,24 +69,9 @@ TEST_P(CudaKernelsOwnGemmNN, MatchesCpuTwinAndCublas) {
 
   // Rows: 5 untouched rows, the groups, 3 untouched rows.
   constexpr int64_t kBefore = 5, kAfter = 3;
-  std::vector<int64_t> offsets(s.groups + 1, kBefore);
-  for (int32_t g = 0; g < s.groups; ++g) {
-    int64_t rows = int64_t(rng() % uint64_t(s.max_rows + 1));
-    if (s.skew) rows = g == s.groups / 2 ? s.max_rows : 0;
-    else if (g == 1) rows = 0;
-    else if (g == 2) rows = 128;
-    else if (g == 3) rows = 40;  // one tile; the second consumer's 64 rows all lie past the group
-    else if (g == 4) rows = 1;
-    offsets[g + 1] = offsets[g] + rows;
-  }
+  const std::vector<int64_t> offsets = grouped_test_offsets(rng, s.groups, s.max_rows, kBefore, s.skew);
   const int64_t rows_total = offsets.back() + kAfter;
-
-  std::normal_distribution<float> normal(0.f, 1.f);
-  auto random_bf16 = [&](size_t count) {
-    std::vector<uint16_t> v(count);
-    for (auto& x : v) x = float_to_bf16(normal(rng)).bits;
-    return v;
-  };
+  auto random_bf16 = [&](size_t count) { return random_bf16_bits(rng, count); };
   const std::vector<uint16_t> a = random_bf16(size_t(rows_total * s.k));
   const std::vector<uint16_t> b = random_bf16(size_t(s.groups) * s.k * s.n);
   const std::vector<uint16_t> a2 = random_bf16(s.two ? size_t(rows_total * s.k) : 0);

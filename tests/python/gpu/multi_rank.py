@@ -4,7 +4,9 @@ its own tokens; the results gathered from the ranks must match one rank holding 
 
     torchrun --nproc-per-node 2 tests/python/gpu/multi_rank.py OUT_DIR [--comm auto|nccl|nvshmem]
 
-(one GPU per rank: ranks sharing a GPU need NVSHMEM under MPS, which `dmoe launch` starts and torchrun does not.)
+Ranks may share GPUs (rank r uses GPU LOCAL_RANK % device count): then run them under an MPS daemon started
+beforehand (`nvidia-cuda-mps-control -d`; torchrun does not start one, `dmoe launch` does) with `--comm nvshmem`
+(NCCL needs a GPU per rank).
 Rank 0 writes OUT_DIR/multi_rank.json; the exit code is 1 on a failed check.
 
 Checks, for float32 and bfloat16, two calls with different token counts: y, dx (gathered over ranks) and the experts'
@@ -36,8 +38,11 @@ def main():
     args = ap.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_RANK", rank))
-    torch.cuda.set_device(local)
-    dev = torch.device("cuda", local)
+    gpus = torch.cuda.device_count()
+    torch.cuda.set_device(local % gpus)
+    dev = torch.device("cuda", local % gpus)
+    if gpus < int(os.environ.get("LOCAL_WORLD_SIZE", world)) and args.comm != "nvshmem":
+        sys.exit(f"multi_rank.py: {world} ranks share {gpus} GPU(s): run them under MPS with --comm nvshmem")
     dist.init_process_group("gloo")  # only to gather results for the comparison; dmoe uses its own communicators
     h, i, e, k = 512, 768, 8 * world, 2
     results, failed = {}, []
