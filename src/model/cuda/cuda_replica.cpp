@@ -55,8 +55,8 @@ class CudaReplica final : public TrainReplica {
   }
   double flow_step(const flow::TaskGraph& graph, const int32_t* tokens, int64_t batch, int64_t seq) override {
     if (!executor_) {  // collective: every rank reaches its first Flow step together
-      ar_comm_ = flow::open_cuda_allreduce_comm(comm_->world());
-      executor_ = std::make_unique<flow::CudaFlowExecutor>(*model_, *ar_comm_);
+      ar_comm_ = flow::open_cuda_allreduce_comm(*comm_);  // nullptr: the chunks go on comm_ (ArComm::model)
+      executor_ = std::make_unique<flow::CudaFlowExecutor>(*model_, ar_comm_.get());
       // The stage timer marks one stream in issue order: meaningless with three streams interleaved.
       model_->enable_stage_times(false);
     }
