@@ -144,6 +144,7 @@ class CudaFlowSession {
   ~CudaFlowSession();
   int32_t rank() const;
   int32_t world() const;
+  ArComm ar_comm() const;  // where its executor's AR chunks go
   CudaFlowMeasurement measure(const GraphSpec& spec, const int32_t* tokens, int64_t batch, int64_t seq, int32_t steps);
 
  private:

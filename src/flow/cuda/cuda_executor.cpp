@@ -401,6 +401,7 @@ CudaFlowSession::CudaFlowSession(const MixtralConfig& config, const MixtralWeigh
 CudaFlowSession::~CudaFlowSession() = default;
 int32_t CudaFlowSession::rank() const { return job_->rank.rank; }
 int32_t CudaFlowSession::world() const { return job_->rank.world; }
+ArComm CudaFlowSession::ar_comm() const { return job_->executor->ar_comm(); }
 
 CudaFlowMeasurement CudaFlowSession::measure(const GraphSpec& spec, const int32_t* tokens, int64_t batch, int64_t seq,
                                              int32_t steps) {
