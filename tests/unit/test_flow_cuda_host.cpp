@@ -116,7 +116,7 @@ TEST(FlowCudaHost, SingleCommIssueOrderFollowsTheRule) {
                 if (position[size_t(d)] >= p) return false;
               return true;
             };
-            int32_t last_compute = -1, chunks_since = 0, previous_chunk = -1;
+            int32_t last_compute = -1, chunks_since = 0;
             for (int32_t p = 0; p < int32_t(order.size()); ++p) {
               const Task& t = g.tasks[size_t(order[size_t(p)])];
               if (t.stream == Stream::compute) {
@@ -145,11 +145,11 @@ TEST(FlowCudaHost, SingleCommIssueOrderFollowsTheRule) {
                 ++chunks_since;
                 // At most per_gap chunks beside one compute task, except after the last one (the end of the AR).
                 const bool after_all_compute = last_compute == position[size_t(g.compute_order.back())];
-                if (per_gap > 0 && !after_all_compute) EXPECT_LE(chunks_since, per_gap) << what << ": " << g.describe(t.id);
-                previous_chunk = p;
+                if (per_gap > 0 && !after_all_compute) {
+                  EXPECT_LE(chunks_since, per_gap) << what << ": " << g.describe(t.id);
+                }
               }
             }
-            (void)previous_chunk;
             std::vector<int32_t> without_chunks;
             for (int32_t id : order)
               if (g.tasks[size_t(id)].stream != Stream::allreduce) without_chunks.push_back(id);
