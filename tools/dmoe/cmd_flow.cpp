@@ -356,7 +356,8 @@ int measure_cuda_command(const FlowOptions& o) {
     std::printf("wrote %s (measured GPU timelines, CUDA events; one process per run)\n", o.trace_path.c_str());
   }
   if (!o.json_path.empty()) {
-    json out = {{"engine", "cuda"}, {"model", o.model_config}, {"world", world}, {"rows", rows}};
+    json out = {{"engine", "cuda"}, {"model", o.model_config}, {"world", world},
+                {"ar_comm", flow::ar_comm_name(session.ar_comm())}, {"rows", rows}};
     if (fitted_costs) out["costs"] = flow::cost_model_json(fit);
     write_json(o.json_path, out, "--json");
     std::printf("wrote %s\n", o.json_path.c_str());
