@@ -190,6 +190,11 @@ double CudaFlowExecutor::step(const TaskGraph& g, const int32_t* tokens, int64_t
     }
   };
 
+  std::vector<int64_t> chunk_first;  // per chunk: its first byte (chunks are in chunk order)
+  for (int64_t at = 0; int32_t k : g.allreduce_order) {
+    chunk_first.push_back(at);
+    at += g.tasks[size_t(k)].bytes;
+  }
   std::vector<uint8_t> issued(g.tasks.size(), 0);
   auto stream_of_task = [&](const Task& t) { return t.stream == flow::Stream::compute ? x.compute
                                                     : t.stream == flow::Stream::alltoall ? x.a2a : ar_stream; };
@@ -258,11 +263,7 @@ double CudaFlowExecutor::step(const TaskGraph& g, const int32_t* tokens, int64_t
     wait_deps(t, on);
     if (timeline) DMOE_CHECK_CUDA(cudaEventRecord(x.begin[size_t(id)], on));
     if (t.kind == TaskKind::allreduce) {
-      int64_t first = 0;
-      for (int32_t k : g.allreduce_order) {
-        if (k == id) break;
-        first += g.tasks[size_t(k)].bytes;
-      }
+      const int64_t first = chunk_first[size_t(t.chunk)];
       if (model.world() > 1) allreduce_elements(first / 4, (first + t.bytes) / 4);
     } else {
       run(t);
