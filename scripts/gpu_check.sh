@@ -57,6 +57,11 @@ part_multi() {
     run 200 "launch_w$n" "$B/dmoe" launch -n "$n" -- "$B/tests/dmoe_gpu_tests" --gtest_brief=1 \
       --gtest_filter='GpuComm*:*GpuEngine*'
   done
+  # Flow's GPU executor with ranks sharing the GPU: AR chunks on the model's NVSHMEM communicator (static order).
+  for n in 2 4; do
+    run 300 "flow_launch_w$n" "$B/dmoe" launch -n "$n" -- "$B/tests/dmoe_gpu_tests" --gtest_brief=1 \
+      --gtest_filter='GpuFlow*'
+  done
   export CUDA_MPS_PIPE_DIRECTORY=/tmp/dmoe-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/dmoe-mps/log
   mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
   nvidia-cuda-mps-control -d

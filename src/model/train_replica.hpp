@@ -50,6 +50,15 @@ class TrainReplica {
   virtual double gemm_ceiling_flop_per_s() const { return 0; }
   // Time per stage summed over the steps so far, ms (the GPU model's stage events; empty on the CPU engine).
   virtual std::vector<std::pair<std::string, double>> stage_times() { return {}; }
+  // flow_step's own timing (the stage timer is off inside it: its streams interleave): per task kind, the GPU time
+  // of its tasks' spans (CUDA events), ms summed over the Flow steps so far, in kind order; and the summed span of
+  // the steps' tasks (first start to last end). Empty (steps = 0) without Flow steps.
+  struct FlowTimes {
+    int64_t steps = 0;
+    double span_ms = 0;
+    std::vector<std::pair<std::string, double>> kinds;  // e.g. ("AT  attention + gate (compute)", ms)
+  };
+  virtual FlowTimes flow_times() { return {}; }
   virtual const char* engine_name() const = 0;
 };
 

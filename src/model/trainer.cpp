@@ -318,11 +318,25 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
     }
     save(rank, replica, last_step, o.save_dir);
     const auto stages = replica.stage_times();
+    const TrainReplica::FlowTimes flow_times = replica.flow_times();
+    if (rank == 0 && flow_times.steps > 0 && o.print_every > 0) {
+      // Per task kind, not per stage: the executor's streams overlap, so these add up to more than the step.
+      const double n = double(flow_times.steps);
+      std::string table = fmt::format(
+          "Flow executor (--schedule {}, {} micro-batches): GPU time per task kind, ms per step over {} steps (CUDA "
+          "events; the streams overlap, so the kinds add up to more than the step; the tasks span {:.2f} ms per step; "
+          "C' preludes (head, combine backward) and the embedding/norm/LM-head all-reduce after the graph are in no "
+          "task; a collective's time includes waiting for its peers):",
+          o.schedule, o.micro_batches, flow_times.steps, flow_times.span_ms / n);
+      for (const auto& [name, ms] : flow_times.kinds) table += fmt::format("\n  {:<64} {:9.2f}", name, ms / n);
+      print(table);
+    }
     if (rank == 0 && !stages.empty() && o.print_every > 0) {
       const double steps = double(last_step - first_step + 1);
       double total = 0;
       for (const auto& st : stages) total += st.second;
-      std::string table = fmt::format("time per stage (ms per step over {} steps, validation included; sum {:.2f}):",
+      std::string table = fmt::format("time per stage{} (ms per step over {} steps, validation included; sum {:.2f}):",
+                                      flow_times.steps > 0 ? " outside the Flow executor" : "",
                                       last_step - first_step + 1, total / steps);
       for (const auto& [name, ms] : stages)
         table += fmt::format("\n  {:<46} {:9.2f} {:6.1f}%", name, ms / steps, 100 * ms / std::max(total, 1e-9));

@@ -2,9 +2,12 @@
 // schedule's task graph gives the loss and every gradient of the sequential order (forward r = 0..R−1, backward
 // r = 0..R−1 with 1/R, reduce_grads), bit for bit; the timeline (CUDA events) respects the dependencies and, with
 // two ranks, shows all-to-alls overlapping compute of other micro-batches.
-// Run: dmoe_gpu_tests --gtest_filter='GpuFlow*'   (and under dmoe launch -n 2 -- ... for W = 2)
+// Run: dmoe_gpu_tests --gtest_filter='GpuFlow*'   (and under dmoe launch -n 2 -- ... for W = 2: ranks sharing one GPU
+// under MPS put the AR chunks on the model's NVSHMEM communicator in the static order, ArComm::model; with a GPU per
+// rank and NCCL, on a second communicator; DMOE_FLOW_AR_COMM=own|model forces either)
 #include <gtest/gtest.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -28,16 +31,18 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// dmoe launch sets DMOE_SHARED_GPUS=1 when ranks share a GPU (MPS): the executor's all-reduce communicator is NCCL,
-// which needs a GPU per rank, so it refuses there.
-bool ranks_share_gpus() {
-  const char* v = std::getenv("DMOE_SHARED_GPUS");
-  return v && std::strcmp(v, "1") == 0;
+// dmoe launch sets DMOE_SHARED_GPUS=1 when ranks share a GPU (MPS). There the executor puts the chunks on the model's
+// communicator (ArComm::model); only a forced DMOE_FLOW_AR_COMM=own (a NCCL communicator, one GPU per rank) is refused.
+bool own_ar_comm_on_shared_gpus() {
+  const char* shared = std::getenv("DMOE_SHARED_GPUS");
+  const char* mode = std::getenv("DMOE_FLOW_AR_COMM");
+  return shared && std::strcmp(shared, "1") == 0 && mode && std::strcmp(mode, "own") == 0;
 }
-#define SKIP_WITHOUT_OWN_GPUS()                                                                        \
+#define SKIP_WITHOUT_GPU()                                                                             \
   do {                                                                                                 \
     if (!test::has_cuda_device()) GTEST_SKIP() << "no CUDA device";                                    \
-    if (ranks_share_gpus()) GTEST_SKIP() << "ranks share a GPU: Flow's NCCL all-reduce needs one per rank"; \
+    if (own_ar_comm_on_shared_gpus())                                                                  \
+      GTEST_SKIP() << "DMOE_FLOW_AR_COMM=own with ranks sharing a GPU: NCCL needs one GPU per rank";   \
   } while (0)
 
 MixtralConfig flow_config() {
@@ -49,7 +54,7 @@ MixtralConfig flow_config() {
   return c;
 }
 
-// This process's rank of the job, its model and the executor's second communicator.
+// This process's rank of the job, its model and the executor's second communicator (null: ArComm::model).
 struct Job {
   int32_t rank = 0, world = 1;
   std::unique_ptr<Comm> comm, ar_comm;
@@ -63,7 +68,7 @@ std::unique_ptr<Job> open_job(const MixtralConfig& c, DType dtype, int64_t max_t
   j->rank = r.rank;
   j->world = r.world;
   j->comm = std::move(r.comm);
-  j->ar_comm = flow::open_cuda_allreduce_comm(j->world);
+  j->ar_comm = flow::open_cuda_allreduce_comm(*j->comm);
   j->model = std::make_unique<CudaMixtralModel>(c, dtype, *j->comm, std::move(r.backend));
   j->model->set_weights(slice_mixtral_experts(random_mixtral_weights(c, 7), j->model->first_expert(),
                                               j->model->experts_per_rank()));
@@ -107,7 +112,10 @@ void schedules_equal_sequential(DType dtype) {
   auto job = open_job(c, dtype, batch * seq);
   CudaMixtralModel& m = *job->model;
   const std::vector<int32_t> tokens = rank_tokens(c, job->rank, job->world, batch * seq);
-  flow::CudaFlowExecutor executor(m, *job->ar_comm);
+  flow::CudaFlowExecutor executor(m, job->ar_comm.get());
+  if (job->rank == 0)
+    std::printf("[flow] W = %d, AR chunks on the %s communicator (%s)\n", job->world,
+                flow::ar_comm_name(executor.ar_comm()), job->comm->name());
   struct Case {
     flow::Schedule schedule;
     int32_t R;
@@ -140,12 +148,12 @@ void schedules_equal_sequential(DType dtype) {
 }
 
 TEST(GpuFlow, EveryScheduleEqualsSequentialF32) {
-  SKIP_WITHOUT_OWN_GPUS();
+  SKIP_WITHOUT_GPU();
   schedules_equal_sequential(DType::f32);
 }
 
 TEST(GpuFlow, EveryScheduleEqualsSequentialBf16) {
-  SKIP_WITHOUT_OWN_GPUS();
+  SKIP_WITHOUT_GPU();
   schedules_equal_sequential(DType::bf16);
 }
 
@@ -153,7 +161,7 @@ TEST(GpuFlow, EveryScheduleEqualsSequentialBf16) {
 // stream's tasks do not overlap each other, and (W > 1, where the all-to-alls move data) some all-to-all runs while
 // the compute stream runs a task of another micro-batch.
 TEST(GpuFlow, TimelineRespectsDependenciesAndOverlaps) {
-  SKIP_WITHOUT_OWN_GPUS();
+  SKIP_WITHOUT_GPU();
   const MixtralConfig c = flow_config();
   int32_t rank = 0, world = 1;
   cuda_job_size(&rank, &world);
@@ -161,7 +169,7 @@ TEST(GpuFlow, TimelineRespectsDependenciesAndOverlaps) {
   const int64_t batch = 8, seq = 64;
   auto job = open_job(c, DType::bf16, batch * seq);
   const std::vector<int32_t> tokens = rank_tokens(c, job->rank, job->world, batch * seq);
-  flow::CudaFlowExecutor executor(*job->model, *job->ar_comm);
+  flow::CudaFlowExecutor executor(*job->model, job->ar_comm.get());
   const flow::TaskGraph g = flow::build_task_graph(spec_for(c, flow::Schedule::chunked_ar, 4, 4096));
   std::vector<CudaModelState> states;
   std::vector<flow::TraceEvent> timeline;
@@ -202,7 +210,7 @@ TEST(GpuFlow, TimelineRespectsDependenciesAndOverlaps) {
 // dmoe train --engine cuda --schedule S: the same training curve as the sequential loop (the first step's loss is
 // the same double; later steps differ in the last bits, since the loop runs its backwards from r = R−1 down).
 TEST(GpuFlow, TrainingWithSchedulesFollowsTheSequentialLoop) {
-  SKIP_WITHOUT_OWN_GPUS();
+  SKIP_WITHOUT_GPU();
   int32_t rank = 0, world = 1;
   cuda_job_size(&rank, &world);
   if (4 % world != 0) GTEST_SKIP() << "the tiny model's 4 experts do not split over " << world << " ranks";

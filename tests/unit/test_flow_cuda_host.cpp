@@ -45,6 +45,145 @@ TEST(FlowCudaHost, MergedIssueOrderKeepsStreamOrdersAndDependencies) {
       }
 }
 
+GraphSpec host_spec(Schedule s, int32_t L, int32_t R, int64_t dense, int64_t sp) {
+  GraphSpec spec;
+  spec.layers = L;
+  spec.micro_batches = R;
+  spec.schedule = s;
+  spec.dense_grad_bytes_per_layer = dense;
+  spec.chunk_bytes = sp;
+  return spec;
+}
+
+// Short names for the hand-written expected orders: "AT'10" = AT'[l=1, r=0], "ch2" = AR chunk 2.
+std::string short_name(const TaskGraph& g, int32_t id) {
+  const Task& t = g.tasks[size_t(id)];
+  if (t.kind == TaskKind::allreduce) return "ch" + std::to_string(t.chunk);
+  return std::string(task_kind_name(t.kind)) + std::to_string(t.layer) + std::to_string(t.micro_batch);
+}
+std::string names(const TaskGraph& g, const std::vector<int32_t>& order) {
+  std::string out;
+  for (int32_t id : order) out += (out.empty() ? "" : " ") + short_name(g, id);
+  return out;
+}
+
+// L = 2, R = 2, chunked-ar, 4 chunks (two per layer): the orders worked out by hand from the rule.
+TEST(FlowCudaHost, SingleCommIssueOrderOfASmallGraph) {
+  const TaskGraph g = build_task_graph(host_spec(Schedule::chunked_ar, 2, 2, 1000, 500));
+  const std::string forward = "AT00 D00 AT01 D01 E00 C00 E01 C01 AT10 D10 AT11 D11 E10 C10 E11 C11 ";
+  const std::string backward = "C'10 C'11 E'10 D'10 E'11 D'11 AT'10 C'00 AT'11 C'01 ";
+  // One chunk per gap: chunk 0 once AT'[1, 0..1] are issued, behind C'[0, 1] (issued at the same point); chunk 1
+  // in the next gap (D'[0, 0] waits for E'[0, 0]); layer 0's chunks after its last AT'.
+  EXPECT_EQ(names(g, single_comm_issue_order(g, 1)), forward + backward + "ch0 E'00 D'00 ch1 E'01 D'01 AT'00 AT'01 ch2 ch3");
+  // No limit: all of a layer's chunks right behind the all-to-all issued where they became available.
+  EXPECT_EQ(names(g, single_comm_issue_order(g, 0)), forward + backward + "ch0 ch1 E'00 D'00 E'01 D'01 AT'00 AT'01 ch2 ch3");
+  // Whole AR (pipe-attn): one task, after everything.
+  const TaskGraph p = build_task_graph(host_spec(Schedule::pipe_attn, 2, 2, 1000, 500));
+  const std::vector<int32_t> po = single_comm_issue_order(p, 1);
+  EXPECT_EQ(short_name(p, po.back()), "ch0");
+  EXPECT_EQ(short_name(p, po[po.size() - 2]), "AT'01");
+}
+
+// Every task once; each stream's order and every dependency respected; the chunks where the rule puts them; without
+// the chunks it is merged_issue_order; the same order for the same graph.
+TEST(FlowCudaHost, SingleCommIssueOrderFollowsTheRule) {
+  for (Schedule s : {Schedule::vanilla, Schedule::pipe_moe, Schedule::pipe_attn, Schedule::chunked_ar, Schedule::tuned})
+    for (int32_t R : {1, 2, 4})
+      for (int32_t L : {1, 3})
+        for (int64_t sp : {64, 256, 1000, 4096})
+          for (int32_t per_gap : {0, 1, 2}) {
+            const TaskGraph g = build_task_graph(host_spec(s, L, R, 1000, sp));
+            const std::string what = std::string(schedule_name(s)) + " L=" + std::to_string(L) + " R=" +
+                                     std::to_string(R) + " Sp=" + std::to_string(sp) + " per_gap=" +
+                                     std::to_string(per_gap);
+            const std::vector<int32_t> order = single_comm_issue_order(g, per_gap);
+            ASSERT_EQ(order.size(), g.tasks.size()) << what;
+            std::vector<int32_t> position(g.tasks.size(), -1);
+            for (size_t i = 0; i < order.size(); ++i) {
+              ASSERT_EQ(position[size_t(order[i])], -1) << what << ": " << g.describe(order[i]) << " twice";
+              position[size_t(order[i])] = int32_t(i);
+            }
+            for (Stream st : {Stream::compute, Stream::alltoall, Stream::allreduce}) {
+              const std::vector<int32_t>& so = g.order(st);
+              for (size_t i = 1; i < so.size(); ++i)
+                EXPECT_LT(position[size_t(so[i - 1])], position[size_t(so[i])]) << what << ": " << g.describe(so[i]);
+            }
+            for (int32_t id : order)
+              for (int32_t d : g.tasks[size_t(id)].deps)
+                EXPECT_LT(position[size_t(d)], position[size_t(id)]) << what << ": " << g.describe(id);
+            auto issuable_at = [&](int32_t id, int32_t p) {  // all dependencies placed before position p
+              for (int32_t d : g.tasks[size_t(id)].deps)
+                if (position[size_t(d)] >= p) return false;
+              return true;
+            };
+            int32_t last_compute = -1, chunks_since = 0;
+            for (int32_t p = 0; p < int32_t(order.size()); ++p) {
+              const Task& t = g.tasks[size_t(order[size_t(p)])];
+              if (t.stream == Stream::compute) {
+                // Nothing that could go before a compute task was left waiting: no issuable all-to-all and, while the
+                // gap's budget lasts, no issuable chunk.
+                for (int32_t a : g.alltoall_order)
+                  if (position[size_t(a)] > p) {
+                    EXPECT_FALSE(issuable_at(a, p)) << what << ": " << g.describe(t.id) << " before " << g.describe(a);
+                    break;
+                  }
+                if (per_gap == 0 || chunks_since < per_gap)
+                  for (int32_t k : g.allreduce_order)
+                    if (position[size_t(k)] > p) {
+                      EXPECT_FALSE(issuable_at(k, p)) << what << ": " << g.describe(t.id) << " before " << g.describe(k);
+                      break;
+                    }
+                last_compute = p;
+                chunks_since = 0;
+              } else if (t.stream == Stream::allreduce) {
+                // A chunk never goes ahead of an all-to-all whose dependencies are all placed.
+                for (int32_t a : g.alltoall_order)
+                  if (position[size_t(a)] > p) {
+                    EXPECT_FALSE(issuable_at(a, p)) << what << ": " << g.describe(t.id) << " before " << g.describe(a);
+                    break;
+                  }
+                ++chunks_since;
+                // At most per_gap chunks beside one compute task, except after the last one (the end of the AR).
+                const bool after_all_compute = last_compute == position[size_t(g.compute_order.back())];
+                if (per_gap > 0 && !after_all_compute) {
+                  EXPECT_LE(chunks_since, per_gap) << what << ": " << g.describe(t.id);
+                }
+              }
+            }
+            std::vector<int32_t> without_chunks;
+            for (int32_t id : order)
+              if (g.tasks[size_t(id)].stream != Stream::allreduce) without_chunks.push_back(id);
+            EXPECT_EQ(without_chunks, merged_issue_order(g)) << what;
+            EXPECT_EQ(order, single_comm_issue_order(build_task_graph(g.spec), per_gap)) << what;  // a pure function
+          }
+}
+
+TEST(FlowCudaHost, ArCommModeFromTheEnvironment) {
+  // auto: the model's communicator wherever a second one cannot be opened (shared GPU, NVSHMEM); NCCL keeps its own.
+  EXPECT_EQ(choose_ar_comm(nullptr, 2, true, "nvshmem"), ArComm::model);
+  EXPECT_EQ(choose_ar_comm("", 2, false, "nvshmem"), ArComm::model);
+  EXPECT_EQ(choose_ar_comm("auto", 4, true, "nccl"), ArComm::model);
+  EXPECT_EQ(choose_ar_comm(nullptr, 2, false, "nccl"), ArComm::own);
+  EXPECT_EQ(choose_ar_comm(nullptr, 1, false, "local"), ArComm::own);
+  EXPECT_EQ(choose_ar_comm("own", 2, true, "nvshmem"), ArComm::own);  // forced (refused later: NCCL on a shared GPU)
+  EXPECT_EQ(choose_ar_comm("model", 2, false, "nccl"), ArComm::model);
+  EXPECT_EQ(choose_ar_comm("model", 1, false, "local"), ArComm::model);
+  try {
+    choose_ar_comm("nccl", 2, false, "nccl");
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("DMOE_FLOW_AR_COMM='nccl' is invalid: allowed: auto, own, model"),
+              std::string::npos) << e.what();
+  }
+  EXPECT_STREQ(ar_comm_name(ArComm::own), "own");
+  EXPECT_STREQ(ar_comm_name(ArComm::model), "model");
+  EXPECT_EQ(chunks_per_gap_from_env(nullptr), 1);
+  EXPECT_EQ(chunks_per_gap_from_env(""), 1);
+  EXPECT_EQ(chunks_per_gap_from_env("0"), 0);
+  EXPECT_EQ(chunks_per_gap_from_env("3"), 3);
+  for (const char* bad : {"-1", "x", "2x", "+2", "99999999999"}) EXPECT_THROW(chunks_per_gap_from_env(bad), Error) << bad;
+}
+
 TEST(FlowCudaHost, DenseBytesPerLayerCountRouterNormsAndAttention) {
   MixtralConfig c;
   c.hidden_size = 64;

@@ -305,6 +305,11 @@ int measure_cuda_command(const FlowOptions& o) {
   std::printf("flow measure: GPU executor (%s), model %s (%d layers), %lld sequences x %lld tokens per rank, W = %d, "
               "median of %d steps after a warm-up step\n", o.dtype.c_str(), o.model_config.c_str(), c.num_hidden_layers,
               (long long)o.batch, (long long)o.seq, world, o.steps);
+  const bool one_comm = session.ar_comm() == flow::ArComm::model;
+  std::printf("AR chunks: %s (DMOE_FLOW_AR_COMM=%s)\n",
+              one_comm ? "on the model's communicator, placed statically in its issue order"
+                       : "on a communicator of their own, under the dynamic priority rule",
+              flow::ar_comm_name(session.ar_comm()));
   json rows = json::array();
   std::vector<std::pair<flow::GraphSpec, std::vector<flow::TraceEvent>>> traced;
   for (const flow::CudaFlowMeasurement& m : runs) traced.push_back({m.spec, m.timeline});
@@ -325,8 +330,9 @@ int measure_cuda_command(const FlowOptions& o) {
     for (size_t i = 0; i < num_fit; ++i) measured.push_back({&graphs[i], runs[i].timeline});
     fit = flow::fit_cost_model(measured);
     fitted_costs = true;
-    std::printf("schedule %s; costs fitted to all but the last R; simulator with separate communicators\n",
-                flow::schedule_name(schedule));
+    std::printf("schedule %s; costs fitted to all but the last R; simulator with separate communicators%s\n",
+                flow::schedule_name(schedule),
+                one_comm ? " (the dynamic rule: not the executor's static order on one communicator)" : "");
     std::printf("%3s %12s %13s %8s\n", "R", "measured ms", "predicted ms", "error");
     for (size_t i = 0; i < runs.size(); ++i) {
       const double predicted = flow::simulate(graphs[i], fit, flow::LinkModel::separate).step_ms;
@@ -350,7 +356,8 @@ int measure_cuda_command(const FlowOptions& o) {
     std::printf("wrote %s (measured GPU timelines, CUDA events; one process per run)\n", o.trace_path.c_str());
   }
   if (!o.json_path.empty()) {
-    json out = {{"engine", "cuda"}, {"model", o.model_config}, {"world", world}, {"rows", rows}};
+    json out = {{"engine", "cuda"}, {"model", o.model_config}, {"world", world},
+                {"ar_comm", flow::ar_comm_name(session.ar_comm())}, {"rows", rows}};
     if (fitted_costs) out["costs"] = flow::cost_model_json(fit);
     write_json(o.json_path, out, "--json");
     std::printf("wrote %s\n", o.json_path.c_str());

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <thread>
 
@@ -39,7 +40,9 @@ cudaStream_t as_stream(dmoe::Stream s) { return static_cast<cudaStream_t>(s); }
 
 struct CudaFlowExecutor::Impl {
   CudaMixtralModel& model;
-  Comm& ar_comm;
+  Comm* own_ar_comm;                      // ArComm::own's communicator; nullptr in ArComm::model
+  ArComm mode;
+  int32_t chunks_per_gap = 1;             // ArComm::model: single_comm_issue_order's parameter
   cudaStream_t compute = nullptr, a2a = nullptr, ar = nullptr;
   std::vector<cudaEvent_t> done;          // per task: recorded at its end on its stream (no timing)
   std::vector<cudaEvent_t> begin, end;    // per task: the timeline's (timing events)
@@ -47,7 +50,12 @@ struct CudaFlowExecutor::Impl {
   GraphSpec checked;                      // the last spec every rank was checked to share
   bool has_checked = false;
 
-  Impl(CudaMixtralModel& m, Comm& c) : model(m), ar_comm(c) {}
+  Impl(CudaMixtralModel& m, Comm* c) : model(m), own_ar_comm(c), mode(c ? ArComm::own : ArComm::model) {}
+  // The chunks' communicator and stream: in ArComm::model the all-to-all stream, where every collective of the
+  // model's communicator goes (NvshmemComm's calls must be ordered on one stream: its scratch, receive sets and
+  // world barriers are shared by all its collectives).
+  Comm& ar_comm() { return own_ar_comm ? *own_ar_comm : model.comm(); }
+  cudaStream_t ar_stream() const { return mode == ArComm::model ? a2a : ar; }
   ~Impl() {
     // Quietly: a stream that cannot finish (a dead peer) keeps its events and streams until process exit.
     const bool idle = (!a2a || cuda::wait_stream_quietly(a2a)) && (!ar || cuda::wait_stream_quietly(ar));
@@ -76,8 +84,9 @@ struct CudaFlowExecutor::Impl {
   // spec on the model's communicator, on the all-to-all stream (where all its collectives go).
   void check_spec(const GraphSpec& s) {
     if (model.world() == 1 || (has_checked && std::memcmp(&checked, &s, sizeof(s)) == 0)) return;
-    const std::vector<int64_t> mine{s.layers, s.micro_batches, int64_t(s.schedule), s.dense_grad_bytes_per_layer,
-                                    s.chunk_bytes};
+    // The mode and chunks_per_gap too: they decide the model communicator's collective order.
+    const std::vector<int64_t> mine{s.layers,      s.micro_batches, int64_t(s.schedule), s.dense_grad_bytes_per_layer,
+                                    s.chunk_bytes, int64_t(mode),   chunks_per_gap};
     const size_t bytes = mine.size() * sizeof(int64_t);
     Backend& be = model.backend();
     // After every collective the caller issued on the compute stream (one order per communicator).
@@ -97,9 +106,10 @@ struct CudaFlowExecutor::Impl {
     for (size_t i = 0; i < mine.size(); ++i)
       DMOE_REQUIRE_INPUT(sum[i] == mine[i] * model.world(),
                          "flow: the {} ranks do not all run the same task graph (field {} of (layers, micro-batches, "
-                         "schedule, dense bytes per layer, chunk bytes) differs; this rank: {}, {}, {}, {}, {})",
+                         "schedule, dense bytes per layer, chunk bytes, AR communicator, chunks per gap) differs; this "
+                         "rank: {}, {}, {}, {}, {}, {} (DMOE_FLOW_AR_COMM), {} (DMOE_FLOW_CHUNKS_PER_GAP))",
                          model.world(), i, s.layers, s.micro_batches, schedule_name(s.schedule),
-                         s.dense_grad_bytes_per_layer, s.chunk_bytes);
+                         s.dense_grad_bytes_per_layer, s.chunk_bytes, ar_comm_name(mode), chunks_per_gap);
     checked = s;
     has_checked = true;
   }
@@ -108,11 +118,14 @@ struct CudaFlowExecutor::Impl {
 
 Comm& CudaFlowExecutor::Impl::model_comm() { return model.comm(); }
 
-CudaFlowExecutor::CudaFlowExecutor(CudaMixtralModel& model, Comm& allreduce_comm)
+CudaFlowExecutor::CudaFlowExecutor(CudaMixtralModel& model, Comm* allreduce_comm)
     : impl_(std::make_unique<Impl>(model, allreduce_comm)) {
-  DMOE_REQUIRE(allreduce_comm.world() == model.world() && allreduce_comm.rank() == model.rank(),
-               "flow executor: the all-reduce communicator is rank {} of {}, the model's rank {} of {}",
-               allreduce_comm.rank(), allreduce_comm.world(), model.rank(), model.world());
+  if (allreduce_comm)
+    DMOE_REQUIRE(allreduce_comm->world() == model.world() && allreduce_comm->rank() == model.rank(),
+                 "flow executor: the all-reduce communicator is rank {} of {}, the model's rank {} of {}",
+                 allreduce_comm->rank(), allreduce_comm->world(), model.rank(), model.world());
+  else
+    impl_->chunks_per_gap = chunks_per_gap_from_env(std::getenv("DMOE_FLOW_CHUNKS_PER_GAP"));
   DMOE_REQUIRE_INPUT(!model.config().tie_word_embeddings,
                      "flow executor: tie_word_embeddings = true is not supported (head and embedding backward add into "
                      "one tensor in another order than the sequential one)");
@@ -125,6 +138,7 @@ CudaFlowExecutor::CudaFlowExecutor(CudaMixtralModel& model, Comm& allreduce_comm
 }
 
 CudaFlowExecutor::~CudaFlowExecutor() = default;
+ArComm CudaFlowExecutor::ar_comm() const { return impl_->mode; }
 
 double CudaFlowExecutor::step(const TaskGraph& g, const int32_t* tokens, int64_t batch, int64_t seq,
                               std::vector<CudaModelState>& states, std::vector<TraceEvent>* timeline) {
@@ -165,18 +179,25 @@ double CudaFlowExecutor::step(const TaskGraph& g, const int32_t* tokens, int64_t
   for (int l = L - 1; l >= 0; --l)
     for (const Segment& s : layer_segments(c, lay, l)) layered.push_back(s);
   float* grads = model.gradients();
+  Comm& ar_comm = x.ar_comm();
+  const cudaStream_t ar_stream = x.ar_stream();
   auto allreduce_elements = [&](int64_t first, int64_t last) {  // [first, last) of the layered gradients
     int64_t at = 0;
     for (const Segment& s : layered) {
       const int64_t lo = std::max(first, at), hi = std::min(last, at + s.numel);
-      if (lo < hi) x.ar_comm.allreduce_sum(grads + s.offset + (lo - at), hi - lo, DType::f32, x.ar);
+      if (lo < hi) ar_comm.allreduce_sum(grads + s.offset + (lo - at), hi - lo, DType::f32, ar_stream);
       at += s.numel;
     }
   };
 
+  std::vector<int64_t> chunk_first;  // per chunk: its first byte (chunks are in chunk order)
+  for (int64_t at = 0; int32_t k : g.allreduce_order) {
+    chunk_first.push_back(at);
+    at += g.tasks[size_t(k)].bytes;
+  }
   std::vector<uint8_t> issued(g.tasks.size(), 0);
   auto stream_of_task = [&](const Task& t) { return t.stream == flow::Stream::compute ? x.compute
-                                                    : t.stream == flow::Stream::alltoall ? x.a2a : x.ar; };
+                                                    : t.stream == flow::Stream::alltoall ? x.a2a : ar_stream; };
   // The task's stream waits for its dependencies on other streams (same-stream ones are ordered already).
   auto wait_deps = [&](const Task& t, cudaStream_t on) {
     for (int32_t d : t.deps) {
@@ -242,11 +263,7 @@ double CudaFlowExecutor::step(const TaskGraph& g, const int32_t* tokens, int64_t
     wait_deps(t, on);
     if (timeline) DMOE_CHECK_CUDA(cudaEventRecord(x.begin[size_t(id)], on));
     if (t.kind == TaskKind::allreduce) {
-      int64_t first = 0;
-      for (int32_t k : g.allreduce_order) {
-        if (k == id) break;
-        first += g.tasks[size_t(k)].bytes;
-      }
+      const int64_t first = chunk_first[size_t(t.chunk)];
       if (model.world() > 1) allreduce_elements(first / 4, (first + t.bytes) / 4);
     } else {
       run(t);
@@ -256,55 +273,61 @@ double CudaFlowExecutor::step(const TaskGraph& g, const int32_t* tokens, int64_t
     issued[size_t(id)] = 1;
   };
 
-  // The priority rule on the host: the next chunk goes once its dependencies are complete on the GPU, the
-  // previous chunk is complete, and no all-to-all is ready or running — the first incomplete all-to-all of the
-  // order (issued or not) does not have all its dependencies complete. An issued all-to-all whose inputs are not
-  // there yet only sits in its stream: it is neither ready nor running.
-  size_t next_ar = 0, next_a2a_done = 0;
-  auto poll_allreduce = [&](bool) {
-    while (next_ar < g.allreduce_order.size()) {
-      const Task& chunk = g.tasks[size_t(g.allreduce_order[next_ar])];
-      for (const int32_t d : chunk.deps)
-        if (!complete(d)) return;
-      if (next_ar > 0 && !complete(g.allreduce_order[next_ar - 1])) return;
-      while (next_a2a_done < g.alltoall_order.size() && complete(g.alltoall_order[next_a2a_done])) ++next_a2a_done;
-      if (next_a2a_done < g.alltoall_order.size()) {
-        const Task& a = g.tasks[size_t(g.alltoall_order[next_a2a_done])];
-        bool ready = true;
-        for (const int32_t d : a.deps) ready = ready && complete(d);
-        if (ready) return;
+  if (x.mode == ArComm::model) {
+    // One communicator: every task, the chunks included, in the static order; a chunk waits on the all-to-all
+    // stream behind the all-to-alls issued before it (non-preemptive) and never delays one of them.
+    for (int32_t id : single_comm_issue_order(g, x.chunks_per_gap)) issue(id);
+  } else {
+    // The priority rule on the host: the next chunk goes once its dependencies are complete on the GPU, the
+    // previous chunk is complete, and no all-to-all is ready or running — the first incomplete all-to-all of the
+    // order (issued or not) does not have all its dependencies complete. An issued all-to-all whose inputs are not
+    // there yet only sits in its stream: it is neither ready nor running.
+    size_t next_ar = 0, next_a2a_done = 0;
+    auto poll_allreduce = [&](bool) {
+      while (next_ar < g.allreduce_order.size()) {
+        const Task& chunk = g.tasks[size_t(g.allreduce_order[next_ar])];
+        for (const int32_t d : chunk.deps)
+          if (!complete(d)) return;
+        if (next_ar > 0 && !complete(g.allreduce_order[next_ar - 1])) return;
+        while (next_a2a_done < g.alltoall_order.size() && complete(g.alltoall_order[next_a2a_done])) ++next_a2a_done;
+        if (next_a2a_done < g.alltoall_order.size()) {
+          const Task& a = g.tasks[size_t(g.alltoall_order[next_a2a_done])];
+          bool ready = true;
+          for (const int32_t d : a.deps) ready = ready && complete(d);
+          if (ready) return;
+        }
+        issue(chunk.id);
+        ++next_ar;
       }
-      issue(chunk.id);
-      ++next_ar;
-    }
-  };
+    };
 
-  for (int32_t id : merged_issue_order(g)) {
-    issue(id);
-    poll_allreduce(false);
-  }
-  // Everything but the chunks is issued: poll until the rule has let every chunk go. Bounded: the issued work
-  // finishes (or a stream fails), after which the rule holds for every chunk; the limit is the communicators'
-  // (DMOE_COMM_TIMEOUT_S), for a peer that died with collectives in flight.
-  const auto t0 = std::chrono::steady_clock::now();
-  const double limit_s = host_wait_timeout_seconds();
-  while (next_ar < g.allreduce_order.size()) {
-    poll_allreduce(true);
-    if (next_ar == g.allreduce_order.size()) break;
-    std::this_thread::sleep_for(std::chrono::microseconds(20));
-    for (cudaStream_t st : {x.a2a, x.compute, x.ar}) {
-      const cudaError_t q = cudaStreamQuery(st);
-      if (q != cudaSuccess && q != cudaErrorNotReady) DMOE_CHECK_CUDA(q);
+    for (int32_t id : merged_issue_order(g)) {
+      issue(id);
+      poll_allreduce(false);
     }
-    DMOE_REQUIRE(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() < limit_s,
-                 "flow executor: AR chunk {} of {} still waits for the priority rule after {} s (DMOE_COMM_TIMEOUT_S): "
-                 "the GPU did not finish the issued work (a peer rank stopped?)", next_ar, g.allreduce_order.size(),
-                 limit_s);
+    // Everything but the chunks is issued: poll until the rule has let every chunk go. Bounded: the issued work
+    // finishes (or a stream fails), after which the rule holds for every chunk; the limit is the communicators'
+    // (DMOE_COMM_TIMEOUT_S), for a peer that died with collectives in flight.
+    const auto t0 = std::chrono::steady_clock::now();
+    const double limit_s = host_wait_timeout_seconds();
+    while (next_ar < g.allreduce_order.size()) {
+      poll_allreduce(true);
+      if (next_ar == g.allreduce_order.size()) break;
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+      for (cudaStream_t st : {x.a2a, x.compute, x.ar}) {
+        const cudaError_t q = cudaStreamQuery(st);
+        if (q != cudaSuccess && q != cudaErrorNotReady) DMOE_CHECK_CUDA(q);
+      }
+      DMOE_REQUIRE(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() < limit_s,
+                   "flow executor: AR chunk {} of {} still waits for the priority rule after {} s (DMOE_COMM_TIMEOUT_S): "
+                   "the GPU did not finish the issued work (a peer rank stopped?)", next_ar, g.allreduce_order.size(),
+                   limit_s);
+    }
   }
   // Embedding, final norm, lm_head: last, in one call each, as the CPU executor does.
-  DMOE_CHECK_CUDA(cudaStreamWaitEvent(x.ar, x.done[size_t(g.compute_order.back())], 0));
+  DMOE_CHECK_CUDA(cudaStreamWaitEvent(ar_stream, x.done[size_t(g.compute_order.back())], 0));
   if (model.world() > 1)
-    for (const Segment& s : tail) x.ar_comm.allreduce_sum(grads + s.offset, s.numel, DType::f32, x.ar);
+    for (const Segment& s : tail) ar_comm.allreduce_sum(grads + s.offset, s.numel, DType::f32, ar_stream);
   // The compute stream (the model's) continues after the step only once the gradients are summed.
   DMOE_CHECK_CUDA(cudaEventRecord(x.prelude, x.ar));
   DMOE_CHECK_CUDA(cudaStreamWaitEvent(x.compute, x.prelude, 0));
@@ -345,18 +368,23 @@ struct CudaFlowJob {
   }
 };
 
-std::unique_ptr<Comm> open_cuda_allreduce_comm(int32_t world) {
-  if (world == 1) return make_local_comm();
-  // A communicator of its own for the chunks (docs/flow.md): NCCL, whatever the model's is. Two NvshmemComms
-  // would share NVSHMEM's world barriers, and those of concurrent streams would pair up wrongly.
+std::unique_ptr<Comm> open_cuda_allreduce_comm(const Comm& model_comm) {
+  const int32_t world = model_comm.world();
   const ProcessEnv env = detect_process_env();
   DMOE_REQUIRE(env.world == world, "flow: the job has {} ranks, the model {}", env.world, world);
   int visible = 0;
   DMOE_CHECK_CUDA(cudaGetDeviceCount(&visible));
   std::string why;
-  DMOE_REQUIRE_INPUT(!gpus_are_shared(env, visible, &why),
-                     "flow on the GPU: the all-reduce communicator is NCCL, which needs one GPU per rank, and ranks "
-                     "share GPUs here ({}); run one rank per GPU", why);
+  const bool shared = world > 1 && gpus_are_shared(env, visible, &why);
+  if (choose_ar_comm(std::getenv("DMOE_FLOW_AR_COMM"), world, shared, model_comm.name()) == ArComm::model)
+    return nullptr;
+  if (world == 1) return make_local_comm();
+  // A communicator of its own for the chunks (docs/flow.md): NCCL, whatever the model's is. Two NvshmemComms
+  // would share NVSHMEM's world barriers, and those of concurrent streams would pair up wrongly.
+  DMOE_REQUIRE_INPUT(!shared,
+                     "flow on the GPU: DMOE_FLOW_AR_COMM=own puts the all-reduce on a NCCL communicator, which needs "
+                     "one GPU per rank, and ranks share GPUs here ({}); leave DMOE_FLOW_AR_COMM unset (auto) or set "
+                     "it to model", why);
   return make_nccl_comm(env);
 }
 
@@ -365,15 +393,16 @@ CudaFlowSession::CudaFlowSession(const MixtralConfig& config, const MixtralWeigh
     : job_(std::make_unique<CudaFlowJob>()) {
   CudaFlowJob& j = *job_;
   j.rank = open_cuda_rank(config, storage, max_tokens);
-  j.ar_comm = open_cuda_allreduce_comm(j.rank.world);
+  j.ar_comm = open_cuda_allreduce_comm(*j.rank.comm);
   j.model = std::make_unique<CudaMixtralModel>(config, storage, *j.rank.comm, std::move(j.rank.backend));
   j.model->set_weights(slice_mixtral_experts(full, j.model->first_expert(), j.model->experts_per_rank()));
-  j.executor = std::make_unique<CudaFlowExecutor>(*j.model, *j.ar_comm);
+  j.executor = std::make_unique<CudaFlowExecutor>(*j.model, j.ar_comm.get());
 }
 
 CudaFlowSession::~CudaFlowSession() = default;
 int32_t CudaFlowSession::rank() const { return job_->rank.rank; }
 int32_t CudaFlowSession::world() const { return job_->rank.world; }
+ArComm CudaFlowSession::ar_comm() const { return job_->executor->ar_comm(); }
 
 CudaFlowMeasurement CudaFlowSession::measure(const GraphSpec& spec, const int32_t* tokens, int64_t batch, int64_t seq,
                                              int32_t steps) {

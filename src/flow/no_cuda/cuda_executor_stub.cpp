@@ -13,20 +13,22 @@ namespace {
 }  // namespace
 
 struct CudaFlowExecutor::Impl {};
-CudaFlowExecutor::CudaFlowExecutor(CudaMixtralModel&, Comm&) { refuse(); }
+CudaFlowExecutor::CudaFlowExecutor(CudaMixtralModel&, Comm*) { refuse(); }
 CudaFlowExecutor::~CudaFlowExecutor() = default;
+ArComm CudaFlowExecutor::ar_comm() const { return ArComm::own; }
 double CudaFlowExecutor::step(const TaskGraph&, const int32_t*, int64_t, int64_t, std::vector<CudaModelState>&,
                               std::vector<TraceEvent>*) {
   refuse();
 }
 
-std::unique_ptr<Comm> open_cuda_allreduce_comm(int32_t) { refuse(); }
+std::unique_ptr<Comm> open_cuda_allreduce_comm(const Comm&) { refuse(); }
 
 struct CudaFlowJob {};
 CudaFlowSession::CudaFlowSession(const MixtralConfig&, const MixtralWeights&, DType, int64_t) { refuse(); }
 CudaFlowSession::~CudaFlowSession() = default;
 int32_t CudaFlowSession::rank() const { return 0; }
 int32_t CudaFlowSession::world() const { return 1; }
+ArComm CudaFlowSession::ar_comm() const { return ArComm::own; }
 CudaFlowMeasurement CudaFlowSession::measure(const GraphSpec&, const int32_t*, int64_t, int64_t, int32_t) { refuse(); }
 
 }  // namespace dmoe::flow

@@ -11,6 +11,7 @@
 #include "core/error.hpp"
 #include "cuda/cuda_backend.hpp"
 #include "flow/cuda_executor.hpp"
+#include "flow/simulator.hpp"
 #include "model/cuda/cuda_mixtral.hpp"
 #include "model/mixtral.hpp"
 #include "model/train_replica.hpp"
@@ -55,12 +56,45 @@ class CudaReplica final : public TrainReplica {
   }
   double flow_step(const flow::TaskGraph& graph, const int32_t* tokens, int64_t batch, int64_t seq) override {
     if (!executor_) {  // collective: every rank reaches its first Flow step together
-      ar_comm_ = flow::open_cuda_allreduce_comm(comm_->world());
-      executor_ = std::make_unique<flow::CudaFlowExecutor>(*model_, *ar_comm_);
-      // The stage timer marks one stream in issue order: meaningless with three streams interleaved.
-      model_->enable_stage_times(false);
+      ar_comm_ = flow::open_cuda_allreduce_comm(*comm_);  // nullptr: the chunks go on comm_ (ArComm::model)
+      executor_ = std::make_unique<flow::CudaFlowExecutor>(*model_, ar_comm_.get());
     }
-    return executor_->step(graph, tokens, batch, seq, states_);
+    // The stage timer marks one stream in issue order: meaningless with three streams interleaved. Off for the
+    // step (the stages outside it, zero_grads, norm, AdamW, validation, stay timed); the step is timed per task.
+    model_->enable_stage_times(false);
+    const double loss = executor_->step(graph, tokens, batch, seq, states_, &timeline_);
+    model_->enable_stage_times(true);
+    if (flow_ms_.empty()) flow_ms_.assign(flow::kNumTaskKinds, 0.0);
+    double first = 0, last = 0;
+    for (size_t i = 0; i < timeline_.size(); ++i) {
+      const flow::TraceEvent& e = timeline_[i];
+      flow_ms_[size_t(graph.tasks[size_t(e.task)].kind)] += e.end_ms - e.start_ms;
+      first = i == 0 ? e.start_ms : std::min(first, e.start_ms);
+      last = std::max(last, e.end_ms);
+    }
+    flow_span_ms_ += last - first;
+    ++flow_steps_;
+    return loss;
+  }
+  FlowTimes flow_times() override {
+    FlowTimes t;
+    t.steps = flow_steps_;
+    t.span_ms = flow_span_ms_;
+    if (flow_steps_ == 0) return t;
+    static const char* const what[flow::kNumTaskKinds] = {
+        "attention + gate", "dispatch all-to-all", "experts", "combine all-to-all", "combine backward all-to-all",
+        "experts backward", "dispatch backward all-to-all", "gate + attention backward", "gradient all-reduce chunks"};
+    const bool one_comm = executor_->ar_comm() == flow::ArComm::model;
+    for (int k = 0; k < flow::kNumTaskKinds; ++k) {
+      const flow::TaskKind kind = flow::TaskKind(k);
+      const flow::Stream s = flow::stream_of(kind);
+      const char* stream = s == flow::Stream::compute    ? "compute"
+                           : s == flow::Stream::alltoall ? "all-to-all stream"
+                           : one_comm                    ? "all-to-all stream, model's communicator"
+                                                         : "own stream and communicator";
+      t.kinds.emplace_back(fmt::format("{:<4}{} ({})", flow::task_kind_name(kind), what[k], stream), flow_ms_[size_t(k)]);
+    }
+    return t;
   }
   double forward(const int32_t* tokens, int64_t batch, int64_t seq, int32_t slot) override {
     return model_->forward(tokens, batch, seq, states_.at(slot));
@@ -96,6 +130,10 @@ class CudaReplica final : public TrainReplica {
   std::unique_ptr<Comm> ar_comm_;  // Flow's all-reduce communicator (flow_step), after comm_ in destruction order
   std::unique_ptr<CudaMixtralModel> model_;
   std::unique_ptr<flow::CudaFlowExecutor> executor_;
+  std::vector<flow::TraceEvent> timeline_;  // the last Flow step's, reused
+  std::vector<double> flow_ms_;             // per task kind, summed over the Flow steps
+  double flow_span_ms_ = 0;
+  int64_t flow_steps_ = 0;
   std::vector<CudaModelState> states_;
   std::unique_ptr<CudaModelState> eval_;
   double ceiling_ = 0;
