@@ -175,7 +175,8 @@ part_gpus() {
 }
 
 part_flash() {
-  # The Flash persistent kernel: its GPU tests alone first (one process), the own GEMM and EP engine after the
+  # The Flash persistent kernel: its GPU tests alone first (one process; *Flash* also takes MoeEngineGpu*'s and
+  # MoeEngineGpuCli's: the interface and `dmoe run --engine flash`), the own GEMM and EP engine after the
   # shared tile-engine headers changed, then Flash beside EP in the same rounds on every named config and decode
   # at small T.
   export DMOE_GPU_WAIT_TIMEOUT_MS=${DMOE_GPU_WAIT_TIMEOUT_MS:-5000}
@@ -185,6 +186,9 @@ part_flash() {
     run 120 "flash_bench_$cfg" "$B/dmoe" bench layer --config "$cfg" --flash --no-backward --check-tokens 4 \
       --json "$O/flash_bench_$cfg.json"
   done
+  # Flash alone through MoeEngine (--engine flash: no EP rows; the training step is left out, with a note).
+  run 120 flash_alone_bench_flash-paper "$B/dmoe" bench layer --config flash-paper --engine flash --check-tokens 4 \
+    --json "$O/flash_alone_bench_flash-paper.json"
   for t in 1 8 32; do
     run 60 "flash_bench_decode_t$t" "$B/dmoe" bench layer --config decode --tokens "$t" --flash --no-backward \
       --check-tokens 1 --json "$O/flash_bench_decode_t$t.json"

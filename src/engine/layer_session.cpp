@@ -19,30 +19,6 @@
 
 namespace dmoe {
 
-EngineKind parse_engine_kind(std::string_view name) {
-  if (name == "cpu") return EngineKind::cpu;
-  if (name == "ep") return EngineKind::ep;
-  if (name == "flash") return EngineKind::flash;
-  DMOE_FAIL_INPUT("engine '{}' is unknown; allowed: cpu, ep, flash", name);
-}
-
-const char* engine_kind_name(EngineKind kind) {
-  switch (kind) {
-    case EngineKind::cpu: return "cpu";
-    case EngineKind::ep: return "ep";
-    case EngineKind::flash: return "flash";
-  }
-  return "?";
-}
-
-bool cuda_engines_built() {
-#if defined(DMOE_WITH_CUDA)
-  return true;
-#else
-  return false;
-#endif
-}
-
 // One set of engine state: W simulated ranks (cpu: backends, ThreadComms and engines of their own) or this
 // process's rank (ep: the session's backend and communicator).
 struct LayerSession::Slot {
@@ -107,8 +83,11 @@ LayerSession::LayerSession(const MoeConfig& config, const SessionOptions& option
 #if defined(DMOE_WITH_CUDA)
   DMOE_REQUIRE_INPUT(options_.max_tokens >= 1, "max_tokens = {} is invalid; must be >= 1", options_.max_tokens);
   if (options_.engine == EngineKind::flash) {
-    DMOE_REQUIRE_INPUT(config_.dtype == DType::bf16,
-                       "engine 'flash' runs bf16 only (dtype = {}); use engine 'ep' for f32", dtype_name(config_.dtype));
+    // The engines' own checks (dtype, drop policy); train forwards are refused per call, so not backward here.
+    MoeEngineOptions checked;
+    checked.backward = false;
+    const std::string why = moe_engine_unusable_reason(EngineKind::flash, config_, checked);
+    DMOE_REQUIRE_INPUT(why.empty(), "{}", why);
     flash_ = std::make_unique<FlashState>();
   }
   const ProcessEnv env = detect_process_env();
@@ -295,9 +274,7 @@ int64_t LayerSession::forward(const SessionForward& f) {
 
 void LayerSession::backward(const SessionBackward& b) {
   const DeviceGuard guard(device_);
-  DMOE_REQUIRE_INPUT(options_.engine != EngineKind::flash,
-                     "backward: engine 'flash' runs the forward only (there is no Flash backward yet); train with "
-                     "engine 'ep'");
+  DMOE_REQUIRE_INPUT(options_.engine != EngineKind::flash, "backward: {}", kFlashForwardOnly);
   const auto it = tickets_.find(b.ticket);
   DMOE_REQUIRE_INPUT(it != tickets_.end(),
                      "backward: ticket {} is not a pending train forward of this layer (already backward()ed or "
@@ -342,10 +319,7 @@ RouterLosses LayerSession::losses(int64_t ticket) const {
 
 int64_t LayerSession::flash_forward(const SessionForward& f) {
 #if defined(DMOE_WITH_CUDA)
-  DMOE_REQUIRE_INPUT(!f.train,
-                     "engine 'flash' runs the forward only: there is no Flash backward yet (dmoe issue 14), so it "
-                     "cannot keep state for a backward pass; run it for inference (no gradients), or use engine 'ep' "
-                     "to train");
+  DMOE_REQUIRE_INPUT(!f.train, "{}; run it for inference (no gradients)", kFlashForwardOnly);
   DMOE_REQUIRE_INPUT(!f.router_logits, "engine 'flash' does not output router logits; use engine 'ep'");
   auto& engine = flash_->engines[f.rows];
   if (!engine) {

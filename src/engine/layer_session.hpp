@@ -34,16 +34,9 @@
 #include "core/config.hpp"
 #include "engine/backend.hpp"
 #include "engine/ep_engine.hpp"
+#include "engine/moe_engine.hpp"  // EngineKind, parse_engine_kind, the engines' checks
 
 namespace dmoe {
-
-enum class EngineKind : uint8_t { cpu, ep, flash };
-
-// "cpu" | "ep" | "flash"; throws dmoe::Error naming the allowed values otherwise.
-EngineKind parse_engine_kind(std::string_view name);
-const char* engine_kind_name(EngineKind kind);
-// Whether this build has the CUDA engines (ep, flash).
-bool cuda_engines_built();
 
 struct SessionOptions {
   EngineKind engine = EngineKind::cpu;

@@ -335,12 +335,12 @@ TEST_F(Cli, VersionHelpDefaultsAndEngineNames) {
   EXPECT_EQ(r.status, 0);
   EXPECT_EQ(r.output.find("{false}"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("=3"), std::string::npos) << "--repeat's default: " << r.output;
-  EXPECT_NE(r.output.find("| cpu | cuda (alias gpu)"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("| cpu | ep (aliases cuda, gpu) | flash"), std::string::npos) << r.output;
   r = run_cli("launch --help");
   EXPECT_EQ(r.status, 0);
   EXPECT_EQ(r.output.find("=0 REQUIRED"), std::string::npos) << "a required option's placeholder: " << r.output;
   EXPECT_EQ(r.output.find("=[]"), std::string::npos) << r.output;
-  // cuda names the CUDA engine in both subcommands; gpu is accepted as its old name.
+  // ep names the CUDA EP engine in both subcommands; cuda and gpu are accepted as its old names.
   if (!fs::exists("/dev/nvidia0")) {
     for (const char* engine : {"cuda", "gpu"}) {
       r = run_cli(std::string("bench --engine ") + engine + " --tokens 8 --hidden 16 --ffn 16 --experts 4 --top-k 2");

@@ -1,4 +1,5 @@
-// bench_gpu.cpp — `dmoe bench layer` on GPUs: ceilings, the EP engine, and the PyTorch peers.
+// bench_gpu.cpp — `dmoe bench layer` on GPUs: ceilings, the engine (ep, or flash alone), Flash beside EP
+// (--flash), and the PyTorch peers.
 #include "bench_gpu.hpp"
 
 #if DMOE_WITH_CUDA
@@ -120,13 +121,19 @@ int run_gpu_layer_bench(const GpuBenchArgs& a) {
   const int64_t max_rows = std::max<int64_t>(c.tokens * c.top_k,
                                              c.dropless() ? 0 : int64_t(c.experts_per_rank()) * c.capacity());
   const size_t max_bytes_per_peer = size_t(max_rows) * c.hidden * dtype_size(c.dtype);
-  if (a.flash && env.world > 1 && !std::getenv("DMOE_NVSHMEM_MIN_HEAP")) {
+  const bool flash_alone = a.engine == EngineKind::flash;
+  // Flash at W > 1 keeps its buffers in NVSHMEM's symmetric heap: its communicator must be NVSHMEM's.
+  DMOE_REQUIRE_INPUT(!(flash_alone && env.world > 1 && a.comm == "nccl"),
+                     "--engine flash at W = {} needs the nvshmem communicator (its buffers live in NVSHMEM's heap); "
+                     "allowed: --comm auto or nvshmem", env.world);
+  const CommKind comm_kind = flash_alone ? CommKind::nvshmem : parse_comm_kind(a.comm);
+  if ((a.flash || flash_alone) && env.world > 1 && !std::getenv("DMOE_NVSHMEM_MIN_HEAP")) {
     // NVSHMEM's heap is fixed at start: room for the communicator and Flash's symmetric region.
     const size_t flash_bytes = flash::symmetric_layout(flash::make_shape(c, 1)).bytes;
     ::setenv("DMOE_NVSHMEM_MIN_HEAP", std::to_string(flash_bytes + (size_t(3) << 30)).c_str(), 1);
   }
   std::unique_ptr<Comm> comm = env.world == 1 ? make_local_comm()
-                                              : make_gpu_comm(env, parse_comm_kind(a.comm), max_bytes_per_peer, stream);
+                                              : make_gpu_comm(env, comm_kind, max_bytes_per_peer, stream);
   const bool root = env.rank == 0;
 
   cudaDeviceProp prop;
@@ -143,6 +150,7 @@ int run_gpu_layer_bench(const GpuBenchArgs& a) {
   o.engine.batch_row_multiple = a.batch_row_multiple;
   o.time_alltoall = a.alltoall;
   o.flash = a.flash;
+  o.kind = a.engine;
   o.link_ceiling = a.alltoall && env.world > 1 && env.local_world == env.world;
   bench::LayerBenchData data;
   const bench::LayerBenchResult r =
@@ -177,9 +185,10 @@ int run_gpu_layer_bench(const GpuBenchArgs& a) {
                         {"tflops", r.tflops()}, {"tokens_per_s", r.tokens_per_s()}, {"comm_bytes", r.comm_bytes},
                         {"max_rel_error", r.max_rel_error}, {"gemm_ceiling_tflops", ceil.gemm_flop_per_s * 1e-12},
                         {"copy_ceiling_gbps", ceil.copy_byte_per_s * 1e-9},
-                        {"forward_train_ms", r.forward_train.median_ms},
+
                         {"gemm_ceiling_same_rounds_tflops", r.gemm_ceiling_same_rounds * 1e-12},
                         {"percent_of_roofline_same_rounds", r.percent_of_roofline_same_rounds()}};
+    if (r.forward_train.iterations > 0) j["forward_train_ms"] = r.forward_train.median_ms;
     if (r.flash_forward.iterations > 0) {
       const double fms = r.flash_forward.median_ms;
       Row frow{"flash", env.world, fms, r.flash_forward.min_ms, r.flash_forward.max_ms, r.flop / (fms * 1e-3) * 1e-12,
@@ -209,10 +218,11 @@ int run_gpu_layer_bench(const GpuBenchArgs& a) {
       j["flash_span_ms"] = ps.span_ms;
       j["flash_processors_busy"] = ps.processors_busy;
     }
-    std::printf("%-16s %3d %10.3f %8.3f %8.3f %9.1f %9.1f  (forward that keeps what backward needs; the row "
-                "above keeps nothing)\n", (r.engine + " train").c_str(), env.world, r.forward_train.median_ms,
-                r.forward_train.min_ms, r.forward_train.max_ms, r.flop / (r.forward_train.median_ms * 1e-3) * 1e-12,
-                100.0 * r.roofline_ms / r.forward_train.median_ms);
+    if (r.forward_train.iterations > 0)  // not for Flash: it has no train forward (no backward yet, issue 14)
+      std::printf("%-16s %3d %10.3f %8.3f %8.3f %9.1f %9.1f  (forward that keeps what backward needs; the row "
+                  "above keeps nothing)\n", (r.engine + " train").c_str(), env.world, r.forward_train.median_ms,
+                  r.forward_train.min_ms, r.forward_train.max_ms, r.flop / (r.forward_train.median_ms * 1e-3) * 1e-12,
+                  100.0 * r.roofline_ms / r.forward_train.median_ms);
     if (r.forward_backward.iterations > 0) {
       j["forward_backward_ms"] = r.forward_backward.median_ms;
       std::printf("%-16s %3d %10.3f %8.3f %8.3f %9.1f  (a training step: zero_grads, forward, backward; 3F)\n", (r.engine + " f+b").c_str(),

@@ -19,6 +19,7 @@
 #include "core/error.hpp"
 #include "core/output_file.hpp"
 #include "core/random.hpp"
+#include "engine/moe_engine.hpp"
 #include "engine/reference.hpp"
 #include "model/mixtral_config.hpp"
 #include "options.hpp"
@@ -105,8 +106,10 @@ Command add_bench_command(CLI::App& app) {
   sub->add_option("--repeat", o->repeat, "timed iterations (median reported)")->check(CLI::Range(1, 1000000));
   sub->add_option("--json", o->json_path, "also write the results as JSON here");
   sub->add_flag("--no-backward", o->no_backward, "time the forward pass only");
-  sub->add_option("--engine", o->engine, "auto (cuda when a GPU is visible) | cpu | cuda (alias gpu)")
-      ->check(CLI::IsMember({"auto", "cpu", "cuda", "gpu"}));
+  sub->add_option("--engine", o->engine,
+                  "auto (ep when a GPU is visible, else cpu) | cpu | ep (aliases cuda, gpu) | flash (GPU, bf16: the "
+                  "Flash kernel alone, forward only)")
+      ->check(CLI::IsMember({"auto", "cpu", "ep", "flash", "cuda", "gpu"}));
   sub->add_option("--comm", o->comm, "GPU communicator for W > 1: auto | nccl | nvshmem")
       ->check(CLI::IsMember({"auto", "nccl", "nvshmem"}));
   sub->add_flag("--peers", o->peers, "GPU, W = 1: also time the PyTorch peers (bench/peers.py) on the same data");
@@ -114,7 +117,8 @@ Command add_bench_command(CLI::App& app) {
   sub->add_option("--check-tokens", o->check_tokens, "GPU: tokens recomputed in fp64 on the CPU to check the output")
       ->check(CLI::Range(0, 64));
   sub->add_flag("--flash", o->flash,
-                "GPU, bf16: also time the Flash kernel (one persistent kernel per rank) in the same rounds as EP");
+                "GPU, bf16: also time the Flash kernel (one persistent kernel per rank) beside EP, in the same rounds "
+                "(--engine flash times Flash alone)");
   sub->add_flag("--alltoall", o->alltoall,
                 "GPU, W > 1: also time one all-to-all of the layer's off-rank bytes alone (GB/s per GPU)");
   sub->add_option("--batch-row-multiple", o->batch_row_multiple,
@@ -177,9 +181,24 @@ Command add_bench_command(CLI::App& app) {
       return run_gpu_gemm_bench(g);
     }
     const bool backward = !o->no_backward;
-    const std::string engine = o->engine == "gpu" ? "cuda" : o->engine;  // the old word for the CUDA engine
-    const bool use_gpu = engine == "cuda" || (engine == "auto" && gpu_available());
-    DMOE_REQUIRE_INPUT(!(engine == "cuda" && !gpu_available()),
+    // cuda and gpu are the older names of ep; auto is ep when a GPU is visible.
+    const std::string engine = o->engine == "gpu" || o->engine == "cuda" ? "ep" : o->engine;
+    const bool use_gpu = engine == "ep" || engine == "flash" || (engine == "auto" && gpu_available());
+    DMOE_REQUIRE_INPUT(!(engine == "flash" && o->flash),
+                       "--engine flash times the Flash kernel alone, and --flash times it beside EP in the same rounds; "
+                       "give one of them");
+    if (engine == "flash" && cuda_engines_built()) {
+      // Checked before the GPU is looked at, so that the rule shows on any machine (backward is not asked:
+      // the training step is left out for Flash below, and says so).
+      ConfigOptions co = o->config;
+      if (co.config_path.empty()) co.config_path = "flash-paper";  // the GPU run's default below
+      const MoeConfig checked = resolve_config(co);
+      MoeEngineOptions engine_options;
+      engine_options.backward = false;
+      const std::string why = moe_engine_unusable_reason(EngineKind::flash, checked, engine_options);
+      DMOE_REQUIRE_INPUT(why.empty(), "--engine flash: {}", why);
+    }
+    DMOE_REQUIRE_INPUT(!((engine == "ep" || engine == "flash") && !gpu_available()),
                  "--engine {}: no CUDA device is visible (or this build has no CUDA); use --engine cpu", o->engine);
     if (use_gpu) {
       GpuBenchArgs g;
@@ -202,6 +221,12 @@ Command add_bench_command(CLI::App& app) {
       g.batch_row_multiple = o->batch_row_multiple;
       g.alltoall = o->alltoall;
       g.flash = o->flash;
+      g.engine = engine == "flash" ? EngineKind::flash : EngineKind::ep;
+      if (g.engine == EngineKind::flash && backward) {
+        std::printf("note: --engine flash: the training step (zero_grads, forward, backward) is not timed: %s\n",
+                    kFlashForwardOnly);
+        g.backward = false;
+      }
       g.warmup = std::max(o->warmup, 3);
       return run_gpu_layer_bench(g);
     }

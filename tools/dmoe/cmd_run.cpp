@@ -9,6 +9,7 @@
 #include "commands.hpp"
 #include "core/error.hpp"
 #include "core/output_file.hpp"
+#include "engine/moe_engine.hpp"
 #include "engine/reference.hpp"
 #include "model/checkpoint.hpp"
 #include "options.hpp"
@@ -20,7 +21,7 @@ namespace {
 
 struct RunOptions {
   ConfigOptions config;
-  std::string weights, input, output, grad_output, prefix, engine = "cpu", output_dtype;
+  std::string weights, input, output, grad_output, prefix, engine = "cpu", output_dtype;  // engine: cpu | ep | flash
   std::optional<int> layer;
   bool allow_non_finite = false;
 };
@@ -58,14 +59,21 @@ Command add_run_command(CLI::App& app) {
   sub->add_option("--layer", o->layer, "use model.layers.L.block_sparse_moe. (default: the first MoE layer in the file)");
   sub->add_option("--prefix", o->prefix, "tensor-name prefix of the layer (overrides --layer)");
   sub->add_option("--engine", o->engine,
-                  "cpu (reference engine; config world = simulated ranks) | cuda (alias gpu; this process's GPU, "
-                  "world 1)")
-      ->check(CLI::IsMember({"cpu", "cuda", "gpu"}));
+                  "cpu (reference engine; config world = simulated ranks) | ep (aliases cuda, gpu; expert parallelism "
+                  "on this process's GPU, world 1) | flash (this GPU, one persistent kernel; bf16, forward only: no "
+                  "--grad-output)")
+      ->check(CLI::IsMember({"cpu", "ep", "flash", "cuda", "gpu"}));
   sub->add_flag("--allow-non-finite", o->allow_non_finite,
                "write results that hold NaN or Inf (by default they are an error and nothing is written)");
   sub->add_option("--output-dtype", o->output_dtype, "dtype of written activations: f32 | bf16 (default: config dtype)");
   return [o] {
-    if (o->engine == "gpu") o->engine = "cuda";  // one vocabulary with bench: auto | cpu | cuda
+    // cuda and gpu are the older names of ep (one vocabulary with bench and the Python module: cpu | ep | flash).
+    if (o->engine == "gpu" || o->engine == "cuda") o->engine = "ep";
+    const EngineKind kind = parse_engine_kind(o->engine);
+    // Flash has no backward (issue 14): refused before any file is read, not after the forward.
+    DMOE_REQUIRE_INPUT(kind != EngineKind::flash || o->grad_output.empty(),
+                       "--engine flash with --grad-output: {}; drop --grad-output for the forward alone",
+                       kFlashForwardOnly);
     require_prefix_ends_with_dot(o->prefix);
     // Before anything is read or computed: the output must not be one of the inputs, and must be writable.
     require_distinct_files({{"--output", o->output}},
@@ -107,6 +115,13 @@ Command add_run_command(CLI::App& app) {
                        total, c.world, per_rank);
     c.tokens = per_rank;
     c.validate();
+    // What the engine cannot run is said before the weights are read (a build without CUDA says so below).
+    if (kind != EngineKind::cpu && cuda_engines_built()) {
+      MoeEngineOptions engine_options;
+      engine_options.backward = !o->grad_output.empty();
+      const std::string why = moe_engine_unusable_reason(kind, c, engine_options);
+      DMOE_REQUIRE_INPUT(why.empty(), "--engine {}: {}", o->engine, why);
+    }
 
     const std::vector<float> x = input.read_f32("x", {total, c.hidden});
     const MoeWeights w = load_moe_weights(weights_file, c, prefix);
@@ -126,9 +141,11 @@ Command add_run_command(CLI::App& app) {
     require_finite(x, "x", o->input);
     if (!dy.empty()) require_finite(dy, "dy", o->grad_output);
 
-    if (o->engine == "cpu") check_cpu_engine_cost(c, dy.empty() ? 1 : 0, dy.empty() ? 0 : 1);
-    const LayerResult r = o->engine == "cuda" ? run_gpu_layer(c, w, x, dy.empty() ? nullptr : &dy)
-                                              : run_cpu_layer(c, w, x, dy.empty() ? nullptr : &dy);
+    if (kind == EngineKind::cpu) check_cpu_engine_cost(c, dy.empty() ? 1 : 0, dy.empty() ? 0 : 1);
+    GpuLayerResult gpu;
+    if (kind != EngineKind::cpu) gpu = run_gpu_layer(kind, c, w, x, dy.empty() ? nullptr : &dy);
+    const LayerResult r = kind == EngineKind::cpu ? run_cpu_layer(c, w, x, dy.empty() ? nullptr : &dy) : gpu.layer;
+    const bool losses = kind == EngineKind::cpu || gpu.losses_computed;  // Flash: inference forward, no losses
 
     // Finite inputs and weights can still overflow (x ~ 1e38): a NaN or Inf in the results is an error by
     // default, and nothing is written.
@@ -151,13 +168,18 @@ Command add_run_command(CLI::App& app) {
     }
     out.set_metadata("producer", "dmoe run");
     out.set_metadata("config", c.summary());
-    out.set_metadata("load_balance_loss", fmt::format("{:.17g}", r.losses.load_balance));
-    out.set_metadata("z_loss", fmt::format("{:.17g}", r.losses.z_loss));
+    out.set_metadata("engine", o->engine);
+    if (losses) {  // left out, not written as 0, when the engine did not compute them
+      out.set_metadata("load_balance_loss", fmt::format("{:.17g}", r.losses.load_balance));
+      out.set_metadata("z_loss", fmt::format("{:.17g}", r.losses.z_loss));
+    }
     out.set_metadata("dropped_assignments", std::to_string(r.dropped()));
     out.write(o->output);
-    std::printf("%s | engine %s | load-balance loss %.6g | z-loss %.6g | dropped %lld | wrote %s\n",
-                c.summary().c_str(), o->engine.c_str(), r.losses.load_balance, r.losses.z_loss,
-                (long long)r.dropped(), o->output.c_str());
+    const std::string loss_text =
+        losses ? fmt::format("load-balance loss {:.6g} | z-loss {:.6g}", r.losses.load_balance, r.losses.z_loss)
+               : std::string("losses not computed (flash runs the inference forward)");
+    std::printf("%s | engine %s | %s | dropped %lld | wrote %s\n", c.summary().c_str(), o->engine.c_str(),
+                loss_text.c_str(), (long long)r.dropped(), o->output.c_str());
     return 0;
   };
 }

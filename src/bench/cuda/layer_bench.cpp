@@ -13,6 +13,7 @@
 #include "cpu/kernels.hpp"
 #include "cuda/check.hpp"
 #include "engine/ep_engine.hpp"
+#include "engine/moe_engine.hpp"
 #include "flash/flash_engine.hpp"
 #include "model/moe_weights.hpp"
 
@@ -104,10 +105,16 @@ LayerBenchResult bench_ep_layer(const MoeConfig& c, Backend& backend, Comm& comm
   const size_t elem = dtype_size(backend.storage_dtype());
   const double m = c.activation == Activation::swiglu ? 3 : 2;
 
-  EpEngine engine(c, backend, comm, o.engine);
+  DMOE_REQUIRE(!(o.flash && o.kind != EngineKind::ep), "bench_ep_layer: Flash beside EP needs kind ep");
+  MoeEngineOptions engine_options;
+  engine_options.ep = o.engine;
+  engine_options.backward = o.backward;
+  const std::unique_ptr<MoeEngine> engine_ptr = make_moe_engine(o.kind, c, backend, comm, engine_options);
+  MoeEngine& engine = *engine_ptr;
+  const bool train = engine.supports_backward();  // Flash alone: inference forwards only
   const MoeWeights weights = hashed_moe_weights(c, o.seed, c.first_expert(rank), Le);
   engine.set_weights(weights);
-  std::unique_ptr<FlashEngine> flash;
+  std::unique_ptr<FlashEngine> flash;  // beside EP (o.flash)
   if (o.flash) {
     flash = std::make_unique<FlashEngine>(c, comm);
     flash->set_weights(weights);
@@ -133,27 +140,29 @@ LayerBenchResult bench_ep_layer(const MoeConfig& c, Backend& backend, Comm& comm
     };
   }
   LayerBenchResult r;
-  r.engine = std::string("ep-") + comm.name();
+  r.engine = o.kind == EngineKind::flash ? std::string("flash") : std::string("ep-") + comm.name();
   r.config = c;
   // Interleaved, so that the comparison of the two modes does not depend on which ran first; the GEMM
   // ceiling's product runs in the same rounds, for a ceiling at the clocks the layer runs at.
   CeilingGemm ceiling_gemm(static_cast<cudaStream_t>(backend.stream()));
   void* flash_y = flash ? backend.allocate(T * H * elem) : nullptr;
   const auto stream = static_cast<cudaStream_t>(backend.stream());
-  std::vector<std::function<void()>> timed = {[&] { engine.forward(xd, yd, ForwardMode::inference); },
-                                              [&] { engine.forward(xd, yd, ForwardMode::train); },
-                                              [&] { ceiling_gemm.run(); }};
+  // The order of EP's rounds as before Flash alone existed: inference, train, ceiling, Flash beside.
+  std::vector<std::function<void()>> timed = {[&] { engine.forward(xd, yd, ForwardMode::inference); }};
+  if (train) timed.push_back([&] { engine.forward(xd, yd, ForwardMode::train); });
+  timed.push_back([&] { ceiling_gemm.run(); });
   if (flash) timed.push_back([&] { flash->forward(xd, flash_y, stream); });
   const std::vector<Stats> fwd = timer.time_interleaved(timed, timing);
   r.forward = fwd[0];
-  r.forward_train = fwd[1];
-  r.gemm_ceiling_same_rounds = CeilingGemm::flop() / (fwd[2].median_ms * 1e-3);
+  if (train) r.forward_train = fwd[1];
+  r.gemm_ceiling_same_rounds = CeilingGemm::flop() / (fwd[train ? 2 : 1].median_ms * 1e-3);
+  engine.finish();  // Flash alone: a forward that flagged an error (NaN routing) fails here
   if (flash) {
-    r.flash_forward = fwd[3];
+    r.flash_forward = fwd.back();
     r.flash_grid = flash->grid();
     flash->check(stream);
   }
-  if (o.backward) {
+  if (o.backward && train) {
     void* dyd = backend.allocate(T * H * elem);
     void* dxd = backend.allocate(T * H * elem);
     const auto dy = hashed_activations(o.seed + 2, T, H, bf16);
@@ -163,7 +172,7 @@ LayerBenchResult bench_ep_layer(const MoeConfig& c, Backend& backend, Comm& comm
     r.forward_backward = timer.time(
         [&] {
           engine.zero_grads();
-          engine.forward(xd, yd);
+          engine.forward(xd, yd, ForwardMode::train);
           engine.backward(dyd, dxd);
         },
         timing);
@@ -171,21 +180,22 @@ LayerBenchResult bench_ep_layer(const MoeConfig& c, Backend& backend, Comm& comm
     backend.release(dxd);
   }
   engine.forward(xd, yd, ForwardMode::inference);  // a last, untimed forward whose outputs are checked
+  engine.finish();
 
   r.flop = 2 * m * double(T) * c.top_k * double(H) * double(I);
   // Only the experts that received rows have their weights read (decode at T = 1 touches k of E).
   r.touched_experts = 0;
-  for (int32_t e = 0; e < Le; ++e) r.touched_experts += engine.layout().expert_rows(e) > 0 ? 1 : 0;
+  for (const int64_t rows : engine.expert_rows()) r.touched_experts += rows > 0 ? 1 : 0;
   r.bytes = double(r.touched_experts) * m * double(H) * double(I) * elem + 2.0 * double(T) * double(H) * elem;
   r.roofline_ms = std::max(r.flop / ceilings.gemm_flop_per_s, r.bytes / ceilings.copy_byte_per_s) * 1e3;
   r.roofline_same_rounds_ms =
       std::max(r.flop / r.gemm_ceiling_same_rounds, r.bytes / ceilings.copy_byte_per_s) * 1e3;
-  r.comm_bytes = double(engine.rows_sent() - engine.rows_sent_to(rank)) * double(H) * double(elem);
+  const int64_t off_rank_rows = engine.rows_sent_to_peers();
+  r.comm_bytes = double(off_rank_rows) * double(H) * double(elem);
 
   if (o.time_alltoall && W > 1) {
     // Every rank must run the same all-to-all: the mean over ranks of the rows sent off-rank, spread
     // evenly over the W − 1 peers.
-    const int64_t off_rank_rows = engine.rows_sent() - engine.rows_sent_to(rank);
     backend.upload(n_dev, &off_rank_rows, sizeof(int64_t));
     comm.allreduce_sum(n_dev, 1, DType::i64, backend.stream());
     int64_t total_rows = 0;

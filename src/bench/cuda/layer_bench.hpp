@@ -22,6 +22,7 @@
 #include "core/config.hpp"
 #include "engine/backend.hpp"
 #include "engine/ep_engine.hpp"
+#include "engine/moe_engine.hpp"
 
 namespace dmoe::bench {
 
@@ -81,9 +82,12 @@ struct LayerBenchOptions {
   // Also run the Flash kernel (FlashEngine, bf16) on the same weights and inputs, interleaved with EP's
   // forwards. W > 1 needs the NVSHMEM communicator with room for Flash's symmetric region in its heap.
   bool flash = false;
+  // The engine timed (make_moe_engine): ep, or flash alone — then only its inference forward is timed (no train
+  // forward, no backward: issue 14) and `flash` (beside) must be off.
+  EngineKind kind = EngineKind::ep;
 };
 
-// Runs the vanilla EP engine (EpEngine over `backend` and `comm`) on hashed weights and inputs.
+// Runs the engine `options.kind` (over `backend` and `comm`) on hashed weights and inputs.
 LayerBenchResult bench_ep_layer(const MoeConfig& config, Backend& backend, Comm& comm, const Ceilings& ceilings,
                                 const LayerBenchOptions& options, LayerBenchData* keep = nullptr);
 
