@@ -53,7 +53,8 @@ except ImportError as _err:
         "LD_LIBRARY_PATH, unless torch (imported first when installed) has loaded them") from _err
 from ._dmoe import Session, cuda_built
 
-__all__ = ["Session", "cuda_built", "layer_forward", "layer_backward", "MoELayer", "__version__"]
+__all__ = ["Session", "cuda_built", "layer_forward", "layer_backward", "MoELayer", "init_from_process_group",
+           "__version__"]
 
 _ACTIVATIONS = ("relu", "gelu", "swiglu")
 
@@ -161,6 +162,10 @@ def __getattr__(name):
         from .module import MoELayer
 
         return MoELayer
+    if name == "init_from_process_group":
+        from .module import init_from_process_group
+
+        return init_from_process_group
     if name == "hf":
         import importlib
 

@@ -68,6 +68,42 @@ def map_launcher_env() -> None:
     env["DMOE_LOCAL_WORLD"] = str(local_world)
 
 
+def init_from_process_group(group=None) -> None:
+    """Let dmoe's communicators start through an existing ``torch.distributed`` process group: its ranks become
+    dmoe's ranks (rank = the group's rank, world = its size), and the NCCL / NVSHMEM unique ids travel by
+    ``broadcast_object_list`` over the group, so no shared rendezvous directory, torchrun environment or MPI is
+    needed. Call it on every rank after ``torch.distributed.init_process_group`` (and ``torch.cuda.set_device``
+    for an NCCL group), before the first ``MoELayer(world=...)`` forward. The node-local placement comes from
+    LOCAL_RANK / LOCAL_WORLD_SIZE when set (torchrun, most launchers), else all ranks are taken to share one node.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("dmoe.init_from_process_group: torch.distributed is not initialized; call "
+                           "torch.distributed.init_process_group first")
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if rank < 0:
+        raise ValueError("dmoe.init_from_process_group: this process is not a member of the group")
+    env = os.environ
+    if "DMOE_RANK" in env and (env["DMOE_RANK"] != str(rank) or env.get("DMOE_WORLD") != str(world)):
+        raise ValueError(f"dmoe.init_from_process_group: DMOE_RANK={env['DMOE_RANK']} / DMOE_WORLD="
+                         f"{env.get('DMOE_WORLD')} (dmoe launch) disagree with the group's rank {rank} of {world}")
+    local_world = int(env.get("LOCAL_WORLD_SIZE", world))
+    local_rank = int(env.get("LOCAL_RANK", rank % local_world))
+    env["DMOE_RANK"], env["DMOE_WORLD"] = str(rank), str(world)
+    env["DMOE_LOCAL_RANK"], env["DMOE_LOCAL_WORLD"] = str(local_rank), str(local_world)
+    src = 0 if group is None else dist.get_global_rank(group, 0)
+
+    def exchange(name: str, payload: bytes) -> bytes:
+        box = [payload if rank == 0 else None]
+        dist.broadcast_object_list(box, src=src, group=group)
+        return box[0]
+
+    from . import _dmoe
+
+    _dmoe._set_bootstrap_exchange(exchange)
+
+
 def _dlpack(t: torch.Tensor):
     """What the extension receives: the tensor itself without autograd (DLPack refuses tensors that require grad)."""
     return t.detach()

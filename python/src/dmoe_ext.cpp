@@ -12,10 +12,14 @@
 #include <nanobind/stl/tuple.h>
 
 #include <cstdint>
+#include <cstring>
+#include <memory>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "comm/bootstrap_exchange.hpp"
 #include "core/config.hpp"
 #include "core/error.hpp"
 #include "engine/layer_session.hpp"
@@ -239,6 +243,49 @@ NB_MODULE(_dmoe, m) {
     }
   });
   m.def("cuda_built", &cuda_engines_built, "Whether this build has the CUDA engines (ep, flash).");
+  m.def(
+      "_set_bootstrap_exchange",
+      [](nb::object fn) {
+        if (fn.is_none()) return set_bootstrap_exchange({});
+        // Kept as long as it is registered; released with the GIL held, or left to the OS after interpreter exit.
+        std::shared_ptr<nb::object> held(new nb::object(fn), [](nb::object* p) {
+          if (!Py_IsInitialized()) return;
+          nb::gil_scoped_acquire gil;
+          delete p;
+        });
+        set_bootstrap_exchange([held](const std::string& name, void* data, size_t bytes) {
+          nb::gil_scoped_acquire gil;  // the communicators are set up with the GIL released
+          try {
+            nb::object out = (*held)(name, nb::bytes(static_cast<const char*>(data), bytes));
+            const nb::bytes got = nb::cast<nb::bytes>(out);
+            if (got.size() != bytes)
+              throw std::runtime_error("the exchange returned " + std::to_string(got.size()) + " bytes for " + name +
+                                       ", expected " + std::to_string(bytes));
+            std::memcpy(data, got.c_str(), bytes);
+          } catch (nb::python_error& e) {
+            throw std::runtime_error(e.what());  // the Python error is released here, under the GIL
+          } catch (nb::cast_error&) {
+            throw std::runtime_error("the exchange for " + name + " did not return bytes");
+          }
+        });
+      },
+      nb::arg("exchange").none(),
+      "Registers fn(name: str, payload: bytes) -> bytes, called collectively by every rank while dmoe's "
+      "communicators start: it returns rank 0's payload on every rank (dmoe.init_from_process_group registers one "
+      "over a torch.distributed group); None removes it.");
+  m.def(
+      "_run_bootstrap_exchange",
+      [](const std::string& name, nb::bytes payload) {
+        const BootstrapExchange exchange = bootstrap_exchange();
+        if (!exchange) throw nb::value_error("no bootstrap exchange is registered");
+        std::string buffer(payload.c_str(), payload.size());
+        {
+          nb::gil_scoped_release release;  // as when the communicators start
+          exchange(name, buffer.data(), buffer.size());
+        }
+        return nb::bytes(buffer.data(), buffer.size());
+      },
+      nb::arg("name"), nb::arg("payload"), "Tests: runs the registered exchange as a communicator's start-up would.");
 
   nb::class_<PySession>(m, "Session",
                         "One MoE layer's engine state (dmoe::LayerSession): forward/backward on caller-owned arrays.")

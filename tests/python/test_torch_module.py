@@ -248,3 +248,51 @@ def test_torchrun_env_is_mapped_onto_dmoe_launch(tmp_path):
                         "print(os.environ['DMOE_RANK'], 'DMOE_RENDEZVOUS' in os.environ)"],
                        env=launched, capture_output=True, text=True, check=True)
     assert r.stdout.split() == ["0", "False"]
+
+
+def test_init_from_process_group_maps_the_group_and_carries_the_ids():
+    # Two ranks of a gloo group on this machine (processes, as torchrun would start them, but without its
+    # variables): each maps the group onto DMOE_*, and the exchange registered in the extension returns rank 0's
+    # bytes on both, called from C++ with the GIL released as a communicator's start-up does.
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = (
+        "import os, sys, torch.distributed as dist, dmoe\n"
+        "from dmoe import _dmoe\n"
+        "r = int(sys.argv[1])\n"
+        f"dist.init_process_group('gloo', init_method='tcp://127.0.0.1:{port}', rank=r, world_size=2)\n"
+        "dmoe.init_from_process_group()\n"
+        "print(*[os.environ[v] for v in ('DMOE_RANK', 'DMOE_WORLD', 'DMOE_LOCAL_RANK', 'DMOE_LOCAL_WORLD')])\n"
+        "got = _dmoe._run_bootstrap_exchange('nccl-id-0', bytes([r + 1]) * 8)\n"
+        "print(got.hex())\n"
+        "_dmoe._set_bootstrap_exchange(lambda name, payload: b'short')\n"
+        "try:\n"
+        "    _dmoe._run_bootstrap_exchange('x', bytes(8))\n"
+        "except RuntimeError as e:\n"
+        "    print('refused:', 'returned 5 bytes' in str(e))\n"
+        "dist.destroy_process_group()\n")
+    base = {k: v for k, v in os.environ.items()
+            if not k.startswith(("DMOE_", "OMPI_", "SLURM_", "PMI_")) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                                                                  "LOCAL_WORLD_SIZE")}
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(r)], env=base, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err
+    assert outs[0][0].splitlines() == ["0 2 0 2", "01" * 8, "refused: True"]
+    assert outs[1][0].splitlines() == ["1 2 1 2", "01" * 8, "refused: True"]
+
+
+def test_init_from_process_group_needs_torch_distributed():
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    with pytest.raises(RuntimeError, match="torch.distributed is not initialized"):
+        dmoe.init_from_process_group()

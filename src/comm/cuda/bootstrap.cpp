@@ -19,6 +19,7 @@
 #include <nvshmem_host.h>
 #endif
 
+#include "comm/bootstrap_exchange.hpp"
 #include "comm/cuda/comm_detail.hpp"
 #include "core/env.hpp"
 #include "core/peer_watch.hpp"
@@ -122,10 +123,21 @@ void read_published_file(const ProcessEnv& env, const std::string& path, void* d
   }
 }
 
-// Rank 0 publishes `bytes` under `name`, the others read it. Names carry a per-process sequence number
-// (every rank creates its communicators in the same order), so a second set-up never reads a stale id.
-void exchange_through_files(const ProcessEnv& env, const std::string& name, void* data, size_t bytes,
+// Rank 0 publishes `bytes` under `name`, the others read it: through the exchange the embedding application
+// registered (bootstrap_exchange.hpp: the Python module's torch.distributed group), else through the rendezvous
+// directory. Names carry a per-process sequence number (every rank creates its communicators in the same
+// order), so a second set-up never reads a stale id.
+void exchange_bootstrap_bytes(const ProcessEnv& env, const std::string& name, void* data, size_t bytes,
                             const char* what) {
+  if (const BootstrapExchange exchange = bootstrap_exchange()) {
+    try {
+      exchange(name, data, bytes);
+    } catch (const std::exception& e) {
+      DMOE_FAIL("rank {}: the registered bootstrap exchange could not deliver {} ({}): {}", env.rank, what, name,
+                e.what());
+    }
+    return;
+  }
   const std::string path = rendezvous_dir(env) + "/" + name;
   if (env.rank == 0)
     publish_file(path, data, bytes);
@@ -215,7 +227,7 @@ void init_nvshmem(const ProcessEnv& env, size_t symmetric_heap_bytes) {
     bootstrap = "unique id";
     if (env.rank == 0) DMOE_CHECK_NVSHMEM(nvshmemx_get_uniqueid(&uid));
     if (env.world > 1)
-      exchange_through_files(env, "nvshmem-uid-" + std::to_string(g_nvshmem_uid_sequence++), &uid, sizeof(uid),
+      exchange_bootstrap_bytes(env, "nvshmem-uid-" + std::to_string(g_nvshmem_uid_sequence++), &uid, sizeof(uid),
                              "the NVSHMEM unique id");
     DMOE_CHECK_NVSHMEM(nvshmemx_set_attr_uniqueid_args(env.rank, env.world, &uid, &attr));
     flags = NVSHMEMX_INIT_WITH_UNIQUEID;
@@ -266,7 +278,7 @@ ncclComm_t init_nccl(const ProcessEnv& env) {
   if (env.rank == 0) DMOE_CHECK_NCCL(ncclGetUniqueId(&id));
   if (env.world > 1) {
     if (env.launcher == "dmoe-launch") {
-      exchange_through_files(env, "nccl-id-" + std::to_string(g_nccl_id_sequence++), &id, sizeof(id),
+      exchange_bootstrap_bytes(env, "nccl-id-" + std::to_string(g_nccl_id_sequence++), &id, sizeof(id),
                              "the NCCL unique id");
     } else {
 #if defined(DMOE_WITH_NVSHMEM)

@@ -8,7 +8,9 @@
 //   srun, pmi     NVSHMEM's PMI bootstrap (NVSHMEM_BOOTSTRAP=PMI unless set).
 //   single        the unique-id bootstrap inside the one process.
 // NCCL's unique id goes through the $DMOE_RENDEZVOUS directory under dmoe launch and through an NVSHMEM
-// broadcast elsewhere (NVSHMEM is then initialised first, with a small heap, if it is not yet).
+// broadcast elsewhere (NVSHMEM is then initialised first, with a small heap, if it is not yet). Where the
+// process registered a bootstrap exchange (comm/bootstrap_exchange.hpp: the Python module's torch.distributed
+// group), both ids take it instead of the directory.
 //
 // NVSHMEM is initialised with nvshmemx_hostlib_init_attr: dmoe uses NVSHMEM's host API only (puts and
 // collectives on streams), which lives in libnvshmem_host.so; nvshmem_init()/nvshmemx_init_attr() are

@@ -35,6 +35,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--comm", default="auto", choices=["auto", "nccl", "nvshmem"])
+    ap.add_argument("--bootstrap", default="env", choices=["env", "pg"],
+                    help="env: torchrun's variables and a rendezvous directory; pg: dmoe.init_from_process_group")
     args = ap.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_RANK", rank))
@@ -43,7 +45,10 @@ def main():
     dev = torch.device("cuda", local % gpus)
     if gpus < int(os.environ.get("LOCAL_WORLD_SIZE", world)) and args.comm != "nvshmem":
         sys.exit(f"multi_rank.py: {world} ranks share {gpus} GPU(s): run them under MPS with --comm nvshmem")
-    dist.init_process_group("gloo")  # only to gather results for the comparison; dmoe uses its own communicators
+    dist.init_process_group("gloo")  # to gather results for the comparison; dmoe uses its own communicators
+    if args.bootstrap == "pg":  # ... which then start through this group instead of a directory
+        os.environ.pop("DMOE_RENDEZVOUS", None)
+        dmoe.init_from_process_group()
     h, i, e, k = 512, 768, 8 * world, 2
     results, failed = {}, []
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
