@@ -44,6 +44,9 @@ class TrainReplica {
   // Ranks that are processes (the GPU engine at W > 1): every expert of the weights and moments gathered to rank 0
   // (collective; true), where threads share memory instead (false: nothing done).
   virtual bool gather_full(MixtralWeights& weights, MixtralWeights& m, MixtralWeights& v) { return false; }
+  // Rank 0's `value` on every rank (collective; the GPU job's communicator): measurements that decide what every
+  // rank runs next (the Flow tuner's step times) must be the same everywhere. Threads and W = 1 return `value`.
+  virtual double rank0_value(double value) { return value; }
   virtual Comm& comm() = 0;
   virtual void barrier() = 0;  // every rank here (collective; waits)
   // The bf16 GEMM ceiling of this rank's GPU (FLOP/s), measured when the replica was made; 0 on the CPU engine.

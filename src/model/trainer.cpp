@@ -21,6 +21,7 @@
 #include "cpu/model_kernels.hpp"
 #include "flow/cuda_executor.hpp"
 #include "flow/task_graph.hpp"
+#include "flow/tuner.hpp"
 #include "model/checkpoint.hpp"
 #include "model/config_io.hpp"
 #include "model/mixtral.hpp"
@@ -102,24 +103,31 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
                "train: num_local_experts = {} is not divisible by --world = {}", config.num_local_experts, o.world);
   DMOE_REQUIRE_INPUT(o.seq >= 2, "train: --seq = {} must be >= 2", o.seq);
   std::optional<flow::TaskGraph> flow_graph;  // --schedule: every step is this task graph on the GPU executor
+  const bool tuned = !o.schedule.empty() && flow::parse_schedule(o.schedule, "--schedule") == flow::Schedule::tuned;
+  auto make_graph = [&](flow::Schedule s, int32_t micro_batches, int64_t chunk_bytes) {
+    flow::GraphSpec spec;
+    spec.layers = config.num_hidden_layers;
+    spec.micro_batches = micro_batches;
+    spec.schedule = s;
+    spec.dense_grad_bytes_per_layer = flow::cuda_mixtral_dense_grad_bytes_per_layer(config);
+    spec.chunk_bytes = std::max<int64_t>(4, chunk_bytes / 4 * 4);  // the executor cuts on 4-byte elements
+    return flow::build_task_graph(spec);
+  };
   if (!o.schedule.empty()) {
     const flow::Schedule s = flow::parse_schedule(o.schedule, "--schedule");
-    DMOE_REQUIRE_INPUT(s != flow::Schedule::tuned, "train: --schedule tuned is not available yet (the online tuner is "
-                       "not built); choose vanilla, pipe-moe, pipe-attn or chunked-ar (dmoe flow tune suggests "
-                       "--micro-batches and --chunk-bytes)");
+    if (tuned) {
+      DMOE_REQUIRE_INPUT(o.micro_batches == 1, "train: --schedule tuned chooses R itself; drop --micro-batches {} (or "
+                         "give a fixed schedule: vanilla, pipe-moe, pipe-attn, chunked-ar)", o.micro_batches);
+      DMOE_REQUIRE_INPUT(o.tune_samples >= 2 && o.tune_steps >= 1, "train: --tune-samples {} must be >= 2 and "
+                         "--tune-steps {} >= 1", o.tune_samples, o.tune_steps);
+    }
     DMOE_REQUIRE_INPUT(o.engine == "cuda", "train: --schedule {} needs --engine cuda (the trainer's Flow executor is "
                        "the GPU one)", o.schedule);
     DMOE_REQUIRE_INPUT(!config.tie_word_embeddings, "train: --schedule needs untied embeddings (tie_word_embeddings = "
                        "false): the executor refuses tied ones");
     DMOE_REQUIRE_INPUT(o.chunk_bytes >= 4 && o.chunk_bytes % 4 == 0, "train: --chunk-bytes {} must be a positive "
                        "multiple of 4", o.chunk_bytes);
-    flow::GraphSpec spec;
-    spec.layers = config.num_hidden_layers;
-    spec.micro_batches = o.micro_batches;
-    spec.schedule = s;
-    spec.dense_grad_bytes_per_layer = flow::cuda_mixtral_dense_grad_bytes_per_layer(config);
-    spec.chunk_bytes = o.chunk_bytes;
-    flow_graph = flow::build_task_graph(spec);
+    if (!tuned) flow_graph = make_graph(s, o.micro_batches, o.chunk_bytes);
   }
   config.check_sequence(o.seq);
   DMOE_REQUIRE_INPUT(o.lr > 0 && o.warmup >= 0 && o.clip >= 0 && o.val_fraction > 0 && o.val_fraction < 1,
@@ -188,6 +196,30 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
   DMOE_REQUIRE_INPUT(first_step <= last_step,
                "--resume {}: the saved run is at step {}, --steps {} (--stop-after {}) leaves nothing to do",
                o.resume_dir, first_step - 1, o.steps, o.stop_after);
+
+  // --schedule tuned: the run shape a tuning file belongs to, and whether one is reused.
+  const json tune_key{{"model", config.summary()}, {"batch", o.batch}, {"seq", o.seq}, {"world", o.world},
+                      {"dtype", dtype_name(o.dtype)}};
+  std::optional<flow::TunePoint> tuned_choice;
+  if (tuned && !o.tune_file.empty() && fs::exists(o.tune_file)) {
+    const json t = read_json_file(o.tune_file, "Flow tuning file");
+    if (t.contains("key") && t["key"] == tune_key && t.contains("choice")) {
+      flow::TunePoint p;
+      p.micro_batches = t["choice"].at("micro_batches").get<int32_t>();
+      p.log2_chunk_bytes = std::log2(double(t["choice"].at("chunk_bytes").get<int64_t>()));
+      DMOE_REQUIRE_INPUT(p.micro_batches >= 1 && (o.batch / o.world) % p.micro_batches == 0,
+                         "--tune-file {}: micro_batches {} does not split the {} sequences per rank", o.tune_file,
+                         p.micro_batches, o.batch / o.world);
+      tuned_choice = p;
+    }
+  }
+  if (tuned && !tuned_choice) {
+    const int64_t need = int64_t(o.tune_samples) * (o.tune_steps + 1);
+    DMOE_REQUIRE_INPUT(last_step - first_step + 1 >= need, "train: --schedule tuned samples {} points x ({} timed + 1 "
+                       "warm-up) steps = {} steps, more than the {} this run has; lower --tune-samples/--tune-steps or "
+                       "raise --steps", o.tune_samples, o.tune_steps, need, last_step - first_step + 1);
+    if (!o.tune_file.empty()) check_output_file(o.tune_file, "--tune-file");
+  }
 
   // The log grows line by line (so a crash keeps what was written): not atomic, but checked before the run
   // and after every line.
@@ -261,13 +293,83 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
       return sum / double(windows);  // each forward's loss is already the mean over all ranks
     };
 
+    // --schedule tuned (flow/tuner.hpp): each sample runs one warm-up step and tune_steps timed steps of chunked-ar
+    // at the tuner's (Sp, R); rank 0's mean wall time of the Flow step is every rank's observation, so every rank's
+    // tuner suggests the same next point. The first sample is R = 1 (no pipelining) at 1 MiB: the tuner can then
+    // never settle on something slower than not splitting the batch.
+    std::optional<flow::FlowTuner> tuner;
+    flow::TunePoint point;
+    std::vector<double> sample_ms;
+    int32_t sample_step = 0;
+    json samples = json::array();
+    std::string schedule_text = o.schedule;
+    auto use_point = [&](const flow::TunePoint& p) {
+      point = p;
+      flow_graph = make_graph(flow::Schedule::chunked_ar, p.micro_batches, p.chunk_bytes());
+      sample_ms.clear();
+      sample_step = 0;
+    };
+    auto describe = [](const flow::TunePoint& p) {
+      return fmt::format("R = {}, Sp = {} KiB", p.micro_batches, (p.chunk_bytes() / 4 * 4) / 1024.0);
+    };
+    if (tuned && tuned_choice) {
+      use_point(*tuned_choice);
+      schedule_text = "tuned (" + describe(point) + ", reused from " + o.tune_file + ")";
+      if (rank == 0) print(fmt::format("tuned: reusing {} from {}", describe(point), o.tune_file));
+    } else if (tuned) {
+      flow::TunerOptions to;
+      to.seed = o.seed;
+      to.micro_batches.clear();
+      for (int32_t r : {1, 2, 4, 8})
+        if (local % r == 0) to.micro_batches.push_back(r);
+      tuner.emplace(to);
+      flow::TunePoint first;
+      first.micro_batches = 1;
+      first.log2_chunk_bytes = 20;
+      use_point(first);
+    }
+
     for (int64_t step = first_step; step <= last_step; ++step) {
       const auto t0 = std::chrono::steady_clock::now();
       const std::vector<int32_t> tokens = train_batch(step);
       replica.zero_grads();
       double loss = 0;
       if (flow_graph) {  // forwards, backwards and the all-reduce as one task graph (docs/flow.md)
+        const auto f0 = std::chrono::steady_clock::now();
         loss = replica.flow_step(*flow_graph, tokens.data() + rank * local * o.seq, local, o.seq);
+        if (tuner) {  // still sampling
+          const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - f0).count();
+          if (sample_step++ > 0) sample_ms.push_back(ms);  // the first step at a point is its warm-up
+          if (int32_t(sample_ms.size()) == o.tune_steps) {
+            double mean = 0;
+            for (double v : sample_ms) mean += v / double(sample_ms.size());
+            mean = replica.rank0_value(mean);
+            tuner->observe(point, mean);
+            samples.push_back({{"micro_batches", point.micro_batches}, {"chunk_bytes", point.chunk_bytes() / 4 * 4},
+                               {"step_ms", mean}});
+            if (rank == 0 && o.print_every > 0)
+              print(fmt::format("tuned: sample {}/{}: {}: {:.3f} ms per Flow step", tuner->num_observations(),
+                                o.tune_samples, describe(point), mean));
+            if (int32_t(tuner->num_observations()) == o.tune_samples) {
+              const flow::TunePoint best = tuner->best();
+              const double best_ms = tuner->best_value();
+              use_point(best);
+              tuner.reset();
+              schedule_text = "tuned (" + describe(point) + ")";
+              if (rank == 0) {
+                print(fmt::format("tuned: chose {} ({:.3f} ms per Flow step) for the rest of the run", describe(best),
+                                  best_ms));
+                if (!o.tune_file.empty())
+                  write_json(o.tune_file, json{{"key", tune_key}, {"samples", samples},
+                                               {"choice", {{"micro_batches", best.micro_batches},
+                                                           {"chunk_bytes", best.chunk_bytes() / 4 * 4},
+                                                           {"step_ms", best_ms}}}});
+              }
+            } else {
+              use_point(tuner->suggest());
+            }
+          }
+        }
       } else {
         for (int32_t r = 0; r < o.micro_batches; ++r)
           loss += replica.forward(tokens.data() + (rank * local + r * micro) * o.seq, micro, o.seq, r) /
@@ -323,11 +425,12 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
       // Per task kind, not per stage: the executor's streams overlap, so these add up to more than the step.
       const double n = double(flow_times.steps);
       std::string table = fmt::format(
-          "Flow executor (--schedule {}, {} micro-batches): GPU time per task kind, ms per step over {} steps (CUDA "
+          "Flow executor (--schedule {}, {} micro-batches): GPU time per task kind, ms per step over {} steps (the "
+          "first step at each graph left out: it builds the engines; CUDA "
           "events; the streams overlap, so the kinds add up to more than the step; the tasks span {:.2f} ms per step; "
           "C' preludes (head, combine backward) and the embedding/norm/LM-head all-reduce after the graph are in no "
           "task; a collective's time includes waiting for its peers):",
-          o.schedule, o.micro_batches, flow_times.steps, flow_times.span_ms / n);
+          schedule_text, tuned ? point.micro_batches : o.micro_batches, flow_times.steps, flow_times.span_ms / n);
       for (const auto& [name, ms] : flow_times.kinds) table += fmt::format("\n  {:<64} {:9.2f}", name, ms / n);
       print(table);
     }

@@ -56,10 +56,15 @@ struct TrainOptions {
   DType dtype = DType::f32;   // cuda: the model's storage (f32 or bf16; f32 master weights and moments either way)
   // Flow (docs/flow.md): empty runs the loop below (R forwards, R backwards from r = R−1 down, one all-reduce);
   // vanilla | pipe-moe | pipe-attn | chunked-ar runs each step as one task graph on the GPU executor (cuda only;
-  // backwards r = 0..R−1, so the gradients differ from the empty schedule's in the last bits). tuned is refused
-  // (the online tuner is not built).
+  // backwards r = 0..R−1, so the gradients differ from the empty schedule's in the last bits). tuned: the first
+  // steps sample (Sp, R) of chunked-ar with the Bayesian tuner (flow/tuner.hpp), tune_steps timed steps after one
+  // warm-up step per sample, all of them real training steps; then the best point for the rest of the run.
   std::string schedule;
   int64_t chunk_bytes = int64_t(1) << 20;  // Sp of chunked-ar
+  int32_t tune_samples = 8;                // tuned: points sampled
+  int32_t tune_steps = 3;                  // tuned: timed steps per point (after one warm-up step)
+  std::string tune_file;                   // tuned: samples and choice as JSON; a file of the same run shape is
+                                           // reused without tuning
 };
 
 struct TrainRecord {

@@ -219,7 +219,11 @@ TEST(FlowCudaHost, TrainScheduleBadInputNamesWhatIsAllowed) {
   };
   fails_with(base + " --schedule fast", "--schedule 'fast': unknown schedule");
   fails_with(base + " --schedule pipe-attn", "--schedule pipe-attn needs --engine cuda");
-  fails_with(base + " --schedule tuned --engine cuda", "--schedule tuned is not available yet");
+  fails_with(base + " --schedule tuned", "--schedule tuned needs --engine cuda");
+  fails_with(base + " --schedule tuned --engine cuda --micro-batches 2", "--schedule tuned chooses R itself");
+  fails_with(base + " --schedule tuned --engine cuda --tune-samples 1", "--tune-samples 1 must be >= 2");
+  // checked before any GPU work: the tuning must fit into the run
+  fails_with(base + " --schedule tuned --engine cuda", "= 32 steps, more than the 1 this run has");
   fails_with(base + " --schedule chunked-ar --engine cuda --chunk-bytes 6", "--chunk-bytes 6 must be a positive multiple of 4");
 }
 

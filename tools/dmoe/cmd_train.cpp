@@ -78,9 +78,16 @@ Command add_train_command(CLI::App& app) {
                   "one rank of a GPU job: dmoe launch -n W / mpirun, --world W)");
   sub->add_option("--dtype", *dtype, "f32 | bf16 (cuda: the weights and activations the kernels use; master weights "
                   "and AdamW moments stay f32)");
-  sub->add_option("--schedule", o->schedule, "Flow: vanilla | pipe-moe | pipe-attn | chunked-ar — each step as a task "
-                  "graph on the GPU executor (--engine cuda; docs/flow.md); default: the sequential loop");
+  sub->add_option("--schedule", o->schedule, "Flow: vanilla | pipe-moe | pipe-attn | chunked-ar | tuned — each step as "
+                  "a task graph on the GPU executor (--engine cuda; docs/flow.md); tuned: the first steps sample (Sp, R) "
+                  "with the Bayesian tuner, then the best; default: the sequential loop");
   sub->add_option("--chunk-bytes", o->chunk_bytes, "Flow: Sp, the all-reduce chunk of chunked-ar (default 1 MiB)");
+  sub->add_option("--tune-samples", o->tune_samples, "Flow, --schedule tuned: points (Sp, R) sampled")
+      ->capture_default_str();
+  sub->add_option("--tune-steps", o->tune_steps, "Flow, --schedule tuned: timed steps per point, after one warm-up step")
+      ->capture_default_str();
+  sub->add_option("--tune-file", o->tune_file, "Flow, --schedule tuned: write the samples and the choice here (JSON); "
+                  "a file of the same model, batch, seq, world and dtype is reused without tuning");
   sub->add_option("--init", o->init, "random, or a model.safetensors / index.json to start from");
   sub->add_option("--resume", o->resume_dir, "continue the run saved in this directory (exact resume)");
   sub->add_option("--save", o->save_dir, "write a checkpoint here at the end (and every --save-every steps)");

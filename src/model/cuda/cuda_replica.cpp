@@ -9,6 +9,7 @@
 #include "comm/cuda/local_comm.hpp"
 #include "comm/process_env.hpp"
 #include "core/error.hpp"
+#include "cuda/check.hpp"
 #include "cuda/cuda_backend.hpp"
 #include "flow/cuda_executor.hpp"
 #include "flow/simulator.hpp"
@@ -49,6 +50,7 @@ class CudaReplica final : public TrainReplica {
   }
   double gemm_ceiling_flop_per_s() const override { return ceiling_; }
   ~CudaReplica() override {
+    if (agree_) cudaFree(agree_);
     states_.clear();  // engines before the model's backend and the communicator
     eval_.reset();
     executor_.reset();
@@ -64,6 +66,13 @@ class CudaReplica final : public TrainReplica {
     model_->enable_stage_times(false);
     const double loss = executor_->step(graph, tokens, batch, seq, states_, &timeline_);
     model_->enable_stage_times(true);
+    // The first step of a graph also builds its engines and plans (hundreds of ms): not counted in the table.
+    const bool new_graph = graph.spec.micro_batches != timed_spec_.micro_batches ||
+                           graph.spec.chunk_bytes != timed_spec_.chunk_bytes ||
+                           graph.spec.schedule != timed_spec_.schedule || flow_steps_seen_ == 0;
+    timed_spec_ = graph.spec;
+    ++flow_steps_seen_;
+    if (new_graph) return loss;
     if (flow_ms_.empty()) flow_ms_.assign(flow::kNumTaskKinds, 0.0);
     double first = 0, last = 0;
     for (size_t i = 0; i < timeline_.size(); ++i) {
@@ -118,6 +127,17 @@ class CudaReplica final : public TrainReplica {
     model_->gather_full(weights, m, v);
     return true;
   }
+  double rank0_value(double value) override {
+    if (comm_->world() == 1) return value;
+    cudaStream_t s = static_cast<cudaStream_t>(model_->backend().stream());
+    if (!agree_) DMOE_CHECK_CUDA(cudaMalloc(&agree_, sizeof(float)));
+    float f = float(value);  // step times in ms: f32 keeps 7 digits, far finer than their run-to-run spread
+    DMOE_CHECK_CUDA(cudaMemcpyAsync(agree_, &f, sizeof(f), cudaMemcpyHostToDevice, s));
+    comm_->broadcast(agree_, 1, DType::f32, 0, model_->backend().stream());
+    DMOE_CHECK_CUDA(cudaMemcpyAsync(&f, agree_, sizeof(f), cudaMemcpyDeviceToHost, s));
+    cuda::wait_stream(s, "train: rank 0's value (broadcast)");
+    return f;
+  }
   Comm& comm() override { return *comm_; }
   void barrier() override {
     if (comm_->world() > 1) comm_->barrier(model_->backend().stream());
@@ -133,10 +153,13 @@ class CudaReplica final : public TrainReplica {
   std::vector<flow::TraceEvent> timeline_;  // the last Flow step's, reused
   std::vector<double> flow_ms_;             // per task kind, summed over the Flow steps
   double flow_span_ms_ = 0;
-  int64_t flow_steps_ = 0;
+  int64_t flow_steps_ = 0;       // steps in the table (the first at each graph left out)
+  int64_t flow_steps_seen_ = 0;
+  flow::GraphSpec timed_spec_;
   std::vector<CudaModelState> states_;
   std::unique_ptr<CudaModelState> eval_;
   double ceiling_ = 0;
+  void* agree_ = nullptr;  // rank0_value's device float
 };
 
 }  // namespace
