@@ -200,16 +200,29 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
   // --schedule tuned: the run shape a tuning file belongs to, and whether one is reused.
   const json tune_key{{"model", config.summary()}, {"batch", o.batch}, {"seq", o.seq}, {"world", o.world},
                       {"dtype", dtype_name(o.dtype)}};
+  // The file holds one entry per run shape ({"runs": [{"key", "samples", "choice"}, ...]}): a new shape is added,
+  // never written over another's; a file that is not one of these is refused before the run, not replaced.
   std::optional<flow::TunePoint> tuned_choice;
+  json tune_runs = json::array();
   if (tuned && !o.tune_file.empty() && fs::exists(o.tune_file)) {
     const json t = read_json_file(o.tune_file, "Flow tuning file");
-    if (t.contains("key") && t["key"] == tune_key && t.contains("choice")) {
+    DMOE_REQUIRE_INPUT(t.is_object() && t.contains("runs") && t["runs"].is_array(), "--tune-file {}: not a Flow tuning "
+                       "file (no \"runs\" list); it is left as it is: give a new path", o.tune_file);
+    tune_runs = t["runs"];
+    for (const json& run : tune_runs) {
+      if (!run.is_object() || !run.contains("key") || run["key"] != tune_key) continue;
+      const json& c = run.contains("choice") ? run["choice"] : json();
+      DMOE_REQUIRE_INPUT(c.is_object() && c.contains("micro_batches") && c["micro_batches"].is_number_integer() &&
+                             c.contains("chunk_bytes") && c["chunk_bytes"].is_number_integer(),
+                         "--tune-file {}: the entry of this run's shape has no integer choice.micro_batches and "
+                         "choice.chunk_bytes", o.tune_file);
       flow::TunePoint p;
-      p.micro_batches = t["choice"].at("micro_batches").get<int32_t>();
-      p.log2_chunk_bytes = std::log2(double(t["choice"].at("chunk_bytes").get<int64_t>()));
-      DMOE_REQUIRE_INPUT(p.micro_batches >= 1 && (o.batch / o.world) % p.micro_batches == 0,
-                         "--tune-file {}: micro_batches {} does not split the {} sequences per rank", o.tune_file,
-                         p.micro_batches, o.batch / o.world);
+      p.micro_batches = c["micro_batches"].get<int32_t>();
+      const int64_t sp = c["chunk_bytes"].get<int64_t>();
+      DMOE_REQUIRE_INPUT(p.micro_batches >= 1 && (o.batch / o.world) % p.micro_batches == 0 && sp >= 4,
+                         "--tune-file {}: choice micro_batches {} (must split the {} sequences per rank) or chunk_bytes "
+                         "{} (must be >= 4) is not usable here", o.tune_file, p.micro_batches, o.batch / o.world, sp);
+      p.log2_chunk_bytes = std::log2(double(sp));
       tuned_choice = p;
     }
   }
@@ -359,11 +372,13 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
               if (rank == 0) {
                 print(fmt::format("tuned: chose {} ({:.3f} ms per Flow step) for the rest of the run", describe(best),
                                   best_ms));
-                if (!o.tune_file.empty())
-                  write_json(o.tune_file, json{{"key", tune_key}, {"samples", samples},
-                                               {"choice", {{"micro_batches", best.micro_batches},
-                                                           {"chunk_bytes", best.chunk_bytes() / 4 * 4},
-                                                           {"step_ms", best_ms}}}});
+                if (!o.tune_file.empty()) {
+                  tune_runs.push_back(json{{"key", tune_key}, {"samples", samples},
+                                           {"choice", {{"micro_batches", best.micro_batches},
+                                                       {"chunk_bytes", best.chunk_bytes() / 4 * 4},
+                                                       {"step_ms", best_ms}}}});
+                  write_json(o.tune_file, json{{"runs", tune_runs}});
+                }
               }
             } else {
               use_point(tuner->suggest());

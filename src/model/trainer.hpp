@@ -63,8 +63,8 @@ struct TrainOptions {
   int64_t chunk_bytes = int64_t(1) << 20;  // Sp of chunked-ar
   int32_t tune_samples = 8;                // tuned: points sampled
   int32_t tune_steps = 3;                  // tuned: timed steps per point (after one warm-up step)
-  std::string tune_file;                   // tuned: samples and choice as JSON; a file of the same run shape is
-                                           // reused without tuning
+  std::string tune_file;                   // tuned: samples and choice as JSON, one entry per run shape (model,
+                                           // batch, seq, world, dtype): this shape's is reused without tuning
 };
 
 struct TrainRecord {

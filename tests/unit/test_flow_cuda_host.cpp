@@ -2,6 +2,8 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <fstream>
+#include <iterator>
 #include <string>
 
 #include "cli_test_util.hpp"
@@ -222,8 +224,18 @@ TEST(FlowCudaHost, TrainScheduleBadInputNamesWhatIsAllowed) {
   fails_with(base + " --schedule tuned", "--schedule tuned needs --engine cuda");
   fails_with(base + " --schedule tuned --engine cuda --micro-batches 2", "--schedule tuned chooses R itself");
   fails_with(base + " --schedule tuned --engine cuda --tune-samples 1", "--tune-samples 1 must be >= 2");
-  // checked before any GPU work: the tuning must fit into the run
+  // checked before any GPU work: the tuning must fit into the run, and a --tune-file that is some other JSON is
+  // refused, not replaced
   fails_with(base + " --schedule tuned --engine cuda", "= 32 steps, more than the 1 this run has");
+  const std::string other = testing::TempDir() + "/not_a_tuning_file.json";
+  {
+    std::ofstream f(other);
+    f << "{\"loss\": 1.5}\n";
+  }
+  fails_with(base + " --schedule tuned --engine cuda --tune-file " + other, "not a Flow tuning file");
+  std::ifstream back(other);
+  const std::string kept((std::istreambuf_iterator<char>(back)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(kept, "{\"loss\": 1.5}\n");
   fails_with(base + " --schedule chunked-ar --engine cuda --chunk-bytes 6", "--chunk-bytes 6 must be a positive multiple of 4");
 }
 

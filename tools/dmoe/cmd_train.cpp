@@ -87,7 +87,8 @@ Command add_train_command(CLI::App& app) {
   sub->add_option("--tune-steps", o->tune_steps, "Flow, --schedule tuned: timed steps per point, after one warm-up step")
       ->capture_default_str();
   sub->add_option("--tune-file", o->tune_file, "Flow, --schedule tuned: write the samples and the choice here (JSON); "
-                  "a file of the same model, batch, seq, world and dtype is reused without tuning");
+                  "one entry per run shape (model, batch, seq, world, dtype): an entry of this run's shape is reused without "
+                  "tuning, a new shape is added");
   sub->add_option("--init", o->init, "random, or a model.safetensors / index.json to start from");
   sub->add_option("--resume", o->resume_dir, "continue the run saved in this directory (exact resume)");
   sub->add_option("--save", o->save_dir, "write a checkpoint here at the end (and every --save-every steps)");
