@@ -224,6 +224,12 @@ TEST(FlowCudaHost, TrainScheduleBadInputNamesWhatIsAllowed) {
   fails_with(base + " --schedule tuned", "--schedule tuned needs --engine cuda");
   fails_with(base + " --schedule tuned --engine cuda --micro-batches 2", "--schedule tuned chooses R itself");
   fails_with(base + " --schedule tuned --engine cuda --tune-samples 1", "--tune-samples 1 must be >= 2");
+  // options of one schedule given to another would be ignored: refused
+  fails_with(base + " --tune-samples 3", "--tune-samples is an option of --schedule tuned (this run: no --schedule)");
+  fails_with(base + " --schedule pipe-attn --engine cuda --tune-file x.json",
+             "--tune-file is an option of --schedule tuned (this run: --schedule pipe-attn)");
+  fails_with(base + " --schedule pipe-moe --engine cuda --chunk-bytes 4096",
+             "--chunk-bytes is the chunk of --schedule chunked-ar (this run: --schedule pipe-moe");
   // checked before any GPU work: the tuning must fit into the run, and a --tune-file that is some other JSON is
   // refused, not replaced
   fails_with(base + " --schedule tuned --engine cuda", "= 32 steps, more than the 1 this run has");

@@ -81,12 +81,14 @@ Command add_train_command(CLI::App& app) {
   sub->add_option("--schedule", o->schedule, "Flow: vanilla | pipe-moe | pipe-attn | chunked-ar | tuned — each step as "
                   "a task graph on the GPU executor (--engine cuda; docs/flow.md); tuned: the first steps sample (Sp, R) "
                   "with the Bayesian tuner, then the best; default: the sequential loop");
-  sub->add_option("--chunk-bytes", o->chunk_bytes, "Flow: Sp, the all-reduce chunk of chunked-ar (default 1 MiB)");
-  sub->add_option("--tune-samples", o->tune_samples, "Flow, --schedule tuned: points (Sp, R) sampled")
+  CLI::Option* chunk = sub->add_option("--chunk-bytes", o->chunk_bytes,
+                                       "Flow: Sp, the all-reduce chunk of chunked-ar (default 1 MiB)");
+  CLI::Option* samples = sub->add_option("--tune-samples", o->tune_samples, "Flow, --schedule tuned: points (Sp, R) sampled")
       ->capture_default_str();
-  sub->add_option("--tune-steps", o->tune_steps, "Flow, --schedule tuned: timed steps per point, after one warm-up step")
+  CLI::Option* steps = sub->add_option("--tune-steps", o->tune_steps,
+                                       "Flow, --schedule tuned: timed steps per point, after one warm-up step")
       ->capture_default_str();
-  sub->add_option("--tune-file", o->tune_file, "Flow, --schedule tuned: write the samples and the choice here (JSON); "
+  CLI::Option* file = sub->add_option("--tune-file", o->tune_file, "Flow, --schedule tuned: write the samples and the choice here (JSON); "
                   "one entry per run shape (model, batch, seq, world, dtype): an entry of this run's shape is reused without "
                   "tuning, a new shape is added");
   sub->add_option("--init", o->init, "random, or a model.safetensors / index.json to start from");
@@ -106,7 +108,15 @@ Command add_train_command(CLI::App& app) {
   sub->add_option("--val-batches", o->val_batches, "held-out windows = val-batches x batch")->check(CLI::Range(int64_t(1), int64_t(1) << 20));
   sub->add_option("--seed", o->seed, "data order and random init");
   sub->add_option("--print-every", o->print_every, "progress line every N steps (0: none)")->check(CLI::Range(int64_t(0), kMaxSteps));
-  return [o, config, engine, dtype] {
+  return [o, config, engine, dtype, chunk, samples, steps, file] {
+    // Options of one schedule given for another would be ignored: refused instead.
+    for (const CLI::Option* opt : {samples, steps, file})
+      DMOE_REQUIRE_INPUT(opt->count() == 0 || o->schedule == "tuned", "train: {} is an option of --schedule tuned "
+                         "(this run: {}); drop it or add --schedule tuned", opt->get_name(),
+                         o->schedule.empty() ? "no --schedule" : "--schedule " + o->schedule);
+    DMOE_REQUIRE_INPUT(chunk->count() == 0 || o->schedule == "chunked-ar", "train: --chunk-bytes is the chunk of "
+                       "--schedule chunked-ar (this run: {}; tuned chooses it)",
+                       o->schedule.empty() ? "no --schedule" : "--schedule " + o->schedule);
     if (*engine == "gpu") *engine = "cuda";
     DMOE_REQUIRE_INPUT(*engine == "cpu" || *engine == "cuda", "--engine '{}' is not an engine; allowed: cpu, cuda",
                        *engine);
