@@ -218,9 +218,10 @@ __device__ void grid_barrier(const KernelArgs& a, uint32_t epoch) {
 // c of row r at r·128 + (c ^ r % 8)·16; zeros past H and T), 2-8 chunks in flight (scratch_layout); thread 0
 // refills the stage of chunk ck − 1 after the barrier that ends its use. Rows past n and experts past E are
 // clamped to a valid row and their results dropped.
-// Measured (docs/perf.md, ninth session): fragments by one 32-bit shared load per word made the loop issue-
-// bound at ~0.5 µs per chunk; routing one token per thread (topk_row's O(k·E) loop) took 17-59 µs, so one warp
-// routes a token with the EP router's code (cuda/warp_routing.cuh). wgmma here was tried and rejected: ptxas
+// Measured (docs/perf.md, ninth session): the loop takes ~0.55 µs per chunk whether fragments come by 32-bit
+// shared loads or by ldmatrix, with 4 or 8 stages (cause not found yet); routing one token per thread
+// (topk_row's O(k·E) loop) took 17-59 µs, so one warp routes a token with the EP router's code
+// (cuda/warp_routing.cuh). wgmma here was tried and rejected: ptxas
 // then serialises every wgmma of the kernel, the tile engine's included (C7512, registers).
 __device__ void route_token_serial(const KernelArgs& a, const float* row, int64_t t, int32_t* id_row) {
   const flash::Shape& s = a.p.shape;
