@@ -12,6 +12,8 @@
 #include "core/config.hpp"
 #include "core/random.hpp"
 #include "cpu/kernels.hpp"
+#include "flash/flash_kernel.hpp"
+#include "gpu_test_util.hpp"
 #include "model/moe_weights.hpp"
 
 namespace dmoe {
@@ -68,6 +70,19 @@ std::vector<float> inputs_without_near_ties(const MoeConfig& c, const MoeWeights
   }
   ADD_FAILURE() << "no input without near-tied router logits found";
   return {};
+}
+
+// Whether the Flash kernel can run here (an sm_90 GPU and this build's sm_90a code): its tests skip otherwise.
+inline bool flash_runs_here() {
+  if (!test::has_cuda_device()) return false;
+  MoeConfig c;
+  c.tokens = 8;
+  c.hidden = 64;
+  c.ffn = 64;
+  c.experts = 4;
+  c.top_k = 1;
+  c.dtype = DType::bf16;
+  return cuda::flash_unusable_reason(flash::make_shape(c, 1)).empty();
 }
 
 }  // namespace

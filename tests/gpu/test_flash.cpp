@@ -32,18 +32,6 @@ namespace {
 
 constexpr double kTolBf16 = 2e-2;
 
-bool flash_runs_here() {
-  if (!test::has_cuda_device()) return false;
-  MoeConfig c;
-  c.tokens = 8;
-  c.hidden = 64;
-  c.ffn = 64;
-  c.experts = 4;
-  c.top_k = 1;
-  c.dtype = DType::bf16;
-  return cuda::flash_unusable_reason(flash::make_shape(c, 1)).empty();
-}
-
 std::vector<bfloat16> to_bf16(const float* v, size_t n) {
   std::vector<bfloat16> b(n);
   for (size_t i = 0; i < n; ++i) b[i] = float_to_bf16(v[i]);

@@ -34,18 +34,6 @@ namespace {
 namespace fs = std::filesystem;
 constexpr double kTolBf16 = 2e-2;
 
-bool flash_runs_here() {
-  if (!test::has_cuda_device()) return false;
-  MoeConfig c;
-  c.tokens = 8;
-  c.hidden = 64;
-  c.ffn = 64;
-  c.experts = 4;
-  c.top_k = 1;
-  c.dtype = DType::bf16;
-  return cuda::flash_unusable_reason(flash::make_shape(c, 1)).empty();
-}
-
 MoeConfig engine_config(int64_t tokens) {
   MoeConfig c;
   c.tokens = tokens;
