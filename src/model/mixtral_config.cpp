@@ -6,6 +6,8 @@
 #include <limits>
 #include <sstream>
 
+#include <nlohmann/json.hpp>
+
 #include "core/error.hpp"
 #include "core/output_file.hpp"
 #include "model/config_io.hpp"

@@ -8,6 +8,8 @@
 #include <filesystem>
 #include <fstream>
 
+#include <nlohmann/json.hpp>
+
 #include "cli_test_util.hpp"
 #include "engine/reference.hpp"
 #include "model/checkpoint.hpp"

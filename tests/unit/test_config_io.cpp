@@ -9,6 +9,8 @@
 #include <fstream>
 #include <string>
 
+#include <nlohmann/json.hpp>
+
 #include "core/error.hpp"
 #include "model/config_io.hpp"
 

@@ -5,6 +5,8 @@
 #include <cstdio>
 #include <filesystem>
 
+#include <nlohmann/json.hpp>
+
 #include "commands.hpp"
 #include "core/error.hpp"
 #include "core/host_resources.hpp"
