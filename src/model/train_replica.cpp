@@ -2,24 +2,64 @@
 // without CUDA compiles model/no_cuda/ instead).
 #include "model/train_replica.hpp"
 
+#include <algorithm>
 #include <vector>
 
 #include "core/error.hpp"
+#include "flow/cpu_executor.hpp"
 #include "model/mixtral.hpp"
 
 namespace dmoe {
 
 double TrainReplica::flow_step(const flow::TaskGraph&, const int32_t*, int64_t, int64_t) {
-  DMOE_FAIL_INPUT("train --schedule: the {} engine has no Flow executor in the trainer; use --engine cuda (the CPU "
-                  "executor runs in dmoe flow measure)", engine_name());
+  DMOE_FAIL("train --schedule: the {} replica was made without a Flow executor", engine_name());
 }
+
+void FlowTimeAccumulator::add(const flow::TaskGraph& graph, const std::vector<flow::TraceEvent>& timeline) {
+  const flow::GraphSpec& g = graph.spec;
+  const bool new_graph = steps_seen_ == 0 || g.micro_batches != last_spec_.micro_batches ||
+                         g.chunk_bytes != last_spec_.chunk_bytes || g.schedule != last_spec_.schedule;
+  last_spec_ = g;
+  ++steps_seen_;
+  if (new_graph) return;
+  if (kind_ms_.empty()) kind_ms_.assign(flow::kNumTaskKinds, 0.0);
+  double first = 0, last = 0;
+  for (size_t i = 0; i < timeline.size(); ++i) {
+    const flow::TraceEvent& e = timeline[i];
+    kind_ms_[size_t(graph.tasks[size_t(e.task)].kind)] += e.end_ms - e.start_ms;
+    first = i == 0 ? e.start_ms : std::min(first, e.start_ms);
+    last = std::max(last, e.end_ms);
+  }
+  span_ms_ += last - first;
+  ++steps_;
+}
+
+TrainReplica::FlowTimes FlowTimeAccumulator::table(const std::string& clock,
+                                                   const std::function<std::string(flow::TaskKind)>& where) const {
+  TrainReplica::FlowTimes t;
+  t.steps = steps_;
+  t.span_ms = span_ms_;
+  t.clock = clock;
+  if (steps_ == 0) return t;
+  static const char* const what[flow::kNumTaskKinds] = {
+      "attention + gate", "dispatch all-to-all", "experts", "combine all-to-all", "combine backward all-to-all",
+      "experts backward", "dispatch backward all-to-all", "gate + attention backward", "gradient all-reduce chunks"};
+  for (int k = 0; k < flow::kNumTaskKinds; ++k) {
+    const flow::TaskKind kind = flow::TaskKind(k);
+    t.kinds.emplace_back(fmt::format("{:<4}{} ({})", flow::task_kind_name(kind), what[k], where(kind)),
+                         kind_ms_[size_t(k)]);
+  }
+  return t;
+}
+
 namespace {
 
 class CpuReplica final : public TrainReplica {
  public:
   CpuReplica(const MixtralConfig& config, Comm& comm, MixtralWeights share, MixtralWeights m, MixtralWeights v,
-             int32_t micro_batches)
-      : comm_(comm), model_(config, comm), m_(std::move(m)), v_(std::move(v)), states_(micro_batches) {
+             int32_t micro_batches, Comm* allreduce_comm)
+      : comm_(comm), ar_comm_(allreduce_comm), model_(config, comm), m_(std::move(m)), v_(std::move(v)),
+        states_(micro_batches) {
     model_.set_weights(std::move(share));
     params_ = parameter_views(model_.weights(), config);
     grads_ = parameter_views(model_.grads(), config);
@@ -33,6 +73,32 @@ class CpuReplica final : public TrainReplica {
   double evaluate(const int32_t* tokens, int64_t batch, int64_t seq) override {
     ModelState st;
     return model_.forward(tokens, batch, seq, st);
+  }
+  double flow_step(const flow::TaskGraph& graph, const int32_t* tokens, int64_t batch, int64_t seq) override {
+    DMOE_REQUIRE(ar_comm_ != nullptr, "train --schedule: the CPU replica was made without the all-reduce communicator");
+    const double loss = flow::run_cpu_flow_step(model_, *ar_comm_, graph, tokens, batch, seq, flow_states_, &timeline_);
+    flow_time_.add(graph, timeline_);
+    return loss;
+  }
+  FlowTimes flow_times() override {
+    return flow_time_.table("wall clock of the executor's threads", [](flow::TaskKind kind) -> std::string {
+      // The CPU executor runs the MoE stage as one EpEngine call at D (forward) and C' (backward).
+      if (kind == flow::TaskKind::expert_fwd || kind == flow::TaskKind::combine_fwd) return "inside D on this engine";
+      if (kind == flow::TaskKind::expert_bwd || kind == flow::TaskKind::dispatch_bwd) return "inside C' on this engine";
+      switch (flow::stream_of(kind)) {
+        case flow::Stream::compute: return "compute thread";
+        case flow::Stream::alltoall: return "all-to-all thread";
+        default: return "all-reduce thread, own communicator";
+      }
+    });
+  }
+  // Thread ranks time their own steps; the tuner needs one value on every rank (each rank's tuner must suggest the
+  // same next graph), so rank 0's goes to all.
+  double rank0_value(double value) override {
+    if (comm_.world() == 1) return value;
+    double v = comm_.rank() == 0 ? value : 0.0;
+    comm_.allreduce_sum(&v, 1, DType::f64, nullptr);
+    return v;
   }
   void zero_grads() override { model_.zero_grads(); }
   void reduce_grads() override { model_.reduce_grads(); }
@@ -61,17 +127,23 @@ class CpuReplica final : public TrainReplica {
 
  private:
   Comm& comm_;
+  Comm* ar_comm_;  // the Flow executor's chunks (flow_step); null without --schedule
   MixtralModel model_;
   MixtralWeights m_, v_;
   std::vector<ModelState> states_;
+  std::vector<ModelState> flow_states_;      // the executor's micro-batch states (it sizes them to the graph's R)
+  std::vector<flow::TraceEvent> timeline_;   // the last Flow step's, reused
+  FlowTimeAccumulator flow_time_;
   std::vector<ParamView> params_, grads_, ms_, vs_;
 };
 
 }  // namespace
 
 std::unique_ptr<TrainReplica> make_cpu_replica(const MixtralConfig& config, Comm& comm, MixtralWeights share,
-                                               MixtralWeights m, MixtralWeights v, int32_t micro_batches) {
-  return std::make_unique<CpuReplica>(config, comm, std::move(share), std::move(m), std::move(v), micro_batches);
+                                               MixtralWeights m, MixtralWeights v, int32_t micro_batches,
+                                               Comm* allreduce_comm) {
+  return std::make_unique<CpuReplica>(config, comm, std::move(share), std::move(m), std::move(v), micro_batches,
+                                      allreduce_comm);
 }
 
 

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -14,6 +15,7 @@
 #include "comm/comm.hpp"
 #include "core/dtype.hpp"
 #include "cpu/model_kernels.hpp"
+#include "flow/simulator.hpp"  // flow::TraceEvent
 #include "flow/task_graph.hpp"
 #include "model/mixtral_config.hpp"
 #include "model/mixtral_weights.hpp"
@@ -32,7 +34,9 @@ class TrainReplica {
   virtual void reduce_grads() = 0;
   // One step's forwards, backwards (1/R each) and the replicated gradients' all-reduce as a Flow task graph
   // (graph.spec.micro_batches micro-batches of this rank's tokens [batch, seq]); the mean of the micro-batches'
-  // losses. Only the GPU engine has an executor for it (docs/flow.md).
+  // losses. The CPU engine runs it on the CPU executor (threads), the GPU engine on the GPU executor (streams);
+  // docs/flow.md. The graph's dense_grad_bytes_per_layer is the engine's layout (flow::mixtral_/
+  // cuda_mixtral_dense_grad_bytes_per_layer); the executors refuse another.
   virtual double flow_step(const flow::TaskGraph& graph, const int32_t* tokens, int64_t batch, int64_t seq);
   // Σ g² of the gradients: [0] the replicated tensors (the same on every rank), [1] the experts of all ranks
   // (collective).
@@ -60,14 +64,36 @@ class TrainReplica {
     int64_t steps = 0;
     double span_ms = 0;
     std::vector<std::pair<std::string, double>> kinds;  // e.g. ("AT  attention + gate (compute)", ms)
+    std::string clock;  // how the kinds were timed, e.g. "CUDA events" or "wall clock of the executor's threads"
   };
   virtual FlowTimes flow_times() { return {}; }
   virtual const char* engine_name() const = 0;
 };
 
+// flow_times()'s bookkeeping, one copy for both engines: each Flow step's timeline summed per task kind and its span
+// (first start to last end). The first step of each graph (a new schedule, R or Sp) is left out: it builds the
+// engines and plans for that shape.
+class FlowTimeAccumulator {
+ public:
+  void add(const flow::TaskGraph& graph, const std::vector<flow::TraceEvent>& timeline);
+  // where(kind): the resource the kind ran on, e.g. "compute" or "all-to-all stream".
+  TrainReplica::FlowTimes table(const std::string& clock,
+                                const std::function<std::string(flow::TaskKind)>& where) const;
+
+ private:
+  std::vector<double> kind_ms_;  // per task kind, summed over the counted steps
+  double span_ms_ = 0;
+  int64_t steps_ = 0;       // steps counted
+  int64_t steps_seen_ = 0;  // every step, counted or not
+  flow::GraphSpec last_spec_;
+};
+
 // The CPU engine's rank `comm.rank()` of a W-thread job, starting from its share of the weights and moments.
+// allreduce_comm: a second communicator over the same thread ranks (make_thread_comms), for the Flow executor's
+// gradient chunks (flow_step); null when the run has no --schedule (flow_step then refuses).
 std::unique_ptr<TrainReplica> make_cpu_replica(const MixtralConfig& config, Comm& comm, MixtralWeights share,
-                                               MixtralWeights m, MixtralWeights v, int32_t micro_batches);
+                                               MixtralWeights m, MixtralWeights v, int32_t micro_batches,
+                                               Comm* allreduce_comm = nullptr);
 
 // This process as one rank of a GPU job (dmoe launch / mpirun / srun, or alone): its GPU, a communicator over
 // the job's processes (NCCL or NVSHMEM; none at W = 1), the model in `storage` (f32 or bf16). `full`, `m`, `v`

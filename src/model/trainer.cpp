@@ -19,6 +19,7 @@
 #include "core/output_file.hpp"
 #include "core/random.hpp"
 #include "cpu/model_kernels.hpp"
+#include "flow/cpu_executor.hpp"
 #include "flow/cuda_executor.hpp"
 #include "flow/task_graph.hpp"
 #include "flow/tuner.hpp"
@@ -102,14 +103,15 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
   DMOE_REQUIRE_INPUT(config.num_local_experts % o.world == 0,
                "train: num_local_experts = {} is not divisible by --world = {}", config.num_local_experts, o.world);
   DMOE_REQUIRE_INPUT(o.seq >= 2, "train: --seq = {} must be >= 2", o.seq);
-  std::optional<flow::TaskGraph> flow_graph;  // --schedule: every step is this task graph on the GPU executor
+  std::optional<flow::TaskGraph> flow_graph;  // --schedule (not tuned): every step is this graph on the engine's executor
   const bool tuned = !o.schedule.empty() && flow::parse_schedule(o.schedule, "--schedule") == flow::Schedule::tuned;
   auto make_graph = [&](flow::Schedule s, int32_t micro_batches, int64_t chunk_bytes) {
     flow::GraphSpec spec;
     spec.layers = config.num_hidden_layers;
     spec.micro_batches = micro_batches;
     spec.schedule = s;
-    spec.dense_grad_bytes_per_layer = flow::cuda_mixtral_dense_grad_bytes_per_layer(config);
+    spec.dense_grad_bytes_per_layer = o.engine == "cuda" ? flow::cuda_mixtral_dense_grad_bytes_per_layer(config)
+                                                         : flow::mixtral_dense_grad_bytes_per_layer(config);
     spec.chunk_bytes = std::max<int64_t>(4, chunk_bytes / 4 * 4);  // the executor cuts on 4-byte elements
     return flow::build_task_graph(spec);
   };
@@ -121,8 +123,6 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
       DMOE_REQUIRE_INPUT(o.tune_samples >= 2 && o.tune_steps >= 1, "train: --tune-samples {} must be >= 2 and "
                          "--tune-steps {} >= 1", o.tune_samples, o.tune_steps);
     }
-    DMOE_REQUIRE_INPUT(o.engine == "cuda", "train: --schedule {} needs --engine cuda (the trainer's Flow executor is "
-                       "the GPU one)", o.schedule);
     DMOE_REQUIRE_INPUT(!config.tie_word_embeddings, "train: --schedule needs untied embeddings (tie_word_embeddings = "
                        "false): the executor refuses tied ones");
     DMOE_REQUIRE_INPUT(o.chunk_bytes >= 4 && o.chunk_bytes % 4 == 0, "train: --chunk-bytes {} must be a positive "
@@ -291,6 +291,8 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
   // One rank's loop, on either engine (train_replica.hpp).
   auto run_rank = [&](int32_t rank, TrainReplica& replica) {
     const int64_t micro = local / o.micro_batches;
+    // This rank's task graph: --schedule tuned replaces it as it samples, and thread ranks must not share that.
+    std::optional<flow::TaskGraph> graph = flow_graph;
     // A step's FLOP over all ranks (3 × forward, MixtralConfig::forward_flop) and the ceiling the MFU is against
     // (the GPU's bf16 GEMM timed by the replica; none on the CPU). Ranks sharing one GPU overstate it.
     const double step_flop = 3 * config.forward_flop(o.batch, o.seq);
@@ -318,12 +320,12 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
     std::string schedule_text = o.schedule;
     auto use_point = [&](const flow::TunePoint& p) {
       point = p;
-      flow_graph = make_graph(flow::Schedule::chunked_ar, p.micro_batches, p.chunk_bytes());
+      graph = make_graph(flow::Schedule::chunked_ar, p.micro_batches, p.chunk_bytes());
       sample_ms.clear();
       sample_step = 0;
     };
     auto describe = [](const flow::TunePoint& p) {
-      return fmt::format("R = {}, Sp = {} KiB", p.micro_batches, (p.chunk_bytes() / 4 * 4) / 1024.0);
+      return fmt::format("R = {}, Sp = {:.1f} KiB", p.micro_batches, (p.chunk_bytes() / 4 * 4) / 1024.0);
     };
     if (tuned && tuned_choice) {
       use_point(*tuned_choice);
@@ -347,9 +349,9 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
       const std::vector<int32_t> tokens = train_batch(step);
       replica.zero_grads();
       double loss = 0;
-      if (flow_graph) {  // forwards, backwards and the all-reduce as one task graph (docs/flow.md)
+      if (graph) {  // forwards, backwards and the all-reduce as one task graph (docs/flow.md)
         const auto f0 = std::chrono::steady_clock::now();
-        loss = replica.flow_step(*flow_graph, tokens.data() + rank * local * o.seq, local, o.seq);
+        loss = replica.flow_step(*graph, tokens.data() + rank * local * o.seq, local, o.seq);
         if (tuner) {  // still sampling
           const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - f0).count();
           if (sample_step++ > 0) sample_ms.push_back(ms);  // the first step at a point is its warm-up
@@ -440,12 +442,13 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
       // Per task kind, not per stage: the executor's streams overlap, so these add up to more than the step.
       const double n = double(flow_times.steps);
       std::string table = fmt::format(
-          "Flow executor (--schedule {}, {} micro-batches): GPU time per task kind, ms per step over {} steps (the "
-          "first step at each graph left out: it builds the engines; CUDA "
-          "events; the streams overlap, so the kinds add up to more than the step; the tasks span {:.2f} ms per step; "
+          "Flow executor (--schedule {}, R = {} micro-batches): time per task kind, ms per step over {} steps (the "
+          "first step at each graph left out: it builds the engines; {}; "
+          "the streams overlap, so the kinds add up to more than the step; the tasks span {:.2f} ms per step; "
           "C' preludes (head, combine backward) and the embedding/norm/LM-head all-reduce after the graph are in no "
           "task; a collective's time includes waiting for its peers):",
-          schedule_text, tuned ? point.micro_batches : o.micro_batches, flow_times.steps, flow_times.span_ms / n);
+          schedule_text, tuned ? point.micro_batches : o.micro_batches, flow_times.steps, flow_times.clock,
+          flow_times.span_ms / n);
       for (const auto& [name, ms] : flow_times.kinds) table += fmt::format("\n  {:<64} {:9.2f}", name, ms / n);
       print(table);
     }
@@ -474,11 +477,16 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
   } else {
     DMOE_REQUIRE_INPUT(o.dtype == DType::f32, "train: --dtype {} on the CPU engine; it trains in f32 (allowed: f32; "
                        "bf16 with --engine cuda)", dtype_name(o.dtype));
+    // --schedule: the Flow executor's gradient chunks go on a second group of the same thread ranks (docs/flow.md:
+    // the all-reduce on its own communicator is what makes the dynamic priority rule deadlock-free).
+    std::vector<std::unique_ptr<Comm>> ar_comms;
+    if (!o.schedule.empty()) ar_comms = make_thread_comms(o.world);
     run_thread_ranks(o.world, [&](int32_t rank, Comm& comm) {
       const int32_t per = config.num_local_experts / o.world, first = rank * per;
       std::unique_ptr<TrainReplica> replica =
           make_cpu_replica(config, comm, slice_mixtral_experts(full, first, per), slice_mixtral_experts(full_m, first, per),
-                           slice_mixtral_experts(full_v, first, per), o.micro_batches);
+                           slice_mixtral_experts(full_v, first, per), o.micro_batches,
+                           ar_comms.empty() ? nullptr : ar_comms[size_t(rank)].get());
       run_rank(rank, *replica);
     });
   }

@@ -55,8 +55,9 @@ struct TrainOptions {
                               // job (dmoe launch / mpirun / srun, or alone) and `world` must be the job's size
   DType dtype = DType::f32;   // cuda: the model's storage (f32 or bf16; f32 master weights and moments either way)
   // Flow (docs/flow.md): empty runs the loop below (R forwards, R backwards from r = R−1 down, one all-reduce);
-  // vanilla | pipe-moe | pipe-attn | chunked-ar runs each step as one task graph on the GPU executor (cuda only;
-  // backwards r = 0..R−1, so the gradients differ from the empty schedule's in the last bits). tuned: the first
+  // vanilla | pipe-moe | pipe-attn | chunked-ar runs each step as one task graph on the engine's Flow executor (cpu:
+  // flow/cpu_executor.hpp, three threads per rank; cuda: flow/cuda_executor.hpp, three streams; backwards
+  // r = 0..R−1, so the gradients differ from the empty schedule's in the last bits). tuned: the first
   // steps sample (Sp, R) of chunked-ar with the Bayesian tuner (flow/tuner.hpp), tune_steps timed steps after one
   // warm-up step per sample, all of them real training steps; then the best point for the rest of the run.
   std::string schedule;

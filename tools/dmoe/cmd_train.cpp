@@ -79,7 +79,7 @@ Command add_train_command(CLI::App& app) {
   sub->add_option("--dtype", *dtype, "f32 | bf16 (cuda: the weights and activations the kernels use; master weights "
                   "and AdamW moments stay f32)");
   sub->add_option("--schedule", o->schedule, "Flow: vanilla | pipe-moe | pipe-attn | chunked-ar | tuned — each step as "
-                  "a task graph on the GPU executor (--engine cuda; docs/flow.md); tuned: the first steps sample (Sp, R) "
+                  "a task graph on the engine's Flow executor (cpu: threads; cuda: streams; docs/flow.md); tuned: the first steps sample (Sp, R) "
                   "with the Bayesian tuner, then the best; default: the sequential loop");
   CLI::Option* chunk = sub->add_option("--chunk-bytes", o->chunk_bytes,
                                        "Flow: Sp, the all-reduce chunk of chunked-ar (default 1 MiB)");

@@ -66,44 +66,18 @@ class CudaReplica final : public TrainReplica {
     model_->enable_stage_times(false);
     const double loss = executor_->step(graph, tokens, batch, seq, states_, &timeline_);
     model_->enable_stage_times(true);
-    // The first step of a graph also builds its engines and plans (hundreds of ms): not counted in the table.
-    const bool new_graph = graph.spec.micro_batches != timed_spec_.micro_batches ||
-                           graph.spec.chunk_bytes != timed_spec_.chunk_bytes ||
-                           graph.spec.schedule != timed_spec_.schedule || flow_steps_seen_ == 0;
-    timed_spec_ = graph.spec;
-    ++flow_steps_seen_;
-    if (new_graph) return loss;
-    if (flow_ms_.empty()) flow_ms_.assign(flow::kNumTaskKinds, 0.0);
-    double first = 0, last = 0;
-    for (size_t i = 0; i < timeline_.size(); ++i) {
-      const flow::TraceEvent& e = timeline_[i];
-      flow_ms_[size_t(graph.tasks[size_t(e.task)].kind)] += e.end_ms - e.start_ms;
-      first = i == 0 ? e.start_ms : std::min(first, e.start_ms);
-      last = std::max(last, e.end_ms);
-    }
-    flow_span_ms_ += last - first;
-    ++flow_steps_;
+    flow_time_.add(graph, timeline_);
     return loss;
   }
   FlowTimes flow_times() override {
-    FlowTimes t;
-    t.steps = flow_steps_;
-    t.span_ms = flow_span_ms_;
-    if (flow_steps_ == 0) return t;
-    static const char* const what[flow::kNumTaskKinds] = {
-        "attention + gate", "dispatch all-to-all", "experts", "combine all-to-all", "combine backward all-to-all",
-        "experts backward", "dispatch backward all-to-all", "gate + attention backward", "gradient all-reduce chunks"};
-    const bool one_comm = executor_->ar_comm() == flow::ArComm::model;
-    for (int k = 0; k < flow::kNumTaskKinds; ++k) {
-      const flow::TaskKind kind = flow::TaskKind(k);
-      const flow::Stream s = flow::stream_of(kind);
-      const char* stream = s == flow::Stream::compute    ? "compute"
-                           : s == flow::Stream::alltoall ? "all-to-all stream"
-                           : one_comm                    ? "all-to-all stream, model's communicator"
-                                                         : "own stream and communicator";
-      t.kinds.emplace_back(fmt::format("{:<4}{} ({})", flow::task_kind_name(kind), what[k], stream), flow_ms_[size_t(k)]);
-    }
-    return t;
+    const bool one_comm = executor_ && executor_->ar_comm() == flow::ArComm::model;
+    return flow_time_.table("CUDA events", [one_comm](flow::TaskKind kind) -> std::string {
+      switch (flow::stream_of(kind)) {
+        case flow::Stream::compute: return "compute";
+        case flow::Stream::alltoall: return "all-to-all stream";
+        default: return one_comm ? "all-to-all stream, model's communicator" : "own stream and communicator";
+      }
+    });
   }
   double forward(const int32_t* tokens, int64_t batch, int64_t seq, int32_t slot) override {
     return model_->forward(tokens, batch, seq, states_.at(slot));
@@ -151,11 +125,7 @@ class CudaReplica final : public TrainReplica {
   std::unique_ptr<CudaMixtralModel> model_;
   std::unique_ptr<flow::CudaFlowExecutor> executor_;
   std::vector<flow::TraceEvent> timeline_;  // the last Flow step's, reused
-  std::vector<double> flow_ms_;             // per task kind, summed over the Flow steps
-  double flow_span_ms_ = 0;
-  int64_t flow_steps_ = 0;       // steps in the table (the first at each graph left out)
-  int64_t flow_steps_seen_ = 0;
-  flow::GraphSpec timed_spec_;
+  FlowTimeAccumulator flow_time_;
   std::vector<CudaModelState> states_;
   std::unique_ptr<CudaModelState> eval_;
   double ceiling_ = 0;
