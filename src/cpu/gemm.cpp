@@ -1,10 +1,12 @@
-// cpu/gemm.cpp — the one CPU matrix product, C = A · B^T, used by the router and the expert FFN; and the
-// grouped NN product (the twin of the CUDA kernel's NN variant), C = A · B_g per group.
+// cpu/gemm.cpp — the one CPU matrix product, C = A · B^T, used by the router and the expert FFN; the
+// grouped NN product (the twin of the CUDA kernel's NN variant), C = A · B_g per group; and the grouped
+// weight gradient (the twin of the CUDA weight-gradient kernels), C_g (+)= A_g^T · B_g per group.
 //
 // Both operands are row-major with the reduction dimension innermost, so every output element is a dot
 // product of two contiguous rows. Each dot product is accumulated in fp64 in index order 0..k-1 and
 // rounded to float once; C[i, j] therefore depends only on row i of A and row j of B, never on m, n or
 // how the work is split (what lets W simulated ranks reproduce one rank bit for bit).
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -104,6 +106,37 @@ void grouped_gemm_nn(const float* a, const float* b, const float* a2, const floa
         crow[j] = storage == DType::bf16 ? round_to_bf16(f) : f;
       }
     }
+  }
+}
+
+void grouped_wgrad(const GroupedWgrad& g) {
+  DMOE_REQUIRE(g.groups >= 0 && g.m >= 0 && g.n >= 0, "grouped_wgrad: groups = {}, m = {}, n = {}; must be >= 0",
+               g.groups, g.m, g.n);
+  DMOE_REQUIRE(g.lda >= g.m && g.ldb >= g.n, "grouped_wgrad: lda = {} < m = {} or ldb = {} < n = {}", g.lda, g.m,
+               g.ldb, g.n);
+  if (g.groups == 0) return;
+  DMOE_REQUIRE(g.row_offsets[0] >= g.a_first_row && g.row_offsets[0] >= g.b_first_row,
+               "grouped_wgrad: the first group starts at row {}, before a's first row {} or b's {}", g.row_offsets[0],
+               g.a_first_row, g.b_first_row);
+  for (int32_t e = 0; e < g.groups; ++e)
+    DMOE_REQUIRE(g.row_offsets[e + 1] >= g.row_offsets[e], "grouped_wgrad: row_offsets[{}] = {} < row_offsets[{}] = {}",
+                 e + 1, g.row_offsets[e + 1], e, g.row_offsets[e]);
+  std::vector<double> acc(static_cast<size_t>(g.m * g.n));
+  for (int32_t e = 0; e < g.groups; ++e) {
+    if (g.row_offsets[e + 1] == g.row_offsets[e]) continue;  // no rows: C_e untouched
+    std::fill(acc.begin(), acc.end(), 0.0);
+    // Row by row, so that each acc[i, j] runs over the rows in order (row r of A and B are contiguous).
+    for (int64_t r = g.row_offsets[e]; r < g.row_offsets[e + 1]; ++r) {
+      const float* arow = g.a + (r - g.a_first_row) * g.lda;
+      const float* brow = g.b + (r - g.b_first_row) * g.ldb;
+      for (int64_t i = 0; i < g.m; ++i) {
+        const double x = arow[i];
+        double* out = acc.data() + i * g.n;
+        for (int64_t j = 0; j < g.n; ++j) out[j] += x * double(brow[j]);
+      }
+    }
+    float* c = g.c + int64_t(e) * g.c_group_stride;
+    for (int64_t i = 0; i < g.m * g.n; ++i) c[i] = float(g.accumulate ? acc[i] + double(c[i]) : acc[i]);
   }
 }
 

@@ -26,6 +26,26 @@ void gemm_nt(const float* a, const float* b, float* c, int64_t m, int64_t n, int
 void grouped_gemm_nn(const float* a, const float* b, const float* a2, const float* b2, float* c,
                      const int64_t* row_offsets, int32_t groups, int64_t n, int64_t k, DType storage);
 
+// The experts' weight gradients: for every group g with rows r in [row_offsets[g], row_offsets[g+1]):
+//   C_g [m, n] = Σ_r A[r - a_first_row, :]^T · B[r - b_first_row, :]   (+ C_g when accumulate)
+// A [·, m] with row stride lda, B [·, n] with row stride ldb, C_g at c + g·c_group_stride, row-major [m, n].
+// Each element is one fp64 sum over the group's rows in order (plus C_g's old value last, with
+// accumulate), rounded to float once. Groups without rows are left untouched. The fields mirror the CUDA
+// descriptor cuda::GroupedWgrad (there a and b are bf16); the CUDA twin runs dmoe's own kernels
+// (sm90_grouped_wgrad on sm_90, else the mma.sync one).
+struct GroupedWgrad {
+  const float* a = nullptr;
+  const float* b = nullptr;
+  float* c = nullptr;
+  const int64_t* row_offsets = nullptr;  // [groups + 1]
+  int32_t groups = 0;
+  int64_t m = 0, n = 0, lda = 0, ldb = 0;
+  int64_t a_first_row = 0, b_first_row = 0;
+  int64_t c_group_stride = 0;
+  bool accumulate = true;
+};
+void grouped_wgrad(const GroupedWgrad& g);
+
 // ---- router --------------------------------------------------------------------------------------
 
 // logits[T, E] = x[T, H] · wg[E, H]^T.

@@ -30,12 +30,13 @@ std::string describe(const DeviceWaitRecord& r) {
   char text[768];
   if (r.kernel == kWaitFlash && flash_describer != nullptr) {
     flash_describer(r, text, sizeof(text));
-  } else if (r.kernel == kWaitSm90GroupedGemm) {
+  } else if (r.kernel == kWaitSm90GroupedGemm || r.kernel == kWaitSm90Wgrad) {
     std::snprintf(text, sizeof(text),
-                  "; the sm90 grouped GEMM kernel (block %d, thread %d) waited more than %llu ms for the %s "
+                  "; the %s kernel (block %d, thread %d) waited more than %llu ms for the %s "
                   "barrier of pipeline slot %d (phase parity %u) and stopped; raise DMOE_GPU_WAIT_TIMEOUT_MS if "
                   "the GPU is shared and slow, otherwise this is a bug",
-                  r.block, r.thread, r.waited_ms, r.what == 0 ? "full (TMA data)" : r.what == 1 ? "empty (slot released)" : r.what == 3 ? "tile-ring full (next tile index)" : "tile-ring empty (index taken)",
+                  r.kernel == kWaitSm90Wgrad ? "sm90 grouped weight-gradient" : "sm90 grouped GEMM", r.block, r.thread,
+                  r.waited_ms, r.what == 0 ? "full (TMA data)" : r.what == 1 ? "empty (slot released)" : r.what == 3 ? "tile-ring full (next tile index)" : "tile-ring empty (index taken)",
                   r.slot, r.parity);
   } else {
     std::snprintf(text, sizeof(text), "; kernel %d (block %d, thread %d) timed out waiting on flag %d", r.kernel,

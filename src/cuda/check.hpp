@@ -36,7 +36,7 @@ struct DeviceWaitRecord {
   unsigned long long expected, seen;  // flag waits: the value awaited and the last value read
   unsigned long long waited_ms;
 };
-enum DeviceWaitKernel : int { kWaitSm90GroupedGemm = 1, kWaitFlash = 2 };
+enum DeviceWaitKernel : int { kWaitSm90GroupedGemm = 1, kWaitFlash = 2, kWaitSm90Wgrad = 3 };
 
 // Words for a Flash wait record (flash/flash_kernel.cu registers it; null until then).
 using WaitDescriber = void (*)(const DeviceWaitRecord& record, char* text, unsigned long size);

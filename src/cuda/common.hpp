@@ -168,12 +168,42 @@ struct GroupedWgrad {
   bool accumulate = true;
 };
 // True where it can run: an sm_80+ GPU with the kernel in this build, m, n, lda, ldb multiples of 8,
-// 16-byte aligned pointers.
+// 16-byte aligned pointers. The mma.sync kernel (sm_80-class GPUs; on sm_90 the TMA + wgmma one below).
 bool grouped_wgrad_usable(const GroupedWgrad& g);
 size_t grouped_wgrad_scratch_bytes(int32_t groups);
 void grouped_wgrad(const CudaContext& ctx, void* scratch, const GroupedWgrad& g);
-// Whether the backward pass's bf16 weight gradients take grouped_wgrad: DMOE_WGRAD=own|cublas forces one,
-// auto (default) decides by the mean multiply-adds per expert product (measurements in gemm.cpp).
-bool prefer_own_wgrad(double mean_macs);
+// The launchers' argument checks (offsets non-decreasing, the first group at or after a's and b's first
+// rows; `who` names the caller in the error); false when there is nothing to do (no groups, m or n 0).
+bool check_wgrad_call(const GroupedWgrad& g, const char* who);
+
+// ---- the weight gradients on Hopper (grouped_wgrad_sm90.cu) ---------------------------------------------
+//
+// Same descriptor and semantics as grouped_wgrad (any row count, m and n tails, groups without rows left
+// alone), on TMA + wgmma: persistent CTAs over a tile table, two consumer warpgroups taking alternate
+// 128×128 tiles so that one's stores overlap the other's products.
+// True where it can run: an sm_90 GPU and a build for sm_90a, m, n, lda, ldb multiples of 8, lda >= m,
+// ldb >= n, 16-byte aligned a, b and c, c_group_stride a multiple of 4, fewer than 2^31 - 64 rows from a's
+// (and b's) first row to the last group's end.
+bool sm90_grouped_wgrad_usable(const GroupedWgrad& g);
+size_t sm90_grouped_wgrad_scratch_bytes(int32_t groups);
+struct Sm90WgradTuning {
+  int accumulate = 0;  // how accumulate = true reads C: 1 load (into registers, added, stored), 2 red (f32
+                       // reductions at L2, no round trip through the SM); 0 = DMOE_SM90_WGRAD_ACCUMULATE or load
+};
+void sm90_grouped_wgrad(const CudaContext& ctx, void* scratch, const GroupedWgrad& g, const Sm90WgradTuning& t = {});
+
+// The twin of cpu::grouped_wgrad: dmoe's best own kernel here (sm90_grouped_wgrad where usable, else the
+// mma.sync grouped_wgrad), scratch from the context's workspace.
+void grouped_wgrad(const GroupedWgrad& g, const CudaContext& ctx);
+
+// Which kernel the backward pass's bf16 weight gradients take (DMOE_WGRAD; measurements in gemm.cpp):
+//   auto (default)  own below kOwnWgradMaxMeanMacs multiply-adds per expert product on average, else cublas
+//   own             dmoe's best own kernel wherever usable: sm90 on sm_90, else mma
+//   sm90 / mma      that kernel wherever usable
+//   cublas          one cublasGemmEx per expert and product
+// Every call in `calls` must be usable on the kernel picked; otherwise cuBLAS runs them.
+enum class WgradKernel { cublas, sm90, mma };
+WgradKernel pick_wgrad_kernel(double mean_macs, const std::vector<GroupedWgrad>& calls);
+const char* wgrad_kernel_name(WgradKernel k);
 
 }  // namespace dmoe::cuda

@@ -16,9 +16,10 @@
 // expert products (A, B and C of one type, 16-byte aligned), else a loop of cublasGemmEx, one call per
 // expert with rows (faster for large products: on H200 the grouped call reached ~330 TFLOP/s where the
 // loop reached ~840). The forward's bf16 products take dmoe's own Hopper kernel where auto prefers it
-// (grouped_gemm_sm90.cu). The weight gradients of bf16 experts take dmoe's grouped_wgrad kernel (one
-// launch per product for all experts) where auto prefers it, else the cuBLAS loop: the grouped API has no
-// bf16 × bf16 → f32 form. Every GEMM accumulates in f32 (CUBLAS_COMPUTE_32F; no TF32 for f32 storage).
+// (grouped_gemm_sm90.cu). The weight gradients of bf16 experts take dmoe's grouped weight-gradient kernel
+// (one launch per product for all experts: TMA + wgmma on sm_90, grouped_wgrad_sm90.cu, else mma.sync,
+// grouped_wgrad.cu) where DMOE_WGRAD picks it, else the cuBLAS loop: the grouped API has no bf16 × bf16 →
+// f32 form. Every GEMM accumulates in f32 (CUBLAS_COMPUTE_32F; no TF32 for f32 storage).
 //
 // The input-gradient products (dh, dx) of bf16 experts take the own kernel's NN variant (B MN-major:
 // the weights as stored) where DMOE_DGRAD prefers it (auto by default; gemm.cpp).
@@ -26,6 +27,7 @@
 // Stored intermediates (pre1, pre3, h, dh/dpre1, dpre3, dx) have the storage type, as on the CPU with
 // bf16 rounding; for bf16 on cuBLAS the SwiGLU dx is rounded twice (after dpre1·w1, then after adding
 // dpre3·w3), on the own NN kernel once.
+#include <algorithm>
 #include <vector>
 
 #include "cuda/common.hpp"
@@ -272,7 +274,9 @@ void expert_ffn_backward(const T* x, const T* w1, const T* w3, const T* w2, cons
   const size_t off_dh = layout.add(size_t(rows) * ffn * sizeof(T));
   const size_t off_dpre3 = layout.add(swiglu ? size_t(rows) * ffn * sizeof(T) : 0);
   const size_t off_pointers = layout.add(grouped_pointer_bytes(active));
-  const size_t off_wgrad = layout.add(std::is_same_v<T, bf16> ? grouped_wgrad_scratch_bytes(local_experts) : 0);
+  const size_t off_wgrad = layout.add(std::is_same_v<T, bf16> ? std::max(grouped_wgrad_scratch_bytes(local_experts),
+                                                                         sm90_grouped_wgrad_scratch_bytes(local_experts))
+                                                               : 0);
   const size_t off_dgrad = layout.add(std::is_same_v<T, bf16> ? sm90_grouped_gemm_scratch_bytes(local_experts) : 0);
   char* ws = static_cast<char*>(ctx.workspace->reserve(layout.total(), ctx.stream));
   T* dh = reinterpret_cast<T*>(ws + off_dh);  // row r of the batch is dh row r - row_begin
@@ -298,10 +302,11 @@ void expert_ffn_backward(const T* x, const T* w1, const T* w3, const T* w2, cons
   }
   const cudaDataType_t type = cuda_data_type<T>();
 
-  // The weight gradients of bf16 experts: one grouped_wgrad launch per product where it runs and auto
-  // prefers it (cuBLAS has no grouped bf16 × bf16 → f32 form; its path is one call per expert).
+  // The weight gradients of bf16 experts: one launch per product of dmoe's own kernel where it runs and
+  // DMOE_WGRAD picks it (gemm.cpp: the TMA + wgmma sm90_grouped_wgrad on sm_90, else the mma.sync
+  // grouped_wgrad; cuBLAS has no grouped bf16 × bf16 → f32 form, its path is one call per expert).
   // c_g [m, n] (+)= a_g^T · b_g over the experts' rows (a and b indexed like the offsets, from a_first / 0).
-  // Generic, so that it is instantiated only for bf16 (the kernel's input type).
+  // Generic, so that it is instantiated only for bf16 (the kernels' input type).
   auto wgrad_call = [&](const auto* a, int64_t a_first, int64_t m, const auto* b, int64_t n, float* c) {
     GroupedWgrad g;
     g.a = a;
@@ -318,17 +323,19 @@ void expert_ffn_backward(const T* x, const T* w1, const T* w3, const T* w2, cons
     g.accumulate = accumulate;
     return g;
   };
-  bool own_wgrad = false;
+  WgradKernel wgrad_kernel = WgradKernel::cublas;
   if constexpr (std::is_same_v<T, bf16>) {
     const double mean_macs = double(hidden) * double(ffn) * double(rows) / double(std::max<int64_t>(active, 1));
-    own_wgrad = prefer_own_wgrad(mean_macs) && grouped_wgrad_usable(wgrad_call(dout, 0, hidden, h, ffn, dw2)) &&
-                grouped_wgrad_usable(wgrad_call(dpre1, row_begin, ffn, x, hidden, dw1)) &&
-                (!swiglu || grouped_wgrad_usable(wgrad_call(dpre3, row_begin, ffn, x, hidden, dw3)));
+    std::vector<GroupedWgrad> calls{wgrad_call(dout, 0, hidden, h, ffn, dw2), wgrad_call(dpre1, row_begin, ffn, x, hidden, dw1)};
+    if (swiglu) calls.push_back(wgrad_call(dpre3, row_begin, ffn, x, hidden, dw3));
+    wgrad_kernel = pick_wgrad_kernel(mean_macs, calls);
   }
   auto wgrad = [&](const T* a, int64_t a_first, int64_t m, const T* b, int64_t n, float* c,
                    const std::vector<GemmProblem>& loop_problems) {
     if constexpr (std::is_same_v<T, bf16>) {
-      if (own_wgrad) return grouped_wgrad(ctx, ws + off_wgrad, wgrad_call(a, a_first, m, b, n, c));
+      if (wgrad_kernel == WgradKernel::sm90)
+        return sm90_grouped_wgrad(ctx, ws + off_wgrad, wgrad_call(a, a_first, m, b, n, c));
+      if (wgrad_kernel == WgradKernel::mma) return grouped_wgrad(ctx, ws + off_wgrad, wgrad_call(a, a_first, m, b, n, c));
     }
     gemm_rm_grouped(ctx, pointers, true, false, m, n, n, 1.f, beta_w, type, type, CUDA_R_32F, loop_problems);
   };

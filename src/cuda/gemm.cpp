@@ -116,25 +116,42 @@ constexpr double kOwnMaxMeanMacs = 4e9;
 
 }  // namespace
 
-// The grouped weight-gradient kernel (grouped_wgrad.cu) against the per-expert cuBLAS loop, whole-layer
-// forward + backward on H200 (docs/perf.md, fourth session), by mean multiply-adds per expert product:
+// The grouped weight-gradient kernel (the mma.sync grouped_wgrad.cu) against the per-expert cuBLAS loop,
+// whole-layer forward + backward on H200 (docs/perf.md, fourth session), by mean multiply-adds per expert
+// product:
 //   0.10 G (decode)          5.28 ms own vs 5.99 loop
 //   0.40 G (fine-grained)    5.01 vs 6.38
 //   1.07 G (flash-paper)     4.28 vs 4.45
 //   60 G (mixtral)           21.0 vs 15.3 (cuBLAS's big tiles reach ~700 TFLOP/s; the kernel's mma.sync
 //                            tiles do not)
-// so auto takes it below the size where the two met, about flash-paper's.
+// so auto takes it below the size where the two met, about flash-paper's. The sm90 kernel
+// (grouped_wgrad_sm90.cu) takes the same bound until it is measured beside cuBLAS on large products.
 constexpr double kOwnWgradMaxMeanMacs = 1.5e9;
 
-bool prefer_own_wgrad(double mean_macs) {
-  static const int mode = [] {  // 0 auto, 1 own, 2 cublas
+WgradKernel pick_wgrad_kernel(double mean_macs, const std::vector<GroupedWgrad>& calls) {
+  enum Mode { automatic, own, sm90, mma, cublas };
+  static const Mode mode = [] {
     const char* v = std::getenv("DMOE_WGRAD");
-    if (!v || !*v || std::string(v) == "auto") return 0;
-    if (std::string(v) == "own") return 1;
-    if (std::string(v) == "cublas") return 2;
-    fail(__FILE__, __LINE__, "DMOE_WGRAD=%s is not supported; allowed: auto, own, cublas", v);
+    if (!v || !*v || std::string(v) == "auto") return automatic;
+    if (std::string(v) == "own") return own;
+    if (std::string(v) == "sm90") return sm90;
+    if (std::string(v) == "mma") return mma;
+    if (std::string(v) == "cublas") return cublas;
+    fail(__FILE__, __LINE__, "DMOE_WGRAD=%s is not supported; allowed: auto, own, sm90, mma, cublas", v);
   }();
-  return mode == 1 || (mode == 0 && mean_macs < kOwnWgradMaxMeanMacs);
+  auto all = [&](bool (*usable)(const GroupedWgrad&)) {
+    for (const GroupedWgrad& g : calls)
+      if (!usable(g)) return false;
+    return true;
+  };
+  const bool small = mode == automatic && mean_macs < kOwnWgradMaxMeanMacs;
+  if ((mode == sm90 || mode == own || small) && all(sm90_grouped_wgrad_usable)) return WgradKernel::sm90;
+  if ((mode == mma || mode == own || small) && all(grouped_wgrad_usable)) return WgradKernel::mma;
+  return WgradKernel::cublas;
+}
+
+const char* wgrad_kernel_name(WgradKernel k) {
+  return k == WgradKernel::sm90 ? "sm90" : k == WgradKernel::mma ? "mma" : "cublas";
 }
 
 // DMOE_DGRAD: the input-gradient products of the backward pass (dh = dout·w2, dx = dpre1·w1 + dpre3·w3) on

@@ -524,24 +524,6 @@ int32_t prepare_tiles(const CudaContext& ctx, void* scratch, const int64_t* row_
   return tiles;
 }
 
-// The shared-memory opt-in is per function and per device: once for each device this process uses. One
-// object per kernel instantiation (a static in each launcher).
-struct SmemOptIn {
-  std::mutex mutex;
-  std::vector<bool> set;
-  template <typename Kernel>
-  void apply(Kernel kernel, int bytes) {
-    int device = 0;
-    DMOE_CHECK_CUDA(cudaGetDevice(&device));
-    std::lock_guard<std::mutex> lock(mutex);
-    if (int(set.size()) <= device) set.resize(device + 1, false);
-    if (!set[device]) {
-      DMOE_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-      set[device] = true;
-    }
-  }
-};
-
 template <int BN, int BK, bool kFuse, Activation A, bool kStaged, bool kDynamic>
 void launch(const CudaContext& ctx, void* scratch, const GroupedGemmNT& g, int leave_out) {
   using Cfg = TileConfig<BN, BK, kStaged>;
@@ -680,6 +662,10 @@ CUtensorMap make_kmajor_map(const void* base, int64_t rows, int64_t k, int box_r
 
 CUtensorMap make_mnmajor_map(const void* base, int32_t groups, int64_t k, int64_t n, int box_k) {
   return encode_map(base, sm90::mnmajor_spec(groups, k, n, box_k), "MN-major matrices");
+}
+
+CUtensorMap make_rowmajor_panel_map(const void* base, int64_t rows, int64_t cols, int64_t ld, int box_rows) {
+  return encode_map(base, sm90::rowmajor_panel_spec(rows, cols, ld, box_rows), "a row-major matrix in 64-column panels");
 }
 
 // Multiprocessors this process's context may use. Under MPS with CUDA_MPS_ACTIVE_THREAD_PERCENTAGE (which

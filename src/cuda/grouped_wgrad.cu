@@ -14,7 +14,9 @@
 // contiguous — the transposed layout for mma.sync — so fragments come from `ldmatrix .trans`; shared
 // rows are padded by 16 bytes, which puts the 8 rows an ldmatrix reads in 8 different bank groups.
 // mma.sync m16n8k16 (bf16, f32 accumulate) rather than Hopper's wgmma keeps the kernel portable to sm_80+
-// and simple; it is not the fastest possible form (docs/perf.md has what it reaches).
+// and simple; it is not the fastest possible form (docs/perf.md has what it reaches). On sm_90 dmoe takes
+// the TMA + wgmma kernel instead (grouped_wgrad_sm90.cu: persistent, its stores overlapping the products);
+// this one stays for sm_80-class GPUs and as DMOE_WGRAD=mma.
 //
 // The epilogue adds the f32 accumulators to C (accumulate) or stores them, 8-byte pairs per thread; each
 // output element belongs to exactly one CTA, so no atomics are needed.
@@ -235,16 +237,21 @@ size_t grouped_wgrad_scratch_bytes(int32_t groups) {
   return (size_t(groups) + 1) * sizeof(int64_t);
 }
 
-void grouped_wgrad(const CudaContext& ctx, void* scratch, const GroupedWgrad& g) {
-  DMOE_CUDA_REQUIRE(g.groups >= 0, "grouped_wgrad: groups = %d; must be >= 0", g.groups);
-  if (g.groups == 0 || g.m == 0 || g.n == 0) return;
+bool check_wgrad_call(const GroupedWgrad& g, const char* who) {
+  DMOE_CUDA_REQUIRE(g.groups >= 0, "%s: groups = %d; must be >= 0", who, g.groups);
+  if (g.groups == 0 || g.m == 0 || g.n == 0) return false;
   for (int32_t e = 0; e < g.groups; ++e)
     DMOE_CUDA_REQUIRE(g.row_offsets[e + 1] >= g.row_offsets[e],
-                      "grouped_wgrad: row_offsets[%d] = %lld < row_offsets[%d] = %lld; offsets must not decrease",
-                      e + 1, (long long)g.row_offsets[e + 1], e, (long long)g.row_offsets[e]);
+                      "%s: row_offsets[%d] = %lld < row_offsets[%d] = %lld; offsets must not decrease", who, e + 1,
+                      (long long)g.row_offsets[e + 1], e, (long long)g.row_offsets[e]);
   DMOE_CUDA_REQUIRE(g.row_offsets[0] >= g.a_first_row && g.row_offsets[0] >= g.b_first_row,
-                    "grouped_wgrad: the first group starts at row %lld, before a's first row %lld or b's %lld",
+                    "%s: the first group starts at row %lld, before a's first row %lld or b's %lld", who,
                     (long long)g.row_offsets[0], (long long)g.a_first_row, (long long)g.b_first_row);
+  return true;
+}
+
+void grouped_wgrad(const CudaContext& ctx, void* scratch, const GroupedWgrad& g) {
+  if (!check_wgrad_call(g, "grouped_wgrad")) return;
   DMOE_CUDA_REQUIRE(grouped_wgrad_usable(g),
                     "grouped_wgrad: not usable here (needs an sm_80+ GPU and a build for it, m, n, lda, ldb multiples "
                     "of 8 — m = %lld, n = %lld, lda = %lld, ldb = %lld — and 16-byte aligned pointers)",

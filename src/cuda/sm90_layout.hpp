@@ -119,4 +119,28 @@ inline TmaSpec mnmajor_spec(int32_t groups, int64_t k, int64_t n, int box_k) {
   return s;
 }
 
+// ---- the weight-gradient kernel (grouped_wgrad_sm90.cu) -------------------------------------------------
+// C_g = A_g^T · B_g reduces over the rows of two row-major matrices: A_g^T [m, rows] has m contiguous and
+// B_g [rows, n] has n contiguous, so both operands are MN-major for wgmma and both are loaded as the NN
+// kernel's B: panels of 64 columns × box_rows rows (128-byte swizzle, one box each), read through
+// mnmajor_desc (A with the transpose-A immediate set). A 2-D map over [rows, cols] with row stride ld:
+// rows and columns past the matrix read as zeros; rows of the next group inside the box are the
+// kernel's to clear (it zeroes them in shared memory, see wgrad_tail_bytes).
+inline TmaSpec rowmajor_panel_spec(int64_t rows, int64_t cols, int64_t ld, int box_rows) {
+  TmaSpec s;
+  s.rank = 2;
+  s.dims[0] = uint64_t(cols);
+  s.dims[1] = uint64_t(rows);
+  s.strides[0] = uint64_t(ld) * 2;
+  s.box[0] = uint32_t(kMnPanelCols);
+  s.box[1] = uint32_t(box_rows);
+  s.swizzle_bytes = 128;
+  return s;
+}
+// Where a panel's k-rows from `rows_in` on start, and how many bytes they span: row r of a panel is the
+// 128 bytes at r·128 (the swizzle permutes 16-byte chunks inside a row only), so clearing rows
+// [rows_in, bk) is clearing this byte range, swizzled or not.
+constexpr DMOE_SM90_HD uint32_t wgrad_tail_offset(int rows_in) { return uint32_t(rows_in) * 128; }
+constexpr DMOE_SM90_HD uint32_t wgrad_tail_bytes(int rows_in, int bk) { return uint32_t(bk - rows_in) * 128; }
+
 }  // namespace dmoe::cuda::sm90

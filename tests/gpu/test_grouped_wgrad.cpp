@@ -1,11 +1,17 @@
-// test_grouped_wgrad.cpp — dmoe's grouped weight-gradient kernel (cuda/grouped_wgrad.cu) against a host
-// fp64 reference on the same bf16 inputs.
+// test_grouped_wgrad.cpp — dmoe's grouped weight-gradient kernels, C_g (+)= A_g^T · B_g: the TMA + wgmma
+// one (sm90_grouped_wgrad, cuda/grouped_wgrad_sm90.cu; both ways of accumulating), the mma.sync one
+// (grouped_wgrad, cuda/grouped_wgrad.cu) and the CUDA twin (cuda::grouped_wgrad(g, ctx): the best of the
+// two here) against the CPU twin (cpu::grouped_wgrad, fp64 sums) on the same bf16 inputs; and the sm90
+// kernel against the mma.sync one (the same semantics: what is written, what is left alone).
 //
-// Shapes exercise the kernel's edges: groups without rows, of one row, of a row count that is not a
-// multiple of the 32-row k-block, of several k-blocks (the 4-slot copy ring wraps); m and n tails (not
-// multiples of the 128-wide tile); a first row of A that is not row 0 of the offsets (the backward pass's
-// scratch-relative dpre); accumulation into a C filled with values, and plain stores. C of every other
-// group must end exactly as it began where its group has no rows. Skips where no sm_80+ GPU is present.
+// Shapes exercise the kernels' edges: groups without rows, of one row, of 33 rows (a k-block tail of 1
+// row for the mma kernel's 32-row and 33 for the sm90 kernel's 64-row k-blocks), of several k-blocks
+// (the slot rings wrap), of thousands of rows; many groups (many tiles per CTA: the sm90 kernel's two
+// consumers take turns); m and n tails (not multiples of the 128-wide tile, and wholly-outside 64-column
+// panels); a first row of A or B that is not row 0 of the offsets (the backward pass's scratch-relative
+// dpre); padded rows (lda > m, ldb > n) and padding between the groups' C; accumulation into a C filled
+// with values, and plain stores. C of a group without rows, and the padding, must end exactly as it
+// began. Skips where the kernel cannot run (no GPU, no sm_90 GPU or build for the sm90 kernel).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -17,6 +23,7 @@
 #include <vector>
 
 #include "core/dtype.hpp"
+#include "cpu/kernels.hpp"
 #include "cuda/common.hpp"
 #include "gpu_test_util.hpp"
 
@@ -24,6 +31,7 @@ namespace dmoe {
 namespace {
 
 using test::has_cuda_device;
+using test::random_bf16_bits;
 
 struct WgradShape {
   int32_t groups;
@@ -31,143 +39,252 @@ struct WgradShape {
   int64_t m, n;
   bool accumulate;
   int64_t a_first = 0;  // rows of A before the first group's (A holds rows from a_first on)
+  int64_t b_first = 0;  // likewise for B
+  int64_t pad = 0;      // lda = m + pad, ldb = n + pad, c_group_stride = m·n + pad
 };
 
-class CudaKernelsGroupedWgrad : public testing::TestWithParam<WgradShape> {};
+enum class Kernel { sm90, sm90_red, mma, twin };
 
-TEST_P(CudaKernelsGroupedWgrad, MatchesHostReference) {
-  if (!has_cuda_device()) GTEST_SKIP() << "no CUDA device";
-  const WgradShape s = GetParam();
-  const uint64_t seed = std::random_device{}();
-  SCOPED_TRACE(testing::Message() << "seed " << seed);
-  std::mt19937_64 rng(seed);
-
-  // Row offsets start at 7 (rows 0-6 of B belong to no group); group 1 empty, group 2 one row, group 3
-  // 33 rows (one full k-block and one row), the rest random up to max_rows.
-  constexpr int64_t kBefore = 7;
-  std::vector<int64_t> offsets(s.groups + 1, kBefore);
-  for (int32_t g = 0; g < s.groups; ++g) {
-    int64_t rows = int64_t(rng() % uint64_t(s.max_rows + 1));
-    if (g == 1) rows = 0;
-    if (g == 2) rows = 1;
-    if (g == 3) rows = 33;
-    offsets[g + 1] = offsets[g] + rows;
+const char* kernel_name(Kernel k) {
+  switch (k) {
+    case Kernel::sm90: return "sm90";
+    case Kernel::sm90_red: return "sm90red";
+    case Kernel::mma: return "mma";
+    case Kernel::twin: return "twin";
   }
-  const int64_t b_rows = offsets.back() + 2;  // two rows after the last group, also outside every group
-  const int64_t a_rows = b_rows - s.a_first;
+  return "?";
+}
 
-  std::normal_distribution<float> normal(0.f, 1.f);
-  auto random_bf16 = [&](size_t count) {
-    std::vector<uint16_t> v(count);
-    for (auto& x : v) x = float_to_bf16(normal(rng)).bits;
-    return v;
-  };
-  const std::vector<uint16_t> a = random_bf16(size_t(a_rows * s.m));
-  const std::vector<uint16_t> b = random_bf16(size_t(b_rows * s.n));
-  std::vector<float> c0(size_t(s.groups) * s.m * s.n);
-  for (auto& x : c0) x = normal(rng);
-  std::vector<float> c = c0;
+// One problem: offsets, inputs (bf16 bits) and C's initial values, on the host.
+struct WgradProblem {
+  WgradShape s;
+  std::vector<int64_t> offsets;
+  int64_t a_rows = 0, b_rows = 0;
+  std::vector<uint16_t> a, b;
+  std::vector<float> c0;
 
+  explicit WgradProblem(const WgradShape& shape, uint64_t seed) : s(shape) {
+    std::mt19937_64 rng(seed);
+    // Offsets start at 7 (rows before it belong to no group); group 1 empty, group 2 one row, group 3 33
+    // rows, the rest random up to max_rows.
+    constexpr int64_t kBefore = 7;
+    offsets.assign(size_t(s.groups) + 1, kBefore);
+    for (int32_t g = 0; g < s.groups; ++g) {
+      int64_t rows = int64_t(rng() % uint64_t(s.max_rows + 1));
+      if (g == 1) rows = 0;
+      if (g == 2) rows = 1;
+      if (g == 3) rows = 33;
+      offsets[g + 1] = offsets[g] + rows;
+    }
+    const int64_t end = offsets.back() + 2;  // two rows after the last group, also outside every group
+    a_rows = end - s.a_first;
+    b_rows = end - s.b_first;
+    a = random_bf16_bits(rng, size_t(a_rows * lda()));
+    b = random_bf16_bits(rng, size_t(b_rows * ldb()));
+    std::normal_distribution<float> normal(0.f, 1.f);
+    c0.resize(size_t(s.groups) * stride());
+    for (auto& x : c0) x = normal(rng);
+  }
+  int64_t lda() const { return s.m + s.pad; }
+  int64_t ldb() const { return s.n + s.pad; }
+  int64_t stride() const { return s.m * s.n + s.pad; }
+};
+
+// The descriptor fields both twins share (cuda::GroupedWgrad and cpu::GroupedWgrad), from the problem.
+template <typename Descriptor>
+void describe(Descriptor& g, const WgradProblem& pr, bool accumulate) {
+  g.row_offsets = pr.offsets.data();
+  g.groups = pr.s.groups;
+  g.m = pr.s.m;
+  g.n = pr.s.n;
+  g.lda = pr.lda();
+  g.ldb = pr.ldb();
+  g.a_first_row = pr.s.a_first;
+  g.b_first_row = pr.s.b_first;
+  g.c_group_stride = pr.stride();
+  g.accumulate = accumulate;
+}
+
+struct DeviceRun {
   cuda::CudaContext ctx;
   cuda::Workspace workspace;
-  ctx.workspace = &workspace;
-  ASSERT_EQ(cudaStreamCreate(&ctx.stream), cudaSuccess);
   std::vector<void*> buffers;
-  auto upload = [&](const void* data, size_t bytes) -> void* {
+  DeviceRun() {
+    ctx.workspace = &workspace;
+    EXPECT_EQ(cudaStreamCreate(&ctx.stream), cudaSuccess);
+  }
+  ~DeviceRun() {
+    for (void* d : buffers) cudaFree(d);
+    cudaStreamDestroy(ctx.stream);
+  }
+  void* upload(const void* data, size_t bytes) {
     void* d = nullptr;
     EXPECT_EQ(cudaMalloc(&d, bytes), cudaSuccess);
     EXPECT_EQ(cudaMemcpy(d, data, bytes, cudaMemcpyHostToDevice), cudaSuccess);
     buffers.push_back(d);
     return d;
-  };
-  auto release = [&] {
-    for (void* d : buffers) cudaFree(d);
-    cudaStreamDestroy(ctx.stream);
-  };
-  void* d_a = upload(a.data(), a.size() * 2);
-  void* d_b = upload(b.data(), b.size() * 2);
-  void* d_c = upload(c.data(), c.size() * sizeof(float));
+  }
+};
 
+// Runs `kernel` on the problem; false (and nothing run) where it cannot run here.
+bool run_on_gpu(Kernel kernel, const WgradProblem& pr, std::vector<float>& c, std::string& error) {
+  DeviceRun run;
   cuda::GroupedWgrad g;
-  g.a = static_cast<const __nv_bfloat16*>(d_a);
-  g.b = static_cast<const __nv_bfloat16*>(d_b);
-  g.c = static_cast<float*>(d_c);
-  g.row_offsets = offsets.data();
-  g.groups = s.groups;
-  g.m = s.m;
-  g.n = s.n;
-  g.lda = s.m;
-  g.ldb = s.n;
-  g.a_first_row = s.a_first;
-  g.b_first_row = 0;
-  g.c_group_stride = s.m * s.n;
-  g.accumulate = s.accumulate;
-  if (!cuda::grouped_wgrad_usable(g)) {
-    release();
-    GTEST_SKIP() << "the grouped weight-gradient kernel needs an sm_80+ GPU and a build for it";
+  g.a = static_cast<const __nv_bfloat16*>(run.upload(pr.a.data(), pr.a.size() * 2));
+  g.b = static_cast<const __nv_bfloat16*>(run.upload(pr.b.data(), pr.b.size() * 2));
+  g.c = static_cast<float*>(run.upload(pr.c0.data(), pr.c0.size() * sizeof(float)));
+  describe(g, pr, pr.s.accumulate);
+  const bool sm90 = kernel == Kernel::sm90 || kernel == Kernel::sm90_red;
+  if (sm90 ? !cuda::sm90_grouped_wgrad_usable(g) : kernel == Kernel::mma ? !cuda::grouped_wgrad_usable(g) : false)
+    return false;
+  if (kernel == Kernel::twin && !cuda::sm90_grouped_wgrad_usable(g) && !cuda::grouped_wgrad_usable(g)) return false;
+  if (sm90) {
+    void* scratch = run.workspace.reserve(cuda::sm90_grouped_wgrad_scratch_bytes(g.groups), run.ctx.stream);
+    cuda::Sm90WgradTuning t;
+    t.accumulate = kernel == Kernel::sm90_red ? 2 : 1;
+    cuda::sm90_grouped_wgrad(run.ctx, scratch, g, t);
+  } else if (kernel == Kernel::mma) {
+    void* scratch = run.workspace.reserve(cuda::grouped_wgrad_scratch_bytes(g.groups), run.ctx.stream);
+    cuda::grouped_wgrad(run.ctx, scratch, g);
+  } else {
+    cuda::grouped_wgrad(g, run.ctx);
   }
-  void* scratch = workspace.reserve(cuda::grouped_wgrad_scratch_bytes(s.groups), ctx.stream);
-  cuda::grouped_wgrad(ctx, scratch, g);
-  const cudaError_t status = cudaStreamSynchronize(ctx.stream);
-  if (status != cudaSuccess) release();
-  ASSERT_EQ(status, cudaSuccess) << cudaGetErrorString(status);
-  ASSERT_EQ(cudaMemcpy(c.data(), d_c, c.size() * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
-  release();
-
-  auto value = [](uint16_t bits) { return double(bf16_to_float(bfloat16{bits})); };
-  int64_t bad = 0, untouched_bad = 0;
-  std::string first;
-  std::vector<double> ref(size_t(s.m * s.n)), mag(size_t(s.m * s.n));
-  for (int32_t grp = 0; grp < s.groups; ++grp) {
-    const int64_t r0 = offsets[grp], rows = offsets[grp + 1] - r0;
-    const float* cg = c.data() + size_t(grp) * s.m * s.n;
-    const float* c0g = c0.data() + size_t(grp) * s.m * s.n;
-    if (rows == 0) {
-      for (int64_t i = 0; i < s.m * s.n; ++i) untouched_bad += cg[i] != c0g[i];
-      continue;
-    }
-    std::fill(ref.begin(), ref.end(), 0.0);
-    std::fill(mag.begin(), mag.end(), 0.0);
-    for (int64_t r = r0; r < r0 + rows; ++r) {
-      const uint16_t* arow = a.data() + (r - s.a_first) * s.m;
-      const uint16_t* brow = b.data() + r * s.n;
-      for (int64_t i = 0; i < s.m; ++i) {
-        const double ai = value(arow[i]);
-        for (int64_t j = 0; j < s.n; ++j) {
-          const double p = ai * value(brow[j]);
-          ref[i * s.n + j] += p;
-          mag[i * s.n + j] += std::abs(p);
-        }
-      }
-    }
-    for (int64_t i = 0; i < s.m * s.n; ++i) {
-      const double expected = ref[i] + (s.accumulate ? double(c0g[i]) : 0.0);
-      // f32 accumulation over at most max_rows products, then one f32 add: a few f32 ulps of the magnitude.
-      const double tol = 1e-5 * (mag[i] + std::abs(double(c0g[i]))) + 1e-6;
-      if (std::abs(double(cg[i]) - expected) > tol) {
-        if (bad++ == 0)
-          first = "group " + std::to_string(grp) + " element (" + std::to_string(i / s.n) + ", " +
-                  std::to_string(i % s.n) + "): got " + std::to_string(cg[i]) + ", expected " +
-                  std::to_string(expected);
-      }
-    }
+  const cudaError_t status = cudaStreamSynchronize(run.ctx.stream);
+  if (status != cudaSuccess) {
+    error = cudaGetErrorString(status);
+    return true;
   }
-  EXPECT_EQ(untouched_bad, 0) << "C of a group without rows changed";
-  EXPECT_EQ(bad, 0) << bad << " elements off; first: " << first;
+  c.resize(pr.c0.size());
+  EXPECT_EQ(cudaMemcpy(c.data(), g.c, c.size() * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
+  return true;
 }
 
-// 40 groups of up to 300 rows (several k-blocks: the copy ring wraps), m = 200 and n = 136 (tails in both
-// tile directions), accumulating and storing; A starting at a row after the offsets' first; a tile-exact
-// case (m = n = 256); a narrow one (m = n = 8).
+// The CPU twin on the bf16 values: the reference and, on |A| and |B| without C, the magnitude Σ|a·b| of
+// each element's products (for the tolerance).
+struct Reference {
+  std::vector<float> c, mag;
+};
+Reference cpu_reference(const WgradProblem& pr) {
+  auto to_f32 = [](const std::vector<uint16_t>& v, bool absolute) {
+    std::vector<float> f(v.size());
+    for (size_t i = 0; i < v.size(); ++i) f[i] = bf16_to_float(bfloat16{v[i]});
+    if (absolute)
+      for (auto& x : f) x = std::abs(x);
+    return f;
+  };
+  Reference ref;
+  ref.c = pr.c0;
+  ref.mag.assign(pr.c0.size(), 0.f);
+  for (const bool absolute : {false, true}) {
+    const std::vector<float> fa = to_f32(pr.a, absolute), fb = to_f32(pr.b, absolute);
+    cpu::GroupedWgrad g;
+    g.a = fa.data();
+    g.b = fb.data();
+    g.c = absolute ? ref.mag.data() : ref.c.data();
+    describe(g, pr, absolute ? false : pr.s.accumulate);
+    cpu::grouped_wgrad(g);
+  }
+  return ref;
+}
+
+// Tolerance of one element of group g: f32 accumulation of the group's R products (each exact in f32: bf16
+// · bf16 has 16 significant bits) in some order, plus the add of C's old value: each of the R additions
+// errs by at most one f32 ulp of a partial sum (2^-23 relative: tensor cores are not guaranteed to round
+// to nearest), every partial sum bounded by Σ|a·b| + |c0|, so |got − exact| ≤ (R + 1)·2^-23·(Σ|a·b| +
+// |c0|); the CPU twin is within 2^-24·|exact| of exact. A rigorous bound, so never flaky: typical errors
+// are ~√R smaller.
+double tolerance(int64_t rows, double mag, double c0) { return (double(rows) + 2) * std::ldexp(1.0, -23) * (mag + std::abs(c0)) + 1e-30; }
+
+// Compares `got` with `want` element by element: groups with rows within `scale` times the tolerance,
+// groups without rows and the padding bit for bit against C's initial values.
+void expect_matches(const WgradProblem& pr, const std::vector<float>& got, const std::vector<float>& want,
+                    const std::vector<float>& mag, double scale, const std::string& what) {
+  const WgradShape& s = pr.s;
+  int64_t bad = 0, untouched_bad = 0;
+  std::string first;
+  for (int32_t grp = 0; grp < s.groups; ++grp) {
+    const int64_t rows = pr.offsets[grp + 1] - pr.offsets[grp];
+    const size_t base = size_t(grp) * pr.stride();
+    for (int64_t i = 0; i < pr.stride(); ++i) {
+      const size_t at = base + size_t(i);
+      if (rows == 0 || i >= s.m * s.n) {
+        untouched_bad += got[at] != pr.c0[at];
+        continue;
+      }
+      const double c0 = s.accumulate ? double(pr.c0[at]) : 0.0;
+      const double tol = scale * tolerance(rows, mag[at], c0);
+      if (!(std::abs(double(got[at]) - double(want[at])) <= tol) && bad++ == 0)
+        first = "group " + std::to_string(grp) + " element (" + std::to_string(i / s.n) + ", " +
+                std::to_string(i % s.n) + "): got " + std::to_string(got[at]) + ", " + what + " " +
+                std::to_string(want[at]) + " (tolerance " + std::to_string(tol) + ")";
+    }
+  }
+  EXPECT_EQ(untouched_bad, 0) << "C of a group without rows, or the padding between groups, changed";
+  EXPECT_EQ(bad, 0) << bad << " elements off " << what << "; first: " << first;
+}
+
+class CudaKernelsGroupedWgrad : public testing::TestWithParam<std::tuple<WgradShape, Kernel>> {};
+
+TEST_P(CudaKernelsGroupedWgrad, MatchesCpuTwin) {
+  if (!has_cuda_device()) GTEST_SKIP() << "no CUDA device";
+  const auto [shape, kernel] = GetParam();
+  const uint64_t seed = std::random_device{}();
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  const WgradProblem pr(shape, seed);
+  std::vector<float> c;
+  std::string error;
+  if (!run_on_gpu(kernel, pr, c, error))
+    GTEST_SKIP() << "the " << kernel_name(kernel) << " weight-gradient kernel cannot run here (needs "
+                 << (kernel == Kernel::mma ? "an sm_80+ GPU" : "an sm_90 GPU and a build for sm_90a") << ")";
+  ASSERT_TRUE(error.empty()) << error;
+  const Reference ref = cpu_reference(pr);
+  expect_matches(pr, c, ref.c, ref.mag, 1.0, "the CPU twin");
+}
+
+// The sm90 kernel and the mma.sync kernel on the same inputs: the same elements written (bit-identical
+// elsewhere), the values within both kernels' tolerances of each other.
+TEST_P(CudaKernelsGroupedWgrad, Sm90MatchesMmaKernel) {
+  if (!has_cuda_device()) GTEST_SKIP() << "no CUDA device";
+  const auto [shape, kernel] = GetParam();
+  if (kernel != Kernel::sm90) GTEST_SKIP() << "once per shape (the sm90 parameter)";
+  const uint64_t seed = std::random_device{}();
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  const WgradProblem pr(shape, seed);
+  std::vector<float> c90, cmma;
+  std::string error;
+  if (!run_on_gpu(Kernel::sm90, pr, c90, error) || !run_on_gpu(Kernel::mma, pr, cmma, error))
+    GTEST_SKIP() << "needs an sm_90 GPU and a build for sm_90a";
+  ASSERT_TRUE(error.empty()) << error;
+  const Reference ref = cpu_reference(pr);  // only its magnitudes: the tolerance
+  expect_matches(pr, c90, cmma, ref.mag, 2.0, "the mma.sync kernel");
+}
+
+std::string shape_name(const WgradShape& s) {
+  return "G" + std::to_string(s.groups) + "_r" + std::to_string(s.max_rows) + "_m" + std::to_string(s.m) + "_n" +
+         std::to_string(s.n) + (s.accumulate ? "_acc" : "_store") +
+         (s.a_first ? "_afirst" + std::to_string(s.a_first) : "") +
+         (s.b_first ? "_bfirst" + std::to_string(s.b_first) : "") + (s.pad ? "_pad" + std::to_string(s.pad) : "");
+}
+
+// 40 groups of up to 300 rows (several k-blocks: the rings wrap), m = 200 and n = 136 (tails in both tile
+// directions; n = 136: the second panel of a last column tile is wholly past n), accumulating and
+// storing; A starting at a row after the offsets' first; a tile-exact case (m = n = 256); a narrow one
+// (m = n = 8); many groups (128, up to 96 rows: dozens of tiles per CTA); long reductions (3 groups of
+// up to 4000 rows); fine-grained's m = 768 (6 row tiles); B starting after the offsets' first row;
+// padded rows and padding between groups' C.
+const WgradShape kShapes[] = {
+    {40, 300, 200, 136, true},         {40, 300, 200, 136, false},       {12, 700, 136, 200, true, 5},
+    {6, 150, 256, 256, true},          {5, 64, 8, 8, true},              {128, 96, 136, 264, false},
+    {128, 96, 136, 264, true},         {3, 4000, 256, 128, true},        {3, 4000, 256, 128, false, 9},
+    {16, 300, 768, 136, false},        {10, 200, 264, 128, true, 3, 6},  {20, 200, 200, 136, true, 0, 0, 16},
+    {20, 200, 200, 136, false, 2, 0, 8},
+};
+
 INSTANTIATE_TEST_SUITE_P(Shapes, CudaKernelsGroupedWgrad,
-                         testing::Values(WgradShape{40, 300, 200, 136, true}, WgradShape{40, 300, 200, 136, false},
-                                         WgradShape{12, 700, 136, 200, true, 5}, WgradShape{6, 150, 256, 256, true},
-                                         WgradShape{5, 64, 8, 8, true}),
-                         [](const testing::TestParamInfo<WgradShape>& info) {
-                           const WgradShape& s = info.param;
-                           return "G" + std::to_string(s.groups) + "_m" + std::to_string(s.m) + "_n" +
-                                  std::to_string(s.n) + (s.accumulate ? "_acc" : "_store") +
-                                  (s.a_first ? "_afirst" + std::to_string(s.a_first) : "");
+                         testing::Combine(testing::ValuesIn(kShapes),
+                                          testing::Values(Kernel::sm90, Kernel::sm90_red, Kernel::mma, Kernel::twin)),
+                         [](const testing::TestParamInfo<std::tuple<WgradShape, Kernel>>& info) {
+                           return shape_name(std::get<0>(info.param)) + "_" + kernel_name(std::get<1>(info.param));
                          });
 
 }  // namespace

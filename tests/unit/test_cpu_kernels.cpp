@@ -134,6 +134,83 @@ TEST(CpuKernelsGroupedGemmNN, Bf16StorageRoundsOnceAndChecksArguments) {
                Error);
 }
 
+// ---- grouped weight gradient (twin of the CUDA weight-gradient kernels) -------------------------------
+
+// Groups: rows before the first, an empty group, a 1-row group, longer ones, a row after; A starting at a
+// later row than the offsets (a_first_row), padded rows (lda > m, ldb > n) and padding between the groups'
+// C (c_group_stride > m·n), which must stay as it was, as must an empty group's C. Bit-exact against the
+// formula in the same fp64 order (rows in order, then the old value), stored and accumulated.
+TEST(CpuKernelsGroupedWgrad, MatchesFormulaAndLeavesEmptyGroupsAlone) {
+  Rng rng(107);
+  const int32_t groups = 4;
+  const int64_t m = 3, n = 5, lda = 4, ldb = 8, a_first = 1, b_first = 0, stride = m * n + 2;
+  const std::vector<int64_t> offsets{2, 5, 5, 6, 10};
+  const int64_t b_rows = 11, a_rows = b_rows - a_first;
+  const std::vector<float> a = rng.normal_vector(a_rows * lda, 1.0), b = rng.normal_vector(b_rows * ldb, 1.0);
+  const std::vector<float> c0 = rng.normal_vector(groups * stride, 1.0);
+  for (const bool accumulate : {true, false}) {
+    std::vector<float> c = c0;
+    cpu::GroupedWgrad g;
+    g.a = a.data();
+    g.b = b.data();
+    g.c = c.data();
+    g.row_offsets = offsets.data();
+    g.groups = groups;
+    g.m = m;
+    g.n = n;
+    g.lda = lda;
+    g.ldb = ldb;
+    g.a_first_row = a_first;
+    g.b_first_row = b_first;
+    g.c_group_stride = stride;
+    g.accumulate = accumulate;
+    cpu::grouped_wgrad(g);
+    for (int32_t e = 0; e < groups; ++e) {
+      const bool empty = offsets[e + 1] == offsets[e];
+      for (int64_t i = 0; i < m; ++i)
+        for (int64_t j = 0; j < n; ++j) {
+          const size_t at = size_t(e * stride + i * n + j);
+          if (empty) {
+            EXPECT_EQ(c[at], c0[at]) << "group " << e << " has no rows";
+            continue;
+          }
+          double sum = 0;
+          for (int64_t r = offsets[e]; r < offsets[e + 1]; ++r)
+            sum += double(a[(r - a_first) * lda + i]) * double(b[(r - b_first) * ldb + j]);
+          const float want = float(accumulate ? sum + double(c0[at]) : sum);
+          EXPECT_EQ(c[at], want) << "accumulate " << accumulate << " group " << e << " (" << i << ", " << j << ")";
+        }
+      for (int64_t q = m * n; q < stride; ++q)
+        EXPECT_EQ(c[size_t(e * stride + q)], c0[size_t(e * stride + q)]) << "padding after group " << e;
+    }
+  }
+}
+
+TEST(CpuKernelsGroupedWgrad, ChecksArguments) {
+  const std::vector<float> a(16, 1.f), b(16, 1.f);
+  std::vector<float> c(8, 0.f);
+  const std::vector<int64_t> decreasing{0, 2, 1}, fine{1, 2};
+  cpu::GroupedWgrad g;
+  g.a = a.data();
+  g.b = b.data();
+  g.c = c.data();
+  g.row_offsets = decreasing.data();
+  g.groups = 2;
+  g.m = g.n = g.lda = g.ldb = 2;
+  g.c_group_stride = 4;
+  EXPECT_THROW(cpu::grouped_wgrad(g), Error);  // offsets decrease
+  g.row_offsets = fine.data();
+  g.groups = 1;
+  g.a_first_row = 2;  // the group starts at row 1, before a's first row
+  EXPECT_THROW(cpu::grouped_wgrad(g), Error);
+  g.a_first_row = 0;
+  g.lda = 1;  // rows shorter than m
+  EXPECT_THROW(cpu::grouped_wgrad(g), Error);
+  g.lda = 2;
+  cpu::grouped_wgrad(g);
+  EXPECT_EQ(c[0], 1.f);  // one row of ones: 1·1, accumulated onto 0
+}
+
 // ---- activations ------------------------------------------------------------------------------------
 
 TEST(CpuKernelsActivation, KnownValues) {

@@ -7,6 +7,7 @@
 // B, which runs on the H200: a check of the emulation itself) and the NN product (MN-major B).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <random>
@@ -115,6 +116,24 @@ TEST(Sm90Layout, TensorMapParametersMatchHandDerivedValues) {
   EXPECT_EQ(a.box_bytes(), 16384u);
   expect_tma_limits(a);
   EXPECT_EQ(kmajor_spec(100, 256, 128, 32).swizzle_bytes, 64);
+  // The weight-gradient kernel's operands: fine-grained dw1's dpre1 [rows, 768] (A, m contiguous) and x
+  // [rows, 2048] (B), and a padded one (ld > cols); boxes of 64 columns × 64 rows = one MN-major panel.
+  TmaSpec w = rowmajor_panel_spec(32768, 768, 768, 64);
+  EXPECT_EQ(w.rank, 2);
+  EXPECT_EQ(w.dims[0], 768u);
+  EXPECT_EQ(w.dims[1], 32768u);
+  EXPECT_EQ(w.strides[0], 1536u);
+  EXPECT_EQ(w.box[0], 64u);
+  EXPECT_EQ(w.box[1], 64u);
+  EXPECT_EQ(w.box_bytes(), mn_panel_bytes(64));
+  expect_tma_limits(w);
+  w = rowmajor_panel_spec(1000, 200, 216, 64);
+  EXPECT_EQ(w.dims[0], 200u);
+  EXPECT_EQ(w.strides[0], 432u);
+  expect_tma_limits(w);
+  EXPECT_EQ(wgrad_tail_offset(1), 128u);
+  EXPECT_EQ(wgrad_tail_bytes(1, 64), 63u * 128u);
+  EXPECT_EQ(wgrad_tail_offset(33) + wgrad_tail_bytes(33, 64), mn_panel_bytes(64));
 }
 
 // ---- emulation --------------------------------------------------------------------------------------
@@ -230,6 +249,66 @@ void check_tile(const TileCase& t) {
       }
   }
   EXPECT_EQ(bad, 0);
+}
+
+// The weight-gradient kernel's k-block: C [m0 + 128, n0 + 128) += A_g^T · B_g over 64 rows of group g, A
+// [rows, m] and B [rows, n] row-major (padded rows: lda, ldb), both loaded as 64-column panels and both
+// read as MN-major operands (A through the same descriptor as B, wgmma's transpose-A set); in the group's
+// last k-block the rows past it (the next group's) are cleared as the consumer does, so the products must
+// equal the sums over the group's rows of the k-block only. Panels wholly past m or n are not loaded (their
+// stale bytes feed only outputs past m or n, not compared).
+struct WgradTileCase {
+  int64_t rows, m, n, lda, ldb;
+  int64_t group_begin, group_rows;  // the group's rows [begin, begin + rows) of A and B (a_first = b_first = 0)
+  int64_t m0, n0, kb;
+};
+
+void check_wgrad_tile(const WgradTileCase& t) {
+  constexpr int BK = 64, kPanels = 2;
+  std::mt19937 rng(11);
+  auto small = [&] { return uint16_t(1 + rng() % 7); };
+  std::vector<uint16_t> a(size_t(t.rows * t.lda)), b(size_t(t.rows * t.ldb));
+  for (auto& v : a) v = small();
+  for (auto& v : b) v = small();
+  const uint32_t slot = 1024, slot_b = slot + kPanels * mn_panel_bytes(BK);
+  std::vector<uint8_t> smem(slot_b + kPanels * mn_panel_bytes(BK) + 1024, 0xEE);
+  const TmaSpec sa = rowmajor_panel_spec(t.rows, t.m, t.lda, BK), sb = rowmajor_panel_spec(t.rows, t.n, t.ldb, BK);
+  const int a_panels = mn_panels_in(t.m, t.m0, 128), b_panels = mn_panels_in(t.n, t.n0, 128);
+  const int64_t row0 = t.group_begin + t.kb * BK;
+  for (int j = 0; j < a_panels; ++j) tma_write(smem, slot + mn_panel_offset(j, BK), sa, a, {t.m0 + 64 * j, row0, 0});
+  for (int j = 0; j < b_panels; ++j) tma_write(smem, slot_b + mn_panel_offset(j, BK), sb, b, {t.n0 + 64 * j, row0, 0});
+  const int64_t k_blocks = (t.group_rows + BK - 1) / BK;
+  const int tail = int(t.group_rows % BK);
+  if (t.kb == k_blocks - 1 && tail != 0) {
+    for (int j = 0; j < a_panels + b_panels; ++j) {
+      const uint32_t panel = j < a_panels ? slot + mn_panel_offset(j, BK) : slot_b + mn_panel_offset(j - a_panels, BK);
+      std::memset(&smem[panel + wgrad_tail_offset(tail)], 0, wgrad_tail_bytes(tail, BK));
+    }
+  }
+  int64_t bad = 0;
+  for (int half = 0; half < 2; ++half)  // the two m64 products: A panel 0 and A panel 1
+    for (int mi = 0; mi < 64 && t.m0 + 64 * half + mi < t.m; mi += 5)
+      for (int nj = 0; nj < 128 && t.n0 + nj < t.n; nj += 3) {
+        int64_t got = 0, want = 0;
+        for (int kk = 0; kk < BK / 16; ++kk) {
+          const uint64_t da = mnmajor_desc(slot + mn_panel_offset(half, BK) + mn_kstep_offset(kk), BK);
+          const uint64_t db = mnmajor_desc(slot_b + mn_kstep_offset(kk), BK);
+          for (int k = 0; k < 16; ++k) got += int64_t(mnmajor_element(smem, da, mi, k)) * mnmajor_element(smem, db, nj, k);
+        }
+        for (int64_t r = row0; r < std::min(row0 + BK, t.group_begin + t.group_rows); ++r)
+          want += int64_t(a[r * t.lda + t.m0 + 64 * half + mi]) * b[r * t.ldb + t.n0 + nj];
+        if (got != want && bad++ < 3)
+          ADD_FAILURE() << "m " << t.m0 + 64 * half + mi << " n " << t.n0 + nj << ": " << got << " vs " << want;
+      }
+  EXPECT_EQ(bad, 0);
+}
+
+TEST(Sm90Layout, EmulatedWgradTileMatchesTheProduct) {
+  check_wgrad_tile({300, 256, 256, 256, 256, 10, 200, 0, 128, 1});    // a full k-block inside the group
+  check_wgrad_tile({300, 256, 256, 256, 256, 10, 200, 128, 0, 3});    // the last: 8 rows, then group 2's
+  check_wgrad_tile({300, 200, 136, 216, 144, 50, 1, 128, 128, 0});    // one row; m and n tails, padded rows:
+                                                                      // B's second panel wholly past n
+  check_wgrad_tile({130, 768, 2048, 768, 2048, 97, 33, 640, 1920, 0});  // fine-grained dw1's shapes, 33 rows
 }
 
 TEST(Sm90Layout, EmulatedNtTileMatchesTheProduct) {

@@ -301,6 +301,10 @@ int run_gpu_gemm_bench(const GpuBenchArgs& a) {
     const auto dgrad = bench::bench_dgrad_gemms(c, variants, stream);
     rows.insert(rows.end(), dgrad.begin(), dgrad.end());
   }
+  if (a.gemm_wgrad) {
+    const auto wgrad = bench::bench_wgrad_gemms(c, stream);
+    rows.insert(rows.end(), wgrad.begin(), wgrad.end());
+  }
   std::printf("\n%s — %s on %s (%d SMs): expert GEMMs of dmoe's own kernel, inference (h only)\n",
               a.config_name.c_str(), c.summary().c_str(), prop.name, prop.multiProcessorCount);
   std::printf("ceilings (this run): bf16 GEMM 8192^3 %.1f TFLOP/s; device copy %.0f GB/s\n",
@@ -308,20 +312,28 @@ int run_gpu_gemm_bench(const GpuBenchArgs& a) {
   if (a.gemm_dgrad)
     std::printf("dh, dx: the backward's input-gradient products (GroupedGemmNN: B MN-major; SwiGLU's dx one product "
                 "over 2I) per variant, and on cuBLAS as expert_ffn_backward runs them (variant cublas)\n");
+  if (a.gemm_wgrad)
+    std::printf("dw1, dw3, dw2: the backward's weight gradients C_e (+)= A_e^T * B_e over each expert's rows (m x n "
+                "outputs, k = the expert's rows), stored and accumulated, on the sm90 kernel (sm90red: accumulating "
+                "by L2 reductions), the mma.sync kernel (mma) and one cuBLAS call per expert (cublas); GB/s = "
+                "(N*(m + n)*2 + Le*m*n*4 (x2 accumulating)) / median, Le = experts with rows: the least DRAM traffic "
+                "(operands once, C written, and read when accumulating)\n");
   std::printf("TFLOP/s = 2*N*n*k / median; tile loads = sum over tiles and k-blocks of (BM + BN rows) * 128 B, "
               "per second\n");
-  std::printf("%-10s %-14s %10s %10s %10s %9s %14s\n", "variant", "product", "median us", "min", "max", "TFLOP/s",
-              "tile loads TB/s");
+  std::printf("%-10s %-14s %10s %10s %10s %9s %14s %8s\n", "variant", "product", "median us", "min", "max", "TFLOP/s",
+              "tile loads TB/s", "GB/s");
   nlohmann::json out = nlohmann::json::array();
   for (const auto& r : rows) {
     const double s = r.stats.median_ms * 1e-3;
-    std::printf("%-10s %-14s %10.1f %10.1f %10.1f %9.1f %14.2f\n", r.variant.c_str(), r.product.c_str(),
-                r.stats.median_ms * 1e3, r.stats.min_ms * 1e3, r.stats.max_ms * 1e3, r.flop / s * 1e-12,
-                r.tile_load_bytes / s * 1e-12);
+    const std::string gbps = r.min_bytes > 0 ? fmt::format("{:.0f}", r.min_bytes / s * 1e-9) : "-";
+    const std::string tiles = r.tile_load_bytes > 0 ? fmt::format("{:.2f}", r.tile_load_bytes / s * 1e-12) : "-";
+    std::printf("%-10s %-14s %10.1f %10.1f %10.1f %9.1f %14s %8s\n", r.variant.c_str(), r.product.c_str(),
+                r.stats.median_ms * 1e3, r.stats.min_ms * 1e3, r.stats.max_ms * 1e3, r.flop / s * 1e-12, tiles.c_str(),
+                gbps.c_str());
     out.push_back({{"config", a.config_name}, {"variant", r.variant}, {"product", r.product},
                    {"median_ms", r.stats.median_ms}, {"min_ms", r.stats.min_ms}, {"max_ms", r.stats.max_ms},
                    {"tflops", r.flop / s * 1e-12}, {"tile_load_tbps", r.tile_load_bytes / s * 1e-12},
-                   {"gemm_ceiling_tflops", ceil.gemm_flop_per_s * 1e-12}});
+                   {"min_bytes_gbps", r.min_bytes / s * 1e-9}, {"gemm_ceiling_tflops", ceil.gemm_flop_per_s * 1e-12}});
   }
   DMOE_CHECK_CUDA(cudaStreamDestroy(stream));
   if (!a.json_path.empty()) {

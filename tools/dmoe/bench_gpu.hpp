@@ -28,6 +28,7 @@ struct GpuBenchArgs {
   std::string gemm_variants = "b256,b256s,b256E,b256M,b128";  // dmoe bench gemm (bench/cuda/gemm_bench.hpp)
   bool gemm_square = false;    // dmoe bench gemm: also an 8192^3 product per variant
   bool gemm_dgrad = false;     // dmoe bench gemm: also the backward's input-gradient products (NN) vs cuBLAS
+  bool gemm_wgrad = false;     // dmoe bench gemm: also the backward's weight gradients: sm90, mma.sync, cuBLAS
 };
 
 // True when a CUDA device is visible to this process.

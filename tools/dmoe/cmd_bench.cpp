@@ -47,6 +47,7 @@ struct BenchOptions {
   std::string gemm_variants = "b256,b256s,b256E,b256M,b128";
   bool gemm_square = false;
   bool gemm_dgrad = false;
+  bool gemm_wgrad = false;
   int64_t batch = 8, seq = 1024;  // model
 };
 
@@ -132,6 +133,10 @@ Command add_bench_command(CLI::App& app) {
   sub->add_flag("--dgrad", o->gemm_dgrad,
                 "gemm: also the backward's input-gradient products (dh = dout·w2, dx = dpre·w1) on the own NN "
                 "kernel per variant and on cuBLAS (variant cublas)");
+  sub->add_flag("--wgrad", o->gemm_wgrad,
+                "gemm: also the backward's weight gradients (dw1, dw3 for SwiGLU, dw2), stored and accumulated, on the "
+                "sm90 kernel (sm90; sm90red: accumulating by L2 reductions), the mma.sync kernel (mma) and one cuBLAS "
+                "call per expert (cublas)");
   CLI::Option* batch_option =
       sub->add_option("--batch", o->batch, "model: sequences per step")->check(CLI::Range(int64_t(1), int64_t(1) << 20));
   CLI::Option* seq_option =
@@ -178,6 +183,7 @@ Command add_bench_command(CLI::App& app) {
       g.gemm_variants = o->gemm_variants;
       g.gemm_square = o->gemm_square;
       g.gemm_dgrad = o->gemm_dgrad;
+      g.gemm_wgrad = o->gemm_wgrad;
       return run_gpu_gemm_bench(g);
     }
     const bool backward = !o->no_backward;

@@ -4,6 +4,8 @@
 #include <functional>
 #include <memory>
 #include <random>
+#include <string>
+#include <utility>
 
 #include "bench/cuda/gpu_timing.hpp"
 #include "core/error.hpp"
@@ -88,18 +90,59 @@ double tile_loads(const std::vector<int64_t>& offsets, int64_t n_out, int64_t k,
   return bytes;
 }
 
+// Rank 0's experts (W = 1: all of them) of the config's uniform routing: row offsets and rows. The kernels
+// timed are bf16 only: `what` names the benchmark in the error for another dtype.
+struct LocalRouting {
+  int32_t experts = 0;
+  std::vector<int64_t> offsets;  // [experts + 1]
+  int64_t rows = 0;
+};
+LocalRouting local_routing(const MoeConfig& c, uint64_t seed, const char* what) {
+  DMOE_REQUIRE(c.dtype == DType::bf16, "{}: the kernels are bf16 only (config dtype {})", what, dtype_name(c.dtype));
+  const std::vector<int64_t> offsets = uniform_routing_offsets(c.tokens * c.world, c.experts, c.top_k, seed);
+  LocalRouting r;
+  r.experts = c.experts_per_rank();
+  r.offsets.assign(offsets.begin(), offsets.begin() + r.experts + 1);
+  r.rows = r.offsets.back();
+  return r;
+}
+
+// A cuBLAS handle on `stream` with the engine's math mode (no TF32).
+struct CublasHandle {
+  cublasHandle_t h = nullptr;
+  explicit CublasHandle(cudaStream_t stream) {
+    DMOE_CHECK_CUBLAS(cublasCreate(&h));
+    DMOE_CHECK_CUBLAS(cublasSetStream(h, stream));
+    DMOE_CHECK_CUBLAS(cublasSetMathMode(h, CUBLAS_DEFAULT_MATH));
+  }
+  ~CublasHandle() { cublasDestroy(h); }
+  CublasHandle(const CublasHandle&) = delete;
+  CublasHandle& operator=(const CublasHandle&) = delete;
+};
+
+// Times every row's work in the same rounds (GpuTimer::time_interleaved), so the GPU's clock drift over the
+// run does not favour the rows measured first, and fills in their statistics.
+void time_rows(std::vector<GemmBenchRow>& rows, const std::vector<std::function<void()>>& work, cudaStream_t stream) {
+  GpuTimer timer(stream);
+  TimingOptions timing;
+  timing.warmup = 2;
+  timing.min_iterations = 15;
+  timing.min_total_ms = 3000;
+  const std::vector<Stats> stats = timer.time_interleaved(work, timing);
+  for (size_t i = 0; i < rows.size(); ++i) rows[i].stats = stats[i];
+  DMOE_CHECK_CUDA(cudaStreamSynchronize(stream));
+}
+
 }  // namespace
 
 std::vector<GemmBenchRow> bench_expert_gemms(const MoeConfig& c, const std::vector<GemmVariant>& variants,
                                              bool square, cudaStream_t stream, uint64_t seed) {
-  DMOE_REQUIRE(c.dtype == DType::bf16, "dmoe bench gemm: the own grouped GEMM is bf16 only (config dtype {})",
-               dtype_name(c.dtype));
   const int64_t H = c.hidden, I = c.ffn;
-  const int32_t E = c.experts_per_rank();
   const bool swiglu = c.activation == Activation::swiglu;
-  const std::vector<int64_t> offsets = uniform_routing_offsets(c.tokens * c.world, c.experts, c.top_k, seed);
-  std::vector<int64_t> local(offsets.begin(), offsets.begin() + E + 1);  // rank 0's experts
-  const int64_t N = local.back();
+  const LocalRouting routing = local_routing(c, seed, "dmoe bench gemm");
+  const int32_t E = routing.experts;
+  const std::vector<int64_t>& local = routing.offsets;
+  const int64_t N = routing.rows;
 
   DeviceBuffer x(size_t(N) * H * 2), w1(size_t(E) * I * H * 2), w3(swiglu ? size_t(E) * I * H * 2 : 0),
       w2(size_t(E) * H * I * 2), h(size_t(N) * I * 2), out(size_t(N) * H * 2);
@@ -121,8 +164,7 @@ std::vector<GemmBenchRow> bench_expert_gemms(const MoeConfig& c, const std::vect
   DMOE_REQUIRE(cuda::sm90_grouped_gemm_usable(up) && cuda::sm90_grouped_gemm_usable(down),
                "dmoe bench gemm: the own grouped GEMM cannot run here (needs an sm_90 GPU and a build for sm_90a)");
 
-  // Every (variant, product) is timed in the same rounds (GpuTimer::time_interleaved), so the GPU's clock
-  // drift over the run does not favour the variants measured first.
+  // Every (variant, product) is timed in the same rounds (time_rows).
   std::vector<GemmBenchRow> rows;
   std::vector<std::function<void()>> work;
   const double up_flop = 2.0 * double(N) * double(swiglu ? 2 * I : I) * double(H);
@@ -151,27 +193,18 @@ std::vector<GemmBenchRow> bench_expert_gemms(const MoeConfig& c, const std::vect
       work.push_back([&, v] { cuda::sm90_grouped_gemm(ctx, scratch, g, v.tuning); });
     }
   }
-  GpuTimer timer(stream);
-  TimingOptions timing;
-  timing.warmup = 2;
-  timing.min_iterations = 15;
-  timing.min_total_ms = 3000;
-  const std::vector<Stats> stats = timer.time_interleaved(work, timing);
-  for (size_t i = 0; i < rows.size(); ++i) rows[i].stats = stats[i];
-  DMOE_CHECK_CUDA(cudaStreamSynchronize(stream));
+  time_rows(rows, work, stream);
   return rows;
 }
 
 std::vector<GemmBenchRow> bench_dgrad_gemms(const MoeConfig& c, const std::vector<GemmVariant>& variants,
                                             cudaStream_t stream, uint64_t seed) {
-  DMOE_REQUIRE(c.dtype == DType::bf16, "dmoe bench gemm --dgrad: the own grouped GEMM is bf16 only (config dtype {})",
-               dtype_name(c.dtype));
   const int64_t H = c.hidden, I = c.ffn;
-  const int32_t E = c.experts_per_rank();
   const bool swiglu = c.activation == Activation::swiglu;
-  const std::vector<int64_t> offsets = uniform_routing_offsets(c.tokens * c.world, c.experts, c.top_k, seed);
-  std::vector<int64_t> local(offsets.begin(), offsets.begin() + E + 1);  // rank 0's experts
-  const int64_t N = local.back();
+  const LocalRouting routing = local_routing(c, seed, "dmoe bench gemm --dgrad");
+  const int32_t E = routing.experts;
+  const std::vector<int64_t>& local = routing.offsets;
+  const int64_t N = routing.rows;
 
   DeviceBuffer dout(size_t(N) * H * 2), dpre1(size_t(N) * I * 2), dpre3(swiglu ? size_t(N) * I * 2 : 0),
       w1(size_t(E) * I * H * 2), w3(swiglu ? size_t(E) * I * H * 2 : 0), w2(size_t(E) * H * I * 2),
@@ -187,15 +220,7 @@ std::vector<GemmBenchRow> bench_dgrad_gemms(const MoeConfig& c, const std::vecto
   cuda::CudaContext ctx;
   ctx.stream = stream;
   ctx.workspace = &workspace;
-  struct Handle {
-    cublasHandle_t h = nullptr;
-    ~Handle() {
-      if (h) cublasDestroy(h);
-    }
-  } blas;
-  DMOE_CHECK_CUBLAS(cublasCreate(&blas.h));
-  DMOE_CHECK_CUBLAS(cublasSetStream(blas.h, stream));
-  DMOE_CHECK_CUBLAS(cublasSetMathMode(blas.h, CUBLAS_DEFAULT_MATH));  // no TF32, as the engine's handle
+  const CublasHandle blas(stream);
   ctx.cublas = blas.h;
   const size_t scratch_bytes = (cuda::sm90_grouped_gemm_scratch_bytes(std::max(E, 1)) + 255) / 256 * 256;
   char* ws = static_cast<char*>(workspace.reserve(scratch_bytes + cuda::grouped_pointer_bytes(E) + 256, stream));
@@ -239,14 +264,108 @@ std::vector<GemmBenchRow> bench_dgrad_gemms(const MoeConfig& c, const std::vecto
     cuda::gemm_rm_grouped(ctx, pointers, false, false, I, H, H, 1.f, 0.f, t, t, t, dx1_p);
     if (swiglu) cuda::gemm_rm_grouped(ctx, pointers, false, false, I, H, H, 1.f, 1.f, t, t, t, dx3_p);
   });
-  GpuTimer timer(stream);
-  TimingOptions timing;
-  timing.warmup = 2;
-  timing.min_iterations = 15;
-  timing.min_total_ms = 3000;
-  const std::vector<Stats> stats = timer.time_interleaved(work, timing);
-  for (size_t i = 0; i < rows.size(); ++i) rows[i].stats = stats[i];
-  DMOE_CHECK_CUDA(cudaStreamSynchronize(stream));
+  time_rows(rows, work, stream);
+  return rows;
+}
+
+std::vector<GemmBenchRow> bench_wgrad_gemms(const MoeConfig& c, cudaStream_t stream, uint64_t seed) {
+  const int64_t H = c.hidden, I = c.ffn;
+  const bool swiglu = c.activation == Activation::swiglu;
+  const LocalRouting routing = local_routing(c, seed, "dmoe bench gemm --wgrad");
+  const int32_t E = routing.experts;
+  const std::vector<int64_t>& local = routing.offsets;
+  const int64_t N = routing.rows;
+
+  // The backward's activations and one f32 gradient buffer [E, H·I] that every product writes (dw1, dw3
+  // and dw2 have the same size; the values only matter for the kernels' speed, not their results).
+  DeviceBuffer dout(size_t(N) * H * 2), h(size_t(N) * I * 2), dpre1(size_t(N) * I * 2),
+      dpre3(swiglu ? size_t(N) * I * 2 : 0), x(size_t(N) * H * 2), dw(size_t(E) * H * I * sizeof(float));
+  fill_uniform_bf16(dout.p, N * H, seed + 21, 1.0f, stream);
+  fill_uniform_bf16(h.p, N * I, seed + 22, 1.0f, stream);
+  fill_uniform_bf16(dpre1.p, N * I, seed + 23, 1.0f, stream);
+  if (swiglu) fill_uniform_bf16(dpre3.p, N * I, seed + 24, 1.0f, stream);
+  fill_uniform_bf16(x.p, N * H, seed + 25, 1.0f, stream);
+  DMOE_CHECK_CUDA(cudaMemsetAsync(dw.p, 0, size_t(E) * H * I * sizeof(float), stream));
+
+  cuda::Workspace workspace;
+  cuda::CudaContext ctx;
+  ctx.stream = stream;
+  ctx.workspace = &workspace;
+  const CublasHandle blas(stream);
+  ctx.cublas = blas.h;
+  const size_t scratch_bytes =
+      (std::max(cuda::sm90_grouped_wgrad_scratch_bytes(std::max(E, 1)), cuda::grouped_wgrad_scratch_bytes(std::max(E, 1))) +
+       255) / 256 * 256;
+  char* ws = static_cast<char*>(workspace.reserve(scratch_bytes + cuda::grouped_pointer_bytes(E) + 256, stream));
+  void* scratch = ws;
+  void* pointers = ws + scratch_bytes;
+  int64_t active = 0;
+  for (int32_t e = 0; e < E; ++e) active += local[e + 1] > local[e];
+
+  struct Product {
+    const char* name;
+    const DeviceBuffer* a;  // [N, m]
+    const DeviceBuffer* b;  // [N, n]
+    int64_t m, n;
+  };
+  std::vector<Product> products{{"dw1", &dpre1, &x, I, H}};
+  if (swiglu) products.push_back({"dw3", &dpre3, &x, I, H});
+  products.push_back({"dw2", &dout, &h, H, I});
+
+  std::vector<GemmBenchRow> rows;
+  std::vector<std::function<void()>> work;
+  for (const Product& pr : products) {
+    for (const bool accumulate : {false, true}) {
+      cuda::GroupedWgrad g;
+      g.a = pr.a->bf16();
+      g.b = pr.b->bf16();
+      g.c = static_cast<float*>(dw.p);
+      g.row_offsets = local.data();
+      g.groups = E;
+      g.m = pr.m;
+      g.n = pr.n;
+      g.lda = pr.m;
+      g.ldb = pr.n;
+      g.c_group_stride = H * I;
+      g.accumulate = accumulate;
+      DMOE_REQUIRE(cuda::sm90_grouped_wgrad_usable(g) && cuda::grouped_wgrad_usable(g),
+                   "dmoe bench gemm --wgrad: the weight-gradient kernels cannot run here (needs an sm_90 GPU and a "
+                   "build for sm_90a)");
+      // cuBLAS's problems, as expert_ffn_backward builds them (experts with rows only).
+      std::vector<cuda::GemmProblem> loop;
+      for (int32_t e = 0; e < E; ++e) {
+        const int64_t r0 = local[e], rows_e = local[e + 1] - r0;
+        if (rows_e == 0) continue;
+        loop.push_back({pr.m, pr.n, rows_e, pr.a->bf16() + r0 * pr.m, pr.b->bf16() + r0 * pr.n,
+                        static_cast<float*>(dw.p) + e * H * I});
+      }
+      const std::string product = std::string(pr.name) + (accumulate ? " acc" : " store");
+      const double flop = 2.0 * double(N) * double(pr.m) * double(pr.n);
+      // At least: the operands once, C written, and C read when accumulating.
+      const double bytes =
+          double(N) * double(pr.m + pr.n) * 2 + double(active) * double(pr.m * pr.n) * 4 * (accumulate ? 2 : 1);
+      const int tm = (pr.m + 127) / 128, tn = (pr.n + 127) / 128;
+      // Tile loads of the sm90 kernel: per tile and k-block of 64 rows, 128 A and 128 B columns of 128 bytes.
+      double tile_bytes = 0;
+      for (int32_t e = 0; e < E; ++e) tile_bytes += double((local[e + 1] - local[e] + 63) / 64) * tm * tn * 2 * 128 * 128;
+      auto add = [&](const char* variant, std::function<void()> fn, double tiles) {
+        rows.push_back({variant, product, {}, flop, tiles, bytes});
+        work.push_back(std::move(fn));
+      };
+      cuda::Sm90WgradTuning load, red;
+      load.accumulate = 1;
+      red.accumulate = 2;
+      add("sm90", [&, g, load] { cuda::sm90_grouped_wgrad(ctx, scratch, g, load); }, tile_bytes);
+      if (accumulate) add("sm90red", [&, g, red] { cuda::sm90_grouped_wgrad(ctx, scratch, g, red); }, tile_bytes);
+      add("mma", [&, g] { cuda::grouped_wgrad(ctx, scratch, g); }, 0);
+      add("cublas", [&, pr, loop, accumulate] {
+        const cudaDataType_t t = CUDA_R_16BF;
+        cuda::gemm_rm_grouped(ctx, pointers, true, false, pr.m, pr.n, pr.n, 1.f, accumulate ? 1.f : 0.f, t, t,
+                              CUDA_R_32F, loop);
+      }, 0);
+    }
+  }
+  time_rows(rows, work, stream);
   return rows;
 }
 

@@ -36,6 +36,7 @@ struct GemmBenchRow {
   Stats stats;
   double flop = 0;
   double tile_load_bytes = 0;
+  double min_bytes = 0;  // --wgrad: the DRAM bytes the product must move at least (0: not given)
 };
 
 // The config's up and down products for each variant; with `square`, also one 8192×8192×8192 product
@@ -52,5 +53,15 @@ std::vector<GemmBenchRow> bench_expert_gemms(const MoeConfig& config, const std:
 // calls, the second with beta = 1), variant "cublas". All timed in the same rounds.
 std::vector<GemmBenchRow> bench_dgrad_gemms(const MoeConfig& config, const std::vector<GemmVariant>& variants,
                                             cudaStream_t stream, uint64_t seed = 1);
+
+// The backward pass's weight gradients (same routing), as expert_ffn_backward runs them:
+//   dw1 = dpre1^T [I, N] · x [N, H]   (m = I, n = H; dw3 likewise with dpre3 for SwiGLU)
+//   dw2 = dout^T [H, N] · h [N, I]    (m = H, n = I)
+// each stored (the first backward after zero_grads) and accumulated, on the sm90 kernel
+// (sm90_grouped_wgrad; accumulating also as L2 reductions, variant "sm90red"), the mma.sync kernel
+// (grouped_wgrad, variant "mma") and one cublasGemmEx per expert (variant "cublas"). All timed in the
+// same rounds. F = 2·N·m·n; min_bytes = N·(m + n)·2 (operands once) + Le·m·n·4 (C written) (+ the same
+// read when accumulating), Le = experts with rows.
+std::vector<GemmBenchRow> bench_wgrad_gemms(const MoeConfig& config, cudaStream_t stream, uint64_t seed = 1);
 
 }  // namespace dmoe::bench

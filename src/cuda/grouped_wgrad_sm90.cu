@@ -1,0 +1,466 @@
+// cuda/grouped_wgrad_sm90.cu — the experts' weight gradients on Hopper (sm_90a): for every group g with rows,
+// C_g [m, n] (+)= A_g^T · B_g, A_g [rows_g, m] and B_g [rows_g, n] the group's rows of two row-major bf16
+// activation matrices, f32 accumulation and output. Same descriptor and semantics as the mma.sync kernel
+// (GroupedWgrad, grouped_wgrad.cu), which stays for sm_80-class GPUs.
+//
+// Why: the mma.sync kernel runs one CTA per 128×128 tile and writes its f32 tile only after its products,
+// so the SM's tensor cores idle during the stores and its DRAM writes idle during the products: measured
+// 481 µs storing (214 TFLOP/s, ~1.6 TB/s) and 840 µs accumulating on fine-grained dw1 (docs/perf.md). With
+// reductions of ~256 rows, a 128×128 tile is 8.4 MFLOP (~1.4 µs of one SM's wgmma peak) against 64 KiB of
+// f32 output (~1.8 µs of one SM's share of DRAM bandwidth): the epilogue is as long as the main loop, so
+// it has to run beside the next tile's products rather than after them.
+//
+// Structure (one persistent CTA per SM, 384 threads; the tile engine of grouped_gemm_sm90.cu, its
+// primitives in sm90_primitives.cuh and layouts in sm90_layout.hpp):
+//   warpgroup 0   producer: one thread takes tile indices (the first wave by blockIdx, then from a global
+//                 counter: tiles start in index order), hands each to the consumers through a 4-entry
+//                 ring, and TMA-loads its k-blocks (64 rows of A_g and of B_g) into a ring of 6 slots of
+//                 32 KiB; in accumulate mode it also prefetches the tile's C rows into L2
+//                 (cp.async.bulk.prefetch.L2), about two main loops before the epilogue reads them.
+//   warpgroups 1-2 consumers, "ping-pong": consumer w takes the CTA's tiles w, w + 2, w + 4, ... of its
+//                 sequence; each computes a whole 128×128 tile (two wgmma m64n128k16 per k16 step, 128
+//                 f32 accumulators per thread) and stores it straight from registers (f32 pairs, every
+//                 quad of lanes writing 32 contiguous bytes: whole sectors) while the other consumer's
+//                 products run on the tensor cores. Both read every tile index, so each knows where in
+//                 the slot ring its own tiles' k-blocks sit (the other's tiles are skipped by count).
+// Tiles: the groups with rows, in order, each ceil(m/128) × ceil(n/128) tiles, n fastest; a table of those
+// groups replaces a search (every group with rows has the same number of tiles).
+//
+// Operands: A_g^T [m, rows] has m contiguous and B_g [rows, n] n contiguous, so both are MN-major for
+// wgmma: TMA loads each as 64-column panels × 64 k-rows (128-byte swizzle; the NN kernel's B layout,
+// sm90_layout.hpp: rowmajor_panel_spec, mnmajor_desc), and the instruction reads A with its transpose-A and
+// B with its transpose-B immediate set (bf16 allows both from shared memory).
+//
+// A group's last k-block: the reduction runs over the group's rows only, but a TMA box of 64 rows starting
+// at the group's last k-block also holds the next group's first rows (TMA's zero fill only starts at the
+// end of the matrix). Those rows are cleared in shared memory before the products read them: the owning
+// consumer waits for the slot's data, its 128 threads write zeros over k-rows [rows_g % 64, 64) of every
+// panel the producer loaded (generic-proxy stores), each thread then orders its stores before the
+// tensor cores' reads with fence.proxy.async.shared::cta (wgmma reads shared memory through the async
+// proxy), and a warpgroup barrier makes all 128 threads' stores precede the first wgmma. Both operands
+// are cleared, so no NaN or Inf in a neighbouring group's rows can reach this group's sums (0 · Inf =
+// NaN). The same fence also orders these stores before the producer's next TMA write into the slot
+// (released by the consumer's later arrival on the slot's empty barrier). Per-group tensor maps bounded
+// at the group's rows would avoid the stores but cost a map encoding per group and call on the host.
+// Panels wholly past m (or n) are not loaded; the stale bytes in them feed only output rows >= m
+// (columns >= n), which are never stored.
+//
+// Accumulate mode reads C: by default each consumer loads its tile's C rows into registers (32 f32 pairs
+// in flight per thread, from L2 after the producer's prefetch), adds and stores; Sm90WgradTuning /
+// DMOE_SM90_WGRAD_ACCUMULATE=red instead sends the sums as red.global.add.v2.f32 (the add happens at L2;
+// every element is touched by one tile, so the result is the same f32 sum c + acc either way).
+//
+// Expected on the H200, fine-grained dw1 (128 experts × 768 × 2048, ~256 rows each, 103 GFLOP, 6144
+// tiles, ~47 per CTA): storing writes 0.78 GB of f32 (~165 µs at ~4.7 TB/s) and reads 0.18 GB of
+// operands once from DRAM (L2 serves the tiles' repeated reads: ~1.6 GB of tile loads, ~8 TB/s of L2 at
+// ~200 µs), against 103 GFLOP (~130 µs at ~800 TFLOP/s); with the stores overlapped the kernel should be
+// bound by the DRAM writes: ~190-220 µs (2.2-2.5× the mma.sync kernel's 481), the excess being the first
+// and last tiles of each CTA (no overlap) and wgmma at ~4 k-blocks per tile. Accumulating reads the same
+// 0.78 GB back: ~1.6 GB of DRAM traffic, ~350-400 µs (vs 840). Not measured yet (written without a GPU).
+//
+// Every mbarrier wait has a time limit (DMOE_GPU_WAIT_TIMEOUT_MS): past it the wait is recorded
+// (cuda/check.hpp, kWaitSm90Wgrad) and the kernel traps, so a bug is an error, not a hang.
+#include <cuda.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "cuda/common.hpp"
+#include "cuda/device_utils.cuh"
+#include "cuda/sm90_host.hpp"
+#include "cuda/sm90_layout.hpp"
+#include "cuda/sm90_primitives.cuh"
+
+namespace dmoe::cuda {
+
+namespace {
+
+constexpr int kTileM = 128, kTileN = 128;  // one consumer warpgroup's tile
+constexpr int kBK = 64;                    // k-block: rows of the reduction per slot (128-byte panel rows)
+constexpr int kThreads = 384;              // producer warpgroup + two consumer warpgroups
+constexpr int kPanels = kTileM / sm90::kMnPanelCols;  // 64-column panels per operand and k-block (2)
+static_assert(kTileM == kTileN, "A and B have the same number of panels per slot");
+constexpr int kPanelBytes = int(sm90::mn_panel_bytes(kBK));  // 8 KiB
+constexpr int kOperandBytes = kPanels * kPanelBytes;         // 16 KiB: one operand's k-block
+constexpr int kStageBytes = 2 * kOperandBytes;               // A's panels, then B's
+constexpr int kTileRing = 4;                                 // tile indices in flight to the consumers
+constexpr int kMaxSmem = 232448;                             // sm_90 opt-in limit (227 KiB)
+constexpr int kBarBytes = 8 * 2 * 8 + 8 * 2 * kTileRing + 4 * kTileRing;  // up to 8 slots' barriers, ring
+constexpr int kStagesFit = (kMaxSmem - 1024 - kBarBytes) / kStageBytes;
+constexpr int kStages = kStagesFit < 8 ? kStagesFit : 8;
+constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kBarBytes;
+static_assert(kStages >= 4 && kSmemBytes <= kMaxSmem, "slots do not fit in shared memory");
+
+// How C is written: store (accumulate = false), load-add-store, or reductions at L2.
+enum WgradMode : int { kStore = 0, kLoadAdd = 1, kRed = 2 };
+
+struct WgradSm90Params {
+  const int64_t* row_offsets;  // [groups + 1], as given
+  const int32_t* active;       // [tiles / tiles_per_group] the groups with rows, in order
+  int32_t* tile_counter;       // the dynamic schedule's next-tile counter, zeroed before the launch
+  float* c;
+  int64_t c_stride;            // elements between consecutive groups' C
+  int64_t a_first, b_first;    // the offsets' row number of a's and b's row 0
+  int32_t m, n;
+  int32_t n_tiles, tiles_per_group, tiles;
+  unsigned long long timeout_ns;
+  DeviceWaitRecord* wait_record;
+};
+
+#ifdef DMOE_SM90A_DEVICE
+
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity, int what, int slot, const WgradSm90Params& p) {
+  mbar_wait(bar, parity, what, slot, p.timeout_ns, p.wait_record, kWaitSm90Wgrad);
+}
+
+struct WgradTile {
+  int32_t group;
+  int32_t rows;          // the group's rows (> 0)
+  int32_t a_row, b_row;  // the group's first row in a and in b (TMA row coordinates)
+  int32_t m0, n0;        // the tile's first output row and column
+};
+
+__device__ __forceinline__ WgradTile decode_tile(const WgradSm90Params& p, int32_t t) {
+  WgradTile tc;
+  const int32_t j = t / p.tiles_per_group, local = t - j * p.tiles_per_group;
+  tc.group = __ldg(p.active + j);
+  const int64_t r0 = __ldg(p.row_offsets + tc.group);
+  tc.rows = int32_t(__ldg(p.row_offsets + tc.group + 1) - r0);
+  tc.a_row = int32_t(r0 - p.a_first);
+  tc.b_row = int32_t(r0 - p.b_first);
+  tc.m0 = (local / p.n_tiles) * kTileM;
+  tc.n0 = (local % p.n_tiles) * kTileN;
+  return tc;
+}
+
+__device__ __forceinline__ int32_t k_blocks_of(const WgradTile& tc) { return (tc.rows + kBK - 1) / kBK; }
+
+__device__ __forceinline__ void st_shared_zero16(uint32_t addr) {
+  asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(addr), "r"(0) : "memory");
+}
+
+__device__ __forceinline__ void prefetch_l2(const void* global, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(global), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void red_add_f32x2(float* global, float x, float y) {
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(global), "f"(x), "f"(y) : "memory");
+}
+
+#endif  // DMOE_SM90A_DEVICE
+
+template <int kMode>
+__global__ void __launch_bounds__(kThreads, 1)
+    grouped_wgrad_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
+                              const __grid_constant__ WgradSm90Params p) {
+#ifdef DMOE_SM90A_DEVICE
+  constexpr int S = kStages;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  const uint32_t slots = smem_u32(smem);
+  const uint32_t bars = slots + S * kStageBytes;  // full[S], empty[S], tile_full[R], tile_empty[R], ring
+  auto slot_a = [&](int s) { return slots + uint32_t(s) * kStageBytes; };
+  auto slot_b = [&](int s) { return slots + uint32_t(s) * kStageBytes + kOperandBytes; };
+  auto full = [&](int s) { return bars + 8 * s; };
+  auto empty = [&](int s) { return bars + 8 * (S + s); };
+  auto tile_full = [&](int r) { return bars + 8 * (2 * S + r); };
+  auto tile_empty = [&](int r) { return bars + 8 * (2 * S + kTileRing + r); };
+  const uint32_t tile_ring = bars + 8 * (2 * S + 2 * kTileRing);
+
+  const int warpgroup = threadIdx.x / 128;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < S; ++s) {
+      mbar_init(full(s), 1);
+      mbar_init(empty(s), 1);  // one arrival: the consumer that owns the slot's tile
+    }
+    for (int r = 0; r < kTileRing; ++r) {
+      mbar_init(tile_full(r), 1);
+      mbar_init(tile_empty(r), 2 * 128);  // every consumer thread reads every index, then arrives
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warpgroup == 0) {
+    // ---- producer ----
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+    if (threadIdx.x == 0) {
+      asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&map_a)) : "memory");
+      asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&map_b)) : "memory");
+      uint32_t it = 0;
+      int32_t next = int32_t(blockIdx.x);
+      for (uint32_t i = 0;; ++i) {
+        const int32_t t = next < p.tiles ? next : -1;
+        const int r = int(i % kTileRing);
+        mbar_wait(tile_empty(r), ((i / kTileRing) & 1) ^ 1, 4, r, p);
+        st_shared_volatile(tile_ring + 4 * r, t);
+        mbar_arrive(tile_full(r));
+        if (t < 0) break;
+        next = int32_t(gridDim.x) + atomicAdd(p.tile_counter, 1);  // its latency hides behind the loads
+        const WgradTile tc = decode_tile(p, t);
+        if constexpr (kMode != kStore) {
+          // C's tile rows into L2 now; the owning consumer reads (or reduces into) them after this tile's
+          // main loop, which starts once the previous tile's slots drain.
+          const float* c_tile = p.c + int64_t(tc.group) * p.c_stride + int64_t(tc.m0) * p.n + tc.n0;
+          const uint32_t bytes = uint32_t(min(kTileN, p.n - tc.n0)) * 4;  // n % 8 == 0: a multiple of 32
+          const int rows_in = min(kTileM, p.m - tc.m0);
+          for (int rr = 0; rr < rows_in; ++rr) prefetch_l2(c_tile + int64_t(rr) * p.n, bytes);
+        }
+        const int a_panels = sm90::mn_panels_in(p.m, tc.m0, kTileM);
+        const int b_panels = sm90::mn_panels_in(p.n, tc.n0, kTileN);
+        const int32_t k_blocks = k_blocks_of(tc);
+        for (int32_t kb = 0; kb < k_blocks; ++kb, ++it) {
+          const int s = int(it % S);
+          mbar_wait(empty(s), ((it / S) & 1) ^ 1, 1, s, p);
+          mbar_expect_tx(full(s), uint32_t(a_panels + b_panels) * kPanelBytes);
+#pragma unroll
+          for (int j = 0; j < kPanels; ++j) {
+            if (j < a_panels)
+              tma_load_2d(slot_a(s) + j * kPanelBytes, &map_a, tc.m0 + j * sm90::kMnPanelCols, tc.a_row + kb * kBK,
+                          full(s));
+            if (j < b_panels)
+              tma_load_2d(slot_b(s) + j * kPanelBytes, &map_b, tc.n0 + j * sm90::kMnPanelCols, tc.b_row + kb * kBK,
+                          full(s));
+          }
+        }
+      }
+    }
+  } else {
+    // ---- consumers ----
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+    const int consumer = warpgroup - 1;
+    const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+    float acc0[64], acc1[64];  // output rows m0 + [0, 64) and m0 + [64, 128) of the tile
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc0[i] = acc1[i] = 0.f;  // (each tile's first products overwrite them)
+    uint32_t it = 0;
+    for (uint32_t i = 0;; ++i) {
+      const int r = int(i % kTileRing);
+      mbar_wait(tile_full(r), (i / kTileRing) & 1, 3, r, p);
+      const int32_t t = ld_shared_volatile(tile_ring + 4 * r);
+      mbar_arrive(tile_empty(r));
+      if (t < 0) break;
+      const WgradTile tc = decode_tile(p, t);
+      const int32_t k_blocks = k_blocks_of(tc);
+      if (int(i & 1) != consumer) {  // the other consumer's tile: its k-blocks fill the next slots
+        it += uint32_t(k_blocks);
+        continue;
+      }
+      const int tail = tc.rows % kBK;  // rows of the group in its last k-block (0: a full one)
+      const int a_panels = sm90::mn_panels_in(p.m, tc.m0, kTileM);
+      const int b_panels = sm90::mn_panels_in(p.n, tc.n0, kTileN);
+      int prev_slot = -1;
+      for (int32_t kb = 0; kb < k_blocks; ++kb, ++it) {
+        const int s = int(it % S);
+        mbar_wait(full(s), (it / S) & 1, 0, s, p);
+        if (tail != 0 && kb == k_blocks - 1) {
+          // Clear the k-rows past the group (the next group's rows) in every loaded panel of A and B;
+          // then fence (generic stores -> the tensor cores' async-proxy reads) and wait for the whole
+          // warpgroup's stores (header comment).
+          const int chunks = int(sm90::wgrad_tail_bytes(tail, kBK)) / 16;  // per panel
+          const int panels = a_panels + b_panels;
+          for (int q = tid; q < chunks * panels; q += 128) {
+            const int panel = q / chunks, chunk = q - panel * chunks;
+            const uint32_t base = panel < a_panels ? slot_a(s) + panel * kPanelBytes
+                                                   : slot_b(s) + (panel - a_panels) * kPanelBytes;
+            st_shared_zero16(base + sm90::wgrad_tail_offset(tail) + uint32_t(chunk) * 16);
+          }
+          fence_async_shared();
+          warpgroup_barrier(1 + consumer);
+        }
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kBK / 16; ++kk) {
+          const uint64_t desc_b = mnmajor_swizzled_desc<kBK>(slot_b(s) + sm90::mn_kstep_offset(kk));
+          const uint64_t desc_a0 = mnmajor_swizzled_desc<kBK>(slot_a(s) + sm90::mn_kstep_offset(kk));
+          const uint64_t desc_a1 = mnmajor_swizzled_desc<kBK>(slot_a(s) + kPanelBytes + sm90::mn_kstep_offset(kk));
+          const int scale = (kb > 0 || kk > 0) ? 1 : 0;
+          Wgmma<kTileN>::mma<1, 1>(acc0, desc_a0, desc_b, scale);
+          Wgmma<kTileN>::mma<1, 1>(acc1, desc_a1, desc_b, scale);
+        }
+        wgmma_commit();
+        // Keep this k-block's products in flight; the previous one's are done, so its slot goes back.
+        wgmma_wait<1>();
+        if (prev_slot >= 0 && tid == 0) mbar_arrive(empty(prev_slot));
+        prev_slot = s;
+      }
+      wgmma_wait<0>();
+      if (tid == 0) mbar_arrive(empty(prev_slot));
+
+      // Epilogue, straight from registers while the other consumer's products run. Accumulator fragment
+      // (warp w, lane l) of an m64n128 product: rows 16w + l/4 (+ 8), and for each 8-column block j the
+      // columns 8j + 2(l%4) + {0, 1}: every quad writes 32 contiguous bytes of one row.
+      float* c_group = p.c + int64_t(tc.group) * p.c_stride;
+      const int col_in = tc.n0 + 2 * (lane % 4);
+      // 8-column blocks of this lane's pairs inside n (n is a multiple of 8: a pair is wholly in or out).
+      const int cols_left = (p.n - tc.n0 + 7) / 8;
+      // One m64 half of the tile (acc0: rows m0 + [0, 64), acc1: the next 64).
+      auto write_half = [&](const float(&acc)[64], int mb) {
+        const int row_base = tc.m0 + 64 * mb + 16 * warp + lane / 4;
+        if constexpr (kMode == kLoadAdd) {
+          // Old values in flight, then the sums: 16 pairs (one row) at a time while both halves'
+          // accumulators are live (128 registers, ptxas's budget being 168 at 384 threads), both rows' 32
+          // pairs at once for the second half, whose loads can take the first half's registers.
+          auto rows_add = [&](auto halves) {
+            constexpr int kHalves = decltype(halves)::value;
+#pragma unroll
+            for (int h0 = 0; h0 < 2; h0 += kHalves) {
+              float2 old[kHalves][16];
+#pragma unroll
+              for (int hh = 0; hh < kHalves; ++hh) {
+                const int row = row_base + 8 * (h0 + hh);
+                const float2* src = reinterpret_cast<const float2*>(c_group + int64_t(row) * p.n + col_in);
+                const int pairs = row < p.m ? cols_left : 0;  // 8-column blocks j < pairs are inside
+#pragma unroll
+                for (int j = 0; j < 16; ++j) old[hh][j] = j < pairs ? __ldcg(src + 4 * j) : make_float2(0.f, 0.f);
+              }
+#pragma unroll
+              for (int hh = 0; hh < kHalves; ++hh) {
+                const int half = h0 + hh, row = row_base + 8 * half;
+                if (row >= p.m) continue;
+                float2* dst = reinterpret_cast<float2*>(c_group + int64_t(row) * p.n + col_in);
+#pragma unroll
+                for (int j = 0; j < 16; ++j)
+                  if (j < cols_left)
+                    __stcs(dst + 4 * j, make_float2(old[hh][j].x + acc[4 * j + 2 * half],
+                                                    old[hh][j].y + acc[4 * j + 2 * half + 1]));
+              }
+            }
+          };
+          if (mb == 0)
+            rows_add(std::integral_constant<int, 1>{});
+          else
+            rows_add(std::integral_constant<int, 2>{});
+        } else {
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int row = row_base + 8 * half;
+            if (row >= p.m) continue;
+            float* dst = c_group + int64_t(row) * p.n + col_in;
+#pragma unroll
+            for (int j = 0; j < 16; ++j) {
+              if (j >= cols_left) continue;
+              if constexpr (kMode == kRed)
+                red_add_f32x2(dst + 8 * j, acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+              else
+                __stcs(reinterpret_cast<float2*>(dst + 8 * j), make_float2(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]));
+            }
+          }
+        }
+      };
+      write_half(acc0, 0);
+      write_half(acc1, 1);
+    }
+  }
+#endif  // DMOE_SM90A_DEVICE
+}
+
+// DMOE_SM90_WGRAD_ACCUMULATE=load (default) | red: how accumulate mode reads C (Sm90WgradTuning).
+int accumulate_mode_from_env() {
+  static const int mode = [] {
+    const char* v = std::getenv("DMOE_SM90_WGRAD_ACCUMULATE");
+    if (!v || !*v || std::string(v) == "load") return int(kLoadAdd);
+    DMOE_CUDA_REQUIRE(std::string(v) == "red", "DMOE_SM90_WGRAD_ACCUMULATE=%s is not supported; allowed: load, red",
+                      v);
+    return int(kRed);
+  }();
+  return mode;
+}
+
+template <int kMode>
+void launch(const CudaContext& ctx, const CUtensorMap& map_a, const CUtensorMap& map_b, const WgradSm90Params& p) {
+  const auto kernel = grouped_wgrad_sm90_kernel<kMode>;
+  static SmemOptIn opt_in;
+  opt_in.apply(kernel, kSmemBytes);
+  const int blocks = std::min(p.tiles, device_info().sms);
+  kernel<<<blocks, kThreads, kSmemBytes, ctx.stream>>>(map_a, map_b, p);
+  DMOE_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+bool sm90_grouped_wgrad_usable(const GroupedWgrad& g) {
+  if (g.groups <= 0 || g.m <= 0 || g.n <= 0 || g.row_offsets == nullptr) return false;
+  // TMA: row strides of a multiple of 16 bytes, 16-byte aligned bases; f32 pairs and 16-byte L2 prefetches
+  // of C rows (n % 8, c_group_stride % 4).
+  if (g.m % 8 != 0 || g.n % 8 != 0 || g.lda % 8 != 0 || g.ldb % 8 != 0 || g.lda < g.m || g.ldb < g.n) return false;
+  if (g.c_group_stride % 4 != 0) return false;
+  if (!is_aligned(g.a, 16) || !is_aligned(g.b, 16) || !is_aligned(g.c, 16)) return false;
+  // TMA coordinates (rows of a and b, columns) and the tile fields are 32-bit.
+  const int64_t first = std::min(g.a_first_row, g.b_first_row);
+  if (g.row_offsets[g.groups] - first >= (int64_t(1) << 31) - kBK || g.m >= (int64_t(1) << 31) - kTileM ||
+      g.n >= (int64_t(1) << 31) - kTileN)
+    return false;
+  const int64_t tiles_per_group = ((g.m + kTileM - 1) / kTileM) * ((g.n + kTileN - 1) / kTileN);
+  if (tiles_per_group * g.groups >= (int64_t(1) << 31)) return false;
+  return device_info().usable;
+}
+
+size_t sm90_grouped_wgrad_scratch_bytes(int32_t groups) {
+  // row offsets (int64), the groups with rows (int32), the tile counter (int32)
+  const size_t bytes = (size_t(groups) + 1) * sizeof(int64_t) + size_t(groups) * sizeof(int32_t) + sizeof(int32_t);
+  return (bytes + 255) / 256 * 256;
+}
+
+void sm90_grouped_wgrad(const CudaContext& ctx, void* scratch, const GroupedWgrad& g, const Sm90WgradTuning& t) {
+  if (!check_wgrad_call(g, "sm90_grouped_wgrad")) return;
+  DMOE_CUDA_REQUIRE(t.accumulate >= 0 && t.accumulate <= 2,
+                    "sm90_grouped_wgrad: accumulate = %d; allowed: 0 (default), 1 (load), 2 (red)", t.accumulate);
+  DMOE_CUDA_REQUIRE(sm90_grouped_wgrad_usable(g),
+                    "sm90_grouped_wgrad: not usable here (needs an sm_90 GPU, a build for sm_90a, m, n, lda, ldb "
+                    "multiples of 8 — m = %lld, n = %lld, lda = %lld, ldb = %lld — lda >= m, ldb >= n, 16-byte "
+                    "aligned pointers and c_group_stride a multiple of 4)",
+                    (long long)g.m, (long long)g.n, (long long)g.lda, (long long)g.ldb);
+  std::vector<int32_t> active;
+  for (int32_t e = 0; e < g.groups; ++e)
+    if (g.row_offsets[e + 1] > g.row_offsets[e]) active.push_back(e);
+  if (active.empty()) return;  // no rows: every C is left alone
+
+  WgradSm90Params p{};
+  p.m = int32_t(g.m);
+  p.n = int32_t(g.n);
+  p.n_tiles = int32_t((g.n + kTileN - 1) / kTileN);
+  p.tiles_per_group = int32_t((g.m + kTileM - 1) / kTileM) * p.n_tiles;
+  p.tiles = p.tiles_per_group * int32_t(active.size());
+  p.c = g.c;
+  p.c_stride = g.c_group_stride;
+  p.a_first = g.a_first_row;
+  p.b_first = g.b_first_row;
+  p.timeout_ns = wait_timeout_ns();
+  p.wait_record = device_wait_record();
+
+  char* ws = static_cast<char*>(scratch);
+  const size_t offsets_bytes = (size_t(g.groups) + 1) * sizeof(int64_t);
+  const size_t active_bytes = size_t(g.groups) * sizeof(int32_t);
+  upload_async(ws, g.row_offsets, offsets_bytes, ctx.stream);
+  upload_async(ws + offsets_bytes, active.data(), active.size() * sizeof(int32_t), ctx.stream);
+  p.row_offsets = reinterpret_cast<const int64_t*>(ws);
+  p.active = reinterpret_cast<const int32_t*>(ws + offsets_bytes);
+  p.tile_counter = reinterpret_cast<int32_t*>(ws + offsets_bytes + active_bytes);
+  DMOE_CHECK_CUDA(cudaMemsetAsync(p.tile_counter, 0, sizeof(int32_t), ctx.stream));
+
+  // Maps over the rows the groups use (from a's / b's row 0 to the last group's end): TMA reads zeros past
+  // them, and past m / n.
+  const int64_t end = g.row_offsets[g.groups];
+  const CUtensorMap map_a = make_rowmajor_panel_map(g.a, end - g.a_first_row, g.m, g.lda, kBK);
+  const CUtensorMap map_b = make_rowmajor_panel_map(g.b, end - g.b_first_row, g.n, g.ldb, kBK);
+  if (!g.accumulate) return launch<kStore>(ctx, map_a, map_b, p);
+  const int mode = t.accumulate == 0 ? accumulate_mode_from_env() : t.accumulate;
+  if (mode == kRed) return launch<kRed>(ctx, map_a, map_b, p);
+  launch<kLoadAdd>(ctx, map_a, map_b, p);
+}
+
+void grouped_wgrad(const GroupedWgrad& g, const CudaContext& ctx) {
+  DMOE_CUDA_REQUIRE(ctx.workspace != nullptr, "grouped_wgrad: the context has no workspace");
+  if (sm90_grouped_wgrad_usable(g)) {
+    void* scratch = ctx.workspace->reserve(sm90_grouped_wgrad_scratch_bytes(g.groups), ctx.stream);
+    return sm90_grouped_wgrad(ctx, scratch, g);
+  }
+  void* scratch = ctx.workspace->reserve(grouped_wgrad_scratch_bytes(std::max(g.groups, 0)), ctx.stream);
+  grouped_wgrad(ctx, scratch, g);
+}
+
+}  // namespace dmoe::cuda
