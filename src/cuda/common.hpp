@@ -197,9 +197,11 @@ void sm90_grouped_wgrad(const CudaContext& ctx, void* scratch, const GroupedWgra
 void grouped_wgrad(const GroupedWgrad& g, const CudaContext& ctx);
 
 // Which kernel the backward pass's bf16 weight gradients take (DMOE_WGRAD; measurements in gemm.cpp):
-//   auto (default)  own below kOwnWgradMaxMeanMacs multiply-adds per expert product on average, else cublas
-//   own             dmoe's best own kernel wherever usable: sm90 on sm_90, else mma
-//   sm90 / mma      that kernel wherever usable
+//   auto (default)  mma below kOwnWgradMaxMeanMacs multiply-adds per expert product on average, else cublas
+//   own             the measured own kernel (mma) wherever usable
+//   sm90            the TMA + wgmma kernel wherever usable — only when asked for: it has not run on a GPU yet
+//                   (gemm.cpp); auto and own take it once its tests and benchmark have run on the H200
+//   mma             the mma.sync kernel wherever usable
 //   cublas          one cublasGemmEx per expert and product
 // Every call in `calls` must be usable on the kernel picked; otherwise cuBLAS runs them.
 enum class WgradKernel { cublas, sm90, mma };

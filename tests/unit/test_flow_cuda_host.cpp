@@ -65,7 +65,10 @@ std::string short_name(const TaskGraph& g, int32_t id) {
 }
 std::string names(const TaskGraph& g, const std::vector<int32_t>& order) {
   std::string out;
-  for (int32_t id : order) out += (out.empty() ? "" : " ") + short_name(g, id);
+  for (int32_t id : order) {
+    if (!out.empty()) out += ' ';
+    out += short_name(g, id);
+  }
   return out;
 }
 
