@@ -8,7 +8,8 @@
 # PARTS: comma-separated, run in the order given: tests (one process), multi (W = 2, 4, 8 ranks), modes
 # (expert-GEMM strategies side by side), bench (named configs with the PyTorch peers, weak scaling), quick
 # (named configs, forward only, no peers), gemm (the own GEMM's variants and its DRAM traffic),
-# profile (per-kernel times under Nsight Compute), gpus (one rank per GPU on a multi-GPU machine),
+# profile (per-kernel times under Nsight Compute), wgrad (the sm90 weight-gradient kernel: tests, kernel
+# benchmark, training step per DMOE_WGRAD path), gpus (one rank per GPU on a multi-GPU machine),
 # flash (the Flash kernel at W = 1: its tests, and its benchmark beside EP), flash_multi (Flash at W = 2, 4
 # ranks on the GPU), faults (the fault-injection matrix over GPU processes), sanitize (compute-sanitizer);
 # all = tests,multi,bench,modes (default).
@@ -103,6 +104,24 @@ part_gemm() {
     run 100 "gemm_dram_$cfg" ncu --clock-control none -k regex:grouped_gemm_sm90 -c 3 --metrics \
       dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct,gpu__time_duration.sum \
       "$B/dmoe" bench gemm --config "$cfg" --variants b256
+  done
+}
+
+part_wgrad() {
+  # The sm90 TMA + wgmma weight-gradient kernel (opt-in, DMOE_WGRAD=sm90, until this part has passed): its tests
+  # against the CPU twin and the mma.sync kernel, alone first (a fault poisons the context), then the kernels side
+  # by side, and the training step with each weight-gradient path, interleaved.
+  run 200 wgrad_tests "$B/tests/dmoe_gpu_tests" --gtest_brief=1 --gtest_filter='*GroupedWgrad*'
+  for cfg in fine-grained flash-paper decode mixtral; do
+    run 120 "wgrad_gemm_$cfg" "$B/dmoe" bench gemm --config "$cfg" --wgrad --json "$O/wgrad_gemm_$cfg.json"
+  done
+  for round in 1 2; do
+    for cfg in fine-grained flash-paper decode; do
+      for w in sm90 mma cublas; do
+        DMOE_WGRAD=$w run 120 "wgrad_step_${cfg}_${w}_$round" "$B/dmoe" bench layer --config "$cfg" \
+          --check-tokens 0 --json "$O/wgrad_step_${cfg}_${w}_$round.json"
+      done
+    done
   done
 }
 
@@ -346,7 +365,7 @@ $(grep -a 'sum' "$O/san_repro_$mode.log")"
 
 for part in ${WHAT//,/ }; do
   case $part in
-    tests | multi | bench | quick | gemm | modes | profile | gpus | flash | flash_multi | faults | sanitize) part_$part ;;
-    *) echo "unknown part '$part'; allowed: tests, multi, bench, quick, gemm, modes, profile, gpus, flash, flash_multi, faults, sanitize, all" >&2; exit 2 ;;
+    tests | multi | bench | quick | gemm | wgrad | modes | profile | gpus | flash | flash_multi | faults | sanitize) part_$part ;;
+    *) echo "unknown part '$part'; allowed: tests, multi, bench, quick, gemm, wgrad, modes, profile, gpus, flash, flash_multi, faults, sanitize, all" >&2; exit 2 ;;
   esac
 done
