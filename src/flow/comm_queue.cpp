@@ -33,7 +33,7 @@ CommQueue::Pick CommQueue::pick(const std::vector<uint8_t>& done) const {
   const bool a2a_ready = a2a >= 0 && ready(a2a, done);
   // All-to-all first: issued whenever ready and its communicator is free; on an exclusive link it also
   // waits for a running chunk to leave the wire (non-preemptive).
-  if (a2a_ready && !alltoall_running() && (link_ == LinkModel::separate || !allreduce_running())) p.alltoall = a2a;
+  if (a2a_ready && !alltoall_running() && (link_ != LinkModel::exclusive || !allreduce_running())) p.alltoall = a2a;
   // A chunk only when no all-to-all is ready or running (an all-to-all picked now counts as ready).
   const int32_t ar = next_allreduce();
   if (ar >= 0 && !a2a_ready && !alltoall_running() && !allreduce_running() && ready(ar, done)) p.allreduce = ar;

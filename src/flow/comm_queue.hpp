@@ -24,6 +24,8 @@ namespace dmoe::flow {
 enum class LinkModel : uint8_t {
   exclusive,  // one collective on the link at a time (the paper's model; the simulator's default)
   separate,   // the two communicators progress independently (an executor's issue rule; no link model)
+  shared,     // issued as `separate`, but one link: while an all-to-all and an AR chunk are both in flight they
+              // share its bandwidth (each progresses at half speed; the simulator's fluid model, simulate() only)
 };
 
 class CommQueue {

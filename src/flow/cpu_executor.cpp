@@ -87,7 +87,10 @@ double run_cpu_flow_step(MixtralModel& model, Comm& ar_comm, const TaskGraph& g,
 
   const int64_t micro = batch / R;
   states.resize(size_t(R));
-  for (int32_t r = 0; r < R; ++r) model.begin_forward(tokens + r * micro * seq, micro, seq, states[size_t(r)]);
+  for (int32_t r = 0; r < R; ++r) {
+    model.begin_forward(tokens + r * micro * seq, micro, seq, states[size_t(r)]);
+    model.prepare_engines(states[size_t(r)]);  // their config checks (collectives) here, before the threads start
+  }
   std::vector<std::vector<float>> dresid(static_cast<size_t>(R)), dh(static_cast<size_t>(R));
   const double scale = 1.0 / R;
 
@@ -115,37 +118,63 @@ double run_cpu_flow_step(MixtralModel& model, Comm& ar_comm, const TaskGraph& g,
     if (t.micro_batch >= 0) return fn(t.micro_batch);
     for (int32_t r = 0; r < R; ++r) fn(r);
   };
+  // The model's stages per task (the GPU executor's cut, src/flow/cuda/cuda_executor.cpp): compute tasks on the
+  // compute thread, exchanges on the all-to-all thread, which also issues every other collective on the model's
+  // communicator (the loss all-reduce in head_forward, the gate-gradient sums of moe_collect_grads) so that every
+  // rank issues them in the same order.
   auto run_compute = [&](const Task& t) {
-    if (t.kind == TaskKind::attention_fwd)
-      each_r(t, [&](int32_t r) {
-        if (t.layer == 0) model.embed_forward(states[size_t(r)]);
-        model.attention_forward(t.layer, states[size_t(r)]);
-      });
-    else if (t.kind == TaskKind::attention_bwd)
-      each_r(t, [&](int32_t r) {
-        model.attention_backward(t.layer, states[size_t(r)], dh[size_t(r)], dresid[size_t(r)]);
-        if (t.layer == 0) {
-          model.embed_backward(states[size_t(r)], dresid[size_t(r)]);
-          states[size_t(r)].forward_done = false;
-        }
-      });
-  };
-  auto run_alltoall = [&](const Task& t) {
-    ModelState& st = states[size_t(t.micro_batch)];
-    if (t.kind == TaskKind::dispatch_fwd) {
-      model.moe_forward(t.layer, st);
-      if (t.layer == L - 1) {
-        model.head_forward(st);
-        st.forward_done = true;
-      }
-    } else if (t.kind == TaskKind::combine_bwd) {
-      if (t.layer == L - 1) model.head_backward(st, dresid[size_t(t.micro_batch)], scale);
-      model.moe_backward(t.layer, st, dresid[size_t(t.micro_batch)], dh[size_t(t.micro_batch)], scale);
+    const int l = t.layer;
+    switch (t.kind) {
+      case TaskKind::attention_fwd:
+        each_r(t, [&](int32_t r) {
+          ModelState& st = states[size_t(r)];
+          if (l == 0) model.embed_forward(st);
+          else model.moe_finish(l - 1, st);
+          model.attention_forward(l, st);
+          model.moe_route(l, st);
+        });
+        break;
+      case TaskKind::expert_fwd: model.moe_experts(l, states[size_t(t.micro_batch)]); break;
+      case TaskKind::expert_bwd: model.moe_backward_experts(l, states[size_t(t.micro_batch)]); break;
+      case TaskKind::attention_bwd:
+        each_r(t, [&](int32_t r) {
+          ModelState& st = states[size_t(r)];
+          model.moe_backward_finish(l, st, dresid[size_t(r)], dh[size_t(r)]);
+          model.attention_backward(l, st, dh[size_t(r)], dresid[size_t(r)]);
+          if (l == 0) {
+            model.embed_backward(st, dresid[size_t(r)]);
+            st.forward_done = false;
+          }
+        });
+        break;
+      default: DMOE_FAIL("flow executor: {} is not a compute task", g.describe(t.id));
     }
   };
-  auto is_empty = [](TaskKind k) {
-    return k == TaskKind::expert_fwd || k == TaskKind::combine_fwd || k == TaskKind::expert_bwd ||
-           k == TaskKind::dispatch_bwd;
+  auto run_alltoall = [&](const Task& t) {
+    const int l = t.layer;
+    const int32_t r = t.micro_batch;
+    ModelState& st = states[size_t(r)];
+    switch (t.kind) {
+      case TaskKind::dispatch_fwd: model.moe_dispatch(l, st); break;
+      case TaskKind::combine_fwd: model.moe_combine(l, st); break;
+      case TaskKind::combine_bwd:
+        // C'[l, r]'s prelude: at the last layer the forward's end (the block output, the head and its loss
+        // all-reduce) and the head's backward; below it, layer l + 1's MoE gradients, complete since AT'[l + 1, r]
+        // (a dependency). Then the combine's backward and its exchange.
+        if (l == L - 1) {
+          model.moe_finish(l, st);
+          model.head_forward(st);
+          st.forward_done = true;
+          model.head_backward(st, dresid[size_t(r)], scale);
+        } else {
+          model.moe_collect_grads(l + 1, st);
+        }
+        model.moe_backward_combine(l, st, dresid[size_t(r)], scale);
+        model.moe_backward_dispatch(l, st);
+        break;
+      case TaskKind::dispatch_bwd: model.moe_backward_return(l, st); break;
+      default: DMOE_FAIL("flow executor: {} is not an all-to-all task", g.describe(t.id));
+    }
   };
 
   Shared sh;
@@ -170,10 +199,8 @@ double run_cpu_flow_step(MixtralModel& model, Comm& ar_comm, const TaskGraph& g,
     try {
       for (int32_t id : g.compute_order) {
         const Task& t = g.tasks[size_t(id)];
-        if (!is_empty(t.kind)) {
-          sh.wait_deps(t);
-          timed(id, [&] { run_compute(t); });
-        }
+        sh.wait_deps(t);
+        timed(id, [&] { run_compute(t); });
         sh.mark_done(id);
       }
       std::lock_guard<std::mutex> lock(sh.mutex);
@@ -225,15 +252,13 @@ double run_cpu_flow_step(MixtralModel& model, Comm& ar_comm, const TaskGraph& g,
     for (size_t i = 0; i < g.alltoall_order.size(); ++i) {
       const int32_t id = g.alltoall_order[i];
       const Task& t = g.tasks[size_t(id)];
-      if (!is_empty(t.kind)) {
-        sh.wait_deps(t);
-        {
-          std::lock_guard<std::mutex> lock(sh.mutex);
-          sh.alltoall_running = true;
-          sh.alltoall_next = i + 1;
-        }
-        timed(id, [&] { run_alltoall(t); });
+      sh.wait_deps(t);
+      {
+        std::lock_guard<std::mutex> lock(sh.mutex);
+        sh.alltoall_running = true;
+        sh.alltoall_next = i + 1;
       }
+      timed(id, [&] { run_alltoall(t); });
       std::lock_guard<std::mutex> lock(sh.mutex);
       sh.alltoall_running = false;
       sh.alltoall_next = i + 1;
@@ -241,6 +266,14 @@ double run_cpu_flow_step(MixtralModel& model, Comm& ar_comm, const TaskGraph& g,
       if (sh.alltoall_next == g.alltoall_order.size()) sh.alltoall_finished = true;
       sh.changed.notify_all();
     }
+    // Layer 0's MoE gradients (no C' below it collects them), once the compute thread has run every AT'[0, r]:
+    // micro-batches in order, as the sequential backward adds them.
+    {
+      std::unique_lock<std::mutex> lock(sh.mutex);
+      sh.changed.wait(lock, [&] { return sh.failed || sh.compute_finished; });
+      sh.check_failed();
+    }
+    for (int32_t r = 0; r < R; ++r) model.moe_collect_grads(0, states[size_t(r)]);
   } catch (...) {
     alltoall_error = std::current_exception();
     sh.fail();

@@ -1,11 +1,16 @@
 // cpu_executor.hpp — runs one training step of the CPU Mixtral model (src/model/mixtral.*) in a Flow task
 // graph's issue orders, on three host threads per rank:
 //
-//   compute thread     compute_order:  AT  → embed_forward (l = 0) + attention_forward
-//                                      AT' → attention_backward + embed_backward (l = 0)
-//   all-to-all thread  alltoall_order: D   → moe_forward (the model's MoE stage runs D, E and C inside one
-//                                            EpEngine call) + head_forward (l = L−1: the loss all-reduce)
-//                                      C'  → head_backward (l = L−1) + moe_backward (C', E', D')
+//   compute thread     compute_order:  AT  → embed_forward (l = 0) or moe_finish (l − 1) + attention_forward +
+//                                            moe_route
+//                                      E   → moe_experts
+//                                      E'  → moe_backward_experts
+//                                      AT' → moe_backward_finish + attention_backward + embed_backward (l = 0)
+//   all-to-all thread  alltoall_order: D   → moe_dispatch          C  → moe_combine
+//                                      C'  → prelude: l = L−1: moe_finish + head_forward (the loss all-reduce) +
+//                                            head_backward; l < L−1: moe_collect_grads(l + 1) (the gate's sum
+//                                            over ranks); then moe_backward_combine + moe_backward_dispatch
+//                                      D'  → moe_backward_return; after the last task moe_collect_grads(0)
 //                      (the caller's thread: every collective on the model's communicator is issued here,
 //                      in alltoall_order, so every rank issues them in the same order)
 //   all-reduce thread  allreduce_order on its own communicator: chunk k all-reduces bytes [k·Sp, (k+1)·Sp)
@@ -13,8 +18,9 @@
 //                      the priority rule (no all-to-all stage ready or running); then the embedding, final
 //                      norm and lm_head gradients in one call once everything else is done.
 //
-// E, C, E', D' are empty here (their work is inside the merged stages above): they are marked done when their
-// thread reaches them, without waiting. Every other task waits for its true dependencies only.
+// The MoE stage is cut at its all-to-alls (EpEngine's phases, MixtralModel::moe_route … moe_collect_grads), as on
+// the GPU executor: the experts of one micro-batch run on the compute thread while another's rows are exchanged.
+// Every task waits for its true dependencies only.
 //
 // The gradients are bit-identical to running, on the same micro-batches, forward(r) for r = 0..R−1, then
 // backward(r, 1/R) for r = 0..R−1, then reduce_grads(): every gradient tensor receives its micro-batches'
@@ -41,7 +47,7 @@ int64_t mixtral_dense_grad_bytes_per_layer(const MixtralConfig& config);
 // sequences; states: R states (resized). Adds the gradients (scaled 1/R) to model.grads() and all-reduces the
 // dense ones over ranks through allreduce_comm (a communicator of its own, same ranks as the model's).
 // Returns the mean of the micro-batches' losses. Collective over the model's ranks.
-// timeline (optional): every non-empty task's wall-clock start and end in ms from the step's start, in the order
+// timeline (optional): every task's wall-clock start and end in ms from the step's start, in the order
 // the tasks ended (measured per-task times: the input a cost file for the simulator is fitted from).
 double run_cpu_flow_step(MixtralModel& model, Comm& allreduce_comm, const TaskGraph& graph, const int32_t* tokens,
                          int64_t batch, int64_t seq, std::vector<ModelState>& states,

@@ -219,10 +219,24 @@ SimResult simulate(const TaskGraph& g, const std::vector<double>& cost, LinkMode
   };
   // Starts a task at time t; a task of zero cost is retired at once, so what depends on it sees it done
   // at the same instant (returns true then: the start phase runs again).
+  // LinkModel::shared: a communication task's cost is its time alone on the link; while an all-to-all and a chunk
+  // are both in flight each progresses at half speed, so `left` (the work still to do, in ms alone) is what
+  // decides their ends, and end[] is fixed when they retire. Compute tasks always run at full speed.
+  const bool fluid = link == LinkModel::shared;
+  std::vector<double> left(fluid ? n : 0, 0);
+  std::vector<size_t> event_of(n, 0);  // index of the task's entry in res.events
+  auto on_link = [&](int32_t id) { return g.tasks[size_t(id)].stream != Stream::compute; };
+  auto link_tasks = [&] {
+    int k = 0;
+    for (int32_t id : running) k += on_link(id);
+    return k;
+  };
   auto start = [&](int32_t id) {
     end[size_t(id)] = t + cost[size_t(id)];
+    event_of[size_t(id)] = res.events.size();
     res.events.push_back({id, t, end[size_t(id)]});
     if (cost[size_t(id)] > 0) {
+      if (fluid) left[size_t(id)] = cost[size_t(id)];
       running.push_back(id);
       return false;
     }
@@ -252,7 +266,28 @@ SimResult simulate(const TaskGraph& g, const std::vector<double>& cost, LinkMode
                  t, completed, n, compute_next < g.compute_order.size() ? g.describe(g.compute_order[compute_next]) : "none",
                  queue.next_alltoall() >= 0 ? g.describe(queue.next_alltoall()) : "none");
     double next = std::numeric_limits<double>::infinity();
-    for (int32_t id : running) next = std::min(next, end[size_t(id)]);
+    if (fluid) {
+      // Rates now: 1 for compute, 1 / (communication tasks in flight) for those; the next end is the first task
+      // to finish its remaining work at its rate. Everything in flight advances to then.
+      const double share = 1.0 / std::max(1, link_tasks());
+      for (int32_t id : running) {
+        const double rate = on_link(id) ? share : 1.0;
+        next = std::min(next, on_link(id) ? t + left[size_t(id)] / rate : end[size_t(id)]);
+      }
+      for (int32_t id : running)
+        if (on_link(id)) {
+          left[size_t(id)] = std::max(0.0, left[size_t(id)] - (next - t) * share);
+          // A task whose remaining work is within rounding of 0 ends now.
+          if (left[size_t(id)] <= 1e-12 * std::max(1.0, cost[size_t(id)])) {
+            end[size_t(id)] = next;
+            res.events[event_of[size_t(id)]].end_ms = next;
+          } else {
+            end[size_t(id)] = std::numeric_limits<double>::infinity();  // not yet known
+          }
+        }
+    } else {
+      for (int32_t id : running) next = std::min(next, end[size_t(id)]);
+    }
     t = next;
     for (size_t i = 0; i < running.size();) {
       const int32_t id = running[i];
@@ -280,6 +315,8 @@ SimResult simulate(const TaskGraph& g, const std::vector<double>& cost, LinkMode
 RanksResult simulate_ranks(const TaskGraph& g, const std::vector<std::vector<double>>& cost, LinkModel link) {
   const size_t W = cost.size(), n = g.tasks.size();
   DMOE_REQUIRE(W >= 1, "simulate_ranks: no ranks");
+  DMOE_REQUIRE(link != LinkModel::shared, "simulate_ranks: the shared-bandwidth link model is simulate()'s only "
+               "(allowed here: exclusive, separate)");
   for (size_t r = 0; r < W; ++r) {
     DMOE_REQUIRE(cost[r].size() == n, "simulate_ranks: rank {} has {} costs for {} tasks", r, cost[r].size(), n);
     for (double c : cost[r]) DMOE_REQUIRE(std::isfinite(c) && c > 0, "simulate_ranks: costs must be finite and > 0");

@@ -166,11 +166,34 @@ void MixtralModel::prepare_moe(BlockState& b, int64_t tokens, int layer) {
 }
 
 void MixtralModel::moe_forward(int layer, ModelState& st) {
+  moe_route(layer, st);
+  moe_dispatch(layer, st);
+  moe_experts(layer, st);
+  moe_combine(layer, st);
+  moe_finish(layer, st);
+}
+
+void MixtralModel::prepare_engines(ModelState& st) {
+  for (int l = 0; l < config_.num_hidden_layers; ++l) prepare_moe(st.blocks[size_t(l)], st.batch * st.seq, l);
+}
+
+void MixtralModel::moe_route(int layer, ModelState& st) {
+  BlockState& b = st.blocks[layer];
+  prepare_moe(b, st.batch * st.seq, layer);
+  b.moe->forward_route(b.hn2.data(), ForwardMode::train);
+}
+
+void MixtralModel::moe_dispatch(int layer, ModelState& st) { st.blocks[layer].moe->forward_dispatch(nullptr); }
+
+void MixtralModel::moe_experts(int layer, ModelState& st) { st.blocks[layer].moe->forward_experts(); }
+
+void MixtralModel::moe_combine(int layer, ModelState& st) { st.blocks[layer].moe->forward_combine(nullptr); }
+
+void MixtralModel::moe_finish(int layer, ModelState& st) {
   const int64_t n = st.batch * st.seq, H = config_.hidden_size;
   BlockState& b = st.blocks[layer];
-  prepare_moe(b, n, layer);
   b.moe_out.resize(n * H);
-  b.moe->forward(b.hn2.data(), b.moe_out.data(), ForwardMode::train);
+  b.moe->forward_finish(b.moe_out.data());
   st.resid = b.h;
   add_into(st.resid, b.moe_out);
 }
@@ -239,21 +262,37 @@ void MixtralModel::head_backward(ModelState& st, std::vector<float>& dresid, dou
 
 void MixtralModel::moe_backward(int layer, ModelState& st, std::vector<float>& dresid, std::vector<float>& dh,
                                 double loss_scale) {
-  const int64_t n = st.batch * st.seq, H = config_.hidden_size;
+  moe_backward_combine(layer, st, dresid, loss_scale);
+  moe_backward_dispatch(layer, st);
+  moe_backward_experts(layer, st);
+  moe_backward_return(layer, st);
+  moe_backward_finish(layer, st, dresid, dh);
+  moe_collect_grads(layer, st);
+}
+
+void MixtralModel::moe_backward_combine(int layer, ModelState& st, const std::vector<float>& dresid,
+                                        double loss_scale) {
   BlockState& b = st.blocks[layer];
-  MixtralLayerWeights& g = grads_.layers[layer];
   // d(coef·aux)/d probs[t, e] = coef · E · F_e / (L·N), the same for every token of every layer.
   if (config_.output_router_logits)
     b.moe->set_load_balance_grad(
         load_balance_prob_grad(config_, st.expert_fraction, double(b.moe->config().tokens) * world_, loss_scale));
+  b.moe->backward_combine(dresid.data());
+}
+
+void MixtralModel::moe_backward_dispatch(int layer, ModelState& st) { st.blocks[layer].moe->backward_dispatch(nullptr); }
+
+void MixtralModel::moe_backward_experts(int layer, ModelState& st) { st.blocks[layer].moe->backward_experts(); }
+
+void MixtralModel::moe_backward_return(int layer, ModelState& st) { st.blocks[layer].moe->backward_return(nullptr); }
+
+void MixtralModel::moe_backward_finish(int layer, ModelState& st, const std::vector<float>& dresid,
+                                       std::vector<float>& dh) {
+  const int64_t n = st.batch * st.seq, H = config_.hidden_size;
+  BlockState& b = st.blocks[layer];
+  MixtralLayerWeights& g = grads_.layers[layer];
   std::vector<float> dhn2(n * H);
-  b.moe->backward(dresid.data(), dhn2.data());
-  const MoeWeights mg = b.moe->grads();  // collective: gate summed over ranks
-  b.moe->zero_grads();
-  add_into(g.moe.gate, mg.gate);
-  add_into(g.moe.w1, mg.w1);
-  add_into(g.moe.w3, mg.w3);
-  add_into(g.moe.w2, mg.w2);
+  b.moe->backward_finish(dhn2.data());
   // h feeds both the residual and the post-attention norm.
   dh = dresid;
   std::vector<float> dh_norm(n * H);
@@ -262,6 +301,17 @@ void MixtralModel::moe_backward(int layer, ModelState& st, std::vector<float>& d
                           dhn2.data(), dh_norm.data(), dw, n, H);
   });
   add_into(dh, dh_norm);
+}
+
+void MixtralModel::moe_collect_grads(int layer, ModelState& st) {
+  BlockState& b = st.blocks[layer];
+  MixtralLayerWeights& g = grads_.layers[layer];
+  const MoeWeights mg = b.moe->grads();  // collective: gate summed over ranks
+  b.moe->zero_grads();
+  add_into(g.moe.gate, mg.gate);
+  add_into(g.moe.w1, mg.w1);
+  add_into(g.moe.w3, mg.w3);
+  add_into(g.moe.w2, mg.w2);
 }
 
 void MixtralModel::attention_backward(int layer, ModelState& st, std::vector<float>& dh, std::vector<float>& dresid) {

@@ -118,6 +118,30 @@ class MixtralModel {
   void head_backward(ModelState& state, std::vector<float>& dresid, double loss_scale = 1.0);
   void moe_backward(int layer, ModelState& state, std::vector<float>& dresid, std::vector<float>& dh,
                     double loss_scale = 1.0);
+  // moe_forward and moe_backward cut at the layer's all-to-alls (EpEngine's phases), for a scheduler that runs
+  // compute and exchanges on different threads (Flow's CPU executor). moe_forward is exactly
+  //   moe_route; moe_dispatch; moe_experts; moe_combine; moe_finish
+  // and moe_backward is
+  //   moe_backward_combine; moe_backward_dispatch; moe_backward_experts; moe_backward_return;
+  //   moe_backward_finish; moe_collect_grads.
+  // Collectives on the model's communicator: moe_dispatch, moe_combine, moe_backward_dispatch,
+  // moe_backward_return and moe_collect_grads (the gate's gradient summed over ranks, then the layer's MoE
+  // gradients added to grads()); the others compute only. moe_backward_finish leaves dh = d(block input).
+  // Makes (or re-weights) every layer's EpEngine for this state's token count: their constructors check the
+  // config across ranks (a collective), so a scheduler calls this on its collective-issuing thread before the
+  // phases below run on other threads (moe_route would otherwise make them there).
+  void prepare_engines(ModelState& state);
+  void moe_route(int layer, ModelState& state);
+  void moe_dispatch(int layer, ModelState& state);
+  void moe_experts(int layer, ModelState& state);
+  void moe_combine(int layer, ModelState& state);
+  void moe_finish(int layer, ModelState& state);
+  void moe_backward_combine(int layer, ModelState& state, const std::vector<float>& dresid, double loss_scale = 1.0);
+  void moe_backward_dispatch(int layer, ModelState& state);
+  void moe_backward_experts(int layer, ModelState& state);
+  void moe_backward_return(int layer, ModelState& state);
+  void moe_backward_finish(int layer, ModelState& state, const std::vector<float>& dresid, std::vector<float>& dh);
+  void moe_collect_grads(int layer, ModelState& state);
   void attention_backward(int layer, ModelState& state, std::vector<float>& dh, std::vector<float>& dresid);
   void embed_backward(ModelState& state, const std::vector<float>& dresid);
 

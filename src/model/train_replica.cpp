@@ -82,9 +82,6 @@ class CpuReplica final : public TrainReplica {
   }
   FlowTimes flow_times() override {
     return flow_time_.table("wall clock of the executor's threads", [](flow::TaskKind kind) -> std::string {
-      // The CPU executor runs the MoE stage as one EpEngine call at D (forward) and C' (backward).
-      if (kind == flow::TaskKind::expert_fwd || kind == flow::TaskKind::combine_fwd) return "inside D on this engine";
-      if (kind == flow::TaskKind::expert_bwd || kind == flow::TaskKind::dispatch_bwd) return "inside C' on this engine";
       switch (flow::stream_of(kind)) {
         case flow::Stream::compute: return "compute thread";
         case flow::Stream::alltoall: return "all-to-all thread";
