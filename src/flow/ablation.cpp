@@ -17,18 +17,20 @@ GraphSpec make_spec(Schedule s, int32_t layers, int32_t r, int64_t chunk, const 
 }
 }  // namespace
 
-double simulated_step_ms(int32_t layers, const CostModel& costs, const TunePoint& p) {
-  return simulate(build_task_graph(make_spec(Schedule::tuned, layers, p.micro_batches, p.chunk_bytes(), costs)), costs)
+double simulated_step_ms(int32_t layers, const CostModel& costs, const TunePoint& p, LinkModel link) {
+  return simulate(build_task_graph(make_spec(Schedule::tuned, layers, p.micro_batches, p.chunk_bytes(), costs)), costs,
+                  link)
       .step_ms;
 }
 
-TuneRun tune_on_simulator(int32_t layers, const CostModel& costs, int32_t samples, const TunerOptions& options) {
+TuneRun tune_on_simulator(int32_t layers, const CostModel& costs, int32_t samples, const TunerOptions& options,
+                          LinkModel link) {
   DMOE_REQUIRE(samples >= 1 && samples <= 1000, "--samples {}: must be in [1, 1000]", samples);
   FlowTuner tuner(options);
   TuneRun run;
   for (int32_t i = 0; i < samples; ++i) {
     const TunePoint p = tuner.suggest();
-    const double y = simulated_step_ms(layers, costs, p);
+    const double y = simulated_step_ms(layers, costs, p, link);
     tuner.observe(p, y);
     run.samples.push_back({p, y});
   }
@@ -38,22 +40,22 @@ TuneRun tune_on_simulator(int32_t layers, const CostModel& costs, int32_t sample
 }
 
 ScheduleRun run_schedule(Schedule s, int32_t layers, int32_t r, int64_t chunk, const CostModel& costs,
-                         int32_t tune_samples, const TunerOptions& options, bool vanilla_with_r) {
+                         int32_t tune_samples, const TunerOptions& options, bool vanilla_with_r, LinkModel link) {
   GraphSpec spec = make_spec(s, layers, r, chunk, costs);
   if (s == Schedule::vanilla && !vanilla_with_r) spec.micro_batches = 1;
   if (s == Schedule::tuned) {
-    const TuneRun t = tune_on_simulator(layers, costs, tune_samples, options);
+    const TuneRun t = tune_on_simulator(layers, costs, tune_samples, options, link);
     spec.micro_batches = t.best.micro_batches;
     spec.chunk_bytes = t.best.chunk_bytes();
   }
-  return {spec, simulate(build_task_graph(spec), costs)};
+  return {spec, simulate(build_task_graph(spec), costs, link)};
 }
 
 std::vector<ScheduleRun> run_ablation(int32_t layers, int32_t r, int64_t chunk, const CostModel& costs,
-                                      int32_t tune_samples, const TunerOptions& options) {
+                                      int32_t tune_samples, const TunerOptions& options, LinkModel link) {
   std::vector<ScheduleRun> runs;
   for (Schedule s : {Schedule::vanilla, Schedule::pipe_moe, Schedule::pipe_attn, Schedule::chunked_ar, Schedule::tuned})
-    runs.push_back(run_schedule(s, layers, r, chunk, costs, tune_samples, options));
+    runs.push_back(run_schedule(s, layers, r, chunk, costs, tune_samples, options, false, link));
   return runs;
 }
 

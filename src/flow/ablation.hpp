@@ -33,16 +33,20 @@ struct TuneRun {
   double best_step_ms = 0;
 };
 
+// `link`: the simulator's link model for every run (simulate(); exclusive, the paper's, by default).
 // The simulated step at (Sp, R) with the tuned schedule.
-double simulated_step_ms(int32_t layers, const CostModel& costs, const TunePoint& point);
-TuneRun tune_on_simulator(int32_t layers, const CostModel& costs, int32_t samples, const TunerOptions& options = {});
+double simulated_step_ms(int32_t layers, const CostModel& costs, const TunePoint& point,
+                         LinkModel link = LinkModel::exclusive);
+TuneRun tune_on_simulator(int32_t layers, const CostModel& costs, int32_t samples, const TunerOptions& options = {},
+                          LinkModel link = LinkModel::exclusive);
 
 // One schedule (vanilla runs with R = 1 unless vanilla_with_r). schedule tuned: runs the tuner first.
 ScheduleRun run_schedule(Schedule schedule, int32_t layers, int32_t micro_batches, int64_t chunk_bytes,
                          const CostModel& costs, int32_t tune_samples = 10, const TunerOptions& options = {},
-                         bool vanilla_with_r = false);
+                         bool vanilla_with_r = false, LinkModel link = LinkModel::exclusive);
 // All five, in the ablation's order.
 std::vector<ScheduleRun> run_ablation(int32_t layers, int32_t micro_batches, int64_t chunk_bytes, const CostModel& costs,
-                                      int32_t tune_samples = 10, const TunerOptions& options = {});
+                                      int32_t tune_samples = 10, const TunerOptions& options = {},
+                                      LinkModel link = LinkModel::exclusive);
 
 }  // namespace dmoe::flow

@@ -118,7 +118,7 @@ TEST_F(FlowCli, BadInputNamesTheField) {
   fails_with("flow simulate --costs " + costs.string() + " --schedule fast", "--schedule 'fast': unknown schedule");
   fails_with("flow simulate --costs /nonexistent.json", "--costs '/nonexistent.json': cannot be opened for reading");
   fails_with("flow simulate --costs " + costs.string() + " --micro-batches 0", "--micro-batches 0");
-  fails_with("flow walk --costs " + costs.string(), "flow walk: unknown action (allowed: simulate, tune, measure)");
+  fails_with("flow walk --costs " + costs.string(), "flow walk: unknown action (allowed: simulate, tune, project, measure)");
   std::ofstream(dir / "bad.json") << R"({"dense_grad_bytes_per_layer": 10, "tasks": {}, "allreduce": {}})";
   fails_with("flow simulate --costs " + (dir / "bad.json").string(), "tasks: missing key 'AT'");
   json nl = read_json(costs);

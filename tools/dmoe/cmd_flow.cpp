@@ -33,6 +33,7 @@
 #include "flow/ablation.hpp"
 #include "flow/cpu_executor.hpp"
 #include "flow/cuda_executor.hpp"
+#include "flow/projection.hpp"
 #include "model/mixtral_config.hpp"
 #include "model/mixtral_weights.hpp"
 #include "options.hpp"
@@ -60,7 +61,21 @@ struct FlowOptions {
   std::vector<int32_t> measure_r = {1, 2, 4};
   bool schedule_given = false;
   std::string engine = "cpu", dtype = "f32";
+  // simulate, tune, project: the simulator's link model
+  std::string link = "exclusive";
+  flow::LinkModel link_model = flow::LinkModel::exclusive;
+  // project
+  std::string cluster;
+  int32_t gpus = 16, experts = 0;
 };
+
+flow::LinkModel parse_link(const std::string& s) {
+  if (s == "exclusive") return flow::LinkModel::exclusive;
+  if (s == "separate") return flow::LinkModel::separate;
+  if (s == "shared") return flow::LinkModel::shared;
+  DMOE_FAIL_INPUT("--link {}: allowed: exclusive (one collective on the link at a time, the paper's model), separate "
+                  "(the two communicators overlap for free), shared (they overlap and split the bandwidth)", s);
+}
 
 void write_json(const std::string& path, const json& j, const char* what) {
   check_output_file(path, what);
@@ -87,14 +102,16 @@ int simulate_command(const FlowOptions& o, const flow::CostModel& costs, int32_t
   flow::TunerOptions tuner;
   tuner.seed = o.seed;
   if (o.schedule == "all") {
-    runs = flow::run_ablation(layers, o.micro_batches, o.chunk_bytes, costs, o.samples, tuner);
+    runs = flow::run_ablation(layers, o.micro_batches, o.chunk_bytes, costs, o.samples, tuner, o.link_model);
   } else {
     const flow::Schedule s = flow::parse_schedule(o.schedule, "--schedule");
-    runs.push_back(flow::run_schedule(s, layers, o.micro_batches, o.chunk_bytes, costs, o.samples, tuner, true));
+    runs.push_back(
+        flow::run_schedule(s, layers, o.micro_batches, o.chunk_bytes, costs, o.samples, tuner, true, o.link_model));
   }
-  std::printf("flow simulate: %d layers, %lld dense gradient bytes per layer, costs %s (one rank's timeline; ranks "
-              "symmetric)\n",
-              layers, (long long)costs.dense_grad_bytes_per_layer, o.costs_path.c_str());
+  std::printf("flow %s: %d layers, %lld dense gradient bytes per layer, costs %s, link %s (one rank's timeline; "
+              "ranks symmetric)\n",
+              o.action.c_str(), layers, (long long)costs.dense_grad_bytes_per_layer, o.costs_path.c_str(),
+              o.link.c_str());
   std::printf("%-11s %3s %10s %10s %8s %8s %9s %9s %9s %9s %9s\n", "schedule", "R", "Sp KiB", "step ms", "speedup",
               "vs prev", "fwd ms", "bwd ms", "compute", "a2a", "AR");
   const double base = runs.front().result.step_ms;
@@ -122,7 +139,8 @@ int simulate_command(const FlowOptions& o, const flow::CostModel& costs, int32_t
                 o.trace_path.c_str());
   }
   if (!o.json_path.empty()) {
-    json out = {{"layers", layers}, {"costs", o.costs_path}, {"runs", json::array()}};
+    json out = {{"layers", layers}, {"costs", o.costs_path}, {"link", o.link}, {"runs", json::array()}};
+    if (o.action == "project") out["projected_costs"] = flow::cost_model_json(costs);
     for (const flow::ScheduleRun& run : runs) out["runs"].push_back(run_json(run));
     write_json(o.json_path, out, "--json");
     std::printf("wrote %s\n", o.json_path.c_str());
@@ -130,10 +148,47 @@ int simulate_command(const FlowOptions& o, const flow::CostModel& costs, int32_t
   return 0;
 }
 
+// dmoe flow project: the cost model from a model config, a batch and a cluster file (flow/projection.hpp), then the
+// ablation on it as flow simulate prints it.
+int project_command(FlowOptions o) {
+  flow::ProjectionSpec spec;
+  spec.model = load_mixtral_config(find_model_config_file(o.model_config));
+  if (o.experts > 0) spec.model.num_local_experts = o.experts;
+  spec.batch = o.batch;
+  spec.seq = o.seq;
+  spec.gpus = o.gpus;
+  DMOE_REQUIRE_INPUT(o.dtype == "bf16" || o.dtype == "f32", "--dtype {}: allowed: bf16, f32", o.dtype);
+  spec.act_bytes = o.dtype == "bf16" ? 2 : 4;
+  DMOE_REQUIRE_INPUT(!o.cluster.empty(), "--cluster: required for flow project (a cluster JSON file, or a named one "
+                     "from bench/flow/clusters such as h200)");
+  const std::string cluster_path = find_named_json(o.cluster, "bench/flow/clusters", "cluster file");
+  const flow::ClusterModel cluster = flow::load_cluster_model(cluster_path);
+  const flow::CostModel costs = flow::project_costs(spec, cluster);
+  std::printf("flow project: %s, E = %d, %lld x %lld tokens per GPU (%s on the wire), %d GPUs in nodes of %d, cluster "
+              "%s (%s)\n",
+              o.model_config.c_str(), spec.model.num_local_experts, (long long)spec.batch, (long long)spec.seq,
+              o.dtype.c_str(), spec.gpus, std::min(cluster.gpus_per_node, spec.gpus), cluster.name.c_str(),
+              cluster_path.c_str());
+  std::printf("per-task costs (ms per call + ms for the whole batch): AT %.3f + %.3f, E %.3f + %.3f, D/C/C'/D' %.3f + "
+              "%.3f each, AT' %.3f + %.3f, E' %.3f + %.3f; AR %.3f ms + %.3g GB/s effective\n",
+              costs[flow::TaskKind::attention_fwd].fixed_ms, costs[flow::TaskKind::attention_fwd].batch_ms,
+              costs[flow::TaskKind::expert_fwd].fixed_ms, costs[flow::TaskKind::expert_fwd].batch_ms,
+              costs[flow::TaskKind::dispatch_fwd].fixed_ms, costs[flow::TaskKind::dispatch_fwd].batch_ms,
+              costs[flow::TaskKind::attention_bwd].fixed_ms, costs[flow::TaskKind::attention_bwd].batch_ms,
+              costs[flow::TaskKind::expert_bwd].fixed_ms, costs[flow::TaskKind::expert_bwd].batch_ms,
+              costs.ar_alpha_ms, costs.ar_bytes_per_ms / 1e6);
+  if (!o.costs_out.empty()) {
+    write_json(o.costs_out, flow::cost_model_json(costs), "--costs-out");
+    std::printf("wrote %s (a cost file for flow simulate / tune)\n", o.costs_out.c_str());
+  }
+  o.costs_path = "projected from " + cluster_path;
+  return simulate_command(o, costs, costs.layers);
+}
+
 int tune_command(const FlowOptions& o, const flow::CostModel& costs, int32_t layers) {
   flow::TunerOptions tuner;
   tuner.seed = o.seed;
-  const flow::TuneRun run = flow::tune_on_simulator(layers, costs, o.samples, tuner);
+  const flow::TuneRun run = flow::tune_on_simulator(layers, costs, o.samples, tuner, o.link_model);
   std::printf("flow tune: %d layers, costs %s; Bayesian optimisation (GP, Matern-5/2, EI) of log2(Sp) in [17, 24] x "
               "R in {1, 2, 4, 8}, seed %llu\n",
               layers, o.costs_path.c_str(), (unsigned long long)o.seed);
@@ -153,7 +208,7 @@ int tune_command(const FlowOptions& o, const flow::CostModel& costs, int32_t lay
   flow::TunePoint grid_point;
   double grid_best = std::numeric_limits<double>::infinity();
   for (const flow::TunePoint& p : grid.candidates()) {
-    const double v = flow::simulated_step_ms(layers, costs, p);
+    const double v = flow::simulated_step_ms(layers, costs, p, o.link_model);
     if (v < grid_best) grid_best = v, grid_point = p;
   }
   std::printf("best: Sp = %.0f KiB (log2 %.3f), R = %d: %.3f ms; the grid's best (%zu simulations): %.3f ms at Sp = "
@@ -369,9 +424,17 @@ int measure_cuda_command(const FlowOptions& o) {
 
 Command add_flow_command(CLI::App& app) {
   auto o = std::make_shared<FlowOptions>();
-  CLI::App* sub = app.add_subcommand("flow", "Flow's schedules on the simulator: simulate (the ablation) or tune (Sp, R)");
-  sub->add_option("action", o->action, "simulate, tune, or measure (the CPU executor against the simulator)")
+  CLI::App* sub = app.add_subcommand("flow", "Flow's schedules on the simulator: simulate (the ablation), tune (Sp, R), "
+                                      "project (costs from a model and a cluster), measure (an executor)");
+  sub->add_option("action", o->action, "simulate, tune, project (the ablation at a cluster's scale, costs from first "
+                  "principles), or measure (the CPU or GPU executor against the simulator)")
       ->required();
+  sub->add_option("--link", o->link, "simulate, tune, project: exclusive (one collective on the link at a time; "
+                  "default for simulate, tune), separate (overlap for free), shared (overlap sharing the bandwidth; "
+                  "default for project)");
+  sub->add_option("--cluster", o->cluster, "project: cluster JSON (bench/flow/clusters: h200, rtx3090-pcie)");
+  sub->add_option("--gpus", o->gpus, "project: GPUs P (experts spread over them)");
+  sub->add_option("--experts", o->experts, "project: experts E (default: the config's; must divide by --gpus)");
   sub->add_option("--costs", o->costs_path,
                   "simulate, tune: per-task costs JSON, or a named one in bench/flow (e.g. example)");
   sub->add_option("--layers", o->layers, "layers (default: the cost file's \"layers\")");
@@ -394,9 +457,19 @@ Command add_flow_command(CLI::App& app) {
                   "ranks: dmoe launch -n W)");
   sub->add_option("--dtype", o->dtype, "measure --engine cuda: f32 or bf16");
   return [o, sub] {
-    DMOE_REQUIRE_INPUT(o->action == "simulate" || o->action == "tune" || o->action == "measure",
-                       "flow {}: unknown action (allowed: simulate, tune, measure)", o->action);
+    DMOE_REQUIRE_INPUT(o->action == "simulate" || o->action == "tune" || o->action == "measure" ||
+                           o->action == "project",
+                       "flow {}: unknown action (allowed: simulate, tune, project, measure)", o->action);
     o->schedule_given = sub->count("--schedule") > 0;
+    // Options of one action given to another would be ignored: refused.
+    if (o->action != "project")
+      for (const char* opt : {"--cluster", "--gpus", "--experts"})
+        DMOE_REQUIRE_INPUT(sub->count(opt) == 0, "{}: an option of flow project (this is flow {})", opt, o->action);
+    if (o->action == "measure")
+      DMOE_REQUIRE_INPUT(sub->count("--link") == 0, "--link: an option of flow simulate, tune, project (the executors "
+                         "run on real links)");
+    if (o->action == "project" && sub->count("--link") == 0) o->link = "shared";
+    o->link_model = parse_link(o->link);
     // Outputs are checked before any work, and none may be one of the inputs (--trace onto --costs would
     // replace the cost file with the trace).
     for (const auto& [option, path] : {std::pair<const char*, const std::string*>{"--trace", &o->trace_path},
@@ -404,6 +477,19 @@ Command add_flow_command(CLI::App& app) {
       if (!path->empty()) check_output_file(*path, option);
     const std::vector<NamedPath> outputs = {{"--trace", o->trace_path}, {"--json", o->json_path},
                                             {"--costs-out", o->costs_out}};
+    if (o->action == "project") {
+      for (const char* opt : {"--costs", "--layers", "--world", "--measure-r", "--steps", "--engine"})
+        DMOE_REQUIRE_INPUT(sub->count(opt) == 0, "{}: not an option of flow project (its costs come from --config and "
+                           "--cluster; P is --gpus)", opt);
+      if (sub->count("--dtype") == 0) o->dtype = "bf16";
+      if (sub->count("--seq") == 0) o->seq = 1024;  // the paper models' sequence
+      require_distinct_files(outputs, {{"--config", find_model_config_file(o->model_config)}});
+      DMOE_REQUIRE_INPUT(o->micro_batches >= 1 && o->micro_batches <= 4096, "--micro-batches {}: must be in [1, 4096]",
+                         o->micro_batches);
+      DMOE_REQUIRE_INPUT(o->samples >= 1 && o->samples <= 1000, "--samples {}: must be in [1, 1000]", o->samples);
+      DMOE_REQUIRE_INPUT(o->chunk_bytes >= 1, "--chunk-bytes {}: must be >= 1", o->chunk_bytes);
+      return project_command(*o);
+    }
     if (o->action == "measure") {
       require_distinct_files(outputs, {{"--config", find_model_config_file(o->model_config)}});
       DMOE_REQUIRE_INPUT(o->engine == "cpu" || o->engine == "cuda", "--engine {}: allowed: cpu, cuda", o->engine);
