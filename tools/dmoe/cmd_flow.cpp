@@ -18,6 +18,7 @@
 // chunked-ar, tuned) from per-task costs; tune runs the Bayesian optimiser of (Sp, R) against the simulator
 // and compares its best with the best of the whole grid.
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -193,14 +194,30 @@ int measure_command(const FlowOptions& o) {
   for (auto& t : tokens) t = int32_t(rng.next() % uint64_t(c.vocab_size));
   std::vector<flow::CpuFlowMeasurement> runs;
   std::vector<flow::TaskGraph> graphs;
+  // A long measurement is not silent: once it has run for 2 s, a line every 2 s with the steps done and an
+  // estimate of the time left (from the mean step so far; later R take longer or shorter).
+  const auto start = std::chrono::steady_clock::now();
+  double last_report = 0, total_ms = 0;
+  int32_t done = 0, current_r = 0;
+  const int32_t all_steps = o.steps * int32_t(o.measure_r.size());
+  auto progress = [&](int32_t step, double ms) {
+    ++done;
+    total_ms += ms;
+    const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (elapsed < 2 || elapsed - last_report < 2) return;
+    last_report = elapsed;
+    std::fprintf(stderr, "  flow measure: R = %d, step %d/%d (%.0f ms); %d of %d steps in %.0f s, ~%.0f s left\n",
+                 current_r, step, o.steps, ms, done, all_steps, elapsed, total_ms / done * (all_steps - done) * 1e-3);
+  };
   for (int32_t r : o.measure_r) {
+    current_r = r;
     flow::GraphSpec spec;
     spec.layers = c.num_hidden_layers;
     spec.micro_batches = r;
     spec.schedule = schedule;
     spec.dense_grad_bytes_per_layer = flow::mixtral_dense_grad_bytes_per_layer(c);
     spec.chunk_bytes = o.chunk_bytes;
-    runs.push_back(flow::measure_cpu_flow(c, w, tokens, o.batch, o.seq, o.world, spec, o.steps));
+    runs.push_back(flow::measure_cpu_flow(c, w, tokens, o.batch, o.seq, o.world, spec, o.steps, progress));
     graphs.push_back(flow::build_task_graph(spec));
   }
   // Fit on every R but the last (on both when there are two), so the last row is a prediction out of sample.
@@ -365,6 +382,55 @@ int measure_cuda_command(const FlowOptions& o) {
   return 0;
 }
 
+// An option of another action (or engine) would be accepted and ignored (flow simulate --world 4, tune --chunk-bytes,
+// measure --costs): refused, naming where it applies. Then the values measure uses, before any work (the graph's own
+// checks come after the model is built, and their errors name no option).
+void check_options_of_action(const CLI::App& sub, const FlowOptions& o) {
+  const bool cuda = o.action == "measure" && o.engine == "cuda";
+  const bool ablation = cuda && o.schedule_given && o.schedule == "all";
+  const std::string here = o.action == "measure" ? fmt::format("flow measure --engine {}", o.engine) : "flow " + o.action;
+  struct Rule {
+    const char* option;
+    bool applies;
+    const char* where;
+  };
+  const Rule rules[] = {
+      {"--costs", o.action != "measure", "flow simulate and flow tune (measure fits a cost file: --costs-out)"},
+      {"--layers", o.action != "measure", "flow simulate and flow tune (measure runs the --config's layers)"},
+      {"--samples", o.action != "measure", "flow simulate (the tuned row) and flow tune"},
+      {"--seed", o.action != "measure", "flow simulate (the tuned row) and flow tune"},
+      {"--micro-batches", o.action == "simulate" || ablation,
+       "flow simulate and flow measure --engine cuda --schedule all (measure takes its R from --measure-r)"},
+      {"--schedule", o.action != "tune", "flow simulate and flow measure (tune runs chunked-ar)"},
+      {"--chunk-bytes", o.action != "tune", "flow simulate and flow measure (tune chooses Sp)"},
+      {"--trace", o.action == "simulate" || cuda, "flow simulate and flow measure --engine cuda"},
+      {"--config", o.action == "measure", "flow measure"},
+      {"--batch", o.action == "measure", "flow measure"},
+      {"--seq", o.action == "measure", "flow measure"},
+      {"--world", o.action == "measure", "flow measure"},
+      {"--steps", o.action == "measure", "flow measure"},
+      {"--measure-r", o.action == "measure" && !ablation, "flow measure with one --schedule (all measures the ablation)"},
+      {"--costs-out", o.action == "measure" && !ablation, "flow measure with one --schedule (all fits no costs)"},
+      {"--engine", o.action == "measure", "flow measure"},
+      {"--dtype", cuda, "flow measure --engine cuda (the CPU model is f32)"},
+  };
+  for (const Rule& r : rules)
+    DMOE_REQUIRE_INPUT(r.applies || sub.count(r.option) == 0, "{}: {} is an option of {}; it would be ignored here: "
+                       "drop it", here, r.option, r.where);
+  if (o.action != "measure") return;
+  DMOE_REQUIRE_INPUT(o.steps >= 1 && o.steps <= 100000, "--steps {}: must be in [1, 100000]", o.steps);
+  // The executors cut the all-reduce on f32 elements; a chunk count past the graph's task limit is caught by it.
+  DMOE_REQUIRE_INPUT(o.chunk_bytes >= 4 && o.chunk_bytes % 4 == 0, "--chunk-bytes {}: must be a positive multiple of 4 "
+                     "(the all-reduce is cut on f32 gradients)", o.chunk_bytes);
+  if (!ablation) {
+    std::vector<int32_t> sorted = o.measure_r;
+    std::sort(sorted.begin(), sorted.end());
+    DMOE_REQUIRE_INPUT(std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end(),
+                       "--measure-r {}: a value of R is given twice; the fit needs distinct values",
+                       fmt::join(o.measure_r, ","));
+  }
+}
+
 }  // namespace
 
 Command add_flow_command(CLI::App& app) {
@@ -397,6 +463,7 @@ Command add_flow_command(CLI::App& app) {
     DMOE_REQUIRE_INPUT(o->action == "simulate" || o->action == "tune" || o->action == "measure",
                        "flow {}: unknown action (allowed: simulate, tune, measure)", o->action);
     o->schedule_given = sub->count("--schedule") > 0;
+    check_options_of_action(*sub, *o);
     // Outputs are checked before any work, and none may be one of the inputs (--trace onto --costs would
     // replace the cost file with the trace).
     for (const auto& [option, path] : {std::pair<const char*, const std::string*>{"--trace", &o->trace_path},
@@ -408,8 +475,6 @@ Command add_flow_command(CLI::App& app) {
       require_distinct_files(outputs, {{"--config", find_model_config_file(o->model_config)}});
       DMOE_REQUIRE_INPUT(o->engine == "cpu" || o->engine == "cuda", "--engine {}: allowed: cpu, cuda", o->engine);
       if (o->engine == "cuda") return measure_cuda_command(*o);
-      DMOE_REQUIRE_INPUT(sub->count("--dtype") == 0, "--dtype: only with --engine cuda (the CPU model is f32)");
-      DMOE_REQUIRE_INPUT(o->trace_path.empty(), "--trace: with flow measure only for --engine cuda");
       return measure_command(*o);
     }
     DMOE_REQUIRE_INPUT(!o->costs_path.empty(), "--costs: required for flow {} (a cost JSON file, or a named one "
@@ -424,10 +489,7 @@ Command add_flow_command(CLI::App& app) {
                        o->micro_batches);
     DMOE_REQUIRE_INPUT(o->chunk_bytes >= 1, "--chunk-bytes {}: must be >= 1", o->chunk_bytes);
     DMOE_REQUIRE_INPUT(o->samples >= 1 && o->samples <= 1000, "--samples {}: must be in [1, 1000]", o->samples);
-    if (o->action == "tune") {
-      DMOE_REQUIRE_INPUT(o->trace_path.empty(), "--trace: only with flow simulate");
-      return tune_command(*o, costs, layers);
-    }
+    if (o->action == "tune") return tune_command(*o, costs, layers);
     return simulate_command(*o, costs, layers);
   };
 }
