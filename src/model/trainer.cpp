@@ -16,6 +16,7 @@
 
 #include "comm/comm.hpp"
 #include "core/error.hpp"
+#include "core/host_resources.hpp"
 #include "core/output_file.hpp"
 #include "core/random.hpp"
 #include "cpu/model_kernels.hpp"
@@ -144,6 +145,15 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
                      "train: --weight-decay {} must be finite and >= 0", o.weight_decay);
   DMOE_REQUIRE_INPUT(o.min_lr < 0 || (o.min_lr <= o.lr && std::isfinite(o.min_lr)),
                      "train: --min-lr {} must be <= --lr {} (or negative for the default, lr/10)", o.min_lr, o.lr);
+
+  // A batch that cannot fit is refused before the data is read (it used to end in a bare std::bad_alloc after the
+  // first line). On the GPU the activations are on the device.
+  if (o.engine != "cuda")
+    require_host_memory(model_activation_bytes_lower_bound(double(o.batch) * double(o.seq), config.vocab_size,
+                                                           config.hidden_size, config.num_hidden_layers),
+                        fmt::format("train (batch {} x seq {} on the CPU engine: at least the logits, their gradient "
+                                    "and two activations per layer)", o.batch, o.seq),
+                        std::string("--batch, --seq, or ") + kModelSizes);
 
   // ---- data
   const std::vector<uint8_t> corpus = read_corpus(o.data_path);

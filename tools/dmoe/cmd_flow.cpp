@@ -28,6 +28,7 @@
 
 #include "commands.hpp"
 #include "core/error.hpp"
+#include "core/host_resources.hpp"
 #include "core/output_file.hpp"
 #include "core/random.hpp"
 #include "data_dir.hpp"
@@ -188,6 +189,11 @@ int measure_command(const FlowOptions& o) {
   for (int32_t r : o.measure_r)
     DMOE_REQUIRE_INPUT(r >= 1 && o.batch % r == 0, "--measure-r {}: must divide --batch {} (sequences per rank)", r,
                        o.batch);
+  require_host_memory(model_activation_bytes_lower_bound(double(o.world) * double(o.batch) * double(o.seq),
+                                                         c.vocab_size, c.hidden_size, c.num_hidden_layers),
+                      fmt::format("flow measure ({} ranks x batch {} x seq {} on the CPU executor: at least the logits, "
+                                  "their gradient and two activations per layer)", o.world, o.batch, o.seq),
+                      std::string("--batch, --seq, --world, or ") + kModelSizes);
   const MixtralWeights w = random_mixtral_weights(c, 1);
   Rng rng(2);
   std::vector<int32_t> tokens(size_t(o.world * o.batch * o.seq));
