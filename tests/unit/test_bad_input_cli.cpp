@@ -242,6 +242,12 @@ TEST_F(BadInput, FlowOptionsOfAnotherActionAndMeasuresValuesAreRefused) {
                     "tune --chunk-bytes");
   expect_user_error(run_cli("flow tune" + costs + " --samples 2 --micro-batches 8"), "--micro-batches is an option",
                     "tune --micro-batches");
+  expect_user_error(run_cli("flow simulate" + costs + " --schedule tuned --chunk-bytes 4096"),
+                    "--chunk-bytes is an option", "simulate tuned --chunk-bytes");
+  expect_user_error(run_cli("flow simulate" + costs + " --schedule tuned --micro-batches 4"),
+                    "--micro-batches is an option", "simulate tuned --micro-batches");
+  expect_user_error(run_cli("flow simulate" + costs + " --schedule vanilla --samples 3"), "--samples is an option",
+                    "simulate vanilla --samples");
   expect_user_error(run_cli(measure + costs), "--costs is an option of flow simulate and flow tune", "measure --costs");
   expect_user_error(run_cli(measure + "--layers 7"), "--layers is an option", "measure --layers");
   expect_user_error(run_cli(measure + "--micro-batches 2"), "--micro-batches is an option", "measure --micro-batches");

@@ -394,7 +394,14 @@ int measure_cuda_command(const FlowOptions& o) {
 void check_options_of_action(const CLI::App& sub, const FlowOptions& o) {
   const bool cuda = o.action == "measure" && o.engine == "cuda";
   const bool ablation = cuda && o.schedule_given && o.schedule == "all";
-  const std::string here = o.action == "measure" ? fmt::format("flow measure --engine {}", o.engine) : "flow " + o.action;
+  const std::string here = (o.action == "measure" ? fmt::format("flow measure --engine {}", o.engine) : "flow " + o.action) +
+                           (o.schedule_given ? " --schedule " + o.schedule : "");
+  // The schedules (or the ablation, all) that read Sp, R and the tuner's samples; simulate's tuned row picks its own
+  // Sp and R, and only the tuned row samples.
+  const std::string sch = o.schedule_given ? o.schedule : o.action == "simulate" ? "all" : "pipe-attn";
+  const bool reads_chunk = o.action == "simulate" ? sch == "chunked-ar" || sch == "all"
+                                                  : o.action == "measure" && (sch == "chunked-ar" || sch == "tuned" || ablation);
+  const bool reads_samples = sch == "all" || sch == "tuned";
   struct Rule {
     const char* option;
     bool applies;
@@ -403,12 +410,17 @@ void check_options_of_action(const CLI::App& sub, const FlowOptions& o) {
   const Rule rules[] = {
       {"--costs", o.action != "measure", "flow simulate and flow tune (measure fits a cost file: --costs-out)"},
       {"--layers", o.action != "measure", "flow simulate and flow tune (measure runs the --config's layers)"},
-      {"--samples", o.action != "measure", "flow simulate (the tuned row) and flow tune"},
-      {"--seed", o.action != "measure", "flow simulate (the tuned row) and flow tune"},
-      {"--micro-batches", o.action == "simulate" || ablation,
-       "flow simulate and flow measure --engine cuda --schedule all (measure takes its R from --measure-r)"},
+      {"--samples", o.action == "tune" || (o.action == "simulate" && reads_samples),
+       "flow tune and flow simulate's tuned row (--schedule all or tuned)"},
+      {"--seed", o.action == "tune" || (o.action == "simulate" && reads_samples),
+       "flow tune and flow simulate's tuned row (--schedule all or tuned)"},
+      {"--micro-batches", (o.action == "simulate" && sch != "tuned") || ablation,
+       "flow simulate (but not --schedule tuned, which picks R) and flow measure --engine cuda --schedule all (measure "
+       "takes its R from --measure-r)"},
       {"--schedule", o.action != "tune", "flow simulate and flow measure (tune runs chunked-ar)"},
-      {"--chunk-bytes", o.action != "tune", "flow simulate and flow measure (tune chooses Sp)"},
+      {"--chunk-bytes", reads_chunk,
+       "flow simulate and flow measure with --schedule chunked-ar (or all: its chunked-ar row; measure: also tuned's "
+       "graph); tune, and simulate's tuned row, choose Sp"},
       {"--trace", o.action == "simulate" || cuda, "flow simulate and flow measure --engine cuda"},
       {"--config", o.action == "measure", "flow measure"},
       {"--batch", o.action == "measure", "flow measure"},
