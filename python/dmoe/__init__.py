@@ -73,7 +73,16 @@ def _as_f32(name, a, shape):
         raise TypeError(f"dmoe: {name} has dtype {a.dtype}; allowed: float32")
     if tuple(a.shape) != tuple(shape):
         raise ValueError(f"dmoe: {name} has shape {list(a.shape)}; expected {list(shape)}")
-    return np.ascontiguousarray(a)
+    # As dmoe run checks its files: a NaN or Inf would come back as NaN results, or as a router error.
+    bad = np.argwhere(~np.isfinite(a))
+    if bad.size:
+        first = tuple(int(i) for i in bad[0])
+        raise ValueError(f"dmoe: {name}{list(first)} is {a[first]}; inputs and weights must be finite "
+                         f"({len(bad)} elements are not)")
+    a = np.ascontiguousarray(a)
+    # The extension takes writable arrays only; an input that is read-only (np.frombuffer, a memory map) is copied
+    # rather than refused with nanobind's "incompatible function arguments".
+    return a if a.flags.writeable else a.copy()
 
 
 def _run(x, gate, w1, w3, w2, top_k, activation, world, dy, renormalize, capacity_factor, drop_policy,
@@ -101,6 +110,8 @@ def _run(x, gate, w1, w3, w2, top_k, activation, world, dy, renormalize, capacit
         raise ValueError(f"dmoe: w3 is given but the activation is {activation}; w3 is only for swiglu")
     if not isinstance(x, np.ndarray) or x.ndim != 2:
         raise ValueError("dmoe: x must be a 2-D numpy array [tokens, hidden] (world ranks' tokens in rank order)")
+    if x.shape[0] == 0:
+        raise ValueError("dmoe: x has 0 rows; give at least one token per rank (rows = world * tokens)")
     x = _as_f32("x", x, (x.shape[0], H))
     rows = x.shape[0]
     s = Session(H, I, E, top_k, activation, world=world, engine="cpu", dtype=dtype, renormalize=renormalize,

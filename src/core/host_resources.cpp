@@ -60,13 +60,14 @@ CpuLayerEstimate estimate_cpu_layer(const MoeConfig& c, bool backward) {
   return e;
 }
 
-void require_host_memory(double bytes, const std::string& what) {
+void require_host_memory(double bytes, const std::string& what, const std::string& sizes) {
   const std::optional<uint64_t> available = host_memory_available_bytes();
   if (!available) return;
   DMOE_REQUIRE_INPUT(bytes <= double(*available),
                      "{} would allocate about {}, but this machine has {} available (MemAvailable in "
-                     "/proc/meminfo); make the problem smaller (tokens, hidden, ffn, experts, world)",
-                     what, format_bytes(bytes), format_bytes(double(*available)));
+                     "/proc/meminfo){}",
+                     what, format_bytes(bytes), format_bytes(double(*available)),
+                     sizes.empty() ? "" : "; make the problem smaller (" + sizes + ")");
 }
 
 }  // namespace dmoe

@@ -26,8 +26,21 @@ struct CpuLayerEstimate {
 };
 CpuLayerEstimate estimate_cpu_layer(const MoeConfig& config, bool backward);
 
+// What to make smaller when a whole model (init-model, eval, train, flow measure) does not fit.
+inline constexpr const char* kModelSizes =
+    "the model config's vocab_size, hidden_size, intermediate_size, num_local_experts, num_hidden_layers";
+
+// A lower bound of the host memory of a whole model's forward and backward on the CPU engine over `tokens`
+// tokens (all ranks): the logits and their gradient [tokens, vocab] and two [tokens, hidden] activations per
+// layer, f32. The real need is larger; this is for refusing at once what cannot fit at all.
+inline double model_activation_bytes_lower_bound(double tokens, double vocab, double hidden, double layers) {
+  return 4.0 * tokens * (2.0 * vocab + 2.0 * layers * hidden);
+}
+
 // Refuses (dmoe::Error naming what, how much and what is available) when `bytes` exceeds MemAvailable.
-// `what` says what would be allocated ("the CPU engine's buffers for T=... W=...").
-void require_host_memory(double bytes, const std::string& what);
+// `what` says what would be allocated ("the CPU engine's buffers for T=... W=..."), `sizes` what to make smaller
+// (a layer's fields by default; a whole model's are others; empty: no hint).
+void require_host_memory(double bytes, const std::string& what,
+                         const std::string& sizes = "tokens, hidden, ffn, experts, world");
 
 }  // namespace dmoe

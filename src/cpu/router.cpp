@@ -28,8 +28,8 @@ void router_topk(const float* logits, float* probs, int32_t* ids, float* weights
     // NaN logits compare false both ways, so topk_row can find no candidate and return -1; reading
     // probs[-1] below would then be out of bounds.
     for (int32_t j = 0; j < top_k; ++j)
-      DMOE_REQUIRE(id_row[j] >= 0, "router_topk: token {} has no valid choice {}; its logits contain NaN",
-                   t, j);
+      DMOE_REQUIRE_INPUT(id_row[j] >= 0, "router_topk: token {} has no valid choice {}; its logits contain NaN "
+                         "(x or the gate is not finite, or x times the gate overflowed float)", t, j);
     gate_weights_row<double>(prob_row, id_row, top_k, renormalize, weights + t * top_k);
   }
 }

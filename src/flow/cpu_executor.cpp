@@ -299,7 +299,8 @@ double run_cpu_flow_step(MixtralModel& model, Comm& ar_comm, const TaskGraph& g,
 }
 
 CpuFlowMeasurement measure_cpu_flow(const MixtralConfig& c, const MixtralWeights& w, const std::vector<int32_t>& tokens,
-                                    int64_t batch, int64_t seq, int32_t world, const GraphSpec& spec, int32_t steps) {
+                                    int64_t batch, int64_t seq, int32_t world, const GraphSpec& spec, int32_t steps,
+                                    const std::function<void(int32_t, double)>& on_step) {
   DMOE_REQUIRE(steps >= 1, "--steps {}: must be >= 1", steps);
   DMOE_REQUIRE(int64_t(tokens.size()) == world * batch * seq, "measure: {} tokens for [{} x {}, {}]", tokens.size(),
                world, batch, seq);
@@ -319,8 +320,10 @@ CpuFlowMeasurement measure_cpu_flow(const MixtralConfig& c, const MixtralWeights
       const auto t0 = std::chrono::steady_clock::now();
       run_cpu_flow_step(model, *ar_comms[size_t(rank)], g, tokens.data() + rank * batch * seq, batch, seq, states,
                         rank == 0 ? &timeline : nullptr);
-      if (rank == 0)
+      if (rank == 0) {
         times.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+        if (on_step) on_step(s + 1, times.back());
+      }
     }
     if (rank == 0) m.timeline = std::move(timeline);
   });

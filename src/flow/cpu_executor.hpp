@@ -31,6 +31,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "comm/comm.hpp"
@@ -55,7 +56,8 @@ double run_cpu_flow_step(MixtralModel& model, Comm& allreduce_comm, const TaskGr
 
 // Measurement on W thread ranks (two ThreadComm groups): `steps` training steps (zero_grads + one
 // run_cpu_flow_step) of a model with these weights on tokens [W·batch, seq]; step_ms is rank 0's median wall
-// time per step (a barrier before each), timeline rank 0's last step.
+// time per step (a barrier before each), timeline rank 0's last step. `on_step` (optional) is called on rank 0
+// after each step with the step's number (from 1) and its wall time, for a caller's progress line.
 struct CpuFlowMeasurement {
   GraphSpec spec;
   double step_ms = 0;
@@ -63,6 +65,7 @@ struct CpuFlowMeasurement {
 };
 CpuFlowMeasurement measure_cpu_flow(const MixtralConfig& config, const MixtralWeights& weights,
                                     const std::vector<int32_t>& tokens, int64_t batch, int64_t seq, int32_t world,
-                                    const GraphSpec& spec, int32_t steps);
+                                    const GraphSpec& spec, int32_t steps,
+                                    const std::function<void(int32_t, double)>& on_step = {});
 
 }  // namespace dmoe::flow

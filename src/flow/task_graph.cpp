@@ -81,10 +81,10 @@ void validate(const GraphSpec& spec) {
   DMOE_REQUIRE(spec.dense_grad_bytes_per_layer >= 0 && spec.dense_grad_bytes_per_layer <= (int64_t(1) << 40),
                "dense_grad_bytes_per_layer {}: must be in [0, 2^40]", spec.dense_grad_bytes_per_layer);
   if (is_chunked(spec.schedule))
-    DMOE_REQUIRE(spec.chunk_bytes >= 1, "chunk_bytes {}: must be >= 1 for schedule {}", spec.chunk_bytes,
+    DMOE_REQUIRE_INPUT(spec.chunk_bytes >= 1, "chunk_bytes {}: must be >= 1 for schedule {}", spec.chunk_bytes,
                  schedule_name(spec.schedule));
   const int64_t tasks = 8 * int64_t(spec.layers) * spec.micro_batches + num_allreduce_tasks(spec);
-  DMOE_REQUIRE(tasks <= kMaxTasks,
+  DMOE_REQUIRE_INPUT(tasks <= kMaxTasks,
                "chunk_bytes {} with layers {}, micro_batches {}, dense_grad_bytes_per_layer {}: {} tasks, more "
                "than the {} allowed (raise chunk_bytes or lower micro_batches)",
                spec.chunk_bytes, spec.layers, spec.micro_batches, spec.dense_grad_bytes_per_layer, tasks, kMaxTasks);

@@ -237,7 +237,7 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
                      path, ec ? " (" + ec.message() + ")" : std::string());
   // The whole file is held in memory: one larger than what is available is refused before reading.
   const uint64_t size_hint = std::filesystem::file_size(path, ec);
-  if (!ec) require_host_memory(double(size_hint), fmt::format("reading safetensors '{}' into memory", path));
+  if (!ec) require_host_memory(double(size_hint), fmt::format("reading safetensors '{}' into memory", path), "");
   std::FILE* f = std::fopen(path.c_str(), "rb");
   DMOE_REQUIRE_INPUT(f, "safetensors '{}': cannot open: {}", path, std::strerror(errno));
   std::vector<uint8_t> bytes;

@@ -16,6 +16,7 @@
 
 #include "comm/comm.hpp"
 #include "core/error.hpp"
+#include "core/host_resources.hpp"
 #include "core/output_file.hpp"
 #include "core/random.hpp"
 #include "cpu/model_kernels.hpp"
@@ -103,6 +104,8 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
   DMOE_REQUIRE_INPUT(config.num_local_experts % o.world == 0,
                "train: num_local_experts = {} is not divisible by --world = {}", config.num_local_experts, o.world);
   DMOE_REQUIRE_INPUT(o.seq >= 2, "train: --seq = {} must be >= 2", o.seq);
+  DMOE_REQUIRE_INPUT(o.resume_dir.empty() || o.init == "random", "train: --init {} and --resume {}: a resumed run starts "
+                     "from its checkpoint's weights, so --init would be ignored; give one of them", o.init, o.resume_dir);
   std::optional<flow::TaskGraph> flow_graph;  // --schedule (not tuned): every step is this graph on the engine's executor
   const bool tuned = !o.schedule.empty() && flow::parse_schedule(o.schedule, "--schedule") == flow::Schedule::tuned;
   auto make_graph = [&](flow::Schedule s, int32_t micro_batches, int64_t chunk_bytes) {
@@ -143,6 +146,15 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
   DMOE_REQUIRE_INPUT(o.min_lr < 0 || (o.min_lr <= o.lr && std::isfinite(o.min_lr)),
                      "train: --min-lr {} must be <= --lr {} (or negative for the default, lr/10)", o.min_lr, o.lr);
 
+  // A batch that cannot fit is refused before the data is read (it used to end in a bare std::bad_alloc after the
+  // first line). On the GPU the activations are on the device.
+  if (o.engine != "cuda")
+    require_host_memory(model_activation_bytes_lower_bound(double(o.batch) * double(o.seq), config.vocab_size,
+                                                           config.hidden_size, config.num_hidden_layers),
+                        fmt::format("train (batch {} x seq {} on the CPU engine: at least the logits, their gradient "
+                                    "and two activations per layer)", o.batch, o.seq),
+                        std::string("--batch, --seq, or ") + kModelSizes);
+
   // ---- data
   const std::vector<uint8_t> corpus = read_corpus(o.data_path);
   const int64_t val_bytes = int64_t(double(corpus.size()) * o.val_fraction);
@@ -175,7 +187,17 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
     const json state = read_json((fs::path(o.resume_dir) / "trainer_state.json").string());
     DMOE_REQUIRE_INPUT(state.contains("step") && state["step"].is_number_integer(),
                  "{}/trainer_state.json: no integer 'step'", o.resume_dir);
+    DMOE_REQUIRE_INPUT(state["step"].get<int64_t>() >= 0, "{}/trainer_state.json: step {} must be >= 0",
+                       o.resume_dir, state["step"].get<int64_t>());
     first_step = state["step"].get<int64_t>() + 1;
+    // A key of the wrong type would end in nlohmann's type_error ("unexpected error"): named instead.
+    DMOE_REQUIRE_INPUT(!state.contains("seed") || state["seed"].is_number_unsigned(),
+                       "{}/trainer_state.json: 'seed' must be an integer >= 0 (found {})", o.resume_dir,
+                       state.contains("seed") ? state["seed"].dump() : "");
+    for (const char* key : {"batch", "seq"})
+      DMOE_REQUIRE_INPUT(!state.contains(key) || state[key].is_number_integer(),
+                         "{}/trainer_state.json: '{}' must be an integer (found {})", o.resume_dir, key,
+                         state.contains(key) ? state[key].dump() : "");
     DMOE_REQUIRE_INPUT(!state.contains("seed") || state["seed"].get<uint64_t>() == o.seed,
                  "--resume {}: the run used --seed {}, this one {} (the data order would differ)", o.resume_dir,
                  state["seed"].get<uint64_t>(), o.seed);
@@ -211,17 +233,25 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
     tune_runs = t["runs"];
     for (const json& run : tune_runs) {
       if (!run.is_object() || !run.contains("key") || run["key"] != tune_key) continue;
+      // Two entries for one shape (the tuner writes one): which to reuse would be a guess.
+      DMOE_REQUIRE_INPUT(!tuned_choice, "--tune-file {}: two entries have this run's shape {}; keep one", o.tune_file,
+                         tune_key.dump());
       const json& c = run.contains("choice") ? run["choice"] : json();
       DMOE_REQUIRE_INPUT(c.is_object() && c.contains("micro_batches") && c["micro_batches"].is_number_integer() &&
                              c.contains("chunk_bytes") && c["chunk_bytes"].is_number_integer(),
                          "--tune-file {}: the entry of this run's shape has no integer choice.micro_batches and "
                          "choice.chunk_bytes", o.tune_file);
-      flow::TunePoint p;
-      p.micro_batches = c["micro_batches"].get<int32_t>();
-      const int64_t sp = c["chunk_bytes"].get<int64_t>();
-      DMOE_REQUIRE_INPUT(p.micro_batches >= 1 && (o.batch / o.world) % p.micro_batches == 0 && sp >= 4,
+      // Read as written (get<int32_t> would wrap 2^32 + 2 to 2); the rules of --micro-batches and --chunk-bytes.
+      const std::string mb = c["micro_batches"].dump(), sp_text = c["chunk_bytes"].dump();
+      const bool mb_ok = !c["micro_batches"].is_number_unsigned() || c["micro_batches"].get<uint64_t>() <= 4096;
+      const bool sp_ok = !c["chunk_bytes"].is_number_unsigned() || c["chunk_bytes"].get<uint64_t>() <= (uint64_t(1) << 40);
+      const int64_t r = mb_ok ? c["micro_batches"].get<int64_t>() : 0, sp = sp_ok ? c["chunk_bytes"].get<int64_t>() : 0;
+      DMOE_REQUIRE_INPUT(r >= 1 && (o.batch / o.world) % r == 0 && sp >= 4 && sp % 4 == 0 && sp <= (int64_t(1) << 40),
                          "--tune-file {}: choice micro_batches {} (must split the {} sequences per rank) or chunk_bytes "
-                         "{} (must be >= 4) is not usable here", o.tune_file, p.micro_batches, o.batch / o.world, sp);
+                         "{} (must be a multiple of 4 in [4, 2^40]) is not usable here", o.tune_file, mb,
+                         o.batch / o.world, sp_text);
+      flow::TunePoint p;
+      p.micro_batches = int32_t(r);
       p.log2_chunk_bytes = std::log2(double(sp));
       tuned_choice = p;
     }

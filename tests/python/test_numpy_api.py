@@ -139,3 +139,24 @@ def test_session_checks_arrays():
     expect(ValueError, "engine 'gpu' is unknown; allowed: cpu, ep, flash", dmoe.Session, H, I, E, K, engine="gpu")
     if not dmoe.cuda_built():
         expect(ValueError, "built without CUDA", dmoe.Session, H, I, E, K, engine="ep")
+
+
+def test_non_finite_empty_and_read_only_inputs():
+    # Tenth session's bad-input pass (docs/faults.md): a NaN in x ended in the router's internal error with a
+    # source location (router.cpp:31; now an input error there too, tests/unit/test_cpu_kernels.cpp), an Inf in the gate or a NaN in dy came back as numbers or NaN without a word, 0 rows were
+    # refused as "y ... is not C-contiguous", and a read-only x as nanobind's "incompatible function arguments".
+    x, gate, w1, w3, w2, dy = make("swiglu", 8)
+    kw = dict(top_k=K)
+    bad_x = x.copy()
+    bad_x[3, 2] = np.nan
+    expect(ValueError, r"x\[3, 2\] is nan; inputs and weights must be finite", dmoe.layer_forward, bad_x, gate, w1,
+           w3, w2, **kw)
+    bad_gate = gate.copy()
+    bad_gate[0, 0] = np.inf
+    expect(ValueError, r"gate\[0, 0\] is inf", dmoe.layer_forward, x, bad_gate, w1, w3, w2, **kw)
+    expect(ValueError, r"dy\[0, 0\] is nan", dmoe.layer_backward, x, gate, w1, w3, w2, np.full_like(dy, np.nan), **kw)
+    expect(ValueError, "x has 0 rows", dmoe.layer_forward, x[:0], gate, w1, w3, w2, **kw)
+    ro = x.copy()
+    ro.setflags(write=False)
+    np.testing.assert_array_equal(dmoe.layer_forward(ro, gate, w1, w3, w2, **kw)["y"],
+                                  dmoe.layer_forward(x, gate, w1, w3, w2, **kw)["y"])

@@ -8,6 +8,10 @@
 //   - config fields dropped: an HF layer config's router_jitter_noise, torch_dtype vs dtype disagreeing, a
 //     model config's attention_dropout; DMOE_COMM_TIMEOUT_S=1e309; bench --peers on the CPU ignored;
 //   - DMOE_FAULT naming a rank the run does not have (it never fired, rc 0).
+// The tenth session's pass (below the first tests): flow options of another action, measure's unchecked values and
+// silent long runs; train's --tune-file onto its other files, tuning-file choices misread, --resume state files
+// of the wrong types and --init beside --resume; whole models too large for the memory; bench's GEMM/model options
+// elsewhere; launch --gpus '0,'.
 //
 // Run: dmoe_unit_tests --gtest_filter='BadInput*'
 #include <gtest/gtest.h>
@@ -18,6 +22,7 @@
 #include <functional>
 #include <regex>
 #include <sstream>
+#include <tuple>
 
 #include <nlohmann/json.hpp>
 
@@ -219,6 +224,145 @@ TEST_F(BadInput, OptionValuesCli11WouldTakeSilentlyAreRefused) {
   expect_user_error(run_cli("bench --engine cpu --peers --repeat 1 --warmup 0 --tokens 2 --hidden 8 --ffn 8 "
                             "--experts 4 --top-k 2 -n 1"),
                     "--peers", "bench --peers on cpu");
+}
+
+// ---- Tenth session's pass (docs/faults.md, "Bad-input pass (2026-12-01, tenth session)"): each case failed
+// before its fix.
+
+TEST_F(BadInput, FlowOptionsOfAnotherActionAndMeasuresValuesAreRefused) {
+  const std::string costs = " --costs " + p("costs.json");
+  const std::string measure = "flow measure --config " + p("tiny.json") + " --steps 1 --batch 4 --seq 8 ";
+  // Accepted and ignored with rc 0 before (f1-f13 of the table).
+  expect_user_error(run_cli("flow simulate" + costs + " --world 4"), "--world is an option of flow measure",
+                    "simulate --world");
+  expect_user_error(run_cli("flow simulate" + costs + " --costs-out " + p("x.json")), "--costs-out is an option",
+                    "simulate --costs-out");
+  EXPECT_FALSE(fs::exists(p("x.json")));
+  expect_user_error(run_cli("flow tune" + costs + " --samples 2 --chunk-bytes 4096"), "--chunk-bytes is an option",
+                    "tune --chunk-bytes");
+  expect_user_error(run_cli("flow tune" + costs + " --samples 2 --micro-batches 8"), "--micro-batches is an option",
+                    "tune --micro-batches");
+  expect_user_error(run_cli("flow simulate" + costs + " --schedule tuned --chunk-bytes 4096"),
+                    "--chunk-bytes is an option", "simulate tuned --chunk-bytes");
+  expect_user_error(run_cli("flow simulate" + costs + " --schedule tuned --micro-batches 4"),
+                    "--micro-batches is an option", "simulate tuned --micro-batches");
+  expect_user_error(run_cli("flow simulate" + costs + " --schedule vanilla --samples 3"), "--samples is an option",
+                    "simulate vanilla --samples");
+  expect_user_error(run_cli(measure + costs), "--costs is an option of flow simulate and flow tune", "measure --costs");
+  expect_user_error(run_cli(measure + "--layers 7"), "--layers is an option", "measure --layers");
+  expect_user_error(run_cli(measure + "--micro-batches 2"), "--micro-batches is an option", "measure --micro-batches");
+  // Values measure used without a check, or checked after the work with a source location.
+  expect_user_error(run_cli(measure + "--schedule chunked-ar --chunk-bytes 0"), "--chunk-bytes 0: must be a positive "
+                    "multiple of 4", "measure --chunk-bytes 0");
+  expect_user_error(run_cli(measure + "--schedule chunked-ar --chunk-bytes 1"), "--chunk-bytes 1", "--chunk-bytes 1");
+  expect_user_error(run_cli(measure + "--measure-r 2,2"), "--measure-r 2,2: a value of R is given twice",
+                    "measure-r twice");
+  expect_user_error(run_cli("flow measure --config " + p("tiny.json") + " --steps 1000000"),
+                    "--steps 1000000: must be in [1, 100000]", "steps");
+  expect_user_error(run_cli("flow simulate" + costs + " --schedule chunked-ar --chunk-bytes 1"), "tasks, more than",
+                    "simulate --chunk-bytes 1");
+}
+
+TEST_F(BadInput, FlowMeasureShowsProgressOnALongRun) {
+  // 2 x 400 steps of the tiny model (~4 ms each): silent for the whole run before, now a line every 2 s.
+  const Result r = run_cli("flow measure --config " + p("tiny.json") + " --steps 400 --batch 4 --seq 8 "
+                           "--measure-r 1,2");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("flow measure: R = "), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("s left"), std::string::npos) << r.output;
+}
+
+TEST_F(BadInput, TrainTuneFileAndResumeStateAreChecked) {
+  const std::string base = "train --config " + p("tiny.json") + " --data " + p("data") + " --seq 16 --batch 2 "
+                           "--print-every 0 ";
+  const std::string tuned = base + "--engine cuda --steps 40 --schedule tuned ";
+  // --tune-file onto --log (the log is truncated at the start, the tuning file written over it later) or a file
+  // of the --save checkpoint.
+  expect_user_error(run_cli(tuned + "--log " + p("l.json") + " --tune-file " + p("l.json")),
+                    "--tune-file '" + p("l.json") + "' is the same file as --log", "--tune-file = --log");
+  expect_user_error(run_cli(tuned + "--save " + p("ck") + " --tune-file " + p("ck/trainer_state.json")),
+                    "is the same file as --save", "--tune-file in --save");
+  // The choice of this run's shape: read as written (2^32 + 2 was read as 2 and reused), a chunk that --chunk-bytes
+  // would refuse, two entries for one shape (the last one won).
+  const json key = {{"model", load_mixtral_config(p("tiny.json")).summary()}, {"batch", 2}, {"seq", 16},
+                    {"world", 1}, {"dtype", "f32"}};
+  auto tune_file = [&](const std::string& name, const std::vector<json>& choices) {
+    json runs = json::array();
+    for (const json& c : choices) runs.push_back({{"key", key}, {"samples", json::array()}, {"choice", c}});
+    std::ofstream(p(name)) << json{{"runs", runs}}.dump();
+    return p(name);
+  };
+  const json wrapped = {{"micro_batches", 4294967298ull}, {"chunk_bytes", 1024}};
+  expect_user_error(run_cli(tuned + "--tune-file " + tune_file("t1.json", {wrapped})), "micro_batches 4294967298",
+                    "wrapped micro_batches");
+  const json odd = {{"micro_batches", 1}, {"chunk_bytes", 1023}};
+  expect_user_error(run_cli(tuned + "--tune-file " + tune_file("t2.json", {odd})), "chunk_bytes 1023 (must be a "
+                    "multiple of 4", "chunk_bytes 1023");
+  const json good = {{"micro_batches", 1}, {"chunk_bytes", 1024}};
+  expect_user_error(run_cli(tuned + "--tune-file " + tune_file("t3.json", {good, good})), "two entries have this "
+                    "run's shape", "two entries");
+  // --resume: --init was ignored; a state file with keys of the wrong type ended as "unexpected error" (rc 2),
+  // a negative step started the run at step -4 and failed in AdamW with a source location.
+  ASSERT_EQ(run_cli(base + "--steps 1 --save " + p("ck")).status, 0);
+  ASSERT_EQ(run_cli("init-model --config " + p("tiny.json") + " --out " + p("m.st")).status, 0);
+  expect_user_error(run_cli(base + "--steps 2 --resume " + p("ck") + " --init " + p("m.st")),
+                    "--init would be ignored", "--init with --resume");
+  json state = json::parse(slurp(p("ck/trainer_state.json")));
+  const json saved = state;
+  for (const auto& [field, value, needle] :
+       {std::tuple<const char*, json, const char*>{"seed", "abc", "'seed' must be an integer >= 0 (found \"abc\")"},
+        {"batch", "2", "'batch' must be an integer (found \"2\")"},
+        {"step", -5, "step -5 must be >= 0"}}) {
+    state = saved;
+    state[field] = value;
+    std::ofstream(p("ck/trainer_state.json")) << state.dump();
+    expect_user_error(run_cli(base + "--steps 3 --resume " + p("ck")), needle, field);
+  }
+}
+
+TEST_F(BadInput, WholeModelsThatCannotFitAreRefusedUpFront) {
+  // init-model filled the memory tensor by tensor and ended in a bare std::bad_alloc; train and eval printed a
+  // hint naming the layer flags (tokens, hidden, ...) after the first line.
+  json cfg = json::parse(slurp(p("tiny.json")));
+  cfg["hidden_size"] = 65536, cfg["intermediate_size"] = 65536, cfg["num_local_experts"] = 64;
+  cfg["num_attention_heads"] = 512, cfg["num_key_value_heads"] = 512;
+  std::ofstream(p("huge.json")) << cfg.dump();
+  const Result init = run_cli("init-model --config " + p("huge.json") + " --out " + p("h.st"));
+  expect_user_error(init, "would allocate about", "init-model of 1.7e12 parameters");
+  EXPECT_NE(init.output.find("hidden_size"), std::string::npos) << init.output;
+  EXPECT_FALSE(fs::exists(p("h.st")));
+  cfg = json::parse(slurp(p("tiny.json")));
+  cfg["vocab_size"] = 1 << 30;
+  std::ofstream(p("vocab.json")) << cfg.dump();
+  const Result train = run_cli("train --config " + p("vocab.json") + " --data " + p("data") +
+                               " --steps 1 --seq 256 --batch 1048576 --print-every 0");
+  expect_user_error(train, "would allocate about", "train of a huge batch");
+  EXPECT_NE(train.output.find("--batch, --seq"), std::string::npos) << train.output;
+  EXPECT_EQ(train.output.find("train:"), std::string::npos) << "training started:\n" << train.output;
+  SafetensorsWriter w;
+  w.add_i32("tokens", {2, 200}, std::vector<int32_t>(400, 1));
+  w.write(p("tok.st"));
+  const Result eval = run_cli("eval --config " + p("vocab.json") + " --weights " + p("nothing.st") + " --tokens " +
+                              p("tok.st") + " --output " + p("o.st"));
+  expect_user_error(eval, "would allocate about", "eval with a huge vocabulary");
+  EXPECT_NE(eval.output.find("--tokens"), std::string::npos) << eval.output;
+}
+
+TEST_F(BadInput, BenchAndLaunchOptionsThatWouldBeIgnoredAreRefused) {
+  const std::string layer = "bench --engine cpu --repeat 1 --warmup 0 --tokens 2 --hidden 8 --ffn 8 --experts 4 "
+                            "--top-k 2 -n 1 ";
+  expect_user_error(run_cli(layer + "--dgrad"), "--dgrad is an option of `dmoe bench gemm`", "layer --dgrad");
+  expect_user_error(run_cli(layer + "--variants b999"), "--variants is an option of `dmoe bench gemm`",
+                    "layer --variants");
+  expect_user_error(run_cli(layer + "--python /nonexistent"), "without --peers it would be ignored", "--python");
+  // Checked before the GPU is looked for, so on any machine.
+  expect_user_error(run_cli("bench model --tokens 5"), "--tokens is an option of `dmoe bench layer`",
+                    "model --tokens");
+  const Result note = run_cli(layer + "--check-tokens 4");
+  EXPECT_EQ(note.status, 0) << note.output;
+  EXPECT_NE(note.output.find("note: --check-tokens"), std::string::npos) << note.output;
+  // "0," ran every rank on GPU 0 (getline drops the empty last item).
+  expect_user_error(run_cli("launch -n 2 --gpus 0, -- true"), "it ends in ','", "--gpus 0,");
 }
 
 TEST(BadInputConfig, FieldsThatCannotTakeEffectAreRefused) {

@@ -58,6 +58,21 @@ bool is_bf16_value(float v) { return round_to_bf16(v) == v; }
 
 // ---- gemm ------------------------------------------------------------------------------------------
 
+// NaN router logits come from the caller's data (a non-finite x or gate, e.g. through the Python API): an input
+// error naming the cause, without a source location (it was an internal error, "(router.cpp:31)").
+TEST(CpuKernelsRouter, NanLogitsAreAnInputError) {
+  std::vector<float> logits = {0.5f, NAN, NAN, NAN}, probs(4), weights(2), lse(1);
+  std::vector<int32_t> ids(2);
+  try {
+    cpu::router_topk(logits.data(), probs.data(), ids.data(), weights.data(), lse.data(), 1, 4, 2, true);
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_TRUE(e.is_input()) << e.what();
+    EXPECT_NE(std::string(e.what()).find("x or the gate is not finite"), std::string::npos) << e.what();
+    EXPECT_EQ(std::string(e.what()).find("router.cpp"), std::string::npos) << e.what();
+  }
+}
+
 TEST(CpuKernelsGemm, MatchesNaiveFormula) {
   Rng rng(101);
   struct Shape { int64_t m, n, k; };

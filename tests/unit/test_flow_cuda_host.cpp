@@ -211,7 +211,7 @@ TEST(FlowCudaHost, MeasureEngineCudaBadInputNamesWhatIsAllowed) {
   fails_with("flow measure --config tiny --engine cuda --batch 4 --schedule all --micro-batches 3",
              "--micro-batches 3: must be >= 1 and divide --batch 4");
   fails_with("flow measure --config tiny --engine cuda --schedule fast", "--schedule 'fast': unknown schedule");
-  fails_with("flow measure --config tiny --dtype bf16", "--dtype: only with --engine cuda");
+  fails_with("flow measure --config tiny --dtype bf16", "--dtype is an option of flow measure --engine cuda");
 }
 
 TEST(FlowCudaHost, TrainScheduleBadInputNamesWhatIsAllowed) {

@@ -141,12 +141,26 @@ Command add_bench_command(CLI::App& app) {
       sub->add_option("--batch", o->batch, "model: sequences per step")->check(CLI::Range(int64_t(1), int64_t(1) << 20));
   CLI::Option* seq_option =
       sub->add_option("--seq", o->seq, "model: sequence length")->check(CLI::Range(int64_t(2), int64_t(1) << 24));
-  return [o, worlds_option, batch_option, seq_option] {
+  return [o, sub, worlds_option, batch_option, seq_option] {
     // A model's options on another benchmark would be ignored: refuse them instead.
     for (const CLI::Option* opt : {batch_option, seq_option})
       DMOE_REQUIRE_INPUT(o->what == "model" || opt->count() == 0,
                          "{} is an option of `dmoe bench model` (a whole model's step); `dmoe bench {}` times one "
                          "layer's tokens: give --tokens instead", opt->get_name(), o->what);
+    // So would the GEMM benchmark's outside it, and a layer's shape and engine options on a whole model's step
+    // (its shapes come from the model config; --dtype, --warmup, --repeat, --json apply).
+    for (const char* name : {"--variants", "--square", "--dgrad"})
+      DMOE_REQUIRE_INPUT(o->what == "gemm" || sub->count(name) == 0, "{} is an option of `dmoe bench gemm`; `dmoe "
+                         "bench {}` would ignore it", name, o->what);
+    if (o->what == "model")
+      for (const char* name : {"--tokens", "--hidden", "--ffn", "--experts", "--top-k", "--activation",
+                               "--capacity-factor", "--drop-policy", "--world", "--aux-loss-coef", "--z-loss-coef",
+                               "--no-renormalize", "--worlds", "--no-backward", "--engine", "--comm", "--peers",
+                               "--python", "--check-tokens", "--flash", "--alltoall", "--batch-row-multiple"})
+        DMOE_REQUIRE_INPUT(sub->count(name) == 0, "{} is an option of `dmoe bench layer`; `dmoe bench model` takes the "
+                           "model's shapes from --config (and --batch, --seq, --dtype) and would ignore it", name);
+    DMOE_REQUIRE_INPUT(sub->count("--python") == 0 || o->peers, "--python names the interpreter of --peers; without "
+                       "--peers it would be ignored");
     // A benchmark can run for minutes: find out now, not after it, that its JSON cannot be written.
     if (!o->json_path.empty()) {
       require_distinct_files({{"--json", o->json_path}},
@@ -237,6 +251,11 @@ Command add_bench_command(CLI::App& app) {
       return run_gpu_layer_bench(g);
     }
     if (o->alltoall) std::fprintf(stderr, "note: --alltoall times the GPU communicators; ignored on the CPU\n");
+    if (sub->count("--check-tokens"))
+      std::fprintf(stderr, "note: --check-tokens is the GPU run's check; ignored on the CPU, whose every output is "
+                   "compared with a single-rank run (max|y-ref|)\n");
+    if (sub->count("--batch-row-multiple"))
+      std::fprintf(stderr, "note: --batch-row-multiple pads the GPU's expert batches; ignored on the CPU\n");
     if (o->comm != "auto")
       std::fprintf(stderr, "note: --comm %s picks a GPU communicator; ignored on the CPU (ranks are threads)\n",
                    o->comm.c_str());

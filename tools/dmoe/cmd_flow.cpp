@@ -18,6 +18,7 @@
 // chunked-ar, tuned) from per-task costs; tune runs the Bayesian optimiser of (Sp, R) against the simulator
 // and compares its best with the best of the whole grid.
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -27,6 +28,7 @@
 
 #include "commands.hpp"
 #include "core/error.hpp"
+#include "core/host_resources.hpp"
 #include "core/output_file.hpp"
 #include "core/random.hpp"
 #include "data_dir.hpp"
@@ -242,20 +244,41 @@ int measure_command(const FlowOptions& o) {
   for (int32_t r : o.measure_r)
     DMOE_REQUIRE_INPUT(r >= 1 && o.batch % r == 0, "--measure-r {}: must divide --batch {} (sequences per rank)", r,
                        o.batch);
+  require_host_memory(model_activation_bytes_lower_bound(double(o.world) * double(o.batch) * double(o.seq),
+                                                         c.vocab_size, c.hidden_size, c.num_hidden_layers),
+                      fmt::format("flow measure ({} ranks x batch {} x seq {} on the CPU executor: at least the logits, "
+                                  "their gradient and two activations per layer)", o.world, o.batch, o.seq),
+                      std::string("--batch, --seq, --world, or ") + kModelSizes);
   const MixtralWeights w = random_mixtral_weights(c, 1);
   Rng rng(2);
   std::vector<int32_t> tokens(size_t(o.world * o.batch * o.seq));
   for (auto& t : tokens) t = int32_t(rng.next() % uint64_t(c.vocab_size));
   std::vector<flow::CpuFlowMeasurement> runs;
   std::vector<flow::TaskGraph> graphs;
+  // A long measurement is not silent: once it has run for 2 s, a line every 2 s with the steps done and an
+  // estimate of the time left (from the mean step so far; later R take longer or shorter).
+  const auto start = std::chrono::steady_clock::now();
+  double last_report = 0, total_ms = 0;
+  int32_t done = 0, current_r = 0;
+  const int32_t all_steps = o.steps * int32_t(o.measure_r.size());
+  auto progress = [&](int32_t step, double ms) {
+    ++done;
+    total_ms += ms;
+    const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (elapsed < 2 || elapsed - last_report < 2) return;
+    last_report = elapsed;
+    std::fprintf(stderr, "  flow measure: R = %d, step %d/%d (%.0f ms); %d of %d steps in %.0f s, ~%.0f s left\n",
+                 current_r, step, o.steps, ms, done, all_steps, elapsed, total_ms / done * (all_steps - done) * 1e-3);
+  };
   for (int32_t r : o.measure_r) {
+    current_r = r;
     flow::GraphSpec spec;
     spec.layers = c.num_hidden_layers;
     spec.micro_batches = r;
     spec.schedule = schedule;
     spec.dense_grad_bytes_per_layer = flow::mixtral_dense_grad_bytes_per_layer(c);
     spec.chunk_bytes = o.chunk_bytes;
-    runs.push_back(flow::measure_cpu_flow(c, w, tokens, o.batch, o.seq, o.world, spec, o.steps));
+    runs.push_back(flow::measure_cpu_flow(c, w, tokens, o.batch, o.seq, o.world, spec, o.steps, progress));
     graphs.push_back(flow::build_task_graph(spec));
   }
   // Fit on every R but the last (on both when there are two), so the last row is a prediction out of sample.
@@ -420,6 +443,77 @@ int measure_cuda_command(const FlowOptions& o) {
   return 0;
 }
 
+// An option of another action (or engine) would be accepted and ignored (flow simulate --world 4, tune --chunk-bytes,
+// measure --costs): refused, naming where it applies. Then the values measure uses, before any work (the graph's own
+// checks come after the model is built, and their errors name no option).
+void check_options_of_action(const CLI::App& sub, const FlowOptions& o) {
+  const bool cuda = o.action == "measure" && o.engine == "cuda";
+  const bool ablation = cuda && o.schedule_given && o.schedule == "all";
+  const std::string here = (o.action == "measure" ? fmt::format("flow measure --engine {}", o.engine) : "flow " + o.action) +
+                           (o.schedule_given ? " --schedule " + o.schedule : "");
+  // The schedules (or the ablation, all) that read Sp, R and the tuner's samples; simulate's tuned row picks its own
+  // Sp and R, and only the tuned row samples.
+  // project prints the ablation as simulate does, on costs it derives.
+  const bool simulates = o.action == "simulate" || o.action == "project";
+  const std::string sch = o.schedule_given ? o.schedule : simulates ? "all" : "pipe-attn";
+  const bool reads_chunk = simulates ? sch == "chunked-ar" || sch == "all"
+                                     : o.action == "measure" && (sch == "chunked-ar" || sch == "tuned" || ablation);
+  const bool reads_samples = sch == "all" || sch == "tuned";
+  struct Rule {
+    const char* option;
+    bool applies;
+    const char* where;
+  };
+  const bool project = o.action == "project";
+  const Rule rules[] = {
+      {"--costs", o.action == "simulate" || o.action == "tune",
+       "flow simulate and flow tune (measure fits a cost file: --costs-out; project derives one)"},
+      {"--layers", o.action == "simulate" || o.action == "tune",
+       "flow simulate and flow tune (measure and project take the --config's layers)"},
+      {"--samples", o.action == "tune" || (simulates && reads_samples),
+       "flow tune and flow simulate's / project's tuned row (--schedule all or tuned)"},
+      {"--seed", o.action == "tune" || (simulates && reads_samples),
+       "flow tune and flow simulate's / project's tuned row (--schedule all or tuned)"},
+      {"--micro-batches", (simulates && sch != "tuned") || ablation,
+       "flow simulate and project (but not --schedule tuned, which picks R) and flow measure --engine cuda --schedule "
+       "all (measure takes its R from --measure-r)"},
+      {"--schedule", o.action != "tune", "flow simulate, project and measure (tune runs chunked-ar)"},
+      {"--chunk-bytes", reads_chunk,
+       "flow simulate, project and measure with --schedule chunked-ar (or all: its chunked-ar row; measure: also "
+       "tuned's graph); tune, and simulate's tuned row, choose Sp"},
+      {"--trace", simulates || cuda, "flow simulate, project and flow measure --engine cuda"},
+      {"--config", o.action == "measure" || project, "flow measure and project"},
+      {"--batch", o.action == "measure" || project, "flow measure and project"},
+      {"--seq", o.action == "measure" || project, "flow measure and project"},
+      {"--world", o.action == "measure", "flow measure (project: --gpus)"},
+      {"--steps", o.action == "measure", "flow measure"},
+      {"--measure-r", o.action == "measure" && !ablation, "flow measure with one --schedule (all measures the ablation)"},
+      {"--costs-out", (o.action == "measure" && !ablation) || project,
+       "flow measure with one --schedule (all fits no costs) and flow project"},
+      {"--engine", o.action == "measure", "flow measure"},
+      {"--dtype", cuda || project, "flow measure --engine cuda (the CPU model is f32) and flow project"},
+      {"--cluster", project, "flow project"},
+      {"--gpus", project, "flow project"},
+      {"--experts", project, "flow project"},
+      {"--link", o.action != "measure", "flow simulate, tune and project (the executors run on real links)"},
+  };
+  for (const Rule& r : rules)
+    DMOE_REQUIRE_INPUT(r.applies || sub.count(r.option) == 0, "{}: {} is an option of {}; it would be ignored here: "
+                       "drop it", here, r.option, r.where);
+  if (o.action != "measure") return;
+  DMOE_REQUIRE_INPUT(o.steps >= 1 && o.steps <= 100000, "--steps {}: must be in [1, 100000]", o.steps);
+  // The executors cut the all-reduce on f32 elements; a chunk count past the graph's task limit is caught by it.
+  DMOE_REQUIRE_INPUT(o.chunk_bytes >= 4 && o.chunk_bytes % 4 == 0, "--chunk-bytes {}: must be a positive multiple of 4 "
+                     "(the all-reduce is cut on f32 gradients)", o.chunk_bytes);
+  if (!ablation) {
+    std::vector<int32_t> sorted = o.measure_r;
+    std::sort(sorted.begin(), sorted.end());
+    DMOE_REQUIRE_INPUT(std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end(),
+                       "--measure-r {}: a value of R is given twice; the fit needs distinct values",
+                       fmt::join(o.measure_r, ","));
+  }
+}
+
 }  // namespace
 
 Command add_flow_command(CLI::App& app) {
@@ -461,14 +555,8 @@ Command add_flow_command(CLI::App& app) {
                            o->action == "project",
                        "flow {}: unknown action (allowed: simulate, tune, project, measure)", o->action);
     o->schedule_given = sub->count("--schedule") > 0;
-    // Options of one action given to another would be ignored: refused.
-    if (o->action != "project")
-      for (const char* opt : {"--cluster", "--gpus", "--experts"})
-        DMOE_REQUIRE_INPUT(sub->count(opt) == 0, "{}: an option of flow project (this is flow {})", opt, o->action);
-    if (o->action == "measure")
-      DMOE_REQUIRE_INPUT(sub->count("--link") == 0, "--link: an option of flow simulate, tune, project (the executors "
-                         "run on real links)");
     if (o->action == "project" && sub->count("--link") == 0) o->link = "shared";
+    check_options_of_action(*sub, *o);
     o->link_model = parse_link(o->link);
     // Outputs are checked before any work, and none may be one of the inputs (--trace onto --costs would
     // replace the cost file with the trace).
@@ -478,9 +566,6 @@ Command add_flow_command(CLI::App& app) {
     const std::vector<NamedPath> outputs = {{"--trace", o->trace_path}, {"--json", o->json_path},
                                             {"--costs-out", o->costs_out}};
     if (o->action == "project") {
-      for (const char* opt : {"--costs", "--layers", "--world", "--measure-r", "--steps", "--engine"})
-        DMOE_REQUIRE_INPUT(sub->count(opt) == 0, "{}: not an option of flow project (its costs come from --config and "
-                           "--cluster; P is --gpus)", opt);
       if (sub->count("--dtype") == 0) o->dtype = "bf16";
       if (sub->count("--seq") == 0) o->seq = 1024;  // the paper models' sequence
       require_distinct_files(outputs, {{"--config", find_model_config_file(o->model_config)}});
@@ -494,8 +579,6 @@ Command add_flow_command(CLI::App& app) {
       require_distinct_files(outputs, {{"--config", find_model_config_file(o->model_config)}});
       DMOE_REQUIRE_INPUT(o->engine == "cpu" || o->engine == "cuda", "--engine {}: allowed: cpu, cuda", o->engine);
       if (o->engine == "cuda") return measure_cuda_command(*o);
-      DMOE_REQUIRE_INPUT(sub->count("--dtype") == 0, "--dtype: only with --engine cuda (the CPU model is f32)");
-      DMOE_REQUIRE_INPUT(o->trace_path.empty(), "--trace: with flow measure only for --engine cuda");
       return measure_command(*o);
     }
     DMOE_REQUIRE_INPUT(!o->costs_path.empty(), "--costs: required for flow {} (a cost JSON file, or a named one "
@@ -510,10 +593,7 @@ Command add_flow_command(CLI::App& app) {
                        o->micro_batches);
     DMOE_REQUIRE_INPUT(o->chunk_bytes >= 1, "--chunk-bytes {}: must be >= 1", o->chunk_bytes);
     DMOE_REQUIRE_INPUT(o->samples >= 1 && o->samples <= 1000, "--samples {}: must be in [1, 1000]", o->samples);
-    if (o->action == "tune") {
-      DMOE_REQUIRE_INPUT(o->trace_path.empty(), "--trace: only with flow simulate");
-      return tune_command(*o, costs, layers);
-    }
+    if (o->action == "tune") return tune_command(*o, costs, layers);
     return simulate_command(*o, costs, layers);
   };
 }

@@ -30,6 +30,9 @@ std::vector<int32_t> parse_gpu_list(const std::string& text) {
     gpus.push_back(value);
   }
   DMOE_REQUIRE_INPUT(!gpus.empty(), "--gpus '{}' is empty: list GPU indices such as 0,1", text);
+  // getline drops a trailing empty item: "0," (a typo of "0,1"?) would run every rank on GPU 0.
+  DMOE_REQUIRE_INPUT(text.back() != ',', "--gpus '{}' is invalid: it ends in ','; expected a comma-separated list of "
+                     "GPU indices such as 0,1,2", text);
   return gpus;
 }
 

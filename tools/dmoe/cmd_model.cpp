@@ -7,12 +7,16 @@
 //       FILE holds tokens [B, S] (I32 or I64). OUT receives logits [B, S, V] f32, loss (scalar f32: mean
 //       next-token cross-entropy + router_aux_loss_coef · aux when output_router_logits), ce_loss and aux_loss
 //       scalars, and with --grad grad.<HF name> for every parameter.
+#include <algorithm>
 #include <cstdio>
+#include <filesystem>
 #include <limits>
+#include <optional>
 
 #include "commands.hpp"
 #include "core/config.hpp"
 #include "core/error.hpp"
+#include "core/host_resources.hpp"
 #include "core/output_file.hpp"
 #include "model/checkpoint.hpp"
 #include "model/mixtral.hpp"
@@ -47,6 +51,24 @@ HostTensor<int32_t> read_tokens(const std::string& path) {
   return f.read_i32("tokens");
 }
 
+
+// Before the weights are generated (a model too large used to fill the memory tensor by tensor, for minutes, and end
+// in a bare std::bad_alloc): the f32 weights plus a file's (or shard's) writer copy and serialised bytes, against
+// MemAvailable, and the file's size against the free space where it goes.
+void check_init_model_resources(const MixtralConfig& c, const std::string& out, int64_t shard_bytes) {
+  const double params = double(c.num_parameters()), file_bytes = 4 * params;
+  const double buffered = shard_bytes > 0 ? std::min(file_bytes, double(shard_bytes)) : file_bytes;
+  require_host_memory(file_bytes + 2 * buffered,
+                      fmt::format("init-model ({:.3g} parameters of {}, f32)", params, c.summary()),
+                      kModelSizes);
+  const std::filesystem::path parent = std::filesystem::path(out).parent_path();
+  const std::string dir = parent.empty() ? std::string(".") : parent.string();
+  const std::optional<uint64_t> free = disk_free_bytes(dir);
+  DMOE_REQUIRE_INPUT(!free || file_bytes <= double(*free),
+                     "init-model would write about {} to the file system of '{}', which has {} free",
+                     format_bytes(file_bytes), dir, format_bytes(double(*free)));
+}
+
 }  // namespace
 
 Command add_init_model_command(CLI::App& app) {
@@ -66,6 +88,7 @@ Command add_init_model_command(CLI::App& app) {
     check_output_file(o->out, "--out");
     if (!o->save_config.empty()) check_output_file(o->save_config, "--save-config");
     const MixtralConfig c = load_mixtral_config(config_path);
+    check_init_model_resources(c, o->out, o->shard_bytes);
     const MixtralWeights w = random_mixtral_weights(c, o->seed);
     save_mixtral_checkpoint(o->out, w, c, o->shard_bytes);
     if (!o->save_config.empty()) save_mixtral_config(c, o->save_config);
@@ -108,6 +131,15 @@ Command add_eval_command(CLI::App& app) {
     const HostTensor<int32_t> tokens = read_tokens(o->tokens);
     const int64_t B = tokens.shape[0], S = tokens.shape[1], V = c.vocab_size;
     c.check_sequence(S);
+    // Before the weights are read: the host's share (the CPU engine's activations; on either engine the logits
+    // [B, S, V] as the result, the writer's copy and the serialised file).
+    const double logits_bytes = 4.0 * double(B) * double(S) * double(V);
+    require_host_memory((o->engine == "cuda" ? 0.0 : model_activation_bytes_lower_bound(double(B) * double(S), double(V),
+                                                                                       c.hidden_size, c.num_hidden_layers)) +
+                            3 * logits_bytes,
+                        fmt::format("eval of tokens [{}, {}] (at least the logits [{}, {}, {}] f32 three times{})", B, S,
+                                    B, S, V, o->engine == "cuda" ? "" : ", their gradient and two activations per layer"),
+                        std::string("fewer or shorter sequences in --tokens, or ") + kModelSizes);
     const MixtralWeights w = load_mixtral_weights(CheckpointReader::open(o->weights), c);
     const EvalResult r = o->engine == "cuda" ? run_cuda_model(c, w, tokens.values, B, S, parse_dtype(o->dtype), o->grad)
                                              : run_cpu_model(c, w, tokens.values, B, S, o->world, o->grad);

@@ -35,6 +35,15 @@ void check_train_paths(const TrainOptions& o, const std::string& config_file) {
     check_output_file(o.log_path, "--log");
     require_distinct_files({{"--log", o.log_path}}, inputs);
   }
+  // The tuning file is read (when it exists) and written after the tuning steps: not one of the other files.
+  if (!o.tune_file.empty()) {
+    std::vector<NamedPath> others = inputs;
+    if (!o.log_path.empty()) others.push_back({"--log", o.log_path});
+    if (!o.save_dir.empty())
+      for (const char* name : {"trainer_state.json", "model.safetensors", "optimizer.safetensors", "config.json"})
+        others.push_back({"--save", (fs::path(o.save_dir) / name).string()});
+    require_distinct_files({{"--tune-file", o.tune_file}}, others);
+  }
   if (!o.save_dir.empty()) {
     DMOE_REQUIRE_INPUT(!fs::exists(o.save_dir, ec) || fs::is_directory(o.save_dir, ec),
                        "--save '{}' exists and is not a directory; a checkpoint is a directory (model.safetensors, "

@@ -10,11 +10,13 @@
 #include <cstdlib>
 #include <map>
 #include <new>
+#include <string>
 
 #include "comm/stage_board.hpp"
 #include "commands.hpp"
 #include "options.hpp"
 #include "core/error.hpp"
+#include "core/host_resources.hpp"
 
 #ifndef DMOE_VERSION
 #define DMOE_VERSION "unknown"
@@ -78,8 +80,14 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "dmoe: error: %s\n", e.what());
     return failed_exit(1);
   } catch (const std::bad_alloc&) {
-    std::fprintf(stderr, "dmoe: error: out of host memory (std::bad_alloc); make the problem smaller (tokens, "
-                 "hidden, ffn, experts, world)\n");
+    // The hint names the sizes of the command that ran (a whole model's are not the layer flags).
+    std::string what = "the problem";
+    for (const auto& [sub, run] : commands)
+      if (sub->parsed()) what = sub->get_name();
+    const bool model = what == "init-model" || what == "eval" || what == "train" || what == "flow";
+    std::fprintf(stderr, "dmoe: error: out of host memory (std::bad_alloc) in dmoe %s; make it smaller (%s)\n",
+                 what.c_str(), model ? (std::string("--batch, --seq (eval: the --tokens shape), or ") + dmoe::kModelSizes).c_str()
+                                     : "tokens, hidden, ffn, experts, world");
     return failed_exit(1);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "dmoe: unexpected error: %s\n", e.what());
