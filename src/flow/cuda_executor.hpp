@@ -39,11 +39,13 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "comm/comm.hpp"
 #include "core/dtype.hpp"
+#include "core/resource_probe.hpp"
 #include "flow/simulator.hpp"
 #include "flow/task_graph.hpp"
 #include "model/mixtral_config.hpp"
@@ -130,6 +132,7 @@ struct CudaFlowMeasurement {
   double step_ms = 0;
   double loss = 0;
   std::vector<TraceEvent> timeline;
+  std::optional<ResourceReport> resources;  // with a probe: over the timed steps (the warm-up step left out)
 };
 // The executor's all-reduce communicator for this process's rank of the job, by choose_ar_comm(DMOE_FLOW_AR_COMM):
 // nullptr for ArComm::model (pass it to CudaFlowExecutor: the model's communicator is used); for ArComm::own a local
@@ -145,7 +148,9 @@ class CudaFlowSession {
   int32_t rank() const;
   int32_t world() const;
   ArComm ar_comm() const;  // where its executor's AR chunks go
-  CudaFlowMeasurement measure(const GraphSpec& spec, const int32_t* tokens, int64_t batch, int64_t seq, int32_t steps);
+  // probe (optional): started after the warm-up step, finished after the last timed step (core/resource_probe.hpp).
+  CudaFlowMeasurement measure(const GraphSpec& spec, const int32_t* tokens, int64_t batch, int64_t seq, int32_t steps,
+                              ResourceProbe* probe = nullptr);
 
  private:
   std::unique_ptr<CudaFlowJob> job_;

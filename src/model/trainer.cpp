@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <mutex>
@@ -14,11 +15,13 @@
 
 #include <nlohmann/json.hpp>
 
+#include "bench/device_probe.hpp"
 #include "comm/comm.hpp"
 #include "core/error.hpp"
 #include "core/host_resources.hpp"
 #include "core/output_file.hpp"
 #include "core/random.hpp"
+#include "core/resource_probe.hpp"
 #include "cpu/model_kernels.hpp"
 #include "flow/cpu_executor.hpp"
 #include "flow/cuda_executor.hpp"
@@ -374,7 +377,25 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
       use_point(first);
     }
 
+    // Peak memory and energy over the training steps (core/resource_probe.hpp), read by rank 0 (this process
+    // holds every thread rank of the CPU engine; on GPUs, rank 0's process and its GPU).
+    std::optional<ResourceProbe> probe;
+    std::optional<ResourceReport> resources;
+    if (rank == 0) {
+      ResourceProbeOptions po;
+      po.scope = on_gpu ? (o.world > 1 ? "rank 0's process" : "this process")
+                        : fmt::format("this process (all {} thread ranks)", o.world);
+      if (on_gpu) {
+        const char* shared = std::getenv("DMOE_SHARED_GPUS");
+        probe_current_cuda_device(po, o.world == 1 ? "one rank"
+                                      : shared && std::string(shared) == "1"
+                                          ? fmt::format("the job's {} ranks share it (MPS)", o.world)
+                                          : "rank 0's GPU: the other ranks' GPUs are not read");
+      }
+      probe.emplace(po);
+    }
     for (int64_t step = first_step; step <= last_step; ++step) {
+      if (probe && step == first_step) probe->start();
       const auto t0 = std::chrono::steady_clock::now();
       const std::vector<int32_t> tokens = train_batch(step);
       replica.zero_grads();
@@ -448,11 +469,13 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
       if (do_val) rec.val_loss = validate();
       if (o.save_every > 0 && step % o.save_every == 0 && step != last_step) save(rank, replica, step, o.save_dir);
       if (rank != 0) continue;
+      if (step == last_step) resources = probe->finish(last_step - first_step + 1);  // validation included
       result.records.push_back(rec);
       if (log.is_open()) {
         json line{{"step", step}, {"loss", loss}, {"lr", ap.lr}, {"grad_norm", rec.grad_norm},
                   {"tokens_per_s", rec.tokens_per_s}, {"tflop_per_s", step_flop / seconds * 1e-12}};
         if (ceiling > 0) line["mfu"] = step_flop / seconds / (ceiling * o.world);
+        if (resources) line["resources"] = resources->to_json();  // the last step's record
         log << line.dump() << '\n';
         if (do_val) log << json{{"step", step}, {"val_loss", rec.val_loss}}.dump() << '\n';
         log.flush();
@@ -466,6 +489,12 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
                           do_val ? fmt::format(" | val loss {:.4f}", rec.val_loss) : std::string()));
     }
     save(rank, replica, last_step, o.save_dir);
+    if (resources && o.print_every > 0) {
+      std::string text = fmt::format("resources over the {} training steps (steps {}..{}, validation included; read by "
+                                     "rank 0 after its last step):", resources->steps, first_step, last_step);
+      for (const std::string& l : resources->lines()) text += "\n  " + l;
+      print(text);
+    }
     const auto stages = replica.stage_times();
     const TrainReplica::FlowTimes flow_times = replica.flow_times();
     if (rank == 0 && flow_times.steps > 0 && o.print_every > 0) {

@@ -268,7 +268,7 @@ TEST_F(BadInput, FlowMeasureShowsProgressOnALongRun) {
   const Result r = run_cli("flow measure --config " + p("tiny.json") + " --steps 400 --batch 4 --seq 8 "
                            "--measure-r 1,2");
   ASSERT_EQ(r.status, 0) << r.output;
-  EXPECT_NE(r.output.find("flow measure: R = "), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("flow measure: pipe-attn R = "), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("s left"), std::string::npos) << r.output;
 }
 

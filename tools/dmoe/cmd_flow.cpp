@@ -13,7 +13,9 @@
 //
 // measure runs the CPU executor (the Mixtral model's stages in the graph's orders, src/flow/cpu_executor.*) at
 // each R, fits a cost file to the timelines of every R but the last (both when two are given) and compares the
-// simulator's prediction with the measured step at every R (the last one out of sample).
+// simulator's prediction with the measured step at every R (the last one out of sample); --schedule all measures
+// the ablation instead (vanilla at R = 1, the others at --micro-batches; no fit). Every row also gets its peak
+// memory and energy per step (core/resource_probe.hpp; "n/a" in the table where not available, the reason below it).
 // simulate prints the step time of each schedule (the paper's ablation: vanilla, pipe-moe, pipe-attn,
 // chunked-ar, tuned) from per-task costs; tune runs the Bayesian optimiser of (Sp, R) against the simulator
 // and compares its best with the best of the whole grid.
@@ -21,16 +23,20 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <optional>
 #include <fstream>
 #include <limits>
 
 #include <nlohmann/json.hpp>
 
+#include "bench/device_probe.hpp"
 #include "commands.hpp"
 #include "core/error.hpp"
 #include "core/host_resources.hpp"
 #include "core/output_file.hpp"
 #include "core/random.hpp"
+#include "core/resource_probe.hpp"
 #include "data_dir.hpp"
 #include "flow/ablation.hpp"
 #include "flow/cpu_executor.hpp"
@@ -231,19 +237,48 @@ int tune_command(const FlowOptions& o, const flow::CostModel& costs, int32_t lay
   return 0;
 }
 
+// A reading as a table cell: MiB or J with three significant digits, or "n/a" (the reason is printed below the table).
+std::string cell(const ProbeReading& r) {
+  if (!r.value) return "n/a";
+  return r.unit == "bytes" ? fmt::format("{:.1f}", *r.value / double(1 << 20)) : fmt::format("{:.4g}", *r.value);
+}
+
+// Peak host memory above what was resident at the start of the interval (MiB), or "n/a".
+std::string added_cell(const ResourceReport& r) {
+  if (!r.host_peak_memory.value || !r.host_resident_at_start.value) return "n/a";
+  return fmt::format("{:.1f}", (*r.host_peak_memory.value - *r.host_resident_at_start.value) / double(1 << 20));
+}
+
+// Under a table: each run's readings with what they cover (or why they are missing).
+void print_resource_labels(const std::vector<std::string>& names, const std::vector<ResourceReport>& reports) {
+  for (size_t i = 0; i < reports.size(); ++i) {
+    std::printf("%s:\n", names[i].c_str());
+    for (const std::string& l : reports[i].lines()) std::printf("  %s\n", l.c_str());
+  }
+}
+
 int measure_command(const FlowOptions& o) {
   const MixtralConfig c = load_mixtral_config(find_model_config_file(o.model_config));
-  const flow::Schedule schedule = flow::parse_schedule(o.schedule_given ? o.schedule : "pipe-attn", "--schedule");
-  DMOE_REQUIRE_INPUT(o.measure_r.size() >= 2, "--measure-r: give at least two values of R (the fit needs two)");
+  const bool ablation = o.schedule_given && o.schedule == "all";
+  const flow::Schedule schedule =
+      flow::parse_schedule(o.schedule_given && !ablation ? o.schedule : "pipe-attn", "--schedule");
+  DMOE_REQUIRE_INPUT(ablation || o.measure_r.size() >= 2,
+                     "--measure-r: give at least two values of R (the fit needs two), or --schedule all");
   DMOE_REQUIRE_INPUT(o.world >= 1 && o.batch >= 1 && o.seq >= 2,
                      "--world {} (>= 1), --batch {} (>= 1), --seq {} (>= 2)", o.world, o.batch, o.seq);
   DMOE_REQUIRE_INPUT(o.steps >= 1, "--steps {}: must be >= 1", o.steps);
   DMOE_REQUIRE_INPUT(c.num_local_experts % o.world == 0,
                      "--world {}: must divide num_local_experts = {} of --config {} (each rank owns E/W experts)",
                      o.world, c.num_local_experts, o.model_config);
-  for (int32_t r : o.measure_r)
-    DMOE_REQUIRE_INPUT(r >= 1 && o.batch % r == 0, "--measure-r {}: must divide --batch {} (sequences per rank)", r,
-                       o.batch);
+  if (ablation) {
+    DMOE_REQUIRE_INPUT(o.micro_batches >= 1 && o.batch % o.micro_batches == 0,
+                       "--micro-batches {}: must be >= 1 and divide --batch {}", o.micro_batches, o.batch);
+    DMOE_REQUIRE_INPUT(o.costs_out.empty(), "--costs-out: needs one --schedule measured at several --measure-r (not all)");
+  } else {
+    for (int32_t r : o.measure_r)
+      DMOE_REQUIRE_INPUT(r >= 1 && o.batch % r == 0, "--measure-r {}: must divide --batch {} (sequences per rank)", r,
+                         o.batch);
+  }
   require_host_memory(model_activation_bytes_lower_bound(double(o.world) * double(o.batch) * double(o.seq),
                                                          c.vocab_size, c.hidden_size, c.num_hidden_layers),
                       fmt::format("flow measure ({} ranks x batch {} x seq {} on the CPU executor: at least the logits, "
@@ -253,63 +288,112 @@ int measure_command(const FlowOptions& o) {
   Rng rng(2);
   std::vector<int32_t> tokens(size_t(o.world * o.batch * o.seq));
   for (auto& t : tokens) t = int32_t(rng.next() % uint64_t(c.vocab_size));
+  auto spec_of = [&](flow::Schedule sch, int32_t r) {
+    flow::GraphSpec spec;
+    spec.layers = c.num_hidden_layers;
+    spec.micro_batches = r;
+    spec.schedule = sch;
+    spec.dense_grad_bytes_per_layer = flow::mixtral_dense_grad_bytes_per_layer(c);
+    spec.chunk_bytes = o.chunk_bytes;
+    return spec;
+  };
+  std::vector<flow::GraphSpec> specs;
+  if (ablation) {
+    specs.push_back(spec_of(flow::Schedule::vanilla, 1));
+    for (flow::Schedule sch : {flow::Schedule::pipe_moe, flow::Schedule::pipe_attn, flow::Schedule::chunked_ar})
+      specs.push_back(spec_of(sch, o.micro_batches));
+  } else {
+    for (int32_t r : o.measure_r) specs.push_back(spec_of(schedule, r));
+  }
   std::vector<flow::CpuFlowMeasurement> runs;
   std::vector<flow::TaskGraph> graphs;
+  std::vector<ResourceReport> resources;
+  std::vector<std::string> run_names;
   // A long measurement is not silent: once it has run for 2 s, a line every 2 s with the steps done and an
-  // estimate of the time left (from the mean step so far; later R take longer or shorter).
+  // estimate of the time left (from the mean step so far; later runs take longer or shorter).
   const auto start = std::chrono::steady_clock::now();
   double last_report = 0, total_ms = 0;
-  int32_t done = 0, current_r = 0;
-  const int32_t all_steps = o.steps * int32_t(o.measure_r.size());
+  int32_t done = 0;
+  std::string current;
+  const int32_t all_steps = o.steps * int32_t(specs.size());
   auto progress = [&](int32_t step, double ms) {
     ++done;
     total_ms += ms;
     const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (elapsed < 2 || elapsed - last_report < 2) return;
     last_report = elapsed;
-    std::fprintf(stderr, "  flow measure: R = %d, step %d/%d (%.0f ms); %d of %d steps in %.0f s, ~%.0f s left\n",
-                 current_r, step, o.steps, ms, done, all_steps, elapsed, total_ms / done * (all_steps - done) * 1e-3);
+    std::fprintf(stderr, "  flow measure: %s, step %d/%d (%.0f ms); %d of %d steps in %.0f s, ~%.0f s left\n",
+                 current.c_str(), step, o.steps, ms, done, all_steps, elapsed,
+                 total_ms / done * (all_steps - done) * 1e-3);
   };
-  for (int32_t r : o.measure_r) {
-    current_r = r;
-    flow::GraphSpec spec;
-    spec.layers = c.num_hidden_layers;
-    spec.micro_batches = r;
-    spec.schedule = schedule;
-    spec.dense_grad_bytes_per_layer = flow::mixtral_dense_grad_bytes_per_layer(c);
-    spec.chunk_bytes = o.chunk_bytes;
+  for (const flow::GraphSpec& spec : specs) {
+    current = fmt::format("{} R = {}", flow::schedule_name(spec.schedule), spec.micro_batches);
+    // Peak memory and energy around the whole measurement (core/resource_probe.hpp): measure_cpu_flow builds the
+    // thread ranks' models inside, so the interval holds that set-up as well as the steps.
+    ResourceProbeOptions po;
+    po.scope = fmt::format("this process: its {} thread ranks, their models built inside the interval, and the "
+                           "command's full copy of the weights", o.world);
+    ResourceProbe probe(po);
+    probe.start();
     runs.push_back(flow::measure_cpu_flow(c, w, tokens, o.batch, o.seq, o.world, spec, o.steps, progress));
+    ResourceReport rep = probe.finish(o.steps);
+    if (rep.cpu_energy_per_step.value)
+      rep.cpu_energy_per_step.what += "; the interval also holds the models' set-up (energy over it / steps)";
+    resources.push_back(rep);
     graphs.push_back(flow::build_task_graph(spec));
+    run_names.push_back(fmt::format("{} R = {}", flow::schedule_name(spec.schedule), spec.micro_batches));
   }
-  // Fit on every R but the last (on both when there are two), so the last row is a prediction out of sample.
-  const size_t num_fit = runs.size() > 2 ? runs.size() - 1 : runs.size();
-  std::vector<flow::MeasuredRun> measured;
-  for (size_t i = 0; i < num_fit; ++i) measured.push_back({&graphs[i], runs[i].timeline});
-  const flow::CostModel fit = flow::fit_cost_model(measured);
-  std::string fitted;
-  for (size_t i = 0; i < num_fit; ++i) fitted += fmt::format("{}{}", i ? ", " : "", o.measure_r[i]);
   std::printf("flow measure: CPU executor, model %s (%d layers), %lld sequences x %lld tokens per rank, W = %d, "
-              "schedule %s, median of %d steps; costs fitted to R = %s, simulator with separate communicators\n",
-              o.model_config.c_str(), c.num_hidden_layers, (long long)o.batch, (long long)o.seq, o.world,
-              flow::schedule_name(schedule), o.steps, fitted.c_str());
-  std::printf("%3s %12s %13s %8s\n", "R", "measured ms", "predicted ms", "error");
+              "median of %d steps",
+              o.model_config.c_str(), c.num_hidden_layers, (long long)o.batch, (long long)o.seq, o.world, o.steps);
   json rows = json::array();
-  for (size_t i = 0; i < runs.size(); ++i) {
-    const double predicted = flow::simulate(graphs[i], fit, flow::LinkModel::separate).step_ms;
-    std::printf("%3d %12.2f %13.2f %7.1f%%\n", o.measure_r[i], runs[i].step_ms, predicted,
-                100.0 * (predicted - runs[i].step_ms) / runs[i].step_ms);
-    rows.push_back({{"micro_batches", o.measure_r[i]}, {"measured_ms", runs[i].step_ms}, {"predicted_ms", predicted}});
+  std::optional<flow::CostModel> fit;
+  if (ablation) {
+    std::printf("; ablation (vanilla at R = 1)\n%-11s %3s %12s %8s %14s %13s %11s\n", "schedule", "R",
+                "measured ms", "speedup", "peak host MiB", "above start", "CPU J/step");
+    for (size_t i = 0; i < runs.size(); ++i) {
+      std::printf("%-11s %3d %12.2f %7.2fx %14s %13s %11s\n", flow::schedule_name(specs[i].schedule),
+                  specs[i].micro_batches, runs[i].step_ms, runs[0].step_ms / runs[i].step_ms,
+                  cell(resources[i].host_peak_memory).c_str(), added_cell(resources[i]).c_str(),
+                  cell(resources[i].cpu_energy_per_step).c_str());
+      rows.push_back({{"schedule", flow::schedule_name(specs[i].schedule)}, {"micro_batches", specs[i].micro_batches},
+                      {"chunk_bytes", specs[i].chunk_bytes}, {"measured_ms", runs[i].step_ms},
+                      {"resources", resources[i].to_json()}});
+    }
+  } else {
+    // Fit on every R but the last (on both when there are two), so the last row is a prediction out of sample.
+    const size_t num_fit = runs.size() > 2 ? runs.size() - 1 : runs.size();
+    std::vector<flow::MeasuredRun> measured;
+    for (size_t i = 0; i < num_fit; ++i) measured.push_back({&graphs[i], runs[i].timeline});
+    fit = flow::fit_cost_model(measured);
+    std::string fitted;
+    for (size_t i = 0; i < num_fit; ++i) fitted += fmt::format("{}{}", i ? ", " : "", o.measure_r[i]);
+    std::printf(", schedule %s; costs fitted to R = %s, simulator with separate communicators\n",
+                flow::schedule_name(schedule), fitted.c_str());
+    std::printf("%3s %12s %13s %8s %14s %13s %11s\n", "R", "measured ms", "predicted ms", "error", "peak host MiB",
+                "above start", "CPU J/step");
+    for (size_t i = 0; i < runs.size(); ++i) {
+      const double predicted = flow::simulate(graphs[i], *fit, flow::LinkModel::separate).step_ms;
+      std::printf("%3d %12.2f %13.2f %7.1f%% %14s %13s %11s\n", o.measure_r[i], runs[i].step_ms, predicted,
+                  100.0 * (predicted - runs[i].step_ms) / runs[i].step_ms, cell(resources[i].host_peak_memory).c_str(),
+                  added_cell(resources[i]).c_str(), cell(resources[i].cpu_energy_per_step).c_str());
+      rows.push_back({{"micro_batches", o.measure_r[i]}, {"measured_ms", runs[i].step_ms}, {"predicted_ms", predicted},
+                      {"resources", resources[i].to_json()}});
+    }
   }
+  print_resource_labels(run_names, resources);
   if (!o.costs_out.empty()) {
-    json costs = flow::cost_model_json(fit);
+    json costs = flow::cost_model_json(*fit);
     costs["note"] = fmt::format("fitted by dmoe flow measure (CPU executor, model {}, batch {} x {}, W = {}, schedule {})",
                                 o.model_config, o.batch, o.seq, o.world, flow::schedule_name(schedule));
     write_json(o.costs_out, costs, "--costs-out");
     std::printf("wrote %s\n", o.costs_out.c_str());
   }
   if (!o.json_path.empty()) {
-    write_json(o.json_path, {{"model", o.model_config}, {"schedule", flow::schedule_name(schedule)}, {"rows", rows},
-                             {"costs", flow::cost_model_json(fit)}}, "--json");
+    json out = {{"engine", "cpu"}, {"model", o.model_config}, {"world", o.world},
+                {"schedule", ablation ? "all" : flow::schedule_name(schedule)}, {"rows", rows}};
+    if (fit) out["costs"] = flow::cost_model_json(*fit);
+    write_json(o.json_path, out, "--json");
     std::printf("wrote %s\n", o.json_path.c_str());
   }
   return 0;
@@ -375,9 +459,36 @@ int measure_cuda_command(const FlowOptions& o) {
   } else {
     for (int32_t r : o.measure_r) specs.push_back(spec_of(schedule, r));
   }
+  // Peak memory and energy over each measurement's timed steps, on rank 0 (its process, its GPU through NVML).
+  std::optional<ResourceProbe> probe;
+  if (rank == 0) {
+    ResourceProbeOptions po;
+    po.scope = fmt::format("{} (the session's model and earlier measurements' allocations included)",
+                           world > 1 ? "rank 0's process" : "this process");
+    const char* shared = std::getenv("DMOE_SHARED_GPUS");
+    probe_current_cuda_device(po, world == 1 ? "one rank"
+                                  : shared && std::string(shared) == "1"
+                                      ? fmt::format("the job's {} ranks share it (MPS)", world)
+                                      : "rank 0's GPU: the other ranks' GPUs are not read");
+    probe.emplace(po);
+  }
   std::vector<flow::CudaFlowMeasurement> runs;
-  for (const flow::GraphSpec& spec : specs) runs.push_back(session.measure(spec, mine, o.batch, o.seq, o.steps));
+  for (const flow::GraphSpec& spec : specs)
+    runs.push_back(session.measure(spec, mine, o.batch, o.seq, o.steps, probe ? &*probe : nullptr));
   if (rank != 0) return 0;
+  std::vector<ResourceReport> resources;
+  std::vector<std::string> run_names;
+  for (const flow::CudaFlowMeasurement& m : runs) {
+    resources.push_back(m.resources.value_or(ResourceReport{}));
+    run_names.push_back(fmt::format("{} R = {}", flow::schedule_name(m.spec.schedule), m.spec.micro_batches));
+  }
+  auto gpu_cells = [&](size_t i) {
+    const ResourceReport& r = resources[i];
+    return fmt::format(" {:>14} {:>13} {:>11} {:>13} {:>12}", cell(r.host_peak_memory), added_cell(r),
+                       cell(r.gpu_energy_per_step), cell(r.gpu_process_memory_peak), cell(r.gpu_device_memory_peak));
+  };
+  const std::string gpu_header = fmt::format(" {:>14} {:>13} {:>11} {:>13} {:>12}", "peak host MiB", "above start",
+                                             "GPU J/step", "GPU proc MiB", "GPU dev MiB");
   std::vector<flow::TaskGraph> graphs;
   for (const flow::GraphSpec& spec : specs) graphs.push_back(flow::build_task_graph(spec));
   std::printf("flow measure: GPU executor (%s), model %s (%d layers), %lld sequences x %lld tokens per rank, W = %d, "
@@ -392,12 +503,14 @@ int measure_cuda_command(const FlowOptions& o) {
   std::vector<std::pair<flow::GraphSpec, std::vector<flow::TraceEvent>>> traced;
   for (const flow::CudaFlowMeasurement& m : runs) traced.push_back({m.spec, m.timeline});
   if (ablation) {
-    std::printf("%-11s %3s %12s %8s %9s\n", "schedule", "R", "measured ms", "speedup", "loss");
-    for (const flow::CudaFlowMeasurement& m : runs) {
-      std::printf("%-11s %3d %12.3f %7.2fx %9.5f\n", flow::schedule_name(m.spec.schedule), m.spec.micro_batches,
-                  m.step_ms, runs[0].step_ms / m.step_ms, m.loss);
+    std::printf("%-11s %3s %12s %8s %9s%s\n", "schedule", "R", "measured ms", "speedup", "loss", gpu_header.c_str());
+    for (size_t i = 0; i < runs.size(); ++i) {
+      const flow::CudaFlowMeasurement& m = runs[i];
+      std::printf("%-11s %3d %12.3f %7.2fx %9.5f%s\n", flow::schedule_name(m.spec.schedule), m.spec.micro_batches,
+                  m.step_ms, runs[0].step_ms / m.step_ms, m.loss, gpu_cells(i).c_str());
       rows.push_back({{"schedule", flow::schedule_name(m.spec.schedule)}, {"micro_batches", m.spec.micro_batches},
-                      {"chunk_bytes", m.spec.chunk_bytes}, {"measured_ms", m.step_ms}, {"loss", m.loss}});
+                      {"chunk_bytes", m.spec.chunk_bytes}, {"measured_ms", m.step_ms}, {"loss", m.loss},
+                      {"resources", resources[i].to_json()}});
     }
   }
   flow::CostModel fit;
@@ -411,15 +524,16 @@ int measure_cuda_command(const FlowOptions& o) {
     std::printf("schedule %s; costs fitted to all but the last R; simulator with separate communicators%s\n",
                 flow::schedule_name(schedule),
                 one_comm ? " (the dynamic rule: not the executor's static order on one communicator)" : "");
-    std::printf("%3s %12s %13s %8s\n", "R", "measured ms", "predicted ms", "error");
+    std::printf("%3s %12s %13s %8s%s\n", "R", "measured ms", "predicted ms", "error", gpu_header.c_str());
     for (size_t i = 0; i < runs.size(); ++i) {
       const double predicted = flow::simulate(graphs[i], fit, flow::LinkModel::separate).step_ms;
-      std::printf("%3d %12.3f %13.3f %7.1f%%\n", specs[i].micro_batches, runs[i].step_ms, predicted,
-                  100.0 * (predicted - runs[i].step_ms) / runs[i].step_ms);
+      std::printf("%3d %12.3f %13.3f %7.1f%%%s\n", specs[i].micro_batches, runs[i].step_ms, predicted,
+                  100.0 * (predicted - runs[i].step_ms) / runs[i].step_ms, gpu_cells(i).c_str());
       rows.push_back({{"micro_batches", specs[i].micro_batches}, {"measured_ms", runs[i].step_ms},
-                      {"predicted_ms", predicted}});
+                      {"predicted_ms", predicted}, {"resources", resources[i].to_json()}});
     }
   }
+  print_resource_labels(run_names, resources);
   if (!o.costs_out.empty()) {
     DMOE_REQUIRE_INPUT(fitted_costs, "--costs-out: needs one --schedule measured at several --measure-r (not all)");
     json costs = flow::cost_model_json(fit);
@@ -448,7 +562,8 @@ int measure_cuda_command(const FlowOptions& o) {
 // checks come after the model is built, and their errors name no option).
 void check_options_of_action(const CLI::App& sub, const FlowOptions& o) {
   const bool cuda = o.action == "measure" && o.engine == "cuda";
-  const bool ablation = cuda && o.schedule_given && o.schedule == "all";
+  // measure --schedule all: the ablation (vanilla at R = 1, the others at --micro-batches), on either engine.
+  const bool ablation = o.action == "measure" && o.schedule_given && o.schedule == "all";
   const std::string here = (o.action == "measure" ? fmt::format("flow measure --engine {}", o.engine) : "flow " + o.action) +
                            (o.schedule_given ? " --schedule " + o.schedule : "");
   // The schedules (or the ablation, all) that read Sp, R and the tuner's samples; simulate's tuned row picks its own
@@ -475,8 +590,8 @@ void check_options_of_action(const CLI::App& sub, const FlowOptions& o) {
       {"--seed", o.action == "tune" || (simulates && reads_samples),
        "flow tune and flow simulate's / project's tuned row (--schedule all or tuned)"},
       {"--micro-batches", (simulates && sch != "tuned") || ablation,
-       "flow simulate and project (but not --schedule tuned, which picks R) and flow measure --engine cuda --schedule "
-       "all (measure takes its R from --measure-r)"},
+       "flow simulate and project (but not --schedule tuned, which picks R) and flow measure --schedule all (measure "
+       "takes its R from --measure-r)"},
       {"--schedule", o.action != "tune", "flow simulate, project and measure (tune runs chunked-ar)"},
       {"--chunk-bytes", reads_chunk,
        "flow simulate, project and measure with --schedule chunked-ar (or all: its chunked-ar row; measure: also "
@@ -534,7 +649,8 @@ Command add_flow_command(CLI::App& app) {
   sub->add_option("--layers", o->layers, "layers (default: the cost file's \"layers\")");
   sub->add_option("--micro-batches", o->micro_batches, "R for pipe-moe, pipe-attn, chunked-ar (vanilla runs R = 1 in "
                   "the ablation)");
-  sub->add_option("--schedule", o->schedule, "all, or one of vanilla, pipe-moe, pipe-attn, chunked-ar, tuned");
+  sub->add_option("--schedule", o->schedule, "all, or one of vanilla, pipe-moe, pipe-attn, chunked-ar, tuned (measure: "
+                  "all or a fixed one; default pipe-attn)");
   sub->add_option("--chunk-bytes", o->chunk_bytes, "Sp of chunked-ar (default 1 MiB)");
   sub->add_option("--samples", o->samples, "tuner samples (simulated steps)");
   sub->add_option("--seed", o->seed, "tuner seed");

@@ -405,7 +405,7 @@ int32_t CudaFlowSession::world() const { return job_->rank.world; }
 ArComm CudaFlowSession::ar_comm() const { return job_->executor->ar_comm(); }
 
 CudaFlowMeasurement CudaFlowSession::measure(const GraphSpec& spec, const int32_t* tokens, int64_t batch, int64_t seq,
-                                             int32_t steps) {
+                                             int32_t steps, ResourceProbe* probe) {
   DMOE_REQUIRE_INPUT(steps >= 1, "--steps {}: must be >= 1", steps);
   CudaFlowJob& j = *job_;
   const TaskGraph g = build_task_graph(spec);
@@ -417,9 +417,14 @@ CudaFlowMeasurement CudaFlowSession::measure(const GraphSpec& spec, const int32_
     j.model->zero_grads();
     if (comm.world() > 1) comm.barrier(j.model->backend().stream());
     j.model->backend().synchronize();
+    if (probe && s == 1) probe->start();
     const auto t0 = std::chrono::steady_clock::now();
     m.loss = j.executor->step(g, tokens, batch, seq, j.states, j.rank.rank == 0 && s == steps ? &m.timeline : nullptr);
     if (s > 0) times.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+  }
+  if (probe) {
+    j.model->backend().synchronize();
+    m.resources = probe->finish(steps);
   }
   std::sort(times.begin(), times.end());
   m.step_ms = times[times.size() / 2];

@@ -29,6 +29,9 @@ CudaFlowSession::~CudaFlowSession() = default;
 int32_t CudaFlowSession::rank() const { return 0; }
 int32_t CudaFlowSession::world() const { return 1; }
 ArComm CudaFlowSession::ar_comm() const { return ArComm::own; }
-CudaFlowMeasurement CudaFlowSession::measure(const GraphSpec&, const int32_t*, int64_t, int64_t, int32_t) { refuse(); }
+CudaFlowMeasurement CudaFlowSession::measure(const GraphSpec&, const int32_t*, int64_t, int64_t, int32_t,
+                                             ResourceProbe*) {
+  refuse();
+}
 
 }  // namespace dmoe::flow
