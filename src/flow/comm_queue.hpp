@@ -31,6 +31,11 @@ enum class LinkModel : uint8_t {
 class CommQueue {
  public:
   CommQueue(const TaskGraph& graph, LinkModel link = LinkModel::exclusive);
+  // One communicator in a fixed order (ArComm::model: single_comm_issue_order, docs/flow.md): the all-to-alls and
+  // AR chunks in the order they appear in `order` (its other tasks are skipped), one at a time, each once its
+  // dependencies are done — timing decides nothing but when. The all-to-alls and the chunks must each appear in
+  // the graph's own orders (checked).
+  CommQueue(const TaskGraph& graph, const std::vector<int32_t>& one_communicator_order);
 
   // The operations to issue now, given which tasks are complete (done[id]); possibly none. At most one
   // all-to-all and at most one AR chunk (the latter only when no all-to-all is ready or running).
@@ -54,6 +59,8 @@ class CommQueue {
 
   const TaskGraph& graph_;
   LinkModel link_;
+  std::vector<int32_t> one_comm_;  // the fixed order of the one-communicator mode (empty otherwise)
+  size_t next_one_ = 0;
   size_t next_a2a_ = 0, next_ar_ = 0;
   int32_t alltoall_running_ = -1, allreduce_running_ = -1;
 };

@@ -165,7 +165,28 @@ std::vector<int32_t> SimResult::start_order(const TaskGraph& g, Stream s) const 
   return v;
 }
 
+namespace {
+// The event loop of simulate() and simulate_one_communicator(): the queue decides what goes on the link.
+SimResult run_simulation(const TaskGraph& g, const std::vector<double>& cost, LinkModel link, CommQueue& queue);
+}  // namespace
+
 SimResult simulate(const TaskGraph& g, const std::vector<double>& cost, LinkModel link) {
+  CommQueue queue(g, link);
+  return run_simulation(g, cost, link, queue);
+}
+
+SimResult simulate_one_communicator(const TaskGraph& g, const std::vector<double>& cost,
+                                    const std::vector<int32_t>& order) {
+  CommQueue queue(g, order);
+  return run_simulation(g, cost, LinkModel::exclusive, queue);
+}
+
+SimResult simulate_one_communicator(const TaskGraph& g, const CostModel& costs, const std::vector<int32_t>& order) {
+  return simulate_one_communicator(g, task_costs_ms(g, costs), order);
+}
+
+namespace {
+SimResult run_simulation(const TaskGraph& g, const std::vector<double>& cost, LinkModel link, CommQueue& queue) {
   const size_t n = g.tasks.size();
   DMOE_REQUIRE(cost.size() == n, "costs: {} entries for {} tasks", cost.size(), n);
   for (size_t i = 0; i < n; ++i)
@@ -174,7 +195,6 @@ SimResult simulate(const TaskGraph& g, const std::vector<double>& cost, LinkMode
   SimResult res;
   std::vector<uint8_t> done(n, 0);
   std::vector<double> end(n, 0);
-  CommQueue queue(g, link);
   size_t compute_next = 0;
   int32_t compute_running = -1;
   std::vector<int32_t> running;  // tasks in flight (at most one per resource)
@@ -287,6 +307,8 @@ SimResult simulate(const TaskGraph& g, const std::vector<double>& cost, LinkMode
   }
   return res;
 }
+
+}  // namespace
 
 RanksResult simulate_ranks(const TaskGraph& g, const std::vector<std::vector<double>>& cost, LinkModel link) {
   const size_t W = cost.size(), n = g.tasks.size();

@@ -73,6 +73,11 @@ struct SimResult {
 // cost_ms[id] per task (task_costs_ms, or any non-negative costs — the tests use random ones).
 SimResult simulate(const TaskGraph& graph, const std::vector<double>& cost_ms, LinkModel link = LinkModel::exclusive);
 SimResult simulate(const TaskGraph& graph, const CostModel& costs, LinkModel link = LinkModel::exclusive);
+// ArComm::model: the all-to-alls and chunks on one communicator in a fixed order (single_comm_issue_order of
+// flow/cuda_executor.hpp), one at a time, each once its dependencies are done (CommQueue's one-communicator mode).
+SimResult simulate_one_communicator(const TaskGraph& graph, const std::vector<double>& cost_ms,
+                                    const std::vector<int32_t>& order);
+SimResult simulate_one_communicator(const TaskGraph& graph, const CostModel& costs, const std::vector<int32_t>& order);
 
 // W ranks with their own costs (cost_ms[rank][task]), collectives matched across ranks: a collective starts
 // when every rank has issued it and takes the longest of the ranks' costs. Each rank issues by CommQueue's rule

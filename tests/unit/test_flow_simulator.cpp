@@ -16,6 +16,7 @@
 #include "core/error.hpp"
 #include "core/random.hpp"
 #include "flow/comm_queue.hpp"
+#include "flow/cuda_executor.hpp"
 #include "flow/simulator.hpp"
 
 namespace dmoe::flow {
@@ -284,6 +285,45 @@ TEST(FlowSimulator, SharedLinkSplitsBandwidthBetweenOverlappingTransfers) {
   const TaskGraph v = build_task_graph(spec_of(Schedule::vanilla, 2, 1, 1 << 20, 1 << 20));
   EXPECT_DOUBLE_EQ(simulate(v, c, LinkModel::shared).step_ms, simulate(v, c, LinkModel::separate).step_ms);
   EXPECT_THROW(simulate_ranks(v, {task_costs_ms(v, c)}, LinkModel::shared), Error);
+}
+
+TEST(FlowSimulator, OneCommunicatorRunsItsFixedOrder) {
+  // ArComm::model on the simulator: the all-to-alls and chunks go one at a time in single_comm_issue_order's order
+  // (the GPU executor's, flow/cuda_executor.hpp), each after its dependencies; compute keeps its own order. On
+  // random costs, at every chunks-per-gap setting.
+  Rng rng(31);
+  for (int trial = 0; trial < 100; ++trial) {
+    const int L = 1 + int(rng.next() % 3), R = 1 << (rng.next() % 3);
+    const int32_t per_gap = int32_t(rng.next() % 3);
+    const TaskGraph g = build_task_graph(spec_of(Schedule::chunked_ar, L, R, 1 << 20, 256 << 10));
+    std::vector<double> cost(g.tasks.size());
+    for (double& c : cost) c = 0.05 + rng.uniform();
+    SCOPED_TRACE(::testing::Message() << "trial " << trial << " L=" << L << " R=" << R << " per gap " << per_gap);
+    const std::vector<int32_t> order = single_comm_issue_order(g, per_gap);
+    const SimResult r = simulate_one_communicator(g, cost, order);
+    std::vector<double> start(g.tasks.size(), -1), end(g.tasks.size(), -1);
+    for (const TraceEvent& e : r.events) start[size_t(e.task)] = e.start_ms, end[size_t(e.task)] = e.end_ms;
+    double link_free = 0;
+    for (int32_t id : order) {
+      if (g.tasks[size_t(id)].stream == Stream::compute) continue;
+      EXPECT_GE(start[size_t(id)], link_free - 1e-12) << g.describe(id) << " overlaps the previous operation";
+      link_free = end[size_t(id)];
+    }
+    double compute_free = 0;
+    for (int32_t id : g.compute_order) {
+      EXPECT_GE(start[size_t(id)], compute_free - 1e-12) << g.describe(id);
+      compute_free = end[size_t(id)];
+    }
+    for (const Task& t : g.tasks)
+      for (int32_t d : t.deps) EXPECT_GE(start[size_t(t.id)], end[size_t(d)] - 1e-12) << g.describe(t.id);
+  }
+  // An order that is not the graph's collectives, each once, is refused.
+  const TaskGraph g = build_task_graph(spec_of(Schedule::chunked_ar, 2, 2, 1 << 20, 256 << 10));
+  std::vector<int32_t> order = single_comm_issue_order(g, 1);
+  order.erase(std::find(order.begin(), order.end(), g.allreduce_order.back()));
+  EXPECT_NE(error_of([&] { simulate_one_communicator(g, std::vector<double>(g.tasks.size(), 1.0), order); })
+                .find("must be the graph's alltoall_order and allreduce_order"),
+            std::string::npos);
 }
 
 TEST(FlowSimulator, RanksWithDifferentTimingsNeverDeadlockWithTwoCommunicators) {

@@ -521,12 +521,19 @@ int measure_cuda_command(const FlowOptions& o) {
     for (size_t i = 0; i < num_fit; ++i) measured.push_back({&graphs[i], runs[i].timeline});
     fit = flow::fit_cost_model(measured);
     fitted_costs = true;
-    std::printf("schedule %s; costs fitted to all but the last R; simulator with separate communicators%s\n",
-                flow::schedule_name(schedule),
-                one_comm ? " (the dynamic rule: not the executor's static order on one communicator)" : "");
+    // The simulator as the executor issued: ArComm::model's fixed order on one communicator (the same
+    // single_comm_issue_order the executor followed), or separate communicators under the dynamic rule.
+    const int32_t per_gap = flow::chunks_per_gap_from_env(std::getenv("DMOE_FLOW_CHUNKS_PER_GAP"));
+    std::printf("schedule %s; costs fitted to all but the last R; simulator %s\n", flow::schedule_name(schedule),
+                one_comm ? fmt::format("with the executor's fixed order on one communicator ({} chunk(s) per gap)",
+                                       per_gap).c_str()
+                         : "with separate communicators (the dynamic rule)");
     std::printf("%3s %12s %13s %8s%s\n", "R", "measured ms", "predicted ms", "error", gpu_header.c_str());
     for (size_t i = 0; i < runs.size(); ++i) {
-      const double predicted = flow::simulate(graphs[i], fit, flow::LinkModel::separate).step_ms;
+      const double predicted =
+          one_comm ? flow::simulate_one_communicator(graphs[i], fit, flow::single_comm_issue_order(graphs[i], per_gap))
+                         .step_ms
+                   : flow::simulate(graphs[i], fit, flow::LinkModel::separate).step_ms;
       std::printf("%3d %12.3f %13.3f %7.1f%%%s\n", specs[i].micro_batches, runs[i].step_ms, predicted,
                   100.0 * (predicted - runs[i].step_ms) / runs[i].step_ms, gpu_cells(i).c_str());
       rows.push_back({{"micro_batches", specs[i].micro_batches}, {"measured_ms", runs[i].step_ms},
