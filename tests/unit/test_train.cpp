@@ -18,36 +18,20 @@
 #include "core/error.hpp"
 #include "model/mixtral_config.hpp"
 #include "model/trainer.hpp"
+#include "train_test_util.hpp"
 
 namespace dmoe {
 namespace {
 
 namespace fs = std::filesystem;
 
-std::string train_text() { return (fs::path(DMOE_SOURCE_DIR) / "tests" / "data" / "train_text.txt").string(); }
+namespace fs = std::filesystem;
+using test::train_text;
+MixtralConfig tiny() { return test::tiny_model(); }
 
-MixtralConfig tiny() { return load_mixtral_config((fs::path(DMOE_SOURCE_DIR) / "bench/models/tiny.json").string()); }
-
-class Train : public ::testing::Test {
+class Train : public test::TrainTest {
  protected:
-  void SetUp() override {
-    dir_ = fs::temp_directory_path() / ("dmoe_train_" + std::to_string(::getpid()) + "_" +
-                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::create_directories(dir_);
-  }
-  void TearDown() override { fs::remove_all(dir_); }
-  std::string p(const std::string& name) const { return (dir_ / name).string(); }
-  TrainOptions small() const {
-    TrainOptions o;
-    o.data_path = train_text();
-    o.seq = 16;
-    o.batch = 4;
-    o.steps = 6;
-    o.warmup = 2;
-    o.print_every = 0;
-    return o;
-  }
-  fs::path dir_;
+  TrainOptions small() const { return test::small_train_options(); }
 };
 
 TEST(TrainSchedule, WarmupThenCosineToMinLr) {

@@ -4,9 +4,7 @@
 // per-rank state all run at once here.
 // Run: dmoe_unit_tests --gtest_filter='TrainFlow*'
 #include <gtest/gtest.h>
-#include <unistd.h>
 
-#include <filesystem>
 #include <fstream>
 #include <string>
 
@@ -14,35 +12,15 @@
 
 #include "model/mixtral_config.hpp"
 #include "model/trainer.hpp"
+#include "train_test_util.hpp"
 
 namespace dmoe {
 namespace {
 
-namespace fs = std::filesystem;
-
-class TrainFlow : public ::testing::Test {
+class TrainFlow : public test::TrainTest {
  protected:
-  void SetUp() override {
-    dir_ = fs::temp_directory_path() / ("dmoe_train_flow_" + std::to_string(::getpid()) + "_" +
-                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::create_directories(dir_);
-  }
-  void TearDown() override { fs::remove_all(dir_); }
-  std::string p(const std::string& name) const { return (dir_ / name).string(); }
-  static MixtralConfig tiny() {
-    return load_mixtral_config((fs::path(DMOE_SOURCE_DIR) / "bench/models/tiny.json").string());
-  }
-  static TrainOptions small() {
-    TrainOptions o;
-    o.data_path = (fs::path(DMOE_SOURCE_DIR) / "tests" / "data" / "train_text.txt").string();
-    o.seq = 16;
-    o.batch = 4;
-    o.steps = 6;
-    o.warmup = 2;
-    o.print_every = 0;
-    return o;
-  }
-  fs::path dir_;
+  static MixtralConfig tiny() { return test::tiny_model(); }
+  static TrainOptions small() { return test::small_train_options(); }
 };
 
 // Flow on the CPU engine (--schedule, the CPU executor: three threads per rank, the chunks on a second thread

@@ -257,6 +257,30 @@ void print_resource_labels(const std::vector<std::string>& names, const std::vec
   }
 }
 
+// The graphs flow measure runs: --schedule all's ablation (vanilla at R = 1, the others at --micro-batches), or one
+// schedule at every --measure-r. dense_bytes: one layer's all-reduced gradients in the engine's layout.
+std::vector<flow::GraphSpec> measure_specs(const FlowOptions& o, int32_t layers, flow::Schedule schedule, bool ablation,
+                                           int64_t dense_bytes) {
+  auto spec_of = [&](flow::Schedule sch, int32_t r) {
+    flow::GraphSpec spec;
+    spec.layers = layers;
+    spec.micro_batches = r;
+    spec.schedule = sch;
+    spec.dense_grad_bytes_per_layer = dense_bytes;
+    spec.chunk_bytes = o.chunk_bytes;
+    return spec;
+  };
+  std::vector<flow::GraphSpec> specs;
+  if (ablation) {
+    specs.push_back(spec_of(flow::Schedule::vanilla, 1));
+    for (flow::Schedule sch : {flow::Schedule::pipe_moe, flow::Schedule::pipe_attn, flow::Schedule::chunked_ar})
+      specs.push_back(spec_of(sch, o.micro_batches));
+  } else {
+    for (int32_t r : o.measure_r) specs.push_back(spec_of(schedule, r));
+  }
+  return specs;
+}
+
 int measure_command(const FlowOptions& o) {
   const MixtralConfig c = load_mixtral_config(find_model_config_file(o.model_config));
   const bool ablation = o.schedule_given && o.schedule == "all";
@@ -288,23 +312,8 @@ int measure_command(const FlowOptions& o) {
   Rng rng(2);
   std::vector<int32_t> tokens(size_t(o.world * o.batch * o.seq));
   for (auto& t : tokens) t = int32_t(rng.next() % uint64_t(c.vocab_size));
-  auto spec_of = [&](flow::Schedule sch, int32_t r) {
-    flow::GraphSpec spec;
-    spec.layers = c.num_hidden_layers;
-    spec.micro_batches = r;
-    spec.schedule = sch;
-    spec.dense_grad_bytes_per_layer = flow::mixtral_dense_grad_bytes_per_layer(c);
-    spec.chunk_bytes = o.chunk_bytes;
-    return spec;
-  };
-  std::vector<flow::GraphSpec> specs;
-  if (ablation) {
-    specs.push_back(spec_of(flow::Schedule::vanilla, 1));
-    for (flow::Schedule sch : {flow::Schedule::pipe_moe, flow::Schedule::pipe_attn, flow::Schedule::chunked_ar})
-      specs.push_back(spec_of(sch, o.micro_batches));
-  } else {
-    for (int32_t r : o.measure_r) specs.push_back(spec_of(schedule, r));
-  }
+  const std::vector<flow::GraphSpec> specs =
+      measure_specs(o, c.num_hidden_layers, schedule, ablation, flow::mixtral_dense_grad_bytes_per_layer(c));
   std::vector<flow::CpuFlowMeasurement> runs;
   std::vector<flow::TaskGraph> graphs;
   std::vector<ResourceReport> resources;
@@ -442,23 +451,8 @@ int measure_cuda_command(const FlowOptions& o) {
   std::vector<int32_t> tokens(size_t(world * o.batch * o.seq));
   for (auto& t : tokens) t = int32_t(rng.next() % uint64_t(c.vocab_size));
   const int32_t* mine = tokens.data() + size_t(rank) * o.batch * o.seq;
-  auto spec_of = [&](flow::Schedule sch, int32_t r) {
-    flow::GraphSpec spec;
-    spec.layers = c.num_hidden_layers;
-    spec.micro_batches = r;
-    spec.schedule = sch;
-    spec.dense_grad_bytes_per_layer = flow::cuda_mixtral_dense_grad_bytes_per_layer(c);
-    spec.chunk_bytes = o.chunk_bytes;
-    return spec;
-  };
-  std::vector<flow::GraphSpec> specs;
-  if (ablation) {
-    specs.push_back(spec_of(flow::Schedule::vanilla, 1));
-    for (flow::Schedule sch : {flow::Schedule::pipe_moe, flow::Schedule::pipe_attn, flow::Schedule::chunked_ar})
-      specs.push_back(spec_of(sch, o.micro_batches));
-  } else {
-    for (int32_t r : o.measure_r) specs.push_back(spec_of(schedule, r));
-  }
+  const std::vector<flow::GraphSpec> specs =
+      measure_specs(o, c.num_hidden_layers, schedule, ablation, flow::cuda_mixtral_dense_grad_bytes_per_layer(c));
   // Peak memory and energy over each measurement's timed steps, on rank 0 (its process, its GPU through NVML).
   std::optional<ResourceProbe> probe;
   if (rank == 0) {
