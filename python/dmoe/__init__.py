@@ -85,8 +85,25 @@ def _as_f32(name, a, shape):
     return a if a.flags.writeable else a.copy()
 
 
+def _check_finite_results(out, allow_non_finite):
+    # As dmoe run refuses to write them: finite inputs can still overflow inside the layer (x · 1e37 gives Inf
+    # products and NaN sums), and NaN results must not pass as numbers.
+    if allow_non_finite:
+        return
+    np = _np()
+    arrays = [("y", out["y"])] + ([("dx", out["dx"])] if "dx" in out else []) + \
+        [("grads['" + k + "']", v) for k, v in out.get("grads", {}).items()]
+    for name, a in arrays:
+        bad = np.argwhere(~np.isfinite(a))
+        if bad.size:
+            first = tuple(int(i) for i in bad[0])
+            raise ValueError(f"dmoe: {name}{list(first)} is {a[first]} ({len(bad)} elements are not finite): the "
+                             f"finite inputs overflow float32 inside the layer; scale them down, or pass "
+                             f"allow_non_finite=True to get the results anyway")
+
+
 def _run(x, gate, w1, w3, w2, top_k, activation, world, dy, renormalize, capacity_factor, drop_policy,
-         aux_loss_coef, z_loss_coef, dtype, pad_to_capacity, batch_row_multiple):
+         aux_loss_coef, z_loss_coef, dtype, pad_to_capacity, batch_row_multiple, allow_non_finite=False):
     np = _np()
     if activation not in _ACTIVATIONS:
         raise ValueError(f"dmoe: activation '{activation}' is unknown; allowed: {', '.join(_ACTIVATIONS)}")
@@ -129,6 +146,7 @@ def _run(x, gate, w1, w3, w2, top_k, activation, world, dy, renormalize, capacit
     out["losses"] = {"load_balance": lb, "z_loss": z}
     if dy is None:
         s.release(ticket)
+        _check_finite_results(out, allow_non_finite)
         return out
     dy = _as_f32("dy", dy, (rows, H))
     out["dx"] = np.empty_like(x)
@@ -137,12 +155,13 @@ def _run(x, gate, w1, w3, w2, top_k, activation, world, dy, renormalize, capacit
          "w2": np.empty((E, H, I), np.float64)}
     s.backward(ticket, dy, out["dx"], g["gate"], g["w1"], g["w3"], g["w2"])
     out["grads"] = {k: v for k, v in g.items() if v is not None}
+    _check_finite_results(out, allow_non_finite)
     return out
 
 
 def layer_forward(x, gate, w1, w3, w2, *, top_k, activation="swiglu", world=1, renormalize=True,
                   capacity_factor=0.0, drop_policy="latest-tokens", aux_loss_coef=0.0, z_loss_coef=0.0,
-                  dtype="float32", pad_to_capacity=True, batch_row_multiple=1):
+                  dtype="float32", pad_to_capacity=True, batch_row_multiple=1, allow_non_finite=False):
     """The layer's forward on the CPU reference engine, ``world`` ranks simulated as threads.
 
     ``x`` is ``[world * T, H]`` float32 (rank r's T tokens at rows ``r*T .. (r+1)*T``); the weights are float32 in
@@ -150,21 +169,22 @@ def layer_forward(x, gate, w1, w3, w2, *, top_k, activation="swiglu", world=1, r
     each (rank, expert) keeps at most ``ceil(cf * T * k / E)`` rows (``drop_policy`` 'latest-tokens' or
     'lowest-weight'). ``dtype`` 'bfloat16' rounds every stored activation to bf16 as a bf16 GPU engine stores
     them. Returns a dict: ``y`` [N, H], ``expert_ids`` [N, k] int32, ``expert_weights`` [N, k], ``router_logits``
-    [N, E], ``losses`` {'load_balance', 'z_loss'} (over all ranks' tokens).
+    [N, E], ``losses`` {'load_balance', 'z_loss'} (over all ranks' tokens). Inputs must be finite; results that
+    are not (finite inputs overflowing float32) raise ValueError unless ``allow_non_finite``.
     """
     return _run(x, gate, w1, w3, w2, top_k, activation, world, None, renormalize, capacity_factor, drop_policy,
-                aux_loss_coef, z_loss_coef, dtype, pad_to_capacity, batch_row_multiple)
+                aux_loss_coef, z_loss_coef, dtype, pad_to_capacity, batch_row_multiple, allow_non_finite)
 
 
 def layer_backward(x, gate, w1, w3, w2, dy, *, top_k, activation="swiglu", world=1, renormalize=True,
                    capacity_factor=0.0, drop_policy="latest-tokens", aux_loss_coef=0.0, z_loss_coef=0.0,
-                   dtype="float32", pad_to_capacity=True, batch_row_multiple=1):
+                   dtype="float32", pad_to_capacity=True, batch_row_multiple=1, allow_non_finite=False):
     """Forward and backward: what ``layer_forward`` returns plus ``dx`` [N, H] and ``grads`` (float64, fp64
     accumulation): 'gate' (summed over ranks), 'w1', 'w3' (swiglu), 'w2' — the gradients of ``sum(y * dy)``
     plus ``aux_loss_coef * load_balance + z_loss_coef * z_loss``.
     """
     return _run(x, gate, w1, w3, w2, top_k, activation, world, dy, renormalize, capacity_factor, drop_policy,
-                aux_loss_coef, z_loss_coef, dtype, pad_to_capacity, batch_row_multiple)
+                aux_loss_coef, z_loss_coef, dtype, pad_to_capacity, batch_row_multiple, allow_non_finite)
 
 
 def __getattr__(name):

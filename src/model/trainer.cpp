@@ -208,6 +208,15 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
       DMOE_REQUIRE_INPUT(!state.contains(key) || state[key].get<int64_t>() == value,
                    "--resume {}: the run used --{} {}, this one {} (the batches would differ from the saved run's)",
                    o.resume_dir, key, state[key].get<int64_t>(), value);
+    // --lr and --steps shape the learning-rate schedule: a resumed run may change them (to train on with another
+    // schedule), but it then no longer continues as the saved run would have, and it says so.
+    if (state.contains("lr") && state["lr"].is_number() && state["lr"].get<double>() != o.lr)
+      print(fmt::format("train: note: --lr {} replaces the saved run's {} (--resume {}): the run continues with the new "
+                        "schedule, not as the uninterrupted run would", o.lr, state["lr"].get<double>(), o.resume_dir));
+    if (state.contains("steps") && state["steps"].is_number_integer() && state["steps"].get<int64_t>() != o.steps)
+      print(fmt::format("train: note: --steps {} replaces the saved run's {} (--resume {}): the warm-up and cosine "
+                        "schedule are those of {} steps, not of the saved run's", o.steps,
+                        state["steps"].get<int64_t>(), o.resume_dir, o.steps));
     full = load_mixtral_weights(CheckpointReader::open((fs::path(o.resume_dir) / "model.safetensors").string()), config);
     const SafetensorsFile opt = SafetensorsFile::open((fs::path(o.resume_dir) / "optimizer.safetensors").string());
     read_prefixed(opt, "exp_avg.", full_m, config);
@@ -233,6 +242,11 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
     const json t = read_json_file(o.tune_file, "Flow tuning file");
     DMOE_REQUIRE_INPUT(t.is_object() && t.contains("runs") && t["runs"].is_array(), "--tune-file {}: not a Flow tuning "
                        "file (no \"runs\" list); it is left as it is: give a new path", o.tune_file);
+    // The file is rewritten as {"runs": [...]}: anything else in it would be dropped without a word.
+    for (auto it = t.begin(); it != t.end(); ++it)
+      DMOE_REQUIRE_INPUT(it.key() == "runs", "--tune-file {}: unknown top-level key '{}' (a tuning file holds only "
+                         "\"runs\"; rewriting it would drop the key): remove it or give a new path", o.tune_file,
+                         it.key());
     tune_runs = t["runs"];
     for (const json& run : tune_runs) {
       if (!run.is_object() || !run.contains("key") || run["key"] != tune_key) continue;

@@ -160,3 +160,20 @@ def test_non_finite_empty_and_read_only_inputs():
     ro.setflags(write=False)
     np.testing.assert_array_equal(dmoe.layer_forward(ro, gate, w1, w3, w2, **kw)["y"],
                                   dmoe.layer_forward(x, gate, w1, w3, w2, **kw)["y"])
+
+
+def test_results_that_overflow_are_refused_unless_allowed():
+    # Finite inputs that overflow float32 inside the layer (x · 1e37) gave NaN results without a word; dmoe run
+    # refuses to write such results, and so does the numpy API now, unless allow_non_finite=True.
+    x, gate, w1, w3, w2, dy = make("swiglu", 8)
+    kw = dict(top_k=K)
+    big = (x * np.float32(1e37)).astype(np.float32)
+    assert np.isfinite(big).all()
+    expect(ValueError, r"not finite\): the finite inputs overflow float32 inside the layer", dmoe.layer_forward, big,
+           gate, w1, w3, w2, **kw)
+    out = dmoe.layer_forward(big, gate, w1, w3, w2, allow_non_finite=True, **kw)
+    assert not np.isfinite(out["y"]).all()
+    expect(ValueError, r"not finite", dmoe.layer_backward, x, gate, w1, w3, w2,
+           np.full_like(dy, np.float32(3e38)), **kw)
+    # Finite results pass as before.
+    assert np.isfinite(dmoe.layer_forward(x, gate, w1, w3, w2, **kw)["y"]).all()

@@ -257,6 +257,10 @@ TEST_F(BadInput, FlowOptionsOfAnotherActionAndMeasuresValuesAreRefused) {
   expect_user_error(run_cli(measure + "--schedule chunked-ar --chunk-bytes 1"), "--chunk-bytes 1", "--chunk-bytes 1");
   expect_user_error(run_cli(measure + "--measure-r 2,2"), "--measure-r 2,2: a value of R is given twice",
                     "measure-r twice");
+  // fl15: an empty value was skipped ("1,,2" ran as 1,2).
+  expect_user_error(run_cli(measure + "--measure-r 1,,2"), "--measure-r 1,,2: '' is not a value of R",
+                    "measure-r empty value");
+  expect_user_error(run_cli(measure + "--measure-r 1,2x"), "'2x' is not a value of R", "measure-r 2x");
   expect_user_error(run_cli("flow measure --config " + p("tiny.json") + " --steps 1000000"),
                     "--steps 1000000: must be in [1, 100000]", "steps");
   expect_user_error(run_cli("flow simulate" + costs + " --schedule chunked-ar --chunk-bytes 1"), "tasks, more than",
@@ -301,6 +305,14 @@ TEST_F(BadInput, TrainTuneFileAndResumeStateAreChecked) {
   const json good = {{"micro_batches", 1}, {"chunk_bytes", 1024}};
   expect_user_error(run_cli(tuned + "--tune-file " + tune_file("t3.json", {good, good})), "two entries have this "
                     "run's shape", "two entries");
+  // A top-level key besides "runs" would be dropped when the file is rewritten (ts29): refused, the file kept.
+  {
+    json with_notes = json::parse(slurp(tune_file("t4.json", {good})));
+    with_notes["notes"] = "measured on the lab's node";
+    std::ofstream(p("t4.json")) << with_notes.dump();
+    expect_user_error(run_cli(tuned + "--tune-file " + p("t4.json")), "unknown top-level key 'notes'", "extra key");
+    EXPECT_EQ(json::parse(slurp(p("t4.json"))), with_notes);
+  }
   // --resume: --init was ignored; a state file with keys of the wrong type ended as "unexpected error" (rc 2),
   // a negative step started the run at step -4 and failed in AdamW with a source location.
   ASSERT_EQ(run_cli(base + "--steps 1 --save " + p("ck")).status, 0);

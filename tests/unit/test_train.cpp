@@ -76,6 +76,20 @@ TEST_F(Train, ResumeIsExact) {
   TrainOptions other = second;
   other.seed = 2;
   EXPECT_THROW(train_mixtral(tiny(), other, [](const std::string&) {}), Error);
+  // Another --lr or --steps takes effect (a new schedule) and says that the run no longer continues the saved one;
+  // the exact resume above printed no such note.
+  std::string notes;
+  TrainOptions changed = second;
+  changed.save_dir.clear();
+  changed.lr = second.lr * 2;
+  changed.steps = 8;
+  train_mixtral(tiny(), changed, [&](const std::string& line) { notes += line + "\n"; });
+  EXPECT_NE(notes.find("replaces the saved run's"), std::string::npos) << notes;
+  EXPECT_NE(notes.find("--steps 8 replaces the saved run's 6"), std::string::npos) << notes;
+  std::string exact;
+  second.save_dir.clear();
+  train_mixtral(tiny(), second, [&](const std::string& line) { exact += line + "\n"; });
+  EXPECT_EQ(exact.find("note:"), std::string::npos) << exact;
 }
 
 TEST_F(Train, TwoRanksFollowOneRank) {

@@ -66,7 +66,8 @@ struct FlowOptions {
   std::string model_config = "tiny", costs_out;
   int64_t batch = 8, seq = 32;
   int32_t world = 1, steps = 3;
-  std::vector<int32_t> measure_r = {1, 2, 4};
+  std::string measure_r_text = "1,2,4";  // --measure-r as given; parse_measure_r reads it strictly
+  std::vector<int32_t> measure_r;
   bool schedule_given = false;
   std::string engine = "cpu", dtype = "f32";
   // simulate, tune, project: the simulator's link model
@@ -76,6 +77,25 @@ struct FlowOptions {
   std::string cluster;
   int32_t gpus = 16, experts = 0;
 };
+
+// --measure-r: comma-separated values of R, each a decimal integer in [1, 4096]. Read strictly: CLI11's list
+// option skipped an empty value ("1,,2" ran as 1,2) and a typo deserves an error, not a guess.
+std::vector<int32_t> parse_measure_r(const std::string& text) {
+  std::vector<int32_t> out;
+  size_t begin = 0;
+  while (true) {
+    const size_t end = text.find(',', begin);
+    const std::string v = text.substr(begin, end == std::string::npos ? std::string::npos : end - begin);
+    DMOE_REQUIRE_INPUT(!v.empty() && v.size() <= 4 && v.find_first_not_of("0123456789") == std::string::npos &&
+                           std::stoi(v) >= 1 && std::stoi(v) <= 4096,
+                       "--measure-r {}: '{}' is not a value of R (allowed: integers in [1, 4096] separated by single "
+                       "commas, e.g. 1,2,4)", text, v);
+    out.push_back(std::stoi(v));
+    if (end == std::string::npos) break;
+    begin = end + 1;
+  }
+  return out;
+}
 
 flow::LinkModel parse_link(const std::string& s) {
   if (s == "exclusive") return flow::LinkModel::exclusive;
@@ -661,7 +681,8 @@ Command add_flow_command(CLI::App& app) {
   sub->add_option("--batch", o->batch, "measure: sequences per rank");
   sub->add_option("--seq", o->seq, "measure: sequence length");
   sub->add_option("--world", o->world, "measure: simulated ranks");
-  sub->add_option("--measure-r", o->measure_r, "measure: values of R (all but the last are fitted)")->delimiter(',');
+  sub->add_option("--measure-r", o->measure_r_text, "measure: values of R, comma-separated (all but the last are "
+                  "fitted)")->capture_default_str();
   sub->add_option("--steps", o->steps, "measure: steps per R (median)");
   sub->add_option("--costs-out", o->costs_out, "measure: write the fitted cost file here");
   sub->add_option("--engine", o->engine, "measure: cpu (the CPU executor, simulated ranks) or cuda (the GPU executor; "
@@ -673,6 +694,7 @@ Command add_flow_command(CLI::App& app) {
                        "flow {}: unknown action (allowed: simulate, tune, project, measure)", o->action);
     o->schedule_given = sub->count("--schedule") > 0;
     if (o->action == "project" && sub->count("--link") == 0) o->link = "shared";
+    o->measure_r = parse_measure_r(o->measure_r_text);
     check_options_of_action(*sub, *o);
     o->link_model = parse_link(o->link);
     // Outputs are checked before any work, and none may be one of the inputs (--trace onto --costs would
