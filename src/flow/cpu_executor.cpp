@@ -85,6 +85,18 @@ double run_cpu_flow_step(MixtralModel& model, Comm& ar_comm, const TaskGraph& g,
                ar_comm.world(), model.rank(), model.world());
   check_task_graph(g);
 
+  // Point 1 of the deadlock argument (docs/flow.md): every rank runs the same graph, or their collectives would
+  // not match. Rank 0's spec to every rank, each compares (the GPU executor's check, exact here: a broadcast).
+  if (model.world() > 1) {
+    const GraphSpec& sp = g.spec;
+    const std::vector<int64_t> mine{sp.layers, sp.micro_batches, int64_t(sp.schedule), sp.dense_grad_bytes_per_layer,
+                                    sp.chunk_bytes, batch, seq};
+    std::vector<int64_t> root = mine;
+    model.comm().broadcast(root.data(), int64_t(root.size()), DType::i64, 0, nullptr);
+    DMOE_REQUIRE_INPUT(root == mine, "flow executor: rank {} runs another task graph or batch than rank 0 (layers, "
+                       "micro-batches, schedule, dense bytes per layer, chunk bytes, sequences, sequence length: {} here, "
+                       "{} on rank 0)", model.rank(), fmt::join(mine, ", "), fmt::join(root, ", "));
+  }
   const int64_t micro = batch / R;
   states.resize(size_t(R));
   for (int32_t r = 0; r < R; ++r) {

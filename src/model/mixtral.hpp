@@ -148,6 +148,7 @@ class MixtralModel {
   const MixtralConfig& config() const { return config_; }
   int32_t rank() const { return rank_; }
   int32_t world() const { return world_; }
+  Comm& comm() const { return comm_; }  // the model's communicator (its collectives' order is the caller's to keep)
   int32_t first_expert() const { return rank_ * experts_per_rank(); }
   int32_t experts_per_rank() const { return config_.num_local_experts / world_; }
 

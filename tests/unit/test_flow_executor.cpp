@@ -175,6 +175,19 @@ TEST(FlowExecutor, RefusesWhatItCannotRun) {
   EXPECT_NE(error_of(c, spec_for(c, Schedule::chunked_ar, 2, 66)).find("multiple of 4"), std::string::npos);
   EXPECT_NE(error_of(c, spec_for(c, Schedule::pipe_attn, 3, 64)).find("do not split into micro_batches 3"),
             std::string::npos);
+  // Ranks that would run different graphs (here: another Sp on rank 1) are stopped before any collective of the
+  // step could mismatch, naming the difference.
+  std::string mismatch = "(no error)";
+  try {
+    on_ranks(c, 2, 4, 5, [&](MixtralModel& model, Comm& ar, const int32_t* tokens) {
+      std::vector<ModelState> st;
+      const GraphSpec sp = spec_for(c, Schedule::chunked_ar, 2, model.rank() == 0 ? 64 : 128);
+      return run_cpu_flow_step(model, ar, build_task_graph(sp), tokens, 4, 5, st);
+    });
+  } catch (const Error& e) {
+    mismatch = e.what();
+  }
+  EXPECT_NE(mismatch.find("runs another task graph or batch than rank 0"), std::string::npos) << mismatch;
 }
 
 }  // namespace
