@@ -89,8 +89,15 @@ TEST_F(FlowCli, MeasureFitsAndPredicts) {
   // The CPU executor at R = 1, 2 on the tiny model: the fitted cost file loads, every row has a measured and
   // a predicted step (how close they are depends on the machine's load: not asserted).
   const Result r = run_cli("flow measure --config tiny --batch 4 --seq 8 --world 2 --measure-r 1,2 --steps 1 "
-                           "--costs-out " + (dir / "fit.json").string() + " --json " + (dir / "m.json").string());
+                           "--costs-out " + (dir / "fit.json").string() + " --json " + (dir / "m.json").string() +
+                           " --trace " + (dir / "t.json").string());
   ASSERT_EQ(r.status, 0) << r.output;
+  // The measured timelines as a trace: one process per R, every task of rank 0's last step.
+  const json trace = read_json(dir / "t.json");
+  int spans = 0;
+  for (const json& e : trace.at("traceEvents")) spans += e.at("ph") == "X";
+  EXPECT_GT(spans, 0);
+  EXPECT_EQ(trace.at("flow").size(), 2u);
   const json m = read_json(dir / "m.json");
   ASSERT_EQ(m.at("rows").size(), 2u);
   for (const json& row : m.at("rows")) {

@@ -277,6 +277,20 @@ void print_resource_labels(const std::vector<std::string>& names, const std::vec
   }
 }
 
+// The trace of measured timelines (one process per run), as the simulator's --trace writes it.
+json measured_trace(const std::vector<std::pair<flow::GraphSpec, std::vector<flow::TraceEvent>>>& runs) {
+  json trace = {{"traceEvents", json::array()}, {"displayTimeUnit", "ms"}, {"flow", json::array()}};
+  for (size_t i = 0; i < runs.size(); ++i) {
+    flow::SimResult r;
+    r.events = runs[i].second;
+    for (const flow::TraceEvent& e : r.events) r.step_ms = std::max(r.step_ms, e.end_ms);
+    const json t = flow::trace_json(flow::build_task_graph(runs[i].first), r, int(i));
+    for (const json& e : t.at("traceEvents")) trace["traceEvents"].push_back(e);
+    trace["flow"].push_back(t.at("flow"));
+  }
+  return trace;
+}
+
 // The graphs flow measure runs: --schedule all's ablation (vanilla at R = 1, the others at --micro-batches), or one
 // schedule at every --measure-r. dense_bytes: one layer's all-reduced gradients in the engine's layout.
 std::vector<flow::GraphSpec> measure_specs(const FlowOptions& o, int32_t layers, flow::Schedule schedule, bool ablation,
@@ -418,6 +432,13 @@ int measure_command(const FlowOptions& o) {
     write_json(o.costs_out, costs, "--costs-out");
     std::printf("wrote %s\n", o.costs_out.c_str());
   }
+  if (!o.trace_path.empty()) {  // rank 0's last step of each run, measured on the executor's threads
+    std::vector<std::pair<flow::GraphSpec, std::vector<flow::TraceEvent>>> traced;
+    for (size_t i = 0; i < runs.size(); ++i) traced.push_back({specs[i], runs[i].timeline});
+    write_json(o.trace_path, measured_trace(traced), "--trace");
+    std::printf("wrote %s (rank 0's last step of each run; Chrome trace events, or bench/plot_trace.py for a Gantt "
+                "PNG)\n", o.trace_path.c_str());
+  }
   if (!o.json_path.empty()) {
     json out = {{"engine", "cpu"}, {"model", o.model_config}, {"world", o.world},
                 {"schedule", ablation ? "all" : flow::schedule_name(schedule)}, {"rows", rows}};
@@ -426,20 +447,6 @@ int measure_command(const FlowOptions& o) {
     std::printf("wrote %s\n", o.json_path.c_str());
   }
   return 0;
-}
-
-// The trace of measured timelines (one process per run), as the simulator's --trace writes it.
-json measured_trace(const std::vector<std::pair<flow::GraphSpec, std::vector<flow::TraceEvent>>>& runs) {
-  json trace = {{"traceEvents", json::array()}, {"displayTimeUnit", "ms"}, {"flow", json::array()}};
-  for (size_t i = 0; i < runs.size(); ++i) {
-    flow::SimResult r;
-    r.events = runs[i].second;
-    for (const flow::TraceEvent& e : r.events) r.step_ms = std::max(r.step_ms, e.end_ms);
-    const json t = flow::trace_json(flow::build_task_graph(runs[i].first), r, int(i));
-    for (const json& e : t.at("traceEvents")) trace["traceEvents"].push_back(e);
-    trace["flow"].push_back(t.at("flow"));
-  }
-  return trace;
 }
 
 int measure_cuda_command(const FlowOptions& o) {
@@ -617,7 +624,7 @@ void check_options_of_action(const CLI::App& sub, const FlowOptions& o) {
       {"--chunk-bytes", reads_chunk,
        "flow simulate, project and measure with --schedule chunked-ar (or all: its chunked-ar row; measure: also "
        "tuned's graph); tune, and simulate's tuned row, choose Sp"},
-      {"--trace", simulates || cuda, "flow simulate, project and flow measure --engine cuda"},
+      {"--trace", o.action != "tune", "flow simulate, project and measure (tune runs no single schedule)"},
       {"--config", o.action == "measure" || project, "flow measure and project"},
       {"--batch", o.action == "measure" || project, "flow measure and project"},
       {"--seq", o.action == "measure" || project, "flow measure and project"},
