@@ -13,8 +13,11 @@ double host_wait_timeout_seconds() {
   char* end = nullptr;
   const double v = std::strtod(text, &end);
   // At most 1e9 s (~32 years): a deadline of now + v must fit the clocks' 64-bit nanoseconds (inf would not).
-  DMOE_REQUIRE_INPUT(end != text && *end == '\0' && v > 0 && v <= 1e9,
-                     "DMOE_COMM_TIMEOUT_S='{}' is invalid: expected seconds > 0 and <= 1e9", text);
+  // At least 10 ms: below that a wait gives up before a peer thread or process can arrive, so the run fails (or
+  // passes) by timing alone, with a time-out message that reads like a hang.
+  DMOE_REQUIRE_INPUT(end != text && *end == '\0' && v >= 0.01 && v <= 1e9,
+                     "DMOE_COMM_TIMEOUT_S='{}' is invalid: expected seconds in [0.01, 1e9] (below 10 ms every wait "
+                     "would give up before its peers can arrive)", text);
   return v;
 }
 

@@ -411,11 +411,14 @@ TEST(BadInputConfig, FieldsThatCannotTakeEffectAreRefused) {
 }
 
 TEST(BadInputEnv, CommTimeoutMustBeFiniteAndBounded) {
-  for (const char* bad : {"1e309", "inf", "1e10"}) {
+  // rn13/rn14 (tenth session): 1e-6 s and 1e-300 s were accepted and the run failed or passed by timing.
+  for (const char* bad : {"1e309", "inf", "1e10", "1e-6", "1e-300", "0.009"}) {
     ::setenv("DMOE_COMM_TIMEOUT_S", bad, 1);
-    EXPECT_NE(error_of([] { host_wait_timeout_seconds(); }).find("expected seconds > 0 and <= 1e9"), std::string::npos)
+    EXPECT_NE(error_of([] { host_wait_timeout_seconds(); }).find("expected seconds in [0.01, 1e9]"), std::string::npos)
         << bad;
   }
+  ::setenv("DMOE_COMM_TIMEOUT_S", "0.01", 1);
+  EXPECT_EQ(host_wait_timeout_seconds(), 0.01);
   ::setenv("DMOE_COMM_TIMEOUT_S", "1e9", 1);
   EXPECT_EQ(host_wait_timeout_seconds(), 1e9);
   ::unsetenv("DMOE_COMM_TIMEOUT_S");
