@@ -21,7 +21,12 @@ void FlowTimeAccumulator::add(const flow::TaskGraph& graph, const std::vector<fl
                          g.chunk_bytes != last_spec_.chunk_bytes || g.schedule != last_spec_.schedule;
   last_spec_ = g;
   ++steps_seen_;
-  if (new_graph) return;
+  if (new_graph) {  // the table is of one graph: --schedule tuned's samples do not count toward its choice's
+    kind_ms_.clear();
+    span_ms_ = 0;
+    steps_ = 0;
+    return;
+  }
   if (kind_ms_.empty()) kind_ms_.assign(flow::kNumTaskKinds, 0.0);
   double first = 0, last = 0;
   for (size_t i = 0; i < timeline.size(); ++i) {

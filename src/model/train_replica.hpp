@@ -71,8 +71,9 @@ class TrainReplica {
 };
 
 // flow_times()'s bookkeeping, one copy for both engines: each Flow step's timeline summed per task kind and its span
-// (first start to last end). The first step of each graph (a new schedule, R or Sp) is left out: it builds the
-// engines and plans for that shape.
+// (first start to last end), over the steps of the last graph run (a new schedule, R or Sp starts the table again:
+// --schedule tuned's table is of its choice, not of its samples); that graph's first step is left out (it builds
+// the engines and plans for that shape).
 class FlowTimeAccumulator {
  public:
   void add(const flow::TaskGraph& graph, const std::vector<flow::TraceEvent>& timeline);

@@ -515,8 +515,8 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
       // Per task kind, not per stage: the executor's streams overlap, so these add up to more than the step.
       const double n = double(flow_times.steps);
       std::string table = fmt::format(
-          "Flow executor (--schedule {}, R = {} micro-batches): time per task kind, ms per step over {} steps (the "
-          "first step at each graph left out: it builds the engines; {}; "
+          "Flow executor (--schedule {}, R = {} micro-batches): time per task kind, ms per step over its last {} steps "
+          "(the graph's first step left out: it builds the engines; {}; "
           "the streams overlap, so the kinds add up to more than the step; the tasks span {:.2f} ms per step; "
           "the embedding/norm/LM-head all-reduce after the graph is in no task, nor on the GPU the C' preludes (head, "
           "combine backward; the CPU executor runs them inside C'); a collective's time includes waiting for its "
