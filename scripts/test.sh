@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Builds and runs every test: the normal build (CUDA code compiled when nvcc is present; GPU tests,
+# Installs the dependencies (scripts/install-deps.sh), then builds and runs every test: the normal build (CUDA code compiled when nvcc is present; GPU tests,
 # label `gpu`, skip with a message where there is no GPU), its install (scripts/check_install.sh), an
 # ASan+UBSan build of the CPU tests and a ThreadSanitizer build of the tests whose code runs as threads.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 jobs=$(nproc)
+# On a fresh machine this is the README's one test command: the dependencies first (idempotent, ~2 s when present).
+scripts/install-deps.sh
 
 cmake --preset default
 cmake --build --preset default -j"$jobs"
