@@ -115,7 +115,7 @@ part_wgrad() {
   for cfg in fine-grained flash-paper decode mixtral; do
     run 120 "wgrad_gemm_$cfg" "$B/dmoe" bench gemm --config "$cfg" --wgrad --json "$O/wgrad_gemm_$cfg.json"
   done
-  for round in 1 2; do
+  for round in $(seq 1 "${WGRAD_ROUNDS:-2}"); do
     for cfg in fine-grained flash-paper decode; do
       for w in sm90 mma cublas; do
         DMOE_WGRAD=$w run 120 "wgrad_step_${cfg}_${w}_$round" "$B/dmoe" bench layer --config "$cfg" \

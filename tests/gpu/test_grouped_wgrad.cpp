@@ -268,14 +268,14 @@ std::string shape_name(const WgradShape& s) {
 
 // 40 groups of up to 300 rows (several k-blocks: the rings wrap), m = 200 and n = 136 (tails in both tile
 // directions; n = 136: the second panel of a last column tile is wholly past n), accumulating and
-// storing; A starting at a row after the offsets' first; a tile-exact case (m = n = 256); a narrow one
+// storing; A starting at a row other than 0 (but before the offsets' first, 7); a tile-exact case (m = n = 256); a narrow one
 // (m = n = 8); many groups (128, up to 96 rows: dozens of tiles per CTA); long reductions (3 groups of
 // up to 4000 rows); fine-grained's m = 768 (6 row tiles); B starting after the offsets' first row;
 // padded rows and padding between groups' C.
 const WgradShape kShapes[] = {
     {40, 300, 200, 136, true},         {40, 300, 200, 136, false},       {12, 700, 136, 200, true, 5},
     {6, 150, 256, 256, true},          {5, 64, 8, 8, true},              {128, 96, 136, 264, false},
-    {128, 96, 136, 264, true},         {3, 4000, 256, 128, true},        {3, 4000, 256, 128, false, 9},
+    {128, 96, 136, 264, true},         {3, 4000, 256, 128, true},        {3, 4000, 256, 128, false, 6},
     {16, 300, 768, 136, false},        {10, 200, 264, 128, true, 3, 6},  {20, 200, 200, 136, true, 0, 0, 16},
     {20, 200, 200, 136, false, 2, 0, 8},
 };
