@@ -24,6 +24,12 @@ namespace dmoe {
 
 namespace fs = std::filesystem;
 
+namespace {
+double monotonic_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+}  // namespace
+
 // ---- readings ------------------------------------------------------------------------------------------------
 
 ProbeReading ProbeReading::unavailable(std::string unit, const std::string& reason) {
@@ -358,6 +364,40 @@ bool Nvml::process_used_bytes(Device device, uint32_t pid, uint64_t* used, std::
   return false;
 }
 
+// ---- energy counter updates ------------------------------------------------------------------------------------
+
+void EnergyUpdates::reset(Sample at_start) {
+  prev_ = at_start;
+  first_.reset();
+  last_.reset();
+  updates_ = 0;
+}
+
+void EnergyUpdates::add(Sample s) {
+  if (prev_ && s.mj != prev_->mj) {
+    ++updates_;
+    if (!first_) first_ = s;
+    last_ = s;
+  }
+  prev_ = s;
+}
+
+ProbeReading EnergyUpdates::per_step(double interval_s, int64_t steps, const std::string& what) const {
+  if (updates_ < 2 || !first_ || !last_ || last_->t_s <= first_->t_s)
+    return ProbeReading::unavailable(
+        "J", fmt::format("the energy counter updated {} time{} during the {:.0f} ms interval; two are needed for a mean "
+                         "power (it advances in steps tens of ms apart): measure more steps",
+                         updates_, updates_ == 1 ? "" : "s", interval_s * 1e3));
+  const double span_s = last_->t_s - first_->t_s;
+  const double watts = double(last_->mj - std::min(last_->mj, first_->mj)) * 1e-3 / span_s;
+  ProbeReading r;
+  r.unit = "J";
+  r.value = watts * interval_s / double(std::max<int64_t>(1, steps));
+  r.what = fmt::format("{}; mean power {:.0f} W between the counter's first and last of {} updates ({:.0f} of {:.0f} "
+                       "ms) times the interval", what, watts, updates_, span_s * 1e3, interval_s * 1e3);
+  return r;
+}
+
 // ---- all of it -------------------------------------------------------------------------------------------------
 
 ResourceProbe::ResourceProbe(ResourceProbeOptions options)
@@ -381,7 +421,12 @@ void ResourceProbe::poll_once() {
   std::string proc_why, dev_why;
   const bool proc_ok = nvml_->process_used_bytes(device_, uint32_t(::getpid()), &proc, &proc_why);
   const bool dev_ok = nvml_->device_used_bytes(device_, &dev, &dev_why);
+  uint64_t mj = 0;
+  std::string energy_why;
+  const bool energy_ok = energy_started_ && nvml_->total_energy_mj(device_, &mj, &energy_why);
+  const double now = monotonic_s();
   std::lock_guard<std::mutex> lock(mutex_);
+  if (energy_ok) energy_.add({now, mj});
   ++samples_;
   if (proc_ok) process_peak_ = std::max(process_peak_, proc);
   else if (process_error_.empty()) process_error_ = proc_why;
@@ -393,10 +438,11 @@ void ResourceProbe::start() {
   stop_ = true;  // a second start() without finish(): the previous poller ends first
   if (poller_.joinable()) poller_.join();
   if (nvml_) {
-    energy_start_mj_.reset();
     energy_error_.clear();
     uint64_t mj = 0;
-    if (nvml_->total_energy_mj(device_, &mj, &energy_error_)) energy_start_mj_ = mj;
+    start_s_ = monotonic_s();
+    energy_started_ = nvml_->total_energy_mj(device_, &mj, &energy_error_);
+    if (energy_started_) energy_.reset({start_s_, mj});
     process_peak_ = device_peak_ = 0;
     samples_ = 0;
     process_error_.clear();
@@ -434,23 +480,20 @@ ResourceReport ResourceProbe::finish(int64_t steps) {
     r.gpu_device_memory_peak = ProbeReading::unavailable("bytes", gpu_error_);
     return r;
   }
-  uint64_t end_mj = 0;
-  std::string why = energy_error_;
+  const double interval_s = monotonic_s() - start_s_;
   const std::string scope = o_.gpu_scope.empty() ? std::string() : "; " + o_.gpu_scope;
-  if (energy_start_mj_ && nvml_->total_energy_mj(device_, &end_mj, &why)) {
-    r.gpu_energy_per_step.unit = "J";
-    r.gpu_energy_per_step.value = double(end_mj - std::min(end_mj, *energy_start_mj_)) * 1e-3 /
-                                  double(std::max<int64_t>(1, steps));
-    r.gpu_energy_per_step.what =
-        fmt::format("NVML total energy of GPU {} over {} steps, per step: the whole device, every process on it{}",
-                    o_.gpu_pci_bus_id, steps, scope);
-  } else {
-    r.gpu_energy_per_step = ProbeReading::unavailable("J", why);
-  }
   stop_ = true;
   if (poller_.joinable()) poller_.join();
   poll_once();
   std::lock_guard<std::mutex> lock(mutex_);
+  if (energy_started_) {
+    r.gpu_energy_per_step = energy_.per_step(
+        interval_s, steps,
+        fmt::format("NVML total energy of GPU {} over {} steps, per step: the whole device, every process on it{}",
+                    o_.gpu_pci_bus_id, steps, scope));
+  } else {
+    r.gpu_energy_per_step = ProbeReading::unavailable("J", energy_error_);
+  }
   if (process_peak_ > 0 || process_error_.empty()) {
     r.gpu_process_memory_peak.unit = "bytes";
     r.gpu_process_memory_peak.value = double(process_peak_);

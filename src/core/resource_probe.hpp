@@ -12,8 +12,12 @@
 //   CPU energy         RAPL package counters (/sys/class/powercap/intel-rapl:N/energy_uj, wrap-around by
 //                      max_energy_range_uj): the whole package(s), every process on them. Usually unreadable in
 //                      containers and for non-root users (kernel >= 5.10): "not available: <reason>".
-//   GPU energy         nvmlDeviceGetTotalEnergyConsumption (mJ since the driver loaded) before and after: the
-//                      whole device (every process on it, e.g. every rank sharing it under MPS).
+//   GPU energy         nvmlDeviceGetTotalEnergyConsumption (mJ since the driver loaded), polled with the memory:
+//                      the counter advances in steps tens of ms apart, so a difference of two readings around a
+//                      short interval is off by up to a step at each end (0 J for a 60 ms interval on an H200).
+//                      The mean power between the first and the last update seen inside the interval, times the
+//                      interval; "not available" with fewer than two updates. The whole device (every process on
+//                      it, e.g. every rank sharing it under MPS).
 //   GPU memory         polled every poll_ms on a thread while the interval runs: this process's entry in
 //                      nvmlDeviceGetComputeRunningProcesses (not reported under MPS, where the server owns the
 //                      memory: then "not available") and the device's used memory (nvmlDeviceGetMemoryInfo,
@@ -109,6 +113,25 @@ class Nvml {
   bool initialised_ = false;
 };
 
+// The updates of an energy counter that advances in steps, seen by polling: the first and the last reading at
+// which its value changed. per_step() is the mean power between those two updates times the interval's length,
+// per step; not available (with the reason) where fewer than two updates fell inside the interval.
+class EnergyUpdates {
+ public:
+  struct Sample {
+    double t_s = 0;   // seconds on any monotonic clock
+    uint64_t mj = 0;  // the counter, millijoules
+  };
+  void reset(Sample at_start);
+  void add(Sample s);
+  int64_t updates() const { return updates_; }
+  ProbeReading per_step(double interval_s, int64_t steps, const std::string& what) const;
+
+ private:
+  std::optional<Sample> prev_, first_, last_;
+  int64_t updates_ = 0;
+};
+
 // The default NVML library name (dlopen'ed; DMOE_NVML_LIBRARY overrides it, e.g. a path).
 std::string default_nvml_library();
 
@@ -155,7 +178,9 @@ class ResourceProbe {
   std::unique_ptr<Nvml> nvml_;
   Nvml::Device device_ = nullptr;
   std::string gpu_error_;  // non-empty: no GPU reading at all
-  std::optional<uint64_t> energy_start_mj_;
+  EnergyUpdates energy_;
+  bool energy_started_ = false;
+  double start_s_ = 0;
   std::string energy_error_;
   std::thread poller_;
   std::atomic<bool> stop_{false};

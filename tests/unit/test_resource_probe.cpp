@@ -179,6 +179,30 @@ TEST_F(ResourceProbeNvml, MissingLibraryIsReportedNotFatal) {
   EXPECT_EQ(p2.finish(1).gpu_energy_per_step.what, "not available: a build without CUDA");
 }
 
+// NVML's energy counter advances in steps: a 60 ms interval read at its ends gave 0 J on the H200. The mean power
+// between the first and last update inside the interval, times the interval; fewer than two updates: no value.
+TEST(EnergyUpdates, MeanPowerBetweenUpdatesTimesTheInterval) {
+  EnergyUpdates e;
+  e.reset({0.0, 1000});
+  for (int i = 1; i <= 9; ++i) e.add({0.01 * i, 1000});  // no update in the first 90 ms
+  EXPECT_FALSE(e.per_step(0.09, 3, "x").value);
+  EXPECT_NE(e.per_step(0.09, 3, "x").what.find("updated 0 times during the 90 ms interval"), std::string::npos)
+      << e.per_step(0.09, 3, "x").what;
+  e.add({0.10, 1000 + 40'000});  // one update: still no mean power
+  EXPECT_FALSE(e.per_step(0.10, 3, "x").value);
+  // Updates every 100 ms at 400 W (40 J each), polled every 10 ms, a 1.0 s interval of 4 steps: 100 J per step.
+  for (int i = 11; i <= 100; ++i) e.add({0.01 * i, uint64_t(1000 + 40'000 * (i / 10))});
+  ASSERT_EQ(e.updates(), 10);
+  const ProbeReading r = e.per_step(1.0, 4, "NVML");
+  ASSERT_TRUE(r.value);
+  EXPECT_NEAR(*r.value, 100.0, 1e-9);
+  EXPECT_EQ(r.unit, "J");
+  EXPECT_NE(r.what.find("mean power 400 W"), std::string::npos) << r.what;
+  // reset() forgets the updates.
+  e.reset({2.0, 5});
+  EXPECT_EQ(e.updates(), 0);
+}
+
 // The trainer's end-of-run lines (CPU engine, the CPU Flow executor on 2 thread ranks) and the last step's
 // record in the log.
 TEST_F(ResourceProbeCli, TrainPrintsPeakMemoryAndEnergy) {
