@@ -197,10 +197,10 @@ void sm90_grouped_wgrad(const CudaContext& ctx, void* scratch, const GroupedWgra
 void grouped_wgrad(const GroupedWgrad& g, const CudaContext& ctx);
 
 // Which kernel the backward pass's bf16 weight gradients take (DMOE_WGRAD; measurements in gemm.cpp):
-//   auto (default)  mma below kOwnWgradMaxMeanMacs multiply-adds per expert product on average, else cublas
-//   own             the measured own kernel (mma) wherever usable
-//   sm90            the TMA + wgmma kernel wherever usable — only when asked for: it has not run on a GPU yet
-//                   (gemm.cpp); auto and own take it once its tests and benchmark have run on the H200
+//   auto (default)  by mean multiply-adds per expert product (bounds and measurements in gemm.cpp): mma below
+//                   kMmaWgradMaxMeanMacs, the TMA + wgmma kernel (sm90) below kSm90WgradMaxMeanMacs, else cublas
+//   own             the sm90 kernel wherever usable, else the mma.sync kernel
+//   sm90            the TMA + wgmma kernel wherever usable
 //   mma             the mma.sync kernel wherever usable
 //   cublas          one cublasGemmEx per expert and product
 // Every call in `calls` must be usable on the kernel picked; otherwise cuBLAS runs them.

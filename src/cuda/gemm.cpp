@@ -126,11 +126,17 @@ constexpr double kOwnMaxMeanMacs = 4e9;
 //                            tiles do not)
 // so auto takes it below the size where the two met, about flash-paper's.
 //
-// The TMA + wgmma kernel (grouped_wgrad_sm90.cu) has not run on a GPU yet (written in a session without device
-// time): it is taken only when asked for (DMOE_WGRAD=sm90), and auto and own keep the measured mma.sync kernel,
-// until its GPU tests pass and `dmoe bench gemm --wgrad` has measured it against both (then own, and auto
-// with a bound of its own, should take it).
-constexpr double kOwnWgradMaxMeanMacs = 1.5e9;
+// The TMA + wgmma kernel (grouped_wgrad_sm90.cu) against both, measured on the H200 (docs/perf.md, eleventh
+// session; `dmoe bench gemm --config C --wgrad`, dw1 stored, µs, and the training step with each, ms):
+//   0.10 G (decode)          kernel: sm90 582, mma 513, cublas 668     step: 3.27 / 3.08 / 3.50
+//   0.40 G (fine-grained)    399, 479, 1449                            3.27 / 3.59 / 4.52
+//   1.07 G (flash-paper)     507, 622, 728                             2.72 / 3.07 / 3.01
+//   60 G (mixtral)           2067, 3361, 1701                          15.9 / 19.7 / 14.5
+// so auto takes mma below kMmaWgradMaxMeanMacs (few rows per expert: the sm90 kernel's 128-row k-blocks are
+// mostly padding), sm90 up to kSm90WgradMaxMeanMacs, cuBLAS above (its larger tiles win on Mixtral's 4096 ×
+// 14336 products).
+constexpr double kMmaWgradMaxMeanMacs = 2.5e8;
+constexpr double kSm90WgradMaxMeanMacs = 3e10;
 
 WgradKernel pick_wgrad_kernel(double mean_macs, const std::vector<GroupedWgrad>& calls) {
   enum Mode { automatic, own, sm90, mma, cublas };
@@ -148,9 +154,25 @@ WgradKernel pick_wgrad_kernel(double mean_macs, const std::vector<GroupedWgrad>&
       if (!usable(g)) return false;
     return true;
   };
-  const bool small = mode == automatic && mean_macs < kOwnWgradMaxMeanMacs;
-  if (mode == sm90 && all(sm90_grouped_wgrad_usable)) return WgradKernel::sm90;
-  if ((mode == mma || mode == own || small) && all(grouped_wgrad_usable)) return WgradKernel::mma;
+  const bool usable_sm90 = all(sm90_grouped_wgrad_usable), usable_mma = all(grouped_wgrad_usable);
+  switch (mode) {
+    case sm90:
+      if (usable_sm90) return WgradKernel::sm90;
+      break;
+    case mma:
+      if (usable_mma) return WgradKernel::mma;
+      break;
+    case own:
+      if (usable_sm90) return WgradKernel::sm90;
+      if (usable_mma) return WgradKernel::mma;
+      break;
+    case automatic:
+      if (mean_macs < kMmaWgradMaxMeanMacs && usable_mma) return WgradKernel::mma;
+      if (mean_macs < kSm90WgradMaxMeanMacs && usable_sm90) return WgradKernel::sm90;
+      if (mean_macs < kSm90WgradMaxMeanMacs && usable_mma) return WgradKernel::mma;
+      break;
+    case cublas: break;
+  }
   return WgradKernel::cublas;
 }
 
