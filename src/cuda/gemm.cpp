@@ -131,12 +131,14 @@ constexpr double kOwnMaxMeanMacs = 4e9;
 //   0.10 G (decode)          kernel: sm90 582, mma 513, cublas 668     step: 3.27 / 3.08 / 3.50
 //   0.40 G (fine-grained)    399, 479, 1449                            3.27 / 3.59 / 4.52
 //   1.07 G (flash-paper)     507, 622, 728                             2.72 / 3.07 / 3.01
+//   2.1 G (llama2-moe)       176, 257, 203                             model step 150.3 (sm90) / 151.7 (cublas)
+//   16 G (deepseek-v2-s)     2136, 3487, 1793                          model step 190.1 (sm90) / 176.7 (cublas)
 //   60 G (mixtral)           2067, 3361, 1701                          15.9 / 19.7 / 14.5
 // so auto takes mma below kMmaWgradMaxMeanMacs (few rows per expert: the sm90 kernel's 128-row k-blocks are
-// mostly padding), sm90 up to kSm90WgradMaxMeanMacs, cuBLAS above (its larger tiles win on Mixtral's 4096 ×
-// 14336 products).
+// mostly padding), sm90 up to kSm90WgradMaxMeanMacs (between llama2-moe's and deepseek-v2-s's products), cuBLAS
+// above (its larger tiles reach 570-640 TFLOP/s there, the sm90 kernel's 128 × 128 tiles ~480).
 constexpr double kMmaWgradMaxMeanMacs = 2.5e8;
-constexpr double kSm90WgradMaxMeanMacs = 3e10;
+constexpr double kSm90WgradMaxMeanMacs = 6e9;
 
 WgradKernel pick_wgrad_kernel(double mean_macs, const std::vector<GroupedWgrad>& calls) {
   enum Mode { automatic, own, sm90, mma, cublas };
