@@ -7,17 +7,17 @@
 namespace dmoe {
 
 namespace {
-std::mutex g_mutex;
+std::mutex g_exchange_mutex;
 BootstrapExchange g_exchange;
 }  // namespace
 
 void set_bootstrap_exchange(BootstrapExchange exchange) {
-  std::lock_guard<std::mutex> lock(g_mutex);
+  std::lock_guard<std::mutex> lock(g_exchange_mutex);
   g_exchange = std::move(exchange);
 }
 
 BootstrapExchange bootstrap_exchange() {
-  std::lock_guard<std::mutex> lock(g_mutex);
+  std::lock_guard<std::mutex> lock(g_exchange_mutex);
   return g_exchange;
 }
 

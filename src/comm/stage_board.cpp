@@ -278,7 +278,7 @@ std::string stage_board_path(const ProcessEnv& env) {
 
 namespace {
 
-std::mutex g_mutex;
+std::mutex g_board_mutex;
 StageBoard* g_board = nullptr;  // lives until process exit (its mapping is read by atexit)
 int32_t g_users = 0;
 bool g_tried = false;
@@ -303,7 +303,7 @@ void at_exit() { finish_stage_board(); }
 
 StageBoard* attach_stage_board(const ProcessEnv& env) {
   if (env.world <= 1) return nullptr;
-  std::lock_guard<std::mutex> lock(g_mutex);
+  std::lock_guard<std::mutex> lock(g_board_mutex);
   if (!g_tried) {
     g_tried = true;
     const std::string path = stage_board_path(env);
@@ -324,7 +324,7 @@ StageBoard* attach_stage_board(const ProcessEnv& env) {
 }
 
 void detach_stage_board(bool failing) {
-  std::lock_guard<std::mutex> lock(g_mutex);
+  std::lock_guard<std::mutex> lock(g_board_mutex);
   if (!g_board || g_users == 0) return;
   --g_users;
   if (failing)
@@ -338,7 +338,7 @@ StageBoardUse::~StageBoardUse() {
 }
 
 StageBoard* process_stage_board() {
-  std::lock_guard<std::mutex> lock(g_mutex);
+  std::lock_guard<std::mutex> lock(g_board_mutex);
   return g_board;
 }
 

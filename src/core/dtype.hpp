@@ -66,4 +66,11 @@ DMOE_HD float bf16_to_float(bfloat16 b) { return bits_float(uint32_t(b.bits) << 
 // The value a float takes after being stored as bf16 (used by the CPU engine to emulate bf16 storage).
 DMOE_HD float round_to_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
 
+// The value a kernel stores for v: the float, or the float a bf16 buffer would hold (the CPU kernels' twins of
+// the GPU's rounding on store).
+inline float stored_value(double v, DType storage) {
+  const float f = float(v);
+  return storage == DType::bf16 ? round_to_bf16(f) : f;
+}
+
 }  // namespace dmoe

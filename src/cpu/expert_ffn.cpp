@@ -90,11 +90,6 @@ void add_outer_products(const G* g, const float* v, double* dw, int64_t rows, in
   }
 }
 
-float stored(double v, DType storage) {
-  const float f = float(v);
-  return storage == DType::bf16 ? round_to_bf16(f) : f;
-}
-
 }  // namespace
 
 float activation_forward(Activation activation, float x) { return float(act_value(activation, x)); }
@@ -118,7 +113,7 @@ void expert_ffn_forward(const float* x, const float* w1, const float* w3, const 
   }
   for (int64_t idx = 0; idx < n * ffn; ++idx) {
     const double a = act_value(activation, pre1[idx]);
-    h[idx] = stored(is_swiglu ? a * double(pre3[idx]) : a, storage);
+    h[idx] = stored_value(is_swiglu ? a * double(pre3[idx]) : a, storage);
   }
   gemm_nt(h, w2, out, n, hidden, ffn);  // out [n, H]
   round_if_bf16(out, n * hidden, storage);
@@ -161,7 +156,7 @@ void expert_ffn_backward(const float* x, const float* w1, const float* w3, const
     std::fill(dx_acc.begin(), dx_acc.end(), 0.0);
     add_row_products(dpre1.data(), w1, dx_acc.data(), rows, ffn, hidden);
     if (is_swiglu) add_row_products(dpre3.data(), w3, dx_acc.data(), rows, ffn, hidden);
-    for (int64_t idx = 0; idx < rows * hidden; ++idx) dx[r0 * hidden + idx] = stored(dx_acc[idx], storage);
+    for (int64_t idx = 0; idx < rows * hidden; ++idx) dx[r0 * hidden + idx] = stored_value(dx_acc[idx], storage);
 
     // Weight gradients: dw2 += dout^T · h, dw1 += dpre1^T · x, dw3 += dpre3^T · x.
     add_outer_products(dout + r0 * hidden, h + r0 * ffn, dw2, rows, hidden, ffn);

@@ -10,16 +10,6 @@
 
 namespace dmoe::cpu {
 
-namespace {
-
-// The value a kernel stores: float, or the float a bf16 buffer would hold.
-float stored(double v, DType storage) {
-  const float f = float(v);
-  return storage == DType::bf16 ? round_to_bf16(f) : f;
-}
-
-}  // namespace
-
 void gather_rows(const float* x, const int32_t* rows, float* out, int64_t n, int64_t hidden) {
   for (int64_t i = 0; i < n; ++i) {
     DMOE_REQUIRE(rows[i] >= 0, "gather_rows: row {} has source row {}; must be >= 0", i, rows[i]);
@@ -53,7 +43,7 @@ void combine(const float* rows, const int32_t* slot, const float* weights, const
     }
     if (addend != nullptr)
       for (int64_t i = 0; i < hidden; ++i) acc[i] += double(addend[t * hidden + i]);
-    for (int64_t i = 0; i < hidden; ++i) y[t * hidden + i] = stored(acc[i], storage);
+    for (int64_t i = 0; i < hidden; ++i) y[t * hidden + i] = stored_value(acc[i], storage);
   }
 }
 
@@ -75,7 +65,7 @@ void combine_backward(const float* dy, const float* rows, const int32_t* slot, c
       double dot = 0;
       for (int64_t i = 0; i < hidden; ++i) {
         dot += double(dy_row[i]) * double(row[i]);
-        drow[i] = stored(w * double(dy_row[i]), storage);
+        drow[i] = stored_value(w * double(dy_row[i]), storage);
       }
       dweights[t * top_k + j] = float(dot);
     }

@@ -56,7 +56,7 @@ void expect_user_error(const Result& r, const std::string& needle, const std::st
       << what << ": a source location on a user error\n" << r.output;
 }
 
-std::string error_of(const std::function<void()>& fn) {
+std::string input_error_of(const std::function<void()>& fn) {
   try {
     fn();
   } catch (const Error& e) {
@@ -382,29 +382,29 @@ TEST(BadInputConfig, FieldsThatCannotTakeEffectAreRefused) {
                       {"num_local_experts", 4}, {"num_experts_per_tok", 2}};
   json jitter = layer;
   jitter["router_jitter_noise"] = 0.1;
-  EXPECT_NE(error_of([&] { config_from_json(jitter); }).find("router_jitter_noise = 0.1 is not supported"),
+  EXPECT_NE(input_error_of([&] { config_from_json(jitter); }).find("router_jitter_noise = 0.1 is not supported"),
             std::string::npos);
   jitter["router_jitter_noise"] = 0.0;
   EXPECT_EQ(config_from_json(jitter).experts, 4);  // 0 is what dmoe does
   json dtypes = layer;
   dtypes["torch_dtype"] = "float32";
   dtypes["dtype"] = "bfloat16";
-  EXPECT_NE(error_of([&] { config_from_json(dtypes); }).find("disagree"), std::string::npos);
+  EXPECT_NE(input_error_of([&] { config_from_json(dtypes); }).find("disagree"), std::string::npos);
   dtypes["dtype"] = "float32";
   EXPECT_EQ(config_from_json(dtypes).dtype, DType::f32);
   // A dmoe config with one stray HF key is told why it was read as a Hugging Face config.json.
   const json stray = {{"hidden", 16}, {"ffn", 32}, {"experts", 4}, {"top_k", 2}, {"tokens", 8}, {"hidden_size", 16}};
-  EXPECT_NE(error_of([&] { config_from_json(stray); }).find("because it has 'hidden_size'"), std::string::npos);
+  EXPECT_NE(input_error_of([&] { config_from_json(stray); }).find("because it has 'hidden_size'"), std::string::npos);
   // "found null", not "found null null".
   json null_key = layer;
   null_key["router_aux_loss_coef"] = nullptr;
-  const std::string null_error = error_of([&] { config_from_json(null_key); });
+  const std::string null_error = input_error_of([&] { config_from_json(null_key); });
   EXPECT_NE(null_error.find("(found null)"), std::string::npos) << null_error;
   // A whole-model config: attention_dropout is not applied by dmoe's attention.
   json model = {{"model_type", "mixtral"},   {"vocab_size", 13},       {"hidden_size", 8},
                 {"intermediate_size", 6},    {"num_hidden_layers", 1}, {"num_attention_heads", 4},
                 {"num_local_experts", 4},    {"num_experts_per_tok", 2}, {"attention_dropout", 0.1}};
-  EXPECT_NE(error_of([&] { mixtral_config_from_json(model); }).find("attention_dropout = 0.1 is not supported"),
+  EXPECT_NE(input_error_of([&] { mixtral_config_from_json(model); }).find("attention_dropout = 0.1 is not supported"),
             std::string::npos);
   model["attention_dropout"] = 0.0;
   EXPECT_EQ(mixtral_config_from_json(model).num_local_experts, 4);
@@ -414,7 +414,7 @@ TEST(BadInputEnv, CommTimeoutMustBeFiniteAndBounded) {
   // rn13/rn14 (tenth session): 1e-6 s and 1e-300 s were accepted and the run failed or passed by timing.
   for (const char* bad : {"1e309", "inf", "1e10", "1e-6", "1e-300", "0.009"}) {
     ::setenv("DMOE_COMM_TIMEOUT_S", bad, 1);
-    EXPECT_NE(error_of([] { host_wait_timeout_seconds(); }).find("expected seconds in [0.01, 1e9]"), std::string::npos)
+    EXPECT_NE(input_error_of([] { host_wait_timeout_seconds(); }).find("expected seconds in [0.01, 1e9]"), std::string::npos)
         << bad;
   }
   ::setenv("DMOE_COMM_TIMEOUT_S", "0.01", 1);

@@ -11,10 +11,13 @@
 #include <string>
 
 #include "core/error.hpp"
+#include "error_test_util.hpp"
 #include "model/checkpoint.hpp"
 
 namespace dmoe {
 namespace {
+
+using test::error_of;
 
 MoeConfig small_config(Activation act) {
   MoeConfig c;
@@ -25,15 +28,6 @@ MoeConfig small_config(Activation act) {
   c.top_k = 2;
   c.activation = act;
   return c;
-}
-
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
 }
 
 #define EXPECT_HAS(msg, word) EXPECT_NE((msg).find(word), std::string::npos) << "missing '" << (word) << "' in: " << (msg)

@@ -15,11 +15,14 @@
 #include <vector>
 
 #include "core/error.hpp"
+#include "error_test_util.hpp"
 #include "core/random.hpp"
 #include "model/safetensors.hpp"
 
 namespace dmoe {
 namespace {
+
+using test::error_of;
 
 std::string temp_path(const std::string& tag) {
   const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
@@ -52,15 +55,6 @@ void expect_parse_error(std::vector<uint8_t> bytes, const std::vector<std::strin
     EXPECT_NE(msg.find("bad.safetensors"), std::string::npos) << msg;
     for (const auto& w : words) EXPECT_NE(msg.find(w), std::string::npos) << "missing '" << w << "' in: " << msg;
   }
-}
-
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
 }
 
 TEST(SafetensorsTest, RoundTripWithMetadata) {
