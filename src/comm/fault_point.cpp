@@ -29,6 +29,7 @@ void Comm::exit_rank(const std::string& why) {
 
 void fault_point(Comm& comm, FaultStage stage) {
   comm.enter_stage(stage);
+  note_stage_reached(comm.rank(), stage);
   const std::optional<Fault> fault = fault_from_env();
   // A rank that does not exist would never fail, and the run would pass as if the fault had been survived.
   DMOE_REQUIRE_INPUT(!fault || fault->rank < comm.world(), "DMOE_FAULT names rank {}, but this run has {} ranks "

@@ -2,6 +2,9 @@
 #include "core/fault.hpp"
 
 #include <cstdlib>
+#include <mutex>
+#include <set>
+#include <utility>
 
 #include "core/error.hpp"
 
@@ -64,6 +67,51 @@ Fault parse_fault(std::string_view text) {
     }
   if (!kind_found) bad_spec(text, "kind");
   return f;
+}
+
+namespace {
+struct StagesReached {
+  std::mutex mutex;
+  std::set<int32_t> ranks;
+  std::set<std::pair<int32_t, FaultStage>> reached;
+};
+StagesReached& stages_reached() {
+  static StagesReached s;
+  return s;
+}
+}  // namespace
+
+void note_stage_reached(int32_t rank, FaultStage stage) {
+  StagesReached& s = stages_reached();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  s.ranks.insert(rank);
+  s.reached.insert({rank, stage});
+}
+
+void reset_stages_reached() {
+  StagesReached& s = stages_reached();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  s.ranks.clear();
+  s.reached.clear();
+}
+
+std::string unfired_fault(std::string_view command) {
+  const std::optional<Fault> fault = fault_from_env();
+  if (!fault) return "";
+  StagesReached& s = stages_reached();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  const std::string spec = fmt::format("DMOE_FAULT={}:{}:{}", fault->rank, fault_stage_name(fault->stage),
+                                       fault_kind_name(fault->kind));
+  if (s.ranks.empty())
+    return fmt::format("{} did not fire: `dmoe {}` passed no fault point (they are in the MoE layer's exchanges and "
+                       "stages: run, bench layer, train, eval, flow measure); unset DMOE_FAULT", spec, command);
+  if (!s.ranks.count(fault->rank) || s.reached.count({fault->rank, fault->stage})) return "";
+  std::string seen;
+  for (FaultStage st : kStages)
+    if (s.reached.count({fault->rank, st})) seen += std::string(seen.empty() ? "" : ", ") + fault_stage_name(st);
+  return fmt::format("{} did not fire: rank {} ran in this process but never reached stage {} (it reached: {}); "
+                     "choose a stage this run reaches, or unset DMOE_FAULT", spec, fault->rank,
+                     fault_stage_name(fault->stage), seen);
 }
 
 std::optional<Fault> fault_from_env() {

@@ -36,4 +36,12 @@ Fault parse_fault(std::string_view text);
 // DMOE_FAULT, parsed on every call (so a test can set it between runs); nullopt when unset or empty.
 std::optional<Fault> fault_from_env();
 
+// What fault points this process passed (comm/fault_point.cpp calls note_stage_reached), so that a run whose fault
+// never fired does not end as if it had been survived: unfired_fault() says why DMOE_FAULT did not fire where it
+// should have — its rank ran in this process but never reached its stage, or no rank of this process passed a
+// fault point at all — and is empty otherwise (no DMOE_FAULT, it fired, or its rank runs in another process).
+void note_stage_reached(int32_t rank, FaultStage stage);
+std::string unfired_fault(std::string_view command);
+void reset_stages_reached();  // for tests
+
 }  // namespace dmoe

@@ -220,6 +220,23 @@ TEST_F(BadInput, OptionValuesCli11WouldTakeSilentlyAreRefused) {
                             "DMOE_FAULT=9:alltoall:throw"),
                     "DMOE_FAULT names rank 9, but this run has 2 ranks", "fault on a missing rank");
   EXPECT_FALSE(fs::exists(p("y.st")));
+  // DMOE_FAULT on a stage the run never reaches (a forward has no backward), or on a command without fault points,
+  // never fired either, and the run ended with rc 0 as if the fault had been survived.
+  expect_user_error(run_cli("run --hidden 8 --ffn 8 --experts 4 --top-k 2 --world 2 --weights " + p("w.st") +
+                                " --input " + p("x.st") + " --output " + p("y.st"),
+                            "DMOE_FAULT=1:backward:throw"),
+                    "rank 1 ran in this process but never reached stage backward (it reached: before_dispatch, "
+                    "alltoall, expert_gemm, combine", "fault on an unreached stage");
+  expect_user_error(run_cli("init --hidden 8 --ffn 8 --experts 4 --top-k 2 --tokens 2 --out " + p("w2.st"),
+                            "DMOE_FAULT=0:alltoall:throw"),
+                    "`dmoe init` passed no fault point", "fault on a command without fault points");
+  // A fault that fires is unchanged; one whose rank runs in another process is that process's to report.
+  const Result fired = run_cli("run --hidden 8 --ffn 8 --experts 4 --top-k 2 --world 2 --weights " + p("w.st") +
+                                   " --input " + p("x.st") + " --output " + p("y3.st"),
+                               "DMOE_FAULT=1:combine:throw");
+  EXPECT_NE(fired.status, 0) << fired.output;
+  EXPECT_NE(fired.output.find("injected fault: rank 1 failed at stage combine"), std::string::npos) << fired.output;
+  EXPECT_EQ(fired.output.find("did not fire"), std::string::npos) << fired.output;
   // bench --peers needs the GPU; on the CPU engine it was silently left out.
   expect_user_error(run_cli("bench --engine cpu --peers --repeat 1 --warmup 0 --tokens 2 --hidden 8 --ffn 8 "
                             "--experts 4 --top-k 2 -n 1"),

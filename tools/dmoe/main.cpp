@@ -16,6 +16,7 @@
 #include "commands.hpp"
 #include "options.hpp"
 #include "core/error.hpp"
+#include "core/fault.hpp"
 #include "core/host_resources.hpp"
 
 #ifndef DMOE_VERSION
@@ -70,8 +71,20 @@ int main(int argc, char** argv) {
   for (CLI::App* sub : app.get_subcommands({})) dmoe::cli::check_option_values(*sub);
   try {
     app.parse(argc, argv);
-    for (auto& [sub, run] : commands)
-      if (sub->parsed()) return run();
+    for (auto& [sub, run] : commands) {
+      if (!sub->parsed()) continue;
+      const int rc = run();
+      // A fault test whose fault never fired must not pass as if the fault had been survived. The launcher's own
+      // process runs no rank (its ranks check themselves).
+      if (rc == 0 && sub->get_name() != "launch") {
+        const std::string unfired = dmoe::unfired_fault(sub->get_name());
+        if (!unfired.empty()) {
+          std::fprintf(stderr, "dmoe: error: %s\n", unfired.c_str());
+          return 1;
+        }
+      }
+      return rc;
+    }
     return 0;
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
