@@ -182,6 +182,9 @@ struct CudaMixtralModel::Impl {
   std::string attention = "own";
   StageTimer timer;
   EngineMarks marks;
+  // grad_sum_of_squares' two f64 sums, allocated once: a Buffer per call cost a cudaMalloc and a cudaFree (which
+  // synchronises the device) every step. Released before the backend (impl_ is declared after backend_).
+  Buffer norm_sums;
   ~Impl() {
     if (cublas && cuda::wait_stream_quietly(stream)) (void)cublasDestroy(cublas);
     if (head_event) (void)cudaEventDestroy(head_event);
@@ -724,8 +727,8 @@ void CudaMixtralModel::reduce_grads() {
 
 void CudaMixtralModel::grad_sum_of_squares(double out[2]) {
   StageScope scope(impl_->timer, "gradient norm");
-  Buffer acc(*backend_);
-  double* d = static_cast<double*>(acc.ensure(16));
+  impl_->norm_sums.bind(*backend_);
+  double* d = static_cast<double*>(impl_->norm_sums.ensure(16));
   const int64_t split = layout_.group_begin[ParamLayout::experts];
   cuda::sum_of_squares(g(0), split, d, impl_->ws, impl_->stream);
   cuda::sum_of_squares(g(split), layout_.total() - split, d + 1, impl_->ws, impl_->stream);
