@@ -12,6 +12,11 @@
 // silent long runs; train's --tune-file onto its other files, tuning-file choices misread, --resume state files
 // of the wrong types and --init beside --resume; whole models too large for the memory; bench's GEMM/model options
 // elsewhere; launch --gpus '0,'.
+// The eleventh session's pass (after the tenth's tests): Flow's simulator looping forever on costs far apart
+// (shared link) and overflowing costs reported with a source location or as inf/nan with rc 0; project's cluster
+// files and --experts; a model config's rope_scaling and initializer_range; train --save checked only after the
+// training, or replacing an unrelated directory's config.json; --resume with another model config; DMOE_FAULT read
+// only after a command had written its outputs; bench's single-rank check under capacity drops.
 //
 // Run: dmoe_unit_tests --gtest_filter='BadInput*'
 #include <gtest/gtest.h>
@@ -425,6 +430,48 @@ TEST(BadInputConfig, FieldsThatCannotTakeEffectAreRefused) {
             std::string::npos);
   model["attention_dropout"] = 0.0;
   EXPECT_EQ(mixtral_config_from_json(model).num_local_experts, 4);
+}
+
+// ---- Eleventh session's pass (docs/faults.md, "Bad-input pass (2026-12-02, eleventh session)"): each case failed
+// before its fix (a hang shows as the `timeout` status 124).
+
+Result run_cli_bounded(const std::string& args, const std::string& env = "") {
+  return test::run_shell((env.empty() ? "" : env + " ") + "timeout 30 " + std::string(DMOE_CLI_PATH) + " " + args);
+}
+
+void write_json_file(const fs::path& path, const json& j) { std::ofstream(path) << j.dump(1); }
+
+TEST_F(BadInput, FlowCostsFarApartOverflowingOrAllZeroEndWithoutAHang) {
+  const json costs = json::parse(slurp(p("costs.json")));
+  // fs1: one task of 1e300 ms beside 0.1 ms ones: the shared link's loop never advanced (t + 0.1 == t).
+  json far = costs;
+  far["tasks"]["D"]["batch_ms"] = 1e300;
+  write_json_file(p("far.json"), far);
+  const Result shared = run_cli_bounded("flow simulate --costs " + p("far.json") + " --link shared");
+  EXPECT_EQ(shared.status, 0) << shared.output;
+  EXPECT_NE(shared.output.find("tuned"), std::string::npos) << shared.output;
+  // fs2, fs3: costs whose sums overflow: "(simulator.cpp:193)" in simulate, "(tuner.cpp:217)" in tune.
+  json huge = costs;
+  huge["tasks"]["AT"]["batch_ms"] = 1e308;
+  write_json_file(p("huge.json"), huge);
+  expect_user_error(run_cli_bounded("flow simulate --costs " + p("huge.json")), "overflow", "simulate, costs overflow");
+  expect_user_error(run_cli_bounded("flow tune --samples 3 --costs " + p("huge.json")), "overflow",
+                    "tune, costs overflow");
+  // fs4: every cost 0: a 0 ms step, "-nanx" speed-ups with rc 0.
+  json zero = costs;
+  for (auto& [name, task] : zero["tasks"].items()) task = {{"fixed_ms", 0}, {"batch_ms", 0}};
+  zero["allreduce"]["alpha_ms"] = 0;
+  zero["dense_grad_bytes_per_layer"] = 0;
+  write_json_file(p("zero.json"), zero);
+  expect_user_error(run_cli_bounded("flow simulate --costs " + p("zero.json")), "every cost is 0", "all-zero costs");
+  expect_user_error(run_cli_bounded("flow tune --samples 3 --costs " + p("zero.json")), "every cost is 0",
+                    "tune, all-zero costs");
+  // fs5: dense_grad_bytes_per_layer past the graph's limit ended in "(task_graph.cpp:81)".
+  json dense = costs;
+  dense["dense_grad_bytes_per_layer"] = int64_t(1) << 62;
+  write_json_file(p("dense.json"), dense);
+  expect_user_error(run_cli_bounded("flow simulate --costs " + p("dense.json")),
+                    "dense_grad_bytes_per_layer = 4611686018427387904: must be at most 2^40", "dense bytes 2^62");
 }
 
 TEST(BadInputEnv, CommTimeoutMustBeFiniteAndBounded) {
