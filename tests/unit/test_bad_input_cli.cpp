@@ -474,6 +474,34 @@ TEST_F(BadInput, FlowCostsFarApartOverflowingOrAllZeroEndWithoutAHang) {
                     "dense_grad_bytes_per_layer = 4611686018427387904: must be at most 2^40", "dense bytes 2^62");
 }
 
+TEST_F(BadInput, FlowProjectClusterFilesAndExpertsAreChecked) {
+  const json h200 = json::parse(slurp(fs::path(DMOE_SOURCE_DIR) / "bench/flow/clusters/h200.json"));
+  const std::string project = "flow project --config llama2-moe --gpus 16 --experts 16 --cluster ";
+  auto cluster = [&](const std::string& name, const std::function<void(json&)>& edit) {
+    json c = h200;
+    edit(c);
+    write_json_file(p(name), c);
+    return project + p(name);
+  };
+  // fp1, fp2: finite numbers whose costs are not: "(simulator.cpp:24)", "(simulator.cpp:29)".
+  expect_user_error(run_cli_bounded(cluster("slow.json", [](json& c) { c["flop_per_s"] = 1e-300; })),
+                    "would take inf ms with cluster", "flop_per_s 1e-300");
+  expect_user_error(run_cli_bounded(cluster("fast.json", [](json& c) { c["nvlink_gbytes_per_s"] = 1e300; })),
+                    "nvlink_gbytes_per_s = 1e+300: must be > 0 and <= 1e200", "nvlink 1e300");
+  // fp3: a bandwidth of 1e-300 GB/s looped forever in the shared link's simulation.
+  const Result tiny = run_cli_bounded(cluster("tiny_bw.json", [](json& c) { c["net_gbytes_per_s"] = 1e-300; }));
+  EXPECT_NE(tiny.status, 124) << "hang\n" << tiny.output;
+  EXPECT_FALSE(std::regex_search(tiny.output, std::regex(R"(\.(cpp|hpp|cu):[0-9]+\))"))) << tiny.output;
+  // fp4: a name that is not a string was replaced by the path without a word.
+  expect_user_error(run_cli_bounded(cluster("name.json", [](json& c) { c["name"] = 5; })), "name: must be a string",
+                    "name 5");
+  // fp5, fp6: --experts below 1 was ignored (the config's 16 used), below top_k accepted; rc 0 both.
+  expect_user_error(run_cli_bounded("flow project --config llama2-moe --cluster h200 --gpus 16 --experts -16"),
+                    "--experts -16: must be >= num_experts_per_tok = 1", "--experts -16");
+  expect_user_error(run_cli_bounded("flow project --config gpt2-tiny-moe --cluster h200 --gpus 1 --experts 1"),
+                    "--experts 1: must be >= num_experts_per_tok = 2", "--experts 1 < k");
+}
+
 TEST(BadInputEnv, CommTimeoutMustBeFiniteAndBounded) {
   // rn13/rn14 (tenth session): 1e-6 s and 1e-300 s were accepted and the run failed or passed by timing.
   for (const char* bad : {"1e309", "inf", "1e10", "1e-6", "1e-300", "0.009"}) {
