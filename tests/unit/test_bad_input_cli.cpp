@@ -502,6 +502,27 @@ TEST_F(BadInput, FlowProjectClusterFilesAndExpertsAreChecked) {
                     "--experts 1: must be >= num_experts_per_tok = 2", "--experts 1 < k");
 }
 
+TEST_F(BadInput, ModelConfigRopeScalingAndInitializerRangeAreChecked) {
+  json tiny = json::parse(slurp(p("tiny.json")));
+  auto init_model = [&](const std::string& name, const std::function<void(json&)>& edit) {
+    json c = tiny;
+    edit(c);
+    write_json_file(p(name + ".json"), c);
+    return run_cli_bounded("init-model --config " + p(name + ".json") + " --out " + p(name + ".st"));
+  };
+  // hm1: {"rope_type": 5} ended in "unexpected error: [json.exception.type_error.302]", rc 2.
+  expect_user_error(init_model("rope", [](json& c) { c["rope_scaling"] = {{"rope_type", 5}}; }),
+                    "rope_scaling {\"rope_type\":5} is not supported", "rope_type 5");
+  // hm2, hm3: written with rc 0 (negated weights; inf weights that eval then blamed on the router).
+  expect_user_error(init_model("neg", [](json& c) { c["initializer_range"] = -0.02; }),
+                    "initializer_range = -0.02 must be in [0, 1e37]", "initializer_range < 0");
+  expect_user_error(init_model("huge", [](json& c) { c["initializer_range"] = 1e300; }), "initializer_range = 1e+300",
+                    "initializer_range 1e300");
+  EXPECT_FALSE(fs::exists(p("neg.st")));
+  EXPECT_FALSE(fs::exists(p("huge.st")));
+  EXPECT_EQ(init_model("zero", [](json& c) { c["initializer_range"] = 0; }).status, 0);
+}
+
 TEST(BadInputEnv, CommTimeoutMustBeFiniteAndBounded) {
   // rn13/rn14 (tenth session): 1e-6 s and 1e-300 s were accepted and the run failed or passed by timing.
   for (const char* bad : {"1e309", "inf", "1e10", "1e-6", "1e-300", "0.009"}) {
