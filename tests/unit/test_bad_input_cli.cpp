@@ -523,6 +523,41 @@ TEST_F(BadInput, ModelConfigRopeScalingAndInitializerRangeAreChecked) {
   EXPECT_EQ(init_model("zero", [](json& c) { c["initializer_range"] = 0; }).status, 0);
 }
 
+TEST_F(BadInput, TrainSaveIsCheckedBeforeTheTraining) {
+  const std::string train = "train --config " + p("tiny.json") + " --data " + p("data") + " --steps 1 --seq 16 "
+                            "--batch 2 --save ";
+  // ts1: an unrelated directory's config.json was replaced by the checkpoint's, rc 0.
+  fs::create_directories(p("other"));
+  std::ofstream(p("other/config.json")) << "{\"mine\": 1}";
+  expect_user_error(run_cli_bounded(train + p("other")), "holds a config.json but no trainer_state.json",
+                    "--save into an unrelated directory");
+  EXPECT_EQ(slurp(p("other/config.json")), "{\"mine\": 1}");
+  // ts2: a directory where no file can be created failed only after the training ("step 1/1 | loss ...").
+  const Result proc = run_cli_bounded(train + "/proc/sys");
+  expect_user_error(proc, "cannot create a temporary file in '/proc/sys'", "--save /proc/sys");
+  EXPECT_EQ(proc.output.find("| loss"), std::string::npos) << proc.output;
+  const Result under_proc = run_cli_bounded(train + "/proc/sys/new/ck");
+  expect_user_error(under_proc, "cannot create a temporary file in '/proc/sys'", "--save /proc/sys/new/ck");
+  EXPECT_EQ(under_proc.output.find("| loss"), std::string::npos) << under_proc.output;
+  // Still fine: new nested names, and the checkpoint saved again into itself.
+  ASSERT_EQ(run_cli_bounded(train + p("new/nested/ck")).status, 0);
+  EXPECT_EQ(run_cli_bounded(train + p("new/nested/ck")).status, 0);
+  // rs1: a checkpoint of an untied model resumed with tie_word_embeddings true: rc 0, its lm_head dropped.
+  json tied = json::parse(slurp(p("tiny.json")));
+  tied["tie_word_embeddings"] = true;
+  write_json_file(p("tied.json"), tied);
+  expect_user_error(run_cli_bounded("train --config " + p("tied.json") + " --data " + p("data") + " --steps 2 --seq 16 "
+                                    "--batch 2 --resume " + p("new/nested/ck")),
+                    "differs from this run's --config: tie_word_embeddings false (this run: true)", "resume, tied");
+  EXPECT_EQ(run_cli_bounded("train --config " + p("tiny.json") + " --data " + p("data") + " --steps 2 --seq 16 "
+                            "--batch 2 --resume " + p("new/nested/ck")).status, 0);
+  // td1: --data with its text in a subdirectory only: "has 0 bytes", without saying why.
+  fs::create_directories(p("outer/inner"));
+  fs::copy_file(p("data/a.txt"), p("outer/inner/a.txt"));
+  expect_user_error(run_cli_bounded("train --config " + p("tiny.json") + " --data " + p("outer") + " --steps 1"),
+                    "subdirectories are not read", "--data with a subdirectory only");
+}
+
 TEST(BadInputEnv, CommTimeoutMustBeFiniteAndBounded) {
   // rn13/rn14 (tenth session): 1e-6 s and 1e-300 s were accepted and the run failed or passed by timing.
   for (const char* bad : {"1e309", "inf", "1e10", "1e-6", "1e-300", "0.009"}) {
