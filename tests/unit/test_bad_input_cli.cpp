@@ -234,7 +234,7 @@ TEST_F(BadInput, OptionValuesCli11WouldTakeSilentlyAreRefused) {
                     "alltoall, expert_gemm, combine", "fault on an unreached stage");
   expect_user_error(run_cli("init --hidden 8 --ffn 8 --experts 4 --top-k 2 --tokens 2 --out " + p("w2.st"),
                             "DMOE_FAULT=0:alltoall:throw"),
-                    "`dmoe init` passed no fault point", "fault on a command without fault points");
+                    "`dmoe init` passes no fault point", "fault on a command without fault points");
   // A fault that fires is unchanged; one whose rank runs in another process is that process's to report.
   const Result fired = run_cli("run --hidden 8 --ffn 8 --experts 4 --top-k 2 --world 2 --weights " + p("w.st") +
                                    " --input " + p("x.st") + " --output " + p("y3.st"),
@@ -556,6 +556,25 @@ TEST_F(BadInput, TrainSaveIsCheckedBeforeTheTraining) {
   fs::copy_file(p("data/a.txt"), p("outer/inner/a.txt"));
   expect_user_error(run_cli_bounded("train --config " + p("tiny.json") + " --data " + p("outer") + " --steps 1"),
                     "subdirectories are not read", "--data with a subdirectory only");
+}
+
+TEST_F(BadInput, FaultForACommandWithoutFaultPointsIsRefusedBeforeItsWork) {
+  const std::string init = "init --hidden 8 --ffn 8 --experts 4 --top-k 2 --tokens 2 --out ";
+  // fi1, fi2: the error came after the work, with the output written (rc 1).
+  expect_user_error(run_cli_bounded(init + p("a.st"), "DMOE_FAULT=garbage"), "DMOE_FAULT='garbage' is invalid",
+                    "invalid DMOE_FAULT");
+  EXPECT_FALSE(fs::exists(p("a.st")));
+  expect_user_error(run_cli_bounded(init + p("b.st"), "DMOE_FAULT=0:alltoall:throw"),
+                    "`dmoe init` passes no fault point", "init with DMOE_FAULT");
+  EXPECT_FALSE(fs::exists(p("b.st")));
+  expect_user_error(run_cli_bounded("init-model --config " + p("tiny.json") + " --out " + p("m.st"),
+                                    "DMOE_FAULT=0:alltoall:throw"),
+                    "`dmoe init-model` passes no fault point", "init-model with DMOE_FAULT");
+  EXPECT_FALSE(fs::exists(p("m.st")));
+  expect_user_error(run_cli_bounded("flow simulate --costs " + p("costs.json") + " --json " + p("j.json"),
+                                    "DMOE_FAULT=0:alltoall:throw"),
+                    "`dmoe flow simulate` passes no fault point", "flow simulate with DMOE_FAULT");
+  EXPECT_FALSE(fs::exists(p("j.json")));
 }
 
 TEST(BadInputEnv, CommTimeoutMustBeFiniteAndBounded) {

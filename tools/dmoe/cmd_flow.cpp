@@ -33,6 +33,7 @@
 #include "bench/device_probe.hpp"
 #include "commands.hpp"
 #include "core/error.hpp"
+#include "core/fault.hpp"
 #include "core/host_resources.hpp"
 #include "core/output_file.hpp"
 #include "core/random.hpp"
@@ -705,6 +706,7 @@ Command add_flow_command(CLI::App& app) {
     DMOE_REQUIRE_INPUT(o->action == "simulate" || o->action == "tune" || o->action == "measure" ||
                            o->action == "project",
                        "flow {}: unknown action (allowed: simulate, tune, project, measure)", o->action);
+    if (o->action != "measure") require_no_fault_injected("flow " + o->action);  // only the executors have fault points
     o->schedule_given = sub->count("--schedule") > 0;
     o->experts_given = sub->count("--experts") > 0;
     if (o->action == "project" && sub->count("--link") == 0) o->link = "shared";
