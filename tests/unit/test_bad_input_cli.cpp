@@ -577,6 +577,14 @@ TEST_F(BadInput, FaultForACommandWithoutFaultPointsIsRefusedBeforeItsWork) {
   EXPECT_FALSE(fs::exists(p("j.json")));
 }
 
+TEST_F(BadInput, BenchSaysWhenItsSingleRankCheckCannotMatch) {
+  // bn1: with capacity drops at W = 4 "max|y-ref| 0.13" was printed with rc 0 and no word that it is expected.
+  const Result r = run_cli_bounded("bench --engine cpu --repeat 1 --warmup 0 --no-backward --tokens 1 --hidden 1 "
+                                   "--ffn 1 --experts 4 --top-k 1 --world 4 --capacity-factor 0.0001");
+  EXPECT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("max|y-ref| is not expected to be 0 here"), std::string::npos) << r.output;
+}
+
 TEST(BadInputEnv, CommTimeoutMustBeFiniteAndBounded) {
   // rn13/rn14 (tenth session): 1e-6 s and 1e-300 s were accepted and the run failed or passed by timing.
   for (const char* bad : {"1e309", "inf", "1e10", "1e-6", "1e-300", "0.009"}) {
