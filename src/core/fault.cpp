@@ -95,13 +95,27 @@ void reset_stages_reached() {
   s.reached.clear();
 }
 
+namespace {
+std::string fault_spec(const Fault& f) {
+  return fmt::format("DMOE_FAULT={}:{}:{}", f.rank, fault_stage_name(f.stage), fault_kind_name(f.kind));
+}
+std::string no_fault_point(const Fault& f, std::string_view command) {
+  return fmt::format("{} cannot fire: `dmoe {}` passes no fault point (they are in the MoE layer's exchanges and "
+                     "stages: run, bench layer, train, eval, flow measure); unset DMOE_FAULT", fault_spec(f), command);
+}
+}  // namespace
+
+void require_no_fault_injected(std::string_view command) {
+  const std::optional<Fault> fault = fault_from_env();
+  if (fault) DMOE_FAIL_INPUT("{}", no_fault_point(*fault, command));
+}
+
 std::string unfired_fault(std::string_view command) {
   const std::optional<Fault> fault = fault_from_env();
   if (!fault) return "";
   StagesReached& s = stages_reached();
   std::lock_guard<std::mutex> lock(s.mutex);
-  const std::string spec = fmt::format("DMOE_FAULT={}:{}:{}", fault->rank, fault_stage_name(fault->stage),
-                                       fault_kind_name(fault->kind));
+  const std::string spec = fault_spec(*fault);
   if (s.ranks.empty())
     return fmt::format("{} did not fire: `dmoe {}` passed no fault point (they are in the MoE layer's exchanges and "
                        "stages: run, bench layer, train, eval, flow measure); unset DMOE_FAULT", spec, command);

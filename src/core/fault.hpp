@@ -43,5 +43,8 @@ std::optional<Fault> fault_from_env();
 void note_stage_reached(int32_t rank, FaultStage stage);
 std::string unfired_fault(std::string_view command);
 void reset_stages_reached();  // for tests
+// For a command that passes no fault point (init, init-model, flow simulate|tune|project): with DMOE_FAULT set,
+// the input error unfired_fault() would give after the work, before it (so no output is written first).
+void require_no_fault_injected(std::string_view command);
 
 }  // namespace dmoe

@@ -2,6 +2,7 @@
 #include "flow/projection.hpp"
 
 #include <algorithm>
+#include <cmath>
 
 #include <nlohmann/json.hpp>
 
@@ -20,10 +21,18 @@ ClusterModel parse_cluster_model(const json& j, const std::string& where) {
              "alltoall_fixed_ms", "allreduce_alpha_ms", "notes"},
             where);
   ClusterModel c;
-  c.name = j.contains("name") && j.at("name").is_string() ? j.at("name").get<std::string>() : where;
-  c.flop_per_s = number_at(j, "flop_per_s", where);
-  c.nvlink_bytes_per_s = number_at(j, "nvlink_gbytes_per_s", where) * 1e9;
-  c.net_bytes_per_s = number_at(j, "net_gbytes_per_s", where) * 1e9;
+  for (const char* key : {"name", "notes"})  // free text, but text: a number here was dropped without a word
+    DMOE_REQUIRE_INPUT(!j.contains(key) || j.at(key).is_string(), "{}.{}: must be a string (got {})", where, key,
+                       j.at(key).dump());
+  c.name = j.contains("name") ? j.at("name").get<std::string>() : where;
+  const double flop = number_at(j, "flop_per_s", where), nvlink = number_at(j, "nvlink_gbytes_per_s", where),
+               net = number_at(j, "net_gbytes_per_s", where);
+  for (const auto& [key, v] : {std::pair<const char*, double>{"flop_per_s", flop}, {"nvlink_gbytes_per_s", nvlink},
+                               {"net_gbytes_per_s", net}})
+    DMOE_REQUIRE_INPUT(v > 0 && v <= 1e200, "{}.{} = {}: must be > 0 and <= 1e200", where, key, v);
+  c.flop_per_s = flop;
+  c.nvlink_bytes_per_s = nvlink * 1e9;
+  c.net_bytes_per_s = net * 1e9;
   const double g = number_at(j, "gpus_per_node", where);
   DMOE_REQUIRE_INPUT(g >= 1 && g <= 1024 && g == double(int32_t(g)), "{}.gpus_per_node = {}: must be an integer in "
                      "[1, 1024]", where, g);
@@ -31,10 +40,6 @@ ClusterModel parse_cluster_model(const json& j, const std::string& where) {
   c.compute_fixed_ms = number_at(j, "compute_fixed_ms", where);
   c.alltoall_fixed_ms = number_at(j, "alltoall_fixed_ms", where);
   c.allreduce_alpha_ms = number_at(j, "allreduce_alpha_ms", where);
-  for (const auto& [key, v] : {std::pair<const char*, double>{"flop_per_s", c.flop_per_s},
-                               {"nvlink_gbytes_per_s", c.nvlink_bytes_per_s},
-                               {"net_gbytes_per_s", c.net_bytes_per_s}})
-    DMOE_REQUIRE_INPUT(v > 0, "{}.{}: must be > 0", where, key);
   return c;
 }
 
@@ -82,6 +87,12 @@ CostModel project_costs(const ProjectionSpec& s, const ClusterModel& cl) {
   const double ring_bw = (P > cl.gpus_per_node ? cl.net_bytes_per_s : cl.nvlink_bytes_per_s) / 1e3;
   c.ar_alpha_ms = P > 1 ? cl.allreduce_alpha_ms : 0.0;
   c.ar_bytes_per_ms = P > 1 ? ring_bw / (2.0 * double(P - 1) / double(P)) : 1e15;  // W = 1: nothing to send
+  // Finite cluster numbers can still give costs that overflow (flop_per_s 1e-300: inf ms): the cluster's fault.
+  for (int k = 0; k < 8; ++k)
+    DMOE_REQUIRE_INPUT(std::isfinite(c.tasks[size_t(k)].batch_ms), "project: task {} would take {} ms with cluster "
+                       "'{}' (flop_per_s {}, nvlink {} GB/s, net {} GB/s): give a cluster with sizes that give finite "
+                       "times", task_kind_name(TaskKind(k)), c.tasks[size_t(k)].batch_ms, cl.name, cl.flop_per_s,
+                       cl.nvlink_bytes_per_s / 1e9, cl.net_bytes_per_s / 1e9);
   validate(c);
   return c;
 }

@@ -47,6 +47,9 @@ CostModel parse_cost_model(const json& j, const std::string& where) {
                "{}.dense_grad_bytes_per_layer = {}: must be an integer >= 0", where,
                j.at("dense_grad_bytes_per_layer").dump());
   c.dense_grad_bytes_per_layer = j.at("dense_grad_bytes_per_layer").get<int64_t>();
+  // The task graph's limit, checked here as the file's error (it ended in "(task_graph.cpp:81)").
+  DMOE_REQUIRE_INPUT(c.dense_grad_bytes_per_layer <= (int64_t(1) << 40), "{}.dense_grad_bytes_per_layer = {}: must be "
+                     "at most 2^40", where, c.dense_grad_bytes_per_layer);
   DMOE_REQUIRE_INPUT(j.contains("tasks"), "{}: missing key 'tasks' (AT, D, E, C, C', E', D', AT')", where);
   const json& tasks = j.at("tasks");
   only_keys(tasks, {"AT", "D", "E", "C", "C'", "E'", "D'", "AT'"}, where + ".tasks");
@@ -65,6 +68,13 @@ CostModel parse_cost_model(const json& j, const std::string& where) {
   const double gbps = number_at(j.at("allreduce"), "gbytes_per_s", where + ".allreduce");
   DMOE_REQUIRE_INPUT(gbps > 0, "{}.allreduce.gbytes_per_s = {}: must be > 0", where, gbps);
   c.ar_bytes_per_ms = gbps * 1e6;  // 1 GB/s = 1e9 B / 1e3 ms
+  DMOE_REQUIRE_INPUT(std::isfinite(c.ar_bytes_per_ms), "{}.allreduce.gbytes_per_s = {}: too large (at most 1e300)",
+                     where, gbps);
+  // With every cost 0 the step takes 0 ms and no speed-up is defined (simulate printed nan, rc 0).
+  bool any_cost = c.ar_alpha_ms > 0 || c.dense_grad_bytes_per_layer > 0;
+  for (const TaskCost& t : c.tasks) any_cost |= t.fixed_ms > 0 || t.batch_ms > 0;
+  DMOE_REQUIRE_INPUT(any_cost, "{}: every cost is 0 (tasks' fixed_ms and batch_ms, allreduce.alpha_ms, "
+                     "dense_grad_bytes_per_layer): the step would take 0 ms; give at least one cost > 0", where);
   validate(c);
   return c;
 }
@@ -189,9 +199,11 @@ namespace {
 SimResult run_simulation(const TaskGraph& g, const std::vector<double>& cost, LinkModel link, CommQueue& queue) {
   const size_t n = g.tasks.size();
   DMOE_REQUIRE(cost.size() == n, "costs: {} entries for {} tasks", cost.size(), n);
+  // Costs come from the user's cost file or cluster (finite each, but products and sums can overflow).
   for (size_t i = 0; i < n; ++i)
-    DMOE_REQUIRE(std::isfinite(cost[i]) && cost[i] >= 0, "cost of task {} = {}: must be finite and >= 0",
-                 g.describe(int32_t(i)), cost[i]);
+    DMOE_REQUIRE_INPUT(std::isfinite(cost[i]) && cost[i] >= 0, "cost of task {} = {} ms: must be finite and >= 0 (the "
+                       "costs overflow: give smaller fixed_ms/batch_ms, or a larger allreduce gbytes_per_s or cluster "
+                       "bandwidth)", g.describe(int32_t(i)), cost[i]);
   SimResult res;
   std::vector<uint8_t> done(n, 0);
   std::vector<double> end(n, 0);
@@ -266,15 +278,19 @@ SimResult run_simulation(const TaskGraph& g, const std::vector<double>& cost, Li
       // Rates now: 1 for compute, 1 / (communication tasks in flight) for those; the next end is the first task
       // to finish its remaining work at its rate. Everything in flight advances to then.
       const double share = 1.0 / std::max(1, link_tasks());
+      int32_t first = -1;  // the task that ends at `next`
       for (int32_t id : running) {
         const double rate = on_link(id) ? share : 1.0;
-        next = std::min(next, on_link(id) ? t + left[size_t(id)] / rate : end[size_t(id)]);
+        const double e = on_link(id) ? t + left[size_t(id)] / rate : end[size_t(id)];
+        if (e < next || first < 0) next = e, first = id;
       }
       for (int32_t id : running)
         if (on_link(id)) {
           left[size_t(id)] = std::max(0.0, left[size_t(id)] - (next - t) * share);
-          // A task whose remaining work is within rounding of 0 ends now.
-          if (left[size_t(id)] <= 1e-12 * std::max(1.0, cost[size_t(id)])) {
+          // A task whose remaining work is within rounding of 0 ends now, and so does the first to end whatever
+          // rounding left of it: when t is large beside its remaining work, t + left == t and nothing advanced
+          // (costs of 1e300 ms beside 0.1 ms ones looped forever).
+          if (id == first || left[size_t(id)] <= 1e-12 * std::max(1.0, cost[size_t(id)])) {
             end[size_t(id)] = next;
             res.events[event_of[size_t(id)]].end_ms = next;
           } else {
@@ -305,6 +321,12 @@ SimResult run_simulation(const TaskGraph& g, const std::vector<double>& cost, Li
      : task.stream == Stream::alltoall ? res.alltoall_busy_ms
                                        : res.allreduce_busy_ms) += c;
   }
+  DMOE_REQUIRE_INPUT(std::isfinite(res.step_ms) && std::isfinite(res.compute_busy_ms) &&
+                         std::isfinite(res.alltoall_busy_ms) && std::isfinite(res.allreduce_busy_ms),
+                     "the simulated step takes {} ms (compute {}, all-to-all {}, all-reduce {} ms): the task costs "
+                     "overflow when added up; give smaller fixed_ms/batch_ms, or a larger allreduce gbytes_per_s or "
+                     "cluster bandwidth", res.step_ms, res.compute_busy_ms, res.alltoall_busy_ms,
+                     res.allreduce_busy_ms);
   return res;
 }
 

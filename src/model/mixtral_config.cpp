@@ -86,6 +86,11 @@ void MixtralConfig::validate() const {
   DMOE_REQUIRE_INPUT(router_aux_loss_coef >= 0 && std::isfinite(router_aux_loss_coef),
                "{}: router_aux_loss_coef = {} must be >= 0", kWhat, router_aux_loss_coef);
   DMOE_REQUIRE_INPUT(sliding_window >= 0, "{}: sliding_window = {} must be null or positive", kWhat, sliding_window);
+  // The standard deviation of init-model's normal draws: a negative one was accepted (it drew negated weights), one
+  // past ~1e37 made the float32 weights inf (written with rc 0).
+  DMOE_REQUIRE_INPUT(initializer_range >= 0 && initializer_range <= 1e37, "{}: initializer_range = {} must be in [0, "
+                     "1e37] (the standard deviation of the initial weights; HF's default is 0.02)", kWhat,
+                     initializer_range);
 }
 
 void MixtralConfig::check_sequence(int64_t seq) const {
@@ -199,7 +204,12 @@ MixtralConfig mixtral_config_from_json(const json& j) {
   }
   if (present(j, "rope_scaling")) {  // transformers 4.x spelling of a non-default RoPE (key "rope_type" or "type")
     const json& rs = j.at("rope_scaling");
-    const bool is_default = rs.is_object() && rs.value("rope_type", rs.value("type", std::string())) == "default";
+    // rope_type (or type) is read only when it is a string: {"rope_type": 5} ended in an uncaught type_error.
+    auto text = [&](const char* key) {
+      return rs.is_object() && rs.contains(key) && rs.at(key).is_string() ? rs.at(key).get<std::string>() : "";
+    };
+    const bool is_default =
+        rs.is_object() && (rs.contains("rope_type") ? text("rope_type") : text("type")) == "default";
     DMOE_REQUIRE_INPUT(is_default, "{}: rope_scaling {} is not supported (only default RoPE: rope_scaling null)", kWhat,
                  rs.dump());
   }

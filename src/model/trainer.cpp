@@ -163,8 +163,10 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
   const int64_t val_bytes = int64_t(double(corpus.size()) * o.val_fraction);
   const int64_t train_bytes = int64_t(corpus.size()) - val_bytes;
   DMOE_REQUIRE_INPUT(train_bytes >= o.seq && val_bytes >= o.seq,
-               "train: --data {} has {} bytes: too few for --seq {} windows in both the training part ({} bytes) and "
-               "the held-out part ({} bytes)", o.data_path, corpus.size(), o.seq, train_bytes, val_bytes);
+               "train: --data {} has {} bytes{}: too few for --seq {} windows in both the training part ({} bytes) and "
+               "the held-out part ({} bytes)", o.data_path, corpus.size(),
+               fs::is_directory(o.data_path) ? " (the regular files directly in it; subdirectories are not read)" : "",
+               o.seq, train_bytes, val_bytes);
   auto train_batch = [&](int64_t step) {
     Rng rng(o.seed * 0x9e3779b97f4a7c15ull + uint64_t(step));
     std::vector<int32_t> tokens(o.batch * o.seq);
@@ -217,6 +219,21 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
       print(fmt::format("train: note: --steps {} replaces the saved run's {} (--resume {}): the warm-up and cosine "
                         "schedule are those of {} steps, not of the saved run's", o.steps,
                         state["steps"].get<int64_t>(), o.resume_dir, o.steps));
+    // The weights' shapes are checked when they are read, but a model that differs in anything else (tied embeddings,
+    // rope_theta, rms_norm_eps, ...) was resumed without a word: the saved config.json must be this run's model.
+    const fs::path saved_config = fs::path(o.resume_dir) / "config.json";
+    if (fs::exists(saved_config)) {
+      const json saved = mixtral_config_to_json(load_mixtral_config(saved_config.string())),
+                 now = mixtral_config_to_json(config);
+      std::string differ;
+      for (auto it = saved.begin(); it != saved.end(); ++it)
+        if (it.key() != "initializer_range" && it.key() != "output_router_logits" &&  // no effect on a resumed run
+            (!now.contains(it.key()) || now.at(it.key()) != it.value()))
+          differ += fmt::format("{}{} {} (this run: {})", differ.empty() ? "" : ", ", it.key(), it.value().dump(),
+                                now.contains(it.key()) ? now.at(it.key()).dump() : "none");
+      DMOE_REQUIRE_INPUT(differ.empty(), "--resume {}: the saved run's model ({}) differs from this run's --config: "
+                         "{}; resume with the saved config", o.resume_dir, saved_config.string(), differ);
+    }
     full = load_mixtral_weights(CheckpointReader::open((fs::path(o.resume_dir) / "model.safetensors").string()), config);
     const SafetensorsFile opt = SafetensorsFile::open((fs::path(o.resume_dir) / "optimizer.safetensors").string());
     read_prefixed(opt, "exp_avg.", full_m, config);

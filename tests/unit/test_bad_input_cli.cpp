@@ -12,6 +12,11 @@
 // silent long runs; train's --tune-file onto its other files, tuning-file choices misread, --resume state files
 // of the wrong types and --init beside --resume; whole models too large for the memory; bench's GEMM/model options
 // elsewhere; launch --gpus '0,'.
+// The eleventh session's pass (after the tenth's tests): Flow's simulator looping forever on costs far apart
+// (shared link) and overflowing costs reported with a source location or as inf/nan with rc 0; project's cluster
+// files and --experts; a model config's rope_scaling and initializer_range; train --save checked only after the
+// training, or replacing an unrelated directory's config.json; --resume with another model config; DMOE_FAULT read
+// only after a command had written its outputs; bench's single-rank check under capacity drops.
 //
 // Run: dmoe_unit_tests --gtest_filter='BadInput*'
 #include <gtest/gtest.h>
@@ -229,7 +234,7 @@ TEST_F(BadInput, OptionValuesCli11WouldTakeSilentlyAreRefused) {
                     "alltoall, expert_gemm, combine", "fault on an unreached stage");
   expect_user_error(run_cli("init --hidden 8 --ffn 8 --experts 4 --top-k 2 --tokens 2 --out " + p("w2.st"),
                             "DMOE_FAULT=0:alltoall:throw"),
-                    "`dmoe init` passed no fault point", "fault on a command without fault points");
+                    "`dmoe init` passes no fault point", "fault on a command without fault points");
   // A fault that fires is unchanged; one whose rank runs in another process is that process's to report.
   const Result fired = run_cli("run --hidden 8 --ffn 8 --experts 4 --top-k 2 --world 2 --weights " + p("w.st") +
                                    " --input " + p("x.st") + " --output " + p("y3.st"),
@@ -425,6 +430,159 @@ TEST(BadInputConfig, FieldsThatCannotTakeEffectAreRefused) {
             std::string::npos);
   model["attention_dropout"] = 0.0;
   EXPECT_EQ(mixtral_config_from_json(model).num_local_experts, 4);
+}
+
+// ---- Eleventh session's pass (docs/faults.md, "Bad-input pass (2026-12-02, eleventh session)"): each case failed
+// before its fix (a hang shows as the `timeout` status 124).
+
+Result run_cli_bounded(const std::string& args, const std::string& env = "") {
+  return test::run_shell((env.empty() ? "" : env + " ") + "timeout 30 " + std::string(DMOE_CLI_PATH) + " " + args);
+}
+
+void write_json_file(const fs::path& path, const json& j) { std::ofstream(path) << j.dump(1); }
+
+TEST_F(BadInput, FlowCostsFarApartOverflowingOrAllZeroEndWithoutAHang) {
+  const json costs = json::parse(slurp(p("costs.json")));
+  // fs1: one task of 1e300 ms beside 0.1 ms ones: the shared link's loop never advanced (t + 0.1 == t).
+  json far = costs;
+  far["tasks"]["D"]["batch_ms"] = 1e300;
+  write_json_file(p("far.json"), far);
+  const Result shared = run_cli_bounded("flow simulate --costs " + p("far.json") + " --link shared");
+  EXPECT_EQ(shared.status, 0) << shared.output;
+  EXPECT_NE(shared.output.find("tuned"), std::string::npos) << shared.output;
+  // fs2, fs3: costs whose sums overflow: "(simulator.cpp:193)" in simulate, "(tuner.cpp:217)" in tune.
+  json huge = costs;
+  huge["tasks"]["AT"]["batch_ms"] = 1e308;
+  write_json_file(p("huge.json"), huge);
+  expect_user_error(run_cli_bounded("flow simulate --costs " + p("huge.json")), "overflow", "simulate, costs overflow");
+  expect_user_error(run_cli_bounded("flow tune --samples 3 --costs " + p("huge.json")), "overflow",
+                    "tune, costs overflow");
+  // fs4: every cost 0: a 0 ms step, "-nanx" speed-ups with rc 0.
+  json zero = costs;
+  for (auto& [name, task] : zero["tasks"].items()) task = {{"fixed_ms", 0}, {"batch_ms", 0}};
+  zero["allreduce"]["alpha_ms"] = 0;
+  zero["dense_grad_bytes_per_layer"] = 0;
+  write_json_file(p("zero.json"), zero);
+  expect_user_error(run_cli_bounded("flow simulate --costs " + p("zero.json")), "every cost is 0", "all-zero costs");
+  expect_user_error(run_cli_bounded("flow tune --samples 3 --costs " + p("zero.json")), "every cost is 0",
+                    "tune, all-zero costs");
+  // fs5: dense_grad_bytes_per_layer past the graph's limit ended in "(task_graph.cpp:81)".
+  json dense = costs;
+  dense["dense_grad_bytes_per_layer"] = int64_t(1) << 62;
+  write_json_file(p("dense.json"), dense);
+  expect_user_error(run_cli_bounded("flow simulate --costs " + p("dense.json")),
+                    "dense_grad_bytes_per_layer = 4611686018427387904: must be at most 2^40", "dense bytes 2^62");
+}
+
+TEST_F(BadInput, FlowProjectClusterFilesAndExpertsAreChecked) {
+  const json h200 = json::parse(slurp(fs::path(DMOE_SOURCE_DIR) / "bench/flow/clusters/h200.json"));
+  const std::string project = "flow project --config llama2-moe --gpus 16 --experts 16 --cluster ";
+  auto cluster = [&](const std::string& name, const std::function<void(json&)>& edit) {
+    json c = h200;
+    edit(c);
+    write_json_file(p(name), c);
+    return project + p(name);
+  };
+  // fp1, fp2: finite numbers whose costs are not: "(simulator.cpp:24)", "(simulator.cpp:29)".
+  expect_user_error(run_cli_bounded(cluster("slow.json", [](json& c) { c["flop_per_s"] = 1e-300; })),
+                    "would take inf ms with cluster", "flop_per_s 1e-300");
+  expect_user_error(run_cli_bounded(cluster("fast.json", [](json& c) { c["nvlink_gbytes_per_s"] = 1e300; })),
+                    "nvlink_gbytes_per_s = 1e+300: must be > 0 and <= 1e200", "nvlink 1e300");
+  // fp3: a bandwidth of 1e-300 GB/s looped forever in the shared link's simulation.
+  const Result tiny = run_cli_bounded(cluster("tiny_bw.json", [](json& c) { c["net_gbytes_per_s"] = 1e-300; }));
+  EXPECT_NE(tiny.status, 124) << "hang\n" << tiny.output;
+  EXPECT_FALSE(std::regex_search(tiny.output, std::regex(R"(\.(cpp|hpp|cu):[0-9]+\))"))) << tiny.output;
+  // fp4: a name that is not a string was replaced by the path without a word.
+  expect_user_error(run_cli_bounded(cluster("name.json", [](json& c) { c["name"] = 5; })), "name: must be a string",
+                    "name 5");
+  // fp5, fp6: --experts below 1 was ignored (the config's 16 used), below top_k accepted; rc 0 both.
+  expect_user_error(run_cli_bounded("flow project --config llama2-moe --cluster h200 --gpus 16 --experts -16"),
+                    "--experts -16: must be >= num_experts_per_tok = 1", "--experts -16");
+  expect_user_error(run_cli_bounded("flow project --config gpt2-tiny-moe --cluster h200 --gpus 1 --experts 1"),
+                    "--experts 1: must be >= num_experts_per_tok = 2", "--experts 1 < k");
+}
+
+TEST_F(BadInput, ModelConfigRopeScalingAndInitializerRangeAreChecked) {
+  json tiny = json::parse(slurp(p("tiny.json")));
+  auto init_model = [&](const std::string& name, const std::function<void(json&)>& edit) {
+    json c = tiny;
+    edit(c);
+    write_json_file(p(name + ".json"), c);
+    return run_cli_bounded("init-model --config " + p(name + ".json") + " --out " + p(name + ".st"));
+  };
+  // hm1: {"rope_type": 5} ended in "unexpected error: [json.exception.type_error.302]", rc 2.
+  expect_user_error(init_model("rope", [](json& c) { c["rope_scaling"] = {{"rope_type", 5}}; }),
+                    "rope_scaling {\"rope_type\":5} is not supported", "rope_type 5");
+  // hm2, hm3: written with rc 0 (negated weights; inf weights that eval then blamed on the router).
+  expect_user_error(init_model("neg", [](json& c) { c["initializer_range"] = -0.02; }),
+                    "initializer_range = -0.02 must be in [0, 1e37]", "initializer_range < 0");
+  expect_user_error(init_model("huge", [](json& c) { c["initializer_range"] = 1e300; }), "initializer_range = 1e+300",
+                    "initializer_range 1e300");
+  EXPECT_FALSE(fs::exists(p("neg.st")));
+  EXPECT_FALSE(fs::exists(p("huge.st")));
+  EXPECT_EQ(init_model("zero", [](json& c) { c["initializer_range"] = 0; }).status, 0);
+}
+
+TEST_F(BadInput, TrainSaveIsCheckedBeforeTheTraining) {
+  const std::string train = "train --config " + p("tiny.json") + " --data " + p("data") + " --steps 1 --seq 16 "
+                            "--batch 2 --save ";
+  // ts1: an unrelated directory's config.json was replaced by the checkpoint's, rc 0.
+  fs::create_directories(p("other"));
+  std::ofstream(p("other/config.json")) << "{\"mine\": 1}";
+  expect_user_error(run_cli_bounded(train + p("other")), "holds a config.json but no trainer_state.json",
+                    "--save into an unrelated directory");
+  EXPECT_EQ(slurp(p("other/config.json")), "{\"mine\": 1}");
+  // ts2: a directory where no file can be created failed only after the training ("step 1/1 | loss ...").
+  const Result proc = run_cli_bounded(train + "/proc/sys");
+  expect_user_error(proc, "cannot create a temporary file in '/proc/sys'", "--save /proc/sys");
+  EXPECT_EQ(proc.output.find("| loss"), std::string::npos) << proc.output;
+  const Result under_proc = run_cli_bounded(train + "/proc/sys/new/ck");
+  expect_user_error(under_proc, "cannot create a temporary file in '/proc/sys'", "--save /proc/sys/new/ck");
+  EXPECT_EQ(under_proc.output.find("| loss"), std::string::npos) << under_proc.output;
+  // Still fine: new nested names, and the checkpoint saved again into itself.
+  ASSERT_EQ(run_cli_bounded(train + p("new/nested/ck")).status, 0);
+  EXPECT_EQ(run_cli_bounded(train + p("new/nested/ck")).status, 0);
+  // rs1: a checkpoint of an untied model resumed with tie_word_embeddings true: rc 0, its lm_head dropped.
+  json tied = json::parse(slurp(p("tiny.json")));
+  tied["tie_word_embeddings"] = true;
+  write_json_file(p("tied.json"), tied);
+  expect_user_error(run_cli_bounded("train --config " + p("tied.json") + " --data " + p("data") + " --steps 2 --seq 16 "
+                                    "--batch 2 --resume " + p("new/nested/ck")),
+                    "differs from this run's --config: tie_word_embeddings false (this run: true)", "resume, tied");
+  EXPECT_EQ(run_cli_bounded("train --config " + p("tiny.json") + " --data " + p("data") + " --steps 2 --seq 16 "
+                            "--batch 2 --resume " + p("new/nested/ck")).status, 0);
+  // td1: --data with its text in a subdirectory only: "has 0 bytes", without saying why.
+  fs::create_directories(p("outer/inner"));
+  fs::copy_file(p("data/a.txt"), p("outer/inner/a.txt"));
+  expect_user_error(run_cli_bounded("train --config " + p("tiny.json") + " --data " + p("outer") + " --steps 1"),
+                    "subdirectories are not read", "--data with a subdirectory only");
+}
+
+TEST_F(BadInput, FaultForACommandWithoutFaultPointsIsRefusedBeforeItsWork) {
+  const std::string init = "init --hidden 8 --ffn 8 --experts 4 --top-k 2 --tokens 2 --out ";
+  // fi1, fi2: the error came after the work, with the output written (rc 1).
+  expect_user_error(run_cli_bounded(init + p("a.st"), "DMOE_FAULT=garbage"), "DMOE_FAULT='garbage' is invalid",
+                    "invalid DMOE_FAULT");
+  EXPECT_FALSE(fs::exists(p("a.st")));
+  expect_user_error(run_cli_bounded(init + p("b.st"), "DMOE_FAULT=0:alltoall:throw"),
+                    "`dmoe init` passes no fault point", "init with DMOE_FAULT");
+  EXPECT_FALSE(fs::exists(p("b.st")));
+  expect_user_error(run_cli_bounded("init-model --config " + p("tiny.json") + " --out " + p("m.st"),
+                                    "DMOE_FAULT=0:alltoall:throw"),
+                    "`dmoe init-model` passes no fault point", "init-model with DMOE_FAULT");
+  EXPECT_FALSE(fs::exists(p("m.st")));
+  expect_user_error(run_cli_bounded("flow simulate --costs " + p("costs.json") + " --json " + p("j.json"),
+                                    "DMOE_FAULT=0:alltoall:throw"),
+                    "`dmoe flow simulate` passes no fault point", "flow simulate with DMOE_FAULT");
+  EXPECT_FALSE(fs::exists(p("j.json")));
+}
+
+TEST_F(BadInput, BenchSaysWhenItsSingleRankCheckCannotMatch) {
+  // bn1: with capacity drops at W = 4 "max|y-ref| 0.13" was printed with rc 0 and no word that it is expected.
+  const Result r = run_cli_bounded("bench --engine cpu --repeat 1 --warmup 0 --no-backward --tokens 1 --hidden 1 "
+                                   "--ffn 1 --experts 4 --top-k 1 --world 4 --capacity-factor 0.0001");
+  EXPECT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("max|y-ref| is not expected to be 0 here"), std::string::npos) << r.output;
 }
 
 TEST(BadInputEnv, CommTimeoutMustBeFiniteAndBounded) {

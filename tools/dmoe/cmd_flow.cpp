@@ -33,6 +33,7 @@
 #include "bench/device_probe.hpp"
 #include "commands.hpp"
 #include "core/error.hpp"
+#include "core/fault.hpp"
 #include "core/host_resources.hpp"
 #include "core/output_file.hpp"
 #include "core/random.hpp"
@@ -76,6 +77,7 @@ struct FlowOptions {
   // project
   std::string cluster;
   int32_t gpus = 16, experts = 0;
+  bool experts_given = false;
 };
 
 // --measure-r: comma-separated values of R, each a decimal integer in [1, 4096]. Read strictly: CLI11's list
@@ -181,7 +183,12 @@ int simulate_command(const FlowOptions& o, const flow::CostModel& costs, int32_t
 int project_command(FlowOptions o) {
   flow::ProjectionSpec spec;
   spec.model = load_mixtral_config(find_model_config_file(o.model_config));
-  if (o.experts > 0) spec.model.num_local_experts = o.experts;
+  if (o.experts_given) {  // "default: the config's" when not given; a value given is taken as written
+    DMOE_REQUIRE_INPUT(o.experts >= spec.model.num_experts_per_tok, "--experts {}: must be >= num_experts_per_tok = {} "
+                       "of --config {} (and a multiple of --gpus)", o.experts, spec.model.num_experts_per_tok,
+                       o.model_config);
+    spec.model.num_local_experts = o.experts;
+  }
   spec.batch = o.batch;
   spec.seq = o.seq;
   spec.gpus = o.gpus;
@@ -699,7 +706,9 @@ Command add_flow_command(CLI::App& app) {
     DMOE_REQUIRE_INPUT(o->action == "simulate" || o->action == "tune" || o->action == "measure" ||
                            o->action == "project",
                        "flow {}: unknown action (allowed: simulate, tune, project, measure)", o->action);
+    if (o->action != "measure") require_no_fault_injected("flow " + o->action);  // only the executors have fault points
     o->schedule_given = sub->count("--schedule") > 0;
+    o->experts_given = sub->count("--experts") > 0;
     if (o->action == "project" && sub->count("--link") == 0) o->link = "shared";
     o->measure_r = parse_measure_r(o->measure_r_text);
     check_options_of_action(*sub, *o);

@@ -52,6 +52,26 @@ void check_train_paths(const TrainOptions& o, const std::string& config_file) {
     DMOE_REQUIRE_INPUT(!same_file(o.save_dir, o.data_path),
                        "--save '{}' is the --data directory; the checkpoint's files would become training text: "
                        "give another directory", o.save_dir);
+    // The checkpoint is written after the training: a directory where it cannot be written is refused now (the error
+    // came after the whole run), and so is one that holds files of the checkpoint's names without being a dmoe
+    // checkpoint (an unrelated config.json or model.safetensors was replaced without a word).
+    if (fs::is_directory(o.save_dir, ec)) {
+      if (!fs::exists(fs::path(o.save_dir) / "trainer_state.json", ec))
+        for (const char* name : {"model.safetensors", "optimizer.safetensors", "config.json"})
+          DMOE_REQUIRE_INPUT(!fs::exists(fs::symlink_status(fs::path(o.save_dir) / name, ec)),
+                             "--save '{}' holds a {} but no trainer_state.json: it is not a dmoe checkpoint, and "
+                             "saving would replace that file; give a new or empty directory, or a dmoe checkpoint's",
+                             o.save_dir, name);
+      for (const char* name : {"trainer_state.json", "model.safetensors", "optimizer.safetensors", "config.json"})
+        check_output_file((fs::path(o.save_dir) / name).string(), "--save");
+    } else {  // created at the end, with its missing parents: the nearest existing one must take a new file
+      fs::path existing = fs::absolute(o.save_dir, ec).parent_path();
+      while (!existing.empty() && !fs::exists(existing, ec) && existing != existing.parent_path())
+        existing = existing.parent_path();
+      DMOE_REQUIRE_INPUT(fs::is_directory(existing, ec), "--save '{}': '{}' is not a directory, so the checkpoint "
+                         "directory cannot be made in it", o.save_dir, existing.string());
+      check_output_file((existing / ".dmoe-save-check").string(), "--save");
+    }
     if (!o.log_path.empty())
       for (const char* name : {"trainer_state.json", "model.safetensors", "optimizer.safetensors", "config.json"})
         DMOE_REQUIRE_INPUT(!same_file(o.log_path, (fs::path(o.save_dir) / name).string()),

@@ -73,6 +73,13 @@ int main(int argc, char** argv) {
     app.parse(argc, argv);
     for (auto& [sub, run] : commands) {
       if (!sub->parsed()) continue;
+      // DMOE_FAULT is read before the work: an invalid one, or one set for a command without fault points, used to
+      // be reported only after the command had written its outputs.
+      if (sub->get_name() != "launch") {
+        (void)dmoe::fault_from_env();
+        if (sub->get_name() == "init" || sub->get_name() == "init-model")
+          dmoe::require_no_fault_injected(sub->get_name());
+      }
       const int rc = run();
       // A fault test whose fault never fired must not pass as if the fault had been survived. The launcher's own
       // process runs no rank (its ranks check themselves).
