@@ -232,7 +232,9 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
           differ += fmt::format("{}{} {} (this run: {})", differ.empty() ? "" : ", ", it.key(), it.value().dump(),
                                 now.contains(it.key()) ? now.at(it.key()).dump() : "none");
       DMOE_REQUIRE_INPUT(differ.empty(), "--resume {}: the saved run's model ({}) differs from this run's --config: "
-                         "{}; resume with the saved config", o.resume_dir, saved_config.string(), differ);
+                         "{}; resume with the saved config, or start a new run from its weights with --init {}",
+                         o.resume_dir, saved_config.string(), differ,
+                         (fs::path(o.resume_dir) / "model.safetensors").string());
     }
     full = load_mixtral_weights(CheckpointReader::open((fs::path(o.resume_dir) / "model.safetensors").string()), config);
     const SafetensorsFile opt = SafetensorsFile::open((fs::path(o.resume_dir) / "optimizer.safetensors").string());
