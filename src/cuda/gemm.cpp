@@ -137,8 +137,11 @@ constexpr double kOwnMaxMeanMacs = 4e9;
 // so auto takes mma below kMmaWgradMaxMeanMacs (few rows per expert: the sm90 kernel's 128-row k-blocks are
 // mostly padding), sm90 up to kSm90WgradMaxMeanMacs (between llama2-moe's and deepseek-v2-s's products), cuBLAS
 // above (its larger tiles reach 570-640 TFLOP/s there, the sm90 kernel's 128 × 128 tiles ~480).
+// Where the sm90 kernel cannot run (an sm_80-class GPU, or a shape it refuses), the mma.sync kernel keeps its
+// own measured bound against cuBLAS (the fourth session's, above: where the two met, about flash-paper's).
 constexpr double kMmaWgradMaxMeanMacs = 2.5e8;
 constexpr double kSm90WgradMaxMeanMacs = 6e9;
+constexpr double kMmaOverCublasMaxMeanMacs = 1.5e9;
 
 WgradKernel pick_wgrad_kernel(double mean_macs, const std::vector<GroupedWgrad>& calls) {
   enum Mode { automatic, own, sm90, mma, cublas };
@@ -171,7 +174,7 @@ WgradKernel pick_wgrad_kernel(double mean_macs, const std::vector<GroupedWgrad>&
     case automatic:
       if (mean_macs < kMmaWgradMaxMeanMacs && usable_mma) return WgradKernel::mma;
       if (mean_macs < kSm90WgradMaxMeanMacs && usable_sm90) return WgradKernel::sm90;
-      if (mean_macs < kSm90WgradMaxMeanMacs && usable_mma) return WgradKernel::mma;
+      if (mean_macs < kMmaOverCublasMaxMeanMacs && usable_mma) return WgradKernel::mma;
       break;
     case cublas: break;
   }
