@@ -116,9 +116,7 @@ std::string unfired_fault(std::string_view command) {
   StagesReached& s = stages_reached();
   std::lock_guard<std::mutex> lock(s.mutex);
   const std::string spec = fault_spec(*fault);
-  if (s.ranks.empty())
-    return fmt::format("{} did not fire: `dmoe {}` passed no fault point (they are in the MoE layer's exchanges and "
-                       "stages: run, bench layer, train, eval, flow measure); unset DMOE_FAULT", spec, command);
+  if (s.ranks.empty()) return no_fault_point(*fault, command);
   if (!s.ranks.count(fault->rank) || s.reached.count({fault->rank, fault->stage})) return "";
   std::string seen;
   for (FaultStage st : kStages)
