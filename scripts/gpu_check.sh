@@ -11,7 +11,8 @@
 # profile (per-kernel times under Nsight Compute), wgrad (the sm90 weight-gradient kernel: tests, kernel
 # benchmark, training step per DMOE_WGRAD path), gpus (one rank per GPU on a multi-GPU machine),
 # flash (the Flash kernel at W = 1: its tests, and its benchmark beside EP), flash_multi (Flash at W = 2, 4
-# ranks on the GPU), faults (the fault-injection matrix over GPU processes), sanitize (compute-sanitizer);
+# ranks on the GPU), flash_backward (the Flash backward: its tests at W = 1, 2, 4 and the training step beside
+# EP's on the four named configs), faults (the fault-injection matrix over GPU processes), sanitize (compute-sanitizer);
 # all = tests,multi,bench,modes (default).
 #
 # Run from the repository root. Needs the NVSHMEM wheel in the Python on PATH (the GPU machine has it in
@@ -220,7 +221,7 @@ part_flash_multi() {
   export DMOE_GPU_WAIT_TIMEOUT_MS=${DMOE_GPU_WAIT_TIMEOUT_MS:-5000}
   for n in 2 4; do
     run 200 "flash_launch_w$n" "$B/dmoe" launch -n "$n" -- "$B/tests/dmoe_gpu_tests" --gtest_brief=1 \
-      --gtest_filter='*FlashLayer.*'
+      --gtest_filter='*FlashLayer.*:*FlashBackward.*'
   done
   run 150 flash_bench_flash-paper_w4 "$B/dmoe" launch -n 4 -- "$B/dmoe" bench layer --config flash-paper --flash \
     --no-backward --check-tokens 2 --json "$O/flash_bench_flash-paper_w4.json"
@@ -231,9 +232,26 @@ part_flash_multi() {
     -x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY -x CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25 \
     -x NVSHMEM_DISABLE_NCCL=1 -x NCCL_NVLS_ENABLE=0 -x NVSHMEM_DISABLE_NVLS=1 -x DMOE_COMM_TIMEOUT_S \
     -x DMOE_GPU_WAIT_TIMEOUT_MS -x DMOE_NVSHMEM_MIN_HEAP=4G \
-    "$B/tests/dmoe_gpu_tests" --gtest_brief=1 --gtest_filter='*FlashLayer.*'
+    "$B/tests/dmoe_gpu_tests" --gtest_brief=1 --gtest_filter='*FlashLayer.*:*FlashBackward.*'
   echo quit | nvidia-cuda-mps-control
   unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+}
+
+part_flash_backward() {
+  # The Flash backward (issue 14): its tests at W = 1 and W = 2, 4 ranks sharing the GPU, the engine interface and
+  # `dmoe run --engine flash --grad-output`, then Flash's training step beside EP's on the named configs.
+  local n cfg
+  run 200 flash_backward_w1 "$B/tests/dmoe_gpu_tests" --gtest_brief=1 \
+    --gtest_filter='*FlashBackward.*:*MoeEngineGpu*:*FlashLayer.*'
+  export DMOE_GPU_WAIT_TIMEOUT_MS=${DMOE_GPU_WAIT_TIMEOUT_MS:-5000}
+  for n in 2 4; do
+    run 200 "flash_backward_launch_w$n" "$B/dmoe" launch -n "$n" -- "$B/tests/dmoe_gpu_tests" --gtest_brief=1 \
+      --gtest_filter='*FlashBackward.*'
+  done
+  for cfg in flash-paper fine-grained mixtral decode; do
+    run 120 "flash_step_$cfg" "$B/dmoe" bench layer --config "$cfg" --flash --check-tokens 2 \
+      --json "$O/flash_step_$cfg.json"
+  done
 }
 
 part_faults() {
@@ -365,7 +383,7 @@ $(grep -a 'sum' "$O/san_repro_$mode.log")"
 
 for part in ${WHAT//,/ }; do
   case $part in
-    tests | multi | bench | quick | gemm | wgrad | modes | profile | gpus | flash | flash_multi | faults | sanitize) part_$part ;;
-    *) echo "unknown part '$part'; allowed: tests, multi, bench, quick, gemm, wgrad, modes, profile, gpus, flash, flash_multi, faults, sanitize, all" >&2; exit 2 ;;
+    tests | multi | bench | quick | gemm | wgrad | modes | profile | gpus | flash | flash_multi | flash_backward | faults | sanitize) part_$part ;;
+    *) echo "unknown part '$part'; allowed: tests, multi, bench, quick, gemm, wgrad, modes, profile, gpus, flash, flash_multi, flash_backward, faults, sanitize, all" >&2; exit 2 ;;
   esac
 done

@@ -46,6 +46,12 @@ SymmetricLayout symmetric_layout(const Shape& s) {
   l.counts = carve(at, 2 * size_t(s.world) * size_t(s.experts) * sizeof(uint64_t));
   l.ready = carve(at, 2 * size_t(s.world) * sizeof(uint64_t));
   l.arrived = carve(at, sizeof(uint64_t));
+  const size_t train_rows = s.train ? size_t(s.tokens) * size_t(s.top_k) : 0;
+  const size_t train_w = s.train ? size_t(s.world) : 0;
+  l.grad_out = carve(at, train_rows * size_t(s.hidden) * elem);
+  l.dx_out = carve(at, train_rows * size_t(s.hidden) * elem);
+  l.grad_ready = carve(at, train_w * sizeof(uint64_t));
+  l.dx_ready = carve(at, train_w * sizeof(uint64_t));
   l.bytes = at;
   return l;
 }
@@ -64,6 +70,17 @@ LocalLayout local_layout(const Shape& s) {
   l.up_done = carve(at, size_t(s.max_row_tiles()) * sizeof(uint32_t));
   l.peers = carve(at, size_t(s.world) * sizeof(uint64_t));
   l.control = carve(at, sizeof(Control));
+  const size_t T = s.train ? size_t(s.tokens) : 0, Rt = s.train ? R : 0, tkt = s.train ? tk : 0;
+  l.probs = carve(at, T * size_t(s.experts) * sizeof(float));
+  l.lse = carve(at, T * sizeof(float));
+  l.pre1 = carve(at, Rt * size_t(s.ffn) * elem);
+  l.pre3 = carve(at, (s.activation == Activation::swiglu ? Rt : 0) * size_t(s.ffn) * elem);
+  l.grad_recv = carve(at, Rt * size_t(s.hidden) * elem);
+  l.dx_rows = carve(at, Rt * size_t(s.hidden) * elem);
+  l.dweights = carve(at, tkt * sizeof(float));
+  l.choice_slot = carve(at, tkt * sizeof(int32_t));
+  l.dlogits = carve(at, T * size_t(s.experts) * sizeof(float));
+  l.dx_router = carve(at, T * size_t(s.hidden) * sizeof(float));
   l.bytes = at;
   return l;
 }
@@ -76,6 +93,7 @@ const char* role_name(int32_t role) {
     case kRoleProducer: return "processor (TMA producer)";
     case kRoleConsumer: return "processor (wgmma consumer)";
     case kRoleCombine: return "combine";
+    case kRoleBackward: return "backward";
   }
   return "unknown role";
 }
@@ -91,6 +109,8 @@ const char* wait_name(int32_t what) {
     case kWaitSlotEmpty: return "a pipeline slot to be released (empty barrier)";
     case kWaitRingFull: return "the next task index (tile ring full)";
     case kWaitRingEmpty: return "the task ring entry to be taken (tile ring empty)";
+    case kWaitGradReady: return "the row gradients of source rank `slot` (grad_ready signal)";
+    case kWaitDxReady: return "the input gradients from expert rank `slot` (dx_ready signal)";
   }
   return "an unknown flag";
 }

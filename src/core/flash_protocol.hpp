@@ -59,10 +59,10 @@ enum Error : uint32_t { kErrorNone = 0, kErrorNanRouting = 1 };
 
 // What a kernel's time-out record names (cuda::DeviceWaitRecord::role / what).
 enum Role : int32_t { kRoleGate = 1, kRoleCounts = 2, kRoleDispatch = 3, kRoleProducer = 4, kRoleConsumer = 5,
-                      kRoleCombine = 6 };
+                      kRoleCombine = 6, kRoleBackward = 7 };
 enum WaitWhat : int32_t { kWaitGridBarrier = 1, kWaitCounts = 2, kWaitRowsReady = 3, kWaitUpDone = 4,
                           kWaitArrived = 5, kWaitSlotFull = 6, kWaitSlotEmpty = 7, kWaitRingFull = 8,
-                          kWaitRingEmpty = 9 };
+                          kWaitRingEmpty = 9, kWaitGradReady = 10, kWaitDxReady = 11 };
 const char* role_name(int32_t role);
 const char* wait_name(int32_t what);
 
@@ -99,6 +99,8 @@ struct Shape {
   int32_t element_bytes = 2;    // bytes of one stored element: dtype_size(storage) on the GPU, 4 on the CPU
                                 // (whose twin holds f32 and emulates bf16 by rounding)
   int32_t grid = 1;      // blocks of the kernel (the CPU twin: 1)
+  bool train = false;    // forwards keep what the backward reads (probabilities, lse, pre-activations) and the
+                         // backward's buffers exist (flash_backward); false: inference only, smaller regions
 
   DMOE_HD int32_t local_experts() const { return experts / world; }
   // Rows one rank can receive in one forward: every row routed to it by every source.
@@ -198,6 +200,11 @@ DMOE_HD Task decode_task(const int32_t* offsets, const int32_t* row_tile_base, c
 //   counts  [2][W, E]   u64       signal(epoch, rows source s routed to expert e, before capacity)
 //   ready   [2][W]      u64       signal(epoch, rows source s sent here): all of them have landed
 //   arrived [1]         u64       rows·down-column-tiles of `out` written so far in this forward
+//   train only (Shape::train; empty otherwise), written and read by flash_backward:
+//   grad_out   [T·k, H] storage  row gradients w[t,j]·dy[t] of this rank's (t, j), read by the experts' ranks
+//   dx_out     [T·k, H] storage  input gradients of this rank's rows, written by the experts' ranks
+//   grad_ready [W]      u64      signal(epoch, 1) from source s: its grad_out is complete
+//   dx_ready   [W]      u64      signal(epoch, 1) from expert rank d: all its dx rows for this rank landed
 // Local region (this rank only):
 //   h          [R, I]        storage  activations of the received rows
 //   ids        [T, k]        i32      chosen experts
@@ -207,12 +214,21 @@ DMOE_HD Task decode_task(const int32_t* offsets, const int32_t* row_tile_base, c
 //   up_done    [max_row_tiles] u32    finished up tiles (both halves) per row tile
 //   peers      [W]           u64      every rank's symmetric region as this rank addresses it
 //   control    [1]           Control
+//   train only: probs [T, E] f32 and lse [T] f32 (the gate's), pre1 / pre3 [R, I] storage (the up products
+//   before the activation; pre3 SwiGLU only), and the backward's own: grad_recv [R, H] and dx_rows [R, H]
+//   storage (the row gradients of the received rows and their input gradients, received-row order),
+//   dweights [T, k] f32, choice_slot [T, k] i32 (t·k + j, −1 dropped), dlogits [T, E] f32, dx_router [T, H] f32.
 // Every part starts on a 256-byte boundary.
 struct SymmetricLayout {
-  size_t recv = 0, meta = 0, out = 0, counts = 0, ready = 0, arrived = 0, bytes = 0;
+  size_t recv = 0, meta = 0, out = 0, counts = 0, ready = 0, arrived = 0;
+  size_t grad_out = 0, dx_out = 0, grad_ready = 0, dx_ready = 0;
+  size_t bytes = 0;
 };
 struct LocalLayout {
-  size_t h = 0, ids = 0, weights = 0, slot = 0, block_counts = 0, up_done = 0, peers = 0, control = 0, bytes = 0;
+  size_t h = 0, ids = 0, weights = 0, slot = 0, block_counts = 0, up_done = 0, peers = 0, control = 0;
+  size_t probs = 0, lse = 0, pre1 = 0, pre3 = 0, grad_recv = 0, dx_rows = 0, dweights = 0, choice_slot = 0,
+         dlogits = 0, dx_router = 0;
+  size_t bytes = 0;
 };
 SymmetricLayout symmetric_layout(const Shape& s);
 LocalLayout local_layout(const Shape& s);
@@ -233,6 +249,32 @@ struct Params {
   unsigned long long timeout_ns = 10'000'000'000ull;  // every wait's limit
   void* wait_record = nullptr;  // GPU: cuda::DeviceWaitRecord (host-mapped)
   uint64_t* profile = nullptr;  // GPU, optional: [grid, kProfileSlots] (ProfileSlot); null = off
+};
+
+// One backward of one rank, after its train forward (epoch n = Control::epoch, the forward's) and before the
+// next forward: every rank runs the backward of the same forward. The steps (docs/flash.md, "The backward"):
+//   1. home: choice_slot; dweights[t,j] = <dy[t], out[t·k+j]> and grad_out[t·k+j] = w[t,j]·dy[t]
+//      (combine_backward); then grad_ready[r] = signal(n, 1) at every rank;
+//   2. experts' rank: waits for every source's grad_ready, then pulls each received row's gradient from its home:
+//      grad_recv[i] = home(meta[i]).grad_out[meta[i].token_choice] (the forward's rows, the same order);
+//   3. expert backward over each local expert's rows (expert_ffn_backward: x = recv, pre1/pre3/h of the forward);
+//   4. each dx row goes home: home(meta[i]).dx_out[token_choice] = dx_rows[i]; then dx_ready[r] = signal(n, 1)
+//      at every rank;
+//   5. home: waits for every rank's dx_ready; router backward (dlogits from dweights and the auxiliary terms,
+//      dx_router = dlogits · gate, dgate += dlogitsᵀ · x); dx[t] = Σ_j dx_out[t·k+j] + dx_router[t].
+// The load-balance term's expert fractions come from the count exchange already in every rank's inbox
+// (routed counts of every source, before capacity), so the backward needs no collective of its own.
+struct BackwardParams {
+  Params forward;                 // the forward's (shape.train must be true), same buffers and weights
+  const void* dy = nullptr;       // [T, H] storage
+  void* dx = nullptr;             // [T, H] storage, overwritten
+  void* dgate = nullptr;          // [E, H] accumulator (CPU f64, GPU f32): += this rank's part (not summed over ranks)
+  void* dw1 = nullptr;            // [Le, I, H] accumulator
+  void* dw3 = nullptr;            // [Le, I, H] accumulator, SwiGLU only
+  void* dw2 = nullptr;            // [Le, H, I] accumulator
+  bool accumulate = true;         // false: the experts' gradients are overwritten (zeros for experts without rows)
+  double aux_loss_coef = 0;       // load-balance loss coefficient (0: no term)
+  double z_loss_coef = 0;         // router z-loss coefficient (0: no term)
 };
 
 }  // namespace dmoe::flash

@@ -82,6 +82,10 @@ void flash_forward(const flash::Params& p) {
   std::vector<float> logits(static_cast<size_t>(T * E)), probs(static_cast<size_t>(T * E)), lse(static_cast<size_t>(T));
   router_logits(x, static_cast<const float*>(p.gate), logits.data(), T, H, E);
   router_topk(logits.data(), probs.data(), ids, weights, lse.data(), T, E, k, s.renormalize);
+  if (s.train) {  // the router backward's inputs
+    std::copy(probs.begin(), probs.end(), reinterpret_cast<float*>(p.local + ll.probs));
+    std::copy(lse.begin(), lse.end(), reinterpret_cast<float*>(p.local + ll.lse));
+  }
   std::vector<uint32_t> routed(size_t(E), 0);
   for (int64_t t = 0; t < T; ++t)
     for (int32_t j = 0; j < k; ++j) {
@@ -140,7 +144,8 @@ void flash_forward(const flash::Params& p) {
   const flash::RowMeta* meta = meta_of(p.symmetric);
   const uint64_t* ready = ready_of(p.symmetric);
   std::vector<bool> landed(size_t(W), false);
-  std::vector<float> pre1, pre3, h, rows_out;
+  std::vector<float> pre1_tmp, pre3_tmp, rows_out;
+  const bool swiglu = s.activation == Activation::swiglu;
   for (int32_t le = 0; le < Le; ++le) {
     const int32_t e = r * Le + le;
     const int64_t n = column[e];
@@ -151,15 +156,26 @@ void flash_forward(const flash::Params& p) {
                  flash::kWaitRowsReady, src, flash::make_signal(epoch, 0));
         landed[src] = true;
       }
-    pre1.assign(size_t(n * I), 0.f);
-    pre3.assign(s.activation == Activation::swiglu ? size_t(n * I) : 0, 0.f);
-    h.assign(size_t(n * I), 0.f);
+    // h (and with train the pre-activations) stay in the local region at the rows' positions: the backward
+    // reads them there, as the kernel's up tiles leave them.
+    float* h = reinterpret_cast<float*>(p.local + ll.h) + begin[e] * I;
+    float* pre1 = nullptr;
+    float* pre3 = nullptr;
+    if (s.train) {
+      pre1 = reinterpret_cast<float*>(p.local + ll.pre1) + begin[e] * I;
+      pre3 = swiglu ? reinterpret_cast<float*>(p.local + ll.pre3) + begin[e] * I : nullptr;
+    } else {
+      pre1_tmp.assign(size_t(n * I), 0.f);
+      pre3_tmp.assign(swiglu ? size_t(n * I) : 0, 0.f);
+      pre1 = pre1_tmp.data();
+      pre3 = swiglu ? pre3_tmp.data() : nullptr;
+    }
     rows_out.assign(size_t(n * H), 0.f);
     const auto* w1 = static_cast<const float*>(p.w1) + size_t(le) * I * H;
     const auto* w3 = p.w3 ? static_cast<const float*>(p.w3) + size_t(le) * I * H : nullptr;
     const auto* w2 = static_cast<const float*>(p.w2) + size_t(le) * H * I;
-    expert_ffn_forward(recv + begin[e] * H, w1, w3, w2, pre1.data(), pre3.empty() ? nullptr : pre3.data(), h.data(),
-                       rows_out.data(), n, H, I, s.activation, s.storage);
+    expert_ffn_forward(recv + begin[e] * H, w1, w3, w2, pre1, pre3, h, rows_out.data(), n, H, I, s.activation,
+                       s.storage);
     std::vector<uint64_t> rows_from(size_t(W), 0);
     for (int64_t i = 0; i < n; ++i) {
       const flash::RowMeta m = meta[begin[e] + i];
@@ -180,6 +196,115 @@ void flash_forward(const flash::Params& p) {
   for (int64_t i = 0; i < T * k; ++i) out_slot[i] = slot[i] >= 0 ? int32_t(i) : -1;
   combine(out, out_slot.data(), weights, nullptr, static_cast<float*>(p.y), T, k, H, s.storage);
   control->epoch = epoch;
+}
+
+void flash_backward(const flash::BackwardParams& b) {
+  const flash::Params& p = b.forward;
+  const flash::Shape& s = p.shape;
+  DMOE_REQUIRE(s.train, "cpu::flash_backward: the shape was made without train (the forward kept nothing)");
+  const int64_t T = s.tokens, H = s.hidden, I = s.ffn;
+  const int32_t E = s.experts, k = s.top_k, W = s.world, Le = s.local_experts(), r = p.rank;
+  const int64_t R = s.recv_rows();
+  const bool swiglu = s.activation == Activation::swiglu;
+  const flash::SymmetricLayout sl = flash::symmetric_layout(s);
+  const flash::LocalLayout ll = flash::local_layout(s);
+  const auto* control = reinterpret_cast<const flash::Control*>(p.local + ll.control);
+  const auto* peers = reinterpret_cast<const uint64_t*>(p.local + ll.peers);
+  auto peer = [&](int32_t d) { return reinterpret_cast<char*>(peers[d]); };
+  const uint32_t epoch = control->epoch;  // the forward's
+  DMOE_REQUIRE(epoch > 0, "cpu::flash_backward: no forward has run");
+  const uint32_t parity = epoch & 1;
+  auto local_f = [&](size_t at) { return reinterpret_cast<float*>(p.local + at); };
+  const auto* slot = reinterpret_cast<const int32_t*>(p.local + ll.slot);
+  const auto* ids = reinterpret_cast<const int32_t*>(p.local + ll.ids);
+  const float* weights = local_f(ll.weights);
+  auto* choice_slot = reinterpret_cast<int32_t*>(p.local + ll.choice_slot);
+  float* dweights = local_f(ll.dweights);
+
+  // 1. combine backward on the home, then every rank may pull this rank's row gradients
+  for (int64_t i = 0; i < T * k; ++i) choice_slot[i] = slot[i] >= 0 ? int32_t(i) : -1;
+  auto* grad_out = reinterpret_cast<float*>(p.symmetric + sl.grad_out);
+  combine_backward(static_cast<const float*>(b.dy), reinterpret_cast<const float*>(p.symmetric + sl.out), choice_slot,
+                   weights, grad_out, dweights, T, k, H, s.storage);
+  for (int32_t d = 0; d < W; ++d)
+    store_release(reinterpret_cast<uint64_t*>(peer(d) + sl.grad_ready) + r, flash::make_signal(epoch, 1));
+
+  // 2. the received rows' gradients, pulled from their homes in the forward's row order
+  const uint64_t* inbox = reinterpret_cast<const uint64_t*>(p.symmetric + sl.counts) + size_t(parity) * W * E;
+  std::vector<int64_t> expert_offsets(size_t(Le) + 1, 0);
+  std::vector<double> assigned(size_t(E), 0.0);
+  for (int32_t src = 0; src < W; ++src)
+    for (int32_t e = 0; e < E; ++e) {
+      const int64_t n = flash::signal_value(inbox[size_t(src) * E + e]);
+      assigned[e] += double(n);
+      if (e / Le == r) expert_offsets[e % Le + 1] += s.capacity < 0 ? n : std::min<int64_t>(n, s.capacity);
+    }
+  for (int32_t le = 0; le < Le; ++le) expert_offsets[le + 1] += expert_offsets[le];
+  const int64_t rows = expert_offsets[Le];
+  const uint64_t* grad_ready = reinterpret_cast<const uint64_t*>(p.symmetric + sl.grad_ready);
+  for (int32_t src = 0; src < W; ++src)
+    wait_for(grad_ready + src, [&](uint64_t v) { return flash::signal_epoch(v) == epoch; }, p, flash::kRoleBackward,
+             flash::kWaitGradReady, src, flash::make_signal(epoch, 1));
+  const auto* meta = reinterpret_cast<const flash::RowMeta*>(p.symmetric + sl.meta) + size_t(parity) * R;
+  float* grad_recv = local_f(ll.grad_recv);
+  for (int64_t i = 0; i < rows; ++i) {
+    const flash::RowMeta m = meta[i];
+    std::copy_n(reinterpret_cast<const float*>(peer(m.source) + sl.grad_out) + int64_t(m.token_choice) * H, H,
+                grad_recv + i * H);
+  }
+
+  // 3. expert backward over each local expert's rows
+  const auto* recv = reinterpret_cast<const float*>(p.symmetric + sl.recv) + size_t(parity) * R * H;
+  float* dx_rows = local_f(ll.dx_rows);
+  auto* dw1 = static_cast<double*>(b.dw1);
+  auto* dw3 = static_cast<double*>(b.dw3);
+  auto* dw2 = static_cast<double*>(b.dw2);
+  if (!b.accumulate) {
+    std::fill_n(dw1, size_t(Le) * I * H, 0.0);
+    std::fill_n(dw2, size_t(Le) * H * I, 0.0);
+    if (swiglu) std::fill_n(dw3, size_t(Le) * I * H, 0.0);
+  }
+  for (int32_t le = 0; le < Le; ++le) {
+    const int64_t r0 = expert_offsets[le], n = expert_offsets[le + 1] - r0;
+    if (n == 0) continue;
+    const int64_t wm = I * H;
+    expert_ffn_backward(recv + r0 * H, static_cast<const float*>(p.w1) + le * wm,
+                        swiglu ? static_cast<const float*>(p.w3) + le * wm : nullptr,
+                        static_cast<const float*>(p.w2) + le * wm, local_f(ll.pre1) + r0 * I,
+                        swiglu ? local_f(ll.pre3) + r0 * I : nullptr, local_f(ll.h) + r0 * I, grad_recv + r0 * H,
+                        dx_rows + r0 * H, dw1 + le * wm, swiglu ? dw3 + le * wm : nullptr, dw2 + le * wm, n, H, I,
+                        s.activation, s.storage);
+  }
+
+  // 4. every dx row to its home, then one signal per rank (also those that got none: every home waits for all)
+  for (int64_t i = 0; i < rows; ++i) {
+    const flash::RowMeta m = meta[i];
+    std::copy_n(dx_rows + i * H, H, reinterpret_cast<float*>(peer(m.source) + sl.dx_out) + int64_t(m.token_choice) * H);
+  }
+  for (int32_t d = 0; d < W; ++d)
+    store_release(reinterpret_cast<uint64_t*>(peer(d) + sl.dx_ready) + r, flash::make_signal(epoch, 1));
+
+  // 5. router backward and the sum of the contributions to dx, once every expert rank's rows are back
+  const uint64_t* dx_ready = reinterpret_cast<const uint64_t*>(p.symmetric + sl.dx_ready);
+  for (int32_t d = 0; d < W; ++d)
+    wait_for(dx_ready + d, [&](uint64_t v) { return flash::signal_epoch(v) == epoch; }, p, flash::kRoleBackward,
+             flash::kWaitDxReady, d, flash::make_signal(epoch, 1));
+  const double n_tokens = double(T) * W;
+  std::vector<double> fraction(static_cast<size_t>(E));
+  for (int32_t e = 0; e < E; ++e) fraction[e] = assigned[e] / (n_tokens * k);
+  RouterAuxGrad aux;
+  aux.expert_fraction = b.aux_loss_coef > 0 ? fraction.data() : nullptr;
+  aux.lb_scale = b.aux_loss_coef * E / n_tokens;
+  aux.lse = b.z_loss_coef > 0 ? local_f(ll.lse) : nullptr;
+  aux.z_scale = 2.0 * b.z_loss_coef / n_tokens;
+  float* dlogits = local_f(ll.dlogits);
+  float* dx_router = local_f(ll.dx_router);
+  router_topk_backward(local_f(ll.probs), ids, weights, dweights, dlogits, T, E, k, s.renormalize, aux);
+  std::fill_n(dx_router, size_t(T) * H, 0.f);
+  router_logits_backward(static_cast<const float*>(p.x), static_cast<const float*>(p.gate), dlogits, dx_router,
+                         static_cast<double*>(b.dgate), T, H, E);
+  combine(reinterpret_cast<const float*>(p.symmetric + sl.dx_out), choice_slot, nullptr, dx_router,
+          static_cast<float*>(b.dx), T, k, H, s.storage);
 }
 
 }  // namespace dmoe::cpu

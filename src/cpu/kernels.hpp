@@ -138,4 +138,9 @@ float activation_derivative(Activation activation, float x);  // SwiGLU: derivat
 // reference engine's (run_cpu_layer) bit for bit; every wait is bounded by p.timeout_ns and throws.
 void flash_forward(const flash::Params& p);
 
+// The same rank's backward of its last forward (p.forward.shape.train), by the protocol of
+// flash::BackwardParams; the twin of cuda::flash_backward. Accumulators are f64 (dgate this rank's part,
+// dw1/dw3/dw2 its experts'). dx, dgate and the experts' gradients equal the reference engine's bit for bit.
+void flash_backward(const flash::BackwardParams& p);
+
 }  // namespace dmoe::cpu

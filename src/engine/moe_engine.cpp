@@ -8,8 +8,8 @@
 namespace dmoe {
 
 const char* const kFlashForwardOnly =
-    "engine 'flash' runs the forward only: there is no Flash backward yet (dmoe issue 14, \"Flash backward\"), so it "
-    "cannot run a backward pass or keep state for one; use engine 'ep' for training and gradients";
+    "this engine 'flash' was made for forwards only (MoeEngineOptions::backward = false), so it keeps no state for a "
+    "backward pass; make it with backward = true to train";
 
 EngineKind parse_engine_kind(std::string_view name) {
   if (name == "cpu") return EngineKind::cpu;
@@ -27,9 +27,8 @@ const char* engine_kind_name(EngineKind kind) {
   return "?";
 }
 
-std::string moe_engine_unusable_reason(EngineKind kind, const MoeConfig& c, const MoeEngineOptions& o) {
+std::string moe_engine_unusable_reason(EngineKind kind, const MoeConfig& c, const MoeEngineOptions& /*options*/) {
   if (kind == EngineKind::cpu) return "";
-  if (kind == EngineKind::flash && o.backward) return kFlashForwardOnly;
   if (!cuda_engines_built())
     return fmt::format("engine '{}' needs the CUDA engines, and this dmoe was built without CUDA (DMOE_CUDA=OFF or "
                        "no nvcc); use engine 'cpu'", engine_kind_name(kind));
@@ -96,7 +95,7 @@ std::unique_ptr<MoeEngine> make_moe_engine(EngineKind kind, const MoeConfig& con
                        "CPU", engine_kind_name(kind), backend.name());
   DMOE_REQUIRE_INPUT(config.world == comm.world(), "config world = {} but the communicator has {} ranks",
                      config.world, comm.world());
-  if (kind == EngineKind::flash) return make_flash_moe_engine(config, backend, comm);
+  if (kind == EngineKind::flash) return make_flash_moe_engine(config, backend, comm, options.backward);
   return std::make_unique<EpMoeEngine>(kind, config, backend, comm, options.ep);
 }
 

@@ -9,8 +9,9 @@
 // Engines (EngineKind):
 //   cpu    EpEngine on a CPU backend (the reference engine; ranks as threads over ThreadComm are the caller's)
 //   ep     EpEngine on a CUDA backend (vanilla expert parallelism, forward and backward)
-//   flash  FlashEngine: the whole forward as one persistent kernel per rank (bf16, forward only: the Flash
-//          backward is issue 14; every call that needs it refuses with an error saying so)
+//   flash  FlashEngine: the whole forward as one persistent kernel per rank (bf16); made with
+//          options.backward (the default) its train forwards keep their state and backward() runs the Flash
+//          backward (a short sequence of launches, cuda::flash_backward); made without, it refuses them
 //
 // Plain C++ (no CUDA types, as backend.hpp): the CPU build compiles it, and its factory refuses ep and flash
 // there. The engines are adapted, not derived from this class: EpEngine stays a concrete class whose phase
@@ -44,14 +45,15 @@ bool cuda_engines_built();
 
 struct MoeEngineOptions {
   EpOptions ep;          // how EpEngine moves rows (cpu, ep); Flash has its own protocol
-  // The caller will run backward passes (or train forwards). Flash refuses to be made with it: asking up front
-  // turns "there is no Flash backward" into an error before any work instead of after the forward.
+  // The caller will run backward passes (or train forwards). Flash then keeps each forward's state (router
+  // probabilities, pre-activations) and the backward's buffers; without it Flash's forwards need less memory and
+  // a train forward or backward is refused.
   bool backward = true;
 };
 
 // Why `kind` cannot run `config` with `options`, as far as can be told without a GPU ("" when nothing is
-// wrong): Flash's forward-only rule, its dtype (bf16) and drop policy (latest-tokens), and whether this build
-// has the CUDA engines. The factory adds what needs the device (Flash's shape limits, flash_unusable_reason).
+// wrong): Flash's dtype (bf16) and drop policy (latest-tokens), and whether this build has the CUDA engines.
+// The factory adds what needs the device (Flash's shape limits, flash_unusable_reason).
 std::string moe_engine_unusable_reason(EngineKind kind, const MoeConfig& config, const MoeEngineOptions& options);
 
 class MoeEngine {
@@ -62,7 +64,7 @@ class MoeEngine {
   const char* name() const { return engine_kind_name(kind()); }
   virtual const MoeConfig& config() const = 0;   // config.tokens: this rank's current token count
   virtual Backend& backend() = 0;                // x, y, dy, dx live in its memory, storage dtype
-  virtual bool supports_backward() const = 0;    // false for flash
+  virtual bool supports_backward() const = 0;    // false for flash made without options.backward
 
   // Gate [E, H] and this rank's experts (weights.first_expert == config.first_expert(rank)), copied.
   virtual void set_weights(const MoeWeights& shard) = 0;
@@ -71,9 +73,10 @@ class MoeEngine {
   // This rank's token count for the following forwards (collective with W > 1).
   virtual void set_tokens(int64_t tokens) = 0;
 
-  // x, y: [T, H]. train keeps what backward needs and computes the router's losses; flash refuses train.
+  // x, y: [T, H]. train keeps what backward needs and computes the router's losses.
   virtual void forward(const void* x, void* y, ForwardMode mode) = 0;
-  // dy, dx: [T, H]; adds the parameter gradients (zero_grads starts them over). Flash refuses (issue 14).
+  // dy, dx: [T, H]; adds the parameter gradients (zero_grads starts them over). Once per train forward (Flash:
+  // before the next forward).
   virtual void backward(const void* dy, void* dx) = 0;
   virtual void zero_grads() = 0;
   // Gradients on the host: the gate's summed over the ranks, this rank's experts.
@@ -86,7 +89,7 @@ class MoeEngine {
   virtual std::vector<float> expert_weights() = 0;    // [T, k]
   virtual std::vector<int64_t> expert_rows() = 0;     // [Le] rows each local expert computed (EP: padding included)
   virtual int64_t rows_sent_to_peers() = 0;           // rows this rank sent to other ranks (EP: padding included)
-  // The router's auxiliary losses of the last train forward (flash: refuses, it has no train forward).
+  // The router's auxiliary losses of the last train forward.
   virtual RouterLosses losses() const = 0;
 };
 
@@ -98,9 +101,9 @@ std::unique_ptr<MoeEngine> make_moe_engine(EngineKind kind, const MoeConfig& con
 
 // The Flash adapter, made by make_moe_engine after its host checks (flash/flash_moe_engine.cpp; a build
 // without CUDA has a stub that refuses).
-std::unique_ptr<MoeEngine> make_flash_moe_engine(const MoeConfig& config, Backend& backend, Comm& comm);
+std::unique_ptr<MoeEngine> make_flash_moe_engine(const MoeConfig& config, Backend& backend, Comm& comm, bool train);
 
-// The error text every refused Flash backward shares (names issue 14).
+// The error text every refused Flash train forward / backward of an engine made for forwards only shares.
 extern const char* const kFlashForwardOnly;
 
 }  // namespace dmoe

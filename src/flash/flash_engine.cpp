@@ -53,7 +53,7 @@ void check_ranks_agree(const MoeConfig& c, Comm& comm) {
 
 }  // namespace
 
-FlashEngine::FlashEngine(const MoeConfig& config, Comm& comm) : config_(config), rank_(comm.rank()) {
+FlashEngine::FlashEngine(const MoeConfig& config, Comm& comm, bool train) : config_(config), rank_(comm.rank()) {
   config_.validate();
   DMOE_REQUIRE(config_.world == comm.world(), "FlashEngine: config.world = {} but the communicator has {} ranks",
                config_.world, comm.world());
@@ -64,6 +64,7 @@ FlashEngine::FlashEngine(const MoeConfig& config, Comm& comm) : config_(config),
                "FlashEngine: drop_policy = {} is not supported; Flash keeps each expert's earliest tokens "
                "(latest-tokens)", drop_policy_name(config_.drop_policy));
   shape_ = flash::make_shape(config_, 1);
+  shape_.train = train;
   const std::string why = cuda::flash_unusable_reason(shape_);
   DMOE_REQUIRE(why.empty(), "FlashEngine: {} ({})", why, config_.summary());
   shape_.grid = cuda::flash_grid_blocks(shape_);
@@ -155,7 +156,55 @@ void FlashEngine::forward(const void* x, void* y, cudaStream_t stream) {
   p.profile = profile_;
   cuda::flash_forward(p, stream);
   ++forwards_;
+  last_x_ = x;
+  backward_pending_ = shape_.train;
 }
+
+void FlashEngine::backward(const void* dy, void* dx, const FlashGradViews& g, bool accumulate, Backend& backend,
+                           cudaStream_t stream) {
+  DMOE_REQUIRE(shape_.train, "FlashEngine::backward: this engine was made without train (its forwards keep nothing "
+               "for a backward); make it with train = true");
+  DMOE_REQUIRE(backward_pending_, "FlashEngine::backward: {}", forwards_ == 0
+                   ? "no forward has run"
+                   : "the last forward's backward has already run (one backward per forward, before the next forward)");
+  DMOE_REQUIRE(dy && dx && g.gate && g.w1 && g.w2 && ((g.w3 != nullptr) == (config_.activation == Activation::swiglu)),
+               "FlashEngine::backward: null pointers (w3 is given exactly for swiglu)");
+  DMOE_REQUIRE(reinterpret_cast<uintptr_t>(dy) % 16 == 0 && reinterpret_cast<uintptr_t>(dx) % 16 == 0,
+               "FlashEngine::backward: dy and dx must be 16-byte aligned device pointers");
+  flash::BackwardParams b;
+  flash::Params& p = b.forward;
+  p.shape = shape_;
+  p.rank = rank_;
+  p.x = last_x_;
+  p.gate = gate_;
+  p.w1 = w1_;
+  p.w3 = w3_;
+  p.w2 = w2_;
+  p.symmetric = symmetric_.local;
+  p.local = local_;
+  p.timeout_ns = cuda::wait_timeout_ns();
+  b.dy = dy;
+  b.dx = dx;
+  b.dgate = g.gate;
+  b.dw1 = g.w1;
+  b.dw3 = g.w3;
+  b.dw2 = g.w2;
+  b.accumulate = accumulate;
+  b.aux_loss_coef = config_.aux_loss_coef;
+  b.z_loss_coef = config_.z_loss_coef;
+  backward_pending_ = false;  // also when it throws: the forward's state may be half used
+  cuda::flash_backward(b, backend, stream);
+}
+
+const float* FlashEngine::probs() const {
+  DMOE_REQUIRE(shape_.train, "FlashEngine::probs: only train engines keep the router's probabilities");
+  return reinterpret_cast<const float*>(local_ + ll_.probs);
+}
+const float* FlashEngine::lse() const {
+  DMOE_REQUIRE(shape_.train, "FlashEngine::lse: only train engines keep the router's log-sum-exp");
+  return reinterpret_cast<const float*>(local_ + ll_.lse);
+}
+const int32_t* FlashEngine::ids() const { return reinterpret_cast<const int32_t*>(local_ + ll_.ids); }
 
 void FlashEngine::check(cudaStream_t stream) {
   cuda::wait_stream(stream, "FlashEngine: the forward on this rank's stream");

@@ -5,6 +5,8 @@
 //   engine.set_weights(shard);                 // gate [E, H] and this rank's experts
 //   engine.forward(x, y, stream);              // bf16 device pointers; one kernel launch, no host sync
 //   engine.check(stream);                      // later: waits (bounded) and throws on a flagged error
+//   FlashEngine trainer(config, comm, /*train=*/true);   // forwards keep what the backward reads
+//   trainer.forward(x, y, stream); trainer.backward(dy, dx, grads, backend, stream);   // the same forward's
 //
 // W = 1 runs in plain device memory; W > 1 takes its symmetric region from NVSHMEM's heap (an NvshmemComm
 // must exist: it initialises NVSHMEM) and needs every peer load/store reachable (one node). Forwards may be
@@ -25,11 +27,24 @@
 
 namespace dmoe {
 
+class Backend;
+
+// Where a backward adds this rank's gradients (f32 device memory): the gate's part [E, H] (the caller sums it
+// over ranks) and this rank's experts, w1/w3 [Le, I, H] (w3 null unless SwiGLU), w2 [Le, H, I].
+struct FlashGradViews {
+  void* gate = nullptr;
+  void* w1 = nullptr;
+  void* w3 = nullptr;
+  void* w2 = nullptr;
+};
+
 class FlashEngine {
  public:
   // config.world == comm.world(); config.dtype bf16. Throws naming the field when Flash cannot run the
   // config (flash_unusable_reason), and when the ranks disagree on it.
-  FlashEngine(const MoeConfig& config, Comm& comm);
+  // train: forwards also keep the router's probabilities and the pre-activations, and the backward's buffers
+  // exist (more memory: flash::local_layout), so that backward() can follow each forward.
+  FlashEngine(const MoeConfig& config, Comm& comm, bool train = false);
   ~FlashEngine();
   FlashEngine(const FlashEngine&) = delete;
   FlashEngine& operator=(const FlashEngine&) = delete;
@@ -45,6 +60,18 @@ class FlashEngine {
   // Waits for `stream` (bounded, DMOE_COMM_TIMEOUT_S) and throws if a forward flagged an error (a token whose
   // router logits hold a NaN: no expert can be chosen, its row is dropped).
   void check(cudaStream_t stream);
+  // The backward of the last forward (train engines only; once per forward, before the next forward; every
+  // rank runs it): dy, dx [T, H] bf16 device memory; the gate's gradient and the experts' are added to `grads`
+  // (accumulate = false overwrites the experts' instead, zeros for experts without rows). `backend` is a bf16
+  // CUDA backend whose stream is `stream`: the arithmetic runs on its kernels (cuda::flash_backward). Reads the
+  // forward's row counts on the host (one wait for `stream`).
+  void backward(const void* dy, void* dx, const FlashGradViews& grads, bool accumulate, Backend& backend,
+                cudaStream_t stream);
+  bool trains() const { return shape_.train; }
+  // Device pointers of the last train forward's router outputs, [T, E] and [T] f32, and ids [T, k].
+  const float* probs() const;
+  const float* lse() const;
+  const int32_t* ids() const;
 
   // Routing of the last forward (waits for `stream`).
   std::vector<int32_t> expert_ids(cudaStream_t stream);
@@ -82,6 +109,8 @@ class FlashEngine {
   bool owns_weights_ = false;  // gate_ .. w2_ were allocated by set_weights (not set_weight_views)
   uint64_t* profile_ = nullptr;  // [grid, kProfileSlots] when profiling
   uint64_t forwards_ = 0;
+  const void* last_x_ = nullptr;   // the last forward's x (the router backward reads it)
+  bool backward_pending_ = false;  // a train forward whose backward has not run
 };
 
 // The phases of one profiled forward over the blocks: median and max duration of each (ms), the kernel's span,

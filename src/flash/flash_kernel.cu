@@ -359,6 +359,13 @@ __device__ void gate_role(const KernelArgs& a, const TileMaps& maps, uint8_t* sc
       int32_t* id_row = ids_s + row * k;
       WarpRoutingRow<kGateSlots> r;
       if (warp_softmax_stats(lrow, E, lane, r)) {
+        if (s.train) {  // the router backward's inputs: the EP router's values, bit for bit (router.cu)
+          float* prob_row = reinterpret_cast<float*>(a.p.local + a.ll.probs) + t * E;
+#pragma unroll
+          for (int i = 0; i < kGateSlots; ++i)
+            if (lane + 32 * i < E) prob_row[lane + 32 * i] = r.ex[i] / r.sum;
+          if (lane == 0) reinterpret_cast<float*>(a.p.local + a.ll.lse)[t] = r.max_logit + logf(r.sum);
+        }
         // Pick j is the same on every lane: every lane sums the weights in j order (gate_weights_row<float>'s
         // order), and lane j % 32 keeps pick j in its slot j / 32, so the stores are coalesced and nothing
         // is read back from global memory.
@@ -799,6 +806,9 @@ __device__ void processor_role(const KernelArgs& a, const TileMaps& maps, uint8_
     if (!task.down) {
       if (!skip) {
         __nv_bfloat16* h = reinterpret_cast<__nv_bfloat16*>(a.p.local + a.ll.h);
+        // Train forwards keep the pre-activations (the stored bf16 values the activation read) for the backward.
+        __nv_bfloat16* pre1 = s.train ? reinterpret_cast<__nv_bfloat16*>(a.p.local + a.ll.pre1) : nullptr;
+        __nv_bfloat16* pre3 = s.train && kGated ? reinterpret_cast<__nv_bfloat16*>(a.p.local + a.ll.pre3) : nullptr;
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const int32_t rr = row_in_expert + 8 * half;
@@ -806,15 +816,18 @@ __device__ void processor_role(const KernelArgs& a, const TileMaps& maps, uint8_
           const int64_t row = int64_t(begin + rr) * I;
 #pragma unroll
           for (int jq = 0; jq < kUpOut / 32; ++jq) {
-            uint32_t wh[4];
+            uint32_t wh[4], wp1[4], wp3[4];
 #pragma unroll
             for (int j4 = 0; j4 < 4; ++j4) {
               const int j = 4 * jq + j4;
               const __nv_bfloat162 v = __floats2bfloat162_rn(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+              wp1[j4] = bf162_bits(v);
+              wp3[j4] = 0;
               float h0 = act_value<A>(__low2float(v)), h1 = act_value<A>(__high2float(v));
               if constexpr (kGated) {
                 const int ju = j + kUpOut / 8;
                 const __nv_bfloat162 u = __floats2bfloat162_rn(acc[4 * ju + 2 * half], acc[4 * ju + 2 * half + 1]);
+                wp3[j4] = bf162_bits(u);
                 h0 *= __low2float(u);
                 h1 *= __high2float(u);
               }
@@ -823,6 +836,14 @@ __device__ void processor_role(const KernelArgs& a, const TileMaps& maps, uint8_
             const int64_t col = int64_t(task.n_tile) * kUpOut + 8 * (4 * jq + q);
             const uint4 oh = quad_transpose(wh, q);
             if (row_ok && col < I) *reinterpret_cast<uint4*>(h + row + col) = oh;
+            if (pre1 != nullptr) {  // warp-uniform: every lane takes part in the quad transposes
+              const uint4 o1 = quad_transpose(wp1, q);
+              if (row_ok && col < I) *reinterpret_cast<uint4*>(pre1 + row + col) = o1;
+              if constexpr (kGated) {
+                const uint4 o3 = quad_transpose(wp3, q);
+                if (row_ok && col < I) *reinterpret_cast<uint4*>(pre3 + row + col) = o3;
+              }
+            }
           }
         }
       }

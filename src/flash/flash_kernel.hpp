@@ -11,6 +11,10 @@
 
 #include "core/flash_protocol.hpp"
 
+namespace dmoe {
+class Backend;
+}
+
 namespace dmoe::cuda {
 
 // Why the kernel cannot run `shape` on the current device ("" when it can): needs an sm_90 GPU and a build
@@ -26,5 +30,10 @@ int32_t flash_grid_blocks(const flash::Shape& shape);
 // Nothing synchronises; the kernel advances the epoch in p.local's Control itself, so launches may follow
 // each other (or be captured in a CUDA graph) with no host work between them.
 void flash_forward(const flash::Params& p, cudaStream_t stream);
+
+// One rank's backward of its last train forward (flash_backward.cu; the twin of cpu::flash_backward): the
+// protocol of flash::BackwardParams as a sequence of launches on `stream`, the arithmetic on `backend`'s kernels
+// (a bf16 CUDA backend whose stream is `stream`, f32 accumulators). Waits for `stream` once (the row counts).
+void flash_backward(const flash::BackwardParams& p, Backend& backend, cudaStream_t stream);
 
 }  // namespace dmoe::cuda

@@ -4,12 +4,15 @@
 // FlashEngine's buffers (symmetric region, task tables) are sized by the token count, so the adapter keeps one
 // FlashEngine per count it was asked for: set_tokens back to a count seen before costs nothing (and, at W > 1,
 // no collective). Weights given by set_weights are uploaded once into the backend's memory and lent to every
-// FlashEngine as views. Work goes on the backend's stream.
+// FlashEngine as views. Work goes on the backend's stream. Made for training (MoeEngineOptions::backward), its
+// FlashEngines keep the forward's state and it holds f32 gradient accumulators; a train forward also computes the
+// router's auxiliary losses (one host read of the statistics, summed over ranks, as EpEngine does).
 #include <cuda_runtime.h>
 
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "core/dispatch_plan.hpp"
 #include "core/error.hpp"
@@ -26,9 +29,18 @@ namespace {
 
 class FlashMoeEngine final : public MoeEngine {
  public:
-  FlashMoeEngine(const MoeConfig& config, Backend& backend, Comm& comm)
-      : config_(config), backend_(backend), comm_(comm), gate_(backend), w1_(backend), w3_(backend), w2_(backend) {
+  FlashMoeEngine(const MoeConfig& config, Backend& backend, Comm& comm, bool train)
+      : config_(config), backend_(backend), comm_(comm), train_(train), gate_(backend), w1_(backend), w3_(backend),
+        w2_(backend), dgate_(backend), dw1_(backend), dw3_(backend), dw2_(backend), stats_dev_(backend) {
     select(config_.tokens);
+    if (train_) {
+      const int64_t H = config_.hidden, I = config_.ffn, E = config_.experts, Le = config_.experts_per_rank();
+      grads_.gate = dgate_.ensure(E * H * 4);
+      grads_.w1 = dw1_.ensure(Le * I * H * 4);
+      grads_.w2 = dw2_.ensure(Le * H * I * 4);
+      grads_.w3 = config_.activation == Activation::swiglu ? dw3_.ensure(Le * I * H * 4) : nullptr;
+      zero_grads();
+    }
   }
   ~FlashMoeEngine() override {
     engines_.clear();  // FlashEngine's destructor waits for the device before the weights below are freed
@@ -37,7 +49,7 @@ class FlashMoeEngine final : public MoeEngine {
   EngineKind kind() const override { return EngineKind::flash; }
   const MoeConfig& config() const override { return config_; }
   Backend& backend() override { return backend_; }
-  bool supports_backward() const override { return false; }
+  bool supports_backward() const override { return train_; }
 
   void set_weights(const MoeWeights& w) override {
     const int32_t Le = config_.experts_per_rank(), rank = comm_.rank();
@@ -75,18 +87,54 @@ class FlashMoeEngine final : public MoeEngine {
   }
 
   void forward(const void* x, void* y, ForwardMode mode) override {
-    DMOE_REQUIRE_INPUT(mode == ForwardMode::inference,
-                       "{} (a train forward keeps that state and computes the router's losses; run the forward in "
-                       "inference mode)", kFlashForwardOnly);
+    DMOE_REQUIRE_INPUT(mode == ForwardMode::inference || train_, "train forward: {}", kFlashForwardOnly);
     DMOE_REQUIRE(has_weights_, "engine 'flash': set_weights() or set_weight_views() before forward()");
     engine_->forward(x, y, stream());
+    trained_ = mode == ForwardMode::train;
+    if (trained_) compute_losses();
   }
-  void backward(const void*, void*) override { DMOE_FAIL_INPUT("backward: {}", kFlashForwardOnly); }
-  void zero_grads() override { DMOE_FAIL_INPUT("zero_grads: {}", kFlashForwardOnly); }
-  MoeWeights grads() override { DMOE_FAIL_INPUT("grads: {}", kFlashForwardOnly); }
+  void backward(const void* dy, void* dx) override {
+    DMOE_REQUIRE_INPUT(train_, "backward: {}", kFlashForwardOnly);
+    DMOE_REQUIRE_INPUT(trained_, "engine 'flash': backward() follows a train forward (forward(x, y, "
+                       "ForwardMode::train)); the last forward ran in inference mode and kept nothing for it");
+    engine_->backward(dy, dx, grads_, /*accumulate=*/!expert_grads_zero_, backend_, stream());
+    expert_grads_zero_ = false;
+    trained_ = false;
+  }
+  void zero_grads() override {
+    DMOE_REQUIRE_INPUT(train_, "zero_grads: {}", kFlashForwardOnly);
+    backend_.zero(grads_.gate, size_t(config_.experts * config_.hidden) * 4);
+    expert_grads_zero_ = true;  // the experts' are written (not added) by the next backward
+  }
+  MoeWeights grads() override {
+    DMOE_REQUIRE_INPUT(train_, "grads: {}", kFlashForwardOnly);
+    const int64_t H = config_.hidden, I = config_.ffn, E = config_.experts, Le = config_.experts_per_rank();
+    MoeWeights g = make_moe_weights(config_, config_.first_expert(comm_.rank()), int32_t(Le));
+    // The gate is replicated: its gradient is the sum over ranks, reduced on a copy (grads() may be called again).
+    Buffer reduced(backend_);
+    void* dwg = reduced.ensure(E * H * 4);
+    backend_.copy(dwg, grads_.gate, size_t(E * H) * 4);
+    if (config_.world > 1) comm_.allreduce_sum(dwg, E * H, DType::f32, backend_.stream());
+    auto download = [&](const void* src, std::vector<float>& out, int64_t n) {
+      out.resize(size_t(n));
+      backend_.download(out.data(), src, size_t(n) * 4);
+    };
+    download(dwg, g.gate, E * H);
+    if (expert_grads_zero_) {
+      g.w1.assign(size_t(Le * I * H), 0.f);
+      g.w2.assign(size_t(Le * H * I), 0.f);
+      if (config_.activation == Activation::swiglu) g.w3.assign(size_t(Le * I * H), 0.f);
+      return g;
+    }
+    download(grads_.w1, g.w1, Le * I * H);
+    download(grads_.w2, g.w2, Le * H * I);
+    if (config_.activation == Activation::swiglu) download(grads_.w3, g.w3, Le * I * H);
+    return g;
+  }
   RouterLosses losses() const override {
-    DMOE_FAIL_INPUT("losses: engine 'flash' does not compute the router's auxiliary losses (they belong to a train "
-                    "forward, and {}); use engine 'ep'", kFlashForwardOnly);
+    DMOE_REQUIRE_INPUT(has_losses_, "losses: engine 'flash' computes the router's auxiliary losses in a train forward "
+                       "(forward(x, y, ForwardMode::train) of an engine made for training); none has run");
+    return losses_;
   }
   void finish() override { engine_->check(stream()); }
 
@@ -108,14 +156,43 @@ class FlashMoeEngine final : public MoeEngine {
   void select(int64_t tokens) {
     config_.tokens = tokens;
     auto& engine = engines_[tokens];
-    if (!engine) engine = std::make_unique<FlashEngine>(config_, comm_);
+    if (!engine) engine = std::make_unique<FlashEngine>(config_, comm_, train_);
     engine_ = engine.get();
+    trained_ = false;
+  }
+  // The router's auxiliary losses of the train forward just issued, EpEngine's formulas (compute_losses): the
+  // partial sums of this rank's tokens, summed over ranks in f64.
+  void compute_losses() {
+    const int32_t E = config_.experts, k = config_.top_k;
+    const int64_t T = config_.tokens;
+    std::vector<double> stats(size_t(2 * E + 1), 0.0);
+    backend_.router_aux_partials(engine_->probs(), engine_->lse(), engine_->ids(), T, E, k, stats.data(),
+                                 stats.data() + E, stats.data() + 2 * E);
+    if (config_.world > 1) {
+      void* dev = stats_dev_.ensure(stats.size() * sizeof(double));
+      backend_.upload(dev, stats.data(), stats.size() * sizeof(double));
+      comm_.allreduce_sum(dev, int64_t(stats.size()), DType::f64, backend_.stream());
+      backend_.download(stats.data(), dev, stats.size() * sizeof(double));
+    }
+    const double n = double(T) * config_.world;
+    losses_ = RouterLosses{};
+    for (int32_t e = 0; e < E; ++e) losses_.load_balance += (stats[E + e] / (n * k)) * (stats[e] / n);
+    losses_.load_balance *= E;
+    losses_.z_loss = stats[2 * E] / n;
+    has_losses_ = true;
   }
 
   MoeConfig config_;
   Backend& backend_;
   Comm& comm_;
+  bool train_ = false;          // made for training: FlashEngines keep state, gradient accumulators exist
   Buffer gate_, w1_, w3_, w2_;  // set_weights' copies (bf16 on the backend)
+  Buffer dgate_, dw1_, dw3_, dw2_, stats_dev_;  // f32 gradient accumulators; the losses' statistics
+  FlashGradViews grads_;
+  bool expert_grads_zero_ = true;  // zero_grads since the last backward: the next one overwrites the experts'
+  bool trained_ = false;           // the last forward of the current engine ran in train mode, no backward yet
+  RouterLosses losses_;
+  bool has_losses_ = false;
   WeightViews views_;
   bool has_weights_ = false;
   std::map<int64_t, std::unique_ptr<FlashEngine>> engines_;  // by token count
@@ -124,7 +201,7 @@ class FlashMoeEngine final : public MoeEngine {
 
 }  // namespace
 
-std::unique_ptr<MoeEngine> make_flash_moe_engine(const MoeConfig& config, Backend& backend, Comm& comm) {
+std::unique_ptr<MoeEngine> make_flash_moe_engine(const MoeConfig& config, Backend& backend, Comm& comm, bool train) {
   DMOE_REQUIRE_INPUT(backend.storage_dtype() == DType::bf16,
                      "engine 'flash' runs bf16 only, and the backend stores {}; make the CUDA backend with bf16",
                      dtype_name(backend.storage_dtype()));
@@ -134,7 +211,7 @@ std::unique_ptr<MoeEngine> make_flash_moe_engine(const MoeConfig& config, Backen
                      config.world, comm.name());
   const std::string why = cuda::flash_unusable_reason(flash::make_shape(config, 1));
   DMOE_REQUIRE_INPUT(why.empty(), "engine 'flash' cannot run {}: {}; use engine 'ep'", config.summary(), why);
-  return std::make_unique<FlashMoeEngine>(config, backend, comm);
+  return std::make_unique<FlashMoeEngine>(config, backend, comm, train);
 }
 
 }  // namespace dmoe

@@ -4,7 +4,9 @@
 // barrier between them, and a rank that never comes reported within the time limit.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <map>
 #include <set>
@@ -96,6 +98,30 @@ TEST(FlashProtocol, LayoutsAreAlignedDisjointAndSizedByTheirFormulas) {
   EXPECT_EQ(ll.control % 256, 0u);
   EXPECT_GE(ll.bytes, ll.control + sizeof(flash::Control));
   EXPECT_GE(ll.up_done - ll.block_counts, size_t(7 * 8 * 4)) << "block_counts holds G x E";
+  // Inference shapes carry no backward buffers; train shapes carve them after the forward's, disjoint too.
+  EXPECT_EQ(sl.grad_out, sl.dx_out);
+  EXPECT_EQ(ll.probs, ll.dx_router);
+  flash::Shape t = s;
+  t.train = true;
+  const flash::SymmetricLayout st = flash::symmetric_layout(t);
+  const flash::LocalLayout lt = flash::local_layout(t);
+  EXPECT_EQ(st.out, sl.out) << "the forward's parts keep their places";
+  const std::vector<std::pair<size_t, size_t>> train_sym = {
+      {st.arrived, 8}, {st.grad_out, 200 * 64 * 2}, {st.dx_out, 200 * 64 * 2}, {st.grad_ready, 4 * 8},
+      {st.dx_ready, 4 * 8}};
+  const std::vector<std::pair<size_t, size_t>> train_local = {
+      {lt.control, sizeof(flash::Control)}, {lt.probs, 100 * 8 * 4}, {lt.lse, 100 * 4}, {lt.pre1, 800 * 96 * 2},
+      {lt.pre3, 800 * 96 * 2}, {lt.grad_recv, 800 * 64 * 2}, {lt.dx_rows, 800 * 64 * 2}, {lt.dweights, 200 * 4},
+      {lt.choice_slot, 200 * 4}, {lt.dlogits, 100 * 8 * 4}, {lt.dx_router, 100 * 64 * 4}};
+  for (const auto* parts_of : {&train_sym, &train_local}) {
+    size_t last = 0;
+    for (auto [at, bytes] : *parts_of) {
+      EXPECT_EQ(at % 256, 0u);
+      EXPECT_GE(at, last) << "parts overlap";
+      last = at + bytes;
+    }
+    EXPECT_GE(parts_of == &train_sym ? st.bytes : lt.bytes, last);
+  }
   // Capacity bounds the receive buffer: W·Le·C rows when that is smaller.
   c.capacity_factor = 1.0;  // C = ceil(100·2/8) = 25
   EXPECT_EQ(flash::make_shape(c, 1).recv_rows(), 4 * 2 * 25);
@@ -146,6 +172,66 @@ TEST(FlashCpuTwin, EqualsReferenceEngineBitForBit) {
             const LayerResult ref = run_cpu_layer(c, w, xs[i], nullptr);
             expect_bitwise_equal(flash.y[i], ref.y, what + " forward " + std::to_string(i));
           }
+        }
+}
+
+// The backward twin (cpu::flash_backward) equals the reference engine's backward bit for bit: dx, every
+// expert's dW1/dW3/dW2 and the gate's gradient (the ranks' parts summed in rank order, as ThreadComm's sum
+// adds them), with both auxiliary terms on, for every activation, both storages, dropless and capacity,
+// W = 1, 2, 4. Two train forwards back to back, each followed by its backward: the first overwrites the
+// experts' gradients, the second adds to them, as EpEngine's zero_grads / backward do.
+TEST(FlashCpuTwin, BackwardEqualsReferenceEngineBitForBit) {
+  for (Activation act : {Activation::relu, Activation::gelu, Activation::swiglu})
+    for (DType dtype : {DType::f32, DType::bf16})
+      for (double cf : {0.0, 1.0})
+        for (int32_t W : {1, 2, 4}) {
+          MoeConfig c = flash_config(act, W, dtype, cf);
+          c.aux_loss_coef = 0.01;
+          c.z_loss_coef = 0.001;
+          const std::string what = c.summary();
+          const MoeWeights w = random_moe_weights(c, 12);
+          std::vector<std::vector<float>> xs, dys;
+          for (uint64_t i = 0; i < 2; ++i) {
+            xs.push_back(random_input(c, 200 + i));
+            dys.push_back(random_input(c, 300 + i));
+          }
+          const FlashCpuResult flash = run_cpu_flash_layer(c, w, xs, 10'000'000'000ull, &dys);
+          ASSERT_EQ(flash.dx.size(), xs.size());
+          MoeWeights sum;
+          for (size_t i = 0; i < xs.size(); ++i) {
+            const LayerResult ref = run_cpu_layer(c, w, xs[i], &dys[i]);
+            expect_bitwise_equal(flash.y[i], ref.y, what + " train forward " + std::to_string(i));
+            expect_bitwise_equal(flash.dx[i], ref.dx, what + " dx " + std::to_string(i));
+            if (i == 0) {
+              sum = ref.grads;
+            } else {  // two backwards: the reference's per-backward gradients added in f32 (see below)
+              for (size_t j = 0; j < sum.w1.size(); ++j) sum.w1[j] += ref.grads.w1[j];
+              for (size_t j = 0; j < sum.w2.size(); ++j) sum.w2[j] += ref.grads.w2[j];
+              for (size_t j = 0; j < sum.w3.size(); ++j) sum.w3[j] += ref.grads.w3[j];
+              for (size_t j = 0; j < sum.gate.size(); ++j) sum.gate[j] += ref.grads.gate[j];
+            }
+          }
+          // One backward: bit for bit. Two: the twin sums in f64 and rounds once, the reference's two results
+          // were each rounded, so they agree to f32 rounding of the sum (relative 1e-6 of the magnitude).
+          auto close = [&](const std::vector<float>& a, const std::vector<float>& b, const char* name) {
+            ASSERT_EQ(a.size(), b.size()) << what << " " << name;
+            double scale = 0;
+            for (float v : b) scale = std::max(scale, double(std::fabs(v)));
+            for (size_t j = 0; j < a.size(); ++j)
+              ASSERT_NEAR(a[j], b[j], 1e-6 * scale + 1e-30) << what << " " << name << " at " << j;
+          };
+          close(flash.grads.w1, sum.w1, "dw1");
+          close(flash.grads.w2, sum.w2, "dw2");
+          close(flash.grads.w3, sum.w3, "dw3");
+          close(flash.grads.gate, sum.gate, "dgate");
+          // One train forward and backward: every gradient bit for bit.
+          const std::vector<std::vector<float>> dy0{dys[0]};
+          const FlashCpuResult one = run_cpu_flash_layer(c, w, {xs[0]}, 10'000'000'000ull, &dy0);
+          const LayerResult ref = run_cpu_layer(c, w, xs[0], &dys[0]);
+          expect_bitwise_equal(one.grads.w1, ref.grads.w1, what + " dw1");
+          expect_bitwise_equal(one.grads.w2, ref.grads.w2, what + " dw2");
+          expect_bitwise_equal(one.grads.w3, ref.grads.w3, what + " dw3");
+          expect_bitwise_equal(one.grads.gate, ref.grads.gate, what + " dgate");
         }
 }
 

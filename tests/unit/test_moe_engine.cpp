@@ -103,11 +103,8 @@ TEST(MoeEngine, FlashIsRefusedWithWhatIsWrongAndWhatIsAllowed) {
   MoeConfig c = small_config();
   c.world = 1;
   c.dtype = DType::bf16;
-  MoeEngineOptions train;  // backward = true by default: a caller must say it runs forwards only
-  const std::string forward_only = moe_engine_unusable_reason(EngineKind::flash, c, train);
-  EXPECT_NE(forward_only.find("issue 14"), std::string::npos) << forward_only;
-  EXPECT_NE(forward_only.find("Flash backward"), std::string::npos) << forward_only;
-  EXPECT_NE(forward_only.find("use engine 'ep'"), std::string::npos) << forward_only;
+  MoeEngineOptions train;  // backward = true by default: Flash trains (issue 14), so nothing is refused for it
+  if (cuda_engines_built()) EXPECT_EQ(moe_engine_unusable_reason(EngineKind::flash, c, train), "");
   MoeEngineOptions inference;
   inference.backward = false;
   if (cuda_engines_built()) {
@@ -138,7 +135,8 @@ TEST(MoeEngine, FlashIsRefusedWithWhatIsWrongAndWhatIsAllowed) {
       input_error([&] { make_moe_engine(EngineKind::flash, c, *backend, *comms[0], inference); });
   EXPECT_NE(flash_on_cpu.find(cuda_engines_built() ? "runs on a CUDA backend" : "built without CUDA"),
             std::string::npos) << flash_on_cpu;
-  EXPECT_NE(input_error([&] { make_moe_engine(EngineKind::flash, c, *backend, *comms[0]); }).find("issue 14"),
+  EXPECT_NE(input_error([&] { make_moe_engine(EngineKind::flash, c, *backend, *comms[0]); })
+                .find(cuda_engines_built() ? "runs on a CUDA backend" : "built without CUDA"),
             std::string::npos);
   EXPECT_NE(input_error([&] { make_moe_engine(EngineKind::ep, c, *backend, *comms[0]); }).find("use engine 'cpu'"),
             std::string::npos);
@@ -174,12 +172,11 @@ void expect_refused(const test::CliResult& r, const std::string& needle, const s
   EXPECT_FALSE(fs::exists(out)) << what;
 }
 
-TEST_F(MoeEngineCli, RunFlashRefusesBackwardBeforeReadingAnything) {
-  // Named before any file is opened: a weights file that does not exist is not what the error is about.
-  expect_refused(run_cli("run --engine flash --top-k 2 --weights " + p("none.st") + " --input " + p("x.st") +
-                         " --grad-output " + p("dy.st") + " --output " + p("y.st")),
-                 "no Flash backward yet (dmoe issue 14", "flash --grad-output", dir_ / "y.st");
-  expect_refused(run_cli(run_args("flash", " --dtype bf16 --grad-output " + p("dy.st"))), "drop --grad-output",
+TEST_F(MoeEngineCli, RunFlashBackwardWithoutAGpuSaysWhatToUse) {
+  // --engine flash --grad-output runs the Flash backward (issue 14) where a GPU is; here it is refused with
+  // what to use instead, nothing written.
+  if (has_gpu()) GTEST_SKIP() << "a GPU is visible: tests/gpu/test_moe_engine.cpp runs the Flash backward";
+  expect_refused(run_cli(run_args("flash", " --dtype bf16 --grad-output " + p("dy.st"))), "use --engine cpu",
                  "flash --grad-output, real files", dir_ / "y.st");
 }
 

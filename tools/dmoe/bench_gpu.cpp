@@ -129,7 +129,11 @@ int run_gpu_layer_bench(const GpuBenchArgs& a) {
   const CommKind comm_kind = flash_alone ? CommKind::nvshmem : parse_comm_kind(a.comm);
   if ((a.flash || flash_alone) && env.world > 1 && !std::getenv("DMOE_NVSHMEM_MIN_HEAP")) {
     // NVSHMEM's heap is fixed at start: room for the communicator and Flash's symmetric region.
-    const size_t flash_bytes = flash::symmetric_layout(flash::make_shape(c, 1)).bytes;
+    // With a backward, a second (train) Flash engine beside: its region too.
+    flash::Shape train_shape = flash::make_shape(c, 1);
+    train_shape.train = true;
+    const size_t flash_bytes = flash::symmetric_layout(flash::make_shape(c, 1)).bytes +
+                               (a.backward ? flash::symmetric_layout(train_shape).bytes : 0);
     ::setenv("DMOE_NVSHMEM_MIN_HEAP", std::to_string(flash_bytes + (size_t(3) << 30)).c_str(), 1);
   }
   std::unique_ptr<Comm> comm = env.world == 1 ? make_local_comm()
@@ -218,7 +222,7 @@ int run_gpu_layer_bench(const GpuBenchArgs& a) {
       j["flash_span_ms"] = ps.span_ms;
       j["flash_processors_busy"] = ps.processors_busy;
     }
-    if (r.forward_train.iterations > 0)  // not for Flash: it has no train forward (no backward yet, issue 14)
+    if (r.forward_train.iterations > 0)  // not for Flash alone: made for forwards only
       std::printf("%-16s %3d %10.3f %8.3f %8.3f %9.1f %9.1f  (forward that keeps what backward needs; the row "
                   "above keeps nothing)\n", (r.engine + " train").c_str(), env.world, r.forward_train.median_ms,
                   r.forward_train.min_ms, r.forward_train.max_ms, r.flop / (r.forward_train.median_ms * 1e-3) * 1e-12,
@@ -228,6 +232,17 @@ int run_gpu_layer_bench(const GpuBenchArgs& a) {
       std::printf("%-16s %3d %10.3f %8.3f %8.3f %9.1f  (a training step: zero_grads, forward, backward; 3F)\n", (r.engine + " f+b").c_str(),
                   env.world, r.forward_backward.median_ms, r.forward_backward.min_ms, r.forward_backward.max_ms,
                   3 * r.flop / (r.forward_backward.median_ms * 1e-3) * 1e-12);
+    }
+    if (r.flash_forward_backward.iterations > 0) {
+      const auto& f = r.flash_forward_backward;
+      j["flash_forward_backward_ms"] = f.median_ms;
+      j["flash_step_speedup_vs_ep"] = r.forward_backward.median_ms / f.median_ms;
+      j["flash_dx_rel_diff_vs_ep"] = r.flash_dx_rel_diff;
+      j["flash_dw_rel_diff_vs_ep"] = r.flash_dw_rel_diff;
+      std::printf("%-16s %3d %10.3f %8.3f %8.3f %9.1f  (Flash's training step, same rounds: %.3fx EP's; dx %.2e and "
+                  "dW %.2e from EP's, relative)\n", "flash f+b", env.world, f.median_ms, f.min_ms, f.max_ms,
+                  3 * r.flop / (f.median_ms * 1e-3) * 1e-12, r.forward_backward.median_ms / f.median_ms,
+                  r.flash_dx_rel_diff, r.flash_dw_rel_diff);
     }
     if (r.alltoall.iterations > 0) {
       const double gbps = r.alltoall_bytes / (r.alltoall.median_ms * 1e-3) * 1e-9;

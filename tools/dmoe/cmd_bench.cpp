@@ -109,7 +109,7 @@ Command add_bench_command(CLI::App& app) {
   sub->add_flag("--no-backward", o->no_backward, "time the forward pass only");
   sub->add_option("--engine", o->engine,
                   "auto (ep when a GPU is visible, else cpu) | cpu | ep (aliases cuda, gpu) | flash (GPU, bf16: the "
-                  "Flash kernel alone, forward only)")
+                  "Flash engine alone: forward, train forward and training step)")
       ->check(CLI::IsMember({"auto", "cpu", "ep", "flash", "cuda", "gpu"}));
   sub->add_option("--comm", o->comm, "GPU communicator for W > 1: auto | nccl | nvshmem")
       ->check(CLI::IsMember({"auto", "nccl", "nvshmem"}));
@@ -118,8 +118,8 @@ Command add_bench_command(CLI::App& app) {
   sub->add_option("--check-tokens", o->check_tokens, "GPU: tokens recomputed in fp64 on the CPU to check the output")
       ->check(CLI::Range(0, 64));
   sub->add_flag("--flash", o->flash,
-                "GPU, bf16: also time the Flash kernel (one persistent kernel per rank) beside EP, in the same rounds "
-                "(--engine flash times Flash alone)");
+                "GPU, bf16: also time the Flash kernel (one persistent kernel per rank) beside EP, in the same rounds, "
+                "and Flash's training step beside EP's (--engine flash times Flash alone)");
   sub->add_flag("--alltoall", o->alltoall,
                 "GPU, W > 1: also time one all-to-all of the layer's off-rank bytes alone (GB/s per GPU)");
   sub->add_option("--batch-row-multiple", o->batch_row_multiple,
@@ -208,8 +208,7 @@ Command add_bench_command(CLI::App& app) {
                        "--engine flash times the Flash kernel alone, and --flash times it beside EP in the same rounds; "
                        "give one of them");
     if (engine == "flash" && cuda_engines_built()) {
-      // Checked before the GPU is looked at, so that the rule shows on any machine (backward is not asked:
-      // the training step is left out for Flash below, and says so).
+      // Checked before the GPU is looked at, so that the rule shows on any machine.
       ConfigOptions co = o->config;
       if (co.config_path.empty()) co.config_path = "flash-paper";  // the GPU run's default below
       const MoeConfig checked = resolve_config(co);
@@ -242,11 +241,6 @@ Command add_bench_command(CLI::App& app) {
       g.alltoall = o->alltoall;
       g.flash = o->flash;
       g.engine = engine == "flash" ? EngineKind::flash : EngineKind::ep;
-      if (g.engine == EngineKind::flash && backward) {
-        std::printf("note: --engine flash: the training step (zero_grads, forward, backward) is not timed: %s\n",
-                    kFlashForwardOnly);
-        g.backward = false;
-      }
       g.warmup = std::max(o->warmup, 3);
       return run_gpu_layer_bench(g);
     }

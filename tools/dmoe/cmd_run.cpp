@@ -70,10 +70,6 @@ Command add_run_command(CLI::App& app) {
     // cuda and gpu are the older names of ep (one vocabulary with bench and the Python module: cpu | ep | flash).
     if (o->engine == "gpu" || o->engine == "cuda") o->engine = "ep";
     const EngineKind kind = parse_engine_kind(o->engine);
-    // Flash has no backward (issue 14): refused before any file is read, not after the forward.
-    DMOE_REQUIRE_INPUT(kind != EngineKind::flash || o->grad_output.empty(),
-                       "--engine flash with --grad-output: {}; drop --grad-output for the forward alone",
-                       kFlashForwardOnly);
     require_prefix_ends_with_dot(o->prefix);
     // Before anything is read or computed: the output must not be one of the inputs, and must be writable.
     require_distinct_files({{"--output", o->output}},
@@ -145,7 +141,7 @@ Command add_run_command(CLI::App& app) {
     GpuLayerResult gpu;
     if (kind != EngineKind::cpu) gpu = run_gpu_layer(kind, c, w, x, dy.empty() ? nullptr : &dy);
     const LayerResult r = kind == EngineKind::cpu ? run_cpu_layer(c, w, x, dy.empty() ? nullptr : &dy) : gpu.layer;
-    const bool losses = kind == EngineKind::cpu || gpu.losses_computed;  // Flash: inference forward, no losses
+    const bool losses = kind == EngineKind::cpu || gpu.losses_computed;  // Flash without --grad-output: inference, none
 
     // Finite inputs and weights can still overflow (x ~ 1e38): a NaN or Inf in the results is an error by
     // default, and nothing is written.
@@ -177,7 +173,7 @@ Command add_run_command(CLI::App& app) {
     out.write(o->output);
     const std::string loss_text =
         losses ? fmt::format("load-balance loss {:.6g} | z-loss {:.6g}", r.losses.load_balance, r.losses.z_loss)
-               : std::string("losses not computed (flash runs the inference forward)");
+               : std::string("losses not computed (flash without --grad-output runs the inference forward)");
     std::printf("%s | engine %s | %s | dropped %lld | wrote %s\n", c.summary().c_str(), o->engine.c_str(),
                 loss_text.c_str(), (long long)r.dropped(), o->output.c_str());
     return 0;

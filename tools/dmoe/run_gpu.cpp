@@ -36,7 +36,8 @@ GpuLayerResult run_gpu_layer(EngineKind kind, const MoeConfig& c, const MoeWeigh
   const size_t elem = dtype_size(backend->storage_dtype());
   Buffer xd(*backend), yd(*backend), dyd(*backend), dxd(*backend);
   backend->upload_f32(xd.ensure(T * H * elem), x.data(), T * H);
-  // train where the engine has it: the losses are reported (and kept for the backward); Flash has inference only.
+  // train where the engine has it: the losses are reported (and kept for the backward); Flash made for forwards
+  // only (no --grad-output) runs the inference forward.
   const bool train = engine->supports_backward();
   engine->forward(xd.data(), yd.ensure(T * H * elem), train ? ForwardMode::train : ForwardMode::inference);
   engine->finish();

@@ -169,13 +169,53 @@ LayerBenchResult bench_ep_layer(const MoeConfig& c, Backend& backend, Comm& comm
     backend.upload_f32(dyd, dy.data(), T * H);
     // One micro-batch's training step: the gradients start from zero_grads (the backward then writes the
     // experts' gradients instead of adding to zeros), as when each optimizer step takes one micro-batch.
-    r.forward_backward = timer.time(
-        [&] {
-          engine.zero_grads();
-          engine.forward(xd, yd, ForwardMode::train);
-          engine.backward(dyd, dxd);
-        },
-        timing);
+    std::vector<std::function<void()>> steps = {[&] {
+      engine.zero_grads();
+      engine.forward(xd, yd, ForwardMode::train);
+      engine.backward(dyd, dxd);
+    }};
+    // Flash's training step beside (an engine made for training: its forwards keep the backward's state),
+    // interleaved with EP's so that both see the same clocks.
+    std::unique_ptr<MoeEngine> flash_train;
+    void* fdx = nullptr;
+    void* fy = nullptr;
+    if (o.flash) {
+      MoeEngineOptions fo;
+      fo.backward = true;
+      flash_train = make_moe_engine(EngineKind::flash, c, backend, comm, fo);
+      flash_train->set_weights(weights);
+      fdx = backend.allocate(T * H * elem);
+      fy = backend.allocate(T * H * elem);
+      steps.push_back([&] {
+        flash_train->zero_grads();
+        flash_train->forward(xd, fy, ForwardMode::train);
+        flash_train->backward(dyd, fdx);
+      });
+    }
+    const std::vector<Stats> st = timer.time_interleaved(steps, timing);
+    r.forward_backward = st[0];
+    if (flash_train) {
+      r.flash_forward_backward = st[1];
+      flash_train->finish();
+      engine.finish();
+      // The last step of each: dx and the experts' gradients side by side (same weights, x, dy).
+      std::vector<float> a(size_t(T * H)), b(size_t(T * H));
+      backend.download_f32(a.data(), fdx, T * H);
+      backend.download_f32(b.data(), dxd, T * H);
+      auto rel = [](const std::vector<float>& u, const std::vector<float>& v) {
+        double num = 0, den = 0;
+        for (size_t i = 0; i < u.size(); ++i) {
+          num += (double(u[i]) - v[i]) * (double(u[i]) - v[i]);
+          den += double(v[i]) * v[i];
+        }
+        return std::sqrt(num / std::max(den, 1e-300));
+      };
+      r.flash_dx_rel_diff = rel(a, b);
+      const MoeWeights gf = flash_train->grads(), ge = engine.grads();
+      r.flash_dw_rel_diff = std::max(rel(gf.w1, ge.w1), rel(gf.w2, ge.w2));
+      backend.release(fdx);
+      backend.release(fy);
+    }
     backend.release(dyd);
     backend.release(dxd);
   }

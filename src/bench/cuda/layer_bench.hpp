@@ -54,6 +54,11 @@ struct LayerBenchResult {
   int32_t flash_grid = 0;
   bool flash_routing_equal = false;
   std::vector<uint64_t> flash_profile;  // one profiled forward (FlashEngine::profile), [grid, kProfileSlots]
+  // With backward: Flash's training step (zero_grads, train forward, backward through MoeEngine) timed in the
+  // same rounds as EP's (forward_backward is then from those rounds too), and how far Flash's dx and expert
+  // gradients are from EP's (relative error of the norms).
+  Stats flash_forward_backward;
+  double flash_dx_rel_diff = 0, flash_dw_rel_diff = 0;
   double flash_percent_of_roofline() const { return 100.0 * roofline_ms / flash_forward.median_ms; }
   double tflops() const { return flop / (forward.median_ms * 1e-3) * 1e-12; }
   double percent_of_roofline() const { return 100.0 * roofline_ms / forward.median_ms; }

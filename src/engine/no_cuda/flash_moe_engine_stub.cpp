@@ -7,7 +7,7 @@ namespace dmoe {
 
 bool cuda_engines_built() { return false; }
 
-std::unique_ptr<MoeEngine> make_flash_moe_engine(const MoeConfig&, Backend&, Comm&) {
+std::unique_ptr<MoeEngine> make_flash_moe_engine(const MoeConfig&, Backend&, Comm&, bool) {
   DMOE_FAIL_INPUT("engine 'flash' needs the CUDA engines, and this dmoe was built without CUDA (DMOE_CUDA=OFF or no "
                   "nvcc); use engine 'cpu'");
 }
