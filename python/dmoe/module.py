@@ -24,7 +24,7 @@ class MoEOutput(NamedTuple):
 
     ``y`` has x's shape; ``expert_ids`` [N, k] int32 and ``expert_weights`` [N, k] float32 (N = tokens, the rows of
     x); ``router_logits`` [N, E] float32 (None for engine 'flash'). ``load_balance`` and ``z_loss`` are floats over
-    all ranks' tokens, None after a forward that kept nothing for a backward (no gradients needed) or on flash.
+    all ranks' tokens, None after a forward that kept nothing for a backward (no gradients needed).
     They are reported, not differentiable: their gradients, weighted by the layer's ``aux_loss_coef`` and
     ``z_loss_coef``, are already part of the layer's backward. The routing outputs carry no gradient.
     """
@@ -193,8 +193,9 @@ class MoELayer(torch.nn.Module):
             holds all experts and all ranks' tokens (the token count must be a multiple of world). 'ep'/'flash':
             one process per rank (torchrun, dmoe launch, mpirun, srun), each holding its E/world experts
             (experts rank·E/world ..) and its own tokens; every rank must call forward/backward alike.
-        engine: 'cpu' (the reference engine), 'ep' (expert parallelism on CUDA), 'flash' (one persistent
-            kernel per rank; bf16; forward only: training raises an error), 'auto': 'ep' for inputs on a CUDA
+        engine: 'cpu' (the reference engine), 'ep' (expert parallelism on CUDA), 'flash' (the forward as one
+            persistent kernel per rank, bf16; it trains too: its backward is a short sequence of launches that
+            synchronises the host, so a training step cannot be captured in a CUDA graph), 'auto': 'ep' for inputs on a CUDA
             device, else 'cpu' (decided at each call with world = 1, from ``device`` at construction otherwise).
         renormalize: renormalise the k gate weights to sum to 1 (Mixtral; Qwen's norm_topk_prob).
         capacity_factor: 0 = dropless; else each (rank, expert) keeps at most ceil(cf·T·k/E) rows.
@@ -343,11 +344,6 @@ class MoELayer(torch.nn.Module):
         x2d = x.reshape(-1, self.hidden).contiguous()
         params = [self.gate, self.w1, self.w3, self.w2]
         train = torch.is_grad_enabled() and (x.requires_grad or any(p is not None and p.requires_grad for p in params))
-        if train and self.engine == "flash":
-            raise RuntimeError("dmoe.MoELayer: engine 'flash' runs the forward only — there is no Flash backward yet "
-                               "(dmoe issue 14) — and this call needs gradients; run it under torch.no_grad() / "
-                               "torch.inference_mode() (or with parameters and input not requiring grad), or use "
-                               "engine='ep' to train")
         if x2d.shape[0] == 0:
             y = x2d.new_zeros(x2d.shape) + 0 * x2d.sum()  # keeps the autograd graph for an empty batch
             ids = torch.empty((0, self.top_k), dtype=torch.int32, device=x.device)

@@ -98,6 +98,14 @@ const char* role_name(int32_t role) {
   return "unknown role";
 }
 
+const char* backward_stage_name(int32_t stage) {
+  static const char* names[kBackwardStages] = {
+      "host read of the counts (stream idle)", "combine backward (dweights, row gradients)",
+      "row gradients to the experts (signal, wait, pull)", "expert backward (grouped GEMMs)",
+      "dx rows home (stores, signal, wait)", "router backward and scatter back"};
+  return stage >= 0 && stage < kBackwardStages ? names[stage] : "unknown stage";
+}
+
 const char* wait_name(int32_t what) {
   switch (what) {
     case kWaitGridBarrier: return "the grid barrier after the gate (every block of this rank)";

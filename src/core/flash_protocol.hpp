@@ -275,6 +275,14 @@ struct BackwardParams {
   bool accumulate = true;         // false: the experts' gradients are overwritten (zeros for experts without rows)
   double aux_loss_coef = 0;       // load-balance loss coefficient (0: no term)
   double z_loss_coef = 0;         // router z-loss coefficient (0: no term)
+  // GPU, optional: kBackwardStages + 1 cudaEvent_t recorded on the stream at the stage boundaries (where the
+  // time goes); null = off. The CPU twin ignores it.
+  void* stage_events = nullptr;
 };
+
+// The stages a profiled GPU backward records (BackwardParams::stage_events): the first is the host's read of
+// the forward's counts (the stream idles meanwhile), then the protocol's steps.
+constexpr int32_t kBackwardStages = 6;
+const char* backward_stage_name(int32_t stage);
 
 }  // namespace dmoe::flash

@@ -13,7 +13,9 @@
 #include "comm/cuda/bootstrap.hpp"
 #include "comm/cuda/gpu_comm.hpp"
 #include "comm/cuda/local_comm.hpp"
+#include "cuda/check.hpp"
 #include "cuda/cuda_backend.hpp"
+#include "engine/buffer.hpp"
 #include "flash/flash_engine.hpp"
 #endif
 
@@ -67,7 +69,17 @@ class DeviceGuard {
 
 #if defined(DMOE_WITH_CUDA)
 struct LayerSession::FlashState {
-  std::map<int64_t, std::unique_ptr<FlashEngine>> engines;  // by rows per forward
+  std::map<int64_t, std::unique_ptr<FlashEngine>> engines;  // inference, by rows per forward
+  // Train engines (their forwards keep the backward's state): one per pending train forward, reused once its
+  // backward has run or its ticket was released.
+  struct Trainer {
+    int64_t rows = 0;
+    std::unique_ptr<FlashEngine> engine;
+    bool busy = false;
+    RouterLosses losses;
+  };
+  std::vector<std::unique_ptr<Trainer>> trainers;
+  std::map<int64_t, Trainer*> tickets;
 };
 #else
 struct LayerSession::FlashState {};
@@ -83,9 +95,8 @@ LayerSession::LayerSession(const MoeConfig& config, const SessionOptions& option
 #if defined(DMOE_WITH_CUDA)
   DMOE_REQUIRE_INPUT(options_.max_tokens >= 1, "max_tokens = {} is invalid; must be >= 1", options_.max_tokens);
   if (options_.engine == EngineKind::flash) {
-    // The engines' own checks (dtype, drop policy); train forwards are refused per call, so not backward here.
+    // The engines' own checks (dtype, drop policy).
     MoeEngineOptions checked;
-    checked.backward = false;
     const std::string why = moe_engine_unusable_reason(EngineKind::flash, config_, checked);
     DMOE_REQUIRE_INPUT(why.empty(), "{}", why);
     flash_ = std::make_unique<FlashState>();
@@ -166,12 +177,18 @@ void LayerSession::set_stream(Stream stream) {
 #endif
 }
 
-int64_t LayerSession::pending() const { return int64_t(tickets_.size()); }
+int64_t LayerSession::pending() const {
+  int64_t n = int64_t(tickets_.size());
+#if defined(DMOE_WITH_CUDA)
+  if (flash_) n += int64_t(flash_->tickets.size());
+#endif
+  return n;
+}
 
 int64_t LayerSession::engines() const {
   int64_t n = int64_t(slots_.size());
 #if defined(DMOE_WITH_CUDA)
-  if (flash_) n += int64_t(flash_->engines.size());
+  if (flash_) n += int64_t(flash_->engines.size() + flash_->trainers.size());
 #endif
   return n;
 }
@@ -274,7 +291,7 @@ int64_t LayerSession::forward(const SessionForward& f) {
 
 void LayerSession::backward(const SessionBackward& b) {
   const DeviceGuard guard(device_);
-  DMOE_REQUIRE_INPUT(options_.engine != EngineKind::flash, "backward: {}", kFlashForwardOnly);
+  if (options_.engine == EngineKind::flash) return flash_backward(b);
   const auto it = tickets_.find(b.ticket);
   DMOE_REQUIRE_INPUT(it != tickets_.end(),
                      "backward: ticket {} is not a pending train forward of this layer (already backward()ed or "
@@ -305,6 +322,16 @@ void LayerSession::backward(const SessionBackward& b) {
 }
 
 void LayerSession::release(int64_t ticket) noexcept {
+#if defined(DMOE_WITH_CUDA)
+  if (flash_) {
+    const auto ft = flash_->tickets.find(ticket);
+    if (ft != flash_->tickets.end()) {
+      ft->second->busy = false;
+      flash_->tickets.erase(ft);
+      return;
+    }
+  }
+#endif
   const auto it = tickets_.find(ticket);
   if (it == tickets_.end()) return;
   it->second->busy = false;
@@ -312,6 +339,12 @@ void LayerSession::release(int64_t ticket) noexcept {
 }
 
 RouterLosses LayerSession::losses(int64_t ticket) const {
+#if defined(DMOE_WITH_CUDA)
+  if (flash_) {
+    const auto ft = flash_->tickets.find(ticket);
+    if (ft != flash_->tickets.end()) return ft->second->losses;
+  }
+#endif
   const auto it = tickets_.find(ticket);
   DMOE_REQUIRE_INPUT(it != tickets_.end(), "losses: ticket {} is not a pending train forward of this layer", ticket);
   return it->second->losses;
@@ -319,16 +352,28 @@ RouterLosses LayerSession::losses(int64_t ticket) const {
 
 int64_t LayerSession::flash_forward(const SessionForward& f) {
 #if defined(DMOE_WITH_CUDA)
-  DMOE_REQUIRE_INPUT(!f.train, "{}; run it for inference (no gradients)", kFlashForwardOnly);
   DMOE_REQUIRE_INPUT(!f.router_logits, "engine 'flash' does not output router logits; use engine 'ep'");
-  auto& engine = flash_->engines[f.rows];
-  if (!engine) {
-    MoeConfig c = config_;
-    c.tokens = f.rows;
-    engine = std::make_unique<FlashEngine>(c, *comm_);
+  const auto stream = static_cast<cudaStream_t>(have_stream_ ? stream_ : backend_->stream());
+  FlashEngine* engine = nullptr;
+  FlashState::Trainer* trainer = nullptr;
+  MoeConfig c = config_;
+  c.tokens = f.rows;
+  if (f.train) {
+    for (auto& t : flash_->trainers)
+      if (!t->busy && t->rows == f.rows) trainer = t.get();
+    if (!trainer) {
+      flash_->trainers.push_back(std::make_unique<FlashState::Trainer>());
+      trainer = flash_->trainers.back().get();
+      trainer->rows = f.rows;
+      trainer->engine = std::make_unique<FlashEngine>(c, *comm_, /*train=*/true);
+    }
+    engine = trainer->engine.get();
+  } else {
+    auto& e = flash_->engines[f.rows];
+    if (!e) e = std::make_unique<FlashEngine>(c, *comm_);
+    engine = e.get();
   }
   engine->set_weight_views(f.weights.gate, f.weights.w1, f.weights.w3, f.weights.w2);
-  const auto stream = static_cast<cudaStream_t>(have_stream_ ? stream_ : backend_->stream());
   engine->forward(f.x, f.y, stream);
   if (f.expert_ids || f.expert_weights) {  // a host round trip: Flash keeps its routing in its own layout
     const std::vector<int32_t> ids = engine->expert_ids(stream);
@@ -337,10 +382,59 @@ int64_t LayerSession::flash_forward(const SessionForward& f) {
     if (f.expert_weights) backend_->upload(f.expert_weights, weights.data(), weights.size() * sizeof(float));
     backend_->synchronize();  // the host vectors go out of scope
   }
-  return -1;
+  if (!f.train) return -1;
+  // The router's auxiliary losses (EpEngine's formulas) from the kernel's probabilities, on the backend's stream
+  // once the forward is done; summed over ranks.
+  cuda::wait_stream(stream, "LayerSession: the Flash train forward");
+  const int32_t E = config_.experts, k = config_.top_k;
+  std::vector<double> stats(size_t(2 * E + 1), 0.0);
+  backend_->router_aux_partials(engine->probs(), engine->lse(), engine->ids(), f.rows, E, k, stats.data(),
+                                stats.data() + E, stats.data() + 2 * E);
+  if (config_.world > 1) {
+    Buffer dev(*backend_);
+    dev.ensure(stats.size() * sizeof(double));
+    backend_->upload(dev.data(), stats.data(), stats.size() * sizeof(double));
+    comm_->allreduce_sum(dev.data(), int64_t(stats.size()), DType::f64, backend_->stream());
+    backend_->download(stats.data(), dev.data(), stats.size() * sizeof(double));
+  }
+  const double n = double(f.rows) * config_.world;
+  trainer->losses = RouterLosses{};
+  for (int32_t e = 0; e < E; ++e) trainer->losses.load_balance += (stats[E + e] / (n * k)) * (stats[e] / n);
+  trainer->losses.load_balance *= E;
+  trainer->losses.z_loss = stats[2 * E] / n;
+  trainer->busy = true;
+  const int64_t ticket = next_ticket_++;
+  flash_->tickets[ticket] = trainer;
+  return ticket;
 #else
   (void)f;
   DMOE_FAIL("flash_forward without CUDA");
+#endif
+}
+
+void LayerSession::flash_backward(const SessionBackward& b) {
+#if defined(DMOE_WITH_CUDA)
+  const auto it = flash_->tickets.find(b.ticket);
+  DMOE_REQUIRE_INPUT(it != flash_->tickets.end(),
+                     "backward: ticket {} is not a pending train forward of this layer (already backward()ed or "
+                     "released, or from an inference forward)", b.ticket);
+  DMOE_REQUIRE(b.dy && b.dx && b.grads.gate && b.grads.w1 && b.grads.w2, "backward: null pointers");
+  FlashState::Trainer& t = *it->second;
+  flash_->tickets.erase(it);  // whatever happens, this forward's state is used up
+  t.busy = false;
+  // The Flash backward runs on the backend's kernels and stream (cuda::flash_backward): after the caller's
+  // stream has reached this point (dy written), and the caller waits for it again below (dx, gradients).
+  const auto caller = static_cast<cudaStream_t>(have_stream_ ? stream_ : backend_->stream());
+  cuda::wait_stream(caller, "LayerSession: the caller's stream before the Flash backward");
+  const int64_t E = config_.experts, H = config_.hidden;
+  backend_->zero(b.grads.gate, size_t(E * H) * sizeof(float));  // written, not added to
+  FlashGradViews g{b.grads.gate, b.grads.w1, b.grads.w3, b.grads.w2};
+  t.engine->backward(b.dy, b.dx, g, /*accumulate=*/false, *backend_, static_cast<cudaStream_t>(backend_->stream()));
+  if (config_.world > 1) comm_->allreduce_sum(b.grads.gate, E * H, DType::f32, backend_->stream());
+  t.engine->check(static_cast<cudaStream_t>(backend_->stream()));  // waits; throws on a flagged error
+#else
+  (void)b;
+  DMOE_FAIL("flash_backward without CUDA");
 #endif
 }
 

@@ -10,7 +10,9 @@
 //   ep     EpEngine on the CUDA backend, one rank per process (W = 1, or W processes under dmoe launch,
 //          mpirun or srun: detect_process_env; NcclComm or NvshmemComm chosen by make_gpu_comm). The
 //          caller holds this rank's tokens, the whole gate and this rank's E/W experts.
-//   flash  FlashEngine (CUDA, bf16, forward only: there is no Flash backward yet).
+//   flash  FlashEngine (CUDA, bf16): inference forwards on one engine per row count, train forwards on a train
+//          FlashEngine per pending forward (its backward: FlashEngine::backward, on the session's backend stream
+//          after a wait for the caller's; a train forward and its backward synchronise the host).
 //
 // Token counts change from call to call (config.tokens is ignored). A train forward returns a ticket
 // whose engine state stays reserved for the backward of that forward; forwards issued while a ticket is
@@ -92,7 +94,7 @@ class LayerSession {
   void set_stream(Stream stream);
 
   // Runs the forward. train: returns a ticket for backward() (release() it when no backward follows);
-  // inference: returns -1. Throws for a train forward on flash.
+  // inference: returns -1.
   int64_t forward(const SessionForward& f);
   void backward(const SessionBackward& b);
   // Frees a train forward's state without a backward (e.g. its autograd graph was dropped). Unknown
@@ -109,6 +111,7 @@ class LayerSession {
   Slot& take_slot();
   void run_ranks(Slot& slot, const std::function<void(int32_t rank, EpEngine& engine)>& fn);
   int64_t flash_forward(const SessionForward& f);
+  void flash_backward(const SessionBackward& b);
 
   MoeConfig config_;
   SessionOptions options_;

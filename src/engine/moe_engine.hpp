@@ -24,6 +24,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "comm/comm.hpp"
@@ -91,6 +92,10 @@ class MoeEngine {
   virtual int64_t rows_sent_to_peers() = 0;           // rows this rank sent to other ranks (EP: padding included)
   // The router's auxiliary losses of the last train forward.
   virtual RouterLosses losses() const = 0;
+  // Where the last backward's time went, for engines that record it (flash, after set_stage_timing(true)):
+  // (stage, ms between device events), waits for the work issued; empty for the others.
+  virtual void set_stage_timing(bool /*on*/) {}
+  virtual std::vector<std::pair<std::string, double>> stage_times() { return {}; }
 };
 
 // Makes the engine `kind` for this rank: `backend` (CPU backend for cpu, CUDA backend for ep and flash) and

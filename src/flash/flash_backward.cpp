@@ -38,6 +38,11 @@ void flash_backward(const flash::BackwardParams& b, Backend& backend, cudaStream
   char* sym = p.symmetric;
   char* loc = p.local;
 
+  auto* events = static_cast<cudaEvent_t*>(b.stage_events);
+  auto mark = [&](int32_t i) {
+    if (events) DMOE_CHECK_CUDA(cudaEventRecord(events[i], stream));
+  };
+  mark(0);
   // The one host read: the forward's epoch and count inbox give each local expert's rows (the grouped expert
   // backward takes host offsets) and the load-balance term's expert fractions.
   wait_stream(stream, "Flash backward: the train forward on this rank's stream");
@@ -62,12 +67,14 @@ void flash_backward(const flash::BackwardParams& b, Backend& backend, cudaStream
   for (int32_t le = 0; le < Le; ++le) offsets[le + 1] += offsets[le];
   const int64_t rows = offsets[Le];
 
+  mark(1);
   // 1. combine backward on the home
   auto* choice_slot = reinterpret_cast<int32_t*>(loc + ll.choice_slot);
   auto* dweights = reinterpret_cast<float*>(loc + ll.dweights);
   flash_choice_slots(reinterpret_cast<const int32_t*>(loc + ll.slot), choice_slot, T * k, stream);
   backend.combine_backward(b.dy, sym + sl.out, choice_slot, reinterpret_cast<const float*>(loc + ll.weights),
                            sym + sl.grad_out, dweights, T, k, H);
+  mark(2);
   // 2. the received rows' gradients from their homes (at W = 1 stream order is the signal)
   if (W > 1) {
     flash_signal_peers(a, sl.grad_ready, stream);
@@ -77,16 +84,19 @@ void flash_backward(const flash::BackwardParams& b, Backend& backend, cudaStream
   auto* grad_recv = reinterpret_cast<char*>(loc + ll.grad_recv);
   auto* dx_rows = reinterpret_cast<char*>(loc + ll.dx_rows);
   flash_move_rows(a, meta, grad_recv, rows, /*pull=*/true, stream);
+  mark(3);
   // 3. expert backward over the received rows (x = the forward's recv rows, its pre-activations and h)
   backend.expert_ffn_backward(sym + sl.recv + size_t(parity) * R * H * 2, p.w1, swiglu ? p.w3 : nullptr, p.w2,
                               loc + ll.pre1, swiglu ? loc + ll.pre3 : nullptr, loc + ll.h, grad_recv, dx_rows, b.dw1,
                               swiglu ? b.dw3 : nullptr, b.dw2, offsets.data(), Le, H, I, s.activation, b.accumulate);
+  mark(4);
   // 4. dx rows home
   flash_move_rows(a, meta, dx_rows, rows, /*pull=*/false, stream);
   if (W > 1) {
     flash_signal_peers(a, sl.dx_ready, stream);
     flash_wait_signals(a, sl.dx_ready, flash::kWaitDxReady, stream);
   }
+  mark(5);
   // 5. router backward and dx
   const double n_tokens = double(T) * W;
   std::vector<double> fraction(static_cast<size_t>(E));
@@ -102,6 +112,7 @@ void flash_backward(const flash::BackwardParams& b, Backend& backend, cudaStream
                           dweights, aux, reinterpret_cast<float*>(loc + ll.dlogits), dx_router, b.dgate, T, H, E, k,
                           s.renormalize);
   backend.scatter_back(sym + sl.dx_out, choice_slot, dx_router, b.dx, T, k, H);
+  mark(6);
 }
 
 }  // namespace dmoe::cuda

@@ -86,6 +86,7 @@ FlashEngine::~FlashEngine() {
   if (owns_weights_)  // borrowed weights (set_weight_views) belong to the caller
     for (void* p : {gate_, w1_, w3_, w2_}) cuda::free_quietly(p);
   for (void* p : {static_cast<void*>(local_), static_cast<void*>(profile_)}) cuda::free_quietly(p);
+  for (cudaEvent_t e : stage_events_) cudaEventDestroy(e);
   free_symmetric(symmetric_);
 }
 
@@ -192,8 +193,32 @@ void FlashEngine::backward(const void* dy, void* dx, const FlashGradViews& g, bo
   b.accumulate = accumulate;
   b.aux_loss_coef = config_.aux_loss_coef;
   b.z_loss_coef = config_.z_loss_coef;
+  b.stage_events = stage_events_.empty() ? nullptr : stage_events_.data();
   backward_pending_ = false;  // also when it throws: the forward's state may be half used
   cuda::flash_backward(b, backend, stream);
+}
+
+void FlashEngine::set_backward_timing(bool on) {
+  if (on && stage_events_.empty()) {
+    stage_events_.resize(flash::kBackwardStages + 1);
+    for (auto& e : stage_events_) DMOE_CHECK_CUDA(cudaEventCreate(&e));
+  } else if (!on) {
+    DMOE_CHECK_CUDA(cudaDeviceSynchronize());
+    for (auto& e : stage_events_) cudaEventDestroy(e);
+    stage_events_.clear();
+  }
+}
+
+std::vector<double> FlashEngine::backward_stage_ms(cudaStream_t stream) {
+  DMOE_REQUIRE(!stage_events_.empty(), "FlashEngine::backward_stage_ms: set_backward_timing(true) before the backward");
+  cuda::wait_stream(stream, "FlashEngine::backward_stage_ms");
+  std::vector<double> ms(flash::kBackwardStages);
+  for (int32_t i = 0; i < flash::kBackwardStages; ++i) {
+    float t = 0;
+    DMOE_CHECK_CUDA(cudaEventElapsedTime(&t, stage_events_[i], stage_events_[i + 1]));
+    ms[i] = t;
+  }
+  return ms;
 }
 
 const float* FlashEngine::probs() const {

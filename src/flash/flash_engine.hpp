@@ -68,6 +68,10 @@ class FlashEngine {
   void backward(const void* dy, void* dx, const FlashGradViews& grads, bool accumulate, Backend& backend,
                 cudaStream_t stream);
   bool trains() const { return shape_.train; }
+  // With stage timing on, each backward records device events at its stage boundaries
+  // (flash::backward_stage_name); backward_stage_ms reads the last one's, ms per stage (waits for `stream`).
+  void set_backward_timing(bool on);
+  std::vector<double> backward_stage_ms(cudaStream_t stream);
   // Device pointers of the last train forward's router outputs, [T, E] and [T] f32, and ids [T, k].
   const float* probs() const;
   const float* lse() const;
@@ -111,6 +115,7 @@ class FlashEngine {
   uint64_t forwards_ = 0;
   const void* last_x_ = nullptr;   // the last forward's x (the router backward reads it)
   bool backward_pending_ = false;  // a train forward whose backward has not run
+  std::vector<cudaEvent_t> stage_events_;  // kBackwardStages + 1 when timing the backward
 };
 
 // The phases of one profiled forward over the blocks: median and max duration of each (ms), the kernel's span,

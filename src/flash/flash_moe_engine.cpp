@@ -99,6 +99,7 @@ class FlashMoeEngine final : public MoeEngine {
                        "ForwardMode::train)); the last forward ran in inference mode and kept nothing for it");
     engine_->backward(dy, dx, grads_, /*accumulate=*/!expert_grads_zero_, backend_, stream());
     expert_grads_zero_ = false;
+    timed_backward_ = timing_;
     trained_ = false;
   }
   void zero_grads() override {
@@ -131,6 +132,17 @@ class FlashMoeEngine final : public MoeEngine {
     if (config_.activation == Activation::swiglu) download(grads_.w3, g.w3, Le * I * H);
     return g;
   }
+  void set_stage_timing(bool on) override {
+    timing_ = on;
+    for (auto& [tokens, e] : engines_) e->set_backward_timing(on && train_);
+  }
+  std::vector<std::pair<std::string, double>> stage_times() override {
+    std::vector<std::pair<std::string, double>> out;
+    if (!timing_ || !train_ || !timed_backward_) return out;
+    const std::vector<double> ms = engine_->backward_stage_ms(stream());
+    for (int32_t i = 0; i < flash::kBackwardStages; ++i) out.emplace_back(flash::backward_stage_name(i), ms[size_t(i)]);
+    return out;
+  }
   RouterLosses losses() const override {
     DMOE_REQUIRE_INPUT(has_losses_, "losses: engine 'flash' computes the router's auxiliary losses in a train forward "
                        "(forward(x, y, ForwardMode::train) of an engine made for training); none has run");
@@ -156,9 +168,13 @@ class FlashMoeEngine final : public MoeEngine {
   void select(int64_t tokens) {
     config_.tokens = tokens;
     auto& engine = engines_[tokens];
-    if (!engine) engine = std::make_unique<FlashEngine>(config_, comm_, train_);
+    if (!engine) {
+      engine = std::make_unique<FlashEngine>(config_, comm_, train_);
+      if (timing_ && train_) engine->set_backward_timing(true);
+    }
     engine_ = engine.get();
     trained_ = false;
+    timed_backward_ = false;
   }
   // The router's auxiliary losses of the train forward just issued, EpEngine's formulas (compute_losses): the
   // partial sums of this rank's tokens, summed over ranks in f64.
@@ -193,6 +209,8 @@ class FlashMoeEngine final : public MoeEngine {
   bool trained_ = false;           // the last forward of the current engine ran in train mode, no backward yet
   RouterLosses losses_;
   bool has_losses_ = false;
+  bool timing_ = false;          // set_stage_timing: backwards record their stage boundaries
+  bool timed_backward_ = false;  // the current engine's last backward was timed
   WeightViews views_;
   bool has_weights_ = false;
   std::map<int64_t, std::unique_ptr<FlashEngine>> engines_;  // by token count

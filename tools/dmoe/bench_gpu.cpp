@@ -243,6 +243,12 @@ int run_gpu_layer_bench(const GpuBenchArgs& a) {
                   "dW %.2e from EP's, relative)\n", "flash f+b", env.world, f.median_ms, f.min_ms, f.max_ms,
                   3 * r.flop / (f.median_ms * 1e-3) * 1e-12, r.forward_backward.median_ms / f.median_ms,
                   r.flash_dx_rel_diff, r.flash_dw_rel_diff);
+      nlohmann::json stages = nlohmann::json::array();
+      for (const auto& [name, ms] : r.flash_backward_stages) {
+        std::printf("flash backward stage  %-52s %.3f ms\n", name.c_str(), ms);
+        stages.push_back({{"stage", name}, {"ms", ms}});
+      }
+      j["flash_backward_stages"] = stages;
     }
     if (r.alltoall.iterations > 0) {
       const double gbps = r.alltoall_bytes / (r.alltoall.median_ms * 1e-3) * 1e-9;

@@ -24,7 +24,7 @@ struct GpuBenchArgs {
   int batch_row_multiple = 1;  // EpOptions::batch_row_multiple (tile padding of the experts' batches)
   bool alltoall = false;       // W > 1: also time the dispatch's all-to-all alone (bandwidth per GPU)
   bool flash = false;          // also time the Flash kernel beside EP (bf16)
-  EngineKind engine = EngineKind::ep;  // the engine timed: ep, or flash alone (forward only)
+  EngineKind engine = EngineKind::ep;  // the engine timed: ep, or flash alone
   std::string gemm_variants = "b256,b256s,b256E,b256M,b128";  // dmoe bench gemm (bench/cuda/gemm_bench.hpp)
   bool gemm_square = false;    // dmoe bench gemm: also an 8192^3 product per variant
   bool gemm_dgrad = false;     // dmoe bench gemm: also the backward's input-gradient products (NN) vs cuBLAS

@@ -60,8 +60,8 @@ Command add_run_command(CLI::App& app) {
   sub->add_option("--prefix", o->prefix, "tensor-name prefix of the layer (overrides --layer)");
   sub->add_option("--engine", o->engine,
                   "cpu (reference engine; config world = simulated ranks) | ep (aliases cuda, gpu; expert parallelism "
-                  "on this process's GPU, world 1) | flash (this GPU, one persistent kernel; bf16, forward only: no "
-                  "--grad-output)")
+                  "on this process's GPU, world 1) | flash (this GPU, the forward as one persistent kernel; bf16; "
+                  "--grad-output runs the Flash backward)")
       ->check(CLI::IsMember({"cpu", "ep", "flash", "cuda", "gpu"}));
   sub->add_flag("--allow-non-finite", o->allow_non_finite,
                "write results that hold NaN or Inf (by default they are an error and nothing is written)");

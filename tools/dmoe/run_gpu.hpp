@@ -9,7 +9,7 @@
 namespace dmoe::cli {
 
 // Same inputs and result as run_cpu_layer, on the GPU through make_moe_engine(kind) (ep or flash); config.world
-// must be 1. With dy, backward too (ep only: flash refuses, naming issue 14). Flash runs an inference forward,
+// must be 1. With dy, a train forward and the backward (both engines); without, Flash runs an inference forward,
 // so r.losses stays zero (losses_computed false). Throws dmoe::Error when this build has no CUDA or no GPU is
 // visible.
 struct GpuLayerResult {

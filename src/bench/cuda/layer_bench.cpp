@@ -213,6 +213,13 @@ LayerBenchResult bench_ep_layer(const MoeConfig& c, Backend& backend, Comm& comm
       r.flash_dx_rel_diff = rel(a, b);
       const MoeWeights gf = flash_train->grads(), ge = engine.grads();
       r.flash_dw_rel_diff = std::max(rel(gf.w1, ge.w1), rel(gf.w2, ge.w2));
+      // One more step with the backward's stage boundaries recorded: where its time goes.
+      flash_train->set_stage_timing(true);
+      flash_train->zero_grads();
+      flash_train->forward(xd, fy, ForwardMode::train);
+      flash_train->backward(dyd, fdx);
+      r.flash_backward_stages = flash_train->stage_times();
+      flash_train->set_stage_timing(false);
       backend.release(fdx);
       backend.release(fy);
     }

@@ -59,6 +59,7 @@ struct LayerBenchResult {
   // gradients are from EP's (relative error of the norms).
   Stats flash_forward_backward;
   double flash_dx_rel_diff = 0, flash_dw_rel_diff = 0;
+  std::vector<std::pair<std::string, double>> flash_backward_stages;  // one profiled backward: (stage, ms)
   double flash_percent_of_roofline() const { return 100.0 * roofline_ms / flash_forward.median_ms; }
   double tflops() const { return flop / (forward.median_ms * 1e-3) * 1e-12; }
   double percent_of_roofline() const { return 100.0 * roofline_ms / forward.median_ms; }
@@ -85,10 +86,10 @@ struct LayerBenchOptions {
   bool link_ceiling = false;
   EpOptions engine;
   // Also run the Flash kernel (FlashEngine, bf16) on the same weights and inputs, interleaved with EP's
-  // forwards. W > 1 needs the NVSHMEM communicator with room for Flash's symmetric region in its heap.
+  // forwards, and with `backward` Flash's training step beside EP's (a second, train FlashEngine: its region
+  // too). W > 1 needs the NVSHMEM communicator with room for Flash's symmetric regions in its heap.
   bool flash = false;
-  // The engine timed (make_moe_engine): ep, or flash alone — then only its inference forward is timed (no train
-  // forward, no backward: issue 14) and `flash` (beside) must be off.
+  // The engine timed (make_moe_engine): ep, or flash alone (`flash` beside must then be off).
   EngineKind kind = EngineKind::ep;
 };
 
