@@ -1,6 +1,8 @@
 // core/flash_protocol.cpp — buffer layouts and names of the Flash protocol (see flash_protocol.hpp).
 #include "core/flash_protocol.hpp"
 
+#include <algorithm>
+
 #include "core/error.hpp"
 
 namespace dmoe::flash {
@@ -46,10 +48,10 @@ SymmetricLayout symmetric_layout(const Shape& s) {
   l.counts = carve(at, 2 * size_t(s.world) * size_t(s.experts) * sizeof(uint64_t));
   l.ready = carve(at, 2 * size_t(s.world) * sizeof(uint64_t));
   l.arrived = carve(at, sizeof(uint64_t));
-  const size_t train_rows = s.train ? size_t(s.tokens) * size_t(s.top_k) : 0;
   const size_t train_w = s.train ? size_t(s.world) : 0;
-  l.grad_out = carve(at, train_rows * size_t(s.hidden) * elem);
-  l.dx_out = carve(at, train_rows * size_t(s.hidden) * elem);
+  const size_t train_recv = s.train ? R : 0;
+  l.grad_recv = carve(at, train_recv * size_t(s.hidden) * elem);
+  l.dx_rows = carve(at, train_recv * size_t(s.hidden) * elem);
   l.grad_ready = carve(at, train_w * sizeof(uint64_t));
   l.dx_ready = carve(at, train_w * sizeof(uint64_t));
   l.bytes = at;
@@ -75,8 +77,7 @@ LocalLayout local_layout(const Shape& s) {
   l.lse = carve(at, T * sizeof(float));
   l.pre1 = carve(at, Rt * size_t(s.ffn) * elem);
   l.pre3 = carve(at, (s.activation == Activation::swiglu ? Rt : 0) * size_t(s.ffn) * elem);
-  l.grad_recv = carve(at, Rt * size_t(s.hidden) * elem);
-  l.dx_rows = carve(at, Rt * size_t(s.hidden) * elem);
+  l.dest_row = carve(at, tkt * sizeof(int32_t));
   l.dweights = carve(at, tkt * sizeof(float));
   l.choice_slot = carve(at, tkt * sizeof(int32_t));
   l.dlogits = carve(at, T * size_t(s.experts) * sizeof(float));
@@ -100,10 +101,22 @@ const char* role_name(int32_t role) {
 
 const char* backward_stage_name(int32_t stage) {
   static const char* names[kBackwardStages] = {
-      "host read of the counts (stream idle)", "combine backward (dweights, row gradients)",
-      "row gradients to the experts (signal, wait, pull)", "expert backward (grouped GEMMs)",
-      "dx rows home (stores, signal, wait)", "router backward and scatter back"};
+      "host read of the counts (stream idle)", "combine backward, row gradients into the experts' ranks",
+      "expert backward (grouped GEMMs)", "router backward", "scatter back (dx rows read in place)"};
   return stage >= 0 && stage < kBackwardStages ? names[stage] : "unknown stage";
+}
+
+void backward_rows(const Shape& s, int32_t rank, const uint64_t* inbox, int64_t* expert_offsets, double* assigned) {
+  const int32_t E = s.experts, W = s.world, Le = s.local_experts();
+  for (int32_t le = 0; le <= Le; ++le) expert_offsets[le] = 0;
+  for (int32_t e = 0; e < E; ++e) assigned[e] = 0;
+  for (int32_t src = 0; src < W; ++src)
+    for (int32_t e = 0; e < E; ++e) {
+      const int64_t n = signal_value(inbox[size_t(src) * E + e]);
+      assigned[e] += double(n);
+      if (e / Le == rank) expert_offsets[e % Le + 1] += s.capacity < 0 ? n : std::min<int64_t>(n, s.capacity);
+    }
+  for (int32_t le = 0; le < Le; ++le) expert_offsets[le + 1] += expert_offsets[le];
 }
 
 const char* wait_name(int32_t what) {

@@ -201,10 +201,11 @@ DMOE_HD Task decode_task(const int32_t* offsets, const int32_t* row_tile_base, c
 //   ready   [2][W]      u64       signal(epoch, rows source s sent here): all of them have landed
 //   arrived [1]         u64       rows·down-column-tiles of `out` written so far in this forward
 //   train only (Shape::train; empty otherwise), written and read by flash_backward:
-//   grad_out   [T·k, H] storage  row gradients w[t,j]·dy[t] of this rank's (t, j), read by the experts' ranks
-//   dx_out     [T·k, H] storage  input gradients of this rank's rows, written by the experts' ranks
-//   grad_ready [W]      u64      signal(epoch, 1) from source s: its grad_out is complete
-//   dx_ready   [W]      u64      signal(epoch, 1) from expert rank d: all its dx rows for this rank landed
+//   grad_recv  [R, H]   storage  the received rows' gradients w[t,j]·dy[t], written by their homes at the rows'
+//                                places (dest_row), the forward's order
+//   dx_rows    [R, H]   storage  the received rows' input gradients, read by their homes in place
+//   grad_ready [W]      u64      signal(epoch, 1) from source s: all its rows' gradients have landed here
+//   dx_ready   [W]      u64      signal(epoch, 1) from expert rank d: its dx rows are complete
 // Local region (this rank only):
 //   h          [R, I]        storage  activations of the received rows
 //   ids        [T, k]        i32      chosen experts
@@ -215,19 +216,19 @@ DMOE_HD Task decode_task(const int32_t* offsets, const int32_t* row_tile_base, c
 //   peers      [W]           u64      every rank's symmetric region as this rank addresses it
 //   control    [1]           Control
 //   train only: probs [T, E] f32 and lse [T] f32 (the gate's), pre1 / pre3 [R, I] storage (the up products
-//   before the activation; pre3 SwiGLU only), and the backward's own: grad_recv [R, H] and dx_rows [R, H]
-//   storage (the row gradients of the received rows and their input gradients, received-row order),
-//   dweights [T, k] f32, choice_slot [T, k] i32 (t·k + j, −1 dropped), dlogits [T, E] f32, dx_router [T, H] f32.
+//   before the activation; pre3 SwiGLU only), dest_row [T, k] i32 (the row of each kept (t, j) in its expert's
+//   rank's recv, written by the dispatch), and the backward's own: dweights [T, k] f32, choice_slot [T, k] i32
+//   (t·k + j, −1 dropped), dlogits [T, E] f32, dx_router [T, H] f32.
 // Every part starts on a 256-byte boundary.
 struct SymmetricLayout {
   size_t recv = 0, meta = 0, out = 0, counts = 0, ready = 0, arrived = 0;
-  size_t grad_out = 0, dx_out = 0, grad_ready = 0, dx_ready = 0;
+  size_t grad_recv = 0, dx_rows = 0, grad_ready = 0, dx_ready = 0;
   size_t bytes = 0;
 };
 struct LocalLayout {
   size_t h = 0, ids = 0, weights = 0, slot = 0, block_counts = 0, up_done = 0, peers = 0, control = 0;
-  size_t probs = 0, lse = 0, pre1 = 0, pre3 = 0, grad_recv = 0, dx_rows = 0, dweights = 0, choice_slot = 0,
-         dlogits = 0, dx_router = 0;
+  size_t probs = 0, lse = 0, pre1 = 0, pre3 = 0, dest_row = 0, dweights = 0, choice_slot = 0, dlogits = 0,
+         dx_router = 0;
   size_t bytes = 0;
 };
 SymmetricLayout symmetric_layout(const Shape& s);
@@ -253,15 +254,16 @@ struct Params {
 
 // One backward of one rank, after its train forward (epoch n = Control::epoch, the forward's) and before the
 // next forward: every rank runs the backward of the same forward. The steps (docs/flash.md, "The backward"):
-//   1. home: choice_slot; dweights[t,j] = <dy[t], out[t·k+j]> and grad_out[t·k+j] = w[t,j]·dy[t]
-//      (combine_backward); then grad_ready[r] = signal(n, 1) at every rank;
-//   2. experts' rank: waits for every source's grad_ready, then pulls each received row's gradient from its home:
-//      grad_recv[i] = home(meta[i]).grad_out[meta[i].token_choice] (the forward's rows, the same order);
-//   3. expert backward over each local expert's rows (expert_ffn_backward: x = recv, pre1/pre3/h of the forward);
-//   4. each dx row goes home: home(meta[i]).dx_out[token_choice] = dx_rows[i]; then dx_ready[r] = signal(n, 1)
-//      at every rank;
-//   5. home: waits for every rank's dx_ready; router backward (dlogits from dweights and the auxiliary terms,
-//      dx_router = dlogits · gate, dgate += dlogitsᵀ · x); dx[t] = Σ_j dx_out[t·k+j] + dx_router[t].
+//   1. home: choice_slot; dweights[t,j] = <dy[t], out[t·k+j]>, and the row gradient w[t,j]·dy[t] stored straight
+//      into its expert's rank, owner(e).grad_recv[dest_row[t,j]] (combine backward and dispatch in one pass);
+//      then grad_ready[r] = signal(n, 1) at every rank;
+//   2. experts' rank: waits for every source's grad_ready (its grad_recv is then the forward's expert batch of
+//      gradients, the same order as recv);
+//   3. expert backward over each local expert's rows (expert_ffn_backward: x = recv, pre1/pre3/h of the forward)
+//      into dx_rows; then dx_ready[r] = signal(n, 1) at every rank;
+//   4. home: waits for every rank's dx_ready; router backward (dlogits from dweights and the auxiliary terms,
+//      dx_router = dlogits · gate, dgate += dlogitsᵀ · x); dx[t] = Σ_j owner(e).dx_rows[dest_row[t,j]] +
+//      dx_router[t], read in place from the experts' ranks (scatter back and return in one pass).
 // The load-balance term's expert fractions come from the count exchange already in every rank's inbox
 // (routed counts of every source, before capacity), so the backward needs no collective of its own.
 struct BackwardParams {
@@ -282,7 +284,12 @@ struct BackwardParams {
 
 // The stages a profiled GPU backward records (BackwardParams::stage_events): the first is the host's read of
 // the forward's counts (the stream idles meanwhile), then the protocol's steps.
-constexpr int32_t kBackwardStages = 6;
+constexpr int32_t kBackwardStages = 5;
 const char* backward_stage_name(int32_t stage);
+
+// From a rank's count inbox of one forward (counts[parity]: [W, E] signals, every source's routed counts): the
+// row offsets of its local experts in recv / grad_recv / dx_rows (expert_offsets [Le + 1], kept rows), and every
+// expert's routed assignments over all ranks (assigned [E], before capacity: the load-balance term's counts).
+void backward_rows(const Shape& s, int32_t rank, const uint64_t* inbox, int64_t* expert_offsets, double* assigned);
 
 }  // namespace dmoe::flash

@@ -134,6 +134,7 @@ void flash_forward(const flash::Params& p) {
       const int64_t row = begin[e] + before(r, e) + slot[t * k + j];
       std::copy_n(x + t * H, H, recv_of(peer(d)) + row * H);
       meta_of(peer(d))[row] = flash::RowMeta{r, int32_t(t * k + j)};
+      if (s.train) reinterpret_cast<int32_t*>(p.local + ll.dest_row)[t * k + j] = int32_t(row);
       ++rows_to[d];
     }
   for (int32_t d = 0; d < W; ++d) store_release(ready_of(peer(d)) + r, flash::make_signal(epoch, rows_to[d]));
@@ -203,7 +204,7 @@ void flash_backward(const flash::BackwardParams& b) {
   const flash::Shape& s = p.shape;
   DMOE_REQUIRE(s.train, "cpu::flash_backward: the shape was made without train (the forward kept nothing)");
   const int64_t T = s.tokens, H = s.hidden, I = s.ffn;
-  const int32_t E = s.experts, k = s.top_k, W = s.world, Le = s.local_experts(), r = p.rank;
+  const int32_t E = s.experts, k = s.top_k, W = s.world, Le = s.local_experts();
   const int64_t R = s.recv_rows();
   const bool swiglu = s.activation == Activation::swiglu;
   const flash::SymmetricLayout sl = flash::symmetric_layout(s);
@@ -217,45 +218,44 @@ void flash_backward(const flash::BackwardParams& b) {
   auto local_f = [&](size_t at) { return reinterpret_cast<float*>(p.local + at); };
   const auto* slot = reinterpret_cast<const int32_t*>(p.local + ll.slot);
   const auto* ids = reinterpret_cast<const int32_t*>(p.local + ll.ids);
+  const auto* dest_row = reinterpret_cast<const int32_t*>(p.local + ll.dest_row);
   const float* weights = local_f(ll.weights);
   auto* choice_slot = reinterpret_cast<int32_t*>(p.local + ll.choice_slot);
   float* dweights = local_f(ll.dweights);
+  auto signal_all = [&](size_t offset) {
+    for (int32_t d = 0; d < W; ++d)
+      store_release(reinterpret_cast<uint64_t*>(peer(d) + offset) + p.rank, flash::make_signal(epoch, 1));
+  };
+  auto wait_all = [&](size_t offset, int32_t what) {
+    for (int32_t src = 0; src < W; ++src)
+      wait_for(reinterpret_cast<const uint64_t*>(p.symmetric + offset) + src,
+               [&](uint64_t v) { return flash::signal_epoch(v) == epoch; }, p, flash::kRoleBackward, what, src,
+               flash::make_signal(epoch, 1));
+  };
+  auto expert_rank_row = [&](size_t part, int64_t i) {  // row dest_row[i] of a symmetric part on ids[i]'s rank
+    return reinterpret_cast<float*>(peer(ids[i] / Le) + part) + int64_t(dest_row[i]) * H;
+  };
 
-  // 1. combine backward on the home, then every rank may pull this rank's row gradients
+  // 1. combine backward on the home, each row's gradient stored at its place in its expert's rank's grad_recv
   for (int64_t i = 0; i < T * k; ++i) choice_slot[i] = slot[i] >= 0 ? int32_t(i) : -1;
-  auto* grad_out = reinterpret_cast<float*>(p.symmetric + sl.grad_out);
+  std::vector<float> drows(size_t(T * k * H));
   combine_backward(static_cast<const float*>(b.dy), reinterpret_cast<const float*>(p.symmetric + sl.out), choice_slot,
-                   weights, grad_out, dweights, T, k, H, s.storage);
-  for (int32_t d = 0; d < W; ++d)
-    store_release(reinterpret_cast<uint64_t*>(peer(d) + sl.grad_ready) + r, flash::make_signal(epoch, 1));
+                   weights, drows.data(), dweights, T, k, H, s.storage);
+  for (int64_t i = 0; i < T * k; ++i)
+    if (choice_slot[i] >= 0) std::copy_n(drows.data() + i * H, H, expert_rank_row(sl.grad_recv, i));
+  signal_all(sl.grad_ready);
 
-  // 2. the received rows' gradients, pulled from their homes in the forward's row order
-  const uint64_t* inbox = reinterpret_cast<const uint64_t*>(p.symmetric + sl.counts) + size_t(parity) * W * E;
-  std::vector<int64_t> expert_offsets(size_t(Le) + 1, 0);
-  std::vector<double> assigned(size_t(E), 0.0);
-  for (int32_t src = 0; src < W; ++src)
-    for (int32_t e = 0; e < E; ++e) {
-      const int64_t n = flash::signal_value(inbox[size_t(src) * E + e]);
-      assigned[e] += double(n);
-      if (e / Le == r) expert_offsets[e % Le + 1] += s.capacity < 0 ? n : std::min<int64_t>(n, s.capacity);
-    }
-  for (int32_t le = 0; le < Le; ++le) expert_offsets[le + 1] += expert_offsets[le];
-  const int64_t rows = expert_offsets[Le];
-  const uint64_t* grad_ready = reinterpret_cast<const uint64_t*>(p.symmetric + sl.grad_ready);
-  for (int32_t src = 0; src < W; ++src)
-    wait_for(grad_ready + src, [&](uint64_t v) { return flash::signal_epoch(v) == epoch; }, p, flash::kRoleBackward,
-             flash::kWaitGradReady, src, flash::make_signal(epoch, 1));
-  const auto* meta = reinterpret_cast<const flash::RowMeta*>(p.symmetric + sl.meta) + size_t(parity) * R;
-  float* grad_recv = local_f(ll.grad_recv);
-  for (int64_t i = 0; i < rows; ++i) {
-    const flash::RowMeta m = meta[i];
-    std::copy_n(reinterpret_cast<const float*>(peer(m.source) + sl.grad_out) + int64_t(m.token_choice) * H, H,
-                grad_recv + i * H);
-  }
+  // 2. every source's row gradients have landed: grad_recv is the forward's expert batch of gradients
+  std::vector<int64_t> expert_offsets(size_t(Le) + 1);
+  std::vector<double> assigned(static_cast<size_t>(E));
+  flash::backward_rows(s, p.rank, reinterpret_cast<const uint64_t*>(p.symmetric + sl.counts) + size_t(parity) * W * E,
+                       expert_offsets.data(), assigned.data());
+  wait_all(sl.grad_ready, flash::kWaitGradReady);
 
-  // 3. expert backward over each local expert's rows
+  // 3. expert backward over each local expert's rows, into this rank's dx_rows; then every home may read them
   const auto* recv = reinterpret_cast<const float*>(p.symmetric + sl.recv) + size_t(parity) * R * H;
-  float* dx_rows = local_f(ll.dx_rows);
+  const auto* grad_recv = reinterpret_cast<const float*>(p.symmetric + sl.grad_recv);
+  auto* dx_rows = reinterpret_cast<float*>(p.symmetric + sl.dx_rows);
   auto* dw1 = static_cast<double*>(b.dw1);
   auto* dw3 = static_cast<double*>(b.dw3);
   auto* dw2 = static_cast<double*>(b.dw2);
@@ -275,20 +275,10 @@ void flash_backward(const flash::BackwardParams& b) {
                         dx_rows + r0 * H, dw1 + le * wm, swiglu ? dw3 + le * wm : nullptr, dw2 + le * wm, n, H, I,
                         s.activation, s.storage);
   }
+  signal_all(sl.dx_ready);
 
-  // 4. every dx row to its home, then one signal per rank (also those that got none: every home waits for all)
-  for (int64_t i = 0; i < rows; ++i) {
-    const flash::RowMeta m = meta[i];
-    std::copy_n(dx_rows + i * H, H, reinterpret_cast<float*>(peer(m.source) + sl.dx_out) + int64_t(m.token_choice) * H);
-  }
-  for (int32_t d = 0; d < W; ++d)
-    store_release(reinterpret_cast<uint64_t*>(peer(d) + sl.dx_ready) + r, flash::make_signal(epoch, 1));
-
-  // 5. router backward and the sum of the contributions to dx, once every expert rank's rows are back
-  const uint64_t* dx_ready = reinterpret_cast<const uint64_t*>(p.symmetric + sl.dx_ready);
-  for (int32_t d = 0; d < W; ++d)
-    wait_for(dx_ready + d, [&](uint64_t v) { return flash::signal_epoch(v) == epoch; }, p, flash::kRoleBackward,
-             flash::kWaitDxReady, d, flash::make_signal(epoch, 1));
+  // 4. router backward (this rank's dweights only), then dx from the experts' ranks' dx rows read in place, once
+  //    every rank's are complete
   const double n_tokens = double(T) * W;
   std::vector<double> fraction(static_cast<size_t>(E));
   for (int32_t e = 0; e < E; ++e) fraction[e] = assigned[e] / (n_tokens * k);
@@ -303,8 +293,10 @@ void flash_backward(const flash::BackwardParams& b) {
   std::fill_n(dx_router, size_t(T) * H, 0.f);
   router_logits_backward(static_cast<const float*>(p.x), static_cast<const float*>(p.gate), dlogits, dx_router,
                          static_cast<double*>(b.dgate), T, H, E);
-  combine(reinterpret_cast<const float*>(p.symmetric + sl.dx_out), choice_slot, nullptr, dx_router,
-          static_cast<float*>(b.dx), T, k, H, s.storage);
+  wait_all(sl.dx_ready, flash::kWaitDxReady);
+  for (int64_t i = 0; i < T * k; ++i)  // the rows the scatter back reads, gathered from their experts' ranks
+    if (choice_slot[i] >= 0) std::copy_n(expert_rank_row(sl.dx_rows, i), H, drows.data() + i * H);
+  combine(drows.data(), choice_slot, nullptr, dx_router, static_cast<float*>(b.dx), T, k, H, s.storage);
 }
 
 }  // namespace dmoe::cpu

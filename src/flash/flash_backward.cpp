@@ -1,10 +1,10 @@
 // flash/flash_backward.cpp — the Flash layer backward of one rank (flash::BackwardParams; the CPU twin is
-// cpu::flash_backward in cpu/flash.cpp): the protocol's five steps as a short sequence of launches on one
-// stream — the arithmetic on the backend's kernels (combine backward, the grouped expert backward on the own
-// Hopper GEMMs, the router backward, the scatter back), the data movement and the signals between the ranks on
-// flash_backward.cu's kernels. Not yet one persistent kernel (docs/flash.md, "The backward"): the expert
-// backward's row offsets are read on the host once per backward (one stream synchronisation), and the stages
-// run one after the other.
+// cpu::flash_backward in cpu/flash.cpp): the protocol's steps as a short sequence of launches on one stream —
+// the grouped expert backward (the own Hopper GEMMs) and the router backward on the backend's kernels; the
+// combine backward that stores the row gradients straight into the experts' ranks, the scatter back that reads
+// their dx rows in place, and the signals between the ranks on flash_backward.cu's kernels. Not yet one
+// persistent kernel (docs/flash.md, "The backward"): the expert backward's row offsets are read on the host once
+// per backward (one stream synchronisation), and the stages run one after the other.
 #include <algorithm>
 #include <string>
 #include <vector>
@@ -53,51 +53,43 @@ void flash_backward(const flash::BackwardParams& b, Backend& backend, cudaStream
   std::vector<uint64_t> inbox(size_t(W) * E);
   DMOE_CHECK_CUDA(cudaMemcpy(inbox.data(), sym + sl.counts + size_t(parity) * W * E * sizeof(uint64_t),
                              inbox.size() * sizeof(uint64_t), cudaMemcpyDeviceToHost));
-  std::vector<int64_t> offsets(size_t(Le) + 1, 0);
-  std::vector<double> assigned(size_t(E), 0.0);
   for (int32_t src = 0; src < W; ++src)
-    for (int32_t e = 0; e < E; ++e) {
+    for (int32_t e = 0; e < E; ++e)
       DMOE_REQUIRE(flash::signal_epoch(inbox[size_t(src) * E + e]) == control.epoch,
                    "cuda::flash_backward: the count of source {} for expert {} is not of forward {}", src, e,
                    control.epoch);
-      const int64_t n = flash::signal_value(inbox[size_t(src) * E + e]);
-      assigned[e] += double(n);
-      if (e / Le == r) offsets[e % Le + 1] += s.capacity < 0 ? n : std::min<int64_t>(n, s.capacity);
-    }
-  for (int32_t le = 0; le < Le; ++le) offsets[le + 1] += offsets[le];
-  const int64_t rows = offsets[Le];
+  std::vector<int64_t> offsets(size_t(Le) + 1);
+  std::vector<double> assigned(static_cast<size_t>(E));
+  flash::backward_rows(s, r, inbox.data(), offsets.data(), assigned.data());
 
   mark(1);
-  // 1. combine backward on the home
+  // 1. combine backward on the home, each row gradient stored straight into its expert's rank's grad_recv; then
+  //    every source's rows have landed here (at W = 1 stream order is the signal)
   auto* choice_slot = reinterpret_cast<int32_t*>(loc + ll.choice_slot);
   auto* dweights = reinterpret_cast<float*>(loc + ll.dweights);
+  const auto* ids = reinterpret_cast<const int32_t*>(loc + ll.ids);
+  const auto* dest_row = reinterpret_cast<const int32_t*>(loc + ll.dest_row);
+  const auto* weights = reinterpret_cast<const float*>(loc + ll.weights);
   flash_choice_slots(reinterpret_cast<const int32_t*>(loc + ll.slot), choice_slot, T * k, stream);
-  backend.combine_backward(b.dy, sym + sl.out, choice_slot, reinterpret_cast<const float*>(loc + ll.weights),
-                           sym + sl.grad_out, dweights, T, k, H);
-  mark(2);
-  // 2. the received rows' gradients from their homes (at W = 1 stream order is the signal)
+  flash_combine_backward(a,
+                         CombineBackwardArgs{static_cast<const __nv_bfloat16*>(b.dy),
+                                             reinterpret_cast<const __nv_bfloat16*>(sym + sl.out), weights, ids,
+                                             choice_slot, dest_row, dweights, T, k, Le},
+                         stream);
   if (W > 1) {
     flash_signal_peers(a, sl.grad_ready, stream);
     flash_wait_signals(a, sl.grad_ready, flash::kWaitGradReady, stream);
   }
-  const auto* meta = reinterpret_cast<const flash::RowMeta*>(sym + sl.meta) + size_t(parity) * R;
-  auto* grad_recv = reinterpret_cast<char*>(loc + ll.grad_recv);
-  auto* dx_rows = reinterpret_cast<char*>(loc + ll.dx_rows);
-  flash_move_rows(a, meta, grad_recv, rows, /*pull=*/true, stream);
-  mark(3);
-  // 3. expert backward over the received rows (x = the forward's recv rows, its pre-activations and h)
+  mark(2);
+  // 2. expert backward over the received rows (x = the forward's recv rows, its pre-activations and h; the
+  //    gradients in grad_recv in the same order) into dx_rows, which the homes then read in place
   backend.expert_ffn_backward(sym + sl.recv + size_t(parity) * R * H * 2, p.w1, swiglu ? p.w3 : nullptr, p.w2,
-                              loc + ll.pre1, swiglu ? loc + ll.pre3 : nullptr, loc + ll.h, grad_recv, dx_rows, b.dw1,
-                              swiglu ? b.dw3 : nullptr, b.dw2, offsets.data(), Le, H, I, s.activation, b.accumulate);
-  mark(4);
-  // 4. dx rows home
-  flash_move_rows(a, meta, dx_rows, rows, /*pull=*/false, stream);
-  if (W > 1) {
-    flash_signal_peers(a, sl.dx_ready, stream);
-    flash_wait_signals(a, sl.dx_ready, flash::kWaitDxReady, stream);
-  }
-  mark(5);
-  // 5. router backward and dx
+                              loc + ll.pre1, swiglu ? loc + ll.pre3 : nullptr, loc + ll.h, sym + sl.grad_recv,
+                              sym + sl.dx_rows, b.dw1, swiglu ? b.dw3 : nullptr, b.dw2, offsets.data(), Le, H, I,
+                              s.activation, b.accumulate);
+  if (W > 1) flash_signal_peers(a, sl.dx_ready, stream);
+  mark(3);
+  // 3. router backward (needs only this rank's dweights: it runs while the peers finish their experts)
   const double n_tokens = double(T) * W;
   std::vector<double> fraction(static_cast<size_t>(E));
   for (int32_t e = 0; e < E; ++e) fraction[e] = assigned[e] / (n_tokens * k);
@@ -107,12 +99,15 @@ void flash_backward(const flash::BackwardParams& b, Backend& backend, cudaStream
   aux.lse = b.z_loss_coef > 0 ? reinterpret_cast<const float*>(loc + ll.lse) : nullptr;
   aux.z_scale = 2.0 * b.z_loss_coef / n_tokens;
   auto* dx_router = reinterpret_cast<float*>(loc + ll.dx_router);
-  backend.router_backward(p.x, p.gate, reinterpret_cast<const float*>(loc + ll.probs),
-                          reinterpret_cast<const int32_t*>(loc + ll.ids), reinterpret_cast<const float*>(loc + ll.weights),
-                          dweights, aux, reinterpret_cast<float*>(loc + ll.dlogits), dx_router, b.dgate, T, H, E, k,
-                          s.renormalize);
-  backend.scatter_back(sym + sl.dx_out, choice_slot, dx_router, b.dx, T, k, H);
-  mark(6);
+  backend.router_backward(p.x, p.gate, reinterpret_cast<const float*>(loc + ll.probs), ids, weights, dweights, aux,
+                          reinterpret_cast<float*>(loc + ll.dlogits), dx_router, b.dgate, T, H, E, k, s.renormalize);
+  mark(4);
+  // 4. dx, once every expert rank's dx rows are complete, read in place from them
+  if (W > 1) flash_wait_signals(a, sl.dx_ready, flash::kWaitDxReady, stream);
+  flash_scatter_back(a, ScatterBackArgs{ids, choice_slot, dest_row, dx_router, static_cast<__nv_bfloat16*>(b.dx), T,
+                                        k, Le},
+                     stream);
+  mark(5);
 }
 
 }  // namespace dmoe::cuda

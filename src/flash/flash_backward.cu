@@ -1,8 +1,8 @@
-// flash/flash_backward.cu — the data-movement kernels of the Flash backward (flash/flash_backward.cpp runs the
-// protocol's steps; flash_backward_kernels.hpp says what each does): each received row's gradient pulled from
-// its home through the peers table, each dx row stored straight into its home's symmetric dx_out, and the
-// signals with the forward's epoch between the ranks, every wait bounded (the record names the rank, the
-// backward role, the awaited signal and its source, as the forward kernel's).
+// flash/flash_backward.cu — the Flash backward's own kernels (flash/flash_backward.cpp runs the protocol's steps;
+// flash_backward_kernels.hpp says what each does): the combine backward that stores each row gradient straight
+// into its expert's rank, the scatter back that reads the experts' dx rows in place, and the signals with the
+// forward's epoch between the ranks, every wait bounded (the record names the rank, the backward role, the
+// awaited signal and its source, as the forward kernel's).
 #include <cuda.h>
 #include <cuda_runtime.h>
 
@@ -10,6 +10,7 @@
 
 #include "core/flash_protocol.hpp"
 #include "cuda/check.hpp"
+#include "cuda/device_utils.cuh"
 #include "cuda/sm90_primitives.cuh"
 #include "flash/flash_backward_kernels.hpp"
 
@@ -65,25 +66,77 @@ __global__ void wait_signals_kernel(const __grid_constant__ BackwardArgs a, size
 #endif
 }
 
-// One warp per received row i (meta order): pull = true copies home(meta[i]).grad_out[token_choice] into
-// rows[i]; pull = false stores rows[i] into home(meta[i]).dx_out[token_choice]. 16-byte vectors (H·2 bytes is a
-// multiple of 32: H % 16 == 0); the peer's side through L2 (written by another GPU or process).
-__global__ void move_rows_kernel(const __grid_constant__ BackwardArgs a, const flash::RowMeta* meta,
-                                 __nv_bfloat16* rows, int64_t n, bool pull) {
+// The combine backward fused with the row gradients' dispatch: one warp per token t, for each kept (t, j):
+// dweights[t,j] = <dy[t], out[t·k+j]> and owner(e).grad_recv[dest_row[t,j]] = w[t,j]·dy[t], stored straight into
+// the expert's rank. Each lane owns 8 consecutive columns per step and sums in the order of the backend's
+// combine_backward kernel (cuda/permute.cu), so dweights and the rows are that kernel's bits.
+__global__ void __launch_bounds__(256) combine_backward_kernel(const __grid_constant__ BackwardArgs a, const __grid_constant__ CombineBackwardArgs c) {
 #ifdef DMOE_SM90A_DEVICE
-  const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
+  constexpr int N = 8;
   const int lane = int(threadIdx.x % 32);
-  const int64_t vecs = a.hidden / 8;
-  for (int64_t i = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32; i < n; i += warps) {
-    const int2 m = __ldcg(reinterpret_cast<const int2*>(meta + i));
-    uint4* local_row = reinterpret_cast<uint4*>(rows + i * a.hidden);
-    char* home = peer_of(a, m.x);
-    if (pull) {
-      const uint4* src = reinterpret_cast<const uint4*>(home + a.sl.grad_out) + int64_t(m.y) * vecs;
-      for (int64_t v = lane; v < vecs; v += 32) local_row[v] = __ldcg(src + v);
-    } else {
-      uint4* dst = reinterpret_cast<uint4*>(home + a.sl.dx_out) + int64_t(m.y) * vecs;
-      for (int64_t v = lane; v < vecs; v += 32) dst[v] = local_row[v];
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
+  const int64_t H = a.hidden;
+  for (int64_t t = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32; t < c.tokens; t += warps) {
+    const __nv_bfloat16* dy_t = c.dy + t * H;
+    for (int32_t j = 0; j < c.top_k; ++j) {
+      const int64_t q = t * c.top_k + j;
+      if (c.choice_slot[q] < 0) {  // dropped: the weight did not contribute to y
+        if (lane == 0) c.dweights[q] = 0.f;
+        continue;
+      }
+      const float w = c.weights[q];
+      const __nv_bfloat16* row = c.out + q * H;
+      __nv_bfloat16* drow = reinterpret_cast<__nv_bfloat16*>(peer_of(a, c.ids[q] / c.local_experts) + a.sl.grad_recv) +
+                            int64_t(c.dest_row[q]) * H;
+      float dot = 0.f;
+      for (int64_t col = int64_t(lane) * N; col < H; col += int64_t(32) * N) {
+        float g[N], v[N], o[N];
+        load_f32<N>(dy_t + col, g);
+        load_f32<N>(row + col, v);
+#pragma unroll
+        for (int i = 0; i < N; ++i) {
+          dot = fmaf(g[i], v[i], dot);
+          o[i] = w * g[i];
+        }
+        store_f32<N>(drow + col, o);
+      }
+      dot = warp_sum(dot);
+      if (lane == 0) c.dweights[q] = dot;
+    }
+  }
+#endif
+}
+
+// The scatter back fused with the dx rows' return: one warp per token, dx[t] = Σ_j owner(e).dx_rows[dest_row[t,j]]
+// (kept j in order) + dx_router[t], the experts' rows read in place through L2 (another GPU or process wrote them);
+// the order of the backend's combine kernel with unit weights (cuda/permute.cu), so the same bits.
+__global__ void __launch_bounds__(256) scatter_back_kernel(const __grid_constant__ BackwardArgs a, const __grid_constant__ ScatterBackArgs c) {
+#ifdef DMOE_SM90A_DEVICE
+  constexpr int N = 8;
+  const int lane = int(threadIdx.x % 32);
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
+  const int64_t H = a.hidden;
+  for (int64_t t = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32; t < c.tokens; t += warps) {
+    for (int64_t col = int64_t(lane) * N; col < H; col += int64_t(32) * N) {
+      float acc[N];
+#pragma unroll
+      for (int i = 0; i < N; ++i) acc[i] = 0.f;
+#pragma unroll 1
+      for (int32_t j = 0; j < c.top_k; ++j) {
+        const int64_t q = t * c.top_k + j;
+        if (c.choice_slot[q] < 0) continue;
+        const __nv_bfloat16* src = reinterpret_cast<const __nv_bfloat16*>(peer_of(a, c.ids[q] / c.local_experts) +
+                                                                          a.sl.dx_rows) + int64_t(c.dest_row[q]) * H + col;
+        const uint4 bits = __ldcg(reinterpret_cast<const uint4*>(src));
+        const __nv_bfloat16* v = reinterpret_cast<const __nv_bfloat16*>(&bits);
+#pragma unroll
+        for (int i = 0; i < N; ++i) acc[i] = fmaf(1.f, __bfloat162float(v[i]), acc[i]);
+      }
+      float r[N];
+      load_f32<N>(c.dx_router + t * H + col, r);
+#pragma unroll
+      for (int i = 0; i < N; ++i) acc[i] += r[i];
+      store_f32<N>(c.dx + t * H + col, acc);
     }
   }
 #endif
@@ -113,10 +166,15 @@ void flash_wait_signals(const BackwardArgs& a, size_t offset, int32_t what, cuda
   DMOE_CHECK_CUDA(cudaGetLastError());
 }
 
-void flash_move_rows(const BackwardArgs& a, const flash::RowMeta* meta, void* rows, int64_t n, bool pull,
-                     cudaStream_t stream) {
-  if (n <= 0) return;
-  move_rows_kernel<<<blocks_for(n, 8), 256, 0, stream>>>(a, meta, static_cast<__nv_bfloat16*>(rows), n, pull);
+void flash_combine_backward(const BackwardArgs& a, const CombineBackwardArgs& c, cudaStream_t stream) {
+  if (c.tokens <= 0) return;
+  combine_backward_kernel<<<blocks_for(c.tokens, 8), 256, 0, stream>>>(a, c);
+  DMOE_CHECK_CUDA(cudaGetLastError());
+}
+
+void flash_scatter_back(const BackwardArgs& a, const ScatterBackArgs& c, cudaStream_t stream) {
+  if (c.tokens <= 0) return;
+  scatter_back_kernel<<<blocks_for(c.tokens, 8), 256, 0, stream>>>(a, c);
   DMOE_CHECK_CUDA(cudaGetLastError());
 }
 

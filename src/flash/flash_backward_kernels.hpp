@@ -1,7 +1,8 @@
-// flash/flash_backward_kernels.hpp — the small kernels of the Flash backward (flash_backward.cu), launched by
-// cuda::flash_backward (flash_backward.cpp). Plain host C++.
+// flash/flash_backward_kernels.hpp — the Flash backward's own kernels (flash_backward.cu), launched by
+// cuda::flash_backward (flash_backward.cpp). Host C++ (cuda_bf16.h for the row type).
 #pragma once
 
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <cstddef>
@@ -30,9 +31,34 @@ void flash_signal_peers(const BackwardArgs& a, size_t offset, cudaStream_t strea
 // Waits, bounded, until every word of this rank's signal array at `offset` carries the forward's epoch; past the
 // limit the record names `what` (flash::WaitWhat) and the source, and the kernel traps.
 void flash_wait_signals(const BackwardArgs& a, size_t offset, int32_t what, cudaStream_t stream);
-// For the n received rows (meta order): pull = true: rows[i] = home(meta[i]).grad_out[token_choice];
-// pull = false: home(meta[i]).dx_out[token_choice] = rows[i]. rows [n, H] bf16.
-void flash_move_rows(const BackwardArgs& a, const flash::RowMeta* meta, void* rows, int64_t n, bool pull,
-                     cudaStream_t stream);
+// Rows of the home's tokens as the backward addresses them: ids / choice_slot / dest_row [T, k] (the forward's
+// routing, t·k + j or −1 for dropped choices, the row in the expert's rank's recv).
+struct CombineBackwardArgs {
+  const __nv_bfloat16* dy;      // [T, H]
+  const __nv_bfloat16* out;     // [T·k, H] the forward's expert outputs (symmetric `out`)
+  const float* weights;         // [T, k]
+  const int32_t* ids;
+  const int32_t* choice_slot;
+  const int32_t* dest_row;
+  float* dweights;              // [T, k]
+  int64_t tokens;
+  int32_t top_k, local_experts;
+};
+// dweights[t,j] = <dy[t], out[t·k+j]>; owner(ids[t,j]).grad_recv[dest_row[t,j]] = weights[t,j]·dy[t] (bf16), kept
+// choices only; the backend's combine_backward's arithmetic.
+void flash_combine_backward(const BackwardArgs& a, const CombineBackwardArgs& c, cudaStream_t stream);
+
+struct ScatterBackArgs {
+  const int32_t* ids;
+  const int32_t* choice_slot;
+  const int32_t* dest_row;
+  const float* dx_router;       // [T, H]
+  __nv_bfloat16* dx;            // [T, H]
+  int64_t tokens;
+  int32_t top_k, local_experts;
+};
+// dx[t] = Σ_j owner(ids[t,j]).dx_rows[dest_row[t,j]] + dx_router[t] (kept j in order, f32, rounded once): the
+// backend's scatter_back with the experts' rows read in place.
+void flash_scatter_back(const BackwardArgs& a, const ScatterBackArgs& c, cudaStream_t stream);
 
 }  // namespace dmoe::cuda

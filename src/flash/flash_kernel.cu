@@ -570,6 +570,8 @@ __device__ void dispatch_role(const KernelArgs& a, uint8_t* scratch, int64_t t_b
     if (lane == 0) {
       auto* meta = reinterpret_cast<flash::RowMeta*>(peer + a.sl.meta) + parity * R + row;
       *meta = flash::RowMeta{me, int32_t(i)};
+      // Train forwards: where the row went, for the backward's direct stores and in-place reads.
+      if (s.train) reinterpret_cast<int32_t*>(a.p.local + a.ll.dest_row)[i] = int32_t(row);
     }
   }
   __syncthreads();

@@ -99,7 +99,7 @@ TEST(FlashProtocol, LayoutsAreAlignedDisjointAndSizedByTheirFormulas) {
   EXPECT_GE(ll.bytes, ll.control + sizeof(flash::Control));
   EXPECT_GE(ll.up_done - ll.block_counts, size_t(7 * 8 * 4)) << "block_counts holds G x E";
   // Inference shapes carry no backward buffers; train shapes carve them after the forward's, disjoint too.
-  EXPECT_EQ(sl.grad_out, sl.dx_out);
+  EXPECT_EQ(sl.grad_recv, sl.dx_rows);
   EXPECT_EQ(ll.probs, ll.dx_router);
   flash::Shape t = s;
   t.train = true;
@@ -107,11 +107,11 @@ TEST(FlashProtocol, LayoutsAreAlignedDisjointAndSizedByTheirFormulas) {
   const flash::LocalLayout lt = flash::local_layout(t);
   EXPECT_EQ(st.out, sl.out) << "the forward's parts keep their places";
   const std::vector<std::pair<size_t, size_t>> train_sym = {
-      {st.arrived, 8}, {st.grad_out, 200 * 64 * 2}, {st.dx_out, 200 * 64 * 2}, {st.grad_ready, 4 * 8},
+      {st.arrived, 8}, {st.grad_recv, 800 * 64 * 2}, {st.dx_rows, 800 * 64 * 2}, {st.grad_ready, 4 * 8},
       {st.dx_ready, 4 * 8}};
   const std::vector<std::pair<size_t, size_t>> train_local = {
       {lt.control, sizeof(flash::Control)}, {lt.probs, 100 * 8 * 4}, {lt.lse, 100 * 4}, {lt.pre1, 800 * 96 * 2},
-      {lt.pre3, 800 * 96 * 2}, {lt.grad_recv, 800 * 64 * 2}, {lt.dx_rows, 800 * 64 * 2}, {lt.dweights, 200 * 4},
+      {lt.pre3, 800 * 96 * 2}, {lt.dest_row, 200 * 4}, {lt.dweights, 200 * 4},
       {lt.choice_slot, 200 * 4}, {lt.dlogits, 100 * 8 * 4}, {lt.dx_router, 100 * 64 * 4}};
   for (const auto* parts_of : {&train_sym, &train_local}) {
     size_t last = 0;
