@@ -138,10 +138,7 @@ void FlashEngine::set_weight_views(const void* gate, const void* w1, const void*
   has_weights_ = true;
 }
 
-void FlashEngine::forward(const void* x, void* y, cudaStream_t stream) {
-  DMOE_REQUIRE(has_weights_, "FlashEngine::forward: set_weights() first");
-  DMOE_REQUIRE(reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(y) % 16 == 0,
-               "FlashEngine::forward: x and y must be 16-byte aligned device pointers");
+flash::Params FlashEngine::params(const void* x, void* y) const {
   flash::Params p;
   p.shape = shape_;
   p.rank = rank_;
@@ -154,6 +151,14 @@ void FlashEngine::forward(const void* x, void* y, cudaStream_t stream) {
   p.symmetric = symmetric_.local;
   p.local = local_;
   p.timeout_ns = cuda::wait_timeout_ns();
+  return p;
+}
+
+void FlashEngine::forward(const void* x, void* y, cudaStream_t stream) {
+  DMOE_REQUIRE(has_weights_, "FlashEngine::forward: set_weights() first");
+  DMOE_REQUIRE(reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(y) % 16 == 0,
+               "FlashEngine::forward: x and y must be 16-byte aligned device pointers");
+  flash::Params p = params(x, y);
   p.profile = profile_;
   cuda::flash_forward(p, stream);
   ++forwards_;
@@ -173,17 +178,7 @@ void FlashEngine::backward(const void* dy, void* dx, const FlashGradViews& g, bo
   DMOE_REQUIRE(reinterpret_cast<uintptr_t>(dy) % 16 == 0 && reinterpret_cast<uintptr_t>(dx) % 16 == 0,
                "FlashEngine::backward: dy and dx must be 16-byte aligned device pointers");
   flash::BackwardParams b;
-  flash::Params& p = b.forward;
-  p.shape = shape_;
-  p.rank = rank_;
-  p.x = last_x_;
-  p.gate = gate_;
-  p.w1 = w1_;
-  p.w3 = w3_;
-  p.w2 = w2_;
-  p.symmetric = symmetric_.local;
-  p.local = local_;
-  p.timeout_ns = cuda::wait_timeout_ns();
+  b.forward = params(last_x_, nullptr);
   b.dy = dy;
   b.dx = dx;
   b.dgate = g.gate;

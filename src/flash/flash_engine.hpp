@@ -96,6 +96,7 @@ class FlashEngine {
 
  private:
   void release_weights();
+  flash::Params params(const void* x, void* y) const;  // this rank's buffers and weights around x, y
 
   MoeConfig config_;
   int32_t rank_ = 0;

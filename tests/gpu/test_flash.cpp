@@ -24,6 +24,7 @@
 #include "engine/reference.hpp"
 #include "flash/flash_engine.hpp"
 #include "flash/flash_kernel.hpp"
+#include "flash_test_util.hpp"
 #include "gpu_test_util.hpp"
 #include "layer_test_util.hpp"
 
@@ -60,40 +61,6 @@ struct DeviceRows {
   }
 };
 
-// The communicator of this process: local at W = 1, NVSHMEM otherwise (Flash's symmetric memory lives in its
-// heap, which must hold Flash's region too).
-std::unique_ptr<Comm> make_comm(const ProcessEnv& env, cudaStream_t stream) {
-  if (env.world == 1) return make_local_comm();
-  if (!std::getenv("DMOE_NVSHMEM_MIN_HEAP")) ::setenv("DMOE_NVSHMEM_MIN_HEAP", "4G", 1);
-  return make_gpu_comm(env, CommKind::nvshmem, size_t(1) << 20, stream);
-}
-
-struct FlashCase {
-  Activation act;
-  double capacity_factor;
-  int64_t tokens;
-  int32_t experts, top_k;
-};
-
-std::string case_name(const FlashCase& fc) {
-  return std::string(activation_name(fc.act)) + (fc.capacity_factor > 0 ? "_capacity" : "_dropless") + "_T" +
-         std::to_string(fc.tokens) + "_E" + std::to_string(fc.experts) + "_k" + std::to_string(fc.top_k);
-}
-
-MoeConfig flash_case_config(const FlashCase& fc, int32_t world) {
-  MoeConfig c;
-  c.tokens = fc.tokens;
-  c.hidden = 256;
-  c.ffn = 384;  // SwiGLU: 3 up column tiles of 128; relu/gelu: 1.5 tiles of 256 (a partial tile)
-  c.experts = fc.experts;
-  c.top_k = fc.top_k;
-  c.activation = fc.act;
-  c.dtype = DType::bf16;
-  c.capacity_factor = fc.capacity_factor;
-  c.world = world;
-  return c;
-}
-
 class FlashLayer : public ::testing::TestWithParam<FlashCase> {};
 
 // y and the routing against the CPU reference (all ranks' tokens) and, at W = 1, the EP engine on the GPU.
@@ -107,7 +74,7 @@ TEST_P(FlashLayer, MatchesCpuReferenceAndEpEngine) {
   cudaStream_t stream;
   DMOE_CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   {
-    auto comm = make_comm(env, stream);
+    auto comm = make_flash_test_comm(env, stream);
     const MoeConfig c = flash_case_config(GetParam(), comm->world());
     const int32_t rank = comm->rank(), Le = c.experts_per_rank();
     const int64_t T = c.tokens, H = c.hidden, k = c.top_k;

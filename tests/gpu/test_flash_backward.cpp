@@ -24,6 +24,7 @@
 #include "engine/reference.hpp"
 #include "flash/flash_engine.hpp"
 #include "flash/flash_kernel.hpp"
+#include "flash_test_util.hpp"
 #include "gpu_test_util.hpp"
 #include "layer_test_util.hpp"
 
@@ -32,45 +33,19 @@ namespace {
 
 constexpr double kTolBf16 = 2e-2;
 
-struct BackwardCase {
-  Activation act;
-  double capacity_factor;
-  int64_t tokens;
-  int32_t experts, top_k;
-};
-
-std::string case_name(const BackwardCase& bc) {
-  return std::string(activation_name(bc.act)) + (bc.capacity_factor > 0 ? "_capacity" : "_dropless") + "_T" +
-         std::to_string(bc.tokens) + "_E" + std::to_string(bc.experts) + "_k" + std::to_string(bc.top_k);
-}
-
-MoeConfig backward_config(const BackwardCase& bc, int32_t world) {
-  MoeConfig c;
-  c.tokens = bc.tokens;
-  c.hidden = 256;
-  c.ffn = 384;
-  c.experts = bc.experts;
-  c.top_k = bc.top_k;
-  c.activation = bc.act;
-  c.dtype = DType::bf16;
-  c.capacity_factor = bc.capacity_factor;
-  c.world = world;
+// The forward's case table row, with the auxiliary losses on (their gradients are part of the backward).
+MoeConfig backward_config(const FlashCase& fc, int32_t world) {
+  MoeConfig c = flash_case_config(fc, world);
   c.aux_loss_coef = 0.01;
   c.z_loss_coef = 0.001;
   return c;
-}
-
-std::unique_ptr<Comm> make_comm(const ProcessEnv& env, cudaStream_t stream) {
-  if (env.world == 1) return make_local_comm();
-  if (!std::getenv("DMOE_NVSHMEM_MIN_HEAP")) ::setenv("DMOE_NVSHMEM_MIN_HEAP", "4G", 1);
-  return make_gpu_comm(env, CommKind::nvshmem, size_t(1) << 20, stream);
 }
 
 struct Grads {
   std::vector<float> dx, gate, w1, w3, w2;
 };
 
-class FlashBackward : public ::testing::TestWithParam<BackwardCase> {};
+class FlashBackward : public ::testing::TestWithParam<FlashCase> {};
 
 TEST_P(FlashBackward, MatchesCpuReferenceAndEpEngine) {
   if (!flash_runs_here()) GTEST_SKIP() << "no sm_90 GPU with this build's sm_90a kernels";
@@ -82,7 +57,7 @@ TEST_P(FlashBackward, MatchesCpuReferenceAndEpEngine) {
   auto backend = make_cuda_backend(DType::bf16, device);
   const auto stream = static_cast<cudaStream_t>(backend->stream());
   {
-    auto comm = make_comm(env, stream);
+    auto comm = make_flash_test_comm(env, stream);
     const MoeConfig c = backward_config(GetParam(), comm->world());
     const int32_t rank = comm->rank(), Le = c.experts_per_rank();
     const int64_t T = c.tokens, H = c.hidden, I = c.ffn, E = c.experts, k = c.top_k;
@@ -180,13 +155,13 @@ TEST_P(FlashBackward, MatchesCpuReferenceAndEpEngine) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, FlashBackward,
-                         ::testing::Values(BackwardCase{Activation::swiglu, 0, 300, 8, 2},
-                                           BackwardCase{Activation::relu, 0, 300, 8, 2},
-                                           BackwardCase{Activation::gelu, 0, 300, 8, 2},
-                                           BackwardCase{Activation::swiglu, 1.0, 300, 8, 2},
-                                           BackwardCase{Activation::relu, 0.5, 129, 8, 1},
-                                           BackwardCase{Activation::swiglu, 0, 1, 8, 2},
-                                           BackwardCase{Activation::gelu, 0, 512, 16, 4}),
+                         ::testing::Values(FlashCase{Activation::swiglu, 0, 300, 8, 2},
+                                           FlashCase{Activation::relu, 0, 300, 8, 2},
+                                           FlashCase{Activation::gelu, 0, 300, 8, 2},
+                                           FlashCase{Activation::swiglu, 1.0, 300, 8, 2},
+                                           FlashCase{Activation::relu, 0.5, 129, 8, 1},
+                                           FlashCase{Activation::swiglu, 0, 1, 8, 2},
+                                           FlashCase{Activation::gelu, 0, 512, 16, 4}),
                          [](const auto& info) { return case_name(info.param); });
 
 }  // namespace
