@@ -101,7 +101,7 @@ const char* role_name(int32_t role) {
 
 const char* backward_stage_name(int32_t stage) {
   static const char* names[kBackwardStages] = {
-      "host read of the counts (stream idle)", "combine backward, row gradients into the experts' ranks",
+      "host read of the counts (stream idle; 0 when the caller read them)", "combine backward, row gradients into the experts' ranks",
       "expert backward (grouped GEMMs)", "router backward", "scatter back (dx rows read in place)"};
   return stage >= 0 && stage < kBackwardStages ? names[stage] : "unknown stage";
 }

@@ -280,6 +280,11 @@ struct BackwardParams {
   // GPU, optional: kBackwardStages + 1 cudaEvent_t recorded on the stream at the stage boundaries (where the
   // time goes); null = off. The CPU twin ignores it.
   void* stage_events = nullptr;
+  // GPU, optional: the forward's count inbox (counts[parity], W·E signals of epoch inbox_epoch) already read on
+  // the host — by a caller that waited for the train forward anyway, for its losses —, so the backward issues its
+  // launches without a stream wait. Null: the backward waits for the forward and reads it itself.
+  const uint64_t* inbox_host = nullptr;
+  uint32_t inbox_epoch = 0;
 };
 
 // The stages a profiled GPU backward records (BackwardParams::stage_events): the first is the host's read of

@@ -386,6 +386,7 @@ int64_t LayerSession::flash_forward(const SessionForward& f) {
   // The router's auxiliary losses (EpEngine's formulas) from the kernel's probabilities, on the backend's stream
   // once the forward is done; summed over ranks.
   cuda::wait_stream(stream, "LayerSession: the Flash train forward");
+  engine->read_counts(stream);  // for its backward, which then needs no wait of its own
   const int32_t E = config_.experts, k = config_.top_k;
   std::vector<double> stats(size_t(2 * E + 1), 0.0);
   backend_->router_aux_partials(engine->probs(), engine->lse(), engine->ids(), f.rows, E, k, stats.data(),

@@ -43,21 +43,27 @@ void flash_backward(const flash::BackwardParams& b, Backend& backend, cudaStream
     if (events) DMOE_CHECK_CUDA(cudaEventRecord(events[i], stream));
   };
   mark(0);
-  // The one host read: the forward's epoch and count inbox give each local expert's rows (the grouped expert
-  // backward takes host offsets) and the load-balance term's expert fractions.
-  wait_stream(stream, "Flash backward: the train forward on this rank's stream");
-  flash::Control control{};
-  DMOE_CHECK_CUDA(cudaMemcpy(&control, loc + ll.control, sizeof(control), cudaMemcpyDeviceToHost));
-  DMOE_REQUIRE(control.epoch > 0, "cuda::flash_backward: no forward has run");
-  const uint32_t parity = control.epoch & 1;
+  // The forward's epoch and count inbox give each local expert's rows (the grouped expert backward takes host
+  // offsets) and the load-balance term's expert fractions: given by the caller (read while it waited for the train
+  // forward's losses), or read here, the backward's one stream wait.
   std::vector<uint64_t> inbox(size_t(W) * E);
-  DMOE_CHECK_CUDA(cudaMemcpy(inbox.data(), sym + sl.counts + size_t(parity) * W * E * sizeof(uint64_t),
-                             inbox.size() * sizeof(uint64_t), cudaMemcpyDeviceToHost));
+  uint32_t epoch = b.inbox_epoch;
+  if (b.inbox_host != nullptr) {
+    std::copy(b.inbox_host, b.inbox_host + inbox.size(), inbox.begin());
+  } else {
+    wait_stream(stream, "Flash backward: the train forward on this rank's stream");
+    flash::Control control{};
+    DMOE_CHECK_CUDA(cudaMemcpy(&control, loc + ll.control, sizeof(control), cudaMemcpyDeviceToHost));
+    epoch = control.epoch;
+    DMOE_REQUIRE(epoch > 0, "cuda::flash_backward: no forward has run");
+    DMOE_CHECK_CUDA(cudaMemcpy(inbox.data(), sym + sl.counts + size_t(epoch & 1) * W * E * sizeof(uint64_t),
+                               inbox.size() * sizeof(uint64_t), cudaMemcpyDeviceToHost));
+  }
+  const uint32_t parity = epoch & 1;
   for (int32_t src = 0; src < W; ++src)
     for (int32_t e = 0; e < E; ++e)
-      DMOE_REQUIRE(flash::signal_epoch(inbox[size_t(src) * E + e]) == control.epoch,
-                   "cuda::flash_backward: the count of source {} for expert {} is not of forward {}", src, e,
-                   control.epoch);
+      DMOE_REQUIRE(flash::signal_epoch(inbox[size_t(src) * E + e]) == epoch,
+                   "cuda::flash_backward: the count of source {} for expert {} is not of forward {}", src, e, epoch);
   std::vector<int64_t> offsets(size_t(Le) + 1);
   std::vector<double> assigned(static_cast<size_t>(E));
   flash::backward_rows(s, r, inbox.data(), offsets.data(), assigned.data());

@@ -189,8 +189,22 @@ void FlashEngine::backward(const void* dy, void* dx, const FlashGradViews& g, bo
   b.aux_loss_coef = config_.aux_loss_coef;
   b.z_loss_coef = config_.z_loss_coef;
   b.stage_events = stage_events_.empty() ? nullptr : stage_events_.data();
+  if (host_inbox_forward_ == forwards_ && !host_inbox_.empty()) {  // read with this forward's losses
+    b.inbox_host = host_inbox_.data();
+    b.inbox_epoch = uint32_t(forwards_);
+  }
   backward_pending_ = false;  // also when it throws: the forward's state may be half used
   cuda::flash_backward(b, backend, stream);
+}
+
+void FlashEngine::read_counts(cudaStream_t stream) {
+  DMOE_REQUIRE(forwards_ > 0, "FlashEngine::read_counts: no forward has run");
+  cuda::wait_stream(stream, "FlashEngine::read_counts");
+  const int32_t W = config_.world, E = config_.experts;
+  host_inbox_.resize(size_t(W) * E);
+  DMOE_CHECK_CUDA(cudaMemcpy(host_inbox_.data(), symmetric_.local + sl_.counts + size_t(forwards_ & 1) * W * E * sizeof(uint64_t),
+                             host_inbox_.size() * sizeof(uint64_t), cudaMemcpyDeviceToHost));
+  host_inbox_forward_ = forwards_;
 }
 
 void FlashEngine::set_backward_timing(bool on) {

@@ -68,6 +68,9 @@ class FlashEngine {
   void backward(const void* dy, void* dx, const FlashGradViews& grads, bool accumulate, Backend& backend,
                 cudaStream_t stream);
   bool trains() const { return shape_.train; }
+  // Reads the last forward's count inbox on the host (waits for `stream`) for that forward's backward, which then
+  // issues its launches without a wait of its own: for callers that wait for a train forward anyway (its losses).
+  void read_counts(cudaStream_t stream);
   // With stage timing on, each backward records device events at its stage boundaries
   // (flash::backward_stage_name); backward_stage_ms reads the last one's, ms per stage (waits for `stream`).
   void set_backward_timing(bool on);
@@ -117,6 +120,8 @@ class FlashEngine {
   const void* last_x_ = nullptr;   // the last forward's x (the router backward reads it)
   bool backward_pending_ = false;  // a train forward whose backward has not run
   std::vector<cudaEvent_t> stage_events_;  // kBackwardStages + 1 when timing the backward
+  std::vector<uint64_t> host_inbox_;       // read_counts: the inbox of forward host_inbox_forward_
+  uint64_t host_inbox_forward_ = 0;
 };
 
 // The phases of one profiled forward over the blocks: median and max duration of each (ms), the kernel's span,

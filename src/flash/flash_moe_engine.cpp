@@ -184,6 +184,7 @@ class FlashMoeEngine final : public MoeEngine {
     std::vector<double> stats(size_t(2 * E + 1), 0.0);
     backend_.router_aux_partials(engine_->probs(), engine_->lse(), engine_->ids(), T, E, k, stats.data(),
                                  stats.data() + E, stats.data() + 2 * E);
+    engine_->read_counts(stream());  // the forward is done: its backward then needs no wait of its own
     if (config_.world > 1) {
       void* dev = stats_dev_.ensure(stats.size() * sizeof(double));
       backend_.upload(dev, stats.data(), stats.size() * sizeof(double));
