@@ -218,7 +218,7 @@ DMOE_HD Task decode_task(const int32_t* offsets, const int32_t* row_tile_base, c
 //   train only: probs [T, E] f32 and lse [T] f32 (the gate's), pre1 / pre3 [R, I] storage (the up products
 //   before the activation; pre3 SwiGLU only), dest_row [T, k] i32 (the row of each kept (t, j) in its expert's
 //   rank's recv, written by the dispatch), and the backward's own: dweights [T, k] f32, choice_slot [T, k] i32
-//   (t·k + j, −1 dropped), dlogits [T, E] f32, dx_router [T, H] f32.
+//   (t·k + j, −1 dropped: the CPU twin's combine slots), dlogits [T, E] f32, dx_router [T, H] f32.
 // Every part starts on a 256-byte boundary.
 struct SymmetricLayout {
   size_t recv = 0, meta = 0, out = 0, counts = 0, ready = 0, arrived = 0;
@@ -254,7 +254,7 @@ struct Params {
 
 // One backward of one rank, after its train forward (epoch n = Control::epoch, the forward's) and before the
 // next forward: every rank runs the backward of the same forward. The steps (docs/flash.md, "The backward"):
-//   1. home: choice_slot; dweights[t,j] = <dy[t], out[t·k+j]>, and the row gradient w[t,j]·dy[t] stored straight
+//   1. home: for every kept (t, j): dweights[t,j] = <dy[t], out[t·k+j]>, and the row gradient w[t,j]·dy[t] stored straight
 //      into its expert's rank, owner(e).grad_recv[dest_row[t,j]] (combine backward and dispatch in one pass);
 //      then grad_ready[r] = signal(n, 1) at every rank;
 //   2. experts' rank: waits for every source's grad_ready (its grad_recv is then the forward's expert batch of

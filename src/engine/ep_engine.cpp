@@ -388,17 +388,26 @@ void EpEngine::compute_losses(Stream lane) {
     comm_.allreduce_sum(dev, int64_t(stats.size()), DType::f64, lane);
     backend_.download_on(stats.data(), dev, stats.size() * sizeof(double), lane);
   }
-  const double n = double(global_tokens_);
   expert_fraction_.assign(E, 0.0);
   prob_mean_.assign(E, 0.0);
-  losses_ = RouterLosses{};
+  losses_ = router_losses_from_stats(stats.data(), E, config_.top_k, double(global_tokens_), expert_fraction_.data(),
+                                     prob_mean_.data());
+}
+
+RouterLosses router_losses_from_stats(const double* stats, int32_t experts, int32_t top_k, double tokens,
+                                      double* expert_fraction, double* prob_mean) {
+  const int32_t E = experts;
+  const double n = tokens;
+  RouterLosses l;
   for (int32_t e = 0; e < E; ++e) {
-    expert_fraction_[e] = stats[E + e] / (n * config_.top_k);
-    prob_mean_[e] = stats[e] / n;
-    losses_.load_balance += expert_fraction_[e] * (stats[e] / n);
+    const double f = stats[E + e] / (n * top_k);
+    if (expert_fraction) expert_fraction[e] = f;
+    if (prob_mean) prob_mean[e] = stats[e] / n;
+    l.load_balance += f * (stats[e] / n);
   }
-  losses_.load_balance *= E;
-  losses_.z_loss = stats[2 * E] / n;
+  l.load_balance *= E;
+  l.z_loss = stats[2 * E] / n;
+  return l;
 }
 
 void EpEngine::backward(const void* dy, void* dx) {

@@ -83,6 +83,11 @@ struct RouterLosses {
   double z_loss = 0;        // mean over all tokens of logsumexp(logits)²
 };
 
+// The losses from the partial sums of router_aux_partials summed over all ranks (stats: prob_sum [E], assigned
+// [E], z_sum [1]) of `tokens` tokens; also f_e and P_e ([E] each) where the pointers are given.
+RouterLosses router_losses_from_stats(const double* stats, int32_t experts, int32_t top_k, double tokens,
+                                      double* expert_fraction = nullptr, double* prob_mean = nullptr);
+
 class EpEngine {
  public:
   // config.world must equal comm.world(); config.tokens is this rank's token count.

@@ -15,7 +15,6 @@
 #include "comm/cuda/local_comm.hpp"
 #include "cuda/check.hpp"
 #include "cuda/cuda_backend.hpp"
-#include "engine/buffer.hpp"
 #include "flash/flash_engine.hpp"
 #endif
 
@@ -383,26 +382,8 @@ int64_t LayerSession::flash_forward(const SessionForward& f) {
     backend_->synchronize();  // the host vectors go out of scope
   }
   if (!f.train) return -1;
-  // The router's auxiliary losses (EpEngine's formulas) from the kernel's probabilities, on the backend's stream
-  // once the forward is done; summed over ranks.
-  cuda::wait_stream(stream, "LayerSession: the Flash train forward");
-  engine->read_counts(stream);  // for its backward, which then needs no wait of its own
-  const int32_t E = config_.experts, k = config_.top_k;
-  std::vector<double> stats(size_t(2 * E + 1), 0.0);
-  backend_->router_aux_partials(engine->probs(), engine->lse(), engine->ids(), f.rows, E, k, stats.data(),
-                                stats.data() + E, stats.data() + 2 * E);
-  if (config_.world > 1) {
-    Buffer dev(*backend_);
-    dev.ensure(stats.size() * sizeof(double));
-    backend_->upload(dev.data(), stats.data(), stats.size() * sizeof(double));
-    comm_->allreduce_sum(dev.data(), int64_t(stats.size()), DType::f64, backend_->stream());
-    backend_->download(stats.data(), dev.data(), stats.size() * sizeof(double));
-  }
-  const double n = double(f.rows) * config_.world;
-  trainer->losses = RouterLosses{};
-  for (int32_t e = 0; e < E; ++e) trainer->losses.load_balance += (stats[E + e] / (n * k)) * (stats[e] / n);
-  trainer->losses.load_balance *= E;
-  trainer->losses.z_loss = stats[2 * E] / n;
+  // The router's auxiliary losses (the forward is then done; its counts are read for the backward too).
+  trainer->losses = flash_train_losses(*engine, *backend_, *comm_, stream);
   trainer->busy = true;
   const int64_t ticket = next_ticket_++;
   flash_->tickets[ticket] = trainer;

@@ -3,8 +3,8 @@
 // the grouped expert backward (the own Hopper GEMMs) and the router backward on the backend's kernels; the
 // combine backward that stores the row gradients straight into the experts' ranks, the scatter back that reads
 // their dx rows in place, and the signals between the ranks on flash_backward.cu's kernels. Not yet one
-// persistent kernel (docs/flash.md, "The backward"): the expert backward's row offsets are read on the host once
-// per backward (one stream synchronisation), and the stages run one after the other.
+// persistent kernel (docs/flash.md, "The backward"): the expert backward's row offsets come from the host (read
+// with the train forward's losses, or here with one stream wait), and the stages run one after the other.
 #include <algorithm>
 #include <string>
 #include <vector>
@@ -71,16 +71,15 @@ void flash_backward(const flash::BackwardParams& b, Backend& backend, cudaStream
   mark(1);
   // 1. combine backward on the home, each row gradient stored straight into its expert's rank's grad_recv; then
   //    every source's rows have landed here (at W = 1 stream order is the signal)
-  auto* choice_slot = reinterpret_cast<int32_t*>(loc + ll.choice_slot);
+  const auto* slot = reinterpret_cast<const int32_t*>(loc + ll.slot);
   auto* dweights = reinterpret_cast<float*>(loc + ll.dweights);
   const auto* ids = reinterpret_cast<const int32_t*>(loc + ll.ids);
   const auto* dest_row = reinterpret_cast<const int32_t*>(loc + ll.dest_row);
   const auto* weights = reinterpret_cast<const float*>(loc + ll.weights);
-  flash_choice_slots(reinterpret_cast<const int32_t*>(loc + ll.slot), choice_slot, T * k, stream);
   flash_combine_backward(a,
                          CombineBackwardArgs{static_cast<const __nv_bfloat16*>(b.dy),
                                              reinterpret_cast<const __nv_bfloat16*>(sym + sl.out), weights, ids,
-                                             choice_slot, dest_row, dweights, T, k, Le},
+                                             slot, dest_row, dweights, T, k, Le},
                          stream);
   if (W > 1) {
     flash_signal_peers(a, sl.grad_ready, stream);
@@ -110,7 +109,7 @@ void flash_backward(const flash::BackwardParams& b, Backend& backend, cudaStream
   mark(4);
   // 4. dx, once every expert rank's dx rows are complete, read in place from them
   if (W > 1) flash_wait_signals(a, sl.dx_ready, flash::kWaitDxReady, stream);
-  flash_scatter_back(a, ScatterBackArgs{ids, choice_slot, dest_row, dx_router, static_cast<__nv_bfloat16*>(b.dx), T,
+  flash_scatter_back(a, ScatterBackArgs{ids, slot, dest_row, dx_router, static_cast<__nv_bfloat16*>(b.dx), T,
                                         k, Le},
                      stream);
   mark(5);

@@ -29,11 +29,6 @@ __device__ __forceinline__ uint32_t forward_epoch(const BackwardArgs& a) {
 
 #endif
 
-__global__ void choice_slots_kernel(const int32_t* slot, int32_t* choice_slot, int64_t n) {
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
-    choice_slot[i] = slot[i] >= 0 ? int32_t(i) : -1;
-}
-
 // One thread per rank d: signal(epoch, 1) into d's word `r` of the signal array at `offset`. Launched after the
 // kernels whose stores it announces (stream order), it fences at system scope first.
 __global__ void signal_peers_kernel(const __grid_constant__ BackwardArgs a, size_t offset) {
@@ -80,7 +75,7 @@ __global__ void __launch_bounds__(256) combine_backward_kernel(const __grid_cons
     const __nv_bfloat16* dy_t = c.dy + t * H;
     for (int32_t j = 0; j < c.top_k; ++j) {
       const int64_t q = t * c.top_k + j;
-      if (c.choice_slot[q] < 0) {  // dropped: the weight did not contribute to y
+      if (c.slot[q] < 0) {  // dropped: the weight did not contribute to y
         if (lane == 0) c.dweights[q] = 0.f;
         continue;
       }
@@ -124,7 +119,7 @@ __global__ void __launch_bounds__(256) scatter_back_kernel(const __grid_constant
 #pragma unroll 1
       for (int32_t j = 0; j < c.top_k; ++j) {
         const int64_t q = t * c.top_k + j;
-        if (c.choice_slot[q] < 0) continue;
+        if (c.slot[q] < 0) continue;
         const __nv_bfloat16* src = reinterpret_cast<const __nv_bfloat16*>(peer_of(a, c.ids[q] / c.local_experts) +
                                                                           a.sl.dx_rows) + int64_t(c.dest_row[q]) * H + col;
         const uint4 bits = __ldcg(reinterpret_cast<const uint4*>(src));
@@ -150,11 +145,6 @@ int blocks_for(int64_t work, int per_block) {
 int signal_threads(int32_t world) { return 32 * ((world + 31) / 32); }
 
 }  // namespace
-
-void flash_choice_slots(const int32_t* slot, int32_t* choice_slot, int64_t n, cudaStream_t stream) {
-  choice_slots_kernel<<<blocks_for(n, 256), 256, 0, stream>>>(slot, choice_slot, n);
-  DMOE_CHECK_CUDA(cudaGetLastError());
-}
 
 void flash_signal_peers(const BackwardArgs& a, size_t offset, cudaStream_t stream) {
   signal_peers_kernel<<<1, signal_threads(a.world), 0, stream>>>(a, offset);

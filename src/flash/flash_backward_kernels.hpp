@@ -23,22 +23,20 @@ struct BackwardArgs {
   void* wait_record;                  // DeviceWaitRecord (host-mapped)
 };
 
-// choice_slot[i] = i where slot[i] >= 0, else -1 (the combine's row of each (t, j) in out / grad_out / dx_out).
-void flash_choice_slots(const int32_t* slot, int32_t* choice_slot, int64_t n, cudaStream_t stream);
 // signal(epoch, 1) into word `rank` of every rank's signal array at symmetric offset `offset`, after a system
 // fence (it announces the stores of the launches before it on the stream).
 void flash_signal_peers(const BackwardArgs& a, size_t offset, cudaStream_t stream);
 // Waits, bounded, until every word of this rank's signal array at `offset` carries the forward's epoch; past the
 // limit the record names `what` (flash::WaitWhat) and the source, and the kernel traps.
 void flash_wait_signals(const BackwardArgs& a, size_t offset, int32_t what, cudaStream_t stream);
-// Rows of the home's tokens as the backward addresses them: ids / choice_slot / dest_row [T, k] (the forward's
-// routing, t·k + j or −1 for dropped choices, the row in the expert's rank's recv).
+// Rows of the home's tokens as the backward addresses them: ids / slot / dest_row [T, k] (the forward's routing:
+// slot −1 for a dropped choice; the row each kept one took in its expert's rank's recv).
 struct CombineBackwardArgs {
   const __nv_bfloat16* dy;      // [T, H]
   const __nv_bfloat16* out;     // [T·k, H] the forward's expert outputs (symmetric `out`)
   const float* weights;         // [T, k]
   const int32_t* ids;
-  const int32_t* choice_slot;
+  const int32_t* slot;
   const int32_t* dest_row;
   float* dweights;              // [T, k]
   int64_t tokens;
@@ -50,7 +48,7 @@ void flash_combine_backward(const BackwardArgs& a, const CombineBackwardArgs& c,
 
 struct ScatterBackArgs {
   const int32_t* ids;
-  const int32_t* choice_slot;
+  const int32_t* slot;
   const int32_t* dest_row;
   const float* dx_router;       // [T, H]
   __nv_bfloat16* dx;            // [T, H]

@@ -10,6 +10,9 @@
 
 #include "core/error.hpp"
 #include "cuda/check.hpp"
+#include "engine/backend.hpp"
+#include "engine/buffer.hpp"
+#include "engine/ep_engine.hpp"
 #include "cuda/sm90_host.hpp"
 #include "flash/flash_kernel.hpp"
 
@@ -205,6 +208,24 @@ void FlashEngine::read_counts(cudaStream_t stream) {
   DMOE_CHECK_CUDA(cudaMemcpy(host_inbox_.data(), symmetric_.local + sl_.counts + size_t(forwards_ & 1) * W * E * sizeof(uint64_t),
                              host_inbox_.size() * sizeof(uint64_t), cudaMemcpyDeviceToHost));
   host_inbox_forward_ = forwards_;
+}
+
+RouterLosses flash_train_losses(FlashEngine& engine, Backend& backend, Comm& comm, cudaStream_t stream) {
+  const MoeConfig& c = engine.config();
+  const int32_t E = c.experts;
+  cuda::wait_stream(stream, "flash_train_losses: the Flash train forward");
+  engine.read_counts(stream);  // the forward is done: its backward then needs no wait of its own
+  std::vector<double> stats(size_t(2 * E + 1), 0.0);
+  backend.router_aux_partials(engine.probs(), engine.lse(), engine.ids(), c.tokens, E, c.top_k, stats.data(),
+                              stats.data() + E, stats.data() + 2 * E);
+  if (c.world > 1) {
+    Buffer dev(backend);
+    dev.ensure(stats.size() * sizeof(double));
+    backend.upload(dev.data(), stats.data(), stats.size() * sizeof(double));
+    comm.allreduce_sum(dev.data(), int64_t(stats.size()), DType::f64, backend.stream());
+    backend.download(stats.data(), dev.data(), stats.size() * sizeof(double));
+  }
+  return router_losses_from_stats(stats.data(), E, c.top_k, double(c.tokens) * c.world);
 }
 
 void FlashEngine::set_backward_timing(bool on) {

@@ -28,6 +28,7 @@
 namespace dmoe {
 
 class Backend;
+struct RouterLosses;
 
 // Where a backward adds this rank's gradients (f32 device memory): the gate's part [E, H] (the caller sums it
 // over ranks) and this rank's experts, w1/w3 [Le, I, H] (w3 null unless SwiGLU), w2 [Le, H, I].
@@ -123,6 +124,11 @@ class FlashEngine {
   std::vector<uint64_t> host_inbox_;       // read_counts: the inbox of forward host_inbox_forward_
   uint64_t host_inbox_forward_ = 0;
 };
+
+// The router's auxiliary losses of `engine`'s last train forward issued on `stream` (EpEngine's formulas: the
+// partial sums of this rank's tokens on `backend`, summed over `comm`'s ranks in f64). Waits for the forward and
+// also reads its counts for the backward (read_counts). Collective when W > 1.
+RouterLosses flash_train_losses(FlashEngine& engine, Backend& backend, Comm& comm, cudaStream_t stream);
 
 // The phases of one profiled forward over the blocks: median and max duration of each (ms), the kernel's span,
 // and how busy the processors were (the share of the span between a block's first task and its last).

@@ -31,7 +31,7 @@ class FlashMoeEngine final : public MoeEngine {
  public:
   FlashMoeEngine(const MoeConfig& config, Backend& backend, Comm& comm, bool train)
       : config_(config), backend_(backend), comm_(comm), train_(train), gate_(backend), w1_(backend), w3_(backend),
-        w2_(backend), dgate_(backend), dw1_(backend), dw3_(backend), dw2_(backend), stats_dev_(backend) {
+        w2_(backend), dgate_(backend), dw1_(backend), dw3_(backend), dw2_(backend) {
     select(config_.tokens);
     if (train_) {
       const int64_t H = config_.hidden, I = config_.ffn, E = config_.experts, Le = config_.experts_per_rank();
@@ -91,7 +91,10 @@ class FlashMoeEngine final : public MoeEngine {
     DMOE_REQUIRE(has_weights_, "engine 'flash': set_weights() or set_weight_views() before forward()");
     engine_->forward(x, y, stream());
     trained_ = mode == ForwardMode::train;
-    if (trained_) compute_losses();
+    if (trained_) {
+      losses_ = flash_train_losses(*engine_, backend_, comm_, stream());
+      has_losses_ = true;
+    }
   }
   void backward(const void* dy, void* dx) override {
     DMOE_REQUIRE_INPUT(train_, "backward: {}", kFlashForwardOnly);
@@ -176,35 +179,12 @@ class FlashMoeEngine final : public MoeEngine {
     trained_ = false;
     timed_backward_ = false;
   }
-  // The router's auxiliary losses of the train forward just issued, EpEngine's formulas (compute_losses): the
-  // partial sums of this rank's tokens, summed over ranks in f64.
-  void compute_losses() {
-    const int32_t E = config_.experts, k = config_.top_k;
-    const int64_t T = config_.tokens;
-    std::vector<double> stats(size_t(2 * E + 1), 0.0);
-    backend_.router_aux_partials(engine_->probs(), engine_->lse(), engine_->ids(), T, E, k, stats.data(),
-                                 stats.data() + E, stats.data() + 2 * E);
-    engine_->read_counts(stream());  // the forward is done: its backward then needs no wait of its own
-    if (config_.world > 1) {
-      void* dev = stats_dev_.ensure(stats.size() * sizeof(double));
-      backend_.upload(dev, stats.data(), stats.size() * sizeof(double));
-      comm_.allreduce_sum(dev, int64_t(stats.size()), DType::f64, backend_.stream());
-      backend_.download(stats.data(), dev, stats.size() * sizeof(double));
-    }
-    const double n = double(T) * config_.world;
-    losses_ = RouterLosses{};
-    for (int32_t e = 0; e < E; ++e) losses_.load_balance += (stats[E + e] / (n * k)) * (stats[e] / n);
-    losses_.load_balance *= E;
-    losses_.z_loss = stats[2 * E] / n;
-    has_losses_ = true;
-  }
-
   MoeConfig config_;
   Backend& backend_;
   Comm& comm_;
   bool train_ = false;          // made for training: FlashEngines keep state, gradient accumulators exist
   Buffer gate_, w1_, w3_, w2_;  // set_weights' copies (bf16 on the backend)
-  Buffer dgate_, dw1_, dw3_, dw2_, stats_dev_;  // f32 gradient accumulators; the losses' statistics
+  Buffer dgate_, dw1_, dw3_, dw2_;  // f32 gradient accumulators
   FlashGradViews grads_;
   bool expert_grads_zero_ = true;  // zero_grads since the last backward: the next one overwrites the experts'
   bool trained_ = false;           // the last forward of the current engine ran in train mode, no backward yet
