@@ -170,10 +170,13 @@ struct EvalResult {
   std::vector<float> logits;       // [B, S, V]
   double loss = 0, ce_loss = 0, aux_loss = 0;
   MixtralWeights grads;            // all experts; when with_grad
+  int32_t rank = 0;                // run_cuda_model in a job of W processes: only rank 0's result is filled
 };
 EvalResult run_cpu_model(const MixtralConfig& config, const MixtralWeights& weights, const std::vector<int32_t>& tokens,
                          int64_t batch, int64_t seq, int32_t world, bool with_grad);
-// The same on this process's GPU, one rank (model/cuda/cuda_mixtral.hpp), the model in `storage` (f32 or bf16).
+// The same on this process's GPU (model/cuda/cuda_mixtral.hpp), the model in `storage` (f32 or bf16): alone, one
+// rank; in a job of W processes (dmoe launch, mpirun, srun) this process is one of W ranks, the batch and the
+// experts split as in training, and only rank 0's result holds the logits, losses and gradients (collective).
 // Throws a clear error in a build without CUDA or on a machine without a GPU.
 EvalResult run_cuda_model(const MixtralConfig& config, const MixtralWeights& weights, const std::vector<int32_t>& tokens,
                           int64_t batch, int64_t seq, DType storage, bool with_grad);

@@ -149,7 +149,7 @@ TEST_F(Train, CliTrainsTinyAndTheLossFalls) {
   EXPECT_TRUE(fs::exists(p("ckpt/model.safetensors")) && fs::exists(p("ckpt/trainer_state.json")));
 
   // Engines and dtypes: a word that is no engine, bf16 on the CPU engine, and (without a GPU) the GPU engine
-  // are refused naming what is allowed; eval on the GPU takes one rank.
+  // are refused naming what is allowed; eval on the GPU takes --world from the job (one process per rank).
   auto no_engine = run_cli("train --config tiny --data " + train_text() + " --steps 2 --engine tpu");
   EXPECT_NE(no_engine.status, 0);
   EXPECT_NE(no_engine.output.find("allowed: cpu, cuda"), std::string::npos) << no_engine.output;
@@ -159,7 +159,8 @@ TEST_F(Train, CliTrainsTinyAndTheLossFalls) {
   auto eval_world = run_cli("eval --config tiny --weights " + p("ckpt/model.safetensors") + " --tokens x --output " +
                             p("o.safetensors") + " --engine cuda --world 2");
   EXPECT_NE(eval_world.status, 0);
-  EXPECT_NE(eval_world.output.find("one GPU rank"), std::string::npos) << eval_world.output;
+  EXPECT_NE(eval_world.output.find("--world 2 but this GPU job has 1 ranks (dmoe launch -n W"), std::string::npos)
+      << eval_world.output;
   if (!std::getenv("CUDA_VISIBLE_DEVICES") && !fs::exists("/dev/nvidia0")) {
     auto gpu = run_cli("train --config tiny --data " + train_text() + " --steps 2 --engine cuda");
     EXPECT_NE(gpu.status, 0);

@@ -21,6 +21,7 @@
 #include "model/checkpoint.hpp"
 #include "model/mixtral.hpp"
 #include "model/mixtral_config.hpp"
+#include "model/train_replica.hpp"
 #include "options.hpp"
 
 namespace dmoe::cli {
@@ -108,9 +109,10 @@ Command add_eval_command(CLI::App& app) {
   sub->add_option("--tokens", o->tokens, "safetensors file with tokens [batch, seq] (I32 or I64)")->required();
   sub->add_option("--output", o->output, "safetensors file for logits, loss (and grad.<name>)")->required();
   sub->add_flag("--grad", o->grad, "also run backward and write grad.<HF name> for every parameter");
-  sub->add_option("--world", o->world, "simulated ranks: batch split over ranks, experts sharded E/W")
+  sub->add_option("--world", o->world, "ranks: batch split over ranks, experts sharded E/W (cpu: threads; cuda: the job's processes)")
       ->check(CLI::Range(1, 4096));
-  sub->add_option("--engine", o->engine, "cpu (ranks as threads) | cuda (alias gpu; this process's GPU, one rank)");
+  sub->add_option("--engine", o->engine, "cpu (ranks as threads) | cuda (alias gpu; this process's GPU; W > 1: one process per rank, "
+                  "dmoe launch -n W)");
   sub->add_option("--dtype", o->dtype, "cuda: f32 | bf16 (the weights and activations the kernels use)");
   return [o] {
     if (o->engine == "gpu") o->engine = "cuda";
@@ -119,9 +121,14 @@ Command add_eval_command(CLI::App& app) {
     DMOE_REQUIRE_INPUT(o->dtype == "f32" || (o->dtype == "bf16" && o->engine == "cuda"),
                        "--dtype '{}' is not allowed with --engine {}; allowed: f32 (cpu, cuda), bf16 (cuda)", o->dtype,
                        o->engine);
-    DMOE_REQUIRE_INPUT(o->engine == "cpu" || o->world == 1,
-                       "--world {} with --engine cuda: whole-model eval runs on one GPU rank so far (give --world 1, "
-                       "or --engine cpu for simulated ranks)", o->world);
+    int32_t rank = 0;
+    if (o->engine == "cuda") {  // --world is the job's size: one process per rank (dmoe launch -n W, mpirun -n W)
+      int32_t job_world = 1;
+      cuda_job_size(&rank, &job_world);
+      DMOE_REQUIRE_INPUT(job_world == o->world,
+                         "eval: --world {} but this GPU job has {} ranks (dmoe launch -n W, mpirun -n W); give --world "
+                         "{} or start W processes", o->world, job_world, job_world);
+    }
     const std::string config_path = find_model_config_file(o->config);
     // Before anything is read or computed: the output is none of the inputs and can be written.
     require_distinct_files({{"--output", o->output}},
@@ -144,6 +151,7 @@ Command add_eval_command(CLI::App& app) {
     const EvalResult r = o->engine == "cuda" ? run_cuda_model(c, w, tokens.values, B, S, parse_dtype(o->dtype), o->grad)
                                              : run_cpu_model(c, w, tokens.values, B, S, o->world, o->grad);
 
+    if (r.rank != 0) return 0;  // a GPU job's other ranks: rank 0 holds the gathered result and writes it
     SafetensorsWriter out;
     out.add_f32("logits", {B, S, V}, r.logits);
     const float loss = float(r.loss), ce = float(r.ce_loss), aux = float(r.aux_loss);

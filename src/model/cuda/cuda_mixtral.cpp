@@ -356,6 +356,8 @@ void CudaMixtralModel::gather_full(MixtralWeights& w, MixtralWeights& m, Mixtral
   gather_full_buffer(v_.as<float>(), v);
 }
 
+void CudaMixtralModel::gather_full_grads(MixtralWeights& g) { gather_full_buffer(grad_.as<float>(), g); }
+
 void CudaMixtralModel::zero_grads() {
   StageScope scope(impl_->timer, "zero gradients");
   // The experts' gradients are not cleared: the first backward of each layer writes them (EpEngine).
@@ -568,6 +570,25 @@ std::vector<float> CudaMixtralModel::logits(const CudaModelState& st) {
   DMOE_REQUIRE(st.forward_done, "cuda mixtral: logits() needs a completed forward()");
   std::vector<float> out(size_t(st.batch * st.seq * config_.vocab_size));
   backend_->download(out.data(), st.logits.data(), out.size() * 4);
+  return out;
+}
+
+std::vector<float> CudaMixtralModel::gather_logits(const CudaModelState& st) {
+  DMOE_REQUIRE(st.forward_done, "cuda mixtral: gather_logits() needs a completed forward()");
+  if (world_ == 1) return logits(st);
+  const int64_t mine = st.batch * st.seq * config_.vocab_size, all = mine * world_;
+  Buffer full(*backend_);
+  float* f = static_cast<float*>(full.ensure(size_t(all) * 4));
+  backend_->zero(f, size_t(all) * 4);
+  backend_->copy(f + int64_t(rank_) * mine, st.logits.data(), size_t(mine) * 4);
+  comm_.allreduce_sum(f, all, DType::f32, backend_->stream());  // x + 0 + … = x exactly
+  std::vector<float> out;
+  if (rank_ == 0) {
+    out.resize(size_t(all));
+    backend_->download(out.data(), f, size_t(all) * 4);
+  } else {
+    backend_->synchronize();  // the all-reduce has read this rank's buffer before it is freed
+  }
   return out;
 }
 

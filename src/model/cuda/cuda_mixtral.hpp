@@ -106,6 +106,9 @@ class CudaMixtralModel {
   // outputs are left empty): each expert stack is summed over the ranks from zeros and this rank's share, on the
   // device, through the communicator.
   void gather_full(MixtralWeights& w, MixtralWeights& m, MixtralWeights& v);
+  // The same for the gradients (after reduce_grads(), so rank 0's replicated ones are everyone's): `dmoe eval
+  // --grad` of a job of W ranks.
+  void gather_full_grads(MixtralWeights& g);
 
   void zero_grads();
   // tokens [batch, seq] (host). Returns the loss over all ranks (collective); waits for the GPU once.
@@ -118,6 +121,9 @@ class CudaMixtralModel {
   void adamw_step(const cpu::AdamWParams& p, double weight_decay, double grad_scale);
   // The logits of the state's last forward, [n, V] f32 on the host.
   std::vector<float> logits(const CudaModelState& state);
+  // Every rank's logits, [world · n, V] in rank order, on rank 0 (collective: every rank's state holds the same n;
+  // the other ranks get an empty vector). Summed from zeros on the device, as gather_full.
+  std::vector<float> gather_logits(const CudaModelState& state);
 
   // The stages forward() and backward() run, for an executor that issues them itself (Flow's GPU executor,
   // src/flow/cuda_executor.hpp). forward() = begin_forward, embed_forward, per layer attention_forward and

@@ -172,21 +172,31 @@ EvalResult run_cuda_model(const MixtralConfig& config, const MixtralWeights& wei
   if (cudaGetDeviceCount(&count) != cudaSuccess) count = 0;
   DMOE_REQUIRE_INPUT(count > 0, "--engine cuda needs a CUDA GPU, and none is visible; use --engine cpu");
   const ProcessEnv env = detect_process_env();
-  std::unique_ptr<Comm> comm = make_local_comm();
+  // A job of W processes (dmoe launch, mpirun, srun): this rank runs sequences [rank·B/W, +B/W) with its experts
+  // E/W, as a training step does; the logits and gradients are gathered to rank 0, which alone fills the result.
+  DMOE_REQUIRE_INPUT(batch % env.world == 0,
+                     "eval: batch = {} sequences cannot be split evenly over the job's {} ranks", batch, env.world);
+  DMOE_REQUIRE_INPUT(config.num_local_experts % env.world == 0,
+                     "eval: num_local_experts = {} cannot be split evenly over the job's {} ranks",
+                     config.num_local_experts, env.world);
+  const int64_t local = batch / env.world;
+  CudaRank r = open_cuda_rank(config, storage, local * seq);
   EvalResult result;
+  result.rank = r.rank;
   {
-    CudaMixtralModel model(config, storage, *comm, make_cuda_backend(storage, choose_device(env, count)));
-    model.set_weights(weights);
+    CudaMixtralModel model(config, storage, *r.comm, std::move(r.backend));
+    model.set_weights(slice_mixtral_experts(weights, model.first_expert(), model.experts_per_rank()));
     CudaModelState st;
     model.zero_grads();
-    model.forward(tokens.data(), batch, seq, st);
-    result.logits = model.logits(st);
+    model.forward(tokens.data() + int64_t(r.rank) * local * seq, local, seq, st);  // the loss is over all ranks
+    result.logits = model.gather_logits(st);
     result.loss = st.loss;
     result.ce_loss = st.ce_loss;
     result.aux_loss = st.aux_loss;
     if (with_grad) {
       model.backward(st);
-      result.grads = model.grads();
+      model.reduce_grads();
+      model.gather_full_grads(result.grads);
     }
     st.blocks.clear();  // engines before the model's backend
   }

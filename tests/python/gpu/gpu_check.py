@@ -21,7 +21,8 @@ Checks (tolerances stated beside each):
   3. A tiny random MixtralForCausalLM (f32 and bf16) trained 50 AdamW steps with dmoe blocks and with the stock
      blocks, same data and seed: loss curves agree to 1e-3 relative (f32) / 3e-2 (bf16) at every step.
   4. Benchmark (not a check): a Mixtral-shaped transformers model (H 4096, I 14336, E 8, k 2; 1 decoder layer;
-     bf16), forward and a training step (forward + backward) with stock blocks and with dmoe blocks; CUDA events,
+     bf16), forward and a training step (forward + backward) with stock blocks and with dmoe's (engines 'ep' and
+     'flash'), and each MoE block alone (forward; forward + backward of sum(y * dy)); CUDA events,
      warm-up, median of repeats; and the module's Python overhead at T = 1 (host time of MoELayer.forward minus the
      host time of the bare Session.forward call it makes).
 """
@@ -288,12 +289,14 @@ def bench(tokens, quick):
                                      num_experts_per_tok=2, max_position_embeddings=max(tokens, 4096))
     torch.manual_seed(0)
     stock = transformers.MixtralForCausalLM(cfg).to("cuda", torch.bfloat16)
-    mine = copy.deepcopy(stock)
-    dmoe.hf.replace_moe_blocks(mine, engine="ep")
+    models = {"stock": stock}
+    for engine in ("ep", "flash"):  # the same weights with dmoe's blocks
+        models[engine if engine != "ep" else "dmoe"] = copy.deepcopy(stock)
+        dmoe.hf.replace_moe_blocks(models[engine if engine != "ep" else "dmoe"], engine=engine)
     ids = torch.randint(0, 32000, (1, tokens), device="cuda")
     warm, reps = (2, 5) if quick else (3, 15)
     out = {"config": "Mixtral H4096 I14336 E8 k2, 1 decoder layer, bf16", "tokens": tokens}
-    for name, model in (("stock", stock), ("dmoe", mine)):
+    for name, model in models.items():
         model.train()
 
         def fwd():
@@ -308,13 +311,24 @@ def bench(tokens, quick):
         if tokens > 1:  # one token has no next-token label to train on
             out[name]["train_step"] = cuda_time(step, warm, reps)
         print(f"bench {name}: {json.dumps(out[name])}", flush=True)
-    # the block alone
-    blk_stock, blk_mine = stock.model.layers[0].mlp, mine.model.layers[0].mlp
+    # the block alone: forward, and forward + backward of sum(y * dy) with x and every parameter requiring grad
     x = torch.randn(1, tokens, 4096, device="cuda", dtype=torch.bfloat16)
-    for name, blk in (("stock_block", blk_stock), ("dmoe_block", blk_mine)):
+    dy = torch.randn_like(x)
+    for name, model in models.items():
+        blk = model.model.layers[0].mlp
+        xg = x.clone().requires_grad_(True)
+
+        def blk_step():
+            blk.zero_grad(set_to_none=True)
+            xg.grad = None
+            y = blk(xg)
+            (y[0] if isinstance(y, tuple) else y).backward(dy)
+
         with torch.no_grad():
-            out[name] = {"forward": cuda_time(lambda: blk(x), warm, reps)}
-    del stock, mine
+            out[name + "_block"] = {"forward": cuda_time(lambda: blk(x), warm, reps)}
+        out[name + "_block"]["train_step"] = cuda_time(blk_step, warm, reps)
+        print(f"bench {name}_block: {json.dumps(out[name + '_block'])}", flush=True)
+    del models, stock
     torch.cuda.empty_cache()
     return out
 
@@ -411,6 +425,10 @@ def main():
                 line += (f"; train step stock {b['stock']['train_step']['median_ms']:.3f} ms, dmoe "
                          f"{b['dmoe']['train_step']['median_ms']:.3f} ms")
             lines.append(line)
+            for v in ("flash", "stock_block", "dmoe_block", "flash_block"):
+                if v in b:
+                    lines.append(f"  {v}: forward {b[v]['forward']['median_ms']:.3f} ms" +
+                                 (f", train step {b[v]['train_step']['median_ms']:.3f} ms" if "train_step" in b[v] else ""))
     if "python_overhead" in results["bench"]:
         o = results["bench"]["python_overhead"]
         lines.append(f"T=1 host time: module {o['module_forward_us']:.1f} us, session {o['session_forward_us']:.1f} us, "
