@@ -168,10 +168,13 @@ class _MoEFunction(torch.autograd.Function):
         dy = dy.contiguous()
         dx = torch.empty_like(x2d)
         gdt = torch.float64 if s.grad_dtype == "f64" else torch.float32
+        # bf16 experts on CUDA: the engine stores their gradients in bf16 directly (each f32 product rounded once,
+        # what the cast below would give) instead of f32 that is then read again and cast: 3x fewer bytes.
+        edt = torch.bfloat16 if (w1.dtype == torch.bfloat16 and w1.is_cuda and s.grad_dtype == "f32") else gdt
         dgate = torch.empty(gate.shape, dtype=gdt, device=gate.device)
-        dw1 = torch.empty(w1.shape, dtype=gdt, device=w1.device)
-        dw3 = None if w3 is None else torch.empty(w3.shape, dtype=gdt, device=w3.device)
-        dw2 = torch.empty(w2.shape, dtype=gdt, device=w2.device)
+        dw1 = torch.empty(w1.shape, dtype=edt, device=w1.device)
+        dw3 = None if w3 is None else torch.empty(w3.shape, dtype=edt, device=w3.device)
+        dw2 = torch.empty(w2.shape, dtype=edt, device=w2.device)
         layer._before_call(x2d)
         s.backward(ticket.take(), dy, dx, dgate, dw1, dw3, dw2)
         need = ctx.needs_input_grad

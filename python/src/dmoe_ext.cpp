@@ -200,26 +200,32 @@ class PySession {
     b.ticket = ticket;
     b.dy = check_array(dy, "dy", place_, storage_, {rows, H}, true);
     b.dx = check_array(dx, "dx", place_, storage_, {rows, H}, true);
-    check_weights(dgate, dw1, dw3, dw2, session_->grad_dtype(), session_->held_experts(), "grad ");
-    b.grads = GradViews{dgate.data(), dw1.data(), dw3 ? dw3->data() : nullptr, dw2.data()};
+    // The experts' gradients in grad_dtype, or (engines ep/flash, bf16 weights) in bf16: written as they are
+    // stored, without an f32 copy to cast (the module passes bf16 for bf16 parameters).
+    const bool experts_bf16 = storage_ == DType::bf16 && place_.cuda && dw1.dtype() == dlpack_of(DType::bf16);
+    check_weights(dgate, dw1, dw3, dw2, session_->grad_dtype(), session_->held_experts(), "grad ",
+                  experts_bf16 ? DType::bf16 : session_->grad_dtype());
+    b.grads = GradViews{dgate.data(), dw1.data(), dw3 ? dw3->data() : nullptr, dw2.data(), experts_bf16};
     nb::gil_scoped_release release;
     session_->backward(b);
   }
 
  private:
+  // expert_dtype: of w1/w3/w2 (defaults to dtype, the gate's).
   void check_weights(const Array& gate, const Array& w1, const std::optional<Array>& w3, const Array& w2, DType dtype,
-                     int64_t Ne, const std::string& prefix) {
+                     int64_t Ne, const std::string& prefix, std::optional<DType> expert_dtype = std::nullopt) {
     const MoeConfig& c = session_->config();
     const int64_t H = c.hidden, I = c.ffn, E = c.experts;
     const bool swiglu = c.activation == Activation::swiglu;
+    const DType ed = expert_dtype.value_or(dtype);
     check_array(gate, (prefix + "gate").c_str(), place_, dtype, {E, H});
-    check_array(w1, (prefix + "w1").c_str(), place_, dtype, {Ne, I, H});
-    check_array(w2, (prefix + "w2").c_str(), place_, dtype, {Ne, H, I});
+    check_array(w1, (prefix + "w1").c_str(), place_, ed, {Ne, I, H});
+    check_array(w2, (prefix + "w2").c_str(), place_, ed, {Ne, H, I});
     if (swiglu != w3.has_value())
       throw nb::value_error(("dmoe: " + prefix + "w3 is " + (w3 ? "given" : "None") + " but the activation is " +
                              activation_name(c.activation) + "; w3 (the up projection) is given exactly for swiglu")
                                 .c_str());
-    if (w3) check_array(*w3, (prefix + "w3").c_str(), place_, dtype, {Ne, I, H});
+    if (w3) check_array(*w3, (prefix + "w3").c_str(), place_, ed, {Ne, I, H});
   }
 
   std::unique_ptr<LayerSession> session_;
@@ -317,7 +323,8 @@ NB_MODULE(_dmoe, m) {
            "Writes y; returns a ticket for backward() when train (-1 otherwise).")
       .def("backward", &PySession::backward, nb::arg("ticket"), nb::arg("dy"), nb::arg("dx"), nb::arg("dgate"),
            nb::arg("dw1"), nb::arg("dw3").none(), nb::arg("dw2"),
-           "Writes dx and the gradients (grad_dtype; gate summed over ranks) of the forward behind ticket.")
+           "Writes dx and the gradients (grad_dtype; gate summed over ranks) of the forward behind ticket. CUDA "
+           "with bfloat16 weights: dw1/dw3/dw2 may be bfloat16 instead (rounded once as they are stored).")
       .def("release", [](PySession& s, int64_t ticket) { s.session().release(ticket); }, nb::arg("ticket"))
       .def("losses",
            [](PySession& s, int64_t ticket) {

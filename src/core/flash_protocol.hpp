@@ -275,6 +275,9 @@ struct BackwardParams {
   void* dw3 = nullptr;            // [Le, I, H] accumulator, SwiGLU only
   void* dw2 = nullptr;            // [Le, H, I] accumulator
   bool accumulate = true;         // false: the experts' gradients are overwritten (zeros for experts without rows)
+  // GPU, accumulate = false only: dw1/dw3/dw2 are bf16 (the storage dtype), each f32 product rounded once as it
+  // is stored (Backend::expert_ffn_backward's dw_dtype); dgate stays f32. The CPU twin refuses it.
+  bool experts_bf16 = false;
   double aux_loss_coef = 0;       // load-balance loss coefficient (0: no term)
   double z_loss_coef = 0;         // router z-loss coefficient (0: no term)
   // GPU, optional: kBackwardStages + 1 cudaEvent_t recorded on the stream at the stage boundaries (where the

@@ -203,6 +203,7 @@ void flash_backward(const flash::BackwardParams& b) {
   const flash::Params& p = b.forward;
   const flash::Shape& s = p.shape;
   DMOE_REQUIRE(s.train, "cpu::flash_backward: the shape was made without train (the forward kept nothing)");
+  DMOE_REQUIRE(!b.experts_bf16, "cpu::flash_backward: the CPU twin's expert gradients are f64 (experts_bf16 is GPU-only)");
   const int64_t T = s.tokens, H = s.hidden, I = s.ffn;
   const int32_t E = s.experts, k = s.top_k, W = s.world, Le = s.local_experts();
   const int64_t R = s.recv_rows();

@@ -209,13 +209,15 @@ class CudaBackend final : public Backend {
   void expert_ffn_backward(const void* x, const void* w1, const void* w3, const void* w2, const void* pre1,
                            const void* pre3, const void* h, const void* dout, void* dx, void* dw1, void* dw3,
                            void* dw2, const int64_t* expert_offsets, int32_t local_experts, int64_t hidden,
-                           int64_t ffn, Activation activation, bool accumulate) override {
+                           int64_t ffn, Activation activation, bool accumulate, DType dw_dtype) override {
+    DMOE_REQUIRE(dw_dtype == DType::f32 || (dw_dtype == DType::bf16 && storage_ == DType::bf16 && !accumulate),
+                 "cuda backend: expert weight gradients in {} (allowed: f32; bf16 for bf16 weights when written, not "
+                 "added to)", dtype_name(dw_dtype));
     with_storage([&](auto tag) {
       using T = decltype(tag);
       cuda::expert_ffn_backward<T>(as<T>(x), as<T>(w1), as<T>(w3), as<T>(w2), as<T>(pre1), as<T>(pre3),
-                                   as<T>(h), as<T>(dout), as<T>(dx), as<float>(dw1), as<float>(dw3),
-                                   as<float>(dw2), expert_offsets, local_experts, hidden, ffn, activation,
-                                   accumulate, ctx_);
+                                   as<T>(h), as<T>(dout), as<T>(dx), dw1, dw3, dw2, dw_dtype == DType::bf16,
+                                   expert_offsets, local_experts, hidden, ffn, activation, accumulate, ctx_);
     });
   }
 

@@ -245,13 +245,18 @@ void expert_ffn_forward(const T* x, const T* w1, const T* w3, const T* w2, T* pr
 
 template <typename T>
 void expert_ffn_backward(const T* x, const T* w1, const T* w3, const T* w2, const T* pre1, const T* pre3,
-                         const T* h, const T* dout, T* dx, float* dw1, float* dw3, float* dw2,
+                         const T* h, const T* dout, T* dx, void* dw1, void* dw3, void* dw2, bool dw_bf16,
                          const int64_t* expert_offsets, int32_t local_experts, int64_t hidden, int64_t ffn,
                          Activation activation, bool accumulate, const CudaContext& ctx) {
   check_offsets(expert_offsets, local_experts, "expert_ffn_backward");
   const bool swiglu = activation == Activation::swiglu;
   DMOE_CUDA_REQUIRE(!swiglu || (w3 != nullptr && pre3 != nullptr && dw3 != nullptr),
                     "expert_ffn_backward: SwiGLU needs w3, pre3 and dw3");
+  DMOE_CUDA_REQUIRE(!dw_bf16 || (std::is_same_v<T, bf16> && !accumulate),
+                    "expert_ffn_backward: bf16 weight gradients need bf16 weights and accumulate = false");
+  const size_t dw_elem = dw_bf16 ? sizeof(bf16) : sizeof(float);
+  // Expert e's gradient in dw (float or bf16 elements).
+  auto at = [&](void* dw, int64_t element) { return static_cast<char*>(dw) + size_t(element) * dw_elem; };
   const int64_t row_begin = expert_offsets[0];
   const int64_t rows = expert_offsets[local_experts] - row_begin;
   const int64_t weight_size = ffn * hidden;
@@ -259,9 +264,9 @@ void expert_ffn_backward(const T* x, const T* w1, const T* w3, const T* w2, cons
     // Overwrite: the products below write (beta = 0) the experts that have rows; the others get zeros.
     for (int32_t e = 0; e < local_experts; ++e) {
       if (expert_offsets[e + 1] > expert_offsets[e]) continue;
-      for (float* dw : {dw1, dw3, dw2})
+      for (void* dw : {dw1, dw3, dw2})
         if (dw != nullptr)
-          DMOE_CHECK_CUDA(cudaMemsetAsync(dw + e * weight_size, 0, size_t(weight_size) * sizeof(float), ctx.stream));
+          DMOE_CHECK_CUDA(cudaMemsetAsync(at(dw, e * weight_size), 0, size_t(weight_size) * dw_elem, ctx.stream));
     }
   }
   if (rows == 0 || hidden == 0 || ffn == 0) return;
@@ -292,10 +297,10 @@ void expert_ffn_backward(const T* x, const T* w1, const T* w3, const T* w2, cons
     // dh [n, I] = dout [n, H] · w2_e [H, I]
     dh_p.push_back({n, ffn, hidden, dout + r0 * hidden, w2 + e * weight_size, dh + s0});
     // dw2_e [H, I] += dout^T [H, n] · h [n, I]
-    dw2_p.push_back({hidden, ffn, n, dout + r0 * hidden, h + r0 * ffn, dw2 + e * weight_size});
+    dw2_p.push_back({hidden, ffn, n, dout + r0 * hidden, h + r0 * ffn, at(dw2, e * weight_size)});
     // dw1_e [I, H] += dpre1^T [I, n] · x [n, H]  (dw3 likewise)
-    dw1_p.push_back({ffn, hidden, n, dpre1 + s0, x + r0 * hidden, dw1 + e * weight_size});
-    if (swiglu) dw3_p.push_back({ffn, hidden, n, dpre3 + s0, x + r0 * hidden, dw3 + e * weight_size});
+    dw1_p.push_back({ffn, hidden, n, dpre1 + s0, x + r0 * hidden, at(dw1, e * weight_size)});
+    if (swiglu) dw3_p.push_back({ffn, hidden, n, dpre3 + s0, x + r0 * hidden, at(dw3, e * weight_size)});
     // dx [n, H] = dpre1 [n, I] · w1_e [I, H]  (+ dpre3 · w3_e)
     dx1_p.push_back({n, hidden, ffn, dpre1 + s0, w1 + e * weight_size, dx + r0 * hidden});
     if (swiglu) dx3_p.push_back({n, hidden, ffn, dpre3 + s0, w3 + e * weight_size, dx + r0 * hidden});
@@ -325,19 +330,24 @@ void expert_ffn_backward(const T* x, const T* w1, const T* w3, const T* w2, cons
   };
   WgradKernel wgrad_kernel = WgradKernel::cublas;
   if constexpr (std::is_same_v<T, bf16>) {
-    const double mean_macs = double(hidden) * double(ffn) * double(rows) / double(std::max<int64_t>(active, 1));
-    std::vector<GroupedWgrad> calls{wgrad_call(dout, 0, hidden, h, ffn, dw2), wgrad_call(dpre1, row_begin, ffn, x, hidden, dw1)};
-    if (swiglu) calls.push_back(wgrad_call(dpre3, row_begin, ffn, x, hidden, dw3));
-    wgrad_kernel = pick_wgrad_kernel(mean_macs, calls);
+    if (!dw_bf16) {  // bf16 gradients: cuBLAS's loop (below) stores them; the own kernels store f32 only
+      const double mean_macs = double(hidden) * double(ffn) * double(rows) / double(std::max<int64_t>(active, 1));
+      std::vector<GroupedWgrad> calls{wgrad_call(dout, 0, hidden, h, ffn, static_cast<float*>(dw2)),
+                                      wgrad_call(dpre1, row_begin, ffn, x, hidden, static_cast<float*>(dw1))};
+      if (swiglu) calls.push_back(wgrad_call(dpre3, row_begin, ffn, x, hidden, static_cast<float*>(dw3)));
+      wgrad_kernel = pick_wgrad_kernel(mean_macs, calls);
+    }
   }
-  auto wgrad = [&](const T* a, int64_t a_first, int64_t m, const T* b, int64_t n, float* c,
+  auto wgrad = [&](const T* a, int64_t a_first, int64_t m, const T* b, int64_t n, void* c,
                    const std::vector<GemmProblem>& loop_problems) {
     if constexpr (std::is_same_v<T, bf16>) {
+      float* cf = static_cast<float*>(c);  // the own kernels are chosen for f32 gradients only (above)
       if (wgrad_kernel == WgradKernel::sm90)
-        return sm90_grouped_wgrad(ctx, ws + off_wgrad, wgrad_call(a, a_first, m, b, n, c));
-      if (wgrad_kernel == WgradKernel::mma) return grouped_wgrad(ctx, ws + off_wgrad, wgrad_call(a, a_first, m, b, n, c));
+        return sm90_grouped_wgrad(ctx, ws + off_wgrad, wgrad_call(a, a_first, m, b, n, cf));
+      if (wgrad_kernel == WgradKernel::mma) return grouped_wgrad(ctx, ws + off_wgrad, wgrad_call(a, a_first, m, b, n, cf));
     }
-    gemm_rm_grouped(ctx, pointers, true, false, m, n, n, 1.f, beta_w, type, type, CUDA_R_32F, loop_problems);
+    gemm_rm_grouped(ctx, pointers, true, false, m, n, n, 1.f, beta_w, type, type, dw_bf16 ? type : CUDA_R_32F,
+                    loop_problems);
   };
 
   // The input-gradient products of bf16 experts on the own kernel's NN variant (B = the weights as stored,
@@ -391,7 +401,7 @@ void expert_ffn_backward(const T* x, const T* w1, const T* w3, const T* w2, cons
                                       const int64_t*, int32_t, int64_t, int64_t, Activation,                 \
                                       const CudaContext&);                                                   \
   template void expert_ffn_backward<T>(const T*, const T*, const T*, const T*, const T*, const T*, const T*, \
-                                       const T*, T*, float*, float*, float*, const int64_t*, int32_t,        \
+                                       const T*, T*, void*, void*, void*, bool, const int64_t*, int32_t,     \
                                        int64_t, int64_t, Activation, bool, const CudaContext&);
 
 DMOE_INSTANTIATE_EXPERT_FFN(float)

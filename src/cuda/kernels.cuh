@@ -182,10 +182,12 @@ void expert_ffn_forward(const T* x, const T* w1, const T* w3, const T* w2, T* pr
                         Activation activation, const CudaContext& ctx);
 
 // dx [N, H] overwritten; dw1, dw3 [Le, I, H], dw2 [Le, H, I] f32 accumulate (+=), or with accumulate =
-// false are overwritten for every local expert (zeros where an expert has no rows).
+// false are overwritten for every local expert (zeros where an expert has no rows). dw_bf16 (T = bf16,
+// accumulate = false only): the gradients are bf16, each f32 product rounded once as cuBLAS stores it (the own
+// weight-gradient kernels store f32 only, so DMOE_WGRAD does not apply).
 template <typename T>
 void expert_ffn_backward(const T* x, const T* w1, const T* w3, const T* w2, const T* pre1, const T* pre3,
-                         const T* h, const T* dout, T* dx, float* dw1, float* dw3, float* dw2,
+                         const T* h, const T* dout, T* dx, void* dw1, void* dw3, void* dw2, bool dw_bf16,
                          const int64_t* expert_offsets, int32_t local_experts, int64_t hidden, int64_t ffn,
                          Activation activation, bool accumulate, const CudaContext& ctx);
 

@@ -90,11 +90,15 @@ class Backend {
   // dx [N, H] overwritten; dw1, dw3 [Le, I, H], dw2 [Le, H, I] (grad_accum_dtype()) accumulate, or with
   // accumulate = false are overwritten for every local expert (zeros for experts without rows): the first
   // backward after zero_grads then writes the gradients instead of reading zeros back (EpEngine).
+  // dw_dtype: grad_accum_dtype(), or the storage dtype bf16 on a device backend with accumulate = false (the
+  // f32 products rounded once as they are stored: half the bytes of f32 gradients, and no separate cast, for
+  // callers whose parameters are bf16, e.g. the PyTorch module).
   virtual void expert_ffn_backward(const void* x, const void* w1, const void* w3, const void* w2,
                                    const void* pre1, const void* pre3, const void* h, const void* dout,
                                    void* dx, void* dw1, void* dw3, void* dw2,
                                    const int64_t* expert_offsets, int32_t local_experts,
-                                   int64_t hidden, int64_t ffn, Activation activation, bool accumulate) = 0;
+                                   int64_t hidden, int64_t ffn, Activation activation, bool accumulate,
+                                   DType dw_dtype) = 0;
   // Router backward: dlogits [T, E] f32 (overwritten) from dweights [T, k] and the auxiliary terms
   // (aux.expert_fraction: host [E] or null; aux.lse: backend [T] or null); dx_router [T, H] f32
   // (overwritten) = dlogits · wg; dwg [E, H] (grad_accum_dtype) += dlogits^T · x.

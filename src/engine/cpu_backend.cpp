@@ -110,7 +110,9 @@ class CpuBackend final : public Backend {
   void expert_ffn_backward(const void* x, const void* w1, const void* w3, const void* w2, const void* pre1,
                            const void* pre3, const void* h, const void* dout, void* dx, void* dw1, void* dw3,
                            void* dw2, const int64_t* expert_offsets, int32_t local_experts, int64_t hidden,
-                           int64_t ffn, Activation activation, bool accumulate) override {
+                           int64_t ffn, Activation activation, bool accumulate, DType dw_dtype) override {
+    DMOE_REQUIRE(dw_dtype == DType::f64, "cpu backend: expert weight gradients are f64 (asked for {})",
+                 dtype_name(dw_dtype));
     const bool swiglu = activation == Activation::swiglu;
     if (!accumulate) {  // overwrite: the kernels below add, so start every expert's gradients at zero
       const size_t count = size_t(local_experts) * size_t(ffn) * size_t(hidden);

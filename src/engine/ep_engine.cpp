@@ -102,6 +102,7 @@ void EpEngine::ensure_own_grads() {
   grad_.w1 = dw1_.ensure(Le * I * H * acc);
   grad_.w2 = dw2_.ensure(Le * H * I * acc);
   grad_.w3 = swiglu ? dw3_.ensure(Le * I * H * acc) : nullptr;
+  grad_.experts_in_storage_dtype = false;
   has_grads_ = true;
 }
 
@@ -124,9 +125,19 @@ void EpEngine::set_grad_views(const GradViews& v) {
   DMOE_REQUIRE((v.w3 != nullptr) == swiglu,
                "EpEngine::set_grad_views: w3 is {} but the activation is {}; w3 is given exactly for swiglu",
                v.w3 ? "given" : "null", activation_name(config_.activation));
+  DMOE_REQUIRE(!v.experts_in_storage_dtype || (backend_.on_device() && backend_.storage_dtype() == DType::bf16),
+               "EpEngine::set_grad_views: expert gradients in the storage dtype need bf16 weights on a device backend "
+               "(this one: {}, {})", backend_.name(), dtype_name(backend_.storage_dtype()));
   grad_ = v;
   has_grads_ = true;
   zero_grads();
+}
+
+void EpEngine::accumulate_grads() {
+  DMOE_REQUIRE(!grad_.experts_in_storage_dtype,
+               "EpEngine::accumulate_grads: the expert gradients are bf16 views, which a backward writes and never adds "
+               "to; give f32 views (grad_accum_dtype) to accumulate");
+  expert_grads_zero_ = false;
 }
 
 GradViews EpEngine::grad_views() const {
@@ -474,11 +485,15 @@ void EpEngine::backward_experts() {
   // 3. Expert FFN backward: input gradients and accumulated weight gradients.
   mark("MoE bwd experts");
   fault_point(comm_, FaultStage::expert_gemm);
+  DMOE_REQUIRE(!grad_.experts_in_storage_dtype || expert_grads_zero_,
+               "EpEngine::backward: the expert gradients are bf16 views, written by one backward and never added to; "
+               "call set_grad_views() again before another backward");
   backend_.expert_ffn_backward(batch_rows_, w1_ptr_, swiglu ? w3_ptr_ : nullptr, w2_ptr_,
                                pre1_.data(), swiglu ? pre3_.data() : nullptr, h_.data(), dbatch,
                                dx_batch_.ensure(N * H * elem_), grad_.w1, swiglu ? grad_.w3 : nullptr,
                                grad_.w2, layout_.expert_offsets.data(), Le, H, I, config_.activation,
-                               /*accumulate=*/!expert_grads_zero_);
+                               /*accumulate=*/!expert_grads_zero_,
+                               grad_.experts_in_storage_dtype ? backend_.storage_dtype() : backend_.grad_accum_dtype());
   expert_grads_zero_ = false;
 
   // 4. Input gradients back to source-major order (the exchange is backward_return).
@@ -572,6 +587,8 @@ std::vector<float> download_accum(Backend& backend, const void* src, int64_t cou
 MoeWeights EpEngine::grads() {
   DMOE_REQUIRE(has_grads_, "EpEngine::grads: no gradient accumulators (set_weights() or set_grad_views() was not "
                "called)");
+  DMOE_REQUIRE(!grad_.experts_in_storage_dtype,
+               "EpEngine::grads: the expert gradients are the caller's bf16 views; read them there");
   const int64_t H = config_.hidden, I = config_.ffn, E = config_.experts, Le = local_experts_;
   MoeWeights g = make_moe_weights(config_, config_.first_expert(rank_), Le);
   // The gate is replicated: its gradient is the sum over ranks (reduced on a copy, so grads() can be

@@ -59,6 +59,10 @@ struct GradViews {
   void* w1 = nullptr;
   void* w3 = nullptr;
   void* w2 = nullptr;
+  // w1/w3/w2 in the weights' storage dtype (bf16 on the CUDA backend) instead of grad_accum_dtype(): written
+  // by the one backward after set_grad_views(), never added to (LayerSession, for bf16 PyTorch parameters:
+  // half the bytes of f32 gradients and no cast after). The gate's stays grad_accum_dtype().
+  bool experts_in_storage_dtype = false;
 };
 
 // The routing of the last forward in backend memory (EpEngine::routing_views): logits and probs [T, E] f32,
@@ -110,7 +114,7 @@ class EpEngine {
   // The next backward adds the experts' gradients to the accumulators as they hold them (instead of writing
   // them, as the first backward after zero_grads() does): for a caller whose accumulators were zeroed or
   // written by another engine — a model's micro-batches, each with its own engine, sharing one gradient.
-  void accumulate_grads() { expert_grads_zero_ = false; }
+  void accumulate_grads();
   bool expert_grads_written() const { return !expert_grads_zero_; }
   // Sums the gate's gradient over the ranks in place (collective; nothing to do with one rank). grads() does
   // the same on a copy; after this, grads() would count the other ranks twice.

@@ -290,6 +290,9 @@ int64_t LayerSession::forward(const SessionForward& f) {
 
 void LayerSession::backward(const SessionBackward& b) {
   const DeviceGuard guard(device_);
+  DMOE_REQUIRE_INPUT(!b.grads.experts_in_storage_dtype || (options_.engine != EngineKind::cpu && config_.dtype == DType::bf16),
+                     "backward: expert gradients in the weights' dtype need engine ep or flash with bf16 weights (this "
+                     "layer: engine {}, {})", engine_kind_name(options_.engine), dtype_name(config_.dtype));
   if (options_.engine == EngineKind::flash) return flash_backward(b);
   const auto it = tickets_.find(b.ticket);
   DMOE_REQUIRE_INPUT(it != tickets_.end(),
@@ -313,6 +316,7 @@ void LayerSession::backward(const SessionBackward& b) {
     g.w1 = offset(b.grads.w1, expert_elems * int64_t(acc));
     g.w3 = offset(b.grads.w3, expert_elems * int64_t(acc));
     g.w2 = offset(b.grads.w2, expert_elems * int64_t(acc));
+    g.experts_in_storage_dtype = b.grads.experts_in_storage_dtype;
     engine.set_grad_views(g);  // zeroes the gate's; the experts' are written by the backward
     const int64_t row0 = int64_t(local) * T;
     engine.backward(offset(b.dy, row0 * H * int64_t(elem)), offset(b.dx, row0 * H * int64_t(elem)));
@@ -410,7 +414,7 @@ void LayerSession::flash_backward(const SessionBackward& b) {
   cuda::wait_stream(caller, "LayerSession: the caller's stream before the Flash backward");
   const int64_t E = config_.experts, H = config_.hidden;
   backend_->zero(b.grads.gate, size_t(E * H) * sizeof(float));  // written, not added to
-  FlashGradViews g{b.grads.gate, b.grads.w1, b.grads.w3, b.grads.w2};
+  FlashGradViews g{b.grads.gate, b.grads.w1, b.grads.w3, b.grads.w2, b.grads.experts_in_storage_dtype};
   t.engine->backward(b.dy, b.dx, g, /*accumulate=*/false, *backend_, static_cast<cudaStream_t>(backend_->stream()));
   if (config_.world > 1) comm_->allreduce_sum(b.grads.gate, E * H, DType::f32, backend_->stream());
   t.engine->check(static_cast<cudaStream_t>(backend_->stream()));  // waits; throws on a flagged error

@@ -65,7 +65,9 @@ struct SessionBackward {
   const void* dy = nullptr;    // [rows, H] storage dtype
   void* dx = nullptr;          // [rows, H] storage dtype
   // Written (not added to), grad_dtype(), the weights' shapes: the gate's gradient summed over all ranks,
-  // the experts' for the experts held here.
+  // the experts' for the experts held here. grads.experts_in_storage_dtype (engines ep and flash, bf16
+  // weights): the experts' are bf16 instead, each f32 product rounded once as it is stored (what casting the
+  // f32 gradient would give, without writing and reading it); the gate's stays grad_dtype().
   GradViews grads;
 };
 

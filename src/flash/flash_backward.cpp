@@ -91,7 +91,7 @@ void flash_backward(const flash::BackwardParams& b, Backend& backend, cudaStream
   backend.expert_ffn_backward(sym + sl.recv + size_t(parity) * R * H * 2, p.w1, swiglu ? p.w3 : nullptr, p.w2,
                               loc + ll.pre1, swiglu ? loc + ll.pre3 : nullptr, loc + ll.h, sym + sl.grad_recv,
                               sym + sl.dx_rows, b.dw1, swiglu ? b.dw3 : nullptr, b.dw2, offsets.data(), Le, H, I,
-                              s.activation, b.accumulate);
+                              s.activation, b.accumulate, b.experts_bf16 ? DType::bf16 : DType::f32);
   if (W > 1) flash_signal_peers(a, sl.dx_ready, stream);
   mark(3);
   // 3. router backward (needs only this rank's dweights: it runs while the peers finish their experts)

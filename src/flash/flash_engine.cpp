@@ -189,6 +189,9 @@ void FlashEngine::backward(const void* dy, void* dx, const FlashGradViews& g, bo
   b.dw3 = g.w3;
   b.dw2 = g.w2;
   b.accumulate = accumulate;
+  DMOE_REQUIRE(!g.experts_bf16 || !accumulate,
+               "FlashEngine::backward: bf16 expert gradients are written, never added to (accumulate must be false)");
+  b.experts_bf16 = g.experts_bf16;
   b.aux_loss_coef = config_.aux_loss_coef;
   b.z_loss_coef = config_.z_loss_coef;
   b.stage_events = stage_events_.empty() ? nullptr : stage_events_.data();

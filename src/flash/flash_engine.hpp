@@ -37,6 +37,7 @@ struct FlashGradViews {
   void* w1 = nullptr;
   void* w3 = nullptr;
   void* w2 = nullptr;
+  bool experts_bf16 = false;  // w1/w3/w2 bf16, written (backward with accumulate = false only); the gate's f32
 };
 
 class FlashEngine {

@@ -933,7 +933,7 @@ TEST_P(CudaKernelsFfn, BackwardMatchesCpu) {
     backend->expert_ffn_backward(d_x.get(), d_w1.get(), swiglu ? d_w3.get() : nullptr, d_w2.get(), d_pre1.get(),
                                  swiglu ? d_pre3.get() : nullptr, d_h.get(), d_dout.get(), d_dx.get(),
                                  d_dw1.get(), swiglu ? d_dw3.get() : nullptr, d_dw2.get(), p.offsets.data(),
-                                 p.local_experts, H, I, activation, accumulate);
+                                 p.local_experts, H, I, activation, accumulate, DType::f32);
 
     std::vector<float> c_dx(p.rows * H, 0.f);
     // Accumulate: the reference starts from the buffers' contents; overwrite: from zero (and the buffers'
@@ -960,6 +960,24 @@ TEST_P(CudaKernelsFfn, BackwardMatchesCpu) {
       EXPECT_TRUE(close_rel("dw3", raw_to_host<float>(*backend, d_dw3, int64_t(weight)), c_dw3, tol));
     }
     EXPECT_TRUE(close_rel("dw2", raw_to_host<float>(*backend, d_dw2, int64_t(weight)), c_dw2, tol));
+    if (storage == DType::bf16 && !accumulate) {
+      // bf16 weight gradients, written as they are stored (the PyTorch module's bf16 parameters): the same
+      // values within bf16's rounding, every expert overwritten (the buffers start at 1.5, not zero).
+      SCOPED_TRACE("bf16 weight gradients");
+      const std::vector<float> junk(weight, 1.5f);
+      DeviceBuffer b_dw1 = storage_from(*backend, junk), b_dw3 = storage_from(*backend, junk),
+                   b_dw2 = storage_from(*backend, junk);
+      backend->expert_ffn_backward(d_x.get(), d_w1.get(), swiglu ? d_w3.get() : nullptr, d_w2.get(), d_pre1.get(),
+                                   swiglu ? d_pre3.get() : nullptr, d_h.get(), d_dout.get(), d_dx.get(),
+                                   b_dw1.get(), swiglu ? b_dw3.get() : nullptr, b_dw2.get(), p.offsets.data(),
+                                   p.local_experts, H, I, activation, /*accumulate=*/false, DType::bf16);
+      EXPECT_TRUE(close_rel("dx", storage_to_host(*backend, d_dx, p.rows * H), c_dx, tol));
+      EXPECT_TRUE(close_rel("dw1", storage_to_host(*backend, b_dw1, int64_t(weight)), c_dw1, tol));
+      if (swiglu) {
+        EXPECT_TRUE(close_rel("dw3", storage_to_host(*backend, b_dw3, int64_t(weight)), c_dw3, tol));
+      }
+      EXPECT_TRUE(close_rel("dw2", storage_to_host(*backend, b_dw2, int64_t(weight)), c_dw2, tol));
+    }
   }
 }
 
@@ -986,12 +1004,12 @@ TEST(CudaKernelsFfnEmpty, NoRowsLeavesOrZeroesTheGradients) {
                               d_rows.get(), d_rows.get(), offsets.data(), le, H, I, Activation::swiglu);
   backend->expert_ffn_backward(d_rows.get(), d_w.get(), d_w.get(), d_w.get(), d_rows.get(), d_rows.get(),
                                d_rows.get(), d_rows.get(), d_rows.get(), d_dw.get(), d_dw.get(), d_dw.get(),
-                               offsets.data(), le, H, I, Activation::swiglu, /*accumulate=*/true);
+                               offsets.data(), le, H, I, Activation::swiglu, /*accumulate=*/true, DType::f32);
   EXPECT_TRUE(equal_exact("dw untouched", raw_to_host<float>(*backend, d_dw, le * I * H), dw0));
   // Overwriting: experts without rows get zero gradients.
   backend->expert_ffn_backward(d_rows.get(), d_w.get(), d_w.get(), d_w.get(), d_rows.get(), d_rows.get(),
                                d_rows.get(), d_rows.get(), d_rows.get(), d_dw.get(), d_dw.get(), d_dw.get(),
-                               offsets.data(), le, H, I, Activation::swiglu, /*accumulate=*/false);
+                               offsets.data(), le, H, I, Activation::swiglu, /*accumulate=*/false, DType::f32);
   EXPECT_TRUE(equal_exact("dw zeroed", raw_to_host<float>(*backend, d_dw, le * I * H),
                           std::vector<float>(size_t(le * I * H), 0.f)));
 }

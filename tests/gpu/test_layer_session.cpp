@@ -225,26 +225,131 @@ TEST(GpuLayerSession, FlashTrainsWithTwoForwardsInFlight) {
        {std::tuple{tb, &dyb, &ref_b, rows_b}, std::tuple{ta, &dya, &ref_a, rows_a}}) {
     bfloat16* ddy = to_bf16(*dy);
     bfloat16* ddx = to_bf16(std::vector<float>(dy->size()));
-    float *g0 = to_device(std::vector<float>(w.gate.size(), -1.f)), *g1 = to_device(std::vector<float>(w.w1.size(), -1.f));
-    float *g3 = to_device(std::vector<float>(w.w3.size(), -1.f)), *g2 = to_device(std::vector<float>(w.w2.size(), -1.f));
+    // The second backward takes the experts' gradients in bf16 (written as stored, as the PyTorch module does
+    // for bf16 parameters); the first in f32. Both start from junk (-1) to show every expert is overwritten.
+    const bool bf16_experts = ticket == ta;
+    float* g0 = to_device(std::vector<float>(w.gate.size(), -1.f));
+    void *g1 = nullptr, *g3 = nullptr, *g2 = nullptr;
+    if (bf16_experts) {
+      g1 = to_bf16(std::vector<float>(w.w1.size(), -1.f));
+      g3 = to_bf16(std::vector<float>(w.w3.size(), -1.f));
+      g2 = to_bf16(std::vector<float>(w.w2.size(), -1.f));
+    } else {
+      g1 = to_device(std::vector<float>(w.w1.size(), -1.f));
+      g3 = to_device(std::vector<float>(w.w3.size(), -1.f));
+      g2 = to_device(std::vector<float>(w.w2.size(), -1.f));
+    }
+    auto expert_grad = [&](void* g, size_t n) {
+      return bf16_experts ? from_bf16(static_cast<bfloat16*>(g), n) : to_host(static_cast<float*>(g), n);
+    };
     SessionBackward b;
     b.ticket = ticket;
     b.dy = ddy;
     b.dx = ddx;
-    b.grads = GradViews{g0, g1, g3, g2};
+    b.grads = GradViews{g0, g1, g3, g2, bf16_experts};
     s.backward(b);
     ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-    const std::string what = "flash rows " + std::to_string(rows);
+    const std::string what = "flash rows " + std::to_string(rows) + (bf16_experts ? ", bf16 expert gradients" : "");
     EXPECT_LT(rel_err(from_bf16(ddx, dy->size()), grads_ref->dx), 3e-2) << what;
     EXPECT_LT(rel_err(to_host(g0, w.gate.size()), grads_ref->dgate), 3e-2) << what;
-    EXPECT_LT(rel_err(to_host(g1, w.w1.size()), grads_ref->dw1), 3e-2) << what;
-    EXPECT_LT(rel_err(to_host(g3, w.w3.size()), grads_ref->dw3), 3e-2) << what;
-    EXPECT_LT(rel_err(to_host(g2, w.w2.size()), grads_ref->dw2), 3e-2) << what;
-    for (void* p : {(void*)ddy, (void*)ddx, (void*)g0, (void*)g1, (void*)g3, (void*)g2}) cudaFree(p);
+    EXPECT_LT(rel_err(expert_grad(g1, w.w1.size()), grads_ref->dw1), 3e-2) << what;
+    EXPECT_LT(rel_err(expert_grad(g3, w.w3.size()), grads_ref->dw3), 3e-2) << what;
+    EXPECT_LT(rel_err(expert_grad(g2, w.w2.size()), grads_ref->dw2), 3e-2) << what;
+    for (void* p : {(void*)ddy, (void*)ddx, (void*)g0, g1, g3, g2}) cudaFree(p);
   }
   EXPECT_EQ(s.pending(), 0);
   EXPECT_EQ(s.engines(), 2) << "two train engines, kept for the next forwards";
   for (void* p : {(void*)gate, (void*)w1, (void*)w3, (void*)w2, (void*)dxa, (void*)dxb, (void*)ya, (void*)yb}) cudaFree(p);
+}
+
+// EP in bf16: the experts' gradients written in bf16 (GradViews::experts_in_storage_dtype) equal the f32 ones of the
+// same forward rounded to bf16, within one bf16 step (the f32 products may come from different kernels: the own
+// weight-gradient kernels for f32, cuBLAS storing bf16). Refused where it cannot hold: f32 weights.
+TEST(GpuLayerSession, EpBf16ExpertGradientsAsStored) {
+  if (!test::has_cuda_device()) GTEST_SKIP() << "no CUDA device";
+  MoeConfig c = config();
+  c.dtype = DType::bf16;
+  const MoeWeights w = random_moe_weights(c, 7);
+  auto to_bf16 = [](const std::vector<float>& v) {
+    std::vector<bfloat16> b(v.size());
+    for (size_t i = 0; i < v.size(); ++i) b[i] = float_to_bf16(v[i]);
+    return to_device(b);
+  };
+  auto from_bf16 = [](const bfloat16* d, size_t n) {
+    const std::vector<bfloat16> b = to_host(d, n);
+    std::vector<float> v(n);
+    for (size_t i = 0; i < n; ++i) v[i] = bf16_to_float(b[i]);
+    return v;
+  };
+  Rng rng(8);
+  const int64_t rows = 48;
+  const auto x = rng.normal_vector(size_t(rows * c.hidden), 1.0), dy = rng.normal_vector(x.size(), 1.0);
+  SessionOptions o;
+  o.engine = EngineKind::ep;
+  o.device = 0;
+  LayerSession s(c, o);
+  bfloat16 *gate = to_bf16(w.gate), *w1 = to_bf16(w.w1), *w3 = to_bf16(w.w3), *w2 = to_bf16(w.w2);
+  bfloat16 *dx_in = to_bf16(x), *y = to_bf16(std::vector<float>(x.size())), *ddy = to_bf16(dy);
+  bfloat16* ddx = to_bf16(std::vector<float>(x.size()));
+  SessionForward f;
+  f.weights = WeightViews{gate, w1, w3, w2};
+  f.x = dx_in;
+  f.y = y;
+  f.rows = rows;
+  std::vector<std::vector<float>> f32_grads, bf16_grads;
+  for (const bool bf16_experts : {false, true}) {
+    SessionBackward b;
+    b.ticket = s.forward(f);
+    b.dy = ddy;
+    b.dx = ddx;
+    float* g0 = to_device(std::vector<float>(w.gate.size(), -1.f));
+    std::vector<void*> g;
+    for (size_t n : {w.w1.size(), w.w3.size(), w.w2.size()})
+      g.push_back(bf16_experts ? static_cast<void*>(to_bf16(std::vector<float>(n, -1.f)))
+                               : static_cast<void*>(to_device(std::vector<float>(n, -1.f))));
+    b.grads = GradViews{g0, g[0], g[1], g[2], bf16_experts};
+    s.backward(b);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    size_t i = 0;
+    for (size_t n : {w.w1.size(), w.w3.size(), w.w2.size()}) {
+      (bf16_experts ? bf16_grads : f32_grads)
+          .push_back(bf16_experts ? from_bf16(static_cast<bfloat16*>(g[i]), n) : to_host(static_cast<float*>(g[i]), n));
+      cudaFree(g[i++]);
+    }
+    cudaFree(g0);
+  }
+  const char* names[] = {"dw1", "dw3", "dw2"};
+  for (size_t i = 0; i < 3; ++i) {
+    std::vector<float> rounded = f32_grads[i];
+    for (auto& v : rounded) v = round_to_bf16(v);
+    EXPECT_LT(rel_err(bf16_grads[i], rounded), 8e-3) << names[i] << ": one bf16 step is 2^-8 = 3.9e-3 relative";
+    EXPECT_LT(rel_err(bf16_grads[i], f32_grads[i]), 8e-3) << names[i];
+  }
+  for (void* p : {(void*)gate, (void*)w1, (void*)w3, (void*)w2, (void*)dx_in, (void*)y, (void*)ddy, (void*)ddx}) cudaFree(p);
+
+  // f32 weights: bf16 expert gradients are refused, naming what is allowed
+  MoeConfig c32 = config();
+  LayerSession s32(c32, o);
+  float *fg = to_device(w.gate), *f1 = to_device(w.w1), *f3 = to_device(w.w3), *f2 = to_device(w.w2);
+  float *fx = to_device(x), *fy = to_device(std::vector<float>(x.size()));
+  SessionForward f32;
+  f32.weights = WeightViews{fg, f1, f3, f2};
+  f32.x = fx;
+  f32.y = fy;
+  f32.rows = rows;
+  SessionBackward b32;
+  b32.ticket = s32.forward(f32);
+  b32.dy = fx;
+  b32.dx = fy;
+  b32.grads = GradViews{f1, f1, f3, f2, true};
+  try {
+    s32.backward(b32);
+    ADD_FAILURE() << "bf16 expert gradients with f32 weights were accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("need engine ep or flash with bf16 weights"), std::string::npos) << e.what();
+  }
+  s32.release(b32.ticket);
+  for (void* p : {(void*)fg, (void*)f1, (void*)f3, (void*)f2, (void*)fx, (void*)fy}) cudaFree(p);
 }
 
 }  // namespace
