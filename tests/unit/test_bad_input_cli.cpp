@@ -21,7 +21,9 @@
 // Run: dmoe_unit_tests --gtest_filter='BadInput*'
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -85,6 +87,14 @@ class BadInput : public ::testing::Test {
   }
   void TearDown() override { fs::remove_all(dir_); }
   std::string p(const std::string& name) const { return (dir_ / name).string(); }
+  // tok.st: tokens [2, 8] I32 for eval.
+  void write_tokens_file() const {
+    SafetensorsWriter w;
+    std::vector<int32_t> tokens(16);
+    for (int i = 0; i < 16; ++i) tokens[size_t(i)] = i;
+    w.add_i32("tokens", {2, 8}, tokens);
+    w.write(p("tok.st"));
+  }
   fs::path dir_;
 };
 
@@ -583,6 +593,44 @@ TEST_F(BadInput, BenchSaysWhenItsSingleRankCheckCannotMatch) {
                                    "--ffn 1 --experts 4 --top-k 1 --world 4 --capacity-factor 0.0001");
   EXPECT_EQ(r.status, 0) << r.output;
   EXPECT_NE(r.output.find("max|y-ref| is not expected to be 0 here"), std::string::npos) << r.output;
+}
+
+// ---- Thirteenth session's pass (docs/faults.md, "Bad-input pass (2026-12-02, thirteenth session)"): each case
+// failed before its fix.
+
+TEST_F(BadInput, OutputsCannotBeAFileOfAShardedOrDirectoryCheckpoint) {
+  fs::create_directories(p("sh"));
+  ASSERT_EQ(run_cli_bounded("init-model --config " + p("tiny.json") + " --out " + p("sh/model.safetensors.index.json") +
+                            " --shard-bytes 300000").status, 0);
+  const std::string shard = p("sh/model-00001-of-00004.safetensors"), before = slurp(shard);
+  ASSERT_FALSE(before.empty());
+  write_tokens_file();
+  // m3: eval --output onto a shard of its --weights index replaced the shard, rc 0.
+  expect_user_error(run_cli_bounded("eval --config " + p("tiny.json") + " --weights " +
+                                    p("sh/model.safetensors.index.json") + " --tokens " + p("tok.st") + " --output " +
+                                    shard), "is the same file as --weights", "eval --output onto a shard");
+  // m4: the model.safetensors of a --weights directory.
+  fs::create_directories(p("md"));
+  ASSERT_EQ(run_cli_bounded("init-model --config " + p("tiny.json") + " --out " + p("md/model.safetensors")).status, 0);
+  const std::string model = slurp(p("md/model.safetensors"));
+  expect_user_error(run_cli_bounded("eval --config " + p("tiny.json") + " --weights " + p("md") + " --tokens " +
+                                    p("tok.st") + " --output " + p("md/model.safetensors")),
+                    "is the same file as --weights", "eval --output onto the directory's model");
+  // t1, t2: train --log onto a shard of --init, or the model of an --init directory (the log replaced it).
+  const std::string train = "train --config " + p("tiny.json") + " --data " + p("data") + " --steps 1 --seq 16 "
+                            "--batch 2 --val-batches 1 ";
+  expect_user_error(run_cli_bounded(train + "--init " + p("sh/model.safetensors.index.json") + " --log " + shard),
+                    "is the same file as --init", "train --log onto a shard");
+  expect_user_error(run_cli_bounded(train + "--init " + p("md") + " --log " + p("md/model.safetensors")),
+                    "is the same file as --init", "train --log onto the directory's model");
+  EXPECT_TRUE(slurp(shard) == before) << "the shard was replaced";  // (not EXPECT_EQ: no binary dump)
+  EXPECT_TRUE(slurp(p("md/model.safetensors")) == model) << "the model was replaced";
+  // t3: --save into a directory with an index.json: the saved model.safetensors was shadowed by the index's shards.
+  expect_user_error(run_cli_bounded(train + "--init " + p("sh") + " --save " + p("sh")),
+                    "holds a model.safetensors.index.json", "train --save beside an index");
+  EXPECT_FALSE(fs::exists(p("sh/model.safetensors")));
+  // Still fine: a log beside the model.
+  EXPECT_EQ(run_cli_bounded(train + "--init " + p("md") + " --log " + p("md/log.json")).status, 0);
 }
 
 TEST(BadInputEnv, CommTimeoutMustBeFiniteAndBounded) {

@@ -124,8 +124,11 @@ Command add_eval_command(CLI::App& app) {
                        "or --engine cpu for simulated ranks)", o->world);
     const std::string config_path = find_model_config_file(o->config);
     // Before anything is read or computed: the output is none of the inputs and can be written.
-    require_distinct_files({{"--output", o->output}},
-                           {{"--config", config_path}, {"--weights", o->weights}, {"--tokens", o->tokens}});
+    // The weights may be a model directory or a sharded index: each file it reads is an input (an --output onto a
+    // shard, or onto the model.safetensors of a --weights directory, replaced the model with rc 0).
+    std::vector<NamedPath> inputs = {{"--config", config_path}, {"--weights", o->weights}, {"--tokens", o->tokens}};
+    for (const std::string& f : checkpoint_files(o->weights)) inputs.push_back({"--weights", f});
+    require_distinct_files({{"--output", o->output}}, inputs);
     check_output_file(o->output, "--output");
     const MixtralConfig c = load_mixtral_config(config_path);
     const HostTensor<int32_t> tokens = read_tokens(o->tokens);
