@@ -367,6 +367,12 @@ void save_mixtral_checkpoint(const std::string& path, const MixtralWeights& w, c
   const std::filesystem::path dir = std::filesystem::path(path).has_parent_path()
                                         ? std::filesystem::path(path).parent_path() : std::filesystem::path(".");
   nlohmann::json index = {{"metadata", {{"total_size", total}}}, {"weight_map", nlohmann::json::object()}};
+  // The index is written last: named as one of the shards, it replaced that shard (a broken model, no error).
+  for (size_t s = 0; s < shards.size(); ++s)
+    DMOE_REQUIRE_INPUT(std::filesystem::path(path).filename() !=
+                           fmt::format("model-{:05d}-of-{:05d}.safetensors", s + 1, shards.size()),
+                       "sharded checkpoint '{}': the index has the name of one of its shards; name it "
+                       "model.safetensors.index.json", path);
   for (size_t s = 0; s < shards.size(); ++s) {
     const std::string file = fmt::format("model-{:05d}-of-{:05d}.safetensors", s + 1, shards.size());
     SafetensorsWriter writer;

@@ -633,6 +633,24 @@ TEST_F(BadInput, OutputsCannotBeAFileOfAShardedOrDirectoryCheckpoint) {
   EXPECT_EQ(run_cli_bounded(train + "--init " + p("md") + " --log " + p("md/log.json")).status, 0);
 }
 
+TEST_F(BadInput, InitModelShardedOutputsAreChecked) {
+  const std::string init = "init-model --config " + p("tiny.json") + " --shard-bytes 300000 --out ";
+  // i1, i2: --out named as a shard had the index written over shard 1; any name not ending in .json made a model
+  // its own reader refused ("header length ... is absurd"). Both rc 0.
+  expect_user_error(run_cli_bounded(init + p("model-00001-of-00004.safetensors")), "must end in .json",
+                    "--out named as a shard");
+  expect_user_error(run_cli_bounded(init + p("model.safetensors")), "must end in .json", "--out not .json");
+  EXPECT_FALSE(fs::exists(p("model-00002-of-00004.safetensors")));
+  // i3: --save-config with a shard's name replaced that shard with the config.
+  expect_user_error(run_cli_bounded(init + p("index.json") + " --save-config " + p("model-00002-of-00004.safetensors")),
+                    "has the name of a shard", "--save-config named as a shard");
+  EXPECT_FALSE(fs::exists(p("index.json")));
+  ASSERT_EQ(run_cli_bounded(init + p("index.json") + " --save-config " + p("config.json")).status, 0);
+  write_tokens_file();
+  EXPECT_EQ(run_cli_bounded("eval --config " + p("config.json") + " --weights " + p("index.json") + " --tokens " +
+                            p("tok.st") + " --output " + p("e.st")).status, 0);
+}
+
 TEST(BadInputEnv, CommTimeoutMustBeFiniteAndBounded) {
   // rn13/rn14 (tenth session): 1e-6 s and 1e-300 s were accepted and the run failed or passed by timing.
   for (const char* bad : {"1e309", "inf", "1e10", "1e-6", "1e-300", "0.009"}) {

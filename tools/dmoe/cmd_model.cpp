@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <limits>
 #include <optional>
+#include <regex>
 
 #include "commands.hpp"
 #include "core/config.hpp"
@@ -69,6 +70,26 @@ void check_init_model_resources(const MixtralConfig& c, const std::string& out, 
                      format_bytes(file_bytes), dir, format_bytes(double(*free)));
 }
 
+// With --shard-bytes, --out is the index and the shards model-0000i-of-0000N.safetensors go beside it. Readers take a
+// path ending in .json for an index: any other --out made a model its own reader refused ("header length ... is
+// absurd"), one named as a shard had the index written over that shard, and a --save-config of a shard's name
+// replaced the shard with the config; all with rc 0.
+void check_sharded_outputs(const InitModelOptions& o) {
+  namespace fs = std::filesystem;
+  DMOE_REQUIRE_INPUT(fs::path(o.out).extension() == ".json", "--out '{}' with --shard-bytes: --out is the index.json "
+                     "of the shards, and must end in .json (e.g. model.safetensors.index.json); without --shard-bytes "
+                     "it is one model.safetensors", o.out);
+  if (o.save_config.empty()) return;
+  const fs::path dir = fs::path(o.out).parent_path().empty() ? fs::path(".") : fs::path(o.out).parent_path();
+  const fs::path config = fs::path(o.save_config);
+  const fs::path config_dir = config.parent_path().empty() ? fs::path(".") : config.parent_path();
+  DMOE_REQUIRE_INPUT(!(same_file(dir.string(), config_dir.string()) &&
+                       std::regex_match(config.filename().string(), std::regex(R"(model-[0-9]{5}-of-[0-9]{5}\.safetensors)"))),
+                     "--save-config '{}' has the name of a shard that --shard-bytes writes beside --out '{}' "
+                     "(model-0000i-of-0000N.safetensors): one would replace the other; give another name, e.g. "
+                     "config.json", o.save_config, o.out);
+}
+
 }  // namespace
 
 Command add_init_model_command(CLI::App& app) {
@@ -85,6 +106,7 @@ Command add_init_model_command(CLI::App& app) {
     const std::string config_path = find_model_config_file(o->config);
     // Before anything is computed: the outputs are not the config and can be written.
     require_distinct_files({{"--out", o->out}, {"--save-config", o->save_config}}, {{"--config", config_path}});
+    if (o->shard_bytes > 0) check_sharded_outputs(*o);
     check_output_file(o->out, "--out");
     if (!o->save_config.empty()) check_output_file(o->save_config, "--save-config");
     const MixtralConfig c = load_mixtral_config(config_path);
