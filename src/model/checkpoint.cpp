@@ -327,6 +327,16 @@ MixtralWeights load_mixtral_weights(const CheckpointReader& reader, const Mixtra
                  config.tie_word_embeddings ? ", tied embeddings" : ", an lm_head");
     reader.read_f32_into(p.name, p.shape, p.data);
   }
+  // A NaN or Inf weight gave an eval loss of nan with rc 0, or a router error about NaN logits that named no
+  // tensor: refused here, naming it (the fused 5.x tensors included, as they landed in the same views).
+  for (const ParamView& p : parameter_views(w, config))
+    for (int64_t i = 0; i < p.numel; ++i)
+      if (!std::isfinite(p.data[i])) {
+        const int64_t cols = p.shape.size() == 2 ? p.shape[1] : p.numel;
+        const std::string at = p.shape.size() == 2 ? fmt::format("[{}, {}]", i / cols, i % cols) : fmt::format("[{}]", i);
+        DMOE_FAIL_INPUT("checkpoint '{}': tensor '{}' {} element {} is {}; weights must be finite", reader.source(),
+                        p.name, shape_string(p.shape), at, p.data[i]);
+      }
   return w;
 }
 

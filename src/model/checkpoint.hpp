@@ -84,7 +84,7 @@ class CheckpointReader {
 std::vector<std::string> checkpoint_files(const std::string& path_or_dir);
 
 // Every parameter of `config`, this rank's experts [first_expert, first_expert + num_experts). Missing tensors
-// and wrong shapes are errors naming the tensor; tensors the model does not use are ignored (a tied model's
+// and wrong shapes are errors naming the tensor, and so is a NaN or Inf weight (naming the element); tensors the model does not use are ignored (a tied model's
 // lm_head.weight, rotary inv_freq buffers of old checkpoints). A layer's MoE may also be stored as
 // transformers 5.x holds it in memory (mlp.gate.weight, fused mlp.experts.gate_up_proj / down_proj).
 MixtralWeights load_mixtral_weights(const CheckpointReader& reader, const MixtralConfig& config,

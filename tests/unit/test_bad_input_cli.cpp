@@ -598,6 +598,18 @@ TEST_F(BadInput, BenchSaysWhenItsSingleRankCheckCannotMatch) {
 // ---- Thirteenth session's pass (docs/faults.md, "Bad-input pass (2026-12-02, thirteenth session)"): each case
 // failed before its fix.
 
+// Overwrites tensor `name` of the safetensors file at `path` (F32) with `value` in every element (or the first only).
+void set_f32_tensor(const fs::path& path, const std::string& name, float value, bool all) {
+  std::string bytes = slurp(path);
+  uint64_t header_len = 0;
+  std::memcpy(&header_len, bytes.data(), 8);
+  const json header = json::parse(bytes.substr(8, header_len));
+  const uint64_t begin = header.at(name).at("data_offsets")[0], end = header.at(name).at("data_offsets")[1];
+  for (uint64_t at = 8 + header_len + begin; at < 8 + header_len + (all ? end : begin + 4); at += 4)
+    std::memcpy(bytes.data() + at, &value, 4);
+  std::ofstream(path, std::ios::binary) << bytes;
+}
+
 TEST_F(BadInput, OutputsCannotBeAFileOfAShardedOrDirectoryCheckpoint) {
   fs::create_directories(p("sh"));
   ASSERT_EQ(run_cli_bounded("init-model --config " + p("tiny.json") + " --out " + p("sh/model.safetensors.index.json") +
@@ -649,6 +661,40 @@ TEST_F(BadInput, InitModelShardedOutputsAreChecked) {
   write_tokens_file();
   EXPECT_EQ(run_cli_bounded("eval --config " + p("config.json") + " --weights " + p("index.json") + " --tokens " +
                             p("tok.st") + " --output " + p("e.st")).status, 0);
+}
+
+TEST_F(BadInput, NonFiniteWholeModelWeightsAndResultsAreRefused) {
+  ASSERT_EQ(run_cli_bounded("init-model --config " + p("tiny.json") + " --out " + p("m.st")).status, 0);
+  write_tokens_file();
+  const std::string eval = "eval --config " + p("tiny.json") + " --tokens " + p("tok.st") + " --output " + p("e.st") +
+                           " --weights ";
+  // e1, e3: a NaN in lm_head or a norm: "loss nan", rc 0, the output written.
+  fs::copy_file(p("m.st"), p("nan_head.st"));
+  set_f32_tensor(p("nan_head.st"), "lm_head.weight", std::nanf(""), false);
+  expect_user_error(run_cli_bounded(eval + p("nan_head.st")),
+                    "tensor 'lm_head.weight' [256, 64] element [0, 0] is nan; weights must be finite", "NaN lm_head");
+  fs::copy_file(p("m.st"), p("inf_norm.st"));
+  set_f32_tensor(p("inf_norm.st"), "model.norm.weight", INFINITY, false);
+  expect_user_error(run_cli_bounded(eval + p("inf_norm.st")), "tensor 'model.norm.weight' [64] element [0] is inf",
+                    "Inf norm");
+  EXPECT_FALSE(fs::exists(p("e.st")));
+  // e5: train --init of such a model failed in the router ("logits contain NaN") after the run had started.
+  expect_user_error(run_cli_bounded("train --config " + p("tiny.json") + " --data " + p("data") + " --steps 1 --seq 16 "
+                                    "--batch 2 --init " + p("nan_head.st")), "weights must be finite", "train --init");
+  // e8: finite weights that overflow float: "loss -nan", rc 0.
+  fs::copy_file(p("m.st"), p("big_head.st"));
+  set_f32_tensor(p("big_head.st"), "lm_head.weight", 3e38f, true);
+  expect_user_error(run_cli_bounded(eval + p("big_head.st")), "the model overflowed float); nothing was written",
+                    "overflowing model");
+  EXPECT_FALSE(fs::exists(p("e.st")));
+  // x4, x14: an index.json naming a tensor twice (the last entry was read) or that is a directory ("not valid JSON").
+  fs::create_directories(p("ix"));
+  std::ofstream(p("ix/model.safetensors.index.json"))
+      << R"({"weight_map": {"lm_head.weight": "a.safetensors", "lm_head.weight": "b.safetensors"}})";
+  expect_user_error(run_cli_bounded(eval + p("ix")), "key 'lm_head.weight' appears more than once", "duplicate tensor");
+  fs::remove(p("ix/model.safetensors.index.json"));
+  fs::create_directories(p("ix/model.safetensors.index.json"));
+  expect_user_error(run_cli_bounded(eval + p("ix")), "is a directory; expected a JSON file", "index a directory");
 }
 
 TEST(BadInputEnv, CommTimeoutMustBeFiniteAndBounded) {

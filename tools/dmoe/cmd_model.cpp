@@ -8,6 +8,7 @@
 //       next-token cross-entropy + router_aux_loss_coef · aux when output_router_logits), ce_loss and aux_loss
 //       scalars, and with --grad grad.<HF name> for every parameter.
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <limits>
@@ -90,6 +91,23 @@ void check_sharded_outputs(const InitModelOptions& o) {
                      "config.json", o.save_config, o.out);
 }
 
+// "the loss is nan", "logits[0, 3, 17] is inf", ... for the first non-finite result of an eval; "" if none.
+std::string first_non_finite(const EvalResult& r, const MixtralConfig& c, int64_t S, bool grad) {
+  for (const auto& [name, v] : {std::pair<const char*, double>{"the loss", r.loss}, {"the cross-entropy", r.ce_loss},
+                                {"the load-balancing loss", r.aux_loss}})
+    if (!std::isfinite(v)) return fmt::format("{} is {}", name, v);
+  const int64_t V = c.vocab_size;
+  for (size_t i = 0; i < r.logits.size(); ++i)
+    if (!std::isfinite(r.logits[i]))
+      return fmt::format("logits[{}, {}, {}] is {}", int64_t(i) / (S * V), int64_t(i) / V % S, int64_t(i) % V,
+                         r.logits[i]);
+  if (grad)
+    for (const ParamView& p : parameter_views(const_cast<MixtralWeights&>(r.grads), c))
+      for (int64_t i = 0; i < p.numel; ++i)
+        if (!std::isfinite(p.data[i])) return fmt::format("the gradient of {} (element {}) is {}", p.name, i, p.data[i]);
+  return "";
+}
+
 }  // namespace
 
 Command add_init_model_command(CLI::App& app) {
@@ -168,6 +186,10 @@ Command add_eval_command(CLI::App& app) {
     const MixtralWeights w = load_mixtral_weights(CheckpointReader::open(o->weights), c);
     const EvalResult r = o->engine == "cuda" ? run_cuda_model(c, w, tokens.values, B, S, parse_dtype(o->dtype), o->grad)
                                              : run_cpu_model(c, w, tokens.values, B, S, o->world, o->grad);
+    // Finite weights can still overflow float (a loss of nan was written with rc 0): an error, and nothing is written.
+    const std::string bad = first_non_finite(r, c, S, o->grad);
+    DMOE_REQUIRE_INPUT(bad.empty(), "eval: {} (the weights and tokens are valid: the model overflowed float); nothing "
+                       "was written to {}", bad, o->output);
 
     SafetensorsWriter out;
     out.add_f32("logits", {B, S, V}, r.logits);
