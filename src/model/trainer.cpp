@@ -67,11 +67,17 @@ void write_json(const std::string& path, const json& j) { write_file_atomically(
 
 json read_json(const std::string& path) { return read_json_file(path, "training state"); }
 
-// Tensors under name_prefix + HF name from one file into w (all shapes checked).
-void read_prefixed(const SafetensorsFile& f, const std::string& name_prefix, MixtralWeights& w, const MixtralConfig& c) {
+// Tensors under name_prefix + HF name from one file into w (all shapes checked). AdamW's moments must be finite, the
+// second one >= 0 (its square root divides the step): a NaN there made NaN weights after the first resumed step.
+void read_prefixed(const SafetensorsFile& f, const std::string& name_prefix, MixtralWeights& w, const MixtralConfig& c,
+                   bool non_negative) {
   for (ParamView& p : parameter_views(w, c)) {
     DMOE_REQUIRE_INPUT(f.has(name_prefix + p.name), "{}: tensor '{}' is missing", f.source(), name_prefix + p.name);
     f.read_f32_into(name_prefix + p.name, p.shape, p.data);
+    for (int64_t i = 0; i < p.numel; ++i)
+      DMOE_REQUIRE_INPUT(std::isfinite(p.data[i]) && (!non_negative || p.data[i] >= 0),
+                         "{}: tensor '{}' element {} is {}; AdamW's moments must be finite{}", f.source(),
+                         name_prefix + p.name, i, p.data[i], non_negative ? " and >= 0" : "");
   }
 }
 
@@ -199,10 +205,15 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
     DMOE_REQUIRE_INPUT(!state.contains("seed") || state["seed"].is_number_unsigned(),
                        "{}/trainer_state.json: 'seed' must be an integer >= 0 (found {})", o.resume_dir,
                        state.contains("seed") ? state["seed"].dump() : "");
-    for (const char* key : {"batch", "seq"})
+    for (const char* key : {"batch", "seq", "steps"})
       DMOE_REQUIRE_INPUT(!state.contains(key) || state[key].is_number_integer(),
                          "{}/trainer_state.json: '{}' must be an integer (found {})", o.resume_dir, key,
                          state.contains(key) ? state[key].dump() : "");
+    // lr, steps and data of another type skipped their notes below without a word.
+    DMOE_REQUIRE_INPUT(!state.contains("lr") || state["lr"].is_number(), "{}/trainer_state.json: 'lr' must be a "
+                       "number (found {})", o.resume_dir, state.contains("lr") ? state["lr"].dump() : "");
+    DMOE_REQUIRE_INPUT(!state.contains("data") || state["data"].is_string(), "{}/trainer_state.json: 'data' must be "
+                       "a path (found {})", o.resume_dir, state.contains("data") ? state["data"].dump() : "");
     DMOE_REQUIRE_INPUT(!state.contains("seed") || state["seed"].get<uint64_t>() == o.seed,
                  "--resume {}: the run used --seed {}, this one {} (the data order would differ)", o.resume_dir,
                  state["seed"].get<uint64_t>(), o.seed);
@@ -219,10 +230,18 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
       print(fmt::format("train: note: --steps {} replaces the saved run's {} (--resume {}): the warm-up and cosine "
                         "schedule are those of {} steps, not of the saved run's", o.steps,
                         state["steps"].get<int64_t>(), o.resume_dir, o.steps));
+    // Another --data continues the run on other text (the state records the path as given then): said, as for --lr.
+    if (state.contains("data") && !same_file(state["data"].get<std::string>(), o.data_path))
+      print(fmt::format("train: note: --data {} is not the saved run's data ({}, as given then; --resume {}): the run "
+                        "continues on other text", o.data_path, state["data"].get<std::string>(), o.resume_dir));
     // The weights' shapes are checked when they are read, but a model that differs in anything else (tied embeddings,
     // rope_theta, rms_norm_eps, ...) was resumed without a word: the saved config.json must be this run's model.
     const fs::path saved_config = fs::path(o.resume_dir) / "config.json";
-    if (fs::exists(saved_config)) {
+    // dmoe writes it with every checkpoint: without it the comparison below was skipped without a word.
+    DMOE_REQUIRE_INPUT(fs::exists(saved_config), "--resume {}: no config.json; a dmoe checkpoint holds config.json, "
+                       "model.safetensors, optimizer.safetensors and trainer_state.json (the saved model is compared "
+                       "with --config)", o.resume_dir);
+    {
       const json saved = mixtral_config_to_json(load_mixtral_config(saved_config.string())),
                  now = mixtral_config_to_json(config);
       std::string differ;
@@ -238,8 +257,8 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
     }
     full = load_mixtral_weights(CheckpointReader::open((fs::path(o.resume_dir) / "model.safetensors").string()), config);
     const SafetensorsFile opt = SafetensorsFile::open((fs::path(o.resume_dir) / "optimizer.safetensors").string());
-    read_prefixed(opt, "exp_avg.", full_m, config);
-    read_prefixed(opt, "exp_avg_sq.", full_v, config);
+    read_prefixed(opt, "exp_avg.", full_m, config, false);
+    read_prefixed(opt, "exp_avg_sq.", full_v, config, true);
   } else if (o.init == "random") {
     full = random_mixtral_weights(config, o.seed);
   } else {

@@ -697,6 +697,39 @@ TEST_F(BadInput, NonFiniteWholeModelWeightsAndResultsAreRefused) {
   expect_user_error(run_cli_bounded(eval + p("ix")), "is a directory; expected a JSON file", "index a directory");
 }
 
+TEST_F(BadInput, TrainResumeStatesAndMomentsAreChecked) {
+  const std::string train = "train --config " + p("tiny.json") + " --data " + p("data") + " --seq 16 --batch 2 "
+                            "--val-batches 1 --print-every 0 ";
+  ASSERT_EQ(run_cli_bounded(train + "--steps 1 --save " + p("ck")).status, 0);
+  auto copy_checkpoint = [&](const std::string& name) {
+    fs::copy(p("ck"), p(name), fs::copy_options::recursive);
+    return p(name);
+  };
+  // A negative second moment: NaN weights after the first resumed step, then the router's "logits contain NaN".
+  const std::string neg = copy_checkpoint("neg");
+  set_f32_tensor(neg + "/optimizer.safetensors", "exp_avg_sq.lm_head.weight", -1, false);
+  expect_user_error(run_cli_bounded(train + "--steps 2 --resume " + neg),
+                    "tensor 'exp_avg_sq.lm_head.weight' element 0 is -1; AdamW's moments must be finite and >= 0",
+                    "negative moment");
+  // c10: an lr of the wrong type skipped its note without a word; c5: without config.json the model went unchecked.
+  const std::string lr = copy_checkpoint("lr");
+  json state = json::parse(slurp(lr + "/trainer_state.json"));
+  state["lr"] = "x";
+  write_json_file(lr + "/trainer_state.json", state);
+  expect_user_error(run_cli_bounded(train + "--steps 2 --resume " + lr), "'lr' must be a number (found \"x\")",
+                    "lr of the wrong type");
+  const std::string no_config = copy_checkpoint("no_config");
+  fs::remove(no_config + "/config.json");
+  expect_user_error(run_cli_bounded(train + "--steps 2 --resume " + no_config), "no config.json", "no config.json");
+  // c12: another --data is said (rc 0).
+  fs::create_directories(p("other"));
+  fs::copy_file(p("data/a.txt"), p("other/b.txt"));
+  const Result other = run_cli_bounded("train --config " + p("tiny.json") + " --data " + p("other") + " --seq 16 "
+                                       "--batch 2 --val-batches 1 --print-every 0 --steps 2 --resume " + p("ck"));
+  EXPECT_EQ(other.status, 0) << other.output;
+  EXPECT_NE(other.output.find("is not the saved run's data"), std::string::npos) << other.output;
+}
+
 TEST(BadInputEnv, CommTimeoutMustBeFiniteAndBounded) {
   // rn13/rn14 (tenth session): 1e-6 s and 1e-300 s were accepted and the run failed or passed by timing.
   for (const char* bad : {"1e309", "inf", "1e10", "1e-6", "1e-300", "0.009"}) {
