@@ -12,6 +12,7 @@
 #include <numbers>
 #include <optional>
 #include <sstream>
+#include <thread>
 
 #include <nlohmann/json.hpp>
 
@@ -113,6 +114,9 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
   DMOE_REQUIRE_INPUT(config.num_local_experts % o.world == 0,
                "train: num_local_experts = {} is not divisible by --world = {}", config.num_local_experts, o.world);
   DMOE_REQUIRE_INPUT(o.seq >= 2, "train: --seq = {} must be >= 2", o.seq);
+  // Before the data and the weights are read (it came after both, once the run had printed its first line).
+  DMOE_REQUIRE_INPUT(o.engine == "cuda" || o.dtype == DType::f32, "train: --dtype {} on the CPU engine; it trains in "
+                     "f32 (allowed: f32; bf16 with --engine cuda)", dtype_name(o.dtype));
   DMOE_REQUIRE_INPUT(o.resume_dir.empty() || o.init == "random", "train: --init {} and --resume {}: a resumed run starts "
                      "from its checkpoint's weights, so --init would be ignored; give one of them", o.init, o.resume_dir);
   std::optional<flow::TaskGraph> flow_graph;  // --schedule (not tuned): every step is this graph on the engine's executor
@@ -163,6 +167,20 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
                         fmt::format("train (batch {} x seq {} on the CPU engine: at least the logits, their gradient "
                                     "and two activations per layer)", o.batch, o.seq),
                         std::string("--batch, --seq, or ") + kModelSizes);
+
+  // A step (or a validation) that takes minutes on the CPU was silent after the first line (batch 2^20 x seq 2 ran past
+  // a 60 s timeout without a word): say so first. 1 GFLOP/s per core is below what the CPU engine reaches (~2.3 on
+  // the 2-core CI machine for the tiny model), so the estimate is an upper one.
+  if (o.engine != "cuda") {
+    const double cores = std::min<double>(o.world, std::max(1u, std::thread::hardware_concurrency()));
+    const double step_s = 3 * config.forward_flop(o.batch, o.seq) / (1e9 * cores);
+    const double val_s = config.forward_flop(std::max<int64_t>(1, o.val_batches) * o.batch, o.seq) / (1e9 * cores);
+    if (step_s > 10 || val_s > 10)
+      print(fmt::format("train: note: on the CPU engine a training step may take up to ~{:.3g} s (batch {} x seq {}) "
+                        "and each validation up to ~{:.3g} s (--val-batches {} x batch {} windows), at >= 1 GFLOP/s per "
+                        "core on {:.0f} cores; lower --batch/--seq/--val-batches for a quicker run", step_s, o.batch,
+                        o.seq, val_s, o.val_batches, o.batch, cores));
+  }
 
   // ---- data
   const std::vector<uint8_t> corpus = read_corpus(o.data_path);
@@ -531,7 +549,9 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
         log << line.dump() << '\n';
         if (do_val) log << json{{"step", step}, {"val_loss", rec.val_loss}}.dump() << '\n';
         log.flush();
-        DMOE_REQUIRE(!log.fail(), "--log {}: write failed (disk full?)", o.log_path);
+        // A full disk or a file that cannot grow is the user's to fix: an input error (no source location).
+        DMOE_REQUIRE_INPUT(!log.fail(), "--log {}: writing step {} failed (disk full, or a file size limit?); the lines before it are in the "
+                           "file", o.log_path, step);
       }
       if (o.print_every > 0 && (step % o.print_every == 0 || step == last_step || do_val))
         print(fmt::format("step {:>5}/{} | loss {:.4f} | lr {:.3e} | grad norm {:.3f} | {:.0f} tokens/s | {:.3g} "
@@ -587,8 +607,6 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
                           local * o.seq);  // validation runs a rank's whole share in one forward
     run_rank(rank, *replica);
   } else {
-    DMOE_REQUIRE_INPUT(o.dtype == DType::f32, "train: --dtype {} on the CPU engine; it trains in f32 (allowed: f32; "
-                       "bf16 with --engine cuda)", dtype_name(o.dtype));
     // --schedule: the Flow executor's gradient chunks go on a second group of the same thread ranks (docs/flow.md:
     // the all-reduce on its own communicator is what makes the dynamic priority rule deadlock-free).
     std::vector<std::unique_ptr<Comm>> ar_comms;

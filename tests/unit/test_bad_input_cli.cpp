@@ -17,6 +17,12 @@
 // files and --experts; a model config's rope_scaling and initializer_range; train --save checked only after the
 // training, or replacing an unrelated directory's config.json; --resume with another model config; DMOE_FAULT read
 // only after a command had written its outputs; bench's single-rank check under capacity drops.
+// The thirteenth session's pass (after the eleventh's tests): outputs onto a file of a sharded or directory checkpoint
+// (eval --output, train --log), train --save beside an index.json, init-model --shard-bytes writing its index over a
+// shard or under a name its reader refuses; NaN/Inf whole-model weights and results (eval wrote loss nan, rc 0) and
+// AdamW moments; an index.json's duplicate tensors; resume states of the wrong types or without config.json;
+// bench --wgrad ignored; launch's TMPDIR, train's --log write error and CPU --dtype check (late, or a source location);
+// immutable outputs failing after the work; a silent CPU training step of minutes.
 //
 // Run: dmoe_unit_tests --gtest_filter='BadInput*'
 #include <gtest/gtest.h>
@@ -728,6 +734,38 @@ TEST_F(BadInput, TrainResumeStatesAndMomentsAreChecked) {
                                        "--batch 2 --val-batches 1 --print-every 0 --steps 2 --resume " + p("ck"));
   EXPECT_EQ(other.status, 0) << other.output;
   EXPECT_NE(other.output.find("is not the saved run's data"), std::string::npos) << other.output;
+}
+
+TEST_F(BadInput, OptionsIgnoredCheckedLateOrFailingWithASourceLocation) {
+  // b1: bench layer --wgrad (a GEMM benchmark's option) was ignored with rc 0.
+  expect_user_error(run_cli_bounded("bench layer --engine cpu -n 1 --tokens 2 --hidden 4 --ffn 4 --experts 2 --top-k 1 "
+                                    "--repeat 1 --warmup 0 --wgrad"),
+                    "--wgrad is an option of `dmoe bench gemm`", "bench layer --wgrad");
+  // l1: a TMPDIR that is not a writable directory: "(launcher.cpp:213)".
+  expect_user_error(run_cli_bounded("launch -n 1 -- true", "TMPDIR=" + p("nonexistent")),
+                    "TMPDIR='" + p("nonexistent") + "' must name a writable directory", "launch, bad TMPDIR");
+  // c31: --dtype bf16 on the CPU engine was refused only after the data and the weights were read.
+  const std::string train = "train --config " + p("tiny.json") + " --data " + p("data") + " --seq 16 --batch 2 "
+                            "--val-batches 1 --print-every 0 ";
+  const Result bf16 = run_cli_bounded(train + "--steps 1 --dtype bf16");
+  expect_user_error(bf16, "--dtype bf16 on the CPU engine", "train --dtype bf16 on the CPU");
+  EXPECT_EQ(bf16.output.find("train: mixtral"), std::string::npos) << bf16.output;
+  // d6: a --log that cannot grow (a full disk; here a 512-byte file size limit): "(trainer.cpp:515)".
+  expect_user_error(test::run_shell("trap '' XFSZ; ulimit -f 1; timeout 30 " + std::string(DMOE_CLI_PATH) + " " + train +
+                                    "--steps 12 --log " + p("log.json")),
+                    "--log " + p("log.json") + ": writing step", "log write failure");
+  // c16: a CPU step of minutes was silent after the first line; now a note comes first (before the data is read: a
+  // missing --data then ends the run at once).
+  const Result slow = run_cli_bounded("train --config " + p("tiny.json") + " --data " + p("no_data") +
+                                      " --val-batches 1 --steps 1 --batch 1048576 --seq 2");
+  EXPECT_NE(slow.output.find("train: note: on the CPU engine a training step may take up to"), std::string::npos)
+      << slow.output;
+  // r21: an immutable output failed at the rename, after the work (needs chattr on this file system).
+  std::ofstream(p("imm.st")) << "keep";
+  if (test::run_shell("chattr +i " + p("imm.st")).status != 0) GTEST_SKIP() << "no chattr +i here";
+  const Result imm = run_cli_bounded("init --hidden 8 --ffn 8 --experts 2 --top-k 1 --tokens 2 --out " + p("imm.st"));
+  test::run_shell("chattr -i " + p("imm.st"));
+  expect_user_error(imm, "is immutable (chattr)", "immutable --out");
 }
 
 TEST(BadInputEnv, CommTimeoutMustBeFiniteAndBounded) {
