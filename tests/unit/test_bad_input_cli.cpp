@@ -741,6 +741,9 @@ TEST_F(BadInput, OptionsIgnoredCheckedLateOrFailingWithASourceLocation) {
   expect_user_error(run_cli_bounded("bench layer --engine cpu -n 1 --tokens 2 --hidden 4 --ffn 4 --experts 2 --top-k 1 "
                                     "--repeat 1 --warmup 0 --wgrad"),
                     "--wgrad is an option of `dmoe bench gemm`", "bench layer --wgrad");
+  // k2: an unknown command was answered "A subcommand is required", naming neither it nor the commands.
+  expect_user_error(run_cli_bounded("trian --config tiny"), "'trian' is not a dmoe command; allowed: init, run",
+                    "unknown command");
   // l1: a TMPDIR that is not a writable directory: "(launcher.cpp:213)".
   expect_user_error(run_cli_bounded("launch -n 1 -- true", "TMPDIR=" + p("nonexistent")),
                     "TMPDIR='" + p("nonexistent") + "' must name a writable directory", "launch, bad TMPDIR");
