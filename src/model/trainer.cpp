@@ -160,13 +160,35 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
                      "train: --min-lr {} must be <= --lr {} (or negative for the default, lr/10)", o.min_lr, o.lr);
 
   // A batch that cannot fit is refused before the data is read (it used to end in a bare std::bad_alloc after the
-  // first line). On the GPU the activations are on the device.
+  // first line). On the GPU the activations are on the device. On either engine the host holds the whole f32 model and
+  // its two AdamW moments (full, full_m, full_v below): a model that fits the swap but not the memory was only found
+  // by filling it, and one past the address space ended in the last-resort bad_alloc message.
+  const double host_model_bytes = 12.0 * double(config.num_parameters());
   if (o.engine != "cuda")
-    require_host_memory(model_activation_bytes_lower_bound(double(o.batch) * double(o.seq), config.vocab_size,
-                                                           config.hidden_size, config.num_hidden_layers),
-                        fmt::format("train (batch {} x seq {} on the CPU engine: at least the logits, their gradient "
-                                    "and two activations per layer)", o.batch, o.seq),
+    require_host_memory(host_model_bytes + model_activation_bytes_lower_bound(double(o.batch) * double(o.seq),
+                                                                              config.vocab_size, config.hidden_size,
+                                                                              config.num_hidden_layers),
+                        fmt::format("train (batch {} x seq {} on the CPU engine: at least the f32 weights and their "
+                                    "two AdamW moments, the logits, their gradient and two activations per layer)",
+                                    o.batch, o.seq),
                         std::string("--batch, --seq, or ") + kModelSizes);
+  else
+    require_host_memory(host_model_bytes, "train (the f32 weights and their two AdamW moments on the host)",
+                        kModelSizes);
+
+  // The checkpoint (the f32 model and its two AdamW moments; each file's temporary is written before the old one goes)
+  // on a file system without room for it failed only after the whole training: checked now, as init-model does.
+  if (!o.save_dir.empty()) {
+    std::error_code ec;
+    fs::path existing = fs::absolute(o.save_dir, ec);
+    while (!existing.empty() && !fs::exists(existing, ec) && existing != existing.parent_path())
+      existing = existing.parent_path();
+    const double bytes = host_model_bytes;
+    const std::optional<uint64_t> free = disk_free_bytes(existing.string());
+    DMOE_REQUIRE_INPUT(!free || bytes <= double(*free), "--save {}: the checkpoint needs about {} (the f32 model and "
+                       "its two AdamW moments) and the file system of '{}' has {} free", o.save_dir,
+                       format_bytes(bytes), existing.string(), format_bytes(double(*free)));
+  }
 
   // A step (or a validation) that takes minutes on the CPU was silent after the first line (batch 2^20 x seq 2 ran past
   // a 60 s timeout without a word): say so first. 1 GFLOP/s per core is below what the CPU engine reaches (~2.3 on

@@ -763,6 +763,14 @@ TEST_F(BadInput, OptionsIgnoredCheckedLateOrFailingWithASourceLocation) {
                                       " --val-batches 1 --steps 1 --batch 1048576 --seq 2");
   EXPECT_NE(slow.output.find("train: note: on the CPU engine a training step may take up to"), std::string::npos)
       << slow.output;
+  // mem6: a model whose f32 weights and AdamW moments cannot fit (288 TiB) ended in the last-resort bad_alloc message;
+  // one that fits the swap but not the memory would have filled it.
+  json huge = json::parse(slurp(p("tiny.json")));
+  huge["intermediate_size"] = 1 << 30;
+  huge["num_local_experts"] = 64;
+  write_json_file(p("huge.json"), huge);
+  expect_user_error(run_cli_bounded("train --config " + p("huge.json") + " --data " + p("data") + " --steps 1 --seq 16 "
+                                    "--batch 2"), "at least the f32 weights and their two AdamW moments", "huge model");
   // r21: an immutable output failed at the rename, after the work (needs chattr on this file system).
   std::ofstream(p("imm.st")) << "keep";
   if (test::run_shell("chattr +i " + p("imm.st")).status != 0) GTEST_SKIP() << "no chattr +i here";
