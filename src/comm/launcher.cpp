@@ -209,9 +209,13 @@ class TempDir {
  public:
   TempDir() {
     const char* tmp = std::getenv("TMPDIR");
-    std::string pattern = std::string(tmp && *tmp ? tmp : "/tmp") + "/dmoe-launch-XXXXXX";
-    DMOE_REQUIRE(::mkdtemp(pattern.data()) != nullptr, "cannot create a temp directory from '{}': {}", pattern,
-                 std::strerror(errno));
+    const bool from_env = tmp && *tmp;
+    std::string pattern = std::string(from_env ? tmp : "/tmp") + "/dmoe-launch-XXXXXX";
+    // TMPDIR is the user's: a bad one is an input error naming it (it ended in a source location).
+    DMOE_REQUIRE_INPUT(::mkdtemp(pattern.data()) != nullptr, "dmoe launch: cannot create its rendezvous directory "
+                       "'{}': {}; {}", pattern, std::strerror(errno),
+                       from_env ? fmt::format("TMPDIR='{}' must name a writable directory (or unset it for /tmp)", tmp)
+                                : std::string("/tmp must be a writable directory (or set TMPDIR to one)"));
     path_ = pattern;
   }
   ~TempDir() {

@@ -9,6 +9,8 @@
 #include <filesystem>
 
 #include <fcntl.h>
+#include <linux/fs.h>
+#include <sys/ioctl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -110,6 +112,17 @@ void check_output_file(const std::string& path, std::string_view option) {
   const int fd = create_temporary(t, tmp, fmt::format("{} '{}'", option, path));
   ::close(fd);
   ::unlink(tmp.c_str());
+  // An immutable or append-only file cannot be replaced by the rename, even by root: that failed only after the work.
+  if (t.exists) {
+    const int existing = ::open(t.path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    int flags = 0;  // file systems without attributes (tmpfs, /proc) refuse the ioctl: nothing to say then
+    if (existing < 0 || ::ioctl(existing, FS_IOC_GETFLAGS, &flags) != 0) flags = 0;
+    if (existing >= 0) ::close(existing);
+    DMOE_REQUIRE_INPUT(!(flags & (FS_IMMUTABLE_FL | FS_APPEND_FL)), "{} '{}' is {} (chattr); it cannot be replaced: "
+                       "clear the attribute (chattr -{} '{}') or give another path", option, path,
+                       flags & FS_IMMUTABLE_FL ? "immutable" : "append-only", flags & FS_IMMUTABLE_FL ? "i" : "a",
+                       t.path);
+  }
 }
 
 void OutputFileSet::write(const std::string& path, std::span<const uint8_t> bytes) {

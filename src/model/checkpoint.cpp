@@ -12,6 +12,7 @@
 
 #include "core/error.hpp"
 #include "core/output_file.hpp"
+#include "model/config_io.hpp"
 
 namespace dmoe {
 namespace {
@@ -191,13 +192,25 @@ MoeConfig infer_moe_config(const SafetensorsFile& file, const std::string& prefi
 
 // ---- whole models -----------------------------------------------------------------------------------
 
+namespace {
+
+// The file CheckpointReader::open reads first: a model directory's index.json, else its model.safetensors.
+std::string checkpoint_entry_file(const std::string& path_or_dir) {
+  if (!std::filesystem::is_directory(path_or_dir)) return path_or_dir;
+  const std::filesystem::path dir(path_or_dir);
+  return std::filesystem::exists(dir / "model.safetensors.index.json") ? (dir / "model.safetensors.index.json").string()
+                                                                        : (dir / "model.safetensors").string();
+}
+
+// A weight_map entry must name a file beside the index (no directories above it, no absolute paths).
+bool is_shard_name(const std::string& f) {
+  return !f.empty() && std::filesystem::path(f).is_relative() && f.find("..") == std::string::npos;
+}
+
+}  // namespace
+
 CheckpointReader CheckpointReader::open(const std::string& path_or_dir) {
-  std::string path = path_or_dir;
-  if (std::filesystem::is_directory(path_or_dir)) {  // a Hugging Face model directory
-    const std::filesystem::path dir(path_or_dir);
-    path = std::filesystem::exists(dir / "model.safetensors.index.json") ? (dir / "model.safetensors.index.json").string()
-                                                                          : (dir / "model.safetensors").string();
-  }
+  const std::string path = checkpoint_entry_file(path_or_dir);
   CheckpointReader r;
   r.source_ = path;
   const std::filesystem::path p(path);
@@ -206,28 +219,40 @@ CheckpointReader CheckpointReader::open(const std::string& path_or_dir) {
     r.files_[""] = std::make_shared<SafetensorsFile>(SafetensorsFile::open(path));
     return r;
   }
-  std::ifstream in(path, std::ios::binary);
-  DMOE_REQUIRE_INPUT(in.good(), "checkpoint index '{}': cannot be opened for reading", path);
-  std::stringstream text;
-  text << in.rdbuf();
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(text.str());
-  } catch (const nlohmann::json::exception& e) {
-    DMOE_FAIL_INPUT("checkpoint index '{}': not valid JSON: {}", path, e.what());
-  }
+  // read_json_file: a duplicate tensor in the weight_map is an error (nlohmann kept the last one, so which shard was
+  // read was a guess), and so is an index that is a directory (it read as empty JSON).
+  const nlohmann::json j = read_json_file(path, "checkpoint index");
   DMOE_REQUIRE_INPUT(j.is_object() && j.contains("weight_map") && j.at("weight_map").is_object(),
                "checkpoint index '{}': expected an object with \"weight_map\": {{tensor name: shard file}}", path);
   for (const auto& [name, file] : j.at("weight_map").items()) {
     DMOE_REQUIRE_INPUT(file.is_string(), "checkpoint index '{}': weight_map['{}'] must be a file name (found {})", path,
                  name, file.type_name());
     const std::string f = file.get<std::string>();
-    DMOE_REQUIRE_INPUT(!f.empty() && std::filesystem::path(f).is_relative() && f.find("..") == std::string::npos,
+    DMOE_REQUIRE_INPUT(is_shard_name(f),
                  "checkpoint index '{}': weight_map['{}'] = '{}' must be a file name beside the index", path, name, f);
     r.weight_map_[name] = f;
   }
   DMOE_REQUIRE_INPUT(!r.weight_map_.empty(), "checkpoint index '{}': weight_map is empty", path);
   return r;
+}
+
+std::vector<std::string> checkpoint_files(const std::string& path_or_dir) {
+  const std::string path = checkpoint_entry_file(path_or_dir);
+  std::vector<std::string> files{path};
+  const std::filesystem::path p(path);
+  if (p.extension() != ".json") return files;
+  std::set<std::string> shards;
+  try {
+    const nlohmann::json j = read_json_file(path, "checkpoint index");
+    if (j.is_object() && j.contains("weight_map") && j.at("weight_map").is_object())
+      for (const auto& [name, file] : j.at("weight_map").items())
+        if (file.is_string() && is_shard_name(file.get<std::string>())) shards.insert(file.get<std::string>());
+  } catch (const Error&) {
+    return files;  // CheckpointReader::open says what is wrong with the index
+  }
+  const std::filesystem::path dir = p.has_parent_path() ? p.parent_path() : std::filesystem::path(".");
+  for (const std::string& shard : shards) files.push_back((dir / shard).string());
+  return files;
 }
 
 const SafetensorsFile& CheckpointReader::file_of(const std::string& name) const {
@@ -302,6 +327,16 @@ MixtralWeights load_mixtral_weights(const CheckpointReader& reader, const Mixtra
                  config.tie_word_embeddings ? ", tied embeddings" : ", an lm_head");
     reader.read_f32_into(p.name, p.shape, p.data);
   }
+  // A NaN or Inf weight gave an eval loss of nan with rc 0, or a router error about NaN logits that named no
+  // tensor: refused here, naming it (the fused 5.x tensors included, as they landed in the same views).
+  for (const ParamView& p : parameter_views(w, config))
+    for (int64_t i = 0; i < p.numel; ++i)
+      if (!std::isfinite(p.data[i])) {
+        const int64_t cols = p.shape.size() == 2 ? p.shape[1] : p.numel;
+        const std::string at = p.shape.size() == 2 ? fmt::format("[{}, {}]", i / cols, i % cols) : fmt::format("[{}]", i);
+        DMOE_FAIL_INPUT("checkpoint '{}': tensor '{}' {} element {} is {}; weights must be finite", reader.source(),
+                        p.name, shape_string(p.shape), at, p.data[i]);
+      }
   return w;
 }
 
@@ -342,6 +377,12 @@ void save_mixtral_checkpoint(const std::string& path, const MixtralWeights& w, c
   const std::filesystem::path dir = std::filesystem::path(path).has_parent_path()
                                         ? std::filesystem::path(path).parent_path() : std::filesystem::path(".");
   nlohmann::json index = {{"metadata", {{"total_size", total}}}, {"weight_map", nlohmann::json::object()}};
+  // The index is written last: named as one of the shards, it replaced that shard (a broken model, no error).
+  for (size_t s = 0; s < shards.size(); ++s)
+    DMOE_REQUIRE_INPUT(std::filesystem::path(path).filename() !=
+                           fmt::format("model-{:05d}-of-{:05d}.safetensors", s + 1, shards.size()),
+                       "sharded checkpoint '{}': the index has the name of one of its shards; name it "
+                       "model.safetensors.index.json", path);
   for (size_t s = 0; s < shards.size(); ++s) {
     const std::string file = fmt::format("model-{:05d}-of-{:05d}.safetensors", s + 1, shards.size());
     SafetensorsWriter writer;

@@ -78,8 +78,13 @@ class CheckpointReader {
   mutable std::map<std::string, std::shared_ptr<SafetensorsFile>> files_;
 };
 
+// The files CheckpointReader::open(path_or_dir) reads: the file, or the directory's index.json or model.safetensors,
+// and an index's shards (those its weight_map names; an index that cannot be read adds none, and open() reports it).
+// For the checks that an output is none of them: an eval --output or train --log onto a shard destroyed the model.
+std::vector<std::string> checkpoint_files(const std::string& path_or_dir);
+
 // Every parameter of `config`, this rank's experts [first_expert, first_expert + num_experts). Missing tensors
-// and wrong shapes are errors naming the tensor; tensors the model does not use are ignored (a tied model's
+// and wrong shapes are errors naming the tensor, and so is a NaN or Inf weight (naming the element); tensors the model does not use are ignored (a tied model's
 // lm_head.weight, rotary inv_freq buffers of old checkpoints). A layer's MoE may also be stored as
 // transformers 5.x holds it in memory (mlp.gate.weight, fused mlp.experts.gate_up_proj / down_proj).
 MixtralWeights load_mixtral_weights(const CheckpointReader& reader, const MixtralConfig& config,

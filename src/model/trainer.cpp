@@ -12,6 +12,7 @@
 #include <numbers>
 #include <optional>
 #include <sstream>
+#include <thread>
 
 #include <nlohmann/json.hpp>
 
@@ -67,11 +68,17 @@ void write_json(const std::string& path, const json& j) { write_file_atomically(
 
 json read_json(const std::string& path) { return read_json_file(path, "training state"); }
 
-// Tensors under name_prefix + HF name from one file into w (all shapes checked).
-void read_prefixed(const SafetensorsFile& f, const std::string& name_prefix, MixtralWeights& w, const MixtralConfig& c) {
+// Tensors under name_prefix + HF name from one file into w (all shapes checked). AdamW's moments must be finite, the
+// second one >= 0 (its square root divides the step): a NaN there made NaN weights after the first resumed step.
+void read_prefixed(const SafetensorsFile& f, const std::string& name_prefix, MixtralWeights& w, const MixtralConfig& c,
+                   bool non_negative) {
   for (ParamView& p : parameter_views(w, c)) {
     DMOE_REQUIRE_INPUT(f.has(name_prefix + p.name), "{}: tensor '{}' is missing", f.source(), name_prefix + p.name);
     f.read_f32_into(name_prefix + p.name, p.shape, p.data);
+    for (int64_t i = 0; i < p.numel; ++i)
+      DMOE_REQUIRE_INPUT(std::isfinite(p.data[i]) && (!non_negative || p.data[i] >= 0),
+                         "{}: tensor '{}' element {} is {}; AdamW's moments must be finite{}", f.source(),
+                         name_prefix + p.name, i, p.data[i], non_negative ? " and >= 0" : "");
   }
 }
 
@@ -107,6 +114,9 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
   DMOE_REQUIRE_INPUT(config.num_local_experts % o.world == 0,
                "train: num_local_experts = {} is not divisible by --world = {}", config.num_local_experts, o.world);
   DMOE_REQUIRE_INPUT(o.seq >= 2, "train: --seq = {} must be >= 2", o.seq);
+  // Before the data and the weights are read (it came after both, once the run had printed its first line).
+  DMOE_REQUIRE_INPUT(o.engine == "cuda" || o.dtype == DType::f32, "train: --dtype {} on the CPU engine; it trains in "
+                     "f32 (allowed: f32; bf16 with --engine cuda)", dtype_name(o.dtype));
   DMOE_REQUIRE_INPUT(o.resume_dir.empty() || o.init == "random", "train: --init {} and --resume {}: a resumed run starts "
                      "from its checkpoint's weights, so --init would be ignored; give one of them", o.init, o.resume_dir);
   std::optional<flow::TaskGraph> flow_graph;  // --schedule (not tuned): every step is this graph on the engine's executor
@@ -150,13 +160,49 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
                      "train: --min-lr {} must be <= --lr {} (or negative for the default, lr/10)", o.min_lr, o.lr);
 
   // A batch that cannot fit is refused before the data is read (it used to end in a bare std::bad_alloc after the
-  // first line). On the GPU the activations are on the device.
+  // first line). On the GPU the activations are on the device. On either engine the host holds the whole f32 model and
+  // its two AdamW moments (full, full_m, full_v below): a model that fits the swap but not the memory was only found
+  // by filling it, and one past the address space ended in the last-resort bad_alloc message.
+  const double host_model_bytes = 12.0 * double(config.num_parameters());
   if (o.engine != "cuda")
-    require_host_memory(model_activation_bytes_lower_bound(double(o.batch) * double(o.seq), config.vocab_size,
-                                                           config.hidden_size, config.num_hidden_layers),
-                        fmt::format("train (batch {} x seq {} on the CPU engine: at least the logits, their gradient "
-                                    "and two activations per layer)", o.batch, o.seq),
+    require_host_memory(host_model_bytes + model_activation_bytes_lower_bound(double(o.batch) * double(o.seq),
+                                                                              config.vocab_size, config.hidden_size,
+                                                                              config.num_hidden_layers),
+                        fmt::format("train (batch {} x seq {} on the CPU engine: at least the f32 weights and their "
+                                    "two AdamW moments, the logits, their gradient and two activations per layer)",
+                                    o.batch, o.seq),
                         std::string("--batch, --seq, or ") + kModelSizes);
+  else
+    require_host_memory(host_model_bytes, "train (the f32 weights and their two AdamW moments on the host)",
+                        kModelSizes);
+
+  // The checkpoint (the f32 model and its two AdamW moments; each file's temporary is written before the old one goes)
+  // on a file system without room for it failed only after the whole training: checked now, as init-model does.
+  if (!o.save_dir.empty()) {
+    std::error_code ec;
+    fs::path existing = fs::absolute(o.save_dir, ec);
+    while (!existing.empty() && !fs::exists(existing, ec) && existing != existing.parent_path())
+      existing = existing.parent_path();
+    const double bytes = host_model_bytes;
+    const std::optional<uint64_t> free = disk_free_bytes(existing.string());
+    DMOE_REQUIRE_INPUT(!free || bytes <= double(*free), "--save {}: the checkpoint needs about {} (the f32 model and "
+                       "its two AdamW moments) and the file system of '{}' has {} free", o.save_dir,
+                       format_bytes(bytes), existing.string(), format_bytes(double(*free)));
+  }
+
+  // A step (or a validation) that takes minutes on the CPU was silent after the first line (batch 2^20 x seq 2 ran past
+  // a 60 s timeout without a word): say so first. 1 GFLOP/s per core is below what the CPU engine reaches (~2.3 on
+  // the 2-core CI machine for the tiny model), so the estimate is an upper one.
+  if (o.engine != "cuda") {
+    const double cores = std::min<double>(o.world, std::max(1u, std::thread::hardware_concurrency()));
+    const double step_s = 3 * config.forward_flop(o.batch, o.seq) / (1e9 * cores);
+    const double val_s = config.forward_flop(std::max<int64_t>(1, o.val_batches) * o.batch, o.seq) / (1e9 * cores);
+    if (step_s > 10 || val_s > 10)
+      print(fmt::format("train: note: on the CPU engine a training step may take up to ~{:.3g} s (batch {} x seq {}) "
+                        "and each validation up to ~{:.3g} s (--val-batches {} x batch {} windows), at >= 1 GFLOP/s per "
+                        "core on {:.0f} cores; lower --batch/--seq/--val-batches for a quicker run", step_s, o.batch,
+                        o.seq, val_s, o.val_batches, o.batch, cores));
+  }
 
   // ---- data
   const std::vector<uint8_t> corpus = read_corpus(o.data_path);
@@ -199,10 +245,15 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
     DMOE_REQUIRE_INPUT(!state.contains("seed") || state["seed"].is_number_unsigned(),
                        "{}/trainer_state.json: 'seed' must be an integer >= 0 (found {})", o.resume_dir,
                        state.contains("seed") ? state["seed"].dump() : "");
-    for (const char* key : {"batch", "seq"})
+    for (const char* key : {"batch", "seq", "steps"})
       DMOE_REQUIRE_INPUT(!state.contains(key) || state[key].is_number_integer(),
                          "{}/trainer_state.json: '{}' must be an integer (found {})", o.resume_dir, key,
                          state.contains(key) ? state[key].dump() : "");
+    // lr, steps and data of another type skipped their notes below without a word.
+    DMOE_REQUIRE_INPUT(!state.contains("lr") || state["lr"].is_number(), "{}/trainer_state.json: 'lr' must be a "
+                       "number (found {})", o.resume_dir, state.contains("lr") ? state["lr"].dump() : "");
+    DMOE_REQUIRE_INPUT(!state.contains("data") || state["data"].is_string(), "{}/trainer_state.json: 'data' must be "
+                       "a path (found {})", o.resume_dir, state.contains("data") ? state["data"].dump() : "");
     DMOE_REQUIRE_INPUT(!state.contains("seed") || state["seed"].get<uint64_t>() == o.seed,
                  "--resume {}: the run used --seed {}, this one {} (the data order would differ)", o.resume_dir,
                  state["seed"].get<uint64_t>(), o.seed);
@@ -219,10 +270,18 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
       print(fmt::format("train: note: --steps {} replaces the saved run's {} (--resume {}): the warm-up and cosine "
                         "schedule are those of {} steps, not of the saved run's", o.steps,
                         state["steps"].get<int64_t>(), o.resume_dir, o.steps));
+    // Another --data continues the run on other text (the state records the path as given then): said, as for --lr.
+    if (state.contains("data") && !same_file(state["data"].get<std::string>(), o.data_path))
+      print(fmt::format("train: note: --data {} is not the saved run's data ({}, as given then; --resume {}): the run "
+                        "continues on other text", o.data_path, state["data"].get<std::string>(), o.resume_dir));
     // The weights' shapes are checked when they are read, but a model that differs in anything else (tied embeddings,
     // rope_theta, rms_norm_eps, ...) was resumed without a word: the saved config.json must be this run's model.
     const fs::path saved_config = fs::path(o.resume_dir) / "config.json";
-    if (fs::exists(saved_config)) {
+    // dmoe writes it with every checkpoint: without it the comparison below was skipped without a word.
+    DMOE_REQUIRE_INPUT(fs::exists(saved_config), "--resume {}: no config.json; a dmoe checkpoint holds config.json, "
+                       "model.safetensors, optimizer.safetensors and trainer_state.json (the saved model is compared "
+                       "with --config)", o.resume_dir);
+    {
       const json saved = mixtral_config_to_json(load_mixtral_config(saved_config.string())),
                  now = mixtral_config_to_json(config);
       std::string differ;
@@ -238,8 +297,8 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
     }
     full = load_mixtral_weights(CheckpointReader::open((fs::path(o.resume_dir) / "model.safetensors").string()), config);
     const SafetensorsFile opt = SafetensorsFile::open((fs::path(o.resume_dir) / "optimizer.safetensors").string());
-    read_prefixed(opt, "exp_avg.", full_m, config);
-    read_prefixed(opt, "exp_avg_sq.", full_v, config);
+    read_prefixed(opt, "exp_avg.", full_m, config, false);
+    read_prefixed(opt, "exp_avg_sq.", full_v, config, true);
   } else if (o.init == "random") {
     full = random_mixtral_weights(config, o.seed);
   } else {
@@ -512,7 +571,9 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
         log << line.dump() << '\n';
         if (do_val) log << json{{"step", step}, {"val_loss", rec.val_loss}}.dump() << '\n';
         log.flush();
-        DMOE_REQUIRE(!log.fail(), "--log {}: write failed (disk full?)", o.log_path);
+        // A full disk or a file that cannot grow is the user's to fix: an input error (no source location).
+        DMOE_REQUIRE_INPUT(!log.fail(), "--log {}: writing step {} failed (disk full, or a file size limit?); the lines before it are in the "
+                           "file", o.log_path, step);
       }
       if (o.print_every > 0 && (step % o.print_every == 0 || step == last_step || do_val))
         print(fmt::format("step {:>5}/{} | loss {:.4f} | lr {:.3e} | grad norm {:.3f} | {:.0f} tokens/s | {:.3g} "
@@ -568,8 +629,6 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
                           local * o.seq);  // validation runs a rank's whole share in one forward
     run_rank(rank, *replica);
   } else {
-    DMOE_REQUIRE_INPUT(o.dtype == DType::f32, "train: --dtype {} on the CPU engine; it trains in f32 (allowed: f32; "
-                       "bf16 with --engine cuda)", dtype_name(o.dtype));
     // --schedule: the Flow executor's gradient chunks go on a second group of the same thread ranks (docs/flow.md:
     // the all-reduce on its own communicator is what makes the dynamic priority rule deadlock-free).
     std::vector<std::unique_ptr<Comm>> ar_comms;

@@ -17,11 +17,19 @@
 // files and --experts; a model config's rope_scaling and initializer_range; train --save checked only after the
 // training, or replacing an unrelated directory's config.json; --resume with another model config; DMOE_FAULT read
 // only after a command had written its outputs; bench's single-rank check under capacity drops.
+// The thirteenth session's pass (after the eleventh's tests): outputs onto a file of a sharded or directory checkpoint
+// (eval --output, train --log), train --save beside an index.json, init-model --shard-bytes writing its index over a
+// shard or under a name its reader refuses; NaN/Inf whole-model weights and results (eval wrote loss nan, rc 0) and
+// AdamW moments; an index.json's duplicate tensors; resume states of the wrong types or without config.json;
+// bench --wgrad ignored; launch's TMPDIR, train's --log write error and CPU --dtype check (late, or a source location);
+// immutable outputs failing after the work; a silent CPU training step of minutes.
 //
 // Run: dmoe_unit_tests --gtest_filter='BadInput*'
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -85,6 +93,14 @@ class BadInput : public ::testing::Test {
   }
   void TearDown() override { fs::remove_all(dir_); }
   std::string p(const std::string& name) const { return (dir_ / name).string(); }
+  // tok.st: tokens [2, 8] I32 for eval.
+  void write_tokens_file() const {
+    SafetensorsWriter w;
+    std::vector<int32_t> tokens(16);
+    for (int i = 0; i < 16; ++i) tokens[size_t(i)] = i;
+    w.add_i32("tokens", {2, 8}, tokens);
+    w.write(p("tok.st"));
+  }
   fs::path dir_;
 };
 
@@ -583,6 +599,184 @@ TEST_F(BadInput, BenchSaysWhenItsSingleRankCheckCannotMatch) {
                                    "--ffn 1 --experts 4 --top-k 1 --world 4 --capacity-factor 0.0001");
   EXPECT_EQ(r.status, 0) << r.output;
   EXPECT_NE(r.output.find("max|y-ref| is not expected to be 0 here"), std::string::npos) << r.output;
+}
+
+// ---- Thirteenth session's pass (docs/faults.md, "Bad-input pass (2026-12-02, thirteenth session)"): each case
+// failed before its fix.
+
+// Overwrites tensor `name` of the safetensors file at `path` (F32) with `value` in every element (or the first only).
+void set_f32_tensor(const fs::path& path, const std::string& name, float value, bool all) {
+  std::string bytes = slurp(path);
+  uint64_t header_len = 0;
+  std::memcpy(&header_len, bytes.data(), 8);
+  const json header = json::parse(bytes.substr(8, header_len));
+  const uint64_t begin = header.at(name).at("data_offsets")[0], end = header.at(name).at("data_offsets")[1];
+  for (uint64_t at = 8 + header_len + begin; at < 8 + header_len + (all ? end : begin + 4); at += 4)
+    std::memcpy(bytes.data() + at, &value, 4);
+  std::ofstream(path, std::ios::binary) << bytes;
+}
+
+TEST_F(BadInput, OutputsCannotBeAFileOfAShardedOrDirectoryCheckpoint) {
+  fs::create_directories(p("sh"));
+  ASSERT_EQ(run_cli_bounded("init-model --config " + p("tiny.json") + " --out " + p("sh/model.safetensors.index.json") +
+                            " --shard-bytes 300000").status, 0);
+  const std::string shard = p("sh/model-00001-of-00004.safetensors"), before = slurp(shard);
+  ASSERT_FALSE(before.empty());
+  write_tokens_file();
+  // m3: eval --output onto a shard of its --weights index replaced the shard, rc 0.
+  expect_user_error(run_cli_bounded("eval --config " + p("tiny.json") + " --weights " +
+                                    p("sh/model.safetensors.index.json") + " --tokens " + p("tok.st") + " --output " +
+                                    shard), "is the same file as --weights", "eval --output onto a shard");
+  // m4: the model.safetensors of a --weights directory.
+  fs::create_directories(p("md"));
+  ASSERT_EQ(run_cli_bounded("init-model --config " + p("tiny.json") + " --out " + p("md/model.safetensors")).status, 0);
+  const std::string model = slurp(p("md/model.safetensors"));
+  expect_user_error(run_cli_bounded("eval --config " + p("tiny.json") + " --weights " + p("md") + " --tokens " +
+                                    p("tok.st") + " --output " + p("md/model.safetensors")),
+                    "is the same file as --weights", "eval --output onto the directory's model");
+  // t1, t2: train --log onto a shard of --init, or the model of an --init directory (the log replaced it).
+  const std::string train = "train --config " + p("tiny.json") + " --data " + p("data") + " --steps 1 --seq 16 "
+                            "--batch 2 --val-batches 1 ";
+  expect_user_error(run_cli_bounded(train + "--init " + p("sh/model.safetensors.index.json") + " --log " + shard),
+                    "is the same file as --init", "train --log onto a shard");
+  expect_user_error(run_cli_bounded(train + "--init " + p("md") + " --log " + p("md/model.safetensors")),
+                    "is the same file as --init", "train --log onto the directory's model");
+  EXPECT_TRUE(slurp(shard) == before) << "the shard was replaced";  // (not EXPECT_EQ: no binary dump)
+  EXPECT_TRUE(slurp(p("md/model.safetensors")) == model) << "the model was replaced";
+  // t3: --save into a directory with an index.json: the saved model.safetensors was shadowed by the index's shards.
+  expect_user_error(run_cli_bounded(train + "--init " + p("sh") + " --save " + p("sh")),
+                    "holds a model.safetensors.index.json", "train --save beside an index");
+  EXPECT_FALSE(fs::exists(p("sh/model.safetensors")));
+  // Still fine: a log beside the model.
+  EXPECT_EQ(run_cli_bounded(train + "--init " + p("md") + " --log " + p("md/log.json")).status, 0);
+}
+
+TEST_F(BadInput, InitModelShardedOutputsAreChecked) {
+  const std::string init = "init-model --config " + p("tiny.json") + " --shard-bytes 300000 --out ";
+  // i1, i2: --out named as a shard had the index written over shard 1; any name not ending in .json made a model
+  // its own reader refused ("header length ... is absurd"). Both rc 0.
+  expect_user_error(run_cli_bounded(init + p("model-00001-of-00004.safetensors")), "must end in .json",
+                    "--out named as a shard");
+  expect_user_error(run_cli_bounded(init + p("model.safetensors")), "must end in .json", "--out not .json");
+  EXPECT_FALSE(fs::exists(p("model-00002-of-00004.safetensors")));
+  // i3: --save-config with a shard's name replaced that shard with the config.
+  expect_user_error(run_cli_bounded(init + p("index.json") + " --save-config " + p("model-00002-of-00004.safetensors")),
+                    "has the name of a shard", "--save-config named as a shard");
+  EXPECT_FALSE(fs::exists(p("index.json")));
+  ASSERT_EQ(run_cli_bounded(init + p("index.json") + " --save-config " + p("config.json")).status, 0);
+  write_tokens_file();
+  EXPECT_EQ(run_cli_bounded("eval --config " + p("config.json") + " --weights " + p("index.json") + " --tokens " +
+                            p("tok.st") + " --output " + p("e.st")).status, 0);
+}
+
+TEST_F(BadInput, NonFiniteWholeModelWeightsAndResultsAreRefused) {
+  ASSERT_EQ(run_cli_bounded("init-model --config " + p("tiny.json") + " --out " + p("m.st")).status, 0);
+  write_tokens_file();
+  const std::string eval = "eval --config " + p("tiny.json") + " --tokens " + p("tok.st") + " --output " + p("e.st") +
+                           " --weights ";
+  // e1, e3: a NaN in lm_head or a norm: "loss nan", rc 0, the output written.
+  fs::copy_file(p("m.st"), p("nan_head.st"));
+  set_f32_tensor(p("nan_head.st"), "lm_head.weight", std::nanf(""), false);
+  expect_user_error(run_cli_bounded(eval + p("nan_head.st")),
+                    "tensor 'lm_head.weight' [256, 64] element [0, 0] is nan; weights must be finite", "NaN lm_head");
+  fs::copy_file(p("m.st"), p("inf_norm.st"));
+  set_f32_tensor(p("inf_norm.st"), "model.norm.weight", INFINITY, false);
+  expect_user_error(run_cli_bounded(eval + p("inf_norm.st")), "tensor 'model.norm.weight' [64] element [0] is inf",
+                    "Inf norm");
+  EXPECT_FALSE(fs::exists(p("e.st")));
+  // e5: train --init of such a model failed in the router ("logits contain NaN") after the run had started.
+  expect_user_error(run_cli_bounded("train --config " + p("tiny.json") + " --data " + p("data") + " --steps 1 --seq 16 "
+                                    "--batch 2 --init " + p("nan_head.st")), "weights must be finite", "train --init");
+  // e8: finite weights that overflow float: "loss -nan", rc 0.
+  fs::copy_file(p("m.st"), p("big_head.st"));
+  set_f32_tensor(p("big_head.st"), "lm_head.weight", 3e38f, true);
+  expect_user_error(run_cli_bounded(eval + p("big_head.st")), "the model overflowed float); nothing was written",
+                    "overflowing model");
+  EXPECT_FALSE(fs::exists(p("e.st")));
+  // x4, x14: an index.json naming a tensor twice (the last entry was read) or that is a directory ("not valid JSON").
+  fs::create_directories(p("ix"));
+  std::ofstream(p("ix/model.safetensors.index.json"))
+      << R"({"weight_map": {"lm_head.weight": "a.safetensors", "lm_head.weight": "b.safetensors"}})";
+  expect_user_error(run_cli_bounded(eval + p("ix")), "key 'lm_head.weight' appears more than once", "duplicate tensor");
+  fs::remove(p("ix/model.safetensors.index.json"));
+  fs::create_directories(p("ix/model.safetensors.index.json"));
+  expect_user_error(run_cli_bounded(eval + p("ix")), "is a directory; expected a JSON file", "index a directory");
+}
+
+TEST_F(BadInput, TrainResumeStatesAndMomentsAreChecked) {
+  const std::string train = "train --config " + p("tiny.json") + " --data " + p("data") + " --seq 16 --batch 2 "
+                            "--val-batches 1 --print-every 0 ";
+  ASSERT_EQ(run_cli_bounded(train + "--steps 1 --save " + p("ck")).status, 0);
+  auto copy_checkpoint = [&](const std::string& name) {
+    fs::copy(p("ck"), p(name), fs::copy_options::recursive);
+    return p(name);
+  };
+  // A negative second moment: NaN weights after the first resumed step, then the router's "logits contain NaN".
+  const std::string neg = copy_checkpoint("neg");
+  set_f32_tensor(neg + "/optimizer.safetensors", "exp_avg_sq.lm_head.weight", -1, false);
+  expect_user_error(run_cli_bounded(train + "--steps 2 --resume " + neg),
+                    "tensor 'exp_avg_sq.lm_head.weight' element 0 is -1; AdamW's moments must be finite and >= 0",
+                    "negative moment");
+  // c10: an lr of the wrong type skipped its note without a word; c5: without config.json the model went unchecked.
+  const std::string lr = copy_checkpoint("lr");
+  json state = json::parse(slurp(lr + "/trainer_state.json"));
+  state["lr"] = "x";
+  write_json_file(lr + "/trainer_state.json", state);
+  expect_user_error(run_cli_bounded(train + "--steps 2 --resume " + lr), "'lr' must be a number (found \"x\")",
+                    "lr of the wrong type");
+  const std::string no_config = copy_checkpoint("no_config");
+  fs::remove(no_config + "/config.json");
+  expect_user_error(run_cli_bounded(train + "--steps 2 --resume " + no_config), "no config.json", "no config.json");
+  // c12: another --data is said (rc 0).
+  fs::create_directories(p("other"));
+  fs::copy_file(p("data/a.txt"), p("other/b.txt"));
+  const Result other = run_cli_bounded("train --config " + p("tiny.json") + " --data " + p("other") + " --seq 16 "
+                                       "--batch 2 --val-batches 1 --print-every 0 --steps 2 --resume " + p("ck"));
+  EXPECT_EQ(other.status, 0) << other.output;
+  EXPECT_NE(other.output.find("is not the saved run's data"), std::string::npos) << other.output;
+}
+
+TEST_F(BadInput, OptionsIgnoredCheckedLateOrFailingWithASourceLocation) {
+  // b1: bench layer --wgrad (a GEMM benchmark's option) was ignored with rc 0.
+  expect_user_error(run_cli_bounded("bench layer --engine cpu -n 1 --tokens 2 --hidden 4 --ffn 4 --experts 2 --top-k 1 "
+                                    "--repeat 1 --warmup 0 --wgrad"),
+                    "--wgrad is an option of `dmoe bench gemm`", "bench layer --wgrad");
+  // k2: an unknown command was answered "A subcommand is required", naming neither it nor the commands.
+  expect_user_error(run_cli_bounded("trian --config tiny"), "'trian' is not a dmoe command; allowed: init, run",
+                    "unknown command");
+  // l1: a TMPDIR that is not a writable directory: "(launcher.cpp:213)".
+  expect_user_error(run_cli_bounded("launch -n 1 -- true", "TMPDIR=" + p("nonexistent")),
+                    "TMPDIR='" + p("nonexistent") + "' must name a writable directory", "launch, bad TMPDIR");
+  // c31: --dtype bf16 on the CPU engine was refused only after the data and the weights were read.
+  const std::string train = "train --config " + p("tiny.json") + " --data " + p("data") + " --seq 16 --batch 2 "
+                            "--val-batches 1 --print-every 0 ";
+  const Result bf16 = run_cli_bounded(train + "--steps 1 --dtype bf16");
+  expect_user_error(bf16, "--dtype bf16 on the CPU engine", "train --dtype bf16 on the CPU");
+  EXPECT_EQ(bf16.output.find("train: mixtral"), std::string::npos) << bf16.output;
+  // d6: a --log that cannot grow (a full disk; here a 512-byte file size limit): "(trainer.cpp:515)".
+  expect_user_error(test::run_shell("trap '' XFSZ; ulimit -f 1; timeout 30 " + std::string(DMOE_CLI_PATH) + " " + train +
+                                    "--steps 12 --log " + p("log.json")),
+                    "--log " + p("log.json") + ": writing step", "log write failure");
+  // c16: a CPU step of minutes was silent after the first line; now a note comes first (before the data is read: a
+  // missing --data then ends the run at once).
+  const Result slow = run_cli_bounded("train --config " + p("tiny.json") + " --data " + p("no_data") +
+                                      " --val-batches 1 --steps 1 --batch 1048576 --seq 2");
+  EXPECT_NE(slow.output.find("train: note: on the CPU engine a training step may take up to"), std::string::npos)
+      << slow.output;
+  // mem6: a model whose f32 weights and AdamW moments cannot fit (288 TiB) ended in the last-resort bad_alloc message;
+  // one that fits the swap but not the memory would have filled it.
+  json huge = json::parse(slurp(p("tiny.json")));
+  huge["intermediate_size"] = 1 << 30;
+  huge["num_local_experts"] = 64;
+  write_json_file(p("huge.json"), huge);
+  expect_user_error(run_cli_bounded("train --config " + p("huge.json") + " --data " + p("data") + " --steps 1 --seq 16 "
+                                    "--batch 2"), "at least the f32 weights and their two AdamW moments", "huge model");
+  // r21: an immutable output failed at the rename, after the work (needs chattr on this file system).
+  std::ofstream(p("imm.st")) << "keep";
+  if (test::run_shell("chattr +i " + p("imm.st")).status != 0) GTEST_SKIP() << "no chattr +i here";
+  const Result imm = run_cli_bounded("init --hidden 8 --ffn 8 --experts 2 --top-k 1 --tokens 2 --out " + p("imm.st"));
+  test::run_shell("chattr -i " + p("imm.st"));
+  expect_user_error(imm, "is immutable (chattr)", "immutable --out");
 }
 
 TEST(BadInputEnv, CommTimeoutMustBeFiniteAndBounded) {

@@ -149,7 +149,7 @@ Command add_bench_command(CLI::App& app) {
                          "layer's tokens: give --tokens instead", opt->get_name(), o->what);
     // So would the GEMM benchmark's outside it, and a layer's shape and engine options on a whole model's step
     // (its shapes come from the model config; --dtype, --warmup, --repeat, --json apply).
-    for (const char* name : {"--variants", "--square", "--dgrad"})
+    for (const char* name : {"--variants", "--square", "--dgrad", "--wgrad"})  // --wgrad was left out: ignored
       DMOE_REQUIRE_INPUT(o->what == "gemm" || sub->count(name) == 0, "{} is an option of `dmoe bench gemm`; `dmoe "
                          "bench {}` would ignore it", name, o->what);
     if (o->what == "model")

@@ -8,10 +8,12 @@
 //       next-token cross-entropy + router_aux_loss_coef · aux when output_router_logits), ce_loss and aux_loss
 //       scalars, and with --grad grad.<HF name> for every parameter.
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <limits>
 #include <optional>
+#include <regex>
 
 #include "commands.hpp"
 #include "core/config.hpp"
@@ -70,6 +72,43 @@ void check_init_model_resources(const MixtralConfig& c, const std::string& out, 
                      format_bytes(file_bytes), dir, format_bytes(double(*free)));
 }
 
+// With --shard-bytes, --out is the index and the shards model-0000i-of-0000N.safetensors go beside it. Readers take a
+// path ending in .json for an index: any other --out made a model its own reader refused ("header length ... is
+// absurd"), one named as a shard had the index written over that shard, and a --save-config of a shard's name
+// replaced the shard with the config; all with rc 0.
+void check_sharded_outputs(const InitModelOptions& o) {
+  namespace fs = std::filesystem;
+  DMOE_REQUIRE_INPUT(fs::path(o.out).extension() == ".json", "--out '{}' with --shard-bytes: --out is the index.json "
+                     "of the shards, and must end in .json (e.g. model.safetensors.index.json); without --shard-bytes "
+                     "it is one model.safetensors", o.out);
+  if (o.save_config.empty()) return;
+  const fs::path dir = fs::path(o.out).parent_path().empty() ? fs::path(".") : fs::path(o.out).parent_path();
+  const fs::path config = fs::path(o.save_config);
+  const fs::path config_dir = config.parent_path().empty() ? fs::path(".") : config.parent_path();
+  DMOE_REQUIRE_INPUT(!(same_file(dir.string(), config_dir.string()) &&
+                       std::regex_match(config.filename().string(), std::regex(R"(model-[0-9]{5}-of-[0-9]{5}\.safetensors)"))),
+                     "--save-config '{}' has the name of a shard that --shard-bytes writes beside --out '{}' "
+                     "(model-0000i-of-0000N.safetensors): one would replace the other; give another name, e.g. "
+                     "config.json", o.save_config, o.out);
+}
+
+// "the loss is nan", "logits[0, 3, 17] is inf", ... for the first non-finite result of an eval; "" if none.
+std::string first_non_finite(const EvalResult& r, const MixtralConfig& c, int64_t S, bool grad) {
+  for (const auto& [name, v] : {std::pair<const char*, double>{"the loss", r.loss}, {"the cross-entropy", r.ce_loss},
+                                {"the load-balancing loss", r.aux_loss}})
+    if (!std::isfinite(v)) return fmt::format("{} is {}", name, v);
+  const int64_t V = c.vocab_size;
+  for (size_t i = 0; i < r.logits.size(); ++i)
+    if (!std::isfinite(r.logits[i]))
+      return fmt::format("logits[{}, {}, {}] is {}", int64_t(i) / (S * V), int64_t(i) / V % S, int64_t(i) % V,
+                         r.logits[i]);
+  if (grad)
+    for (const ParamView& p : parameter_views(const_cast<MixtralWeights&>(r.grads), c))
+      for (int64_t i = 0; i < p.numel; ++i)
+        if (!std::isfinite(p.data[i])) return fmt::format("the gradient of {} (element {}) is {}", p.name, i, p.data[i]);
+  return "";
+}
+
 }  // namespace
 
 Command add_init_model_command(CLI::App& app) {
@@ -86,6 +125,7 @@ Command add_init_model_command(CLI::App& app) {
     const std::string config_path = find_model_config_file(o->config);
     // Before anything is computed: the outputs are not the config and can be written.
     require_distinct_files({{"--out", o->out}, {"--save-config", o->save_config}}, {{"--config", config_path}});
+    if (o->shard_bytes > 0) check_sharded_outputs(*o);
     check_output_file(o->out, "--out");
     if (!o->save_config.empty()) check_output_file(o->save_config, "--save-config");
     const MixtralConfig c = load_mixtral_config(config_path);
@@ -131,8 +171,11 @@ Command add_eval_command(CLI::App& app) {
     }
     const std::string config_path = find_model_config_file(o->config);
     // Before anything is read or computed: the output is none of the inputs and can be written.
-    require_distinct_files({{"--output", o->output}},
-                           {{"--config", config_path}, {"--weights", o->weights}, {"--tokens", o->tokens}});
+    // The weights may be a model directory or a sharded index: each file it reads is an input (an --output onto a
+    // shard, or onto the model.safetensors of a --weights directory, replaced the model with rc 0).
+    std::vector<NamedPath> inputs = {{"--config", config_path}, {"--weights", o->weights}, {"--tokens", o->tokens}};
+    for (const std::string& f : checkpoint_files(o->weights)) inputs.push_back({"--weights", f});
+    require_distinct_files({{"--output", o->output}}, inputs);
     check_output_file(o->output, "--output");
     const MixtralConfig c = load_mixtral_config(config_path);
     const HostTensor<int32_t> tokens = read_tokens(o->tokens);
@@ -150,6 +193,10 @@ Command add_eval_command(CLI::App& app) {
     const MixtralWeights w = load_mixtral_weights(CheckpointReader::open(o->weights), c);
     const EvalResult r = o->engine == "cuda" ? run_cuda_model(c, w, tokens.values, B, S, parse_dtype(o->dtype), o->grad)
                                              : run_cpu_model(c, w, tokens.values, B, S, o->world, o->grad);
+    // Finite weights can still overflow float (a loss of nan was written with rc 0): an error, and nothing is written.
+    const std::string bad = first_non_finite(r, c, S, o->grad);
+    DMOE_REQUIRE_INPUT(bad.empty(), "eval: {} (the weights and tokens are valid: the model overflowed float); nothing "
+                       "was written to {}", bad, o->output);
 
     if (r.rank != 0) return 0;  // a GPU job's other ranks: rank 0 holds the gathered result and writes it
     SafetensorsWriter out;

@@ -10,6 +10,7 @@
 #include "core/config.hpp"
 #include "core/error.hpp"
 #include "core/output_file.hpp"
+#include "model/checkpoint.hpp"
 #include "model/mixtral_config.hpp"
 #include "model/trainer.hpp"
 #include "options.hpp"
@@ -23,7 +24,11 @@ namespace {
 void check_train_paths(const TrainOptions& o, const std::string& config_file) {
   namespace fs = std::filesystem;
   std::vector<NamedPath> inputs = {{"--config", config_file}, {"--data", o.data_path}};
-  if (o.init != "random") inputs.push_back({"--init", o.init});
+  if (o.init != "random") {
+    inputs.push_back({"--init", o.init});
+    // A model directory or a sharded index: every file it reads (a --log onto a shard replaced the model).
+    for (const std::string& f : checkpoint_files(o.init)) inputs.push_back({"--init", f});
+  }
   std::error_code ec;
   if (fs::is_directory(o.data_path, ec))
     for (const auto& e : fs::directory_iterator(o.data_path, ec))
@@ -56,6 +61,12 @@ void check_train_paths(const TrainOptions& o, const std::string& config_file) {
     // came after the whole run), and so is one that holds files of the checkpoint's names without being a dmoe
     // checkpoint (an unrelated config.json or model.safetensors was replaced without a word).
     if (fs::is_directory(o.save_dir, ec)) {
+      // The checkpoint is one model.safetensors: beside an index.json, readers of the directory (eval --weights DIR,
+      // --init DIR) would read the index's shards, not the saved model.
+      DMOE_REQUIRE_INPUT(!fs::exists(fs::symlink_status(fs::path(o.save_dir) / "model.safetensors.index.json", ec)),
+                         "--save '{}' holds a model.safetensors.index.json: the checkpoint's model.safetensors would "
+                         "be saved beside it, and readers of the directory (eval --weights, train --init) read the "
+                         "index's shards instead; give a new or empty directory", o.save_dir);
       if (!fs::exists(fs::path(o.save_dir) / "trainer_state.json", ec))
         for (const char* name : {"model.safetensors", "optimizer.safetensors", "config.json"})
           DMOE_REQUIRE_INPUT(!fs::exists(fs::symlink_status(fs::path(o.save_dir) / name, ec)),

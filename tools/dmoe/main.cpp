@@ -69,6 +69,21 @@ int main(int argc, char** argv) {
     for (CLI::Option* option : sub->get_options())
       if (option->get_required() || option->get_default_str() == "[]") option->default_str("");
   for (CLI::App* sub : app.get_subcommands({})) dmoe::cli::check_option_values(*sub);
+  // CLI11 answers an unknown command ("dmoe bogus", "dmoe trian") with "A subcommand is required", which names
+  // neither the word nor the commands.
+  if (argc >= 2 && argv[1][0] != '-') {
+    std::string names;
+    bool known = false;
+    for (CLI::App* sub : app.get_subcommands({})) {
+      names += (names.empty() ? "" : ", ") + sub->get_name();
+      known = known || sub->get_name() == argv[1];
+    }
+    if (!known) {
+      std::fprintf(stderr, "dmoe: error: '%s' is not a dmoe command; allowed: %s (dmoe --help)\n", argv[1],
+                   names.c_str());
+      return 1;
+    }
+  }
   try {
     app.parse(argc, argv);
     for (auto& [sub, run] : commands) {
