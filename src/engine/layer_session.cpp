@@ -79,6 +79,13 @@ struct LayerSession::FlashState {
   };
   std::vector<std::unique_ptr<Trainer>> trainers;
   std::map<int64_t, Trainer*> tickets;
+  // The backward's order against the caller's stream, on the device (events, not host waits): its stream waits for
+  // the caller's (dy written), the caller's for its end (dx and the gradients).
+  cudaEvent_t caller_ready = nullptr, backward_done = nullptr;
+  ~FlashState() {
+    if (caller_ready) cudaEventDestroy(caller_ready);
+    if (backward_done) cudaEventDestroy(backward_done);
+  }
 };
 #else
 struct LayerSession::FlashState {};
@@ -388,6 +395,9 @@ int64_t LayerSession::flash_forward(const SessionForward& f) {
   if (!f.train) return -1;
   // The router's auxiliary losses (the forward is then done; its counts are read for the backward too).
   trainer->losses = flash_train_losses(*engine, *backend_, *comm_, stream);
+  // The forward's flags (a token with NaN router logits; the epoch count), read now that the losses have waited for
+  // it: an error names the forward that made it, and the backward needs no host wait of its own.
+  engine->check(stream);
   trainer->busy = true;
   const int64_t ticket = next_ticket_++;
   flash_->tickets[ticket] = trainer;
@@ -408,16 +418,30 @@ void LayerSession::flash_backward(const SessionBackward& b) {
   FlashState::Trainer& t = *it->second;
   flash_->tickets.erase(it);  // whatever happens, this forward's state is used up
   t.busy = false;
-  // The Flash backward runs on the backend's kernels and stream (cuda::flash_backward): after the caller's
-  // stream has reached this point (dy written), and the caller waits for it again below (dx, gradients).
+  // The Flash backward runs on the backend's kernels and stream (cuda::flash_backward), after the caller's stream
+  // has reached this point (dy written); the caller's stream then waits for it (dx, gradients). Both orders are
+  // events: a host wait here drained the caller's queue (torch's), whose next kernels then waited for the host.
   const auto caller = static_cast<cudaStream_t>(have_stream_ ? stream_ : backend_->stream());
-  cuda::wait_stream(caller, "LayerSession: the caller's stream before the Flash backward");
+  const auto own = static_cast<cudaStream_t>(backend_->stream());
+  if (!flash_->caller_ready) {
+    DMOE_CHECK_CUDA(cudaEventCreateWithFlags(&flash_->caller_ready, cudaEventDisableTiming));
+    DMOE_CHECK_CUDA(cudaEventCreateWithFlags(&flash_->backward_done, cudaEventDisableTiming));
+  }
+  if (caller != own) {
+    DMOE_CHECK_CUDA(cudaEventRecord(flash_->caller_ready, caller));
+    DMOE_CHECK_CUDA(cudaStreamWaitEvent(own, flash_->caller_ready, 0));
+  }
   const int64_t E = config_.experts, H = config_.hidden;
   backend_->zero(b.grads.gate, size_t(E * H) * sizeof(float));  // written, not added to
   FlashGradViews g{b.grads.gate, b.grads.w1, b.grads.w3, b.grads.w2, b.grads.experts_in_storage_dtype};
-  t.engine->backward(b.dy, b.dx, g, /*accumulate=*/false, *backend_, static_cast<cudaStream_t>(backend_->stream()));
+  t.engine->backward(b.dy, b.dx, g, /*accumulate=*/false, *backend_, own);
   if (config_.world > 1) comm_->allreduce_sum(b.grads.gate, E * H, DType::f32, backend_->stream());
-  t.engine->check(static_cast<cudaStream_t>(backend_->stream()));  // waits; throws on a flagged error
+  if (caller != own) {
+    DMOE_CHECK_CUDA(cudaEventRecord(flash_->backward_done, own));
+    DMOE_CHECK_CUDA(cudaStreamWaitEvent(caller, flash_->backward_done, 0));
+  }
+  // No host wait: the forward's flags were checked with its losses, and the backward's waits are bounded on the
+  // device (a time-out stops its kernel, and the caller's next synchronisation reports the record).
 #else
   (void)b;
   DMOE_FAIL("flash_backward without CUDA");

@@ -193,12 +193,12 @@ Command add_eval_command(CLI::App& app) {
     const MixtralWeights w = load_mixtral_weights(CheckpointReader::open(o->weights), c);
     const EvalResult r = o->engine == "cuda" ? run_cuda_model(c, w, tokens.values, B, S, parse_dtype(o->dtype), o->grad)
                                              : run_cpu_model(c, w, tokens.values, B, S, o->world, o->grad);
+    if (r.rank != 0) return 0;  // a GPU job's other ranks: rank 0 holds the gathered result and writes it
     // Finite weights can still overflow float (a loss of nan was written with rc 0): an error, and nothing is written.
     const std::string bad = first_non_finite(r, c, S, o->grad);
     DMOE_REQUIRE_INPUT(bad.empty(), "eval: {} (the weights and tokens are valid: the model overflowed float); nothing "
                        "was written to {}", bad, o->output);
 
-    if (r.rank != 0) return 0;  // a GPU job's other ranks: rank 0 holds the gathered result and writes it
     SafetensorsWriter out;
     out.add_f32("logits", {B, S, V}, r.logits);
     const float loss = float(r.loss), ce = float(r.ce_loss), aux = float(r.aux_loss);
