@@ -203,6 +203,13 @@ class PySession {
     // The experts' gradients in grad_dtype, or (engines ep/flash, bf16 weights) in bf16: written as they are
     // stored, without an f32 copy to cast (the module passes bf16 for bf16 parameters).
     const bool experts_bf16 = storage_ == DType::bf16 && place_.cuda && dw1.dtype() == dlpack_of(DType::bf16);
+    for (const Array* g : {&dw2, dw3 ? &*dw3 : nullptr})
+      if (g && g->dtype() != dw1.dtype())
+        throw nb::type_error(("dmoe: grad w1, w3 and w2 must share one dtype (" +
+                              std::string(dtype_name(session_->grad_dtype())) +
+                              (storage_ == DType::bf16 && place_.cuda ? ", or bf16 for the bf16 weights" : "") +
+                              "); got grad w1 " + dtype_text(dw1.dtype()) + " and " + dtype_text(g->dtype()))
+                                 .c_str());
     check_weights(dgate, dw1, dw3, dw2, session_->grad_dtype(), session_->held_experts(), "grad ",
                   experts_bf16 ? DType::bf16 : session_->grad_dtype());
     b.grads = GradViews{dgate.data(), dw1.data(), dw3 ? dw3->data() : nullptr, dw2.data(), experts_bf16};

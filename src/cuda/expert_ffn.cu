@@ -330,7 +330,8 @@ void expert_ffn_backward(const T* x, const T* w1, const T* w3, const T* w2, cons
   };
   WgradKernel wgrad_kernel = WgradKernel::cublas;
   if constexpr (std::is_same_v<T, bf16>) {
-    if (!dw_bf16) {  // bf16 gradients: cuBLAS's loop (below) stores them; the own kernels store f32 only
+    if (!dw_bf16) {  // bf16 gradients: cuBLAS (gemm_rm_grouped: grouped call or loop) stores them; the own kernels
+                     // store f32 only, so DMOE_WGRAD does not apply
       const double mean_macs = double(hidden) * double(ffn) * double(rows) / double(std::max<int64_t>(active, 1));
       std::vector<GroupedWgrad> calls{wgrad_call(dout, 0, hidden, h, ffn, static_cast<float*>(dw2)),
                                       wgrad_call(dpre1, row_begin, ffn, x, hidden, static_cast<float*>(dw1))};

@@ -431,17 +431,24 @@ void LayerSession::flash_backward(const SessionBackward& b) {
     DMOE_CHECK_CUDA(cudaEventRecord(flash_->caller_ready, caller));
     DMOE_CHECK_CUDA(cudaStreamWaitEvent(own, flash_->caller_ready, 0));
   }
+  // The caller's stream waits for whatever was issued, also when a step below throws after issuing work (torch
+  // could otherwise reuse dx or the gradients while kernels still write them).
+  struct JoinCaller {
+    cudaStream_t caller, own;
+    cudaEvent_t done;
+    ~JoinCaller() {
+      if (caller != own && cudaEventRecord(done, own) == cudaSuccess) (void)cudaStreamWaitEvent(caller, done, 0);
+    }
+  } join{caller, own, flash_->backward_done};
   const int64_t E = config_.experts, H = config_.hidden;
   backend_->zero(b.grads.gate, size_t(E * H) * sizeof(float));  // written, not added to
   FlashGradViews g{b.grads.gate, b.grads.w1, b.grads.w3, b.grads.w2, b.grads.experts_in_storage_dtype};
   t.engine->backward(b.dy, b.dx, g, /*accumulate=*/false, *backend_, own);
   if (config_.world > 1) comm_->allreduce_sum(b.grads.gate, E * H, DType::f32, backend_->stream());
-  if (caller != own) {
-    DMOE_CHECK_CUDA(cudaEventRecord(flash_->backward_done, own));
-    DMOE_CHECK_CUDA(cudaStreamWaitEvent(caller, flash_->backward_done, 0));
-  }
-  // No host wait: the forward's flags were checked with its losses, and the backward's waits are bounded on the
-  // device (a time-out stops its kernel, and the caller's next synchronisation reports the record).
+  // No host wait: the forward's flags were checked with its losses (on the flagged rank only: with W > 1 its peers
+  // then stop at their backward's bounded wait for its rows), and the backward's waits are bounded on the device:
+  // a time-out stops its kernel, dmoe's next CUDA call on this process reports the wait record, and a
+  // synchronisation of the caller's own (torch's) reports only that a kernel failed.
 #else
   (void)b;
   DMOE_FAIL("flash_backward without CUDA");

@@ -11,8 +11,9 @@
 //          mpirun or srun: detect_process_env; NcclComm or NvshmemComm chosen by make_gpu_comm). The
 //          caller holds this rank's tokens, the whole gate and this rank's E/W experts.
 //   flash  FlashEngine (CUDA, bf16): inference forwards on one engine per row count, train forwards on a train
-//          FlashEngine per pending forward (its backward: FlashEngine::backward, on the session's backend stream
-//          after a wait for the caller's; a train forward and its backward synchronise the host).
+//          FlashEngine per pending forward (its backward: FlashEngine::backward, on the session's backend stream,
+//          ordered after the caller's stream and before its next work by events; a train forward synchronises
+//          the host for its losses, the backward does not).
 //
 // Token counts change from call to call (config.tokens is ignored). A train forward returns a ticket
 // whose engine state stays reserved for the backward of that forward; forwards issued while a ticket is
@@ -22,7 +23,9 @@
 //
 // Pointers: backend memory (host for cpu, device for ep/flash), storage dtype (config.dtype; the CPU
 // engine stores f32 and rounds to bf16 when config.dtype is bf16), row-major and contiguous. Gradients
-// are written in grad_dtype() (f64 on the CPU, f32 on CUDA).
+// are written in grad_dtype() (f64 on the CPU, f32 on CUDA; the experts' may be bf16, SessionBackward).
+// CUDA calls are asynchronous on the session's stream (set_stream): read their outputs on the host only after
+// synchronising it, as for any CUDA work.
 #pragma once
 
 #include <cstdint>

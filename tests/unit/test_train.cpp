@@ -161,6 +161,13 @@ TEST_F(Train, CliTrainsTinyAndTheLossFalls) {
   EXPECT_NE(eval_world.status, 0);
   EXPECT_NE(eval_world.output.find("--world 2 but this GPU job has 1 ranks (dmoe launch -n W"), std::string::npos)
       << eval_world.output;
+  // The CPU engine's ranks are threads of one process: run as one of a launcher's processes, each would write
+  // --output (refused before anything is read).
+  auto eval_cpu_job = run_cli("eval --config tiny --weights " + p("ckpt/model.safetensors") + " --tokens x --output " +
+                              p("o.safetensors") + " --world 2", "DMOE_RANK=1 DMOE_WORLD=2 DMOE_LOCAL_RANK=1 DMOE_LOCAL_WORLD=2");
+  EXPECT_NE(eval_cpu_job.status, 0);
+  EXPECT_NE(eval_cpu_job.output.find("but this is one of 2 processes (dmoe-launch)"), std::string::npos)
+      << eval_cpu_job.output;
   if (!std::getenv("CUDA_VISIBLE_DEVICES") && !fs::exists("/dev/nvidia0")) {
     auto gpu = run_cli("train --config tiny --data " + train_text() + " --steps 2 --engine cuda");
     EXPECT_NE(gpu.status, 0);

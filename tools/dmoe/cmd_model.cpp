@@ -23,7 +23,7 @@
 #include "model/checkpoint.hpp"
 #include "model/mixtral.hpp"
 #include "model/mixtral_config.hpp"
-#include "model/train_replica.hpp"
+#include "comm/process_env.hpp"
 #include "options.hpp"
 
 namespace dmoe::cli {
@@ -161,14 +161,19 @@ Command add_eval_command(CLI::App& app) {
     DMOE_REQUIRE_INPUT(o->dtype == "f32" || (o->dtype == "bf16" && o->engine == "cuda"),
                        "--dtype '{}' is not allowed with --engine {}; allowed: f32 (cpu, cuda), bf16 (cuda)", o->dtype,
                        o->engine);
-    int32_t rank = 0;
-    if (o->engine == "cuda") {  // --world is the job's size: one process per rank (dmoe launch -n W, mpirun -n W)
-      int32_t job_world = 1;
-      cuda_job_size(&rank, &job_world);
-      DMOE_REQUIRE_INPUT(job_world == o->world,
+    // --world with --engine cuda is the job's size: one process per rank (dmoe launch -n W, mpirun -n W). The CPU
+    // engine simulates its ranks as threads of one process: under a launcher each process would run the whole eval
+    // and write --output.
+    const ProcessEnv job = detect_process_env();
+    if (o->engine == "cuda")
+      DMOE_REQUIRE_INPUT(job.world == o->world,
                          "eval: --world {} but this GPU job has {} ranks (dmoe launch -n W, mpirun -n W); give --world "
-                         "{} or start W processes", o->world, job_world, job_world);
-    }
+                         "{} or start W processes", o->world, job.world, job.world);
+    else
+      DMOE_REQUIRE_INPUT(job.world == 1,
+                         "eval --engine cpu runs its --world {} ranks as threads of one process, but this is one of {} "
+                         "processes ({}): each would compute and write --output; run it alone, or use --engine cuda",
+                         o->world, job.world, job.launcher);
     const std::string config_path = find_model_config_file(o->config);
     // Before anything is read or computed: the output is none of the inputs and can be written.
     // The weights may be a model directory or a sharded index: each file it reads is an input (an --output onto a

@@ -582,12 +582,10 @@ std::vector<float> CudaMixtralModel::gather_logits(const CudaModelState& st) {
   backend_->zero(f, size_t(all) * 4);
   backend_->copy(f + int64_t(rank_) * mine, st.logits.data(), size_t(mine) * 4);
   comm_.allreduce_sum(f, all, DType::f32, backend_->stream());  // x + 0 + … = x exactly
-  std::vector<float> out;
+  std::vector<float> out;  // (the buffer's release waits for the stream, so the all-reduce has read it)
   if (rank_ == 0) {
     out.resize(size_t(all));
     backend_->download(out.data(), f, size_t(all) * 4);
-  } else {
-    backend_->synchronize();  // the all-reduce has read this rank's buffer before it is freed
   }
   return out;
 }
