@@ -75,11 +75,12 @@ class NvshmemComm final : public Comm {
     init_nvshmem(env, nvshmem_comm_heap_bytes(world_, max_bytes_per_peer));
     // Several PEs on one GPU without MPS (or without an active-thread percentage) give "limited MPG": host
     // collectives then abort the process. Say why, and how to run it, instead.
-    DMOE_REQUIRE(nvshmemx_init_status() != NVSHMEM_STATUS_LIMITED_MPG,
-                 "rank {}: NVSHMEM runs with limited multi-PE-per-GPU support, so its collectives would abort: ranks "
-                 "sharing a GPU need an MPS daemon and CUDA_MPS_ACTIVE_THREAD_PERCENTAGE set per rank (adding up to "
-                 "<= 100). `dmoe launch` does both; under mpirun start MPS yourself and export the percentage",
-                 rank_);
+    // The user's job setup, not a bug: an input error (no source location in the message).
+    DMOE_REQUIRE_INPUT(nvshmemx_init_status() != NVSHMEM_STATUS_LIMITED_MPG,
+                       "rank {}: NVSHMEM runs with limited multi-PE-per-GPU support, so its collectives would abort: "
+                       "ranks sharing a GPU need an MPS daemon and CUDA_MPS_ACTIVE_THREAD_PERCENTAGE set per rank "
+                       "(adding up to <= 100). `dmoe launch` does both; under mpirun start MPS yourself and export the "
+                       "percentage (mpirun -x CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 for two ranks)", rank_);
     recv_slots_ = allocate(2 * set_bytes(), "receive slots");
     scratch_src_ = allocate(kScratchBytes, "reduction scratch");
     scratch_dst_ = allocate(kScratchBytes, "reduction scratch");
