@@ -34,6 +34,19 @@ std::vector<T> to_host(const T* d, size_t n) {
   return v;
 }
 
+bfloat16* to_bf16(const std::vector<float>& v) {
+  std::vector<bfloat16> b(v.size());
+  for (size_t i = 0; i < v.size(); ++i) b[i] = float_to_bf16(v[i]);
+  return to_device(b);
+}
+
+std::vector<float> from_bf16(const bfloat16* d, size_t n) {
+  const std::vector<bfloat16> b = to_host(d, n);
+  std::vector<float> v(n);
+  for (size_t i = 0; i < n; ++i) v[i] = bf16_to_float(b[i]);
+  return v;
+}
+
 template <typename A, typename B>
 double rel_err(const std::vector<A>& a, const std::vector<B>& b) {
   double num = 0, den = 0;
@@ -174,17 +187,6 @@ TEST(GpuLayerSession, FlashTrainsWithTwoForwardsInFlight) {
     for (auto& x : v) x = round_to_bf16(x);
     return v;
   };
-  auto to_bf16 = [](const std::vector<float>& v) {
-    std::vector<bfloat16> b(v.size());
-    for (size_t i = 0; i < v.size(); ++i) b[i] = float_to_bf16(v[i]);
-    return to_device(b);
-  };
-  auto from_bf16 = [](const bfloat16* d, size_t n) {
-    const std::vector<bfloat16> b = to_host(d, n);
-    std::vector<float> v(n);
-    for (size_t i = 0; i < n; ++i) v[i] = bf16_to_float(b[i]);
-    return v;
-  };
   Rng rng(6);
   const int64_t rows_a = 40, rows_b = 24;
   const auto xa = round(rng.normal_vector(size_t(rows_a * c.hidden), 1.0)), dya = round(rng.normal_vector(xa.size(), 1.0));
@@ -270,17 +272,6 @@ TEST(GpuLayerSession, EpBf16ExpertGradientsAsStored) {
   MoeConfig c = config();
   c.dtype = DType::bf16;
   const MoeWeights w = random_moe_weights(c, 7);
-  auto to_bf16 = [](const std::vector<float>& v) {
-    std::vector<bfloat16> b(v.size());
-    for (size_t i = 0; i < v.size(); ++i) b[i] = float_to_bf16(v[i]);
-    return to_device(b);
-  };
-  auto from_bf16 = [](const bfloat16* d, size_t n) {
-    const std::vector<bfloat16> b = to_host(d, n);
-    std::vector<float> v(n);
-    for (size_t i = 0; i < n; ++i) v[i] = bf16_to_float(b[i]);
-    return v;
-  };
   Rng rng(8);
   const int64_t rows = 48;
   const auto x = rng.normal_vector(size_t(rows * c.hidden), 1.0), dy = rng.normal_vector(x.size(), 1.0);

@@ -158,6 +158,17 @@ def compare(what, got, want, rtol, atol, verbose, report):
     return ok
 
 
+def same_gradient_names(dmoe_grads, hf_grads):
+    """Whether dmoe wrote a gradient for exactly HF's parameters (prints the difference)."""
+    missing = sorted(set(hf_grads) - set(dmoe_grads))
+    extra = sorted(set(dmoe_grads) - set(hf_grads))
+    if missing:
+        print(f"  MISS dmoe wrote no gradient for {len(missing)} HF parameters, e.g. {missing[:5]}")
+    if extra:
+        print(f"  MISS dmoe wrote gradients HF does not have: {extra[:5]}")
+    return not missing and not extra
+
+
 def compare_bf16_tensor(what, got, hf16, truth, args, report):
     """dmoe's bf16 error against the f32 truth, bounded by transformers' own bf16 error (module docstring)."""
     got, hf16, truth = got.double(), hf16.double(), truth.double()
@@ -208,14 +219,7 @@ def compare_bf16(args, model, config, tokens, d, truth_logits, truth_loss, truth
     truth = hf_grads_by_checkpoint_name(model, config)
     h_grads = {k: v.cpu() for k, v in hf_grads_by_checkpoint_name(hf16, config).items()}
     dmoe_grads = {k[len("grad."):]: v for k, v in d.items() if k.startswith("grad.")}
-    missing = sorted(set(truth) - set(dmoe_grads))
-    extra = sorted(set(dmoe_grads) - set(truth))
-    if missing:
-        print(f"  MISS dmoe wrote no gradient for {len(missing)} HF parameters, e.g. {missing[:5]}")
-        ok = False
-    if extra:
-        print(f"  MISS dmoe wrote gradients HF does not have: {extra[:5]}")
-        ok = False
+    ok = same_gradient_names(dmoe_grads, truth) and ok
     # aux_loss is printed, not bounded on its own: it counts routed assignments, so one assignment that bf16 routes
     # to another expert than f32 does (in either implementation) moves it by ~E·P/(T·k) (aux case, call 1: dmoe
     # 4.0e-3 from f32, transformers 1.2e-4); the total loss above includes it.
@@ -304,14 +308,7 @@ def run_case(name, args, workdir):
 
     hf_grads = hf_grads_by_checkpoint_name(model, config)
     dmoe_grads = {k[len("grad."):]: v for k, v in d.items() if k.startswith("grad.")}
-    missing = sorted(set(hf_grads) - set(dmoe_grads))
-    extra = sorted(set(dmoe_grads) - set(hf_grads))
-    if missing:
-        print(f"  MISS dmoe wrote no gradient for {len(missing)} HF parameters, e.g. {missing[:5]}")
-        ok = False
-    if extra:
-        print(f"  MISS dmoe wrote gradients HF does not have: {extra[:5]}")
-        ok = False
+    ok = same_gradient_names(dmoe_grads, hf_grads) and ok
     worst = (0.0, "")
     for pname in sorted(set(hf_grads) & set(dmoe_grads)):
         ok = compare("grad." + pname, dmoe_grads[pname], hf_grads[pname], args.rtol, args.atol, args.verbose,
