@@ -21,6 +21,7 @@
 #include <mutex>
 #include <optional>
 #include <stdexcept>
+#include <type_traits>
 #include <string>
 #include <vector>
 
@@ -429,7 +430,8 @@ NB_MODULE(_dmoe, m) {
            "current_stream().cuda_stream; 0 is the legacy default stream).")
       // The arrays are taken as objects (None too) and converted by as_array, whose messages name the argument.
       .def("forward", &PySession::forward, nb::arg("x").none(), nb::arg("y").none(), nb::arg("gate").none(),
-           nb::arg("w1").none(), nb::arg("w3").none(), nb::arg("w2").none(), nb::arg("train") = true, nb::arg("expert_ids").none() = nb::none(),
+           nb::arg("w1").none(), nb::arg("w3").none(), nb::arg("w2").none(), nb::arg("train") = true,
+           nb::arg("expert_ids").none() = nb::none(),
            nb::arg("expert_weights").none() = nb::none(), nb::arg("router_logits").none() = nb::none(),
            "Writes y; returns a ticket for backward() when train (-1 otherwise).")
       .def("backward", &PySession::backward, nb::arg("ticket"), nb::arg("dy").none(), nb::arg("dx").none(),
@@ -437,5 +439,6 @@ NB_MODULE(_dmoe, m) {
            "Writes dx and the gradients (grad_dtype; gate summed over ranks) of the forward behind ticket. CUDA "
            "with bfloat16 weights: dw1/dw3/dw2 may be bfloat16 instead (rounded once as they are stored).")
       .def("release", &PySession::release, nb::arg("ticket"))
-      .def("losses", &PySession::losses, nb::arg("ticket"), "(load_balance, z_loss) of a pending train forward, over all ranks' tokens.");
+      .def("losses", &PySession::losses, nb::arg("ticket"),
+           "(load_balance, z_loss) of a pending train forward, over all ranks' tokens.");
 }
