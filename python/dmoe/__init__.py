@@ -105,8 +105,22 @@ def _check_finite_results(out, allow_non_finite):
 def _run(x, gate, w1, w3, w2, top_k, activation, world, dy, renormalize, capacity_factor, drop_policy,
          aux_loss_coef, z_loss_coef, dtype, pad_to_capacity, batch_row_multiple, allow_non_finite=False):
     np = _np()
-    if activation not in _ACTIVATIONS:
-        raise ValueError(f"dmoe: activation '{activation}' is unknown; allowed: {', '.join(_ACTIVATIONS)}")
+    from ._checks import check_bool, check_choice, check_float, check_int
+
+    check_choice("dmoe", "activation", activation, _ACTIVATIONS)
+    # The scalars' types and ranges here: the extension's refusal of a wrong type names no argument.
+    top_k = check_int("dmoe", "top_k", top_k)
+    world = check_int("dmoe", "world", world)
+    batch_row_multiple = check_int("dmoe", "batch_row_multiple", batch_row_multiple)
+    capacity_factor = check_float("dmoe", "capacity_factor", capacity_factor,
+                                  "0 (dropless) or a finite number > 0")
+    aux_loss_coef = check_float("dmoe", "aux_loss_coef", aux_loss_coef)
+    z_loss_coef = check_float("dmoe", "z_loss_coef", z_loss_coef)
+    renormalize = check_bool("dmoe", "renormalize", renormalize)
+    pad_to_capacity = check_bool("dmoe", "pad_to_capacity", pad_to_capacity)
+    allow_non_finite = check_bool("dmoe", "allow_non_finite", allow_non_finite)
+    check_choice("dmoe", "dtype", dtype, ("float32", "f32", "bfloat16", "bf16"))
+    check_choice("dmoe", "drop_policy", drop_policy, ("latest-tokens", "lowest-weight"))
     for name, a in (("x", x), ("gate", gate), ("w1", w1), ("w3", w3), ("w2", w2), ("dy", dy)):
         if a is not None and not isinstance(a, np.ndarray):
             raise TypeError(f"dmoe: {name} must be a numpy.ndarray, got {type(a).__name__}")

@@ -143,11 +143,14 @@ def replace_moe_blocks(model: torch.nn.Module, engine: str = "auto", world: int 
     ``engine``/``world``/``layer_kwargs`` go to ``dmoe.MoELayer`` (e.g. ``capacity_factor``, ``max_tokens``). The
     layer is made on the block's device and dtype (engine 'auto': 'ep' on CUDA, 'cpu' on the CPU, which computes in
     float32). With world > 1 on CUDA each rank keeps its E/world experts (its rank from the launcher's environment).
-    Raises ValueError naming the block when its semantics cannot be mapped.
+    Raises ValueError naming the block when its semantics cannot be mapped, or when the CPU engine would get
+    parameters that are not float32; then no block is replaced (every replacement is made before any is swapped in).
     """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"dmoe.hf.replace_moe_blocks: model must be a torch.nn.Module, got {type(model).__name__}")
     config = getattr(model, "config", None)
     text_config = getattr(config, "text_config", None) or config
-    replaced = 0
+    made = []
     targets = [(name, module) for name, module in model.named_modules() if _block_kind(module)]
     for name, block in targets:
         kind = _block_kind(block)
@@ -155,6 +158,11 @@ def replace_moe_blocks(model: torch.nn.Module, engine: str = "auto", world: int 
         gate, w1, w3, w2, per_expert = _expert_weights(block, kind)
         experts, hidden = gate.shape
         ffn = w1.shape[1]
+        on_cpu = engine == "cpu" or (engine == "auto" and gate.device.type != "cuda")
+        if on_cpu and gate.dtype != torch.float32:
+            raise ValueError(f"dmoe.hf.replace_moe_blocks: {name} holds {gate.dtype} weights on {gate.device}, and "
+                             "engine 'cpu' computes in float32: convert the model first (model.float()), or move it to "
+                             "CUDA (engine 'ep' stores float32 or bfloat16)")
         top_k = getattr(block, "top_k", None) or getattr(block.gate, "top_k", None) or text_config.num_experts_per_tok
         if kind == "MixtralSparseMoeBlock":
             renormalize = True
@@ -175,13 +183,14 @@ def replace_moe_blocks(model: torch.nn.Module, engine: str = "auto", world: int 
             shared_expert=getattr(block, "shared_expert", None),
             shared_expert_gate=getattr(block, "shared_expert_gate", None), stock_class=type(block))
         new.train(block.training)
+        made.append((name, new, per_expert))
+    for name, new, per_expert in made:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, new)
         if not per_expert and new.gate is not None and _hooks_installed(model):
             _install_router_hook(new.gate)
-        replaced += 1
-    return replaced
+    return len(made)
 
 
 def _hooks_installed(model) -> bool:

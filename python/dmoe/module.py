@@ -9,14 +9,20 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from typing import NamedTuple, Optional
 
 import torch
 
+from ._checks import check_bool, check_choice, check_float, check_int
 from ._dmoe import Session, cuda_built
 
 _ENGINES = ("auto", "cpu", "ep", "flash")
 _ACTIVATIONS = ("relu", "gelu", "swiglu")
+_DROP_POLICIES = ("latest-tokens", "lowest-weight")
+_COMMS = ("auto", "nccl", "nvshmem")
+# The router losses of the forward that just ran in this thread (threads may share a layer).
+_LAST = threading.local()
 
 
 class MoEOutput(NamedTuple):
@@ -123,7 +129,8 @@ class _Ticket:
         return ticket
 
     def __del__(self):
-        if self.id >= 0:
+        # getattr: torch.compile's tracing can make objects of the class without running __init__
+        if getattr(self, "id", -1) >= 0:
             self.session.release(self.id)
 
 
@@ -150,13 +157,18 @@ class _MoEFunction(torch.autograd.Function):
             ctx.ticket = _Ticket(s, ticket)
             ctx.save_for_backward(x2d, gate, w1, w3, w2)  # the engine reads them again in the backward
         ctx.layer = layer
-        layer._last_losses = losses
+        _LAST.losses = losses
         outs = [r for r in routing if r is not None]
         ctx.mark_non_differentiable(*outs)
         return (y, *routing)
 
     @staticmethod
     def backward(ctx, dy, *_routing_grads):
+        if torch.is_grad_enabled():  # create_graph=True: the gradients would carry no graph, so their own gradient
+            # (a gradient penalty, a Hessian-vector product) would silently be missing this layer's part
+            raise RuntimeError("dmoe: MoELayer's backward is not differentiable (the engine computes the gradients "
+                               "outside autograd): a double backward, torch.autograd.grad(..., create_graph=True), "
+                               "is not supported")
         ticket = getattr(ctx, "ticket", None)
         if ticket is None or ticket.id < 0:
             raise RuntimeError("dmoe: this MoELayer forward kept no state for a backward pass (it ran without "
@@ -217,18 +229,33 @@ class MoELayer(torch.nn.Module):
                  drop_policy: str = "latest-tokens", aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0,
                  device=None, dtype=None, max_tokens: int = 8192, comm: str = "auto"):
         super().__init__()
-        if engine not in _ENGINES:
-            raise ValueError(f"dmoe.MoELayer: engine '{engine}' is unknown; allowed: {', '.join(_ENGINES)}")
-        if activation not in _ACTIVATIONS:
-            raise ValueError(f"dmoe.MoELayer: activation '{activation}' is unknown; allowed: {', '.join(_ACTIVATIONS)}")
-        for name, v in (("hidden", hidden), ("ffn", ffn), ("experts", experts), ("top_k", top_k), ("world", world)):
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"dmoe.MoELayer: {name} = {v!r} is invalid; must be an int >= 1")
+        where = "dmoe.MoELayer"
+        check_choice(where, "engine", engine, _ENGINES)
+        check_choice(where, "activation", activation, _ACTIVATIONS)
+        # Every argument is checked here, not at the first forward (where a wrong type was nanobind's "incompatible
+        # function arguments" and a bad value the engine's error, after the layer had been made and placed).
+        hidden, ffn = check_int(where, "hidden", hidden, hi=2**62), check_int(where, "ffn", ffn, hi=2**62)
+        experts, top_k = check_int(where, "experts", experts), check_int(where, "top_k", top_k)
+        world = check_int(where, "world", world)
+        max_tokens = check_int(where, "max_tokens", max_tokens, hi=2**62)
+        capacity_factor = check_float(where, "capacity_factor", capacity_factor, "0 (dropless) or a finite number > 0")
+        aux_loss_coef = check_float(where, "aux_loss_coef", aux_loss_coef)
+        z_loss_coef = check_float(where, "z_loss_coef", z_loss_coef)
+        renormalize = check_bool(where, "renormalize", renormalize)
+        check_choice(where, "drop_policy", drop_policy, _DROP_POLICIES)
+        check_choice(where, "comm", comm, _COMMS)
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise TypeError(f"{where}: dtype = {dtype!r} is a {type(dtype).__name__}; must be a torch.dtype "
+                            "(torch.float32 or, on CUDA, torch.bfloat16) or None")
         if experts % world:
             raise ValueError(f"dmoe.MoELayer: experts = {experts} cannot be split over world = {world} ranks; "
                              "experts must be a multiple of world")
         if top_k > experts:
             raise ValueError(f"dmoe.MoELayer: top_k = {top_k} is larger than experts = {experts}")
+        # The rest of the config's rules (the engine's own check, on a CPU session that allocates nothing).
+        Session(hidden, ffn, experts, top_k, activation, world=world, engine="cpu", renormalize=renormalize,
+                capacity_factor=capacity_factor, drop_policy=drop_policy, aux_loss_coef=aux_loss_coef,
+                z_loss_coef=z_loss_coef, max_tokens=max_tokens)
         device = torch.device(device) if device is not None else torch.device("cpu")
         # 'auto' with one rank follows the input's device at every call (layer.cuda() then runs 'ep'); with several
         # ranks the parameters' shapes depend on the engine, so it is decided here.
@@ -339,11 +366,16 @@ class MoELayer(torch.nn.Module):
         """y = layer(x) for x [..., H] (the parameters' dtype and device); with return_routing a MoEOutput."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"dmoe.MoELayer: x must be a torch.Tensor, got {type(x).__name__}")
-        if x.shape[-1] != self.hidden:
+        if x.dim() == 0 or x.shape[-1] != self.hidden:
             raise ValueError(f"dmoe.MoELayer: x has shape {list(x.shape)}; its last dimension must be hidden = "
                              f"{self.hidden}")
         if x.dtype != self.w1.dtype:
             raise TypeError(f"dmoe.MoELayer: x is {x.dtype} but the parameters are {self.w1.dtype}; they must match")
+        for name in ("gate", "w1", "w3", "w2"):
+            p = getattr(self, name)
+            if p is not None and p.device != x.device:
+                raise ValueError(f"dmoe.MoELayer: {name} is on {p.device} but x is on {x.device}; the parameters and "
+                                 "the input must be on one device (layer.to(x.device))")
         x2d = x.reshape(-1, self.hidden).contiguous()
         params = [self.gate, self.w1, self.w3, self.w2]
         train = torch.is_grad_enabled() and (x.requires_grad or any(p is not None and p.requires_grad for p in params))
@@ -353,11 +385,11 @@ class MoELayer(torch.nn.Module):
             out = (y, ids, ids.float(), None)
             losses = (None, None)
         else:
+            _LAST.losses = (None, None)
             out = _MoEFunction.apply(self, train, return_routing, x2d, *params)
-            losses = self._last_losses
+            losses = _LAST.losses
         y = out[0].reshape(x.shape)
         if not return_routing:
             return y
         return MoEOutput(y, out[1], out[2], out[3], *losses)
 
-    _last_losses = (None, None)  # of the last forward (set by _MoEFunction.forward)

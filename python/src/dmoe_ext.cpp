@@ -5,6 +5,9 @@
 // (host memory for the cpu engine, this session's GPU for ep/flash), dtype, shape and C-contiguity — and a
 // mismatch raises TypeError or ValueError naming the argument, what it is and what is allowed. dmoe's own
 // errors become ValueError (bad input) or RuntimeError (internal). The GIL is released while the engine runs.
+// A session runs one call at a time (a mutex: threads sharing a layer wait for each other), and it keeps the
+// arrays a train forward read (x and the weights, which its backward reads again) referenced until that
+// backward or release, so that dropping them in between cannot leave the engine reading freed memory.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
@@ -13,9 +16,12 @@
 
 #include <cstdint>
 #include <cstring>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <stdexcept>
+#include <type_traits>
 #include <string>
 #include <vector>
 
@@ -29,7 +35,38 @@ namespace nb = nanobind;
 namespace dmoe {
 namespace {
 
-using Array = nb::ndarray<>;
+using Array = nb::ndarray<>;              // written by dmoe (y, dx, the gradients, the routing outputs)
+using InArray = nb::ndarray<nb::ro>;      // read only (x, the weights, dy): read-only arrays are accepted
+
+// Takes one argument as an array, with a message naming it when it is none (nanobind's own message for a
+// mismatch lists the whole signature and not which argument is wrong).
+template <class A>
+A as_array(nb::handle h, const char* name) {
+  A a;
+  if (nb::try_cast<A>(h, a, /*convert=*/false)) return a;
+  std::string why;
+  if constexpr (!std::is_same_v<A, InArray>) {
+    InArray ro;
+    if (nb::try_cast<InArray>(h, ro, false))
+      throw nb::value_error(("dmoe: " + std::string(name) + " is read-only; dmoe writes its result there: pass a "
+                             "writable array").c_str());
+  }
+  if (nb::hasattr(h, "requires_grad") && nb::hasattr(h, "detach") && nb::cast<bool>(h.attr("requires_grad")))
+    why = " (a torch.Tensor that requires grad: pass tensor.detach())";
+  else if (nb::hasattr(h, "is_meta") && nb::cast<bool>(h.attr("is_meta")))
+    why = " (a tensor on the 'meta' device has no data)";
+  const std::string type = nb::cast<std::string>(nb::str(nb::handle(reinterpret_cast<PyObject*>(Py_TYPE(h.ptr())))
+                                                                .attr("__name__")));
+  throw nb::type_error(("dmoe: " + std::string(name) + " must be an array (numpy.ndarray, torch.Tensor or anything "
+                        "with __dlpack__ or the buffer protocol), got " + type + why)
+                           .c_str());
+}
+
+template <class A>
+std::optional<A> as_optional_array(nb::handle h, const char* name) {
+  if (h.is_none()) return std::nullopt;
+  return as_array<A>(h, name);
+}
 
 std::string dtype_text(nb::dlpack::dtype t) {
   const auto code = static_cast<nb::dlpack::dtype_code>(t.code);
@@ -59,7 +96,8 @@ std::string shape_text(const std::vector<int64_t>& s) {
   return out + "]";
 }
 
-std::string shape_of(const Array& a) {
+template <class A>
+std::string shape_of(const A& a) {
   std::vector<int64_t> s;
   for (size_t i = 0; i < a.ndim(); ++i) s.push_back(int64_t(a.shape(i)));
   return shape_text(s);
@@ -74,7 +112,8 @@ struct Place {
 
 // Checks one array and returns its data pointer: device, dtype, shape (the element count only when
 // `flat`: any shape with that many elements, e.g. [B, S, H] for [rows, H]), C-contiguity.
-void* check_array(const Array& a, const char* name, const Place& place, DType dtype, const std::vector<int64_t>& shape,
+template <class A>
+void* check_array(const A& a, const char* name, const Place& place, DType dtype, const std::vector<int64_t>& shape,
                   bool flat = false) {
   const bool on_cuda = a.device_type() == nb::device::cuda::value;
   const bool on_host = a.device_type() == nb::device::cpu::value;
@@ -112,7 +151,7 @@ void* check_array(const Array& a, const char* name, const Place& place, DType dt
                                 .c_str());
     expect *= int64_t(a.shape(i));
   }
-  return a.data();
+  return const_cast<void*>(static_cast<const void*>(a.data()));
 }
 
 DType parse_storage(const std::string& name) {
@@ -144,6 +183,11 @@ class PySession {
     c.z_loss_coef = z_loss_coef;
     SessionOptions o;
     o.engine = parse_engine_kind(engine);
+    // Checked for every engine (the CPU engine ignores them), so that a typo is not found only on a GPU.
+    if (comm != "auto" && comm != "nccl" && comm != "nvshmem")
+      throw nb::value_error(("dmoe: comm '" + comm + "' is unknown; allowed: auto, nccl, nvshmem").c_str());
+    if (max_tokens < 1)
+      throw nb::value_error(("dmoe: max_tokens = " + std::to_string(max_tokens) + " is invalid; must be >= 1").c_str());
     o.device = device;
     o.comm = comm;
     o.max_tokens = max_tokens;
@@ -160,17 +204,37 @@ class PySession {
   const Place& place() const { return place_; }
   DType storage() const { return storage_; }
 
-  void set_stream(uintptr_t stream) { session_->set_stream(reinterpret_cast<Stream>(stream)); }
+  // Runs fn on the session with the GIL released and the session's lock held (the lock is taken without the GIL,
+  // so a thread waiting for it never blocks one that needs the GIL).
+  template <class F>
+  auto locked(F&& fn) {
+    nb::gil_scoped_release release;
+    std::lock_guard<std::mutex> lock(mutex_);
+    return fn(*session_);
+  }
 
-  int64_t forward(const Array& x, const Array& y, const Array& gate, const Array& w1, const std::optional<Array>& w3,
-                  const Array& w2, bool train, const std::optional<Array>& expert_ids,
-                  const std::optional<Array>& expert_weights, const std::optional<Array>& router_logits) {
+  void set_stream(uintptr_t stream) {
+    locked([&](LayerSession& s) { s.set_stream(reinterpret_cast<Stream>(stream)); });
+  }
+
+  int64_t forward(nb::handle x_h, nb::handle y_h, nb::handle gate_h, nb::handle w1_h, nb::handle w3_h,
+                  nb::handle w2_h, bool train, nb::handle ids_h, nb::handle weights_h, nb::handle logits_h) {
     const MoeConfig& c = session_->config();
-    const int64_t H = c.hidden, I = c.ffn, E = c.experts, k = c.top_k, Ne = session_->held_experts();
+    const int64_t H = c.hidden, E = c.experts, k = c.top_k, Ne = session_->held_experts();
+    const InArray x = as_array<InArray>(x_h, "x");
+    const Array y = as_array<Array>(y_h, "y");
+    const InArray gate = as_array<InArray>(gate_h, "gate"), w1 = as_array<InArray>(w1_h, "w1"),
+                  w2 = as_array<InArray>(w2_h, "w2");
+    const std::optional<InArray> w3 = as_optional_array<InArray>(w3_h, "w3");
+    const std::optional<Array> expert_ids = as_optional_array<Array>(ids_h, "expert_ids"),
+                               expert_weights = as_optional_array<Array>(weights_h, "expert_weights"),
+                               router_logits = as_optional_array<Array>(logits_h, "router_logits");
     if (x.ndim() < 1 || int64_t(x.shape(x.ndim() - 1)) != H)
       throw nb::value_error(("dmoe: x has shape " + shape_of(x) + "; its last dimension must be hidden = " +
                              std::to_string(H)).c_str());
     const int64_t rows = int64_t(x.size()) / H;
+    if (rows < 1)
+      throw nb::value_error(("dmoe: x has shape " + shape_of(x) + ", no tokens; give at least one").c_str());
     SessionForward f;
     f.rows = rows;
     f.train = train;
@@ -183,19 +247,36 @@ class PySession {
       f.expert_weights = static_cast<float*>(check_array(*expert_weights, "expert_weights", place_, DType::f32, {rows, k}));
     if (router_logits)
       f.router_logits = static_cast<float*>(check_array(*router_logits, "router_logits", place_, DType::f32, {rows, E}));
-    (void)I;
-    nb::gil_scoped_release release;
-    return session_->forward(f);
+    const int64_t ticket = locked([&](LayerSession& s) { return s.forward(f); });
+    if (ticket >= 0) {
+      Pending& p = pending_[ticket];
+      p.rows = rows;
+      for (nb::handle h : {x_h, gate_h, w1_h, w3_h, w2_h}) p.keep.push_back(nb::borrow(h));
+    }
+    return ticket;
   }
 
-  void backward(int64_t ticket, const Array& dy, const Array& dx, const Array& dgate, const Array& dw1,
-                const std::optional<Array>& dw3, const Array& dw2) {
+  void backward(int64_t ticket, nb::handle dy_h, nb::handle dx_h, nb::handle dgate_h, nb::handle dw1_h,
+                nb::handle dw3_h, nb::handle dw2_h) {
     const MoeConfig& c = session_->config();
     const int64_t H = c.hidden;
+    const InArray dy = as_array<InArray>(dy_h, "dy");
+    const Array dx = as_array<Array>(dx_h, "dx"), dgate = as_array<Array>(dgate_h, "grad gate"),
+                dw1 = as_array<Array>(dw1_h, "grad w1"), dw2 = as_array<Array>(dw2_h, "grad w2");
+    const std::optional<Array> dw3 = as_optional_array<Array>(dw3_h, "grad w3");
+    const auto pending = pending_.find(ticket);
+    if (pending == pending_.end())
+      throw nb::value_error(("dmoe: backward: ticket " + std::to_string(ticket) + " is not a pending train forward "
+                             "of this layer (already backward()ed or released, or from an inference forward)").c_str());
+    // dy and dx have the rows of that forward (the engine reads and writes that many).
+    const int64_t rows = pending->second.rows;
     if (dy.ndim() < 1 || int64_t(dy.shape(dy.ndim() - 1)) != H)
       throw nb::value_error(("dmoe: dy has shape " + shape_of(dy) + "; its last dimension must be hidden = " +
                              std::to_string(H)).c_str());
-    const int64_t rows = int64_t(dy.size()) / H;
+    if (int64_t(dy.size()) / H != rows)
+      throw nb::value_error(("dmoe: dy has shape " + shape_of(dy) + ", " + std::to_string(int64_t(dy.size()) / H) +
+                             " rows, but the forward of ticket " + std::to_string(ticket) + " had " +
+                             std::to_string(rows) + "; dy and dx must have x's rows").c_str());
     SessionBackward b;
     b.ticket = ticket;
     b.dy = check_array(dy, "dy", place_, storage_, {rows, H}, true);
@@ -213,13 +294,35 @@ class PySession {
     check_weights(dgate, dw1, dw3, dw2, session_->grad_dtype(), session_->held_experts(), "grad ",
                   experts_bf16 ? DType::bf16 : session_->grad_dtype());
     b.grads = GradViews{dgate.data(), dw1.data(), dw3 ? dw3->data() : nullptr, dw2.data(), experts_bf16};
-    nb::gil_scoped_release release;
-    session_->backward(b);
+    // The engine uses the forward's state up whether the backward succeeds or fails: so are its kept arrays
+    // (released here, with the GIL held, after the engine is done with them).
+    std::vector<nb::object> keep = std::move(pending->second.keep);
+    pending_.erase(pending);
+    locked([&](LayerSession& s) { s.backward(b); });
+  }
+
+  void release(int64_t ticket) {
+    locked([&](LayerSession& s) { s.release(ticket); });
+    pending_.erase(ticket);
+  }
+
+  std::tuple<double, double> losses(int64_t ticket) {
+    const RouterLosses l = locked([&](LayerSession& s) { return s.losses(ticket); });
+    return std::make_tuple(l.load_balance, l.z_loss);
+  }
+
+  int64_t pending() {
+    return locked([&](LayerSession& s) { return s.pending(); });
+  }
+
+  int64_t engines() {
+    return locked([&](LayerSession& s) { return s.engines(); });
   }
 
  private:
   // expert_dtype: of w1/w3/w2 (defaults to dtype, the gate's).
-  void check_weights(const Array& gate, const Array& w1, const std::optional<Array>& w3, const Array& w2, DType dtype,
+  template <class A>
+  void check_weights(const A& gate, const A& w1, const std::optional<A>& w3, const A& w2, DType dtype,
                      int64_t Ne, const std::string& prefix, std::optional<DType> expert_dtype = std::nullopt) {
     const MoeConfig& c = session_->config();
     const int64_t H = c.hidden, I = c.ffn, E = c.experts;
@@ -235,6 +338,14 @@ class PySession {
     if (w3) check_array(*w3, (prefix + "w3").c_str(), place_, ed, {Ne, I, H});
   }
 
+  // A pending train forward: its rows, and the arrays it read (kept referenced until its backward or release).
+  struct Pending {
+    int64_t rows = 0;
+    std::vector<nb::object> keep;
+  };
+
+  std::mutex mutex_;  // one engine call at a time
+  std::map<int64_t, Pending> pending_;  // touched with the GIL held
   std::unique_ptr<LayerSession> session_;
   Place place_;
   DType storage_ = DType::f32;
@@ -319,24 +430,22 @@ NB_MODULE(_dmoe, m) {
       .def_prop_ro("held_experts", [](PySession& s) { return s.session().held_experts(); })
       .def_prop_ro("storage_dtype", [](PySession& s) { return std::string(dtype_name(s.storage())); })
       .def_prop_ro("grad_dtype", [](PySession& s) { return std::string(dtype_name(s.session().grad_dtype())); })
-      .def_prop_ro("pending", [](PySession& s) { return s.session().pending(); })
-      .def_prop_ro("engines", [](PySession& s) { return s.session().engines(); })
+      .def_prop_ro("pending", &PySession::pending)
+      .def_prop_ro("engines", &PySession::engines)
       .def("set_stream", &PySession::set_stream, nb::arg("stream"),
            "CUDA: issue the following calls' work on this cudaStream_t (an int, e.g. torch's "
            "current_stream().cuda_stream; 0 is the legacy default stream).")
-      .def("forward", &PySession::forward, nb::arg("x"), nb::arg("y"), nb::arg("gate"), nb::arg("w1"),
-           nb::arg("w3").none(), nb::arg("w2"), nb::arg("train") = true, nb::arg("expert_ids").none() = nb::none(),
+      // The arrays are taken as objects (None too) and converted by as_array, whose messages name the argument.
+      .def("forward", &PySession::forward, nb::arg("x").none(), nb::arg("y").none(), nb::arg("gate").none(),
+           nb::arg("w1").none(), nb::arg("w3").none(), nb::arg("w2").none(), nb::arg("train") = true,
+           nb::arg("expert_ids").none() = nb::none(),
            nb::arg("expert_weights").none() = nb::none(), nb::arg("router_logits").none() = nb::none(),
            "Writes y; returns a ticket for backward() when train (-1 otherwise).")
-      .def("backward", &PySession::backward, nb::arg("ticket"), nb::arg("dy"), nb::arg("dx"), nb::arg("dgate"),
-           nb::arg("dw1"), nb::arg("dw3").none(), nb::arg("dw2"),
+      .def("backward", &PySession::backward, nb::arg("ticket"), nb::arg("dy").none(), nb::arg("dx").none(),
+           nb::arg("dgate").none(), nb::arg("dw1").none(), nb::arg("dw3").none(), nb::arg("dw2").none(),
            "Writes dx and the gradients (grad_dtype; gate summed over ranks) of the forward behind ticket. CUDA "
            "with bfloat16 weights: dw1/dw3/dw2 may be bfloat16 instead (rounded once as they are stored).")
-      .def("release", [](PySession& s, int64_t ticket) { s.session().release(ticket); }, nb::arg("ticket"))
-      .def("losses",
-           [](PySession& s, int64_t ticket) {
-             const RouterLosses l = s.session().losses(ticket);
-             return std::make_tuple(l.load_balance, l.z_loss);
-           },
-           nb::arg("ticket"), "(load_balance, z_loss) of a pending train forward, over all ranks' tokens.");
+      .def("release", &PySession::release, nb::arg("ticket"))
+      .def("losses", &PySession::losses, nb::arg("ticket"),
+           "(load_balance, z_loss) of a pending train forward, over all ranks' tokens.");
 }

@@ -148,3 +148,22 @@ def test_restore_after_training(kind):
         back = model(ids, output_router_logits=True)
     assert rel(back.logits, trained.logits) < TOL  # the stock blocks hold the trained weights
     assert abs(float(back.aux_loss) - float(trained.aux_loss)) < 1e-5 * abs(float(trained.aux_loss))
+
+
+def test_replace_refuses_what_cannot_run_and_replaces_nothing():
+    # Python API bad-input pass (docs/faults.md): a float64 (or bf16) model on the CPU, or a layer argument the engine
+    # refuses, was replaced block by block and failed at its first forward, the model left with dmoe blocks;
+    # replace_moe_blocks(None) was an AttributeError.
+    model = tiny("mixtral")
+    blocks = lambda m: [type(b).__name__ for n, b in m.named_modules() if n.endswith("mlp")]  # noqa: E731
+    stock = blocks(model)
+    with pytest.raises(ValueError, match=r"holds torch.float64 weights on cpu, and engine 'cpu' computes in float32"):
+        dmoe.hf.replace_moe_blocks(model.double())
+    assert blocks(model) == stock
+    model.float()
+    with pytest.raises(ValueError, match="capacity_factor = nan is invalid"):
+        dmoe.hf.replace_moe_blocks(model, capacity_factor=float("nan"))
+    assert blocks(model) == stock
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module, got NoneType"):
+        dmoe.hf.replace_moe_blocks(None)
+    assert dmoe.hf.replace_moe_blocks(model) == 2

@@ -177,3 +177,109 @@ def test_results_that_overflow_are_refused_unless_allowed():
            np.full_like(dy, np.float32(3e38)), **kw)
     # Finite results pass as before.
     assert np.isfinite(dmoe.layer_forward(x, gate, w1, w3, w2, **kw)["y"]).all()
+
+
+# ---- the Python API's bad-input pass (docs/faults.md, "Python API bad-input pass") -------------------------------
+
+
+def test_scalar_arguments_are_refused_by_name():
+    # A wrong scalar type reached the extension, whose refusal was nanobind's "incompatible function arguments"
+    # for Session.__init__, naming no argument (and top_k=True an opaque "an integer is required").
+    x, gate, w1, w3, w2, _ = make("swiglu", 8)
+    run = lambda **kw: dmoe.layer_forward(x, gate, w1, w3, w2, **dict(dict(top_k=K), **kw))  # noqa: E731
+    expect(TypeError, "top_k = 2.0 is a float; must be an int", run, top_k=2.0)
+    expect(TypeError, "top_k = True is a bool", run, top_k=True)
+    expect(ValueError, r"world = 2147483648 is invalid; must be an int in \[1, 2147483647\]", run, world=2**31)
+    expect(TypeError, "capacity_factor = '1' is a str", run, capacity_factor="1")
+    expect(TypeError, "renormalize = None is a NoneType; must be True or False", run, renormalize=None)
+    expect(TypeError, "pad_to_capacity = 'no' is a str", run, pad_to_capacity="no")
+    expect(ValueError, "dtype 'float16' is unknown; allowed: float32, f32, bfloat16, bf16", run, dtype="float16")
+    assert run(top_k=np.int64(K), capacity_factor=np.float32(1.0))["y"].shape == x.shape
+
+
+def test_session_backward_needs_the_rows_of_its_forward():
+    # dy and dx with other rows than the forward's were read and written as if they had them: out of bounds.
+    x, gate, w1, w3, w2, dy = make("swiglu", 8)
+    s = dmoe.Session(H, I, E, K)
+    ticket = s.forward(x, np.empty_like(x), gate, w1, w3, w2)
+    grads = [np.empty(a.shape, np.float64) for a in (gate, w1, w3, w2)]
+    expect(ValueError, r"dy has shape \[4, 16\], 4 rows, but the forward of ticket 0 had 8", s.backward, ticket,
+           dy[:4].copy(), np.empty((4, H), np.float32), *grads)
+    expect(ValueError, "had 8", s.backward, ticket, np.tile(dy, (8, 1)), np.empty((64, H), np.float32), *grads)
+    dx = np.empty_like(x)
+    s.backward(ticket, dy, dx, *grads)  # still pending: the refusals used nothing up
+    np.testing.assert_array_equal(dx, dmoe.layer_backward(x, gate, w1, w3, w2, dy, top_k=K)["dx"])
+
+
+def test_session_keeps_what_a_train_forward_read_until_its_backward():
+    # The engine reads x and the weights again in the backward; arrays dropped in between were freed, and the
+    # backward read freed memory (dx came back wrong without a word).
+    import gc
+    import weakref
+
+    x, gate, w1, w3, w2, dy = make("swiglu", 8)
+    s = dmoe.Session(H, I, E, K)
+    xc, w1c = x.copy(), w1.copy()
+    refs = [weakref.ref(xc), weakref.ref(w1c)]
+    ticket = s.forward(xc, np.empty_like(x), gate, w1c, w3, w2)
+    del xc, w1c
+    gc.collect()
+    junk = [np.full(w1.shape, 7.0, np.float32) for _ in range(8)]  # noqa: F841  (reuses freed memory, if any)
+    assert all(r() is not None for r in refs)
+    dx = np.empty_like(x)
+    s.backward(ticket, dy, dx, *[np.empty(a.shape, np.float64) for a in (gate, w1, w3, w2)])
+    np.testing.assert_array_equal(dx, dmoe.layer_backward(x, gate, w1, w3, w2, dy, top_k=K)["dx"])
+    gc.collect()
+    assert all(r() is None for r in refs)  # let go after the backward (and after release, below)
+    xc = x.copy()
+    ref = weakref.ref(xc)
+    s.release(s.forward(xc, np.empty_like(x), gate, w1, w3, w2))
+    del xc
+    assert ref() is None
+
+
+def test_session_names_the_array_that_is_wrong():
+    # nanobind's "incompatible function arguments" (the whole signature) for a read-only x, a read-only y, a list or
+    # None; 0 rows were "not C-contiguous"; an unknown comm or max_tokens 0 passed on the CPU engine.
+    x, gate, w1, w3, w2, _ = make("swiglu", 8)
+    s = dmoe.Session(H, I, E, K)
+    ro = x.copy()
+    ro.setflags(write=False)
+    y = np.empty_like(x)
+    s.forward(ro, y, gate, w1, w3, w2, train=False)  # inputs may be read-only
+    np.testing.assert_array_equal(y, dmoe.layer_forward(x, gate, w1, w3, w2, top_k=K)["y"])
+    y.setflags(write=False)
+    expect(ValueError, "y is read-only; dmoe writes its result there", s.forward, x, y, gate, w1, w3, w2)
+    expect(TypeError, "x must be an array .* got list", s.forward, x.tolist(), np.empty_like(x), gate, w1, w3, w2)
+    expect(TypeError, "gate must be an array .* got NoneType", s.forward, x, np.empty_like(x), None, w1, w3, w2)
+    expect(ValueError, r"x has shape \[0, 16\], no tokens", s.forward, x[:0], x[:0].copy(), gate, w1, w3, w2)
+    expect(ValueError, "comm 'mpi' is unknown; allowed: auto, nccl, nvshmem", dmoe.Session, H, I, E, K, comm="mpi")
+    expect(ValueError, "max_tokens = 0 is invalid", dmoe.Session, H, I, E, K, max_tokens=0)
+
+
+def test_threads_sharing_a_session_take_turns():
+    # Train forwards from several threads on one session raced in the engine state: SIGSEGV (world 2), or wrong
+    # results (world 1). In a subprocess, so that a crash fails this test, not the run.
+    import subprocess
+    import sys
+
+    code = (
+        "import threading, numpy as np, dmoe\n"
+        "rng = np.random.default_rng(0)\n"
+        "f = lambda *s: (rng.standard_normal(s) * 0.3).astype(np.float32)\n"
+        f"H, I, E, K = {H}, {I}, {E}, {K}\n"
+        "x, gate, w1, w3, w2 = f(8, H), f(E, H), f(E, I, H), f(E, I, H), f(E, H, I)\n"
+        "ref = dmoe.layer_forward(x, gate, w1, w3, w2, top_k=K, world=2)['y']\n"
+        "s = dmoe.Session(H, I, E, K, world=2)\n"
+        "bad = []\n"
+        "def run():\n"
+        "    for _ in range(20):\n"
+        "        y = np.empty_like(x)\n"
+        "        s.release(s.forward(x, y, gate, w1, w3, w2))\n"
+        "        bad.append(not np.array_equal(y, ref))\n"
+        "ts = [threading.Thread(target=run) for _ in range(4)]\n"
+        "[t.start() for t in ts]; [t.join() for t in ts]\n"
+        "print(sum(bad), len(bad), s.pending)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    assert r.stdout.split() == ["0", "80", "0"]

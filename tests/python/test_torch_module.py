@@ -296,3 +296,88 @@ def test_init_from_process_group_needs_torch_distributed():
         pytest.skip("a process group is already initialized in this process")
     with pytest.raises(RuntimeError, match="torch.distributed is not initialized"):
         dmoe.init_from_process_group()
+
+
+# ---- the Python API's bad-input pass (docs/faults.md, "Python API bad-input pass") -------------------------------
+
+
+def test_constructor_checks_every_argument():
+    # These were accepted by the constructor and refused at the first forward (by the engine, or as nanobind's
+    # "incompatible function arguments"), or accepted for good (comm, max_tokens on the CPU engine, hidden=True);
+    # numpy ints were refused as "not an int".
+    def refused(exc, match, **kw):
+        args = dict(hidden=H, ffn=I, experts=E, top_k=K, engine="cpu")
+        args.update(kw)
+        with pytest.raises(exc, match=match):
+            dmoe.MoELayer(**args)
+
+    refused(ValueError, "drop_policy 'random' is unknown; allowed: latest-tokens, lowest-weight", capacity_factor=1.0,
+            drop_policy="random")
+    refused(ValueError, "capacity_factor = nan is invalid", capacity_factor=float("nan"))
+    refused(ValueError, "aux_loss_coef = inf is invalid", aux_loss_coef=float("inf"))
+    refused(ValueError, "comm 'mpi' is unknown; allowed: auto, nccl, nvshmem", comm="mpi")
+    refused(ValueError, "max_tokens = 0 is invalid", max_tokens=0)
+    refused(TypeError, "renormalize = 'no' is a str; must be True or False", renormalize="no")
+    refused(TypeError, "hidden = True is a bool; must be an int", hidden=True)
+    refused(ValueError, r"experts = 2147483648 is invalid; must be an int in \[1, 2147483647\]", experts=2**31)
+    refused(TypeError, "dtype = 'float32' is a str; must be a torch.dtype", dtype="float32")
+    import numpy as np
+
+    m = dmoe.MoELayer(np.int64(H), I, E, K, engine="cpu")
+    assert m(torch.randn(3, H)).shape == (3, H) and type(m.hidden) is int
+
+
+def test_forward_refuses_a_0d_input_and_parameters_elsewhere():
+    # A 0-d x ended in "IndexError: tuple index out of range"; parameters on 'meta' with x on the CPU in nanobind's
+    # "incompatible function arguments".
+    m = dmoe.MoELayer(H, I, E, K, engine="cpu")
+    with pytest.raises(ValueError, match=r"x has shape \[\]; its last dimension must be hidden = 16"):
+        m(torch.tensor(1.0))
+    meta = dmoe.MoELayer(H, I, E, K, engine="cpu", device="meta")
+    with pytest.raises(ValueError, match="gate is on meta but x is on cpu"):
+        meta(torch.randn(4, H))
+
+
+def test_double_backward_is_refused():
+    # create_graph=True returned gradients without a graph: a gradient penalty through the layer lost its part
+    # without a word (or failed later with "element 0 of tensors does not require grad").
+    m = dmoe.MoELayer(H, I, E, K, engine="cpu")
+    x = torch.randn(6, H, requires_grad=True)
+    with pytest.raises(RuntimeError, match="backward is not differentiable"):
+        torch.autograd.grad(m(x).sum(), x, create_graph=True)
+    g, = torch.autograd.grad(m(x).sum(), x)  # a plain backward still works
+    assert g.shape == x.shape
+
+
+def test_ticket_made_without_init_is_dropped_quietly():
+    # torch.compile's tracing makes _Ticket objects without __init__: their __del__ raised AttributeError ("Exception
+    # ignored in ... _Ticket.__del__") at every compiled forward.
+    from dmoe.module import _Ticket
+
+    _Ticket.__new__(_Ticket).__del__()
+
+
+def test_threads_sharing_a_layer_take_turns():
+    # Train steps from several threads on one layer (one engine session) raced in the engine: SIGSEGV. The router
+    # losses a forward reports are its own (they were the layer's last forward's, any thread's). In a subprocess.
+    import subprocess
+    import sys
+
+    code = (
+        "import threading, torch, dmoe\n"
+        "torch.set_num_threads(1)\n"
+        f"m = dmoe.MoELayer({H}, {I}, {E}, {K}, world=2, engine='cpu')\n"
+        f"xs = [torch.randn(8, {H}) for _ in range(4)]\n"
+        "ref = [m(x, return_routing=True).load_balance for x in xs]\n"
+        "bad = []\n"
+        "def run(i):\n"
+        "    for _ in range(15):\n"
+        "        out = m(xs[i], return_routing=True)\n"
+        "        out.y.sum().backward()\n"
+        "        bad.append(out.load_balance != ref[i])\n"
+        "ts = [threading.Thread(target=run, args=(i,)) for i in range(4)]\n"
+        "[t.start() for t in ts]; [t.join() for t in ts]\n"
+        "print(sum(bad), len(bad), m._session.pending)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    assert r.stdout.split() == ["0", "60", "0"]
