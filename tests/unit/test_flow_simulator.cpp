@@ -360,16 +360,27 @@ TEST(FlowSimulator, RanksWithDifferentTimingsNeverDeadlockWithTwoCommunicators) 
   EXPECT_GT(serial_deadlocks, 0) << "the hazard that motivates AR's own communicator did not show up";
 }
 
+// Known costs for the calibration tests: per task kind fixed_ms and batch_ms uniform in [lo, lo + span), the AR's
+// alpha and rate, 3 MiB of dense gradients per layer.
+struct Range {
+  double lo, span;
+};
+CostModel random_costs(Rng& rng, Range fixed, Range batch, double ar_alpha_ms, double ar_bytes_per_ms, int32_t layers) {
+  CostModel c;
+  for (int k = 0; k < 8; ++k)
+    c.tasks[size_t(k)] = {fixed.lo + fixed.span * rng.uniform(), batch.lo + batch.span * rng.uniform()};
+  c.ar_alpha_ms = ar_alpha_ms;
+  c.ar_bytes_per_ms = ar_bytes_per_ms;
+  c.dense_grad_bytes_per_layer = 3 << 20;
+  c.layers = layers;
+  return c;
+}
+
 TEST(FlowSimulator, CalibrationRecoversTheCostsFromTimelines) {
   // Timelines made by the simulator from known costs: the fit must give those costs back, and the fitted model
   // must predict a third configuration exactly. Then noise of ±2 % per task: the prediction stays within 3 %.
-  CostModel truth;
   Rng rng(3);
-  for (int k = 0; k < 8; ++k) truth.tasks[size_t(k)] = {0.05 + 0.2 * rng.uniform(), 0.5 + 4 * rng.uniform()};
-  truth.ar_alpha_ms = 0.07;
-  truth.ar_bytes_per_ms = 4e6;
-  truth.dense_grad_bytes_per_layer = 3 << 20;
-  truth.layers = 3;
+  const CostModel truth = random_costs(rng, {0.05, 0.2}, {0.5, 4}, 0.07, 4e6, 3);
   const TaskGraph a = build_task_graph(spec_of(Schedule::chunked_ar, 3, 2, 3 << 20, 2 << 20));  // chunks 2 MiB + 1 MiB
   const TaskGraph b = build_task_graph(spec_of(Schedule::chunked_ar, 3, 4, 3 << 20, 2 << 20));
   const CostModel fit = fit_cost_model({{&a, simulate(a, truth).events}, {&b, simulate(b, truth).events}});
@@ -409,13 +420,8 @@ TEST(FlowSimulator, CalibrationChargesIssueGapsWhenAsked) {
   // started (a wait for routing counts). Made here by simulating with dur + gap and then moving every start `gap`
   // later. Fitting the measured durations misses the gaps (the simulated step comes out short); charging each task
   // from when it could start recovers dur + gap, and predicts a third configuration exactly.
-  CostModel dur;
   Rng rng(5);
-  for (int k = 0; k < 8; ++k) dur.tasks[size_t(k)] = {0.02 + 0.1 * rng.uniform(), 0.5 + 2 * rng.uniform()};
-  dur.ar_alpha_ms = 0.05;
-  dur.ar_bytes_per_ms = 5e6;
-  dur.dense_grad_bytes_per_layer = 3 << 20;
-  dur.layers = 2;
+  const CostModel dur = random_costs(rng, {0.02, 0.1}, {0.5, 2}, 0.05, 5e6, 2);
   std::array<double, 8> gap{};
   for (int k = 0; k < 8; ++k) gap[size_t(k)] = 0.01 + 0.05 * rng.uniform();
   CostModel total = dur;  // what each task costs its stream: the gap before it and its kernels
