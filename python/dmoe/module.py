@@ -153,7 +153,10 @@ class _MoEFunction(torch.autograd.Function):
                            router_logits=routing[2])
         losses = (None, None)
         if ticket >= 0:
-            losses = s.losses(ticket)
+            # Read only when returned: reading them waits for the GPU (the engine defers the read otherwise, so
+            # that the forward does not hold back the work queued after it).
+            if want_routing:
+                losses = s.losses(ticket)
             ctx.ticket = _Ticket(s, ticket)
             ctx.save_for_backward(x2d, gate, w1, w3, w2)  # the engine reads them again in the backward
         ctx.layer = layer

@@ -2,6 +2,7 @@
 #include "core/env.hpp"
 
 #include <cstdlib>
+#include <string>
 
 #include "core/error.hpp"
 
@@ -19,6 +20,15 @@ double host_wait_timeout_seconds() {
                      "DMOE_COMM_TIMEOUT_S='{}' is invalid: expected seconds in [0.01, 1e9] (below 10 ms every wait "
                      "would give up before its peers can arrive)", text);
   return v;
+}
+
+bool defer_routing_reads_allowed() {
+  const char* text = std::getenv("DMOE_DEFER_ROUTING");
+  if (!text || !*text) return true;
+  const std::string v = text;
+  DMOE_REQUIRE_INPUT(v == "0" || v == "1", "DMOE_DEFER_ROUTING='{}' is invalid: allowed 1 (defer the routing "
+                     "counts' host read where a forward can, the default) or 0 (read them in every forward)", v);
+  return v == "1";
 }
 
 }  // namespace dmoe

@@ -76,6 +76,24 @@ void gemm_nt(const float* a, const float* b, float* c, int64_t m, int64_t n, int
     for (int64_t j = 0; j < n; ++j) c[i * n + j] = dot_rows(a + i * k, b + j * k, k);
 }
 
+void grouped_tile_table(const int64_t* row_offsets, int32_t groups, int64_t rows, int32_t n_tiles, int32_t block_m,
+                        int64_t* clipped, int32_t* tile_offsets, int32_t* tiles) {
+  DMOE_REQUIRE(groups >= 0 && rows >= 0 && n_tiles >= 1 && block_m >= 1,
+               "grouped_tile_table: groups = {}, rows = {}, n_tiles = {}, block_m = {}; need groups, rows >= 0 and "
+               "n_tiles, block_m >= 1", groups, rows, n_tiles, block_m);
+  int64_t prev = 0, tile = 0;
+  clipped[0] = 0;
+  tile_offsets[0] = 0;
+  for (int32_t g = 0; g < groups; ++g) {
+    const int64_t end = std::clamp(row_offsets[g + 1], prev, rows);
+    tile += (end - prev + block_m - 1) / block_m * n_tiles;
+    clipped[g + 1] = end;
+    tile_offsets[g + 1] = int32_t(tile);
+    prev = end;
+  }
+  *tiles = int32_t(tile);
+}
+
 void grouped_gemm_nn(const float* a, const float* b, const float* a2, const float* b2, float* c,
                      const int64_t* row_offsets, int32_t groups, int64_t n, int64_t k, DType storage) {
   DMOE_REQUIRE(groups >= 0 && n >= 0 && k >= 0, "grouped_gemm_nn: groups = {}, n = {}, k = {}; must be >= 0", groups,

@@ -26,6 +26,13 @@ void gemm_nt(const float* a, const float* b, float* c, int64_t m, int64_t n, int
 void grouped_gemm_nn(const float* a, const float* b, const float* a2, const float* b2, float* c,
                      const int64_t* row_offsets, int32_t groups, int64_t n, int64_t k, DType storage);
 
+// The tile table of a grouped GEMM whose row offsets are in device memory (the twin of the kernel that dmoe's
+// own Hopper GEMM runs before itself then; cuda::grouped_tile_table): clipped [groups + 1] = the offsets clipped
+// into [0, rows] and made non-decreasing (clipped[0] = 0), tile_offsets [groups + 1] = the first tile of each
+// group (ceil(rows_g / block_m) · n_tiles tiles per group), tiles [1] = their total.
+void grouped_tile_table(const int64_t* row_offsets, int32_t groups, int64_t rows, int32_t n_tiles, int32_t block_m,
+                        int64_t* clipped, int32_t* tile_offsets, int32_t* tiles);
+
 // The experts' weight gradients: for every group g with rows r in [row_offsets[g], row_offsets[g+1]):
 //   C_g [m, n] = Σ_r A[r - a_first_row, :]^T · B[r - b_first_row, :]   (+ C_g when accumulate)
 // A [·, m] with row stride lda, B [·, n] with row stride ldb, C_g at c + g·c_group_stride, row-major [m, n].
@@ -63,6 +70,12 @@ void router_aux_partials(const float* probs, const float* lse, const int32_t* id
                          int32_t experts, int32_t top_k, double* prob_sum, double* assigned,
                          double* z_sum);
 
+// The same sums into a block laid out as core/routing_block.hpp's AuxPartialsBlock (the twin of the CUDA
+// launcher that leaves them in device memory): prob_sum, z_sum, assigned as int32, and the bad word
+// (kNoBadAssignment, or the first assignment t·k + j whose id is outside [0, E), which then counts nowhere).
+void router_aux_partials_on_device(const float* probs, const float* lse, const int32_t* ids, int64_t tokens,
+                                   int32_t experts, int32_t top_k, void* stats);
+
 // Gradient terms of the auxiliary losses, given global statistics (N = tokens over all ranks):
 //   load balance  L_lb = E · Σ_e f_e · P_e, f_e = assigned_e / (N·k) (constant), P_e = Σ_t p[t,e] / N
 //                 → ∂L/∂p[t,e] = lb_scale · f_e, with lb_scale = coef · E / N
@@ -83,6 +96,17 @@ void router_topk_backward(const float* probs, const int32_t* ids, const float* w
 // dx [T, H] += dlogits [T, E] · wg [E, H];  dwg [E, H] (fp64) += dlogits^T · x, tokens in order.
 void router_logits_backward(const float* x, const float* wg, const float* dlogits, float* dx,
                             double* dwg, int64_t tokens, int64_t hidden, int32_t experts);
+
+// ---- dispatch plan -------------------------------------------------------------------------------
+
+// core build_send_plan with DropPolicy::latest_tokens (capacity < 0: dropless), its counts into a block laid out
+// as core/routing_block.hpp's PlanCountsBlock (routed, kept, the send buffer's expert offsets, the bad word):
+// slot [T*k], row_token and row_choice (the first offsets[E] rows). With an expert id outside [0, E) the bad word
+// names the first such assignment and the plan is unspecified but safe (every slot -1 or a row below
+// offsets[E] <= T*k; this twin leaves it empty): the caller reports the error before using it.
+// Distinct experts per token are the router's guarantee (build_send_plan checks it; this twin does not).
+void plan_send_on_device(const int32_t* ids, int64_t tokens, int32_t top_k, int32_t experts, int64_t capacity,
+                         int32_t* slot, int32_t* row_token, int32_t* row_choice, int64_t* counts);
 
 // ---- data movement -------------------------------------------------------------------------------
 

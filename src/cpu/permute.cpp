@@ -6,9 +6,52 @@
 #include <vector>
 
 #include "core/error.hpp"
+#include "core/routing_block.hpp"
 #include "cpu/kernels.hpp"
 
 namespace dmoe::cpu {
+
+void plan_send_on_device(const int32_t* ids, int64_t tokens, int32_t top_k, int32_t experts, int64_t capacity,
+                         int32_t* slot, int32_t* row_token, int32_t* row_choice, int64_t* counts) {
+  const int64_t assignments = tokens * top_k;
+  int64_t* routed = PlanCountsBlock::routed(counts);
+  int64_t* kept = PlanCountsBlock::kept(counts, experts);
+  int64_t* offsets = PlanCountsBlock::offsets(counts, experts);
+  int32_t* bad = PlanCountsBlock::bad(counts, experts);
+  counts[PlanCountsBlock::words(experts) - 1] = 0;
+  *bad = kNoBadAssignment;
+  std::fill(routed, routed + experts, 0);
+  for (int64_t a = 0; a < assignments; ++a) {
+    const int32_t e = ids[a];
+    if (e < 0 || e >= experts) {
+      *bad = int32_t(a);
+      break;
+    }
+    ++routed[e];
+  }
+  std::fill(slot, slot + assignments, -1);
+  if (*bad != kNoBadAssignment) {
+    std::fill(routed, routed + experts, 0);
+    std::fill(kept, kept + experts, 0);
+    std::fill(offsets, offsets + experts + 1, 0);
+    return;
+  }
+  offsets[0] = 0;
+  for (int32_t e = 0; e < experts; ++e) {
+    kept[e] = capacity < 0 ? routed[e] : std::min(routed[e], capacity);
+    offsets[e + 1] = offsets[e] + kept[e];
+  }
+  // Canonical order: an expert's rows are its assignments t·k + j in increasing order; the latest are dropped.
+  std::vector<int64_t> next(offsets, offsets + experts);
+  for (int64_t a = 0; a < assignments; ++a) {
+    const int32_t e = ids[a];
+    if (next[e] == offsets[e + 1]) continue;  // over capacity
+    const int64_t row = next[e]++;
+    slot[a] = int32_t(row);
+    row_token[row] = int32_t(a / top_k);
+    row_choice[row] = int32_t(a % top_k);
+  }
+}
 
 void gather_rows(const float* x, const int32_t* rows, float* out, int64_t n, int64_t hidden) {
   for (int64_t i = 0; i < n; ++i) {

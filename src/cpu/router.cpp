@@ -2,10 +2,12 @@
 // backward pass through all of them. The per-token math comes from core/routing.hpp (shared with the CUDA
 // router); this file only loops over tokens and does the backward arithmetic in fp64.
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "core/error.hpp"
 #include "core/routing.hpp"
+#include "core/routing_block.hpp"
 #include "cpu/kernels.hpp"
 
 namespace dmoe::cpu {
@@ -52,6 +54,30 @@ void router_aux_partials(const float* probs, const float* lse, const int32_t* id
     z += double(lse[t]) * double(lse[t]);
   }
   *z_sum = z;
+}
+
+void router_aux_partials_on_device(const float* probs, const float* lse, const int32_t* ids, int64_t tokens,
+                                   int32_t experts, int32_t top_k, void* stats) {
+  int32_t* assigned = AuxPartialsBlock::assigned(stats, experts);
+  int32_t* bad = AuxPartialsBlock::bad(stats, experts);
+  std::memset(bad, 0x7f, AuxPartialsBlock::bytes(experts) - size_t(reinterpret_cast<char*>(bad) -
+                                                                   static_cast<char*>(stats)));  // and the padding
+  *bad = kNoBadAssignment;
+  for (int32_t e = 0; e < experts; ++e) assigned[e] = 0;
+  for (int64_t a = 0; a < tokens * top_k; ++a) {
+    const int32_t e = ids[a];
+    if (e >= 0 && e < experts) ++assigned[e];
+    else if (*bad == kNoBadAssignment) *bad = int32_t(a);
+  }
+  // prob_sum and z_sum summed as router_aux_partials sums them.
+  double* prob_sum = AuxPartialsBlock::prob_sum(stats);
+  for (int32_t e = 0; e < experts; ++e) prob_sum[e] = 0;
+  double z = 0;
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int32_t e = 0; e < experts; ++e) prob_sum[e] += double(probs[t * experts + e]);
+    z += double(lse[t]) * double(lse[t]);
+  }
+  *AuxPartialsBlock::z_sum(stats, experts) = z;
 }
 
 void router_topk_backward(const float* probs, const int32_t* ids, const float* weights,

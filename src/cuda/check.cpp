@@ -99,7 +99,12 @@ struct WaitingMark {
 
 }  // namespace
 
-void wait_stream(cudaStream_t stream, const char* what, const std::function<void()>& poll) {
+namespace {
+
+// The bounded wait behind wait_stream and wait_event: `query` is cudaStreamQuery or cudaEventQuery of the
+// awaited work, `awaited` names it in the messages.
+void wait_until(const std::function<cudaError_t()>& query, const char* awaited, const char* what,
+                const std::function<void()>& poll) {
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
   const double limit = host_wait_timeout_seconds();
@@ -108,12 +113,12 @@ void wait_stream(cudaStream_t stream, const char* what, const std::function<void
   // sleep 50 µs growing to 1 ms between polls.
   auto sleep = std::chrono::microseconds(50);
   for (;;) {
-    const cudaError_t status = cudaStreamQuery(stream);
+    const cudaError_t status = query();
     if (status == cudaSuccess) return;
     if (status != cudaErrorNotReady) {
       abandon_gpu();
-      fail(__FILE__, __LINE__, "%s: the GPU reported %s (%s) while waiting for the stream", what,
-           cudaGetErrorString(status), cudaGetErrorName(status));
+      fail(__FILE__, __LINE__, "%s: the GPU reported %s (%s) while waiting for %s", what,
+           cudaGetErrorString(status), cudaGetErrorName(status), awaited);
     }
     if (poll) {
       try {
@@ -132,9 +137,9 @@ void wait_stream(cudaStream_t stream, const char* what, const std::function<void
         peers = mark.watch->describe_peers();
       }
       fail(__FILE__, __LINE__,
-           "%s: waited %.0f s for the GPU stream to finish (DMOE_COMM_TIMEOUT_S=%.0f); the GPU work hangs — "
+           "%s: waited %.0f s for %s to finish (DMOE_COMM_TIMEOUT_S=%.0f); the GPU work hangs — "
            "most likely a peer rank failed, or is not calling the same collective this rank's stream waits on%s%s",
-           what, waited, limit, peers.empty() ? "" : "; ", peers.c_str());
+           what, waited, awaited, limit, peers.empty() ? "" : "; ", peers.c_str());
     }
     if (waited > 2e-3) {
       // A peer known to have failed will never take part in the collective this stream may wait on.
@@ -142,7 +147,7 @@ void wait_stream(cudaStream_t stream, const char* what, const std::function<void
       if (mark.watch) {
         if (const std::string failed = mark.watch->failed_peer(); !failed.empty()) {
           abandon_gpu();
-          fail(__FILE__, __LINE__, "%s: stopped waiting for the GPU stream after %.1f s: %s", what, waited,
+          fail(__FILE__, __LINE__, "%s: stopped waiting for %s after %.1f s: %s", what, awaited, waited,
                failed.c_str());
         }
       }
@@ -150,6 +155,16 @@ void wait_stream(cudaStream_t stream, const char* what, const std::function<void
       sleep = std::min(sleep * 2, std::chrono::microseconds(1000));
     }
   }
+}
+
+}  // namespace
+
+void wait_stream(cudaStream_t stream, const char* what, const std::function<void()>& poll) {
+  wait_until([stream] { return cudaStreamQuery(stream); }, "the GPU stream", what, poll);
+}
+
+void wait_event(cudaEvent_t event, const char* what) {
+  wait_until([event] { return cudaEventQuery(event); }, "the GPU work before an event", what, nullptr);
 }
 
 void* device_malloc(size_t bytes, const char* what) {

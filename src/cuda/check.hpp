@@ -72,6 +72,9 @@ void set_device_or_explain(int device, const char* who);
 // that this stream waits on). GPU errors fail as DMOE_CHECK_CUDA would. `poll`, when given, runs between
 // polls and may throw (the communicators check their library's asynchronous errors there).
 void wait_stream(cudaStream_t stream, const char* what, const std::function<void()>& poll = nullptr);
+// The same for the work a stream had queued when `event` was recorded (the stream may have gone on since): the
+// host waits for an earlier point of a stream without draining what came after it.
+void wait_event(cudaEvent_t event, const char* what);
 // The same for destructors and release paths, which cannot throw: true when the stream finished within
 // the limit without an error.
 bool wait_stream_quietly(cudaStream_t stream) noexcept;

@@ -76,6 +76,9 @@ inline size_t grouped_pointer_bytes(int64_t problems) { return size_t(problems) 
 // for products of `mean_macs` multiply-adds on average. DMOE_EXPERT_GEMM=own forces it (where usable),
 // grouped / loop / streams force cuBLAS; auto decides by size (measurements in gemm.cpp).
 bool prefer_own_grouped_gemm(double mean_macs);
+// The same choice where cuBLAS would cost a host read of the expert counts that the own kernel does not (a train
+// forward whose counts stay on the device, EpEngine): the own kernel up to a larger size (gemm.cpp).
+bool prefer_own_grouped_gemm_without_counts(double mean_macs);
 
 // ---- dmoe's own grouped GEMM for Hopper (grouped_gemm_sm90.cu) ------------------------------------------
 //
@@ -97,7 +100,19 @@ struct GroupedGemmNT {
   Activation activation = Activation::relu;    // with h
   const __nv_bfloat16* b2 = nullptr;           // SwiGLU: w3 [groups, n, k]
   __nv_bfloat16* c2 = nullptr;                 // SwiGLU: pre3 [rows, n]; may be null (not kept)
+  // row_offsets in device memory (written by an earlier kernel on the stream: no host read of the counts); the
+  // rows [0, rows) of A and C are the groups' (row_offsets[0] = 0, row_offsets[groups] = rows; offsets outside
+  // are clipped, so a wrong table computes wrong rows but touches no memory outside them).
+  bool offsets_on_device = false;
+  int64_t rows = 0;
 };
+
+// The tile table of a grouped GEMM over offsets in device memory (GroupedGemmNT::offsets_on_device), as the own
+// GEMM builds it before its launch: clipped [groups + 1] (the offsets clipped into [0, rows], non-decreasing),
+// tile_offsets [groups + 1] (group g's first tile: ceil(rows_g / block_m) · n_tiles tiles each), tiles [1] the
+// total. Device pointers; the twin of cpu::grouped_tile_table.
+void grouped_tile_table(const int64_t* row_offsets, int32_t groups, int64_t rows, int32_t n_tiles, int32_t block_m,
+                        int64_t* clipped, int32_t* tile_offsets, int32_t* tiles, cudaStream_t stream);
 
 // True where the kernel can run: an sm_90 GPU, this build targets sm_90a, k and n multiples of 8,
 // 16-byte aligned pointers.

@@ -18,6 +18,48 @@ namespace {
 
 using cuda::bf16;
 
+// The copy goes into pinned memory owned here, with an event behind it: wait() waits for that event only.
+class CudaReadback final : public HostReadback {
+ public:
+  explicit CudaReadback(const cudaStream_t* stream) : stream_(stream) {
+    DMOE_CHECK_CUDA(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming));
+  }
+  ~CudaReadback() override {
+    // A copy still in flight writes into the block: wait for it (quietly) before freeing, unless the GPU hangs.
+    if (pending_ && !cuda::gpu_abandoned()) pending_ = cudaEventSynchronize(done_) != cudaSuccess;
+    if (host_ && !pending_) (void)cudaFreeHost(host_);
+    (void)cudaEventDestroy(done_);
+  }
+  CudaReadback(const CudaReadback&) = delete;
+  CudaReadback& operator=(const CudaReadback&) = delete;
+
+  void start(const void* src, size_t bytes) override {
+    if (bytes > capacity_) {
+      if (pending_) wait("cuda backend: a readback growing its block");
+      if (host_) DMOE_CHECK_CUDA(cudaFreeHost(host_));
+      host_ = nullptr;
+      capacity_ = 0;
+      DMOE_CHECK_CUDA(cudaHostAlloc(&host_, bytes, cudaHostAllocPortable));
+      capacity_ = bytes;
+    }
+    if (bytes) DMOE_CHECK_CUDA(cudaMemcpyAsync(host_, src, bytes, cudaMemcpyDeviceToHost, *stream_));
+    DMOE_CHECK_CUDA(cudaEventRecord(done_, *stream_));
+    pending_ = true;
+  }
+  const void* wait(const char* what) override {
+    if (pending_) cuda::wait_event(done_, what);
+    pending_ = false;
+    return host_;
+  }
+
+ private:
+  const cudaStream_t* stream_;  // the backend's current stream (it may switch between calls)
+  cudaEvent_t done_ = nullptr;
+  void* host_ = nullptr;
+  size_t capacity_ = 0;
+  bool pending_ = false;
+};
+
 class CudaBackend final : public Backend {
  public:
   CudaBackend(DType storage, int device) : storage_(storage), device_(device) {
@@ -159,6 +201,35 @@ class CudaBackend final : public Backend {
                            double* z_sum) override {
     cuda::router_aux_partials(probs, lse, ids, tokens, experts, top_k, prob_sum, assigned, z_sum, ctx_);
   }
+
+  void plan_send_on_device(const int32_t* ids, int64_t tokens, int32_t top_k, int32_t experts, int64_t capacity,
+                           const SendPlanBuffers& plan, int64_t* counts) override {
+    cuda::plan_send_on_device(ids, tokens, top_k, experts, capacity, plan.slot, plan.row_token, plan.row_choice,
+                              counts, ctx_);
+  }
+  void router_aux_partials_on_device(const float* probs, const float* lse, const int32_t* ids, int64_t tokens,
+                                     int32_t experts, int32_t top_k, void* stats) override {
+    cuda::router_aux_partials_on_device(probs, lse, ids, tokens, experts, top_k, stats, ctx_);
+  }
+  bool expert_ffn_forward_takes_device_offsets(const void* x, const void* w1, const void* w3, const void* w2,
+                                               const void* pre1, const void* pre3, const void* h, const void* out,
+                                               int64_t rows, int32_t local_experts, int64_t hidden, int64_t ffn,
+                                               Activation activation) override {
+    // The own kernel runs bf16 only; f32 stays on cuBLAS, whose products need the counts on the host.
+    return storage_ == DType::bf16 &&
+           cuda::expert_ffn_forward_takes_device_offsets(x, w1, w3, w2, pre1, pre3, h, out, rows, local_experts,
+                                                         hidden, ffn, activation);
+  }
+  void expert_ffn_forward_device_offsets(const void* x, const void* w1, const void* w3, const void* w2, void* pre1,
+                                         void* pre3, void* h, void* out, const int64_t* expert_offsets, int64_t rows,
+                                         int32_t local_experts, int64_t hidden, int64_t ffn,
+                                         Activation activation) override {
+    DMOE_REQUIRE(storage_ == DType::bf16, "cuda backend: expert_ffn_forward_device_offsets needs bf16 storage");
+    cuda::expert_ffn_forward_device_offsets(as<bf16>(x), as<bf16>(w1), as<bf16>(w3), as<bf16>(w2), as<bf16>(pre1),
+                                            as<bf16>(pre3), as<bf16>(h), as<bf16>(out), expert_offsets, rows,
+                                            local_experts, hidden, ffn, activation, ctx_);
+  }
+  std::unique_ptr<HostReadback> make_readback() override { return std::make_unique<CudaReadback>(&stream_); }
 
   void gather_rows(const void* x, const int32_t* rows, void* out, int64_t n, int64_t hidden) override {
     with_storage([&](auto tag) {

@@ -3,7 +3,8 @@
 // Owns a non-blocking stream (or runs on a caller's, see set_cuda_backend_stream), a cuBLAS handle bound to it
 // (CUBLAS_DEFAULT_MATH: no TF32) and a grow-only scratch block. Memory comes from cudaMalloc (never managed
 // memory). Every stage is issued on the stream and returns without waiting, except the ones that hand results to
-// the host (download, plan_send, router_aux_partials), which synchronise the stream. Buffers of activations and
+// the host (download, plan_send, router_aux_partials), which synchronise the stream; their *_on_device variants
+// and a readback's start() do not, and HostReadback::wait waits for its copy's event only. Buffers of activations and
 // weights hold bf16 (__nv_bfloat16) for a bf16 backend and f32 otherwise; weight-gradient accumulators are f32.
 //
 // Only compiled when CUDA is found (DMOE_WITH_CUDA).

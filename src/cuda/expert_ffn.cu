@@ -243,6 +243,70 @@ void expert_ffn_forward(const T* x, const T* w1, const T* w3, const T* w2, T* pr
     gemm_rm_grouped(ctx, pointers, false, true, ffn, ffn, hidden, 1.f, 0.f, type, type, type, down);
 }
 
+namespace {
+
+// The products of expert_ffn_forward_device_offsets: the fused up projection, then the down projection.
+GroupedGemmNT up_gemm_device_offsets(const bf16* x, const bf16* w1, const bf16* w3, bf16* pre1, bf16* pre3, bf16* h,
+                                     const int64_t* offsets, int64_t rows, int32_t local_experts, int64_t hidden,
+                                     int64_t ffn, Activation activation) {
+  const bool swiglu = activation == Activation::swiglu;
+  GroupedGemmNT up{x, w1, pre1, offsets, local_experts, ffn, hidden, h, activation, swiglu ? w3 : nullptr,
+                   swiglu ? pre3 : nullptr};
+  up.offsets_on_device = true;
+  up.rows = rows;
+  return up;
+}
+
+GroupedGemmNT down_gemm_device_offsets(const bf16* h, const bf16* w2, bf16* out, const int64_t* offsets, int64_t rows,
+                                       int32_t local_experts, int64_t hidden, int64_t ffn) {
+  GroupedGemmNT down{h, w2, out, offsets, local_experts, hidden, ffn};
+  down.offsets_on_device = true;
+  down.rows = rows;
+  return down;
+}
+
+}  // namespace
+
+bool expert_ffn_forward_takes_device_offsets(const void* x, const void* w1, const void* w3, const void* w2,
+                                             const void* pre1, const void* pre3, const void* h, const void* out,
+                                             int64_t rows, int32_t local_experts, int64_t hidden, int64_t ffn,
+                                             Activation activation) {
+  if (rows <= 0 || local_experts <= 0 || hidden <= 0 || ffn <= 0) return false;
+  const double mean_macs = double(rows) * double(hidden) * double(ffn) / double(std::min<int64_t>(rows, local_experts));
+  if (!prefer_own_grouped_gemm_without_counts(mean_macs)) return false;
+  // Null pre-activations: inference, which the own kernel's fused epilogue handles (h only).
+  auto b = [](const void* p) { return static_cast<const bf16*>(p); };
+  auto m = [](const void* p) { return const_cast<bf16*>(static_cast<const bf16*>(p)); };
+  const int64_t probe[2] = {0, rows};  // usable() reads only the shapes and pointers, not the offsets
+  GroupedGemmNT up = up_gemm_device_offsets(b(x), b(w1), b(w3), m(pre1), m(pre3), m(h), probe, rows, local_experts,
+                                            hidden, ffn, activation);
+  GroupedGemmNT down = down_gemm_device_offsets(b(h), b(w2), m(out), probe, rows, local_experts, hidden, ffn);
+  return sm90_grouped_gemm_usable(up) && sm90_grouped_gemm_usable(down);
+}
+
+void expert_ffn_forward_device_offsets(const bf16* x, const bf16* w1, const bf16* w3, const bf16* w2, bf16* pre1,
+                                       bf16* pre3, bf16* h, bf16* out, const int64_t* expert_offsets, int64_t rows,
+                                       int32_t local_experts, int64_t hidden, int64_t ffn, Activation activation,
+                                       const CudaContext& ctx) {
+  const bool swiglu = activation == Activation::swiglu;
+  DMOE_CUDA_REQUIRE(!swiglu || w3 != nullptr, "expert_ffn_forward_device_offsets: SwiGLU needs w3");
+  DMOE_CUDA_REQUIRE(!swiglu || (pre1 == nullptr) == (pre3 == nullptr),
+                    "expert_ffn_forward_device_offsets: pre1 and pre3 are both kept or both null (inference)");
+  DMOE_CUDA_REQUIRE(expert_ffn_forward_takes_device_offsets(x, w1, w3, w2, pre1, pre3, h, out, rows, local_experts,
+                                                            hidden, ffn, activation),
+                    "expert_ffn_forward_device_offsets: the own Hopper grouped GEMM cannot run this call (needs an "
+                    "sm_90 GPU, a build for sm_90a, H and I multiples of 8, 16-byte aligned buffers; rows = %lld, "
+                    "H = %lld, I = %lld; or DMOE_EXPERT_GEMM forces cuBLAS)", (long long)rows, (long long)hidden,
+                    (long long)ffn);
+  // Both products read the offsets on the device; each lays out its tile table in the same scratch in turn
+  // (stream order), so one reservation serves both.
+  void* scratch = ctx.workspace->reserve(sm90_grouped_gemm_scratch_bytes(local_experts), ctx.stream);
+  sm90_grouped_gemm(ctx, scratch,
+                    up_gemm_device_offsets(x, w1, w3, pre1, pre3, h, expert_offsets, rows, local_experts, hidden, ffn,
+                                           activation));
+  sm90_grouped_gemm(ctx, scratch, down_gemm_device_offsets(h, w2, out, expert_offsets, rows, local_experts, hidden, ffn));
+}
+
 template <typename T>
 void expert_ffn_backward(const T* x, const T* w1, const T* w3, const T* w2, const T* pre1, const T* pre3,
                          const T* h, const T* dout, T* dx, void* dw1, void* dw3, void* dw2, bool dw_bf16,

@@ -211,6 +211,24 @@ bool prefer_own_grouped_gemm(double mean_macs) {
   }
 }
 
+// Without the host's counts, cuBLAS's grouped or per-expert products need them read first: the host waits for
+// the router, and the work queued behind the forward (a PyTorch model's next kernels) is issued only after it.
+// That wait cost the one-layer Mixtral training step T = 512 ~2.6 ms on the H200 (docs/perf.md, thirteenth
+// session), more than the own kernel loses against cuBLAS up to ~16 G multiply-adds per expert (8.6 G: equal,
+// 60 G: 12 % slower, table above; an H200 product of 16 G takes ~1 ms).
+constexpr double kOwnWithoutCountsMaxMeanMacs = 16e9;
+
+bool prefer_own_grouped_gemm_without_counts(double mean_macs) {
+  switch (expert_gemm_mode()) {
+    case ExpertGemmMode::own:
+      return true;
+    case ExpertGemmMode::automatic:
+      return mean_macs < kOwnWithoutCountsMaxMeanMacs;
+    default:
+      return false;
+  }
+}
+
 void gemm_rm(cublasHandle_t cublas, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
              const void* a, cudaDataType_t a_type, int64_t lda, const void* b, cudaDataType_t b_type,
              int64_t ldb, float beta, void* c, cudaDataType_t c_type, int64_t ldc) {

@@ -100,7 +100,8 @@ struct Sm90Params {
   int64_t n, k;                 // NN: k per part (a second part, A2·B2, has the same k)
   int32_t groups;
   int32_t k_parts;              // NN: 2 = C = A·B + A2·B2 (both parts' k-blocks in one accumulation), else 1
-  int32_t tiles;
+  int32_t tiles;                // the tiles, or (tiles_on_device) a bound on them that sized the grid
+  const int32_t* tiles_on_device;  // null, or the tiles as counted on the device (offsets in device memory)
   int32_t n_tiles;              // column tiles per group
   int32_t leave_out;            // measurement aid (Sm90Tuning::leave_out): 1 no stores, 2 no products either
   int32_t* tile_counter;        // kDynamic: the next tiles' counter, zeroed before the launch
@@ -219,9 +220,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       // however the CTAs drift, and the tiles sharing an expert's rows or a weight slice (neighbouring
       // indices) stay close in time (bench/l2_tile_sim.py, docs/perf.md). Each index goes to the
       // consumers through the tile ring; -1 ends the sequence.
+      const int32_t tiles = p.tiles_on_device ? __ldg(p.tiles_on_device) : p.tiles;
       int32_t next = int32_t(blockIdx.x);
       for (uint32_t i = 0;; ++i) {
-        const int32_t t = next < p.tiles ? next : -1;
+        const int32_t t = next < tiles ? next : -1;
         if constexpr (kDynamic) {
           const int r = int(i % kTileRing);
           mbar_wait(tile_empty(r), ((i / kTileRing) & 1) ^ 1, 4, r, p);
@@ -283,7 +285,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (t < 0) break;
       } else {
         t = int32_t(blockIdx.x + i * gridDim.x);
-        if (t >= p.tiles) break;
+        if (t >= (p.tiles_on_device ? __ldg(p.tiles_on_device) : p.tiles)) break;
       }
       const TileCoord tc = decode_tile(p, t);
       // A group's last row tile often holds 64 rows or fewer (experts of ~256 rows: about half of them
@@ -483,29 +485,72 @@ int column_tile() {
   return bn;
 }
 
+// The tile table of a call whose row offsets are in device memory (GroupedGemmNT::offsets_on_device): one
+// thread walks the groups (E <= a few hundred: microseconds), clipping the offsets into [0, rows] so that no
+// tile reaches outside the operands whatever the offsets hold. The twin of cpu::grouped_tile_table.
+__global__ void grouped_tile_table_kernel(const int64_t* row_offsets, int32_t groups, int64_t rows, int32_t n_tiles,
+                                          int32_t block_m, int64_t* clipped, int32_t* tile_offsets, int32_t* tiles) {
+  if (threadIdx.x != 0 || blockIdx.x != 0) return;
+  int64_t prev = 0, tile = 0;
+  clipped[0] = 0;
+  tile_offsets[0] = 0;
+  for (int32_t g = 0; g < groups; ++g) {
+    int64_t end = row_offsets[g + 1];
+    end = end < prev ? prev : end > rows ? rows : end;
+    tile += (end - prev + block_m - 1) / block_m * n_tiles;
+    clipped[g + 1] = end;
+    tile_offsets[g + 1] = int32_t(tile);
+    prev = end;
+  }
+  *tiles = int32_t(tile);
+}
+
+// At most this many tiles for `rows` rows in `groups` groups, however they split: every non-empty group adds
+// less than one row tile of rounding.
+int64_t tile_bound(int64_t rows, int32_t groups, int32_t n_tiles) {
+  const int64_t nonempty = std::min<int64_t>(groups, rows);
+  return (rows + nonempty * (kBlockM - 1)) / kBlockM * n_tiles;
+}
+
 // The tile table of a call (tiles numbered group by group, row tiles fastest), uploaded into the scratch
 // with the row offsets, and the parameters every instantiation shares. Returns the number of tiles (0:
-// nothing to launch).
-int32_t prepare_tiles(const CudaContext& ctx, void* scratch, const int64_t* row_offsets, int32_t groups, int64_t n,
-                      int64_t k, int out_n, bool dynamic, int leave_out, Sm90Params& p) {
+// nothing to launch); with offsets in device memory, a bound on them (the device counts the tiles).
+int32_t prepare_tiles(const CudaContext& ctx, void* scratch, const int64_t* row_offsets, bool offsets_on_device,
+                      int64_t device_rows, int32_t groups, int64_t n, int64_t k, int out_n, bool dynamic,
+                      int leave_out, Sm90Params& p) {
   const int32_t n_tiles = int32_t((n + out_n - 1) / out_n);
-  std::vector<int32_t> tile_offsets(size_t(groups) + 1, 0);
-  for (int32_t e = 0; e < groups; ++e) {
-    const int64_t rows = row_offsets[e + 1] - row_offsets[e];
-    const int64_t next = int64_t(tile_offsets[e]) + (rows + kBlockM - 1) / kBlockM * int64_t(n_tiles);
-    DMOE_CUDA_REQUIRE(next < (int64_t(1) << 31), "sm90_grouped_gemm: more than 2^31 - 1 tiles (%d groups, "
-                      "%lld rows, n = %lld); split the call", groups, (long long)row_offsets[groups],
-                      (long long)n);
-    tile_offsets[e + 1] = int32_t(next);
-  }
-  const int32_t tiles = tile_offsets[groups];
-  if (tiles == 0) return 0;
-
   char* ws = static_cast<char*>(scratch);
   const size_t offsets_bytes = (size_t(groups) + 1) * sizeof(int64_t);
-  upload_async(ws, row_offsets, offsets_bytes, ctx.stream);
-  upload_async(ws + offsets_bytes, tile_offsets.data(), tile_offsets.size() * sizeof(int32_t), ctx.stream);
-  const size_t counter_offset = offsets_bytes + tile_offsets.size() * sizeof(int32_t);  // 4-byte aligned
+  const size_t tile_offsets_bytes = (size_t(groups) + 1) * sizeof(int32_t);
+  int32_t tiles = 0;
+  if (offsets_on_device) {
+    const int64_t bound = tile_bound(device_rows, groups, n_tiles);
+    DMOE_CUDA_REQUIRE(bound < (int64_t(1) << 31), "sm90_grouped_gemm: up to %lld tiles (%d groups, %lld rows, "
+                      "n = %lld); at most 2^31 - 1: split the call", (long long)bound, groups,
+                      (long long)device_rows, (long long)n);
+    tiles = int32_t(bound);
+    if (tiles == 0) return 0;
+    grouped_tile_table_kernel<<<1, 32, 0, ctx.stream>>>(
+        row_offsets, groups, device_rows, n_tiles, kBlockM, reinterpret_cast<int64_t*>(ws),
+        reinterpret_cast<int32_t*>(ws + offsets_bytes),
+        reinterpret_cast<int32_t*>(ws + offsets_bytes + tile_offsets_bytes + sizeof(int32_t)));
+    DMOE_CHECK_LAUNCH();
+  } else {
+    std::vector<int32_t> tile_offsets(size_t(groups) + 1, 0);
+    for (int32_t e = 0; e < groups; ++e) {
+      const int64_t rows = row_offsets[e + 1] - row_offsets[e];
+      const int64_t next = int64_t(tile_offsets[e]) + (rows + kBlockM - 1) / kBlockM * int64_t(n_tiles);
+      DMOE_CUDA_REQUIRE(next < (int64_t(1) << 31), "sm90_grouped_gemm: more than 2^31 - 1 tiles (%d groups, "
+                        "%lld rows, n = %lld); split the call", groups, (long long)row_offsets[groups],
+                        (long long)n);
+      tile_offsets[e + 1] = int32_t(next);
+    }
+    tiles = tile_offsets[groups];
+    if (tiles == 0) return 0;
+    upload_async(ws, row_offsets, offsets_bytes, ctx.stream);
+    upload_async(ws + offsets_bytes, tile_offsets.data(), tile_offsets.size() * sizeof(int32_t), ctx.stream);
+  }
+  const size_t counter_offset = offsets_bytes + tile_offsets_bytes;  // 4-byte aligned
 
   p = Sm90Params{};
   p.row_offsets = reinterpret_cast<const int64_t*>(ws);
@@ -515,6 +560,7 @@ int32_t prepare_tiles(const CudaContext& ctx, void* scratch, const int64_t* row_
   p.groups = groups;
   p.k_parts = 1;
   p.tiles = tiles;
+  p.tiles_on_device = offsets_on_device ? reinterpret_cast<const int32_t*>(ws + counter_offset + sizeof(int32_t)) : nullptr;
   p.n_tiles = n_tiles;
   p.leave_out = leave_out;
   p.tile_counter = reinterpret_cast<int32_t*>(ws + counter_offset);
@@ -531,10 +577,11 @@ void launch(const CudaContext& ctx, void* scratch, const GroupedGemmNT& g, int l
   constexpr bool kGated = kFuse && A == Activation::swiglu;
   constexpr int kOutN = kGated ? BN / 2 : BN;
   Sm90Params p;
-  const int32_t tiles = prepare_tiles(ctx, scratch, g.row_offsets, g.groups, g.n, g.k, kOutN, kDynamic, leave_out, p);
+  const int32_t tiles = prepare_tiles(ctx, scratch, g.row_offsets, g.offsets_on_device, g.rows, g.groups, g.n, g.k,
+                                      kOutN, kDynamic, leave_out, p);
   if (tiles == 0) return;
 
-  const int64_t rows_total = g.row_offsets[g.groups];
+  const int64_t rows_total = g.offsets_on_device ? g.rows : g.row_offsets[g.groups];
   const CUtensorMap map_a = make_kmajor_map(g.a, rows_total, g.k, kBlockM, BK);
   const CUtensorMap map_b = make_kmajor_map(g.b, int64_t(g.groups) * g.n, g.k, kOutN, BK);
   const CUtensorMap map_b2 = kGated ? make_kmajor_map(g.b2, int64_t(g.groups) * g.n, g.k, kOutN, BK) : map_b;
@@ -556,7 +603,8 @@ void launch_nn(const CudaContext& ctx, void* scratch, const GroupedGemmNN& g, in
   using Cfg = TileConfig<BN, BK, false>;
   const auto kernel = grouped_gemm_sm90_kernel<BN, BK, false, Activation::relu, false, kDynamic, true>;
   Sm90Params p;
-  const int32_t tiles = prepare_tiles(ctx, scratch, g.row_offsets, g.groups, g.n, g.k, BN, kDynamic, leave_out, p);
+  const int32_t tiles =
+      prepare_tiles(ctx, scratch, g.row_offsets, false, 0, g.groups, g.n, g.k, BN, kDynamic, leave_out, p);
   if (tiles == 0) return;
 
   const bool two = g.a2 != nullptr;
@@ -738,9 +786,20 @@ unsigned long long wait_timeout_ns() {
 }
 
 size_t sm90_grouped_gemm_scratch_bytes(int32_t groups) {
-  // row offsets (int64), tile offsets (int32), the dynamic schedule's tile counter (int32)
-  const size_t bytes = (size_t(groups) + 1) * (sizeof(int64_t) + sizeof(int32_t)) + sizeof(int32_t);
+  // row offsets (int64), tile offsets (int32), the dynamic schedule's tile counter (int32), the tiles counted on
+  // the device (int32; offsets in device memory)
+  const size_t bytes = (size_t(groups) + 1) * (sizeof(int64_t) + sizeof(int32_t)) + 2 * sizeof(int32_t);
   return (bytes + 255) / 256 * 256;
+}
+
+void grouped_tile_table(const int64_t* row_offsets, int32_t groups, int64_t rows, int32_t n_tiles, int32_t block_m,
+                        int64_t* clipped, int32_t* tile_offsets, int32_t* tiles, cudaStream_t stream) {
+  DMOE_CUDA_REQUIRE(groups >= 0 && rows >= 0 && n_tiles >= 1 && block_m >= 1,
+                    "grouped_tile_table: groups = %d, rows = %lld, n_tiles = %d, block_m = %d; need groups, rows >= 0 "
+                    "and n_tiles, block_m >= 1", groups, (long long)rows, n_tiles, block_m);
+  grouped_tile_table_kernel<<<1, 32, 0, stream>>>(row_offsets, groups, rows, n_tiles, block_m, clipped, tile_offsets,
+                                                  tiles);
+  DMOE_CHECK_LAUNCH();
 }
 
 bool sm90_grouped_gemm_usable(const GroupedGemmNT& g) {
@@ -754,15 +813,15 @@ bool sm90_grouped_gemm_usable(const GroupedGemmNT& g) {
   if (g.h != nullptr && !is_aligned(g.h, 16)) return false;
   if (gated && (!is_aligned(g.b2, 16) || !is_aligned(g.c2, 16))) return false;
   // Tile coordinates are 32-bit in TMA.
-  if (g.row_offsets[g.groups] >= (int64_t(1) << 31) - kBlockM || int64_t(g.groups) * g.n >= (int64_t(1) << 31))
-    return false;
+  const int64_t rows = g.offsets_on_device ? g.rows : g.row_offsets[g.groups];
+  if (rows < 0 || rows >= (int64_t(1) << 31) - kBlockM || int64_t(g.groups) * g.n >= (int64_t(1) << 31)) return false;
   return device_info().usable;
 }
 
 void sm90_grouped_gemm(const CudaContext& ctx, void* scratch, const GroupedGemmNT& g, const Sm90Tuning& t) {
   DMOE_CUDA_REQUIRE(g.groups >= 0, "sm90_grouped_gemm: groups = %d; must be >= 0", g.groups);
   if (g.groups == 0) return;
-  for (int32_t e = 0; e < g.groups; ++e)
+  for (int32_t e = 0; e < g.groups && !g.offsets_on_device; ++e)  // device offsets: clipped on the device
     DMOE_CUDA_REQUIRE(g.row_offsets[e + 1] >= g.row_offsets[e] && g.row_offsets[0] >= 0,
                       "sm90_grouped_gemm: row_offsets[%d] = %lld < row_offsets[%d] = %lld; offsets must not "
                       "decrease", e + 1, (long long)g.row_offsets[e + 1], e, (long long)g.row_offsets[e]);

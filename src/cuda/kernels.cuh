@@ -14,7 +14,8 @@
 //     the launcher passes them in kernel parameters (segment tables) or uploads what the device needs
 //     into the context's workspace (gate-gradient table, grouped-GEMM pointer arrays).
 // Every launcher checks its launch; none synchronises unless it returns results in host memory
-// (plan_send, router_aux_partials), which it says.
+// (plan_send, router_aux_partials), which it says; their *_on_device variants leave the same results in a
+// device block (core/routing_block.hpp) and do not wait.
 //
 // This header is plain host C++ (no device code): the backend (.cpp) and the tests include it.
 #pragma once
@@ -122,6 +123,11 @@ void router_aux_partials(const float* probs, const float* lse, const int32_t* id
                          int32_t experts, int32_t top_k, double* prob_sum, double* assigned, double* z_sum,
                          const CudaContext& ctx);
 
+// The same sums left in device memory, without a host wait: stats is a device block of
+// AuxPartialsBlock::bytes(E) (core/routing_block.hpp), its bad word set where an expert id is outside [0, E).
+void router_aux_partials_on_device(const float* probs, const float* lse, const int32_t* ids, int64_t tokens,
+                                   int32_t experts, int32_t top_k, void* stats, const CudaContext& ctx);
+
 // aux.expert_fraction is a host array [E] (or null), aux.lse a device array [T] (or null).
 void router_topk_backward(const float* probs, const int32_t* ids, const float* weights, const float* dweights,
                           float* dlogits, int64_t tokens, int32_t experts, int32_t top_k, bool renormalize,
@@ -141,6 +147,12 @@ void router_logits_backward(const T* x, const T* wg, const float* dlogits, float
 void plan_send(const int32_t* ids, int64_t tokens, int32_t top_k, int32_t experts, int64_t capacity,
                int32_t* slot, int32_t* row_token, int32_t* row_choice, int64_t* routed_host,
                int64_t* counts_host, const CudaContext& ctx);
+
+// The same plan without a host wait: the counts go to `counts`, a device block of PlanCountsBlock::bytes(E)
+// (core/routing_block.hpp: routed, kept, the send buffer's expert offsets, the first bad assignment).
+void plan_send_on_device(const int32_t* ids, int64_t tokens, int32_t top_k, int32_t experts, int64_t capacity,
+                         int32_t* slot, int32_t* row_token, int32_t* row_choice, int64_t* counts,
+                         const CudaContext& ctx);
 
 // ---- data movement -------------------------------------------------------------------------------
 
@@ -180,6 +192,19 @@ template <typename T>
 void expert_ffn_forward(const T* x, const T* w1, const T* w3, const T* w2, T* pre1, T* pre3, T* h, T* out,
                         const int64_t* expert_offsets, int32_t local_experts, int64_t hidden, int64_t ffn,
                         Activation activation, const CudaContext& ctx);
+
+// expert_ffn_forward (bf16) with expert_offsets in DEVICE memory ([Le + 1], offsets[0] = 0, offsets[Le] = rows):
+// nothing is read on the host, so a forward whose counts stay on the device needs no host wait. Runs on dmoe's
+// own Hopper grouped GEMM only; expert_ffn_forward_takes_device_offsets says where it can (and where the policy
+// in gemm.cpp prefers it to reading the counts for cuBLAS).
+bool expert_ffn_forward_takes_device_offsets(const void* x, const void* w1, const void* w3, const void* w2,
+                                             const void* pre1, const void* pre3, const void* h, const void* out,
+                                             int64_t rows, int32_t local_experts, int64_t hidden, int64_t ffn,
+                                             Activation activation);
+void expert_ffn_forward_device_offsets(const bf16* x, const bf16* w1, const bf16* w3, const bf16* w2, bf16* pre1,
+                                       bf16* pre3, bf16* h, bf16* out, const int64_t* expert_offsets, int64_t rows,
+                                       int32_t local_experts, int64_t hidden, int64_t ffn, Activation activation,
+                                       const CudaContext& ctx);
 
 // dx [N, H] overwritten; dw1, dw3 [Le, I, H], dw2 [Le, H, I] f32 accumulate (+=), or with accumulate =
 // false are overwritten for every local expert (zeros where an expert has no rows). dw_bf16 (T = bf16,

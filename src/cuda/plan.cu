@@ -14,6 +14,7 @@
 #include <cstring>
 #include <vector>
 
+#include "core/routing_block.hpp"
 #include "cuda/common.hpp"
 #include "cuda/device_utils.cuh"
 
@@ -25,7 +26,6 @@ constexpr int kTileSteps = 8;                         // warp-wide steps per til
 constexpr int kTileAssignments = kWarp * kTileSteps;  // 256 assignments per tile
 constexpr int kScanThreads = 256;                     // 8 experts per block in step 2
 constexpr int kOffsetThreads = 1024;                  // step 3: one block
-constexpr int32_t kNoBadAssignment = 0x7f7f7f7f;      // memset pattern 0x7f
 
 struct PlanCountParams {
   const int32_t* ids;   // [A] expert of assignment a = t*k + j
@@ -167,70 +167,94 @@ __global__ void __launch_bounds__(kWarp) plan_write_kernel(const __grid_constant
   }
 }
 
-}  // namespace
+struct PlanShape {
+  int64_t assignments = 0, tiles = 0;
+  size_t hist_bytes = 0, tile_bytes = 0;  // shared histogram per block; tile counts [E, tiles] i32 in scratch
+};
 
-void plan_send(const int32_t* ids, int64_t tokens, int32_t top_k, int32_t experts, int64_t capacity,
-               int32_t* slot, int32_t* row_token, int32_t* row_choice, int64_t* routed_host,
-               int64_t* counts_host, const CudaContext& ctx) {
+PlanShape plan_shape(int64_t tokens, int32_t top_k, int32_t experts) {
   DMOE_CUDA_REQUIRE(experts >= 1 && top_k >= 1, "plan_send: experts = %d, top_k = %d; both must be >= 1",
                     experts, top_k);
-  const int64_t assignments = tokens * top_k;
-  DMOE_CUDA_REQUIRE(assignments < (int64_t(1) << 31), "plan_send: T*k = %lld assignments; at most 2^31 - 1",
-                    (long long)assignments);
-  const size_t hist_bytes = size_t(experts) * sizeof(int32_t);
-  DMOE_CUDA_REQUIRE(hist_bytes <= 48 * 1024, "plan_send: experts = %d; at most %d", experts,
+  PlanShape s;
+  s.assignments = tokens * top_k;
+  DMOE_CUDA_REQUIRE(s.assignments < (int64_t(1) << 31), "plan_send: T*k = %lld assignments; at most 2^31 - 1",
+                    (long long)s.assignments);
+  s.hist_bytes = size_t(experts) * sizeof(int32_t);
+  DMOE_CUDA_REQUIRE(s.hist_bytes <= 48 * 1024, "plan_send: experts = %d; at most %d", experts,
                     int(48 * 1024 / sizeof(int32_t)));
-  const int64_t tiles = (assignments + kTileAssignments - 1) / kTileAssignments;
+  s.tiles = (s.assignments + kTileAssignments - 1) / kTileAssignments;
+  s.tile_bytes = size_t(experts) * size_t(std::max<int64_t>(s.tiles, 1)) * sizeof(int32_t);
+  return s;
+}
 
-  // Scratch: tile counts [E, tiles] i32, offsets [E+1] i64, then the block copied back to the host:
-  // routed [E] i64, kept [E] i64, bad_assignment [1] i32.
-  ScratchLayout layout;
-  const size_t off_tiles =
-      layout.add(size_t(experts) * size_t(std::max<int64_t>(tiles, 1)) * sizeof(int32_t));
-  const size_t off_offsets = layout.add((size_t(experts) + 1) * sizeof(int64_t));
-  const size_t result_bytes = 2 * size_t(experts) * sizeof(int64_t) + sizeof(int32_t);
-  const size_t off_result = layout.add(result_bytes);
-  char* ws = static_cast<char*>(ctx.workspace->reserve(layout.total(), ctx.stream));
-  auto* tile_counts = reinterpret_cast<int32_t*>(ws + off_tiles);
-  auto* offsets = reinterpret_cast<int64_t*>(ws + off_offsets);
-  auto* routed = reinterpret_cast<int64_t*>(ws + off_result);
-  int64_t* kept = routed + experts;
-  auto* bad = reinterpret_cast<int32_t*>(kept + experts);
-
-  DMOE_CHECK_CUDA(cudaMemsetAsync(bad, 0x7f, sizeof(int32_t), ctx.stream));
-  if (tiles > 0) {
-    plan_count_kernel<<<unsigned(tiles), kWarp, hist_bytes, ctx.stream>>>(
-        PlanCountParams{ids, assignments, experts, tiles, tile_counts, bad});
+// The plan's kernels: counts per tile, their scan, the offsets, the slots; results into `counts`
+// (core/routing_block.hpp's PlanCountsBlock).
+void launch_plan(const PlanShape& sh, const int32_t* ids, int32_t top_k, int32_t experts, int64_t capacity,
+                 int32_t* slot, int32_t* row_token, int32_t* row_choice, int32_t* tile_counts, int64_t* counts,
+                 const CudaContext& ctx) {
+  int64_t* routed = PlanCountsBlock::routed(counts);
+  int64_t* kept = PlanCountsBlock::kept(counts, experts);
+  int64_t* offsets = PlanCountsBlock::offsets(counts, experts);
+  int32_t* bad = PlanCountsBlock::bad(counts, experts);
+  DMOE_CHECK_CUDA(cudaMemsetAsync(bad, 0x7f, sizeof(int64_t), ctx.stream));
+  if (sh.tiles > 0) {
+    plan_count_kernel<<<unsigned(sh.tiles), kWarp, sh.hist_bytes, ctx.stream>>>(
+        PlanCountParams{ids, sh.assignments, experts, sh.tiles, tile_counts, bad});
     DMOE_CHECK_LAUNCH();
   }
   plan_scan_kernel<<<grid_for(experts, kScanThreads / kWarp), kScanThreads, 0, ctx.stream>>>(
-      PlanScanParams{tile_counts, tiles, experts, routed});
+      PlanScanParams{tile_counts, sh.tiles, experts, routed});
   DMOE_CHECK_LAUNCH();
   plan_offsets_kernel<<<1, kOffsetThreads, 0, ctx.stream>>>(
       PlanOffsetsParams{routed, experts, capacity, kept, offsets});
   DMOE_CHECK_LAUNCH();
-  if (tiles > 0) {
-    plan_write_kernel<<<unsigned(tiles), kWarp, hist_bytes, ctx.stream>>>(
-        PlanWriteParams{ids, assignments, top_k, experts, tiles, capacity, tile_counts, offsets, slot,
+  if (sh.tiles > 0) {
+    plan_write_kernel<<<unsigned(sh.tiles), kWarp, sh.hist_bytes, ctx.stream>>>(
+        PlanWriteParams{ids, sh.assignments, top_k, experts, sh.tiles, capacity, tile_counts, offsets, slot,
                         row_token, row_choice});
     DMOE_CHECK_LAUNCH();
   }
+}
 
-  std::vector<char> host(result_bytes);
-  download_bounded(host.data(), routed, result_bytes, ctx.stream, ctx.host_staging, "plan_send: reading the counts");
-  const auto* h_routed = reinterpret_cast<const int64_t*>(host.data());
-  int32_t h_bad = 0;
-  std::memcpy(&h_bad, h_routed + 2 * experts, sizeof(int32_t));
-  if (h_bad != kNoBadAssignment) {
-    int32_t id = 0;
-    DMOE_CHECK_CUDA(cudaMemcpy(&id, ids + h_bad, sizeof(int32_t), cudaMemcpyDeviceToHost));
-    fail(__FILE__, __LINE__,
-         "routing: token %d choice %d has expert id %d; allowed [0, %d) (id -1: the token's router logits "
-         "are NaN: check the input for non-finite values)", h_bad / top_k,
-         h_bad % top_k, id, experts);
-  }
-  std::copy_n(h_routed, experts, routed_host);
-  std::copy_n(h_routed + experts, experts, counts_host);
+}  // namespace
+
+void plan_send_on_device(const int32_t* ids, int64_t tokens, int32_t top_k, int32_t experts, int64_t capacity,
+                         int32_t* slot, int32_t* row_token, int32_t* row_choice, int64_t* counts,
+                         const CudaContext& ctx) {
+  const PlanShape sh = plan_shape(tokens, top_k, experts);
+  auto* tile_counts = static_cast<int32_t*>(ctx.workspace->reserve(sh.tile_bytes, ctx.stream));
+  launch_plan(sh, ids, top_k, experts, capacity, slot, row_token, row_choice, tile_counts, counts, ctx);
+}
+
+void fail_bad_assignment(const int32_t* ids, int32_t bad, int32_t top_k, int32_t experts) {
+  int32_t id = 0;
+  DMOE_CHECK_CUDA(cudaMemcpy(&id, ids + bad, sizeof(int32_t), cudaMemcpyDeviceToHost));
+  fail(__FILE__, __LINE__,
+       "routing: token %d choice %d has expert id %d; allowed [0, %d) (id -1: the token's router logits "
+       "are NaN: check the input for non-finite values)", bad / top_k, bad % top_k, id, experts);
+}
+
+void plan_send(const int32_t* ids, int64_t tokens, int32_t top_k, int32_t experts, int64_t capacity,
+               int32_t* slot, int32_t* row_token, int32_t* row_choice, int64_t* routed_host,
+               int64_t* counts_host, const CudaContext& ctx) {
+  const PlanShape sh = plan_shape(tokens, top_k, experts);
+  // Scratch: the tile counts, then the counts block that comes back to the host.
+  const size_t block_bytes = PlanCountsBlock::bytes(experts);
+  ScratchLayout layout;
+  const size_t off_tiles = layout.add(sh.tile_bytes);
+  const size_t off_block = layout.add(block_bytes);
+  char* ws = static_cast<char*>(ctx.workspace->reserve(layout.total(), ctx.stream));
+  auto* block = reinterpret_cast<int64_t*>(ws + off_block);
+  launch_plan(sh, ids, top_k, experts, capacity, slot, row_token, row_choice, reinterpret_cast<int32_t*>(ws + off_tiles),
+              block, ctx);
+
+  // routed, kept, offsets and bad are one transfer (only routed, kept and bad are needed here).
+  std::vector<int64_t> host(PlanCountsBlock::words(experts));
+  download_bounded(host.data(), block, block_bytes, ctx.stream, ctx.host_staging, "plan_send: reading the counts");
+  const int32_t h_bad = PlanCountsBlock::read_bad(host.data(), experts);
+  if (h_bad != kNoBadAssignment) fail_bad_assignment(ids, h_bad, top_k, experts);
+  std::copy_n(PlanCountsBlock::routed(host.data()), experts, routed_host);
+  std::copy_n(PlanCountsBlock::kept(host.data(), experts), experts, counts_host);
 }
 
 }  // namespace dmoe::cuda

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "core/routing.hpp"
+#include "core/routing_block.hpp"
 #include "cuda/common.hpp"
 #include "cuda/device_utils.cuh"
 #include "cuda/warp_routing.cuh"
@@ -338,64 +339,84 @@ void router_topk(const float* logits, float* probs, int32_t* ids, float* weights
   DMOE_CHECK_LAUNCH();
 }
 
+namespace {
+
+struct AuxShape {
+  int64_t chunk_tokens = 0, chunks = 0;
+  size_t partial_bytes = 0;  // prob partials [chunks, E] f64
+  size_t z_bytes = 0;        // z partials [chunks] f64
+};
+
+AuxShape aux_shape(int64_t tokens, int32_t experts) {
+  DMOE_CUDA_REQUIRE(experts >= 1, "router_aux_partials: experts = %d; must be >= 1", experts);
+  AuxShape s;
+  // At most ~1024 chunks of at least 32 tokens: enough blocks to fill the GPU, few partials to reduce.
+  s.chunk_tokens = std::max<int64_t>(32, (tokens + 1023) / 1024);
+  s.chunks = std::max<int64_t>(1, (tokens + s.chunk_tokens - 1) / s.chunk_tokens);
+  s.partial_bytes = size_t(s.chunks) * experts * sizeof(double);
+  s.z_bytes = size_t(s.chunks) * sizeof(double);
+  return s;
+}
+
+// The partial sums' kernels; the results into `block` (core/routing_block.hpp's AuxPartialsBlock).
+void launch_aux_partials(const AuxShape& sh, const float* probs, const float* lse, const int32_t* ids,
+                         int64_t tokens, int32_t experts, int32_t top_k, double* prob_partial, double* z_partial,
+                         void* block, const CudaContext& ctx) {
+  int32_t* d_assigned = AuxPartialsBlock::assigned(block, experts);
+  int32_t* d_bad = AuxPartialsBlock::bad(block, experts);
+  DMOE_CHECK_CUDA(cudaMemsetAsync(d_assigned, 0, size_t(experts) * sizeof(int32_t), ctx.stream));
+  // 0x7f7f7f7f: none; the block's padding after the word too (its readers copy whole blocks: initcheck).
+  const size_t bad_and_pad = AuxPartialsBlock::bytes(experts) - size_t(reinterpret_cast<char*>(d_bad) -
+                                                                       static_cast<char*>(block));
+  DMOE_CHECK_CUDA(cudaMemsetAsync(d_bad, 0x7f, bad_and_pad, ctx.stream));
+  AuxPartialsParams pp{probs, lse, ids, tokens, experts, top_k, sh.chunk_tokens, prob_partial, z_partial,
+                       d_assigned, d_bad};
+  aux_partials_kernel<<<unsigned(sh.chunks), kAuxThreads, 0, ctx.stream>>>(pp);
+  DMOE_CHECK_LAUNCH();
+  AuxReduceParams rp{prob_partial, z_partial, sh.chunks, experts, AuxPartialsBlock::prob_sum(block),
+                     AuxPartialsBlock::z_sum(block, experts)};
+  aux_reduce_kernel<<<grid_for(int64_t(experts + 1) * kWarp, kAuxThreads), kAuxThreads, 0, ctx.stream>>>(rp);
+  DMOE_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+void router_aux_partials_on_device(const float* probs, const float* lse, const int32_t* ids, int64_t tokens,
+                                   int32_t experts, int32_t top_k, void* stats, const CudaContext& ctx) {
+  const AuxShape sh = aux_shape(tokens, experts);
+  ScratchLayout layout;
+  const size_t off_prob_partial = layout.add(sh.partial_bytes);
+  const size_t off_z_partial = layout.add(sh.z_bytes);
+  char* ws = static_cast<char*>(ctx.workspace->reserve(layout.total(), ctx.stream));
+  launch_aux_partials(sh, probs, lse, ids, tokens, experts, top_k, reinterpret_cast<double*>(ws + off_prob_partial),
+                      reinterpret_cast<double*>(ws + off_z_partial), stats, ctx);
+}
+
 void router_aux_partials(const float* probs, const float* lse, const int32_t* ids, int64_t tokens,
                          int32_t experts, int32_t top_k, double* prob_sum, double* assigned, double* z_sum,
                          const CudaContext& ctx) {
-  DMOE_CUDA_REQUIRE(experts >= 1, "router_aux_partials: experts = %d; must be >= 1", experts);
-  // At most ~1024 chunks of at least 32 tokens: enough blocks to fill the GPU, few partials to reduce.
-  const int64_t chunk_tokens = std::max<int64_t>(32, (tokens + 1023) / 1024);
-  const int64_t chunks = std::max<int64_t>(1, (tokens + chunk_tokens - 1) / chunk_tokens);
-
-  // Scratch: prob partials [chunks, E] f64, z partials [chunks] f64, then the block copied back to the
-  // host in one transfer: prob_sum [E] f64, z_sum [1] f64, assigned [E] i32, bad_assignment [1] i32.
+  const AuxShape sh = aux_shape(tokens, experts);
+  // Scratch: the partials, then the block copied back to the host in one transfer.
+  const size_t result_bytes = AuxPartialsBlock::bytes(experts);
   ScratchLayout layout;
-  const size_t off_prob_partial = layout.add(size_t(chunks) * experts * sizeof(double));
-  const size_t off_z_partial = layout.add(size_t(chunks) * sizeof(double));
-  const size_t result_bytes =
-      (size_t(experts) + 1) * sizeof(double) + (size_t(experts) + 1) * sizeof(int32_t);
+  const size_t off_prob_partial = layout.add(sh.partial_bytes);
+  const size_t off_z_partial = layout.add(sh.z_bytes);
   const size_t off_result = layout.add(result_bytes);
   char* ws = static_cast<char*>(ctx.workspace->reserve(layout.total(), ctx.stream));
   char* result = ws + off_result;
-  auto* d_prob_sum = reinterpret_cast<double*>(result);
-  auto* d_z_sum = d_prob_sum + experts;
-  auto* d_assigned = reinterpret_cast<int32_t*>(d_z_sum + 1);
-  auto* d_bad = d_assigned + experts;
-
-  DMOE_CHECK_CUDA(cudaMemsetAsync(d_assigned, 0, size_t(experts) * sizeof(int32_t), ctx.stream));
-  DMOE_CHECK_CUDA(cudaMemsetAsync(d_bad, 0x7f, sizeof(int32_t), ctx.stream));  // 0x7f7f7f7f: none
-  AuxPartialsParams pp{probs,
-                       lse,
-                       ids,
-                       tokens,
-                       experts,
-                       top_k,
-                       chunk_tokens,
-                       reinterpret_cast<double*>(ws + off_prob_partial),
-                       reinterpret_cast<double*>(ws + off_z_partial),
-                       d_assigned,
-                       d_bad};
-  aux_partials_kernel<<<unsigned(chunks), kAuxThreads, 0, ctx.stream>>>(pp);
-  DMOE_CHECK_LAUNCH();
-  AuxReduceParams rp{pp.prob_partial, pp.z_partial, chunks, experts, d_prob_sum, d_z_sum};
-  aux_reduce_kernel<<<grid_for(int64_t(experts + 1) * kWarp, kAuxThreads), kAuxThreads, 0, ctx.stream>>>(rp);
-  DMOE_CHECK_LAUNCH();
+  launch_aux_partials(sh, probs, lse, ids, tokens, experts, top_k, reinterpret_cast<double*>(ws + off_prob_partial),
+                      reinterpret_cast<double*>(ws + off_z_partial), result, ctx);
 
   std::vector<char> host(result_bytes);
   download_bounded(host.data(), result, result_bytes, ctx.stream, ctx.host_staging, "router_aux_partials: reading the statistics");
-  const auto* h_prob_sum = reinterpret_cast<const double*>(host.data());
-  const auto* h_assigned = reinterpret_cast<const int32_t*>(h_prob_sum + experts + 1);
-  const int32_t bad = h_assigned[experts];
-  if (bad != 0x7f7f7f7f) {
+  const int32_t bad = AuxPartialsBlock::read_bad(host.data(), experts);
+  if (bad != kNoBadAssignment) {
     int32_t id = 0;
     DMOE_CHECK_CUDA(cudaMemcpy(&id, ids + bad, sizeof(int32_t), cudaMemcpyDeviceToHost));
     fail(__FILE__, __LINE__, "router_aux_partials: token %d choice %d has expert id %d; allowed [0, %d)",
          bad / top_k, bad % top_k, id, experts);
   }
-  for (int32_t e = 0; e < experts; ++e) {
-    prob_sum[e] = h_prob_sum[e];
-    assigned[e] = double(h_assigned[e]);
-  }
-  *z_sum = h_prob_sum[experts];
+  AuxPartialsBlock::decode(host.data(), experts, prob_sum, assigned, z_sum);
 }
 
 void router_topk_backward(const float* probs, const int32_t* ids, const float* weights, const float* dweights,

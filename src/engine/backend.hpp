@@ -27,6 +27,17 @@ struct SendPlanBuffers {
   int32_t* row_choice = nullptr;  // [T*k] (first S used) choice j of each send row
 };
 
+// A copy from backend memory to the host that the host collects later: start() queues it behind the work
+// issued so far, wait() blocks (bounded, naming `what`) until that copy is done — not until the stream is idle,
+// so the work queued after it keeps the device busy — and returns the bytes, valid until the next start().
+// The CPU backend copies in start().
+class HostReadback {
+ public:
+  virtual ~HostReadback() = default;
+  virtual void start(const void* src, size_t bytes) = 0;
+  virtual const void* wait(const char* what) = 0;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -82,6 +93,27 @@ class Backend {
                                   void* pre1, void* pre3, void* h, void* out,
                                   const int64_t* expert_offsets, int32_t local_experts, int64_t hidden,
                                   int64_t ffn, Activation activation) = 0;
+
+  // ---- the routing without a host wait (core/routing_block.hpp; EpEngine's deferred routing reads) ----
+  // plan_send's plan with its counts left in backend memory: counts is a PlanCountsBlock of `experts` (routed,
+  // kept, the send buffer's expert offsets, the bad word). DropPolicy::latest_tokens (or dropless).
+  virtual void plan_send_on_device(const int32_t* ids, int64_t tokens, int32_t top_k, int32_t experts,
+                                   int64_t capacity, const SendPlanBuffers& plan, int64_t* counts) = 0;
+  // router_aux_partials' sums left in backend memory: stats is an AuxPartialsBlock of `experts`.
+  virtual void router_aux_partials_on_device(const float* probs, const float* lse, const int32_t* ids,
+                                             int64_t tokens, int32_t experts, int32_t top_k, void* stats) = 0;
+  // expert_ffn_forward with expert_offsets in backend memory ([Le + 1], offsets[0] = 0, offsets[Le] = rows):
+  // only where expert_ffn_forward_takes_device_offsets says so for the same arguments.
+  virtual bool expert_ffn_forward_takes_device_offsets(const void* x, const void* w1, const void* w3,
+                                                       const void* w2, const void* pre1, const void* pre3,
+                                                       const void* h, const void* out, int64_t rows,
+                                                       int32_t local_experts, int64_t hidden, int64_t ffn,
+                                                       Activation activation) = 0;
+  virtual void expert_ffn_forward_device_offsets(const void* x, const void* w1, const void* w3, const void* w2,
+                                                 void* pre1, void* pre3, void* h, void* out,
+                                                 const int64_t* expert_offsets, int64_t rows, int32_t local_experts,
+                                                 int64_t hidden, int64_t ffn, Activation activation) = 0;
+  virtual std::unique_ptr<HostReadback> make_readback() = 0;
 
   // ---- backward stages ----
   virtual void combine_backward(const void* dy, const void* rows, const int32_t* slot,

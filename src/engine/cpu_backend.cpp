@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <new>
 #include <vector>
 
@@ -12,6 +13,19 @@
 
 namespace dmoe {
 namespace {
+
+// The CPU has one order: the copy is made at once.
+class CopyReadback final : public HostReadback {
+ public:
+  void start(const void* src, size_t bytes) override {
+    bytes_.resize(bytes);
+    if (bytes) std::memcpy(bytes_.data(), src, bytes);
+  }
+  const void* wait(const char*) override { return bytes_.data(); }
+
+ private:
+  std::vector<char> bytes_;
+};
 
 class CpuBackend final : public Backend {
  public:
@@ -100,6 +114,32 @@ class CpuBackend final : public Backend {
                               activation, storage_);
     }
   }
+
+  void plan_send_on_device(const int32_t* ids, int64_t tokens, int32_t top_k, int32_t experts, int64_t capacity,
+                           const SendPlanBuffers& plan, int64_t* counts) override {
+    cpu::plan_send_on_device(ids, tokens, top_k, experts, capacity, plan.slot, plan.row_token, plan.row_choice,
+                             counts);
+  }
+  void router_aux_partials_on_device(const float* probs, const float* lse, const int32_t* ids, int64_t tokens,
+                                     int32_t experts, int32_t top_k, void* stats) override {
+    cpu::router_aux_partials_on_device(probs, lse, ids, tokens, experts, top_k, stats);
+  }
+  // Host memory is the backend's: the offsets are readable here, so every call qualifies.
+  bool expert_ffn_forward_takes_device_offsets(const void*, const void*, const void*, const void*, const void*,
+                                               const void*, const void*, const void*, int64_t rows, int32_t,
+                                               int64_t, int64_t, Activation) override {
+    return rows >= 0;
+  }
+  void expert_ffn_forward_device_offsets(const void* x, const void* w1, const void* w3, const void* w2, void* pre1,
+                                         void* pre3, void* h, void* out, const int64_t* expert_offsets, int64_t rows,
+                                         int32_t local_experts, int64_t hidden, int64_t ffn,
+                                         Activation activation) override {
+    DMOE_REQUIRE(expert_offsets[0] == 0 && expert_offsets[local_experts] == rows,
+                 "cpu backend: expert_ffn_forward_device_offsets: offsets span [{}, {}); expected [0, {})",
+                 expert_offsets[0], expert_offsets[local_experts], rows);
+    expert_ffn_forward(x, w1, w3, w2, pre1, pre3, h, out, expert_offsets, local_experts, hidden, ffn, activation);
+  }
+  std::unique_ptr<HostReadback> make_readback() override { return std::make_unique<CopyReadback>(); }
 
   void combine_backward(const void* dy, const void* rows, const int32_t* slot, const float* weights,
                         void* drows, float* dweights, int64_t tokens, int32_t top_k,

@@ -4,7 +4,9 @@
 #include <cstring>
 #include <utility>
 
+#include "core/env.hpp"
 #include "core/error.hpp"
+#include "core/routing_block.hpp"
 
 namespace dmoe {
 
@@ -21,7 +23,7 @@ EpEngine::EpEngine(const MoeConfig& config, Backend& backend, Comm& comm, const 
                     &pre1_, &pre3_, &h_, &out_batch_, &out_recv_, &ret_, &counts_dev_,
                     &recv_counts_dev_, &stats_dev_, &dret_, &drecv_, &dbatch_, &dx_batch_, &dx_recv_,
                     &dsend_, &dweights_, &dlogits_, &dx_router_, &send_wire_, &ret_compact_, &dret_wire_,
-                    &dsend_compact_})
+                    &dsend_compact_, &routing_dev_})
     b->bind(backend_);
   wire_rows_.assign(config_.world, 0);
   recv_rows_.assign(config_.world, 0);
@@ -155,6 +157,7 @@ void EpEngine::reduce_gate_grad() {
 }
 
 void EpEngine::set_tokens(int64_t tokens) {
+  settle_routing();  // a pending forward's error is reported, not lost with its state
   MoeConfig next = config_;
   next.tokens = tokens;
   next.validate();
@@ -241,10 +244,13 @@ void EpEngine::forward(const void* x, void* y, ForwardMode mode) {
 
 void EpEngine::forward_route(const void* x, ForwardMode mode) {
   DMOE_REQUIRE(has_weights_, "EpEngine::forward: set_weights() was not called");
+  settle_routing();  // the last forward's pending reads: its errors are reported, not overwritten
+  routing_failed_ = false;
   const int64_t T = config_.tokens, H = config_.hidden;
   const int32_t E = config_.experts, k = config_.top_k, W = config_.world, Le = local_experts_;
   x_ = x;
   keep_ = mode == ForwardMode::train;
+  deferred_ = defer_this_forward(T * k);
   kept_for_backward_ = false;  // until this forward has stored everything
   bwd_phase_ = Phase::none;
 
@@ -264,16 +270,25 @@ void EpEngine::forward_route(const void* x, ForwardMode mode) {
   plan.row_choice = static_cast<int32_t*>(row_choice_.ensure(T * k * sizeof(int32_t)));
   routed_.assign(E, 0);
   kept_.assign(E, 0);
-  backend_.plan_send(ids, weights, T, k, E, config_.capacity(), config_.drop_policy, plan, routed_.data(),
-                     kept_.data());
-  send_rows_total_ = 0;
-  compact_offsets_.assign(E, 0);
-  for (int32_t d = 0; d < W; ++d) {
-    wire_rows_[d] = 0;
-    for (int32_t e = d * Le; e < (d + 1) * Le; ++e) {
-      compact_offsets_[e] = send_rows_total_;
-      send_rows_total_ += kept_[e];
-      wire_rows_[d] += padded_ ? config_.capacity() : kept_[e];
+  if (deferred_) {
+    // Dropless at W = 1: every assignment is a row (S = T·k), only its expert's share is unknown here. A token
+    // with NaN logits (reported by settle_routing) leaves rows unwritten: zeros keep their gather inside x.
+    backend_.zero(plan.row_token, size_t(T * k) * sizeof(int32_t));
+    backend_.plan_send_on_device(ids, T, k, E, config_.capacity(), plan, routing_dev_.as<int64_t>());
+    send_rows_total_ = T * k;
+    wire_rows_[0] = T * k;
+  } else {
+    backend_.plan_send(ids, weights, T, k, E, config_.capacity(), config_.drop_policy, plan, routed_.data(),
+                       kept_.data());
+    send_rows_total_ = 0;
+    compact_offsets_.assign(E, 0);
+    for (int32_t d = 0; d < W; ++d) {
+      wire_rows_[d] = 0;
+      for (int32_t e = d * Le; e < (d + 1) * Le; ++e) {
+        compact_offsets_[e] = send_rows_total_;
+        send_rows_total_ += kept_[e];
+        wire_rows_[d] += padded_ ? config_.capacity() : kept_[e];
+      }
     }
   }
   const int64_t S = send_rows_total_;
@@ -286,8 +301,63 @@ void EpEngine::forward_route(const void* x, ForwardMode mode) {
   // The router's auxiliary losses are training terms: an inference forward skips their kernels and the
   // host read they end with. The partial sums are read here, on the backend's stream, so that the exchange
   // phase only sums them.
-  if (keep_) router_partials();
+  if (deferred_) {
+    void* stats = routing_dev_.as<char>() + PlanCountsBlock::bytes(E);
+    backend_.router_aux_partials_on_device(probs_.as<float>(), lse_.as<float>(), ids_.as<int32_t>(), T, E, k, stats);
+    if (!readback_) readback_ = backend_.make_readback();
+    readback_->start(routing_dev_.data(), PlanCountsBlock::bytes(E) + AuxPartialsBlock::bytes(E));
+    routing_pending_ = true;
+  } else if (keep_) {
+    router_partials();
+  }
   fwd_phase_ = Phase::routed;
+}
+
+bool EpEngine::defer_this_forward(int64_t rows) {
+  if (!options_.defer_routing_reads || !keep_ || !local_only_ || !config_.dropless() || row_multiple_ != 1 ||
+      !defer_routing_reads_allowed())
+    return false;
+  // The buffers the expert products will use (forward_experts asks for the same sizes: the same blocks).
+  const int64_t H = config_.hidden, I = config_.ffn, E = config_.experts;
+  const bool swiglu = config_.activation == Activation::swiglu;
+  void* x = send_.ensure(rows * H * elem_);
+  void* pre1 = pre1_.ensure(rows * I * elem_);
+  void* pre3 = swiglu ? pre3_.ensure(rows * I * elem_) : nullptr;
+  void* h = h_.ensure(rows * I * elem_);
+  void* out = out_batch_.ensure(rows * H * elem_);
+  if (!backend_.expert_ffn_forward_takes_device_offsets(x, w1_ptr_, swiglu ? w3_ptr_ : nullptr, w2_ptr_, pre1, pre3,
+                                                        h, out, rows, local_experts_, H, I, config_.activation))
+    return false;
+  routing_dev_.ensure(PlanCountsBlock::bytes(int32_t(E)) + AuxPartialsBlock::bytes(int32_t(E)));
+  return true;
+}
+
+void EpEngine::settle_routing() {
+  if (!routing_pending_) return;
+  routing_pending_ = false;
+  const int32_t E = config_.experts, k = config_.top_k;
+  const char* block = static_cast<const char*>(readback_->wait(
+      "EpEngine: reading the routing counts and router statistics of the last train forward"));
+  const int32_t bad = PlanCountsBlock::read_bad(block, E);
+  if (bad != kNoBadAssignment) {
+    kept_for_backward_ = false;  // its output is not valid: no backward, no losses
+    routing_failed_ = true;
+    int32_t id = 0;
+    backend_.download(&id, ids_.as<int32_t>() + bad, sizeof(id));
+    DMOE_REQUIRE_INPUT(false, "routing: token {} choice {} of the last train forward has expert id {}; allowed [0, {}) "
+                       "(id -1: the token's router logits are NaN: check the input for non-finite values); that "
+                       "forward's output is not valid", bad / k, bad % k, id, E);
+  }
+  const auto* counts = reinterpret_cast<const int64_t*>(block);
+  routed_.assign(counts, counts + E);
+  kept_.assign(counts + E, counts + 2 * E);
+  compact_offsets_.assign(counts + 2 * E, counts + 3 * E);
+  layout_ = build_expert_batch_layout(kept_.data(), 1, local_experts_, row_multiple_);
+  recv_rows_[0] = layout_.source_counts[0];
+  stats_.assign(2 * size_t(E) + 1, 0.0);
+  AuxPartialsBlock::decode(block + PlanCountsBlock::bytes(E), E, stats_.data(), stats_.data() + E,
+                           stats_.data() + 2 * E);
+  compute_losses(backend_.stream());  // W = 1: no collective
 }
 
 void EpEngine::forward_dispatch(Stream lane) {
@@ -298,8 +368,10 @@ void EpEngine::forward_dispatch(Stream lane) {
   // NOTE: with one rank and no tile padding the send buffer already is the expert batch (expert-major,
   // token order), so the all-to-alls and permutes would be copies onto the same layout: skipped.
   mark("MoE fwd dispatch (all-to-all)");
-  exchange_counts(lane);
-  if (keep_) compute_losses(lane);
+  if (!deferred_) {  // deferred: W = 1, settle_routing builds the layout and the losses later
+    exchange_counts(lane);
+    if (keep_) compute_losses(lane);
+  }
   const void* wire = padded_ ? send_wire_.data() : send_.data();
   if (!local_only_) {
     const int64_t R = layout_.source_offsets.back();
@@ -313,10 +385,11 @@ void EpEngine::forward_experts() {
   const int64_t H = config_.hidden, I = config_.ffn;
   const int32_t W = config_.world, Le = local_experts_;
   const bool swiglu = config_.activation == Activation::swiglu;
-  const int64_t N = layout_.rows();
-  const int64_t R = layout_.source_offsets.back();
+  // Deferred: the layout is not known on the host yet; S = T·k rows, one rank, no tile padding.
+  const int64_t N = deferred_ ? send_rows_total_ : layout_.rows();
+  const int64_t R = deferred_ ? N : layout_.source_offsets.back();
   const int64_t segments = int64_t(W) * Le;
-  const bool aliased = local_only_ && !layout_.padded();
+  const bool aliased = local_only_ && (deferred_ || !layout_.padded());
   void* wire = padded_ ? send_wire_.data() : send_.data();
   batch_rows_ = wire;
   if (!aliased) {
@@ -331,11 +404,17 @@ void EpEngine::forward_experts() {
   // 5. Grouped expert FFN, then back to source-major order.
   mark("MoE fwd experts");
   fault_point(comm_, FaultStage::expert_gemm);
-  backend_.expert_ffn_forward(batch_rows_, w1_ptr_, swiglu ? w3_ptr_ : nullptr, w2_ptr_,
-                              keep_ ? pre1_.ensure(N * I * elem_) : nullptr,
-                              keep_ && swiglu ? pre3_.ensure(N * I * elem_) : nullptr,
-                              h_.ensure(N * I * elem_), out_batch_.ensure(N * H * elem_),
-                              layout_.expert_offsets.data(), Le, H, I, config_.activation);
+  if (deferred_)  // the offsets from the plan's block on the device (PlanCountsBlock::offsets: W = 1, Le = E)
+    backend_.expert_ffn_forward_device_offsets(
+        batch_rows_, w1_ptr_, swiglu ? w3_ptr_ : nullptr, w2_ptr_, pre1_.ensure(N * I * elem_),
+        swiglu ? pre3_.ensure(N * I * elem_) : nullptr, h_.ensure(N * I * elem_), out_batch_.ensure(N * H * elem_),
+        PlanCountsBlock::offsets(routing_dev_.data(), config_.experts), N, Le, H, I, config_.activation);
+  else
+    backend_.expert_ffn_forward(batch_rows_, w1_ptr_, swiglu ? w3_ptr_ : nullptr, w2_ptr_,
+                                keep_ ? pre1_.ensure(N * I * elem_) : nullptr,
+                                keep_ && swiglu ? pre3_.ensure(N * I * elem_) : nullptr,
+                                h_.ensure(N * I * elem_), out_batch_.ensure(N * H * elem_),
+                                layout_.expert_offsets.data(), Le, H, I, config_.activation);
   mark("MoE fwd combine (permute, all-to-all, combine)");
   returned_rows_ = out_batch_.data();
   if (!aliased) {
@@ -374,7 +453,10 @@ void EpEngine::forward_finish(void* y) {
   kept_for_backward_ = keep_;
 }
 
-RouterLosses EpEngine::losses() const {
+RouterLosses EpEngine::losses() {
+  settle_routing();
+  DMOE_REQUIRE_INPUT(!routing_failed_, "EpEngine::losses: the last train forward's routing was invalid (an expert id "
+                     "outside [0, E), reported when its counts were read); run a forward on valid input first");
   DMOE_REQUIRE(kept_for_backward_, "EpEngine::losses: the last forward ran in ForwardMode::inference, which does "
                "not compute the router's auxiliary losses; run forward(x, y, ForwardMode::train) (the default)");
   return losses_;
@@ -432,6 +514,9 @@ void EpEngine::backward(const void* dy, void* dx) {
 }
 
 void EpEngine::backward_combine(const void* dy) {
+  settle_routing();  // the layout, the counts and the load-balance term of a deferred forward
+  DMOE_REQUIRE_INPUT(!routing_failed_, "EpEngine::backward: the last train forward's routing was invalid (an expert "
+                     "id outside [0, E), reported when its counts were read); run a forward on valid input first");
   DMOE_REQUIRE(x_ != nullptr, "EpEngine::backward: forward() must run first");
   DMOE_REQUIRE(has_grads_, "EpEngine::backward: there are no gradient accumulators; set_weight_views() borrows "
                "none: call set_grad_views() first (set_weights() makes the engine's own)");

@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "comm/comm.hpp"
@@ -33,6 +34,13 @@ struct EpOptions {
   // Pad each local expert's batch with zero rows to a multiple of this (1 = no padding): local padding
   // to the GEMM tile height, so every expert product splits into whole tiles.
   int32_t batch_row_multiple = 1;
+  // A train forward at W = 1, dropless, whose expert products can take their offsets in backend memory
+  // (Backend::expert_ffn_forward_takes_device_offsets: the CPU always, CUDA bf16 on the own Hopper GEMM) leaves
+  // its counts and router statistics on the device and reads them when they are first needed — the backward,
+  // losses() and the accessors below, the next forward — instead of waiting for the GPU inside the forward.
+  // A forward then never waits for the GPU, so a caller's work queued behind it (a PyTorch model's next layers)
+  // is not held back (docs/architecture.md, "Deferred routing reads"). Off: every forward reads them at once.
+  bool defer_routing_reads = true;
 };
 
 // What a forward keeps. train: everything backward() needs (the experts' pre-activations, the routing) and
@@ -140,7 +148,9 @@ class EpEngine {
   // issue only collectives on the engine's communicator and their small host transfers, on `lane`. The caller
   // orders the streams (events): each phase reads what the previous one wrote. Phases must come in this order
   // (checked). Host waits (the only ones): forward_route waits for the backend's stream twice (the send plan's
-  // counts; in train mode the router statistics); forward_dispatch waits for `lane` when it reads the peers'
+  // counts; in train mode the router statistics), except for a forward with deferred routing reads (EpOptions),
+  // which waits nowhere — its reads wait for the point of the stream behind its router (not for the stream) when
+  // the backward, losses() or an accessor of the counts first needs them; forward_dispatch waits for `lane` when it reads the peers'
   // row counts (W > 1 without padding) and the summed router statistics (W > 1, train). The other phases never
   // wait. Collectives, in this order on every rank: dispatch: counts (W > 1, unpadded), router statistics
   // (W > 1, train), rows; combine: rows; backward dispatch: rows; backward return: rows (none at W = 1).
@@ -167,23 +177,29 @@ class EpEngine {
   // The same (and the logits and probabilities) without a copy, valid until the next forward.
   RoutingViews routing_views() const;
   // The router's auxiliary losses of the last train forward (an inference forward does not compute them).
-  RouterLosses losses() const;
+  // This and the accessors of the routing's counts below read a deferred forward's counts first (settle_routing).
+  RouterLosses losses();
   // Over all ranks' tokens, of the last train forward: f_e = assigned_e / (N·k) and P_e = mean_t probs[t, e]
   // ([E] each), the two factors of the load-balance loss.
-  const std::vector<double>& expert_fraction() const { return expert_fraction_; }
-  const std::vector<double>& prob_mean() const { return prob_mean_; }
+  const std::vector<double>& expert_fraction() { return settle_routing(), expert_fraction_; }
+  const std::vector<double>& prob_mean() { return settle_routing(), prob_mean_; }
   // Replaces the config's load-balance term in the following backward passes: ∂L/∂probs[t, e] =
   // dloss_dprob[e] for every token, whatever aux_loss_coef says. For losses that pool the routing statistics
   // of several layers, as transformers' Mixtral load_balancing_loss_func does (src/model/mixtral.cpp).
   // An empty vector returns to the config's term.
   void set_load_balance_grad(std::vector<double> dloss_dprob);
-  const std::vector<int64_t>& routed_counts() const { return routed_; }  // [E] this rank, pre-capacity
-  const std::vector<int64_t>& kept_counts() const { return kept_; }      // [E] this rank
-  int64_t rows_received() const { return layout_.rows(); }          // expert batch rows (padding included)
+  const std::vector<int64_t>& routed_counts() { return settle_routing(), routed_; }  // [E] this rank, pre-capacity
+  const std::vector<int64_t>& kept_counts() { return settle_routing(), kept_; }      // [E] this rank
+  int64_t rows_received() { return settle_routing(), layout_.rows(); }  // expert batch rows (padding included)
   int64_t rows_sent() const;                                           // rows on the wire, all peers
   int64_t rows_sent_to(int32_t rank) const { return wire_rows_[rank]; }
   bool padded() const { return padded_; }
-  const ExpertBatchLayout& layout() const { return layout_; }
+  const ExpertBatchLayout& layout() { return settle_routing(), layout_; }
+  // A deferred train forward's counts and router statistics read and checked now (a token with NaN router
+  // logits is reported here: its forward's output is not valid); no-op when none is pending. Waits only for the
+  // point of the stream behind that forward's router.
+  void settle_routing();
+  bool routing_pending() const { return routing_pending_; }
 
   const MoeConfig& config() const { return config_; }
   Backend& backend() { return backend_; }
@@ -266,6 +282,15 @@ class EpEngine {
   void* returned_rows_ = nullptr;   // [S, H] expert outputs in send order, of the last forward
 
   // Backward scratch.
+  // Deferred routing reads (EpOptions::defer_routing_reads): this forward's counts and statistics stay on the
+  // device (routing_dev_: a PlanCountsBlock then an AuxPartialsBlock) and come back through readback_.
+  bool deferred_ = false;         // the forward under way (or the last one) defers them
+  bool routing_pending_ = false;  // read back, not yet settled
+  bool routing_failed_ = false;   // settling found a bad expert id: that forward has no backward or losses
+  Buffer routing_dev_;
+  std::unique_ptr<HostReadback> readback_;
+  bool defer_this_forward(int64_t rows);
+
   Buffer dret_, drecv_, dbatch_, dx_batch_, dx_recv_, dsend_, dweights_, dlogits_, dx_router_;
   // Padded mode only: the wire-layout copies of the send rows and of the row gradients, and the
   // compact copies of what comes back.

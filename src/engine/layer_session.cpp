@@ -28,7 +28,6 @@ struct LayerSession::Slot {
   std::vector<std::unique_ptr<EpEngine>> engines;  // per rank held here
   std::vector<Buffer> gate_grads;                  // cpu: ranks 1.. reduce their gate gradient here
   bool busy = false;                               // a train forward waits for its backward
-  RouterLosses losses;
 };
 
 namespace {
@@ -266,7 +265,6 @@ int64_t LayerSession::forward(const SessionForward& f) {
   const int32_t Le = config_.experts_per_rank();
   const size_t elem = dtype_size(config_.dtype);
   Slot& slot = take_slot();
-  RouterLosses losses;
   run_ranks(slot, [&](int32_t r, EpEngine& engine) {
     const int32_t local = cpu ? r : 0;  // index of this rank's share in what the caller holds
     if (engine.config().tokens != T) engine.set_tokens(T);
@@ -285,11 +283,10 @@ int64_t LayerSession::forward(const SessionForward& f) {
     if (f.expert_ids) be.copy(f.expert_ids + row0 * k, rv.ids, size_t(T * k) * sizeof(int32_t));
     if (f.expert_weights) be.copy(f.expert_weights + row0 * k, rv.weights, size_t(T * k) * sizeof(float));
     if (f.router_logits) be.copy(f.router_logits + row0 * E, rv.logits, size_t(T * E) * sizeof(float));
-    if (f.train && r == (cpu ? 0 : rank_)) losses = engine.losses();
   });
   if (!f.train) return -1;
+  // The losses are read when asked for (losses()): a forward with deferred routing reads waits for nothing.
   slot.busy = true;
-  slot.losses = losses;
   const int64_t ticket = next_ticket_++;
   tickets_[ticket] = &slot;
   return ticket;
@@ -348,7 +345,7 @@ void LayerSession::release(int64_t ticket) noexcept {
   tickets_.erase(it);
 }
 
-RouterLosses LayerSession::losses(int64_t ticket) const {
+RouterLosses LayerSession::losses(int64_t ticket) {
 #if defined(DMOE_WITH_CUDA)
   if (flash_) {
     const auto ft = flash_->tickets.find(ticket);
@@ -357,7 +354,9 @@ RouterLosses LayerSession::losses(int64_t ticket) const {
 #endif
   const auto it = tickets_.find(ticket);
   DMOE_REQUIRE_INPUT(it != tickets_.end(), "losses: ticket {} is not a pending train forward of this layer", ticket);
-  return it->second->losses;
+  // Rank 0's engine (cpu: the simulated ranks' first; ep: this rank's only one): the losses are over all ranks.
+  const DeviceGuard guard(device_);
+  return it->second->engines.front()->losses();
 }
 
 int64_t LayerSession::flash_forward(const SessionForward& f) {

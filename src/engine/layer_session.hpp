@@ -105,8 +105,9 @@ class LayerSession {
   // Frees a train forward's state without a backward (e.g. its autograd graph was dropped). Unknown
   // tickets are ignored (so it can be called from destructors).
   void release(int64_t ticket) noexcept;
-  // The auxiliary losses of the train forward behind `ticket` (over all ranks' tokens).
-  RouterLosses losses(int64_t ticket) const;
+  // The auxiliary losses of the train forward behind `ticket` (over all ranks' tokens). ep: the first call
+  // after a forward with deferred routing reads (EpOptions) waits for its router's statistics.
+  RouterLosses losses(int64_t ticket);
   // Train forwards not yet backward()ed or release()d, and engines kept for reuse (for tests).
   int64_t pending() const;
   int64_t engines() const;

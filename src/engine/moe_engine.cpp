@@ -71,7 +71,7 @@ class EpMoeEngine final : public MoeEngine {
     return rows;
   }
   int64_t rows_sent_to_peers() override { return engine_.rows_sent() - engine_.rows_sent_to(rank_); }
-  RouterLosses losses() const override { return engine_.losses(); }
+  RouterLosses losses() override { return engine_.losses(); }
 
  private:
   EngineKind kind_;

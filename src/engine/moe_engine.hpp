@@ -91,7 +91,7 @@ class MoeEngine {
   virtual std::vector<int64_t> expert_rows() = 0;     // [Le] rows each local expert computed (EP: padding included)
   virtual int64_t rows_sent_to_peers() = 0;           // rows this rank sent to other ranks (EP: padding included)
   // The router's auxiliary losses of the last train forward.
-  virtual RouterLosses losses() const = 0;
+  virtual RouterLosses losses() = 0;
   // Where the last backward's time went, for engines that record it (flash, after set_stage_timing(true)):
   // (stage, ms between device events), waits for the work issued; empty for the others.
   virtual void set_stage_timing(bool /*on*/) {}

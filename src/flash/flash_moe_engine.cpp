@@ -146,7 +146,7 @@ class FlashMoeEngine final : public MoeEngine {
     for (int32_t i = 0; i < flash::kBackwardStages; ++i) out.emplace_back(flash::backward_stage_name(i), ms[size_t(i)]);
     return out;
   }
-  RouterLosses losses() const override {
+  RouterLosses losses() override {
     DMOE_REQUIRE_INPUT(has_losses_, "losses: engine 'flash' computes the router's auxiliary losses in a train forward "
                        "(forward(x, y, ForwardMode::train) of an engine made for training); none has run");
     return losses_;

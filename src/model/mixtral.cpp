@@ -32,13 +32,13 @@ std::vector<int32_t> next_token_targets(const MixtralConfig& config, const int32
   return targets;
 }
 
-double pooled_load_balance_loss(const MixtralConfig& config, const std::vector<const EpEngine*>& layers,
+double pooled_load_balance_loss(const MixtralConfig& config, const std::vector<EpEngine*>& layers,
                                 std::vector<double>& expert_fraction) {
   const int32_t E = config.num_local_experts;
   const double L = double(layers.size());
   expert_fraction.assign(E, 0.0);
   std::vector<double> prob(E, 0.0);
-  for (const EpEngine* engine : layers)
+  for (EpEngine* engine : layers)
     for (int32_t e = 0; e < E; ++e) {
       expert_fraction[e] += engine->expert_fraction()[e] * config.num_experts_per_tok / L;
       prob[e] += engine->prob_mean()[e] / L;
@@ -222,7 +222,7 @@ void MixtralModel::head_forward(ModelState& st) {
   st.aux_loss = 0;
   st.expert_fraction.assign(E, 0.0);
   if (config_.output_router_logits) {
-    std::vector<const EpEngine*> engines;
+    std::vector<EpEngine*> engines;
     for (int l = 0; l < L; ++l) engines.push_back(st.blocks[l].moe.get());
     st.aux_loss = pooled_load_balance_loss(config_, engines, st.expert_fraction);
   }

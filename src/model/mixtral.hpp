@@ -77,7 +77,7 @@ std::vector<int32_t> next_token_targets(const MixtralConfig& config, const int32
                                         int64_t seq);
 // Mixtral's load-balancing loss pooled over the layers' engines (their statistics are over all ranks already):
 // F_e = k/L · Σ_l f_e^l, P_e = 1/L · Σ_l P_e^l, aux = E · Σ_e F_e·P_e. Fills expert_fraction with F [E].
-double pooled_load_balance_loss(const MixtralConfig& config, const std::vector<const EpEngine*>& layers,
+double pooled_load_balance_loss(const MixtralConfig& config, const std::vector<EpEngine*>& layers,
                                 std::vector<double>& expert_fraction);
 // d(loss_scale · coef · aux) / d probs[t, e] for every token of a layer with `tokens_all_ranks` tokens: the same
 // for every token, coef · E · F_e / (L · N) (EpEngine::set_load_balance_grad).

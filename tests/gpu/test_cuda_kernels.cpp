@@ -30,6 +30,7 @@
 #include "core/dtype.hpp"
 #include "core/error.hpp"
 #include "core/random.hpp"
+#include "core/routing_block.hpp"
 #include "cpu/kernels.hpp"
 #include "cuda/cuda_backend.hpp"
 #include "engine/backend.hpp"
@@ -470,6 +471,43 @@ TEST_P(CudaKernelsPlan, PlanSendMatchesCore) {
   }
 }
 
+// The plan with its counts left on the device (the deferred train forward's) equals its CPU twin bit for bit:
+// slot, rows and the whole PlanCountsBlock (routed, kept, offsets, bad word).
+TEST_P(CudaKernelsPlan, PlanSendOnDeviceMatchesCpuTwin) {
+  DMOE_SKIP_WITHOUT_GPU();
+  const PlanCase c = GetParam();
+  if (c.policy != DropPolicy::latest_tokens) GTEST_SKIP() << "the device plan is latest-tokens only";
+  const uint64_t seed = fresh_seed();
+  DMOE_SEED_TRACE(seed);
+  Rng rng(seed);
+  auto backend = make_cuda_backend(DType::f32);
+  const int64_t assignments = c.tokens * c.top_k;
+  const std::vector<int32_t> ids = random_ids(rng, c.tokens, c.top_k, c.used_experts);
+  const int64_t capacity =
+      c.capacity_factor == 0 ? -1 : int64_t(std::ceil(c.capacity_factor * double(assignments) / c.experts));
+  DeviceBuffer d_ids = raw_from(*backend, ids);
+  const std::vector<int32_t> unset(assignments, -7);
+  DeviceBuffer d_slot = raw_from(*backend, unset), d_row_token = raw_from(*backend, unset),
+               d_row_choice = raw_from(*backend, unset);
+  DeviceBuffer d_block(*backend, PlanCountsBlock::bytes(c.experts));
+  SendPlanBuffers buffers{d_slot.as<int32_t>(), d_row_token.as<int32_t>(), d_row_choice.as<int32_t>()};
+  backend->plan_send_on_device(d_ids.as<int32_t>(), c.tokens, c.top_k, c.experts, capacity, buffers,
+                               d_block.as<int64_t>());
+  std::vector<int32_t> slot(assignments), row_token(unset), row_choice(unset);
+  std::vector<int64_t> block(PlanCountsBlock::words(c.experts));
+  cpu::plan_send_on_device(ids.data(), c.tokens, c.top_k, c.experts, capacity, slot.data(), row_token.data(),
+                           row_choice.data(), block.data());
+  const int64_t rows = block[3 * size_t(c.experts)];
+  std::vector<int64_t> got_block = raw_to_host<int64_t>(*backend, d_block, int64_t(block.size()));
+  EXPECT_EQ(PlanCountsBlock::read_bad(got_block.data(), c.experts), kNoBadAssignment);
+  got_block.back() = block.back() = 0;  // the bad word's upper 4 bytes are not part of the layout
+  EXPECT_TRUE(equal_exact("counts block", got_block, block));
+  EXPECT_TRUE(equal_exact("slot", raw_to_host<int32_t>(*backend, d_slot, assignments), slot));
+  const auto first = [rows](std::vector<int32_t> v) { return std::vector<int32_t>(v.begin(), v.begin() + rows); };
+  EXPECT_TRUE(equal_exact("row_token", raw_to_host<int32_t>(*backend, d_row_token, rows), first(row_token)));
+  EXPECT_TRUE(equal_exact("row_choice", raw_to_host<int32_t>(*backend, d_row_choice, rows), first(row_choice)));
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Cases, CudaKernelsPlan,
     testing::Values(PlanCase{1000, 5, 2, 4, 0, DropPolicy::latest_tokens},    // expert 4 gets 0 rows
@@ -704,6 +742,17 @@ TEST(CudaKernelsRouterAux, PartialsMatchCpu) {
     EXPECT_TRUE(close_rel("prob_sum", prob_sum, c_prob_sum, kTolF64Sum)) << "T " << s.tokens;
     EXPECT_TRUE(equal_exact("assigned", assigned, c_assigned)) << "T " << s.tokens;
     EXPECT_TRUE(close_rel("z_sum", z, c_z, kTolF64Sum)) << "T " << s.tokens;
+    // The same sums left on the device (AuxPartialsBlock): bit for bit the host-read ones (same kernels).
+    DeviceBuffer d_block(*backend, AuxPartialsBlock::bytes(s.experts));
+    backend->router_aux_partials_on_device(d_probs.as<float>(), d_lse.as<float>(), d_ids.as<int32_t>(), s.tokens,
+                                           s.experts, s.top_k, d_block.get());
+    const auto block = raw_to_host<char>(*backend, d_block, int64_t(AuxPartialsBlock::bytes(s.experts)));
+    EXPECT_EQ(AuxPartialsBlock::read_bad(block.data(), s.experts), kNoBadAssignment);
+    std::vector<double> d_prob_sum(s.experts), d_assigned(s.experts), d_z(1);
+    AuxPartialsBlock::decode(block.data(), s.experts, d_prob_sum.data(), d_assigned.data(), d_z.data());
+    EXPECT_TRUE(equal_exact("prob_sum (device block)", d_prob_sum, prob_sum));
+    EXPECT_TRUE(equal_exact("assigned (device block)", d_assigned, assigned));
+    EXPECT_TRUE(equal_exact("z_sum (device block)", d_z, z));
   }
 }
 

@@ -205,6 +205,96 @@ TEST(GpuEngineDeterminism, TrainingStepRepeatsBitForBit) {
   EXPECT_TRUE(g[0].w1 == g[1].w1 && g[0].w3 == g[1].w3 && g[0].w2 == g[1].w2) << "the experts' gradients differ";
 }
 
+// Deferred routing reads on the GPU (EpOptions::defer_routing_reads; the own Hopper GEMM reads the expert offsets
+// on the device): the train forward issues no host read, and the step's every result equals the step that reads
+// the counts at once, bit for bit (same kernels: only the host's read of the counts moves). A token with NaN
+// router logits passes the forward (it cannot be seen without a read) and is reported by what reads the counts
+// first — the backward here — with the message the immediate read gives; the engine stays usable.
+TEST(GpuEngineDeferredRouting, EqualsReadingAtOnceAndReportsNaNAtTheBackward) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  if (detect_process_env().world > 1) GTEST_SKIP() << "one process";
+  MoeConfig c;
+  c.tokens = 1000;
+  c.hidden = 512;
+  c.ffn = 768;
+  c.experts = 8;
+  c.top_k = 2;
+  c.activation = Activation::swiglu;
+  c.dtype = DType::bf16;
+  c.aux_loss_coef = 0.01;
+  c.z_loss_coef = 0.001;
+  const MoeWeights w = random_moe_weights(c, 37);
+  Rng rng(11);
+  auto x = rng.normal_vector(size_t(c.tokens * c.hidden), 1.0);
+  const auto dy = rng.normal_vector(x.size(), 1.0);
+  auto backend = make_cuda_backend(c.dtype, 0);
+  auto comm = make_local_comm();
+  const int64_t n = c.tokens * c.hidden;
+  void* xd = backend->allocate(n * 2);
+  void* yd = backend->allocate(n * 2);
+  void* dyd = backend->allocate(n * 2);
+  void* dxd = backend->allocate(n * 2);
+  backend->upload_f32(xd, x.data(), n);
+  backend->upload_f32(dyd, dy.data(), n);
+  std::vector<float> y[2], dx[2];
+  MoeWeights g[2];
+  RouterLosses l[2];
+  std::vector<int64_t> kept[2];
+  bool deferred = false;
+  for (int defer = 0; defer < 2; ++defer) {
+    EpOptions options;
+    options.defer_routing_reads = defer == 1;
+    EpEngine engine(c, *backend, *comm, options);
+    engine.set_weights(w);
+    engine.forward(xd, yd);
+    if (defer) deferred = engine.routing_pending();
+    engine.backward(dyd, dxd);
+    l[defer] = engine.losses();
+    kept[defer] = engine.kept_counts();
+    y[defer].resize(n);
+    dx[defer].resize(n);
+    backend->download_f32(y[defer].data(), yd, n);
+    backend->download_f32(dx[defer].data(), dxd, n);
+    g[defer] = engine.grads();
+  }
+  if (!deferred) {
+    for (void* p : {xd, yd, dyd, dxd}) backend->release(p);
+    GTEST_SKIP() << "this GPU or build cannot run the own Hopper GEMM: the forward reads its counts at once";
+  }
+  EXPECT_TRUE(y[0] == y[1]) << "y differs";
+  EXPECT_TRUE(dx[0] == dx[1]) << "dx differs";
+  EXPECT_TRUE(g[0].gate == g[1].gate && g[0].w1 == g[1].w1 && g[0].w3 == g[1].w3 && g[0].w2 == g[1].w2)
+      << "the gradients differ";
+  EXPECT_EQ(l[0].load_balance, l[1].load_balance);
+  EXPECT_EQ(l[0].z_loss, l[1].z_loss);
+  EXPECT_EQ(kept[0], kept[1]);
+
+  // NaN in token 17's input: its router logits are NaN.
+  EpEngine engine(c, *backend, *comm);
+  engine.set_weights(w);
+  std::vector<float> bad = x;
+  bad[17 * c.hidden + 3] = std::nanf("");
+  backend->upload_f32(xd, bad.data(), n);
+  engine.forward(xd, yd);
+  ASSERT_TRUE(engine.routing_pending());
+  try {
+    engine.backward(dyd, dxd);
+    ADD_FAILURE() << "the backward of a forward with NaN router logits ran";
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("token 17 choice "), std::string::npos) << m;  // its NaN logits leave 0 or 1 valid choice
+    EXPECT_NE(m.find("NaN"), std::string::npos) << m;
+  }
+  EXPECT_THROW((void)engine.losses(), Error) << "nothing was kept of that forward";
+  backend->upload_f32(xd, x.data(), n);
+  engine.forward(xd, yd);
+  engine.backward(dyd, dxd);
+  std::vector<float> again(n);
+  backend->download_f32(again.data(), yd, n);
+  EXPECT_TRUE(again == y[1]) << "the engine after the error gives the first results again";
+  for (void* p : {xd, yd, dyd, dxd}) backend->release(p);
+}
+
 TEST(GpuEngineErrors, OutOfMemorySaysWhatHowMuchAndWhatIsFree) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   auto backend = make_cuda_backend(DType::bf16, 0);

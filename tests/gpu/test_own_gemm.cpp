@@ -18,6 +18,7 @@
 
 #include "core/config.hpp"
 #include "core/dtype.hpp"
+#include "cpu/kernels.hpp"
 #include "cuda/common.hpp"
 #include "gpu_test_util.hpp"
 
@@ -223,6 +224,110 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CudaKernelsOwnGemm,
                                   kEpilogueNames[s.epilogue] + (s.store == 2 ? "_direct" : "_staged") +
                                   (s.schedule == 2 ? "_dynamic" : s.schedule == 1 ? "_static" : "");
                          });
+
+// Offsets in device memory (GroupedGemmNT::offsets_on_device: the deferred train forward's, no host read of the
+// counts) give the host-offset call's outputs bit for bit: the same tiles, each one CTA's products in the same
+// k order, only where the table is built differs. Then the device tile table against its CPU twin, on valid
+// offsets and on wrong ones (decreasing, past the rows), which it clips.
+TEST(CudaKernelsOwnGemmDeviceOffsets, EqualHostOffsetsAndTheTileTableTwin) {
+  if (!has_cuda_device()) GTEST_SKIP() << "no CUDA device";
+  const uint64_t seed = std::random_device{}();
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  std::mt19937_64 rng(seed);
+  for (const int epilogue : {0, 3}) {  // plain C; fused SwiGLU (h and C2)
+    const int32_t groups = 20;
+    const int64_t n = 264, k = 136;
+    const std::vector<int64_t> offsets = grouped_test_offsets(rng, groups, 300, 0);
+    const int64_t rows = offsets.back();
+    const bool gated = epilogue == 3;
+    const std::vector<uint16_t> a = random_bf16_bits(rng, size_t(rows * k));
+    const std::vector<uint16_t> b = random_bf16_bits(rng, size_t(groups) * n * k);
+    const std::vector<uint16_t> b2 = random_bf16_bits(rng, gated ? size_t(groups) * n * k : 0);
+    cuda::CudaContext ctx;
+    cuda::Workspace workspace;
+    ctx.workspace = &workspace;
+    ASSERT_EQ(cudaStreamCreate(&ctx.stream), cudaSuccess);
+    std::vector<void*> buffers;
+    auto device = [&](size_t bytes, const void* from) -> void* {
+      void* d = nullptr;
+      EXPECT_EQ(cudaMalloc(&d, bytes ? bytes : 16), cudaSuccess);
+      if (from) EXPECT_EQ(cudaMemcpy(d, from, bytes, cudaMemcpyHostToDevice), cudaSuccess);
+      else EXPECT_EQ(cudaMemset(d, 0, bytes), cudaSuccess);
+      buffers.push_back(d);
+      return d;
+    };
+    const size_t out_bytes = size_t(rows * n) * 2;
+    void *d_a = device(a.size() * 2, a.data()), *d_b = device(b.size() * 2, b.data());
+    void* d_b2 = gated ? device(b2.size() * 2, b2.data()) : nullptr;
+    void* d_offsets = device(offsets.size() * 8, offsets.data());
+    std::vector<void*> out[2];
+    for (auto& o : out) o = {device(out_bytes, nullptr), gated ? device(out_bytes, nullptr) : nullptr,
+                             gated ? device(out_bytes, nullptr) : nullptr};
+    auto call = [&](int which) {
+      cuda::GroupedGemmNT g;
+      g.a = static_cast<const __nv_bfloat16*>(d_a);
+      g.b = static_cast<const __nv_bfloat16*>(d_b);
+      g.c = static_cast<__nv_bfloat16*>(out[which][0]);
+      g.groups = groups;
+      g.n = n;
+      g.k = k;
+      if (gated) {
+        g.h = static_cast<__nv_bfloat16*>(out[which][2]);
+        g.activation = Activation::swiglu;
+        g.b2 = static_cast<const __nv_bfloat16*>(d_b2);
+        g.c2 = static_cast<__nv_bfloat16*>(out[which][1]);
+      }
+      g.row_offsets = which == 0 ? offsets.data() : static_cast<const int64_t*>(d_offsets);
+      g.offsets_on_device = which == 1;
+      g.rows = rows;
+      return g;
+    };
+    if (!cuda::sm90_grouped_gemm_usable(call(0))) {
+      for (void* d : buffers) cudaFree(d);
+      cudaStreamDestroy(ctx.stream);
+      GTEST_SKIP() << "the own grouped GEMM needs an sm_90 GPU and a build for sm_90a";
+    }
+    EXPECT_TRUE(cuda::sm90_grouped_gemm_usable(call(1)));
+    void* scratch = workspace.reserve(cuda::sm90_grouped_gemm_scratch_bytes(groups), ctx.stream);
+    cuda::sm90_grouped_gemm(ctx, scratch, call(0));
+    cuda::sm90_grouped_gemm(ctx, scratch, call(1));
+    ASSERT_EQ(cudaStreamSynchronize(ctx.stream), cudaSuccess);
+    for (int i = 0; i < (gated ? 3 : 1); ++i) {
+      std::vector<uint16_t> host_offsets(size_t(rows * n)), device_offsets(host_offsets.size());
+      ASSERT_EQ(cudaMemcpy(host_offsets.data(), out[0][i], out_bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(device_offsets.data(), out[1][i], out_bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+      EXPECT_TRUE(host_offsets == device_offsets) << "output " << i << " (C, C2, h) differs, epilogue " << epilogue;
+    }
+
+    // The tile table: valid offsets, then wrong ones.
+    const std::vector<int64_t> wrong = {7, 500, 100, 100000, 3};
+    for (const auto* table : {&offsets, &wrong}) {
+      const int32_t g = int32_t(table->size()) - 1;
+      const int64_t bound_rows = table == &offsets ? rows : 600;
+      void* d_in = device(table->size() * 8, table->data());
+      void* d_clipped = device(table->size() * 8, nullptr);
+      void* d_tiles_at = device(table->size() * 4, nullptr);
+      void* d_tiles = device(4, nullptr);
+      cuda::grouped_tile_table(static_cast<const int64_t*>(d_in), g, bound_rows, 3, 128,
+                               static_cast<int64_t*>(d_clipped), static_cast<int32_t*>(d_tiles_at),
+                               static_cast<int32_t*>(d_tiles), ctx.stream);
+      ASSERT_EQ(cudaStreamSynchronize(ctx.stream), cudaSuccess);
+      std::vector<int64_t> clipped(table->size()), want_clipped(table->size());
+      std::vector<int32_t> tiles_at(table->size()), want_tiles_at(table->size());
+      int32_t tiles = -1, want_tiles = -2;
+      ASSERT_EQ(cudaMemcpy(clipped.data(), d_clipped, clipped.size() * 8, cudaMemcpyDeviceToHost), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(tiles_at.data(), d_tiles_at, tiles_at.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(&tiles, d_tiles, 4, cudaMemcpyDeviceToHost), cudaSuccess);
+      cpu::grouped_tile_table(table->data(), g, bound_rows, 3, 128, want_clipped.data(), want_tiles_at.data(),
+                              &want_tiles);
+      EXPECT_EQ(clipped, want_clipped);
+      EXPECT_EQ(tiles_at, want_tiles_at);
+      EXPECT_EQ(tiles, want_tiles);
+    }
+    for (void* d : buffers) cudaFree(d);
+    cudaStreamDestroy(ctx.stream);
+  }
+}
 
 }  // namespace
 }  // namespace dmoe

@@ -696,3 +696,107 @@ TEST(CpuKernelsCombine, BackwardMatchesFiniteDifferences) {
 
 }  // namespace
 }  // namespace dmoe
+
+#include "core/dispatch_plan.hpp"
+#include "core/routing_block.hpp"
+
+namespace dmoe {
+namespace {
+
+// Distinct experts per token, in random order: ids [T, k].
+std::vector<int32_t> random_routing(int64_t tokens, int32_t top_k, int32_t experts, uint64_t seed) {
+  Rng rng(seed);
+  std::vector<int32_t> ids(size_t(tokens * top_k));
+  for (int64_t t = 0; t < tokens; ++t) {
+    std::vector<int32_t> all(experts);
+    for (int32_t e = 0; e < experts; ++e) all[e] = e;
+    for (int32_t j = 0; j < top_k; ++j) {
+      const int32_t pick = j + int32_t(rng.uniform() * (experts - j));
+      std::swap(all[j], all[std::min(pick, experts - 1)]);
+      ids[size_t(t * top_k + j)] = all[j];
+    }
+  }
+  return ids;
+}
+
+// The plan with its counts left in a PlanCountsBlock is core build_send_plan's (latest tokens), dropless and with
+// a capacity; an id outside [0, E) is named in the block's bad word instead of thrown.
+TEST(CpuKernels, PlanSendOnDeviceIsBuildSendPlan) {
+  const int64_t T = 29;
+  const int32_t k = 2, E = 6;
+  for (int64_t capacity : {int64_t(-1), int64_t(7), int64_t(0)}) {
+    const auto ids = random_routing(T, k, E, 61);
+    const SendPlan p = build_send_plan(ids.data(), nullptr, T, k, E, capacity, DropPolicy::latest_tokens);
+    std::vector<int32_t> slot(T * k, 99), row_token(T * k, 99), row_choice(T * k, 99);
+    std::vector<int64_t> block(PlanCountsBlock::words(E), 99);
+    cpu::plan_send_on_device(ids.data(), T, k, E, capacity, slot.data(), row_token.data(), row_choice.data(),
+                             block.data());
+    SCOPED_TRACE("capacity " + std::to_string(capacity));
+    EXPECT_EQ(slot, p.slot);
+    const int64_t S = p.rows();
+    EXPECT_EQ(std::vector<int32_t>(row_token.begin(), row_token.begin() + S), p.row_token);
+    EXPECT_EQ(std::vector<int32_t>(row_choice.begin(), row_choice.begin() + S), p.row_choice);
+    EXPECT_EQ(std::vector<int64_t>(block.begin(), block.begin() + E), p.routed);
+    EXPECT_EQ(std::vector<int64_t>(block.begin() + E, block.begin() + 2 * E), p.counts);
+    EXPECT_EQ(std::vector<int64_t>(block.begin() + 2 * E, block.begin() + 3 * E + 1), p.offsets);
+    EXPECT_EQ(PlanCountsBlock::read_bad(block.data(), E), kNoBadAssignment);
+  }
+  auto ids = random_routing(T, k, E, 67);
+  ids[2 * k + 1] = -1;  // token 2's second choice: NaN logits
+  ids[5 * k] = E;
+  std::vector<int32_t> slot(T * k), row_token(T * k), row_choice(T * k);
+  std::vector<int64_t> block(PlanCountsBlock::words(E));
+  cpu::plan_send_on_device(ids.data(), T, k, E, -1, slot.data(), row_token.data(), row_choice.data(), block.data());
+  EXPECT_EQ(PlanCountsBlock::read_bad(block.data(), E), 2 * k + 1) << "the first bad assignment";
+  EXPECT_EQ(block[3 * E], 0) << "no rows";
+  for (int32_t s : slot) EXPECT_EQ(s, -1);
+}
+
+// The aux sums in an AuxPartialsBlock decode to router_aux_partials' (same loops, fp64); a bad id is flagged.
+TEST(CpuKernels, RouterAuxPartialsOnDeviceIsRouterAuxPartials) {
+  const int64_t T = 23;
+  const int32_t k = 2, E = 5;
+  Rng rng(71);
+  std::vector<float> probs(T * E), lse(T);
+  for (auto& v : probs) v = float(rng.uniform());
+  for (auto& v : lse) v = float(rng.uniform() * 3);
+  auto ids = random_routing(T, k, E, 73);
+  std::vector<double> ps(E), as(E), ps2(E), as2(E);
+  double z = 0, z2 = 0;
+  cpu::router_aux_partials(probs.data(), lse.data(), ids.data(), T, E, k, ps.data(), as.data(), &z);
+  std::vector<int64_t> block(AuxPartialsBlock::bytes(E) / 8);
+  cpu::router_aux_partials_on_device(probs.data(), lse.data(), ids.data(), T, E, k, block.data());
+  AuxPartialsBlock::decode(block.data(), E, ps2.data(), as2.data(), &z2);
+  EXPECT_EQ(ps, ps2);
+  EXPECT_EQ(as, as2);
+  EXPECT_EQ(z, z2);
+  EXPECT_EQ(AuxPartialsBlock::read_bad(block.data(), E), kNoBadAssignment);
+  ids[7] = -1;
+  cpu::router_aux_partials_on_device(probs.data(), lse.data(), ids.data(), T, E, k, block.data());
+  EXPECT_EQ(AuxPartialsBlock::read_bad(block.data(), E), 7);
+}
+
+// The device-offset GEMM's tile table: ceil(rows_g / block_m) · n_tiles tiles per group, offsets clipped into
+// [0, rows] and made non-decreasing (a wrong table must not reach outside the operands).
+TEST(CpuKernels, GroupedTileTableCountsAndClips) {
+  const int64_t offsets[] = {0, 0, 129, 129, 300, 301};
+  std::vector<int64_t> clipped(6);
+  std::vector<int32_t> tiles_at(6);
+  int32_t tiles = -1;
+  cpu::grouped_tile_table(offsets, 5, 301, 3, 128, clipped.data(), tiles_at.data(), &tiles);
+  EXPECT_EQ(clipped, std::vector<int64_t>(offsets, offsets + 6));
+  // group rows 0, 129, 0, 171, 1 -> row tiles 0, 2, 0, 2, 1 (x 3 columns)
+  EXPECT_EQ(tiles_at, (std::vector<int32_t>{0, 0, 6, 6, 12, 15}));
+  EXPECT_EQ(tiles, 15);
+  const int64_t wrong[] = {5, 200, 100, 1000};  // offsets[0] ignored (taken as 0), a decrease, past rows
+  std::vector<int64_t> c2(4);
+  std::vector<int32_t> t2(4);
+  cpu::grouped_tile_table(wrong, 3, 250, 1, 128, c2.data(), t2.data(), &tiles);
+  EXPECT_EQ(c2, (std::vector<int64_t>{0, 200, 200, 250}));
+  EXPECT_EQ(t2, (std::vector<int32_t>{0, 2, 2, 3}));
+  EXPECT_EQ(tiles, 3);
+  EXPECT_THROW(cpu::grouped_tile_table(offsets, 5, 301, 0, 128, clipped.data(), tiles_at.data(), &tiles), Error);
+}
+
+}  // namespace
+}  // namespace dmoe

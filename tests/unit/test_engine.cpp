@@ -459,3 +459,101 @@ TEST(Engine, InferenceForwardMatchesTrainForward) {
 
 }  // namespace
 }  // namespace dmoe
+
+namespace dmoe {
+namespace {
+
+// Deferred routing reads (EpOptions::defer_routing_reads): a train forward at W = 1, dropless, leaves its counts
+// and router statistics in backend memory and reads them later. On the CPU backend (host memory: every call
+// qualifies) the results must equal those of the forward that reads them at once, bit for bit, in every output,
+// count and loss: the same kernels, only the time of the host read moves.
+TEST(Engine, DeferredRoutingReadsGiveTheSameResults) {
+  for (Activation act : {Activation::relu, Activation::swiglu})
+    for (DType dtype : {DType::f32, DType::bf16}) {
+      MoeConfig c = small_config(act, 1, 37);
+      c.dtype = dtype;
+      const MoeWeights w = random_moe_weights(c, 41);
+      Rng rng(43);
+      const auto x = rng.normal_vector(size_t(c.tokens * c.hidden), 1.0);
+      const auto dy = rng.normal_vector(x.size(), 1.0);
+      EpOptions at_once;
+      at_once.defer_routing_reads = false;
+      const LayerResult a = run_cpu_layer(c, w, x, &dy, at_once);
+      const LayerResult b = run_cpu_layer(c, w, x, &dy);  // deferred (the default)
+      SCOPED_TRACE(std::string(activation_name(act)) + " " + dtype_name(dtype));
+      expect_identical(a.y, b.y, "y");
+      expect_identical(a.dx, b.dx, "dx");
+      expect_identical(a.grads.w1, b.grads.w1, "grad w1");
+      expect_identical(a.grads.w2, b.grads.w2, "grad w2");
+      expect_identical(a.grads.w3, b.grads.w3, "grad w3");
+      expect_identical(a.grads.gate, b.grads.gate, "grad gate");
+      EXPECT_EQ(a.routed, b.routed);
+      EXPECT_EQ(a.kept, b.kept);
+      EXPECT_EQ(a.expert_rows, b.expert_rows);
+      EXPECT_EQ(a.rows_received, b.rows_received);
+      EXPECT_EQ(a.rows_sent, b.rows_sent);
+      EXPECT_EQ(a.losses.load_balance, b.losses.load_balance);
+      EXPECT_EQ(a.losses.z_loss, b.losses.z_loss);
+    }
+}
+
+// Which forwards defer: train, W = 1, dropless, no tile padding; the reads then wait until the backward, losses()
+// or an accessor needs them, and the next forward settles a pending one first.
+TEST(Engine, DeferredRoutingReadsOnlyWhereTheForwardNeedsNoCounts) {
+  const auto pending_after = [](MoeConfig c, ForwardMode mode, EpOptions options) {
+    const MoeWeights w = random_moe_weights(c, 47);
+    bool pending = false;
+    run_thread_ranks(c.world, [&](int32_t rank, Comm& comm) {
+      auto backend = make_cpu_backend(c.dtype);
+      EpEngine engine(c, *backend, comm, options);
+      engine.set_weights(slice_experts(w, c.first_expert(rank), c.experts_per_rank()));
+      Rng rng(53 + rank);
+      auto x = rng.normal_vector(size_t(c.tokens * c.hidden), 1.0);
+      std::vector<float> y(x.size());
+      engine.forward(x.data(), y.data(), mode);
+      if (rank == 0) pending = engine.routing_pending();
+    });
+    return pending;
+  };
+  const MoeConfig base = small_config(Activation::swiglu, 1, 16);
+  EXPECT_TRUE(pending_after(base, ForwardMode::train, {}));
+  EXPECT_FALSE(pending_after(base, ForwardMode::inference, {})) << "inference reads at once (no backward settles it)";
+  EpOptions off;
+  off.defer_routing_reads = false;
+  EXPECT_FALSE(pending_after(base, ForwardMode::train, off));
+  EpOptions tiles;
+  tiles.batch_row_multiple = 8;
+  EXPECT_FALSE(pending_after(base, ForwardMode::train, tiles)) << "tile padding needs the counts for the layout";
+  MoeConfig capacity = base;
+  capacity.capacity_factor = 0.75;
+  EXPECT_FALSE(pending_after(capacity, ForwardMode::train, {})) << "capacity: the rows sent depend on the counts";
+  EXPECT_FALSE(pending_after(small_config(Activation::swiglu, 2, 16), ForwardMode::train, {}))
+      << "W > 1: the all-to-alls need the counts";
+
+  // Settled by what needs the counts.
+  run_thread_ranks(1, [&](int32_t, Comm& comm) {
+    auto backend = make_cpu_backend(base.dtype);
+    EpEngine engine(base, *backend, comm);
+    engine.set_weights(random_moe_weights(base, 47));
+    Rng rng(59);
+    auto x = rng.normal_vector(size_t(base.tokens * base.hidden), 1.0);
+    std::vector<float> y(x.size()), dx(x.size());
+    engine.forward(x.data(), y.data());
+    ASSERT_TRUE(engine.routing_pending());
+    const RouterLosses l = engine.losses();
+    EXPECT_FALSE(engine.routing_pending());
+    EXPECT_GT(l.load_balance, 0.0);
+    engine.forward(x.data(), y.data());
+    ASSERT_TRUE(engine.routing_pending());
+    engine.backward(y.data(), dx.data());
+    EXPECT_FALSE(engine.routing_pending());
+    engine.forward(x.data(), y.data());
+    int64_t rows = 0;
+    for (int64_t r : engine.kept_counts()) rows += r;
+    EXPECT_FALSE(engine.routing_pending());
+    EXPECT_EQ(rows, base.tokens * base.top_k);
+  });
+}
+
+}  // namespace
+}  // namespace dmoe

@@ -558,7 +558,7 @@ void CudaMixtralModel::head_forward(CudaModelState& st, Stream lane) {
   st.aux_loss = 0;
   st.expert_fraction.assign(E, 0.0);
   if (config_.output_router_logits) {
-    std::vector<const EpEngine*> engines;
+    std::vector<EpEngine*> engines;
     for (int l = 0; l < L; ++l) engines.push_back(st.blocks[l].moe.get());
     st.aux_loss = pooled_load_balance_loss(config_, engines, st.expert_fraction);
   }
