@@ -274,6 +274,15 @@ SafetensorsFile SafetensorsFile::parse(std::vector<uint8_t> bytes, std::string s
   const uint64_t data_size = size - file.data_start_;
 
   const uint8_t* header_begin = file.bytes_.data() + 8;
+  // The format's header is JSON padded at its end with spaces (0x20); the reference reader (serde_json) takes any
+  // JSON whitespace around it and nothing else. nlohmann's lexer ends its input at a NUL byte, so a header padded
+  // with NULs, or with anything after a NUL, was taken: a NUL is refused here, wherever it is (JSON has no raw NUL,
+  // not even inside a string).
+  const uint8_t* nul = std::find(header_begin, header_begin + header_len, uint8_t(0));
+  DMOE_REQUIRE_INPUT(nul == header_begin + header_len,
+                     "safetensors '{}': byte {} of the file (byte {} of the {}-byte header) is NUL (0x00); the header "
+                     "must be JSON, padded at its end with spaces (0x20) only",
+                     src, 8 + (nul - header_begin), nul - header_begin, header_len);
   const json header = parse_header(header_begin, header_begin + header_len, src);
   DMOE_REQUIRE_INPUT(header.is_object(), "safetensors '{}': header is not a JSON object (found {})", src,
                      header.type_name());

@@ -779,6 +779,47 @@ TEST_F(BadInput, OptionsIgnoredCheckedLateOrFailingWithASourceLocation) {
   expect_user_error(imm, "is immutable (chattr)", "immutable --out");
 }
 
+// ---- The fifth pass (2026-12-02, branch bad5; docs/faults.md) -------------------------------------------------
+
+// A CLI11 parse error: its own exit code (not 0, not a crash) and `needle` in the message.
+void expect_parse_error(const Result& r, const std::string& needle, const std::string& what) {
+  EXPECT_NE(r.status, 0) << what << "\n" << r.output;
+  EXPECT_NE(r.status, -1) << what << "\n" << r.output;
+  EXPECT_NE(r.output.find(needle), std::string::npos) << what << ": expected '" << needle << "' in\n" << r.output;
+}
+
+TEST_F(BadInput, NumericOptionValuesSayWhyTheyAreRefusedAndAreDecimal) {
+  // i6 (thirteenth session): CLI::Range answered a value that is no integer with the range alone ("Value abc not in
+  // range 1 to 1000000").
+  expect_parse_error(run_cli("bench --repeat abc"), "--repeat: 'abc' is not an integer; allowed: integers in range 1 to "
+                     "1000000", "--repeat abc");
+  expect_parse_error(run_cli("bench --repeat 1e3"), "'1e3' is not an integer (write it without a fraction or an "
+                     "exponent); allowed: integers in range 1 to 1000000", "--repeat 1e3");
+  expect_parse_error(run_cli("bench --repeat 2.5"), "'2.5' is not an integer (write it", "--repeat 2.5");
+  expect_parse_error(run_cli("init-model --config tiny --out x.st --shard-bytes 1e9"),
+                     "'1e9' is not an integer (write it without", "--shard-bytes 1e9");
+  expect_parse_error(run_cli("bench --repeat 0"), "--repeat: 0 is not in range 1 to 1000000", "--repeat 0");
+  expect_parse_error(run_cli("train --config tiny --data x --clip abc"), "--clip: 'abc' is not a number; allowed: "
+                     "numbers in range 0 to", "--clip abc");
+  expect_parse_error(run_cli("train --config tiny --data x --clip nan"), "'nan' is not a number", "--clip nan");
+  // An integer option without a range: "Could not convert: --tokens = abc" before.
+  expect_parse_error(run_cli("init --tokens abc"), "--tokens: 'abc' is not an integer; allowed: an integer",
+                     "--tokens abc");
+  // A leading zero made the value octal (CLI11 converts with strtoll, base 0): --tokens 010 made 8 tokens, 08 was
+  // "Could not convert". Hexadecimal with 0x stays (OptionValuesCli11WouldTakeSilentlyAreRefused).
+  const std::string init = "init --hidden 8 --ffn 8 --experts 2 --top-k 1 --out " + p("w.st") + " --save-config " +
+                           p("c.json") + " --tokens ";
+  for (const char* value : {"010", "0010", "+010", "08"}) {
+    const Result r = run_cli(init + value);
+    ASSERT_EQ(r.status, 0) << value << "\n" << r.output;
+    EXPECT_EQ(json::parse(slurp(p("c.json"))).at("tokens"), std::stoi(value)) << value << ": not read as decimal";
+  }
+  ASSERT_EQ(run_cli(init + "2 --layer 010").status, 0);  // a ranged option: the range check and the value agree
+  EXPECT_EQ(SafetensorsFile::open(p("w.st")).names().front().rfind("model.layers.10.", 0), 0u)
+      << SafetensorsFile::open(p("w.st")).names().front();
+  expect_parse_error(run_cli(init + "' 5'"), "' 5' is not an integer", "a leading space");
+}
+
 TEST(BadInputEnv, CommTimeoutMustBeFiniteAndBounded) {
   // rn13/rn14 (tenth session): 1e-6 s and 1e-300 s were accepted and the run failed or passed by timing.
   for (const char* bad : {"1e309", "inf", "1e10", "1e-6", "1e-300", "0.009"}) {

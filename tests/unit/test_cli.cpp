@@ -298,7 +298,7 @@ TEST_F(Cli, ConfigTokensMustAgreeAndZeroIsNotReplaced) {
 TEST_F(Cli, MessagesSayTheRuleWithoutSourceLocations) {
   auto r = run_cli("bench --repeat 0");
   EXPECT_NE(r.status, 0);
-  EXPECT_NE(r.output.find("--repeat: Value 0 not in range 1 to 1000000"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("--repeat: 0 is not in range 1 to 1000000"), std::string::npos) << r.output;
   EXPECT_LT(r.output.size(), 200u) << r.output;
   r = run_cli("init --config " + dir_.string() + " --out " + p("w.safetensors"));
   EXPECT_EQ(r.status, 1) << r.output;

@@ -293,6 +293,17 @@ TEST(SafetensorsTest, CorruptFilesAreRejectedWithClearErrors) {
   expect_parse_error(make_file(R"({"__metadata__":[1]})", 0), {"__metadata__ must be an object"});
   expect_parse_error(make_file(R"({"__metadata__":{"k":1}})", 0), {"'k' must be a string"});
   expect_parse_error(make_file("{\"\xff\":1}", 0), {"not valid JSON"});  // invalid UTF-8
+  // Padding is spaces (0x20): NUL bytes after the JSON (nlohmann's lexer stopped at the first, so they were taken, and
+  // so was anything after one) are refused with the file offset. The header below is 54 bytes; its NUL at 54 + 8.
+  {
+    const std::string whole = "{" + ok_entry + "}";
+    ASSERT_EQ(whole.size(), 54u);
+    expect_parse_error(make_file(whole + std::string(10, '\0'), 8),
+                       {"byte 62 of the file", "byte 54 of the 64-byte header", "NUL (0x00)", "spaces (0x20)"});
+    expect_parse_error(make_file(whole + std::string(1, '\0') + "garbage", 8), {"byte 62 of the file"});
+    expect_parse_error(make_file(std::string("{\"a\0b\":1}", 9), 0), {"byte 11 of the file", "NUL"});
+    expect_parse_error(make_file(std::string(1, '\0') + whole, 8), {"byte 8 of the file"});
+  }
 }
 
 TEST(SafetensorsTest, HolesAndEmptyTensorsAreAccepted) {

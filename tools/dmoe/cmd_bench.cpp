@@ -103,8 +103,8 @@ Command add_bench_command(CLI::App& app) {
   add_config_options(*sub, o->config);
   CLI::Option* worlds_option =
       sub->add_option("-n,--worlds", o->worlds, "CPU: simulated rank counts to run (each divides E; --world W = -n W)");
-  sub->add_option("--warmup", o->warmup, "untimed iterations first")->check(CLI::Range(0, 1000000));
-  sub->add_option("--repeat", o->repeat, "timed iterations (median reported)")->check(CLI::Range(1, 1000000));
+  sub->add_option("--warmup", o->warmup, "untimed iterations first")->check(Range(0, 1000000));
+  sub->add_option("--repeat", o->repeat, "timed iterations (median reported)")->check(Range(1, 1000000));
   sub->add_option("--json", o->json_path, "also write the results as JSON here");
   sub->add_flag("--no-backward", o->no_backward, "time the forward pass only");
   sub->add_option("--engine", o->engine,
@@ -116,7 +116,7 @@ Command add_bench_command(CLI::App& app) {
   sub->add_flag("--peers", o->peers, "GPU, W = 1: also time the PyTorch peers (bench/peers.py) on the same data");
   sub->add_option("--python", o->python, "Python interpreter with PyTorch for --peers");
   sub->add_option("--check-tokens", o->check_tokens, "GPU: tokens recomputed in fp64 on the CPU to check the output")
-      ->check(CLI::Range(0, 64));
+      ->check(Range(0, 64));
   sub->add_flag("--flash", o->flash,
                 "GPU, bf16: also time the Flash kernel (one persistent kernel per rank) beside EP, in the same rounds, "
                 "and Flash's training step beside EP's (--engine flash times Flash alone)");
@@ -124,7 +124,7 @@ Command add_bench_command(CLI::App& app) {
                 "GPU, W > 1: also time one all-to-all of the layer's off-rank bytes alone (GB/s per GPU)");
   sub->add_option("--batch-row-multiple", o->batch_row_multiple,
                   "GPU: pad each expert's batch with zero rows to a multiple of this (GEMM tile height)")
-      ->check(CLI::Range(1, 4096));
+      ->check(Range(1, 4096));
   sub->add_option("--variants", o->gemm_variants,
                   "gemm: kernel variants, comma-separated: b<N> tile width, s staged / d direct epilogue, q dynamic tile "
                   "schedule; to "
@@ -138,9 +138,9 @@ Command add_bench_command(CLI::App& app) {
                 "sm90 kernel (sm90; sm90red: accumulating by L2 reductions), the mma.sync kernel (mma) and one cuBLAS "
                 "call per expert (cublas)");
   CLI::Option* batch_option =
-      sub->add_option("--batch", o->batch, "model: sequences per step")->check(CLI::Range(int64_t(1), int64_t(1) << 20));
+      sub->add_option("--batch", o->batch, "model: sequences per step")->check(Range(int64_t(1), int64_t(1) << 20));
   CLI::Option* seq_option =
-      sub->add_option("--seq", o->seq, "model: sequence length")->check(CLI::Range(int64_t(2), int64_t(1) << 24));
+      sub->add_option("--seq", o->seq, "model: sequence length")->check(Range(int64_t(2), int64_t(1) << 24));
   return [o, sub, worlds_option, batch_option, seq_option] {
     // A model's options on another benchmark would be ignored: refuse them instead.
     for (const CLI::Option* opt : {batch_option, seq_option})

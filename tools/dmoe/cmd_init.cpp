@@ -91,7 +91,7 @@ Command add_init_command(CLI::App& app) {
   CLI::App* sub = app.add_subcommand("init", "write random MoE layer weights (and inputs) as safetensors");
   add_config_options(*sub, o->config);
   sub->add_option("--out", o->out, "weights file to write")->required();
-  sub->add_option("--layer", o->layer, "layer index L in model.layers.L.block_sparse_moe.")->check(CLI::Range(0, 1000000));
+  sub->add_option("--layer", o->layer, "layer index L in model.layers.L.block_sparse_moe.")->check(Range(0, 1000000));
   sub->add_option("--prefix", o->prefix, "tensor-name prefix (overrides --layer)");
   sub->add_option("--seed", o->seed, "random seed");
   sub->add_option("--input", o->input, "also write a random input x [world*tokens, hidden] here");

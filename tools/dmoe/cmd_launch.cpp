@@ -8,6 +8,7 @@
 #include "commands.hpp"
 #include "comm/launcher.hpp"
 #include "core/error.hpp"
+#include "options.hpp"
 
 namespace dmoe::cli {
 
@@ -50,7 +51,7 @@ Command add_launch_command(CLI::App& app) {
       "launch", "start N local ranks of a command: dmoe launch -n N [--gpus 0,1] [--no-mps] -- CMD ARGS...");
   sub->add_option("-n,--ranks", o->num_ranks, "number of ranks (processes) to start")
       ->required()
-      ->check(CLI::Range(1, 4096));
+      ->check(Range(1, 4096));
   sub->add_option("--gpus", o->gpus, "GPU indices dealt round-robin to the ranks (default: all GPUs nvidia-smi lists)");
   sub->add_flag("--no-mps", o->no_mps, "do not start an MPS daemon when ranks share a GPU");
   // The command: everything after `--` lands in this positional untouched, its own options included

@@ -119,7 +119,7 @@ Command add_init_model_command(CLI::App& app) {
   sub->add_option("--out", o->out, "model.safetensors to write (with --shard-bytes: the index.json)")->required();
   sub->add_option("--seed", o->seed, "random seed");
   sub->add_option("--shard-bytes", o->shard_bytes, "write shards of about this many bytes and an index.json")
-      ->check(CLI::Range(int64_t(0), std::numeric_limits<int64_t>::max()));
+      ->check(Range(int64_t(0), std::numeric_limits<int64_t>::max()));
   sub->add_option("--save-config", o->save_config, "also write the config as config.json here");
   return [o] {
     const std::string config_path = find_model_config_file(o->config);
@@ -150,7 +150,7 @@ Command add_eval_command(CLI::App& app) {
   sub->add_option("--output", o->output, "safetensors file for logits, loss (and grad.<name>)")->required();
   sub->add_flag("--grad", o->grad, "also run backward and write grad.<HF name> for every parameter");
   sub->add_option("--world", o->world, "ranks: batch split over ranks, experts sharded E/W (cpu: threads; cuda: the job's processes)")
-      ->check(CLI::Range(1, 4096));
+      ->check(Range(1, 4096));
   sub->add_option("--engine", o->engine, "cpu (ranks as threads) | cuda (alias gpu; this process's GPU; W > 1: one process per rank, "
                   "dmoe launch -n W)");
   sub->add_option("--dtype", o->dtype, "cuda: f32 | bf16 (the weights and activations the kernels use)");

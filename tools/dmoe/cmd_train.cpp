@@ -106,14 +106,14 @@ Command add_train_command(CLI::App& app) {
       ->required();
   sub->add_option("--data", o->data_path, "text file (or a directory of them) whose bytes are the tokens, e.g. "
                   "/usr/share/common-licenses (Debian base-files)")->required();
-  sub->add_option("--steps", o->steps, "last training step")->check(CLI::Range(int64_t(1), kMaxSteps));
+  sub->add_option("--steps", o->steps, "last training step")->check(Range(int64_t(1), kMaxSteps));
   sub->add_option("--stop-after", o->stop_after, "stop (and save) after this step of the --steps schedule")
-      ->check(CLI::Range(int64_t(0), kMaxSteps));
-  sub->add_option("--seq", o->seq, "sequence length")->check(CLI::Range(2, 1 << 20));
-  sub->add_option("--batch", o->batch, "sequences per step over all ranks")->check(CLI::Range(int64_t(1), int64_t(1) << 20));
-  sub->add_option("--world", o->world, "simulated ranks (batch split, experts sharded E/W)")->check(CLI::Range(1, 4096));
+      ->check(Range(int64_t(0), kMaxSteps));
+  sub->add_option("--seq", o->seq, "sequence length")->check(Range(2, 1 << 20));
+  sub->add_option("--batch", o->batch, "sequences per step over all ranks")->check(Range(int64_t(1), int64_t(1) << 20));
+  sub->add_option("--world", o->world, "simulated ranks (batch split, experts sharded E/W)")->check(Range(1, 4096));
   sub->add_option("--micro-batches", o->micro_batches, "split each rank's share into R micro-batches (all "
-                  "forwards, then all backwards; gradients averaged)")->check(CLI::Range(1, 1 << 20));
+                  "forwards, then all backwards; gradients averaged)")->check(Range(1, 1 << 20));
   sub->add_option("--engine", *engine, "cpu (ranks as threads, --world of them) | cuda (alias gpu; this process is "
                   "one rank of a GPU job: dmoe launch -n W / mpirun, --world W)");
   sub->add_option("--dtype", *dtype, "f32 | bf16 (cuda: the weights and activations the kernels use; master weights "
@@ -134,20 +134,20 @@ Command add_train_command(CLI::App& app) {
   sub->add_option("--init", o->init, "random, or a model.safetensors / index.json to start from");
   sub->add_option("--resume", o->resume_dir, "continue the run saved in this directory (exact resume)");
   sub->add_option("--save", o->save_dir, "write a checkpoint here at the end (and every --save-every steps)");
-  sub->add_option("--save-every", o->save_every, "also save every N steps")->check(CLI::Range(int64_t(0), kMaxSteps));
+  sub->add_option("--save-every", o->save_every, "also save every N steps")->check(Range(int64_t(0), kMaxSteps));
   sub->add_option("--log", o->log_path, "JSON-lines log: {step, loss, lr, grad_norm, tokens_per_s}, {step, val_loss}");
   sub->add_option("--lr", o->lr, "peak learning rate");
   sub->add_option("--min-lr", o->min_lr, "final learning rate of the cosine (default lr/10)");
-  sub->add_option("--warmup", o->warmup, "linear warm-up steps")->check(CLI::Range(int64_t(0), kMaxSteps));
+  sub->add_option("--warmup", o->warmup, "linear warm-up steps")->check(Range(int64_t(0), kMaxSteps));
   sub->add_option("--weight-decay", o->weight_decay, "AdamW decoupled weight decay (matrices only)");
   sub->add_option("--beta1", o->beta1);
   sub->add_option("--beta2", o->beta2);
-  sub->add_option("--clip", o->clip, "max global gradient norm (0: none)")->check(CLI::Range(0.0, 1e9));
+  sub->add_option("--clip", o->clip, "max global gradient norm (0: none)")->check(Range(0.0, 1e9));
   sub->add_option("--val-fraction", o->val_fraction, "held-out tail of the data");
-  sub->add_option("--val-every", o->val_every, "validate every N steps (and at the end)")->check(CLI::Range(int64_t(0), kMaxSteps));
-  sub->add_option("--val-batches", o->val_batches, "held-out windows = val-batches x batch")->check(CLI::Range(int64_t(1), int64_t(1) << 20));
+  sub->add_option("--val-every", o->val_every, "validate every N steps (and at the end)")->check(Range(int64_t(0), kMaxSteps));
+  sub->add_option("--val-batches", o->val_batches, "held-out windows = val-batches x batch")->check(Range(int64_t(1), int64_t(1) << 20));
   sub->add_option("--seed", o->seed, "data order and random init");
-  sub->add_option("--print-every", o->print_every, "progress line every N steps (0: none)")->check(CLI::Range(int64_t(0), kMaxSteps));
+  sub->add_option("--print-every", o->print_every, "progress line every N steps (0: none)")->check(Range(int64_t(0), kMaxSteps));
   return [o, config, engine, dtype, chunk, samples, steps, file] {
     // Options of one schedule given for another would be ignored: refused instead.
     for (const CLI::Option* opt : {samples, steps, file})

@@ -1,7 +1,9 @@
 #include "options.hpp"
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -39,26 +41,71 @@ void check_option_values(CLI::App& app) {
     if (option->get_type_size_max() == 0 || !option->nonpositional()) continue;  // flags, positionals
     const std::string type = option->get_type_name();
     const bool is_uint = type.rfind("UINT", 0) == 0, is_int = !is_uint && type.rfind("INT", 0) == 0;
+    bool ranged = false;
+    try {
+      ranged = option->get_validator(kRangeValidatorName) != nullptr;
+    } catch (const CLI::OptionNotFound&) {
+    }
     // Unnamed, so --help shows the type as before.
-    option->check(CLI::Validator(
-        [is_uint, is_int](std::string& value) -> std::string {
+    // transform, not check: CLI11 hands a check a copy of the value, and the leading zeros are dropped in place.
+    option->transform(CLI::Validator(
+        [is_uint, is_int, ranged](std::string& value) -> std::string {
           if (value.empty()) return "the value is empty; give a value, or leave the option out for its default";
           if (is_uint && value.find('-') != std::string::npos)
             return "'" + value + "' is negative; expected an integer >= 0";
           if (is_int || is_uint) {
-            errno = 0;
-            char* end = nullptr;
-            if (is_uint) {
-              (void)std::strtoull(value.c_str(), &end, 0);
-            } else {
-              (void)std::strtoll(value.c_str(), &end, 0);
-            }
-            if (errno == ERANGE) return "'" + value + "' does not fit in a 64-bit integer";
+            const ParsedNumber n = parse_integer(value, is_uint);
+            // A ranged option's Range says it with the range (this transform runs first).
+            if (!n.problem.empty()) return ranged ? std::string() : n.problem + "; allowed: an integer";
+            // CLI11 converts with base 0: leading zeros would make the value octal ("010" = 8). Drop them.
+            const size_t sign = value[0] == '-' || value[0] == '+' ? 1 : 0;
+            if (value.size() > sign + 1 && (value[sign + 1] == 'x' || value[sign + 1] == 'X')) return std::string();
+            const size_t first = value.find_first_not_of('0', sign);
+            value.erase(sign, (first == std::string::npos ? value.size() - 1 : first) - sign);
           }
           return std::string();
         },
         ""));
   }
+}
+
+ParsedNumber parse_integer(const std::string& value, bool is_unsigned) {
+  ParsedNumber n;
+  const size_t sign = !value.empty() && (value[0] == '-' || value[0] == '+') ? 1 : 0;
+  const bool hex = value.size() > sign + 2 && value[sign] == '0' && (value[sign + 1] == 'x' || value[sign + 1] == 'X');
+  const size_t first = sign + (hex ? 2 : 0);
+  const bool digits = value.size() > first &&
+                      value.find_first_not_of(hex ? "0123456789abcdefABCDEF" : "0123456789", first) == std::string::npos;
+  if (!digits) {
+    n.problem = "'" + value + "' is not an integer";
+    if (value.find_first_of(".eE", sign) != std::string::npos && parse_real_number(value).problem.empty())
+      n.problem += " (write it without a fraction or an exponent)";
+    return n;
+  }
+  errno = 0;
+  const int base = hex ? 16 : 10;
+  const char* text = value.c_str() + first;
+  const long double magnitude = is_unsigned ? (long double)std::strtoull(text, nullptr, base)
+                                            : (long double)std::strtoll(text, nullptr, base);
+  if (errno == ERANGE) {
+    n.problem = "'" + value + "' does not fit in a 64-bit integer";
+    return n;
+  }
+  n.value = value[0] == '-' ? -magnitude : magnitude;
+  return n;
+}
+
+ParsedNumber parse_real_number(const std::string& value) {
+  ParsedNumber n;
+  errno = 0;
+  char* end = nullptr;
+  const long double v = value.empty() ? 0 : std::strtold(value.c_str(), &end);
+  if (value.empty() || end != value.c_str() + value.size() || std::isspace((unsigned char)value[0]) || std::isnan(v)) {
+    n.problem = "'" + value + "' is not a number";
+    return n;
+  }
+  n.value = v;
+  return n;
 }
 
 std::string find_config_file(const std::string& name) { return find_named_json(name, "bench/configs", "config"); }

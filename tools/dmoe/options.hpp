@@ -3,9 +3,12 @@
 #pragma once
 
 #include <optional>
+#include <sstream>
 #include <string>
+#include <type_traits>
 
 #include <CLI/CLI.hpp>
+#include <fmt/format.h>
 
 #include "core/config.hpp"
 
@@ -24,9 +27,46 @@ struct ConfigOptions {
 void add_config_options(CLI::App& app, ConfigOptions& options, bool config_required = false);
 
 // Adds to every option of `app` that takes a value a check that refuses what CLI11 would otherwise take
-// silently: an empty value (read as "not given", or as 0) and, for integers, a value past 64 bits (clamped)
-// or, for unsigned ones, a negative value (wrapped around).
+// silently: an empty value (read as "not given", or as 0) and, for integers, a value past 64 bits (clamped),
+// for unsigned ones a negative value (wrapped around), and one with a leading zero (read as octal: it is made
+// decimal); a value that is no integer is said to be none ("'abc' is not an integer; allowed: an integer").
 void check_option_values(CLI::App& app);
+
+// The integer or number a value of an option is, or why it is none: `problem` says so for a message ("'1e3' is not
+// an integer ..."). Integers are decimal (an optional sign and digits, leading zeros included: "010" is ten, where
+// CLI11's own conversion, strtoll with base 0, read it as octal eight) or hexadecimal with 0x.
+struct ParsedNumber {
+  long double value = 0;
+  std::string problem;  // empty when `value` holds the value
+};
+ParsedNumber parse_integer(const std::string& value, bool is_unsigned = false);
+ParsedNumber parse_real_number(const std::string& value);
+
+// CLI::Range's place on numeric options: [min_val, max_val], inclusive. CLI::Range answered a value that is no
+// number of the option's type ("--repeat abc", "--steps 1e3") with "Value abc not in range 1 to 1000000", naming the
+// range and not the reason; this says "'abc' is not an integer; allowed: integers in range 1 to 1000000", and for a
+// number outside, "0 is not in range 1 to 1000000". --help shows "INT in [1 - 1000000]" as before.
+inline constexpr const char* kRangeValidatorName = "dmoe::cli::Range";
+class Range : public CLI::Validator {
+ public:
+  template <typename T>
+  Range(T min_val, T max_val) {
+    name(kRangeValidatorName);  // check_option_values leaves a value that is no integer to it
+    static_assert(std::is_arithmetic_v<T> && std::is_signed_v<T>, "a signed integer or floating-point range");
+    constexpr bool integral = std::is_integral_v<T>;
+    std::ostringstream shown;
+    shown << CLI::detail::type_name<T>() << " in [" << min_val << " - " << max_val << "]";
+    description(shown.str());
+    const std::string range = fmt::format("in range {} to {}", min_val, max_val);
+    func_ = [min_val, max_val, range](std::string& input) -> std::string {
+      const ParsedNumber n = integral ? parse_integer(input) : parse_real_number(input);
+      if (!n.problem.empty()) return fmt::format("{}; allowed: {} {}", n.problem, integral ? "integers" : "numbers", range);
+      if (n.value < (long double)min_val || n.value > (long double)max_val)
+        return fmt::format("{} is not {}", input, range);
+      return std::string();
+    };
+  }
+};
 
 // The file's config (or defaults), with the flags applied on top. Does not validate.
 MoeConfig resolve_config(const ConfigOptions& options, const MoeConfig& defaults = MoeConfig{});
