@@ -1,5 +1,6 @@
-// gpu_test_util.hpp — what the GPU tests share: whether a CUDA device is visible (tests skip without one), and
-// the grouped-GEMM tests' random groups and bf16 data.
+// gpu_test_util.hpp — what the GPU tests share: whether a CUDA device is visible (tests skip without one), the
+// bf16 tolerance, fresh seeds, and the grouped-GEMM tests' random groups and bf16 data. (The GPU tests build as
+// unity units: what two test files both need lives here, not in each file's anonymous namespace.)
 #pragma once
 
 #include <cuda_runtime.h>
@@ -19,6 +20,17 @@ inline bool has_cuda_device() {
     return false;
   }
   return count > 0;
+}
+
+// Outputs stored as bf16, ‖gpu − cpu‖ / ‖cpu‖: both sides round to bf16, but a value near a rounding boundary can
+// land on different sides, and the GPU stores some intermediates (dh, dpre, attention's p and dS) as bf16 where
+// the CPU keeps fp64. The project's bf16 tolerance.
+inline constexpr double kTolBf16 = 2e-2;
+
+// A seed from the system's entropy source (each run new; tests print it with their failures).
+inline uint64_t fresh_seed() {
+  std::random_device device;
+  return (uint64_t(device()) << 32) ^ uint64_t(device());
 }
 
 // Row offsets of `groups` groups after `before` untouched rows: random sizes in [0, max_rows], and the edge
@@ -48,3 +60,8 @@ inline std::vector<uint16_t> random_bf16_bits(std::mt19937_64& rng, size_t count
 }
 
 }  // namespace dmoe::test
+
+#define DMOE_SKIP_WITHOUT_GPU()                                             \
+  do {                                                                      \
+    if (!::dmoe::test::has_cuda_device()) GTEST_SKIP() << "no CUDA device"; \
+  } while (0)

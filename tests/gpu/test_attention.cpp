@@ -48,8 +48,8 @@ constexpr double kTolF32Forward = 2e-5;
 constexpr double kTolF32Backward = 1e-4;
 // bf16 outputs (out, dq, dk, dv): both sides see the same bf16 inputs, but the GPU stores its results in
 // bf16 (relative rounding 2⁻⁹ per element) and its backward takes Di from the bf16-rounded out; cuDNN also
-// rounds p and dS to bf16 for its tensor-core products. The project's bf16 tolerance (test_cuda_kernels.cpp).
-constexpr double kTolBf16 = 2e-2;
+// rounds p and dS to bf16 for its tensor-core products. The project's bf16 tolerance (gpu_test_util.hpp).
+using test::kTolBf16;
 // lse from bf16 inputs, own kernels: f32 throughout (not rounded to bf16), so as accurate as the f32 path.
 constexpr double kTolLseOwn = 2e-5;
 // lse from cuDNN: f32 statistics of f32-accumulated tensor-core scores (exact bf16 products), but its softmax
@@ -58,15 +58,7 @@ constexpr double kTolLseCudnn = 1e-4;
 
 // ---- environment and data -------------------------------------------------------------------------------
 
-#define DMOE_SKIP_WITHOUT_GPU()                                           \
-  do {                                                                    \
-    if (!::dmoe::test::has_cuda_device()) GTEST_SKIP() << "no CUDA device"; \
-  } while (0)
-
-uint64_t fresh_seed() {
-  std::random_device device;
-  return (uint64_t(device()) << 32) ^ uint64_t(device());
-}
+using test::fresh_seed;
 
 struct Shape {
   int64_t batch, seq;
@@ -99,13 +91,13 @@ std::vector<float> random_values(std::mt19937_64& rng, int64_t count) {
   return v;
 }
 
-class DeviceBuffer {
+class RawDeviceBuffer {
  public:
-  explicit DeviceBuffer(size_t bytes) { DMOE_CHECK_CUDA(cudaMalloc(&data_, std::max<size_t>(bytes, 16))); }
-  ~DeviceBuffer() { cuda::free_quietly(data_); }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  DeviceBuffer(DeviceBuffer&& o) noexcept : data_(std::exchange(o.data_, nullptr)) {}
+  explicit RawDeviceBuffer(size_t bytes) { DMOE_CHECK_CUDA(cudaMalloc(&data_, std::max<size_t>(bytes, 16))); }
+  ~RawDeviceBuffer() { cuda::free_quietly(data_); }
+  RawDeviceBuffer(const RawDeviceBuffer&) = delete;
+  RawDeviceBuffer& operator=(const RawDeviceBuffer&) = delete;
+  RawDeviceBuffer(RawDeviceBuffer&& o) noexcept : data_(std::exchange(o.data_, nullptr)) {}
   template <typename T>
   T* as() const {
     return static_cast<T*>(data_);
@@ -116,7 +108,7 @@ class DeviceBuffer {
 };
 
 template <typename T>
-DeviceBuffer upload(const std::vector<float>& values) {
+RawDeviceBuffer upload(const std::vector<float>& values) {
   std::vector<T> converted(values.size());
   for (size_t i = 0; i < values.size(); ++i) {
     if constexpr (std::is_same_v<T, bf16>)
@@ -124,13 +116,13 @@ DeviceBuffer upload(const std::vector<float>& values) {
     else
       converted[i] = values[i];
   }
-  DeviceBuffer buffer(converted.size() * sizeof(T));
+  RawDeviceBuffer buffer(converted.size() * sizeof(T));
   DMOE_CHECK_CUDA(cudaMemcpy(buffer.as<T>(), converted.data(), converted.size() * sizeof(T), cudaMemcpyHostToDevice));
   return buffer;
 }
 
 template <typename T>
-std::vector<float> download(const DeviceBuffer& buffer, int64_t count) {
+std::vector<float> download(const RawDeviceBuffer& buffer, int64_t count) {
   std::vector<T> raw(static_cast<size_t>(count));
   DMOE_CHECK_CUDA(cudaMemcpy(raw.data(), buffer.as<T>(), raw.size() * sizeof(T), cudaMemcpyDeviceToHost));
   std::vector<float> out(raw.size());
@@ -144,7 +136,7 @@ std::vector<float> download(const DeviceBuffer& buffer, int64_t count) {
 }
 
 template <typename T>
-std::vector<uint8_t> download_bytes(const DeviceBuffer& buffer, int64_t count) {
+std::vector<uint8_t> download_bytes(const RawDeviceBuffer& buffer, int64_t count) {
   std::vector<uint8_t> raw(size_t(count) * sizeof(T));
   DMOE_CHECK_CUDA(cudaMemcpy(raw.data(), buffer.as<T>(), raw.size(), cudaMemcpyDeviceToHost));
   return raw;
@@ -208,7 +200,7 @@ Reference make_reference(const Shape& s, uint64_t seed, bool backward) {
 // Device tensors of one run: inputs uploaded, outputs allocated.
 template <typename T>
 struct DeviceRun {
-  DeviceBuffer q, k, v, dout, out, lse, dq, dk, dv;
+  RawDeviceBuffer q, k, v, dout, out, lse, dq, dk, dv;
   DeviceRun(const Shape& s, const Reference& r)
       : q(upload<T>(r.q)),
         k(upload<T>(r.k)),
@@ -221,14 +213,14 @@ struct DeviceRun {
         dv(size_t(s.kv_count()) * sizeof(T)) {}
 };
 
-class Stream {
+class OwnedStream {
  public:
-  Stream() { DMOE_CHECK_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking)); }
-  ~Stream() {
+  OwnedStream() { DMOE_CHECK_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking)); }
+  ~OwnedStream() {
     if (stream_) (void)cudaStreamDestroy(stream_);
   }
-  Stream(const Stream&) = delete;
-  Stream& operator=(const Stream&) = delete;
+  OwnedStream(const OwnedStream&) = delete;
+  OwnedStream& operator=(const OwnedStream&) = delete;
   cudaStream_t get() const { return stream_; }
   void sync() const { DMOE_CHECK_CUDA(cudaStreamSynchronize(stream_)); }
 
@@ -239,7 +231,7 @@ class Stream {
 // ---- own kernels ---------------------------------------------------------------------------------------
 
 template <typename T>
-void run_own(const Shape& s, DeviceRun<T>& d, cuda::Workspace& ws, const Stream& stream) {
+void run_own(const Shape& s, DeviceRun<T>& d, cuda::Workspace& ws, const OwnedStream& stream) {
   cuda::attention_forward<T>(d.q.template as<T>(), d.k.template as<T>(), d.v.template as<T>(), d.out.template as<T>(),
                              d.lse.template as<float>(), s.batch, s.seq, s.heads, s.kv_heads, s.head_dim, ws,
                              stream.get());
@@ -271,7 +263,7 @@ void own_kernels_match_cpu() {
   const double tol_out = is_bf16 ? kTolBf16 : kTolF32Forward;
   const double tol_grad = is_bf16 ? kTolBf16 : kTolF32Backward;
   const double tol_lse = kTolLseOwn;
-  Stream stream;
+  OwnedStream stream;
   cuda::Workspace ws;
   for (const Shape& s : own_shapes()) {
     const uint64_t seed = fresh_seed();
@@ -307,8 +299,8 @@ TEST(CudaAttention, OwnBackwardF32FromCpuForward) {
   SCOPED_TRACE(::testing::Message() << describe(s) << ", seed " << seed);
   const Reference r = make_reference<float>(s, seed, true);
   DeviceRun<float> d(s, r);
-  DeviceBuffer out = upload<float>(r.out), lse = upload<float>(r.lse);
-  Stream stream;
+  RawDeviceBuffer out = upload<float>(r.out), lse = upload<float>(r.lse);
+  OwnedStream stream;
   cuda::Workspace ws;
   cuda::attention_backward<float>(d.q.as<float>(), d.k.as<float>(), d.v.as<float>(), out.as<float>(),
                                   lse.as<float>(), d.dout.as<float>(), d.dq.as<float>(), d.dk.as<float>(),
@@ -328,7 +320,7 @@ void own_kernels_deterministic() {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE(::testing::Message() << describe(s) << ", seed " << seed);
   const Reference r = make_reference<T>(s, seed, /*backward=*/false);
-  Stream stream;
+  OwnedStream stream;
   cuda::Workspace ws;
   DeviceRun<T> first(s, r), second(s, r);
   run_own<T>(s, first, ws, stream);
@@ -384,7 +376,7 @@ TEST(CudnnAttention, AvailableGivesAReason) {
   std::cout << "[ INFO     ] CudnnAttention::available: " << (ok ? "yes" : "no: " + why) << "\n";
 }
 
-void run_cudnn(cuda::CudnnAttention& attention, const Shape& s, DeviceRun<bf16>& d, const Stream& stream) {
+void run_cudnn(cuda::CudnnAttention& attention, const Shape& s, DeviceRun<bf16>& d, const OwnedStream& stream) {
   attention.forward(d.q.as<bf16>(), d.k.as<bf16>(), d.v.as<bf16>(), d.out.as<bf16>(), d.lse.as<float>(), s.batch,
                     s.seq, s.heads, s.kv_heads, s.head_dim, stream.get());
   attention.backward(d.q.as<bf16>(), d.k.as<bf16>(), d.v.as<bf16>(), d.out.as<bf16>(), d.lse.as<float>(),
@@ -400,7 +392,7 @@ TEST(CudnnAttention, MatchesCpu) {
   const std::vector<Shape> shapes = {
       {2, 128, 4, 2, 64}, {2, 128, 8, 1, 128}, {1, 128, 4, 4, 128}, {1, 1024, 4, 4, 64}, {1, 1024, 8, 2, 128}};
   cuda::CudnnAttention attention;
-  Stream stream;
+  OwnedStream stream;
   for (const Shape& s : shapes) {
     const uint64_t seed = fresh_seed();
     SCOPED_TRACE(::testing::Message() << describe(s) << ", seed " << seed);
@@ -425,7 +417,7 @@ TEST(CudnnAttention, CachedAndDeterministic) {
   SCOPED_TRACE(::testing::Message() << describe(s) << ", seed " << seed);
   const Reference r = make_reference<bf16>(s, seed, /*backward=*/false);
   cuda::CudnnAttention attention;
-  Stream stream;
+  OwnedStream stream;
   DeviceRun<bf16> first(s, r), second(s, r);
   run_cudnn(attention, s, first, stream);
   run_cudnn(attention, s, second, stream);
@@ -447,7 +439,7 @@ TEST(CudnnAttention, AgreesWithOwnKernels) {
   SCOPED_TRACE(::testing::Message() << describe(s) << ", seed " << seed);
   const Reference r = make_reference<bf16>(s, seed, /*backward=*/false);
   cuda::CudnnAttention attention;
-  Stream stream;
+  OwnedStream stream;
   cuda::Workspace ws;
   DeviceRun<bf16> own(s, r), fused(s, r);
   run_own<bf16>(s, own, ws, stream);

@@ -43,9 +43,7 @@ namespace {
 
 // Outputs in f32 computed from the same inputs: fp32 accumulation on the GPU vs fp64 on the CPU.
 constexpr double kTolF32 = 1e-5;
-// Outputs stored as bf16: both sides round to bf16, but a value near a rounding boundary can land on
-// different sides, and the GPU also stores some intermediates (dh, dpre) as bf16 where the CPU keeps fp64.
-constexpr double kTolBf16 = 2e-2;
+using test::kTolBf16;  // outputs stored as bf16 (gpu_test_util.hpp)
 // fp64 sums of the same f32 values in another order.
 constexpr double kTolF64Sum = 1e-12;
 
@@ -55,15 +53,7 @@ double storage_tolerance(DType storage) { return storage == DType::bf16 ? kTolBf
 
 using test::has_cuda_device;
 
-#define DMOE_SKIP_WITHOUT_GPU()                               \
-  do {                                                        \
-    if (!has_cuda_device()) GTEST_SKIP() << "no CUDA device"; \
-  } while (0)
-
-uint64_t fresh_seed() {
-  std::random_device device;
-  return (uint64_t(device()) << 32) ^ uint64_t(device());
-}
+using test::fresh_seed;
 
 #define DMOE_SEED_TRACE(seed) SCOPED_TRACE(::testing::Message() << "seed " << (seed))
 

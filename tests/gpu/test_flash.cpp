@@ -31,7 +31,7 @@
 namespace dmoe {
 namespace {
 
-constexpr double kTolBf16 = 2e-2;
+using test::kTolBf16;  // gpu_test_util.hpp
 
 std::vector<bfloat16> to_bf16(const float* v, size_t n) {
   std::vector<bfloat16> b(n);

@@ -31,7 +31,7 @@
 namespace dmoe {
 namespace {
 
-constexpr double kTolBf16 = 2e-2;
+using test::kTolBf16;  // gpu_test_util.hpp
 
 // The forward's case table row, with the auxiliary losses on (their gradients are part of the backward).
 MoeConfig backward_config(const FlashCase& fc, int32_t world) {

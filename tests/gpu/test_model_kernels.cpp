@@ -44,10 +44,6 @@ namespace {
 using cuda::bf16;
 using test::has_cuda_device;
 
-#define DMOE_SKIP_WITHOUT_GPU()                               \
-  do {                                                        \
-    if (!has_cuda_device()) GTEST_SKIP() << "no CUDA device"; \
-  } while (0)
 
 // ---- tolerances ------------------------------------------------------------------------------------
 
@@ -163,10 +159,7 @@ struct GpuEnv {
 
 // ---- random inputs -------------------------------------------------------------------------------------
 
-uint64_t fresh_seed() {
-  std::random_device device;
-  return (uint64_t(device()) << 32) ^ uint64_t(device());
-}
+using test::fresh_seed;
 
 #define DMOE_SEED_TRACE(seed) SCOPED_TRACE(::testing::Message() << "seed " << (seed))
 

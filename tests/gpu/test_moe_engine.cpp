@@ -33,7 +33,7 @@ namespace dmoe {
 namespace {
 
 namespace fs = std::filesystem;
-constexpr double kTolBf16 = 2e-2;
+using test::kTolBf16;  // gpu_test_util.hpp
 
 MoeConfig engine_config(int64_t tokens) {
   MoeConfig c;
