@@ -211,7 +211,8 @@ class MoELayer(torch.nn.Module):
             holds all experts and all ranks' tokens (the token count must be a multiple of world). 'ep'/'flash':
             one process per rank (torchrun, dmoe launch, mpirun, srun), each holding its E/world experts
             (experts rank·E/world ..) and its own tokens; every rank must call forward/backward alike.
-        engine: 'cpu' (the reference engine), 'ep' (expert parallelism on CUDA), 'flash' (the forward as one
+        engine: 'cpu' (the reference engine), 'ep' (expert parallelism on CUDA; its inference forward at world 1
+            with bf16 parameters, dropless, can be captured in a CUDA graph), 'flash' (the forward as one
             persistent kernel per rank, bf16; it trains too: its backward is a short sequence of launches that
             synchronises the host, so a training step cannot be captured in a CUDA graph), 'auto': 'ep' for inputs on a CUDA
             device, else 'cpu' (decided at each call with world = 1, from ``device`` at construction otherwise).
@@ -352,10 +353,8 @@ class MoELayer(torch.nn.Module):
         if x.device.type != "cuda":
             return
         stream = torch.cuda.current_stream(x.device)
-        if self.engine == "ep" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("dmoe.MoELayer: engine 'ep' cannot be captured in a CUDA graph: its forward reads the "
-                               "routing counts on the host (a stream synchronisation, which capture forbids); "
-                               "engine='flash' can be captured (inference only)")
+        # Engine 'ep' in a CUDA-graph capture: its inference forward at world 1 (bf16, dropless) waits for nothing
+        # and is captured; anything else is refused by the engine before it queues work (a clear error).
         self._session.set_stream(stream.cuda_stream)
 
     def __getstate__(self):

@@ -93,8 +93,12 @@ class CudaBackend final : public Backend {
   void use_stream(cudaStream_t next) {
     if (next == stream_) return;
     DMOE_CHECK_CUDA(cudaSetDevice(device_));
-    DMOE_CHECK_CUDA(cudaEventRecord(switch_event_, stream_));
-    DMOE_CHECK_CUDA(cudaStreamWaitEvent(next, switch_event_, 0));
+    // No join across a CUDA-graph capture's boundary (CUDA refuses a dependency that crosses it): work captured
+    // on `next` runs only when the graph is launched, after what the caller ordered before the launch.
+    if (!capturing(stream_) && !capturing(next)) {
+      DMOE_CHECK_CUDA(cudaEventRecord(switch_event_, stream_));
+      DMOE_CHECK_CUDA(cudaStreamWaitEvent(next, switch_event_, 0));
+    }
     DMOE_CHECK_CUBLAS(cublasSetStream(cublas_, next));
     stream_ = next;
     ctx_.stream = next;
@@ -109,6 +113,17 @@ class CudaBackend final : public Backend {
   DType storage_dtype() const override { return storage_; }
   DType grad_accum_dtype() const override { return DType::f32; }
   Stream stream() override { return stream_; }
+  bool stream_capturing() override { return capturing(stream_); }
+  static bool capturing(cudaStream_t s) {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    const cudaError_t e = cudaStreamIsCapturing(s, &status);
+    if (e == cudaErrorStreamCaptureImplicit) {  // the legacy stream while a blocking stream captures: part of it
+      (void)cudaGetLastError();
+      return true;
+    }
+    DMOE_CHECK_CUDA(e);
+    return status != cudaStreamCaptureStatusNone;
+  }
 
   // ---- memory ----
   void* allocate(size_t bytes) override {

@@ -46,6 +46,9 @@ class Backend {
   virtual DType storage_dtype() const = 0;
   virtual DType grad_accum_dtype() const = 0;  // element type of weight-gradient accumulators
   virtual Stream stream() = 0;
+  // Whether stream() is capturing a CUDA graph now (never on the CPU): a forward captured there may queue only
+  // stream work — no host waits, no allocations, no events a later host wait would need (EpEngine::forward_route).
+  virtual bool stream_capturing() { return false; }
 
   // ---- memory (bytes) ----
   virtual void* allocate(size_t bytes) = 0;

@@ -244,13 +244,29 @@ void EpEngine::forward(const void* x, void* y, ForwardMode mode) {
 
 void EpEngine::forward_route(const void* x, ForwardMode mode) {
   DMOE_REQUIRE(has_weights_, "EpEngine::forward: set_weights() was not called");
+  // In a CUDA-graph capture only stream work may be queued: no host wait, no event that a later host wait would
+  // find recorded in the capture. A pending inference forward's reads are dropped there (nothing depends on them).
+  const bool capturing = backend_.stream_capturing();
+  if (capturing && routing_pending_ && !pending_train_) routing_pending_ = false;
   settle_routing();  // the last forward's pending reads: its errors are reported, not overwritten
   routing_failed_ = false;
+  captured_ = false;
   const int64_t T = config_.tokens, H = config_.hidden;
   const int32_t E = config_.experts, k = config_.top_k, W = config_.world, Le = local_experts_;
   x_ = x;
   keep_ = mode == ForwardMode::train;
+  // Refused before anything is queued or allocated (an allocation would invalidate the caller's capture).
+  DMOE_REQUIRE_INPUT(!capturing || !keep_, "EpEngine::forward: a train forward cannot be captured in a CUDA graph "
+                     "(its backward reads the routing counts on the host); capture inference forwards (no autograd) "
+                     "only");
   deferred_ = defer_this_forward(T * k);
+  if (capturing) {
+    DMOE_REQUIRE_INPUT(deferred_, "EpEngine::forward: this forward cannot be captured in a CUDA graph: it reads the "
+                       "routing counts on the host. Capturable: world = 1, dropless (capacity_factor 0), bf16 weights with "
+                       "the expert products on the own Hopper GEMM (sm90; up to 16 G multiply-adds per expert, beyond "
+                       "that cuBLAS needs the counts), DMOE_DEFER_ROUTING not 0; this layer: world {}, capacity_factor "
+                       "{}, {} on {}", W, config_.capacity_factor, dtype_name(config_.dtype), backend_.name());
+  }
   kept_for_backward_ = false;  // until this forward has stored everything
   bwd_phase_ = Phase::none;
 
@@ -302,11 +318,20 @@ void EpEngine::forward_route(const void* x, ForwardMode mode) {
   // host read they end with. The partial sums are read here, on the backend's stream, so that the exchange
   // phase only sums them.
   if (deferred_) {
-    void* stats = routing_dev_.as<char>() + PlanCountsBlock::bytes(E);
-    backend_.router_aux_partials_on_device(probs_.as<float>(), lse_.as<float>(), ids_.as<int32_t>(), T, E, k, stats);
-    if (!readback_) readback_ = backend_.make_readback();
-    readback_->start(routing_dev_.data(), PlanCountsBlock::bytes(E) + AuxPartialsBlock::bytes(E));
-    routing_pending_ = true;
+    size_t block = PlanCountsBlock::bytes(E);
+    if (keep_) {
+      void* stats = routing_dev_.as<char>() + block;
+      backend_.router_aux_partials_on_device(probs_.as<float>(), lse_.as<float>(), ids_.as<int32_t>(), T, E, k, stats);
+      block += AuxPartialsBlock::bytes(E);
+    }
+    if (capturing) {
+      captured_ = true;  // read nothing back: a replay rewrites the block, and its event would be a captured one
+    } else {
+      if (!readback_) readback_ = backend_.make_readback();
+      readback_->start(routing_dev_.data(), block);
+      routing_pending_ = true;
+      pending_train_ = keep_;
+    }
   } else if (keep_) {
     router_partials();
   }
@@ -314,15 +339,15 @@ void EpEngine::forward_route(const void* x, ForwardMode mode) {
 }
 
 bool EpEngine::defer_this_forward(int64_t rows) {
-  if (!options_.defer_routing_reads || !keep_ || !local_only_ || !config_.dropless() || row_multiple_ != 1 ||
+  if (!options_.defer_routing_reads || !local_only_ || !config_.dropless() || row_multiple_ != 1 ||
       !defer_routing_reads_allowed())
     return false;
   // The buffers the expert products will use (forward_experts asks for the same sizes: the same blocks).
   const int64_t H = config_.hidden, I = config_.ffn, E = config_.experts;
   const bool swiglu = config_.activation == Activation::swiglu;
   void* x = send_.ensure(rows * H * elem_);
-  void* pre1 = pre1_.ensure(rows * I * elem_);
-  void* pre3 = swiglu ? pre3_.ensure(rows * I * elem_) : nullptr;
+  void* pre1 = keep_ ? pre1_.ensure(rows * I * elem_) : nullptr;  // inference: the activation only
+  void* pre3 = keep_ && swiglu ? pre3_.ensure(rows * I * elem_) : nullptr;
   void* h = h_.ensure(rows * I * elem_);
   void* out = out_batch_.ensure(rows * H * elem_);
   if (!backend_.expert_ffn_forward_takes_device_offsets(x, w1_ptr_, swiglu ? w3_ptr_ : nullptr, w2_ptr_, pre1, pre3,
@@ -332,21 +357,30 @@ bool EpEngine::defer_this_forward(int64_t rows) {
   return true;
 }
 
+void EpEngine::host_routing(const char* what) {
+  DMOE_REQUIRE_INPUT(!captured_, "EpEngine::{}: the last forward was captured in a CUDA graph, so its routing counts "
+                     "stay on the device (each replay rewrites them); run a forward outside the capture to read them",
+                     what);
+  settle_routing();
+}
+
 void EpEngine::settle_routing() {
   if (!routing_pending_) return;
   routing_pending_ = false;
   const int32_t E = config_.experts, k = config_.top_k;
   const char* block = static_cast<const char*>(readback_->wait(
-      "EpEngine: reading the routing counts and router statistics of the last train forward"));
+      pending_train_ ? "EpEngine: reading the routing counts and router statistics of the last train forward"
+                     : "EpEngine: reading the routing counts of the last inference forward"));
   const int32_t bad = PlanCountsBlock::read_bad(block, E);
   if (bad != kNoBadAssignment) {
     kept_for_backward_ = false;  // its output is not valid: no backward, no losses
     routing_failed_ = true;
     int32_t id = 0;
     backend_.download(&id, ids_.as<int32_t>() + bad, sizeof(id));
-    DMOE_REQUIRE_INPUT(false, "routing: token {} choice {} of the last train forward has expert id {}; allowed [0, {}) "
+    DMOE_REQUIRE_INPUT(false, "routing: token {} choice {} of the last {} forward has expert id {}; allowed [0, {}) "
                        "(id -1: the token's router logits are NaN: check the input for non-finite values); that "
-                       "forward's output is not valid", bad / k, bad % k, id, E);
+                       "forward's output is not valid", bad / k, bad % k, pending_train_ ? "train" : "inference", id,
+                       E);
   }
   const auto* counts = reinterpret_cast<const int64_t*>(block);
   routed_.assign(counts, counts + E);
@@ -354,6 +388,7 @@ void EpEngine::settle_routing() {
   compact_offsets_.assign(counts + 2 * E, counts + 3 * E);
   layout_ = build_expert_batch_layout(kept_.data(), 1, local_experts_, row_multiple_);
   recv_rows_[0] = layout_.source_counts[0];
+  if (!pending_train_) return;  // an inference forward computes no router statistics
   stats_.assign(2 * size_t(E) + 1, 0.0);
   AuxPartialsBlock::decode(block + PlanCountsBlock::bytes(E), E, stats_.data(), stats_.data() + E,
                            stats_.data() + 2 * E);
@@ -406,8 +441,8 @@ void EpEngine::forward_experts() {
   fault_point(comm_, FaultStage::expert_gemm);
   if (deferred_)  // the offsets from the plan's block on the device (PlanCountsBlock::offsets: W = 1, Le = E)
     backend_.expert_ffn_forward_device_offsets(
-        batch_rows_, w1_ptr_, swiglu ? w3_ptr_ : nullptr, w2_ptr_, pre1_.ensure(N * I * elem_),
-        swiglu ? pre3_.ensure(N * I * elem_) : nullptr, h_.ensure(N * I * elem_), out_batch_.ensure(N * H * elem_),
+        batch_rows_, w1_ptr_, swiglu ? w3_ptr_ : nullptr, w2_ptr_, keep_ ? pre1_.ensure(N * I * elem_) : nullptr,
+        keep_ && swiglu ? pre3_.ensure(N * I * elem_) : nullptr, h_.ensure(N * I * elem_), out_batch_.ensure(N * H * elem_),
         PlanCountsBlock::offsets(routing_dev_.data(), config_.experts), N, Le, H, I, config_.activation);
   else
     backend_.expert_ffn_forward(batch_rows_, w1_ptr_, swiglu ? w3_ptr_ : nullptr, w2_ptr_,

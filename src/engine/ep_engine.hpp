@@ -34,12 +34,13 @@ struct EpOptions {
   // Pad each local expert's batch with zero rows to a multiple of this (1 = no padding): local padding
   // to the GEMM tile height, so every expert product splits into whole tiles.
   int32_t batch_row_multiple = 1;
-  // A train forward at W = 1, dropless, whose expert products can take their offsets in backend memory
+  // A forward at W = 1, dropless, whose expert products can take their offsets in backend memory
   // (Backend::expert_ffn_forward_takes_device_offsets: the CPU always, CUDA bf16 on the own Hopper GEMM) leaves
-  // its counts and router statistics on the device and reads them when they are first needed — the backward,
-  // losses() and the accessors below, the next forward — instead of waiting for the GPU inside the forward.
-  // A forward then never waits for the GPU, so a caller's work queued behind it (a PyTorch model's next layers)
-  // is not held back (docs/architecture.md, "Deferred routing reads"). Off: every forward reads them at once.
+  // its counts (train mode: and router statistics) on the device and reads them when they are first needed — the
+  // backward, losses() and the accessors below, the next forward — instead of waiting for the GPU inside the
+  // forward. A forward then never waits for the GPU, so a caller's work queued behind it (a PyTorch model's next
+  // layers) is not held back, and an inference forward can be captured in a CUDA graph (docs/architecture.md,
+  // "Deferred routing reads"). Off: every forward reads them at once, and none can be captured.
   bool defer_routing_reads = true;
 };
 
@@ -181,24 +182,27 @@ class EpEngine {
   RouterLosses losses();
   // Over all ranks' tokens, of the last train forward: f_e = assigned_e / (N·k) and P_e = mean_t probs[t, e]
   // ([E] each), the two factors of the load-balance loss.
-  const std::vector<double>& expert_fraction() { return settle_routing(), expert_fraction_; }
-  const std::vector<double>& prob_mean() { return settle_routing(), prob_mean_; }
+  const std::vector<double>& expert_fraction() { return host_routing("expert_fraction"), expert_fraction_; }
+  const std::vector<double>& prob_mean() { return host_routing("prob_mean"), prob_mean_; }
   // Replaces the config's load-balance term in the following backward passes: ∂L/∂probs[t, e] =
   // dloss_dprob[e] for every token, whatever aux_loss_coef says. For losses that pool the routing statistics
   // of several layers, as transformers' Mixtral load_balancing_loss_func does (src/model/mixtral.cpp).
   // An empty vector returns to the config's term.
   void set_load_balance_grad(std::vector<double> dloss_dprob);
-  const std::vector<int64_t>& routed_counts() { return settle_routing(), routed_; }  // [E] this rank, pre-capacity
-  const std::vector<int64_t>& kept_counts() { return settle_routing(), kept_; }      // [E] this rank
-  int64_t rows_received() { return settle_routing(), layout_.rows(); }  // expert batch rows (padding included)
+  const std::vector<int64_t>& routed_counts() { return host_routing("routed_counts"), routed_; }  // [E], pre-capacity
+  const std::vector<int64_t>& kept_counts() { return host_routing("kept_counts"), kept_; }         // [E] this rank
+  int64_t rows_received() { return host_routing("rows_received"), layout_.rows(); }  // batch rows (padding included)
   int64_t rows_sent() const;                                           // rows on the wire, all peers
   int64_t rows_sent_to(int32_t rank) const { return wire_rows_[rank]; }
   bool padded() const { return padded_; }
-  const ExpertBatchLayout& layout() { return settle_routing(), layout_; }
-  // A deferred train forward's counts and router statistics read and checked now (a token with NaN router
-  // logits is reported here: its forward's output is not valid); no-op when none is pending. Waits only for the
-  // point of the stream behind that forward's router.
+  const ExpertBatchLayout& layout() { return host_routing("layout"), layout_; }
+  // A deferred forward's counts (and a train forward's router statistics) read and checked now (a token with NaN
+  // router logits is reported here: its forward's output is not valid); no-op when none is pending. Waits only for
+  // the point of the stream behind that forward's router.
   void settle_routing();
+  // Whether the last forward was captured in a CUDA graph: its counts stay on the device (every replay writes
+  // them), so the accessors of the counts refuse until a forward runs outside a capture.
+  bool captured() const { return captured_; }
   bool routing_pending() const { return routing_pending_; }
 
   const MoeConfig& config() const { return config_; }
@@ -286,6 +290,9 @@ class EpEngine {
   // device (routing_dev_: a PlanCountsBlock then an AuxPartialsBlock) and come back through readback_.
   bool deferred_ = false;         // the forward under way (or the last one) defers them
   bool routing_pending_ = false;  // read back, not yet settled
+  bool pending_train_ = false;    // the pending read is a train forward's (its block holds router statistics)
+  bool captured_ = false;         // the last forward was captured in a CUDA graph: nothing read back
+  void host_routing(const char* what);  // the counts on the host: settle_routing, refused after a capture
   bool routing_failed_ = false;   // settling found a bad expert id: that forward has no backward or losses
   Buffer routing_dev_;
   std::unique_ptr<HostReadback> readback_;

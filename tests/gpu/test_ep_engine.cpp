@@ -295,6 +295,135 @@ TEST(GpuEngineDeferredRouting, EqualsReadingAtOnceAndReportsNaNAtTheBackward) {
   for (void* p : {xd, yd, dyd, dxd}) backend->release(p);
 }
 
+// An inference forward at W = 1 (bf16, dropless, the own Hopper GEMM) waits for nothing, so it can be captured in
+// a CUDA graph (global capture mode, as PyTorch's): replays on new inputs equal eager forwards bit for bit; the
+// counts of a captured forward are refused on the host with a clear error; a train forward, and a forward that
+// reads its counts at once, are refused inside a capture before anything is queued; a NaN token of a deferred
+// inference forward is reported when its counts are read.
+TEST(GpuEngineGraphCapture, InferenceForwardReplaysEqualEagerAndTheRestIsRefused) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  if (detect_process_env().world > 1) GTEST_SKIP() << "one process";
+  MoeConfig c;
+  c.tokens = 1000;
+  c.hidden = 512;
+  c.ffn = 768;
+  c.experts = 8;
+  c.top_k = 2;
+  c.activation = Activation::swiglu;
+  c.dtype = DType::bf16;
+  const MoeWeights w = random_moe_weights(c, 71);
+  const int64_t n = c.tokens * c.hidden;
+  Rng rng(73);
+  const auto x0 = rng.normal_vector(size_t(n), 1.0);
+  const auto x1 = rng.normal_vector(size_t(n), 1.0);
+  auto backend = make_cuda_backend(c.dtype, 0);
+  cudaStream_t stream;
+  DMOE_CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  set_cuda_backend_stream(*backend, stream);
+  auto comm = make_local_comm();
+  void* xa = backend->allocate(n * 2);
+  void* xb = backend->allocate(n * 2);
+  void* in = backend->allocate(n * 2);
+  void* out = backend->allocate(n * 2);
+  backend->upload_f32(xa, x0.data(), n);
+  backend->upload_f32(xb, x1.data(), n);
+  const auto download = [&](void* p) {
+    std::vector<float> v(static_cast<size_t>(n));
+    backend->download_f32(v.data(), p, n);
+    return v;
+  };
+  const auto refusal = [&](EpEngine& e, ForwardMode mode) {
+    std::string message;
+    DMOE_CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+    try {
+      e.forward(in, out, mode);
+    } catch (const Error& err) {
+      message = err.what();
+    }
+    cudaGraph_t g = nullptr;
+    EXPECT_EQ(cudaStreamEndCapture(stream, &g), cudaSuccess) << "the refusal must leave the capture valid";
+    if (g) cudaGraphDestroy(g);
+    return message;
+  };
+  {
+    EpEngine engine(c, *backend, *comm);
+    engine.set_weights(w);
+    engine.forward(xb, out, ForwardMode::inference);
+    const bool deferred = engine.routing_pending();
+    const std::vector<float> y1 = download(out);
+    const std::vector<int64_t> kept1 = engine.kept_counts();
+    if (!deferred) {
+      for (void* p : {xa, xb, in, out}) backend->release(p);
+      use_own_cuda_backend_stream(*backend);
+      cudaStreamDestroy(stream);
+      GTEST_SKIP() << "this GPU or build cannot run the own Hopper GEMM: the forward reads its counts at once";
+    }
+    engine.forward(xa, out, ForwardMode::inference);
+    const std::vector<float> y0 = download(out);
+    ASSERT_FALSE(y0 == y1);
+
+    // Warm-up on `in` (the buffers exist at this size), then the capture.
+    backend->copy(in, xa, size_t(n) * 2);
+    engine.forward(in, out, ForwardMode::inference);
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    DMOE_CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+    engine.forward(in, out, ForwardMode::inference);
+    DMOE_CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
+    DMOE_CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+    EXPECT_TRUE(engine.captured());
+    try {
+      (void)engine.kept_counts();
+      ADD_FAILURE() << "the counts of a captured forward were given on the host";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("captured in a CUDA graph"), std::string::npos) << e.what();
+    }
+    for (int r = 0; r < 6; ++r) {
+      DMOE_CHECK_CUDA(cudaMemcpyAsync(in, r % 2 ? xb : xa, size_t(n) * 2, cudaMemcpyDeviceToDevice, stream));
+      DMOE_CHECK_CUDA(cudaGraphLaunch(exec, stream));
+      EXPECT_TRUE(download(out) == (r % 2 ? y1 : y0)) << "replay " << r << " differs from the eager forward";
+    }
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+
+    const std::string train = refusal(engine, ForwardMode::train);
+    EXPECT_NE(train.find("a train forward cannot be captured"), std::string::npos) << train;
+    // Eager again: the engine reads its counts as before.
+    engine.forward(xb, out, ForwardMode::inference);
+    EXPECT_FALSE(engine.captured());
+    EXPECT_EQ(engine.kept_counts(), kept1);
+    EXPECT_TRUE(download(out) == y1);
+
+    // NaN in token 5's input: reported when the counts are read (here by the accessor), naming the forward.
+    std::vector<float> bad = x0;
+    bad[5 * c.hidden + 2] = std::nanf("");
+    backend->upload_f32(in, bad.data(), n);
+    engine.forward(in, out, ForwardMode::inference);
+    try {
+      (void)engine.kept_counts();
+      ADD_FAILURE() << "a NaN token's routing was not reported";
+    } catch (const Error& e) {
+      const std::string m = e.what();
+      EXPECT_NE(m.find("token 5 choice "), std::string::npos) << m;
+      EXPECT_NE(m.find("last inference forward"), std::string::npos) << m;
+    }
+  }
+  {
+    EpOptions at_once;
+    at_once.defer_routing_reads = false;
+    EpEngine engine(c, *backend, *comm, at_once);
+    engine.set_weights(w);
+    backend->copy(in, xa, size_t(n) * 2);
+    engine.forward(in, out, ForwardMode::inference);
+    const std::string m = refusal(engine, ForwardMode::inference);
+    EXPECT_NE(m.find("cannot be captured in a CUDA graph: it reads the routing counts on the host"), std::string::npos)
+        << m;
+  }
+  for (void* p : {xa, xb, in, out}) backend->release(p);
+  use_own_cuda_backend_stream(*backend);
+  cudaStreamDestroy(stream);
+}
+
 TEST(GpuEngineErrors, OutOfMemorySaysWhatHowMuchAndWhatIsFree) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   auto backend = make_cuda_backend(DType::bf16, 0);

@@ -497,7 +497,7 @@ TEST(Engine, DeferredRoutingReadsGiveTheSameResults) {
     }
 }
 
-// Which forwards defer: train, W = 1, dropless, no tile padding; the reads then wait until the backward, losses()
+// Which forwards defer: train or inference, W = 1, dropless, no tile padding; the reads then wait until the backward, losses()
 // or an accessor needs them, and the next forward settles a pending one first.
 TEST(Engine, DeferredRoutingReadsOnlyWhereTheForwardNeedsNoCounts) {
   const auto pending_after = [](MoeConfig c, ForwardMode mode, EpOptions options) {
@@ -517,7 +517,7 @@ TEST(Engine, DeferredRoutingReadsOnlyWhereTheForwardNeedsNoCounts) {
   };
   const MoeConfig base = small_config(Activation::swiglu, 1, 16);
   EXPECT_TRUE(pending_after(base, ForwardMode::train, {}));
-  EXPECT_FALSE(pending_after(base, ForwardMode::inference, {})) << "inference reads at once (no backward settles it)";
+  EXPECT_TRUE(pending_after(base, ForwardMode::inference, {})) << "inference defers too (no wait: CUDA-graph capture)";
   EpOptions off;
   off.defer_routing_reads = false;
   EXPECT_FALSE(pending_after(base, ForwardMode::train, off));
@@ -553,6 +553,62 @@ TEST(Engine, DeferredRoutingReadsOnlyWhereTheForwardNeedsNoCounts) {
     EXPECT_FALSE(engine.routing_pending());
     EXPECT_EQ(rows, base.tokens * base.top_k);
   });
+}
+
+// An inference forward defers as well (nothing in it waits for the device, so a GPU forward can be captured in a
+// CUDA graph): its output and counts equal those of the forward that reads them at once, bit for bit. (A NaN
+// token: the CPU router refuses it at once; on the GPU its id -1 is reported when the counts are read, a GPU test.)
+TEST(Engine, DeferredInferenceForwardEqualsReadAtOnce) {
+  for (DType dtype : {DType::f32, DType::bf16}) {
+    SCOPED_TRACE(dtype_name(dtype));
+    MoeConfig c = small_config(Activation::swiglu, 1, 29);
+    c.dtype = dtype;
+    const MoeWeights w = random_moe_weights(c, 61);
+    Rng rng(67);
+    auto x = rng.normal_vector(size_t(c.tokens * c.hidden), 1.0);
+    struct Out {
+      std::vector<float> y;
+      std::vector<int64_t> routed, kept;
+      bool pending = false;
+    };
+    const auto run = [&](const EpOptions& options) {
+      Out o;
+      run_thread_ranks(1, [&](int32_t, Comm& comm) {
+        auto backend = make_cpu_backend(c.dtype);
+        EpEngine engine(c, *backend, comm, options);
+        engine.set_weights(w);
+        o.y.resize(x.size());
+        engine.forward(x.data(), o.y.data(), ForwardMode::inference);
+        o.pending = engine.routing_pending();
+        o.routed = engine.routed_counts();
+        o.kept = engine.kept_counts();
+        EXPECT_FALSE(engine.routing_pending());
+      });
+      return o;
+    };
+    EpOptions at_once;
+    at_once.defer_routing_reads = false;
+    const Out a = run(at_once), b = run({});
+    EXPECT_FALSE(a.pending);
+    EXPECT_TRUE(b.pending);
+    expect_identical(a.y, b.y, "y");
+    EXPECT_EQ(a.routed, b.routed);
+    EXPECT_EQ(a.kept, b.kept);
+
+    // The next forward settles a pending one; the accessors after it read the new counts.
+    run_thread_ranks(1, [&](int32_t, Comm& comm) {
+      auto backend = make_cpu_backend(c.dtype);
+      EpEngine engine(c, *backend, comm);
+      engine.set_weights(w);
+      std::vector<float> y(x.size());
+      engine.forward(x.data(), y.data(), ForwardMode::inference);
+      engine.forward(x.data(), y.data(), ForwardMode::inference);
+      EXPECT_TRUE(engine.routing_pending());
+      EXPECT_EQ(engine.kept_counts(), b.kept);
+      EXPECT_FALSE(engine.captured()) << "the CPU backend never captures";
+      EXPECT_THROW(engine.losses(), Error) << "an inference forward has no losses";
+    });
+  }
 }
 
 }  // namespace
