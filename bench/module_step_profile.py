@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Where a one-layer Mixtral training step goes on a GPU: transformers' stock MoE block against dmoe's (engines ep and
 flash), T = 512 and 4096 tokens. For each: wall time per step (CUDA events, 5 steps after 3 warm-ups), the GPU
-kernels' time per step (torch.profiler over 5 more steps), the host synchronisations and copies per step, and the
-top kernels. Wall well above the kernels' time means the step is host-bound (the GPU idles between launches).
+kernels' time per step (torch.profiler over 5 more steps), the host synchronisations and copies per step, the
+top kernels, and the host thread's top entries by self CPU time. Wall well above the kernels' time means the step is host-bound (the GPU idles between launches).
 Not a benchmark of record (gpu_check.py's is); a diagnostic, docs/perf.md (thirteenth session).
 
     PYTHONPATH=build/python python3 bench/module_step_profile.py
@@ -46,5 +46,11 @@ for tokens in (512, 4096):
         rows = sorted([k for k in ka if k.self_device_time_total > 0], key=lambda k: -k.self_device_time_total)[:14]
         for k in rows:
             print(f"   {k.self_device_time_total/5/1000:8.3f} ms  x{k.count/5:5.1f}  {k.key[:110]}")
+        # Host side: where the issuing thread's time goes (self CPU time per step: CUDA API calls, aten ops, the
+        # autograd functions' Python bodies); a host-bound step shows its cause here.
+        host = sorted([k for k in ka if k.self_cpu_time_total > 0], key=lambda k: -k.self_cpu_time_total)[:12]
+        print(f"   host: {sum(k.self_cpu_time_total for k in ka) / 5 / 1000:.3f} ms self CPU time per step; top:")
+        for k in host:
+            print(f"   {k.self_cpu_time_total/5/1000:8.3f} ms host  x{k.count/5:5.1f}  {k.key[:110]}")
         sys.stdout.flush()
     del models; torch.cuda.empty_cache()

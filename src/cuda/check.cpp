@@ -172,6 +172,11 @@ void* device_malloc(size_t bytes, const char* what) {
   const cudaError_t status = cudaMalloc(&p, bytes == 0 ? 16 : bytes);
   if (status == cudaSuccess) return p;
   (void)cudaGetLastError();  // cudaMalloc's error is not sticky; clear it for the calls that follow
+  if (status == cudaErrorStreamCaptureUnsupported || status == cudaErrorStreamCaptureInvalidated)
+    fail(__FILE__, __LINE__,
+         "allocating %s (%zu bytes) inside a CUDA-graph capture (%s), which invalidates it: run the same call once "
+         "before capturing (a warm-up with the same shapes), so that its buffers exist", what, bytes,
+         cudaGetErrorString(status));
   size_t free_bytes = 0, total_bytes = 0;
   int device = -1;
   (void)cudaGetDevice(&device);

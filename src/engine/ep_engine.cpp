@@ -259,7 +259,7 @@ void EpEngine::forward_route(const void* x, ForwardMode mode) {
   DMOE_REQUIRE_INPUT(!capturing || !keep_, "EpEngine::forward: a train forward cannot be captured in a CUDA graph "
                      "(its backward reads the routing counts on the host); capture inference forwards (no autograd) "
                      "only");
-  deferred_ = defer_this_forward(T * k);
+  deferred_ = defer_this_forward(T * k, capturing);
   if (capturing) {
     DMOE_REQUIRE_INPUT(deferred_, "EpEngine::forward: this forward cannot be captured in a CUDA graph: it reads the "
                        "routing counts on the host. Capturable: world = 1, dropless (capacity_factor 0), bf16 weights with "
@@ -338,7 +338,7 @@ void EpEngine::forward_route(const void* x, ForwardMode mode) {
   fwd_phase_ = Phase::routed;
 }
 
-bool EpEngine::defer_this_forward(int64_t rows) {
+bool EpEngine::defer_this_forward(int64_t rows, bool capturing) {
   if (!options_.defer_routing_reads || !local_only_ || !config_.dropless() || row_multiple_ != 1 ||
       !defer_routing_reads_allowed())
     return false;
@@ -353,8 +353,10 @@ bool EpEngine::defer_this_forward(int64_t rows) {
   if (!backend_.expert_ffn_forward_takes_device_offsets(x, w1_ptr_, swiglu ? w3_ptr_ : nullptr, w2_ptr_, pre1, pre3,
                                                         h, out, rows, local_experts_, H, I, config_.activation))
     return false;
+  // Also for an eager inference forward that reads at once: a capture after it (whose forward defers) must find
+  // every buffer allocated, or its allocation would invalidate the capture.
   routing_dev_.ensure(PlanCountsBlock::bytes(int32_t(E)) + AuxPartialsBlock::bytes(int32_t(E)));
-  return true;
+  return keep_ || capturing || options_.defer_inference_reads;
 }
 
 void EpEngine::host_routing(const char* what) {

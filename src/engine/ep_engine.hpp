@@ -34,14 +34,20 @@ struct EpOptions {
   // Pad each local expert's batch with zero rows to a multiple of this (1 = no padding): local padding
   // to the GEMM tile height, so every expert product splits into whole tiles.
   int32_t batch_row_multiple = 1;
-  // A forward at W = 1, dropless, whose expert products can take their offsets in backend memory
+  // A train forward at W = 1, dropless, whose expert products can take their offsets in backend memory
   // (Backend::expert_ffn_forward_takes_device_offsets: the CPU always, CUDA bf16 on the own Hopper GEMM) leaves
-  // its counts (train mode: and router statistics) on the device and reads them when they are first needed — the
-  // backward, losses() and the accessors below, the next forward — instead of waiting for the GPU inside the
-  // forward. A forward then never waits for the GPU, so a caller's work queued behind it (a PyTorch model's next
-  // layers) is not held back, and an inference forward can be captured in a CUDA graph (docs/architecture.md,
-  // "Deferred routing reads"). Off: every forward reads them at once, and none can be captured.
+  // its counts and router statistics on the device and reads them when they are first needed — the backward,
+  // losses() and the accessors below, the next forward — instead of waiting for the GPU inside the forward. A
+  // forward then never waits for the GPU, so a caller's work queued behind it (a PyTorch model's next layers) is
+  // not held back (docs/architecture.md, "Deferred routing reads"). Inference forwards defer only inside a
+  // CUDA-graph capture, which needs it (or always, defer_inference_reads). Off: every forward reads them at once,
+  // and none can be captured.
   bool defer_routing_reads = true;
+  // Inference forwards defer outside a capture too. Off by default: on the H200 the deferred forward's GPU time was
+  // 2-4 % longer than the forward that reads its counts (its products run without the host's counts: device-built
+  // tile tables, a grid for the worst case; docs/perf.md, fifteenth session), and an inference forward has no
+  // backward whose wait the deferral would remove.
+  bool defer_inference_reads = false;
 };
 
 // What a forward keeps. train: everything backward() needs (the experts' pre-activations, the routing) and
@@ -296,7 +302,7 @@ class EpEngine {
   bool routing_failed_ = false;   // settling found a bad expert id: that forward has no backward or losses
   Buffer routing_dev_;
   std::unique_ptr<HostReadback> readback_;
-  bool defer_this_forward(int64_t rows);
+  bool defer_this_forward(int64_t rows, bool capturing);
 
   Buffer dret_, drecv_, dbatch_, dx_batch_, dx_recv_, dsend_, dweights_, dlogits_, dx_router_;
   // Padded mode only: the wire-layout copies of the send rows and of the row gradients, and the

@@ -254,6 +254,10 @@ int64_t LayerSession::forward(const SessionForward& f) {
   DMOE_REQUIRE(f.weights.gate && f.weights.w1 && f.weights.w2, "forward: the weights must not be null");
   if (options_.engine == EngineKind::flash) return flash_forward(f);
   const bool cpu = options_.engine == EngineKind::cpu;
+  // Before a slot (an engine, its allocations) is taken: an allocation would invalidate the caller's capture.
+  DMOE_REQUIRE_INPUT(cpu || !f.train || !backend_->stream_capturing(),
+                     "forward: a train forward cannot be captured in a CUDA graph with engine 'ep' (its backward reads "
+                     "the routing counts on the host); capture inference forwards only (torch.no_grad())");
   const int32_t ranks = cpu ? config_.world : 1;
   DMOE_REQUIRE_INPUT(f.rows % ranks == 0,
                      "forward: {} rows cannot be split over world = {} simulated ranks; the CPU engine gives every "

@@ -295,8 +295,9 @@ TEST(GpuEngineDeferredRouting, EqualsReadingAtOnceAndReportsNaNAtTheBackward) {
   for (void* p : {xd, yd, dyd, dxd}) backend->release(p);
 }
 
-// An inference forward at W = 1 (bf16, dropless, the own Hopper GEMM) waits for nothing, so it can be captured in
-// a CUDA graph (global capture mode, as PyTorch's): replays on new inputs equal eager forwards bit for bit; the
+// An inference forward at W = 1 (bf16, dropless, the own Hopper GEMM) defers its routing reads inside a CUDA-graph
+// capture (global mode, as PyTorch's), so it waits for nothing there: replays on new inputs equal eager forwards
+// (which read their counts at once, on the same kernels) bit for bit; the
 // counts of a captured forward are refused on the host with a clear error; a train forward, and a forward that
 // reads its counts at once, are refused inside a capture before anything is queued; a NaN token of a deferred
 // inference forward is reported when its counts are read.
@@ -348,11 +349,13 @@ TEST(GpuEngineGraphCapture, InferenceForwardReplaysEqualEagerAndTheRestIsRefused
   {
     EpEngine engine(c, *backend, *comm);
     engine.set_weights(w);
-    engine.forward(xb, out, ForwardMode::inference);
-    const bool deferred = engine.routing_pending();
+    engine.forward(xb, out, ForwardMode::inference);  // eager: reads its counts at once (defer_inference_reads off)
     const std::vector<float> y1 = download(out);
     const std::vector<int64_t> kept1 = engine.kept_counts();
-    if (!deferred) {
+    // Whether a capture can defer here (the own Hopper GEMM; it reads only shapes and pointers' alignment).
+    if (!backend->expert_ffn_forward_takes_device_offsets(xb, xb, xb, xb, nullptr, nullptr, out, out,
+                                                          c.tokens * c.top_k, c.experts, c.hidden, c.ffn,
+                                                          c.activation)) {
       for (void* p : {xa, xb, in, out}) backend->release(p);
       use_own_cuda_backend_stream(*backend);
       cudaStreamDestroy(stream);
@@ -365,11 +368,27 @@ TEST(GpuEngineGraphCapture, InferenceForwardReplaysEqualEagerAndTheRestIsRefused
     // Warm-up on `in` (the buffers exist at this size), then the capture.
     backend->copy(in, xa, size_t(n) * 2);
     engine.forward(in, out, ForwardMode::inference);
+    // Ends a capture that a failure left open, so that the tests after this one find the device usable.
+    struct CaptureGuard {
+      cudaStream_t s;
+      bool open = true;
+      ~CaptureGuard() {
+        if (!open) return;
+        cudaGraph_t g = nullptr;
+        (void)cudaStreamEndCapture(s, &g);
+        if (g) cudaGraphDestroy(g);
+        (void)cudaGetLastError();
+      }
+    };
     cudaGraph_t graph;
     cudaGraphExec_t exec;
-    DMOE_CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-    engine.forward(in, out, ForwardMode::inference);
-    DMOE_CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
+    {
+      DMOE_CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+      CaptureGuard guard{stream};
+      engine.forward(in, out, ForwardMode::inference);
+      guard.open = false;
+      DMOE_CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
+    }
     DMOE_CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
     EXPECT_TRUE(engine.captured());
     try {
@@ -393,12 +412,19 @@ TEST(GpuEngineGraphCapture, InferenceForwardReplaysEqualEagerAndTheRestIsRefused
     EXPECT_FALSE(engine.captured());
     EXPECT_EQ(engine.kept_counts(), kept1);
     EXPECT_TRUE(download(out) == y1);
-
-    // NaN in token 5's input: reported when the counts are read (here by the accessor), naming the forward.
+  }
+  {
+    // NaN in token 5's input, in a deferred inference forward (as in a capture; here defer_inference_reads):
+    // reported when the counts are read (here by the accessor), naming the forward.
+    EpOptions deferred;
+    deferred.defer_inference_reads = true;
+    EpEngine engine(c, *backend, *comm, deferred);
+    engine.set_weights(w);
     std::vector<float> bad = x0;
     bad[5 * c.hidden + 2] = std::nanf("");
     backend->upload_f32(in, bad.data(), n);
     engine.forward(in, out, ForwardMode::inference);
+    EXPECT_TRUE(engine.routing_pending());
     try {
       (void)engine.kept_counts();
       ADD_FAILURE() << "a NaN token's routing was not reported";

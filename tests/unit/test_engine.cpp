@@ -497,7 +497,8 @@ TEST(Engine, DeferredRoutingReadsGiveTheSameResults) {
     }
 }
 
-// Which forwards defer: train or inference, W = 1, dropless, no tile padding; the reads then wait until the backward, losses()
+// Which forwards defer: train (inference: in a CUDA-graph capture, or with defer_inference_reads), W = 1, dropless,
+// no tile padding; the reads then wait until the backward, losses()
 // or an accessor needs them, and the next forward settles a pending one first.
 TEST(Engine, DeferredRoutingReadsOnlyWhereTheForwardNeedsNoCounts) {
   const auto pending_after = [](MoeConfig c, ForwardMode mode, EpOptions options) {
@@ -517,7 +518,10 @@ TEST(Engine, DeferredRoutingReadsOnlyWhereTheForwardNeedsNoCounts) {
   };
   const MoeConfig base = small_config(Activation::swiglu, 1, 16);
   EXPECT_TRUE(pending_after(base, ForwardMode::train, {}));
-  EXPECT_TRUE(pending_after(base, ForwardMode::inference, {})) << "inference defers too (no wait: CUDA-graph capture)";
+  EXPECT_FALSE(pending_after(base, ForwardMode::inference, {})) << "inference reads at once outside a capture";
+  EpOptions inference;
+  inference.defer_inference_reads = true;
+  EXPECT_TRUE(pending_after(base, ForwardMode::inference, inference));
   EpOptions off;
   off.defer_routing_reads = false;
   EXPECT_FALSE(pending_after(base, ForwardMode::train, off));
@@ -555,9 +559,10 @@ TEST(Engine, DeferredRoutingReadsOnlyWhereTheForwardNeedsNoCounts) {
   });
 }
 
-// An inference forward defers as well (nothing in it waits for the device, so a GPU forward can be captured in a
-// CUDA graph): its output and counts equal those of the forward that reads them at once, bit for bit. (A NaN
-// token: the CPU router refuses it at once; on the GPU its id -1 is reported when the counts are read, a GPU test.)
+// An inference forward that defers (as it must in a CUDA-graph capture: nothing in it then waits for the device;
+// here by defer_inference_reads, the CPU backend never captures): its output and counts equal those of the forward
+// that reads them at once, bit for bit. (A NaN token: the CPU router refuses it at once; on the GPU its id -1 is
+// reported when the counts are read, a GPU test.)
 TEST(Engine, DeferredInferenceForwardEqualsReadAtOnce) {
   for (DType dtype : {DType::f32, DType::bf16}) {
     SCOPED_TRACE(dtype_name(dtype));
@@ -586,9 +591,10 @@ TEST(Engine, DeferredInferenceForwardEqualsReadAtOnce) {
       });
       return o;
     };
-    EpOptions at_once;
+    EpOptions at_once, deferred;
     at_once.defer_routing_reads = false;
-    const Out a = run(at_once), b = run({});
+    deferred.defer_inference_reads = true;
+    const Out a = run(at_once), b = run(deferred);
     EXPECT_FALSE(a.pending);
     EXPECT_TRUE(b.pending);
     expect_identical(a.y, b.y, "y");
@@ -598,7 +604,7 @@ TEST(Engine, DeferredInferenceForwardEqualsReadAtOnce) {
     // The next forward settles a pending one; the accessors after it read the new counts.
     run_thread_ranks(1, [&](int32_t, Comm& comm) {
       auto backend = make_cpu_backend(c.dtype);
-      EpEngine engine(c, *backend, comm);
+      EpEngine engine(c, *backend, comm, deferred);
       engine.set_weights(w);
       std::vector<float> y(x.size());
       engine.forward(x.data(), y.data(), ForwardMode::inference);
