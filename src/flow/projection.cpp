@@ -88,10 +88,10 @@ CostModel project_costs(const ProjectionSpec& s, const ClusterModel& cl) {
   c.ar_alpha_ms = P > 1 ? cl.allreduce_alpha_ms : 0.0;
   c.ar_bytes_per_ms = P > 1 ? ring_bw / (2.0 * double(P - 1) / double(P)) : 1e15;  // W = 1: nothing to send
   // Finite cluster numbers can still give costs that overflow (flop_per_s 1e-300: inf ms): the cluster's fault.
-  for (int k = 0; k < 8; ++k)
-    DMOE_REQUIRE_INPUT(std::isfinite(c.tasks[size_t(k)].batch_ms), "project: task {} would take {} ms with cluster "
+  for (int t = 0; t < 8; ++t)
+    DMOE_REQUIRE_INPUT(std::isfinite(c.tasks[size_t(t)].batch_ms), "project: task {} would take {} ms with cluster "
                        "'{}' (flop_per_s {}, nvlink {} GB/s, net {} GB/s): give a cluster with sizes that give finite "
-                       "times", task_kind_name(TaskKind(k)), c.tasks[size_t(k)].batch_ms, cl.name, cl.flop_per_s,
+                       "times", task_kind_name(TaskKind(t)), c.tasks[size_t(t)].batch_ms, cl.name, cl.flop_per_s,
                        cl.nvlink_bytes_per_s / 1e9, cl.net_bytes_per_s / 1e9);
   validate(c);
   return c;
