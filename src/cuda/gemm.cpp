@@ -200,16 +200,23 @@ bool prefer_own_dgrad(double mean_macs) {
   return mode == 1 || (mode == 0 && mean_macs < kOwnMaxMeanMacs);
 }
 
-bool prefer_own_grouped_gemm(double mean_macs) {
+namespace {
+
+// DMOE_EXPERT_GEMM's choice for the own kernel: forced on or off, or (auto) below `bound` multiply-adds per expert.
+bool prefer_own_below(double mean_macs, double bound) {
   switch (expert_gemm_mode()) {
     case ExpertGemmMode::own:
       return true;
     case ExpertGemmMode::automatic:
-      return mean_macs < kOwnMaxMeanMacs;
+      return mean_macs < bound;
     default:
       return false;
   }
 }
+
+}  // namespace
+
+bool prefer_own_grouped_gemm(double mean_macs) { return prefer_own_below(mean_macs, kOwnMaxMeanMacs); }
 
 // Without the host's counts, cuBLAS's grouped or per-expert products need them read first: the host waits for
 // the router, and the work queued behind the forward (a PyTorch model's next kernels) is issued only after it.
@@ -219,14 +226,7 @@ bool prefer_own_grouped_gemm(double mean_macs) {
 constexpr double kOwnWithoutCountsMaxMeanMacs = 16e9;
 
 bool prefer_own_grouped_gemm_without_counts(double mean_macs) {
-  switch (expert_gemm_mode()) {
-    case ExpertGemmMode::own:
-      return true;
-    case ExpertGemmMode::automatic:
-      return mean_macs < kOwnWithoutCountsMaxMeanMacs;
-    default:
-      return false;
-  }
+  return prefer_own_below(mean_macs, kOwnWithoutCountsMaxMeanMacs);
 }
 
 void gemm_rm(cublasHandle_t cublas, bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
