@@ -820,6 +820,38 @@ TEST_F(BadInput, NumericOptionValuesSayWhyTheyAreRefusedAndAreDecimal) {
   expect_parse_error(run_cli(init + "' 5'"), "' 5' is not an integer", "a leading space");
 }
 
+// ---- The sixth pass (2026-12-03, branch bad6; docs/faults.md) -------------------------------------------------
+
+TEST_F(BadInput, RealFlagAndNarrowIntegerOptionValuesSayWhatIsAllowed) {
+  // A number option without a range given no number: CLI11's "Could not convert: --lr = abc".
+  expect_parse_error(run_cli("train --config tiny --data x --lr abc"), "--lr: 'abc' is not a number; allowed: a number",
+                     "--lr abc");
+  expect_parse_error(run_cli("init --capacity-factor 1.5x --out x"), "--capacity-factor: '1.5x' is not a number", "1.5x");
+  // Past double's range: read as 0 or inf without a word. --capacity-factor 1e-400 ran dropless, --clip 1e-400 turned
+  // clipping off, --lr 1e-400 was reported as "need lr > 0 (is 0)".
+  const std::string init = "init --hidden 8 --ffn 8 --experts 2 --top-k 1 --tokens 2 --out " + p("w.st");
+  const Result tiny = run_cli(init + " --capacity-factor 1e-400");
+  expect_parse_error(tiny, "--capacity-factor: '1e-400' is too small for a double and would be read as 0", "1e-400");
+  EXPECT_FALSE(fs::exists(p("w.st"))) << tiny.output;
+  expect_parse_error(run_cli("train --config tiny --data x --clip 1e-400"), "'1e-400' is too small for a double",
+                     "--clip 1e-400");
+  expect_parse_error(run_cli(init + " --aux-loss-coef 1e400"), "'1e400' is too large for a double and would be read "
+                     "as infinity", "1e400");
+  ASSERT_EQ(run_cli(init + " --capacity-factor 4.9e-324").status, 0);  // the smallest double is a double
+  // A 64-bit integer given to a 32-bit option: "Could not convert: --world = 2147483648".
+  expect_parse_error(run_cli("run --world 2147483648 --weights w --input x --output y"),
+                     "--world: 2147483648 does not fit in a 32-bit integer; allowed: integers in range -2147483648 to "
+                     "2147483647", "--world 2^31");
+  expect_parse_error(run_cli("bench -n 1 99999999999"), "--worlds: 99999999999 does not fit in a 32-bit integer",
+                     "-n 1 99999999999");
+  // A flag given a value it cannot take: "Could not convert: --no-renormalize = maybe".
+  expect_parse_error(run_cli("init --no-renormalize=maybe --out x"), "--no-renormalize: 'maybe' is not a value for a "
+                     "flag; allowed: --no-renormalize alone (on), or --no-renormalize=true|false", "=maybe");
+  // "-0" is zero, not "negative".
+  const Result zero = run_cli(init + " --seed -0");
+  EXPECT_EQ(zero.status, 0) << zero.output;
+}
+
 TEST(BadInputEnv, CommTimeoutMustBeFiniteAndBounded) {
   // rn13/rn14 (tenth session): 1e-6 s and 1e-300 s were accepted and the run failed or passed by timing.
   for (const char* bad : {"1e309", "inf", "1e10", "1e-6", "1e-300", "0.009"}) {

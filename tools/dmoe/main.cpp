@@ -108,6 +108,10 @@ int main(int argc, char** argv) {
       return rc;
     }
     return 0;
+  } catch (const CLI::ConversionError& e) {
+    const std::string why = dmoe::cli::explain_conversion_error(app, e.what());
+    if (why.empty()) return app.exit(e);
+    return app.exit(CLI::ConversionError(why));
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   } catch (const dmoe::Error& e) {
