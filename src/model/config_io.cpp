@@ -200,6 +200,60 @@ json config_to_json(const MoeConfig& c) {
               {"z_loss_coef", c.z_loss_coef}};
 }
 
+namespace {
+
+// nlohmann's DOM builder, plus what its parser lets through: a duplicate key (the last one won), nesting past
+// kMaxJsonDepth (dump() and the error messages that show a value recurse once per level: 100000 nested arrays
+// crashed dmoe with SIGSEGV), and a number that underflows to 0 (nlohmann reads "capacity_factor": 1e-400 as 0.0,
+// which is dropless). The first problem stops the parse.
+class StrictJsonSax : public nlohmann::detail::json_sax_dom_parser<json> {
+  using Base = nlohmann::detail::json_sax_dom_parser<json>;
+
+ public:
+  explicit StrictJsonSax(json& result) : Base(result, true) {}
+  std::string problem;
+
+  bool start_object(std::size_t n) { return enter() && (keys_.emplace_back(), Base::start_object(n)); }
+  bool end_object() {
+    --depth_;
+    if (!keys_.empty()) keys_.pop_back();
+    return Base::end_object();
+  }
+  bool start_array(std::size_t n) { return enter() && Base::start_array(n); }
+  bool end_array() {
+    --depth_;
+    return Base::end_array();
+  }
+  bool key(string_t& k) {
+    if (!keys_.empty() && !keys_.back().insert(k).second) {
+      problem = fmt::format("key '{}' appears more than once in one object; each key may be given once", k);
+      return false;
+    }
+    return Base::key(k);
+  }
+  bool number_float(number_float_t v, const string_t& text) {
+    const size_t exponent = text.find_first_of("eE");
+    if (v == 0 && text.substr(0, exponent).find_first_of("123456789") != std::string::npos) {
+      problem = fmt::format("the number {} is too small for a double and would be read as 0 (the smallest magnitude "
+                            "is about 4.9e-324); write 0 if 0 is meant", text);
+      return false;
+    }
+    return Base::number_float(v, text);
+  }
+
+ private:
+  bool enter() {
+    if (++depth_ <= kMaxJsonDepth) return true;
+    problem = fmt::format("objects and arrays nest deeper than {} levels; dmoe reads JSON nested up to {} deep",
+                          kMaxJsonDepth, kMaxJsonDepth);
+    return false;
+  }
+  size_t depth_ = 0;
+  std::vector<std::set<std::string>> keys_;  // keys seen in each open object, innermost last
+};
+
+}  // namespace
+
 nlohmann::json read_json_file(const std::string& path, std::string_view what) {
   // Only a regular file: a FIFO or /dev/zero would block or never end.
   std::error_code ec;
@@ -210,28 +264,24 @@ nlohmann::json read_json_file(const std::string& path, std::string_view what) {
                      "{} '{}' is not a regular file (a FIFO, device or socket); expected a JSON file", what, path);
   std::ifstream in(path, std::ios::binary);
   DMOE_REQUIRE_INPUT(in.good(), "{} '{}': cannot be opened for reading", what, path);
-  std::stringstream text;
-  text << in.rdbuf();
+  std::stringstream buffer;
+  buffer << in.rdbuf();
   DMOE_REQUIRE_INPUT(!in.bad(), "{} '{}': read error", what, path);
-  // nlohmann's parser keeps the last of duplicate keys; a duplicate is an error here, at any depth.
-  std::vector<std::set<std::string>> keys;  // keys seen in each open object, innermost last
-  std::string duplicate;
-  const json::parser_callback_t on_event = [&](int, json::parse_event_t event, json& parsed) {
-    if (event == json::parse_event_t::object_start) keys.emplace_back();
-    if (event == json::parse_event_t::object_end && !keys.empty()) keys.pop_back();
-    if (event == json::parse_event_t::key && !keys.empty() && !keys.back().insert(parsed.get<std::string>()).second &&
-        duplicate.empty())
-      duplicate = parsed.get<std::string>();
-    return true;
-  };
+  const std::string text = buffer.str();
+  // nlohmann's lexer ends its input at a NUL byte: what followed was ignored ("{...}\0garbage" was read).
+  const size_t nul = text.find('\0');
+  DMOE_REQUIRE_INPUT(nul == std::string::npos, "{} '{}': byte {} of the file is NUL (0x00); a JSON file is text "
+                     "(no NUL bytes)", what, path, nul);
   json j;
+  StrictJsonSax sax(j);
+  bool complete = false;
   try {
-    j = json::parse(text.str(), on_event);
+    complete = json::sax_parse(text, &sax);
   } catch (const json::exception& e) {
     DMOE_FAIL_INPUT("{} '{}': not valid JSON: {}", what, path, e.what());
   }
-  DMOE_REQUIRE_INPUT(duplicate.empty(), "{} '{}': key '{}' appears more than once in one object; each key may "
-                     "be given once", what, path, duplicate);
+  DMOE_REQUIRE_INPUT(sax.problem.empty(), "{} '{}': {}", what, path, sax.problem);
+  DMOE_REQUIRE(complete, "{} '{}': the JSON parser stopped without saying why", what, path);
   return j;
 }
 

@@ -26,8 +26,10 @@ nlohmann::json config_to_json(const MoeConfig& config);
 // Reads and parses a JSON file in either format; errors name the file.
 MoeConfig load_config_file(const std::string& path, const MoeConfig& defaults = MoeConfig{});
 
-// A JSON file as every dmoe reader takes it: a regular file (not a directory, FIFO or device), valid JSON, no
-// key twice in one object; errors name `what` (e.g. "config file") and the path.
+// A JSON file as every dmoe reader takes it: a regular file (not a directory, FIFO or device), valid JSON without a
+// NUL byte, no key twice in one object, nested at most kMaxJsonDepth deep, no number that underflows to 0; errors
+// name `what` (e.g. "config file") and the path.
+inline constexpr size_t kMaxJsonDepth = 128;  // serde_json's limit, which the Rust safetensors reader inherits
 nlohmann::json read_json_file(const std::string& path, std::string_view what);
 // Writes config_to_json(config), pretty-printed.
 void save_config_file(const MoeConfig& config, const std::string& path);

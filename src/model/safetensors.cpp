@@ -18,6 +18,7 @@
 #include "core/error.hpp"
 #include "core/host_resources.hpp"
 #include "core/output_file.hpp"
+#include "model/config_io.hpp"
 
 namespace dmoe {
 
@@ -112,7 +113,13 @@ json parse_header(const uint8_t* begin, const uint8_t* end, const std::string& s
   std::vector<std::set<std::string>> keys;  // keys seen in each open object, innermost last
   std::string duplicate;
   size_t duplicate_level = 0;
-  const json::parser_callback_t on_event = [&](int, json::parse_event_t event, json& parsed) {
+  const json::parser_callback_t on_event = [&](int depth, json::parse_event_t event, json& parsed) {
+    // Nesting is refused as it opens: dump() and describe() recurse once per level (100000 nested arrays in a header
+    // crashed the error message with SIGSEGV). A header is an object of objects; the reference reader allows 128.
+    if ((event == json::parse_event_t::object_start || event == json::parse_event_t::array_start) &&
+        size_t(depth) >= kMaxJsonDepth)
+      DMOE_FAIL_INPUT("safetensors '{}': the header's objects and arrays nest deeper than {} levels; a header is an "
+                      "object of tensor entries (dtype, shape, data_offsets)", src, kMaxJsonDepth);
     switch (event) {
       case json::parse_event_t::object_start: keys.emplace_back(); break;
       case json::parse_event_t::object_end:

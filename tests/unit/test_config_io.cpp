@@ -290,6 +290,35 @@ TEST(ConfigIoTest, DuplicateKeysAndDirectoriesAreRefused) {
   }
 }
 
+// Sixth bad-input pass (docs/faults.md, 2026-12-03): each case was read, or crashed, before its fix.
+TEST(ConfigIoTest, DeepNestingNulBytesAndUnderflowingNumbersAreRefused) {
+  const std::string path = temp_path("strict");
+  const auto message = [&](const std::string& text) {
+    write_text(path, text);
+    try {
+      load_config_file(path);
+    } catch (const Error& e) {
+      EXPECT_TRUE(e.is_input()) << e.what();
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  // 100000 nested arrays as a value: the "must be an integer (found array ...)" message dumped it recursively (SIGSEGV).
+  std::string msg = message(R"({"hidden": )" + std::string(100000, '[') + std::string(100000, ']') + "}");
+  EXPECT_HAS(msg, path);
+  EXPECT_HAS(msg, "nest deeper than 128 levels");
+  // nlohmann's lexer stops at a NUL: what followed was ignored and the file taken.
+  msg = message(std::string(R"({"hidden": 8, "experts": 4})") + '\0' + "garbage");
+  EXPECT_HAS(msg, "byte 27 of the file is NUL (0x00)");
+  // 1e-400 was read as 0: a capacity_factor that asked for a tiny capacity ran dropless.
+  msg = message(R"({"hidden": 8, "experts": 4, "capacity_factor": 1e-400})");
+  EXPECT_HAS(msg, "the number 1e-400 is too small for a double and would be read as 0");
+  // Zeros written as zeros, and the smallest doubles, are fine.
+  EXPECT_EQ(message(R"({"hidden": 8, "capacity_factor": 0.0e-400, "aux_loss_coef": -0, "z_loss_coef": 4.9e-324})"),
+            "no error");
+  std::filesystem::remove(path);
+}
+
 TEST(ConfigIoTest, FileErrorsNameTheFile) {
   std::string msg;
   try {

@@ -306,6 +306,19 @@ TEST(SafetensorsTest, CorruptFilesAreRejectedWithClearErrors) {
   }
 }
 
+// Sixth bad-input pass (docs/faults.md, 2026-12-03): a header nesting 100000 arrays crashed the error message
+// (describe() -> json::dump recursing once per level: SIGSEGV); nesting is refused at 128 levels as it is parsed.
+TEST(SafetensorsTest, DeepNestingIsRefusedBeforeItCanCrashTheMessage) {
+  const std::string ok_entry = R"("a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]})";
+  const auto nested = [](size_t levels) { return std::string(levels, '[') + std::string(levels, ']'); };
+  expect_parse_error(make_file("{" + ok_entry + ",\"z\":" + nested(100000) + "}", 8),
+                     {"nest deeper than 128 levels", "object of tensor entries"});
+  expect_parse_error(make_file("{" + ok_entry + ",\"__metadata__\":{\"k\":" + nested(200) + "}}", 8),
+                     {"nest deeper than 128 levels"});
+  // 128 levels (the object and 127 arrays) are parsed, and the entry is then refused for what it is.
+  expect_parse_error(make_file("{" + ok_entry + ",\"z\":" + nested(127) + "}", 8), {"'z'", "not an object"});
+}
+
 TEST(SafetensorsTest, HolesAndEmptyTensorsAreAccepted) {
   // A gap between tensors, trailing bytes, empty tensors at any offset, padding spaces.
   const std::string header =
