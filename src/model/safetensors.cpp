@@ -248,11 +248,13 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
   std::FILE* f = std::fopen(path.c_str(), "rb");
   DMOE_REQUIRE_INPUT(f, "safetensors '{}': cannot open: {}", path, std::strerror(errno));
   std::vector<uint8_t> bytes;
-  uint8_t chunk[1 << 16];
+  // On the heap: 64 KiB on the stack was the whole stack under `ulimit -s 64` (SIGSEGV).
+  std::vector<uint8_t> chunk(size_t(1) << 16);
   size_t got = 0;
   // Read to EOF rather than trusting a size query (the file may change underneath).
   if (!ec) bytes.reserve(size_t(size_hint));
-  while ((got = std::fread(chunk, 1, sizeof(chunk), f)) > 0) bytes.insert(bytes.end(), chunk, chunk + got);
+  while ((got = std::fread(chunk.data(), 1, chunk.size(), f)) > 0)
+    bytes.insert(bytes.end(), chunk.begin(), chunk.begin() + std::ptrdiff_t(got));
   const bool failed = std::ferror(f) != 0;
   std::fclose(f);
   DMOE_REQUIRE_INPUT(!failed, "safetensors '{}': read error", path);

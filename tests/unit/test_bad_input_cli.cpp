@@ -852,6 +852,26 @@ TEST_F(BadInput, RealFlagAndNarrowIntegerOptionValuesSayWhatIsAllowed) {
   EXPECT_EQ(zero.status, 0) << zero.output;
 }
 
+TEST_F(BadInput, ResourceLimitsEndInAnErrorNotASignal) {
+  // 64 simulated ranks under ulimit -v: the 8th to 45th thread could not be started, and the std::thread objects of
+  // the running ones ended the process in std::terminate (SIGABRT, "terminate called without an active exception").
+  ASSERT_EQ(run_cli("init --tokens 1 --hidden 8 --ffn 8 --experts 64 --top-k 2 --world 64 --out " + p("w.st") +
+                    " --input " + p("x.st") + " --save-config " + p("c.json")).status, 0);
+  const std::string run = "run --config " + p("c.json") + " --weights " + p("w.st") + " --input " + p("x.st") +
+                          " --output " + p("y.st");
+  expect_user_error(run_cli(run, "ulimit -s 8192; ulimit -v 300000;"), "could not start the thread of simulated rank",
+                    "threads under ulimit -v");
+  EXPECT_FALSE(fs::exists(p("y.st")));
+  // A 64 KiB read buffer on the stack was the whole stack under ulimit -s 64 (SIGSEGV opening any safetensors file).
+  const Result small_stack = run_cli(run, "ulimit -s 64;");
+  EXPECT_EQ(small_stack.status, 0) << small_stack.output;
+  // The up-front memory check knew MemAvailable but not ulimit -v: a bare bad_alloc after the estimate had passed.
+  expect_user_error(run_cli("init --tokens 3000000 --hidden 16 --ffn 8 --experts 2 --top-k 1 --out " + p("big.st") +
+                            " --input " + p("bigx.st"), "ulimit -v 300000;"),
+                    "more address space (ulimit -v); raise the limit or make the problem smaller", "init under -v");
+  EXPECT_FALSE(fs::exists(p("big.st")) || fs::exists(p("bigx.st")));
+}
+
 TEST(BadInputEnv, CommTimeoutMustBeFiniteAndBounded) {
   // rn13/rn14 (tenth session): 1e-6 s and 1e-300 s were accepted and the run failed or passed by timing.
   for (const char* bad : {"1e309", "inf", "1e10", "1e-6", "1e-300", "0.009"}) {
