@@ -53,6 +53,7 @@ namespace fs = std::filesystem;
 using nlohmann::json;
 using Result = test::CliResult;
 using test::run_cli;
+using test::run_shell;
 
 std::string slurp(const fs::path& p) {
   std::ifstream in(p, std::ios::binary);
@@ -870,6 +871,23 @@ TEST_F(BadInput, ResourceLimitsEndInAnErrorNotASignal) {
                             " --input " + p("bigx.st"), "ulimit -v 300000;"),
                     "more address space (ulimit -v); raise the limit or make the problem smaller", "init under -v");
   EXPECT_FALSE(fs::exists(p("big.st")) || fs::exists(p("bigx.st")));
+}
+
+TEST_F(BadInput, ResultsLostOnStandardOutputAndControlCharactersAreSaid) {
+  // bench's table and flow's ablation are their results; written to a full disk (/dev/full) or a closed descriptor
+  // they were lost with rc 0.
+  const std::string bench = "bench --engine cpu --tokens 4 --hidden 8 --ffn 8 --experts 2 --top-k 1 -n 1 --repeat 1 "
+                            "--warmup 0";
+  // (In a group: run_shell joins stderr to the group's stdout, not to the redirected one.)
+  Result r = run_shell("{ " + std::string(DMOE_CLI_PATH) + " " + bench + " > /dev/full; }");
+  expect_user_error(r, "writing to standard output failed", "bench > /dev/full");
+  r = run_shell("{ " + std::string(DMOE_CLI_PATH) + " flow simulate --costs " + p("costs.json") + " >&-; }");
+  expect_user_error(r, "writing to standard output failed: Bad file descriptor", "flow simulate >&-");
+  EXPECT_EQ(run_cli(bench).status, 0);
+  // A NUL in a key ended the printed message ("unknown key 'tokens" and nothing more).
+  std::ofstream(p("nul_key.json")) << std::string(R"({"hidden": 8, "tokens\u0000": 4})");
+  expect_user_error(run_cli("init --config " + p("nul_key.json") + " --out " + p("w.st")),
+                    "unknown key 'tokens\\u0000'; allowed keys: tokens", "a NUL in a key");
 }
 
 TEST(BadInputEnv, CommTimeoutMustBeFiniteAndBounded) {
