@@ -890,6 +890,18 @@ TEST_F(BadInput, ResultsLostOnStandardOutputAndControlCharactersAreSaid) {
                     "unknown key 'tokens\\u0000'; allowed keys: tokens", "a NUL in a key");
 }
 
+TEST_F(BadInput, CpuEngineEstimateCountsTheFloorPerCall) {
+  // A tiny layer at W = 2 takes ~4 ms a call on the CI machine (the ranks' threads start and wake each other),
+  // whatever its FLOPs: 10^6 repeats were "up to ~209 s" and take over 2 h. The note is printed before the work; the
+  // injected fault then ends the run at its first call.
+  const Result r = run_cli("bench --engine cpu --tokens 8 --hidden 16 --ffn 32 --experts 4 --top-k 2 -n 2 --repeat "
+                           "1000000 --warmup 0", "DMOE_FAULT=1:before_dispatch:throw");
+  const std::string note = "note: the CPU engine may need up to ~";
+  const size_t at = r.output.find(note);
+  ASSERT_NE(at, std::string::npos) << r.output;
+  EXPECT_GE(std::stod(r.output.substr(at + note.size())), 2e6 * 4e-3) << r.output;
+}
+
 TEST(BadInputEnv, CommTimeoutMustBeFiniteAndBounded) {
   // rn13/rn14 (tenth session): 1e-6 s and 1e-300 s were accepted and the run failed or passed by timing.
   for (const char* bad : {"1e309", "inf", "1e10", "1e-6", "1e-300", "0.009"}) {

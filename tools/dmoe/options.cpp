@@ -179,8 +179,12 @@ void check_cpu_engine_cost(const MoeConfig& c, int forward_calls, int backward_c
   // Plus what grows with W² whatever the shapes (every rank visits every peer in each exchange, holds
   // the whole gate, wakes at each barrier): measured ~1.9 s per forward at W = E = 2048, T = 1, H = I = 8.
   const double per_call_w2 = 5e-7 * double(c.world) * double(c.world);
+  // And a floor per call at W > 1, whatever the shapes: the ranks' threads start and wake each other at every
+  // exchange; measured ~4 ms per call at W = 2..8 on the 2-core CI machine, ~7 ms at W = 16. Without it `bench
+  // --repeat 1000000 -n 4` of a tiny layer was estimated at ~430 s and took over 2 h.
+  const double per_call_fixed = c.world > 1 ? 4e-3 * std::max(1.0, double(c.world) / (4.0 * cores)) : 0.0;
   const double seconds = flop / (kFlopPerSecondPerCore * std::min<double>(c.world, cores)) +
-                         per_call_w2 * (forward_calls + 3.0 * backward_calls);
+                         (per_call_w2 + per_call_fixed) * (forward_calls + 3.0 * backward_calls);
   if (seconds > 10)
     std::fprintf(stderr,
                  "note: the CPU engine may need up to ~%.0f s here: %.3g GFLOP (%d forward, %d forward+backward calls "
