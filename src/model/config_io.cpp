@@ -105,6 +105,29 @@ std::string flag_of(std::string_view key) {
   return flag;
 }
 
+}  // namespace
+
+void require_float_mixtral_classes(const json& j, std::string_view what) {
+  if (j.contains("quantization_config") && !j.at("quantization_config").is_null()) {
+    const json& q = j.at("quantization_config");
+    const std::string method = q.is_object() && q.contains("quant_method") && q.at("quant_method").is_string()
+                                   ? q.at("quant_method").get<std::string>()
+                                   : std::string("not given");
+    DMOE_FAIL_INPUT("{}: quantization_config (quant_method {}) is not supported: dmoe reads unquantized float32 or "
+                    "bfloat16 weights (w1/w2/w3 .weight tensors); use the model's unquantized checkpoint and config",
+                    what, method);
+  }
+  if (j.contains("architectures") && j.at("architectures").is_array() && !j.at("architectures").empty()) {
+    bool mixtral = false;
+    for (const json& a : j.at("architectures"))
+      mixtral = mixtral || (a.is_string() && a.get<std::string>().rfind("Mixtral", 0) == 0);
+    DMOE_REQUIRE_INPUT(mixtral, "{}: architectures {} names no Mixtral class; dmoe reads Mixtral models "
+                       "(architectures [\"MixtralForCausalLM\"], model_type 'mixtral')", what, shown(j.at("architectures")));
+  }
+}
+
+namespace {
+
 MoeConfig from_mixtral_json(const json& j, const MoeConfig& defaults) {
   // Why the file is read as Hugging Face's, for the errors below (a dmoe config with a stray HF key
   // would otherwise be told it "is a Hugging Face config.json").
@@ -120,6 +143,7 @@ MoeConfig from_mixtral_json(const json& j, const MoeConfig& defaults) {
                        "keys {}",
                        what, type, dmoe_keys());
   }
+  require_float_mixtral_classes(j, what);
   // A dmoe key here would be silently dropped ("dtype" is also Hugging Face's newer name for torch_dtype).
   for (const char* key : kDmoeKeys)
     DMOE_REQUIRE_INPUT(std::string_view(key) == "dtype" || !j.contains(key),

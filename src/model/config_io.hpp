@@ -26,6 +26,11 @@ nlohmann::json config_to_json(const MoeConfig& config);
 // Reads and parses a JSON file in either format; errors name the file.
 MoeConfig load_config_file(const std::string& path, const MoeConfig& defaults = MoeConfig{});
 
+// For a Hugging Face config.json (a layer's or a whole model's): refuses what dmoe cannot read and would otherwise
+// have read as a float Mixtral without a word: a quantization_config (GPTQ, AWQ, bitsandbytes, FP8 checkpoints),
+// and an architectures list without a Mixtral class (another model spelled with Mixtral's keys).
+void require_float_mixtral_classes(const nlohmann::json& j, std::string_view what);
+
 // A JSON file as every dmoe reader takes it: a regular file (not a directory, FIFO or device), valid JSON without a
 // NUL byte, no key twice in one object, nested at most kMaxJsonDepth deep, no number that underflows to 0; errors
 // name `what` (e.g. "config file") and the path.

@@ -13,6 +13,7 @@
 
 #include "core/error.hpp"
 #include "model/config_io.hpp"
+#include "model/mixtral_config.hpp"
 
 namespace dmoe {
 namespace {
@@ -246,6 +247,35 @@ TEST(ConfigIoTest, HuggingFaceFieldsTakeEffectOrAreRefused) {
   EXPECT_HAS(msg, "model_type 'qwen2_moe' is not supported");
   EXPECT_HAS(msg, "'mixtral'");
   EXPECT_HAS(error_of(json{{"model_type", "qwen2_moe"}, {"num_experts", 60}}), "model_type 'qwen2_moe'");
+}
+
+// Sixth bad-input pass (docs/faults.md, 2026-12-03): both were read as a float Mixtral layer (or model), rc 0.
+TEST(ConfigIoTest, QuantizedConfigsAndOtherArchitecturesAreRefused) {
+  json q = json::parse(kMixtral8x7B);
+  q["quantization_config"] = {{"quant_method", "gptq"}, {"bits", 4}};
+  std::string msg = error_of(q);
+  EXPECT_HAS(msg, "quantization_config (quant_method gptq) is not supported");
+  EXPECT_HAS(msg, "unquantized float32 or bfloat16 weights");
+  q["quantization_config"] = nullptr;  // null: no quantization
+  EXPECT_EQ(error_of(q), "(no error)");
+  // A Qwen2-MoE class with Mixtral's keys and no model_type.
+  json a = json::parse(kMixtral8x7B);
+  a.erase("model_type");
+  a["architectures"] = {"Qwen2MoeForCausalLM"};
+  EXPECT_HAS(error_of(a), "architectures array [\"Qwen2MoeForCausalLM\"] names no Mixtral class");
+  a["architectures"] = {"MixtralForSequenceClassification"};
+  EXPECT_EQ(error_of(a), "(no error)");
+  // The whole-model reader takes the same rules.
+  json m = {{"hidden_size", 64}, {"intermediate_size", 128}, {"num_hidden_layers", 2}, {"num_attention_heads", 4},
+            {"num_local_experts", 4}, {"num_experts_per_tok", 2}, {"vocab_size", 256},
+            {"quantization_config", {{"quant_method", "awq"}}}};
+  msg.clear();
+  try {
+    mixtral_config_from_json(m);
+  } catch (const Error& e) {
+    msg = e.what();
+  }
+  EXPECT_HAS(msg, "quantization_config (quant_method awq) is not supported");
 }
 
 TEST(ConfigIoTest, DuplicateKeysAndDirectoriesAreRefused) {
