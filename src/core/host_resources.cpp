@@ -61,6 +61,14 @@ CpuLayerEstimate estimate_cpu_layer(const MoeConfig& c, bool backward) {
   return e;
 }
 
+void require_file_size_allowed(double bytes, const std::string& what) {
+  struct rlimit limit {};
+  if (::getrlimit(RLIMIT_FSIZE, &limit) != 0 || limit.rlim_cur == RLIM_INFINITY) return;
+  DMOE_REQUIRE_INPUT(bytes <= double(limit.rlim_cur), "{} would be a file of about {}, but this process may write "
+                     "files of at most {} (ulimit -f); raise the limit or make the problem smaller", what,
+                     format_bytes(bytes), format_bytes(double(limit.rlim_cur)));
+}
+
 std::optional<uint64_t> address_space_left_bytes() {
   struct rlimit limit {};
   if (::getrlimit(RLIMIT_AS, &limit) != 0 || limit.rlim_cur == RLIM_INFINITY) return std::nullopt;

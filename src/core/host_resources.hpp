@@ -38,6 +38,10 @@ inline double model_activation_bytes_lower_bound(double tokens, double vocab, do
   return 4.0 * tokens * (2.0 * vocab + 2.0 * layers * hidden);
 }
 
+// Refuses a file of about `bytes` that this process may not write under `ulimit -f` (RLIMIT_FSIZE), naming `what`
+// it is; such a write failed with EFBIG (or SIGXFSZ killed dmoe) after the work, with the old file kept.
+void require_file_size_allowed(double bytes, const std::string& what);
+
 // The address space this process may still take under `ulimit -v` (RLIMIT_AS minus VmSize), or nullopt when no
 // such limit is set.
 std::optional<uint64_t> address_space_left_bytes();

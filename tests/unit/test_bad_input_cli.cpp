@@ -871,6 +871,12 @@ TEST_F(BadInput, ResourceLimitsEndInAnErrorNotASignal) {
                             " --input " + p("bigx.st"), "ulimit -v 300000;"),
                     "more address space (ulimit -v); raise the limit or make the problem smaller", "init under -v");
   EXPECT_FALSE(fs::exists(p("big.st")) || fs::exists(p("bigx.st")));
+  // train --save under ulimit -f failed at the checkpoint's write, after the whole training (nothing replaced); a
+  // checkpoint that cannot be written is now refused before the training, as a full disk is.
+  const Result save = run_cli("train --config " + p("tiny.json") + " --data " + p("data") + " --seq 16 --batch 2 "
+                              "--steps 1 --val-batches 1 --save " + p("ck"), "trap '' XFSZ; ulimit -f 100;");
+  expect_user_error(save, "optimizer.safetensors (the two AdamW moments) would be a file of about", "train --save -f");
+  EXPECT_EQ(save.output.find("step "), std::string::npos) << "trained before refusing: " << save.output;
 }
 
 TEST_F(BadInput, ResultsLostOnStandardOutputAndControlCharactersAreSaid) {
