@@ -908,6 +908,16 @@ TEST_F(BadInput, CpuEngineEstimateCountsTheFloorPerCall) {
   EXPECT_GE(std::stod(r.output.substr(at + note.size())), 2e6 * 4e-3) << r.output;
 }
 
+TEST_F(BadInput, FlowTuneSaysWhenItsSamplesTakeLong) {
+  // --samples 1000 (allowed) runs ~2.5 h on the CI machine and printed nothing until the end; the note comes first.
+  const Result r = run_shell("timeout 0.5 " + std::string(DMOE_CLI_PATH) + " flow tune --costs " + p("costs.json") +
+                             " --samples 1000");
+  EXPECT_NE(r.output.find("note: flow tune with --samples 1000 may take about"), std::string::npos) << r.output;
+  const Result small = run_cli("flow tune --costs " + p("costs.json") + " --samples 12");
+  EXPECT_EQ(small.status, 0) << small.output;
+  EXPECT_EQ(small.output.find("note:"), std::string::npos) << small.output;
+}
+
 TEST(BadInputEnv, CommTimeoutMustBeFiniteAndBounded) {
   // rn13/rn14 (tenth session): 1e-6 s and 1e-300 s were accepted and the run failed or passed by timing.
   for (const char* bad : {"1e309", "inf", "1e10", "1e-6", "1e-300", "0.009"}) {
