@@ -226,16 +226,17 @@ json config_to_json(const MoeConfig& c) {
 
 namespace {
 
-// nlohmann's DOM builder, plus what its parser lets through: a duplicate key (the last one won), nesting past
-// kMaxJsonDepth (dump() and the error messages that show a value recurse once per level: 100000 nested arrays
-// crashed dmoe with SIGSEGV), and a number that underflows to 0 (nlohmann reads "capacity_factor": 1e-400 as 0.0,
-// which is dropless). The first problem stops the parse.
+// nlohmann's DOM builder (its SAX interface: json::parse with a callback, the way dmoe found duplicate keys before,
+// scans the parent object at every end of an object for values the callback discarded, so a safetensors header of
+// 40000 tensor entries took 23-41 s and 200000 past any timeout), plus what its parser lets through: a duplicate key
+// (the last one won), nesting past kMaxJsonDepth (dump() and the error messages that show a value recurse once per
+// level: 100000 nested arrays crashed dmoe with SIGSEGV), and a number that underflows to 0 (nlohmann reads
+// "capacity_factor": 1e-400 as 0.0, which is dropless). The first problem stops the parse.
 class StrictJsonSax : public nlohmann::detail::json_sax_dom_parser<json> {
   using Base = nlohmann::detail::json_sax_dom_parser<json>;
 
  public:
-  explicit StrictJsonSax(json& result) : Base(result, true) {}
-  std::string problem;
+  StrictJsonSax(json& result, StrictJsonProblem& problem) : Base(result, true), problem_(problem) {}
 
   bool start_object(std::size_t n) { return enter() && (keys_.emplace_back(), Base::start_object(n)); }
   bool end_object() {
@@ -250,7 +251,10 @@ class StrictJsonSax : public nlohmann::detail::json_sax_dom_parser<json> {
   }
   bool key(string_t& k) {
     if (!keys_.empty() && !keys_.back().insert(k).second) {
-      problem = fmt::format("key '{}' appears more than once in one object; each key may be given once", k);
+      problem_.kind = StrictJsonProblem::duplicate_key;
+      problem_.key = k;
+      problem_.depth = depth_;
+      problem_.message = fmt::format("key '{}' appears more than once in one object; each key may be given once", k);
       return false;
     }
     return Base::key(k);
@@ -258,8 +262,9 @@ class StrictJsonSax : public nlohmann::detail::json_sax_dom_parser<json> {
   bool number_float(number_float_t v, const string_t& text) {
     const size_t exponent = text.find_first_of("eE");
     if (v == 0 && text.substr(0, exponent).find_first_of("123456789") != std::string::npos) {
-      problem = fmt::format("the number {} is too small for a double and would be read as 0 (the smallest magnitude "
-                            "is about 4.9e-324); write 0 if 0 is meant", text);
+      problem_.kind = StrictJsonProblem::underflow;
+      problem_.message = fmt::format("the number {} is too small for a double and would be read as 0 (the smallest "
+                                     "magnitude is about 4.9e-324); write 0 if 0 is meant", text);
       return false;
     }
     return Base::number_float(v, text);
@@ -268,15 +273,27 @@ class StrictJsonSax : public nlohmann::detail::json_sax_dom_parser<json> {
  private:
   bool enter() {
     if (++depth_ <= kMaxJsonDepth) return true;
-    problem = fmt::format("objects and arrays nest deeper than {} levels; dmoe reads JSON nested up to {} deep",
-                          kMaxJsonDepth, kMaxJsonDepth);
+    problem_.kind = StrictJsonProblem::too_deep;
+    problem_.depth = depth_;
+    problem_.message = fmt::format("objects and arrays nest deeper than {} levels; dmoe reads JSON nested up to {} deep",
+                                   kMaxJsonDepth, kMaxJsonDepth);
     return false;
   }
+  StrictJsonProblem& problem_;
   size_t depth_ = 0;
   std::vector<std::set<std::string>> keys_;  // keys seen in each open object, innermost last
 };
 
 }  // namespace
+
+nlohmann::json parse_json_strictly(std::string_view text, StrictJsonProblem& problem) {
+  problem = StrictJsonProblem{};
+  json j;
+  StrictJsonSax sax(j, problem);
+  const bool complete = json::sax_parse(text, &sax);
+  DMOE_REQUIRE(complete || problem.kind != StrictJsonProblem::none, "the JSON parser stopped without saying why");
+  return j;
+}
 
 nlohmann::json read_json_file(const std::string& path, std::string_view what) {
   // Only a regular file: a FIFO or /dev/zero would block or never end.
@@ -297,15 +314,13 @@ nlohmann::json read_json_file(const std::string& path, std::string_view what) {
   DMOE_REQUIRE_INPUT(nul == std::string::npos, "{} '{}': byte {} of the file is NUL (0x00); a JSON file is text "
                      "(no NUL bytes)", what, path, nul);
   json j;
-  StrictJsonSax sax(j);
-  bool complete = false;
+  StrictJsonProblem problem;
   try {
-    complete = json::sax_parse(text, &sax);
+    j = parse_json_strictly(text, problem);
   } catch (const json::exception& e) {
     DMOE_FAIL_INPUT("{} '{}': not valid JSON: {}", what, path, e.what());
   }
-  DMOE_REQUIRE_INPUT(sax.problem.empty(), "{} '{}': {}", what, path, sax.problem);
-  DMOE_REQUIRE(complete, "{} '{}': the JSON parser stopped without saying why", what, path);
+  DMOE_REQUIRE_INPUT(problem.kind == StrictJsonProblem::none, "{} '{}': {}", what, path, problem.message);
   return j;
 }
 

@@ -6,6 +6,7 @@
 
 #include <unistd.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -317,6 +318,20 @@ TEST(SafetensorsTest, DeepNestingIsRefusedBeforeItCanCrashTheMessage) {
                      {"nest deeper than 128 levels"});
   // 128 levels (the object and 127 arrays) are parsed, and the entry is then refused for what it is.
   expect_parse_error(make_file("{" + ok_entry + ",\"z\":" + nested(127) + "}", 8), {"'z'", "not an object"});
+}
+
+// Sixth bad-input pass: json::parse with a callback (how duplicate keys were found) rescans the parent object at the
+// end of every entry, so a header of n entries took O(n^2): 40000 tensors 23-41 s, 200000 past any time limit.
+TEST(SafetensorsTest, ManyTensorsParseInLinearTime) {
+  std::string header = R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]})";
+  for (int i = 0; i < 50000; ++i)
+    header += fmt::format(R"(,"t{}":{{"dtype":"U8","shape":[1],"data_offsets":[{},{}]}})", i, 8 + i, 9 + i);
+  header += "}";
+  const auto start = std::chrono::steady_clock::now();
+  const SafetensorsFile f = SafetensorsFile::parse(make_file(header, 8 + 50000), "many.safetensors");
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_EQ(f.names().size(), 50001u);
+  EXPECT_LT(seconds, 10.0) << "50000 entries (0.2 s in a release build; ~60 s when quadratic)";
 }
 
 TEST(SafetensorsTest, HolesAndEmptyTensorsAreAccepted) {
