@@ -64,7 +64,11 @@ void check_option_values(CLI::App& app) {
             // number past double's range silently: strtold's long double cast to double, 1e-400 becoming 0 (a
             // --capacity-factor that asked for a tiny capacity ran dropless, a tiny --clip turned clipping off).
             const ParsedNumber n = parse_real_number(value);
-            if (!n.problem.empty())
+            // "nan" is left to the command's own rule, which names it with the rule ("need lr > 0 (is nan)").
+            char* end = nullptr;
+            const bool is_nan = !std::isspace((unsigned char)value[0]) && std::isnan(std::strtold(value.c_str(), &end)) &&
+                                end == value.c_str() + value.size();
+            if (!n.problem.empty() && !is_nan)
               return ranged ? std::string() : n.problem + "; allowed: a number (such as 0.5, 3e-4 or -2)";
             if (n.value != 0 && double(n.value) == 0)
               return "'" + value + "' is too small for a double and would be read as 0 (the smallest magnitude is "
