@@ -59,9 +59,18 @@ OutputTarget resolve_output(const std::string& path, std::string_view option) {
       // that is no path, so realpath fails; stat still reaches the file it stands for. Say what that is.
       struct stat via {};
       if (::stat(path.c_str(), &via) == 0) {
-        char target[PATH_MAX + 1] = {};
-        const ssize_t n = ::readlink(path.c_str(), target, PATH_MAX);
-        const std::string shown = n > 0 ? std::string(target, size_t(n)) : std::string("?");
+        // The last link's target: /dev/stdout -> /proc/self/fd/1 -> "pipe:[123]".
+        std::string shown = "?", hop = path;
+        for (int i = 0; i < 40; ++i) {
+          char target[PATH_MAX + 1] = {};
+          const ssize_t n = ::readlink(hop.c_str(), target, PATH_MAX);
+          if (n <= 0) break;
+          shown = std::string(target, size_t(n));
+          const fs::path next = fs::path(shown).is_absolute() ? fs::path(shown) : fs::path(hop).parent_path() / shown;
+          struct stat hs {};
+          if (::lstat(next.c_str(), &hs) != 0 || !S_ISLNK(hs.st_mode)) break;
+          hop = next.string();
+        }
         DMOE_FAIL_INPUT("{} is a symbolic link to {} ('{}'{}); dmoe writes each output to a temporary file beside it "
                         "and renames it into place, which a pipe, socket or terminal cannot take: give a file path "
                         "(e.g. --output y.safetensors, then read or copy that file); {}",
