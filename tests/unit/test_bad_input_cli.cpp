@@ -871,6 +871,15 @@ TEST_F(BadInput, ResourceLimitsEndInAnErrorNotASignal) {
                             " --input " + p("bigx.st"), "ulimit -v 300000;"),
                     "more address space (ulimit -v); raise the limit or make the problem smaller", "init under -v");
   EXPECT_FALSE(fs::exists(p("big.st")) || fs::exists(p("bigx.st")));
+  // flow measure's CPU executor starts two threads per rank: under ulimit -v "terminate called without an active
+  // exception" (SIGABRT) or "unexpected error: Resource temporarily unavailable" (rc 2), by where the limit fell.
+  for (const char* limit : {"120000", "200000", "300000", "400000"}) {
+    const Result m = run_cli("flow measure --config " + p("tiny.json") + " --steps 2 --batch 8 --seq 8 --world 4 "
+                             "--measure-r 1,2", std::string("ulimit -s 8192; ulimit -v ") + limit + ";");
+    EXPECT_TRUE(m.status == 0 || m.status == 1) << limit << ": " << m.output;
+    EXPECT_EQ(m.output.find("unexpected error"), std::string::npos) << limit << ": " << m.output;
+    EXPECT_EQ(m.output.find("terminate called"), std::string::npos) << limit << ": " << m.output;
+  }
   // train --save under ulimit -f failed at the checkpoint's write, after the whole training (nothing replaced); a
   // checkpoint that cannot be written is now refused before the training, as a full disk is.
   const Result save = run_cli("train --config " + p("tiny.json") + " --data " + p("data") + " --seq 16 --batch 2 "
