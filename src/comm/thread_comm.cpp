@@ -16,6 +16,7 @@
 #include "comm/comm.hpp"
 #include "core/env.hpp"
 #include "core/error.hpp"
+#include "core/host_resources.hpp"
 
 namespace dmoe {
 
@@ -259,7 +260,7 @@ void run_thread_ranks(const std::vector<std::unique_ptr<Comm>>& comms, const std
                  "run_thread_ranks: the communicators must be the {} of one make_thread_comms({})", world, world);
   std::vector<std::exception_ptr> errors(world);
   std::vector<std::thread> threads;
-  for (int32_t r = 0; r < world; ++r)
+  for (int32_t r = 0; r < world; ++r) try {
     threads.emplace_back([&, r] {
       error_rank() = world > 1 ? r : -1;
       auto& comm = static_cast<ThreadComm&>(*comms[r]);
@@ -277,6 +278,12 @@ void run_thread_ranks(const std::vector<std::unique_ptr<Comm>>& comms, const std
         comm.poison(fmt::format("rank {} failed in stage {}", r, fault_stage_name(comm.stage())));
       }
     });
+  } catch (const std::system_error& e) {
+    // The ranks already running would wait for this one forever; stop them, and say which limit was met.
+    static_cast<ThreadComm&>(*comms[0]).poison(fmt::format("rank {} could not be started", r));
+    for (auto& t : threads) t.join();
+    fail_thread_start(e, fmt::format("the thread of simulated rank {} of {}", r, world));
+  }
   for (auto& t : threads) t.join();
   // Report the root cause: a rank's own error before the "another rank failed" ones it caused.
   std::exception_ptr first;

@@ -7,7 +7,28 @@ int& error_rank() {
   return rank;
 }
 
-void throw_error(const char* file, int line, const std::string& message) {
+namespace {
+
+// Messages quote what the user gave (JSON keys, tensor names, paths), which may hold control characters: a NUL ended
+// the printed message there ("unknown key 'tokens" and nothing after; a tensor "x\u0000" listed as "x"), an escape
+// sequence would act on the terminal. They are shown as \u00XX; newlines and tabs stay.
+std::string printable(const std::string& message) {
+  std::string out;
+  out.reserve(message.size());
+  for (const char ch : message) {
+    const auto c = static_cast<unsigned char>(ch);
+    if ((c < 0x20 && c != '\n' && c != '\t') || c == 0x7f)
+      out += fmt::format("\\u{:04x}", unsigned(c));
+    else
+      out += ch;
+  }
+  return out;
+}
+
+}  // namespace
+
+void throw_error(const char* file, int line, const std::string& raw) {
+  const std::string message = printable(raw);
   const char* base = file;
   for (const char* p = file; *p; ++p)
     if (*p == '/') base = p + 1;
@@ -16,7 +37,8 @@ void throw_error(const char* file, int line, const std::string& message) {
   throw Error(fmt::format("{} ({}:{})", message, base, line));
 }
 
-void throw_input_error(const std::string& message) {
+void throw_input_error(const std::string& raw) {
+  const std::string message = printable(raw);
   if (error_rank() >= 0) throw Error(fmt::format("[rank {}] {}", error_rank(), message), ErrorKind::input);
   throw Error(message, ErrorKind::input);
 }

@@ -1,6 +1,7 @@
 // host_resources.cpp — see host_resources.hpp.
 #include "core/host_resources.hpp"
 
+#include <sys/resource.h>
 #include <sys/statvfs.h>
 
 #include <algorithm>
@@ -60,7 +61,38 @@ CpuLayerEstimate estimate_cpu_layer(const MoeConfig& c, bool backward) {
   return e;
 }
 
+void require_file_size_allowed(double bytes, const std::string& what) {
+  struct rlimit limit {};
+  if (::getrlimit(RLIMIT_FSIZE, &limit) != 0 || limit.rlim_cur == RLIM_INFINITY) return;
+  DMOE_REQUIRE_INPUT(bytes <= double(limit.rlim_cur), "{} would be a file of about {}, but this process may write "
+                     "files of at most {} (ulimit -f); raise the limit or make the problem smaller", what,
+                     format_bytes(bytes), format_bytes(double(limit.rlim_cur)));
+}
+
+std::optional<uint64_t> address_space_left_bytes() {
+  struct rlimit limit {};
+  if (::getrlimit(RLIMIT_AS, &limit) != 0 || limit.rlim_cur == RLIM_INFINITY) return std::nullopt;
+  std::ifstream in("/proc/self/status");
+  uint64_t in_use = 0;
+  for (std::string line; std::getline(in, line);)
+    if (line.rfind("VmSize:", 0) == 0) in_use = std::stoull(line.substr(7)) * 1024;  // reported in kB
+  return uint64_t(limit.rlim_cur) > in_use ? uint64_t(limit.rlim_cur) - in_use : 0;
+}
+
+void fail_thread_start(const std::system_error& e, const std::string& what) {
+  const std::optional<uint64_t> left = address_space_left_bytes();
+  DMOE_FAIL_INPUT("could not start {}: {}; each thread reserves its stack in the address space (ulimit -s, 8 MiB by "
+                  "default){}: use fewer simulated ranks (world), or raise this process's limits (ulimit -v, ulimit -u)",
+                  what, e.what(), left ? fmt::format(", and ulimit -v leaves this process {}", format_bytes(double(*left)))
+                                       : std::string());
+}
+
 void require_host_memory(double bytes, const std::string& what, const std::string& sizes) {
+  const std::optional<uint64_t> left = address_space_left_bytes();
+  DMOE_REQUIRE_INPUT(!left || bytes <= double(*left),
+                     "{} would allocate about {}, but this process may take only {} more address space (ulimit -v){}",
+                     what, format_bytes(bytes), format_bytes(double(*left)),
+                     sizes.empty() ? "; raise the limit" : "; raise the limit or make the problem smaller (" + sizes + ")");
   const std::optional<uint64_t> available = host_memory_available_bytes();
   if (!available) return;
   DMOE_REQUIRE_INPUT(bytes <= double(*available),

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <system_error>
 
 #include "core/config.hpp"
 
@@ -37,7 +38,22 @@ inline double model_activation_bytes_lower_bound(double tokens, double vocab, do
   return 4.0 * tokens * (2.0 * vocab + 2.0 * layers * hidden);
 }
 
-// Refuses (dmoe::Error naming what, how much and what is available) when `bytes` exceeds MemAvailable.
+// Refuses a file of about `bytes` that this process may not write under `ulimit -f` (RLIMIT_FSIZE), naming `what`
+// it is; such a write failed with EFBIG (or SIGXFSZ killed dmoe) after the work, with the old file kept.
+void require_file_size_allowed(double bytes, const std::string& what);
+
+// The address space this process may still take under `ulimit -v` (RLIMIT_AS minus VmSize), or nullopt when no
+// such limit is set.
+std::optional<uint64_t> address_space_left_bytes();
+
+// For std::system_error from starting a thread (EAGAIN under ulimit -v or ulimit -u): an input error naming `what`
+// the thread was for and the limits to raise. Callers catch it at the std::thread they start, where other threads
+// may already run: leaving the scope with those joinable ended dmoe in std::terminate ("terminate called without an
+// active exception", SIGABRT).
+[[noreturn]] void fail_thread_start(const std::system_error& e, const std::string& what);
+
+// Refuses (dmoe::Error naming what, how much and what is available) when `bytes` exceeds MemAvailable, or the
+// address space left under `ulimit -v`.
 // `what` says what would be allocated ("the CPU engine's buffers for T=... W=..."), `sizes` what to make smaller
 // (a layer's fields by default; a whole model's are others; empty: no hint).
 void require_host_memory(double bytes, const std::string& what,

@@ -1,6 +1,7 @@
 // output_file.cpp — see output_file.hpp for the policy.
 #include "core/output_file.hpp"
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <climits>
@@ -28,6 +29,7 @@ const char* file_kind(mode_t mode) {
   if (S_ISBLK(mode)) return "a block device";
   if (S_ISSOCK(mode)) return "a socket";
   if (S_ISLNK(mode)) return "a symbolic link";
+  if (S_ISREG(mode)) return "a regular file";
   return "not a regular file";
 }
 
@@ -51,8 +53,36 @@ OutputTarget resolve_output(const std::string& path, std::string_view option) {
   struct stat ls {};
   if (::lstat(path.c_str(), &ls) == 0 && S_ISLNK(ls.st_mode)) {
     char* real = ::realpath(path.c_str(), nullptr);
-    DMOE_REQUIRE_INPUT(real, "{} is a symbolic link whose target cannot be resolved ({}); {}", what, std::strerror(errno),
-                       kAllowed);
+    if (!real) {
+      const int err = errno;
+      // /dev/stdout, /proc/self/fd/N: a link to an open pipe, socket or deleted file has a target ("pipe:[123]")
+      // that is no path, so realpath fails; stat still reaches the file it stands for. Say what that is.
+      struct stat via {};
+      if (::stat(path.c_str(), &via) == 0) {
+        // The last link's target: /dev/stdout -> /proc/self/fd/1 -> "pipe:[123]".
+        std::string shown = "?", hop = path;
+        for (int i = 0; i < 40; ++i) {
+          char target[PATH_MAX + 1] = {};
+          const ssize_t n = ::readlink(hop.c_str(), target, PATH_MAX);
+          if (n <= 0) break;
+          shown = std::string(target, size_t(n));
+          const fs::path next = fs::path(shown).is_absolute() ? fs::path(shown) : fs::path(hop).parent_path() / shown;
+          struct stat hs {};
+          if (::lstat(next.c_str(), &hs) != 0 || !S_ISLNK(hs.st_mode)) break;
+          hop = next.string();
+        }
+        DMOE_FAIL_INPUT("{} is a symbolic link to {} ('{}'{}); dmoe writes each output to a temporary file beside it "
+                        "and renames it into place, which a pipe, socket or terminal cannot take: give a file path "
+                        "(e.g. --output y.safetensors, then read or copy that file); {}",
+                        what, S_ISREG(via.st_mode) ? "a file that has no name (deleted, or open only)"
+                                                   : file_kind(via.st_mode),
+                        shown, path.rfind("/dev/std", 0) == 0 || path.rfind("/dev/fd/", 0) == 0 || path.rfind("/proc/", 0) == 0
+                                   ? ": an open file descriptor, such as standard output into a pipe" : "",
+                        kAllowed);
+      }
+      DMOE_FAIL_INPUT("{} is a symbolic link whose target cannot be resolved ({}); {}", what, std::strerror(err),
+                      kAllowed);
+    }
     t.path = real;
     std::free(real);
   }
@@ -61,6 +91,20 @@ OutputTarget resolve_output(const std::string& path, std::string_view option) {
     DMOE_REQUIRE_INPUT(S_ISREG(st.st_mode), "{} is {}; {}", what, file_kind(st.st_mode), kAllowed);
     t.exists = true;
     t.mode = st.st_mode & 07777;
+  } else if (errno == ENOTDIR) {
+    // "a.txt/y.st": name the part of the path that is a file, not the directory it would have to be.
+    fs::path part;
+    std::string blocker;
+    for (const fs::path& piece : fs::path(t.path).parent_path()) {
+      part /= piece;
+      struct stat ps {};
+      if (::stat(part.c_str(), &ps) == 0 && !S_ISDIR(ps.st_mode)) {
+        blocker = fmt::format("'{}' is {}, not a directory", part.string(), file_kind(ps.st_mode));
+        break;
+      }
+    }
+    DMOE_FAIL_INPUT("{}: {}; an output must be a file in an existing directory", what,
+                    blocker.empty() ? std::string("a part of the path is not a directory") : blocker);
   } else {
     DMOE_REQUIRE_INPUT(errno == ENOENT, "{}: cannot inspect it: {}", what, std::strerror(errno));
   }
@@ -81,7 +125,13 @@ OutputTarget resolve_output(const std::string& path, std::string_view option) {
 int create_temporary(const OutputTarget& t, std::string& tmp, std::string_view what) {
   static std::atomic<unsigned> counter{0};
   for (int attempt = 0; attempt < 100; ++attempt) {
-    tmp = (fs::path(t.directory) / fmt::format(".{}.dmoe-tmp.{}.{}", t.name, ::getpid(), counter++)).string();
+    // ".NAME.dmoe-tmp.PID.N", with NAME cut short where the whole would pass NAME_MAX (255 bytes): a long but
+    // valid output name was refused as "File name too long", which the user's name was not.
+    const std::string suffix = fmt::format(".dmoe-tmp.{}.{}", ::getpid(), counter++);
+    std::string name(1, '.');
+    name.append(t.name, 0, std::min(t.name.size(), size_t(NAME_MAX) - 1 - suffix.size()));
+    name += suffix;
+    tmp = (fs::path(t.directory) / name).string();
     const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
     if (fd >= 0) return fd;
     DMOE_REQUIRE_INPUT(errno == EEXIST || errno == EINTR, "{}: cannot create a temporary file in '{}': {}", what,

@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "core/error.hpp"
+#include "core/host_resources.hpp"
 
 namespace dmoe::flow {
 
@@ -206,59 +207,69 @@ double run_cpu_flow_step(MixtralModel& model, Comm& ar_comm, const TaskGraph& g,
   const int rank_for_errors = error_rank();
   std::exception_ptr compute_error, allreduce_error, alltoall_error;
 
-  std::thread compute([&] {
-    error_rank() = rank_for_errors;
-    try {
-      for (int32_t id : g.compute_order) {
-        const Task& t = g.tasks[size_t(id)];
-        sh.wait_deps(t);
-        timed(id, [&] { run_compute(t); });
-        sh.mark_done(id);
+  // Started under a try: a thread that cannot be had (ulimit -v, -u) ended the run in std::terminate when the other
+  // one was already running (SIGABRT), or in "unexpected error: Resource temporarily unavailable".
+  std::thread compute, allreduce;
+  try {
+    compute = std::thread([&] {
+      error_rank() = rank_for_errors;
+      try {
+        for (int32_t id : g.compute_order) {
+          const Task& t = g.tasks[size_t(id)];
+          sh.wait_deps(t);
+          timed(id, [&] { run_compute(t); });
+          sh.mark_done(id);
+        }
+        std::lock_guard<std::mutex> lock(sh.mutex);
+        sh.compute_finished = true;
+        sh.changed.notify_all();
+      } catch (...) {
+        compute_error = std::current_exception();
+        sh.fail();
       }
-      std::lock_guard<std::mutex> lock(sh.mutex);
-      sh.compute_finished = true;
-      sh.changed.notify_all();
-    } catch (...) {
-      compute_error = std::current_exception();
-      sh.fail();
-    }
-  });
-  std::thread allreduce([&] {
-    error_rank() = rank_for_errors;
-    try {
-      int64_t begin = 0;
-      for (int32_t id : g.allreduce_order) {
-        const Task& t = g.tasks[size_t(id)];
-        {
-          // The priority rule: dependencies done, and no all-to-all stage running or ready.
-          std::unique_lock<std::mutex> lock(sh.mutex);
-          sh.changed.wait(lock, [&] {
-            if (sh.failed) return true;
-            if (!sh.deps_done(t)) return false;
-            if (sh.alltoall_finished) return true;
-            return !sh.alltoall_running &&
-                   !sh.deps_done(g.tasks[size_t(g.alltoall_order[sh.alltoall_next])]);
+    });
+    allreduce = std::thread([&] {
+      error_rank() = rank_for_errors;
+      try {
+        int64_t begin = 0;
+        for (int32_t id : g.allreduce_order) {
+          const Task& t = g.tasks[size_t(id)];
+          {
+            // The priority rule: dependencies done, and no all-to-all stage running or ready.
+            std::unique_lock<std::mutex> lock(sh.mutex);
+            sh.changed.wait(lock, [&] {
+              if (sh.failed) return true;
+              if (!sh.deps_done(t)) return false;
+              if (sh.alltoall_finished) return true;
+              return !sh.alltoall_running &&
+                     !sh.deps_done(g.tasks[size_t(g.alltoall_order[sh.alltoall_next])]);
+            });
+            sh.check_failed();
+          }
+          timed(id, [&] {
+            if (model.world() > 1) allreduce_elements(begin / 4, (begin + t.bytes) / 4);
           });
+          begin += t.bytes;
+          sh.mark_done(id);
+        }
+        {
+          std::unique_lock<std::mutex> lock(sh.mutex);
+          sh.changed.wait(lock, [&] { return sh.failed || (sh.compute_finished && sh.alltoall_finished); });
           sh.check_failed();
         }
-        timed(id, [&] {
-          if (model.world() > 1) allreduce_elements(begin / 4, (begin + t.bytes) / 4);
-        });
-        begin += t.bytes;
-        sh.mark_done(id);
+        if (model.world() > 1)
+          for (const Segment& s : tail) ar_comm.allreduce_sum(s.data, s.numel, DType::f32, nullptr);
+      } catch (...) {
+        allreduce_error = std::current_exception();
+        sh.fail();
       }
-      {
-        std::unique_lock<std::mutex> lock(sh.mutex);
-        sh.changed.wait(lock, [&] { return sh.failed || (sh.compute_finished && sh.alltoall_finished); });
-        sh.check_failed();
-      }
-      if (model.world() > 1)
-        for (const Segment& s : tail) ar_comm.allreduce_sum(s.data, s.numel, DType::f32, nullptr);
-    } catch (...) {
-      allreduce_error = std::current_exception();
-      sh.fail();
-    }
-  });
+    });
+  } catch (const std::system_error& e) {
+    sh.fail();
+    if (compute.joinable()) compute.join();
+    fail_thread_start(e, "a thread of the CPU Flow executor (each simulated rank runs a compute and an all-reduce "
+                         "thread besides its own)");
+  }
   // The all-to-all thread is this one.
   try {
     for (size_t i = 0; i < g.alltoall_order.size(); ++i) {

@@ -105,6 +105,29 @@ std::string flag_of(std::string_view key) {
   return flag;
 }
 
+}  // namespace
+
+void require_float_mixtral_classes(const json& j, std::string_view what) {
+  if (j.contains("quantization_config") && !j.at("quantization_config").is_null()) {
+    const json& q = j.at("quantization_config");
+    const std::string method = q.is_object() && q.contains("quant_method") && q.at("quant_method").is_string()
+                                   ? q.at("quant_method").get<std::string>()
+                                   : std::string("not given");
+    DMOE_FAIL_INPUT("{}: quantization_config (quant_method {}) is not supported: dmoe reads unquantized float32 or "
+                    "bfloat16 weights (w1/w2/w3 .weight tensors); use the model's unquantized checkpoint and config",
+                    what, method);
+  }
+  if (j.contains("architectures") && j.at("architectures").is_array() && !j.at("architectures").empty()) {
+    bool mixtral = false;
+    for (const json& a : j.at("architectures"))
+      mixtral = mixtral || (a.is_string() && a.get<std::string>().rfind("Mixtral", 0) == 0);
+    DMOE_REQUIRE_INPUT(mixtral, "{}: architectures {} names no Mixtral class; dmoe reads Mixtral models "
+                       "(architectures [\"MixtralForCausalLM\"], model_type 'mixtral')", what, shown(j.at("architectures")));
+  }
+}
+
+namespace {
+
 MoeConfig from_mixtral_json(const json& j, const MoeConfig& defaults) {
   // Why the file is read as Hugging Face's, for the errors below (a dmoe config with a stray HF key
   // would otherwise be told it "is a Hugging Face config.json").
@@ -120,6 +143,7 @@ MoeConfig from_mixtral_json(const json& j, const MoeConfig& defaults) {
                        "keys {}",
                        what, type, dmoe_keys());
   }
+  require_float_mixtral_classes(j, what);
   // A dmoe key here would be silently dropped ("dtype" is also Hugging Face's newer name for torch_dtype).
   for (const char* key : kDmoeKeys)
     DMOE_REQUIRE_INPUT(std::string_view(key) == "dtype" || !j.contains(key),
@@ -200,6 +224,77 @@ json config_to_json(const MoeConfig& c) {
               {"z_loss_coef", c.z_loss_coef}};
 }
 
+namespace {
+
+// nlohmann's DOM builder (its SAX interface: json::parse with a callback, the way dmoe found duplicate keys before,
+// scans the parent object at every end of an object for values the callback discarded, so a safetensors header of
+// 40000 tensor entries took 23-41 s and 200000 past any timeout), plus what its parser lets through: a duplicate key
+// (the last one won), nesting past kMaxJsonDepth (dump() and the error messages that show a value recurse once per
+// level: 100000 nested arrays crashed dmoe with SIGSEGV), and a number that underflows to 0 (nlohmann reads
+// "capacity_factor": 1e-400 as 0.0, which is dropless). The first problem stops the parse.
+class StrictJsonSax : public nlohmann::detail::json_sax_dom_parser<json> {
+  using Base = nlohmann::detail::json_sax_dom_parser<json>;
+
+ public:
+  StrictJsonSax(json& result, StrictJsonProblem& problem) : Base(result, true), problem_(problem) {}
+
+  bool start_object(std::size_t n) { return enter() && (keys_.emplace_back(), Base::start_object(n)); }
+  bool end_object() {
+    --depth_;
+    if (!keys_.empty()) keys_.pop_back();
+    return Base::end_object();
+  }
+  bool start_array(std::size_t n) { return enter() && Base::start_array(n); }
+  bool end_array() {
+    --depth_;
+    return Base::end_array();
+  }
+  bool key(string_t& k) {
+    if (!keys_.empty() && !keys_.back().insert(k).second) {
+      problem_.kind = StrictJsonProblem::duplicate_key;
+      problem_.key = k;
+      problem_.depth = depth_;
+      problem_.message = fmt::format("key '{}' appears more than once in one object; each key may be given once", k);
+      return false;
+    }
+    return Base::key(k);
+  }
+  bool number_float(number_float_t v, const string_t& text) {
+    const size_t exponent = text.find_first_of("eE");
+    if (v == 0 && text.substr(0, exponent).find_first_of("123456789") != std::string::npos) {
+      problem_.kind = StrictJsonProblem::underflow;
+      problem_.message = fmt::format("the number {} is too small for a double and would be read as 0 (the smallest "
+                                     "magnitude is about 4.9e-324); write 0 if 0 is meant", text);
+      return false;
+    }
+    return Base::number_float(v, text);
+  }
+
+ private:
+  bool enter() {
+    if (++depth_ <= kMaxJsonDepth) return true;
+    problem_.kind = StrictJsonProblem::too_deep;
+    problem_.depth = depth_;
+    problem_.message = fmt::format("objects and arrays nest deeper than {} levels; dmoe reads JSON nested up to {} deep",
+                                   kMaxJsonDepth, kMaxJsonDepth);
+    return false;
+  }
+  StrictJsonProblem& problem_;
+  size_t depth_ = 0;
+  std::vector<std::set<std::string>> keys_;  // keys seen in each open object, innermost last
+};
+
+}  // namespace
+
+nlohmann::json parse_json_strictly(std::string_view text, StrictJsonProblem& problem) {
+  problem = StrictJsonProblem{};
+  json j;
+  StrictJsonSax sax(j, problem);
+  const bool complete = json::sax_parse(text, &sax);
+  DMOE_REQUIRE(complete || problem.kind != StrictJsonProblem::none, "the JSON parser stopped without saying why");
+  return j;
+}
+
 nlohmann::json read_json_file(const std::string& path, std::string_view what) {
   // Only a regular file: a FIFO or /dev/zero would block or never end.
   std::error_code ec;
@@ -210,28 +305,22 @@ nlohmann::json read_json_file(const std::string& path, std::string_view what) {
                      "{} '{}' is not a regular file (a FIFO, device or socket); expected a JSON file", what, path);
   std::ifstream in(path, std::ios::binary);
   DMOE_REQUIRE_INPUT(in.good(), "{} '{}': cannot be opened for reading", what, path);
-  std::stringstream text;
-  text << in.rdbuf();
+  std::stringstream buffer;
+  buffer << in.rdbuf();
   DMOE_REQUIRE_INPUT(!in.bad(), "{} '{}': read error", what, path);
-  // nlohmann's parser keeps the last of duplicate keys; a duplicate is an error here, at any depth.
-  std::vector<std::set<std::string>> keys;  // keys seen in each open object, innermost last
-  std::string duplicate;
-  const json::parser_callback_t on_event = [&](int, json::parse_event_t event, json& parsed) {
-    if (event == json::parse_event_t::object_start) keys.emplace_back();
-    if (event == json::parse_event_t::object_end && !keys.empty()) keys.pop_back();
-    if (event == json::parse_event_t::key && !keys.empty() && !keys.back().insert(parsed.get<std::string>()).second &&
-        duplicate.empty())
-      duplicate = parsed.get<std::string>();
-    return true;
-  };
+  const std::string text = buffer.str();
+  // nlohmann's lexer ends its input at a NUL byte: what followed was ignored ("{...}\0garbage" was read).
+  const size_t nul = text.find('\0');
+  DMOE_REQUIRE_INPUT(nul == std::string::npos, "{} '{}': byte {} of the file is NUL (0x00); a JSON file is text "
+                     "(no NUL bytes)", what, path, nul);
   json j;
+  StrictJsonProblem problem;
   try {
-    j = json::parse(text.str(), on_event);
+    j = parse_json_strictly(text, problem);
   } catch (const json::exception& e) {
     DMOE_FAIL_INPUT("{} '{}': not valid JSON: {}", what, path, e.what());
   }
-  DMOE_REQUIRE_INPUT(duplicate.empty(), "{} '{}': key '{}' appears more than once in one object; each key may "
-                     "be given once", what, path, duplicate);
+  DMOE_REQUIRE_INPUT(problem.kind == StrictJsonProblem::none, "{} '{}': {}", what, path, problem.message);
   return j;
 }
 

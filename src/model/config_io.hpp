@@ -26,8 +26,26 @@ nlohmann::json config_to_json(const MoeConfig& config);
 // Reads and parses a JSON file in either format; errors name the file.
 MoeConfig load_config_file(const std::string& path, const MoeConfig& defaults = MoeConfig{});
 
-// A JSON file as every dmoe reader takes it: a regular file (not a directory, FIFO or device), valid JSON, no
-// key twice in one object; errors name `what` (e.g. "config file") and the path.
+// For a Hugging Face config.json (a layer's or a whole model's): refuses what dmoe cannot read and would otherwise
+// have read as a float Mixtral without a word: a quantization_config (GPTQ, AWQ, bitsandbytes, FP8 checkpoints),
+// and an architectures list without a Mixtral class (another model spelled with Mixtral's keys).
+void require_float_mixtral_classes(const nlohmann::json& j, std::string_view what);
+
+// A JSON file as every dmoe reader takes it: a regular file (not a directory, FIFO or device), valid JSON without a
+// NUL byte, no key twice in one object, nested at most kMaxJsonDepth deep, no number that underflows to 0; errors
+// name `what` (e.g. "config file") and the path.
+inline constexpr size_t kMaxJsonDepth = 128;  // serde_json's limit, which the Rust safetensors reader inherits
+
+// What parse_json_strictly stopped at (kind none: nothing); depth is the nesting level, 1 for the top-level object.
+struct StrictJsonProblem {
+  enum Kind { none, duplicate_key, too_deep, underflow } kind = none;
+  std::string key;  // the duplicate key
+  size_t depth = 0;
+  std::string message;
+};
+// JSON text to a DOM under read_json_file's rules, in time linear in the text; the first problem ends the parse and is
+// returned in `problem` (the result is then partial). Invalid JSON throws nlohmann's parse_error.
+nlohmann::json parse_json_strictly(std::string_view text, StrictJsonProblem& problem);
 nlohmann::json read_json_file(const std::string& path, std::string_view what);
 // Writes config_to_json(config), pretty-printed.
 void save_config_file(const MoeConfig& config, const std::string& path);

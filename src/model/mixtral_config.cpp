@@ -144,6 +144,7 @@ MixtralConfig mixtral_config_from_json(const json& j) {
     DMOE_REQUIRE_INPUT(j.at("model_type").is_string() && j.at("model_type").get<std::string>() == "mixtral",
                  "{}: model_type is {}; only \"mixtral\" is supported", kWhat, j.at("model_type").dump());
   }
+  require_float_mixtral_classes(j, kWhat);
   for (const char* key : {"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                           "num_local_experts", "num_experts_per_tok", "vocab_size"})
     DMOE_REQUIRE_INPUT(present(j, key), "{}: required key '{}' is missing (required: hidden_size, intermediate_size, "

@@ -1,6 +1,7 @@
 #include "model/moe_weights.hpp"
 
 #include <cmath>
+#include <system_error>
 #include <thread>
 
 #include "core/error.hpp"
@@ -59,14 +60,20 @@ namespace {
 void fill_hashed(std::vector<float>& v, uint64_t seed, uint64_t stream, float scale, bool round_bf16) {
   const size_t n = v.size();
   const size_t threads = std::max<size_t>(1, std::min<size_t>(std::thread::hardware_concurrency(), n / (1 << 20) + 1));
+  const auto fill = [&](size_t t) {
+    for (size_t i = n * t / threads; i < n * (t + 1) / threads; ++i) {
+      const float x = scale * hashed_uniform(seed, stream, i);
+      v[i] = round_bf16 ? round_to_bf16(x) : x;
+    }
+  };
   std::vector<std::thread> pool;
-  for (size_t t = 0; t < threads; ++t)
-    pool.emplace_back([&, t] {
-      for (size_t i = n * t / threads; i < n * (t + 1) / threads; ++i) {
-        const float x = scale * hashed_uniform(seed, stream, i);
-        v[i] = round_bf16 ? round_to_bf16(x) : x;
-      }
-    });
+  for (size_t t = 0; t < threads; ++t) {
+    try {
+      pool.emplace_back(fill, t);
+    } catch (const std::system_error&) {
+      fill(t);  // no thread to be had (ulimit -v, -u): this one does the part; the values do not depend on who
+    }
+  }
   for (auto& th : pool) th.join();
 }
 

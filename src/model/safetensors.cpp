@@ -18,6 +18,7 @@
 #include "core/error.hpp"
 #include "core/host_resources.hpp"
 #include "core/output_file.hpp"
+#include "model/config_io.hpp"
 
 namespace dmoe {
 
@@ -107,38 +108,27 @@ std::string describe(const json& v) {
   return fmt::format("{} {}", v.type_name(), s);
 }
 
-// Parses the header, detecting duplicate keys (nlohmann's DOM parser silently keeps the last one).
+// Parses the header under read_json_file's rules (config_io.hpp): a duplicate key (nlohmann's DOM parser keeps the
+// last one), nesting past 128 levels (dump() and describe() recurse once per level: 100000 nested arrays crashed the
+// error message with SIGSEGV), in time linear in the header.
 json parse_header(const uint8_t* begin, const uint8_t* end, const std::string& src) {
-  std::vector<std::set<std::string>> keys;  // keys seen in each open object, innermost last
-  std::string duplicate;
-  size_t duplicate_level = 0;
-  const json::parser_callback_t on_event = [&](int, json::parse_event_t event, json& parsed) {
-    switch (event) {
-      case json::parse_event_t::object_start: keys.emplace_back(); break;
-      case json::parse_event_t::object_end:
-        if (!keys.empty()) keys.pop_back();
-        break;
-      case json::parse_event_t::key:
-        if (!keys.empty() && !keys.back().insert(parsed.get<std::string>()).second && duplicate.empty()) {
-          duplicate = parsed.get<std::string>();
-          duplicate_level = keys.size();
-        }
-        break;
-      default: break;
-    }
-    return true;
-  };
   json header;
+  StrictJsonProblem problem;
   try {
-    header = json::parse(reinterpret_cast<const char*>(begin), reinterpret_cast<const char*>(end), on_event);
+    header = parse_json_strictly(std::string_view(reinterpret_cast<const char*>(begin), size_t(end - begin)), problem);
   } catch (const json::exception& e) {
     DMOE_FAIL_INPUT("safetensors '{}': header is not valid JSON: {}", src, e.what());
   }
-  if (!duplicate.empty()) {
-    if (duplicate_level == 1)
-      DMOE_FAIL_INPUT("safetensors '{}': duplicate tensor name '{}' in the header", src, duplicate);
-    DMOE_FAIL_INPUT("safetensors '{}': duplicate key '{}' inside a header entry (nesting level {})", src, duplicate,
-                    duplicate_level);
+  switch (problem.kind) {
+    case StrictJsonProblem::none: break;
+    case StrictJsonProblem::duplicate_key:
+      if (problem.depth == 1) DMOE_FAIL_INPUT("safetensors '{}': duplicate tensor name '{}' in the header", src, problem.key);
+      DMOE_FAIL_INPUT("safetensors '{}': duplicate key '{}' inside a header entry (nesting level {})", src, problem.key,
+                      problem.depth);
+    case StrictJsonProblem::too_deep:
+      DMOE_FAIL_INPUT("safetensors '{}': the header's objects and arrays nest deeper than {} levels; a header is an "
+                      "object of tensor entries (dtype, shape, data_offsets)", src, kMaxJsonDepth);
+    case StrictJsonProblem::underflow: DMOE_FAIL_INPUT("safetensors '{}': header: {}", src, problem.message);
   }
   return header;
 }
@@ -241,11 +231,13 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
   std::FILE* f = std::fopen(path.c_str(), "rb");
   DMOE_REQUIRE_INPUT(f, "safetensors '{}': cannot open: {}", path, std::strerror(errno));
   std::vector<uint8_t> bytes;
-  uint8_t chunk[1 << 16];
+  // On the heap: 64 KiB on the stack was the whole stack under `ulimit -s 64` (SIGSEGV).
+  std::vector<uint8_t> chunk(size_t(1) << 16);
   size_t got = 0;
   // Read to EOF rather than trusting a size query (the file may change underneath).
   if (!ec) bytes.reserve(size_t(size_hint));
-  while ((got = std::fread(chunk, 1, sizeof(chunk), f)) > 0) bytes.insert(bytes.end(), chunk, chunk + got);
+  while ((got = std::fread(chunk.data(), 1, chunk.size(), f)) > 0)
+    bytes.insert(bytes.end(), chunk.begin(), chunk.begin() + std::ptrdiff_t(got));
   const bool failed = std::ferror(f) != 0;
   std::fclose(f);
   DMOE_REQUIRE_INPUT(!failed, "safetensors '{}': read error", path);

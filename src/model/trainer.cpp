@@ -188,6 +188,9 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
     DMOE_REQUIRE_INPUT(!free || bytes <= double(*free), "--save {}: the checkpoint needs about {} (the f32 model and "
                        "its two AdamW moments) and the file system of '{}' has {} free", o.save_dir,
                        format_bytes(bytes), existing.string(), format_bytes(double(*free)));
+    // Its largest file holds the two moments: 2/3 of it.
+    require_file_size_allowed(bytes * 2 / 3, fmt::format("--save {}: optimizer.safetensors (the two AdamW moments)",
+                                                         o.save_dir));
   }
 
   // A step (or a validation) that takes minutes on the CPU was silent after the first line (batch 2^20 x seq 2 ran past

@@ -53,6 +53,7 @@ namespace fs = std::filesystem;
 using nlohmann::json;
 using Result = test::CliResult;
 using test::run_cli;
+using test::run_shell;
 
 std::string slurp(const fs::path& p) {
   std::ifstream in(p, std::ios::binary);
@@ -818,6 +819,112 @@ TEST_F(BadInput, NumericOptionValuesSayWhyTheyAreRefusedAndAreDecimal) {
   EXPECT_EQ(SafetensorsFile::open(p("w.st")).names().front().rfind("model.layers.10.", 0), 0u)
       << SafetensorsFile::open(p("w.st")).names().front();
   expect_parse_error(run_cli(init + "' 5'"), "' 5' is not an integer", "a leading space");
+}
+
+// ---- The sixth pass (2026-12-03, branch bad6; docs/faults.md) -------------------------------------------------
+
+TEST_F(BadInput, RealFlagAndNarrowIntegerOptionValuesSayWhatIsAllowed) {
+  // A number option without a range given no number: CLI11's "Could not convert: --lr = abc".
+  expect_parse_error(run_cli("train --config tiny --data x --lr abc"), "--lr: 'abc' is not a number; allowed: a number",
+                     "--lr abc");
+  expect_parse_error(run_cli("init --capacity-factor 1.5x --out x"), "--capacity-factor: '1.5x' is not a number", "1.5x");
+  // Past double's range: read as 0 or inf without a word. --capacity-factor 1e-400 ran dropless, --clip 1e-400 turned
+  // clipping off, --lr 1e-400 was reported as "need lr > 0 (is 0)".
+  const std::string init = "init --hidden 8 --ffn 8 --experts 2 --top-k 1 --tokens 2 --out " + p("w.st");
+  const Result tiny = run_cli(init + " --capacity-factor 1e-400");
+  expect_parse_error(tiny, "--capacity-factor: '1e-400' is too small for a double and would be read as 0", "1e-400");
+  EXPECT_FALSE(fs::exists(p("w.st"))) << tiny.output;
+  expect_parse_error(run_cli("train --config tiny --data x --clip 1e-400"), "'1e-400' is too small for a double",
+                     "--clip 1e-400");
+  expect_parse_error(run_cli(init + " --aux-loss-coef 1e400"), "'1e400' is too large for a double and would be read "
+                     "as infinity", "1e400");
+  ASSERT_EQ(run_cli(init + " --capacity-factor 4.9e-324").status, 0);  // the smallest double is a double
+  // A 64-bit integer given to a 32-bit option: "Could not convert: --world = 2147483648".
+  expect_parse_error(run_cli("run --world 2147483648 --weights w --input x --output y"),
+                     "--world: 2147483648 does not fit in a 32-bit integer; allowed: integers in range -2147483648 to "
+                     "2147483647", "--world 2^31");
+  expect_parse_error(run_cli("bench -n 1 99999999999"), "--worlds: 99999999999 does not fit in a 32-bit integer",
+                     "-n 1 99999999999");
+  // A flag given a value it cannot take: "Could not convert: --no-renormalize = maybe".
+  expect_parse_error(run_cli("init --no-renormalize=maybe --out x"), "--no-renormalize: 'maybe' is not a value for a "
+                     "flag; allowed: --no-renormalize alone (on), or --no-renormalize=true|false", "=maybe");
+  // "-0" is zero, not "negative".
+  const Result zero = run_cli(init + " --seed -0");
+  EXPECT_EQ(zero.status, 0) << zero.output;
+}
+
+TEST_F(BadInput, ResourceLimitsEndInAnErrorNotASignal) {
+  // 64 simulated ranks under ulimit -v: the 8th to 45th thread could not be started, and the std::thread objects of
+  // the running ones ended the process in std::terminate (SIGABRT, "terminate called without an active exception").
+  ASSERT_EQ(run_cli("init --tokens 1 --hidden 8 --ffn 8 --experts 64 --top-k 2 --world 64 --out " + p("w.st") +
+                    " --input " + p("x.st") + " --save-config " + p("c.json")).status, 0);
+  const std::string run = "run --config " + p("c.json") + " --weights " + p("w.st") + " --input " + p("x.st") +
+                          " --output " + p("y.st");
+  expect_user_error(run_cli(run, "ulimit -s 8192; ulimit -v 300000;"), "could not start the thread of simulated rank",
+                    "threads under ulimit -v");
+  EXPECT_FALSE(fs::exists(p("y.st")));
+  // A 64 KiB read buffer on the stack was the whole stack under ulimit -s 64 (SIGSEGV opening any safetensors file).
+  const Result small_stack = run_cli(run, "ulimit -s 64;");
+  EXPECT_EQ(small_stack.status, 0) << small_stack.output;
+  // The up-front memory check knew MemAvailable but not ulimit -v: a bare bad_alloc after the estimate had passed.
+  expect_user_error(run_cli("init --tokens 3000000 --hidden 16 --ffn 8 --experts 2 --top-k 1 --out " + p("big.st") +
+                            " --input " + p("bigx.st"), "ulimit -v 300000;"),
+                    "more address space (ulimit -v); raise the limit or make the problem smaller", "init under -v");
+  EXPECT_FALSE(fs::exists(p("big.st")) || fs::exists(p("bigx.st")));
+  // flow measure's CPU executor starts two threads per rank: under ulimit -v "terminate called without an active
+  // exception" (SIGABRT) or "unexpected error: Resource temporarily unavailable" (rc 2), by where the limit fell.
+  for (const char* limit : {"120000", "200000", "300000", "400000"}) {
+    const Result m = run_cli("flow measure --config " + p("tiny.json") + " --steps 2 --batch 8 --seq 8 --world 4 "
+                             "--measure-r 1,2", std::string("ulimit -s 8192; ulimit -v ") + limit + ";");
+    EXPECT_TRUE(m.status == 0 || m.status == 1) << limit << ": " << m.output;
+    EXPECT_EQ(m.output.find("unexpected error"), std::string::npos) << limit << ": " << m.output;
+    EXPECT_EQ(m.output.find("terminate called"), std::string::npos) << limit << ": " << m.output;
+  }
+  // train --save under ulimit -f failed at the checkpoint's write, after the whole training (nothing replaced); a
+  // checkpoint that cannot be written is now refused before the training, as a full disk is.
+  const Result save = run_cli("train --config " + p("tiny.json") + " --data " + p("data") + " --seq 16 --batch 2 "
+                              "--steps 1 --val-batches 1 --save " + p("ck"), "trap '' XFSZ; ulimit -f 100;");
+  expect_user_error(save, "optimizer.safetensors (the two AdamW moments) would be a file of about", "train --save -f");
+  EXPECT_EQ(save.output.find("step "), std::string::npos) << "trained before refusing: " << save.output;
+}
+
+TEST_F(BadInput, ResultsLostOnStandardOutputAndControlCharactersAreSaid) {
+  // bench's table and flow's ablation are their results; written to a full disk (/dev/full) or a closed descriptor
+  // they were lost with rc 0.
+  const std::string bench = "bench --engine cpu --tokens 4 --hidden 8 --ffn 8 --experts 2 --top-k 1 -n 1 --repeat 1 "
+                            "--warmup 0";
+  // (In a group: run_shell joins stderr to the group's stdout, not to the redirected one.)
+  Result r = run_shell("{ " + std::string(DMOE_CLI_PATH) + " " + bench + " > /dev/full; }");
+  expect_user_error(r, "writing to standard output failed", "bench > /dev/full");
+  r = run_shell("{ " + std::string(DMOE_CLI_PATH) + " flow simulate --costs " + p("costs.json") + " >&-; }");
+  expect_user_error(r, "writing to standard output failed: Bad file descriptor", "flow simulate >&-");
+  EXPECT_EQ(run_cli(bench).status, 0);
+  // A NUL in a key ended the printed message ("unknown key 'tokens" and nothing more).
+  std::ofstream(p("nul_key.json")) << std::string(R"({"hidden": 8, "tokens\u0000": 4})");
+  expect_user_error(run_cli("init --config " + p("nul_key.json") + " --out " + p("w.st")),
+                    "unknown key 'tokens\\u0000'; allowed keys: tokens", "a NUL in a key");
+}
+
+TEST_F(BadInput, CpuEngineEstimateCountsTheFloorPerCall) {
+  // A tiny layer at W = 2 takes ~4 ms a call on the CI machine (the ranks' threads start and wake each other),
+  // whatever its FLOPs: 10^6 repeats were "up to ~209 s" and take over 2 h. The note is printed before the work; the
+  // injected fault then ends the run at its first call.
+  const Result r = run_cli("bench --engine cpu --tokens 8 --hidden 16 --ffn 32 --experts 4 --top-k 2 -n 2 --repeat "
+                           "1000000 --warmup 0", "DMOE_FAULT=1:before_dispatch:throw");
+  const std::string note = "note: the CPU engine may need up to ~";
+  const size_t at = r.output.find(note);
+  ASSERT_NE(at, std::string::npos) << r.output;
+  EXPECT_GE(std::stod(r.output.substr(at + note.size())), 2e6 * 4e-3) << r.output;
+}
+
+TEST_F(BadInput, FlowTuneSaysWhenItsSamplesTakeLong) {
+  // --samples 1000 (allowed) runs ~2.5 h on the CI machine and printed nothing until the end; the note comes first.
+  const Result r = run_shell("timeout 0.5 " + std::string(DMOE_CLI_PATH) + " flow tune --costs " + p("costs.json") +
+                             " --samples 1000");
+  EXPECT_NE(r.output.find("note: flow tune with --samples 1000 may take about"), std::string::npos) << r.output;
+  const Result small = run_cli("flow tune --costs " + p("costs.json") + " --samples 12");
+  EXPECT_EQ(small.status, 0) << small.output;
+  EXPECT_EQ(small.output.find("note:"), std::string::npos) << small.output;
 }
 
 TEST(BadInputEnv, CommTimeoutMustBeFiniteAndBounded) {

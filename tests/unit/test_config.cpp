@@ -236,5 +236,21 @@ TEST(ErrorKinds, BadInputHasNoSourceLocationInternalErrorsDo) {
   error_rank() = -1;
 }
 
+// Sixth bad-input pass (docs/faults.md, 2026-12-03): a NUL in a quoted key or tensor name ended the printed message
+// there (fprintf's %s), and other control characters reached the terminal as they were.
+TEST(ErrorKinds, ControlCharactersInMessagesAreShownEscaped) {
+  try {
+    DMOE_FAIL_INPUT("unknown key '{}'; allowed keys: tokens", std::string("tokens\0", 7));
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()), "unknown key 'tokens\\u0000'; allowed keys: tokens");
+  }
+  try {
+    DMOE_REQUIRE(false, "name '{}'\nsecond line\t{}", "\x1b[2J", "\x7f");
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_EQ(msg.rfind("name '\\u001b[2J'\nsecond line\t\\u007f (test_config.cpp:", 0), 0u) << msg;
+  }
+}
+
 }  // namespace
 }  // namespace dmoe

@@ -13,6 +13,7 @@
 
 #include "core/error.hpp"
 #include "model/config_io.hpp"
+#include "model/mixtral_config.hpp"
 
 namespace dmoe {
 namespace {
@@ -248,6 +249,35 @@ TEST(ConfigIoTest, HuggingFaceFieldsTakeEffectOrAreRefused) {
   EXPECT_HAS(error_of(json{{"model_type", "qwen2_moe"}, {"num_experts", 60}}), "model_type 'qwen2_moe'");
 }
 
+// Sixth bad-input pass (docs/faults.md, 2026-12-03): both were read as a float Mixtral layer (or model), rc 0.
+TEST(ConfigIoTest, QuantizedConfigsAndOtherArchitecturesAreRefused) {
+  json q = json::parse(kMixtral8x7B);
+  q["quantization_config"] = {{"quant_method", "gptq"}, {"bits", 4}};
+  std::string msg = error_of(q);
+  EXPECT_HAS(msg, "quantization_config (quant_method gptq) is not supported");
+  EXPECT_HAS(msg, "unquantized float32 or bfloat16 weights");
+  q["quantization_config"] = nullptr;  // null: no quantization
+  EXPECT_EQ(error_of(q), "(no error)");
+  // A Qwen2-MoE class with Mixtral's keys and no model_type.
+  json a = json::parse(kMixtral8x7B);
+  a.erase("model_type");
+  a["architectures"] = {"Qwen2MoeForCausalLM"};
+  EXPECT_HAS(error_of(a), "architectures array [\"Qwen2MoeForCausalLM\"] names no Mixtral class");
+  a["architectures"] = {"MixtralForSequenceClassification"};
+  EXPECT_EQ(error_of(a), "(no error)");
+  // The whole-model reader takes the same rules.
+  json m = {{"hidden_size", 64}, {"intermediate_size", 128}, {"num_hidden_layers", 2}, {"num_attention_heads", 4},
+            {"num_local_experts", 4}, {"num_experts_per_tok", 2}, {"vocab_size", 256},
+            {"quantization_config", {{"quant_method", "awq"}}}};
+  msg.clear();
+  try {
+    mixtral_config_from_json(m);
+  } catch (const Error& e) {
+    msg = e.what();
+  }
+  EXPECT_HAS(msg, "quantization_config (quant_method awq) is not supported");
+}
+
 TEST(ConfigIoTest, DuplicateKeysAndDirectoriesAreRefused) {
   const std::string dup = temp_path("dup");
   write_text(dup, R"({"hidden": 8, "top_k": 2, "experts": 4, "top_k": 1})");
@@ -288,6 +318,35 @@ TEST(ConfigIoTest, DuplicateKeysAndDirectoriesAreRefused) {
     }
     EXPECT_HAS(msg, "is not a regular file");
   }
+}
+
+// Sixth bad-input pass (docs/faults.md, 2026-12-03): each case was read, or crashed, before its fix.
+TEST(ConfigIoTest, DeepNestingNulBytesAndUnderflowingNumbersAreRefused) {
+  const std::string path = temp_path("strict");
+  const auto message = [&](const std::string& text) {
+    write_text(path, text);
+    try {
+      load_config_file(path);
+    } catch (const Error& e) {
+      EXPECT_TRUE(e.is_input()) << e.what();
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  // 100000 nested arrays as a value: the "must be an integer (found array ...)" message dumped it recursively (SIGSEGV).
+  std::string msg = message(R"({"hidden": )" + std::string(100000, '[') + std::string(100000, ']') + "}");
+  EXPECT_HAS(msg, path);
+  EXPECT_HAS(msg, "nest deeper than 128 levels");
+  // nlohmann's lexer stops at a NUL: what followed was ignored and the file taken.
+  msg = message(std::string(R"({"hidden": 8, "experts": 4})") + '\0' + "garbage");
+  EXPECT_HAS(msg, "byte 27 of the file is NUL (0x00)");
+  // 1e-400 was read as 0: a capacity_factor that asked for a tiny capacity ran dropless.
+  msg = message(R"({"hidden": 8, "experts": 4, "capacity_factor": 1e-400})");
+  EXPECT_HAS(msg, "the number 1e-400 is too small for a double and would be read as 0");
+  // Zeros written as zeros, and the smallest doubles, are fine.
+  EXPECT_EQ(message(R"({"hidden": 8, "capacity_factor": 0.0e-400, "aux_loss_coef": -0, "z_loss_coef": 4.9e-324})"),
+            "no error");
+  std::filesystem::remove(path);
 }
 
 TEST(ConfigIoTest, FileErrorsNameTheFile) {

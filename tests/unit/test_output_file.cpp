@@ -111,6 +111,35 @@ TEST_F(OutputFile, SymlinkTargetIsReplacedAndDanglingLinkRefused) {
             std::string::npos);
 }
 
+// Sixth bad-input pass (docs/faults.md, 2026-12-03): each case failed before its fix.
+TEST_F(OutputFile, PipesBehindLinksLongNamesAndFilesInThePathAreNamed) {
+  // /dev/stdout into a pipe (here: a pipe's /proc/self/fd link) was "a symbolic link whose target cannot be
+  // resolved (No such file or directory)".
+  int fds[2];
+  ASSERT_EQ(::pipe(fds), 0);
+  const std::string link = "/proc/self/fd/" + std::to_string(fds[1]);
+  std::string msg = error_of([&] { check_output_file(link, "--output"); });
+  ::close(fds[0]);
+  ::close(fds[1]);
+  EXPECT_NE(msg.find("is a symbolic link to a FIFO (named pipe) ('pipe:["), std::string::npos) << msg;
+  EXPECT_NE(msg.find("standard output into a pipe"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("give a file path"), std::string::npos) << msg;
+  // A name of 242 or 255 bytes is valid; the temporary ".NAME.dmoe-tmp.PID.N" was not ("File name too long").
+  for (const size_t length : {size_t(242), size_t(255)}) {
+    const std::string name = std::string(length - 3, 'y') + ".st";
+    check_output_file((dir_ / name).string(), "--output");
+    write_file_atomically((dir_ / name).string(), std::string_view("long"));
+    EXPECT_EQ(read_text(dir_ / name), "long");
+    fs::remove(dir_ / name);
+  }
+  EXPECT_EQ(entries(), 0u);  // no temporary left
+  // Under a path part that is a file: "cannot inspect it: Not a directory" before.
+  write_file_atomically(p("a.txt"), std::string_view("text"));
+  msg = error_of([&] { check_output_file(p("a.txt/sub/y.st"), "--output"); });
+  EXPECT_NE(msg.find("'" + p("a.txt") + "' is a regular file, not a directory"), std::string::npos) << msg;
+  EXPECT_EQ(read_text(p("a.txt")), "text");
+}
+
 TEST_F(OutputFile, SameFileByIdentity) {
   write_file_atomically(p("x.bin"), std::string_view("x"));
   fs::create_hard_link(p("x.bin"), p("hard.bin"));

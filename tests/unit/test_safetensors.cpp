@@ -6,6 +6,7 @@
 
 #include <unistd.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -304,6 +305,33 @@ TEST(SafetensorsTest, CorruptFilesAreRejectedWithClearErrors) {
     expect_parse_error(make_file(std::string("{\"a\0b\":1}", 9), 0), {"byte 11 of the file", "NUL"});
     expect_parse_error(make_file(std::string(1, '\0') + whole, 8), {"byte 8 of the file"});
   }
+}
+
+// Sixth bad-input pass (docs/faults.md, 2026-12-03): a header nesting 100000 arrays crashed the error message
+// (describe() -> json::dump recursing once per level: SIGSEGV); nesting is refused at 128 levels as it is parsed.
+TEST(SafetensorsTest, DeepNestingIsRefusedBeforeItCanCrashTheMessage) {
+  const std::string ok_entry = R"("a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]})";
+  const auto nested = [](size_t levels) { return std::string(levels, '[') + std::string(levels, ']'); };
+  expect_parse_error(make_file("{" + ok_entry + ",\"z\":" + nested(100000) + "}", 8),
+                     {"nest deeper than 128 levels", "object of tensor entries"});
+  expect_parse_error(make_file("{" + ok_entry + ",\"__metadata__\":{\"k\":" + nested(200) + "}}", 8),
+                     {"nest deeper than 128 levels"});
+  // 128 levels (the object and 127 arrays) are parsed, and the entry is then refused for what it is.
+  expect_parse_error(make_file("{" + ok_entry + ",\"z\":" + nested(127) + "}", 8), {"'z'", "not an object"});
+}
+
+// Sixth bad-input pass: json::parse with a callback (how duplicate keys were found) rescans the parent object at the
+// end of every entry, so a header of n entries took O(n^2): 40000 tensors 23-41 s, 200000 past any time limit.
+TEST(SafetensorsTest, ManyTensorsParseInLinearTime) {
+  std::string header = R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]})";
+  for (int i = 0; i < 50000; ++i)
+    header += fmt::format(R"(,"t{}":{{"dtype":"U8","shape":[1],"data_offsets":[{},{}]}})", i, 8 + i, 9 + i);
+  header += "}";
+  const auto start = std::chrono::steady_clock::now();
+  const SafetensorsFile f = SafetensorsFile::parse(make_file(header, 8 + 50000), "many.safetensors");
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_EQ(f.names().size(), 50001u);
+  EXPECT_LT(seconds, 10.0) << "50000 entries (0.2 s in a release build; ~60 s when quadratic)";
 }
 
 TEST(SafetensorsTest, HolesAndEmptyTensorsAreAccepted) {

@@ -127,10 +127,22 @@ json run_json(const flow::ScheduleRun& run) {
 
 bool chunked(flow::Schedule s) { return s == flow::Schedule::chunked_ar || s == flow::Schedule::tuned; }
 
+// The tuner refits its Gaussian process at every sample, and the whole run prints at its end: --samples 1000 (the
+// largest allowed) was silent for hours. Measured on the 2-core CI machine (bench/flow/example.json; the simulated
+// steps are a small part): ~11 s at 160 samples, ~49 s at 240, growing as samples^3.65.
+void note_tuner_cost(int32_t samples, const char* what) {
+  const double seconds = 49.0 * std::pow(double(samples) / 240.0, 3.65);
+  if (seconds > 10)
+    std::fprintf(stderr, "note: %s with --samples %d may take about %.0f s%s before it prints (the tuner's fit grows as "
+                 "samples^3.65: ~11 s at 160, ~49 s at 240 on a 2-core machine)\n", what, samples, seconds,
+                 seconds > 3600 ? fmt::format(" ({:.1f} h)", seconds / 3600).c_str() : "");
+}
+
 int simulate_command(const FlowOptions& o, const flow::CostModel& costs, int32_t layers) {
   std::vector<flow::ScheduleRun> runs;
   flow::TunerOptions tuner;
   tuner.seed = o.seed;
+  if (o.schedule == "all" || o.schedule == "tuned") note_tuner_cost(o.samples, "the tuned row");
   if (o.schedule == "all") {
     runs = flow::run_ablation(layers, o.micro_batches, o.chunk_bytes, costs, o.samples, tuner, o.link_model);
   } else {
@@ -223,6 +235,7 @@ int project_command(FlowOptions o) {
 int tune_command(const FlowOptions& o, const flow::CostModel& costs, int32_t layers) {
   flow::TunerOptions tuner;
   tuner.seed = o.seed;
+  note_tuner_cost(o.samples, "flow tune");
   const flow::TuneRun run = flow::tune_on_simulator(layers, costs, o.samples, tuner, o.link_model);
   std::printf("flow tune: %d layers, costs %s; Bayesian optimisation (GP, Matern-5/2, EI) of log2(Sp) in [17, 24] x "
               "R in {1, 2, 4, 8}, seed %llu\n",

@@ -70,6 +70,7 @@ void check_init_model_resources(const MixtralConfig& c, const std::string& out, 
   DMOE_REQUIRE_INPUT(!free || file_bytes <= double(*free),
                      "init-model would write about {} to the file system of '{}', which has {} free",
                      format_bytes(file_bytes), dir, format_bytes(double(*free)));
+  require_file_size_allowed(buffered, fmt::format("init-model --out {}{}", out, shard_bytes > 0 ? " (a shard)" : ""));
 }
 
 // With --shard-bytes, --out is the index and the shards model-0000i-of-0000N.safetensors go beside it. Readers take a

@@ -7,7 +7,10 @@
 //   dmoe train  train a Mixtral model on byte-level text (CPU)
 //   dmoe flow   Flow's schedules on the simulator: simulate (the ablation), tune (Sp, R)
 #include <cstdio>
+#include <cerrno>
 #include <cstdlib>
+#include <cstring>
+#include <iostream>
 #include <map>
 #include <new>
 #include <string>
@@ -42,9 +45,28 @@ int failed_exit(int code) {
   std::_Exit(code);
 }
 
+// What a command prints on standard output is its result (bench's table, flow's ablation, the lines naming what
+// was written). A write there that failed (a full disk, /dev/full, a closed descriptor) was lost with rc 0.
+int check_stdout(int rc) {
+  errno = 0;
+  std::cout.flush();
+  const bool flushed = std::fflush(stdout) == 0;
+  const int err = errno;
+  if (flushed && !std::ferror(stdout) && std::cout.good()) return rc;
+  std::fprintf(stderr, "dmoe: error: writing to standard output failed%s%s; what this command printed there is lost "
+               "or incomplete\n", err ? ": " : "", err ? std::strerror(err) : "");
+  return rc == 0 ? 1 : rc;
+}
+
+int run_main(int argc, char** argv);
+
 }  // namespace
 
-int main(int argc, char** argv) {
+int main(int argc, char** argv) { return check_stdout(run_main(argc, argv)); }
+
+namespace {
+
+int run_main(int argc, char** argv) {
   CLI::App app{"dmoe: distributed Mixture-of-Experts engine (CPU reference; CUDA when built with it)"};
   app.set_version_flag("--version", "dmoe " DMOE_VERSION " (" DMOE_ENGINES ")");
   // --help shows each option's default ("[3]"); options without one show nothing.
@@ -108,6 +130,10 @@ int main(int argc, char** argv) {
       return rc;
     }
     return 0;
+  } catch (const CLI::ConversionError& e) {
+    const std::string why = dmoe::cli::explain_conversion_error(app, e.what());
+    if (why.empty()) return app.exit(e);
+    return app.exit(CLI::ConversionError(why));
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   } catch (const dmoe::Error& e) {
@@ -129,3 +155,5 @@ int main(int argc, char** argv) {
     return failed_exit(2);
   }
 }
+
+}  // namespace

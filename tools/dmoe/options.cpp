@@ -3,10 +3,12 @@
 #include <algorithm>
 #include <cctype>
 #include <cerrno>
+#include <cstdint>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <sstream>
 #include <thread>
 
 #include "core/error.hpp"
@@ -41,6 +43,7 @@ void check_option_values(CLI::App& app) {
     if (option->get_type_size_max() == 0 || !option->nonpositional()) continue;  // flags, positionals
     const std::string type = option->get_type_name();
     const bool is_uint = type.rfind("UINT", 0) == 0, is_int = !is_uint && type.rfind("INT", 0) == 0;
+    const bool is_real = type.rfind("FLOAT", 0) == 0;
     bool ranged = false;
     try {
       ranged = option->get_validator(kRangeValidatorName) != nullptr;
@@ -49,10 +52,31 @@ void check_option_values(CLI::App& app) {
     // Unnamed, so --help shows the type as before.
     // transform, not check: CLI11 hands a check a copy of the value, and the leading zeros are dropped in place.
     option->transform(CLI::Validator(
-        [is_uint, is_int, ranged](std::string& value) -> std::string {
+        [is_uint, is_int, is_real, ranged](std::string& value) -> std::string {
           if (value.empty()) return "the value is empty; give a value, or leave the option out for its default";
-          if (is_uint && value.find('-') != std::string::npos)
-            return "'" + value + "' is negative; expected an integer >= 0";
+          if (is_uint && value.find('-') != std::string::npos) {
+            const ParsedNumber n = parse_integer(value);
+            if (!n.problem.empty() || n.value != 0) return "'" + value + "' is negative; expected an integer >= 0";
+            value = "0";  // "-0" is zero, not negative
+          }
+          if (is_real) {
+            // CLI11 said "Could not convert: --lr = abc" (the option and the value, not what is allowed), and read a
+            // number past double's range silently: strtold's long double cast to double, 1e-400 becoming 0 (a
+            // --capacity-factor that asked for a tiny capacity ran dropless, a tiny --clip turned clipping off).
+            const ParsedNumber n = parse_real_number(value);
+            // "nan" is left to the command's own rule, which names it with the rule ("need lr > 0 (is nan)").
+            char* end = nullptr;
+            const bool is_nan = !std::isspace((unsigned char)value[0]) && std::isnan(std::strtold(value.c_str(), &end)) &&
+                                end == value.c_str() + value.size();
+            if (!n.problem.empty() && !is_nan)
+              return ranged ? std::string() : n.problem + "; allowed: a number (such as 0.5, 3e-4 or -2)";
+            if (n.value != 0 && double(n.value) == 0)
+              return "'" + value + "' is too small for a double and would be read as 0 (the smallest magnitude is "
+                     "about 4.9e-324); allowed: 0, or a number of at least that magnitude";
+            if (std::isfinite(n.value) && std::isinf(double(n.value)))
+              return "'" + value + "' is too large for a double and would be read as infinity (the largest is about "
+                     "1.8e308); allowed: a number of at most that magnitude";
+          }
           if (is_int || is_uint) {
             const ParsedNumber n = parse_integer(value, is_uint);
             // A ranged option's Range says it with the range (this transform runs first).
@@ -67,6 +91,43 @@ void check_option_values(CLI::App& app) {
         },
         ""));
   }
+}
+
+std::string explain_conversion_error(CLI::App& app, const std::string& message) {
+  // CLI11: "Could not convert: NAME = VALUE[,VALUE...]".
+  const std::string head = "Could not convert: ";
+  const size_t eq = message.find(" = ");
+  if (message.rfind(head, 0) != 0 || eq == std::string::npos) return std::string();
+  const std::string name = message.substr(head.size(), eq - head.size()), values = message.substr(eq + 3);
+  // The option of the command being parsed (a flag's value is converted while its command's arguments are read, before
+  // the command counts as parsed: then the first command with the option, which has the same type in every command).
+  CLI::Option* option = nullptr;
+  for (const bool parsed_only : {true, false})
+    for (CLI::App* sub : app.get_subcommands({}))
+      if (option == nullptr && (sub->parsed() || !parsed_only))
+        for (CLI::Option* o : sub->get_options())
+          if (o->get_name() == name) option = o;
+  if (option == nullptr) return std::string();
+  if (option->get_expected_max() == 0)  // a flag (it takes no value of its own) given "=VALUE"
+    return fmt::format("{}: '{}' is not a value for a flag; allowed: {} alone (on), or {}=true|false (also 1|0, yes|no, "
+                       "on|off)", name, values, name, name);
+  const std::string type = option->get_type_name();
+  if (type.rfind("INT", 0) != 0 && type.rfind("UINT", 0) != 0) return std::string();
+  // check_option_values let the value through as a 64-bit integer, so the option's variable is narrower: 32 bits.
+  const bool is_uint = type.rfind("UINT", 0) == 0;
+  std::stringstream list(values);
+  for (std::string value; std::getline(list, value, ',');) {
+    const ParsedNumber n = parse_integer(value, is_uint);
+    if (!n.problem.empty()) continue;
+    const bool fits = is_uint ? n.value <= (long double)UINT32_MAX
+                              : n.value >= (long double)INT32_MIN && n.value <= (long double)INT32_MAX;
+    if (!fits)
+      return is_uint ? fmt::format("{}: {} does not fit in a 32-bit integer; allowed: integers in range 0 to {}", name,
+                                   value, UINT32_MAX)
+                     : fmt::format("{}: {} does not fit in a 32-bit integer; allowed: integers in range {} to {}", name,
+                                   value, INT32_MIN, INT32_MAX);
+  }
+  return std::string();
 }
 
 ParsedNumber parse_integer(const std::string& value, bool is_unsigned) {
@@ -122,8 +183,12 @@ void check_cpu_engine_cost(const MoeConfig& c, int forward_calls, int backward_c
   // Plus what grows with W² whatever the shapes (every rank visits every peer in each exchange, holds
   // the whole gate, wakes at each barrier): measured ~1.9 s per forward at W = E = 2048, T = 1, H = I = 8.
   const double per_call_w2 = 5e-7 * double(c.world) * double(c.world);
+  // And a floor per call at W > 1, whatever the shapes: the ranks' threads start and wake each other at every
+  // exchange; measured ~4 ms per call at W = 2..8 on the 2-core CI machine, ~7 ms at W = 16. Without it `bench
+  // --repeat 1000000 -n 4` of a tiny layer was estimated at ~430 s and took over 2 h.
+  const double per_call_fixed = c.world > 1 ? 4e-3 * std::max(1.0, double(c.world) / (4.0 * cores)) : 0.0;
   const double seconds = flop / (kFlopPerSecondPerCore * std::min<double>(c.world, cores)) +
-                         per_call_w2 * (forward_calls + 3.0 * backward_calls);
+                         (per_call_w2 + per_call_fixed) * (forward_calls + 3.0 * backward_calls);
   if (seconds > 10)
     std::fprintf(stderr,
                  "note: the CPU engine may need up to ~%.0f s here: %.3g GFLOP (%d forward, %d forward+backward calls "

@@ -32,6 +32,11 @@ void add_config_options(CLI::App& app, ConfigOptions& options, bool config_requi
 // decimal); a value that is no integer is said to be none ("'abc' is not an integer; allowed: an integer").
 void check_option_values(CLI::App& app);
 
+// For CLI11's "Could not convert: --world = 2147483648" (which names the option and the value but not what is
+// allowed): the message to give instead, or "" to keep CLI11's. Covers a flag given a value it cannot take
+// ("--no-renormalize=maybe") and an integer that is one but does not fit the option's 32 bits.
+std::string explain_conversion_error(CLI::App& app, const std::string& message);
+
 // The integer or number a value of an option is, or why it is none: `problem` says so for a message ("'1e3' is not
 // an integer ..."). Integers are decimal (an optional sign and digits, leading zeros included: "010" is ten, where
 // CLI11's own conversion, strtoll with base 0, read it as octal eight) or hexadecimal with 0x.
