@@ -205,14 +205,8 @@ TEST(GpuEngineDeterminism, TrainingStepRepeatsBitForBit) {
   EXPECT_TRUE(g[0].w1 == g[1].w1 && g[0].w3 == g[1].w3 && g[0].w2 == g[1].w2) << "the experts' gradients differ";
 }
 
-// Deferred routing reads on the GPU (EpOptions::defer_routing_reads; the own Hopper GEMM reads the expert offsets
-// on the device): the train forward issues no host read, and the step's every result equals the step that reads
-// the counts at once, bit for bit (same kernels: only the host's read of the counts moves). A token with NaN
-// router logits passes the forward (it cannot be seen without a read) and is reported by what reads the counts
-// first — the backward here — with the message the immediate read gives; the engine stays usable.
-TEST(GpuEngineDeferredRouting, EqualsReadingAtOnceAndReportsNaNAtTheBackward) {
-  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
-  if (detect_process_env().world > 1) GTEST_SKIP() << "one process";
+// The deferral and capture tests' layer: W = 1, bf16 SwiGLU small enough for the own Hopper GEMM without counts.
+MoeConfig own_gemm_layer_config() {
   MoeConfig c;
   c.tokens = 1000;
   c.hidden = 512;
@@ -221,6 +215,18 @@ TEST(GpuEngineDeferredRouting, EqualsReadingAtOnceAndReportsNaNAtTheBackward) {
   c.top_k = 2;
   c.activation = Activation::swiglu;
   c.dtype = DType::bf16;
+  return c;
+}
+
+// Deferred routing reads on the GPU (EpOptions::defer_routing_reads; the own Hopper GEMM reads the expert offsets
+// on the device): the train forward issues no host read, and the step's every result equals the step that reads
+// the counts at once, bit for bit (same kernels: only the host's read of the counts moves). A token with NaN
+// router logits passes the forward (it cannot be seen without a read) and is reported by what reads the counts
+// first — the backward here — with the message the immediate read gives; the engine stays usable.
+TEST(GpuEngineDeferredRouting, EqualsReadingAtOnceAndReportsNaNAtTheBackward) {
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
+  if (detect_process_env().world > 1) GTEST_SKIP() << "one process";
+  MoeConfig c = own_gemm_layer_config();
   c.aux_loss_coef = 0.01;
   c.z_loss_coef = 0.001;
   const MoeWeights w = random_moe_weights(c, 37);
@@ -304,14 +310,7 @@ TEST(GpuEngineDeferredRouting, EqualsReadingAtOnceAndReportsNaNAtTheBackward) {
 TEST(GpuEngineGraphCapture, InferenceForwardReplaysEqualEagerAndTheRestIsRefused) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   if (detect_process_env().world > 1) GTEST_SKIP() << "one process";
-  MoeConfig c;
-  c.tokens = 1000;
-  c.hidden = 512;
-  c.ffn = 768;
-  c.experts = 8;
-  c.top_k = 2;
-  c.activation = Activation::swiglu;
-  c.dtype = DType::bf16;
+  const MoeConfig c = own_gemm_layer_config();
   const MoeWeights w = random_moe_weights(c, 71);
   const int64_t n = c.tokens * c.hidden;
   Rng rng(73);
