@@ -17,9 +17,12 @@ std::string printable(const std::string& message) {
   out.reserve(message.size());
   for (const char ch : message) {
     const auto c = static_cast<unsigned char>(ch);
-    if ((c < 0x20 && c != '\n' && c != '\t') || c == 0x7f)
-      out += fmt::format("\\u{:04x}", unsigned(c));
-    else
+    if ((c < 0x20 && c != '\n' && c != '\t') || c == 0x7f) {
+      constexpr char kHex[] = "0123456789abcdef";
+      out += "\\u00";
+      out += kHex[c >> 4];
+      out += kHex[c & 0xf];
+    } else
       out += ch;
   }
   return out;

@@ -192,7 +192,12 @@ TEST_F(BadInput, WholeModelErrorsCarryNoSourceLocation) {
   expect_user_error(run_cli(eval + p("flat.st")), "expected [batch >= 1, seq >= 2]", "1-D tokens");
   expect_user_error(run_cli(eval + p("oov.st")), "outside the vocabulary", "token out of range");
   expect_user_error(run_cli(eval + p("odd.st") + " --world 2"), "split evenly", "batch over world");
-  expect_user_error(run_cli(eval + p("odd.st") + " --engine tpu"), "allowed: cpu, cuda", "eval engine");
+  expect_user_error(run_cli(eval + p("odd.st") + " --engine tpu"), "allowed: cpu, cuda (aliases ep, gpu)", "eval engine");
+  // One vocabulary with run and bench: ep names the GPU model (its MoE layers are EP's), the same rules follow;
+  // flash is refused naming where it runs.
+  expect_user_error(run_cli(eval + p("odd.st") + " --engine ep --world 2"), "but this GPU job has 1 ranks",
+                    "eval --engine ep: the GPU model's rule");
+  expect_user_error(run_cli(eval + p("odd.st") + " --engine flash"), "Flash runs single layers", "eval --engine flash");
   expect_user_error(run_cli(eval + p("odd.st") + " --dtype bf16"), "allowed: f32 (cpu, cuda), bf16 (cuda)",
                     "bf16 eval on the CPU engine");
   // A layer file is not a model; a model config without a required key.

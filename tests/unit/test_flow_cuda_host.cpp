@@ -205,7 +205,10 @@ TEST(FlowCudaHost, MeasureEngineCudaBadInputNamesWhatIsAllowed) {
     EXPECT_NE(r.status, 0) << args;
     EXPECT_NE(r.output.find(needle), std::string::npos) << args << "\n" << r.output;
   };
-  fails_with("flow measure --config tiny --engine gpu", "--engine gpu: allowed: cpu, cuda");
+  fails_with("flow measure --config tiny --engine tpu", "--engine 'tpu' is not an engine; allowed: cpu, cuda (aliases ep, gpu)");
+  fails_with("flow measure --config tiny --engine flash", "--engine flash: the whole model runs its MoE layers on the EP");
+  // ep and gpu name the GPU executor (one vocabulary with run and bench): its own rules apply.
+  fails_with("flow measure --config tiny --engine ep --dtype f16", "--dtype f16: allowed: f32, bf16");
   fails_with("flow measure --config tiny --engine cuda --dtype f16", "--dtype f16: allowed: f32, bf16");
   fails_with("flow measure --config tiny --engine cuda --batch 4 --measure-r 1,3", "--measure-r 3: must divide --batch 4");
   fails_with("flow measure --config tiny --engine cuda --batch 4 --schedule all --micro-batches 3",

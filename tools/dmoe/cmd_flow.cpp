@@ -723,7 +723,7 @@ Command add_flow_command(CLI::App& app) {
                   "fitted)")->capture_default_str();
   sub->add_option("--steps", o->steps, "measure: steps per R (median)");
   sub->add_option("--costs-out", o->costs_out, "measure: write the fitted cost file here");
-  sub->add_option("--engine", o->engine, "measure: cpu (the CPU executor, simulated ranks) or cuda (the GPU executor; "
+  sub->add_option("--engine", o->engine, "measure: cpu (the CPU executor, simulated ranks) or cuda (aliases ep, gpu: the GPU executor; "
                   "ranks: dmoe launch -n W)");
   sub->add_option("--dtype", o->dtype, "measure --engine cuda: f32 or bf16");
   return [o, sub] {
@@ -735,6 +735,7 @@ Command add_flow_command(CLI::App& app) {
     o->experts_given = sub->count("--experts") > 0;
     if (o->action == "project" && sub->count("--link") == 0) o->link = "shared";
     o->measure_r = parse_measure_r(o->measure_r_text);
+    if (o->action == "measure") o->engine = model_engine(o->engine);  // before the options' applicability (cuda)
     check_options_of_action(*sub, *o);
     o->link_model = parse_link(o->link);
     // Outputs are checked before any work, and none may be one of the inputs (--trace onto --costs would
@@ -756,7 +757,6 @@ Command add_flow_command(CLI::App& app) {
     }
     if (o->action == "measure") {
       require_distinct_files(outputs, {{"--config", find_model_config_file(o->model_config)}});
-      DMOE_REQUIRE_INPUT(o->engine == "cpu" || o->engine == "cuda", "--engine {}: allowed: cpu, cuda", o->engine);
       if (o->engine == "cuda") return measure_cuda_command(*o);
       return measure_command(*o);
     }

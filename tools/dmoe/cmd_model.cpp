@@ -152,13 +152,11 @@ Command add_eval_command(CLI::App& app) {
   sub->add_flag("--grad", o->grad, "also run backward and write grad.<HF name> for every parameter");
   sub->add_option("--world", o->world, "ranks: batch split over ranks, experts sharded E/W (cpu: threads; cuda: the job's processes)")
       ->check(Range(1, 4096));
-  sub->add_option("--engine", o->engine, "cpu (ranks as threads) | cuda (alias gpu; this process's GPU; W > 1: one process per rank, "
+  sub->add_option("--engine", o->engine, "cpu (ranks as threads) | cuda (aliases ep, gpu; this process's GPU; W > 1: one process per rank, "
                   "dmoe launch -n W)");
   sub->add_option("--dtype", o->dtype, "cuda: f32 | bf16 (the weights and activations the kernels use)");
   return [o] {
-    if (o->engine == "gpu") o->engine = "cuda";
-    DMOE_REQUIRE_INPUT(o->engine == "cpu" || o->engine == "cuda", "--engine '{}' is not an engine; allowed: cpu, cuda",
-                       o->engine);
+    o->engine = model_engine(o->engine);
     DMOE_REQUIRE_INPUT(o->dtype == "f32" || (o->dtype == "bf16" && o->engine == "cuda"),
                        "--dtype '{}' is not allowed with --engine {}; allowed: f32 (cpu, cuda), bf16 (cuda)", o->dtype,
                        o->engine);

@@ -114,7 +114,7 @@ Command add_train_command(CLI::App& app) {
   sub->add_option("--world", o->world, "simulated ranks (batch split, experts sharded E/W)")->check(Range(1, 4096));
   sub->add_option("--micro-batches", o->micro_batches, "split each rank's share into R micro-batches (all "
                   "forwards, then all backwards; gradients averaged)")->check(Range(1, 1 << 20));
-  sub->add_option("--engine", *engine, "cpu (ranks as threads, --world of them) | cuda (alias gpu; this process is "
+  sub->add_option("--engine", *engine, "cpu (ranks as threads, --world of them) | cuda (aliases ep, gpu; this process is "
                   "one rank of a GPU job: dmoe launch -n W / mpirun, --world W)");
   sub->add_option("--dtype", *dtype, "f32 | bf16 (cuda: the weights and activations the kernels use; master weights "
                   "and AdamW moments stay f32)");
@@ -157,9 +157,7 @@ Command add_train_command(CLI::App& app) {
     DMOE_REQUIRE_INPUT(chunk->count() == 0 || o->schedule == "chunked-ar", "train: --chunk-bytes is the chunk of "
                        "--schedule chunked-ar (this run: {}; tuned chooses it)",
                        o->schedule.empty() ? "no --schedule" : "--schedule " + o->schedule);
-    if (*engine == "gpu") *engine = "cuda";
-    DMOE_REQUIRE_INPUT(*engine == "cpu" || *engine == "cuda", "--engine '{}' is not an engine; allowed: cpu, cuda",
-                       *engine);
+    *engine = model_engine(*engine);
     DMOE_REQUIRE_INPUT(*dtype == "f32" || *dtype == "bf16", "--dtype '{}' is not allowed; allowed: f32, bf16", *dtype);
     o->engine = *engine;
     o->dtype = parse_dtype(*dtype);

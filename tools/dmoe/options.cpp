@@ -198,6 +198,15 @@ void check_cpu_engine_cost(const MoeConfig& c, int forward_calls, int backward_c
                  format_bytes(backward_calls > 0 ? both.bytes : fwd.bytes).c_str());
 }
 
+std::string model_engine(const std::string& given, const char* option) {
+  if (given == "cpu" || given == "cuda") return given;
+  if (given == "gpu" || given == "ep") return "cuda";
+  DMOE_REQUIRE_INPUT(given != "flash", "{} flash: the whole model runs its MoE layers on the EP engine (cuda); Flash "
+                     "runs single layers (dmoe run / bench layer --engine flash, dmoe.MoELayer(engine='flash')); "
+                     "allowed: cpu, cuda (aliases ep, gpu)", option);
+  DMOE_FAIL_INPUT("{} '{}' is not an engine; allowed: cpu, cuda (aliases ep, gpu)", option, given);
+}
+
 void require_prefix_ends_with_dot(const std::string& prefix) {
   DMOE_REQUIRE_INPUT(prefix.empty() || prefix.back() == '.',
                      "--prefix '{}' must end with '.': tensor names are the prefix followed by 'gate.weight', "
