@@ -5,21 +5,28 @@ kernels' time per step (torch.profiler over 5 more steps), the host synchronisat
 top kernels, and the host thread's top entries by self CPU time. Wall well above the kernels' time means the step is host-bound (the GPU idles between launches).
 Not a benchmark of record (gpu_check.py's is); a diagnostic, docs/perf.md (thirteenth session).
 
-    PYTHONPATH=build/python python3 bench/module_step_profile.py
+    PYTHONPATH=build/python python3 bench/module_step_profile.py [--tokens 512,4096] [--models stock,dmoe,flash]
 """
-import copy, sys, json, torch, transformers, dmoe
+import argparse, copy, sys, json, torch, transformers, dmoe
 from torch.profiler import profile, ProfilerActivity
-def build(tokens):
+def build(tokens, names):
     cfg = transformers.MixtralConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=1,
                                      num_attention_heads=32, num_key_value_heads=8, num_local_experts=8,
                                      num_experts_per_tok=2, max_position_embeddings=max(tokens, 4096))
     torch.manual_seed(0)
     stock = transformers.MixtralForCausalLM(cfg).to("cuda", torch.bfloat16)
-    mine = copy.deepcopy(stock); dmoe.hf.replace_moe_blocks(mine, engine="ep")
-    fl = copy.deepcopy(stock); dmoe.hf.replace_moe_blocks(fl, engine="flash")
-    return {"stock": stock, "dmoe": mine, "flash": fl}
-for tokens in (512, 4096):
-    models = build(tokens)
+    models = {"stock": stock}
+    for name, engine in (("dmoe", "ep"), ("flash", "flash")):
+        if name in names:
+            models[name] = copy.deepcopy(stock)
+            dmoe.hf.replace_moe_blocks(models[name], engine=engine)
+    return {n: m for n, m in models.items() if n in names}
+ap = argparse.ArgumentParser()
+ap.add_argument("--tokens", default="512,4096")
+ap.add_argument("--models", default="stock,dmoe,flash")
+args = ap.parse_args()
+for tokens in (int(t) for t in args.tokens.split(",")):
+    models = build(tokens, args.models.split(","))
     ids = torch.randint(0, 32000, (1, tokens), device="cuda")
     for name, m in models.items():
         m.train()

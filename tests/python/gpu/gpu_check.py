@@ -394,6 +394,7 @@ def main():
     ap.add_argument("out", help="directory for results.json and summary.txt")
     ap.add_argument("--quick", action="store_true", help="fewer steps and repeats")
     ap.add_argument("--skip-bench", action="store_true")
+    ap.add_argument("--only-bench", action="store_true", help="the benchmark alone (no checks)")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                     help="cpu: a dry run of the f32 checks on the CPU engine (no bf16, graphs or benchmark)")
     args = ap.parse_args()
@@ -425,6 +426,8 @@ def main():
         ]
     else:
         args.skip_bench = True
+    if args.only_bench:
+        sections = []
     for name, fn in sections:
         try:
             fn()
