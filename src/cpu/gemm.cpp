@@ -132,6 +132,8 @@ void grouped_wgrad(const GroupedWgrad& g) {
                g.groups, g.m, g.n);
   DMOE_REQUIRE(g.lda >= g.m && g.ldb >= g.n, "grouped_wgrad: lda = {} < m = {} or ldb = {} < n = {}", g.lda, g.m,
                g.ldb, g.n);
+  DMOE_REQUIRE(g.c_bf16 == nullptr || !g.accumulate,
+               "grouped_wgrad: a bf16 C is stored, not accumulated into (accumulate must be false)");
   if (g.groups == 0) return;
   DMOE_REQUIRE(g.row_offsets[0] >= g.a_first_row && g.row_offsets[0] >= g.b_first_row,
                "grouped_wgrad: the first group starts at row {}, before a's first row {} or b's {}", g.row_offsets[0],
@@ -152,6 +154,11 @@ void grouped_wgrad(const GroupedWgrad& g) {
         double* out = acc.data() + i * g.n;
         for (int64_t j = 0; j < g.n; ++j) out[j] += x * double(brow[j]);
       }
+    }
+    if (g.c_bf16 != nullptr) {
+      bfloat16* c = g.c_bf16 + int64_t(e) * g.c_group_stride;
+      for (int64_t i = 0; i < g.m * g.n; ++i) c[i] = float_to_bf16(float(acc[i]));
+      continue;
     }
     float* c = g.c + int64_t(e) * g.c_group_stride;
     for (int64_t i = 0; i < g.m * g.n; ++i) c[i] = float(g.accumulate ? acc[i] + double(c[i]) : acc[i]);

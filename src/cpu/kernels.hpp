@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "core/config.hpp"
+#include "core/dtype.hpp"
 #include "core/flash_protocol.hpp"
 
 namespace dmoe::cpu {
@@ -44,6 +45,7 @@ struct GroupedWgrad {
   const float* a = nullptr;
   const float* b = nullptr;
   float* c = nullptr;
+  bfloat16* c_bf16 = nullptr;  // where set, C is stored here as bf16 (the float result rounded; accumulate false)
   const int64_t* row_offsets = nullptr;  // [groups + 1]
   int32_t groups = 0;
   int64_t m = 0, n = 0, lda = 0, ldb = 0;

@@ -175,6 +175,9 @@ struct GroupedWgrad {
   const __nv_bfloat16* a = nullptr;
   const __nv_bfloat16* b = nullptr;
   float* c = nullptr;
+  // Where set, C is stored here as bf16 instead (each f32 sum rounded once; accumulate must be false, and c is
+  // not used): the sm90 kernel only (the gradients of bf16 experts as the PyTorch module keeps them).
+  __nv_bfloat16* c_bf16 = nullptr;
   const int64_t* row_offsets = nullptr;
   int32_t groups = 0;
   int64_t m = 0, n = 0, lda = 0, ldb = 0;
@@ -183,7 +186,8 @@ struct GroupedWgrad {
   bool accumulate = true;
 };
 // True where it can run: an sm_80+ GPU with the kernel in this build, m, n, lda, ldb multiples of 8,
-// 16-byte aligned pointers. The mma.sync kernel (sm_80-class GPUs; on sm_90 the TMA + wgmma one below).
+// 16-byte aligned pointers, f32 C (no c_bf16). The mma.sync kernel (sm_80-class GPUs; on sm_90 the TMA + wgmma
+// one below).
 bool grouped_wgrad_usable(const GroupedWgrad& g);
 size_t grouped_wgrad_scratch_bytes(int32_t groups);
 void grouped_wgrad(const CudaContext& ctx, void* scratch, const GroupedWgrad& g);
@@ -197,8 +201,8 @@ bool check_wgrad_call(const GroupedWgrad& g, const char* who);
 // alone), on TMA + wgmma: persistent CTAs over a tile table, two consumer warpgroups taking alternate
 // 128×128 tiles so that one's stores overlap the other's products.
 // True where it can run: an sm_90 GPU and a build for sm_90a, m, n, lda, ldb multiples of 8, lda >= m,
-// ldb >= n, 16-byte aligned a, b and c, c_group_stride a multiple of 4, fewer than 2^31 - 64 rows from a's
-// (and b's) first row to the last group's end.
+// ldb >= n, 16-byte aligned a, b and c (or c_bf16, with accumulate false), c_group_stride a multiple of 4,
+// fewer than 2^31 - 64 rows from a's (and b's) first row to the last group's end.
 bool sm90_grouped_wgrad_usable(const GroupedWgrad& g);
 size_t sm90_grouped_wgrad_scratch_bytes(int32_t groups);
 struct Sm90WgradTuning {
@@ -214,7 +218,8 @@ void grouped_wgrad(const GroupedWgrad& g, const CudaContext& ctx);
 // Which kernel the backward pass's bf16 weight gradients take (DMOE_WGRAD; measurements in gemm.cpp):
 //   auto (default)  by mean multiply-adds per expert product (bounds and measurements in gemm.cpp): mma below
 //                   kMmaWgradMaxMeanMacs, the TMA + wgmma kernel (sm90) below kSm90WgradMaxMeanMacs, else cublas;
-//                   where sm90 cannot run, mma below kMmaOverCublasMaxMeanMacs
+//                   where sm90 cannot run, mma below kMmaOverCublasMaxMeanMacs; bf16 gradients (c_bf16, which
+//                   the mma.sync kernel does not store): cublas (the sm90 kernel's bf16 store measured slower)
 //   own             the sm90 kernel wherever usable, else the mma.sync kernel
 //   sm90            the TMA + wgmma kernel wherever usable
 //   mma             the mma.sync kernel wherever usable

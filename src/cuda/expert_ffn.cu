@@ -376,11 +376,15 @@ void expert_ffn_backward(const T* x, const T* w1, const T* w3, const T* w2, cons
   // grouped_wgrad; cuBLAS has no grouped bf16 × bf16 → f32 form, its path is one call per expert).
   // c_g [m, n] (+)= a_g^T · b_g over the experts' rows (a and b indexed like the offsets, from a_first / 0).
   // Generic, so that it is instantiated only for bf16 (the kernels' input type).
-  auto wgrad_call = [&](const auto* a, int64_t a_first, int64_t m, const auto* b, int64_t n, float* c) {
+  // c: f32 elements, or bf16 where dw_bf16 (then stored, never accumulated: checked above).
+  auto wgrad_call = [&](const auto* a, int64_t a_first, int64_t m, const auto* b, int64_t n, void* c) {
     GroupedWgrad g;
     g.a = a;
     g.b = b;
-    g.c = c;
+    if (dw_bf16)
+      g.c_bf16 = static_cast<__nv_bfloat16*>(c);
+    else
+      g.c = static_cast<float*>(c);
     g.row_offsets = expert_offsets;
     g.groups = local_experts;
     g.m = m;
@@ -394,22 +398,20 @@ void expert_ffn_backward(const T* x, const T* w1, const T* w3, const T* w2, cons
   };
   WgradKernel wgrad_kernel = WgradKernel::cublas;
   if constexpr (std::is_same_v<T, bf16>) {
-    if (!dw_bf16) {  // bf16 gradients: cuBLAS (gemm_rm_grouped: grouped call or loop) stores them; the own kernels
-                     // store f32 only, so DMOE_WGRAD does not apply
-      const double mean_macs = double(hidden) * double(ffn) * double(rows) / double(std::max<int64_t>(active, 1));
-      std::vector<GroupedWgrad> calls{wgrad_call(dout, 0, hidden, h, ffn, static_cast<float*>(dw2)),
-                                      wgrad_call(dpre1, row_begin, ffn, x, hidden, static_cast<float*>(dw1))};
-      if (swiglu) calls.push_back(wgrad_call(dpre3, row_begin, ffn, x, hidden, static_cast<float*>(dw3)));
-      wgrad_kernel = pick_wgrad_kernel(mean_macs, calls);
-    }
+    // f32 gradients: any of the kernels; bf16 gradients: cuBLAS, or the sm90 kernel where DMOE_WGRAD=sm90 forces it
+    // (its bf16 store measured slower: gemm.cpp).
+    const double mean_macs = double(hidden) * double(ffn) * double(rows) / double(std::max<int64_t>(active, 1));
+    std::vector<GroupedWgrad> calls{wgrad_call(dout, 0, hidden, h, ffn, dw2),
+                                    wgrad_call(dpre1, row_begin, ffn, x, hidden, dw1)};
+    if (swiglu) calls.push_back(wgrad_call(dpre3, row_begin, ffn, x, hidden, dw3));
+    wgrad_kernel = pick_wgrad_kernel(mean_macs, calls);
   }
   auto wgrad = [&](const T* a, int64_t a_first, int64_t m, const T* b, int64_t n, void* c,
                    const std::vector<GemmProblem>& loop_problems) {
     if constexpr (std::is_same_v<T, bf16>) {
-      float* cf = static_cast<float*>(c);  // the own kernels are chosen for f32 gradients only (above)
       if (wgrad_kernel == WgradKernel::sm90)
-        return sm90_grouped_wgrad(ctx, ws + off_wgrad, wgrad_call(a, a_first, m, b, n, cf));
-      if (wgrad_kernel == WgradKernel::mma) return grouped_wgrad(ctx, ws + off_wgrad, wgrad_call(a, a_first, m, b, n, cf));
+        return sm90_grouped_wgrad(ctx, ws + off_wgrad, wgrad_call(a, a_first, m, b, n, c));
+      if (wgrad_kernel == WgradKernel::mma) return grouped_wgrad(ctx, ws + off_wgrad, wgrad_call(a, a_first, m, b, n, c));
     }
     gemm_rm_grouped(ctx, pointers, true, false, m, n, n, 1.f, beta_w, type, type, dw_bf16 ? type : CUDA_R_32F,
                     loop_problems);

@@ -93,12 +93,30 @@ ExpertGemmMode expert_gemm_mode() {
   return mode;
 }
 
+// How many side streams DMOE_EXPERT_GEMM=streams spreads the products over: DMOE_EXPERT_GEMM_STREAMS (1 to
+// kMaxSideStreams, default kMaxSideStreams); fewer streams keep fewer products running side by side.
+int side_stream_count() {
+  static const int count = [] {
+    const char* v = std::getenv("DMOE_EXPERT_GEMM_STREAMS");
+    if (!v || !*v) return kMaxSideStreams;
+    char* end = nullptr;
+    const long n = std::strtol(v, &end, 10);
+    if (*end != '\0' || n < 1 || n > kMaxSideStreams)
+      fail(__FILE__, __LINE__, "DMOE_EXPERT_GEMM_STREAMS=%s is not supported; allowed: an integer from 1 to %d", v,
+           kMaxSideStreams);
+    return int(n);
+  }();
+  return count;
+}
+
 // Side streams are opt-in (DMOE_EXPERT_GEMM=streams); auto never picks them. Measured on H200
 // (docs/perf.md, 2026-11-29), whole-layer forward, grouped / loop / streams: flash-paper (1.07 G MACs
 // per expert product) 1.248 / 1.306 / 1.137 ms, but streams measured 1.78 and 1.28 ms in a later run
 // (grouped stays at 1.25); fine-grained (0.40 G) 1.509 / 3.323 / 3.406 ms; decode (0.10 G)
 // 0.849 / 2.989 / 3.271 ms. cuBLAS's kernels for these shapes do not reliably run side by side, so the
 // gain is neither large nor stable; the grouped kernel of our own (below) replaced them for small products.
+// Nor do they fill the tails of Mixtral's large products (60 G per expert, T = 4096 forward + backward through
+// the PyTorch module, sixteenth session): 14.4-14.7 ms on 2, 4, 8 or 16 streams against 14.25 one after another.
 
 // The own kernel (grouped_gemm_sm90.cu) against cuBLAS, whole-layer forward on H200 (docs/perf.md,
 // 2026-11-29), by mean multiply-adds per expert product:
@@ -142,6 +160,14 @@ constexpr double kOwnMaxMeanMacs = 4e9;
 constexpr double kMmaWgradMaxMeanMacs = 2.5e8;
 constexpr double kSm90WgradMaxMeanMacs = 6e9;
 constexpr double kMmaOverCublasMaxMeanMacs = 1.5e9;
+// bf16 gradients (the PyTorch module's, stored without an f32 copy): cuBLAS's path is one cublasGemmEx per
+// expert and product, each ~15-20 µs of host time on the H200 machine (a memset, the launch and an event
+// record inside cuBLAS: 24 calls, ~430 µs of the T = 512 Mixtral backward's host time), where the sm90 kernel
+// is one launch per product. Measured (docs/perf.md, sixteenth session; Mixtral H 4096, I 14336, E 8, the
+// three products of a backward): sm90 bf16 2.68 ms at T = 64, 256 and 512 against cuBLAS's 0.92-1.07 ms,
+// 0.685 vs 0.561 ms at T = 1 — its bf16 store (4-byte pairs, half a sector per quad and row) moves ~1 TB/s.
+// So auto leaves bf16 gradients on cuBLAS (DMOE_WGRAD=sm90 forces the kernel) until that store is wider.
+constexpr double kSm90Bf16WgradMaxMeanMacs = 0;
 
 WgradKernel pick_wgrad_kernel(double mean_macs, const std::vector<GroupedWgrad>& calls) {
   enum Mode { automatic, own, sm90, mma, cublas };
@@ -172,6 +198,8 @@ WgradKernel pick_wgrad_kernel(double mean_macs, const std::vector<GroupedWgrad>&
       if (usable_mma) return WgradKernel::mma;
       break;
     case automatic:
+      if (!calls.empty() && calls.front().c_bf16 != nullptr)
+        return mean_macs < kSm90Bf16WgradMaxMeanMacs && usable_sm90 ? WgradKernel::sm90 : WgradKernel::cublas;
       if (mean_macs < kMmaWgradMaxMeanMacs && usable_mma) return WgradKernel::mma;
       if (mean_macs < kSm90WgradMaxMeanMacs && usable_sm90) return WgradKernel::sm90;
       if (mean_macs < kMmaOverCublasMaxMeanMacs && usable_mma) return WgradKernel::mma;
@@ -188,7 +216,9 @@ const char* wgrad_kernel_name(WgradKernel k) {
 // DMOE_DGRAD: the input-gradient products of the backward pass (dh = dout·w2, dx = dpre1·w1 + dpre3·w3) on
 // the own kernel's NN variant. Default auto, with the forward's bound kOwnMaxMeanMacs: measured on the H200
 // (docs/perf.md, ninth session) dh and dx ran 1.96× (flash-paper) and 1.7-2.2× (fine-grained) faster than
-// cuBLAS's grouped call, whose shapes the forward's bound also sends to the own kernel.
+// cuBLAS's grouped call, whose shapes the forward's bound also sends to the own kernel. Above it, at Mixtral's
+// T = 512 backward (7.5 G per product), the own kernel took 0.96 ms against cuBLAS's ~0.75 (sixteenth session),
+// although its two launches save most of cuBLAS's 24 calls' ~400 µs of host time.
 bool prefer_own_dgrad(double mean_macs) {
   static const int mode = [] {  // 0 auto, 1 own, 2 cublas
     const char* v = std::getenv("DMOE_DGRAD");
@@ -262,7 +292,7 @@ void gemm_rm_grouped(const CudaContext& ctx, void* pointer_scratch, bool trans_a
 
   if (use_streams) {
     SideStreams& side = side_streams();
-    const int n_streams = int(std::min<size_t>(problems.size(), kMaxSideStreams));
+    const int n_streams = int(std::min<size_t>(problems.size(), size_t(side_stream_count())));
     DMOE_CHECK_CUDA(cudaEventRecord(side.fork, ctx.stream));
     for (int s = 0; s < n_streams; ++s) DMOE_CHECK_CUDA(cudaStreamWaitEvent(side.streams[s], side.fork, 0));
     for (size_t i = 0; i < problems.size(); ++i) {

@@ -225,7 +225,7 @@ bool kernel_built_for_device() {
 }  // namespace
 
 bool grouped_wgrad_usable(const GroupedWgrad& g) {
-  if (g.groups <= 0 || g.m <= 0 || g.n <= 0) return false;
+  if (g.groups <= 0 || g.m <= 0 || g.n <= 0 || g.c_bf16 != nullptr) return false;  // f32 C only
   if (g.m % 8 != 0 || g.n % 8 != 0 || g.lda % 8 != 0 || g.ldb % 8 != 0) return false;
   if (!is_aligned(g.a, 16) || !is_aligned(g.b, 16) || !is_aligned(g.c, 16)) return false;
   // Grid: column tiles in x (< 2^31), row tiles in y and groups in z (< 2^16).

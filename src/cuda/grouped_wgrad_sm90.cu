@@ -1,7 +1,8 @@
 // cuda/grouped_wgrad_sm90.cu — the experts' weight gradients on Hopper (sm_90a): for every group g with rows,
 // C_g [m, n] (+)= A_g^T · B_g, A_g [rows_g, m] and B_g [rows_g, n] the group's rows of two row-major bf16
-// activation matrices, f32 accumulation and output. Same descriptor and semantics as the mma.sync kernel
-// (GroupedWgrad, grouped_wgrad.cu), which stays for sm_80-class GPUs.
+// activation matrices, f32 accumulation and output (or, with c_bf16, bf16 output: each f32 sum rounded once, for
+// the PyTorch module's bf16 expert gradients). Same descriptor and semantics as the mma.sync kernel
+// (GroupedWgrad, grouped_wgrad.cu), which stays for sm_80-class GPUs (f32 output only).
 //
 // Why: the mma.sync kernel runs one CTA per 128×128 tile and writes its f32 tile only after its products,
 // so the SM's tensor cores idle during the stores and its DRAM writes idle during the products: measured
@@ -94,14 +95,15 @@ constexpr int kStages = kStagesFit < 8 ? kStagesFit : 8;
 constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kBarBytes;
 static_assert(kStages >= 4 && kSmemBytes <= kMaxSmem, "slots do not fit in shared memory");
 
-// How C is written: store (accumulate = false), load-add-store, or reductions at L2.
-enum WgradMode : int { kStore = 0, kLoadAdd = 1, kRed = 2 };
+// How C is written: store (accumulate = false), load-add-store, reductions at L2, or stored as bf16 (c_bf16).
+enum WgradMode : int { kStore = 0, kLoadAdd = 1, kRed = 2, kStoreBf16 = 3 };
 
 struct WgradSm90Params {
   const int64_t* row_offsets;  // [groups + 1], as given
   const int32_t* active;       // [tiles / tiles_per_group] the groups with rows, in order
   int32_t* tile_counter;       // the dynamic schedule's next-tile counter, zeroed before the launch
   float* c;
+  __nv_bfloat16* c_bf16;       // kStoreBf16: C's bf16 elements (c unused)
   int64_t c_stride;            // elements between consecutive groups' C
   int64_t a_first, b_first;    // the offsets' row number of a's and b's row 0
   int32_t m, n;
@@ -201,7 +203,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (t < 0) break;
         next = int32_t(gridDim.x) + atomicAdd(p.tile_counter, 1);  // its latency hides behind the loads
         const WgradTile tc = decode_tile(p, t);
-        if constexpr (kMode != kStore) {
+        if constexpr (kMode == kLoadAdd || kMode == kRed) {
           // C's tile rows into L2 now; the owning consumer reads (or reduces into) them after this tile's
           // main loop, which starts once the previous tile's slots drain.
           const float* c_tile = p.c + int64_t(tc.group) * p.c_stride + int64_t(tc.m0) * p.n + tc.n0;
@@ -334,6 +336,21 @@ __global__ void __launch_bounds__(kThreads, 1)
             rows_add(std::integral_constant<int, 1>{});
           else
             rows_add(std::integral_constant<int, 2>{});
+        } else if constexpr (kMode == kStoreBf16) {
+          // Each f32 pair rounded once to a bf16 pair (4 bytes; a quad writes 16 contiguous bytes of a row).
+          __nv_bfloat16* b_group = p.c_bf16 + int64_t(tc.group) * p.c_stride;
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int row = row_base + 8 * half;
+            if (row >= p.m) continue;
+            __nv_bfloat16* dst = b_group + int64_t(row) * p.n + col_in;
+#pragma unroll
+            for (int j = 0; j < 16; ++j) {
+              if (j >= cols_left) continue;
+              __stcs(reinterpret_cast<__nv_bfloat162*>(dst + 8 * j),
+                     __floats2bfloat162_rn(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]));
+            }
+          }
         } else {
 #pragma unroll
           for (int half = 0; half < 2; ++half) {
@@ -388,7 +405,9 @@ bool sm90_grouped_wgrad_usable(const GroupedWgrad& g) {
   // of C rows (n % 8, c_group_stride % 4).
   if (g.m % 8 != 0 || g.n % 8 != 0 || g.lda % 8 != 0 || g.ldb % 8 != 0 || g.lda < g.m || g.ldb < g.n) return false;
   if (g.c_group_stride % 4 != 0) return false;
-  if (!is_aligned(g.a, 16) || !is_aligned(g.b, 16) || !is_aligned(g.c, 16)) return false;
+  const void* c = g.c_bf16 != nullptr ? static_cast<const void*>(g.c_bf16) : static_cast<const void*>(g.c);
+  if (!is_aligned(g.a, 16) || !is_aligned(g.b, 16) || !is_aligned(c, 16)) return false;
+  if (g.c_bf16 != nullptr && g.accumulate) return false;  // bf16 C is stored, never added to
   // TMA coordinates (rows of a and b, columns) and the tile fields are 32-bit.
   const int64_t first = std::min(g.a_first_row, g.b_first_row);
   if (g.row_offsets[g.groups] - first >= (int64_t(1) << 31) - kBK || g.m >= (int64_t(1) << 31) - kTileM ||
@@ -412,7 +431,7 @@ void sm90_grouped_wgrad(const CudaContext& ctx, void* scratch, const GroupedWgra
   DMOE_CUDA_REQUIRE(sm90_grouped_wgrad_usable(g),
                     "sm90_grouped_wgrad: not usable here (needs an sm_90 GPU, a build for sm_90a, m, n, lda, ldb "
                     "multiples of 8 — m = %lld, n = %lld, lda = %lld, ldb = %lld — lda >= m, ldb >= n, 16-byte "
-                    "aligned pointers and c_group_stride a multiple of 4)",
+                    "aligned pointers and c_group_stride a multiple of 4; a bf16 C is stored, not accumulated)",
                     (long long)g.m, (long long)g.n, (long long)g.lda, (long long)g.ldb);
   std::vector<int32_t> active;
   for (int32_t e = 0; e < g.groups; ++e)
@@ -426,6 +445,7 @@ void sm90_grouped_wgrad(const CudaContext& ctx, void* scratch, const GroupedWgra
   p.tiles_per_group = int32_t((g.m + kTileM - 1) / kTileM) * p.n_tiles;
   p.tiles = p.tiles_per_group * int32_t(active.size());
   p.c = g.c;
+  p.c_bf16 = g.c_bf16;
   p.c_stride = g.c_group_stride;
   p.a_first = g.a_first_row;
   p.b_first = g.b_first_row;
@@ -447,6 +467,7 @@ void sm90_grouped_wgrad(const CudaContext& ctx, void* scratch, const GroupedWgra
   const int64_t end = g.row_offsets[g.groups];
   const CUtensorMap map_a = make_rowmajor_panel_map(g.a, end - g.a_first_row, g.m, g.lda, kBK);
   const CUtensorMap map_b = make_rowmajor_panel_map(g.b, end - g.b_first_row, g.n, g.ldb, kBK);
+  if (g.c_bf16 != nullptr) return launch<kStoreBf16>(ctx, map_a, map_b, p);
   if (!g.accumulate) return launch<kStore>(ctx, map_a, map_b, p);
   const int mode = t.accumulate == 0 ? accumulate_mode_from_env() : t.accumulate;
   if (mode == kRed) return launch<kRed>(ctx, map_a, map_b, p);

@@ -259,6 +259,55 @@ TEST_P(CudaKernelsGroupedWgrad, Sm90MatchesMmaKernel) {
   expect_matches(pr, c90, cmma, ref.mag, 2.0, "the mma.sync kernel");
 }
 
+// The bf16 store (c_bf16, the PyTorch module's bf16 expert gradients) on the same inputs as the f32 store: every
+// written element is the f32 store's value rounded once to bf16 (the same sums, only the store differs), and a
+// group without rows and the padding keep their initial bits. Store shapes only (a bf16 C is never
+// accumulated: the kernel refuses, and the mma.sync kernel takes no bf16 C).
+TEST_P(CudaKernelsGroupedWgrad, Sm90Bf16StoreIsTheF32StoreRounded) {
+  if (!has_cuda_device()) GTEST_SKIP() << "no CUDA device";
+  const auto [shape, kernel] = GetParam();
+  if (kernel != Kernel::sm90 || shape.accumulate) GTEST_SKIP() << "once per store shape (the sm90 parameter)";
+  const uint64_t seed = std::random_device{}();
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  const WgradProblem pr(shape, seed);
+  std::vector<float> c32;
+  std::string error;
+  if (!run_on_gpu(Kernel::sm90, pr, c32, error)) GTEST_SKIP() << "needs an sm_90 GPU and a build for sm_90a";
+  ASSERT_TRUE(error.empty()) << error;
+  DeviceRun run;
+  cuda::GroupedWgrad g;
+  g.a = static_cast<const __nv_bfloat16*>(run.upload(pr.a.data(), pr.a.size() * 2));
+  g.b = static_cast<const __nv_bfloat16*>(run.upload(pr.b.data(), pr.b.size() * 2));
+  std::vector<uint16_t> c16(pr.c0.size());
+  for (size_t i = 0; i < c16.size(); ++i) c16[i] = float_to_bf16(pr.c0[i]).bits;
+  g.c_bf16 = static_cast<__nv_bfloat16*>(run.upload(c16.data(), c16.size() * 2));
+  describe(g, pr, false);
+  ASSERT_TRUE(cuda::sm90_grouped_wgrad_usable(g));
+  g.accumulate = true;
+  EXPECT_FALSE(cuda::sm90_grouped_wgrad_usable(g)) << "a bf16 C must not be accumulated into";
+  EXPECT_FALSE(cuda::grouped_wgrad_usable(g)) << "the mma.sync kernel stores f32 only";
+  g.accumulate = false;
+  void* scratch = run.workspace.reserve(cuda::sm90_grouped_wgrad_scratch_bytes(g.groups), run.ctx.stream);
+  cuda::sm90_grouped_wgrad(run.ctx, scratch, g);
+  ASSERT_EQ(cudaStreamSynchronize(run.ctx.stream), cudaSuccess);
+  std::vector<uint16_t> got(c16.size());
+  ASSERT_EQ(cudaMemcpy(got.data(), g.c_bf16, got.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+  int64_t bad = 0;
+  std::string first;
+  for (int32_t grp = 0; grp < shape.groups; ++grp) {
+    const bool rows = pr.offsets[grp + 1] > pr.offsets[grp];
+    for (int64_t i = 0; i < pr.stride(); ++i) {
+      const size_t at = size_t(grp) * pr.stride() + size_t(i);
+      const uint16_t want = rows && i < shape.m * shape.n ? float_to_bf16(c32[at]).bits : c16[at];
+      if (got[at] != want && bad++ == 0)
+        first = "group " + std::to_string(grp) + " element " + std::to_string(i) + ": got bits " +
+                std::to_string(got[at]) + ", want " + std::to_string(want);
+    }
+  }
+  EXPECT_EQ(bad, 0) << bad << " elements differ from the f32 store rounded (or changed outside the groups' C); first: "
+                    << first;
+}
+
 std::string shape_name(const WgradShape& s) {
   return "G" + std::to_string(s.groups) + "_r" + std::to_string(s.max_rows) + "_m" + std::to_string(s.m) + "_n" +
          std::to_string(s.n) + (s.accumulate ? "_acc" : "_store") +

@@ -226,6 +226,43 @@ TEST(CpuKernelsGroupedWgrad, ChecksArguments) {
   EXPECT_EQ(c[0], 1.f);  // one row of ones: 1·1, accumulated onto 0
 }
 
+// The bf16 store (the PyTorch module's bf16 expert gradients): the f32 store's values rounded to bf16, a group
+// without rows and the padding left as they were, and accumulation refused (a bf16 C is written, never added to).
+TEST(CpuKernelsGroupedWgrad, Bf16StoreIsTheF32StoreRounded) {
+  Rng rng(109);
+  const int32_t groups = 3;
+  const int64_t m = 4, n = 6, stride = m * n + 3;
+  const std::vector<int64_t> offsets{0, 3, 3, 7};
+  const std::vector<float> a = rng.normal_vector(7 * m, 1.0), b = rng.normal_vector(7 * n, 1.0);
+  std::vector<float> c(size_t(groups * stride), 0.f);
+  const bfloat16 marker = float_to_bf16(-7.f);
+  std::vector<bfloat16> c16(c.size(), marker);
+  cpu::GroupedWgrad g;
+  g.a = a.data();
+  g.b = b.data();
+  g.c = c.data();
+  g.row_offsets = offsets.data();
+  g.groups = groups;
+  g.m = m;
+  g.n = n;
+  g.lda = m;
+  g.ldb = n;
+  g.c_group_stride = stride;
+  g.accumulate = false;
+  cpu::grouped_wgrad(g);
+  g.c = nullptr;
+  g.c_bf16 = c16.data();
+  cpu::grouped_wgrad(g);
+  for (int32_t e = 0; e < groups; ++e)
+    for (int64_t q = 0; q < stride; ++q) {
+      const size_t at = size_t(e * stride + q);
+      const bool written = offsets[e + 1] > offsets[e] && q < m * n;
+      EXPECT_EQ(c16[at].bits, written ? float_to_bf16(c[at]).bits : marker.bits) << "group " << e << " element " << q;
+    }
+  g.accumulate = true;
+  EXPECT_THROW(cpu::grouped_wgrad(g), Error);
+}
+
 // ---- activations ------------------------------------------------------------------------------------
 
 TEST(CpuKernelsActivation, KnownValues) {
