@@ -36,6 +36,9 @@ class CallClock:
         self.on = False
 
     def wrap(self, session):
+        """The session behind a timing proxy (one per session: made once, not at every call)."""
+        if getattr(self, "_wrapped", (None,))[0] is session:
+            return self._wrapped[1]
         clock = self
 
         class Timed:
@@ -55,7 +58,8 @@ class CallClock:
 
                 return call
 
-        return Timed()
+        self._wrapped = (session, Timed())
+        return self._wrapped[1]
 
     def summary(self):
         out = {}
