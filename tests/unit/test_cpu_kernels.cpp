@@ -151,6 +151,26 @@ TEST(CpuKernelsGroupedGemmNN, Bf16StorageRoundsOnceAndChecksArguments) {
 
 // ---- grouped weight gradient (twin of the CUDA weight-gradient kernels) -------------------------------
 
+// A descriptor over row-major A [·, lda] and B [·, ldb] and C (one group every `stride` elements), groups from
+// `offsets`; a_first_row and b_first_row 0.
+cpu::GroupedWgrad wgrad_descriptor(const std::vector<float>& a, const std::vector<float>& b, float* c,
+                                   const std::vector<int64_t>& offsets, int64_t m, int64_t n, int64_t lda, int64_t ldb,
+                                   int64_t stride, bool accumulate) {
+  cpu::GroupedWgrad g;
+  g.a = a.data();
+  g.b = b.data();
+  g.c = c;
+  g.row_offsets = offsets.data();
+  g.groups = int32_t(offsets.size()) - 1;
+  g.m = m;
+  g.n = n;
+  g.lda = lda;
+  g.ldb = ldb;
+  g.c_group_stride = stride;
+  g.accumulate = accumulate;
+  return g;
+}
+
 // Groups: rows before the first, an empty group, a 1-row group, longer ones, a row after; A starting at a
 // later row than the offsets (a_first_row), padded rows (lda > m, ldb > n) and padding between the groups'
 // C (c_group_stride > m·n), which must stay as it was, as must an empty group's C. Bit-exact against the
@@ -165,20 +185,9 @@ TEST(CpuKernelsGroupedWgrad, MatchesFormulaAndLeavesEmptyGroupsAlone) {
   const std::vector<float> c0 = rng.normal_vector(groups * stride, 1.0);
   for (const bool accumulate : {true, false}) {
     std::vector<float> c = c0;
-    cpu::GroupedWgrad g;
-    g.a = a.data();
-    g.b = b.data();
-    g.c = c.data();
-    g.row_offsets = offsets.data();
-    g.groups = groups;
-    g.m = m;
-    g.n = n;
-    g.lda = lda;
-    g.ldb = ldb;
+    cpu::GroupedWgrad g = wgrad_descriptor(a, b, c.data(), offsets, m, n, lda, ldb, stride, accumulate);
     g.a_first_row = a_first;
     g.b_first_row = b_first;
-    g.c_group_stride = stride;
-    g.accumulate = accumulate;
     cpu::grouped_wgrad(g);
     for (int32_t e = 0; e < groups; ++e) {
       const bool empty = offsets[e + 1] == offsets[e];
@@ -237,18 +246,7 @@ TEST(CpuKernelsGroupedWgrad, Bf16StoreIsTheF32StoreRounded) {
   std::vector<float> c(size_t(groups * stride), 0.f);
   const bfloat16 marker = float_to_bf16(-7.f);
   std::vector<bfloat16> c16(c.size(), marker);
-  cpu::GroupedWgrad g;
-  g.a = a.data();
-  g.b = b.data();
-  g.c = c.data();
-  g.row_offsets = offsets.data();
-  g.groups = groups;
-  g.m = m;
-  g.n = n;
-  g.lda = m;
-  g.ldb = n;
-  g.c_group_stride = stride;
-  g.accumulate = false;
+  cpu::GroupedWgrad g = wgrad_descriptor(a, b, c.data(), offsets, m, n, m, n, stride, false);
   cpu::grouped_wgrad(g);
   g.c = nullptr;
   g.c_bf16 = c16.data();
