@@ -165,9 +165,9 @@ constexpr double kMmaOverCublasMaxMeanMacs = 1.5e9;
 // record inside cuBLAS: 24 calls, ~430 µs of the T = 512 Mixtral backward's host time), where the sm90 kernel
 // is one launch per product. Measured (docs/perf.md, sixteenth session; Mixtral H 4096, I 14336, E 8, the
 // three products of a backward): sm90 bf16 2.68 ms at T = 64, 256 and 512 against cuBLAS's 0.92-1.07 ms,
-// 0.685 vs 0.561 ms at T = 1 — its bf16 store (4-byte pairs, half a sector per quad and row) moves ~1 TB/s.
-// So auto leaves bf16 gradients on cuBLAS (DMOE_WGRAD=sm90 forces the kernel) until that store is wider.
-constexpr double kSm90Bf16WgradMaxMeanMacs = 0;
+// 0.685 vs 0.561 ms at T = 1: ~1 TB/s of output whatever the rows (cause not established; its f32 store ran at
+// ~0.9 TB/s on Mixtral's 60 G products too). So auto leaves bf16 gradients on cuBLAS (DMOE_WGRAD=sm90 forces the
+// kernel) until it is faster there.
 
 WgradKernel pick_wgrad_kernel(double mean_macs, const std::vector<GroupedWgrad>& calls) {
   enum Mode { automatic, own, sm90, mma, cublas };
@@ -198,8 +198,7 @@ WgradKernel pick_wgrad_kernel(double mean_macs, const std::vector<GroupedWgrad>&
       if (usable_mma) return WgradKernel::mma;
       break;
     case automatic:
-      if (!calls.empty() && calls.front().c_bf16 != nullptr)
-        return mean_macs < kSm90Bf16WgradMaxMeanMacs && usable_sm90 ? WgradKernel::sm90 : WgradKernel::cublas;
+      if (!calls.empty() && calls.front().c_bf16 != nullptr) return WgradKernel::cublas;  // bf16: above
       if (mean_macs < kMmaWgradMaxMeanMacs && usable_mma) return WgradKernel::mma;
       if (mean_macs < kSm90WgradMaxMeanMacs && usable_sm90) return WgradKernel::sm90;
       if (mean_macs < kMmaOverCublasMaxMeanMacs && usable_mma) return WgradKernel::mma;
