@@ -4,9 +4,11 @@
 #include <cstring>
 #include <exception>
 #include <mutex>
+#include <system_error>
 #include <thread>
 
 #include "core/error.hpp"
+#include "core/host_resources.hpp"
 #include "cpu/kernels.hpp"
 
 namespace dmoe {
@@ -76,7 +78,7 @@ FlashCpuResult run_cpu_flash_layer(const MoeConfig& config, const MoeWeights& we
   std::mutex error_mutex;
   std::exception_ptr error;
   std::vector<std::thread> threads;
-  for (int32_t r = 0; r < W; ++r)
+  for (int32_t r = 0; r < W; ++r) try {
     threads.emplace_back([&, r] {
       try {
         for (size_t i = 0; i < xs.size(); ++i) {
@@ -112,6 +114,12 @@ FlashCpuResult run_cpu_flash_layer(const MoeConfig& config, const MoeWeights& we
         if (!error) error = std::current_exception();
       }
     });
+  } catch (const std::system_error& e) {
+    // The ranks already started wait for this one's signals until their bounded waits expire; join them, then
+    // say which limit was met (a joinable std::thread left behind would end the process in std::terminate).
+    for (auto& t : threads) t.join();
+    fail_thread_start(e, fmt::format("the thread of simulated Flash rank {} of {}", r, W));
+  }
   for (auto& t : threads) t.join();
   if (error) std::rethrow_exception(error);
 
