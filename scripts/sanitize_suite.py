@@ -94,6 +94,10 @@ def main():
     ap.add_argument("--job-limit", type=float, default=300.0, help="seconds per job before it is stopped")
     ap.add_argument("--filter", default="", help="gtest filter applied to the listing")
     ap.add_argument("--sanitizer", default="compute-sanitizer")
+    ap.add_argument("--resume", default="", help="a summary.json of an earlier run: per tool, only the tests it "
+                    "did not cover")
+    ap.add_argument("--split", default="", help="regex: tests whose name matches get a job each (slow ones, so "
+                    "that they run side by side)")
     a = ap.parse_args()
     tools = [t for t in a.tools.split(",") if t]
     allowed = {"memcheck", "racecheck", "synccheck", "initcheck"}
@@ -110,7 +114,22 @@ def main():
 
     # Jobs: (tool, name, tests). Racecheck is the slowest tool: its jobs go first.
     order = sorted(tools, key=lambda t: {"racecheck": 0, "memcheck": 1, "initcheck": 2, "synccheck": 3}[t])
-    queue = collections.deque((tool, s, list(ts)) for tool in order for s, ts in suites.items())
+    wanted = {tool: set(all_tests) for tool in tools}
+    if a.resume:
+        prev = json.load(open(a.resume))["tools"]
+        wanted = {tool: set(prev[tool]["not_covered"]) & set(all_tests) if tool in prev else set(all_tests)
+                  for tool in tools}
+    split = re.compile(a.split) if a.split else None
+    queue = collections.deque()
+    for tool in order:
+        for name, ts in suites.items():
+            mine = [t for t in ts if t in wanted[tool]]
+            alone = [t for t in mine if split and split.search(t)]
+            rest = [t for t in mine if t not in alone]
+            queue.extend((tool, t, [t]) for t in alone)
+            if rest:
+                queue.append((tool, name, rest))
+    all_tests_of = {tool: sorted(wanted[tool]) for tool in tools}
     state = {tool: {} for tool in tools}  # test -> outcome
     reports = {tool: collections.Counter() for tool in tools}
     summaries = {tool: 0 for tool in tools}
@@ -125,7 +144,8 @@ def main():
         safe = re.sub(r"[^A-Za-z0-9_.-]", "_", name)
         path = os.path.join(d, f"{safe}.{serial[(tool, name)]}.log")
         f = open(path, "w")
-        gfilter = name + "*" if serial[(tool, name)] == 1 else ":".join(tests)
+        whole = serial[(tool, name)] == 1 and name.endswith(".") and len(tests) == len(suites.get(name, []))
+        gfilter = name + "*" if whole else ":".join(tests)
         cmd = [a.sanitizer, "--tool", tool, "--print-limit", "1000", a.bin, f"--gtest_filter={gfilter}"]
         f.write("$ " + " ".join(cmd) + "\n")
         f.flush()
@@ -180,14 +200,16 @@ def main():
     lines = ["| tool | passed | failed | skipped | over the job limit | stopped at the budget | crashed | not reached | "
              "reports (the tool's summary lines) |", "|---|---|---|---|---|---|---|---|---|"]
     for tool in tools:
-        c = collections.Counter(state[tool].get(t, "not reached") for t in all_tests)
+        c = collections.Counter(state[tool].get(t, "not reached") for t in all_tests_of[tool])
         crashed = sum(v for k, v in c.items() if k.startswith("crashed"))
         rep = [{"test": k[0], "kind": k[1], "first_frame": k[2], "count": v} for k, v in reports[tool].most_common()]
         result["tools"][tool] = {
             "outcomes": dict(c), "reported": summaries[tool], "reports": rep,
-            "not_covered": sorted(t for t in all_tests
+            "tests": len(all_tests_of[tool]),
+            "not_covered": sorted(t for t in all_tests_of[tool]
                                   if state[tool].get(t, "not reached") not in ("passed", "failed", "skipped")),
-            "failed": sorted(t for t in all_tests if state[tool].get(t) == "failed"),
+            "failed": sorted(t for t in all_tests_of[tool] if state[tool].get(t) == "failed"),
+            "outcome_of": {t: state[tool].get(t, "not reached") for t in all_tests_of[tool]},
         }
         lines.append(f"| {tool} | {c['passed']} | {c['failed']} | {c['skipped']} | {c['over the limit']} | "
                      f"{c['stopped at the budget']} | {crashed} | {c['not reached']} | {summaries[tool]} |")
