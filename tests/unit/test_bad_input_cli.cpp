@@ -985,5 +985,52 @@ TEST(BadInputEnv, CommTimeoutMustBeFiniteAndBounded) {
   ::unsetenv("DMOE_COMM_TIMEOUT_S");
 }
 
+// ---- The seventh pass (2026-12-03, branch bad7; docs/faults.md) -----------------------------------------------
+
+TEST_F(BadInput, EnvironmentKnobsAreCheckedWhenACommandStarts) {
+  // The GPU knobs were read only where their code path ran: on the CPU engine, in a forward without a backward or on a
+  // path that never reached them a typo passed with rc 0, and where read their error ended in a source location
+  // (gemm.cpp:91). DMOE_GPU_WAIT_TIMEOUT_MS past 2^64 ns wrapped into a short limit; DMOE_DEFER_ROUTING was checked
+  // only where a forward could defer (rc 0 at W = 2).
+  const std::string init = "init --hidden 8 --ffn 8 --experts 2 --top-k 1 --tokens 4 --out " + p("w.st");
+  const std::vector<std::tuple<std::string, std::string>> cases = {
+      {"DMOE_EXPERT_GEMM=bogus", "DMOE_EXPERT_GEMM='bogus' is not allowed; allowed: auto, grouped, loop, streams, own"},
+      {"DMOE_WGRAD=SM90", "DMOE_WGRAD='SM90' is not allowed; allowed: auto, own, sm90, mma, cublas"},
+      {"DMOE_DGRAD=' own'", "DMOE_DGRAD=' own' is not allowed; allowed: auto, own, cublas"},
+      {"DMOE_SM90_BLOCK_N=128x", "DMOE_SM90_BLOCK_N='128x' is not allowed; allowed: 128, 256"},
+      {"DMOE_SM90_SCHEDULE=fast", "allowed: dynamic, static"},
+      {"DMOE_SM90_EPILOGUE=1", "allowed: direct, staged"},
+      {"DMOE_SM90_WGRAD_ACCUMULATE=add", "allowed: load, red"},
+      {"DMOE_EXPERT_GEMM_STREAMS=17", "DMOE_EXPERT_GEMM_STREAMS='17' is out of range; allowed: a decimal integer from 1 to 16"},
+      {"DMOE_EXPERT_GEMM_STREAMS=' 3'", "is not a decimal integer"},
+      {"DMOE_GPU_WAIT_TIMEOUT_MS=-5", "DMOE_GPU_WAIT_TIMEOUT_MS='-5' is out of range; allowed: a decimal integer from 1 to"},
+      {"DMOE_GPU_WAIT_TIMEOUT_MS=20000000000000", "is out of range"},
+      {"DMOE_GPU_WAIT_TIMEOUT_MS=99999999999999999999", "is out of range"},
+      {"DMOE_GPU_WAIT_TIMEOUT_MS=1e4", "is not a decimal integer"},
+      {"DMOE_ATTENTION=OWN", "DMOE_ATTENTION='OWN' is not allowed; allowed: auto, own, cudnn"},
+      {"DMOE_FLOW_AR_COMM=nccl", "allowed: auto, own, model"},
+      {"DMOE_FLOW_CHUNKS_PER_GAP=-1", "DMOE_FLOW_CHUNKS_PER_GAP='-1' is invalid"},
+      {"DMOE_FLASH_GRID=0", "DMOE_FLASH_GRID='0' is out of range"},
+      {"DMOE_SHARED_GPUS=2", "DMOE_SHARED_GPUS='2' is not allowed; allowed: 0, 1"},
+      {"DMOE_DEFER_ROUTING=2", "DMOE_DEFER_ROUTING='2' is invalid"},
+      {"DMOE_COMM_TIMEOUT_S=abc", "DMOE_COMM_TIMEOUT_S='abc' is invalid"},
+  };
+  for (const auto& [env, needle] : cases) {
+    fs::remove(p("w.st"));
+    expect_user_error(run_cli(init, env), needle, env + " dmoe init");
+    EXPECT_FALSE(fs::exists(p("w.st"))) << env << ": init wrote its output";
+  }
+  // The run that ignored DMOE_DEFER_ROUTING=2 (two simulated ranks), and a GPU knob on the CPU engine's bench.
+  ASSERT_EQ(run_cli(init + " --world 2 --input " + p("x.st") + " --save-config " + p("c.json")).status, 0);
+  expect_user_error(run_cli("run --config " + p("c.json") + " --weights " + p("w.st") + " --input " + p("x.st") +
+                                " --output " + p("y.st"), "DMOE_DEFER_ROUTING=2"),
+                    "DMOE_DEFER_ROUTING='2' is invalid", "run at W = 2");
+  expect_user_error(run_cli("bench --engine cpu --tokens 4 --hidden 8 --ffn 8 --experts 2 --top-k 1 -n 1 --repeat 1 "
+                            "--warmup 0", "DMOE_WGRAD=bogus"), "DMOE_WGRAD='bogus'", "bench --engine cpu");
+  // Well-formed values and empty ones (as unset) are taken.
+  EXPECT_EQ(run_cli(init, "DMOE_EXPERT_GEMM=own DMOE_WGRAD= DMOE_GPU_WAIT_TIMEOUT_MS=1000000000000 "
+                          "DMOE_SM90_BLOCK_N=128 DMOE_SHARED_GPUS=0 DMOE_FLASH_GRID=8").status, 0);
+}
+
 }  // namespace
 }  // namespace dmoe

@@ -18,9 +18,11 @@
 #include "comm/stage_board.hpp"
 #include "commands.hpp"
 #include "options.hpp"
+#include "core/env.hpp"
 #include "core/error.hpp"
 #include "core/fault.hpp"
 #include "core/host_resources.hpp"
+#include "flow/cuda_executor.hpp"
 
 #ifndef DMOE_VERSION
 #define DMOE_VERSION "unknown"
@@ -114,6 +116,9 @@ int run_main(int argc, char** argv) {
       // be reported only after the command had written its outputs.
       if (sub->get_name() != "launch") {
         (void)dmoe::fault_from_env();
+        // Every DMOE_* knob with a fixed set of values, the GPU ones included (core/env.hpp): refused before any work.
+        dmoe::check_environment();
+        (void)dmoe::flow::chunks_per_gap_from_env(std::getenv("DMOE_FLOW_CHUNKS_PER_GAP"));
         if (sub->get_name() == "init" || sub->get_name() == "init-model")
           dmoe::require_no_fault_injected(sub->get_name());
       }
