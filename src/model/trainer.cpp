@@ -39,15 +39,25 @@ namespace {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
-// The bytes of a file, or of every regular file of a directory in name order.
+// The bytes of a file, or of every regular file of a directory in name order. The error_code forms: a symbolic link
+// loop (the path itself, or an entry) threw filesystem_error, "unexpected error" with rc 2; an entry that is no
+// regular file (a loop, a dangling link, a FIFO) is skipped like the others.
 std::vector<uint8_t> read_corpus(const std::string& path) {
   std::vector<fs::path> files;
-  if (fs::is_directory(path)) {
-    for (const auto& e : fs::directory_iterator(path))
-      if (fs::is_regular_file(e.path())) files.push_back(e.path());
+  std::error_code ec;
+  const fs::file_status status = fs::status(path, ec);
+  if (fs::is_directory(status)) {
+    fs::directory_iterator it(path, ec), end;
+    DMOE_REQUIRE_INPUT(!ec, "--data {}: the directory cannot be read: {}", path, ec.message());
+    for (; it != end; it.increment(ec)) {
+      DMOE_REQUIRE_INPUT(!ec, "--data {}: the directory cannot be read: {}", path, ec.message());
+      std::error_code entry_ec;
+      if (fs::is_regular_file(it->path(), entry_ec)) files.push_back(it->path());
+    }
     std::sort(files.begin(), files.end());
   } else {
-    DMOE_REQUIRE_INPUT(fs::is_regular_file(path), "--data {}: not a file or directory", path);
+    DMOE_REQUIRE_INPUT(fs::is_regular_file(status), "--data {}: not a file or directory{}", path,
+                       ec ? " (" + ec.message() + ")" : "");
     files.push_back(path);
   }
   std::vector<uint8_t> bytes;
@@ -209,12 +219,13 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
 
   // ---- data
   const std::vector<uint8_t> corpus = read_corpus(o.data_path);
+  std::error_code ec_dir;
   const int64_t val_bytes = int64_t(double(corpus.size()) * o.val_fraction);
   const int64_t train_bytes = int64_t(corpus.size()) - val_bytes;
   DMOE_REQUIRE_INPUT(train_bytes >= o.seq && val_bytes >= o.seq,
                "train: --data {} has {} bytes{}: too few for --seq {} windows in both the training part ({} bytes) and "
                "the held-out part ({} bytes)", o.data_path, corpus.size(),
-               fs::is_directory(o.data_path) ? " (the regular files directly in it; subdirectories are not read)" : "",
+               fs::is_directory(o.data_path, ec_dir) ? " (the regular files directly in it; subdirectories are not read)" : "",
                o.seq, train_bytes, val_bytes);
   auto train_batch = [&](int64_t step) {
     Rng rng(o.seed * 0x9e3779b97f4a7c15ull + uint64_t(step));

@@ -37,6 +37,10 @@
 #include <sstream>
 #include <tuple>
 
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <nlohmann/json.hpp>
 
 #include "cli_test_util.hpp"
@@ -1030,6 +1034,32 @@ TEST_F(BadInput, EnvironmentKnobsAreCheckedWhenACommandStarts) {
   // Well-formed values and empty ones (as unset) are taken.
   EXPECT_EQ(run_cli(init, "DMOE_EXPERT_GEMM=own DMOE_WGRAD= DMOE_GPU_WAIT_TIMEOUT_MS=1000000000000 "
                           "DMOE_SM90_BLOCK_N=128 DMOE_SHARED_GPUS=0 DMOE_FLASH_GRID=8").status, 0);
+}
+
+TEST_F(BadInput, TrainDataLinksAndSaveOntoTheLogAreRefusedBeforeTraining) {
+  const std::string train = "train --config " + p("tiny.json") + " --steps 1 --seq 16 --batch 2 ";
+  // A symbolic link loop as --data, or inside the --data directory: "unexpected error: filesystem error", rc 2.
+  fs::create_symlink("loop_b", dir_ / "loop_a");
+  fs::create_symlink("loop_a", dir_ / "loop_b");
+  expect_user_error(run_cli(train + "--data " + p("loop_a")), "--data " + p("loop_a") + ": not a file or directory "
+                    "(Too many levels of symbolic links)", "--data a link loop");
+  fs::create_symlink("loop_d", dir_ / "data" / "loop_c");
+  fs::create_symlink("loop_c", dir_ / "data" / "loop_d");
+  EXPECT_EQ(run_cli(train + "--data " + p("data")).status, 0) << "a link loop among the text files is skipped";
+  // --save onto the path of a new --log (or below it): trained to the end, then "unexpected error: filesystem error:
+  // cannot create directories", rc 2, and the log written.
+  for (const std::string& save : {p("out"), p("out") + "/ck", dir_.string() + "/./out"}) {
+    Result r = run_cli(train + "--data " + p("data") + " --log " + p("out") + " --save " + save);
+    expect_user_error(r, "--save '" + save + "' is --log '" + p("out") + "'", "--save " + save);
+    EXPECT_EQ(r.output.find("step "), std::string::npos) << "trained first:\n" << r.output;
+    EXPECT_FALSE(fs::exists(p("out")));
+  }
+  // A new --log in the --data directory: the next run on it trained on the log.
+  expect_user_error(run_cli(train + "--data " + p("data") + " --log " + p("data/log.jsonl")),
+                    "--log '" + p("data/log.jsonl") + "' is in the --data directory", "--log in --data");
+  EXPECT_FALSE(fs::exists(p("data/log.jsonl")));
+  EXPECT_EQ(run_cli(train + "--data " + p("data/a.txt") + " --log " + p("data/log.jsonl")).status, 0)
+      << "--data a file: its directory is not read";
 }
 
 }  // namespace
