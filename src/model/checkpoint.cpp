@@ -351,16 +351,21 @@ void add_mixtral_tensors(SafetensorsWriter& writer, const MixtralWeights& w, con
     writer.add_f32(name_prefix + p.name, p.shape, p.data, stored_as);
 }
 
+std::vector<uint8_t> mixtral_checkpoint_bytes(const MixtralWeights& w, const MixtralConfig& config) {
+  SafetensorsWriter writer;
+  for (const ParamView& p : parameter_views(const_cast<MixtralWeights&>(w), config))
+    writer.add_f32(p.name, p.shape, p.data);
+  writer.set_metadata("format", "pt");
+  return writer.serialize();
+}
+
 void save_mixtral_checkpoint(const std::string& path, const MixtralWeights& w, const MixtralConfig& config,
                              int64_t max_shard_bytes) {
-  std::vector<ParamView> views = parameter_views(const_cast<MixtralWeights&>(w), config);
   if (max_shard_bytes <= 0) {
-    SafetensorsWriter writer;
-    for (const ParamView& p : views) writer.add_f32(p.name, p.shape, p.data);
-    writer.set_metadata("format", "pt");
-    writer.write(path);
+    write_file_atomically(path, mixtral_checkpoint_bytes(w, config));
     return;
   }
+  std::vector<ParamView> views = parameter_views(const_cast<MixtralWeights&>(w), config);
   // Consecutive tensors fill a shard until the next one would pass the limit.
   std::vector<std::vector<const ParamView*>> shards(1);
   int64_t bytes = 0, total = 0;

@@ -413,16 +413,25 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
     }
     replica.barrier();  // the threads' shares are all in `full`
     if (rank == 0 && !dir.empty()) {
-      fs::create_directories(dir);
-      save_mixtral_checkpoint((fs::path(dir) / "model.safetensors").string(), full, config);
-      save_mixtral_config(config, (fs::path(dir) / "config.json").string());
-      SafetensorsWriter opt;
-      add_mixtral_tensors(opt, full_m, config, "exp_avg.");
-      add_mixtral_tensors(opt, full_v, config, "exp_avg_sq.");
-      opt.write((fs::path(dir) / "optimizer.safetensors").string());
-      write_json((fs::path(dir) / "trainer_state.json").string(),
-                 json{{"step", step}, {"seed", o.seed}, {"steps", o.steps}, {"batch", o.batch}, {"seq", o.seq},
-                      {"lr", o.lr}, {"data", o.data_path}});
+      std::error_code ec;
+      fs::create_directories(dir, ec);
+      DMOE_REQUIRE_INPUT(!ec, "--save {}: the checkpoint directory cannot be made: {}", dir, ec.message());
+      // The four files together or not at all: each was renamed into place as soon as it was written, so a save that
+      // failed or was interrupted part-way (a full disk, a scheduler's SIGTERM) left a checkpoint of two steps, e.g.
+      // the new model beside the old trainer_state.json, which --resume then continued from the wrong step.
+      OutputFileSet files;
+      files.write((fs::path(dir) / "model.safetensors").string(), mixtral_checkpoint_bytes(full, config));
+      files.write((fs::path(dir) / "config.json").string(), mixtral_config_to_json(config).dump(2) + "\n");
+      {
+        SafetensorsWriter opt;
+        add_mixtral_tensors(opt, full_m, config, "exp_avg.");
+        add_mixtral_tensors(opt, full_v, config, "exp_avg_sq.");
+        files.write((fs::path(dir) / "optimizer.safetensors").string(), opt.serialize());
+      }
+      files.write((fs::path(dir) / "trainer_state.json").string(),
+                  json{{"step", step}, {"seed", o.seed}, {"steps", o.steps}, {"batch", o.batch}, {"seq", o.seq},
+                       {"lr", o.lr}, {"data", o.data_path}}.dump(2) + "\n");
+      files.commit();
     }
     replica.barrier();  // no rank goes on (e.g. to resume from the checkpoint) before it is written
   };

@@ -1062,5 +1062,44 @@ TEST_F(BadInput, TrainDataLinksAndSaveOntoTheLogAreRefusedBeforeTraining) {
       << "--data a file: its directory is not read";
 }
 
+TEST_F(BadInput, InterruptedCheckpointSaveLeavesTheOldCheckpoint) {
+  // Each checkpoint file was renamed into place as soon as it was written: a SIGTERM (or a full disk) during the save
+  // of optimizer.safetensors left the new model.safetensors beside the old trainer_state.json, and --resume continued
+  // from the wrong step. A model of 6.8 M parameters, so that the optimizer file takes a while to write.
+  json config = json::parse(slurp(p("tiny.json")));
+  config["hidden_size"] = 256;
+  config["intermediate_size"] = 1024;
+  std::ofstream(p("mid.json")) << config.dump();
+  const std::string train = "train --config " + p("mid.json") + " --data " + p("data") + " --seq 16 --batch 2 "
+                            "--steps 4 --save " + p("ck");
+  ASSERT_EQ(run_cli(train + " --stop-after 1").status, 0);
+  const std::string model_before = slurp(p("ck/model.safetensors"));
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    ::signal(SIGTERM, SIG_DFL);
+    const std::string command = "exec " + std::string(DMOE_CLI_PATH) + " " + train + " --resume " + p("ck") +
+                                " --stop-after 2 > /dev/null 2>&1";
+    ::execl("/bin/sh", "sh", "-c", command.c_str(), static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  bool seen = false;
+  int status = 0;
+  for (int i = 0; i < 600000 && !seen; ++i) {
+    for (const auto& e : fs::directory_iterator(dir_ / "ck"))
+      seen = seen || e.path().filename().string().rfind(".optimizer.safetensors.dmoe-tmp", 0) == 0;
+    if (seen) ::kill(pid, SIGTERM);
+    else if (::waitpid(pid, &status, WNOHANG) == pid) break;
+    else ::usleep(100);
+  }
+  if (seen) ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  if (!seen) GTEST_SKIP() << "the save ended before its optimizer temporary was seen (status " << status << ")";
+  EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGTERM) << status;
+  EXPECT_EQ(json::parse(slurp(p("ck/trainer_state.json")))["step"], 1);
+  EXPECT_TRUE(slurp(p("ck/model.safetensors")) == model_before) << "model.safetensors was replaced: a mixed checkpoint";
+  for (const auto& e : fs::directory_iterator(dir_ / "ck"))
+    EXPECT_EQ(e.path().filename().string().find("dmoe-tmp"), std::string::npos) << e.path();
+}
+
 }  // namespace
 }  // namespace dmoe
