@@ -1101,5 +1101,21 @@ TEST_F(BadInput, InterruptedCheckpointSaveLeavesTheOldCheckpoint) {
     EXPECT_EQ(e.path().filename().string().find("dmoe-tmp"), std::string::npos) << e.path();
 }
 
+TEST_F(BadInput, OptionsBeforeTheCommandVersionAfterItAndDefaultsInMessages) {
+  // "dmoe --bogus" and "dmoe -v" said "A subcommand is required"; "dmoe train --version" said "--config is required".
+  for (const char* option : {"--bogus", "-v"})
+    expect_user_error(run_cli(option), "'" + std::string(option) + "' is not an option of dmoe itself; allowed: "
+                      "--help, --version, or a command first: init, run", option);
+  for (const char* args : {"train --version", "init --version", "flow simulate --version", "eval --world 2 --version"}) {
+    const Result r = run_cli(args);
+    EXPECT_EQ(r.status, 0) << args << "\n" << r.output;
+    EXPECT_EQ(r.output.rfind("dmoe ", 0), 0u) << args << "\n" << r.output;
+  }
+  // flow measure --batch 2 without --measure-r: "--measure-r 4: must divide --batch 2", a 4 the user never gave.
+  expect_user_error(run_cli("flow measure --config " + p("tiny.json") + " --batch 2 --seq 16 --steps 1"),
+                    "--measure-r 4: must divide --batch 2 (sequences per rank); 4 is the default --measure-r 1,2,4",
+                    "the default --measure-r");
+}
+
 }  // namespace
 }  // namespace dmoe
