@@ -1,6 +1,7 @@
 // checkpoint.cpp — MoE layer weights <-> safetensors under Mixtral names (see checkpoint.hpp).
 #include "model/checkpoint.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
@@ -326,6 +327,19 @@ MixtralWeights load_mixtral_weights(const CheckpointReader& reader, const Mixtra
                  reader.source(), p.name, shape_string(p.shape), config.num_hidden_layers, config.num_local_experts,
                  config.tie_word_embeddings ? ", tied embeddings" : ", an lm_head");
     reader.read_f32_into(p.name, p.shape, p.data);
+  }
+  // A tied config reads no lm_head, as transformers ties it to the embeddings; but a file whose lm_head.weight differs
+  // from its embeddings holds an untied model, which was evaluated (or trained on, with --init) as another model
+  // without a word. (An lm_head equal to the embeddings, as some conversions keep it, is fine.)
+  if (config.tie_word_embeddings && reader.has("lm_head.weight")) {
+    const int64_t V = config.vocab_size, H = config.hidden_size;
+    std::vector<float> head(size_t(V * H));
+    reader.read_f32_into("lm_head.weight", {V, H}, head.data());
+    DMOE_REQUIRE_INPUT(std::equal(head.begin(), head.end(), w.embed_tokens.begin()),
+                       "checkpoint '{}' holds an lm_head.weight that differs from model.embed_tokens.weight, but the "
+                       "config ties them (tie_word_embeddings true), which would drop it: the file is an untied model; "
+                       "set tie_word_embeddings false in the config, or remove lm_head.weight from the file",
+                       reader.source());
   }
   // A NaN or Inf weight gave an eval loss of nan with rc 0, or a router error about NaN logits that named no
   // tensor: refused here, naming it (the fused 5.x tensors included, as they landed in the same views).

@@ -1117,5 +1117,26 @@ TEST_F(BadInput, OptionsBeforeTheCommandVersionAfterItAndDefaultsInMessages) {
                     "the default --measure-r");
 }
 
+TEST_F(BadInput, TiedConfigRefusesAFileWithAnLmHeadOfItsOwn) {
+  // An untied checkpoint read with tie_word_embeddings true: its lm_head.weight was dropped without a word (eval rc 0
+  // with another loss, train --init trained another model). The resume path already compared the configs.
+  write_tokens_file();
+  ASSERT_EQ(run_cli("init-model --config " + p("tiny.json") + " --out " + p("m.st")).status, 0);
+  json tied = json::parse(slurp(p("tiny.json")));
+  tied["tie_word_embeddings"] = true;
+  std::ofstream(p("tied.json")) << tied.dump();
+  const std::string needle = "holds an lm_head.weight that differs from model.embed_tokens.weight, but the config ties "
+                             "them (tie_word_embeddings true)";
+  expect_user_error(run_cli("eval --config " + p("tied.json") + " --weights " + p("m.st") + " --tokens " + p("tok.st") +
+                            " --output " + p("e.st")), needle, "eval, tied config");
+  EXPECT_FALSE(fs::exists(p("e.st")));
+  expect_user_error(run_cli("train --config " + p("tied.json") + " --init " + p("m.st") + " --data " + p("data") +
+                            " --steps 1 --seq 16 --batch 2"), needle, "train --init, tied config");
+  // A tied model's own file (no lm_head) reads as before.
+  ASSERT_EQ(run_cli("init-model --config " + p("tied.json") + " --out " + p("mt.st")).status, 0);
+  EXPECT_EQ(run_cli("eval --config " + p("tied.json") + " --weights " + p("mt.st") + " --tokens " + p("tok.st") +
+                    " --output " + p("e.st")).status, 0);
+}
+
 }  // namespace
 }  // namespace dmoe
