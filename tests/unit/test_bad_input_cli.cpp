@@ -1138,5 +1138,27 @@ TEST_F(BadInput, TiedConfigRefusesAFileWithAnLmHeadOfItsOwn) {
                     " --output " + p("e.st")).status, 0);
 }
 
+TEST_F(BadInput, SafetensorsMessagesSayWhatTheFileHolds) {
+  // A file without tensors: "tensors present: " and nothing; a second __metadata__: "duplicate tensor name
+  // '__metadata__'" (it is no tensor); dy missing: the tensors there were not listed, as they are for x.
+  auto header_only = [&](const std::string& name, const std::string& header) {
+    std::string bytes(8, '\0');
+    const uint64_t n = header.size();
+    std::memcpy(bytes.data(), &n, 8);
+    std::ofstream(p(name), std::ios::binary) << bytes << header;
+  };
+  header_only("empty.st", "{}");
+  header_only("meta2.st", R"({"__metadata__":{"a":"b"},"__metadata__":{"c":"d"}})");
+  ASSERT_EQ(run_cli("init --hidden 8 --ffn 8 --experts 2 --top-k 1 --tokens 4 --out " + p("w.st") + " --input " +
+                    p("x.st") + " --save-config " + p("c.json")).status, 0);
+  const std::string run = "run --config " + p("c.json") + " --weights " + p("w.st") + " --output " + p("y.st");
+  expect_user_error(run_cli(run + " --input " + p("empty.st")), "tensors present: none (the file holds no tensors)",
+                    "x from a file without tensors");
+  expect_user_error(run_cli(run + " --input " + p("meta2.st")), "the header has '__metadata__' more than once",
+                    "two __metadata__");
+  expect_user_error(run_cli(run + " --input " + p("x.st") + " --grad-output " + p("x.st")),
+                    "no tensor 'dy' (expected dy [tokens, hidden]); tensors present: x", "dy missing");
+}
+
 }  // namespace
 }  // namespace dmoe
