@@ -254,6 +254,12 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
                  "{}/trainer_state.json: no integer 'step'", o.resume_dir);
     DMOE_REQUIRE_INPUT(state["step"].get<int64_t>() >= 0, "{}/trainer_state.json: step {} must be >= 0",
                        o.resume_dir, state["step"].get<int64_t>());
+    // A checkpoint is saved after a step (--save-every N >= 1, or at the end of at least one): step 0 beside trained
+    // weights and AdamW moments was taken, and the run restarted its schedule and bias correction on them.
+    DMOE_REQUIRE_INPUT(state["step"].get<int64_t>() >= 1, "{}/trainer_state.json: step 0, but dmoe saves a checkpoint "
+                       "only after a step (its weights and moments are trained ones): the state was not written by a "
+                       "run; start from the weights with --init {}/model.safetensors instead", o.resume_dir,
+                       o.resume_dir);
     first_step = state["step"].get<int64_t>() + 1;
     // A key of the wrong type would end in nlohmann's type_error ("unexpected error"): named instead.
     DMOE_REQUIRE_INPUT(!state.contains("seed") || state["seed"].is_number_unsigned(),

@@ -1160,5 +1160,18 @@ TEST_F(BadInput, SafetensorsMessagesSayWhatTheFileHolds) {
                     "no tensor 'dy' (expected dy [tokens, hidden]); tensors present: x", "dy missing");
 }
 
+TEST_F(BadInput, ResumeStateAtStepZeroIsRefused) {
+  // A resume state with step 0 (dmoe never writes one) restarted the schedule and AdamW's bias correction on trained
+  // weights and moments, rc 0.
+  ASSERT_EQ(run_cli("train --config " + p("tiny.json") + " --data " + p("data") + " --steps 2 --seq 16 --batch 2 "
+                    "--stop-after 1 --save " + p("ck")).status, 0);
+  json state = json::parse(slurp(p("ck/trainer_state.json")));
+  state["step"] = 0;
+  std::ofstream(p("ck/trainer_state.json")) << state.dump();
+  expect_user_error(run_cli("train --config " + p("tiny.json") + " --data " + p("data") + " --steps 2 --seq 16 "
+                            "--batch 2 --resume " + p("ck")), "trainer_state.json: step 0, but dmoe saves a checkpoint "
+                    "only after a step", "resume at step 0");
+}
+
 }  // namespace
 }  // namespace dmoe
