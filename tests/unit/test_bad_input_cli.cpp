@@ -23,6 +23,9 @@
 // AdamW moments; an index.json's duplicate tensors; resume states of the wrong types or without config.json;
 // bench --wgrad ignored; launch's TMPDIR, train's --log write error and CPU --dtype check (late, or a source location);
 // immutable outputs failing after the work; a silent CPU training step of minutes.
+// The fifth, sixth and seventh passes (branches bad5, bad6, bad7) are at the end, each under its own heading; the
+// seventh's: DMOE_* knobs read only where their path ran, train --data link loops and --save onto --log, a
+// checkpoint interrupted mid-save, a tied config on an untied file, --version after a command, messages.
 //
 // Run: dmoe_unit_tests --gtest_filter='BadInput*'
 #include <gtest/gtest.h>
