@@ -1,6 +1,10 @@
 // env.hpp — settings from the environment that more than one layer reads.
 #pragma once
 
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+
 namespace dmoe {
 
 // Limit, in seconds, of every host-side wait on the GPU or on peer ranks (DMOE_COMM_TIMEOUT_S, default
@@ -10,5 +14,25 @@ double host_wait_timeout_seconds();
 // DMOE_DEFER_ROUTING = 1 (default) | 0: whether EpEngine may defer a train forward's host read of its routing
 // counts (EpOptions::defer_routing_reads; 0 turns it off everywhere, e.g. to measure what it saves).
 bool defer_routing_reads_allowed();
+
+// The value of the environment variable `name`: `fallback` when it is unset or empty, else one of `allowed`
+// exactly (no spaces, case as written); anything else is an input error naming the variable, the value and the
+// allowed words. The GPU knobs (DMOE_EXPERT_GEMM, DMOE_WGRAD, ...) are read through it.
+std::string env_choice(const char* name, std::initializer_list<const char*> allowed, const char* fallback);
+
+// The decimal integer in the environment variable `name`: `fallback` when it is unset or empty, else digits only
+// (an optional leading '-'), in [lo, hi]; anything else (spaces, a sign '+', a fraction, a value past 64 bits) is an
+// input error naming the variable, the value and the range. `unit` ("milliseconds") is said in the message.
+int64_t env_integer(const char* name, int64_t lo, int64_t hi, int64_t fallback, const char* unit);
+
+// Upper bounds of the knobs read through env_integer, shared by their readers and check_environment().
+constexpr int64_t kMaxExpertGemmStreams = 16;             // DMOE_EXPERT_GEMM_STREAMS
+constexpr int64_t kMaxGpuWaitTimeoutMs = 1000000000000;   // DMOE_GPU_WAIT_TIMEOUT_MS (~31 years; ns fit 64 bits)
+
+// Every DMOE_* setting dmoe reads with a fixed set of values (the README's environment knobs, the GPU ones
+// included), checked when a command starts: a malformed value is refused before any work, whatever the engine
+// (a GPU knob was read only where its path ran, so a typo passed silently on the others, and its error ended in a
+// source location). Well-formed values of knobs the command does not use are accepted and have no effect.
+void check_environment();
 
 }  // namespace dmoe

@@ -8,8 +8,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <mutex>
 
 #include <fcntl.h>
+#include <signal.h>
 #include <linux/fs.h>
 #include <sys/ioctl.h>
 #include <sys/stat.h>
@@ -21,6 +23,67 @@ namespace dmoe {
 namespace {
 
 namespace fs = std::filesystem;
+
+// The temporaries that exist now, for the handler of SIGINT, SIGTERM and SIGHUP: a fixed table, so that the handler
+// only reads it and calls unlink (both async-signal-safe). An interrupted write (Ctrl-C, a scheduler's SIGTERM) left
+// its ".NAME.dmoe-tmp.PID.N" behind; now it is removed and the process then ends by the signal as before.
+// State: 0 free, 1 being filled, 2 a temporary that exists.
+struct TemporarySlot {
+  std::atomic<int> state{0};
+  char path[PATH_MAX];
+};
+TemporarySlot g_temporaries[64];
+constexpr int kCleanedSignals[] = {SIGINT, SIGTERM, SIGHUP};
+
+extern "C" void remove_temporaries_and_reraise(int sig) {
+  const int saved_errno = errno;
+  for (TemporarySlot& slot : g_temporaries)
+    if (slot.state.load() == 2) ::unlink(slot.path);
+  struct sigaction fallback {};
+  fallback.sa_handler = SIG_DFL;
+  sigemptyset(&fallback.sa_mask);
+  ::sigaction(sig, &fallback, nullptr);
+  errno = saved_errno;
+  ::raise(sig);  // the default action: the exit status says the signal, as without the handler
+}
+
+// Installed once, for the signals whose disposition is the default: one that is ignored (nohup, a background job of a
+// shell) or handled by someone else (dmoe launch forwards them) is left alone.
+void install_cleanup_handlers() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    for (const int sig : kCleanedSignals) {
+      struct sigaction previous {};
+      if (::sigaction(sig, nullptr, &previous) != 0 || previous.sa_handler != SIG_DFL ||
+          (previous.sa_flags & SA_SIGINFO))
+        continue;
+      struct sigaction action {};
+      action.sa_handler = remove_temporaries_and_reraise;
+      sigemptyset(&action.sa_mask);
+      for (const int other : kCleanedSignals) sigaddset(&action.sa_mask, other);
+      ::sigaction(sig, &action, nullptr);
+    }
+  });
+}
+
+// Records a temporary for the handler; returns its slot, or -1 when the table is full or the path too long (then a
+// signal may leave that one behind, as before).
+int register_temporary(const std::string& path) {
+  install_cleanup_handlers();
+  if (path.size() >= PATH_MAX) return -1;
+  for (int i = 0; i < int(std::size(g_temporaries)); ++i) {
+    int expected = 0;
+    if (!g_temporaries[i].state.compare_exchange_strong(expected, 1)) continue;
+    std::memcpy(g_temporaries[i].path, path.c_str(), path.size() + 1);
+    g_temporaries[i].state.store(2);
+    return i;
+  }
+  return -1;
+}
+
+void release_temporary(int slot) {
+  if (slot >= 0) g_temporaries[slot].state.store(0);
+}
 
 const char* file_kind(mode_t mode) {
   if (S_ISDIR(mode)) return "a directory";
@@ -122,7 +185,8 @@ OutputTarget resolve_output(const std::string& path, std::string_view option) {
 }
 
 // Creates a new temporary file next to the target; returns its descriptor and sets `tmp` to its path.
-int create_temporary(const OutputTarget& t, std::string& tmp, std::string_view what) {
+// `slot` (when given) receives the temporary's entry for the signal handler (release_temporary once it is gone).
+int create_temporary(const OutputTarget& t, std::string& tmp, std::string_view what, int* slot = nullptr) {
   static std::atomic<unsigned> counter{0};
   for (int attempt = 0; attempt < 100; ++attempt) {
     // ".NAME.dmoe-tmp.PID.N", with NAME cut short where the whole would pass NAME_MAX (255 bytes): a long but
@@ -133,7 +197,10 @@ int create_temporary(const OutputTarget& t, std::string& tmp, std::string_view w
     name += suffix;
     tmp = (fs::path(t.directory) / name).string();
     const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
-    if (fd >= 0) return fd;
+    if (fd >= 0) {
+      if (slot) *slot = register_temporary(tmp);
+      return fd;
+    }
     DMOE_REQUIRE_INPUT(errno == EEXIST || errno == EINTR, "{}: cannot create a temporary file in '{}': {}", what,
                        t.directory, std::strerror(errno));
   }
@@ -179,11 +246,13 @@ void OutputFileSet::write(const std::string& path, std::span<const uint8_t> byte
   const OutputTarget t = resolve_output(path, "");
   const std::string what = fmt::format("writing '{}'", path);
   std::string tmp;
-  const int fd = create_temporary(t, tmp, what);
+  int slot = -1;
+  const int fd = create_temporary(t, tmp, what, &slot);
   auto fail = [&](const char* step, int fd_to_close) {
     const int err = errno;
     if (fd_to_close >= 0) ::close(fd_to_close);
     ::unlink(tmp.c_str());
+    release_temporary(slot);
     const bool others = !written_.empty();
     discard();
     DMOE_FAIL_INPUT("{} failed at {} of its temporary '{}' ({} bytes): {}; '{}' is unchanged{}", what, step, tmp,
@@ -193,7 +262,7 @@ void OutputFileSet::write(const std::string& path, std::span<const uint8_t> byte
   if (!write_all(fd, bytes.data(), bytes.size())) fail("the write", fd);
   if (::fsync(fd) != 0) fail("fsync", fd);
   if (::close(fd) != 0) fail("close", -1);
-  written_.push_back({path, tmp, t.path, t.directory});
+  written_.push_back({path, tmp, t.path, t.directory, slot});
 }
 
 void OutputFileSet::write(const std::string& path, std::string_view text) {
@@ -212,6 +281,7 @@ void OutputFileSet::commit() {
       DMOE_FAIL_INPUT("writing '{}' failed at the rename of its temporary onto it: {}; it is unchanged{}", w.path,
                       std::strerror(err), replaced.empty() ? "" : "; already replaced: " + replaced);
     }
+    release_temporary(w.slot);
     // Make the rename itself durable; a directory that cannot be synced (some file systems) is no error.
     const int dir = ::open(w.directory.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (dir >= 0) {
@@ -223,7 +293,10 @@ void OutputFileSet::commit() {
 }
 
 void OutputFileSet::discard() {
-  for (const Written& w : written_) ::unlink(w.temporary.c_str());
+  for (const Written& w : written_) {
+    ::unlink(w.temporary.c_str());
+    release_temporary(w.slot);
+  }
   written_.clear();
 }
 

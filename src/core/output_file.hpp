@@ -10,6 +10,8 @@
 //     link whose target does not exist is refused.
 //   - anything else (directory, FIFO, character or block device, socket): refused with an error naming
 //     the path, what it is, and what is allowed. /dev/full, /dev/null and pipes are therefore errors.
+//   - a SIGINT, SIGTERM or SIGHUP (at their default disposition) that ends the process while a temporary exists
+//     removes it first; the process then ends by the signal as before (SIGKILL cannot be caught: it may leave one).
 //   - an output that is the same file as one of the command's inputs (same device and inode, so hard
 //     links, symlinks and "./x" vs "x" count as the same file) is refused before anything runs.
 #pragma once
@@ -49,6 +51,7 @@ class OutputFileSet {
  private:
   struct Written {
     std::string path, temporary, target, directory;
+    int slot;  // its entry for the signal handler that removes temporaries (output_file.cpp)
   };
   void discard();
   std::vector<Written> written_;

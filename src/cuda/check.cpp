@@ -230,4 +230,17 @@ void fail(const char* file, int line, const char* format, ...) {
   throw_error(file, line, message);
 }
 
+void fail_input(const char* format, ...) {
+  va_list args;
+  va_start(args, format);
+  va_list copy;
+  va_copy(copy, args);
+  const int length = std::vsnprintf(nullptr, 0, format, copy);
+  va_end(copy);
+  std::string message(length > 0 ? size_t(length) : 0, '\0');
+  if (length > 0) std::vsnprintf(message.data(), message.size() + 1, format, args);
+  va_end(args);
+  throw_input_error(message);
+}
+
 }  // namespace dmoe::cuda

@@ -22,6 +22,10 @@ namespace dmoe::cuda {
 [[noreturn]] void fail(const char* file, int line, const char* format, ...)
     __attribute__((format(printf, 3, 4)));
 
+// Throws the input-error kind of dmoe::Error (core/error.hpp: the message alone, no file:line): for bad input
+// found in code that nvcc compiles, where fmt is not used.
+[[noreturn]] void fail_input(const char* format, ...) __attribute__((format(printf, 1, 2)));
+
 // A kernel that gives up waiting on a flag (a time limit, see DMOE_GPU_WAIT_TIMEOUT_MS) writes what it
 // waited for into this record — host memory mapped into the device, so it survives the trap that follows
 // — and fail() appends it to the message of the CUDA error that the trap causes.

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "core/env.hpp"
 #include "cuda/common.hpp"
 
 namespace dmoe::cuda {
@@ -36,7 +37,7 @@ constexpr double kGroupedMaxMeanMacs = 1.5e9;
 // output tiles of 128×256), which is why the plain loop is slow for mid-sized experts. Issuing the
 // experts' products on several streams at once lets their tiles share the GPU. Side streams are forked
 // from and joined back into the caller's stream with events, so ordering is unchanged for everyone else.
-constexpr int kMaxSideStreams = 16;
+constexpr int kMaxSideStreams = int(kMaxExpertGemmStreams);  // core/env.hpp
 
 struct SideStreams {
   int device = -1;
@@ -82,13 +83,13 @@ enum class ExpertGemmMode { automatic, grouped, loop, streams, own };
 
 ExpertGemmMode expert_gemm_mode() {
   static const ExpertGemmMode mode = [] {
-    const char* v = std::getenv("DMOE_EXPERT_GEMM");
-    if (!v || !*v || std::string(v) == "auto") return ExpertGemmMode::automatic;
-    if (std::string(v) == "grouped") return ExpertGemmMode::grouped;
-    if (std::string(v) == "loop") return ExpertGemmMode::loop;
-    if (std::string(v) == "streams") return ExpertGemmMode::streams;
-    if (std::string(v) == "own") return ExpertGemmMode::own;
-    fail(__FILE__, __LINE__, "DMOE_EXPERT_GEMM=%s is not supported; allowed: auto, grouped, loop, streams, own", v);
+    // core/env.hpp: the same reading as check_environment()'s when the command started.
+    const std::string v = env_choice("DMOE_EXPERT_GEMM", {"auto", "grouped", "loop", "streams", "own"}, "auto");
+    if (v == "grouped") return ExpertGemmMode::grouped;
+    if (v == "loop") return ExpertGemmMode::loop;
+    if (v == "streams") return ExpertGemmMode::streams;
+    if (v == "own") return ExpertGemmMode::own;
+    return ExpertGemmMode::automatic;
   }();
   return mode;
 }
@@ -97,14 +98,7 @@ ExpertGemmMode expert_gemm_mode() {
 // kMaxSideStreams, default kMaxSideStreams); fewer streams keep fewer products running side by side.
 int side_stream_count() {
   static const int count = [] {
-    const char* v = std::getenv("DMOE_EXPERT_GEMM_STREAMS");
-    if (!v || !*v) return kMaxSideStreams;
-    char* end = nullptr;
-    const long n = std::strtol(v, &end, 10);
-    if (*end != '\0' || n < 1 || n > kMaxSideStreams)
-      fail(__FILE__, __LINE__, "DMOE_EXPERT_GEMM_STREAMS=%s is not supported; allowed: an integer from 1 to %d", v,
-           kMaxSideStreams);
-    return int(n);
+    return int(env_integer("DMOE_EXPERT_GEMM_STREAMS", 1, kMaxSideStreams, kMaxSideStreams, "streams"));
   }();
   return count;
 }
@@ -172,13 +166,12 @@ constexpr double kMmaOverCublasMaxMeanMacs = 1.5e9;
 WgradKernel pick_wgrad_kernel(double mean_macs, const std::vector<GroupedWgrad>& calls) {
   enum Mode { automatic, own, sm90, mma, cublas };
   static const Mode mode = [] {
-    const char* v = std::getenv("DMOE_WGRAD");
-    if (!v || !*v || std::string(v) == "auto") return automatic;
-    if (std::string(v) == "own") return own;
-    if (std::string(v) == "sm90") return sm90;
-    if (std::string(v) == "mma") return mma;
-    if (std::string(v) == "cublas") return cublas;
-    fail(__FILE__, __LINE__, "DMOE_WGRAD=%s is not supported; allowed: auto, own, sm90, mma, cublas", v);
+    const std::string v = env_choice("DMOE_WGRAD", {"auto", "own", "sm90", "mma", "cublas"}, "auto");
+    if (v == "own") return own;
+    if (v == "sm90") return sm90;
+    if (v == "mma") return mma;
+    if (v == "cublas") return cublas;
+    return automatic;
   }();
   auto all = [&](bool (*usable)(const GroupedWgrad&)) {
     for (const GroupedWgrad& g : calls)
@@ -220,11 +213,8 @@ const char* wgrad_kernel_name(WgradKernel k) {
 // although its two launches save most of cuBLAS's 24 calls' ~400 µs of host time.
 bool prefer_own_dgrad(double mean_macs) {
   static const int mode = [] {  // 0 auto, 1 own, 2 cublas
-    const char* v = std::getenv("DMOE_DGRAD");
-    if (!v || !*v || std::string(v) == "auto") return 0;
-    if (std::string(v) == "cublas") return 2;
-    if (std::string(v) == "own") return 1;
-    fail(__FILE__, __LINE__, "DMOE_DGRAD=%s is not supported; allowed: auto, own, cublas", v);
+    const std::string v = env_choice("DMOE_DGRAD", {"auto", "own", "cublas"}, "auto");
+    return v == "cublas" ? 2 : v == "own" ? 1 : 0;
   }();
   return mode == 1 || (mode == 0 && mean_macs < kOwnMaxMeanMacs);
 }

@@ -46,6 +46,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "core/env.hpp"
 #include "cuda/activation.cuh"
 #include "cuda/common.hpp"
 #include "cuda/device_utils.cuh"
@@ -476,11 +477,8 @@ __global__ void sm90a_probe_kernel(int* built) {
 
 int column_tile() {
   static const int bn = [] {
-    const char* v = std::getenv("DMOE_SM90_BLOCK_N");
-    if (!v || !*v) return 256;  // faster than 128 on all four named configs (docs/perf.md)
-    const int n = std::atoi(v);
-    DMOE_CUDA_REQUIRE(n == 128 || n == 256, "DMOE_SM90_BLOCK_N=%s is not supported; allowed: 128, 256", v);
-    return n;
+    // 256 by default: faster than 128 on all four named configs (docs/perf.md). core/env.hpp reads it.
+    return env_choice("DMOE_SM90_BLOCK_N", {"128", "256"}, "256") == "128" ? 128 : 256;
   }();
   return bn;
 }
@@ -641,11 +639,7 @@ void launch_for(const CudaContext& ctx, void* scratch, const GroupedGemmNT& g, i
 // 1.55 to 0.99 GB (minimum 0.94) and its time 460 -> 408 µs; no config was slower.
 bool dynamic_schedule() {
   static const bool dynamic = [] {
-    const char* v = std::getenv("DMOE_SM90_SCHEDULE");
-    if (!v || !*v || std::string(v) == "dynamic") return true;
-    DMOE_CUDA_REQUIRE(std::string(v) == "static",
-                      "DMOE_SM90_SCHEDULE=%s is not supported; allowed: dynamic, static", v);
-    return false;
+    return env_choice("DMOE_SM90_SCHEDULE", {"dynamic", "static"}, "dynamic") == "dynamic";
   }();
   return dynamic;
 }
@@ -656,11 +650,7 @@ bool dynamic_schedule() {
 // stores gain, and the outputs of a fused tile go out one after another through the one staging tile.
 bool staged_epilogue() {
   static const bool staged = [] {
-    const char* v = std::getenv("DMOE_SM90_EPILOGUE");
-    if (!v || !*v || std::string(v) == "direct") return false;
-    DMOE_CUDA_REQUIRE(std::string(v) == "staged", "DMOE_SM90_EPILOGUE=%s is not supported; allowed: direct, staged",
-                      v);
-    return true;
+    return env_choice("DMOE_SM90_EPILOGUE", {"direct", "staged"}, "direct") == "staged";
   }();
   return staged;
 }
@@ -775,11 +765,8 @@ const DeviceInfo& device_info() {
 
 unsigned long long wait_timeout_ns() {
   static const unsigned long long ns = [] {
-    const char* v = std::getenv("DMOE_GPU_WAIT_TIMEOUT_MS");
-    char* end = nullptr;
-    const long long ms = v && *v ? std::strtoll(v, &end, 10) : 10000;
-    DMOE_CUDA_REQUIRE(!(v && *v) || (*end == '\0' && ms > 0),
-                      "DMOE_GPU_WAIT_TIMEOUT_MS=%s is not a positive number of milliseconds", v ? v : "");
+    // Bounded so that the nanoseconds fit 64 bits (a larger value wrapped into a short limit).
+    const int64_t ms = env_integer("DMOE_GPU_WAIT_TIMEOUT_MS", 1, kMaxGpuWaitTimeoutMs, 10000, "milliseconds");
     return (unsigned long long)ms * 1000000ull;
   }();
   return ns;

@@ -69,6 +69,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "core/env.hpp"
 #include "cuda/common.hpp"
 #include "cuda/device_utils.cuh"
 #include "cuda/sm90_host.hpp"
@@ -378,11 +379,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 // DMOE_SM90_WGRAD_ACCUMULATE=load (default) | red: how accumulate mode reads C (Sm90WgradTuning).
 int accumulate_mode_from_env() {
   static const int mode = [] {
-    const char* v = std::getenv("DMOE_SM90_WGRAD_ACCUMULATE");
-    if (!v || !*v || std::string(v) == "load") return int(kLoadAdd);
-    DMOE_CUDA_REQUIRE(std::string(v) == "red", "DMOE_SM90_WGRAD_ACCUMULATE=%s is not supported; allowed: load, red",
-                      v);
-    return int(kRed);
+    return env_choice("DMOE_SM90_WGRAD_ACCUMULATE", {"load", "red"}, "load") == "red" ? int(kRed) : int(kLoadAdd);
   }();
   return mode;
 }

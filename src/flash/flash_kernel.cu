@@ -34,6 +34,7 @@
 #include <string>
 #include <vector>
 
+#include "core/env.hpp"
 #include "core/flash_protocol.hpp"
 #include "core/routing.hpp"
 #include "cuda/activation.cuh"
@@ -1048,11 +1049,11 @@ int32_t flash_grid_blocks(const flash::Shape& s) {
   const char* mps_share = std::getenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE");
   if ((shared && std::string(shared) == "1") || (mps_share && std::atof(mps_share) < 100))
     grid = std::max(1, grid * 3 / 4);
-  if (const char* forced = std::getenv("DMOE_FLASH_GRID")) {
-    const int n = std::atoi(forced);
-    DMOE_CUDA_REQUIRE(n >= 1 && n <= grid, "DMOE_FLASH_GRID=%s: allowed 1..%d (the blocks that can be resident here)",
-                      forced, grid);
-    grid = n;
+  if (const int64_t forced = env_integer("DMOE_FLASH_GRID", 1, (int64_t(1) << 31) - 1, 0, "blocks")) {
+    if (forced > grid)
+      fail_input("DMOE_FLASH_GRID=%lld is more blocks than can be resident here; allowed: 1 to %d", (long long)forced,
+                 grid);
+    grid = int32_t(forced);
   }
   return grid;
 }

@@ -1,6 +1,7 @@
 // checkpoint.cpp — MoE layer weights <-> safetensors under Mixtral names (see checkpoint.hpp).
 #include "model/checkpoint.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
@@ -327,6 +328,19 @@ MixtralWeights load_mixtral_weights(const CheckpointReader& reader, const Mixtra
                  config.tie_word_embeddings ? ", tied embeddings" : ", an lm_head");
     reader.read_f32_into(p.name, p.shape, p.data);
   }
+  // A tied config reads no lm_head, as transformers ties it to the embeddings; but a file whose lm_head.weight differs
+  // from its embeddings holds an untied model, which was evaluated (or trained on, with --init) as another model
+  // without a word. (An lm_head equal to the embeddings, as some conversions keep it, is fine.)
+  if (config.tie_word_embeddings && reader.has("lm_head.weight")) {
+    const int64_t V = config.vocab_size, H = config.hidden_size;
+    std::vector<float> head(size_t(V * H));
+    reader.read_f32_into("lm_head.weight", {V, H}, head.data());
+    DMOE_REQUIRE_INPUT(std::equal(head.begin(), head.end(), w.embed_tokens.begin()),
+                       "checkpoint '{}' holds an lm_head.weight that differs from model.embed_tokens.weight, but the "
+                       "config ties them (tie_word_embeddings true), which would drop it: the file is an untied model; "
+                       "set tie_word_embeddings false in the config, or remove lm_head.weight from the file",
+                       reader.source());
+  }
   // A NaN or Inf weight gave an eval loss of nan with rc 0, or a router error about NaN logits that named no
   // tensor: refused here, naming it (the fused 5.x tensors included, as they landed in the same views).
   for (const ParamView& p : parameter_views(w, config))
@@ -351,16 +365,21 @@ void add_mixtral_tensors(SafetensorsWriter& writer, const MixtralWeights& w, con
     writer.add_f32(name_prefix + p.name, p.shape, p.data, stored_as);
 }
 
+std::vector<uint8_t> mixtral_checkpoint_bytes(const MixtralWeights& w, const MixtralConfig& config) {
+  SafetensorsWriter writer;
+  for (const ParamView& p : parameter_views(const_cast<MixtralWeights&>(w), config))
+    writer.add_f32(p.name, p.shape, p.data);
+  writer.set_metadata("format", "pt");
+  return writer.serialize();
+}
+
 void save_mixtral_checkpoint(const std::string& path, const MixtralWeights& w, const MixtralConfig& config,
                              int64_t max_shard_bytes) {
-  std::vector<ParamView> views = parameter_views(const_cast<MixtralWeights&>(w), config);
   if (max_shard_bytes <= 0) {
-    SafetensorsWriter writer;
-    for (const ParamView& p : views) writer.add_f32(p.name, p.shape, p.data);
-    writer.set_metadata("format", "pt");
-    writer.write(path);
+    write_file_atomically(path, mixtral_checkpoint_bytes(w, config));
     return;
   }
+  std::vector<ParamView> views = parameter_views(const_cast<MixtralWeights&>(w), config);
   // Consecutive tensors fill a shard until the next one would pass the limit.
   std::vector<std::vector<const ParamView*>> shards(1);
   int64_t bytes = 0, total = 0;

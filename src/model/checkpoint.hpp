@@ -96,6 +96,8 @@ void add_mixtral_tensors(SafetensorsWriter& writer, const MixtralWeights& w, con
 // Writes w as HF would: max_shard_bytes = 0 → one safetensors file at `path`; otherwise `path` is the
 // index.json to write and the shards model-0000i-of-0000N.safetensors go beside it, each up to about
 // max_shard_bytes (a tensor is never split). Metadata {"format": "pt"} as HF writes.
+// The one-file form's bytes (max_shard_bytes = 0), for a caller that writes it with others (OutputFileSet).
+std::vector<uint8_t> mixtral_checkpoint_bytes(const MixtralWeights& w, const MixtralConfig& config);
 void save_mixtral_checkpoint(const std::string& path, const MixtralWeights& w, const MixtralConfig& config,
                              int64_t max_shard_bytes = 0);
 

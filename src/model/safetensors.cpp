@@ -122,6 +122,9 @@ json parse_header(const uint8_t* begin, const uint8_t* end, const std::string& s
   switch (problem.kind) {
     case StrictJsonProblem::none: break;
     case StrictJsonProblem::duplicate_key:
+      if (problem.depth == 1 && problem.key == "__metadata__")
+        DMOE_FAIL_INPUT("safetensors '{}': the header has '__metadata__' more than once (it is one object of strings)",
+                        src);
       if (problem.depth == 1) DMOE_FAIL_INPUT("safetensors '{}': duplicate tensor name '{}' in the header", src, problem.key);
       DMOE_FAIL_INPUT("safetensors '{}': duplicate key '{}' inside a header entry (nesting level {})", src, problem.key,
                       problem.depth);
@@ -333,6 +336,12 @@ std::vector<std::string> SafetensorsFile::names() const {
   out.reserve(tensors_.size());
   for (const auto& [name, t] : tensors_) out.push_back(name);
   return out;
+}
+
+std::string tensor_list(const SafetensorsFile& file) {
+  std::string out;
+  for (const std::string& name : file.names()) out += (out.empty() ? "" : ", ") + name;
+  return out.empty() ? "none (the file holds no tensors)" : out;
 }
 
 std::span<const uint8_t> SafetensorsFile::raw(const std::string& name) const {

@@ -89,6 +89,10 @@ class SafetensorsFile {
 };
 
 // Collects tensors in memory, then writes one safetensors file.
+// The file's tensor names joined by ", " for an error message; "none (the file holds no tensors)" when empty (the
+// message ended in "tensors present: " and nothing).
+std::string tensor_list(const SafetensorsFile& file);
+
 class SafetensorsWriter {
  public:
   // Copies numel(shape) elements of `dtype` from data. Rejects duplicate names, "__metadata__", negative

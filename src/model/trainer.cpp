@@ -39,15 +39,25 @@ namespace {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
-// The bytes of a file, or of every regular file of a directory in name order.
+// The bytes of a file, or of every regular file of a directory in name order. The error_code forms: a symbolic link
+// loop (the path itself, or an entry) threw filesystem_error, "unexpected error" with rc 2; an entry that is no
+// regular file (a loop, a dangling link, a FIFO) is skipped like the others.
 std::vector<uint8_t> read_corpus(const std::string& path) {
   std::vector<fs::path> files;
-  if (fs::is_directory(path)) {
-    for (const auto& e : fs::directory_iterator(path))
-      if (fs::is_regular_file(e.path())) files.push_back(e.path());
+  std::error_code ec;
+  const fs::file_status status = fs::status(path, ec);
+  if (fs::is_directory(status)) {
+    fs::directory_iterator it(path, ec), end;
+    DMOE_REQUIRE_INPUT(!ec, "--data {}: the directory cannot be read: {}", path, ec.message());
+    for (; it != end; it.increment(ec)) {
+      DMOE_REQUIRE_INPUT(!ec, "--data {}: the directory cannot be read: {}", path, ec.message());
+      std::error_code entry_ec;
+      if (fs::is_regular_file(it->path(), entry_ec)) files.push_back(it->path());
+    }
     std::sort(files.begin(), files.end());
   } else {
-    DMOE_REQUIRE_INPUT(fs::is_regular_file(path), "--data {}: not a file or directory", path);
+    DMOE_REQUIRE_INPUT(fs::is_regular_file(status), "--data {}: not a file or directory{}", path,
+                       ec ? " (" + ec.message() + ")" : "");
     files.push_back(path);
   }
   std::vector<uint8_t> bytes;
@@ -209,12 +219,13 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
 
   // ---- data
   const std::vector<uint8_t> corpus = read_corpus(o.data_path);
+  std::error_code ec_dir;
   const int64_t val_bytes = int64_t(double(corpus.size()) * o.val_fraction);
   const int64_t train_bytes = int64_t(corpus.size()) - val_bytes;
   DMOE_REQUIRE_INPUT(train_bytes >= o.seq && val_bytes >= o.seq,
                "train: --data {} has {} bytes{}: too few for --seq {} windows in both the training part ({} bytes) and "
                "the held-out part ({} bytes)", o.data_path, corpus.size(),
-               fs::is_directory(o.data_path) ? " (the regular files directly in it; subdirectories are not read)" : "",
+               fs::is_directory(o.data_path, ec_dir) ? " (the regular files directly in it; subdirectories are not read)" : "",
                o.seq, train_bytes, val_bytes);
   auto train_batch = [&](int64_t step) {
     Rng rng(o.seed * 0x9e3779b97f4a7c15ull + uint64_t(step));
@@ -243,6 +254,12 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
                  "{}/trainer_state.json: no integer 'step'", o.resume_dir);
     DMOE_REQUIRE_INPUT(state["step"].get<int64_t>() >= 0, "{}/trainer_state.json: step {} must be >= 0",
                        o.resume_dir, state["step"].get<int64_t>());
+    // A checkpoint is saved after a step (--save-every N >= 1, or at the end of at least one): step 0 beside trained
+    // weights and AdamW moments was taken, and the run restarted its schedule and bias correction on them.
+    DMOE_REQUIRE_INPUT(state["step"].get<int64_t>() >= 1, "{}/trainer_state.json: step 0, but dmoe saves a checkpoint "
+                       "only after a step (its weights and moments are trained ones): the state was not written by a "
+                       "run; start from the weights with --init {}/model.safetensors instead", o.resume_dir,
+                       o.resume_dir);
     first_step = state["step"].get<int64_t>() + 1;
     // A key of the wrong type would end in nlohmann's type_error ("unexpected error"): named instead.
     DMOE_REQUIRE_INPUT(!state.contains("seed") || state["seed"].is_number_unsigned(),
@@ -402,16 +419,25 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
     }
     replica.barrier();  // the threads' shares are all in `full`
     if (rank == 0 && !dir.empty()) {
-      fs::create_directories(dir);
-      save_mixtral_checkpoint((fs::path(dir) / "model.safetensors").string(), full, config);
-      save_mixtral_config(config, (fs::path(dir) / "config.json").string());
-      SafetensorsWriter opt;
-      add_mixtral_tensors(opt, full_m, config, "exp_avg.");
-      add_mixtral_tensors(opt, full_v, config, "exp_avg_sq.");
-      opt.write((fs::path(dir) / "optimizer.safetensors").string());
-      write_json((fs::path(dir) / "trainer_state.json").string(),
-                 json{{"step", step}, {"seed", o.seed}, {"steps", o.steps}, {"batch", o.batch}, {"seq", o.seq},
-                      {"lr", o.lr}, {"data", o.data_path}});
+      std::error_code ec;
+      fs::create_directories(dir, ec);
+      DMOE_REQUIRE_INPUT(!ec, "--save {}: the checkpoint directory cannot be made: {}", dir, ec.message());
+      // The four files together or not at all: each was renamed into place as soon as it was written, so a save that
+      // failed or was interrupted part-way (a full disk, a scheduler's SIGTERM) left a checkpoint of two steps, e.g.
+      // the new model beside the old trainer_state.json, which --resume then continued from the wrong step.
+      OutputFileSet files;
+      files.write((fs::path(dir) / "model.safetensors").string(), mixtral_checkpoint_bytes(full, config));
+      files.write((fs::path(dir) / "config.json").string(), mixtral_config_to_json(config).dump(2) + "\n");
+      {
+        SafetensorsWriter opt;
+        add_mixtral_tensors(opt, full_m, config, "exp_avg.");
+        add_mixtral_tensors(opt, full_v, config, "exp_avg_sq.");
+        files.write((fs::path(dir) / "optimizer.safetensors").string(), opt.serialize());
+      }
+      files.write((fs::path(dir) / "trainer_state.json").string(),
+                  json{{"step", step}, {"seed", o.seed}, {"steps", o.steps}, {"batch", o.batch}, {"seq", o.seq},
+                       {"lr", o.lr}, {"data", o.data_path}}.dump(2) + "\n");
+      files.commit();
     }
     replica.barrier();  // no rank goes on (e.g. to resume from the checkpoint) before it is written
   };

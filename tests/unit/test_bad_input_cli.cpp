@@ -23,6 +23,9 @@
 // AdamW moments; an index.json's duplicate tensors; resume states of the wrong types or without config.json;
 // bench --wgrad ignored; launch's TMPDIR, train's --log write error and CPU --dtype check (late, or a source location);
 // immutable outputs failing after the work; a silent CPU training step of minutes.
+// The fifth, sixth and seventh passes (branches bad5, bad6, bad7) are at the end, each under its own heading; the
+// seventh's: DMOE_* knobs read only where their path ran, train --data link loops and --save onto --log, a
+// checkpoint interrupted mid-save, a tied config on an untied file, --version after a command, messages.
 //
 // Run: dmoe_unit_tests --gtest_filter='BadInput*'
 #include <gtest/gtest.h>
@@ -36,6 +39,10 @@
 #include <regex>
 #include <sstream>
 #include <tuple>
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <nlohmann/json.hpp>
 
@@ -983,6 +990,190 @@ TEST(BadInputEnv, CommTimeoutMustBeFiniteAndBounded) {
   ::setenv("DMOE_COMM_TIMEOUT_S", "1e9", 1);
   EXPECT_EQ(host_wait_timeout_seconds(), 1e9);
   ::unsetenv("DMOE_COMM_TIMEOUT_S");
+}
+
+// ---- The seventh pass (2026-12-03, branch bad7; docs/faults.md) -----------------------------------------------
+
+TEST_F(BadInput, EnvironmentKnobsAreCheckedWhenACommandStarts) {
+  // The GPU knobs were read only where their code path ran: on the CPU engine, in a forward without a backward or on a
+  // path that never reached them a typo passed with rc 0, and where read their error ended in a source location
+  // (gemm.cpp:91). DMOE_GPU_WAIT_TIMEOUT_MS past 2^64 ns wrapped into a short limit; DMOE_DEFER_ROUTING was checked
+  // only where a forward could defer (rc 0 at W = 2).
+  const std::string init = "init --hidden 8 --ffn 8 --experts 2 --top-k 1 --tokens 4 --out " + p("w.st");
+  const std::vector<std::tuple<std::string, std::string>> cases = {
+      {"DMOE_EXPERT_GEMM=bogus", "DMOE_EXPERT_GEMM='bogus' is not allowed; allowed: auto, grouped, loop, streams, own"},
+      {"DMOE_WGRAD=SM90", "DMOE_WGRAD='SM90' is not allowed; allowed: auto, own, sm90, mma, cublas"},
+      {"DMOE_DGRAD=' own'", "DMOE_DGRAD=' own' is not allowed; allowed: auto, own, cublas"},
+      {"DMOE_SM90_BLOCK_N=128x", "DMOE_SM90_BLOCK_N='128x' is not allowed; allowed: 128, 256"},
+      {"DMOE_SM90_SCHEDULE=fast", "allowed: dynamic, static"},
+      {"DMOE_SM90_EPILOGUE=1", "allowed: direct, staged"},
+      {"DMOE_SM90_WGRAD_ACCUMULATE=add", "allowed: load, red"},
+      {"DMOE_EXPERT_GEMM_STREAMS=17", "DMOE_EXPERT_GEMM_STREAMS='17' is out of range; allowed: a decimal integer from 1 to 16"},
+      {"DMOE_EXPERT_GEMM_STREAMS=' 3'", "is not a decimal integer"},
+      {"DMOE_GPU_WAIT_TIMEOUT_MS=-5", "DMOE_GPU_WAIT_TIMEOUT_MS='-5' is out of range; allowed: a decimal integer from 1 to"},
+      {"DMOE_GPU_WAIT_TIMEOUT_MS=20000000000000", "is out of range"},
+      {"DMOE_GPU_WAIT_TIMEOUT_MS=99999999999999999999", "is out of range"},
+      {"DMOE_GPU_WAIT_TIMEOUT_MS=1e4", "is not a decimal integer"},
+      {"DMOE_ATTENTION=OWN", "DMOE_ATTENTION='OWN' is not allowed; allowed: auto, own, cudnn"},
+      {"DMOE_FLOW_AR_COMM=nccl", "allowed: auto, own, model"},
+      {"DMOE_FLOW_CHUNKS_PER_GAP=-1", "DMOE_FLOW_CHUNKS_PER_GAP='-1' is invalid"},
+      {"DMOE_FLASH_GRID=0", "DMOE_FLASH_GRID='0' is out of range"},
+      {"DMOE_SHARED_GPUS=2", "DMOE_SHARED_GPUS='2' is not allowed; allowed: 0, 1"},
+      {"DMOE_DEFER_ROUTING=2", "DMOE_DEFER_ROUTING='2' is invalid"},
+      {"DMOE_COMM_TIMEOUT_S=abc", "DMOE_COMM_TIMEOUT_S='abc' is invalid"},
+  };
+  for (const auto& [env, needle] : cases) {
+    fs::remove(p("w.st"));
+    expect_user_error(run_cli(init, env), needle, env + " dmoe init");
+    EXPECT_FALSE(fs::exists(p("w.st"))) << env << ": init wrote its output";
+  }
+  // The run that ignored DMOE_DEFER_ROUTING=2 (two simulated ranks), and a GPU knob on the CPU engine's bench.
+  ASSERT_EQ(run_cli(init + " --world 2 --input " + p("x.st") + " --save-config " + p("c.json")).status, 0);
+  expect_user_error(run_cli("run --config " + p("c.json") + " --weights " + p("w.st") + " --input " + p("x.st") +
+                                " --output " + p("y.st"), "DMOE_DEFER_ROUTING=2"),
+                    "DMOE_DEFER_ROUTING='2' is invalid", "run at W = 2");
+  expect_user_error(run_cli("bench --engine cpu --tokens 4 --hidden 8 --ffn 8 --experts 2 --top-k 1 -n 1 --repeat 1 "
+                            "--warmup 0", "DMOE_WGRAD=bogus"), "DMOE_WGRAD='bogus'", "bench --engine cpu");
+  // Well-formed values and empty ones (as unset) are taken.
+  EXPECT_EQ(run_cli(init, "DMOE_EXPERT_GEMM=own DMOE_WGRAD= DMOE_GPU_WAIT_TIMEOUT_MS=1000000000000 "
+                          "DMOE_SM90_BLOCK_N=128 DMOE_SHARED_GPUS=0 DMOE_FLASH_GRID=8").status, 0);
+}
+
+TEST_F(BadInput, TrainDataLinksAndSaveOntoTheLogAreRefusedBeforeTraining) {
+  const std::string train = "train --config " + p("tiny.json") + " --steps 1 --seq 16 --batch 2 ";
+  // A symbolic link loop as --data, or inside the --data directory: "unexpected error: filesystem error", rc 2.
+  fs::create_symlink("loop_b", dir_ / "loop_a");
+  fs::create_symlink("loop_a", dir_ / "loop_b");
+  expect_user_error(run_cli(train + "--data " + p("loop_a")), "--data " + p("loop_a") + ": not a file or directory "
+                    "(Too many levels of symbolic links)", "--data a link loop");
+  fs::create_symlink("loop_d", dir_ / "data" / "loop_c");
+  fs::create_symlink("loop_c", dir_ / "data" / "loop_d");
+  EXPECT_EQ(run_cli(train + "--data " + p("data")).status, 0) << "a link loop among the text files is skipped";
+  // --save onto the path of a new --log (or below it): trained to the end, then "unexpected error: filesystem error:
+  // cannot create directories", rc 2, and the log written.
+  for (const std::string& save : {p("out"), p("out") + "/ck", dir_.string() + "/./out"}) {
+    Result r = run_cli(train + "--data " + p("data") + " --log " + p("out") + " --save " + save);
+    expect_user_error(r, "--save '" + save + "' is --log '" + p("out") + "'", "--save " + save);
+    EXPECT_EQ(r.output.find("step "), std::string::npos) << "trained first:\n" << r.output;
+    EXPECT_FALSE(fs::exists(p("out")));
+  }
+  // A new --log in the --data directory: the next run on it trained on the log.
+  expect_user_error(run_cli(train + "--data " + p("data") + " --log " + p("data/log.jsonl")),
+                    "--log '" + p("data/log.jsonl") + "' is in the --data directory", "--log in --data");
+  EXPECT_FALSE(fs::exists(p("data/log.jsonl")));
+  EXPECT_EQ(run_cli(train + "--data " + p("data/a.txt") + " --log " + p("data/log.jsonl")).status, 0)
+      << "--data a file: its directory is not read";
+}
+
+TEST_F(BadInput, InterruptedCheckpointSaveLeavesTheOldCheckpoint) {
+  // Each checkpoint file was renamed into place as soon as it was written: a SIGTERM (or a full disk) during the save
+  // of optimizer.safetensors left the new model.safetensors beside the old trainer_state.json, and --resume continued
+  // from the wrong step. A model of 6.8 M parameters, so that the optimizer file takes a while to write.
+  json config = json::parse(slurp(p("tiny.json")));
+  config["hidden_size"] = 256;
+  config["intermediate_size"] = 1024;
+  std::ofstream(p("mid.json")) << config.dump();
+  const std::string train = "train --config " + p("mid.json") + " --data " + p("data") + " --seq 16 --batch 2 "
+                            "--steps 4 --save " + p("ck");
+  ASSERT_EQ(run_cli(train + " --stop-after 1").status, 0);
+  const std::string model_before = slurp(p("ck/model.safetensors"));
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    ::signal(SIGTERM, SIG_DFL);
+    const std::string command = "exec " + std::string(DMOE_CLI_PATH) + " " + train + " --resume " + p("ck") +
+                                " --stop-after 2 > /dev/null 2>&1";
+    ::execl("/bin/sh", "sh", "-c", command.c_str(), static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  bool seen = false;
+  int status = 0;
+  for (int i = 0; i < 600000 && !seen; ++i) {
+    for (const auto& e : fs::directory_iterator(dir_ / "ck"))
+      seen = seen || e.path().filename().string().rfind(".optimizer.safetensors.dmoe-tmp", 0) == 0;
+    if (seen) ::kill(pid, SIGTERM);
+    else if (::waitpid(pid, &status, WNOHANG) == pid) break;
+    else ::usleep(100);
+  }
+  if (seen) ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  if (!seen) GTEST_SKIP() << "the save ended before its optimizer temporary was seen (status " << status << ")";
+  EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGTERM) << status;
+  EXPECT_EQ(json::parse(slurp(p("ck/trainer_state.json")))["step"], 1);
+  EXPECT_TRUE(slurp(p("ck/model.safetensors")) == model_before) << "model.safetensors was replaced: a mixed checkpoint";
+  for (const auto& e : fs::directory_iterator(dir_ / "ck"))
+    EXPECT_EQ(e.path().filename().string().find("dmoe-tmp"), std::string::npos) << e.path();
+}
+
+TEST_F(BadInput, OptionsBeforeTheCommandVersionAfterItAndDefaultsInMessages) {
+  // "dmoe --bogus" and "dmoe -v" said "A subcommand is required"; "dmoe train --version" said "--config is required".
+  for (const char* option : {"--bogus", "-v"})
+    expect_user_error(run_cli(option), "'" + std::string(option) + "' is not an option of dmoe itself; allowed: "
+                      "--help, --version, or a command first: init, run", option);
+  for (const char* args : {"train --version", "init --version", "flow simulate --version", "eval --world 2 --version"}) {
+    const Result r = run_cli(args);
+    EXPECT_EQ(r.status, 0) << args << "\n" << r.output;
+    EXPECT_EQ(r.output.rfind("dmoe ", 0), 0u) << args << "\n" << r.output;
+  }
+  // flow measure --batch 2 without --measure-r: "--measure-r 4: must divide --batch 2", a 4 the user never gave.
+  expect_user_error(run_cli("flow measure --config " + p("tiny.json") + " --batch 2 --seq 16 --steps 1"),
+                    "--measure-r 4: must divide --batch 2 (sequences per rank); 4 is the default --measure-r 1,2,4",
+                    "the default --measure-r");
+}
+
+TEST_F(BadInput, TiedConfigRefusesAFileWithAnLmHeadOfItsOwn) {
+  // An untied checkpoint read with tie_word_embeddings true: its lm_head.weight was dropped without a word (eval rc 0
+  // with another loss, train --init trained another model). The resume path already compared the configs.
+  write_tokens_file();
+  ASSERT_EQ(run_cli("init-model --config " + p("tiny.json") + " --out " + p("m.st")).status, 0);
+  json tied = json::parse(slurp(p("tiny.json")));
+  tied["tie_word_embeddings"] = true;
+  std::ofstream(p("tied.json")) << tied.dump();
+  const std::string needle = "holds an lm_head.weight that differs from model.embed_tokens.weight, but the config ties "
+                             "them (tie_word_embeddings true)";
+  expect_user_error(run_cli("eval --config " + p("tied.json") + " --weights " + p("m.st") + " --tokens " + p("tok.st") +
+                            " --output " + p("e.st")), needle, "eval, tied config");
+  EXPECT_FALSE(fs::exists(p("e.st")));
+  expect_user_error(run_cli("train --config " + p("tied.json") + " --init " + p("m.st") + " --data " + p("data") +
+                            " --steps 1 --seq 16 --batch 2"), needle, "train --init, tied config");
+  // A tied model's own file (no lm_head) reads as before.
+  ASSERT_EQ(run_cli("init-model --config " + p("tied.json") + " --out " + p("mt.st")).status, 0);
+  EXPECT_EQ(run_cli("eval --config " + p("tied.json") + " --weights " + p("mt.st") + " --tokens " + p("tok.st") +
+                    " --output " + p("e.st")).status, 0);
+}
+
+TEST_F(BadInput, SafetensorsMessagesSayWhatTheFileHolds) {
+  // A file without tensors: "tensors present: " and nothing; a second __metadata__: "duplicate tensor name
+  // '__metadata__'" (it is no tensor); dy missing: the tensors there were not listed, as they are for x.
+  auto header_only = [&](const std::string& name, const std::string& header) {
+    std::string bytes(8, '\0');
+    const uint64_t n = header.size();
+    std::memcpy(bytes.data(), &n, 8);
+    std::ofstream(p(name), std::ios::binary) << bytes << header;
+  };
+  header_only("empty.st", "{}");
+  header_only("meta2.st", R"({"__metadata__":{"a":"b"},"__metadata__":{"c":"d"}})");
+  ASSERT_EQ(run_cli("init --hidden 8 --ffn 8 --experts 2 --top-k 1 --tokens 4 --out " + p("w.st") + " --input " +
+                    p("x.st") + " --save-config " + p("c.json")).status, 0);
+  const std::string run = "run --config " + p("c.json") + " --weights " + p("w.st") + " --output " + p("y.st");
+  expect_user_error(run_cli(run + " --input " + p("empty.st")), "tensors present: none (the file holds no tensors)",
+                    "x from a file without tensors");
+  expect_user_error(run_cli(run + " --input " + p("meta2.st")), "the header has '__metadata__' more than once",
+                    "two __metadata__");
+  expect_user_error(run_cli(run + " --input " + p("x.st") + " --grad-output " + p("x.st")),
+                    "no tensor 'dy' (expected dy [tokens, hidden]); tensors present: x", "dy missing");
+}
+
+TEST_F(BadInput, ResumeStateAtStepZeroIsRefused) {
+  // A resume state with step 0 (dmoe never writes one) restarted the schedule and AdamW's bias correction on trained
+  // weights and moments, rc 0.
+  ASSERT_EQ(run_cli("train --config " + p("tiny.json") + " --data " + p("data") + " --steps 2 --seq 16 --batch 2 "
+                    "--stop-after 1 --save " + p("ck")).status, 0);
+  json state = json::parse(slurp(p("ck/trainer_state.json")));
+  state["step"] = 0;
+  std::ofstream(p("ck/trainer_state.json")) << state.dump();
+  expect_user_error(run_cli("train --config " + p("tiny.json") + " --data " + p("data") + " --steps 2 --seq 16 "
+                            "--batch 2 --resume " + p("ck")), "trainer_state.json: step 0, but dmoe saves a checkpoint "
+                    "only after a step", "resume at step 0");
 }
 
 }  // namespace

@@ -100,6 +100,12 @@ TEST_F(DataDir, BadDmoeHomeAndMissingPathsAreClearErrors) {
   EXPECT_NE(r.status, 0);
   EXPECT_NE(r.output.find("DMOE_HOME='" + (dir_ / "no-such-dir").string() + "' is not a directory"), std::string::npos)
       << r.output;
+  // A folder without bench/ (seventh bad-input pass): passed over without a word, cpu-small came from the install.
+  fs::create_directories(dir_ / "no-bench");
+  r = run("init --config cpu-small --out w.safetensors", (dir_ / "no-bench").string());
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("DMOE_HOME='" + (dir_ / "no-bench").string() + "' has no bench/ folder"), std::string::npos)
+      << r.output;
   // A path is not looked up among the named configs (the source tree has bench/configs/cpu-small.json).
   r = run("init --config configs/cpu-small.json --out w.safetensors");
   EXPECT_NE(r.status, 0);

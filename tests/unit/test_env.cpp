@@ -50,5 +50,42 @@ TEST_F(TimeoutEnv, RejectsWhatIsNotAPositiveNumber) {
   }
 }
 
+// The readers of the GPU knobs (seventh bad-input pass): exact words, strict decimal integers in a range, input errors.
+TEST(EnvKnobs, ChoicesAndIntegersAreExactAndNameTheVariable) {
+  ::unsetenv("DMOE_TEST_KNOB");
+  EXPECT_EQ(env_choice("DMOE_TEST_KNOB", {"a", "b"}, "a"), "a");
+  EXPECT_EQ(env_integer("DMOE_TEST_KNOB", 1, 9, 5, ""), 5);
+  ::setenv("DMOE_TEST_KNOB", "", 1);
+  EXPECT_EQ(env_choice("DMOE_TEST_KNOB", {"a", "b"}, "a"), "a");
+  EXPECT_EQ(env_integer("DMOE_TEST_KNOB", 1, 9, 5, ""), 5);
+  ::setenv("DMOE_TEST_KNOB", "b", 1);
+  EXPECT_EQ(env_choice("DMOE_TEST_KNOB", {"a", "b"}, "a"), "b");
+  ::setenv("DMOE_TEST_KNOB", "9", 1);
+  EXPECT_EQ(env_integer("DMOE_TEST_KNOB", 1, 9, 5, ""), 9);
+  for (const char* bad : {"B", " b", "b ", "c"}) {
+    ::setenv("DMOE_TEST_KNOB", bad, 1);
+    try {
+      (void)env_choice("DMOE_TEST_KNOB", {"a", "b"}, "a");
+      ADD_FAILURE() << "accepted '" << bad << "'";
+    } catch (const Error& e) {
+      EXPECT_TRUE(e.is_input()) << e.what();
+      EXPECT_NE(std::string(e.what()).find("DMOE_TEST_KNOB='" + std::string(bad) + "' is not allowed; allowed: a, b"),
+                std::string::npos) << e.what();
+    }
+  }
+  for (const char* bad : {"0", "10", " 5", "5 ", "+5", "5.0", "0x5", "-", "99999999999999999999"}) {
+    ::setenv("DMOE_TEST_KNOB", bad, 1);
+    try {
+      (void)env_integer("DMOE_TEST_KNOB", 1, 9, 5, "units");
+      ADD_FAILURE() << "accepted '" << bad << "'";
+    } catch (const Error& e) {
+      EXPECT_TRUE(e.is_input()) << e.what();
+      EXPECT_NE(std::string(e.what()).find("allowed: a decimal integer from 1 to 9 units"), std::string::npos)
+          << e.what();
+    }
+  }
+  ::unsetenv("DMOE_TEST_KNOB");
+}
+
 }  // namespace
 }  // namespace dmoe

@@ -7,6 +7,7 @@
 
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <csignal>
@@ -98,6 +99,34 @@ TEST_F(OutputFile, RefusesDevicesDirectoriesFifosAndProc) {
   EXPECT_NE(error_of([&] { check_output_file(p("no-dir/x.json"), "--json"); }).find("does not exist"),
             std::string::npos);
   EXPECT_EQ(entries(), 1u);  // the FIFO only
+}
+
+// Seventh bad-input pass: a SIGTERM or SIGINT during a write (a scheduler ending the job, Ctrl-C) left the hidden
+// temporaries ".NAME.dmoe-tmp.PID.N" behind. The process still ends by the signal, the targets unchanged.
+TEST_F(OutputFile, TemporariesAreRemovedWhenASignalEndsTheProcess) {
+  for (const int sig : {SIGTERM, SIGINT}) {
+    struct sigaction now {};
+    ASSERT_EQ(::sigaction(sig, nullptr, &now), 0);
+    if (now.sa_handler == SIG_IGN) GTEST_SKIP() << "signal " << sig << " is ignored in this process (and so in children)";
+    write_file_atomically(p("a.txt"), std::string_view("old"));
+    const pid_t pid = ::fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+      OutputFileSet set;
+      set.write(p("a.txt"), std::string_view("new a"));
+      set.write(p("b.txt"), std::string_view("new b"));  // both temporaries exist, neither is renamed yet
+      ::raise(sig);
+      ::_exit(3);
+    }
+    int status = 0;
+    ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+    EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == sig) << "status " << status;
+    EXPECT_EQ(read_text(p("a.txt")), "old");
+    EXPECT_FALSE(fs::exists(p("b.txt")));
+    std::string names;
+    for (const auto& e : fs::directory_iterator(dir_)) names += e.path().filename().string() + " ";
+    EXPECT_EQ(entries(), 1u) << "signal " << sig << " left: " << names;
+  }
 }
 
 TEST_F(OutputFile, SymlinkTargetIsReplacedAndDanglingLinkRefused) {

@@ -68,6 +68,7 @@ struct FlowOptions {
   int64_t batch = 8, seq = 32;
   int32_t world = 1, steps = 3;
   std::string measure_r_text = "1,2,4";  // --measure-r as given; parse_measure_r reads it strictly
+  bool measure_r_given = false;           // the default's error says it is the default (the user gave no 4)
   std::vector<int32_t> measure_r;
   bool schedule_given = false;
   std::string engine = "cpu", dtype = "f32";
@@ -354,8 +355,9 @@ int measure_command(const FlowOptions& o) {
     DMOE_REQUIRE_INPUT(o.costs_out.empty(), "--costs-out: needs one --schedule measured at several --measure-r (not all)");
   } else {
     for (int32_t r : o.measure_r)
-      DMOE_REQUIRE_INPUT(r >= 1 && o.batch % r == 0, "--measure-r {}: must divide --batch {} (sequences per rank)", r,
-                         o.batch);
+      DMOE_REQUIRE_INPUT(r >= 1 && o.batch % r == 0, "--measure-r {}: must divide --batch {} (sequences per rank){}", r,
+                         o.batch, o.measure_r_given ? "" : fmt::format("; {} is the default --measure-r {}: give "
+                         "--measure-r with divisors of --batch, or a --batch that {} divides", r, o.measure_r_text, r));
   }
   require_host_memory(model_activation_bytes_lower_bound(double(o.world) * double(o.batch) * double(o.seq),
                                                          c.vocab_size, c.hidden_size, c.num_hidden_layers),
@@ -484,8 +486,9 @@ int measure_cuda_command(const FlowOptions& o) {
                      "--micro-batches {}: must be >= 1 and divide --batch {}", o.micro_batches, o.batch);
   if (!ablation)
     for (int32_t r : o.measure_r)
-      DMOE_REQUIRE_INPUT(r >= 1 && o.batch % r == 0, "--measure-r {}: must divide --batch {} (sequences per rank)", r,
-                         o.batch);
+      DMOE_REQUIRE_INPUT(r >= 1 && o.batch % r == 0, "--measure-r {}: must divide --batch {} (sequences per rank){}", r,
+                         o.batch, o.measure_r_given ? "" : fmt::format("; {} is the default --measure-r {}: give "
+                         "--measure-r with divisors of --batch, or a --batch that {} divides", r, o.measure_r_text, r));
   const MixtralWeights w = random_mixtral_weights(c, 1);
   flow::CudaFlowSession session(c, w, storage, o.batch * o.seq);
   const int32_t world = session.world(), rank = session.rank();
@@ -732,6 +735,7 @@ Command add_flow_command(CLI::App& app) {
                        "flow {}: unknown action (allowed: simulate, tune, project, measure)", o->action);
     if (o->action != "measure") require_no_fault_injected("flow " + o->action);  // only the executors have fault points
     o->schedule_given = sub->count("--schedule") > 0;
+    o->measure_r_given = sub->count("--measure-r") > 0;
     o->experts_given = sub->count("--experts") > 0;
     if (o->action == "project" && sub->count("--link") == 0) o->link = "shared";
     o->measure_r = parse_measure_r(o->measure_r_text);

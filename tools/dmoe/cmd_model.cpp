@@ -46,7 +46,7 @@ struct EvalOptions {
 HostTensor<int32_t> read_tokens(const std::string& path) {
   const SafetensorsFile f = SafetensorsFile::open(path);
   DMOE_REQUIRE_INPUT(f.has("tokens"), "{}: no tensor 'tokens' (expected tokens [batch, seq], I32 or I64); tensors "
-               "present: {}", path, fmt::join(f.names(), ", "));
+               "present: {}", path, tensor_list(f));
   const TensorInfo& t = f.info("tokens");
   DMOE_REQUIRE_INPUT(t.dtype == "I32" || t.dtype == "I64", "{}: tokens has dtype {}; allowed: I32, I64", path, t.dtype);
   DMOE_REQUIRE_INPUT(t.shape.size() == 2 && t.shape[0] >= 1 && t.shape[1] >= 2,

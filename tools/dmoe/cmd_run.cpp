@@ -95,7 +95,7 @@ Command add_run_command(CLI::App& app) {
 
     const SafetensorsFile input = SafetensorsFile::open(o->input);
     DMOE_REQUIRE_INPUT(input.has("x"), "{}: no tensor 'x' (expected x [tokens, hidden]); tensors present: {}",
-                       o->input, fmt::join(input.names(), ", "));
+                       o->input, tensor_list(input));
     const TensorInfo& xi = input.info("x");
     DMOE_REQUIRE_INPUT(xi.shape.size() == 2, "{}: x has shape {}; expected [tokens, hidden]", o->input,
                        shape_string(xi.shape));
@@ -124,7 +124,8 @@ Command add_run_command(CLI::App& app) {
     std::vector<float> dy;
     if (!o->grad_output.empty()) {
       const SafetensorsFile g = SafetensorsFile::open(o->grad_output);
-      DMOE_REQUIRE_INPUT(g.has("dy"), "{}: no tensor 'dy' (expected dy [tokens, hidden])", o->grad_output);
+      DMOE_REQUIRE_INPUT(g.has("dy"), "{}: no tensor 'dy' (expected dy [tokens, hidden]); tensors present: {}",
+                         o->grad_output, tensor_list(g));
       dy = g.read_f32("dy", {total, c.hidden});
     }
 

@@ -2,6 +2,7 @@
 //
 //   dmoe train --config tiny --data /usr/share/common-licenses --steps 200 --seq 64 --batch 8
 //         [--world W] [--init random|CKPT] [--resume DIR] [--save DIR] [--log FILE] [--lr 3e-3] ...
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <vector>
@@ -48,6 +49,27 @@ void check_train_paths(const TrainOptions& o, const std::string& config_file) {
       for (const char* name : {"trainer_state.json", "model.safetensors", "optimizer.safetensors", "config.json"})
         others.push_back({"--save", (fs::path(o.save_dir) / name).string()});
     require_distinct_files({{"--tune-file", o.tune_file}}, others);
+  }
+  // A new --log or --tune-file in the --data directory: this run reads the text before the file exists, but every later
+  // run on that --data trains on the log too (one that exists is refused above, as one of --data's files).
+  if (fs::is_directory(o.data_path, ec))
+    for (const NamedPath& out : {NamedPath{"--log", o.log_path}, NamedPath{"--tune-file", o.tune_file}})
+      DMOE_REQUIRE_INPUT(out.path.empty() || !same_file(fs::absolute(out.path, ec).parent_path().string(), o.data_path),
+                         "{} '{}' is in the --data directory '{}', whose files are the training text: later runs on it "
+                         "would train on this {}; write it elsewhere", out.option, out.path, o.data_path,
+                         out.option == "--log" ? "log" : "tuning file");
+  // --save is made a directory at the end: as the path of a new --log or --tune-file (or below it) the training ran to
+  // the end and then failed with "unexpected error: filesystem error: cannot create directories".
+  if (!o.save_dir.empty()) {
+    const fs::path save = fs::weakly_canonical(fs::absolute(o.save_dir, ec), ec).lexically_normal();
+    for (const NamedPath& out : {NamedPath{"--log", o.log_path}, NamedPath{"--tune-file", o.tune_file}}) {
+      if (out.path.empty()) continue;
+      const fs::path file = fs::weakly_canonical(fs::absolute(out.path, ec), ec).lexically_normal();
+      const auto [f, s] = std::mismatch(file.begin(), file.end(), save.begin(), save.end());
+      DMOE_REQUIRE_INPUT(f != file.end(), "--save '{}' is {} '{}'{}: the checkpoint is a directory, the {} a file; give "
+                         "them different paths", o.save_dir, out.option, out.path, s == save.end() ? "" : " or inside it",
+                         out.option == "--log" ? "log" : "tuning file");
+    }
   }
   if (!o.save_dir.empty()) {
     DMOE_REQUIRE_INPUT(!fs::exists(o.save_dir, ec) || fs::is_directory(o.save_dir, ec),

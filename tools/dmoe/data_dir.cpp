@@ -42,6 +42,11 @@ std::vector<DataRoot> data_roots() {
                        "tree, or an install's <prefix>/share/dmoe); unset it to use the data installed beside the "
                        "dmoe executable",
                        home);
+    // A folder without bench/ was passed over without a word: the named configs came from the next place.
+    DMOE_REQUIRE_INPUT(is_dir(fs::path(home) / "bench"),
+                       "DMOE_HOME='{}' has no bench/ folder: it must name a folder holding bench/ (a dmoe source tree, "
+                       "or an install's <prefix>/share/dmoe); unset it to use the data installed beside the dmoe "
+                       "executable", home);
     roots.push_back({home, "$DMOE_HOME"});
   }
   std::error_code ec;

@@ -18,9 +18,11 @@
 #include "comm/stage_board.hpp"
 #include "commands.hpp"
 #include "options.hpp"
+#include "core/env.hpp"
 #include "core/error.hpp"
 #include "core/fault.hpp"
 #include "core/host_resources.hpp"
+#include "flow/cuda_executor.hpp"
 
 #ifndef DMOE_VERSION
 #define DMOE_VERSION "unknown"
@@ -93,19 +95,35 @@ int run_main(int argc, char** argv) {
   for (CLI::App* sub : app.get_subcommands({})) dmoe::cli::check_option_values(*sub);
   // CLI11 answers an unknown command ("dmoe bogus", "dmoe trian") with "A subcommand is required", which names
   // neither the word nor the commands.
-  if (argc >= 2 && argv[1][0] != '-') {
-    std::string names;
-    bool known = false;
-    for (CLI::App* sub : app.get_subcommands({})) {
-      names += (names.empty() ? "" : ", ") + sub->get_name();
-      known = known || sub->get_name() == argv[1];
-    }
-    if (!known) {
-      std::fprintf(stderr, "dmoe: error: '%s' is not a dmoe command; allowed: %s (dmoe --help)\n", argv[1],
-                   names.c_str());
+  std::string names;
+  bool known = false;
+  for (CLI::App* sub : app.get_subcommands({})) {
+    names += (names.empty() ? "" : ", ") + sub->get_name();
+    known = known || (argc >= 2 && sub->get_name() == argv[1]);
+  }
+  if (argc >= 2 && argv[1][0] != '-' && !known) {
+    std::fprintf(stderr, "dmoe: error: '%s' is not a dmoe command; allowed: %s (dmoe --help)\n", argv[1],
+                 names.c_str());
+    return 1;
+  }
+  // The same for an option before the command ("dmoe --bogus", "dmoe -v"): CLI11 said "A subcommand is required".
+  if (argc >= 2 && argv[1][0] == '-') {
+    const std::string first = argv[1];
+    if (first != "--help" && first != "-h" && first != "--version" && first.rfind("--help=", 0) != 0) {
+      std::fprintf(stderr, "dmoe: error: '%s' is not an option of dmoe itself; allowed: --help, --version, or a "
+                   "command first: %s (dmoe COMMAND --help)\n", first.c_str(), names.c_str());
       return 1;
     }
   }
+  // --version after a command ("dmoe train --version") was answered with that command's first missing option
+  // ("--config is required"): it prints the version wherever it stands, as --help prints help. Not for launch, whose
+  // command's own options follow it.
+  if (known && std::string(argv[1]) != "launch")
+    for (int i = 2; i < argc && std::string(argv[i]) != "--"; ++i)
+      if (std::string(argv[i]) == "--version") {
+        std::printf("dmoe " DMOE_VERSION " (" DMOE_ENGINES ")\n");
+        return 0;
+      }
   try {
     app.parse(argc, argv);
     for (auto& [sub, run] : commands) {
@@ -114,6 +132,9 @@ int run_main(int argc, char** argv) {
       // be reported only after the command had written its outputs.
       if (sub->get_name() != "launch") {
         (void)dmoe::fault_from_env();
+        // Every DMOE_* knob with a fixed set of values, the GPU ones included (core/env.hpp): refused before any work.
+        dmoe::check_environment();
+        (void)dmoe::flow::chunks_per_gap_from_env(std::getenv("DMOE_FLOW_CHUNKS_PER_GAP"));
         if (sub->get_name() == "init" || sub->get_name() == "init-model")
           dmoe::require_no_fault_injected(sub->get_name());
       }

@@ -30,7 +30,7 @@ const char* comm_kind_name(CommKind kind) {
 bool gpus_are_shared(const ProcessEnv& env, int32_t visible_devices, std::string* why) {
   int32_t flag = 0;
   if (env_int32("DMOE_SHARED_GPUS", flag)) {
-    DMOE_REQUIRE(flag == 0 || flag == 1, "DMOE_SHARED_GPUS={} is invalid: must be 0 or 1", flag);
+    DMOE_REQUIRE_INPUT(flag == 0 || flag == 1, "DMOE_SHARED_GPUS={} is invalid; allowed: 0 or 1", flag);
     if (why) *why = fmt::format("DMOE_SHARED_GPUS={}", flag);
     return flag == 1;
   }
