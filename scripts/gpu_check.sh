@@ -351,22 +351,34 @@ part_faults() {
 }
 
 part_sanitize() {
-  # compute-sanitizer's four tools over the GPU tests (issue 11), with the kernels' and the host's wait limits
-  # raised for the slowdown, then initcheck on `dmoe run --engine cuda` (a report seen there before). Each
-  # tool's summary line ("ERROR SUMMARY: n errors") is the verdict; the logs keep every report.
+  # compute-sanitizer's four tools over the whole GPU suite (issue 11): scripts/sanitize_suite.py runs a job per
+  # tool and test suite, SANITIZE_JOBS at once, within SANITIZE_BUDGET seconds, with the kernels' and the host's
+  # wait limits raised for the slowdown, and accounts for every test (covered, over the limit, not reached);
+  # SANITIZE_FILTER narrows it, SANITIZE_RESUME=summary.json runs only what an earlier run did not cover. Then
+  # the minimal reproductions of the reports that belong to the tools or to NVIDIA's libraries (tests/sanitizer),
+  # and initcheck on `dmoe run --engine cuda`.
+  python3 scripts/sanitize_suite.py --bin "$B/tests/dmoe_gpu_tests" --out "$O/sanitize" --jobs "${SANITIZE_JOBS:-12}" \
+    --budget "${SANITIZE_BUDGET:-540}" --job-limit "${SANITIZE_JOB_LIMIT:-300}" ${SANITIZE_FILTER:+--filter "$SANITIZE_FILTER"} \
+    ${SANITIZE_RESUME:+--resume "$SANITIZE_RESUME"} --split 'OwnGemm|GpuFlow|Determinism|GpuMixtral|Attention|FlashBackward' \
+    >"$O/sanitize.log" 2>&1
+  echo "== sanitize_suite: rc=$?"
+  grep -v '^\[ *[0-9]* s\]' "$O/sanitize.log" | head -40
   export DMOE_GPU_WAIT_TIMEOUT_MS=900000 DMOE_COMM_TIMEOUT_S=900
-  local filter=${SANITIZE_FILTER:-'*CudaKernels*:*GpuEngine*:FlashLayer*:*FlashLayer.*:FlashEngine*:-*ThousandBackToBack*:*Determinism*'}
-  local tool
-  for tool in memcheck racecheck synccheck initcheck; do
-    run "${SANITIZE_LIMIT:-150}" "san_$tool" compute-sanitizer --tool "$tool" --print-limit 50 \
-      "$B/tests/dmoe_gpu_tests" --gtest_filter="$filter"
-    grep -aE "ERROR SUMMARY|RACECHECK SUMMARY|^\[  (PASSED|FAILED) " "$O/san_$tool.log" | tail -3
-  done
-  # initcheck and stores it may not track: plain stores, TMA bulk stores, cuBLAS (tests/sanitizer).
+  # initcheck and stores it may not track: plain stores, TMA bulk stores, cuBLAS.
   for mode in plain bulk cublas; do
     compute-sanitizer --tool initcheck "$B/tests/dmoe_initcheck_repro" "$mode" >"$O/san_repro_$mode.log" 2>&1
     echo "== initcheck repro $mode: rc=$? $(grep -ac 'Uninitialized __global__' "$O/san_repro_$mode.log") reports; \
 $(grep -a 'sum' "$O/san_repro_$mode.log")"
+  done
+  # cuDNN's fused attention and a cuBLAS Hopper GEMM alone, under each tool (their results checked).
+  local mode tool
+  for mode in cudnn cublas; do
+    for tool in memcheck racecheck synccheck initcheck; do
+      timeout 150 compute-sanitizer --tool "$tool" --print-limit 20 "$B/tests/dmoe_library_repro" "$mode" \
+        >"$O/san_library_${mode}_$tool.log" 2>&1
+      echo "== library repro $mode $tool: rc=$? $(grep -a 'SUMMARY' "$O/san_library_${mode}_$tool.log" | tail -1) \
+$(grep -a "^$mode:" "$O/san_library_${mode}_$tool.log")"
+    done
   done
   local d="$O/san_run"
   mkdir -p "$d"

@@ -14,7 +14,7 @@ per tool, so a partial run is never mistaken for the whole suite.
 
 Reports: every "=========" block the tool printed is attributed to the test that was running (gtest's RUN/OK
 lines are in the same stream) and to its first stack frame; OUT/summary.json holds them, OUT/summary.md the
-table, OUT/<tool>/<suite>.log each job's whole output. The kernels' and the host's wait limits are raised for
+table, OUT/logs.tgz each job's whole output (OUT/<tool>/<job>.log with --keep-logs). The kernels' and the host's wait limits are raised for
 the slowdown (DMOE_GPU_WAIT_TIMEOUT_MS, DMOE_COMM_TIMEOUT_S) unless already set.
 """
 import argparse
@@ -96,6 +96,8 @@ def main():
     ap.add_argument("--sanitizer", default="compute-sanitizer")
     ap.add_argument("--resume", default="", help="a summary.json of an earlier run: per tool, only the tests it "
                     "did not cover")
+    ap.add_argument("--keep-logs", action="store_true", help="keep OUT/<tool>/*.log (default: packed into "
+                    "OUT/logs.tgz, one file to bring back from a lent machine)")
     ap.add_argument("--split", default="", help="regex: tests whose name matches get a job each (slow ones, so "
                     "that they run side by side)")
     a = ap.parse_args()
@@ -215,6 +217,11 @@ def main():
                      f"{c['stopped at the budget']} | {crashed} | {c['not reached']} | {summaries[tool]} |")
     with open(os.path.join(a.out, "summary.json"), "w") as f:
         json.dump(result, f, indent=1)
+    if not a.keep_logs:
+        dirs = [t for t in tools if os.path.isdir(os.path.join(a.out, t))]
+        if dirs:
+            subprocess.run(["tar", "czf", "logs.tgz"] + dirs, cwd=a.out, check=True)
+            subprocess.run(["rm", "-rf"] + dirs, cwd=a.out, check=True)
     md = "\n".join(lines)
     with open(os.path.join(a.out, "summary.md"), "w") as f:
         f.write(md + "\n")

@@ -196,11 +196,18 @@ int create_temporary(const OutputTarget& t, std::string& tmp, std::string_view w
     name.append(t.name, 0, std::min(t.name.size(), size_t(NAME_MAX) - 1 - suffix.size()));
     name += suffix;
     tmp = (fs::path(t.directory) / name).string();
+    // Registered before it is created: a signal between the open and a later registration left it behind. A
+    // signal before the open unlinks a name that does not exist yet, or (EEXIST) a stale dmoe temporary of a
+    // process with the same PID.
+    const int entry = slot ? register_temporary(tmp) : -1;
     const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
     if (fd >= 0) {
-      if (slot) *slot = register_temporary(tmp);
+      if (slot) *slot = entry;
       return fd;
     }
+    const int open_errno = errno;
+    release_temporary(entry);
+    errno = open_errno;
     DMOE_REQUIRE_INPUT(errno == EEXIST || errno == EINTR, "{}: cannot create a temporary file in '{}': {}", what,
                        t.directory, std::strerror(errno));
   }
@@ -226,9 +233,11 @@ bool write_all(int fd, const uint8_t* data, size_t size) {
 void check_output_file(const std::string& path, std::string_view option) {
   const OutputTarget t = resolve_output(path, option);
   std::string tmp;
-  const int fd = create_temporary(t, tmp, fmt::format("{} '{}'", option, path));
+  int slot = -1;  // registered too: a signal in the instant the probe exists left it behind
+  const int fd = create_temporary(t, tmp, fmt::format("{} '{}'", option, path), &slot);
   ::close(fd);
   ::unlink(tmp.c_str());
+  release_temporary(slot);
   // An immutable or append-only file cannot be replaced by the rename, even by root: that failed only after the work.
   if (t.exists) {
     const int existing = ::open(t.path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
