@@ -292,11 +292,11 @@ part_faults() {
     # A shared MPS daemon (mpirun) needs a moment to release the clients of a job that ended in a failure; the next
     # job's cudaSetDevice fails with "busy or unavailable" until then. dmoe launch runs a daemon per job.
     if [ "$launcher" = mpirun ]; then
-      # How long until a fresh process may open the GPU again (no in-process retry): tells a daemon that needs
-      # time apart from a refusal that sticks inside one process (DMOE_DEVICE_RETRY_S retries in-process).
+      # How long until a fresh process may open the GPU again (there is no in-process retry: a refusal sticks
+      # inside the process that met it, docs/faults.md): tells a daemon that needs time from that.
       local probe_t0=$SECONDS probe_ok=no
       while [ $((SECONDS - probe_t0)) -lt 40 ]; do
-        if DMOE_DEVICE_RETRY_S=0 timeout 20 "$B/dmoe" bench layer --engine cuda --tokens 16 --hidden 64 --ffn 64 \
+        if timeout 20 "$B/dmoe" bench layer --engine cuda --tokens 16 --hidden 64 --ffn 64 \
           --experts 2 --top-k 1 --warmup 0 --repeat 1 --check-tokens 0 --no-backward >/dev/null 2>&1; then
           probe_ok=yes
           break

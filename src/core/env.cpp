@@ -1,9 +1,14 @@
 // env.cpp — see env.hpp.
 #include "core/env.hpp"
 
+#include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <vector>
+
+#include <unistd.h>  // environ
 
 #include "core/error.hpp"
 
@@ -57,6 +62,61 @@ int64_t env_integer(const char* name, int64_t lo, int64_t hi, int64_t fallback, 
   return v;
 }
 
+namespace {
+
+// Every DMOE_* name something of dmoe's reads: the commands and library, what `dmoe launch` sets for its ranks, the
+// tests' and scripts' own knobs. A name outside it is most likely a misspelling, which would have no effect.
+constexpr const char* kKnownNames[] = {
+    "DMOE_ATTENTION", "DMOE_COMM_TIMEOUT_S", "DMOE_CUDNN_LIBRARY", "DMOE_DEFER_ROUTING", "DMOE_DGRAD",
+    "DMOE_EXPERT_GEMM", "DMOE_EXPERT_GEMM_STREAMS", "DMOE_FAULT", "DMOE_FLASH_GRID", "DMOE_FLOW_AR_COMM",
+    "DMOE_FLOW_CHUNKS_PER_GAP", "DMOE_GPU_WAIT_TIMEOUT_MS", "DMOE_HOME", "DMOE_NVML_LIBRARY", "DMOE_NVSHMEM_MIN_HEAP",
+    "DMOE_SM90_BLOCK_N", "DMOE_SM90_EPILOGUE", "DMOE_SM90_SCHEDULE", "DMOE_SM90_WGRAD_ACCUMULATE", "DMOE_WGRAD",
+    // set by dmoe launch (and read from mpirun's / Slurm's through core/process_env)
+    "DMOE_RANK", "DMOE_WORLD", "DMOE_LOCAL_RANK", "DMOE_LOCAL_WORLD", "DMOE_DEVICE", "DMOE_RENDEZVOUS",
+    "DMOE_STAGE_BOARD", "DMOE_SHARED_GPUS",
+    // the tests' and scripts' knobs
+    "DMOE_COMM", "DMOE_TEST_VERBOSE", "DMOE_TEST_KNOB", "DMOE_PYTHON", "DMOE_PY_CUDA", "DMOE_PY_FILES"};
+
+// Levenshtein distance, for "did you mean".
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diagonal = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diagonal = up;
+    }
+  }
+  return row[b.size()];
+}
+
+}  // namespace
+
+std::vector<std::string> unknown_dmoe_variables(char** environment) {
+  std::vector<std::string> warnings;
+  for (char** e = environment; e && *e; ++e) {
+    const std::string entry = *e;
+    if (entry.rfind("DMOE_", 0) != 0) continue;
+    const std::string name = entry.substr(0, entry.find('='));
+    bool known = false;
+    std::string closest;
+    size_t best = 4;  // suggest only a near miss (a typo), not any name
+    for (const char* k : kKnownNames) {
+      if (name == k) known = true;
+      const size_t d = edit_distance(name, k);
+      if (d < best) best = d, closest = k;
+    }
+    if (known) continue;
+    warnings.push_back(fmt::format("{} is set but dmoe reads no such variable; it has no effect{}", name,
+                                   closest.empty() ? std::string(" (the README lists dmoe's environment knobs)")
+                                                   : fmt::format(" (did you mean {}?)", closest)));
+  }
+  return warnings;
+}
+
 void check_environment() {
   if (std::getenv("DMOE_COMM_TIMEOUT_S")) (void)host_wait_timeout_seconds();
   (void)defer_routing_reads_allowed();
@@ -73,6 +133,8 @@ void check_environment() {
   (void)env_choice("DMOE_FLOW_AR_COMM", {"auto", "own", "model"}, "auto");
   (void)env_integer("DMOE_FLASH_GRID", 1, (int64_t(1) << 31) - 1, 0, "blocks");
   (void)env_choice("DMOE_SHARED_GPUS", {"0", "1"}, "as dmoe launch sets it");
+  // A misspelled name is not an error (scripts may export variables for other tools), but it is said.
+  for (const std::string& w : unknown_dmoe_variables(environ)) std::fprintf(stderr, "dmoe: warning: %s\n", w.c_str());
 }
 
 }  // namespace dmoe

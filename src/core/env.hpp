@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <string>
+#include <vector>
 
 namespace dmoe {
 
@@ -34,5 +35,9 @@ constexpr int64_t kMaxGpuWaitTimeoutMs = 1000000000000;   // DMOE_GPU_WAIT_TIMEO
 // (a GPU knob was read only where its path ran, so a typo passed silently on the others, and its error ended in a
 // source location). Well-formed values of knobs the command does not use are accepted and have no effect.
 void check_environment();
+
+// A warning for each DMOE_* name in `environment` (an environ-style array) that dmoe does not read, with the known
+// name it most likely misspells; check_environment() prints them to standard error.
+std::vector<std::string> unknown_dmoe_variables(char** environment);
 
 }  // namespace dmoe

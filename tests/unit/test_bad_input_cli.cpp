@@ -1039,6 +1039,18 @@ TEST_F(BadInput, EnvironmentKnobsAreCheckedWhenACommandStarts) {
                           "DMOE_SM90_BLOCK_N=128 DMOE_SHARED_GPUS=0 DMOE_FLASH_GRID=8").status, 0);
 }
 
+TEST_F(BadInput, MisspelledEnvironmentKnobIsSaid) {
+  // DMOE_EXPERT_GEM=loop (one letter short) had no effect and nothing said so: the run used the default path, rc 0.
+  const std::string init = "init --hidden 8 --ffn 8 --experts 2 --top-k 1 --tokens 4 --out " + p("w.st");
+  const Result r = run_cli(init, "DMOE_EXPERT_GEM=loop");
+  EXPECT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("dmoe: warning: DMOE_EXPERT_GEM is set but dmoe reads no such variable; it has no effect "
+                          "(did you mean DMOE_EXPERT_GEMM?)"), std::string::npos) << r.output;
+  // A known name says nothing.
+  const Result quiet = run_cli(init, "DMOE_EXPERT_GEMM=loop");
+  EXPECT_EQ(quiet.output.find("warning"), std::string::npos) << quiet.output;
+}
+
 TEST_F(BadInput, TrainDataLinksAndSaveOntoTheLogAreRefusedBeforeTraining) {
   const std::string train = "train --config " + p("tiny.json") + " --steps 1 --seq 16 --batch 2 ";
   // A symbolic link loop as --data, or inside the --data directory: "unexpected error: filesystem error", rc 2.

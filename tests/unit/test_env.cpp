@@ -3,6 +3,7 @@
 
 #include <cstdlib>
 #include <string>
+#include <vector>
 
 #include "core/env.hpp"
 #include "core/error.hpp"
@@ -85,6 +86,18 @@ TEST(EnvKnobs, ChoicesAndIntegersAreExactAndNameTheVariable) {
     }
   }
   ::unsetenv("DMOE_TEST_KNOB");
+}
+
+TEST(EnvKnobs, UnknownDmoeNamesAreFoundWithTheirNearestKnownName) {
+  std::string a = "DMOE_WGARD=sm90", b = "DMOE_EXPERT_GEMM=loop", c = "PATH=/bin", d = "DMOE_SOMETHING_ELSE=1",
+              e = "DMOE_HOME";
+  char* environment[] = {a.data(), b.data(), c.data(), d.data(), e.data(), nullptr};
+  const std::vector<std::string> w = unknown_dmoe_variables(environment);
+  ASSERT_EQ(w.size(), 2u);
+  EXPECT_NE(w[0].find("DMOE_WGARD is set but dmoe reads no such variable"), std::string::npos) << w[0];
+  EXPECT_NE(w[0].find("(did you mean DMOE_WGRAD?)"), std::string::npos) << w[0];
+  EXPECT_NE(w[1].find("DMOE_SOMETHING_ELSE"), std::string::npos) << w[1];
+  EXPECT_NE(w[1].find("the README lists"), std::string::npos) << w[1];  // no near miss: no guess
 }
 
 }  // namespace
