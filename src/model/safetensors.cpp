@@ -310,6 +310,20 @@ SafetensorsFile SafetensorsFile::parse(std::vector<uint8_t> bytes, std::string s
                        "safetensors '{}': tensors '{}' [{}, {}) and '{}' [{}, {}) overlap in the data region", src,
                        a.name, a.begin, a.end, b.name, b.begin, b.end);
   }
+  // A header length field 1-7 bytes short (cutting into the spaces that pad the header) still parses, and then
+  // every tensor is read that many bytes early: the data region begins with the rest of the padding and is that much
+  // longer than its tensors. Holes and trailing bytes are otherwise tolerated, so only this exact pattern is refused.
+  if (!by_offset.empty() && by_offset.front()->begin == 0) {
+    uint64_t extent = 0;
+    for (const TensorInfo* t : by_offset) extent = std::max(extent, t->end);
+    const uint64_t extra = data_size - extent;
+    const uint8_t* data = file.bytes_.data() + file.data_start_;
+    if (extra >= 1 && extra <= 7 && std::all_of(data, data + extra, [](uint8_t c) { return c == ' '; }))
+      DMOE_FAIL_INPUT("safetensors '{}': the header length field says {} bytes, but the data region starts with {} "
+                      "space(s) and is {} byte(s) longer than its tensors: the field looks {} short of the header's "
+                      "padding (it would be {}), and every tensor would be read shifted; the file is damaged",
+                      src, header_len, extra, extra, extra, header_len + extra);
+  }
   return file;
 }
 

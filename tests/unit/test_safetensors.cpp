@@ -334,6 +334,22 @@ TEST(SafetensorsTest, ManyTensorsParseInLinearTime) {
   EXPECT_LT(seconds, 10.0) << "50000 entries (0.2 s in a release build; ~60 s when quadratic)";
 }
 
+TEST(SafetensorsTest, HeaderLengthShortOfItsPaddingIsNamed) {
+  // A length field 1-3 bytes short, cutting into the header's padding spaces, parsed and then read every tensor
+  // shifted: refused only as "weights must be finite" later, or not at all (seventh bad-input pass).
+  const std::string header = R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})" + std::string(5, ' ');
+  for (uint64_t short_by = 1; short_by <= 3; ++short_by) {
+    std::vector<uint8_t> b = make_file(header, 8);
+    set_header_length(b, header.size() - short_by);
+    expect_parse_error(b, {"header length field says " + std::to_string(header.size() - short_by) + " bytes",
+                           "starts with " + std::to_string(short_by) + " space(s)",
+                           "it would be " + std::to_string(header.size()) + ")"});
+  }
+  // The right length, and trailing bytes that are not the header's spaces, still parse.
+  EXPECT_NO_THROW(SafetensorsFile::parse(make_file(header, 8), "ok"));
+  EXPECT_NO_THROW(SafetensorsFile::parse(make_file(header, 11), "trailing"));
+}
+
 TEST(SafetensorsTest, HolesAndEmptyTensorsAreAccepted) {
   // A gap between tensors, trailing bytes, empty tensors at any offset, padding spaces.
   const std::string header =
