@@ -278,6 +278,12 @@ SafetensorsFile SafetensorsFile::parse(std::vector<uint8_t> bytes, std::string s
                      "safetensors '{}': byte {} of the file (byte {} of the {}-byte header) is NUL (0x00); the header "
                      "must be JSON, padded at its end with spaces (0x20) only",
                      src, 8 + (nul - header_begin), nul - header_begin, header_len);
+  // nlohmann skips a UTF-8 byte-order mark; the format's header has none and the reference reader refuses one (a
+  // config file may carry one, from an editor; a safetensors writer never writes it).
+  DMOE_REQUIRE_INPUT(!(header_len >= 3 && header_begin[0] == 0xEF && header_begin[1] == 0xBB && header_begin[2] == 0xBF),
+                     "safetensors '{}': the header starts with a UTF-8 byte-order mark (EF BB BF); the header must be "
+                     "JSON from its first byte, as the format's reference reader requires",
+                     src);
   const json header = parse_header(header_begin, header_begin + header_len, src);
   DMOE_REQUIRE_INPUT(header.is_object(), "safetensors '{}': header is not a JSON object (found {})", src,
                      header.type_name());
