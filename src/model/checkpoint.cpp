@@ -270,6 +270,11 @@ const SafetensorsFile& CheckpointReader::file_of(const std::string& name) const 
   return *file;
 }
 
+std::map<std::string, std::string> CheckpointReader::metadata() const {
+  if (weight_map_.empty()) return files_.at("")->metadata();
+  return {};
+}
+
 bool CheckpointReader::has(const std::string& name) const {
   if (weight_map_.empty()) return files_.at("")->has(name);
   return weight_map_.count(name) != 0;
@@ -365,11 +370,13 @@ void add_mixtral_tensors(SafetensorsWriter& writer, const MixtralWeights& w, con
     writer.add_f32(name_prefix + p.name, p.shape, p.data, stored_as);
 }
 
-std::vector<uint8_t> mixtral_checkpoint_bytes(const MixtralWeights& w, const MixtralConfig& config) {
+std::vector<uint8_t> mixtral_checkpoint_bytes(const MixtralWeights& w, const MixtralConfig& config,
+                                              const std::map<std::string, std::string>& metadata) {
   SafetensorsWriter writer;
   for (const ParamView& p : parameter_views(const_cast<MixtralWeights&>(w), config))
     writer.add_f32(p.name, p.shape, p.data);
   writer.set_metadata("format", "pt");
+  for (const auto& [key, value] : metadata) writer.set_metadata(key, value);
   return writer.serialize();
 }
 

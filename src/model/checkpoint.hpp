@@ -68,6 +68,8 @@ class CheckpointReader {
   std::vector<std::string> names() const;  // sorted
   // The tensor converted to float; its shape must be `shape` (the error names both).
   void read_f32_into(const std::string& name, const std::vector<int64_t>& shape, float* out) const;
+  // The one file's __metadata__ (strings); empty for a sharded checkpoint.
+  std::map<std::string, std::string> metadata() const;
 
  private:
   const SafetensorsFile& file_of(const std::string& name) const;
@@ -97,7 +99,9 @@ void add_mixtral_tensors(SafetensorsWriter& writer, const MixtralWeights& w, con
 // index.json to write and the shards model-0000i-of-0000N.safetensors go beside it, each up to about
 // max_shard_bytes (a tensor is never split). Metadata {"format": "pt"} as HF writes.
 // The one-file form's bytes (max_shard_bytes = 0), for a caller that writes it with others (OutputFileSet).
-std::vector<uint8_t> mixtral_checkpoint_bytes(const MixtralWeights& w, const MixtralConfig& config);
+// `metadata`: entries beside {"format": "pt"} (train --save tags its files with the step, see trainer.cpp).
+std::vector<uint8_t> mixtral_checkpoint_bytes(const MixtralWeights& w, const MixtralConfig& config,
+                                              const std::map<std::string, std::string>& metadata = {});
 void save_mixtral_checkpoint(const std::string& path, const MixtralWeights& w, const MixtralConfig& config,
                              int64_t max_shard_bytes = 0);
 

@@ -39,6 +39,10 @@ namespace {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
+// The __metadata__ entry with which train --save tags model.safetensors and optimizer.safetensors: the step of
+// trainer_state.json they were saved with (HF readers ignore entries other than "format").
+constexpr const char* kStepMetadata = "dmoe_train_step";
+
 // The bytes of a file, or of every regular file of a directory in name order. The error_code forms: a symbolic link
 // loop (the path itself, or an entry) threw filesystem_error, "unexpected error" with rc 2; an entry that is no
 // regular file (a loop, a dangling link, a FIFO) is skipped like the others.
@@ -315,8 +319,21 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
                          o.resume_dir, saved_config.string(), differ,
                          (fs::path(o.resume_dir) / "model.safetensors").string());
     }
-    full = load_mixtral_weights(CheckpointReader::open((fs::path(o.resume_dir) / "model.safetensors").string()), config);
+    const std::string model_path = (fs::path(o.resume_dir) / "model.safetensors").string();
+    const CheckpointReader model = CheckpointReader::open(model_path);
+    full = load_mixtral_weights(model, config);
     const SafetensorsFile opt = SafetensorsFile::open((fs::path(o.resume_dir) / "optimizer.safetensors").string());
+    // The save renames its files one after another (trainer_state.json last): a kill between two renames leaves files
+    // of two steps. Each file names its step (kStepMetadata); files of checkpoints from before that carry none.
+    const int64_t state_step = state["step"].get<int64_t>();
+    for (const auto& [file, meta] : {std::pair<std::string, std::map<std::string, std::string>>{model_path, model.metadata()},
+                                     {opt.source(), opt.metadata()}}) {
+      const auto it = meta.find(kStepMetadata);
+      DMOE_REQUIRE_INPUT(it == meta.end() || it->second == std::to_string(state_step),
+                         "--resume {}: {} was saved at step {}, trainer_state.json at step {}: the files are of two "
+                         "different saves (one interrupted between its renames); resume from another checkpoint",
+                         o.resume_dir, file, it == meta.end() ? "" : it->second, state_step);
+    }
     read_prefixed(opt, "exp_avg.", full_m, config, false);
     read_prefixed(opt, "exp_avg_sq.", full_v, config, true);
   } else if (o.init == "random") {
@@ -426,12 +443,14 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
       // failed or was interrupted part-way (a full disk, a scheduler's SIGTERM) left a checkpoint of two steps, e.g.
       // the new model beside the old trainer_state.json, which --resume then continued from the wrong step.
       OutputFileSet files;
-      files.write((fs::path(dir) / "model.safetensors").string(), mixtral_checkpoint_bytes(full, config));
+      const std::map<std::string, std::string> tag = {{kStepMetadata, std::to_string(step)}};
+      files.write((fs::path(dir) / "model.safetensors").string(), mixtral_checkpoint_bytes(full, config, tag));
       files.write((fs::path(dir) / "config.json").string(), mixtral_config_to_json(config).dump(2) + "\n");
       {
         SafetensorsWriter opt;
         add_mixtral_tensors(opt, full_m, config, "exp_avg.");
         add_mixtral_tensors(opt, full_v, config, "exp_avg_sq.");
+        opt.set_metadata(kStepMetadata, std::to_string(step));
         files.write((fs::path(dir) / "optimizer.safetensors").string(), opt.serialize());
       }
       files.write((fs::path(dir) / "trainer_state.json").string(),

@@ -1188,5 +1188,18 @@ TEST_F(BadInput, ResumeStateAtStepZeroIsRefused) {
                     "only after a step", "resume at step 0");
 }
 
+TEST_F(BadInput, ResumeFromFilesOfTwoSavesIsRefused) {
+  // The save renames its four files one after another: a kill between two renames left the new model beside the old
+  // trainer_state.json, and --resume continued from the wrong step with rc 0. Each file now names its step.
+  const std::string train = "train --config " + p("tiny.json") + " --data " + p("data") + " --steps 3 --seq 16 --batch 2 ";
+  ASSERT_EQ(run_cli(train + "--stop-after 1 --save " + p("ck1")).status, 0);
+  ASSERT_EQ(run_cli(train + "--stop-after 2 --save " + p("ck2")).status, 0);
+  EXPECT_EQ(run_cli(train + "--resume " + p("ck1")).status, 0) << "a whole checkpoint resumes";
+  fs::copy_file(p("ck2/model.safetensors"), p("ck1/model.safetensors"), fs::copy_options::overwrite_existing);
+  expect_user_error(run_cli(train + "--resume " + p("ck1")),
+                    "model.safetensors was saved at step 2, trainer_state.json at step 1: the files are of two different "
+                    "saves", "model of step 2, state of step 1");
+}
+
 }  // namespace
 }  // namespace dmoe
