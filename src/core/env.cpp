@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
+#include <cctype>
+#include <cstdint>
 #include <cstdlib>
 #include <string>
 #include <vector>
@@ -117,6 +119,38 @@ std::vector<std::string> unknown_dmoe_variables(char** environment) {
   return warnings;
 }
 
+uint64_t env_byte_size(const char* name, uint64_t fallback) {
+  const char* text = std::getenv(name);
+  if (!text || !*text) return fallback;
+  const std::string t = text;
+  const std::string allowed =
+      "allowed: a decimal number of bytes, optionally with a suffix k, M, G or T (powers of 1024; kB, KiB, ... too)";
+  size_t i = 0;
+  uint64_t value = 0;
+  bool overflow = false;
+  for (; i < t.size() && t[i] >= '0' && t[i] <= '9'; ++i) {
+    overflow = overflow || value > (UINT64_MAX - uint64_t(t[i] - '0')) / 10;
+    value = value * 10 + uint64_t(t[i] - '0');
+  }
+  DMOE_REQUIRE_INPUT(i > 0, "{}='{}' is not a size; {}", name, t, allowed);
+  std::string suffix = t.substr(i);
+  if (suffix.size() >= 3 && suffix.ends_with("iB"))  // "GiB"
+    suffix.resize(suffix.size() - 2);
+  else if (!suffix.empty() && suffix.back() == 'B')  // "GB", "B"
+    suffix.pop_back();
+  int shift = 0;
+  if (suffix.size() == 1) {
+    const char c = char(std::tolower(static_cast<unsigned char>(suffix[0])));
+    shift = c == 'k' ? 10 : c == 'm' ? 20 : c == 'g' ? 30 : c == 't' ? 40 : -1;
+  } else if (!suffix.empty()) {
+    shift = -1;
+  }
+  DMOE_REQUIRE_INPUT(shift >= 0, "{}='{}' is not a size; {}", name, t, allowed);
+  overflow = overflow || (shift > 0 && value > (UINT64_MAX >> shift));
+  DMOE_REQUIRE_INPUT(!overflow, "{}='{}' is past 2^64 bytes; {}", name, t, allowed);
+  return value << shift;
+}
+
 void check_environment() {
   if (std::getenv("DMOE_COMM_TIMEOUT_S")) (void)host_wait_timeout_seconds();
   (void)defer_routing_reads_allowed();
@@ -132,6 +166,7 @@ void check_environment() {
   (void)env_choice("DMOE_ATTENTION", {"auto", "own", "cudnn"}, "auto");
   (void)env_choice("DMOE_FLOW_AR_COMM", {"auto", "own", "model"}, "auto");
   (void)env_integer("DMOE_FLASH_GRID", 1, (int64_t(1) << 31) - 1, 0, "blocks");
+  (void)env_byte_size("DMOE_NVSHMEM_MIN_HEAP", 0);
   (void)env_choice("DMOE_SHARED_GPUS", {"0", "1"}, "as dmoe launch sets it");
   // A misspelled name is not an error (scripts may export variables for other tools), but it is said.
   for (const std::string& w : unknown_dmoe_variables(environ)) std::fprintf(stderr, "dmoe: warning: %s\n", w.c_str());

@@ -26,6 +26,10 @@ std::string env_choice(const char* name, std::initializer_list<const char*> allo
 // input error naming the variable, the value and the range. `unit` ("milliseconds") is said in the message.
 int64_t env_integer(const char* name, int64_t lo, int64_t hi, int64_t fallback, const char* unit);
 
+// A byte count in the environment variable `name` ("1073741824", "1G", "512MiB", "64kB": powers of 1024): `fallback`
+// when unset or empty; anything else, or a value past 2^64, is an input error naming the variable.
+uint64_t env_byte_size(const char* name, uint64_t fallback);
+
 // Upper bounds of the knobs read through env_integer, shared by their readers and check_environment().
 constexpr int64_t kMaxExpertGemmStreams = 16;             // DMOE_EXPERT_GEMM_STREAMS
 constexpr int64_t kMaxGpuWaitTimeoutMs = 1000000000000;   // DMOE_GPU_WAIT_TIMEOUT_MS (~31 years; ns fit 64 bits)

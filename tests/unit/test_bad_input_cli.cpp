@@ -1021,6 +1021,8 @@ TEST_F(BadInput, EnvironmentKnobsAreCheckedWhenACommandStarts) {
       {"DMOE_SHARED_GPUS=2", "DMOE_SHARED_GPUS='2' is not allowed; allowed: 0, 1"},
       {"DMOE_DEFER_ROUTING=2", "DMOE_DEFER_ROUTING='2' is invalid"},
       {"DMOE_COMM_TIMEOUT_S=abc", "DMOE_COMM_TIMEOUT_S='abc' is invalid"},
+      // was read as 0 bytes (no heap floor) without a word (after the seventh pass)
+      {"DMOE_NVSHMEM_MIN_HEAP=1GG", "DMOE_NVSHMEM_MIN_HEAP='1GG' is not a size; allowed: a decimal number of bytes"},
   };
   for (const auto& [env, needle] : cases) {
     fs::remove(p("w.st"));

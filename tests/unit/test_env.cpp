@@ -100,5 +100,31 @@ TEST(EnvKnobs, UnknownDmoeNamesAreFoundWithTheirNearestKnownName) {
   EXPECT_NE(w[1].find("the README lists"), std::string::npos) << w[1];  // no near miss: no guess
 }
 
+TEST(EnvKnobs, ByteSizesAreExactAndNameTheVariable) {
+  const char* name = "DMOE_TEST_KNOB";
+  const std::vector<std::pair<const char*, uint64_t>> good = {
+      {"0", 0}, {"4096", 4096}, {"1k", 1024}, {"1kB", 1024}, {"2KiB", 2048}, {"3M", 3ull << 20}, {"1G", 1ull << 30},
+      {"1GiB", 1ull << 30}, {"5GB", 5ull << 30}, {"2T", 2ull << 40}, {"7B", 7}};
+  for (const auto& [text, bytes] : good) {
+    setenv(name, text, 1);
+    EXPECT_EQ(env_byte_size(name, 99), bytes) << text;
+  }
+  // A malformed value was read as 0 bytes (no floor for the NVSHMEM heap) without a word.
+  for (const char* bad : {"abc", "1e9", " 1G", "1 G", "1iB", "1GG", "1BB", "-1", "1.5G", "99999999999999999999",
+                          "16777216T"}) {
+    setenv(name, bad, 1);
+    try {
+      (void)env_byte_size(name, 99);
+      ADD_FAILURE() << bad << " was accepted";
+    } catch (const Error& e) {
+      const std::string m = e.what();
+      EXPECT_NE(m.find(std::string("DMOE_TEST_KNOB='") + bad + "'"), std::string::npos) << m;
+      EXPECT_NE(m.find("allowed: a decimal number of bytes"), std::string::npos) << m;
+    }
+  }
+  unsetenv(name);
+  EXPECT_EQ(env_byte_size(name, 99), 99u);
+}
+
 }  // namespace
 }  // namespace dmoe

@@ -206,7 +206,8 @@ void init_nvshmem(const ProcessEnv& env, size_t symmetric_heap_bytes) {
   // The heap cannot grow once NVSHMEM runs, and a process may create a larger communicator later (a
   // test binary creates many): reserve at least DMOE_NVSHMEM_MIN_HEAP bytes (default 1 GiB).
   size_t floor_bytes = size_t(1) << 30;
-  if (const char* min_heap = std::getenv("DMOE_NVSHMEM_MIN_HEAP")) floor_bytes = parse_byte_size(min_heap);
+  // core/env.hpp: strict (a malformed value was read as 0, no floor, without a word).
+  floor_bytes = size_t(env_byte_size("DMOE_NVSHMEM_MIN_HEAP", floor_bytes));
   symmetric_heap_bytes = std::max(symmetric_heap_bytes, floor_bytes);
   // NVSHMEM reads its environment on first use: everything is set before the first NVSHMEM call.
   const char* user_size = std::getenv("NVSHMEM_SYMMETRIC_SIZE");
