@@ -212,15 +212,25 @@ bool wait_stream_quietly(cudaStream_t stream) noexcept {
   }
 }
 
-void fail(const char* file, int line, const char* format, ...) {
-  va_list args;
-  va_start(args, format);
+namespace {
+
+// printf-style formatting into a string (fail and fail_input; nvcc-compiled callers do not use fmt).
+std::string vformat(const char* format, va_list args) {
   va_list copy;
   va_copy(copy, args);
   const int length = std::vsnprintf(nullptr, 0, format, copy);
   va_end(copy);
   std::string message(length > 0 ? size_t(length) : 0, '\0');
   if (length > 0) std::vsnprintf(message.data(), message.size() + 1, format, args);
+  return message;
+}
+
+}  // namespace
+
+void fail(const char* file, int line, const char* format, ...) {
+  va_list args;
+  va_start(args, format);
+  std::string message = vformat(format, args);
   va_end(args);
   {
     std::lock_guard<std::mutex> lock(record_mutex);
@@ -233,12 +243,7 @@ void fail(const char* file, int line, const char* format, ...) {
 void fail_input(const char* format, ...) {
   va_list args;
   va_start(args, format);
-  va_list copy;
-  va_copy(copy, args);
-  const int length = std::vsnprintf(nullptr, 0, format, copy);
-  va_end(copy);
-  std::string message(length > 0 ? size_t(length) : 0, '\0');
-  if (length > 0) std::vsnprintf(message.data(), message.size() + 1, format, args);
+  const std::string message = vformat(format, args);
   va_end(args);
   throw_input_error(message);
 }
