@@ -2,20 +2,25 @@
 """compute-sanitizer's four tools over the whole GPU test suite, in parallel, within a time budget (issue 11).
 
     scripts/sanitize_suite.py --bin build/tests/dmoe_gpu_tests --out OUT [--tools memcheck,racecheck,...]
-        [--jobs 16] [--budget 540] [--job-limit 300] [--filter GTEST_FILTER]
+        [--jobs 16] [--budget 540] [--job-limit 300] [--filter GTEST_FILTER] [--resume SUMMARY] [--split REGEX]
 
 One GPU test binary, each tool run on every test suite of it as a separate process (a job = one tool × one
-suite), `--jobs` of them at once (the tools' slowdown is mostly host work, so processes sharing the GPU overlap
-well). A job past `--job-limit` seconds is stopped; the tests it finished count as covered, the one it was in
-is reported as "over the limit", and the ones it had not reached are queued again as a new job. Nothing new
-starts once `--budget` seconds are spent, and jobs still running then are stopped, so every test ends as one of:
-passed / failed / skipped (under the tool), over the limit, or not reached — the summary says how many of each
-per tool, so a partial run is never mistaken for the whole suite.
+suite, or one test for the suites `--split` names), `--jobs` of them at once. A job past `--job-limit` seconds is
+stopped; the tests it finished count as covered, the one it was in is reported as "over the limit", and the ones
+it had not reached are queued again as a new job. Nothing new starts once `--budget` seconds are spent, and jobs
+still running then are stopped, so every test ends as one of: passed / failed / skipped (under the tool), over the
+limit, stopped at the budget, crashed, or not reached — the summary says how many of each per tool, so a partial
+run is never mistaken for the whole suite. `--resume` takes an earlier run's summary.json and runs, per tool, only
+what it did not cover.
+
+Many sanitized processes on one GPU slow each other's kernels far more than their count (the seventeenth
+session: an own-GEMM test that takes 5 s alone ran past 240 s beside 15 others, and its 60 s bounded wait fired),
+so the kernels' wait limit is raised to 900 s and the host's to 900 s (DMOE_GPU_WAIT_TIMEOUT_MS,
+DMOE_COMM_TIMEOUT_S) unless already set, and heavy suites are best `--split`.
 
 Reports: every "=========" block the tool printed is attributed to the test that was running (gtest's RUN/OK
 lines are in the same stream) and to its first stack frame; OUT/summary.json holds them, OUT/summary.md the
-table, OUT/logs.tgz each job's whole output (OUT/<tool>/<job>.log with --keep-logs). The kernels' and the host's wait limits are raised for
-the slowdown (DMOE_GPU_WAIT_TIMEOUT_MS, DMOE_COMM_TIMEOUT_S) unless already set.
+table, OUT/logs.tgz each job's whole output (OUT/<tool>/<job>.log with --keep-logs).
 """
 import argparse
 import collections
