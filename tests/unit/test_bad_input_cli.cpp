@@ -1176,5 +1176,22 @@ TEST_F(BadInput, ResumeStateAtStepZeroIsRefused) {
                     "only after a step", "resume at step 0");
 }
 
+// ---- The eighth pass (2026-12-03, branch bad8; docs/faults.md) -----------------------------------------------
+
+TEST_F(BadInput, FlowProjectMicroBatchesMustSplitEachGpusBatch) {
+  // flow project splits each GPU's --batch sequences into R micro-batches (no sequence is cut), but took any R:
+  // `--batch 1` printed pipe-attn at the default R = 2 and a tuned row at R = 2 (1.38x), schedules that cannot run.
+  const std::string project = "flow project --config llama2-moe --cluster rtx3090-pcie --gpus 16 --experts 16 ";
+  expect_user_error(run_cli(project + "--batch 1"), "--micro-batches 2 (the default): must divide --batch 1",
+                    "the default R on one sequence");
+  expect_user_error(run_cli(project + "--batch 6 --micro-batches 4"), "--micro-batches 4: must divide --batch 6",
+                    "R = 4 of 6 sequences");
+  // The tuned row picks among the divisors: at --batch 3 only R = 1.
+  const Result tuned = run_cli(project + "--batch 3 --schedule tuned");
+  ASSERT_EQ(tuned.status, 0) << tuned.output;
+  EXPECT_TRUE(std::regex_search(tuned.output, std::regex(R"(\ntuned +1 )"))) << tuned.output;
+  EXPECT_EQ(run_cli(project + "--batch 1 --micro-batches 1").status, 0);
+}
+
 }  // namespace
 }  // namespace dmoe
