@@ -1193,5 +1193,43 @@ TEST_F(BadInput, FlowProjectMicroBatchesMustSplitEachGpusBatch) {
   EXPECT_EQ(run_cli(project + "--batch 1 --micro-batches 1").status, 0);
 }
 
+TEST_F(BadInput, CheckpointTensorsPastTheConfigsLayersOrExpertsAreRefused) {
+  // A config with fewer layers than the file evaluated (and trained from) the file's first layers, rc 0, another
+  // model; a layer file with an expert past the config's was read without it.
+  write_tokens_file();
+  ASSERT_EQ(run_cli("init-model --config " + p("tiny.json") + " --out " + p("m.st")).status, 0);
+  json one = json::parse(slurp(p("tiny.json")));
+  one["num_hidden_layers"] = 1;
+  std::ofstream(p("one.json")) << one.dump();
+  const std::string needle = "is of layer 1, but the config has num_hidden_layers = 1: the file holds a model of 2 "
+                             "layers";
+  expect_user_error(run_cli("eval --config " + p("one.json") + " --weights " + p("m.st") + " --tokens " + p("tok.st") +
+                            " --output " + p("e.st")), needle, "eval, 1 of 2 layers");
+  EXPECT_FALSE(fs::exists(p("e.st")));
+  expect_user_error(run_cli("train --config " + p("one.json") + " --init " + p("m.st") + " --data " + p("data") +
+                            " --steps 1 --seq 16 --batch 2"), needle, "train --init, 1 of 2 layers");
+  // The whole file under its own config reads as before.
+  EXPECT_EQ(run_cli("eval --config " + p("tiny.json") + " --weights " + p("m.st") + " --tokens " + p("tok.st") +
+                    " --output " + p("e.st")).status, 0);
+  // A layer file: expert 4 beside a gate of 4 rows.
+  ASSERT_EQ(run_cli("init --hidden 8 --ffn 8 --experts 4 --top-k 1 --tokens 4 --out " + p("w.st") + " --input " +
+                    p("x.st") + " --save-config " + p("c.json")).status, 0);
+  const SafetensorsFile w = SafetensorsFile::open(p("w.st"));
+  SafetensorsWriter more;
+  for (const std::string& name : w.names()) {
+    const std::vector<int64_t> shape = w.info(name).shape;
+    const std::vector<float> v = w.read_f32(name, shape);
+    more.add_f32(name, shape, v.data());
+    const std::string e0 = "experts.0.";
+    if (const size_t at = name.find(e0); at != std::string::npos)
+      more.add_f32(name.substr(0, at) + "experts.4." + name.substr(at + e0.size()), shape, v.data());
+  }
+  more.write(p("w5.st"));
+  expect_user_error(run_cli("run --config " + p("c.json") + " --weights " + p("w5.st") + " --input " + p("x.st") +
+                            " --output " + p("y.st")), "is of expert 4, but the config has experts = 4 (experts 0..3)",
+                    "run, an expert past the gate's");
+  EXPECT_FALSE(fs::exists(p("y.st")));
+}
+
 }  // namespace
 }  // namespace dmoe
