@@ -1231,5 +1231,20 @@ TEST_F(BadInput, CheckpointTensorsPastTheConfigsLayersOrExpertsAreRefused) {
   EXPECT_FALSE(fs::exists(p("y.st")));
 }
 
+TEST_F(BadInput, RopeThetaOutsideFloatsRangeOrBelowOneIsRefused) {
+  // rope_theta 1e-300 was taken (init-model rc 0); its float32 frequencies are inf, and eval then failed in the router
+  // ("logits contain NaN ... x or the gate"), naming neither the config nor the field.
+  for (const double theta : {1e-300, 0.5, 1e300}) {
+    json c = json::parse(slurp(p("tiny.json")));
+    c["rope_theta"] = theta;
+    c["rope_parameters"]["rope_theta"] = theta;
+    std::ofstream(p("theta.json")) << c.dump();
+    expect_user_error(run_cli("init-model --config " + p("theta.json") + " --out " + p("m.st")),
+                      "rope_theta = " + fmt::format("{}", theta) + " must be in [1, 3.402823e+38]",
+                      fmt::format("rope_theta {}", theta));
+    EXPECT_FALSE(fs::exists(p("m.st")));
+  }
+}
+
 }  // namespace
 }  // namespace dmoe
