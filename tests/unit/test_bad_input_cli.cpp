@@ -1246,5 +1246,16 @@ TEST_F(BadInput, RopeThetaOutsideFloatsRangeOrBelowOneIsRefused) {
   }
 }
 
+TEST_F(BadInput, BenchGemmRefusesTheLayerRunsOptions) {
+  // bench gemm times one rank's expert products with its own rounds (world 1 is set): --world, --repeat, --warmup,
+  // --no-backward and the rest of a layer run's options were accepted and ignored (on a GPU, rc 0). Refused before
+  // the GPU is looked for, so on any machine.
+  for (const char* option : {"--world 4", "--repeat 100", "--warmup 3", "--no-backward", "-n 2", "--engine ep",
+                             "--peers", "--check-tokens 4", "--batch-row-multiple 128", "--alltoall"}) {
+    expect_user_error(run_cli(std::string("bench gemm --config decode ") + option),
+                      "is an option of `dmoe bench layer`; `dmoe bench gemm` times one rank's expert products", option);
+  }
+}
+
 }  // namespace
 }  // namespace dmoe
