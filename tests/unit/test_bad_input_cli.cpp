@@ -1257,5 +1257,27 @@ TEST_F(BadInput, BenchGemmRefusesTheLayerRunsOptions) {
   }
 }
 
+TEST_F(BadInput, RunAndEvalOutputsThatCannotFitAreRefusedBeforeTheWork) {
+  // run --output and eval --output failed at the write, after the work, on a full disk or under ulimit -f (the old
+  // file kept, the work lost); their sizes are known before it.
+  write_tokens_file();
+  ASSERT_EQ(run_cli("init-model --config " + p("tiny.json") + " --out " + p("m.st")).status, 0);
+  ASSERT_EQ(run_cli("init --hidden 64 --ffn 64 --experts 4 --top-k 2 --tokens 8 --out " + p("w.st") + " --input " +
+                    p("x.st") + " --grad-output " + p("dy.st") + " --save-config " + p("c.json")).status, 0);
+  const std::string limit = "trap '' XFSZ; ulimit -f 100; timeout 30 " + std::string(DMOE_CLI_PATH) + " ";  // 50 KiB
+  expect_user_error(test::run_shell(limit + "run --config " + p("c.json") + " --weights " + p("w.st") + " --input " +
+                                    p("x.st") + " --grad-output " + p("dy.st") + " --output " + p("y.st")),
+                    "(y, the routing, dx and the f32 weight gradients) would be a file of about", "run under ulimit -f");
+  expect_user_error(test::run_shell(limit + "eval --grad --config " + p("tiny.json") + " --weights " + p("m.st") +
+                                    " --tokens " + p("tok.st") + " --output " + p("e.st")),
+                    "(the logits [2, 8, 256] f32 and an f32 gradient per parameter) would be a file of about",
+                    "eval --grad under ulimit -f");
+  EXPECT_FALSE(fs::exists(p("y.st")));
+  EXPECT_FALSE(fs::exists(p("e.st")));
+  // What fits is written as before.
+  EXPECT_EQ(test::run_shell(limit + "run --config " + p("c.json") + " --weights " + p("w.st") + " --input " + p("x.st") +
+                            " --output " + p("y.st")).status, 0);
+}
+
 }  // namespace
 }  // namespace dmoe

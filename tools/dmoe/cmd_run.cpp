@@ -8,6 +8,7 @@
 
 #include "commands.hpp"
 #include "core/error.hpp"
+#include "core/host_resources.hpp"
 #include "core/output_file.hpp"
 #include "engine/moe_engine.hpp"
 #include "engine/reference.hpp"
@@ -119,6 +120,17 @@ Command add_run_command(CLI::App& app) {
       DMOE_REQUIRE_INPUT(why.empty(), "--engine {}: {}", o->engine, why);
     }
 
+    // The output's size is known now: a full disk failed the write after the layer had run.
+    const DType out_dtype = o->output_dtype.empty() ? c.dtype : parse_dtype(o->output_dtype);
+    {
+      const double es = out_dtype == DType::bf16 ? 2.0 : 4.0, rows = double(total), H = double(c.hidden);
+      const double params = double(c.experts) * H *
+                            (1.0 + double(c.ffn) * (c.activation == Activation::swiglu ? 3.0 : 2.0));
+      const bool backward = !o->grad_output.empty();
+      require_output_space(rows * H * es * (backward ? 2 : 1) + rows * double(c.top_k) * 8 + (backward ? 4 * params : 0),
+                           o->output, "--output", backward ? "y, the routing, dx and the f32 weight gradients"
+                                                           : "y and the routing");
+    }
     const std::vector<float> x = input.read_f32("x", {total, c.hidden});
     const MoeWeights w = load_moe_weights(weights_file, c, prefix);
     std::vector<float> dy;
@@ -154,7 +166,6 @@ Command add_run_command(CLI::App& app) {
       std::fprintf(stderr, "warning: %s; writing it anyway (--allow-non-finite)\n", bad.c_str());
     }
 
-    const DType out_dtype = o->output_dtype.empty() ? c.dtype : parse_dtype(o->output_dtype);
     SafetensorsWriter out;
     out.add_f32("y", {total, c.hidden}, r.y, out_dtype);
     out.add_i32("expert_ids", {total, c.top_k}, r.expert_ids);
