@@ -1279,5 +1279,21 @@ TEST_F(BadInput, RunAndEvalOutputsThatCannotFitAreRefusedBeforeTheWork) {
                             " --output " + p("y.st")).status, 0);
 }
 
+TEST_F(BadInput, LayerAndPrefixTogetherAreRefused) {
+  // --prefix replaced --layer without a word: `run --layer 5 --prefix model.layers.0.block_sparse_moe.` read layer 0,
+  // `init --layer 3 --prefix a.` wrote a.* (rc 0 both).
+  ASSERT_EQ(run_cli("init --hidden 8 --ffn 8 --experts 2 --top-k 1 --tokens 4 --out " + p("w.st") + " --input " +
+                    p("x.st") + " --save-config " + p("c.json")).status, 0);
+  const std::string needle = "both say where the layer's tensors are";
+  expect_user_error(run_cli("run --config " + p("c.json") + " --weights " + p("w.st") + " --input " + p("x.st") +
+                            " --output " + p("y.st") + " --layer 5 --prefix model.layers.0.block_sparse_moe."),
+                    "--layer 5 and --prefix 'model.layers.0.block_sparse_moe.' " + needle, "run");
+  expect_user_error(run_cli("init --config " + p("c.json") + " --out " + p("w2.st") + " --layer 0 --prefix a."),
+                    "--layer 0 and --prefix 'a.' " + needle, "init, --layer 0 given");
+  EXPECT_FALSE(fs::exists(p("y.st")));
+  EXPECT_FALSE(fs::exists(p("w2.st")));
+  EXPECT_EQ(run_cli("init --config " + p("c.json") + " --out " + p("w2.st") + " --prefix a.").status, 0);
+}
+
 }  // namespace
 }  // namespace dmoe

@@ -58,7 +58,7 @@ Command add_run_command(CLI::App& app) {
   sub->add_option("--output", o->output, "safetensors file to write y, expert_ids, expert_weights (, dx, grads)")->required();
   sub->add_option("--grad-output", o->grad_output, "safetensors file holding dy [tokens, hidden]: also run backward");
   sub->add_option("--layer", o->layer, "use model.layers.L.block_sparse_moe. (default: the first MoE layer in the file)");
-  sub->add_option("--prefix", o->prefix, "tensor-name prefix of the layer (overrides --layer)");
+  sub->add_option("--prefix", o->prefix, "tensor-name prefix of the layer (instead of --layer)");
   sub->add_option("--engine", o->engine,
                   "cpu (reference engine; config world = simulated ranks) | ep (aliases cuda, gpu; expert parallelism "
                   "on this process's GPU, world 1) | flash (this GPU, the forward as one persistent kernel; bf16; "
@@ -72,6 +72,7 @@ Command add_run_command(CLI::App& app) {
     if (o->engine == "gpu" || o->engine == "cuda") o->engine = "ep";
     const EngineKind kind = parse_engine_kind(o->engine);
     require_prefix_ends_with_dot(o->prefix);
+    require_layer_or_prefix(o->layer, o->prefix);
     // Before anything is read or computed: the output must not be one of the inputs, and must be writable.
     require_distinct_files({{"--output", o->output}},
                            {{"--input", o->input},
