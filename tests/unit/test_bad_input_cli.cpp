@@ -25,7 +25,9 @@
 // immutable outputs failing after the work; a silent CPU training step of minutes.
 // The fifth, sixth and seventh passes (branches bad5, bad6, bad7) are at the end, each under its own heading; the
 // seventh's: DMOE_* knobs read only where their path ran, train --data link loops and --save onto --log, a
-// checkpoint interrupted mid-save, a tied config on an untied file, --version after a command, messages.
+// checkpoint interrupted mid-save, a tied config on an untied file, --version after a command, messages. The eighth
+// pass's (branch bad8): flow project's R beside --batch, checkpoint tensors past the config's layers or experts,
+// rope_theta's range, bench gemm's ignored layer options, run/eval outputs that cannot fit, --layer with --prefix.
 //
 // Run: dmoe_unit_tests --gtest_filter='BadInput*'
 #include <gtest/gtest.h>
