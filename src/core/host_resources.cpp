@@ -5,6 +5,7 @@
 #include <sys/statvfs.h>
 
 #include <algorithm>
+#include <filesystem>
 #include <fstream>
 #include <string>
 
@@ -67,6 +68,16 @@ void require_file_size_allowed(double bytes, const std::string& what) {
   DMOE_REQUIRE_INPUT(bytes <= double(limit.rlim_cur), "{} would be a file of about {}, but this process may write "
                      "files of at most {} (ulimit -f); raise the limit or make the problem smaller", what,
                      format_bytes(bytes), format_bytes(double(limit.rlim_cur)));
+}
+
+void require_output_space(double bytes, const std::string& path, const std::string& option, const std::string& what) {
+  const std::string parent = std::filesystem::path(path).parent_path().string();
+  const std::string dir = parent.empty() ? std::string(".") : parent;
+  const std::optional<uint64_t> free = disk_free_bytes(dir);
+  DMOE_REQUIRE_INPUT(!free || bytes <= double(*free), "{} '{}' would be a file of about {} ({}), and the file system "
+                     "of '{}' has {} free; free some space or write it elsewhere", option, path, format_bytes(bytes),
+                     what, dir, format_bytes(double(*free)));
+  require_file_size_allowed(bytes, fmt::format("{} '{}' ({})", option, path, what));
 }
 
 std::optional<uint64_t> address_space_left_bytes() {

@@ -42,6 +42,11 @@ inline double model_activation_bytes_lower_bound(double tokens, double vocab, do
 // it is; such a write failed with EFBIG (or SIGXFSZ killed dmoe) after the work, with the old file kept.
 void require_file_size_allowed(double bytes, const std::string& what);
 
+// Refuses an output `path` of about `bytes` that its file system's free space (or `ulimit -f`) cannot take, naming the
+// option and what the file holds: before the work, where the write failed after it (eval --output of a model's
+// gradients, run --output), with the old file kept but the work lost.
+void require_output_space(double bytes, const std::string& path, const std::string& option, const std::string& what);
+
 // The address space this process may still take under `ulimit -v` (RLIMIT_AS minus VmSize), or nullopt when no
 // such limit is set.
 std::optional<uint64_t> address_space_left_bytes();

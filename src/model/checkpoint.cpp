@@ -38,6 +38,30 @@ std::set<int> moe_layers(const SafetensorsFile& file) {
   return layers;
 }
 
+// The index in `name` right after `head` and before a '.', as in "model.layers.{N}." or "experts.{N}."; -1 when the
+// name does not start so (or the index is no plain decimal number).
+int64_t index_after(const std::string& name, const std::string& head) {
+  if (name.size() <= head.size() || name.compare(0, head.size(), head) != 0) return -1;
+  const size_t dot = name.find('.', head.size());
+  if (dot == std::string::npos) return -1;
+  const std::string digits = name.substr(head.size(), dot - head.size());
+  if (digits.empty() || digits.size() > 9 || digits.find_first_not_of("0123456789") != std::string::npos) return -1;
+  return std::stoll(digits);
+}
+
+// A tensor of an expert the config does not have (experts.{E} with E >= experts) means the file holds another
+// layer than the config describes; it was ignored, so the layer ran with the config's experts only, rc 0.
+void require_no_expert_beyond(const std::vector<std::string>& names, const std::string& source,
+                              const std::string& prefix, int64_t experts, const char* config_key) {
+  for (const std::string& name : names) {
+    const int64_t e = index_after(name, prefix + "experts.");
+    DMOE_REQUIRE_INPUT(e < experts, "checkpoint '{}': tensor '{}' is of expert {}, but the config has {} = {} "
+                       "(experts 0..{}): the file's experts do not match the config (a layer's experts must match its "
+                       "gate's rows); give a file of experts 0..{} only, or the config of the file's layer", source,
+                       name, e, config_key, experts, experts - 1, experts - 1);
+  }
+}
+
 std::string join(const std::set<int>& values) {
   std::string s;
   for (int v : values) s += fmt::format("{}{}", s.empty() ? "" : ", ", v);
@@ -127,6 +151,7 @@ MoeWeights load_moe_weights(const SafetensorsFile& file, const MoeConfig& config
   const std::string gate = gate_name(prefix);
   DMOE_REQUIRE_INPUT(file.has(gate), "checkpoint '{}': gate tensor '{}' is missing (check --prefix / --layer; {})",
                      file.source(), gate, moe_layers_present(file));
+  require_no_expert_beyond(file.names(), file.source(), prefix, config.experts, "experts");
   file.read_f32_into(gate, {config.experts, h}, w.gate.data());
   require_finite(file, gate, w.gate.data(), config.experts, h);
 
@@ -319,6 +344,26 @@ bool load_fused_moe(const CheckpointReader& reader, const MixtralConfig& c, int 
 MixtralWeights load_mixtral_weights(const CheckpointReader& reader, const MixtralConfig& config,
                                     int32_t first_expert, int32_t num_experts) {
   MixtralWeights w = make_mixtral_weights(config, first_expert, num_experts);
+  // Tensors of layers (or experts) past the config's were ignored: a config with num_hidden_layers 1 evaluated, or
+  // trained from, the first layer of a 2-layer file with rc 0 — another model than the file's. transformers loads it
+  // with a warning about unused weights; dmoe says so and stops, as for a tied config on an untied file.
+  {
+    const std::vector<std::string> names = reader.names();
+    int64_t file_layers = 0;
+    std::string first_beyond;
+    for (const std::string& name : names) {
+      const int64_t L = index_after(name, kLayersPrefix);
+      if (L >= config.num_hidden_layers && first_beyond.empty()) first_beyond = name;
+      file_layers = std::max(file_layers, L + 1);
+    }
+    DMOE_REQUIRE_INPUT(first_beyond.empty(), "checkpoint '{}': tensor '{}' is of layer {}, but the config has "
+                       "num_hidden_layers = {}: the file holds a model of {} layers, which would run with its last "
+                       "ones dropped; set num_hidden_layers to {} (or use a config.json of this model)",
+                       reader.source(), first_beyond, index_after(first_beyond, kLayersPrefix),
+                       config.num_hidden_layers, file_layers, file_layers);
+    for (int L = 0; L < config.num_hidden_layers; ++L)
+      require_no_expert_beyond(names, reader.source(), layer_prefix(L), config.num_local_experts, "num_local_experts");
+  }
   std::vector<bool> fused(config.num_hidden_layers, false);
   for (int L = 0; L < config.num_hidden_layers; ++L)
     if (!reader.has(gate_name(layer_prefix(L)))) fused[L] = load_fused_moe(reader, config, L, w.layers[L].moe);

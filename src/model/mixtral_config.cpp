@@ -81,8 +81,13 @@ void MixtralConfig::validate() const {
                num_local_experts);
   DMOE_REQUIRE_INPUT(rms_norm_eps > 0 && std::isfinite(rms_norm_eps), "{}: rms_norm_eps = {} must be positive", kWhat,
                rms_norm_eps);
-  DMOE_REQUIRE_INPUT(rope_theta > 0 && std::isfinite(rope_theta), "{}: rope_theta = {} must be positive", kWhat,
-               rope_theta);
+  // The rotary frequencies 1 / theta^(2j/D) are computed in float32, as transformers does: a theta below 1 makes them
+  // exceed 1 radian per position, and a tiny one (1e-300: 0 as a float) inf, so that a forward's attention was NaN and
+  // eval or train failed in the router ("logits contain NaN") naming x or the gate; past float's range (1e300) every
+  // frequency but the first is 0. Real models use 1e4 .. 1e8.
+  DMOE_REQUIRE_INPUT(rope_theta >= 1 && rope_theta <= double(std::numeric_limits<float>::max()),
+                     "{}: rope_theta = {} must be in [1, {:.7g}] (the RoPE base; its frequencies are computed in "
+                     "float32; Mixtral's is 1e6)", kWhat, rope_theta, double(std::numeric_limits<float>::max()));
   DMOE_REQUIRE_INPUT(router_aux_loss_coef >= 0 && std::isfinite(router_aux_loss_coef),
                "{}: router_aux_loss_coef = {} must be >= 0", kWhat, router_aux_loss_coef);
   DMOE_REQUIRE_INPUT(sliding_window >= 0, "{}: sliding_window = {} must be null or positive", kWhat, sliding_window);

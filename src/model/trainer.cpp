@@ -102,7 +102,11 @@ double scheduled_lr(const TrainOptions& o, int64_t step) {
   const double min_lr = o.min_lr < 0 ? o.lr / 10 : o.min_lr;
   if (o.warmup > 0 && step <= o.warmup) return o.lr * double(step) / double(o.warmup);
   if (o.steps <= o.warmup) return o.lr;
-  const double progress = std::min(1.0, double(step - o.warmup) / double(o.steps - o.warmup));
+  // With a warm-up the peak is its last step (t = warmup) and the cosine runs over the steps after it. Without one
+  // the cosine starts at step 1: it started a step later, so no step used --lr, and `--steps 1 --warmup 0 --min-lr 0`
+  // trained at lr 0 (the saved model was the initial one, rc 0).
+  const double progress = o.warmup > 0 ? std::min(1.0, double(step - o.warmup) / double(o.steps - o.warmup))
+                          : o.steps > 1 ? std::min(1.0, double(step - 1) / double(o.steps - 1)) : 0.0;
   return min_lr + (o.lr - min_lr) * 0.5 * (1.0 + std::cos(std::numbers::pi * progress));
 }
 

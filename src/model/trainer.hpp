@@ -8,7 +8,8 @@
 //
 // Optimizer: AdamW (cpu::adamw_step) on every tensor, weight decay on matrices only (not RMSNorm weights),
 // gradients clipped to a global norm first (over all ranks' experts and the replicated tensors once).
-// lr(t) = lr·t/warmup for t <= warmup, then min_lr + (lr − min_lr)·(1 + cos(π·(t − warmup)/(steps − warmup)))/2.
+// lr(t) = lr·t/warmup for t <= warmup, then min_lr + (lr − min_lr)·(1 + cos(π·(t − warmup)/(steps − warmup)))/2;
+// with warmup 0: min_lr + (lr − min_lr)·(1 + cos(π·(t − 1)/(steps − 1)))/2 (the peak at step 1; lr for one step).
 //
 // W ranks (threads + ThreadComm): the global batch is split B/W sequences per rank, replicated tensors see
 // the same summed gradients and the same AdamW arithmetic on every rank (so they stay identical), experts

@@ -25,7 +25,9 @@
 // immutable outputs failing after the work; a silent CPU training step of minutes.
 // The fifth, sixth and seventh passes (branches bad5, bad6, bad7) are at the end, each under its own heading; the
 // seventh's: DMOE_* knobs read only where their path ran, train --data link loops and --save onto --log, a
-// checkpoint interrupted mid-save, a tied config on an untied file, --version after a command, messages.
+// checkpoint interrupted mid-save, a tied config on an untied file, --version after a command, messages. The eighth
+// pass's (branch bad8): flow project's R beside --batch, checkpoint tensors past the config's layers or experts,
+// rope_theta's range, bench gemm's ignored layer options, run/eval outputs that cannot fit, --layer with --prefix.
 //
 // Run: dmoe_unit_tests --gtest_filter='BadInput*'
 #include <gtest/gtest.h>
@@ -1201,6 +1203,125 @@ TEST_F(BadInput, ResumeFromFilesOfTwoSavesIsRefused) {
   expect_user_error(run_cli(train + "--resume " + p("ck1")),
                     "model.safetensors was saved at step 2, trainer_state.json at step 1: the files are of two different "
                     "saves", "model of step 2, state of step 1");
+}
+
+// ---- The eighth pass (2026-12-03, branch bad8; docs/faults.md) -----------------------------------------------
+
+TEST_F(BadInput, FlowProjectMicroBatchesMustSplitEachGpusBatch) {
+  // flow project splits each GPU's --batch sequences into R micro-batches (no sequence is cut), but took any R:
+  // `--batch 1` printed pipe-attn at the default R = 2 and a tuned row at R = 2 (1.38x), schedules that cannot run.
+  const std::string project = "flow project --config llama2-moe --cluster rtx3090-pcie --gpus 16 --experts 16 ";
+  expect_user_error(run_cli(project + "--batch 1"), "--micro-batches 2 (the default): must divide --batch 1",
+                    "the default R on one sequence");
+  expect_user_error(run_cli(project + "--batch 6 --micro-batches 4"), "--micro-batches 4: must divide --batch 6",
+                    "R = 4 of 6 sequences");
+  // The tuned row picks among the divisors: at --batch 3 only R = 1.
+  const Result tuned = run_cli(project + "--batch 3 --schedule tuned");
+  ASSERT_EQ(tuned.status, 0) << tuned.output;
+  EXPECT_TRUE(std::regex_search(tuned.output, std::regex(R"(\ntuned +1 )"))) << tuned.output;
+  EXPECT_EQ(run_cli(project + "--batch 1 --micro-batches 1").status, 0);
+}
+
+TEST_F(BadInput, CheckpointTensorsPastTheConfigsLayersOrExpertsAreRefused) {
+  // A config with fewer layers than the file evaluated (and trained from) the file's first layers, rc 0, another
+  // model; a layer file with an expert past the config's was read without it.
+  write_tokens_file();
+  ASSERT_EQ(run_cli("init-model --config " + p("tiny.json") + " --out " + p("m.st")).status, 0);
+  json one = json::parse(slurp(p("tiny.json")));
+  one["num_hidden_layers"] = 1;
+  std::ofstream(p("one.json")) << one.dump();
+  const std::string needle = "is of layer 1, but the config has num_hidden_layers = 1: the file holds a model of 2 "
+                             "layers";
+  expect_user_error(run_cli("eval --config " + p("one.json") + " --weights " + p("m.st") + " --tokens " + p("tok.st") +
+                            " --output " + p("e.st")), needle, "eval, 1 of 2 layers");
+  EXPECT_FALSE(fs::exists(p("e.st")));
+  expect_user_error(run_cli("train --config " + p("one.json") + " --init " + p("m.st") + " --data " + p("data") +
+                            " --steps 1 --seq 16 --batch 2"), needle, "train --init, 1 of 2 layers");
+  // The whole file under its own config reads as before.
+  EXPECT_EQ(run_cli("eval --config " + p("tiny.json") + " --weights " + p("m.st") + " --tokens " + p("tok.st") +
+                    " --output " + p("e.st")).status, 0);
+  // A layer file: expert 4 beside a gate of 4 rows.
+  ASSERT_EQ(run_cli("init --hidden 8 --ffn 8 --experts 4 --top-k 1 --tokens 4 --out " + p("w.st") + " --input " +
+                    p("x.st") + " --save-config " + p("c.json")).status, 0);
+  const SafetensorsFile w = SafetensorsFile::open(p("w.st"));
+  SafetensorsWriter more;
+  for (const std::string& name : w.names()) {
+    const std::vector<int64_t> shape = w.info(name).shape;
+    const std::vector<float> v = w.read_f32(name, shape);
+    more.add_f32(name, shape, v.data());
+    const std::string e0 = "experts.0.";
+    if (const size_t at = name.find(e0); at != std::string::npos)
+      more.add_f32(name.substr(0, at) + "experts.4." + name.substr(at + e0.size()), shape, v.data());
+  }
+  more.write(p("w5.st"));
+  expect_user_error(run_cli("run --config " + p("c.json") + " --weights " + p("w5.st") + " --input " + p("x.st") +
+                            " --output " + p("y.st")), "is of expert 4, but the config has experts = 4 (experts 0..3)",
+                    "run, an expert past the gate's");
+  EXPECT_FALSE(fs::exists(p("y.st")));
+}
+
+TEST_F(BadInput, RopeThetaOutsideFloatsRangeOrBelowOneIsRefused) {
+  // rope_theta 1e-300 was taken (init-model rc 0); its float32 frequencies are inf, and eval then failed in the router
+  // ("logits contain NaN ... x or the gate"), naming neither the config nor the field.
+  for (const double theta : {1e-300, 0.5, 1e300}) {
+    json c = json::parse(slurp(p("tiny.json")));
+    c["rope_theta"] = theta;
+    c["rope_parameters"]["rope_theta"] = theta;
+    std::ofstream(p("theta.json")) << c.dump();
+    expect_user_error(run_cli("init-model --config " + p("theta.json") + " --out " + p("m.st")),
+                      "rope_theta = " + fmt::format("{}", theta) + " must be in [1, 3.402823e+38]",
+                      fmt::format("rope_theta {}", theta));
+    EXPECT_FALSE(fs::exists(p("m.st")));
+  }
+}
+
+TEST_F(BadInput, BenchGemmRefusesTheLayerRunsOptions) {
+  // bench gemm times one rank's expert products with its own rounds (world 1 is set): --world, --repeat, --warmup,
+  // --no-backward and the rest of a layer run's options were accepted and ignored (on a GPU, rc 0). Refused before
+  // the GPU is looked for, so on any machine.
+  for (const char* option : {"--world 4", "--repeat 100", "--warmup 3", "--no-backward", "-n 2", "--engine ep",
+                             "--peers", "--check-tokens 4", "--batch-row-multiple 128", "--alltoall"}) {
+    expect_user_error(run_cli(std::string("bench gemm --config decode ") + option),
+                      "is an option of `dmoe bench layer`; `dmoe bench gemm` times one rank's expert products", option);
+  }
+}
+
+TEST_F(BadInput, RunAndEvalOutputsThatCannotFitAreRefusedBeforeTheWork) {
+  // run --output and eval --output failed at the write, after the work, on a full disk or under ulimit -f (the old
+  // file kept, the work lost); their sizes are known before it.
+  write_tokens_file();
+  ASSERT_EQ(run_cli("init-model --config " + p("tiny.json") + " --out " + p("m.st")).status, 0);
+  ASSERT_EQ(run_cli("init --hidden 64 --ffn 64 --experts 4 --top-k 2 --tokens 8 --out " + p("w.st") + " --input " +
+                    p("x.st") + " --grad-output " + p("dy.st") + " --save-config " + p("c.json")).status, 0);
+  const std::string limit = "trap '' XFSZ; ulimit -f 100; timeout 30 " + std::string(DMOE_CLI_PATH) + " ";  // 50 KiB
+  expect_user_error(test::run_shell(limit + "run --config " + p("c.json") + " --weights " + p("w.st") + " --input " +
+                                    p("x.st") + " --grad-output " + p("dy.st") + " --output " + p("y.st")),
+                    "(y, the routing, dx and the f32 weight gradients) would be a file of about", "run under ulimit -f");
+  expect_user_error(test::run_shell(limit + "eval --grad --config " + p("tiny.json") + " --weights " + p("m.st") +
+                                    " --tokens " + p("tok.st") + " --output " + p("e.st")),
+                    "(the logits [2, 8, 256] f32 and an f32 gradient per parameter) would be a file of about",
+                    "eval --grad under ulimit -f");
+  EXPECT_FALSE(fs::exists(p("y.st")));
+  EXPECT_FALSE(fs::exists(p("e.st")));
+  // What fits is written as before.
+  EXPECT_EQ(test::run_shell(limit + "run --config " + p("c.json") + " --weights " + p("w.st") + " --input " + p("x.st") +
+                            " --output " + p("y.st")).status, 0);
+}
+
+TEST_F(BadInput, LayerAndPrefixTogetherAreRefused) {
+  // --prefix replaced --layer without a word: `run --layer 5 --prefix model.layers.0.block_sparse_moe.` read layer 0,
+  // `init --layer 3 --prefix a.` wrote a.* (rc 0 both).
+  ASSERT_EQ(run_cli("init --hidden 8 --ffn 8 --experts 2 --top-k 1 --tokens 4 --out " + p("w.st") + " --input " +
+                    p("x.st") + " --save-config " + p("c.json")).status, 0);
+  const std::string needle = "both say where the layer's tensors are";
+  expect_user_error(run_cli("run --config " + p("c.json") + " --weights " + p("w.st") + " --input " + p("x.st") +
+                            " --output " + p("y.st") + " --layer 5 --prefix model.layers.0.block_sparse_moe."),
+                    "--layer 5 and --prefix 'model.layers.0.block_sparse_moe.' " + needle, "run");
+  expect_user_error(run_cli("init --config " + p("c.json") + " --out " + p("w2.st") + " --layer 0 --prefix a."),
+                    "--layer 0 and --prefix 'a.' " + needle, "init, --layer 0 given");
+  EXPECT_FALSE(fs::exists(p("y.st")));
+  EXPECT_FALSE(fs::exists(p("w2.st")));
+  EXPECT_EQ(run_cli("init --config " + p("c.json") + " --out " + p("w2.st") + " --prefix a.").status, 0);
 }
 
 }  // namespace

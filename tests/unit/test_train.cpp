@@ -44,6 +44,16 @@ TEST(TrainSchedule, WarmupThenCosineToMinLr) {
   EXPECT_DOUBLE_EQ(scheduled_lr(o, 4), 1.0);    // peak
   EXPECT_DOUBLE_EQ(scheduled_lr(o, 9), 0.55);   // half-way down the cosine: (1 + 0.1) / 2
   EXPECT_NEAR(scheduled_lr(o, 14), 0.1, 1e-15); // the floor at the last step
+  // Without a warm-up the cosine starts at the peak on step 1 (it started a step later: no step used lr, and a
+  // one-step run used min_lr, 0 with --min-lr 0, so it trained nothing with rc 0).
+  o.warmup = 0;
+  o.steps = 5;
+  EXPECT_DOUBLE_EQ(scheduled_lr(o, 1), 1.0);
+  EXPECT_DOUBLE_EQ(scheduled_lr(o, 3), 0.55);
+  EXPECT_NEAR(scheduled_lr(o, 5), 0.1, 1e-15);
+  o.steps = 1;
+  o.min_lr = 0;
+  EXPECT_DOUBLE_EQ(scheduled_lr(o, 1), 1.0);
 }
 
 TEST_F(Train, ResumeIsExact) {

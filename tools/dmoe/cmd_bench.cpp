@@ -159,6 +159,16 @@ Command add_bench_command(CLI::App& app) {
                                "--python", "--check-tokens", "--flash", "--alltoall", "--batch-row-multiple"})
         DMOE_REQUIRE_INPUT(sub->count(name) == 0, "{} is an option of `dmoe bench layer`; `dmoe bench model` takes the "
                            "model's shapes from --config (and --batch, --seq, --dtype) and would ignore it", name);
+    // bench gemm times one rank's expert products (world 1: run_gpu_gemm_bench sets it) with the kernel benchmark's
+    // own warm-up and rounds: the layer's run options were accepted and ignored there (`bench gemm --world 4 --repeat
+    // 100 --no-backward` timed W = 1 with the default rounds, rc 0).
+    if (o->what == "gemm")
+      for (const char* name : {"--world", "--worlds", "--no-backward", "--engine", "--comm", "--peers", "--python",
+                               "--check-tokens", "--flash", "--alltoall", "--batch-row-multiple", "--warmup",
+                               "--repeat"})
+        DMOE_REQUIRE_INPUT(sub->count(name) == 0, "{} is an option of `dmoe bench layer`; `dmoe bench gemm` times one "
+                           "rank's expert products (world 1, on this GPU) with its own warm-up and rounds, and would "
+                           "ignore it", name);
     DMOE_REQUIRE_INPUT(sub->count("--python") == 0 || o->peers, "--python names the interpreter of --peers; without "
                        "--peers it would be ignored");
     // A benchmark can run for minutes: find out now, not after it, that its JSON cannot be written.

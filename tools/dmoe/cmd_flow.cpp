@@ -143,6 +143,11 @@ int simulate_command(const FlowOptions& o, const flow::CostModel& costs, int32_t
   std::vector<flow::ScheduleRun> runs;
   flow::TunerOptions tuner;
   tuner.seed = o.seed;
+  if (o.action == "project") {  // a projected R must split each GPU's --batch sequences (as train --schedule tuned)
+    tuner.micro_batches.clear();
+    for (int32_t r : {1, 2, 4, 8})
+      if (o.batch % r == 0) tuner.micro_batches.push_back(r);
+  }
   if (o.schedule == "all" || o.schedule == "tuned") note_tuner_cost(o.samples, "the tuned row");
   if (o.schedule == "all") {
     runs = flow::run_ablation(layers, o.micro_batches, o.chunk_bytes, costs, o.samples, tuner, o.link_model);
@@ -757,6 +762,14 @@ Command add_flow_command(CLI::App& app) {
                          o->micro_batches);
       DMOE_REQUIRE_INPUT(o->samples >= 1 && o->samples <= 1000, "--samples {}: must be in [1, 1000]", o->samples);
       DMOE_REQUIRE_INPUT(o->chunk_bytes >= 1, "--chunk-bytes {}: must be >= 1", o->chunk_bytes);
+      // R splits each GPU's batch along its sequences (no sequence is cut, docs/flow.md), as train and measure
+      // require: `--batch 1` projected pipe-attn at the default R = 2 (and a tuned R = 2, 1.38x), a schedule that
+      // cannot run. (The tuned row's candidates are the divisors among 1, 2, 4, 8: simulate_command.)
+      DMOE_REQUIRE_INPUT(o->schedule == "tuned" || o->batch < 1 || o->batch % o->micro_batches == 0,
+                         "--micro-batches {}{}: must divide --batch {} (each GPU's sequences are split into R "
+                         "micro-batches; no sequence is cut): give --micro-batches with a divisor of --batch, or a "
+                         "--batch that {} divides", o->micro_batches, sub->count("--micro-batches") ? "" : " (the default)",
+                         o->batch, o->micro_batches);
       return project_command(*o);
     }
     if (o->action == "measure") {

@@ -91,14 +91,16 @@ Command add_init_command(CLI::App& app) {
   CLI::App* sub = app.add_subcommand("init", "write random MoE layer weights (and inputs) as safetensors");
   add_config_options(*sub, o->config);
   sub->add_option("--out", o->out, "weights file to write")->required();
-  sub->add_option("--layer", o->layer, "layer index L in model.layers.L.block_sparse_moe.")->check(Range(0, 1000000));
-  sub->add_option("--prefix", o->prefix, "tensor-name prefix (overrides --layer)");
+  CLI::Option* layer_option = sub->add_option("--layer", o->layer, "layer index L in model.layers.L.block_sparse_moe.")
+                                  ->check(Range(0, 1000000));
+  sub->add_option("--prefix", o->prefix, "tensor-name prefix (instead of --layer)");
   sub->add_option("--seed", o->seed, "random seed");
   sub->add_option("--input", o->input, "also write a random input x [world*tokens, hidden] here");
   sub->add_option("--grad-output", o->grad_output, "also write a random dy [world*tokens, hidden] here");
   sub->add_option("--save-config", o->save_config, "also write the resolved config as dmoe JSON");
-  return [o] {
+  return [o, layer_option] {
     require_prefix_ends_with_dot(o->prefix);
+    require_layer_or_prefix(layer_option->count() > 0 ? std::optional<int>(o->layer) : std::nullopt, o->prefix);
     MoeConfig defaults;
     defaults.tokens = 64;
     MoeConfig c = resolve_config(o->config, defaults);

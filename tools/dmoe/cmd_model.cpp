@@ -194,6 +194,10 @@ Command add_eval_command(CLI::App& app) {
                         fmt::format("eval of tokens [{}, {}] (at least the logits [{}, {}, {}] f32 three times{})", B, S,
                                     B, S, V, o->engine == "cuda" ? "" : ", their gradient and two activations per layer"),
                         std::string("fewer or shorter sequences in --tokens, or ") + kModelSizes);
+    // The output's size is known now: a full disk failed the write after the whole forward and backward.
+    require_output_space(logits_bytes + (o->grad ? 4.0 * double(c.num_parameters()) : 0.0), o->output, "--output",
+                         fmt::format("the logits [{}, {}, {}] f32{}", B, S, V,
+                                     o->grad ? " and an f32 gradient per parameter" : ""));
     const MixtralWeights w = load_mixtral_weights(CheckpointReader::open(o->weights), c);
     const EvalResult r = o->engine == "cuda" ? run_cuda_model(c, w, tokens.values, B, S, parse_dtype(o->dtype), o->grad)
                                              : run_cpu_model(c, w, tokens.values, B, S, o->world, o->grad);

@@ -8,6 +8,7 @@
 
 #include "commands.hpp"
 #include "core/error.hpp"
+#include "core/host_resources.hpp"
 #include "core/output_file.hpp"
 #include "engine/moe_engine.hpp"
 #include "engine/reference.hpp"
@@ -57,7 +58,7 @@ Command add_run_command(CLI::App& app) {
   sub->add_option("--output", o->output, "safetensors file to write y, expert_ids, expert_weights (, dx, grads)")->required();
   sub->add_option("--grad-output", o->grad_output, "safetensors file holding dy [tokens, hidden]: also run backward");
   sub->add_option("--layer", o->layer, "use model.layers.L.block_sparse_moe. (default: the first MoE layer in the file)");
-  sub->add_option("--prefix", o->prefix, "tensor-name prefix of the layer (overrides --layer)");
+  sub->add_option("--prefix", o->prefix, "tensor-name prefix of the layer (instead of --layer)");
   sub->add_option("--engine", o->engine,
                   "cpu (reference engine; config world = simulated ranks) | ep (aliases cuda, gpu; expert parallelism "
                   "on this process's GPU, world 1) | flash (this GPU, the forward as one persistent kernel; bf16; "
@@ -71,6 +72,7 @@ Command add_run_command(CLI::App& app) {
     if (o->engine == "gpu" || o->engine == "cuda") o->engine = "ep";
     const EngineKind kind = parse_engine_kind(o->engine);
     require_prefix_ends_with_dot(o->prefix);
+    require_layer_or_prefix(o->layer, o->prefix);
     // Before anything is read or computed: the output must not be one of the inputs, and must be writable.
     require_distinct_files({{"--output", o->output}},
                            {{"--input", o->input},
@@ -119,6 +121,17 @@ Command add_run_command(CLI::App& app) {
       DMOE_REQUIRE_INPUT(why.empty(), "--engine {}: {}", o->engine, why);
     }
 
+    // The output's size is known now: a full disk failed the write after the layer had run.
+    const DType out_dtype = o->output_dtype.empty() ? c.dtype : parse_dtype(o->output_dtype);
+    {
+      const double es = out_dtype == DType::bf16 ? 2.0 : 4.0, rows = double(total), H = double(c.hidden);
+      const double params = double(c.experts) * H *
+                            (1.0 + double(c.ffn) * (c.activation == Activation::swiglu ? 3.0 : 2.0));
+      const bool backward = !o->grad_output.empty();
+      require_output_space(rows * H * es * (backward ? 2 : 1) + rows * double(c.top_k) * 8 + (backward ? 4 * params : 0),
+                           o->output, "--output", backward ? "y, the routing, dx and the f32 weight gradients"
+                                                           : "y and the routing");
+    }
     const std::vector<float> x = input.read_f32("x", {total, c.hidden});
     const MoeWeights w = load_moe_weights(weights_file, c, prefix);
     std::vector<float> dy;
@@ -154,7 +167,6 @@ Command add_run_command(CLI::App& app) {
       std::fprintf(stderr, "warning: %s; writing it anyway (--allow-non-finite)\n", bad.c_str());
     }
 
-    const DType out_dtype = o->output_dtype.empty() ? c.dtype : parse_dtype(o->output_dtype);
     SafetensorsWriter out;
     out.add_f32("y", {total, c.hidden}, r.y, out_dtype);
     out.add_i32("expert_ids", {total, c.top_k}, r.expert_ids);

@@ -213,6 +213,12 @@ void require_prefix_ends_with_dot(const std::string& prefix) {
                      "'experts.0.w1.weight', ... (e.g. --prefix {}.)", prefix, prefix);
 }
 
+void require_layer_or_prefix(const std::optional<int>& layer, const std::string& prefix) {
+  // --prefix replaced --layer without a word (`--layer 5 --prefix model.layers.0.block_sparse_moe.` read layer 0).
+  DMOE_REQUIRE_INPUT(!layer || prefix.empty(), "--layer {} and --prefix '{}' both say where the layer's tensors are "
+                     "(--layer L is the prefix model.layers.L.block_sparse_moe.); give one of them", *layer, prefix);
+}
+
 std::string find_model_config_file(const std::string& name) {
   namespace fs = std::filesystem;
   if (fs::is_directory(name)) {  // a Hugging Face model directory

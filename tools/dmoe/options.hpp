@@ -90,6 +90,8 @@ void check_cpu_engine_cost(const MoeConfig& config, int forward_calls, int backw
 
 // --prefix is glued to the tensor names ("P" + "gate.weight"): it must be empty or end in '.'.
 void require_prefix_ends_with_dot(const std::string& prefix);
+// --layer and --prefix (init, run) both name the layer's tensors: one of them (the prefix silently won).
+void require_layer_or_prefix(const std::optional<int>& layer, const std::string& prefix);
 
 // The engine of a whole-model command (train, eval, flow measure): "cpu" or "cuda", the GPU model, whose MoE layers
 // run on the EP engine — so "ep" and "gpu" name it too (one vocabulary with run, bench and the Python module); "flash"
