@@ -111,6 +111,15 @@ class BadInput : public ::testing::Test {
     w.add_i32("tokens", {2, 8}, tokens);
     w.write(p("tok.st"));
   }
+  // `eval` (writing nothing) and `train --init` of the model file `weights` under `config` both fail with `needle`.
+  void expect_eval_and_train_init_refused(const std::string& config, const std::string& weights,
+                                          const std::string& needle, const std::string& what) const {
+    expect_user_error(run_cli("eval --config " + config + " --weights " + weights + " --tokens " + p("tok.st") +
+                              " --output " + p("e.st")), needle, "eval, " + what);
+    EXPECT_FALSE(fs::exists(p("e.st")));
+    expect_user_error(run_cli("train --config " + config + " --init " + weights + " --data " + p("data") +
+                              " --steps 1 --seq 16 --batch 2"), needle, "train --init, " + what);
+  }
   fs::path dir_;
 };
 
@@ -1146,11 +1155,7 @@ TEST_F(BadInput, TiedConfigRefusesAFileWithAnLmHeadOfItsOwn) {
   std::ofstream(p("tied.json")) << tied.dump();
   const std::string needle = "holds an lm_head.weight that differs from model.embed_tokens.weight, but the config ties "
                              "them (tie_word_embeddings true)";
-  expect_user_error(run_cli("eval --config " + p("tied.json") + " --weights " + p("m.st") + " --tokens " + p("tok.st") +
-                            " --output " + p("e.st")), needle, "eval, tied config");
-  EXPECT_FALSE(fs::exists(p("e.st")));
-  expect_user_error(run_cli("train --config " + p("tied.json") + " --init " + p("m.st") + " --data " + p("data") +
-                            " --steps 1 --seq 16 --batch 2"), needle, "train --init, tied config");
+  expect_eval_and_train_init_refused(p("tied.json"), p("m.st"), needle, "tied config");
   // A tied model's own file (no lm_head) reads as before.
   ASSERT_EQ(run_cli("init-model --config " + p("tied.json") + " --out " + p("mt.st")).status, 0);
   EXPECT_EQ(run_cli("eval --config " + p("tied.json") + " --weights " + p("mt.st") + " --tokens " + p("tok.st") +
@@ -1232,11 +1237,7 @@ TEST_F(BadInput, CheckpointTensorsPastTheConfigsLayersOrExpertsAreRefused) {
   std::ofstream(p("one.json")) << one.dump();
   const std::string needle = "is of layer 1, but the config has num_hidden_layers = 1: the file holds a model of 2 "
                              "layers";
-  expect_user_error(run_cli("eval --config " + p("one.json") + " --weights " + p("m.st") + " --tokens " + p("tok.st") +
-                            " --output " + p("e.st")), needle, "eval, 1 of 2 layers");
-  EXPECT_FALSE(fs::exists(p("e.st")));
-  expect_user_error(run_cli("train --config " + p("one.json") + " --init " + p("m.st") + " --data " + p("data") +
-                            " --steps 1 --seq 16 --batch 2"), needle, "train --init, 1 of 2 layers");
+  expect_eval_and_train_init_refused(p("one.json"), p("m.st"), needle, "1 of 2 layers");
   // The whole file under its own config reads as before.
   EXPECT_EQ(run_cli("eval --config " + p("tiny.json") + " --weights " + p("m.st") + " --tokens " + p("tok.st") +
                     " --output " + p("e.st")).status, 0);
