@@ -119,20 +119,14 @@ std::vector<std::string> unknown_dmoe_variables(char** environment) {
   return warnings;
 }
 
-uint64_t env_byte_size(const char* name, uint64_t fallback) {
-  const char* text = std::getenv(name);
-  if (!text || !*text) return fallback;
-  const std::string t = text;
-  const std::string allowed =
-      "allowed: a decimal number of bytes, optionally with a suffix k, M, G or T (powers of 1024; kB, KiB, ... too)";
+std::optional<uint64_t> parse_byte_count(const std::string& t) {
   size_t i = 0;
   uint64_t value = 0;
-  bool overflow = false;
   for (; i < t.size() && t[i] >= '0' && t[i] <= '9'; ++i) {
-    overflow = overflow || value > (UINT64_MAX - uint64_t(t[i] - '0')) / 10;
+    if (value > (UINT64_MAX - uint64_t(t[i] - '0')) / 10) return std::nullopt;
     value = value * 10 + uint64_t(t[i] - '0');
   }
-  DMOE_REQUIRE_INPUT(i > 0, "{}='{}' is not a size; {}", name, t, allowed);
+  if (i == 0) return std::nullopt;
   std::string suffix = t.substr(i);
   if (suffix.size() >= 3 && suffix.ends_with("iB"))  // "GiB"
     suffix.resize(suffix.size() - 2);
@@ -145,10 +139,17 @@ uint64_t env_byte_size(const char* name, uint64_t fallback) {
   } else if (!suffix.empty()) {
     shift = -1;
   }
-  DMOE_REQUIRE_INPUT(shift >= 0, "{}='{}' is not a size; {}", name, t, allowed);
-  overflow = overflow || (shift > 0 && value > (UINT64_MAX >> shift));
-  DMOE_REQUIRE_INPUT(!overflow, "{}='{}' is past 2^64 bytes; {}", name, t, allowed);
+  if (shift < 0 || (shift > 0 && value > (UINT64_MAX >> shift))) return std::nullopt;
   return value << shift;
+}
+
+uint64_t env_byte_size(const char* name, uint64_t fallback) {
+  const char* text = std::getenv(name);
+  if (!text || !*text) return fallback;
+  const std::optional<uint64_t> bytes = parse_byte_count(text);
+  DMOE_REQUIRE_INPUT(bytes.has_value(), "{}='{}' is not a size; allowed: a decimal number of bytes below 2^64, "
+                     "optionally with a suffix k, M, G or T (powers of 1024; kB, KiB, ... too)", name, text);
+  return *bytes;
 }
 
 void check_environment() {

@@ -156,30 +156,7 @@ int g_nccl_id_sequence = 0;
 
 }  // namespace
 
-size_t parse_byte_size(const std::string& text) {
-  size_t i = 0;
-  unsigned long long value = 0;
-  while (i < text.size() && text[i] >= '0' && text[i] <= '9') {
-    value = value * 10 + unsigned(text[i] - '0');
-    ++i;
-  }
-  if (i == 0) return 0;
-  std::string suffix = text.substr(i);
-  for (const char* tail : {"iB", "B"})
-    if (suffix.size() > std::strlen(tail) && suffix.ends_with(tail)) {
-      suffix.resize(suffix.size() - std::strlen(tail));
-      break;
-    }
-  if (suffix.empty()) return size_t(value);
-  if (suffix.size() != 1) return 0;
-  switch (suffix[0]) {
-    case 'k': case 'K': return size_t(value) << 10;
-    case 'm': case 'M': return size_t(value) << 20;
-    case 'g': case 'G': return size_t(value) << 30;
-    case 't': case 'T': return size_t(value) << 40;
-    default: return 0;
-  }
-}
+size_t parse_byte_size(const std::string& text) { return size_t(parse_byte_count(text).value_or(0)); }
 
 int32_t select_device(const ProcessEnv& env) {
   int count = 0;
