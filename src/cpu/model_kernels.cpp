@@ -308,13 +308,19 @@ void cross_entropy_backward(const float* logits, const int32_t* targets, const f
 
 // ---- optimizer -----------------------------------------------------------------------------------
 
-void adamw_step(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWParams& p) {
+namespace {
+
+float grad_value(float g) { return g; }
+float grad_value(bfloat16 g) { return bf16_to_float(g); }
+
+template <typename G>
+void adamw_step_any(float* param, const G* grad, float* m, float* v, int64_t n, const AdamWParams& p) {
   DMOE_REQUIRE(p.step >= 1, "adamw: step = {} must be >= 1 (bias corrections use 1 - beta^step)", p.step);
   const double bc1 = 1.0 - std::pow(p.beta1, double(p.step));
   const double bc2 = 1.0 - std::pow(p.beta2, double(p.step));
   const double decay = 1.0 - p.lr * p.weight_decay;
   for (int64_t i = 0; i < n; ++i) {
-    const double g = grad[i];
+    const double g = grad_value(grad[i]);
     const double mi = p.beta1 * double(m[i]) + (1.0 - p.beta1) * g;
     const double vi = p.beta2 * double(v[i]) + (1.0 - p.beta2) * g * g;
     m[i] = float(mi);
@@ -324,11 +330,26 @@ void adamw_step(float* param, const float* grad, float* m, float* v, int64_t n, 
   }
 }
 
-double sum_of_squares(const float* g, int64_t n) {
+template <typename G>
+double sum_of_squares_any(const G* g, int64_t n) {
   double s = 0;
-  for (int64_t i = 0; i < n; ++i) s += double(g[i]) * double(g[i]);
+  for (int64_t i = 0; i < n; ++i) s += double(grad_value(g[i])) * double(grad_value(g[i]));
   return s;
 }
+
+}  // namespace
+
+void adamw_step(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWParams& p) {
+  adamw_step_any(param, grad, m, v, n, p);
+}
+
+void adamw_step(float* param, const bfloat16* grad, float* m, float* v, int64_t n, const AdamWParams& p) {
+  adamw_step_any(param, grad, m, v, n, p);
+}
+
+double sum_of_squares(const float* g, int64_t n) { return sum_of_squares_any(g, n); }
+
+double sum_of_squares(const bfloat16* g, int64_t n) { return sum_of_squares_any(g, n); }
 
 void scale_in_place(float* g, int64_t n, double scale) {
   for (int64_t i = 0; i < n; ++i) g[i] = float(double(g[i]) * scale);

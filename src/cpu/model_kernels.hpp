@@ -14,6 +14,8 @@
 
 #include <cstdint>
 
+#include "core/dtype.hpp"
+
 namespace dmoe::cpu {
 
 // ---- embedding -----------------------------------------------------------------------------------
@@ -99,9 +101,12 @@ struct AdamWParams {
 //   p ← p − lr · (m / (1−β1^t)) / (sqrt(v / (1−β2^t)) + eps).
 // param, grad, m, v [n].
 void adamw_step(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWParams& p);
+// The same on bf16 gradients (the GPU model's bf16 expert gradients), each read as the float it holds.
+void adamw_step(float* param, const bfloat16* grad, float* m, float* v, int64_t n, const AdamWParams& p);
 
 // Σ g² in fp64, in order (one tensor's share of the global gradient norm).
 double sum_of_squares(const float* g, int64_t n);
+double sum_of_squares(const bfloat16* g, int64_t n);
 // g ← g · scale.
 void scale_in_place(float* g, int64_t n, double scale);
 // The factor torch.nn.utils.clip_grad_norm_ multiplies every gradient by: min(1, max_norm / (norm + 1e-6))

@@ -436,9 +436,18 @@ __device__ __forceinline__ void adamw_one(float& param, float grad, float& m, fl
 
 // kVec: param, grad, m, v are 16-byte aligned (and param_copy aligned to 4 elements): float4 accesses for
 // the first n/4·4 elements; the last n % 4 elements (and everything when !kVec) one at a time.
-template <typename T, bool kVec>
+// Four gradients as floats: one 16-byte load of f32, one 8-byte load of bf16 (each the float it holds).
+__device__ __forceinline__ float4 load4_f32(const float* g, int64_t i) { return reinterpret_cast<const float4*>(g)[i]; }
+__device__ __forceinline__ float4 load4_f32(const bf16* g, int64_t i) {
+  const uint2 w = reinterpret_cast<const uint2*>(g)[i];
+  const __nv_bfloat162 a = *reinterpret_cast<const __nv_bfloat162*>(&w.x), b = *reinterpret_cast<const __nv_bfloat162*>(&w.y);
+  return make_float4(__low2float(a), __high2float(a), __low2float(b), __high2float(b));
+}
+
+// G: the gradient's type (f32, or bf16: a bf16 model's expert gradients), read as the float it holds.
+template <typename T, typename G, bool kVec>
 __global__ void __launch_bounds__(kThreads)
-    adamw_kernel(float* __restrict__ param, const float* __restrict__ grad, float* __restrict__ m,
+    adamw_kernel(float* __restrict__ param, const G* __restrict__ grad, float* __restrict__ m,
                  float* __restrict__ v, int64_t n, const __grid_constant__ AdamWConsts k, T* __restrict__ copy) {
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   const int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -447,7 +456,7 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t vecs = n / 4;
     for (int64_t i = first; i < vecs; i += stride) {
       float4 p = reinterpret_cast<float4*>(param)[i];
-      const float4 g = reinterpret_cast<const float4*>(grad)[i];
+      const float4 g = load4_f32(grad, i);
       float4 mm = reinterpret_cast<float4*>(m)[i];
       float4 vv = reinterpret_cast<float4*>(v)[i];
       adamw_one<T>(p.x, g.x, mm.x, vv.x, k, nullptr);  // the copy is stored below, as one pack
@@ -472,16 +481,16 @@ __global__ void __launch_bounds__(kThreads)
     scalar_begin = vecs * 4;
   }
   for (int64_t i = scalar_begin + first; i < n; i += stride)
-    adamw_one(param[i], grad[i], m[i], v[i], k, copy != nullptr ? copy + i : nullptr);
+    adamw_one(param[i], to_f32(grad[i]), m[i], v[i], k, copy != nullptr ? copy + i : nullptr);
 }
 
 constexpr int64_t kSumMaxBlocks = 1024;
 
 // Block b: thread i sums the squares of elements (or float4s) i + b·blockDim, then + gridDim·blockDim, ...
 // in fp64; the block tree gives partial[b]. The geometry depends only on n (sum_of_squares).
-template <bool kVec>
+template <typename G, bool kVec>
 __global__ void __launch_bounds__(kThreads)
-    sum_of_squares_kernel(const float* __restrict__ g, int64_t n, double* __restrict__ partial) {
+    sum_of_squares_kernel(const G* __restrict__ g, int64_t n, double* __restrict__ partial) {
   __shared__ double scratch[kWarp];
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   const int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -490,7 +499,7 @@ __global__ void __launch_bounds__(kThreads)
   if constexpr (kVec) {
     const int64_t vecs = n / 4;
     for (int64_t i = first; i < vecs; i += stride) {
-      const float4 x = reinterpret_cast<const float4*>(g)[i];
+      const float4 x = load4_f32(g, i);
       acc = fma(double(x.x), double(x.x), acc);
       acc = fma(double(x.y), double(x.y), acc);
       acc = fma(double(x.z), double(x.z), acc);
@@ -498,7 +507,10 @@ __global__ void __launch_bounds__(kThreads)
     }
     scalar_begin = vecs * 4;
   }
-  for (int64_t i = scalar_begin + first; i < n; i += stride) acc = fma(double(g[i]), double(g[i]), acc);
+  for (int64_t i = scalar_begin + first; i < n; i += stride) {
+    const double x = double(to_f32(g[i]));
+    acc = fma(x, x, acc);
+  }
   acc = block_reduce_sum(acc, scratch);
   if (threadIdx.x == 0) partial[blockIdx.x] = acc;
 }
@@ -792,9 +804,11 @@ void cross_entropy_backward(const float* logits, const int32_t* targets, const f
 
 // ---- optimizer ---------------------------------------------------------------------------------------
 
-template <typename T>
-void adamw_step(float* param, const float* grad, float* m, float* v, int64_t n, const cpu::AdamWParams& p,
-                double grad_scale, T* param_copy, cudaStream_t stream) {
+namespace {
+
+template <typename T, typename G>
+void adamw_step_any(float* param, const G* grad, float* m, float* v, int64_t n, const cpu::AdamWParams& p,
+                    double grad_scale, T* param_copy, cudaStream_t stream) {
   DMOE_CUDA_REQUIRE(p.step >= 1, "adamw: step = %lld must be >= 1 (bias corrections use 1 - beta^step)",
                     (long long)p.step);
   if (n <= 0) return;
@@ -810,17 +824,18 @@ void adamw_step(float* param, const float* grad, float* m, float* v, int64_t n, 
   k.bc2 = 1.0 - std::pow(p.beta2, double(p.step));
   k.decay = 1.0 - p.lr * p.weight_decay;
   k.grad_scale = grad_scale;
-  const bool vec = all_aligned({param, grad, m, v}, 16) &&
+  const bool vec = all_aligned({param, m, v}, 16) && is_aligned(grad, 4 * sizeof(G)) &&
                    (param_copy == nullptr || is_aligned(param_copy, 4 * sizeof(T)));
   if (vec)
-    adamw_kernel<T, true><<<elementwise_grid((n + 3) / 4), kThreads, 0, stream>>>(param, grad, m, v, n, k,
-                                                                                   param_copy);
+    adamw_kernel<T, G, true><<<elementwise_grid((n + 3) / 4), kThreads, 0, stream>>>(param, grad, m, v, n, k,
+                                                                                      param_copy);
   else
-    adamw_kernel<T, false><<<elementwise_grid(n), kThreads, 0, stream>>>(param, grad, m, v, n, k, param_copy);
+    adamw_kernel<T, G, false><<<elementwise_grid(n), kThreads, 0, stream>>>(param, grad, m, v, n, k, param_copy);
   DMOE_CHECK_LAUNCH();
 }
 
-void sum_of_squares(const float* g, int64_t n, double* out, Workspace& ws, cudaStream_t stream) {
+template <typename G>
+void sum_of_squares_any(const G* g, int64_t n, double* out, Workspace& ws, cudaStream_t stream) {
   if (n <= 0) {  // the empty sum
     DMOE_CHECK_CUDA(cudaMemsetAsync(out, 0, sizeof(double), stream));
     return;
@@ -830,13 +845,35 @@ void sum_of_squares(const float* g, int64_t n, double* out, Workspace& ws, cudaS
   ScratchLayout layout;
   const size_t partial_at = layout.add(size_t(blocks) * sizeof(double));
   auto* partial = reinterpret_cast<double*>(static_cast<char*>(ws.reserve(layout.total(), stream)) + partial_at);
-  if (is_aligned(g, 16))
-    sum_of_squares_kernel<true><<<unsigned(blocks), kThreads, 0, stream>>>(g, n, partial);
+  if (is_aligned(g, 4 * sizeof(G)))
+    sum_of_squares_kernel<G, true><<<unsigned(blocks), kThreads, 0, stream>>>(g, n, partial);
   else
-    sum_of_squares_kernel<false><<<unsigned(blocks), kThreads, 0, stream>>>(g, n, partial);
+    sum_of_squares_kernel<G, false><<<unsigned(blocks), kThreads, 0, stream>>>(g, n, partial);
   DMOE_CHECK_LAUNCH();
   final_sum_kernel<double><<<1, kFinalThreads, 0, stream>>>(partial, blocks, out);
   DMOE_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+template <typename T>
+void adamw_step(float* param, const float* grad, float* m, float* v, int64_t n, const cpu::AdamWParams& p,
+                double grad_scale, T* param_copy, cudaStream_t stream) {
+  adamw_step_any(param, grad, m, v, n, p, grad_scale, param_copy, stream);
+}
+
+template <typename T>
+void adamw_step(float* param, const bf16* grad, float* m, float* v, int64_t n, const cpu::AdamWParams& p,
+                double grad_scale, T* param_copy, cudaStream_t stream) {
+  adamw_step_any(param, grad, m, v, n, p, grad_scale, param_copy, stream);
+}
+
+void sum_of_squares(const float* g, int64_t n, double* out, Workspace& ws, cudaStream_t stream) {
+  sum_of_squares_any(g, n, out, ws, stream);
+}
+
+void sum_of_squares(const bf16* g, int64_t n, double* out, Workspace& ws, cudaStream_t stream) {
+  sum_of_squares_any(g, n, out, ws, stream);
 }
 
 void scale_in_place(float* g, int64_t n, double scale, cudaStream_t stream) {
@@ -877,6 +914,8 @@ void add_into(T* dst, const T* src, int64_t n, cudaStream_t stream) {
   template void cross_entropy_backward<T>(const float*, const int32_t*, const float*, T*, int64_t, int64_t,      \
                                           int32_t, double, cudaStream_t);                                        \
   template void adamw_step<T>(float*, const float*, float*, float*, int64_t, const cpu::AdamWParams&, double, T*, \
+                              cudaStream_t);                                                                     \
+  template void adamw_step<T>(float*, const bf16*, float*, float*, int64_t, const cpu::AdamWParams&, double, T*,  \
                               cudaStream_t);                                                                     \
   template void add_into<T>(T*, const T*, int64_t, cudaStream_t);
 

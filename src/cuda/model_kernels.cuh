@@ -103,8 +103,13 @@ void cross_entropy_backward(const float* logits, const int32_t* targets, const f
 template <typename T>
 void adamw_step(float* param, const float* grad, float* m, float* v, int64_t n, const cpu::AdamWParams& p,
                 double grad_scale, T* param_copy, cudaStream_t stream);
+// The same on bf16 gradients (a bf16 model's expert gradients, CudaMixtralModel), each read as the float it holds.
+template <typename T>
+void adamw_step(float* param, const bf16* grad, float* m, float* v, int64_t n, const cpu::AdamWParams& p,
+                double grad_scale, T* param_copy, cudaStream_t stream);
 // *out (device, fp64) = Σ g² (deterministic: per-block fp64 partials in `ws`, summed in block order).
 void sum_of_squares(const float* g, int64_t n, double* out, Workspace& ws, cudaStream_t stream);
+void sum_of_squares(const bf16* g, int64_t n, double* out, Workspace& ws, cudaStream_t stream);
 void scale_in_place(float* g, int64_t n, double scale, cudaStream_t stream);
 
 // ---- elementwise --------------------------------------------------------------------------------------

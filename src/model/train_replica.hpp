@@ -99,10 +99,13 @@ std::unique_ptr<TrainReplica> make_cpu_replica(const MixtralConfig& config, Comm
 // This process as one rank of a GPU job (dmoe launch / mpirun / srun, or alone): its GPU, a communicator over
 // the job's processes (NCCL or NVSHMEM; none at W = 1), the model in `storage` (f32 or bf16). `full`, `m`, `v`
 // hold every expert; the replica takes its rank's share. `max_tokens` is the most tokens of one forward (a micro-batch,
-// or the validation share: sizes the communicator's buffers). Throws a clear error in a build without CUDA.
+// or the validation share: sizes the communicator's buffers). one_backward_per_step: every step runs one backward per
+// layer (one micro-batch, no Flow schedule), so a bf16 model keeps its expert gradients in bf16
+// (CudaMixtralModel's bf16_expert_grads). Throws a clear error in a build without CUDA.
 std::unique_ptr<TrainReplica> make_cuda_replica(const MixtralConfig& config, DType storage, const MixtralWeights& full,
                                                 const MixtralWeights& m, const MixtralWeights& v,
-                                                int32_t micro_batches, int64_t max_tokens);
+                                                int32_t micro_batches, int64_t max_tokens,
+                                                bool one_backward_per_step = false);
 // The rank and size of the GPU job this process belongs to (1 rank when not started by a launcher).
 void cuda_job_size(int32_t* rank, int32_t* world);
 

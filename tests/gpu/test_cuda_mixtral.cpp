@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/error.hpp"
 #include "core/random.hpp"
 #include "gpu_test_util.hpp"
 #include "model/cuda/cuda_mixtral.hpp"
@@ -150,6 +151,73 @@ TEST(GpuMixtral, Bf16NearCpuModel) {
   // block, 2 blocks): a few % on logits and gradients; the loss (a mean over 72 predictions) closer. A near-tie
   // in the router may pick another expert for a token in bf16, which moves that token's gradients more.
   compare(gpu, cpu, c, 3e-2, 1e-2, 8e-2, "bf16");
+}
+
+// A bf16 model with bf16 expert gradients (dmoe train with one micro-batch, dmoe bench model) against the same model
+// with f32 ones: the replicated tensors' gradients bit for bit (nothing reads the experts' gradients), the experts'
+// within bf16's rounding of each element (2^-9 relative; 4e-3 over a tensor), the losses of 4 AdamW steps within
+// 5e-3 relative (the updates differ by that rounding); a second backward adding into bf16 gradients is refused.
+TEST(GpuMixtral, Bf16ExpertGradientsNearF32) {
+  if (!test::has_cuda_device()) GTEST_SKIP() << "no CUDA device";
+  int32_t rank = 0, world = 1;
+  cuda_job_size(&rank, &world);
+  if (world != 1) GTEST_SKIP() << "one rank alone (each run opens its own W = 1 model)";
+  const MixtralConfig c = odd_config();
+  const MixtralWeights w = random_mixtral_weights(c, 23);
+  const int64_t batch = 3, seq = 20;
+  struct Run {
+    MixtralWeights first_grads;
+    std::vector<double> losses;
+    size_t bytes = 0;
+  };
+  // probe: after the first backward, try a second one (another micro-batch adding into the gradients) and stop.
+  auto train = [&](bool bf16_grads, bool probe) {
+    Run out;
+    CudaRank r = open_cuda_rank(c, DType::bf16, batch * seq);
+    CudaMixtralModel model(c, DType::bf16, *r.comm, std::move(r.backend), bf16_grads);
+    EXPECT_EQ(model.bf16_expert_grads(), bf16_grads);
+    out.bytes = model.parameter_bytes();
+    model.set_weights(w);
+    CudaModelState st;
+    for (int step = 1; step <= 4; ++step) {
+      const std::vector<int32_t> tokens = random_tokens(batch * seq, c.vocab_size, 200 + uint64_t(step));
+      model.zero_grads();
+      out.losses.push_back(model.forward(tokens.data(), batch, seq, st));
+      model.backward(st);
+      if (step == 1) out.first_grads = model.grads();
+      if (probe) {
+        model.forward(tokens.data(), batch, seq, st);
+        EXPECT_THROW(model.backward(st), Error);
+        break;
+      }
+      double sq[2];
+      model.grad_sum_of_squares(sq);
+      cpu::AdamWParams p;
+      p.lr = 1e-2;
+      p.step = step;
+      model.adamw_step(p, 0.1, cpu::clip_coefficient(sq[0] + sq[1], 1.0));
+    }
+    st.blocks.clear();
+    return out;
+  };
+  const Run f32 = train(false, false), bf = train(true, false);
+  train(true, true);
+  EXPECT_LT(bf.bytes, f32.bytes);
+  MixtralWeights ga = f32.first_grads, gb = bf.first_grads;
+  const std::vector<ParamView> va = parameter_views(ga, c), vb = parameter_views(gb, c);
+  ASSERT_EQ(va.size(), vb.size());
+  for (size_t i = 0; i < va.size(); ++i) {
+    const std::vector<float> a(va[i].data, va[i].data + va[i].numel), b(vb[i].data, vb[i].data + vb[i].numel);
+    const bool expert = va[i].name.find(".experts.") != std::string::npos;
+    if (expert)
+      EXPECT_LE(rel_error(b, a), 4e-3) << va[i].name;
+    else
+      EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * 4), 0) << va[i].name;
+  }
+  ASSERT_EQ(f32.losses.size(), bf.losses.size());
+  EXPECT_EQ(f32.losses[0], bf.losses[0]);  // the same weights: the first forward is the same
+  for (size_t i = 1; i < f32.losses.size(); ++i)
+    EXPECT_NEAR(bf.losses[i], f32.losses[i], 5e-3 * f32.losses[i]) << "step " << i + 1;
 }
 
 TEST(GpuMixtral, RerunIsBitIdentical) {

@@ -781,6 +781,48 @@ TEST(CudaModelKernelsF32, SumOfSquaresAndScale) {
   EXPECT_EQ(d_out.read()[0], 0.0);
 }
 
+// bf16 gradients (the GPU model's bf16 expert gradients) against the CPU twins of the same name: AdamW within 1 f32
+// ulp (the f32 test's rule), the sum of squares within the two orders' rounding; shapes as above, so the packed
+// 8-byte loads, their tail and the unaligned scalar path all run.
+TEST(CudaModelKernelsBf16Grad, AdamWAndSumOfSquaresMatchCpu) {
+  DMOE_SKIP_WITHOUT_GPU();
+  const uint64_t seed = fresh_seed();
+  DMOE_SEED_TRACE(seed);
+  std::mt19937_64 rng(seed);
+  GpuEnv env;
+  for (const AdamShape s : kAdamShapes)
+    for (double grad_scale : {1.0, 0.37}) {
+      SCOPED_TRACE(testing::Message() << "n " << s.n << " offset " << s.offset << " grad_scale " << grad_scale);
+      const size_t total = size_t(s.n + s.offset);
+      std::vector<float> param = normal(rng, total), m = normal(rng, total, 0, 0.001), v = normal(rng, total, 0, 1e-4);
+      for (float& x : v) x = std::fabs(x);
+      const std::vector<float> grad = rounded<bf16>(normal(rng, total, 0, 0.01));  // the floats bf16 holds
+      std::vector<bfloat16> g16;
+      for (float x : grad) g16.push_back(float_to_bf16(x));
+      std::vector<float> cp = param, cg = grad, cm = m, cv = v;
+      const cpu::AdamWParams ap = adamw_params(10);
+      cpu::scale_in_place(cg.data() + s.offset, s.n, grad_scale);  // as the trainer applies the clipping factor
+      cpu::adamw_step(cp.data() + s.offset, cg.data() + s.offset, cm.data() + s.offset, cv.data() + s.offset, s.n, ap);
+      Buf<float> d_p(param), d_m(m), d_v(v);
+      Buf<bf16> d_g = to_device<bf16>(grad);
+      Buf<bf16> d_copy = to_device<bf16>(std::vector<float>(total, 0.f));
+      cuda::adamw_step<bf16>(d_p.get() + s.offset, d_g.get() + s.offset, d_m.get() + s.offset, d_v.get() + s.offset,
+                             s.n, ap, grad_scale, d_copy.get() + s.offset, env.stream);
+      const std::vector<float> gp = d_p.read();
+      EXPECT_TRUE(within_ulps("param", gp, cp, 1));
+      EXPECT_TRUE(within_ulps("m", d_m.read(), cm, 1));
+      EXPECT_TRUE(within_ulps("v", d_v.read(), cv, 1));
+      std::vector<float> want_copy(total, 0.f);
+      for (size_t i = size_t(s.offset); i < total; ++i) want_copy[i] = Repr<bf16>::round(gp[i]);
+      EXPECT_TRUE(bitwise_equal("param_copy", from_device(d_copy), want_copy));
+
+      const double want = cpu::sum_of_squares(g16.data() + s.offset, s.n);
+      Buf<double> d_out(std::vector<double>{std::nan("")});
+      cuda::sum_of_squares(d_g.get() + s.offset, s.n, d_out.get(), env.ws, env.stream);
+      EXPECT_NEAR(d_out.read()[0], want, 2.0 * double(s.n) * std::ldexp(1.0, -53) * want);
+    }
+}
+
 // ---- elementwise ----------------------------------------------------------------------------------------
 
 TYPED_TEST(CudaModelKernels, AddInto) {

@@ -277,6 +277,35 @@ TEST(ModelKernels, AdamWFollowsTheDecoupledFormulaWithBiasCorrection) {
   EXPECT_THROW(cpu::adamw_step(p.data(), g.data(), m.data(), v.data(), 2, ap), Error);
 }
 
+// The bf16-gradient twins (the GPU model's bf16 expert gradients): each gradient read as the float it holds, so the
+// same results, bit for bit, as the f32 twins on those floats.
+TEST(ModelKernels, Bf16GradientsAreReadAsTheirFloats) {
+  const std::vector<float> values = {0.5f, -0.25f, 1e-3f, -7.3f, 3.0e-8f, 0.0f, 123.456f};
+  std::vector<bfloat16> g16;
+  std::vector<float> g32;
+  for (float x : values) {
+    g16.push_back(float_to_bf16(x));
+    g32.push_back(bf16_to_float(g16.back()));
+  }
+  EXPECT_NE(g32[2], values[2]);  // bf16 rounded something: the test is of the float the bf16 holds
+  EXPECT_EQ(cpu::sum_of_squares(g16.data(), int64_t(g16.size())), cpu::sum_of_squares(g32.data(), int64_t(g32.size())));
+  const size_t n = values.size();
+  std::vector<float> pa(n, 1.0f), ma(n, 0.01f), va(n, 0.02f);
+  for (size_t i = 0; i < n; ++i) pa[i] = 0.1f * float(i) - 0.2f;
+  std::vector<float> pb = pa, mb = ma, vb = va;
+  cpu::AdamWParams ap;
+  ap.lr = 1e-2;
+  ap.weight_decay = 0.1;
+  ap.step = 3;
+  cpu::adamw_step(pa.data(), g16.data(), ma.data(), va.data(), int64_t(n), ap);
+  cpu::adamw_step(pb.data(), g32.data(), mb.data(), vb.data(), int64_t(n), ap);
+  EXPECT_EQ(pa, pb);
+  EXPECT_EQ(ma, mb);
+  EXPECT_EQ(va, vb);
+  ap.step = 0;
+  EXPECT_THROW(cpu::adamw_step(pa.data(), g16.data(), ma.data(), va.data(), int64_t(n), ap), Error);
+}
+
 TEST(ModelKernels, ClipCoefficientIsTorchs) {
   std::vector<float> a = {3.0f, 0.0f}, b = {4.0f};
   const double ss = cpu::sum_of_squares(a.data(), 2) + cpu::sum_of_squares(b.data(), 1);

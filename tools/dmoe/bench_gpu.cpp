@@ -374,6 +374,7 @@ int run_gpu_model_bench(const ModelBenchArgs& a) {
   o.dtype = a.dtype;
   o.warmup = a.warmup;
   o.min_iterations = a.repeat;
+  o.bf16_expert_grads = a.bf16_expert_grads;
   const bench::ModelBenchResult r = bench::bench_model_step(a.config, o);
   if (r.rank != 0) return 0;  // rank 0 reports for the job
   const double n = double(a.batch) * double(a.seq) * r.world;  // tokens of a step over all ranks
@@ -390,7 +391,8 @@ int run_gpu_model_bench(const ModelBenchArgs& a) {
               r.world, r.world == 1 ? "" : "s (tokens/s, TFLOP/s and MFU of the whole job; FLOP per rank below)",
               dtype_name(a.dtype), prop.name);
   std::printf("FLOP per rank: forward %.4g, step 3 x forward = %.4g (formula: src/bench/cuda/model_bench.hpp); bf16 GEMM "
-              "ceiling in the same rounds %.1f TFLOP/s\n", r.forward_flop, r.step_flop, r.gemm_ceiling_flop_per_s * 1e-12);
+              "ceiling in the same rounds %.1f TFLOP/s; expert gradients %s\n", r.forward_flop, r.step_flop,
+              r.gemm_ceiling_flop_per_s * 1e-12, r.bf16_expert_grads ? "bf16" : "f32");
   if (gpus < r.world)
     std::printf("ranks share a GPU (MPS): the MFU column is against rank 0's ceiling timed while the other ranks run, "
                 "so it overstates; compare tokens/s with W = 1 instead\n");
@@ -420,6 +422,7 @@ int run_gpu_model_bench(const ModelBenchArgs& a) {
                      {"gpu", prop.name}, {"parameters", r.parameters}, {"step_median_ms", r.step.median_ms},
                      {"step_min_ms", r.step.min_ms}, {"step_max_ms", r.step.max_ms},
                      {"step_iterations", r.step.iterations}, {"forward_median_ms", r.forward.median_ms},
+                     {"expert_grads", r.bf16_expert_grads ? "bf16" : "f32"},
                      {"forward_backward_median_ms", r.forward_backward.median_ms},
                      {"optimizer_median_ms", r.optimizer.median_ms},
                      {"stages_ms", [&] {

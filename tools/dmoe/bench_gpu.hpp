@@ -39,6 +39,7 @@ struct ModelBenchArgs {
   int64_t batch = 8, seq = 1024;
   DType dtype = DType::bf16;
   int warmup = 2, repeat = 5;
+  bool bf16_expert_grads = true;  // bf16 model: the experts' gradients in bf16 (CudaMixtralModel)
 };
 
 bool gpu_available();

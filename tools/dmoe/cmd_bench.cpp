@@ -49,6 +49,7 @@ struct BenchOptions {
   bool gemm_dgrad = false;
   bool gemm_wgrad = false;
   int64_t batch = 8, seq = 1024;  // model
+  bool f32_expert_grads = false;  // model
 };
 
 struct Timing {
@@ -141,9 +142,14 @@ Command add_bench_command(CLI::App& app) {
       sub->add_option("--batch", o->batch, "model: sequences per step")->check(Range(int64_t(1), int64_t(1) << 20));
   CLI::Option* seq_option =
       sub->add_option("--seq", o->seq, "model: sequence length")->check(Range(int64_t(2), int64_t(1) << 24));
-  return [o, sub, worlds_option, batch_option, seq_option] {
+  CLI::Option* f32_grads_option = sub->add_flag(
+      "--f32-expert-grads", o->f32_expert_grads,
+      "model, bf16: keep the experts' gradients in f32, as dmoe train does with several micro-batches or a Flow "
+      "schedule (default: bf16 where the experts are large enough for it to pay, as dmoe train does with one "
+      "micro-batch; src/model/cuda/cuda_mixtral.hpp)");
+  return [o, sub, worlds_option, batch_option, seq_option, f32_grads_option] {
     // A model's options on another benchmark would be ignored: refuse them instead.
-    for (const CLI::Option* opt : {batch_option, seq_option})
+    for (const CLI::Option* opt : {batch_option, seq_option, f32_grads_option})
       DMOE_REQUIRE_INPUT(o->what == "model" || opt->count() == 0,
                          "{} is an option of `dmoe bench model` (a whole model's step); `dmoe bench {}` times one "
                          "layer's tokens: give --tokens instead", opt->get_name(), o->what);
@@ -193,6 +199,9 @@ Command add_bench_command(CLI::App& app) {
       m.warmup = std::max(1, o->warmup);
       m.repeat = o->repeat;
       m.json_path = o->json_path;
+      DMOE_REQUIRE_INPUT(!o->f32_expert_grads || m.dtype == DType::bf16, "--f32-expert-grads: an f32 model's "
+                         "gradients are all f32 already (it applies to --dtype bf16)");
+      m.bf16_expert_grads = !o->f32_expert_grads;
       return run_gpu_model_bench(m);
     }
     if (o->what == "gemm") {

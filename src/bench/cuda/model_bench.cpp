@@ -31,7 +31,8 @@ ModelBenchResult bench_model_step(const MixtralConfig& config, const ModelBenchO
                      "bench model: num_local_experts = {} does not split over the job's {} ranks",
                      config.num_local_experts, rank.world);
   std::unique_ptr<Comm> comm = std::move(rank.comm);
-  CudaMixtralModel model(config, o.dtype, *comm, std::move(rank.backend));
+  CudaMixtralModel model(config, o.dtype, *comm, std::move(rank.backend),
+                         o.bf16_expert_grads && CudaMixtralModel::bf16_expert_grads_pay_off(config));
   r_world = rank.world;
   cudaStream_t stream = static_cast<cudaStream_t>(model.backend().stream());
   // Random weights straight on the device (a host-side init of billions of values would take minutes):
@@ -128,6 +129,7 @@ ModelBenchResult bench_model_step(const MixtralConfig& config, const ModelBenchO
   DMOE_CHECK_CUDA(cudaMemGetInfo(&free_b, &total_b));
   r.device_bytes_in_use = double(total_b - free_b);
   r.world = r_world;
+  r.bf16_expert_grads = model.bf16_expert_grads();
   r.rank = comm->rank();
   train.blocks.clear();
   return r;

@@ -30,6 +30,8 @@ struct ModelBenchOptions {
   DType dtype = DType::bf16;
   int warmup = 2;
   int min_iterations = 5;
+  // bf16 model: the experts' gradients in bf16 where CudaMixtralModel::bf16_expert_grads_pay_off (as dmoe train)
+  bool bf16_expert_grads = true;
 };
 
 struct ModelBenchResult {
@@ -42,6 +44,7 @@ struct ModelBenchResult {
   double parameters = 0;               // of the model (all experts)
   double device_bytes_in_use = 0;      // after the steps (cudaMemGetInfo): parameters, moments, activations
   double parameter_bytes = 0;          // the model's parameter buffers (f32 master, grads, 2 moments, bf16 copy)
+  bool bf16_expert_grads = false;      // as the model ran
   int32_t rank = 0, world = 1;         // of the job (each rank its own batch: tokens/s of the job = world × one's)
   std::vector<std::pair<std::string, double>> stages;  // ms per step of each stage (CudaMixtralModel::stage_times)
 };

@@ -192,9 +192,10 @@ struct CudaMixtralModel::Impl {
 };
 
 CudaMixtralModel::CudaMixtralModel(const MixtralConfig& config, DType storage, Comm& comm,
-                                   std::unique_ptr<Backend> backend)
+                                   std::unique_ptr<Backend> backend, bool bf16_expert_grads)
     : config_(config), storage_(storage), comm_(comm), rank_(comm.rank()), world_(comm.world()),
-      backend_(std::move(backend)), impl_(std::make_unique<Impl>()) {
+      backend_(std::move(backend)), impl_(std::make_unique<Impl>()),
+      bf16_expert_grads_(bf16_expert_grads && storage == DType::bf16) {
   config_.validate();
   DMOE_REQUIRE(backend_ && backend_->on_device(), "cuda mixtral: needs a CUDA backend");
   DMOE_REQUIRE_INPUT(storage == DType::f32 || storage == DType::bf16,
@@ -230,17 +231,26 @@ CudaMixtralModel::CudaMixtralModel(const MixtralConfig& config, DType storage, C
                        "one: {}, head_dim {})", dtype_name(storage_), config_.head_size());
   }
   layout_ = make_param_layout(config_, experts_per_rank());
-  for (Buffer* b : {&master_, &grad_, &m_, &v_, &compute_}) b->bind(*backend_);
+  for (Buffer* b : {&master_, &grad_, &expert_grad_, &m_, &v_, &compute_}) b->bind(*backend_);
   for (Buffer& b : scratch_) b.bind(*backend_);
   const size_t bytes = size_t(layout_.total()) * sizeof(float);
   master_.ensure(bytes);
-  grad_.ensure(bytes);
   m_.ensure(bytes);
   v_.ensure(bytes);
   backend_->zero(master_.data(), bytes);  // the padding between tensors stays 0 in every buffer
-  backend_->zero(grad_.data(), bytes);
   backend_->zero(m_.data(), bytes);
   backend_->zero(v_.data(), bytes);
+  // bf16 expert gradients: the f32 buffer ends where the experts begin, and the experts' are a bf16 buffer of their
+  // own, at the same offsets less the experts' start.
+  const int64_t experts_at = layout_.group_begin[ParamLayout::experts];
+  const size_t grad_bytes = bf16_expert_grads_ ? size_t(experts_at) * sizeof(float) : bytes;
+  grad_.ensure(std::max<size_t>(grad_bytes, 4));
+  backend_->zero(grad_.data(), grad_bytes);
+  if (bf16_expert_grads_) {
+    const size_t expert_bytes = size_t(layout_.total() - experts_at) * 2;
+    expert_grad_.ensure(std::max<size_t>(expert_bytes, 2));
+    backend_->zero(expert_grad_.data(), expert_bytes);
+  }
   if (storage_ == DType::bf16) {
     compute_.ensure(size_t(layout_.total()) * 2);
     backend_->zero(compute_.data(), size_t(layout_.total()) * 2);
@@ -269,14 +279,26 @@ void CudaMixtralModel::reset_stage_times() {
 }
 
 size_t CudaMixtralModel::parameter_bytes() const {
-  return size_t(layout_.total()) * (16 + (storage_ == DType::bf16 ? 2 : 0));
+  const size_t total = size_t(layout_.total()), experts = total - size_t(layout_.group_begin[ParamLayout::experts]);
+  // master, m, v (f32); gradients f32, or bf16 for the experts; the bf16 copy
+  return total * 12 + (bf16_expert_grads_ ? (total - experts) * 4 + experts * 2 : total * 4) +
+         (storage_ == DType::bf16 ? total * 2 : 0);
 }
 
 void* CudaMixtralModel::w(int64_t offset) const {
   if (storage_ == DType::bf16) return compute_.as<bf16>() + offset;
   return master_.as<float>() + offset;
 }
-float* CudaMixtralModel::g(int64_t offset) const { return grad_.as<float>() + offset; }
+float* CudaMixtralModel::g(int64_t offset) const {
+  DMOE_REQUIRE(!bf16_expert_grads_ || offset < layout_.group_begin[ParamLayout::experts],
+               "cuda mixtral: an f32 gradient pointer asked for an expert tensor, whose gradients are bf16");
+  return grad_.as<float>() + offset;
+}
+
+void* CudaMixtralModel::expert_grad(int64_t offset) const {
+  if (!bf16_expert_grads_) return grad_.as<float>() + offset;
+  return expert_grad_.as<bf16>() + (offset - layout_.group_begin[ParamLayout::experts]);
+}
 
 void CudaMixtralModel::upload_share(const MixtralWeights& src_const, float* dst) {
   MixtralWeights& src = const_cast<MixtralWeights&>(src_const);  // select() gives non-const; nothing is written
@@ -323,7 +345,22 @@ MixtralWeights CudaMixtralModel::weights() {
 
 MixtralWeights CudaMixtralModel::grads() {
   MixtralWeights out;
-  download_share(grad_.as<float>(), out);
+  if (!bf16_expert_grads_) {
+    download_share(grad_.as<float>(), out);
+    return out;
+  }
+  out = make_mixtral_weights(config_, first_expert(), experts_per_rank());
+  std::vector<bfloat16> bits;
+  for (const ParamLayout::Entry& e : layout_.entries) {
+    std::vector<float>& t = *e.select(out, e.layer);
+    if (e.group != ParamLayout::experts) {
+      backend_->download(t.data(), grad_.as<float>() + e.offset, size_t(e.numel) * sizeof(float));
+      continue;
+    }
+    bits.resize(size_t(e.numel));
+    backend_->download(bits.data(), expert_grad(e.offset), size_t(e.numel) * 2);
+    for (size_t i = 0; i < bits.size(); ++i) t[i] = bf16_to_float(bits[i]);
+  }
   return out;
 }
 
@@ -356,7 +393,11 @@ void CudaMixtralModel::gather_full(MixtralWeights& w, MixtralWeights& m, Mixtral
   gather_full_buffer(v_.as<float>(), v);
 }
 
-void CudaMixtralModel::gather_full_grads(MixtralWeights& g) { gather_full_buffer(grad_.as<float>(), g); }
+void CudaMixtralModel::gather_full_grads(MixtralWeights& g) {
+  DMOE_REQUIRE(!bf16_expert_grads_, "cuda mixtral: gather_full_grads needs f32 expert gradients (a model made "
+               "without bf16_expert_grads, as dmoe eval --grad makes it)");
+  gather_full_buffer(grad_.as<float>(), g);
+}
 
 void CudaMixtralModel::zero_grads() {
   StageScope scope(impl_->timer, "zero gradients");
@@ -467,7 +508,8 @@ void CudaMixtralModel::prepare_moe(CudaBlockState& b, int64_t tokens, int layer)
     // adds into the gradients. Set once: set_grad_views clears the router's gradient.
     const ParamLayout::Layer& lw = layout_.layers[layer];
     b.moe->set_weight_views(WeightViews{w(lw.gate), w(lw.w1), w(lw.w3), w(lw.w2)});
-    b.moe->set_grad_views(GradViews{g(lw.gate), g(lw.w1), g(lw.w3), g(lw.w2)});
+    b.moe->set_grad_views(GradViews{g(lw.gate), expert_grad(lw.w1), expert_grad(lw.w3), expert_grad(lw.w2),
+                                    bf16_expert_grads_});
     b.moe->set_stage_observer(&impl_->marks);
   }
 }
@@ -750,7 +792,11 @@ void CudaMixtralModel::grad_sum_of_squares(double out[2]) {
   double* d = static_cast<double*>(impl_->norm_sums.ensure(16));
   const int64_t split = layout_.group_begin[ParamLayout::experts];
   cuda::sum_of_squares(g(0), split, d, impl_->ws, impl_->stream);
-  cuda::sum_of_squares(g(split), layout_.total() - split, d + 1, impl_->ws, impl_->stream);
+  if (bf16_expert_grads_)
+    cuda::sum_of_squares(static_cast<const bf16*>(expert_grad(split)), layout_.total() - split, d + 1, impl_->ws,
+                         impl_->stream);
+  else
+    cuda::sum_of_squares(g(split), layout_.total() - split, d + 1, impl_->ws, impl_->stream);
   if (world_ > 1) comm_.allreduce_sum(d + 1, 1, DType::f64, backend_->stream());  // the experts of every rank
   backend_->download(out, d, 16);
 }
@@ -758,6 +804,7 @@ void CudaMixtralModel::grad_sum_of_squares(double out[2]) {
 void CudaMixtralModel::adamw_step(const cpu::AdamWParams& p, double weight_decay, double grad_scale) {
   StageScope scope(impl_->timer, "AdamW");
   const int64_t split = layout_.group_begin[ParamLayout::dense];  // norms: no weight decay
+  const int64_t experts_at = layout_.group_begin[ParamLayout::experts], total = layout_.total();
   cpu::AdamWParams no_decay = p, decay = p;
   no_decay.weight_decay = 0;
   decay.weight_decay = weight_decay;
@@ -768,9 +815,17 @@ void CudaMixtralModel::adamw_step(const cpu::AdamWParams& p, double weight_decay
   with_storage(storage_, [&](auto tag) {
     using T = decltype(tag);
     T* copy = storage_ == DType::bf16 ? reinterpret_cast<T*>(compute_.data()) : nullptr;
+    auto at = [&](int64_t o) { return copy ? copy + o : nullptr; };
     cuda::adamw_step<T>(pm, gr, m, v, split, no_decay, grad_scale, copy, impl_->stream);
-    cuda::adamw_step<T>(pm + split, gr + split, m + split, v + split, layout_.total() - split, decay, grad_scale,
-                        copy ? copy + split : nullptr, impl_->stream);
+    if (!bf16_expert_grads_) {
+      cuda::adamw_step<T>(pm + split, gr + split, m + split, v + split, total - split, decay, grad_scale, at(split),
+                          impl_->stream);
+      return;
+    }
+    cuda::adamw_step<T>(pm + split, gr + split, m + split, v + split, experts_at - split, decay, grad_scale,
+                        at(split), impl_->stream);
+    cuda::adamw_step<T>(pm + experts_at, static_cast<const bf16*>(expert_grad(experts_at)), m + experts_at,
+                        v + experts_at, total - experts_at, decay, grad_scale, at(experts_at), impl_->stream);
   });
 }
 

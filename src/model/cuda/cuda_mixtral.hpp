@@ -89,7 +89,25 @@ class CudaMixtralModel {
  public:
   // storage f32 or bf16; the process's GPU must be current (select_device); `comm` the job's communicator
   // (its collectives are issued on the stream of backend()).
-  CudaMixtralModel(const MixtralConfig& config, DType storage, Comm& comm, std::unique_ptr<Backend> backend);
+  // bf16_expert_grads (bf16 storage only; ignored for f32): the experts' gradients are bf16, as a bf16 PyTorch
+  // model's are (the router's and the dense tensors' stay f32; weights and moments stay f32 masters): the
+  // backward writes them rounded once from its f32 accumulators, and the gradient norm and AdamW read half the
+  // bytes. A step may then run one backward per layer only (a second one, another micro-batch adding into them,
+  // is refused by EpEngine). dmoe train takes it with one micro-batch, no Flow schedule and
+  // bf16_expert_grads_pay_off(config); dmoe bench model the same unless --f32-expert-grads; eval --grad keeps f32.
+  CudaMixtralModel(const MixtralConfig& config, DType storage, Comm& comm, std::unique_ptr<Backend> backend,
+                   bool bf16_expert_grads = false);
+  // Whether bf16 expert gradients make a step faster for this shape: bf16 products go to one cuBLAS call per expert
+  // and product (pick_wgrad_kernel: the grouped kernels' bf16 store is slower), whose host time (~15-20 µs a call)
+  // pays only for large experts. Measured on the H200 (docs/perf.md, eighteenth session; per step, bf16 vs f32
+  // expert gradients): DeepSeek-V2-S (H·I = 7.9 M) optimizer 32.7 → 30.0 ms, LLaMA2-MoE (4.2 M) step 148.6 → 143.7
+  // ms; but GPT2-Tiny-MoE (0.13 M) 38.0 ms a step with bf16 against 12.7 with f32, BERT-Large-MoE (0.52 M) 49.7
+  // against 39.8 (their backward's 1152-2304 cuBLAS calls are host-bound). So: H·I of at least
+  // kBf16ExpertGradMinWeight elements.
+  static constexpr int64_t kBf16ExpertGradMinWeight = int64_t(1) << 21;
+  static bool bf16_expert_grads_pay_off(const MixtralConfig& config) {
+    return int64_t(config.hidden_size) * int64_t(config.intermediate_size) >= kBf16ExpertGradMinWeight;
+  }
   ~CudaMixtralModel();
   CudaMixtralModel(const CudaMixtralModel&) = delete;
   CudaMixtralModel& operator=(const CudaMixtralModel&) = delete;
@@ -158,8 +176,10 @@ class CudaMixtralModel {
   void moe_backward_finish(int layer, CudaModelState& st);
   void attention_backward(int layer, CudaModelState& st);
   void embed_backward(CudaModelState& st);
-  // The f32 gradient buffer (layout()), e.g. for an all-reduce of parts of it.
+  // The f32 gradient buffer (layout()), e.g. for an all-reduce of parts of it; with bf16 expert gradients it
+  // ends where the experts begin.
   float* gradients() { return grad_.as<float>(); }
+  bool bf16_expert_grads() const { return bf16_expert_grads_; }
 
   const MixtralConfig& config() const { return config_; }
   int32_t rank() const { return rank_; }
@@ -184,7 +204,8 @@ class CudaMixtralModel {
  private:
   struct Impl;
   void* w(int64_t offset) const;  // compute copy (storage type) at an element offset
-  float* g(int64_t offset) const; // gradient at an element offset
+  float* g(int64_t offset) const; // f32 gradient at an element offset (not an expert's with bf16 expert gradients)
+  void* expert_grad(int64_t offset) const;  // an expert tensor's gradient: f32, or bf16 (bf16_expert_grads_)
   void prepare_moe(CudaBlockState& b, int64_t tokens, int layer);
   void upload_share(const MixtralWeights& src, float* dst);
   void download_share(const float* src, MixtralWeights& dst);
@@ -198,6 +219,8 @@ class CudaMixtralModel {
   std::unique_ptr<Impl> impl_;  // cuBLAS handle, workspace (CUDA types stay out of this header)
   ParamLayout layout_;
   Buffer master_, grad_, m_, v_, compute_;  // compute_: bf16 copy (empty for f32)
+  Buffer expert_grad_;                      // bf16 expert gradients [experts' elements] (bf16_expert_grads_)
+  bool bf16_expert_grads_ = false;
   std::vector<bool> experts_fresh_;         // per layer: no backward since zero_grads()
   Buffer scratch_[9];                       // backward's gradients of activations (grow-only)
   size_t elem_ = 4;

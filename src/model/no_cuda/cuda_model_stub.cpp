@@ -9,7 +9,7 @@
 namespace dmoe {
 
 std::unique_ptr<TrainReplica> make_cuda_replica(const MixtralConfig&, DType, const MixtralWeights&,
-                                                const MixtralWeights&, const MixtralWeights&, int32_t, int64_t) {
+                                                const MixtralWeights&, const MixtralWeights&, int32_t, int64_t, bool) {
   DMOE_FAIL_INPUT("--engine cuda needs the CUDA engines, and this dmoe was built without CUDA (DMOE_CUDA=OFF or no "
                   "nvcc); use --engine cpu");
 }
