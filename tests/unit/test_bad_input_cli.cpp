@@ -1325,5 +1325,34 @@ TEST_F(BadInput, LayerAndPrefixTogetherAreRefused) {
   EXPECT_EQ(run_cli("init --config " + p("c.json") + " --out " + p("w2.st") + " --prefix a.").status, 0);
 }
 
+// ---- The ninth pass (2026-12-04, branch bad9; docs/faults.md) -----------------------------------------------
+
+TEST_F(BadInput, CpuEngineCommandsRefuseToRunAsOneOfALaunchersProcesses) {
+  // The CPU engine's ranks are threads of one process: under `dmoe launch -n 2` (or mpirun, srun) each process ran the
+  // whole command. `launch -n 2 -- dmoe train --log L` trained twice and interleaved the two runs' lines in L (a line
+  // that was no JSON), rc 0; run, flow measure and bench each wrote their outputs twice, bench and measure timing
+  // each other's work. eval --engine cpu already refused.
+  ASSERT_EQ(run_cli("init --hidden 8 --ffn 8 --experts 2 --top-k 1 --tokens 4 --out " + p("w.st") + " --input " +
+                    p("x.st") + " --save-config " + p("c.json")).status, 0);
+  const std::string job = "DMOE_RANK=1 DMOE_WORLD=2 DMOE_LOCAL_RANK=1 DMOE_LOCAL_WORLD=2";
+  const std::string mpi = "OMPI_COMM_WORLD_RANK=0 OMPI_COMM_WORLD_SIZE=2 OMPI_COMM_WORLD_LOCAL_RANK=0 "
+                          "OMPI_COMM_WORLD_LOCAL_SIZE=2";
+  const std::string needle = "on the CPU engine runs its ranks as threads of one process, but this is one of 2 "
+                             "processes";
+  expect_user_error(run_cli("train --config " + p("tiny.json") + " --data " + p("data") + " --steps 1 --seq 16 "
+                            "--batch 2 --log " + p("l.jsonl"), job), "train " + needle + " (dmoe-launch)", "train");
+  EXPECT_FALSE(fs::exists(p("l.jsonl")));
+  const std::string run = "run --config " + p("c.json") + " --weights " + p("w.st") + " --input " + p("x.st") +
+                          " --output " + p("y.st");
+  expect_user_error(run_cli(run, mpi), "run " + needle + " (mpirun)", "run");
+  EXPECT_FALSE(fs::exists(p("y.st")));
+  expect_user_error(run_cli("flow measure --config " + p("tiny.json") + " --batch 2 --seq 8 --steps 1 --schedule "
+                            "vanilla --measure-r 1,2", job), "flow measure " + needle, "flow measure");
+  expect_user_error(run_cli("bench --engine cpu --tokens 4 --hidden 8 --ffn 8 --experts 2 --top-k 1 --repeat 1 -n 1",
+                            job), "bench " + needle, "bench");
+  // Alone (and as the one rank of a job of 1) as before.
+  EXPECT_EQ(run_cli(run, "DMOE_RANK=0 DMOE_WORLD=1").status, 0);
+}
+
 }  // namespace
 }  // namespace dmoe

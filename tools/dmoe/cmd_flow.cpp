@@ -775,6 +775,8 @@ Command add_flow_command(CLI::App& app) {
     if (o->action == "measure") {
       require_distinct_files(outputs, {{"--config", find_model_config_file(o->model_config)}});
       if (o->engine == "cuda") return measure_cuda_command(*o);
+      require_one_process("flow measure", "measure every R on the same cores as the others (their steps in its "
+                          "timings) and write its outputs", "use --engine cuda (one rank per process)");
       return measure_command(*o);
     }
     DMOE_REQUIRE_INPUT(!o->costs_path.empty(), "--costs: required for flow {} (a cost JSON file, or a named one "

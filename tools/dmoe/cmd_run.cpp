@@ -71,6 +71,8 @@ Command add_run_command(CLI::App& app) {
     // cuda and gpu are the older names of ep (one vocabulary with bench and the Python module: cpu | ep | flash).
     if (o->engine == "gpu" || o->engine == "cuda") o->engine = "ep";
     const EngineKind kind = parse_engine_kind(o->engine);
+    if (kind == EngineKind::cpu)
+      require_one_process("run", "compute the whole layer and write --output", "use --engine ep (this process's GPU)");
     require_prefix_ends_with_dot(o->prefix);
     require_layer_or_prefix(o->layer, o->prefix);
     // Before anything is read or computed: the output must not be one of the inputs, and must be writable.

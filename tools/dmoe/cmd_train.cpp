@@ -183,6 +183,9 @@ Command add_train_command(CLI::App& app) {
     DMOE_REQUIRE_INPUT(*dtype == "f32" || *dtype == "bf16", "--dtype '{}' is not allowed; allowed: f32, bf16", *dtype);
     o->engine = *engine;
     o->dtype = parse_dtype(*dtype);
+    if (o->engine == "cpu")
+      require_one_process("train", "train the whole model and write --log and --save (the runs' lines interleaved in "
+                          "one log)", "use --engine cuda (one rank per process)");
     const std::string config_file = find_model_config_file(*config);
     check_train_paths(*o, config_file);
     const MixtralConfig c = load_mixtral_config(config_file);
