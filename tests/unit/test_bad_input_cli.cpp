@@ -1354,5 +1354,17 @@ TEST_F(BadInput, CpuEngineCommandsRefuseToRunAsOneOfALaunchersProcesses) {
   EXPECT_EQ(run_cli(run, "DMOE_RANK=0 DMOE_WORLD=1").status, 0);
 }
 
+TEST_F(BadInput, TrainSaveEveryWithoutSaveIsRefused) {
+  // --save-every N without --save trained to the end and saved nothing, without a word (rc 0).
+  const std::string train = "train --config " + p("tiny.json") + " --data " + p("data") + " --steps 2 --seq 16 "
+                            "--batch 2 --print-every 0 --save-every ";
+  expect_user_error(run_cli(train + "1"), "train: --save-every 1 saves a checkpoint into --save, which is not given",
+                    "--save-every without --save");
+  const Result saved = run_cli(train + "1 --save " + p("ck"));
+  ASSERT_EQ(saved.status, 0) << saved.output;
+  EXPECT_TRUE(fs::exists(p("ck/trainer_state.json")));
+  EXPECT_EQ(run_cli(train + "0").status, 0);  // 0: none, the default
+}
+
 }  // namespace
 }  // namespace dmoe
