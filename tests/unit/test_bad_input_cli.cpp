@@ -1366,5 +1366,20 @@ TEST_F(BadInput, TrainSaveEveryWithoutSaveIsRefused) {
   EXPECT_EQ(run_cli(train + "0").status, 0);  // 0: none, the default
 }
 
+TEST_F(BadInput, JsonFilesPastTheSizeLimitAreRefusedBeforeTheyAreRead) {
+  // Every JSON file was read whole before it was looked at: a 3 GiB file of NULs as --config took 25 s and 6 GiB of
+  // memory before "byte 0 of the file is NUL", a larger one ran out of memory. A file past 100 MiB is refused by its
+  // size (a sparse file here: nothing is written).
+  std::ofstream(p("big.json")) << "{}";
+  fs::resize_file(p("big.json"), (uint64_t(100) << 20) + 1);
+  const std::string needle = "' is 104857601 bytes, more than a JSON file dmoe reads may be (limit 104857600 bytes";
+  expect_user_error(run_cli("init-model --config " + p("big.json") + " --out " + p("m.st")), "model config '" +
+                    p("big.json") + needle, "init-model --config");
+  expect_user_error(run_cli("init --config " + p("big.json") + " --out " + p("w.st")), needle, "init --config");
+  expect_user_error(run_cli("flow simulate --costs " + p("big.json")), needle, "flow --costs");
+  EXPECT_FALSE(fs::exists(p("m.st")));
+  EXPECT_FALSE(fs::exists(p("w.st")));
+}
+
 }  // namespace
 }  // namespace dmoe
