@@ -1381,5 +1381,19 @@ TEST_F(BadInput, JsonFilesPastTheSizeLimitAreRefusedBeforeTheyAreRead) {
   EXPECT_FALSE(fs::exists(p("w.st")));
 }
 
+TEST_F(BadInput, TrainDataLargerThanTheMemoryIsRefusedBeforeItIsRead) {
+  // --data is read into memory whole: a 64 GiB file was read for minutes without a word and then ran out of memory
+  // (the bad_alloc hint named --batch and --seq). Its size is checked first: a sparse file of 4 TiB beside the text
+  // (nothing is written; no test machine has that much memory).
+  std::ofstream(p("data/huge.txt")) << "x";
+  std::error_code ec;
+  fs::resize_file(p("data/huge.txt"), uint64_t(4) << 40, ec);
+  if (ec) GTEST_SKIP() << "no sparse file of 4 TiB here: " << ec.message();
+  expect_user_error(run_shell("timeout 20 " + std::string(DMOE_CLI_PATH) + " train --config " + p("tiny.json") +
+                              " --data " + p("data") + " --steps 1 --seq 16 --batch 2 --log " + p("l.jsonl")),
+                    "train --data " + p("data") + " (4.0 TiB of text in 2 file(s), read into memory whole", "4 TiB");
+  EXPECT_FALSE(fs::exists(p("l.jsonl")));
+}
+
 }  // namespace
 }  // namespace dmoe
