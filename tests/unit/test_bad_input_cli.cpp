@@ -1395,5 +1395,23 @@ TEST_F(BadInput, TrainDataLargerThanTheMemoryIsRefusedBeforeItIsRead) {
   EXPECT_FALSE(fs::exists(p("l.jsonl")));
 }
 
+TEST_F(BadInput, RunTopKMinusOneIsNamedNotTakenForMissing) {
+  // top_k -1 (the flag, or a config's key) was the mark of "not given": `run --top-k -1` was told that the weights
+  // file does not record top_k and to pass --top-k, which it had.
+  ASSERT_EQ(run_cli("init --hidden 8 --ffn 8 --experts 2 --top-k 1 --tokens 4 --out " + p("w.st") + " --input " +
+                    p("x.st") + " --save-config " + p("c.json")).status, 0);
+  const std::string run = "run --weights " + p("w.st") + " --input " + p("x.st") + " --output " + p("y.st");
+  expect_user_error(run_cli(run + " --top-k -1"), "top_k = -1 is invalid; must satisfy 1 <= top_k <= experts (2)",
+                    "--top-k -1");
+  json c = json::parse(slurp(p("c.json")));
+  c["top_k"] = -1;
+  std::ofstream(p("c1.json")) << c.dump();
+  expect_user_error(run_cli(run + " --config " + p("c1.json")), "top_k = -1 is invalid", "a config's top_k -1");
+  EXPECT_FALSE(fs::exists(p("y.st")));
+  // Not given anywhere: as before.
+  expect_user_error(run_cli(run), "top_k is not known: the weights file " + p("w.st") + " does not record it",
+                    "no top_k");
+}
+
 }  // namespace
 }  // namespace dmoe
