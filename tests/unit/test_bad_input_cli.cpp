@@ -1413,5 +1413,13 @@ TEST_F(BadInput, RunTopKMinusOneIsNamedNotTakenForMissing) {
                     "no top_k");
 }
 
+TEST_F(BadInput, FlowLayersPastTheGraphsLimitAreAUserError) {
+  // --layers past 100000 was refused by the task graph's internal check, with a source location (task_graph.cpp:78).
+  expect_user_error(run_cli("flow simulate --costs " + p("costs.json") + " --layers 2000000000"),
+                    "--layers 2000000000: must be in [1, 100000], or 0 for the cost file's \"layers\"", "simulate");
+  expect_user_error(run_cli("flow tune --costs " + p("costs.json") + " --layers 100001"), "--layers 100001: must be in "
+                    "[1, 100000]", "tune");
+}
+
 }  // namespace
 }  // namespace dmoe
