@@ -410,7 +410,9 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
     }
   }
   if (tuned && !tuned_choice) {
-    const int64_t need = int64_t(o.tune_samples) * (o.tune_steps + 1);
+    // In 64 bits: --tune-steps 2147483647 wrapped tune_steps + 1 to a negative count, the check passed, and the whole run
+    // stayed on the first sample without a word (rc 0, never tuned).
+    const int64_t need = int64_t(o.tune_samples) * (int64_t(o.tune_steps) + 1);
     DMOE_REQUIRE_INPUT(last_step - first_step + 1 >= need, "train: --schedule tuned samples {} points x ({} timed + 1 "
                        "warm-up) steps = {} steps, more than the {} this run has; lower --tune-samples/--tune-steps or "
                        "raise --steps", o.tune_samples, o.tune_steps, need, last_step - first_step + 1);

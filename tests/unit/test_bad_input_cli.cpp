@@ -1421,5 +1421,14 @@ TEST_F(BadInput, FlowLayersPastTheGraphsLimitAreAUserError) {
                     "[1, 100000]", "tune");
 }
 
+TEST_F(BadInput, TrainTuneStepsNearInt32MaxIsRefusedNotWrapped) {
+  // samples x (tune_steps + 1) was computed in 32 bits: --tune-steps 2147483647 wrapped it negative, the "needs more
+  // steps" check passed, and the run trained on the first sample point to its end without tuning (rc 0).
+  const Result r = run_cli("train --config " + p("tiny.json") + " --data " + p("data") + " --steps 4 --seq 16 --batch 2 "
+                           "--print-every 0 --schedule tuned --tune-steps 2147483647");
+  expect_user_error(r, "train: --schedule tuned samples 8 points x (2147483647 timed + 1 warm-up) steps = 17179869184 "
+                    "steps, more than the 4 this run has", "--tune-steps 2^31 - 1");
+}
+
 }  // namespace
 }  // namespace dmoe
