@@ -28,6 +28,9 @@
 // checkpoint interrupted mid-save, a tied config on an untied file, --version after a command, messages. The eighth
 // pass's (branch bad8): flow project's R beside --batch, checkpoint tensors past the config's layers or experts,
 // rope_theta's range, bench gemm's ignored layer options, run/eval outputs that cannot fit, --layer with --prefix.
+// The ninth pass's (branch bad9): CPU-engine commands run as a launcher's processes, --save-every without --save,
+// JSON files and --data past the size limit or the memory, --top-k -1, flow --layers past the graph's limit, and
+// --tune-steps wrapping in 32 bits.
 //
 // Run: dmoe_unit_tests --gtest_filter='BadInput*'
 #include <gtest/gtest.h>
