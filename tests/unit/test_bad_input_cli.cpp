@@ -1433,5 +1433,29 @@ TEST_F(BadInput, TrainTuneStepsNearInt32MaxIsRefusedNotWrapped) {
                     "steps, more than the 4 this run has", "--tune-steps 2^31 - 1");
 }
 
+TEST_F(BadInput, WriteProtectedOutputsAreRefusedNotReplaced) {
+  // An output is written to a temporary and renamed over the file, which needs only the directory's permission: a
+  // file the user had made read-only (chmod a-w) was replaced with rc 0, where the shell's `>` says "Permission
+  // denied". Root may write any file; as root this runs dmoe as nobody (setpriv), where it can.
+  std::string as_user;
+  if (::geteuid() == 0) {
+    as_user = "setpriv --reuid 65534 --regid 65534 --clear-groups ";
+    if (run_shell(as_user + std::string(DMOE_CLI_PATH) + " --version").status != 0)
+      GTEST_SKIP() << "dmoe cannot be run as nobody here (setpriv, or the build directory's permissions)";
+  }
+  fs::create_directories(p("out"));
+  fs::permissions(p("out"), fs::perms::all);
+  const std::string kept = "keep me";
+  std::ofstream(p("out/prot.st")) << kept;
+  if (::geteuid() == 0) ASSERT_EQ(::chown(p("out/prot.st").c_str(), 65534, 65534), 0);
+  fs::permissions(p("out/prot.st"), fs::perms::owner_read | fs::perms::group_read | fs::perms::others_read);
+  const std::string init = as_user + std::string(DMOE_CLI_PATH) + " init --hidden 8 --ffn 8 --experts 2 --top-k 1 "
+                           "--tokens 2 --out ";
+  expect_user_error(run_shell(init + p("out/prot.st")), "' exists and this user may not write it (Permission denied; "
+                    "mode 0444)", "a read-only --out");
+  EXPECT_EQ(slurp(p("out/prot.st")), kept);
+  EXPECT_EQ(run_shell(init + p("out/new.st")).status, 0);  // a new file beside it, as before
+}
+
 }  // namespace
 }  // namespace dmoe
