@@ -87,6 +87,17 @@ StageBoard::StageBoard(const std::string& path, int32_t world, int32_t rank, int
   const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
   DMOE_REQUIRE(fd >= 0, "stage board {}: cannot open or create it: {}", path, std::strerror(errno));
   struct stat st {};
+  // A board is sized in one ftruncate from 0: a file of another size, or one that is no regular file, is not one of
+  // this job's, and is left as it is (DMOE_STAGE_BOARD naming a text file had it extended with zeros before the
+  // "not a dmoe stage board" error).
+  if (::fstat(fd, &st) == 0 && (!S_ISREG(st.st_mode) || (st.st_size != 0 && size_t(st.st_size) != bytes))) {
+    const bool regular = S_ISREG(st.st_mode);
+    ::close(fd);
+    if (!regular) DMOE_FAIL("stage board {}: is not a regular file (a board is a file of shared memory)", path);
+    DMOE_FAIL("stage board {}: holds {} bytes, a board of {} ranks has {}: a file of another job, or not a stage "
+              "board (remove it, or set DMOE_STAGE_BOARD to another path); it was left as it is", path,
+              size_t(st.st_size), world, bytes);
+  }
   if (::fstat(fd, &st) != 0 || (size_t(st.st_size) < bytes && ::ftruncate(fd, off_t(bytes)) != 0)) {
     const int e = errno;
     ::close(fd);

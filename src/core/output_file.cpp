@@ -248,6 +248,15 @@ void check_output_file(const std::string& path, std::string_view option) {
                        "clear the attribute (chattr -{} '{}') or give another path", option, path,
                        flags & FS_IMMUTABLE_FL ? "immutable" : "append-only", flags & FS_IMMUTABLE_FL ? "i" : "a",
                        t.path);
+    // The rename needs only the directory's permission: a write-protected file (chmod a-w, or another user's file in
+    // a directory this user may write) was replaced with rc 0, where `echo > FILE` says "Permission denied". Root may
+    // write any file (access() says so), as its shell may.
+    if (::access(t.path.c_str(), W_OK) != 0) {
+      const int err = errno;
+      DMOE_FAIL_INPUT("{} '{}' exists and this user may not write it ({}; mode {:04o}): dmoe replaces an output whole, "
+                      "by renaming a new file over it, which would replace a write-protected file; make it writable "
+                      "(chmod u+w '{}') or give another path", option, path, std::strerror(err), unsigned(t.mode), t.path);
+    }
   }
 }
 

@@ -1,6 +1,11 @@
 // ablation.cpp — the five schedules and the tuner on the simulator (see ablation.hpp).
 #include "flow/ablation.hpp"
 
+#include <algorithm>
+#include <cmath>
+
+#include <fmt/format.h>
+
 #include "core/error.hpp"
 
 namespace dmoe::flow {
@@ -23,10 +28,31 @@ double simulated_step_ms(int32_t layers, const CostModel& costs, const TunePoint
       .step_ms;
 }
 
+TunerOptions tuner_options_within_task_limit(int32_t layers, const CostModel& costs, TunerOptions options) {
+  const auto tasks = [&](int32_t r, double log2_chunk) {  // as validate(GraphSpec) counts them
+    const int64_t total = int64_t(layers) * costs.dense_grad_bytes_per_layer;
+    const int64_t chunk = std::max<int64_t>(1, std::llround(std::exp2(log2_chunk)));
+    return 8 * int64_t(layers) * r + (total == 0 ? 0 : (total + chunk - 1) / chunk);
+  };
+  std::vector<int32_t> kept;
+  for (int32_t r : options.micro_batches)
+    if (tasks(r, options.log2_chunk_max) <= kMaxTasks) kept.push_back(r);
+  std::string all;
+  for (int32_t r : options.micro_batches) all += (all.empty() ? "" : ", ") + std::to_string(r);
+  DMOE_REQUIRE_INPUT(!kept.empty(), "the tuner's points (R in {{{}}}, Sp up to 2^{:g} bytes) all make task graphs of "
+                     "more than {} tasks at {} layers (dense_grad_bytes_per_layer {}): give fewer --layers", all,
+                     options.log2_chunk_max, kMaxTasks, layers, costs.dense_grad_bytes_per_layer);
+  const int32_t largest = *std::max_element(kept.begin(), kept.end());
+  while (options.log2_chunk_min < options.log2_chunk_max && tasks(largest, options.log2_chunk_min) > kMaxTasks)
+    options.log2_chunk_min = std::min(options.log2_chunk_max, options.log2_chunk_min + options.log2_chunk_step);
+  options.micro_batches = kept;
+  return options;
+}
+
 TuneRun tune_on_simulator(int32_t layers, const CostModel& costs, int32_t samples, const TunerOptions& options,
                           LinkModel link) {
   DMOE_REQUIRE(samples >= 1 && samples <= 1000, "--samples {}: must be in [1, 1000]", samples);
-  FlowTuner tuner(options);
+  FlowTuner tuner(tuner_options_within_task_limit(layers, costs, options));
   TuneRun run;
   for (int32_t i = 0; i < samples; ++i) {
     const TunePoint p = tuner.suggest();

@@ -37,6 +37,11 @@ struct TuneRun {
 // The simulated step at (Sp, R) with the tuned schedule.
 double simulated_step_ms(int32_t layers, const CostModel& costs, const TunePoint& point,
                          LinkModel link = LinkModel::exclusive);
+// The tuner's grid cut to the points whose task graph fits kMaxTasks at `layers` (the R whose graph is too large even
+// at the largest Sp are dropped, and the smallest Sp raised until the largest R left fits): at --layers 100000 the grid's
+// R = 8 could not be built, and `flow simulate` failed after seconds of work naming "chunk_bytes 7692387 ...,
+// micro_batches 8", a point nobody gave. Throws dmoe::Error (input) when no point fits. tune_on_simulator applies it.
+TunerOptions tuner_options_within_task_limit(int32_t layers, const CostModel& costs, TunerOptions options);
 TuneRun tune_on_simulator(int32_t layers, const CostModel& costs, int32_t samples, const TunerOptions& options = {},
                           LinkModel link = LinkModel::exclusive);
 

@@ -303,6 +303,11 @@ nlohmann::json read_json_file(const std::string& path, std::string_view what) {
                      path);
   DMOE_REQUIRE_INPUT(ec || !std::filesystem::exists(status) || std::filesystem::is_regular_file(status),
                      "{} '{}' is not a regular file (a FIFO, device or socket); expected a JSON file", what, path);
+  std::error_code size_ec;
+  const uintmax_t size = std::filesystem::file_size(path, size_ec);
+  DMOE_REQUIRE_INPUT(size_ec || size <= kMaxJsonFileBytes, "{} '{}' is {} bytes, more than a JSON file dmoe reads may "
+                     "be (limit {} bytes: configs, indexes, cost and tuning files are kilobytes); not a JSON file?", what,
+                     path, size, kMaxJsonFileBytes);
   std::ifstream in(path, std::ios::binary);
   DMOE_REQUIRE_INPUT(in.good(), "{} '{}': cannot be opened for reading", what, path);
   std::stringstream buffer;

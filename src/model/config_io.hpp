@@ -11,6 +11,7 @@
 // refused. Neither function calls validate(): callers do, once tokens are known.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <string_view>
 
@@ -35,6 +36,11 @@ void require_float_mixtral_classes(const nlohmann::json& j, std::string_view wha
 // NUL byte, no key twice in one object, nested at most kMaxJsonDepth deep, no number that underflows to 0; errors
 // name `what` (e.g. "config file") and the path.
 inline constexpr size_t kMaxJsonDepth = 128;  // serde_json's limit, which the Rust safetensors reader inherits
+// And at most this many bytes, checked before reading: the file was read whole, so a 3 GiB file of NULs (or of
+// spaces) took 25 s and 6 GiB of memory before its error, and a larger one ran out of memory. dmoe's JSON files
+// (configs, indexes, cost, cluster, tuning and trainer state files) are kilobytes; safetensors headers have the same
+// limit (SafetensorsFile::kMaxHeaderBytes).
+inline constexpr uint64_t kMaxJsonFileBytes = 100ull << 20;
 
 // What parse_json_strictly stopped at (kind none: nothing); depth is the nesting level, 1 for the top-level object.
 struct StrictJsonProblem {

@@ -46,7 +46,8 @@ constexpr const char* kStepMetadata = "dmoe_train_step";
 // The bytes of a file, or of every regular file of a directory in name order. The error_code forms: a symbolic link
 // loop (the path itself, or an entry) threw filesystem_error, "unexpected error" with rc 2; an entry that is no
 // regular file (a loop, a dangling link, a FIFO) is skipped like the others.
-std::vector<uint8_t> read_corpus(const std::string& path) {
+// `other_bytes`: the memory the run needs beside the text (its model and activations), for the check before reading.
+std::vector<uint8_t> read_corpus(const std::string& path, double other_bytes) {
   std::vector<fs::path> files;
   std::error_code ec;
   const fs::file_status status = fs::status(path, ec);
@@ -64,7 +65,20 @@ std::vector<uint8_t> read_corpus(const std::string& path) {
                        ec ? " (" + ec.message() + ")" : "");
     files.push_back(path);
   }
+  // The text is held in memory whole: a --data larger than the memory (a 64 GiB file) was read for minutes without a
+  // word and then ran out of memory ("make it smaller (--batch, --seq ...)", which named none of it). Its size first.
+  double total = 0;
+  for (const fs::path& f : files) {
+    std::error_code size_ec;
+    const uintmax_t size = fs::file_size(f, size_ec);
+    if (!size_ec) total += double(size);
+  }
+  require_host_memory(total + other_bytes,
+                      fmt::format("train --data {} ({} of text in {} file(s), read into memory whole, beside the "
+                                  "model's {})", path, format_bytes(total), files.size(), format_bytes(other_bytes)),
+                      "a smaller --data: fewer or shorter files");
   std::vector<uint8_t> bytes;
+  bytes.reserve(size_t(std::min(total, 1e15)));
   for (const fs::path& f : files) {
     std::ifstream in(f, std::ios::binary);
     DMOE_REQUIRE_INPUT(in.good(), "--data: cannot read '{}'", f.string());
@@ -182,10 +196,13 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
   // its two AdamW moments (full, full_m, full_v below): a model that fits the swap but not the memory was only found
   // by filling it, and one past the address space ended in the last-resort bad_alloc message.
   const double host_model_bytes = 12.0 * double(config.num_parameters());
+  const double host_run_bytes =
+      host_model_bytes + (o.engine == "cuda" ? 0.0
+                                             : model_activation_bytes_lower_bound(double(o.batch) * double(o.seq),
+                                                                                  config.vocab_size, config.hidden_size,
+                                                                                  config.num_hidden_layers));
   if (o.engine != "cuda")
-    require_host_memory(host_model_bytes + model_activation_bytes_lower_bound(double(o.batch) * double(o.seq),
-                                                                              config.vocab_size, config.hidden_size,
-                                                                              config.num_hidden_layers),
+    require_host_memory(host_run_bytes,
                         fmt::format("train (batch {} x seq {} on the CPU engine: at least the f32 weights and their "
                                     "two AdamW moments, the logits, their gradient and two activations per layer)",
                                     o.batch, o.seq),
@@ -226,7 +243,7 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
   }
 
   // ---- data
-  const std::vector<uint8_t> corpus = read_corpus(o.data_path);
+  const std::vector<uint8_t> corpus = read_corpus(o.data_path, host_run_bytes);
   std::error_code ec_dir;
   const int64_t val_bytes = int64_t(double(corpus.size()) * o.val_fraction);
   const int64_t train_bytes = int64_t(corpus.size()) - val_bytes;
@@ -393,7 +410,9 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
     }
   }
   if (tuned && !tuned_choice) {
-    const int64_t need = int64_t(o.tune_samples) * (o.tune_steps + 1);
+    // In 64 bits: --tune-steps 2147483647 wrapped tune_steps + 1 to a negative count, the check passed, and the whole run
+    // stayed on the first sample without a word (rc 0, never tuned).
+    const int64_t need = int64_t(o.tune_samples) * (int64_t(o.tune_steps) + 1);
     DMOE_REQUIRE_INPUT(last_step - first_step + 1 >= need, "train: --schedule tuned samples {} points x ({} timed + 1 "
                        "warm-up) steps = {} steps, more than the {} this run has; lower --tune-samples/--tune-steps or "
                        "raise --steps", o.tune_samples, o.tune_steps, need, last_step - first_step + 1);

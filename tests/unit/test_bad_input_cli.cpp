@@ -28,6 +28,9 @@
 // checkpoint interrupted mid-save, a tied config on an untied file, --version after a command, messages. The eighth
 // pass's (branch bad8): flow project's R beside --batch, checkpoint tensors past the config's layers or experts,
 // rope_theta's range, bench gemm's ignored layer options, run/eval outputs that cannot fit, --layer with --prefix.
+// The ninth pass's (branch bad9): CPU-engine commands run as a launcher's processes, --save-every without --save,
+// JSON files and --data past the size limit or the memory, --top-k -1, flow --layers past the graph's limit, and
+// --tune-steps wrapping in 32 bits.
 //
 // Run: dmoe_unit_tests --gtest_filter='BadInput*'
 #include <gtest/gtest.h>
@@ -1323,6 +1326,135 @@ TEST_F(BadInput, LayerAndPrefixTogetherAreRefused) {
   EXPECT_FALSE(fs::exists(p("y.st")));
   EXPECT_FALSE(fs::exists(p("w2.st")));
   EXPECT_EQ(run_cli("init --config " + p("c.json") + " --out " + p("w2.st") + " --prefix a.").status, 0);
+}
+
+// ---- The ninth pass (2026-12-04, branch bad9; docs/faults.md) -----------------------------------------------
+
+TEST_F(BadInput, CpuEngineCommandsRefuseToRunAsOneOfALaunchersProcesses) {
+  // The CPU engine's ranks are threads of one process: under `dmoe launch -n 2` (or mpirun, srun) each process ran the
+  // whole command. `launch -n 2 -- dmoe train --log L` trained twice and interleaved the two runs' lines in L (a line
+  // that was no JSON), rc 0; run, flow measure and bench each wrote their outputs twice, bench and measure timing
+  // each other's work. eval --engine cpu already refused.
+  ASSERT_EQ(run_cli("init --hidden 8 --ffn 8 --experts 2 --top-k 1 --tokens 4 --out " + p("w.st") + " --input " +
+                    p("x.st") + " --save-config " + p("c.json")).status, 0);
+  const std::string job = "DMOE_RANK=1 DMOE_WORLD=2 DMOE_LOCAL_RANK=1 DMOE_LOCAL_WORLD=2";
+  const std::string mpi = "OMPI_COMM_WORLD_RANK=0 OMPI_COMM_WORLD_SIZE=2 OMPI_COMM_WORLD_LOCAL_RANK=0 "
+                          "OMPI_COMM_WORLD_LOCAL_SIZE=2";
+  const std::string needle = "on the CPU engine runs its ranks as threads of one process, but this is one of 2 "
+                             "processes";
+  expect_user_error(run_cli("train --config " + p("tiny.json") + " --data " + p("data") + " --steps 1 --seq 16 "
+                            "--batch 2 --log " + p("l.jsonl"), job), "train " + needle + " (dmoe-launch)", "train");
+  EXPECT_FALSE(fs::exists(p("l.jsonl")));
+  const std::string run = "run --config " + p("c.json") + " --weights " + p("w.st") + " --input " + p("x.st") +
+                          " --output " + p("y.st");
+  expect_user_error(run_cli(run, mpi), "run " + needle + " (mpirun)", "run");
+  EXPECT_FALSE(fs::exists(p("y.st")));
+  expect_user_error(run_cli("flow measure --config " + p("tiny.json") + " --batch 2 --seq 8 --steps 1 --schedule "
+                            "vanilla --measure-r 1,2", job), "flow measure " + needle, "flow measure");
+  expect_user_error(run_cli("bench --engine cpu --tokens 4 --hidden 8 --ffn 8 --experts 2 --top-k 1 --repeat 1 -n 1",
+                            job), "bench " + needle, "bench");
+  // Alone (and as the one rank of a job of 1) as before.
+  EXPECT_EQ(run_cli(run, "DMOE_RANK=0 DMOE_WORLD=1").status, 0);
+}
+
+TEST_F(BadInput, TrainSaveEveryWithoutSaveIsRefused) {
+  // --save-every N without --save trained to the end and saved nothing, without a word (rc 0).
+  const std::string train = "train --config " + p("tiny.json") + " --data " + p("data") + " --steps 2 --seq 16 "
+                            "--batch 2 --print-every 0 --save-every ";
+  expect_user_error(run_cli(train + "1"), "train: --save-every 1 saves a checkpoint into --save, which is not given",
+                    "--save-every without --save");
+  const Result saved = run_cli(train + "1 --save " + p("ck"));
+  ASSERT_EQ(saved.status, 0) << saved.output;
+  EXPECT_TRUE(fs::exists(p("ck/trainer_state.json")));
+  EXPECT_EQ(run_cli(train + "0").status, 0);  // 0: none, the default
+}
+
+TEST_F(BadInput, JsonFilesPastTheSizeLimitAreRefusedBeforeTheyAreRead) {
+  // Every JSON file was read whole before it was looked at: a 3 GiB file of NULs as --config took 25 s and 6 GiB of
+  // memory before "byte 0 of the file is NUL", a larger one ran out of memory. A file past 100 MiB is refused by its
+  // size (a sparse file here: nothing is written).
+  std::ofstream(p("big.json")) << "{}";
+  fs::resize_file(p("big.json"), (uint64_t(100) << 20) + 1);
+  const std::string needle = "' is 104857601 bytes, more than a JSON file dmoe reads may be (limit 104857600 bytes";
+  expect_user_error(run_cli("init-model --config " + p("big.json") + " --out " + p("m.st")), "model config '" +
+                    p("big.json") + needle, "init-model --config");
+  expect_user_error(run_cli("init --config " + p("big.json") + " --out " + p("w.st")), needle, "init --config");
+  expect_user_error(run_cli("flow simulate --costs " + p("big.json")), needle, "flow --costs");
+  EXPECT_FALSE(fs::exists(p("m.st")));
+  EXPECT_FALSE(fs::exists(p("w.st")));
+}
+
+TEST_F(BadInput, TrainDataLargerThanTheMemoryIsRefusedBeforeItIsRead) {
+  // --data is read into memory whole: a 64 GiB file was read for minutes without a word and then ran out of memory
+  // (the bad_alloc hint named --batch and --seq). Its size is checked first: a sparse file of 4 TiB beside the text
+  // (nothing is written; no test machine has that much memory).
+  std::ofstream(p("data/huge.txt")) << "x";
+  std::error_code ec;
+  fs::resize_file(p("data/huge.txt"), uint64_t(4) << 40, ec);
+  if (ec) GTEST_SKIP() << "no sparse file of 4 TiB here: " << ec.message();
+  expect_user_error(run_shell("timeout 20 " + std::string(DMOE_CLI_PATH) + " train --config " + p("tiny.json") +
+                              " --data " + p("data") + " --steps 1 --seq 16 --batch 2 --log " + p("l.jsonl")),
+                    "train --data " + p("data") + " (4.0 TiB of text in 2 file(s), read into memory whole", "4 TiB");
+  EXPECT_FALSE(fs::exists(p("l.jsonl")));
+}
+
+TEST_F(BadInput, RunTopKMinusOneIsNamedNotTakenForMissing) {
+  // top_k -1 (the flag, or a config's key) was the mark of "not given": `run --top-k -1` was told that the weights
+  // file does not record top_k and to pass --top-k, which it had.
+  ASSERT_EQ(run_cli("init --hidden 8 --ffn 8 --experts 2 --top-k 1 --tokens 4 --out " + p("w.st") + " --input " +
+                    p("x.st") + " --save-config " + p("c.json")).status, 0);
+  const std::string run = "run --weights " + p("w.st") + " --input " + p("x.st") + " --output " + p("y.st");
+  expect_user_error(run_cli(run + " --top-k -1"), "top_k = -1 is invalid; must satisfy 1 <= top_k <= experts (2)",
+                    "--top-k -1");
+  json c = json::parse(slurp(p("c.json")));
+  c["top_k"] = -1;
+  std::ofstream(p("c1.json")) << c.dump();
+  expect_user_error(run_cli(run + " --config " + p("c1.json")), "top_k = -1 is invalid", "a config's top_k -1");
+  EXPECT_FALSE(fs::exists(p("y.st")));
+  // Not given anywhere: as before.
+  expect_user_error(run_cli(run), "top_k is not known: the weights file " + p("w.st") + " does not record it",
+                    "no top_k");
+}
+
+TEST_F(BadInput, FlowLayersPastTheGraphsLimitAreAUserError) {
+  // --layers past 100000 was refused by the task graph's internal check, with a source location (task_graph.cpp:78).
+  expect_user_error(run_cli("flow simulate --costs " + p("costs.json") + " --layers 2000000000"),
+                    "--layers 2000000000: must be in [1, 100000], or 0 for the cost file's \"layers\"", "simulate");
+  expect_user_error(run_cli("flow tune --costs " + p("costs.json") + " --layers 100001"), "--layers 100001: must be in "
+                    "[1, 100000]", "tune");
+}
+
+TEST_F(BadInput, TrainTuneStepsNearInt32MaxIsRefusedNotWrapped) {
+  // samples x (tune_steps + 1) was computed in 32 bits: --tune-steps 2147483647 wrapped it negative, the "needs more
+  // steps" check passed, and the run trained on the first sample point to its end without tuning (rc 0).
+  const Result r = run_cli("train --config " + p("tiny.json") + " --data " + p("data") + " --steps 4 --seq 16 --batch 2 "
+                           "--print-every 0 --schedule tuned --tune-steps 2147483647");
+  expect_user_error(r, "train: --schedule tuned samples 8 points x (2147483647 timed + 1 warm-up) steps = 17179869184 "
+                    "steps, more than the 4 this run has", "--tune-steps 2^31 - 1");
+}
+
+TEST_F(BadInput, WriteProtectedOutputsAreRefusedNotReplaced) {
+  // An output is written to a temporary and renamed over the file, which needs only the directory's permission: a
+  // file the user had made read-only (chmod a-w) was replaced with rc 0, where the shell's `>` says "Permission
+  // denied". Root may write any file; as root this runs dmoe as nobody (setpriv), where it can.
+  std::string as_user;
+  if (::geteuid() == 0) {
+    as_user = "setpriv --reuid 65534 --regid 65534 --clear-groups ";
+    if (run_shell(as_user + std::string(DMOE_CLI_PATH) + " --version").status != 0)
+      GTEST_SKIP() << "dmoe cannot be run as nobody here (setpriv, or the build directory's permissions)";
+  }
+  fs::create_directories(p("out"));
+  fs::permissions(p("out"), fs::perms::all);
+  const std::string kept = "keep me";
+  std::ofstream(p("out/prot.st")) << kept;
+  if (::geteuid() == 0) ASSERT_EQ(::chown(p("out/prot.st").c_str(), 65534, 65534), 0);
+  fs::permissions(p("out/prot.st"), fs::perms::owner_read | fs::perms::group_read | fs::perms::others_read);
+  const std::string init = as_user + std::string(DMOE_CLI_PATH) + " init --hidden 8 --ffn 8 --experts 2 --top-k 1 "
+                           "--tokens 2 --out ";
+  expect_user_error(run_shell(init + p("out/prot.st")), "' exists and this user may not write it (Permission denied; "
+                    "mode 0444)", "a read-only --out");
+  EXPECT_EQ(slurp(p("out/prot.st")), kept);
+  EXPECT_EQ(run_shell(init + p("out/new.st")).status, 0);  // a new file beside it, as before
 }
 
 }  // namespace

@@ -9,6 +9,7 @@
 
 #include "flow_test_util.hpp"
 #include "core/error.hpp"
+#include "flow/ablation.hpp"
 #include "flow/simulator.hpp"
 #include "flow/tuner.hpp"
 
@@ -171,6 +172,49 @@ TEST(FlowTuner, TunesTheSimulatedStep) {
   const double found = tune(t, step, 10);
   EXPECT_LE(found, best * 1.03) << "found " << found << " at log2 Sp " << t.best().log2_chunk_bytes << " R "
                                 << t.best().micro_batches << "; grid best " << best;
+}
+
+TEST(FlowTuner, GridOnTheSimulatorKeepsToGraphsThatCanBeBuilt) {
+  // At many layers (or a large dense gradient) some of the grid's (Sp, R) make graphs past kMaxTasks: `flow simulate
+  // --layers 100000` failed in its tuned row after seconds of work, naming "chunk_bytes 7692387 ..., micro_batches 8",
+  // a point the user never gave, and `flow tune` after 100 s in its grid. The grid is cut to the points that build.
+  CostModel c;
+  for (TaskCost& t : c.tasks) t = {0.05, 1.0};
+  c.ar_alpha_ms = 0.1;
+  c.ar_bytes_per_ms = 5e6;
+  c.dense_grad_bytes_per_layer = 1066496;  // bench/flow/example.json's
+  auto all_build = [&](int32_t layers, const TunerOptions& o) -> ::testing::AssertionResult {
+    const FlowTuner tuner(o);
+    for (const TunePoint& p : tuner.candidates()) {
+      GraphSpec s;
+      s.layers = layers;
+      s.micro_batches = p.micro_batches;
+      s.schedule = Schedule::tuned;
+      s.dense_grad_bytes_per_layer = c.dense_grad_bytes_per_layer;
+      s.chunk_bytes = p.chunk_bytes();
+      const std::string e = error_of([&] { validate(s); });
+      if (e != "(no error)") return ::testing::AssertionFailure() << e;
+    }
+    return ::testing::AssertionSuccess();
+  };
+  EXPECT_FALSE(all_build(100000, TunerOptions{}));  // R = 8 is 6.4 M tasks
+  const TunerOptions cut = tuner_options_within_task_limit(100000, c, TunerOptions{});
+  EXPECT_EQ(cut.micro_batches, (std::vector<int32_t>{1, 2, 4}));
+  EXPECT_TRUE(all_build(100000, cut));
+  // A dense gradient of 2^40 bytes per layer: every R stays, small chunks go (12 layers at 128 KiB: 100 M AR chunks).
+  c.dense_grad_bytes_per_layer = int64_t(1) << 40;
+  const TunerOptions big = tuner_options_within_task_limit(12, c, TunerOptions{});
+  EXPECT_EQ(big.micro_batches, (std::vector<int32_t>{1, 2, 4, 8}));
+  EXPECT_GT(big.log2_chunk_min, 21.5);
+  EXPECT_TRUE(all_build(12, big));
+  // Where nothing fits: refused naming the layers.
+  EXPECT_NE(error_of([&] { tuner_options_within_task_limit(100000, c, TunerOptions{}); }).find("give fewer --layers"),
+            std::string::npos);
+  // A small model keeps the whole grid.
+  c.dense_grad_bytes_per_layer = 1066496;
+  const TunerOptions whole = tuner_options_within_task_limit(12, c, TunerOptions{});
+  EXPECT_EQ(whole.micro_batches, TunerOptions{}.micro_batches);
+  EXPECT_EQ(whole.log2_chunk_min, TunerOptions{}.log2_chunk_min);
 }
 
 }  // namespace

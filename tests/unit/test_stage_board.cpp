@@ -2,10 +2,13 @@
 // processes name a failed or hung peer: slots written by one rank and read by another, a peer process that
 // dies without a word, an injected hang that ends as soon as a peer gives up, the file rules and the errors.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <fstream>
+#include <iterator>
 #include <cstdlib>
 #include <filesystem>
 #include <string>
@@ -101,6 +104,29 @@ TEST(StageBoard, RefusesAFileOfAnotherWorldAndAPathItCannotCreate) {
   }
   EXPECT_THROW(StageBoard(t.path("no/such/dir/board"), 2, 0, 2), Error);
   EXPECT_THROW(StageBoard(t.path(), 4, 4, 4), Error);  // rank out of range
+}
+
+TEST(StageBoard, LeavesAFileThatIsNoBoardAsItIs) {
+  // DMOE_STAGE_BOARD naming a file of the user's (smaller than a board) had it extended with zeros to the board's size
+  // before "is not a dmoe stage board" was said.
+  TempBoardDir t;
+  const std::string text = "not a board\n";
+  { std::ofstream(t.path("notes.txt")) << text; }
+  try {
+    StageBoard b(t.path("notes.txt"), 2, 0, 2);
+    FAIL() << "a text file was taken as a stage board";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("it was left as it is"), std::string::npos) << e.what();
+  }
+  std::ifstream in(t.path("notes.txt"), std::ios::binary);
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(in), {}), text);
+  // A board of 2 ranks is not extended into one of 4 either; and no FIFO or device is taken.
+  { StageBoard two(t.path(), 2, 0, 2); }
+  const auto size_of_two = fs::file_size(t.path());
+  EXPECT_THROW(StageBoard(t.path(), 4, 0, 4), Error);
+  EXPECT_EQ(fs::file_size(t.path()), size_of_two);
+  ASSERT_EQ(::mkfifo(t.path("fifo").c_str(), 0600), 0);
+  EXPECT_THROW(StageBoard(t.path("fifo"), 2, 0, 2), Error);
 }
 
 TEST(StageBoard, PathFollowsTheLauncher) {

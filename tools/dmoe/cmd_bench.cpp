@@ -276,6 +276,8 @@ Command add_bench_command(CLI::App& app) {
                        "visible, or --engine cpu), which has no peers to compare with");
     DMOE_REQUIRE_INPUT(!o->flash, "--flash times the Flash GPU kernel; this run is on the CPU engine (no GPU visible, or "
                  "--engine cpu). The CPU twin of the Flash protocol is tested by the unit tests");
+    require_one_process("bench", "time the whole benchmark on the same cores as the others (their work in its times) "
+                        "and write --json", "use --engine ep on a GPU (one rank per process)");
     MoeConfig defaults;  // small enough for a 2-core machine: ~0.2 GFLOP per rank per forward
     defaults.tokens = 128;
     defaults.hidden = 256;

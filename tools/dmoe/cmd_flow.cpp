@@ -243,9 +243,12 @@ int tune_command(const FlowOptions& o, const flow::CostModel& costs, int32_t lay
   tuner.seed = o.seed;
   note_tuner_cost(o.samples, "flow tune");
   const flow::TuneRun run = flow::tune_on_simulator(layers, costs, o.samples, tuner, o.link_model);
-  std::printf("flow tune: %d layers, costs %s; Bayesian optimisation (GP, Matern-5/2, EI) of log2(Sp) in [17, 24] x "
-              "R in {1, 2, 4, 8}, seed %llu\n",
-              layers, o.costs_path.c_str(), (unsigned long long)o.seed);
+  // The grid the tuner searched (cut to the graphs that can be built at this many layers).
+  tuner = flow::tuner_options_within_task_limit(layers, costs, tuner);
+  std::printf("flow tune: %d layers, costs %s; Bayesian optimisation (GP, Matern-5/2, EI) of log2(Sp) in [%g, %g] x "
+              "R in {%s}, seed %llu\n",
+              layers, o.costs_path.c_str(), tuner.log2_chunk_min, tuner.log2_chunk_max,
+              fmt::format("{}", fmt::join(tuner.micro_batches, ", ")).c_str(), (unsigned long long)o.seed);
   std::printf("%6s %8s %10s %3s %10s %10s\n", "sample", "log2 Sp", "Sp KiB", "R", "step ms", "best ms");
   double best = std::numeric_limits<double>::infinity();
   json samples = json::array();
@@ -775,6 +778,8 @@ Command add_flow_command(CLI::App& app) {
     if (o->action == "measure") {
       require_distinct_files(outputs, {{"--config", find_model_config_file(o->model_config)}});
       if (o->engine == "cuda") return measure_cuda_command(*o);
+      require_one_process("flow measure", "measure every R on the same cores as the others (their steps in its "
+                          "timings) and write its outputs", "use --engine cuda (one rank per process)");
       return measure_command(*o);
     }
     DMOE_REQUIRE_INPUT(!o->costs_path.empty(), "--costs: required for flow {} (a cost JSON file, or a named one "
@@ -782,7 +787,9 @@ Command add_flow_command(CLI::App& app) {
     o->costs_path = find_named_json(o->costs_path, "bench/flow", "cost file");  // printed as the file read
     require_distinct_files(outputs, {{"--costs", o->costs_path}});
     const flow::CostModel costs = flow::load_cost_model(o->costs_path);
-    DMOE_REQUIRE_INPUT(o->layers >= 0, "--layers {}: must be >= 1, or 0 for the cost file's \"layers\"", o->layers);
+    // Past 100000 the task graph's own check refused it as an internal error, with a source location.
+    DMOE_REQUIRE_INPUT(o->layers >= 0 && o->layers <= 100000, "--layers {}: must be in [1, 100000], or 0 for the cost "
+                       "file's \"layers\"", o->layers);
     const int32_t layers = o->layers > 0 ? o->layers : costs.layers;
     DMOE_REQUIRE_INPUT(layers >= 1, "--layers {}: must be >= 1 (or give \"layers\" in {})", o->layers, o->costs_path);
     DMOE_REQUIRE_INPUT(o->micro_batches >= 1 && o->micro_batches <= 4096, "--micro-batches {}: must be in [1, 4096]",

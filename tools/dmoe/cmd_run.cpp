@@ -71,6 +71,8 @@ Command add_run_command(CLI::App& app) {
     // cuda and gpu are the older names of ep (one vocabulary with bench and the Python module: cpu | ep | flash).
     if (o->engine == "gpu" || o->engine == "cuda") o->engine = "ep";
     const EngineKind kind = parse_engine_kind(o->engine);
+    if (kind == EngineKind::cpu)
+      require_one_process("run", "compute the whole layer and write --output", "use --engine ep (this process's GPU)");
     require_prefix_ends_with_dot(o->prefix);
     require_layer_or_prefix(o->layer, o->prefix);
     // Before anything is read or computed: the output must not be one of the inputs, and must be writable.
@@ -85,11 +87,17 @@ Command add_run_command(CLI::App& app) {
     const std::string prefix = o->prefix.empty() ? find_moe_prefix(weights_file, o->layer) : o->prefix;
     // Without --config the shapes come from the weights file; top_k must then be given. kTopKUnknown marks
     // "nobody said" apart from a top_k of 0 given by a flag or the file (which validate() names).
-    constexpr int32_t kTopKUnknown = -1;
-    MoeConfig c = o->config.config_path.empty() ? infer_moe_config(weights_file, prefix) : MoeConfig{};
-    c.top_k = kTopKUnknown;
-    c = resolve_config(o->config, c);
-    DMOE_REQUIRE_INPUT(c.top_k != kTopKUnknown,
+    // A top_k of -1 given by the flag or the file is told apart by resolving again with another mark (it was taken for
+    // "nobody said": `--top-k -1` was answered "the weights file does not record it; pass --top-k K").
+    constexpr int32_t kTopKUnknown = -1, kTopKUnknownToo = -2;
+    const MoeConfig inferred = o->config.config_path.empty() ? infer_moe_config(weights_file, prefix) : MoeConfig{};
+    const auto resolved_with = [&](int32_t mark) {
+      MoeConfig m = inferred;
+      m.top_k = mark;
+      return resolve_config(o->config, m);
+    };
+    MoeConfig c = resolved_with(kTopKUnknown);
+    DMOE_REQUIRE_INPUT(c.top_k != kTopKUnknown || resolved_with(kTopKUnknownToo).top_k != kTopKUnknownToo,
                        "top_k is not known: {} does not record it; pass --top-k K (1 <= K <= experts = {})",
                        o->config.config_path.empty() ? "the weights file " + o->weights
                                                      : "--config " + o->config.config_path,

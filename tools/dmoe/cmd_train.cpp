@@ -179,10 +179,16 @@ Command add_train_command(CLI::App& app) {
     DMOE_REQUIRE_INPUT(chunk->count() == 0 || o->schedule == "chunked-ar", "train: --chunk-bytes is the chunk of "
                        "--schedule chunked-ar (this run: {}; tuned chooses it)",
                        o->schedule.empty() ? "no --schedule" : "--schedule " + o->schedule);
+    // --save-every saves into --save: without it the run saved nothing and said nothing (rc 0).
+    DMOE_REQUIRE_INPUT(o->save_every == 0 || !o->save_dir.empty(), "train: --save-every {} saves a checkpoint into "
+                       "--save, which is not given: add --save DIR, or drop --save-every", o->save_every);
     *engine = model_engine(*engine);
     DMOE_REQUIRE_INPUT(*dtype == "f32" || *dtype == "bf16", "--dtype '{}' is not allowed; allowed: f32, bf16", *dtype);
     o->engine = *engine;
     o->dtype = parse_dtype(*dtype);
+    if (o->engine == "cpu")
+      require_one_process("train", "train the whole model and write --log and --save (the runs' lines interleaved in "
+                          "one log)", "use --engine cuda (one rank per process)");
     const std::string config_file = find_model_config_file(*config);
     check_train_paths(*o, config_file);
     const MixtralConfig c = load_mixtral_config(config_file);

@@ -11,6 +11,7 @@
 #include <sstream>
 #include <thread>
 
+#include "comm/process_env.hpp"
 #include "core/error.hpp"
 #include "core/host_resources.hpp"
 #include "data_dir.hpp"
@@ -205,6 +206,13 @@ std::string model_engine(const std::string& given, const char* option) {
                      "runs single layers (dmoe run / bench layer --engine flash, dmoe.MoELayer(engine='flash')); "
                      "allowed: cpu, cuda (aliases ep, gpu)", option);
   DMOE_FAIL_INPUT("{} '{}' is not an engine; allowed: cpu, cuda (aliases ep, gpu)", option, given);
+}
+
+void require_one_process(const std::string& command, const std::string& consequence, const std::string& instead) {
+  const ProcessEnv job = detect_process_env();
+  DMOE_REQUIRE_INPUT(job.world == 1, "{} on the CPU engine runs its ranks as threads of one process, but this is one of "
+                     "{} processes ({}): each would {}; run it alone{}", command, job.world, job.launcher, consequence,
+                     instead.empty() ? "" : ", or " + instead);
 }
 
 void require_prefix_ends_with_dot(const std::string& prefix) {

@@ -98,4 +98,10 @@ void require_layer_or_prefix(const std::optional<int>& layer, const std::string&
 // is refused naming where it runs. `option` is what the message calls the flag ("--engine").
 std::string model_engine(const std::string& given, const char* option = "--engine");
 
+// The CPU engine simulates its ranks as threads of one process. Run as one of a launcher's processes (dmoe launch,
+// mpirun, srun: detect_process_env), each process ran the whole command and wrote its outputs: `dmoe launch -n 2 --
+// dmoe train --log L` interleaved two runs' lines in L (rc 0). Refused, saying what each would do (`consequence`) and
+// the engine that runs one rank per process (`instead`, may be empty).
+void require_one_process(const std::string& command, const std::string& consequence, const std::string& instead);
+
 }  // namespace dmoe::cli
