@@ -294,64 +294,137 @@ __device__ void gate_role(const KernelArgs& a, const TileMaps& maps, uint8_t* sc
       tma_load_2d(smem_u32(x_stage(st)), &maps.x, int32_t(ck * 64), int32_t(c0), bar);
       tma_load_2d(smem_u32(w_stage(st)), &maps.gate, int32_t(ck * 64), 0, bar);
     };
-    if (threadIdx.x == 0)
-      for (int64_t ck = 0; ck < S - 1 && ck < chunks; ++ck) load_chunk(ck);
-    float acc[kMaxGateTasks][4][4];
+    // Few tokens (decode): the tasks (16-token group, 32-expert group) are fewer than the 12 warps, which then mostly
+    // idled while the chunks were waited for one after another (~0.55 µs each: 37 µs for H = 4096 at any T up to a
+    // token per block, docs/perf.md). So the K loop is split over `groups` warp groups: warp w runs task
+    // w % task_count over chunks g, g + groups, ... (g = w / task_count), every stage in flight, and the groups'
+    // partial sums are added in group order after the loop (deterministic; another summation order than the
+    // one-group loop below, whose results it matches to f32 rounding). Measured (docs/perf.md, eighteenth session):
+    // decode T = 1 forward 0.207 → 0.186 ms, T = 128 0.705 → 0.684; it costs the relu and gelu kernels 32 bytes of
+    // register spills (ptxas -v), and flash-paper (relu, the one-group loop) 0.737 → 0.749 ms.
+    const int32_t tg_count = (n + 15) / 16, eg_count = (E + 31) / 32, task_count = tg_count * eg_count;
+    const int32_t rows16 = 16 * tg_count;
+    int32_t groups = min(S, (kThreads / 32) / task_count);
+    while (groups > 1 && groups * rows16 * E * 4 > S * sc.gate_stage_bytes) --groups;  // the partials' room
+    float acc[kMaxGateTasks][4][4];  // the split path uses acc[0]
 #pragma unroll
     for (int m = 0; m < kMaxGateTasks; ++m)
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[m][nt][i] = 0.f;
-    for (int64_t ck = 0; ck < chunks; ++ck) {
-      const uint32_t g = gate_seq + uint32_t(ck);
-      const int st = int(g % S);
-      flash_mbar_wait(gate_bars + 8 * st, (g / S) & 1, flash::kWaitSlotFull, st, a, flash::kRoleGate);
-      __syncthreads();  // every warp is done with chunk ck − 1's stage
-      if (threadIdx.x == 0 && ck + S - 1 < chunks) load_chunk(ck + S - 1);
-      const uint32_t xb = smem_u32(x_stage(st)), wb = smem_u32(w_stage(st));
+    if (groups >= 2) {
+      const int32_t my_task = warp % task_count, g = warp / task_count;
+      const bool active = g < groups;
+      const int32_t tg = my_task % tg_count, eg = my_task / tg_count;
+      float (&acc1)[4][4] = acc[0];
+      const int32_t nchunks = int32_t(chunks);
+      int32_t loaded = 0;  // chunks whose load thread 0 has issued
+      if (threadIdx.x == 0)
+        for (; loaded < S && loaded < nchunks; ++loaded) load_chunk(loaded);
+      for (int32_t r0 = 0; r0 < nchunks; r0 += groups) {
+        const int32_t ck = r0 + g;
+        if (active && ck < nchunks) {
+          const uint32_t gs = gate_seq + uint32_t(ck);
+          const int st = int(gs % S);
+          flash_mbar_wait(gate_bars + 8 * st, (gs / S) & 1, flash::kWaitSlotFull, st, a, flash::kRoleGate);
+          const uint32_t xb = smem_u32(x_stage(st)), wb = smem_u32(w_stage(st));
+          const int32_t a_row = tg * 16 + 8 * (mi % 2) + r8;
+          const int32_t b_row0 = min(eg * 32 + 8 * (mi / 2) + r8, E - 1);
+          const int32_t b_row1 = min(eg * 32 + 16 + 8 * (mi / 2) + r8, E - 1);
+#pragma unroll 1  // unrolled, the SwiGLU kernel spilled registers (ptxas -v)
+          for (int kk = 0; kk < 4; ++kk) {
+            uint32_t af[4], b01[4], b23[4];
+            ldmatrix_x4(af, xb + a_row * 128 + (((2 * kk + mi / 2) ^ r8) << 4));
+            ldmatrix_x4(b01, wb + b_row0 * 128 + (((2 * kk + mi % 2) ^ (b_row0 & 7)) << 4));
+            ldmatrix_x4(b23, wb + b_row1 * 128 + (((2 * kk + mi % 2) ^ (b_row1 & 7)) << 4));
+            const uint32_t f0[2] = {b01[0], b01[1]}, f1[2] = {b01[2], b01[3]};
+            const uint32_t f2[2] = {b23[0], b23[1]}, f3[2] = {b23[2], b23[3]};
+            mma_16816(acc1[0], af, f0);
+            mma_16816(acc1[1], af, f1);
+            mma_16816(acc1[2], af, f2);
+            mma_16816(acc1[3], af, f3);
+          }
+        }
+        __syncthreads();  // chunks [r0, r0 + groups) are done with: their stages take the next ones
+        if (threadIdx.x == 0)
+          for (; loaded < nchunks && loaded < r0 + groups + S; ++loaded) load_chunk(loaded);
+      }
+      gate_seq += uint32_t(chunks);
+      // The partials [groups][rows16][E] in the stages (every load has landed and been read: free).
+      float* partial = reinterpret_cast<float*>(stage_base);
+      if (active) {
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+          const int32_t e0 = eg * 32 + nt * 8 + 2 * (lane % 4);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int32_t row = tg * 16 + lane / 4 + (i >= 2 ? 8 : 0), e = e0 + (i & 1);
+            if (row < n && e < E) partial[(int64_t(g) * rows16 + row) * E + e] = acc1[nt][i];
+          }
+        }
+      }
+      __syncthreads();
+      for (int32_t i = threadIdx.x; i < n * E; i += blockDim.x) {
+        const int32_t row = i / E, e = i % E;
+        float v = partial[int64_t(row) * E + e];
+        for (int32_t gg = 1; gg < groups; ++gg) v += partial[(int64_t(gg) * rows16 + row) * E + e];
+        logits[row * stride + e] = v;
+      }
+      __syncthreads();  // logits complete; every stage is free for the next token chunk
+    } else {
+      if (threadIdx.x == 0)
+        for (int64_t ck = 0; ck < S - 1 && ck < chunks; ++ck) load_chunk(ck);
+      for (int64_t ck = 0; ck < chunks; ++ck) {
+        const uint32_t g = gate_seq + uint32_t(ck);
+        const int st = int(g % S);
+        flash_mbar_wait(gate_bars + 8 * st, (g / S) & 1, flash::kWaitSlotFull, st, a, flash::kRoleGate);
+        __syncthreads();  // every warp is done with chunk ck − 1's stage
+        if (threadIdx.x == 0 && ck + S - 1 < chunks) load_chunk(ck + S - 1);
+        const uint32_t xb = smem_u32(x_stage(st)), wb = smem_u32(w_stage(st));
+#pragma unroll
+        for (int m = 0; m < kMaxGateTasks; ++m) {
+          if (m >= my_tasks) break;
+          const int32_t task = warp + m * (kThreads / 32);
+          const int32_t tg = task % 4, eg = task / 4;
+          if (tg * 16 >= n) continue;
+          const int32_t a_row = tg * 16 + 8 * (mi % 2) + r8;
+          const int32_t b_row0 = min(eg * 32 + 8 * (mi / 2) + r8, E - 1);
+          const int32_t b_row1 = min(eg * 32 + 16 + 8 * (mi / 2) + r8, E - 1);
+#pragma unroll 1  // unrolled, the SwiGLU kernel spilled registers (ptxas -v)
+          for (int kk = 0; kk < 4; ++kk) {
+            uint32_t af[4], b01[4], b23[4];
+            ldmatrix_x4(af, xb + a_row * 128 + (((2 * kk + mi / 2) ^ r8) << 4));
+            ldmatrix_x4(b01, wb + b_row0 * 128 + (((2 * kk + mi % 2) ^ (b_row0 & 7)) << 4));
+            ldmatrix_x4(b23, wb + b_row1 * 128 + (((2 * kk + mi % 2) ^ (b_row1 & 7)) << 4));
+            const uint32_t f0[2] = {b01[0], b01[1]}, f1[2] = {b01[2], b01[3]};
+            const uint32_t f2[2] = {b23[0], b23[1]}, f3[2] = {b23[2], b23[3]};
+            mma_16816(acc[m][0], af, f0);
+            mma_16816(acc[m][1], af, f1);
+            mma_16816(acc[m][2], af, f2);
+            mma_16816(acc[m][3], af, f3);
+          }
+        }
+      }
+      gate_seq += uint32_t(chunks);
+      __syncthreads();  // every warp is done with the last stages
 #pragma unroll
       for (int m = 0; m < kMaxGateTasks; ++m) {
         if (m >= my_tasks) break;
         const int32_t task = warp + m * (kThreads / 32);
         const int32_t tg = task % 4, eg = task / 4;
-        if (tg * 16 >= n) continue;
-        const int32_t a_row = tg * 16 + 8 * (mi % 2) + r8;
-        const int32_t b_row0 = min(eg * 32 + 8 * (mi / 2) + r8, E - 1);
-        const int32_t b_row1 = min(eg * 32 + 16 + 8 * (mi / 2) + r8, E - 1);
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-          uint32_t af[4], b01[4], b23[4];
-          ldmatrix_x4(af, xb + a_row * 128 + (((2 * kk + mi / 2) ^ r8) << 4));
-          ldmatrix_x4(b01, wb + b_row0 * 128 + (((2 * kk + mi % 2) ^ (b_row0 & 7)) << 4));
-          ldmatrix_x4(b23, wb + b_row1 * 128 + (((2 * kk + mi % 2) ^ (b_row1 & 7)) << 4));
-          const uint32_t f0[2] = {b01[0], b01[1]}, f1[2] = {b01[2], b01[3]};
-          const uint32_t f2[2] = {b23[0], b23[1]}, f3[2] = {b23[2], b23[3]};
-          mma_16816(acc[m][0], af, f0);
-          mma_16816(acc[m][1], af, f1);
-          mma_16816(acc[m][2], af, f2);
-          mma_16816(acc[m][3], af, f3);
+        for (int nt = 0; nt < 4; ++nt) {
+          const int32_t e0 = eg * 32 + nt * 8 + 2 * (lane % 4);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int32_t row = tg * 16 + lane / 4 + (i >= 2 ? 8 : 0), e = e0 + (i & 1);
+            if (row < n && e < E) logits[row * stride + e] = acc[m][nt][i];
+          }
         }
       }
+      __syncthreads();  // logits complete; every stage is free for the next token chunk
     }
-    gate_seq += uint32_t(chunks);
-    __syncthreads();  // every warp is done with the last stages
-#pragma unroll
-    for (int m = 0; m < kMaxGateTasks; ++m) {
-      if (m >= my_tasks) break;
-      const int32_t task = warp + m * (kThreads / 32);
-      const int32_t tg = task % 4, eg = task / 4;
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt) {
-        const int32_t e0 = eg * 32 + nt * 8 + 2 * (lane % 4);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int32_t row = tg * 16 + lane / 4 + (i >= 2 ? 8 : 0), e = e0 + (i & 1);
-          if (row < n && e < E) logits[row * stride + e] = acc[m][nt][i];
-        }
-      }
-    }
-    __syncthreads();  // logits complete; every stage is free for the next token chunk
     if (threadIdx.x == 0) stamp(a, flash::kStampLogits);
     // Softmax, top-k and gate weights: one warp per token, the EP router's code (equal ids and weights).
     for (int32_t row = warp; row < n; row += kThreads / 32) {
