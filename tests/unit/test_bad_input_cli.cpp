@@ -30,17 +30,20 @@
 // rope_theta's range, bench gemm's ignored layer options, run/eval outputs that cannot fit, --layer with --prefix.
 // The ninth pass's (branch bad9): CPU-engine commands run as a launcher's processes, --save-every without --save,
 // JSON files and --data past the size limit or the memory, --top-k -1, flow --layers past the graph's limit, and
-// --tune-steps wrapping in 32 bits.
+// --tune-steps wrapping in 32 bits. The tenth pass's (branch bad10): a checkpoint file copied from another run of the
+// same step, init-model's shards written one by one, a model directory of two models, train --save onto its --init.
 //
 // Run: dmoe_unit_tests --gtest_filter='BadInput*'
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <regex>
 #include <sstream>
 #include <tuple>
@@ -1455,6 +1458,30 @@ TEST_F(BadInput, WriteProtectedOutputsAreRefusedNotReplaced) {
                     "mode 0444)", "a read-only --out");
   EXPECT_EQ(slurp(p("out/prot.st")), kept);
   EXPECT_EQ(run_shell(init + p("out/new.st")).status, 0);  // a new file beside it, as before
+}
+
+
+// ---- The tenth pass (2026-12-04, branch bad10; docs/faults.md) -----------------------------------------------
+
+TEST_F(BadInput, ResumeFromFilesOfTwoRunsAtOneStepIsRefused) {
+  // Each file of a checkpoint named its step, but not its save: optimizer.safetensors copied from another run's
+  // checkpoint of the same step (another --lr) was resumed beside this run's model, rc 0, one model's AdamW moments
+  // applied to another's weights. Every save now writes one id into its three files.
+  const std::string train = "train --config " + p("tiny.json") + " --data " + p("data") + " --steps 3 --seq 16 "
+                            "--batch 2 --print-every 0 ";
+  ASSERT_EQ(run_cli(train + "--stop-after 1 --save " + p("ck1")).status, 0);
+  ASSERT_EQ(run_cli(train + "--stop-after 1 --lr 1e-2 --save " + p("ck2")).status, 0);
+  fs::copy(p("ck1"), p("mix"));
+  fs::copy_file(p("ck2/optimizer.safetensors"), p("mix/optimizer.safetensors"), fs::copy_options::overwrite_existing);
+  expect_user_error(run_cli(train + "--resume " + p("mix")), "the files are of different saves (save ids: "
+                    "trainer_state.json ", "another run's optimizer of the same step");
+  fs::copy_file(p("ck2/model.safetensors"), p("mix/model.safetensors"), fs::copy_options::overwrite_existing);
+  fs::copy_file(p("ck1/optimizer.safetensors"), p("mix/optimizer.safetensors"), fs::copy_options::overwrite_existing);
+  expect_user_error(run_cli(train + "--resume " + p("mix")), "a file was copied in from another checkpoint",
+                    "another run's model of the same step");
+  // The checkpoint as saved resumes.
+  const Result whole = run_cli(train + "--resume " + p("ck1"));
+  EXPECT_EQ(whole.status, 0) << whole.output;
 }
 
 }  // namespace
