@@ -454,6 +454,14 @@ void save_mixtral_checkpoint(const std::string& path, const MixtralWeights& w, c
                            fmt::format("model-{:05d}-of-{:05d}.safetensors", s + 1, shards.size()),
                        "sharded checkpoint '{}': the index has the name of one of its shards; name it "
                        "model.safetensors.index.json", path);
+  // The shards and the index together or not at all: each shard was renamed into place as soon as it was written, so
+  // a write that failed (or was interrupted) at shard 3 of 4 left the new shards 1-2 beside the old 3-4 and the old
+  // index, whose weight_map names the same files: a model of two saves, read without a word. Every shard is checked
+  // before the first is written, and all are renamed at the end (OutputFileSet), the index last.
+  for (size_t s = 0; s < shards.size(); ++s)
+    check_output_file((dir / fmt::format("model-{:05d}-of-{:05d}.safetensors", s + 1, shards.size())).string(),
+                      fmt::format("shard {} of {} (beside --out '{}')", s + 1, shards.size(), path));
+  OutputFileSet files;
   for (size_t s = 0; s < shards.size(); ++s) {
     const std::string file = fmt::format("model-{:05d}-of-{:05d}.safetensors", s + 1, shards.size());
     SafetensorsWriter writer;
@@ -462,9 +470,10 @@ void save_mixtral_checkpoint(const std::string& path, const MixtralWeights& w, c
       index["weight_map"][p->name] = file;
     }
     writer.set_metadata("format", "pt");
-    writer.write((dir / file).string());
+    files.write((dir / file).string(), writer.serialize());
   }
-  write_file_atomically(path, index.dump(2) + "\n");
+  files.write(path, index.dump(2) + "\n");
+  files.commit();
 }
 
 }  // namespace dmoe

@@ -1484,5 +1484,30 @@ TEST_F(BadInput, ResumeFromFilesOfTwoRunsAtOneStepIsRefused) {
   EXPECT_EQ(whole.status, 0) << whole.output;
 }
 
+TEST_F(BadInput, ShardedInitModelWritesAllItsShardsOrNone) {
+  // init-model --shard-bytes renamed each shard into place as it was written: a write that failed at the last shard
+  // left the new shards before it beside the old last one and the old index, which names the same files, so readers
+  // took a model of two seeds, rc 1 but the old model gone. The shards are now checked first and renamed together.
+  fs::create_directories(p("m"));
+  const std::string init = "init-model --config " + p("tiny.json") + " --out " + p("m/model.safetensors.index.json") +
+                           " --shard-bytes 300000 --seed ";
+  ASSERT_EQ(run_cli(init + "1").status, 0);
+  std::vector<fs::path> shards;
+  for (const auto& e : fs::directory_iterator(p("m")))
+    if (e.path().extension() == ".safetensors") shards.push_back(e.path());
+  std::sort(shards.begin(), shards.end());
+  ASSERT_GE(shards.size(), 2u);
+  std::map<std::string, std::string> before;
+  for (size_t i = 0; i + 1 < shards.size(); ++i) before[shards[i].string()] = slurp(shards[i]);
+  const std::string index = slurp(p("m/model.safetensors.index.json"));
+  fs::remove(shards.back());
+  fs::create_directory(shards.back());  // the last shard cannot be written
+  expect_user_error(run_cli(init + "2"), "' is a directory", "a shard that cannot be written");
+  for (const auto& [path, bytes] : before) EXPECT_EQ(slurp(path), bytes) << path << " was replaced";
+  EXPECT_EQ(slurp(p("m/model.safetensors.index.json")), index);
+  for (const auto& e : fs::directory_iterator(p("m")))
+    EXPECT_EQ(e.path().filename().string().find(".dmoe-tmp."), std::string::npos) << e.path();
+}
+
 }  // namespace
 }  // namespace dmoe
