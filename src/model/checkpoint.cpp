@@ -220,12 +220,21 @@ MoeConfig infer_moe_config(const SafetensorsFile& file, const std::string& prefi
 
 namespace {
 
-// The file CheckpointReader::open reads first: a model directory's index.json, else its model.safetensors.
+// The file CheckpointReader::open reads first: a model directory's index.json, else its model.safetensors. A
+// directory holding both is two models (e.g. init-model wrote one of each into it): the index was read without a word,
+// where transformers' from_pretrained reads model.safetensors first, so the two gave different models for one path.
 std::string checkpoint_entry_file(const std::string& path_or_dir) {
-  if (!std::filesystem::is_directory(path_or_dir)) return path_or_dir;
+  std::error_code ec;
+  if (!std::filesystem::is_directory(path_or_dir, ec)) return path_or_dir;
   const std::filesystem::path dir(path_or_dir);
-  return std::filesystem::exists(dir / "model.safetensors.index.json") ? (dir / "model.safetensors.index.json").string()
-                                                                        : (dir / "model.safetensors").string();
+  const std::filesystem::path index = dir / "model.safetensors.index.json", single = dir / "model.safetensors";
+  const bool has_index = std::filesystem::exists(std::filesystem::symlink_status(index, ec)),
+             has_single = std::filesystem::exists(std::filesystem::symlink_status(single, ec));
+  DMOE_REQUIRE_INPUT(!(has_index && has_single), "model directory '{}' holds both model.safetensors and "
+                     "model.safetensors.index.json, two models: which one is meant is a guess (transformers reads "
+                     "model.safetensors, the index's shards are another model); name the file to read ('{}' or '{}'), "
+                     "or remove the one that is stale", path_or_dir, single.string(), index.string());
+  return has_index ? index.string() : single.string();
 }
 
 // A weight_map entry must name a file beside the index (no directories above it, no absolute paths).

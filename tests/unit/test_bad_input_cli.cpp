@@ -1509,5 +1509,21 @@ TEST_F(BadInput, ShardedInitModelWritesAllItsShardsOrNone) {
     EXPECT_EQ(e.path().filename().string().find(".dmoe-tmp."), std::string::npos) << e.path();
 }
 
+TEST_F(BadInput, ModelDirectoryWithAnIndexAndAModelFileIsRefused) {
+  // A directory holding model.safetensors and model.safetensors.index.json (two init-model runs into it) was read as
+  // the index's shards without a word; transformers' from_pretrained reads model.safetensors: one path, two models.
+  write_tokens_file();
+  fs::create_directories(p("m"));
+  ASSERT_EQ(run_cli("init-model --config " + p("tiny.json") + " --out " + p("m/model.safetensors") + " --seed 1").status, 0);
+  ASSERT_EQ(run_cli("init-model --config " + p("tiny.json") + " --out " + p("m/model.safetensors.index.json") +
+                    " --shard-bytes 300000 --seed 2").status, 0);
+  expect_eval_and_train_init_refused(p("tiny.json"), p("m"), "holds both model.safetensors and "
+                                     "model.safetensors.index.json, two models", "a directory of two models");
+  // Each file named on its own is read.
+  for (const char* file : {"m/model.safetensors", "m/model.safetensors.index.json"})
+    EXPECT_EQ(run_cli("eval --config " + p("tiny.json") + " --weights " + p(file) + " --tokens " + p("tok.st") +
+                      " --output " + p("e.st")).status, 0) << file;
+}
+
 }  // namespace
 }  // namespace dmoe
