@@ -1525,5 +1525,20 @@ TEST_F(BadInput, ModelDirectoryWithAnIndexAndAModelFileIsRefused) {
                       " --output " + p("e.st")).status, 0) << file;
 }
 
+TEST_F(BadInput, TrainSaveOntoItsInitModelIsRefused) {
+  // --init ck/model.safetensors --save ck (ck a checkpoint, so --save may replace it) replaced the model the run started
+  // from with the trained one, rc 0; an output onto an input is refused everywhere else. --resume ck --save ck stays.
+  const std::string train = "train --config " + p("tiny.json") + " --data " + p("data") + " --steps 2 --seq 16 "
+                            "--batch 2 --print-every 0 ";
+  ASSERT_EQ(run_cli(train + "--stop-after 1 --save " + p("ck")).status, 0);
+  const std::string model = slurp(p("ck/model.safetensors"));
+  for (const std::string init : {p("ck/model.safetensors"), p("ck")})
+    expect_user_error(run_cli(train + "--init " + init + " --save " + p("ck")), "would replace its model.safetensors, "
+                      "which is --init '", "--init " + init);
+  EXPECT_EQ(slurp(p("ck/model.safetensors")), model);
+  const Result resumed = run_cli(train + "--resume " + p("ck") + " --save " + p("ck"));
+  EXPECT_EQ(resumed.status, 0) << resumed.output;
+}
+
 }  // namespace
 }  // namespace dmoe

@@ -105,6 +105,16 @@ void check_train_paths(const TrainOptions& o, const std::string& config_file) {
                          "directory cannot be made in it", o.save_dir, existing.string());
       check_output_file((existing / ".dmoe-save-check").string(), "--save");
     }
+    // The checkpoint's files must not be the weights the run starts from (--init ck/model.safetensors --save ck
+    // replaced that model with the trained one, rc 0) or its text; --resume into its own directory is the exception
+    // (the run's checkpoint moves on), and so is the --config it was given (saved again as it was read).
+    for (const char* name : {"trainer_state.json", "model.safetensors", "optimizer.safetensors", "config.json"})
+      for (const NamedPath& in : inputs)
+        DMOE_REQUIRE_INPUT((in.option != "--init" && in.option != "--data") ||
+                               !same_file((fs::path(o.save_dir) / name).string(), in.path),
+                           "--save '{}' would replace its {}, which is {} '{}' of this run: the checkpoint would "
+                           "destroy that input; give another --save directory", o.save_dir, name, in.option,
+                           in.path);
     if (!o.log_path.empty())
       for (const char* name : {"trainer_state.json", "model.safetensors", "optimizer.safetensors", "config.json"})
         DMOE_REQUIRE_INPUT(!same_file(o.log_path, (fs::path(o.save_dir) / name).string()),
