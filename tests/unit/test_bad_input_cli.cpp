@@ -31,7 +31,7 @@
 // The ninth pass's (branch bad9): CPU-engine commands run as a launcher's processes, --save-every without --save,
 // JSON files and --data past the size limit or the memory, --top-k -1, flow --layers past the graph's limit, and
 // --tune-steps wrapping in 32 bits. The tenth pass's (branch bad10): a checkpoint file copied from another run of the
-// same step, init-model's shards written one by one, a model directory of two models, train --save onto its --init.
+// same step, init-model's shards written one by one, a model directory of two models, train --save onto its --init or too long for the file system.
 //
 // Run: dmoe_unit_tests --gtest_filter='BadInput*'
 #include <gtest/gtest.h>
@@ -1538,6 +1538,22 @@ TEST_F(BadInput, TrainSaveOntoItsInitModelIsRefused) {
   EXPECT_EQ(slurp(p("ck/model.safetensors")), model);
   const Result resumed = run_cli(train + "--resume " + p("ck") + " --save " + p("ck"));
   EXPECT_EQ(resumed.status, 0) << resumed.output;
+}
+
+TEST_F(BadInput, TrainSaveNameTooLongIsRefusedBeforeTraining) {
+  // A new --save whose name has a part past NAME_MAX, or whose files' paths pass PATH_MAX, trained to the end and then
+  // failed with "the checkpoint directory cannot be made: File name too long": the whole run lost.
+  const std::string train = "train --config " + p("tiny.json") + " --data " + p("data") + " --steps 2 --seq 16 "
+                            "--batch 2 --print-every 0 --save ";
+  const Result name = run_cli(train + p(std::string(300, 'b') + "/ck"));
+  expect_user_error(name, "is 300 bytes, more than the 255 a file name may have", "a 300-byte part");
+  EXPECT_EQ(name.output.find("train: mixtral"), std::string::npos) << "trained first:\n" << name.output;
+  std::string deep;
+  for (int i = 0; i < 25; ++i) deep.append(200, 'a').append(1, '/');
+  const Result path = run_cli(train + p(deep + "ck"));
+  expect_user_error(path, "a path may have (PATH_MAX)", "a 5 kB path");
+  EXPECT_EQ(path.output.find("train: mixtral"), std::string::npos) << "trained first:\n" << path.output;
+  EXPECT_EQ(run_cli(train + p(std::string(250, 'b') + "/ck")).status, 0);  // 250 bytes fit
 }
 
 }  // namespace
