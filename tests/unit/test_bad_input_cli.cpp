@@ -31,7 +31,8 @@
 // The ninth pass's (branch bad9): CPU-engine commands run as a launcher's processes, --save-every without --save,
 // JSON files and --data past the size limit or the memory, --top-k -1, flow --layers past the graph's limit, and
 // --tune-steps wrapping in 32 bits. The tenth pass's (branch bad10): a checkpoint file copied from another run of the
-// same step, init-model's shards written one by one, a model directory of two models, train --save onto its --init or too long for the file system.
+// same step, init-model's shards written one by one, a model directory of two models, train --save onto its --init
+// or too long for the file system, a flow --trace larger than the memory.
 //
 // Run: dmoe_unit_tests --gtest_filter='BadInput*'
 #include <gtest/gtest.h>
@@ -1554,6 +1555,22 @@ TEST_F(BadInput, TrainSaveNameTooLongIsRefusedBeforeTraining) {
   expect_user_error(path, "a path may have (PATH_MAX)", "a 5 kB path");
   EXPECT_EQ(path.output.find("train: mixtral"), std::string::npos) << "trained first:\n" << path.output;
   EXPECT_EQ(run_cli(train + p(std::string(250, 'b') + "/ck")).status, 0);  // 250 bytes fit
+}
+
+TEST_F(BadInput, FlowTraceTooLargeForTheMemoryIsRefusedWithItsSize) {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "ulimit -v: the sanitizers' shadow memory needs the whole address space";
+#endif
+  // flow simulate --trace builds the trace as a JSON document, ~2 KB per event: --layers 20000 (1.4 M events, ~3 GB)
+  // under a smaller limit spent ~18 s and ended in the last-resort "out of host memory (std::bad_alloc) in dmoe flow;
+  // make it smaller (--batch, --seq ..., vocab_size, ...)", options flow simulate does not have.
+  const long base = startup_address_space_kb();
+  if (base <= 0) GTEST_SKIP() << "the binary's start-up address space could not be measured";
+  const std::string limit = "ulimit -v " + std::to_string(base + 1500000) + ";";
+  const Result r = run_cli("flow simulate --costs " + p("costs.json") + " --layers 20000 --trace " + p("t.json"), limit);
+  expect_user_error(r, "flow simulate --trace (1440687 events of 20000 layers", "a 3 GB trace under a 1.5 GB limit");
+  EXPECT_NE(r.output.find("--layers, --micro-batches, or leave out --trace"), std::string::npos) << r.output;
+  EXPECT_FALSE(fs::exists(p("t.json")));
 }
 
 }  // namespace
