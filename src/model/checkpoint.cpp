@@ -220,12 +220,21 @@ MoeConfig infer_moe_config(const SafetensorsFile& file, const std::string& prefi
 
 namespace {
 
-// The file CheckpointReader::open reads first: a model directory's index.json, else its model.safetensors.
+// The file CheckpointReader::open reads first: a model directory's index.json, else its model.safetensors. A
+// directory holding both is two models (e.g. init-model wrote one of each into it): the index was read without a word,
+// where transformers' from_pretrained reads model.safetensors first, so the two gave different models for one path.
 std::string checkpoint_entry_file(const std::string& path_or_dir) {
-  if (!std::filesystem::is_directory(path_or_dir)) return path_or_dir;
+  std::error_code ec;
+  if (!std::filesystem::is_directory(path_or_dir, ec)) return path_or_dir;
   const std::filesystem::path dir(path_or_dir);
-  return std::filesystem::exists(dir / "model.safetensors.index.json") ? (dir / "model.safetensors.index.json").string()
-                                                                        : (dir / "model.safetensors").string();
+  const std::filesystem::path index = dir / "model.safetensors.index.json", single = dir / "model.safetensors";
+  const bool has_index = std::filesystem::exists(std::filesystem::symlink_status(index, ec)),
+             has_single = std::filesystem::exists(std::filesystem::symlink_status(single, ec));
+  DMOE_REQUIRE_INPUT(!(has_index && has_single), "model directory '{}' holds both model.safetensors and "
+                     "model.safetensors.index.json, two models: which one is meant is a guess (transformers reads "
+                     "model.safetensors, the index's shards are another model); name the file to read ('{}' or '{}'), "
+                     "or remove the one that is stale", path_or_dir, single.string(), index.string());
+  return has_index ? index.string() : single.string();
 }
 
 // A weight_map entry must name a file beside the index (no directories above it, no absolute paths).
@@ -454,6 +463,14 @@ void save_mixtral_checkpoint(const std::string& path, const MixtralWeights& w, c
                            fmt::format("model-{:05d}-of-{:05d}.safetensors", s + 1, shards.size()),
                        "sharded checkpoint '{}': the index has the name of one of its shards; name it "
                        "model.safetensors.index.json", path);
+  // The shards and the index together or not at all: each shard was renamed into place as soon as it was written, so
+  // a write that failed (or was interrupted) at shard 3 of 4 left the new shards 1-2 beside the old 3-4 and the old
+  // index, whose weight_map names the same files: a model of two saves, read without a word. Every shard is checked
+  // before the first is written, and all are renamed at the end (OutputFileSet), the index last.
+  for (size_t s = 0; s < shards.size(); ++s)
+    check_output_file((dir / fmt::format("model-{:05d}-of-{:05d}.safetensors", s + 1, shards.size())).string(),
+                      fmt::format("shard {} of {} (beside --out '{}')", s + 1, shards.size(), path));
+  OutputFileSet files;
   for (size_t s = 0; s < shards.size(); ++s) {
     const std::string file = fmt::format("model-{:05d}-of-{:05d}.safetensors", s + 1, shards.size());
     SafetensorsWriter writer;
@@ -462,9 +479,10 @@ void save_mixtral_checkpoint(const std::string& path, const MixtralWeights& w, c
       index["weight_map"][p->name] = file;
     }
     writer.set_metadata("format", "pt");
-    writer.write((dir / file).string());
+    files.write((dir / file).string(), writer.serialize());
   }
-  write_file_atomically(path, index.dump(2) + "\n");
+  files.write(path, index.dump(2) + "\n");
+  files.commit();
 }
 
 }  // namespace dmoe

@@ -11,6 +11,7 @@
 #include <mutex>
 #include <numbers>
 #include <optional>
+#include <random>
 #include <sstream>
 #include <thread>
 
@@ -42,6 +43,17 @@ using nlohmann::json;
 // The __metadata__ entry with which train --save tags model.safetensors and optimizer.safetensors: the step of
 // trainer_state.json they were saved with (HF readers ignore entries other than "format").
 constexpr const char* kStepMetadata = "dmoe_train_step";
+// And the save they belong to: one random id per save, in both files' __metadata__ and in trainer_state.json
+// ("save_id"). The step alone let a file copied from another run's checkpoint of the same step (another --lr, another
+// seed) be resumed beside this run's others without a word: the moments of one model applied to another.
+constexpr const char* kSaveIdMetadata = "dmoe_save_id";
+
+std::string new_save_id() {
+  std::random_device device;
+  const uint64_t time = uint64_t(std::chrono::steady_clock::now().time_since_epoch().count());
+  const uint64_t id = (uint64_t(device()) << 32 ^ uint64_t(device())) ^ (time * 0x9E3779B97F4A7C15ull);
+  return fmt::format("{:016x}", id);
+}
 
 // The bytes of a file, or of every regular file of a directory in name order. The error_code forms: a symbolic link
 // loop (the path itself, or an entry) threw filesystem_error, "unexpected error" with rc 2; an entry that is no
@@ -352,8 +364,29 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
       const auto it = meta.find(kStepMetadata);
       DMOE_REQUIRE_INPUT(it == meta.end() || it->second == std::to_string(state_step),
                          "--resume {}: {} was saved at step {}, trainer_state.json at step {}: the files are of two "
-                         "different saves (one interrupted between its renames); resume from another checkpoint",
+                         "different saves (one interrupted between its renames, or a file copied in from another checkpoint); resume from "
+                         "another checkpoint",
                          o.resume_dir, file, it == meta.end() ? "" : it->second, state_step);
+    }
+    // Files of one save carry its id (kSaveIdMetadata); checkpoints from before it carry none in any file. A file
+    // with another id, or without one beside files that have one, was copied in from another checkpoint.
+    DMOE_REQUIRE_INPUT(!state.contains("save_id") || state["save_id"].is_string(), "{}/trainer_state.json: 'save_id' "
+                       "must be a string (found {})", o.resume_dir, state.contains("save_id") ? state["save_id"].dump() : "");
+    const std::string state_id = state.contains("save_id") ? state["save_id"].get<std::string>() : "";
+    const auto model_meta = model.metadata(), opt_meta = opt.metadata();
+    const auto id_of = [](const std::map<std::string, std::string>& meta) {
+      const auto it = meta.find(kSaveIdMetadata);
+      return it == meta.end() ? std::string() : it->second;
+    };
+    const std::string model_id = id_of(model_meta), opt_id = id_of(opt_meta);
+    if (!state_id.empty() || !model_id.empty() || !opt_id.empty()) {
+      const auto said = [](const std::string& id) { return id.empty() ? std::string("none") : id; };
+      DMOE_REQUIRE_INPUT(state_id == model_id && state_id == opt_id,
+                         "--resume {}: the files are of different saves (save ids: trainer_state.json {}, "
+                         "model.safetensors {}, optimizer.safetensors {}): a file was copied in from another "
+                         "checkpoint, whose weights and AdamW moments do not belong together; resume from one save's "
+                         "files, or start from a model with --init", o.resume_dir, said(state_id), said(model_id),
+                         said(opt_id));
     }
     read_prefixed(opt, "exp_avg.", full_m, config, false);
     read_prefixed(opt, "exp_avg_sq.", full_v, config, true);
@@ -466,7 +499,9 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
       // failed or was interrupted part-way (a full disk, a scheduler's SIGTERM) left a checkpoint of two steps, e.g.
       // the new model beside the old trainer_state.json, which --resume then continued from the wrong step.
       OutputFileSet files;
-      const std::map<std::string, std::string> tag = {{kStepMetadata, std::to_string(step)}};
+      const std::string save_id = new_save_id();
+      const std::map<std::string, std::string> tag = {{kStepMetadata, std::to_string(step)},
+                                                      {kSaveIdMetadata, save_id}};
       files.write((fs::path(dir) / "model.safetensors").string(), mixtral_checkpoint_bytes(full, config, tag));
       files.write((fs::path(dir) / "config.json").string(), mixtral_config_to_json(config).dump(2) + "\n");
       {
@@ -474,11 +509,12 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
         add_mixtral_tensors(opt, full_m, config, "exp_avg.");
         add_mixtral_tensors(opt, full_v, config, "exp_avg_sq.");
         opt.set_metadata(kStepMetadata, std::to_string(step));
+        opt.set_metadata(kSaveIdMetadata, save_id);
         files.write((fs::path(dir) / "optimizer.safetensors").string(), opt.serialize());
       }
       files.write((fs::path(dir) / "trainer_state.json").string(),
                   json{{"step", step}, {"seed", o.seed}, {"steps", o.steps}, {"batch", o.batch}, {"seq", o.seq},
-                       {"lr", o.lr}, {"data", o.data_path}}.dump(2) + "\n");
+                       {"lr", o.lr}, {"data", o.data_path}, {"save_id", save_id}}.dump(2) + "\n");
       files.commit();
     }
     replica.barrier();  // no rank goes on (e.g. to resume from the checkpoint) before it is written

@@ -30,17 +30,21 @@
 // rope_theta's range, bench gemm's ignored layer options, run/eval outputs that cannot fit, --layer with --prefix.
 // The ninth pass's (branch bad9): CPU-engine commands run as a launcher's processes, --save-every without --save,
 // JSON files and --data past the size limit or the memory, --top-k -1, flow --layers past the graph's limit, and
-// --tune-steps wrapping in 32 bits.
+// --tune-steps wrapping in 32 bits. The tenth pass's (branch bad10): a checkpoint file copied from another run of the
+// same step, init-model's shards written one by one, a model directory of two models, train --save onto its --init
+// or too long for the file system, a flow --trace larger than the memory.
 //
 // Run: dmoe_unit_tests --gtest_filter='BadInput*'
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <regex>
 #include <sstream>
 #include <tuple>
@@ -1455,6 +1459,118 @@ TEST_F(BadInput, WriteProtectedOutputsAreRefusedNotReplaced) {
                     "mode 0444)", "a read-only --out");
   EXPECT_EQ(slurp(p("out/prot.st")), kept);
   EXPECT_EQ(run_shell(init + p("out/new.st")).status, 0);  // a new file beside it, as before
+}
+
+
+// ---- The tenth pass (2026-12-04, branch bad10; docs/faults.md) -----------------------------------------------
+
+TEST_F(BadInput, ResumeFromFilesOfTwoRunsAtOneStepIsRefused) {
+  // Each file of a checkpoint named its step, but not its save: optimizer.safetensors copied from another run's
+  // checkpoint of the same step (another --lr) was resumed beside this run's model, rc 0, one model's AdamW moments
+  // applied to another's weights. Every save now writes one id into its three files.
+  const std::string train = "train --config " + p("tiny.json") + " --data " + p("data") + " --steps 3 --seq 16 "
+                            "--batch 2 --print-every 0 ";
+  ASSERT_EQ(run_cli(train + "--stop-after 1 --save " + p("ck1")).status, 0);
+  ASSERT_EQ(run_cli(train + "--stop-after 1 --lr 1e-2 --save " + p("ck2")).status, 0);
+  fs::copy(p("ck1"), p("mix"));
+  fs::copy_file(p("ck2/optimizer.safetensors"), p("mix/optimizer.safetensors"), fs::copy_options::overwrite_existing);
+  expect_user_error(run_cli(train + "--resume " + p("mix")), "the files are of different saves (save ids: "
+                    "trainer_state.json ", "another run's optimizer of the same step");
+  fs::copy_file(p("ck2/model.safetensors"), p("mix/model.safetensors"), fs::copy_options::overwrite_existing);
+  fs::copy_file(p("ck1/optimizer.safetensors"), p("mix/optimizer.safetensors"), fs::copy_options::overwrite_existing);
+  expect_user_error(run_cli(train + "--resume " + p("mix")), "a file was copied in from another checkpoint",
+                    "another run's model of the same step");
+  // The checkpoint as saved resumes.
+  const Result whole = run_cli(train + "--resume " + p("ck1"));
+  EXPECT_EQ(whole.status, 0) << whole.output;
+}
+
+TEST_F(BadInput, ShardedInitModelWritesAllItsShardsOrNone) {
+  // init-model --shard-bytes renamed each shard into place as it was written: a write that failed at the last shard
+  // left the new shards before it beside the old last one and the old index, which names the same files, so readers
+  // took a model of two seeds, rc 1 but the old model gone. The shards are now checked first and renamed together.
+  fs::create_directories(p("m"));
+  const std::string init = "init-model --config " + p("tiny.json") + " --out " + p("m/model.safetensors.index.json") +
+                           " --shard-bytes 300000 --seed ";
+  ASSERT_EQ(run_cli(init + "1").status, 0);
+  std::vector<fs::path> shards;
+  for (const auto& e : fs::directory_iterator(p("m")))
+    if (e.path().extension() == ".safetensors") shards.push_back(e.path());
+  std::sort(shards.begin(), shards.end());
+  ASSERT_GE(shards.size(), 2u);
+  std::map<std::string, std::string> before;
+  for (size_t i = 0; i + 1 < shards.size(); ++i) before[shards[i].string()] = slurp(shards[i]);
+  const std::string index = slurp(p("m/model.safetensors.index.json"));
+  fs::remove(shards.back());
+  fs::create_directory(shards.back());  // the last shard cannot be written
+  expect_user_error(run_cli(init + "2"), "' is a directory", "a shard that cannot be written");
+  for (const auto& [path, bytes] : before) EXPECT_EQ(slurp(path), bytes) << path << " was replaced";
+  EXPECT_EQ(slurp(p("m/model.safetensors.index.json")), index);
+  for (const auto& e : fs::directory_iterator(p("m")))
+    EXPECT_EQ(e.path().filename().string().find(".dmoe-tmp."), std::string::npos) << e.path();
+}
+
+TEST_F(BadInput, ModelDirectoryWithAnIndexAndAModelFileIsRefused) {
+  // A directory holding model.safetensors and model.safetensors.index.json (two init-model runs into it) was read as
+  // the index's shards without a word; transformers' from_pretrained reads model.safetensors: one path, two models.
+  write_tokens_file();
+  fs::create_directories(p("m"));
+  ASSERT_EQ(run_cli("init-model --config " + p("tiny.json") + " --out " + p("m/model.safetensors") + " --seed 1").status, 0);
+  ASSERT_EQ(run_cli("init-model --config " + p("tiny.json") + " --out " + p("m/model.safetensors.index.json") +
+                    " --shard-bytes 300000 --seed 2").status, 0);
+  expect_eval_and_train_init_refused(p("tiny.json"), p("m"), "holds both model.safetensors and "
+                                     "model.safetensors.index.json, two models", "a directory of two models");
+  // Each file named on its own is read.
+  for (const char* file : {"m/model.safetensors", "m/model.safetensors.index.json"})
+    EXPECT_EQ(run_cli("eval --config " + p("tiny.json") + " --weights " + p(file) + " --tokens " + p("tok.st") +
+                      " --output " + p("e.st")).status, 0) << file;
+}
+
+TEST_F(BadInput, TrainSaveOntoItsInitModelIsRefused) {
+  // --init ck/model.safetensors --save ck (ck a checkpoint, so --save may replace it) replaced the model the run started
+  // from with the trained one, rc 0; an output onto an input is refused everywhere else. --resume ck --save ck stays.
+  const std::string train = "train --config " + p("tiny.json") + " --data " + p("data") + " --steps 2 --seq 16 "
+                            "--batch 2 --print-every 0 ";
+  ASSERT_EQ(run_cli(train + "--stop-after 1 --save " + p("ck")).status, 0);
+  const std::string model = slurp(p("ck/model.safetensors"));
+  for (const std::string init : {p("ck/model.safetensors"), p("ck")})
+    expect_user_error(run_cli(train + "--init " + init + " --save " + p("ck")), "would replace its model.safetensors, "
+                      "which is --init '", "--init " + init);
+  EXPECT_EQ(slurp(p("ck/model.safetensors")), model);
+  const Result resumed = run_cli(train + "--resume " + p("ck") + " --save " + p("ck"));
+  EXPECT_EQ(resumed.status, 0) << resumed.output;
+}
+
+TEST_F(BadInput, TrainSaveNameTooLongIsRefusedBeforeTraining) {
+  // A new --save whose name has a part past NAME_MAX, or whose files' paths pass PATH_MAX, trained to the end and then
+  // failed with "the checkpoint directory cannot be made: File name too long": the whole run lost.
+  const std::string train = "train --config " + p("tiny.json") + " --data " + p("data") + " --steps 2 --seq 16 "
+                            "--batch 2 --print-every 0 --save ";
+  const Result name = run_cli(train + p(std::string(300, 'b') + "/ck"));
+  expect_user_error(name, "is 300 bytes, more than the 255 a file name may have", "a 300-byte part");
+  EXPECT_EQ(name.output.find("train: mixtral"), std::string::npos) << "trained first:\n" << name.output;
+  std::string deep;
+  for (int i = 0; i < 25; ++i) deep.append(200, 'a').append(1, '/');
+  const Result path = run_cli(train + p(deep + "ck"));
+  expect_user_error(path, "a path may have (PATH_MAX)", "a 5 kB path");
+  EXPECT_EQ(path.output.find("train: mixtral"), std::string::npos) << "trained first:\n" << path.output;
+  EXPECT_EQ(run_cli(train + p(std::string(250, 'b') + "/ck")).status, 0);  // 250 bytes fit
+}
+
+TEST_F(BadInput, FlowTraceTooLargeForTheMemoryIsRefusedWithItsSize) {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "ulimit -v: the sanitizers' shadow memory needs the whole address space";
+#endif
+  // flow simulate --trace builds the trace as a JSON document, ~2 KB per event: --layers 20000 (1.4 M events, ~3 GB)
+  // under a smaller limit spent ~18 s and ended in the last-resort "out of host memory (std::bad_alloc) in dmoe flow;
+  // make it smaller (--batch, --seq ..., vocab_size, ...)", options flow simulate does not have.
+  const long base = startup_address_space_kb();
+  if (base <= 0) GTEST_SKIP() << "the binary's start-up address space could not be measured";
+  const std::string limit = "ulimit -v " + std::to_string(base + 1500000) + ";";
+  const Result r = run_cli("flow simulate --costs " + p("costs.json") + " --layers 20000 --trace " + p("t.json"), limit);
+  expect_user_error(r, "flow simulate --trace (1440687 events of 20000 layers", "a 3 GB trace under a 1.5 GB limit");
+  EXPECT_NE(r.output.find("--layers, --micro-batches, or leave out --trace"), std::string::npos) << r.output;
+  EXPECT_FALSE(fs::exists(p("t.json")));
 }
 
 }  // namespace

@@ -225,12 +225,15 @@ TEST_F(ModelCli, EvalReadsShardedCheckpointsAndNamesBadInput) {
   ASSERT_EQ(e.status, 0) << e.output;
   EXPECT_EQ(SafetensorsFile::open(p("a.safetensors")).read_f32("logits").values,
             SafetensorsFile::open(p("b.safetensors")).read_f32("logits").values);  // same seed, same weights
-  // A model directory (config.json + index) for both --config and --weights, as save_pretrained leaves it.
+  // A model directory (config.json + index) for both --config and --weights, as save_pretrained leaves it (without the
+  // one-file model beside it: a directory holding both is refused, BadInput.ModelDirectoryWithAnIndexAndAModelFileIsRefused).
+  fs::rename(p("model.safetensors"), p("single.safetensors"));
   auto d = run_cli("eval --config " + dir_.string() + " --weights " + dir_.string() + " --tokens " +
                    p("tokens.safetensors") + " --output " + p("d.safetensors"));
   ASSERT_EQ(d.status, 0) << d.output;
   EXPECT_EQ(SafetensorsFile::open(p("d.safetensors")).read_f32("logits").values,
             SafetensorsFile::open(p("b.safetensors")).read_f32("logits").values);
+  fs::rename(p("single.safetensors"), p("model.safetensors"));
 
   // A token outside the vocabulary.
   write_tokens(p("big.safetensors"), 1, 4, 1000);

@@ -3,9 +3,12 @@
 //   dmoe train --config tiny --data /usr/share/common-licenses --steps 200 --seq 64 --batch 8
 //         [--world W] [--init random|CKPT] [--resume DIR] [--save DIR] [--log FILE] [--lr 3e-3] ...
 #include <algorithm>
+#include <climits>
 #include <cstdio>
 #include <filesystem>
 #include <vector>
+
+#include <unistd.h>
 
 #include "commands.hpp"
 #include "core/config.hpp"
@@ -104,7 +107,29 @@ void check_train_paths(const TrainOptions& o, const std::string& config_file) {
       DMOE_REQUIRE_INPUT(fs::is_directory(existing, ec), "--save '{}': '{}' is not a directory, so the checkpoint "
                          "directory cannot be made in it", o.save_dir, existing.string());
       check_output_file((existing / ".dmoe-save-check").string(), "--save");
+      // A name the file system cannot take (a component past NAME_MAX, or a path whose files would pass PATH_MAX)
+      // trained to the end and then failed with "the checkpoint directory cannot be made: File name too long".
+      const long name_max = ::pathconf(existing.c_str(), _PC_NAME_MAX);
+      for (const fs::path& part : fs::path(o.save_dir))
+        DMOE_REQUIRE_INPUT(name_max <= 0 || part.string().size() <= size_t(name_max), "--save '{}': its part '{}' is "
+                           "{} bytes, more than the {} a file name may have in '{}'; the checkpoint directory could not "
+                           "be made: give a shorter name", o.save_dir, part.string(), part.string().size(), name_max,
+                           existing.string());
+      // The checkpoint's files are opened as --save/NAME (their temporaries' names take up to 64 bytes).
+      DMOE_REQUIRE_INPUT(o.save_dir.size() + 64 < PATH_MAX, "--save '{}' is {} bytes long: its checkpoint files' "
+                         "paths would pass the {} bytes a path may have (PATH_MAX); give a shorter path", o.save_dir,
+                         o.save_dir.size(), PATH_MAX);
     }
+    // The checkpoint's files must not be the weights the run starts from (--init ck/model.safetensors --save ck
+    // replaced that model with the trained one, rc 0) or its text; --resume into its own directory is the exception
+    // (the run's checkpoint moves on), and so is the --config it was given (saved again as it was read).
+    for (const char* name : {"trainer_state.json", "model.safetensors", "optimizer.safetensors", "config.json"})
+      for (const NamedPath& in : inputs)
+        DMOE_REQUIRE_INPUT((in.option != "--init" && in.option != "--data") ||
+                               !same_file((fs::path(o.save_dir) / name).string(), in.path),
+                           "--save '{}' would replace its {}, which is {} '{}' of this run: the checkpoint would "
+                           "destroy that input; give another --save directory", o.save_dir, name, in.option,
+                           in.path);
     if (!o.log_path.empty())
       for (const char* name : {"trainer_state.json", "model.safetensors", "optimizer.safetensors", "config.json"})
         DMOE_REQUIRE_INPUT(!same_file(o.log_path, (fs::path(o.save_dir) / name).string()),

@@ -167,9 +167,13 @@ int run_main(int argc, char** argv) {
     for (const auto& [sub, run] : commands)
       if (sub->parsed()) what = sub->get_name();
     const bool model = what == "init-model" || what == "eval" || what == "train" || what == "flow";
+    // flow simulate and tune have no model: their size is --layers (they were told only the model's sizes).
+    const std::string hint =
+        !model ? std::string("tokens, hidden, ffn, experts, world")
+               : (what == "flow" ? std::string("simulate, tune: --layers, --micro-batches; project, measure: ") : std::string()) +
+                     "--batch, --seq (eval: the --tokens shape), or " + dmoe::kModelSizes;
     std::fprintf(stderr, "dmoe: error: out of host memory (std::bad_alloc) in dmoe %s; make it smaller (%s)\n",
-                 what.c_str(), model ? (std::string("--batch, --seq (eval: the --tokens shape), or ") + dmoe::kModelSizes).c_str()
-                                     : "tokens, hidden, ffn, experts, world");
+                 what.c_str(), hint.c_str());
     return failed_exit(1);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "dmoe: unexpected error: %s\n", e.what());
