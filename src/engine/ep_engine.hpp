@@ -75,8 +75,9 @@ struct GradViews {
   void* w3 = nullptr;
   void* w2 = nullptr;
   // w1/w3/w2 in the weights' storage dtype (bf16 on the CUDA backend) instead of grad_accum_dtype(): written
-  // by the one backward after set_grad_views(), never added to (LayerSession, for bf16 PyTorch parameters:
-  // half the bytes of f32 gradients and no cast after). The gate's stays grad_accum_dtype().
+  // by the one backward after set_grad_views() or zero_grads(), never added to (LayerSession, for bf16 PyTorch
+  // parameters, and CudaMixtralModel's bf16 expert gradients: half the bytes of f32 gradients and no cast after).
+  // The gate's stays grad_accum_dtype().
   bool experts_in_storage_dtype = false;
 };
 

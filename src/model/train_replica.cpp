@@ -11,6 +11,15 @@
 
 namespace dmoe {
 
+bool bf16_expert_grads_pay_off(const MixtralConfig& config) {
+  return int64_t(config.hidden_size) * int64_t(config.intermediate_size) >= kBf16ExpertGradMinWeight;
+}
+
+bool bf16_expert_grads_for_training(const MixtralConfig& config, DType storage, int32_t micro_batches,
+                                    bool flow_schedule) {
+  return storage == DType::bf16 && micro_batches == 1 && !flow_schedule && bf16_expert_grads_pay_off(config);
+}
+
 double TrainReplica::flow_step(const flow::TaskGraph&, const int32_t*, int64_t, int64_t) {
   DMOE_FAIL("train --schedule: the {} replica was made without a Flow executor", engine_name());
 }

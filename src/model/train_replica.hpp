@@ -99,13 +99,27 @@ std::unique_ptr<TrainReplica> make_cpu_replica(const MixtralConfig& config, Comm
 // This process as one rank of a GPU job (dmoe launch / mpirun / srun, or alone): its GPU, a communicator over
 // the job's processes (NCCL or NVSHMEM; none at W = 1), the model in `storage` (f32 or bf16). `full`, `m`, `v`
 // hold every expert; the replica takes its rank's share. `max_tokens` is the most tokens of one forward (a micro-batch,
-// or the validation share: sizes the communicator's buffers). one_backward_per_step: every step runs one backward per
-// layer (one micro-batch, no Flow schedule), so a bf16 model keeps its expert gradients in bf16
-// (CudaMixtralModel's bf16_expert_grads). Throws a clear error in a build without CUDA.
+// or the validation share: sizes the communicator's buffers). bf16_expert_grads: the model keeps its experts' gradients
+// in bf16 (CudaMixtralModel's option; bf16_expert_grads_for_training decides it for dmoe train). Throws a clear error in
+// a build without CUDA.
 std::unique_ptr<TrainReplica> make_cuda_replica(const MixtralConfig& config, DType storage, const MixtralWeights& full,
                                                 const MixtralWeights& m, const MixtralWeights& v,
                                                 int32_t micro_batches, int64_t max_tokens,
-                                                bool one_backward_per_step = false);
+                                                bool bf16_expert_grads = false);
+
+// Whether bf16 expert gradients make a GPU step faster for this shape: bf16 products go to one cuBLAS call per expert
+// and product (pick_wgrad_kernel: the grouped kernels' bf16 store is slower), whose host time (~15-20 µs a call) pays
+// only for large experts. Measured on the H200 at 8 × 1024 tokens a step (docs/perf.md, eighteenth session; bf16 vs
+// f32 expert gradients, the same call): DeepSeek-V2-S (H·I = 7.9 M) optimizer 32.7 → 30.0 ms, LLaMA2-MoE (4.2 M) step
+// 148.6 → 143.5 ms; GPT2-Tiny-MoE (0.13 M) 38.0 ms against 13.4 and BERT-Large-MoE (0.52 M) 49.7 against 40.7 (their
+// backward's 1152-2304 cuBLAS calls are host-bound). So H·I of at least kBf16ExpertGradMinWeight elements; no shape
+// between 0.52 M and 4.2 M was measured, nor other token counts (fewer tokens a step: relatively more host time).
+constexpr int64_t kBf16ExpertGradMinWeight = int64_t(1) << 21;
+bool bf16_expert_grads_pay_off(const MixtralConfig& config);
+// dmoe train's choice: a bf16 GPU model, one backward per layer a step (one micro-batch: several add into the
+// gradients; no Flow schedule: its R varies), and a shape where it pays.
+bool bf16_expert_grads_for_training(const MixtralConfig& config, DType storage, int32_t micro_batches,
+                                    bool flow_schedule);
 // The rank and size of the GPU job this process belongs to (1 rank when not started by a launcher).
 void cuda_job_size(int32_t* rank, int32_t* world);
 

@@ -734,7 +734,7 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
     std::unique_ptr<TrainReplica> replica =
         make_cuda_replica(config, o.dtype, full, full_m, full_v, o.micro_batches,
                           local * o.seq,  // validation runs a rank's whole share in one forward
-                          /*one_backward_per_step=*/o.micro_batches == 1 && o.schedule.empty());
+                          bf16_expert_grads_for_training(config, o.dtype, o.micro_batches, !o.schedule.empty()));
     run_rank(rank, *replica);
   } else {
     // --schedule: the Flow executor's gradient chunks go on a second group of the same thread ranks (docs/flow.md:

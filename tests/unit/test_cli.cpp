@@ -217,6 +217,11 @@ TEST_F(Cli, BenchModelOptionsAreItsOwn) {
   auto s = run_cli("bench gemm --seq 64");
   EXPECT_NE(s.status, 0);
   EXPECT_NE(s.output.find("--seq is an option of `dmoe bench model`"), std::string::npos) << s.output;
+  auto g = run_cli("bench --engine cpu --tokens 8 --hidden 16 --ffn 16 --experts 4 --top-k 2 -n 1 --repeat 1 "
+                   "--warmup 0 --f32-expert-grads");
+  EXPECT_NE(g.status, 0);
+  EXPECT_NE(g.output.find("--f32-expert-grads is an option of `dmoe bench model`"), std::string::npos) << g.output;
+  EXPECT_EQ(g.output.find("give --tokens instead"), std::string::npos) << g.output;  // that hint is --batch/--seq's
   if (!fs::exists("/dev/nvidia0")) {
     auto m = run_cli("bench model --config tiny");
     EXPECT_NE(m.status, 0);

@@ -17,6 +17,7 @@
 #include "cli_test_util.hpp"
 #include "core/error.hpp"
 #include "model/mixtral_config.hpp"
+#include "model/train_replica.hpp"
 #include "model/trainer.hpp"
 #include "train_test_util.hpp"
 
@@ -33,6 +34,27 @@ class Train : public test::TrainTest {
  protected:
   TrainOptions small() const { return test::small_train_options(); }
 };
+
+// dmoe train's choice of bf16 expert gradients on the GPU (model/train_replica.hpp): a bf16 model, one micro-batch, no
+// Flow schedule, experts of H·I >= 2 M elements; anything else keeps them f32 (several micro-batches add into them,
+// which bf16 ones refuse; small experts' bf16 products were measured slower).
+TEST(TrainExpertGrads, Bf16OnlyWithOneBackwardPerStepOnLargeExperts) {
+  MixtralConfig big = load_mixtral_config((fs::path(DMOE_SOURCE_DIR) / "bench/models/llama2-moe.json").string());
+  MixtralConfig small = load_mixtral_config((fs::path(DMOE_SOURCE_DIR) / "bench/models/gpt2-tiny-moe.json").string());
+  EXPECT_TRUE(bf16_expert_grads_pay_off(big));     // 1024 x 4096
+  EXPECT_FALSE(bf16_expert_grads_pay_off(small));  // 256 x 512
+  EXPECT_TRUE(bf16_expert_grads_for_training(big, DType::bf16, 1, false));
+  EXPECT_FALSE(bf16_expert_grads_for_training(big, DType::bf16, 2, false));  // micro-batches add into them
+  EXPECT_FALSE(bf16_expert_grads_for_training(big, DType::bf16, 1, true));   // a Flow schedule (R varies)
+  EXPECT_FALSE(bf16_expert_grads_for_training(big, DType::f32, 1, false));   // an f32 model's are f32
+  EXPECT_FALSE(bf16_expert_grads_for_training(small, DType::bf16, 1, false));
+  MixtralConfig edge = small;
+  edge.hidden_size = 1024;
+  edge.intermediate_size = 2048;  // exactly 2^21
+  EXPECT_TRUE(bf16_expert_grads_pay_off(edge));
+  edge.intermediate_size = 2047;
+  EXPECT_FALSE(bf16_expert_grads_pay_off(edge));
+}
 
 TEST(TrainSchedule, WarmupThenCosineToMinLr) {
   TrainOptions o;

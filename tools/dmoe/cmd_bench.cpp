@@ -149,10 +149,13 @@ Command add_bench_command(CLI::App& app) {
       "micro-batch; src/model/cuda/cuda_mixtral.hpp)");
   return [o, sub, worlds_option, batch_option, seq_option, f32_grads_option] {
     // A model's options on another benchmark would be ignored: refuse them instead.
-    for (const CLI::Option* opt : {batch_option, seq_option, f32_grads_option})
+    for (const CLI::Option* opt : {batch_option, seq_option})
       DMOE_REQUIRE_INPUT(o->what == "model" || opt->count() == 0,
                          "{} is an option of `dmoe bench model` (a whole model's step); `dmoe bench {}` times one "
                          "layer's tokens: give --tokens instead", opt->get_name(), o->what);
+    DMOE_REQUIRE_INPUT(o->what == "model" || f32_grads_option->count() == 0,
+                       "--f32-expert-grads is an option of `dmoe bench model` (a whole model's step; `dmoe bench {}` "
+                       "would ignore it)", o->what);
     // So would the GEMM benchmark's outside it, and a layer's shape and engine options on a whole model's step
     // (its shapes come from the model config; --dtype, --warmup, --repeat, --json apply).
     for (const char* name : {"--variants", "--square", "--dgrad", "--wgrad"})  // --wgrad was left out: ignored

@@ -30,7 +30,7 @@ struct ModelBenchOptions {
   DType dtype = DType::bf16;
   int warmup = 2;
   int min_iterations = 5;
-  // bf16 model: the experts' gradients in bf16 where CudaMixtralModel::bf16_expert_grads_pay_off (as dmoe train)
+  // bf16 model: the experts' gradients in bf16 where bf16_expert_grads_pay_off (model/train_replica.hpp), as dmoe train
   bool bf16_expert_grads = true;
 };
 

@@ -148,6 +148,10 @@ double CudaFlowExecutor::step(const TaskGraph& g, const int32_t* tokens, int64_t
   const int32_t L = c.num_hidden_layers, R = g.spec.micro_batches;
   DMOE_REQUIRE_INPUT(g.spec.layers == L, "flow executor: graph layers {} but the model has {}", g.spec.layers, L);
   DMOE_REQUIRE_INPUT(batch % R == 0, "flow executor: batch {} sequences do not split into micro_batches {}", batch, R);
+  // Micro-batches add into the expert gradients, which a model with bf16 ones refuses mid-step (EpEngine): say it first.
+  DMOE_REQUIRE(!model.bf16_expert_grads() || R == 1, "flow executor: the model keeps bf16 expert gradients, which one "
+               "backward writes and none adds to, and the graph has {} micro-batches; make the model without "
+               "bf16_expert_grads (dmoe train does so for a Flow schedule)", R);
   DMOE_REQUIRE_INPUT(g.spec.dense_grad_bytes_per_layer == cuda_mixtral_dense_grad_bytes_per_layer(c),
                      "flow executor: graph dense_grad_bytes_per_layer {} but the GPU model's layers hold {} bytes of "
                      "all-reduced gradients", g.spec.dense_grad_bytes_per_layer,

@@ -296,6 +296,9 @@ float* CudaMixtralModel::g(int64_t offset) const {
 }
 
 void* CudaMixtralModel::expert_grad(int64_t offset) const {
+  DMOE_REQUIRE(offset >= layout_.group_begin[ParamLayout::experts] && offset < layout_.total(),
+               "cuda mixtral: expert_grad({}) is not an expert tensor's offset (experts: [{}, {}))", offset,
+               layout_.group_begin[ParamLayout::experts], layout_.total());
   if (!bf16_expert_grads_) return grad_.as<float>() + offset;
   return expert_grad_.as<bf16>() + (offset - layout_.group_begin[ParamLayout::experts]);
 }

@@ -5,10 +5,13 @@
 //
 // Parameters live in four flat device buffers of one layout (ParamLayout): f32 master weights, f32 gradients,
 // and AdamW's two f32 moments; a bf16 model also keeps a bf16 copy of the weights, which every kernel reads
-// (an f32 model reads the master weights). The layout groups the tensors by how the step treats them:
+// (an f32 model reads the master weights), and with bf16 expert gradients (the constructor's option) the f32
+// gradient buffer ends where the experts begin and theirs are a bf16 buffer of their own. The layout groups the
+// tensors by how the step treats them:
 //   [norms | dense matrices | routers | experts]
 // so one all-reduce covers the replicated gradients (norms, dense, routers), one AdamW launch with weight
-// decay covers dense..experts and one without covers the norms, and the gradient norm is two sums. Within the
+// decay covers dense..experts (two with bf16 expert gradients) and one without covers the norms, and the gradient
+// norm is two sums. Within the
 // experts group a layer's w1, w3 and w2 are each one [Le, ·, ·] stack, the layout EpEngine reads.
 //
 // Activations are in the storage type (f32 or bf16); logits f32. Everything is issued on the backend's stream;
@@ -93,21 +96,11 @@ class CudaMixtralModel {
   // model's are (the router's and the dense tensors' stay f32; weights and moments stay f32 masters): the
   // backward writes them rounded once from its f32 accumulators, and the gradient norm and AdamW read half the
   // bytes. A step may then run one backward per layer only (a second one, another micro-batch adding into them,
-  // is refused by EpEngine). dmoe train takes it with one micro-batch, no Flow schedule and
-  // bf16_expert_grads_pay_off(config); dmoe bench model the same unless --f32-expert-grads; eval --grad keeps f32.
+  // is refused by EpEngine). dmoe train takes it where bf16_expert_grads_for_training says (model/train_replica.hpp:
+  // one micro-batch, no Flow schedule, a shape where it pays); dmoe bench model where bf16_expert_grads_pay_off unless
+  // --f32-expert-grads; eval --grad keeps f32.
   CudaMixtralModel(const MixtralConfig& config, DType storage, Comm& comm, std::unique_ptr<Backend> backend,
                    bool bf16_expert_grads = false);
-  // Whether bf16 expert gradients make a step faster for this shape: bf16 products go to one cuBLAS call per expert
-  // and product (pick_wgrad_kernel: the grouped kernels' bf16 store is slower), whose host time (~15-20 µs a call)
-  // pays only for large experts. Measured on the H200 (docs/perf.md, eighteenth session; per step, bf16 vs f32
-  // expert gradients): DeepSeek-V2-S (H·I = 7.9 M) optimizer 32.7 → 30.0 ms, LLaMA2-MoE (4.2 M) step 148.6 → 143.7
-  // ms; but GPT2-Tiny-MoE (0.13 M) 38.0 ms a step with bf16 against 12.7 with f32, BERT-Large-MoE (0.52 M) 49.7
-  // against 39.8 (their backward's 1152-2304 cuBLAS calls are host-bound). So: H·I of at least
-  // kBf16ExpertGradMinWeight elements.
-  static constexpr int64_t kBf16ExpertGradMinWeight = int64_t(1) << 21;
-  static bool bf16_expert_grads_pay_off(const MixtralConfig& config) {
-    return int64_t(config.hidden_size) * int64_t(config.intermediate_size) >= kBf16ExpertGradMinWeight;
-  }
   ~CudaMixtralModel();
   CudaMixtralModel(const CudaMixtralModel&) = delete;
   CudaMixtralModel& operator=(const CudaMixtralModel&) = delete;

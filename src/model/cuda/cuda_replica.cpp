@@ -23,14 +23,13 @@ namespace {
 class CudaReplica final : public TrainReplica {
  public:
   CudaReplica(const MixtralConfig& config, DType storage, const MixtralWeights& full, const MixtralWeights& m,
-              const MixtralWeights& v, int32_t micro_batches, int64_t max_tokens, bool one_backward_per_step)
+              const MixtralWeights& v, int32_t micro_batches, int64_t max_tokens, bool bf16_expert_grads)
       : states_(micro_batches) {
     CudaRank r = open_cuda_rank(config, storage, max_tokens);
     comm_ = std::move(r.comm);
     std::unique_ptr<Backend> backend = std::move(r.backend);
     model_ = std::make_unique<CudaMixtralModel>(config, storage, *comm_, std::move(backend),
-                                                /*bf16_expert_grads=*/one_backward_per_step && micro_batches == 1 &&
-                                                    CudaMixtralModel::bf16_expert_grads_pay_off(config));
+                                                bf16_expert_grads);
     const int32_t first = model_->first_expert(), held = model_->experts_per_rank();
     model_->set_weights(slice_mixtral_experts(full, first, held));
     model_->set_moments(slice_mixtral_experts(m, first, held), slice_mixtral_experts(v, first, held));
@@ -160,8 +159,8 @@ CudaRank open_cuda_rank(const MixtralConfig& config, DType storage, int64_t max_
 
 std::unique_ptr<TrainReplica> make_cuda_replica(const MixtralConfig& config, DType storage, const MixtralWeights& full,
                                                 const MixtralWeights& m, const MixtralWeights& v,
-                                                int32_t micro_batches, int64_t max_tokens, bool one_backward_per_step) {
-  return std::make_unique<CudaReplica>(config, storage, full, m, v, micro_batches, max_tokens, one_backward_per_step);
+                                                int32_t micro_batches, int64_t max_tokens, bool bf16_expert_grads) {
+  return std::make_unique<CudaReplica>(config, storage, full, m, v, micro_batches, max_tokens, bf16_expert_grads);
 }
 
 EvalResult run_cuda_model(const MixtralConfig& config, const MixtralWeights& weights, const std::vector<int32_t>& tokens,
