@@ -58,6 +58,7 @@
 #include "cli_test_util.hpp"
 #include "core/env.hpp"
 #include "core/error.hpp"
+#include "core/fault.hpp"
 #include "model/config_io.hpp"
 #include "model/mixtral_config.hpp"
 #include "model/safetensors.hpp"
@@ -1571,6 +1572,21 @@ TEST_F(BadInput, FlowTraceTooLargeForTheMemoryIsRefusedWithItsSize) {
   expect_user_error(r, "flow simulate --trace (1440687 events of 20000 layers", "a 3 GB trace under a 1.5 GB limit");
   EXPECT_NE(r.output.find("--layers, --micro-batches, or leave out --trace"), std::string::npos) << r.output;
   EXPECT_FALSE(fs::exists(p("t.json")));
+}
+
+// ---- The eleventh pass (2026-12-04, branch bad11; docs/faults.md) --------------------------------------------
+
+TEST_F(BadInput, TrainMinLrNegativeIsRefusedNotTakenForTheDefault) {
+  // --min-lr < 0 was TrainOptions' "not given" mark: `--min-lr -0.5` trained with lr/10 as the final rate, rc 0.
+  const std::string train = "train --config " + p("tiny.json") + " --data " + p("data") +
+                            " --steps 2 --seq 16 --batch 2 --print-every 0 ";
+  for (const char* v : {"-0.5", "-1", "-inf"})
+    expect_user_error(run_cli(train + "--min-lr " + v), std::string("--min-lr ") + (v[1] == 'i' ? "-inf" : v) +
+                      " is invalid: allowed a learning rate from 0 to --lr", std::string("--min-lr ") + v);
+  EXPECT_EQ(run_cli(train + "--min-lr 0").status, 0);
+  EXPECT_EQ(run_cli(train + "--min-lr -0").status, 0);  // -0.0 is 0
+  const Result help = run_cli("train --help");
+  EXPECT_NE(help.output.find("--min-lr FLOAT=lr/10"), std::string::npos) << help.output;
 }
 
 }  // namespace

@@ -4,6 +4,7 @@
 //         [--world W] [--init random|CKPT] [--resume DIR] [--save DIR] [--log FILE] [--lr 3e-3] ...
 #include <algorithm>
 #include <climits>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <vector>
@@ -184,7 +185,9 @@ Command add_train_command(CLI::App& app) {
   sub->add_option("--save-every", o->save_every, "also save every N steps")->check(Range(int64_t(0), kMaxSteps));
   sub->add_option("--log", o->log_path, "JSON-lines log: {step, loss, lr, grad_norm, tokens_per_s}, {step, val_loss}");
   sub->add_option("--lr", o->lr, "peak learning rate");
-  sub->add_option("--min-lr", o->min_lr, "final learning rate of the cosine (default lr/10)");
+  // Not given: lr/10 (TrainOptions' min_lr < 0). A negative value given was taken for that default without a word.
+  CLI::Option* min_lr = sub->add_option("--min-lr", o->min_lr, "final learning rate of the cosine, >= 0 and <= --lr "
+                                        "(default lr/10)")->default_str("lr/10");
   sub->add_option("--warmup", o->warmup, "linear warm-up steps")->check(Range(int64_t(0), kMaxSteps));
   sub->add_option("--weight-decay", o->weight_decay, "AdamW decoupled weight decay (matrices only)");
   sub->add_option("--beta1", o->beta1);
@@ -195,7 +198,10 @@ Command add_train_command(CLI::App& app) {
   sub->add_option("--val-batches", o->val_batches, "held-out windows = val-batches x batch")->check(Range(int64_t(1), int64_t(1) << 20));
   sub->add_option("--seed", o->seed, "data order and random init");
   sub->add_option("--print-every", o->print_every, "progress line every N steps (0: none)")->check(Range(int64_t(0), kMaxSteps));
-  return [o, config, engine, dtype, chunk, samples, steps, file] {
+  return [o, config, engine, dtype, chunk, samples, steps, file, min_lr] {
+    DMOE_REQUIRE_INPUT(min_lr->count() == 0 || (o->min_lr >= 0 && std::isfinite(o->min_lr)),
+                       "train: --min-lr {} is invalid: allowed a learning rate from 0 to --lr {} (leave it out for "
+                       "the default, lr/10)", o->min_lr, o->lr);
     // Options of one schedule given for another would be ignored: refused instead.
     for (const CLI::Option* opt : {samples, steps, file})
       DMOE_REQUIRE_INPUT(opt->count() == 0 || o->schedule == "tuned", "train: {} is an option of --schedule tuned "
