@@ -1589,5 +1589,15 @@ TEST_F(BadInput, TrainMinLrNegativeIsRefusedNotTakenForTheDefault) {
   EXPECT_NE(help.output.find("--min-lr FLOAT=lr/10"), std::string::npos) << help.output;
 }
 
+TEST_F(BadInput, FaultRankIsDecimalDigitsOnly) {
+  // strtol's rules: DMOE_FAULT=' 1:…' and '+1:…' were rank 1 (the ninth pass's v-cases, left by the tenth).
+  for (const char* bad : {" 1:alltoall:exit", "+1:alltoall:exit", "1 :alltoall:exit", "0x1:alltoall:exit"})
+    EXPECT_NE(input_error_of([&] { parse_fault(bad); }).find("is invalid (rank: decimal digits only)"),
+              std::string::npos) << "'" << bad << "'";
+  EXPECT_EQ(parse_fault("01:alltoall:exit").rank, 1);
+  expect_user_error(run_cli("init --hidden 8 --ffn 8 --experts 2 --top-k 1 --tokens 2 --out " + p("w.st"),
+                            "DMOE_FAULT=' 1:alltoall:exit'"), "is invalid (rank: decimal digits only)", "init");
+}
+
 }  // namespace
 }  // namespace dmoe
