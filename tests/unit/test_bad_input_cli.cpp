@@ -1599,5 +1599,16 @@ TEST_F(BadInput, FaultRankIsDecimalDigitsOnly) {
                             "DMOE_FAULT=' 1:alltoall:exit'"), "is invalid (rank: decimal digits only)", "init");
 }
 
+TEST_F(BadInput, CommTimeoutIsADecimalNumber) {
+  // strtod's rules: DMOE_COMM_TIMEOUT_S=0x10 was 16 s, ' 5' 5 s.
+  const std::string init = "init --hidden 8 --ffn 8 --experts 2 --top-k 1 --tokens 2 --out " + p("w.st");
+  for (const char* env : {"DMOE_COMM_TIMEOUT_S=0x10", "DMOE_COMM_TIMEOUT_S=' 5'", "DMOE_COMM_TIMEOUT_S=0x1p4"}) {
+    expect_user_error(run_cli(init, env), "is invalid: expected seconds in [0.01, 1e9] as a decimal number", env);
+    EXPECT_FALSE(fs::exists(p("w.st"))) << env;
+  }
+  EXPECT_EQ(run_cli(init, "DMOE_COMM_TIMEOUT_S=1.5e2").status, 0);
+  EXPECT_EQ(run_cli(init, "DMOE_COMM_TIMEOUT_S=.5").status, 0);
+}
+
 }  // namespace
 }  // namespace dmoe
