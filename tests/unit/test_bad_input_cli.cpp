@@ -1610,5 +1610,17 @@ TEST_F(BadInput, CommTimeoutIsADecimalNumber) {
   EXPECT_EQ(run_cli(init, "DMOE_COMM_TIMEOUT_S=.5").status, 0);
 }
 
+TEST_F(BadInput, LaunchSaysItReplacesTheCallersRendezvous) {
+  // dmoe launch set its own DMOE_RENDEZVOUS for the ranks over one the caller had set, without a word.
+  const Result r = run_cli("launch -n 1 -- sh -c 'echo \"rv=$DMOE_RENDEZVOUS\"'", "DMOE_RENDEZVOUS=" + p("mine"));
+  EXPECT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("note: DMOE_RENDEZVOUS=" + p("mine") + " from the environment is not used"),
+            std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("rv=" + p("mine")), std::string::npos) << r.output;
+  const Result quiet = run_cli("launch -n 1 -- true");
+  EXPECT_EQ(quiet.status, 0) << quiet.output;
+  EXPECT_EQ(quiet.output.find("DMOE_RENDEZVOUS"), std::string::npos) << quiet.output;
+}
+
 }  // namespace
 }  // namespace dmoe
