@@ -1622,5 +1622,31 @@ TEST_F(BadInput, LaunchSaysItReplacesTheCallersRendezvous) {
   EXPECT_EQ(quiet.output.find("DMOE_RENDEZVOUS"), std::string::npos) << quiet.output;
 }
 
+TEST_F(BadInput, RoutingFlagsWithoutEffectAreRefused) {
+  // run without --grad-output took --aux-loss-coef / --z-loss-coef (backward-only weights) and --drop-policy on a
+  // dropless config, rc 0 and the very same output file; bench --no-backward the same.
+  ASSERT_EQ(run_cli("init --hidden 8 --ffn 8 --experts 4 --top-k 2 --tokens 4 --out " + p("w.st") + " --input " +
+                    p("x.st") + " --grad-output " + p("dy.st")).status, 0);
+  const std::string run = "run --top-k 2 --weights " + p("w.st") + " --input " + p("x.st") + " --output " + p("y.st");
+  expect_user_error(run_cli(run + " --aux-loss-coef 5"), "run: --aux-loss-coef weights a router loss in the backward "
+                    "only, and this run has no backward", "run --aux-loss-coef, forward only");
+  expect_user_error(run_cli(run + " --z-loss-coef 3"), "add --grad-output FILE (dy), or drop --z-loss-coef",
+                    "run --z-loss-coef, forward only");
+  expect_user_error(run_cli(run + " --drop-policy lowest-weight"), "run: --drop-policy lowest-weight chooses the "
+                    "tokens a full expert drops, and this config is dropless", "run --drop-policy, dropless");
+  EXPECT_FALSE(fs::exists(p("y.st")));
+  const std::string bench = "bench --engine cpu --tokens 4 --hidden 8 --ffn 8 --experts 2 --top-k 1 -n 1 --repeat 1 "
+                            "--warmup 0 ";
+  expect_user_error(run_cli(bench + "--no-backward --aux-loss-coef 1"), "leave out --no-backward, or drop "
+                    "--aux-loss-coef", "bench --no-backward --aux-loss-coef");
+  expect_user_error(run_cli(bench + "--drop-policy latest-tokens"), "this config is dropless", "bench --drop-policy");
+  // Where they act, they are taken.
+  const Result back = run_cli(run + " --grad-output " + p("dy.st") + " --aux-loss-coef 5 --z-loss-coef 3");
+  EXPECT_EQ(back.status, 0) << back.output;
+  const Result capped = run_cli(run + " --capacity-factor 1 --drop-policy lowest-weight");
+  EXPECT_EQ(capped.status, 0) << capped.output;
+  EXPECT_EQ(run_cli(bench + "--aux-loss-coef 1 --capacity-factor 1 --drop-policy lowest-weight").status, 0);
+}
+
 }  // namespace
 }  // namespace dmoe
