@@ -869,7 +869,7 @@ TEST_F(BadInput, RealFlagAndNarrowIntegerOptionValuesSayWhatIsAllowed) {
                      "--clip 1e-400");
   expect_parse_error(run_cli(init + " --aux-loss-coef 1e400"), "'1e400' is too large for a double and would be read "
                      "as infinity", "1e400");
-  ASSERT_EQ(run_cli(init + " --capacity-factor 4.9e-324").status, 0);  // the smallest double is a double
+  ASSERT_EQ(run_cli(init + " --capacity-factor 4.9e-324 --save-config " + p("c.json")).status, 0);  // the smallest double
   // A 64-bit integer given to a 32-bit option: "Could not convert: --world = 2147483648".
   expect_parse_error(run_cli("run --world 2147483648 --weights w --input x --output y"),
                      "--world: 2147483648 does not fit in a 32-bit integer; allowed: integers in range -2147483648 to "
@@ -1646,6 +1646,23 @@ TEST_F(BadInput, RoutingFlagsWithoutEffectAreRefused) {
   const Result capped = run_cli(run + " --capacity-factor 1 --drop-policy lowest-weight");
   EXPECT_EQ(capped.status, 0) << capped.output;
   EXPECT_EQ(run_cli(bench + "--aux-loss-coef 1 --capacity-factor 1 --drop-policy lowest-weight").status, 0);
+}
+
+TEST_F(BadInput, InitRoutingFlagsWithoutSaveConfigAreRefused) {
+  // The weights file records no routing: without --save-config these flags were dropped (rc 0, the summary printed
+  // "cf=1" as if the file had it).
+  const std::string init = "init --hidden 8 --ffn 8 --experts 4 --top-k 2 --tokens 4 --out " + p("w.st");
+  for (const char* flag : {"--capacity-factor 1", "--drop-policy lowest-weight", "--aux-loss-coef 0.1",
+                           "--z-loss-coef 0.1", "--no-renormalize"}) {
+    expect_user_error(run_cli(init + " " + flag), " is not recorded in --out (a safetensors file holds the tensors "
+                      "only): add --save-config FILE", flag);
+    EXPECT_FALSE(fs::exists(p("w.st"))) << flag;
+  }
+  const Result kept = run_cli(init + " --capacity-factor 1 --no-renormalize --save-config " + p("c.json"));
+  ASSERT_EQ(kept.status, 0) << kept.output;
+  const json c = json::parse(slurp(p("c.json")));
+  EXPECT_EQ(c.at("capacity_factor"), 1.0);
+  EXPECT_EQ(c.at("renormalize"), false);
 }
 
 }  // namespace
