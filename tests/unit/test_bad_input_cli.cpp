@@ -1665,5 +1665,20 @@ TEST_F(BadInput, InitRoutingFlagsWithoutSaveConfigAreRefused) {
   EXPECT_EQ(c.at("renormalize"), false);
 }
 
+TEST_F(BadInput, TrainStopAfterOutsideTheScheduleIsRefused) {
+  // 0 is the "not given" mark: `--stop-after 0` trained all the steps; a stop past --steps was min(stop, steps):
+  // `--steps 2 --stop-after 50` ran 2 steps, rc 0, without a word.
+  const std::string train = "train --config " + p("tiny.json") + " --data " + p("data") +
+                            " --steps 2 --seq 16 --batch 2 --print-every 0 ";
+  const Result zero = run_cli(train + "--stop-after 0");
+  expect_user_error(zero, "train: --stop-after 0 is invalid: it stops after a step of the --steps schedule, from 1 to "
+                    "--steps 2", "--stop-after 0");
+  EXPECT_EQ(zero.output.find("train: mixtral"), std::string::npos) << zero.output;
+  expect_user_error(run_cli(train + "--stop-after 50"), "train: --stop-after 50 is past the last step of the schedule "
+                    "(--steps 2)", "--stop-after 50");
+  EXPECT_EQ(run_cli(train + "--stop-after 2").status, 0);
+  EXPECT_NE(run_cli("train --help").output.find("--stop-after INT:INT in [0 - 1000000000]=--steps"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace dmoe

@@ -155,8 +155,10 @@ Command add_train_command(CLI::App& app) {
   sub->add_option("--data", o->data_path, "text file (or a directory of them) whose bytes are the tokens, e.g. "
                   "/usr/share/common-licenses (Debian base-files)")->required();
   sub->add_option("--steps", o->steps, "last training step")->check(Range(int64_t(1), kMaxSteps));
-  sub->add_option("--stop-after", o->stop_after, "stop (and save) after this step of the --steps schedule")
-      ->check(Range(int64_t(0), kMaxSteps));
+  // 0 is TrainOptions' "not given": `--stop-after 0` ran the whole schedule.
+  CLI::Option* stop_after = sub->add_option("--stop-after", o->stop_after, "stop (and save) after this step of the "
+                                            "--steps schedule (1 to --steps; default: run to --steps)")
+      ->check(Range(int64_t(0), kMaxSteps))->default_str("--steps");
   sub->add_option("--seq", o->seq, "sequence length")->check(Range(2, 1 << 20));
   sub->add_option("--batch", o->batch, "sequences per step over all ranks")->check(Range(int64_t(1), int64_t(1) << 20));
   sub->add_option("--world", o->world, "simulated ranks (batch split, experts sharded E/W)")->check(Range(1, 4096));
@@ -198,7 +200,10 @@ Command add_train_command(CLI::App& app) {
   sub->add_option("--val-batches", o->val_batches, "held-out windows = val-batches x batch")->check(Range(int64_t(1), int64_t(1) << 20));
   sub->add_option("--seed", o->seed, "data order and random init");
   sub->add_option("--print-every", o->print_every, "progress line every N steps (0: none)")->check(Range(int64_t(0), kMaxSteps));
-  return [o, config, engine, dtype, chunk, samples, steps, file, min_lr] {
+  return [o, config, engine, dtype, chunk, samples, steps, file, min_lr, stop_after] {
+    DMOE_REQUIRE_INPUT(stop_after->count() == 0 || o->stop_after >= 1, "train: --stop-after 0 is invalid: it stops "
+                       "after a step of the --steps schedule, from 1 to --steps {} (leave it out to run all the steps)",
+                       o->steps);
     DMOE_REQUIRE_INPUT(min_lr->count() == 0 || (o->min_lr >= 0 && std::isfinite(o->min_lr)),
                        "train: --min-lr {} is invalid: allowed a learning rate from 0 to --lr {} (leave it out for "
                        "the default, lr/10)", o->min_lr, o->lr);
