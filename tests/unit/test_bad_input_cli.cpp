@@ -1583,8 +1583,8 @@ TEST_F(BadInput, TrainMinLrNegativeIsRefusedNotTakenForTheDefault) {
   for (const char* v : {"-0.5", "-1", "-inf"})
     expect_user_error(run_cli(train + "--min-lr " + v), std::string("--min-lr ") + (v[1] == 'i' ? "-inf" : v) +
                       " is invalid: allowed a learning rate from 0 to --lr", std::string("--min-lr ") + v);
-  EXPECT_EQ(run_cli(train + "--min-lr 0").status, 0);
-  EXPECT_EQ(run_cli(train + "--min-lr -0").status, 0);  // -0.0 is 0
+  EXPECT_EQ(run_cli(train + "--min-lr 0 --warmup 1").status, 0);
+  EXPECT_EQ(run_cli(train + "--min-lr -0 --warmup 0").status, 0);  // -0.0 is 0
   const Result help = run_cli("train --help");
   EXPECT_NE(help.output.find("--min-lr FLOAT=lr/10"), std::string::npos) << help.output;
 }
@@ -1663,6 +1663,18 @@ TEST_F(BadInput, InitRoutingFlagsWithoutSaveConfigAreRefused) {
   const json c = json::parse(slurp(p("c.json")));
   EXPECT_EQ(c.at("capacity_factor"), 1.0);
   EXPECT_EQ(c.at("renormalize"), false);
+}
+
+TEST_F(BadInput, TrainMinLrWithoutACosineIsRefused) {
+  // --min-lr ends the cosine after the warm-up: under the default --warmup 10 a 2-step run has none, and --min-lr was
+  // taken with no effect (the run warmed up for both steps), rc 0; so was a single step without a warm-up.
+  const std::string train = "train --config " + p("tiny.json") + " --data " + p("data") + " --seq 16 --batch 2 "
+                            "--print-every 0 --min-lr 0 ";
+  expect_user_error(run_cli(train + "--steps 2"), "train: --min-lr 0 would have no effect: --warmup 10 covers all "
+                    "--steps 2", "--min-lr without a cosine");
+  expect_user_error(run_cli(train + "--steps 1 --warmup 0"), "--steps 1 is the one step at the peak --lr", "one step");
+  EXPECT_EQ(run_cli(train + "--steps 2 --warmup 1").status, 0);
+  EXPECT_EQ(run_cli(train + "--steps 2 --warmup 0").status, 0);
 }
 
 TEST_F(BadInput, TrainStopAfterOutsideTheScheduleIsRefused) {

@@ -207,6 +207,16 @@ Command add_train_command(CLI::App& app) {
     DMOE_REQUIRE_INPUT(min_lr->count() == 0 || (o->min_lr >= 0 && std::isfinite(o->min_lr)),
                        "train: --min-lr {} is invalid: allowed a learning rate from 0 to --lr {} (leave it out for "
                        "the default, lr/10)", o->min_lr, o->lr);
+    // The cosine that ends at --min-lr runs over the steps after the warm-up: with none, --min-lr was taken and had
+    // no effect (`--steps 5 --min-lr 0` under the default --warmup 10 warmed up for all 5 steps).
+    const bool has_cosine = o->warmup > 0 ? o->steps > o->warmup : o->steps > 1;
+    DMOE_REQUIRE_INPUT(min_lr->count() == 0 || has_cosine || o->min_lr > o->lr,  // (the trainer refuses > --lr)
+                       "train: --min-lr {} would have no effect: {}, so no step is on the cosine down to --min-lr; "
+                       "{}, or leave out --min-lr", o->min_lr,
+                       o->warmup > 0 ? fmt::format("--warmup {} covers all --steps {}", o->warmup, o->steps)
+                                     : std::string("--steps 1 is the one step at the peak --lr"),
+                       o->warmup > 0 ? fmt::format("give --warmup below --steps (e.g. --warmup {})", o->steps / 10)
+                                     : std::string("give --steps 2 or more"));
     // Options of one schedule given for another would be ignored: refused instead.
     for (const CLI::Option* opt : {samples, steps, file})
       DMOE_REQUIRE_INPUT(opt->count() == 0 || o->schedule == "tuned", "train: {} is an option of --schedule tuned "
