@@ -32,7 +32,10 @@
 // JSON files and --data past the size limit or the memory, --top-k -1, flow --layers past the graph's limit, and
 // --tune-steps wrapping in 32 bits. The tenth pass's (branch bad10): a checkpoint file copied from another run of the
 // same step, init-model's shards written one by one, a model directory of two models, train --save onto its --init
-// or too long for the file system, a flow --trace larger than the memory.
+// or too long for the file system, a flow --trace larger than the memory. The eleventh pass's (branch bad11): train's
+// "not given" marks taken from the user (--min-lr < 0, --stop-after 0) and options with no effect (--min-lr without a
+// cosine, --stop-after past --steps, run/bench/init routing flags), DMOE_FAULT / DMOE_COMM_TIMEOUT_S read by
+// strtol/strtod rules, launch replacing the caller's DMOE_RENDEZVOUS without a word.
 //
 // Run: dmoe_unit_tests --gtest_filter='BadInput*'
 #include <gtest/gtest.h>
