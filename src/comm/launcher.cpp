@@ -605,6 +605,12 @@ int launch(const LaunchOptions& o) {
   }
   set_env(base, "DMOE_WORLD", std::to_string(o.num_ranks));
   set_env(base, "DMOE_LOCAL_WORLD", std::to_string(o.num_ranks));
+  // The ranks of one launch meet in the launcher's own directory; a DMOE_RENDEZVOUS the caller set was replaced
+  // without a word (the ranks' stage board and bootstrap files went elsewhere than the caller's directory).
+  if (const char* own = std::getenv("DMOE_RENDEZVOUS"); own && *own && rendezvous != own)
+    message(o.err_fd, fmt::format("note: DMOE_RENDEZVOUS={} from the environment is not used: the ranks of one "
+                                  "dmoe launch meet in the launcher's own directory ({}); unset DMOE_RENDEZVOUS "
+                                  "to silence this", own, rendezvous));
   set_env(base, "DMOE_RENDEZVOUS", rendezvous);
   set_env(base, "NCCL_NVLS_ENABLE", "0", false);
   set_env(base, "NVSHMEM_DISABLE_NVLS", "1", false);

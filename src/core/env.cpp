@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <unistd.h>  // environ
@@ -19,6 +20,12 @@ namespace dmoe {
 double host_wait_timeout_seconds() {
   const char* text = std::getenv("DMOE_COMM_TIMEOUT_S");
   if (!text) return 600.0;
+  // A decimal number only: strtod also took hexadecimal ("0x10" as 16 s) and leading white space.
+  const std::string_view t = text;
+  const bool decimal = !t.empty() && ((t[0] >= '0' && t[0] <= '9') || t[0] == '.') &&
+                       t.find_first_not_of("0123456789.eE+-") == std::string_view::npos;
+  DMOE_REQUIRE_INPUT(decimal, "DMOE_COMM_TIMEOUT_S='{}' is invalid: expected seconds in [0.01, 1e9] as a decimal "
+                     "number (e.g. 600 or 0.5)", text);
   char* end = nullptr;
   const double v = std::strtod(text, &end);
   // At most 1e9 s (~32 years): a deadline of now + v must fit the clocks' 64-bit nanoseconds (inf would not).

@@ -1,6 +1,7 @@
 // fault.cpp — see fault.hpp.
 #include "core/fault.hpp"
 
+#include <algorithm>
 #include <cstdlib>
 #include <mutex>
 #include <set>
@@ -52,9 +53,12 @@ Fault parse_fault(std::string_view text) {
   const std::string rank(text.substr(0, a));
   const std::string_view stage = text.substr(a + 1, b - a - 1), kind = text.substr(b + 1);
   Fault f;
-  char* end = nullptr;
-  const long r = std::strtol(rank.c_str(), &end, 10);
-  if (rank.empty() || *end != '\0' || r < 0 || r > 1 << 20) bad_spec(text, "rank");
+  // Decimal digits only: strtol also took a leading space or '+' (DMOE_FAULT=' 1:…' read as rank 1).
+  const bool digits = !rank.empty() && rank.size() <= 7 &&
+                      std::all_of(rank.begin(), rank.end(), [](char ch) { return ch >= '0' && ch <= '9'; });
+  if (!digits) bad_spec(text, "rank: decimal digits only");
+  const long r = std::strtol(rank.c_str(), nullptr, 10);
+  if (r > 1 << 20) bad_spec(text, "rank");
   f.rank = int32_t(r);
   for (FaultStage s : kStages)
     if (stage == fault_stage_name(s)) f.stage = s;

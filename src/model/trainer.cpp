@@ -202,6 +202,10 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
                      "train: --weight-decay {} must be finite and >= 0", o.weight_decay);
   DMOE_REQUIRE_INPUT(o.min_lr < 0 || (o.min_lr <= o.lr && std::isfinite(o.min_lr)),
                      "train: --min-lr {} must be <= --lr {} (or negative for the default, lr/10)", o.min_lr, o.lr);
+  // A stop past the schedule's end was min(stop_after, steps) without a word (`--steps 2 --stop-after 50`: 2 steps).
+  DMOE_REQUIRE_INPUT(o.stop_after <= o.steps, "train: --stop-after {} is past the last step of the schedule (--steps "
+                     "{}): it stops after one of its steps, 1 to {}; give --steps {} for a longer run, or leave out "
+                     "--stop-after", o.stop_after, o.steps, o.steps, o.stop_after);
 
   // A batch that cannot fit is refused before the data is read (it used to end in a bare std::bad_alloc after the
   // first line). On the GPU the activations are on the device. On either engine the host holds the whole f32 model and

@@ -32,7 +32,10 @@
 // JSON files and --data past the size limit or the memory, --top-k -1, flow --layers past the graph's limit, and
 // --tune-steps wrapping in 32 bits. The tenth pass's (branch bad10): a checkpoint file copied from another run of the
 // same step, init-model's shards written one by one, a model directory of two models, train --save onto its --init
-// or too long for the file system, a flow --trace larger than the memory.
+// or too long for the file system, a flow --trace larger than the memory. The eleventh pass's (branch bad11): train's
+// "not given" marks taken from the user (--min-lr < 0, --stop-after 0) and options with no effect (--min-lr without a
+// cosine, --stop-after past --steps, run/bench/init routing flags), DMOE_FAULT / DMOE_COMM_TIMEOUT_S read by
+// strtol/strtod rules, launch replacing the caller's DMOE_RENDEZVOUS without a word.
 //
 // Run: dmoe_unit_tests --gtest_filter='BadInput*'
 #include <gtest/gtest.h>
@@ -58,6 +61,7 @@
 #include "cli_test_util.hpp"
 #include "core/env.hpp"
 #include "core/error.hpp"
+#include "core/fault.hpp"
 #include "model/config_io.hpp"
 #include "model/mixtral_config.hpp"
 #include "model/safetensors.hpp"
@@ -868,7 +872,7 @@ TEST_F(BadInput, RealFlagAndNarrowIntegerOptionValuesSayWhatIsAllowed) {
                      "--clip 1e-400");
   expect_parse_error(run_cli(init + " --aux-loss-coef 1e400"), "'1e400' is too large for a double and would be read "
                      "as infinity", "1e400");
-  ASSERT_EQ(run_cli(init + " --capacity-factor 4.9e-324").status, 0);  // the smallest double is a double
+  ASSERT_EQ(run_cli(init + " --capacity-factor 4.9e-324 --save-config " + p("c.json")).status, 0);  // the smallest double
   // A 64-bit integer given to a 32-bit option: "Could not convert: --world = 2147483648".
   expect_parse_error(run_cli("run --world 2147483648 --weights w --input x --output y"),
                      "--world: 2147483648 does not fit in a 32-bit integer; allowed: integers in range -2147483648 to "
@@ -1571,6 +1575,124 @@ TEST_F(BadInput, FlowTraceTooLargeForTheMemoryIsRefusedWithItsSize) {
   expect_user_error(r, "flow simulate --trace (1440687 events of 20000 layers", "a 3 GB trace under a 1.5 GB limit");
   EXPECT_NE(r.output.find("--layers, --micro-batches, or leave out --trace"), std::string::npos) << r.output;
   EXPECT_FALSE(fs::exists(p("t.json")));
+}
+
+// ---- The eleventh pass (2026-12-04, branch bad11; docs/faults.md) --------------------------------------------
+
+TEST_F(BadInput, TrainMinLrNegativeIsRefusedNotTakenForTheDefault) {
+  // --min-lr < 0 was TrainOptions' "not given" mark: `--min-lr -0.5` trained with lr/10 as the final rate, rc 0.
+  const std::string train = "train --config " + p("tiny.json") + " --data " + p("data") +
+                            " --steps 2 --seq 16 --batch 2 --print-every 0 ";
+  for (const char* v : {"-0.5", "-1", "-inf"})
+    expect_user_error(run_cli(train + "--min-lr " + v), std::string("--min-lr ") + (v[1] == 'i' ? "-inf" : v) +
+                      " is invalid: allowed a learning rate from 0 to --lr", std::string("--min-lr ") + v);
+  EXPECT_EQ(run_cli(train + "--min-lr 0 --warmup 1").status, 0);
+  EXPECT_EQ(run_cli(train + "--min-lr -0 --warmup 0").status, 0);  // -0.0 is 0
+  const Result help = run_cli("train --help");
+  EXPECT_NE(help.output.find("--min-lr FLOAT=lr/10"), std::string::npos) << help.output;
+}
+
+TEST_F(BadInput, FaultRankIsDecimalDigitsOnly) {
+  // strtol's rules: DMOE_FAULT=' 1:…' and '+1:…' were rank 1 (the ninth pass's v-cases, left by the tenth).
+  for (const char* bad : {" 1:alltoall:exit", "+1:alltoall:exit", "1 :alltoall:exit", "0x1:alltoall:exit"})
+    EXPECT_NE(input_error_of([&] { parse_fault(bad); }).find("is invalid (rank: decimal digits only)"),
+              std::string::npos) << "'" << bad << "'";
+  EXPECT_EQ(parse_fault("01:alltoall:exit").rank, 1);
+  expect_user_error(run_cli("init --hidden 8 --ffn 8 --experts 2 --top-k 1 --tokens 2 --out " + p("w.st"),
+                            "DMOE_FAULT=' 1:alltoall:exit'"), "is invalid (rank: decimal digits only)", "init");
+}
+
+TEST_F(BadInput, CommTimeoutIsADecimalNumber) {
+  // strtod's rules: DMOE_COMM_TIMEOUT_S=0x10 was 16 s, ' 5' 5 s.
+  const std::string init = "init --hidden 8 --ffn 8 --experts 2 --top-k 1 --tokens 2 --out " + p("w.st");
+  for (const char* env : {"DMOE_COMM_TIMEOUT_S=0x10", "DMOE_COMM_TIMEOUT_S=' 5'", "DMOE_COMM_TIMEOUT_S=0x1p4"}) {
+    expect_user_error(run_cli(init, env), "is invalid: expected seconds in [0.01, 1e9] as a decimal number", env);
+    EXPECT_FALSE(fs::exists(p("w.st"))) << env;
+  }
+  EXPECT_EQ(run_cli(init, "DMOE_COMM_TIMEOUT_S=1.5e2").status, 0);
+  EXPECT_EQ(run_cli(init, "DMOE_COMM_TIMEOUT_S=.5").status, 0);
+}
+
+TEST_F(BadInput, LaunchSaysItReplacesTheCallersRendezvous) {
+  // dmoe launch set its own DMOE_RENDEZVOUS for the ranks over one the caller had set, without a word.
+  const Result r = run_cli("launch -n 1 -- sh -c 'echo \"rv=$DMOE_RENDEZVOUS\"'", "DMOE_RENDEZVOUS=" + p("mine"));
+  EXPECT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("note: DMOE_RENDEZVOUS=" + p("mine") + " from the environment is not used"),
+            std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("rv=" + p("mine")), std::string::npos) << r.output;
+  const Result quiet = run_cli("launch -n 1 -- true");
+  EXPECT_EQ(quiet.status, 0) << quiet.output;
+  EXPECT_EQ(quiet.output.find("DMOE_RENDEZVOUS"), std::string::npos) << quiet.output;
+}
+
+TEST_F(BadInput, RoutingFlagsWithoutEffectAreRefused) {
+  // run without --grad-output took --aux-loss-coef / --z-loss-coef (backward-only weights) and --drop-policy on a
+  // dropless config, rc 0 and the very same output file; bench --no-backward the same.
+  ASSERT_EQ(run_cli("init --hidden 8 --ffn 8 --experts 4 --top-k 2 --tokens 4 --out " + p("w.st") + " --input " +
+                    p("x.st") + " --grad-output " + p("dy.st")).status, 0);
+  const std::string run = "run --top-k 2 --weights " + p("w.st") + " --input " + p("x.st") + " --output " + p("y.st");
+  expect_user_error(run_cli(run + " --aux-loss-coef 5"), "run: --aux-loss-coef weights a router loss in the backward "
+                    "only, and this run has no backward", "run --aux-loss-coef, forward only");
+  expect_user_error(run_cli(run + " --z-loss-coef 3"), "add --grad-output FILE (dy), or drop --z-loss-coef",
+                    "run --z-loss-coef, forward only");
+  expect_user_error(run_cli(run + " --drop-policy lowest-weight"), "run: --drop-policy lowest-weight chooses the "
+                    "tokens a full expert drops, and this config is dropless", "run --drop-policy, dropless");
+  EXPECT_FALSE(fs::exists(p("y.st")));
+  const std::string bench = "bench --engine cpu --tokens 4 --hidden 8 --ffn 8 --experts 2 --top-k 1 -n 1 --repeat 1 "
+                            "--warmup 0 ";
+  expect_user_error(run_cli(bench + "--no-backward --aux-loss-coef 1"), "leave out --no-backward, or drop "
+                    "--aux-loss-coef", "bench --no-backward --aux-loss-coef");
+  expect_user_error(run_cli(bench + "--drop-policy latest-tokens"), "this config is dropless", "bench --drop-policy");
+  // Where they act, they are taken.
+  const Result back = run_cli(run + " --grad-output " + p("dy.st") + " --aux-loss-coef 5 --z-loss-coef 3");
+  EXPECT_EQ(back.status, 0) << back.output;
+  const Result capped = run_cli(run + " --capacity-factor 1 --drop-policy lowest-weight");
+  EXPECT_EQ(capped.status, 0) << capped.output;
+  EXPECT_EQ(run_cli(bench + "--aux-loss-coef 1 --capacity-factor 1 --drop-policy lowest-weight").status, 0);
+}
+
+TEST_F(BadInput, InitRoutingFlagsWithoutSaveConfigAreRefused) {
+  // The weights file records no routing: without --save-config these flags were dropped (rc 0, the summary printed
+  // "cf=1" as if the file had it).
+  const std::string init = "init --hidden 8 --ffn 8 --experts 4 --top-k 2 --tokens 4 --out " + p("w.st");
+  for (const char* flag : {"--capacity-factor 1", "--drop-policy lowest-weight", "--aux-loss-coef 0.1",
+                           "--z-loss-coef 0.1", "--no-renormalize"}) {
+    expect_user_error(run_cli(init + " " + flag), " is not recorded in --out (a safetensors file holds the tensors "
+                      "only): add --save-config FILE", flag);
+    EXPECT_FALSE(fs::exists(p("w.st"))) << flag;
+  }
+  const Result kept = run_cli(init + " --capacity-factor 1 --no-renormalize --save-config " + p("c.json"));
+  ASSERT_EQ(kept.status, 0) << kept.output;
+  const json c = json::parse(slurp(p("c.json")));
+  EXPECT_EQ(c.at("capacity_factor"), 1.0);
+  EXPECT_EQ(c.at("renormalize"), false);
+}
+
+TEST_F(BadInput, TrainMinLrWithoutACosineIsRefused) {
+  // --min-lr ends the cosine after the warm-up: under the default --warmup 10 a 2-step run has none, and --min-lr was
+  // taken with no effect (the run warmed up for both steps), rc 0; so was a single step without a warm-up.
+  const std::string train = "train --config " + p("tiny.json") + " --data " + p("data") + " --seq 16 --batch 2 "
+                            "--print-every 0 --min-lr 0 ";
+  expect_user_error(run_cli(train + "--steps 2"), "train: --min-lr 0 would have no effect: --warmup 10 covers all "
+                    "--steps 2", "--min-lr without a cosine");
+  expect_user_error(run_cli(train + "--steps 1 --warmup 0"), "--steps 1 is the one step at the peak --lr", "one step");
+  EXPECT_EQ(run_cli(train + "--steps 2 --warmup 1").status, 0);
+  EXPECT_EQ(run_cli(train + "--steps 2 --warmup 0").status, 0);
+}
+
+TEST_F(BadInput, TrainStopAfterOutsideTheScheduleIsRefused) {
+  // 0 is the "not given" mark: `--stop-after 0` trained all the steps; a stop past --steps was min(stop, steps):
+  // `--steps 2 --stop-after 50` ran 2 steps, rc 0, without a word.
+  const std::string train = "train --config " + p("tiny.json") + " --data " + p("data") +
+                            " --steps 2 --seq 16 --batch 2 --print-every 0 ";
+  const Result zero = run_cli(train + "--stop-after 0");
+  expect_user_error(zero, "train: --stop-after 0 is invalid: it stops after a step of the --steps schedule, from 1 to "
+                    "--steps 2", "--stop-after 0");
+  EXPECT_EQ(zero.output.find("train: mixtral"), std::string::npos) << zero.output;
+  expect_user_error(run_cli(train + "--stop-after 50"), "train: --stop-after 50 is past the last step of the schedule "
+                    "(--steps 2)", "--stop-after 50");
+  EXPECT_EQ(run_cli(train + "--stop-after 2").status, 0);
+  EXPECT_NE(run_cli("train --help").output.find("--stop-after INT:INT in [0 - 1000000000]=--steps"), std::string::npos);
 }
 
 }  // namespace

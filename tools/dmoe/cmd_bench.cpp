@@ -246,6 +246,7 @@ Command add_bench_command(CLI::App& app) {
       ConfigOptions co = o->config;
       if (co.config_path.empty()) co.config_path = "flash-paper";
       g.config = resolve_config(co);
+      require_routing_flags_used(o->config, g.config, backward, "bench", "leave out --no-backward");
       // On the GPU the ranks are processes: a --world that is not this job's size would be ignored.
       const int32_t job_world = detect_process_env().world;
       DMOE_REQUIRE_INPUT(!o->config.world || *o->config.world == job_world,
@@ -289,6 +290,7 @@ Command add_bench_command(CLI::App& app) {
     defaults.top_k = 2;
     defaults.activation = Activation::swiglu;
     MoeConfig base = resolve_config(o->config, defaults);
+    require_routing_flags_used(o->config, base, backward, "bench", "leave out --no-backward");
     // A world from --world or the config file is the one rank count to run, unless -n says otherwise.
     std::vector<int32_t> worlds = o->worlds;
     if (o->config.world || base.world != 1) {

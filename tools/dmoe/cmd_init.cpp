@@ -101,6 +101,16 @@ Command add_init_command(CLI::App& app) {
   return [o, layer_option] {
     require_prefix_ends_with_dot(o->prefix);
     require_layer_or_prefix(layer_option->count() > 0 ? std::optional<int>(o->layer) : std::nullopt, o->prefix);
+    // The weights file holds tensors only: the routing flags reach --save-config's JSON and nothing else, and were
+    // taken and dropped without it (`init --capacity-factor 1 --out w.st` printed "cf=1", rc 0, and w.st had no cf).
+    if (o->save_config.empty())
+      for (const auto& [given, name] : {std::pair{o->config.capacity_factor.has_value(), "--capacity-factor"},
+                                        std::pair{o->config.drop_policy.has_value(), "--drop-policy"},
+                                        std::pair{o->config.aux_loss_coef.has_value(), "--aux-loss-coef"},
+                                        std::pair{o->config.z_loss_coef.has_value(), "--z-loss-coef"},
+                                        std::pair{o->config.no_renormalize, "--no-renormalize"}})
+        DMOE_REQUIRE_INPUT(!given, "init: {} is not recorded in --out (a safetensors file holds the tensors only): "
+                           "add --save-config FILE to keep it in the config, or give it to dmoe run / bench", name);
     MoeConfig defaults;
     defaults.tokens = 64;
     MoeConfig c = resolve_config(o->config, defaults);

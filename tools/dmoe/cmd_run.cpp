@@ -121,6 +121,7 @@ Command add_run_command(CLI::App& app) {
                        total, c.world, per_rank);
     c.tokens = per_rank;
     c.validate();
+    require_routing_flags_used(o->config, c, !o->grad_output.empty(), "run", "add --grad-output FILE (dy)");
     // What the engine cannot run is said before the weights are read (a build without CUDA says so below).
     if (kind != EngineKind::cpu && cuda_engines_built()) {
       MoeEngineOptions engine_options;

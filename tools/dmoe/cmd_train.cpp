@@ -4,6 +4,7 @@
 //         [--world W] [--init random|CKPT] [--resume DIR] [--save DIR] [--log FILE] [--lr 3e-3] ...
 #include <algorithm>
 #include <climits>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <vector>
@@ -154,8 +155,10 @@ Command add_train_command(CLI::App& app) {
   sub->add_option("--data", o->data_path, "text file (or a directory of them) whose bytes are the tokens, e.g. "
                   "/usr/share/common-licenses (Debian base-files)")->required();
   sub->add_option("--steps", o->steps, "last training step")->check(Range(int64_t(1), kMaxSteps));
-  sub->add_option("--stop-after", o->stop_after, "stop (and save) after this step of the --steps schedule")
-      ->check(Range(int64_t(0), kMaxSteps));
+  // 0 is TrainOptions' "not given": `--stop-after 0` ran the whole schedule.
+  CLI::Option* stop_after = sub->add_option("--stop-after", o->stop_after, "stop (and save) after this step of the "
+                                            "--steps schedule (1 to --steps; default: run to --steps)")
+      ->check(Range(int64_t(0), kMaxSteps))->default_str("--steps");
   sub->add_option("--seq", o->seq, "sequence length")->check(Range(2, 1 << 20));
   sub->add_option("--batch", o->batch, "sequences per step over all ranks")->check(Range(int64_t(1), int64_t(1) << 20));
   sub->add_option("--world", o->world, "simulated ranks (batch split, experts sharded E/W)")->check(Range(1, 4096));
@@ -184,7 +187,9 @@ Command add_train_command(CLI::App& app) {
   sub->add_option("--save-every", o->save_every, "also save every N steps")->check(Range(int64_t(0), kMaxSteps));
   sub->add_option("--log", o->log_path, "JSON-lines log: {step, loss, lr, grad_norm, tokens_per_s}, {step, val_loss}");
   sub->add_option("--lr", o->lr, "peak learning rate");
-  sub->add_option("--min-lr", o->min_lr, "final learning rate of the cosine (default lr/10)");
+  // Not given: lr/10 (TrainOptions' min_lr < 0). A negative value given was taken for that default without a word.
+  CLI::Option* min_lr = sub->add_option("--min-lr", o->min_lr, "final learning rate of the cosine, >= 0 and <= --lr "
+                                        "(default lr/10)")->default_str("lr/10");
   sub->add_option("--warmup", o->warmup, "linear warm-up steps")->check(Range(int64_t(0), kMaxSteps));
   sub->add_option("--weight-decay", o->weight_decay, "AdamW decoupled weight decay (matrices only)");
   sub->add_option("--beta1", o->beta1);
@@ -195,7 +200,23 @@ Command add_train_command(CLI::App& app) {
   sub->add_option("--val-batches", o->val_batches, "held-out windows = val-batches x batch")->check(Range(int64_t(1), int64_t(1) << 20));
   sub->add_option("--seed", o->seed, "data order and random init");
   sub->add_option("--print-every", o->print_every, "progress line every N steps (0: none)")->check(Range(int64_t(0), kMaxSteps));
-  return [o, config, engine, dtype, chunk, samples, steps, file] {
+  return [o, config, engine, dtype, chunk, samples, steps, file, min_lr, stop_after] {
+    DMOE_REQUIRE_INPUT(stop_after->count() == 0 || o->stop_after >= 1, "train: --stop-after 0 is invalid: it stops "
+                       "after a step of the --steps schedule, from 1 to --steps {} (leave it out to run all the steps)",
+                       o->steps);
+    DMOE_REQUIRE_INPUT(min_lr->count() == 0 || (o->min_lr >= 0 && std::isfinite(o->min_lr)),
+                       "train: --min-lr {} is invalid: allowed a learning rate from 0 to --lr {} (leave it out for "
+                       "the default, lr/10)", o->min_lr, o->lr);
+    // The cosine that ends at --min-lr runs over the steps after the warm-up: with none, --min-lr was taken and had
+    // no effect (`--steps 5 --min-lr 0` under the default --warmup 10 warmed up for all 5 steps).
+    const bool has_cosine = o->warmup > 0 ? o->steps > o->warmup : o->steps > 1;
+    DMOE_REQUIRE_INPUT(min_lr->count() == 0 || has_cosine || o->min_lr > o->lr,  // (the trainer refuses > --lr)
+                       "train: --min-lr {} would have no effect: {}, so no step is on the cosine down to --min-lr; "
+                       "{}, or leave out --min-lr", o->min_lr,
+                       o->warmup > 0 ? fmt::format("--warmup {} covers all --steps {}", o->warmup, o->steps)
+                                     : std::string("--steps 1 is the one step at the peak --lr"),
+                       o->warmup > 0 ? fmt::format("give --warmup below --steps (e.g. --warmup {})", o->steps / 10)
+                                     : std::string("give --steps 2 or more"));
     // Options of one schedule given for another would be ignored: refused instead.
     for (const CLI::Option* opt : {samples, steps, file})
       DMOE_REQUIRE_INPUT(opt->count() == 0 || o->schedule == "tuned", "train: {} is an option of --schedule tuned "

@@ -258,4 +258,16 @@ MoeConfig resolve_config(const ConfigOptions& o, const MoeConfig& defaults) {
   return c;
 }
 
+void require_routing_flags_used(const ConfigOptions& o, const MoeConfig& c, bool backward, const std::string& command,
+                                const std::string& how_backward) {
+  for (const auto& [given, name] : {std::pair{o.aux_loss_coef.has_value(), "--aux-loss-coef"},
+                                    std::pair{o.z_loss_coef.has_value(), "--z-loss-coef"}})
+    DMOE_REQUIRE_INPUT(!given || backward, "{}: {} weights a router loss in the backward only, and this run has no "
+                       "backward (the forward's outputs do not depend on it): {}, or drop {}", command, name,
+                       how_backward, name);
+  DMOE_REQUIRE_INPUT(!o.drop_policy || c.capacity_factor > 0, "{}: --drop-policy {} chooses the tokens a full expert "
+                     "drops, and this config is dropless (capacity_factor 0: no expert is ever full): give "
+                     "--capacity-factor > 0, or drop --drop-policy", command, *o.drop_policy);
+}
+
 }  // namespace dmoe::cli

@@ -76,6 +76,13 @@ class Range : public CLI::Validator {
 // The file's config (or defaults), with the flags applied on top. Does not validate.
 MoeConfig resolve_config(const ConfigOptions& options, const MoeConfig& defaults = MoeConfig{});
 
+// Routing flags the layer run would not use, refused naming the flag (each was taken and had no effect, rc 0):
+// --aux-loss-coef / --z-loss-coef weight the router losses' gradients, so they need a backward (`backward`;
+// `how_backward` says how this command gets one), and --drop-policy chooses the tokens a full expert drops, so it
+// needs a capacity (capacity_factor > 0). Only the command line's flags: a config file's values are left as written.
+void require_routing_flags_used(const ConfigOptions& options, const MoeConfig& config, bool backward,
+                                const std::string& command, const std::string& how_backward);
+
 // Named benchmark configs live in bench/configs/NAME.json; a --config that is not a file is looked up
 // there under $DMOE_HOME, the install's share/dmoe beside the executable, then the source tree the binary
 // was built from (data_dir.hpp); the error for a name found nowhere lists each place.
