@@ -26,6 +26,21 @@ DeviceWaitRecord* record_device = nullptr;  // its device address (portable: the
 
 WaitDescriber flash_describer = nullptr;
 
+// The barrier an sm90 GEMM or weight-gradient kernel's wait was for (its `what` codes).
+const char* sm90_wait_name(int what) {
+  switch (what) {
+    case 0: return "full (TMA data)";
+    case 1: return "empty (slot released)";
+    case 2: return "main-loop order (the other consumer's previous tile)";
+    case 3: return "tile-ring full (next tile index)";
+    case 4: return "tile-ring empty (index taken)";
+    case 5: return "resident-A full (the strip's A loaded)";
+    case 6: return "resident-A ready (its tail rows cleared)";
+    case 7: return "resident-A empty (both consumers done with it)";
+    default: return "unknown";
+  }
+}
+
 std::string describe(const DeviceWaitRecord& r) {
   char text[768];
   if (r.kernel == kWaitFlash && flash_describer != nullptr) {
@@ -36,7 +51,7 @@ std::string describe(const DeviceWaitRecord& r) {
                   "barrier of pipeline slot %d (phase parity %u) and stopped; raise DMOE_GPU_WAIT_TIMEOUT_MS if "
                   "the GPU is shared and slow, otherwise this is a bug",
                   r.kernel == kWaitSm90Wgrad ? "sm90 grouped weight-gradient" : "sm90 grouped GEMM", r.block, r.thread,
-                  r.waited_ms, r.what == 0 ? "full (TMA data)" : r.what == 1 ? "empty (slot released)" : r.what == 3 ? "tile-ring full (next tile index)" : "tile-ring empty (index taken)",
+                  r.waited_ms, sm90_wait_name(r.what),
                   r.slot, r.parity);
   } else {
     std::snprintf(text, sizeof(text), "; kernel %d (block %d, thread %d) timed out waiting on flag %d", r.kernel,

@@ -208,6 +208,8 @@ size_t sm90_grouped_wgrad_scratch_bytes(int32_t groups);
 struct Sm90WgradTuning {
   int accumulate = 0;  // how accumulate = true reads C: 1 load (into registers, added, stored), 2 red (f32
                        // reductions at L2, no round trip through the SM); 0 = DMOE_SM90_WGRAD_ACCUMULATE or load
+  int schedule = 0;    // 0: the strip schedule for groups of at most 320 rows (A's k-range loaded once for up to
+                       // 8 tiles), the tile schedule for longer ones; 1: the tile schedule for every group
 };
 void sm90_grouped_wgrad(const CudaContext& ctx, void* scratch, const GroupedWgrad& g, const Sm90WgradTuning& t = {});
 

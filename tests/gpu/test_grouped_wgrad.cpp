@@ -1,5 +1,6 @@
 // test_grouped_wgrad.cpp — dmoe's grouped weight-gradient kernels, C_g (+)= A_g^T · B_g: the TMA + wgmma
-// one (sm90_grouped_wgrad, cuda/grouped_wgrad_sm90.cu; both ways of accumulating), the mma.sync one
+// one (sm90_grouped_wgrad, cuda/grouped_wgrad_sm90.cu; both ways of accumulating, its strip schedule for
+// groups of at most 320 rows beside the tile schedule, and the tile schedule alone), the mma.sync one
 // (grouped_wgrad, cuda/grouped_wgrad.cu) and the CUDA twin (cuda::grouped_wgrad(g, ctx): the best of the
 // two here) against the CPU twin (cpu::grouped_wgrad, fp64 sums) on the same bf16 inputs; and the sm90
 // kernel against the mma.sync one (the same semantics: what is written, what is left alone).
@@ -16,8 +17,10 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -43,12 +46,13 @@ struct WgradShape {
   int64_t pad = 0;      // lda = m + pad, ldb = n + pad, c_group_stride = m·n + pad
 };
 
-enum class Kernel { sm90, sm90_red, mma, twin };
+enum class Kernel { sm90, sm90_red, sm90_tiles, mma, twin };
 
 const char* kernel_name(Kernel k) {
   switch (k) {
     case Kernel::sm90: return "sm90";
     case Kernel::sm90_red: return "sm90red";
+    case Kernel::sm90_tiles: return "sm90tiles";
     case Kernel::mma: return "mma";
     case Kernel::twin: return "twin";
   }
@@ -134,7 +138,7 @@ bool run_on_gpu(Kernel kernel, const WgradProblem& pr, std::vector<float>& c, st
   g.b = static_cast<const __nv_bfloat16*>(run.upload(pr.b.data(), pr.b.size() * 2));
   g.c = static_cast<float*>(run.upload(pr.c0.data(), pr.c0.size() * sizeof(float)));
   describe(g, pr, pr.s.accumulate);
-  const bool sm90 = kernel == Kernel::sm90 || kernel == Kernel::sm90_red;
+  const bool sm90 = kernel == Kernel::sm90 || kernel == Kernel::sm90_red || kernel == Kernel::sm90_tiles;
   if (sm90 ? !cuda::sm90_grouped_wgrad_usable(g) : kernel == Kernel::mma ? !cuda::grouped_wgrad_usable(g) : false)
     return false;
   if (kernel == Kernel::twin && !cuda::sm90_grouped_wgrad_usable(g) && !cuda::grouped_wgrad_usable(g)) return false;
@@ -142,6 +146,7 @@ bool run_on_gpu(Kernel kernel, const WgradProblem& pr, std::vector<float>& c, st
     void* scratch = run.workspace.reserve(cuda::sm90_grouped_wgrad_scratch_bytes(g.groups), run.ctx.stream);
     cuda::Sm90WgradTuning t;
     t.accumulate = kernel == Kernel::sm90_red ? 2 : 1;
+    t.schedule = kernel == Kernel::sm90_tiles ? 1 : 0;  // sm90, sm90_red: strips for groups of <= 320 rows
     cuda::sm90_grouped_wgrad(run.ctx, scratch, g, t);
   } else if (kernel == Kernel::mma) {
     void* scratch = run.workspace.reserve(cuda::grouped_wgrad_scratch_bytes(g.groups), run.ctx.stream);
@@ -259,6 +264,30 @@ TEST_P(CudaKernelsGroupedWgrad, Sm90MatchesMmaKernel) {
   expect_matches(pr, c90, cmma, ref.mag, 2.0, "the mma.sync kernel");
 }
 
+// The strip schedule (groups of at most 320 rows: A's k-range loaded once per strip of up to 8 tiles) and
+// the tile schedule run the same wgmma instructions over the same k-blocks in the same order: every element
+// bit-identical, stored and accumulated (load and red).
+TEST_P(CudaKernelsGroupedWgrad, Sm90StripScheduleEqualsTileScheduleBitwise) {
+  if (!has_cuda_device()) GTEST_SKIP() << "no CUDA device";
+  const auto [shape, kernel] = GetParam();
+  if (kernel != Kernel::sm90 && kernel != Kernel::sm90_red) GTEST_SKIP() << "once per shape and way of accumulating";
+  const uint64_t seed = std::random_device{}();
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  const WgradProblem pr(shape, seed);
+  std::vector<float> strips, tiles;
+  std::string error;
+  if (!run_on_gpu(kernel, pr, strips, error)) GTEST_SKIP() << "needs an sm_90 GPU and a build for sm_90a";
+  ASSERT_TRUE(error.empty()) << error;
+  // (sm90_tiles accumulates by loading C; red's one f32 add per element at L2 gives the same bits)
+  ASSERT_TRUE(run_on_gpu(Kernel::sm90_tiles, pr, tiles, error));
+  ASSERT_TRUE(error.empty()) << error;
+  int64_t bad = 0;
+  size_t first = 0;
+  for (size_t i = 0; i < strips.size(); ++i)
+    if (std::memcmp(&strips[i], &tiles[i], sizeof(float)) != 0 && bad++ == 0) first = i;
+  EXPECT_EQ(bad, 0) << bad << " elements differ; first at " << first << ": " << strips[first] << " vs " << tiles[first];
+}
+
 // The bf16 store (c_bf16, the PyTorch module's bf16 expert gradients) on the same inputs as the f32 store: every
 // written element is the f32 store's value rounded once to bf16 (the same sums, only the store differs), and a
 // group without rows and the padding keep their initial bits. Store shapes only (a bf16 C is never
@@ -308,6 +337,66 @@ TEST_P(CudaKernelsGroupedWgrad, Sm90Bf16StoreIsTheF32StoreRounded) {
                     << first;
 }
 
+// A flash-paper-like call (64 groups of ~256 rows, 8 × 8 tiles each: ~4 strips of 8 tiles per CTA, so every
+// CTA reuses its resident A buffers and its consumers skip tiles of exactly as many k-blocks as there are B
+// slots — the case of the main-loop order barrier), stored and accumulated, three times each: the strip
+// schedule equals the tile schedule bit for bit every time, and no wait times out. (GPU only: the tile
+// schedule is checked against the CPU twin above, on smaller shapes.)
+TEST(CudaKernelsGroupedWgradStress, StripScheduleEqualsTilesOnManyStrips) {
+  if (!has_cuda_device()) GTEST_SKIP() << "no CUDA device";
+  const uint64_t seed = std::random_device{}();
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  std::mt19937_64 rng(seed);
+  constexpr int32_t kGroups = 64;
+  constexpr int64_t kM = 1024, kN = 1024;
+  std::vector<int64_t> offsets(kGroups + 1, 0);
+  std::normal_distribution<double> around(256.0, 24.0);
+  for (int32_t g = 0; g < kGroups; ++g) {
+    // every fourth group exactly 256 rows (4 k-blocks, the 4 B slots of a 320-row strip launch), one of 320
+    int64_t rows = g % 4 == 0 ? 256 : std::clamp<int64_t>(int64_t(std::lround(around(rng))), 1, 320);
+    if (g == 5) rows = 320;
+    offsets[g + 1] = offsets[g] + rows;
+  }
+  const int64_t total = offsets.back();
+  const std::vector<uint16_t> a = random_bf16_bits(rng, size_t(total * kM)), b = random_bf16_bits(rng, size_t(total * kN));
+  DeviceRun run;
+  cuda::GroupedWgrad g;
+  g.a = static_cast<const __nv_bfloat16*>(run.upload(a.data(), a.size() * 2));
+  g.b = static_cast<const __nv_bfloat16*>(run.upload(b.data(), b.size() * 2));
+  const std::vector<float> c0(size_t(kGroups) * kM * kN, 0.5f);
+  g.c = static_cast<float*>(run.upload(c0.data(), c0.size() * sizeof(float)));
+  g.row_offsets = offsets.data();
+  g.groups = kGroups;
+  g.m = kM;
+  g.n = kN;
+  g.lda = kM;
+  g.ldb = kN;
+  g.c_group_stride = kM * kN;
+  if (!cuda::sm90_grouped_wgrad_usable(g)) GTEST_SKIP() << "needs an sm_90 GPU and a build for sm_90a";
+  void* scratch = run.workspace.reserve(cuda::sm90_grouped_wgrad_scratch_bytes(g.groups), run.ctx.stream);
+  auto result = [&](int schedule, bool accumulate) {
+    EXPECT_EQ(cudaMemcpy(g.c, c0.data(), c0.size() * sizeof(float), cudaMemcpyHostToDevice), cudaSuccess);
+    g.accumulate = accumulate;
+    cuda::Sm90WgradTuning t;
+    t.schedule = schedule;
+    cuda::sm90_grouped_wgrad(run.ctx, scratch, g, t);
+    const cudaError_t status = cudaStreamSynchronize(run.ctx.stream);
+    EXPECT_EQ(status, cudaSuccess) << cudaGetErrorString(status) << " (a trapped wait: the kernel stopped)";
+    std::vector<float> c(c0.size());
+    EXPECT_EQ(cudaMemcpy(c.data(), g.c, c.size() * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
+    return c;
+  };
+  for (const bool accumulate : {false, true}) {
+    const std::vector<float> tiles = result(1, accumulate);
+    for (int repeat = 0; repeat < 3; ++repeat) {
+      const std::vector<float> strips = result(0, accumulate);
+      ASSERT_FALSE(HasFailure());
+      EXPECT_EQ(std::memcmp(strips.data(), tiles.data(), tiles.size() * sizeof(float)), 0)
+          << (accumulate ? "accumulating" : "storing") << ", run " << repeat;
+    }
+  }
+}
+
 std::string shape_name(const WgradShape& s) {
   return "G" + std::to_string(s.groups) + "_r" + std::to_string(s.max_rows) + "_m" + std::to_string(s.m) + "_n" +
          std::to_string(s.n) + (s.accumulate ? "_acc" : "_store") +
@@ -327,11 +416,14 @@ const WgradShape kShapes[] = {
     {128, 96, 136, 264, true},         {3, 4000, 256, 128, true},        {3, 4000, 256, 128, false, 6},
     {16, 300, 768, 136, false},        {10, 200, 264, 128, true, 3, 6},  {20, 200, 200, 136, true, 0, 0, 16},
     {20, 200, 200, 136, false, 2, 0, 8},
+    // more than 8 column tiles (strips of 8 and a shorter last one), groups around the strip schedule's
+    // 320-row bound (some take the tile schedule in a second launch)
+    {8, 400, 136, 1160, false},        {8, 400, 200, 1160, true},
 };
 
 INSTANTIATE_TEST_SUITE_P(Shapes, CudaKernelsGroupedWgrad,
                          testing::Combine(testing::ValuesIn(kShapes),
-                                          testing::Values(Kernel::sm90, Kernel::sm90_red, Kernel::mma, Kernel::twin)),
+                                          testing::Values(Kernel::sm90, Kernel::sm90_red, Kernel::sm90_tiles, Kernel::mma, Kernel::twin)),
                          [](const testing::TestParamInfo<std::tuple<WgradShape, Kernel>>& info) {
                            return shape_name(std::get<0>(info.param)) + "_" + kernel_name(std::get<1>(info.param));
                          });

@@ -348,15 +348,27 @@ std::vector<GemmBenchRow> bench_wgrad_gemms(const MoeConfig& c, cudaStream_t str
       // Tile loads of the sm90 kernel: per tile and k-block of 64 rows, 128 A and 128 B columns of 128 bytes.
       double tile_bytes = 0;
       for (int32_t e = 0; e < E; ++e) tile_bytes += double((local[e + 1] - local[e] + 63) / 64) * tm * tn * 2 * 128 * 128;
+      // The strip schedule (groups of at most 320 rows; longer ones as above): A's k-blocks once per strip of
+      // up to 8 column tiles, B's per tile.
+      double strip_bytes = 0;
+      const int strips_per_row = (tn + 7) / 8;
+      for (int32_t e = 0; e < E; ++e) {
+        const int64_t rows_e = local[e + 1] - local[e], kb = (rows_e + 63) / 64;
+        strip_bytes += rows_e > 320 ? double(kb) * tm * tn * 2 * 128 * 128
+                                    : double(kb) * tm * (strips_per_row + tn) * 128 * 128;
+      }
       auto add = [&](const char* variant, std::function<void()> fn, double tiles) {
         rows.push_back({variant, product, {}, flop, tiles, bytes});
         work.push_back(std::move(fn));
       };
-      cuda::Sm90WgradTuning load, red;
+      cuda::Sm90WgradTuning load, red, tiles;
       load.accumulate = 1;
       red.accumulate = 2;
-      add("sm90", [&, g, load] { cuda::sm90_grouped_wgrad(ctx, scratch, g, load); }, tile_bytes);
-      if (accumulate) add("sm90red", [&, g, red] { cuda::sm90_grouped_wgrad(ctx, scratch, g, red); }, tile_bytes);
+      tiles.accumulate = 1;
+      tiles.schedule = 1;
+      add("sm90", [&, g, load] { cuda::sm90_grouped_wgrad(ctx, scratch, g, load); }, strip_bytes);
+      if (accumulate) add("sm90red", [&, g, red] { cuda::sm90_grouped_wgrad(ctx, scratch, g, red); }, strip_bytes);
+      add("sm90tiles", [&, g, tiles] { cuda::sm90_grouped_wgrad(ctx, scratch, g, tiles); }, tile_bytes);
       add("mma", [&, g] { cuda::grouped_wgrad(ctx, scratch, g); }, 0);
       add("cublas", [&, pr, loop, accumulate] {
         const cudaDataType_t t = CUDA_R_16BF;
