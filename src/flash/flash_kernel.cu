@@ -252,7 +252,29 @@ __device__ void route_token_serial(const KernelArgs& a, const float* row, int64_
   }
 }
 
-__device__ void gate_role(const KernelArgs& a, const TileMaps& maps, uint8_t* scratch, int64_t t_begin, int64_t t_end) {
+// One warp's products of a 64-column chunk for one task (16 tokens × 32 experts): four k16 steps of four
+// m16n8k16 mma.sync each, A (x) and B (the gate's rows, clamped at E − 1) by ldmatrix from the chunk's
+// 128-byte-swizzled stage.
+__device__ __forceinline__ void gate_chunk_products(float (&acc)[4][4], uint32_t xb, uint32_t wb, int32_t a_row,
+                                                    int32_t b_row0, int32_t b_row1, int mi, int r8) {
+#pragma unroll 1  // unrolled, the SwiGLU kernel spilled registers (ptxas -v, before gate_role was its own function)
+  for (int kk = 0; kk < 4; ++kk) {
+    uint32_t af[4], b01[4], b23[4];
+    ldmatrix_x4(af, xb + a_row * 128 + (((2 * kk + mi / 2) ^ r8) << 4));
+    ldmatrix_x4(b01, wb + b_row0 * 128 + (((2 * kk + mi % 2) ^ (b_row0 & 7)) << 4));
+    ldmatrix_x4(b23, wb + b_row1 * 128 + (((2 * kk + mi % 2) ^ (b_row1 & 7)) << 4));
+    const uint32_t f0[2] = {b01[0], b01[1]}, f1[2] = {b01[2], b01[3]};
+    const uint32_t f2[2] = {b23[0], b23[1]}, f3[2] = {b23[2], b23[3]};
+    mma_16816(acc[0], af, f0);
+    mma_16816(acc[1], af, f1);
+    mma_16816(acc[2], af, f2);
+    mma_16816(acc[3], af, f3);
+  }
+}
+
+// Its own function (noinline): inlined into the kernel, the split K loop below made the relu and gelu kernels
+// spill 32 bytes (their expert roles' registers and the gate's shared one allocation); alone, nothing spills.
+__device__ __noinline__ void gate_role(const KernelArgs& a, const TileMaps& maps, uint8_t* scratch, int64_t t_begin, int64_t t_end) {
   const flash::Shape& s = a.p.shape;
   const int32_t E = s.experts, k = s.top_k;
   const int64_t H = s.hidden;
@@ -300,8 +322,8 @@ __device__ void gate_role(const KernelArgs& a, const TileMaps& maps, uint8_t* sc
     // w % task_count over chunks g, g + groups, ... (g = w / task_count), every stage in flight, and the groups'
     // partial sums are added in group order after the loop (deterministic; another summation order than the
     // one-group loop below, whose results it matches to f32 rounding). Measured (docs/perf.md, eighteenth session):
-    // decode T = 1 forward 0.207 → 0.186 ms, T = 128 0.705 → 0.684; it costs the relu and gelu kernels 32 bytes of
-    // register spills (ptxas -v), and flash-paper (relu, the one-group loop) 0.737 → 0.749 ms.
+    // decode T = 1 forward 0.207 → 0.186 ms, T = 128 0.705 → 0.684; inlined, it cost the relu and gelu kernels 32
+    // bytes of register spills (ptxas -v) and flash-paper (relu, the one-group loop) 0.737 → 0.749 ms (hence noinline).
     const int32_t tg_count = (n + 15) / 16, eg_count = (E + 31) / 32, task_count = tg_count * eg_count;
     const int32_t rows16 = 16 * tg_count;
     int32_t groups = min(S, (kThreads / 32) / task_count);
@@ -332,19 +354,7 @@ __device__ void gate_role(const KernelArgs& a, const TileMaps& maps, uint8_t* sc
           const int32_t a_row = tg * 16 + 8 * (mi % 2) + r8;
           const int32_t b_row0 = min(eg * 32 + 8 * (mi / 2) + r8, E - 1);
           const int32_t b_row1 = min(eg * 32 + 16 + 8 * (mi / 2) + r8, E - 1);
-#pragma unroll 1  // unrolled, the SwiGLU kernel spilled registers (ptxas -v)
-          for (int kk = 0; kk < 4; ++kk) {
-            uint32_t af[4], b01[4], b23[4];
-            ldmatrix_x4(af, xb + a_row * 128 + (((2 * kk + mi / 2) ^ r8) << 4));
-            ldmatrix_x4(b01, wb + b_row0 * 128 + (((2 * kk + mi % 2) ^ (b_row0 & 7)) << 4));
-            ldmatrix_x4(b23, wb + b_row1 * 128 + (((2 * kk + mi % 2) ^ (b_row1 & 7)) << 4));
-            const uint32_t f0[2] = {b01[0], b01[1]}, f1[2] = {b01[2], b01[3]};
-            const uint32_t f2[2] = {b23[0], b23[1]}, f3[2] = {b23[2], b23[3]};
-            mma_16816(acc1[0], af, f0);
-            mma_16816(acc1[1], af, f1);
-            mma_16816(acc1[2], af, f2);
-            mma_16816(acc1[3], af, f3);
-          }
+          gate_chunk_products(acc1, xb, wb, a_row, b_row0, b_row1, mi, r8);
         }
         __syncthreads();  // chunks [r0, r0 + groups) are done with: their stages take the next ones
         if (threadIdx.x == 0)
@@ -391,19 +401,7 @@ __device__ void gate_role(const KernelArgs& a, const TileMaps& maps, uint8_t* sc
           const int32_t a_row = tg * 16 + 8 * (mi % 2) + r8;
           const int32_t b_row0 = min(eg * 32 + 8 * (mi / 2) + r8, E - 1);
           const int32_t b_row1 = min(eg * 32 + 16 + 8 * (mi / 2) + r8, E - 1);
-#pragma unroll 1  // unrolled, the SwiGLU kernel spilled registers (ptxas -v)
-          for (int kk = 0; kk < 4; ++kk) {
-            uint32_t af[4], b01[4], b23[4];
-            ldmatrix_x4(af, xb + a_row * 128 + (((2 * kk + mi / 2) ^ r8) << 4));
-            ldmatrix_x4(b01, wb + b_row0 * 128 + (((2 * kk + mi % 2) ^ (b_row0 & 7)) << 4));
-            ldmatrix_x4(b23, wb + b_row1 * 128 + (((2 * kk + mi % 2) ^ (b_row1 & 7)) << 4));
-            const uint32_t f0[2] = {b01[0], b01[1]}, f1[2] = {b01[2], b01[3]};
-            const uint32_t f2[2] = {b23[0], b23[1]}, f3[2] = {b23[2], b23[3]};
-            mma_16816(acc[m][0], af, f0);
-            mma_16816(acc[m][1], af, f1);
-            mma_16816(acc[m][2], af, f2);
-            mma_16816(acc[m][3], af, f3);
-          }
+          gate_chunk_products(acc[m], xb, wb, a_row, b_row0, b_row1, mi, r8);
         }
       }
       gate_seq += uint32_t(chunks);
