@@ -153,10 +153,84 @@ TEST(GpuMixtral, Bf16NearCpuModel) {
   compare(gpu, cpu, c, 3e-2, 1e-2, 8e-2, "bf16");
 }
 
+// The CPU twins of a W = 1 model's gradient norm and AdamW step (CudaMixtralModel::grad_sum_of_squares, adamw_step),
+// tensor by tensor over its layout's entries, on what the model holds (downloaded: weights, gradients, moments).
+// [0] the replicated tensors' Σ g², [1] the experts'; elements: the sizes of the two ranges the GPU sums (padding
+// between tensors included: zeros there add nothing).
+void cpu_grad_sums(const ParamLayout& lay, MixtralWeights& g, bool bf16_experts, double sums[2], int64_t elements[2]) {
+  sums[0] = sums[1] = 0;
+  std::vector<bfloat16> bits;
+  for (const ParamLayout::Entry& e : lay.entries) {
+    const std::vector<float>& t = *e.select(g, e.layer);
+    const bool expert = e.group == ParamLayout::experts;
+    if (expert && bf16_experts) {  // the bf16 twin, on the bits the model's bf16 gradients hold
+      bits.resize(t.size());
+      size_t not_bf16 = 0;  // grads() gives each bf16 gradient as the float it holds: the bits round-trip
+      for (size_t i = 0; i < t.size(); ++i) {
+        bits[i] = float_to_bf16(t[i]);
+        not_bf16 += bf16_to_float(bits[i]) != t[i];
+      }
+      EXPECT_EQ(not_bf16, 0u) << "expert gradients that are no bf16 value, layer " << e.layer;
+      sums[1] += cpu::sum_of_squares(bits.data(), int64_t(bits.size()));
+    } else {
+      sums[expert ? 1 : 0] += cpu::sum_of_squares(t.data(), int64_t(t.size()));
+    }
+  }
+  elements[0] = lay.group_begin[ParamLayout::experts];
+  elements[1] = lay.total() - lay.group_begin[ParamLayout::experts];
+}
+
+// The model's step on the host: the norms without weight decay, the rest with; g·grad_scale rounded to f32 first
+// (cpu::scale_in_place, as the CPU trainer applies the clipping factor), then cpu::adamw_step; bf16 expert
+// gradients unscaled go to the bf16 twin.
+void cpu_adamw(const ParamLayout& lay, MixtralWeights& w, MixtralWeights& g, MixtralWeights& m, MixtralWeights& v,
+               const cpu::AdamWParams& p, double weight_decay, double grad_scale, bool bf16_experts) {
+  cpu::AdamWParams q = p;
+  std::vector<bfloat16> bits;
+  for (const ParamLayout::Entry& e : lay.entries) {
+    q.weight_decay = e.group == ParamLayout::norms ? 0.0 : weight_decay;
+    std::vector<float>& tw = *e.select(w, e.layer);
+    std::vector<float> tg = *e.select(g, e.layer);
+    std::vector<float>& tm = *e.select(m, e.layer);
+    std::vector<float>& tv = *e.select(v, e.layer);
+    const int64_t n = int64_t(tw.size());
+    if (e.group == ParamLayout::experts && bf16_experts && grad_scale == 1.0) {
+      bits.resize(tg.size());
+      for (size_t i = 0; i < tg.size(); ++i) bits[i] = float_to_bf16(tg[i]);
+      cpu::adamw_step(tw.data(), bits.data(), tm.data(), tv.data(), n, q);
+      continue;
+    }
+    if (grad_scale != 1.0) cpu::scale_in_place(tg.data(), n, grad_scale);
+    cpu::adamw_step(tw.data(), tg.data(), tm.data(), tv.data(), n, q);
+  }
+}
+
+// Every tensor of `a` and `b` (MixtralWeights of one layout) the same bits; the first differing tensor's name.
+testing::AssertionResult same_bits(const char* what, const ParamLayout& lay, MixtralWeights& a, MixtralWeights& b) {
+  size_t bad = 0;
+  std::string first;
+  for (const ParamLayout::Entry& e : lay.entries) {
+    const std::vector<float>& x = *e.select(a, e.layer);
+    const std::vector<float>& y = *e.select(b, e.layer);
+    if (x.size() == y.size() && std::memcmp(x.data(), y.data(), x.size() * 4) == 0) continue;
+    if (bad++ == 0) first = "layer " + std::to_string(e.layer) + " group " + std::to_string(int(e.group)) +
+                            " offset " + std::to_string(e.offset);
+  }
+  if (bad == 0) return testing::AssertionSuccess();
+  return testing::AssertionFailure() << what << ": " << bad << " of " << lay.entries.size()
+                                     << " tensors differ; the first: " << first;
+}
+
 // A bf16 model with bf16 expert gradients (dmoe train with one micro-batch, dmoe bench model) against the same model
 // with f32 ones: the replicated tensors' gradients bit for bit (nothing reads the experts' gradients), the experts'
-// within bf16's rounding of each element (2^-9 relative; 4e-3 over a tensor), the losses of 4 AdamW steps within
-// 5e-3 relative (the updates differ by that rounding); a second backward adding into bf16 gradients is refused.
+// within bf16's rounding of each element (at most 2^-8 relative, half an ulp of 8 significant bits; 4e-3 over a
+// tensor), the losses of 4 AdamW steps within 5e-3 relative (the updates differ by that rounding); a second backward
+// adding into bf16 gradients is refused. At every step of both models, against the CPU twins on what the model holds
+// (the block comment of the bf16-gradient kernel tests in test_model_kernels.cpp says why these tolerances):
+//  - the gradient norm's two sums within 2n·2^-53 relative (fp64 sums of the same exact squares in two orders);
+//  - the master weights and both moments after AdamW bit for bit (the same IEEE operations in the same order; step 1
+//    is the first, from zero moments: the bias corrections 1 − β^1);
+// and a rerun of the bf16-gradient model gives the same losses and weights bit for bit.
 TEST(GpuMixtral, Bf16ExpertGradientsNearF32) {
   if (!test::has_cuda_device()) GTEST_SKIP() << "no CUDA device";
   int32_t rank = 0, world = 1;
@@ -165,13 +239,15 @@ TEST(GpuMixtral, Bf16ExpertGradientsNearF32) {
   const MixtralConfig c = odd_config();
   const MixtralWeights w = random_mixtral_weights(c, 23);
   const int64_t batch = 3, seq = 20;
+  const ParamLayout lay = make_param_layout(c, c.num_local_experts);
   struct Run {
-    MixtralWeights first_grads;
+    MixtralWeights first_grads, final_weights;
     std::vector<double> losses;
     size_t bytes = 0;
   };
   // probe: after the first backward, try a second one (another micro-batch adding into the gradients) and stop.
   auto train = [&](bool bf16_grads, bool probe) {
+    SCOPED_TRACE(bf16_grads ? "bf16 expert gradients" : "f32 expert gradients");
     Run out;
     CudaRank r = open_cuda_rank(c, DType::bf16, batch * seq);
     CudaMixtralModel model(c, DType::bf16, *r.comm, std::move(r.backend), bf16_grads);
@@ -180,23 +256,40 @@ TEST(GpuMixtral, Bf16ExpertGradientsNearF32) {
     model.set_weights(w);
     CudaModelState st;
     for (int step = 1; step <= 4; ++step) {
+      SCOPED_TRACE(testing::Message() << "step " << step);
       const std::vector<int32_t> tokens = random_tokens(batch * seq, c.vocab_size, 200 + uint64_t(step));
       model.zero_grads();
       out.losses.push_back(model.forward(tokens.data(), batch, seq, st));
       model.backward(st);
-      if (step == 1) out.first_grads = model.grads();
+      MixtralWeights g = model.grads();
+      if (step == 1) out.first_grads = g;
       if (probe) {
         model.forward(tokens.data(), batch, seq, st);
         EXPECT_THROW(model.backward(st), Error);
         break;
       }
-      double sq[2];
+      double sq[2], want[2];
+      int64_t elements[2];
       model.grad_sum_of_squares(sq);
+      cpu_grad_sums(lay, g, bf16_grads, want, elements);
+      for (int k = 0; k < 2; ++k)
+        EXPECT_NEAR(sq[k], want[k], 2.0 * double(elements[k]) * std::ldexp(1.0, -53) * want[k])
+            << (k == 0 ? "replicated tensors' sum of squares" : "experts' sum of squares");
       cpu::AdamWParams p;
       p.lr = 1e-2;
       p.step = step;
-      model.adamw_step(p, 0.1, cpu::clip_coefficient(sq[0] + sq[1], 1.0));
+      const double scale = cpu::clip_coefficient(sq[0] + sq[1], 1.0);
+      MixtralWeights cw = model.weights(), cm, cv;
+      model.moments(cm, cv);
+      model.adamw_step(p, 0.1, scale);
+      cpu_adamw(lay, cw, g, cm, cv, p, 0.1, scale, bf16_grads);
+      MixtralWeights gw = model.weights(), gm, gv;
+      model.moments(gm, gv);
+      EXPECT_TRUE(same_bits("master weights after AdamW vs the CPU twins", lay, gw, cw));
+      EXPECT_TRUE(same_bits("first moments after AdamW vs the CPU twins", lay, gm, cm));
+      EXPECT_TRUE(same_bits("second moments after AdamW vs the CPU twins", lay, gv, cv));
     }
+    out.final_weights = model.weights();
     st.blocks.clear();
     return out;
   };
@@ -218,6 +311,12 @@ TEST(GpuMixtral, Bf16ExpertGradientsNearF32) {
   EXPECT_EQ(f32.losses[0], bf.losses[0]);  // the same weights: the first forward is the same
   for (size_t i = 1; i < f32.losses.size(); ++i)
     EXPECT_NEAR(bf.losses[i], f32.losses[i], 5e-3 * f32.losses[i]) << "step " << i + 1;
+  // Determinism: the bf16-gradient run again, bit for bit (losses and the final master weights).
+  const Run again = train(true, false);
+  ASSERT_EQ(again.losses.size(), bf.losses.size());
+  for (size_t i = 0; i < bf.losses.size(); ++i) EXPECT_EQ(again.losses[i], bf.losses[i]) << "rerun, step " << i + 1;
+  MixtralWeights w1 = bf.final_weights, w2 = again.final_weights;
+  EXPECT_TRUE(same_bits("final weights, rerun", lay, w2, w1));
 }
 
 TEST(GpuMixtral, RerunIsBitIdentical) {
