@@ -67,6 +67,8 @@ class TrainReplica {
     std::string clock;  // how the kinds were timed, e.g. "CUDA events" or "wall clock of the executor's threads"
   };
   virtual FlowTimes flow_times() { return {}; }
+  // Whether the model keeps its experts' gradients in bf16 (the GPU model's bf16_expert_grads); false on the CPU.
+  virtual bool bf16_expert_grads() const { return false; }
   virtual const char* engine_name() const = 0;
 };
 

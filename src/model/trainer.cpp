@@ -738,7 +738,9 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
     std::unique_ptr<TrainReplica> replica =
         make_cuda_replica(config, o.dtype, full, full_m, full_v, o.micro_batches,
                           local * o.seq,  // validation runs a rank's whole share in one forward
-                          bf16_expert_grads_for_training(config, o.dtype, o.micro_batches, !o.schedule.empty()));
+                          bf16_expert_grads_for_training(config, o.dtype, o.micro_batches, !o.schedule.empty()) &&
+                              !o.f32_expert_grads);
+    result.bf16_expert_grads = replica->bf16_expert_grads();
     run_rank(rank, *replica);
   } else {
     // --schedule: the Flow executor's gradient chunks go on a second group of the same thread ranks (docs/flow.md:

@@ -67,6 +67,9 @@ struct TrainOptions {
   int32_t tune_steps = 3;                  // tuned: timed steps per point (after one warm-up step)
   std::string tune_file;                   // tuned: samples and choice as JSON, one entry per run shape (model,
                                            // batch, seq, world, dtype): this shape's is reused without tuning
+  // cuda, bf16: keep the experts' gradients f32 where bf16_expert_grads_for_training (train_replica.hpp) would make
+  // them bf16 (the reference run of the GPU tests; dmoe bench model's --f32-expert-grads). No CLI option.
+  bool f32_expert_grads = false;
 };
 
 struct TrainRecord {
@@ -79,6 +82,7 @@ struct TrainResult {
   std::vector<TrainRecord> records;  // one per step run
   MixtralWeights weights;            // final, all experts
   double final_val_loss = -1;
+  bool bf16_expert_grads = false;    // the GPU model kept its experts' gradients in bf16 (TrainReplica's answer)
 };
 
 // The learning rate of step t (1-based).

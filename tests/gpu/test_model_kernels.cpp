@@ -781,46 +781,243 @@ TEST(CudaModelKernelsF32, SumOfSquaresAndScale) {
   EXPECT_EQ(d_out.read()[0], 0.0);
 }
 
-// bf16 gradients (the GPU model's bf16 expert gradients) against the CPU twins of the same name: AdamW within 1 f32
-// ulp (the f32 test's rule), the sum of squares within the two orders' rounding; shapes as above, so the packed
-// 8-byte loads, their tail and the unaligned scalar path all run.
-TEST(CudaModelKernelsBf16Grad, AdamWAndSumOfSquaresMatchCpu) {
+// ---- bf16 gradients (the GPU model's bf16 expert gradients, CudaMixtralModel) ----------------------------
+//
+// cuda::adamw_step / sum_of_squares on bf16 gradients against their CPU twins (cpu/model_kernels.cpp). Read both
+// implementations side by side:
+//  - AdamW: the GPU's adamw_one is the CPU loop operation for operation in fp64, each explicitly rounded
+//    (__dmul_rn, __dadd_rn, __ddiv_rn, __dsqrt_rn: no FMA contraction), the constants (bc1, bc2, 1 - beta, decay)
+//    from the same host expressions; the host side is built -std=c++20 (CMAKE_CXX_EXTENSIONS OFF, so GCC's
+//    -ffp-contract=off) with no -march, so the CPU twin has no FMA either; a bf16 is read as the float it holds
+//    on both sides (exact). grad_scale (the clipping factor): the GPU rounds g·scale to f32, as the CPU's
+//    scale_in_place stores it before its f32 adamw_step reads it. So the same IEEE operations in the same order:
+//    params, moments and the bf16 copy must be the CPU's bit for bit (no ulp allowed).
+//  - sum_of_squares: the squares of bf16 values are exact in fp64 (16 significant bits) on both sides; the CPU adds
+//    them in index order, the GPU per thread, then a block tree, then the blocks' partials: another order. Random
+//    gradients: each side within γ(n−1) ≈ (n−1)·2^-53 of the exact sum (non-negative terms, any order), so within
+//    2n·2^-53 of each other, relative. Gradients whose squares are multiples of 2^-42 below 2^-20 (|g| in
+//    [2^-14, 2^-10), or 0): every partial sum of up to 2^31 of them is a multiple of 2^-42 below 2^53·2^-42,
+//    exactly representable, so every order gives the exact sum: the GPU must equal the CPU bit for bit (an
+//    element dropped or read twice shows).
+// Every result is also rerun (the same call on the same inputs: bit-identical, the kernels are deterministic)
+// and compared with the f32-gradient kernel on the floats the bf16 gradients hold (bit for bit: the same
+// arithmetic, and for the sum the same geometry and order, which depend on n and the alignment path only).
+
+// Shapes: n elements at element offset `offset` in param, m, v and the copy, and `grad_offset` in the gradient.
+// AdamW's packed kernel (param, m, v 16-byte aligned, bf16 gradient 8-byte, copy 8-byte) launches
+// ceil(((n + 3) / 4) / 256) blocks of 256 threads, at most 8192 (2^23 elements a pass of its grid-stride loop),
+// one float4/4×bf16 pack a thread, then the n % 4 tail one at a time; the scalar kernel ceil(n / 256) blocks, at
+// most 8192 (2^21 elements a pass).
+struct Bf16GradShape {
+  int64_t n, offset, grad_offset;
+};
+const Bf16GradShape kBf16GradAdamShapes[] = {
+    {1, 0, 0},       {3, 0, 0},  // scalar tail only (n < 4)
+    {37, 0, 0},                  // one block: 9 packs, tail 1
+    {1001, 0, 0},                // one block: 250 packs, tail 1
+    {3077, 0, 0},                // 4 blocks, the last with 1 pack; tail 1
+    {20483, 4, 4},               // packs from an offset of 4 elements (16 B f32, 8 B bf16): 5120 packs in 20 blocks
+                                 // (a 21st launched for (n + 3) / 4 = 5121 has none); tail 3
+    {37, 1, 1},      {4096, 1, 1},  // all unaligned: the scalar kernel (16 blocks for 4096)
+    {1001, 0, 1},    {1001, 0, 2},  // only the gradient unaligned (2 B, 4 B: not 8): scalar
+    {1001, 2, 0},                   // only param/m/v unaligned (8 B: not 16): scalar
+    {(int64_t(1) << 23) + 4 * 37 + 3, 0, 0},  // packs: a second grid-stride pass of 37 packs; tail 3
+    {(int64_t(1) << 21) + 1001, 1, 1},        // scalar: a second grid-stride pass of 1001 elements
+};
+
+// N(0, 0.01) gradients rounded to bf16 (their bits), with edge values spread through: +0, -0, 1e-30 (far below
+// eps: the update is ~0), ±1e4 (the update saturates at ±lr), every few dozen elements.
+std::vector<bfloat16> bf16_grads(std::mt19937_64& rng, size_t count) {
+  const std::vector<float> g = normal(rng, count, 0, 0.01);
+  std::vector<bfloat16> out(count);
+  for (size_t i = 0; i < count; ++i) {
+    float x = g[i];
+    if (i % 97 == 5) x = 0.0f;
+    if (i % 89 == 7) x = -0.0f;
+    if (i % 83 == 11) x = (i & 1) ? 1e-30f : -1e-30f;
+    if (i % 79 == 13) x = (i & 1) ? 1e4f : -1e4f;
+    out[i] = float_to_bf16(x);
+  }
+  return out;
+}
+
+std::vector<float> held_floats(const std::vector<bfloat16>& g) {
+  std::vector<float> f(g.size());
+  for (size_t i = 0; i < g.size(); ++i) f[i] = bf16_to_float(g[i]);
+  return f;
+}
+
+std::vector<uint16_t> bits_of(const std::vector<bfloat16>& g) {
+  std::vector<uint16_t> b(g.size());
+  for (size_t i = 0; i < g.size(); ++i) b[i] = g[i].bits;
+  return b;
+}
+
+TEST(CudaModelKernelsBf16Grad, AdamWIsTheCpuTwinBitForBit) {
   DMOE_SKIP_WITHOUT_GPU();
   const uint64_t seed = fresh_seed();
   DMOE_SEED_TRACE(seed);
   std::mt19937_64 rng(seed);
   GpuEnv env;
-  for (const AdamShape s : kAdamShapes)
-    for (double grad_scale : {1.0, 0.37}) {
-      SCOPED_TRACE(testing::Message() << "n " << s.n << " offset " << s.offset << " grad_scale " << grad_scale);
-      const size_t total = size_t(s.n + s.offset);
-      std::vector<float> param = normal(rng, total), m = normal(rng, total, 0, 0.001), v = normal(rng, total, 0, 1e-4);
-      for (float& x : v) x = std::fabs(x);
-      const std::vector<float> grad = rounded<bf16>(normal(rng, total, 0, 0.01));  // the floats bf16 holds
-      std::vector<bfloat16> g16;
-      for (float x : grad) g16.push_back(float_to_bf16(x));
-      std::vector<float> cp = param, cg = grad, cm = m, cv = v;
-      const cpu::AdamWParams ap = adamw_params(10);
-      cpu::scale_in_place(cg.data() + s.offset, s.n, grad_scale);  // as the trainer applies the clipping factor
-      cpu::adamw_step(cp.data() + s.offset, cg.data() + s.offset, cm.data() + s.offset, cv.data() + s.offset, s.n, ap);
-      Buf<float> d_p(param), d_m(m), d_v(v);
-      Buf<bf16> d_g = to_device<bf16>(grad);
-      Buf<bf16> d_copy = to_device<bf16>(std::vector<float>(total, 0.f));
-      cuda::adamw_step<bf16>(d_p.get() + s.offset, d_g.get() + s.offset, d_m.get() + s.offset, d_v.get() + s.offset,
-                             s.n, ap, grad_scale, d_copy.get() + s.offset, env.stream);
-      const std::vector<float> gp = d_p.read();
-      EXPECT_TRUE(within_ulps("param", gp, cp, 1));
-      EXPECT_TRUE(within_ulps("m", d_m.read(), cm, 1));
-      EXPECT_TRUE(within_ulps("v", d_v.read(), cv, 1));
-      std::vector<float> want_copy(total, 0.f);
-      for (size_t i = size_t(s.offset); i < total; ++i) want_copy[i] = Repr<bf16>::round(gp[i]);
-      EXPECT_TRUE(bitwise_equal("param_copy", from_device(d_copy), want_copy));
+  for (const Bf16GradShape s : kBf16GradAdamShapes) {
+    const size_t total = size_t(s.n + s.offset), gtotal = size_t(s.n + s.grad_offset);
+    const std::vector<float> param0 = normal(rng, total);
+    const std::vector<bfloat16> g16 = bf16_grads(rng, gtotal);
+    const std::vector<float> gheld = held_floats(g16);
+    const std::vector<float> m_rand = normal(rng, total, 0, 0.001);
+    std::vector<float> v_rand = normal(rng, total, 0, 1e-4);
+    for (float& x : v_rand) x = std::fabs(x);  // second moments are >= 0
+    Buf<float> d_p(total), d_m(total), d_v(total), d_p2(total), d_m2(total), d_v2(total), d_gf(gheld);
+    Buf<bf16> d_g(g16), d_copy(total), d_copy2(total);
+    Buf<float> d_copyf(total);
+    const std::vector<uint16_t> zeros16(total, 0);
+    // step 1: the first step, from zero moments (bias corrections 1 − β^1: m̂ = g, v̂ = g², the update ≈ ±lr);
+    // 2 and 10: later steps from random moments.
+    for (int64_t step : {1, 2, 10})
+      for (double grad_scale : {1.0, 0.37}) {
+        SCOPED_TRACE(testing::Message() << "n " << s.n << " offset " << s.offset << " grad_offset " << s.grad_offset
+                                        << " step " << step << " grad_scale " << grad_scale);
+        const std::vector<float> m0 = step == 1 ? std::vector<float>(total, 0.f) : m_rand;
+        const std::vector<float> v0 = step == 1 ? std::vector<float>(total, 0.f) : v_rand;
+        const cpu::AdamWParams ap = adamw_params(step);
+        const size_t o = size_t(s.offset), go = size_t(s.grad_offset);
 
-      const double want = cpu::sum_of_squares(g16.data() + s.offset, s.n);
-      Buf<double> d_out(std::vector<double>{std::nan("")});
-      cuda::sum_of_squares(d_g.get() + s.offset, s.n, d_out.get(), env.ws, env.stream);
-      EXPECT_NEAR(d_out.read()[0], want, 2.0 * double(s.n) * std::ldexp(1.0, -53) * want);
+        // CPU: the bf16 twin where there is no clipping factor; else the trainer's order on the held floats
+        // (scale_in_place rounds g·scale to f32, then the f32 twin).
+        std::vector<float> cp = param0, cm = m0, cv = v0;
+        if (grad_scale == 1.0) {
+          cpu::adamw_step(cp.data() + o, g16.data() + go, cm.data() + o, cv.data() + o, s.n, ap);
+        } else {
+          std::vector<float> cg = gheld;
+          cpu::scale_in_place(cg.data() + go, s.n, grad_scale);
+          cpu::adamw_step(cp.data() + o, cg.data() + go, cm.data() + o, cv.data() + o, s.n, ap);
+        }
+
+        // GPU, with the bf16 copy of the weights (what a bf16 model's kernels read).
+        d_p.upload(param0), d_m.upload(m0), d_v.upload(v0), d_copy.upload(zeros16);
+        cuda::adamw_step<bf16>(d_p.get() + o, d_g.get() + go, d_m.get() + o, d_v.get() + o, s.n, ap, grad_scale,
+                               d_copy.get() + o, env.stream);
+        const std::vector<float> gp = d_p.read(), gm = d_m.read(), gv = d_v.read();
+        // Tolerance 0: the same IEEE operations in the same order (the block comment above); the elements outside
+        // [offset, offset + n) must be untouched on both sides.
+        EXPECT_TRUE(bitwise_equal("param vs CPU twin", gp, cp));
+        EXPECT_TRUE(bitwise_equal("m vs CPU twin", gm, cm));
+        EXPECT_TRUE(bitwise_equal("v vs CPU twin", gv, cv));
+        // The copy: exactly the bf16 rounding of the updated f32 param (round to nearest even on both sides);
+        // zeros outside the range.
+        const std::vector<uint16_t> copy = d_copy.read<uint16_t>();
+        std::vector<uint16_t> want_copy(total, 0);
+        for (size_t i = o; i < total; ++i) want_copy[i] = float_to_bf16(cp[i]).bits;
+        EXPECT_TRUE(bitwise_equal("bf16 copy", copy, want_copy));
+        EXPECT_TRUE(bitwise_equal("gradient is read only", d_g.read<uint16_t>(), bits_of(g16)));
+
+        // Determinism: the same call on the same inputs again, bit for bit.
+        d_p2.upload(param0), d_m2.upload(m0), d_v2.upload(v0), d_copy2.upload(zeros16);
+        cuda::adamw_step<bf16>(d_p2.get() + o, d_g.get() + go, d_m2.get() + o, d_v2.get() + o, s.n, ap, grad_scale,
+                               d_copy2.get() + o, env.stream);
+        EXPECT_TRUE(bitwise_equal("param, rerun", d_p2.read(), gp));
+        EXPECT_TRUE(bitwise_equal("m, rerun", d_m2.read(), gm));
+        EXPECT_TRUE(bitwise_equal("v, rerun", d_v2.read(), gv));
+        EXPECT_TRUE(bitwise_equal("bf16 copy, rerun", d_copy2.read<uint16_t>(), copy));
+
+        // The f32-gradient kernel on the floats the bf16 gradients hold, with an f32 copy (an f32 model's
+        // instantiation): each element's arithmetic is the same, so the same bits; the copy is the param itself.
+        d_p2.upload(param0), d_m2.upload(m0), d_v2.upload(v0), d_copyf.upload(std::vector<float>(total, 0.f));
+        cuda::adamw_step<float>(d_p2.get() + o, d_gf.get() + go, d_m2.get() + o, d_v2.get() + o, s.n, ap,
+                                grad_scale, d_copyf.get() + o, env.stream);
+        EXPECT_TRUE(bitwise_equal("param, f32-gradient kernel", d_p2.read(), gp));
+        EXPECT_TRUE(bitwise_equal("m, f32-gradient kernel", d_m2.read(), gm));
+        EXPECT_TRUE(bitwise_equal("v, f32-gradient kernel", d_v2.read(), gv));
+        std::vector<float> want_copyf(total, 0.f);
+        std::copy(gp.begin() + std::ptrdiff_t(o), gp.end(), want_copyf.begin() + std::ptrdiff_t(o));
+        EXPECT_TRUE(bitwise_equal("f32 copy", d_copyf.read(), want_copyf));
+
+        // Without a copy (the bf16 gradient kernel, copy nullptr): the same update.
+        d_p2.upload(param0), d_m2.upload(m0), d_v2.upload(v0);
+        cuda::adamw_step<bf16>(d_p2.get() + o, d_g.get() + go, d_m2.get() + o, d_v2.get() + o, s.n, ap, grad_scale,
+                               static_cast<bf16*>(nullptr), env.stream);
+        EXPECT_TRUE(bitwise_equal("param without a copy", d_p2.read(), gp));
+        if (HasFailure()) return;  // one shape's report, not thirteen
+      }
+  }
+  // step 0 has no bias correction (1 − β^0 = 0): refused, as the CPU twin refuses it.
+  Buf<float> p(size_t(4)), m(size_t(4)), v(size_t(4));
+  Buf<bf16> g(size_t(4));
+  EXPECT_ANY_THROW(cuda::adamw_step<bf16>(p.get(), g.get(), m.get(), v.get(), 4, adamw_params(0), 1.0,
+                                          static_cast<bf16*>(nullptr), env.stream));
+}
+
+// Gradients whose sum of squares is exact in any order (the block comment above): |g| in [2^-14, 2^-10) with a
+// random sign and 7 random fraction bits, or ±0 (every 7th element).
+std::vector<bfloat16> exact_sum_bf16_grads(std::mt19937_64& rng, size_t count) {
+  std::vector<bfloat16> out(count);
+  for (size_t i = 0; i < count; ++i) {
+    const uint64_t r = rng();
+    const uint16_t sign = uint16_t((r & 1) << 15);
+    if (i % 7 == 3) {
+      out[i].bits = sign;  // ±0
+      continue;
     }
+    const uint16_t exponent = uint16_t(127 - 14 + int((r >> 1) % 4));  // 2^-14 .. 2^-11
+    const uint16_t fraction = uint16_t((r >> 8) & 0x7f);
+    out[i].bits = uint16_t(sign | (exponent << 7) | fraction);
+  }
+  return out;
+}
+
+TEST(CudaModelKernelsBf16Grad, SumOfSquaresMatchesCpuTwin) {
+  DMOE_SKIP_WITHOUT_GPU();
+  const uint64_t seed = fresh_seed();
+  DMOE_SEED_TRACE(seed);
+  std::mt19937_64 rng(seed);
+  GpuEnv env;
+  // The kernel: ceil(n / 4096) blocks of 256 threads, at most 1024, fp64 per thread over packs of 4 (8-byte
+  // aligned) or single elements, a block tree, then one block over the partials. Sizes: one block (1, 3, 37,
+  // 1001), unaligned starts (offsets 1, 2: 2 B and 4 B, the scalar kernel; offset 4: 8 B, packs), 6 blocks and a
+  // tail of 3, the 1024 blocks exactly (4 passes of packs), and 16 grid-stride passes (packs, tail 1; scalar).
+  const AdamShape shapes[] = {{1, 0},    {3, 0},           {37, 0},
+                              {1001, 0}, {1000, 1},        {1000, 2},
+                              {1000, 4}, {5 * 4096 + 3, 0}, {4096 * 1024, 0},
+                              {(int64_t(1) << 24) + 1, 0}, {(int64_t(1) << 22) + 3, 1}};
+  for (const AdamShape s : shapes)
+    for (bool exact : {false, true}) {
+      SCOPED_TRACE(testing::Message() << "n " << s.n << " offset " << s.offset
+                                      << (exact ? " (exactly summable)" : " (random)"));
+      const size_t total = size_t(s.n + s.offset);
+      const std::vector<bfloat16> g16 = exact ? exact_sum_bf16_grads(rng, total) : bf16_grads(rng, total);
+      // bf16_grads' ±1e4 would dwarf the rest (the bound is relative to the sum): set to 0 in the random case.
+      std::vector<bfloat16> g = g16;
+      if (!exact)
+        for (bfloat16& x : g)
+          if (std::fabs(bf16_to_float(x)) > 1.0f) x.bits = 0;
+      const double want = cpu::sum_of_squares(g.data() + s.offset, s.n);
+      Buf<bf16> d_g(g);
+      Buf<double> d_out(std::vector<double>{std::nan("")});  // overwritten
+      cuda::sum_of_squares(d_g.get() + s.offset, s.n, d_out.get(), env.ws, env.stream);
+      const double got = d_out.read()[0];
+      if (exact) {
+        // Every order gives the exact sum (the block comment above): tolerance 0.
+        EXPECT_TRUE(bitwise_equal("exact sum vs CPU twin", std::vector<double>{got}, std::vector<double>{want}));
+      } else {
+        // Two orders of n non-negative exact terms, each within (n − 1)·2^-53 of the exact sum, relative.
+        EXPECT_NEAR(got, want, 2.0 * double(s.n) * std::ldexp(1.0, -53) * want);
+      }
+      EXPECT_GT(want, 0.0);
+      // Determinism: the same call again, bit for bit (the geometry depends on n only).
+      cuda::sum_of_squares(d_g.get() + s.offset, s.n, d_out.get(), env.ws, env.stream);
+      EXPECT_TRUE(bitwise_equal("rerun", d_out.read(), std::vector<double>{got}));
+      // The f32 kernel on the floats the bf16 gradients hold: the same squares, summed in the same order (the
+      // same geometry; offsets 0 and 4 take packs on both, 1 and 2 the scalar loop on both): bit for bit.
+      Buf<float> d_f(held_floats(g));
+      cuda::sum_of_squares(d_f.get() + s.offset, s.n, d_out.get(), env.ws, env.stream);
+      EXPECT_TRUE(bitwise_equal("f32 kernel on the held floats", d_out.read(), std::vector<double>{got}));
+      if (HasFailure()) return;
+    }
+  // The empty sum is 0 (written, not left as it was).
+  Buf<double> d_out(std::vector<double>{std::nan("")});
+  Buf<bf16> d_g(size_t(1));
+  cuda::sum_of_squares(d_g.get(), 0, d_out.get(), env.ws, env.stream);
+  EXPECT_EQ(d_out.read()[0], 0.0);
 }
 
 // ---- elementwise ----------------------------------------------------------------------------------------

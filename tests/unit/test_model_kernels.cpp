@@ -306,6 +306,73 @@ TEST(ModelKernels, Bf16GradientsAreReadAsTheirFloats) {
   EXPECT_THROW(cpu::adamw_step(pa.data(), g16.data(), ma.data(), va.data(), int64_t(n), ap), Error);
 }
 
+// The bf16-gradient twins on many values (the CPU oracles the GPU's bf16-gradient kernels are held to bit for bit,
+// tests/gpu/test_model_kernels.cpp): the first step (zero moments, bias corrections 1 − β^1) against its closed form,
+// later steps against the f32 twin on the held floats bit for bit, and Σ g² against an exact integer sum.
+TEST(ModelKernels, Bf16GradientTwinsFirstStepAndExactSums) {
+  Rng rng(11);
+  const int64_t n = 1001;
+  std::vector<float> raw = rng.normal_vector(n, 0.01);
+  raw[5] = 0.0f;
+  raw[6] = -0.0f;
+  raw[7] = 1e-30f;  // far below eps: the update is ~0
+  raw[8] = -1e4f;   // the update saturates at lr
+  std::vector<bfloat16> g16(n);
+  std::vector<float> held(n);
+  for (int64_t i = 0; i < n; ++i) {
+    g16[i] = float_to_bf16(raw[i]);
+    held[i] = bf16_to_float(g16[i]);
+  }
+  cpu::AdamWParams ap;
+  ap.lr = 1e-3;
+  ap.weight_decay = 0.1;
+  ap.step = 1;
+  const std::vector<float> p0 = rng.normal_vector(n, 1.0);
+  std::vector<float> p = p0, m(n, 0.0f), v(n, 0.0f);
+  cpu::adamw_step(p.data(), g16.data(), m.data(), v.data(), n, ap);
+  for (int64_t i = 0; i < n; ++i) {
+    // Step 1 from zero moments: m = (1 − β1)·g, v = (1 − β2)·g² (one rounding each to f32), and
+    // p = p0·(1 − lr·wd) − lr·g/(|g| + eps) (m̂ = g, v̂ = g² up to the bias corrections' last bits): the same double
+    // up to a few 2^-53, so the same f32 but where that double is within them of a rounding boundary: 1 f32 ulp.
+    const double g = held[i];
+    EXPECT_EQ(m[i], float((1.0 - ap.beta1) * g)) << i;
+    EXPECT_EQ(v[i], float((1.0 - ap.beta2) * g * g)) << i;
+    const double want = double(p0[i]) * (1.0 - ap.lr * ap.weight_decay) - ap.lr * g / (std::fabs(g) + ap.eps);
+    EXPECT_LE(std::fabs(double(p[i]) - want), std::ldexp(std::fabs(want), -23)) << i;
+  }
+  // Steps 2 and 3 (moments from step 1): the bf16 twin and the f32 twin on the held floats, the same bits.
+  std::vector<float> pf = p, mf = m, vf = v;
+  for (int64_t step : {2, 3}) {
+    ap.step = step;
+    cpu::adamw_step(p.data(), g16.data(), m.data(), v.data(), n, ap);
+    cpu::adamw_step(pf.data(), held.data(), mf.data(), vf.data(), n, ap);
+    EXPECT_EQ(p, pf) << "step " << step;
+    EXPECT_EQ(m, mf) << "step " << step;
+    EXPECT_EQ(v, vf) << "step " << step;
+  }
+  // Σ g² of random bf16 values: the f32 twin's on the held floats exactly (the same squares in the same order).
+  EXPECT_EQ(cpu::sum_of_squares(g16.data(), n), cpu::sum_of_squares(held.data(), n));
+  // Values of |g| in [2^-14, 2^-10) (8 significant bits) or ±0: each square is an integer multiple of 2^-42, so the
+  // sum is exact in fp64 whatever the order — here against an integer sum of the multiples.
+  std::vector<bfloat16> e16(4099);
+  uint64_t units = 0;  // the exact sum in units of 2^-42
+  for (size_t i = 0; i < e16.size(); ++i) {
+    const uint64_t r = rng.next();
+    const uint16_t sign = uint16_t((r & 1) << 15);
+    if (i % 7 == 3) {
+      e16[i].bits = sign;
+      continue;
+    }
+    const int exponent = 127 - 14 + int((r >> 1) % 4);
+    const uint64_t fraction = (r >> 8) & 0x7f;
+    e16[i].bits = uint16_t(sign | (exponent << 7) | fraction);
+    // value = (128 + fraction)·2^(exponent − 127 − 7); square = (128 + fraction)²·2^(2·(exponent − 134)) and
+    // 2·(exponent − 134) + 42 >= 0.
+    units += (128 + fraction) * (128 + fraction) << (2 * (exponent - 134) + 42);
+  }
+  EXPECT_EQ(cpu::sum_of_squares(e16.data(), int64_t(e16.size())), std::ldexp(double(units), -42));
+}
+
 TEST(ModelKernels, ClipCoefficientIsTorchs) {
   std::vector<float> a = {3.0f, 0.0f}, b = {4.0f};
   const double ss = cpu::sum_of_squares(a.data(), 2) + cpu::sum_of_squares(b.data(), 1);

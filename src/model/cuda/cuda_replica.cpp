@@ -118,6 +118,7 @@ class CudaReplica final : public TrainReplica {
     if (comm_->world() > 1) comm_->barrier(model_->backend().stream());
   }
   std::vector<std::pair<std::string, double>> stage_times() override { return model_->stage_times(); }
+  bool bf16_expert_grads() const override { return model_->bf16_expert_grads(); }
   const char* engine_name() const override { return "cuda"; }
 
  private:
