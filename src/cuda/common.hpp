@@ -220,8 +220,9 @@ void grouped_wgrad(const GroupedWgrad& g, const CudaContext& ctx);
 // Which kernel the backward pass's bf16 weight gradients take (DMOE_WGRAD; measurements in gemm.cpp):
 //   auto (default)  by mean multiply-adds per expert product (bounds and measurements in gemm.cpp): mma below
 //                   kMmaWgradMaxMeanMacs, the TMA + wgmma kernel (sm90) below kSm90WgradMaxMeanMacs, else cublas;
-//                   where sm90 cannot run, mma below kMmaOverCublasMaxMeanMacs; bf16 gradients (c_bf16, which
-//                   the mma.sync kernel does not store): cublas (the sm90 kernel's bf16 store measured slower)
+//                   where sm90 cannot run, mma below kMmaOverCublasMaxMeanMacs; accumulating calls: mma below
+//                   kMmaOverCublasMaxMeanMacs, else cublas (sm90 measured slower there); bf16 gradients (c_bf16,
+//                   which the mma.sync kernel does not store): cublas (the sm90 kernel's bf16 store measured slower)
 //   own             the sm90 kernel wherever usable, else the mma.sync kernel
 //   sm90            the TMA + wgmma kernel wherever usable
 //   mma             the mma.sync kernel wherever usable

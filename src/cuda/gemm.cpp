@@ -2,6 +2,7 @@
 // expert product (cublasGemmGroupedBatchedEx_64 for many small products; a loop of single products for
 // large ones and where the grouped API does not take the operand types). See common.hpp for the
 // row-major ↔ column-major mapping.
+#include <algorithm>
 #include <cstdlib>
 #include <string>
 #include <vector>
@@ -151,6 +152,15 @@ constexpr double kOwnMaxMeanMacs = 4e9;
 // above (its larger tiles reach 570-640 TFLOP/s there, the sm90 kernel's 128 × 128 tiles ~480).
 // Where the sm90 kernel cannot run (an sm_80-class GPU, or a shape it refuses), the mma.sync kernel keeps its
 // own measured bound against cuBLAS (the fourth session's, above: where the two met, about flash-paper's).
+// Accumulating into existing gradients (C read, added, written: micro-batches after the first, gradients not
+// zeroed) the sm90 kernel is never the fastest (µs, dw1; eleventh session / nineteenth session's call 4, the
+// latter with the strip schedule and the order barrier; sm90 = the better of load and red):
+//   0.10 G (decode)          sm90 1378 / 1345, mma 1208 / 1210, cublas 1470 / —
+//   0.40 G (fine-grained)    861 / 863, 837 / 837, 1516 / —
+//   1.07 G (flash-paper)     1128 / 1131, 1099 / 1098, 1170 / —
+//   2.1 G (llama2-moe)       354 / 355, 370 / —, 323 / —
+//   16 G, 60 G               3032, 3688; 3838, 4061; 2058, 2079
+// so auto takes mma below kMmaOverCublasMaxMeanMacs there, cuBLAS above.
 constexpr double kMmaWgradMaxMeanMacs = 2.5e8;
 constexpr double kSm90WgradMaxMeanMacs = 6e9;
 constexpr double kMmaOverCublasMaxMeanMacs = 1.5e9;
@@ -192,6 +202,8 @@ WgradKernel pick_wgrad_kernel(double mean_macs, const std::vector<GroupedWgrad>&
       break;
     case automatic:
       if (!calls.empty() && calls.front().c_bf16 != nullptr) return WgradKernel::cublas;  // bf16: above
+      if (!calls.empty() && std::all_of(calls.begin(), calls.end(), [](const GroupedWgrad& g) { return g.accumulate; }))
+        return mean_macs < kMmaOverCublasMaxMeanMacs && usable_mma ? WgradKernel::mma : WgradKernel::cublas;
       if (mean_macs < kMmaWgradMaxMeanMacs && usable_mma) return WgradKernel::mma;
       if (mean_macs < kSm90WgradMaxMeanMacs && usable_sm90) return WgradKernel::sm90;
       if (mean_macs < kMmaOverCublasMaxMeanMacs && usable_mma) return WgradKernel::mma;

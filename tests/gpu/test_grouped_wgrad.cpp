@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -395,6 +396,43 @@ TEST(CudaKernelsGroupedWgradStress, StripScheduleEqualsTilesOnManyStrips) {
           << (accumulate ? "accumulating" : "storing") << ", run " << repeat;
     }
   }
+}
+
+// DMOE_WGRAD=auto's choice (cuda/gemm.cpp, from the measured tables there): storing, mma.sync below 0.25 G
+// multiply-adds per expert product, the sm90 kernel below 6 G, cuBLAS above; accumulating, mma.sync below 1.5 G and
+// cuBLAS above (the sm90 kernel was slower at every measured size); bf16 gradients on cuBLAS.
+TEST(CudaKernelsGroupedWgradPolicy, AutoPicksByMeasuredSizeAndMode) {
+  if (!has_cuda_device()) GTEST_SKIP() << "no CUDA device";
+  const char* knob = std::getenv("DMOE_WGRAD");
+  if (knob != nullptr && *knob != '\0' && std::string(knob) != "auto") GTEST_SKIP() << "DMOE_WGRAD=" << knob;
+  DeviceRun run;
+  std::vector<int64_t> offsets{0, 256, 512};
+  std::vector<uint16_t> zeros(size_t(512) * 256, 0);
+  cuda::GroupedWgrad g;
+  g.a = static_cast<const __nv_bfloat16*>(run.upload(zeros.data(), zeros.size() * 2));
+  g.b = static_cast<const __nv_bfloat16*>(run.upload(zeros.data(), zeros.size() * 2));
+  std::vector<float> c(size_t(2) * 256 * 256, 0.f);
+  g.c = static_cast<float*>(run.upload(c.data(), c.size() * sizeof(float)));
+  g.row_offsets = offsets.data();
+  g.groups = 2;
+  g.m = g.n = g.lda = g.ldb = 256;
+  g.c_group_stride = 256 * 256;
+  if (!cuda::sm90_grouped_wgrad_usable(g) || !cuda::grouped_wgrad_usable(g))
+    GTEST_SKIP() << "needs an sm_90 GPU and a build for sm_90a";
+  using K = cuda::WgradKernel;
+  auto pick = [&](double macs, bool accumulate) {
+    cuda::GroupedWgrad h = g;
+    h.accumulate = accumulate;
+    return cuda::pick_wgrad_kernel(macs, {h, h});
+  };
+  EXPECT_EQ(pick(1.0e8, false), K::mma);
+  EXPECT_EQ(pick(1.07e9, false), K::sm90);
+  EXPECT_EQ(pick(2.1e9, false), K::sm90);
+  EXPECT_EQ(pick(1.6e10, false), K::cublas);
+  EXPECT_EQ(pick(1.0e8, true), K::mma);
+  EXPECT_EQ(pick(1.07e9, true), K::mma);
+  EXPECT_EQ(pick(2.1e9, true), K::cublas);
+  EXPECT_EQ(pick(1.6e10, true), K::cublas);
 }
 
 std::string shape_name(const WgradShape& s) {
