@@ -165,15 +165,20 @@ struct WgradTile {
   int32_t local, count;  // strip schedule: the tile's place in its strip, and the strip's tiles
 };
 
-// Tile t of the tile schedule: the groups with rows in order, each's tiles n fastest.
-__device__ __forceinline__ WgradTile decode_tile(const WgradSm90Params& p, int32_t t) {
-  WgradTile tc;
-  const int32_t j = t / p.tiles_per_group, local = t - j * p.tiles_per_group;
+// The j-th group with rows of the launch: its index, rows and first rows in a and b.
+__device__ __forceinline__ void decode_group(const WgradSm90Params& p, int32_t j, WgradTile& tc) {
   tc.group = __ldg(p.active + j);
   const int64_t r0 = __ldg(p.row_offsets + tc.group);
   tc.rows = int32_t(__ldg(p.row_offsets + tc.group + 1) - r0);
   tc.a_row = int32_t(r0 - p.a_first);
   tc.b_row = int32_t(r0 - p.b_first);
+}
+
+// Tile t of the tile schedule: the groups with rows in order, each's tiles n fastest.
+__device__ __forceinline__ WgradTile decode_tile(const WgradSm90Params& p, int32_t t) {
+  WgradTile tc;
+  const int32_t j = t / p.tiles_per_group, local = t - j * p.tiles_per_group;
+  decode_group(p, j, tc);
   tc.m0 = (local / p.n_tiles) * kTileM;
   tc.n0 = (local % p.n_tiles) * kTileN;
   tc.local = 0;
@@ -189,11 +194,7 @@ __device__ __forceinline__ WgradTile decode_strip_tile(const WgradSm90Params& p,
   tc.local = t - u * p.strip_len;
   const int32_t j = u / p.strips_per_group, in_group = u - j * p.strips_per_group;
   const int32_t mt = in_group / p.n_chunks, chunk = in_group - mt * p.n_chunks;
-  tc.group = __ldg(p.active + j);
-  const int64_t r0 = __ldg(p.row_offsets + tc.group);
-  tc.rows = int32_t(__ldg(p.row_offsets + tc.group + 1) - r0);
-  tc.a_row = int32_t(r0 - p.a_first);
-  tc.b_row = int32_t(r0 - p.b_first);
+  decode_group(p, j, tc);
   tc.m0 = mt * kTileM;
   const int32_t first_tile = chunk * p.strip_len;
   tc.count = min(p.strip_len, p.n_tiles - first_tile);
