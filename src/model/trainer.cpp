@@ -339,9 +339,11 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
     // rope_theta, rms_norm_eps, ...) was resumed without a word: the saved config.json must be this run's model.
     const fs::path saved_config = fs::path(o.resume_dir) / "config.json";
     // dmoe writes it with every checkpoint: without it the comparison below was skipped without a word.
-    DMOE_REQUIRE_INPUT(fs::exists(saved_config), "--resume {}: no config.json; a dmoe checkpoint holds config.json, "
-                       "model.safetensors, optimizer.safetensors and trainer_state.json (the saved model is compared "
-                       "with --config)", o.resume_dir);
+    // (The error_code form: a config.json that is a symbolic link loop threw filesystem_error, rc 2.)
+    std::error_code config_ec;
+    DMOE_REQUIRE_INPUT(fs::exists(saved_config, config_ec), "--resume {}: no config.json{}; a dmoe checkpoint holds "
+                       "config.json, model.safetensors, optimizer.safetensors and trainer_state.json (the saved model is "
+                       "compared with --config)", o.resume_dir, config_ec ? " (" + config_ec.message() + ")" : "");
     {
       const json saved = mixtral_config_to_json(load_mixtral_config(saved_config.string())),
                  now = mixtral_config_to_json(config);
@@ -411,7 +413,10 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
   // never written over another's; a file that is not one of these is refused before the run, not replaced.
   std::optional<flow::TunePoint> tuned_choice;
   json tune_runs = json::array();
-  if (tuned && !o.tune_file.empty() && fs::exists(o.tune_file)) {
+  // The error_code form: a symbolic link loop as --tune-file threw filesystem_error ("unexpected error", rc 2); such a
+  // path is refused as an output below, naming the loop.
+  std::error_code tune_ec;
+  if (tuned && !o.tune_file.empty() && fs::exists(o.tune_file, tune_ec)) {
     const json t = read_json_file(o.tune_file, "Flow tuning file");
     DMOE_REQUIRE_INPUT(t.is_object() && t.contains("runs") && t["runs"].is_array(), "--tune-file {}: not a Flow tuning "
                        "file (no \"runs\" list); it is left as it is: give a new path", o.tune_file);

@@ -101,6 +101,13 @@ std::string describe_search(const std::vector<DataRoot>& roots, const std::strin
 std::string find_named_json(const std::string& name, const std::string& folder, const std::string& what) {
   std::error_code ec;
   if (fs::exists(name, ec)) return name;
+  // A path that is there but cannot be followed (a symbolic link loop, a part of it not searchable) was looked up as
+  // a named file, and the error listed the search places as if nothing were there (or, for a model config, ended in
+  // "unexpected error: filesystem error", rc 2).
+  std::error_code link_ec;
+  DMOE_REQUIRE_INPUT(!ec || ec == std::errc::no_such_file_or_directory || !fs::exists(fs::symlink_status(name, link_ec)),
+                     "{} '{}' cannot be read: {}{}", what, name, ec.message(),
+                     fs::is_symlink(fs::symlink_status(name, link_ec)) ? " (it is a symbolic link)" : "");
   DMOE_REQUIRE_INPUT(!name.empty(), "{}: an empty name is neither a file nor a named {}", what, what);
   // A path (a '/' in it, or a .json name) is not looked up among the named files: the caller's reader
   // reports it missing, naming its option.
