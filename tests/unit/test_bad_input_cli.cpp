@@ -41,6 +41,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -1693,6 +1694,98 @@ TEST_F(BadInput, TrainStopAfterOutsideTheScheduleIsRefused) {
                     "(--steps 2)", "--stop-after 50");
   EXPECT_EQ(run_cli(train + "--stop-after 2").status, 0);
   EXPECT_NE(run_cli("train --help").output.find("--stop-after INT:INT in [0 - 1000000000]=--steps"), std::string::npos);
+}
+
+// ---- The twelfth pass (2026-12-04, branch bad12; docs/faults.md) ---------------------------------------------
+
+TEST_F(BadInput, ModelConfigAndTuneFileThatAreLinkLoopsAreUserErrors) {
+  // fs::is_directory / fs::exists without an error_code: a symbolic link loop as a model --config (eval, init-model,
+  // train, flow measure/project), as the config.json of a --resume checkpoint, or as --tune-file ended in
+  // "unexpected error: filesystem error: status: Too many levels of symbolic links", rc 2.
+  fs::create_symlink("loop_b", dir_ / "loop_a");
+  fs::create_symlink("loop_a", dir_ / "loop_b");
+  const std::string loop = p("loop_a");
+  write_tokens_file();
+  expect_user_error(run_cli("eval --config " + loop + " --weights " + p("m.st") + " --tokens " + p("tok.st") +
+                            " --output " + p("e.st")), "model config '" + loop + "' cannot be read: Too many levels "
+                    "of symbolic links (it is a symbolic link)", "eval --config a loop");
+  expect_user_error(run_cli("init-model --config " + loop + " --out " + p("m.st")), "cannot be read: Too many levels",
+                    "init-model --config a loop");
+  expect_user_error(run_cli("flow measure --config " + loop + " --batch 2 --seq 8 --steps 1"),
+                    "cannot be read: Too many levels", "flow measure --config a loop");
+  expect_user_error(run_cli("flow project --config " + loop + " --cluster h200 --gpus 8"),
+                    "cannot be read: Too many levels", "flow project --config a loop");
+  // A layer config (run, init, bench): the search places were listed as if nothing were there.
+  expect_user_error(run_cli("init --config " + loop + " --out " + p("w.st")), "config '" + loop + "' cannot be "
+                    "read: Too many levels of symbolic links", "init --config a loop");
+  const std::string train = "train --config " + p("tiny.json") + " --data " + p("data") + " --seq 16 --batch 2 "
+                            "--print-every 0 ";
+  expect_user_error(run_cli("train --config " + loop + " --data " + p("data") + " --steps 1"),
+                    "cannot be read: Too many levels", "train --config a loop");
+  const Result tune = run_cli(train + "--steps 40 --schedule tuned --tune-samples 2 --tune-steps 1 --tune-file " + loop);
+  expect_user_error(tune, "--tune-file '" + loop + "' is a symbolic link whose target cannot be resolved (Too many "
+                    "levels of symbolic links)", "--tune-file a loop");
+  EXPECT_EQ(tune.output.find("train: mixtral"), std::string::npos) << tune.output;
+  ASSERT_EQ(run_cli(train + "--steps 1 --save " + p("ck")).status, 0);
+  fs::remove(dir_ / "ck" / "config.json");
+  fs::create_symlink("config.json", dir_ / "ck" / "config.json");  // a link to itself
+  expect_user_error(run_cli(train + "--steps 2 --resume " + p("ck")), "--resume " + p("ck") + ": no config.json "
+                    "(Too many levels of symbolic links)", "--resume with a config.json loop");
+  // A dangling link keeps the named lookup (a named model of that name is found; else the search is listed).
+  fs::create_symlink("nowhere", dir_ / "tiny");
+  EXPECT_EQ(run_shell("cd " + dir_.string() + " && " + DMOE_CLI_PATH + " init-model --config tiny --out " +
+                      p("m2.st")).status, 0);
+}
+
+TEST_F(BadInput, TrainSaveThroughABrokenLinkIsRefusedBeforeTraining) {
+  // A dangling symbolic link or a link loop as --save, or above it, was taken for a directory to be made: the run
+  // trained to the end, then "--save X: the checkpoint directory cannot be made: File exists" (or "Too many levels
+  // of symbolic links"), and the training was lost.
+  fs::create_symlink("nowhere", dir_ / "dangling");
+  fs::create_symlink("loop_b", dir_ / "loop_a");
+  fs::create_symlink("loop_a", dir_ / "loop_b");
+  const std::string train = "train --config " + p("tiny.json") + " --data " + p("data") + " --steps 1 --seq 16 "
+                            "--batch 2 --print-every 0 --save ";
+  for (const auto& [save, link] : std::vector<std::pair<std::string, std::string>>{
+           {p("dangling"), p("dangling")}, {p("dangling") + "/sub", p("dangling")}, {p("loop_a"), p("loop_a")},
+           {p("loop_a") + "/ck", p("loop_a")}}) {
+    const Result r = run_cli(train + save);
+    expect_user_error(r, "--save '" + save + "': '" + link + "' is a symbolic link that leads to no directory",
+                      "--save " + save);
+    EXPECT_EQ(r.output.find("train: mixtral"), std::string::npos) << "trained first:\n" << r.output;
+  }
+  EXPECT_FALSE(fs::exists(dir_ / "nowhere"));
+  // A link to a directory is one; a missing directory with missing parents is made.
+  fs::create_directories(dir_ / "real");
+  fs::create_symlink("real", dir_ / "to_real");
+  EXPECT_EQ(run_cli(train + p("to_real")).status, 0);
+  EXPECT_TRUE(fs::exists(dir_ / "real" / "trainer_state.json"));
+  EXPECT_EQ(run_cli(train + p("new/deeper/ck")).status, 0);
+  EXPECT_TRUE(fs::exists(dir_ / "new" / "deeper" / "ck" / "model.safetensors"));
+}
+
+TEST_F(BadInput, DoubleValuesPastFloatsRangeAreNamedWithTheirValue) {
+  // An F64 x (or weight) holding 1e300, a finite number, was reported as "x[0, 5] is inf; inputs must be finite":
+  // the file holds no inf; the value does not fit float32, which dmoe computes in.
+  ASSERT_EQ(run_cli("init --hidden 8 --ffn 8 --experts 2 --top-k 1 --tokens 4 --out " + p("w.st") + " --input " +
+                    p("x.st") + " --save-config " + p("c.json")).status, 0);
+  std::vector<float> x = SafetensorsFile::open(p("x.st")).read_f32("x").values;
+  auto write_x = [&](const std::string& name, double big, int64_t at) {
+    std::vector<double> d(x.begin(), x.end());
+    d[size_t(at)] = big;
+    SafetensorsWriter w;
+    w.add("x", DType::f64, {4, 8}, d.data());
+    w.write(p(name));
+  };
+  write_x("x_big.st", 1e300, 13);
+  write_x("x_max.st", double(FLT_MAX) * 1.0000000001, 13);  // rounds to FLT_MAX: finite, taken
+  const std::string run = "run --config " + p("c.json") + " --weights " + p("w.st") + " --output " + p("y.st");
+  const Result big = run_cli(run + " --input " + p("x_big.st"));
+  expect_user_error(big, "tensor 'x' [1, 5] is 1e+300 (F64), beyond float32's range (magnitude at most "
+                    "3.40282e+38)", "x 1e300 stored as F64");
+  EXPECT_EQ(big.output.find("is inf"), std::string::npos) << big.output;
+  EXPECT_NE(run_cli(run + " --input " + p("x_max.st") + " --allow-non-finite").output.find("wrote"),
+            std::string::npos);
 }
 
 }  // namespace
