@@ -1788,5 +1788,19 @@ TEST_F(BadInput, DoubleValuesPastFloatsRangeAreNamedWithTheirValue) {
             std::string::npos);
 }
 
+TEST_F(BadInput, FlowProjectOutputsCannotReplaceTheClusterFile) {
+  // --cluster was no input of the distinctness check: `--cluster cl.json --json cl.json` (or --trace) replaced the
+  // cluster file with the results, rc 0.
+  fs::copy_file(fs::path(DMOE_SOURCE_DIR) / "bench/flow/clusters/h200.json", dir_ / "cl.json");
+  const std::string before = slurp(p("cl.json"));
+  const std::string project = "flow project --config " + p("tiny.json") + " --cluster " + p("cl.json") + " --gpus 4 ";
+  for (const char* option : {"--json", "--trace"}) {
+    expect_user_error(run_cli(project + option + " " + p("cl.json")), std::string(option) + " '" + p("cl.json") +
+                      "' is the same file as --cluster '" + p("cl.json") + "'", option);
+    EXPECT_EQ(slurp(p("cl.json")), before) << option;
+  }
+  EXPECT_EQ(run_cli(project + "--json " + p("out.json")).status, 0);
+}
+
 }  // namespace
 }  // namespace dmoe
