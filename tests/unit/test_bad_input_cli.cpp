@@ -1802,5 +1802,25 @@ TEST_F(BadInput, FlowProjectOutputsCannotReplaceTheClusterFile) {
   EXPECT_EQ(run_cli(project + "--json " + p("out.json")).status, 0);
 }
 
+TEST_F(BadInput, EvalTokensFileWithAMaskOrLabelsIsRefused) {
+  // Every position of 'tokens' is taken as a real token and a target: a file that also held an attention_mask (or
+  // labels) was evaluated with the padding in the loss, the other tensors ignored, rc 0.
+  ASSERT_EQ(run_cli("init-model --config " + p("tiny.json") + " --out " + p("m.st")).status, 0);
+  std::vector<int32_t> tokens(16, 7), mask(16, 1);
+  for (int i = 12; i < 16; ++i) mask[size_t(i)] = 0;
+  SafetensorsWriter w;
+  w.add_i32("tokens", {2, 8}, tokens);
+  w.add_i32("attention_mask", {2, 8}, mask);
+  w.add_i32("labels", {2, 8}, tokens);
+  w.write(p("tok_mask.st"));
+  const std::string eval = "eval --config " + p("tiny.json") + " --weights " + p("m.st") + " --output " + p("e.st") +
+                           " --tokens ";
+  expect_user_error(run_cli(eval + p("tok_mask.st")), "holds 'attention_mask', 'labels' beside 'tokens', which eval "
+                    "would ignore", "a mask and labels beside tokens");
+  EXPECT_FALSE(fs::exists(p("e.st")));
+  write_tokens_file();
+  EXPECT_EQ(run_cli(eval + p("tok.st")).status, 0);
+}
+
 }  // namespace
 }  // namespace dmoe

@@ -47,6 +47,15 @@ HostTensor<int32_t> read_tokens(const std::string& path) {
   const SafetensorsFile f = SafetensorsFile::open(path);
   DMOE_REQUIRE_INPUT(f.has("tokens"), "{}: no tensor 'tokens' (expected tokens [batch, seq], I32 or I64); tensors "
                "present: {}", path, tensor_list(f));
+  // Every position of tokens is a real token and a target: a file that also holds, say, an attention_mask or labels
+  // (a tokenizer's export with input_ids renamed) was evaluated with the padding counted in the loss, the mask and
+  // labels ignored, rc 0.
+  std::string others;
+  for (const std::string& name : f.names())
+    if (name != "tokens") others += (others.empty() ? "'" : ", '") + name + "'";
+  DMOE_REQUIRE_INPUT(others.empty(), "{}: holds {} beside 'tokens', which eval would ignore: eval reads tokens [batch, "
+                     "seq] alone and takes every position as a real token (the loss is the next-token cross-entropy "
+                     "over all of them: no attention mask, no labels); give a file with 'tokens' only", path, others);
   const TensorInfo& t = f.info("tokens");
   DMOE_REQUIRE_INPUT(t.dtype == "I32" || t.dtype == "I64", "{}: tokens has dtype {}; allowed: I32, I64", path, t.dtype);
   DMOE_REQUIRE_INPUT(t.shape.size() == 2 && t.shape[0] >= 1 && t.shape[1] >= 2,
