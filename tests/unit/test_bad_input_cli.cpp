@@ -1822,5 +1822,32 @@ TEST_F(BadInput, EvalTokensFileWithAMaskOrLabelsIsRefused) {
   EXPECT_EQ(run_cli(eval + p("tok.st")).status, 0);
 }
 
+TEST_F(BadInput, ResumeWithOtherTrainingSettingsSaysSo) {
+  // trainer_state.json recorded --lr, --steps and --data only: a resumed run that left out the saved run's
+  // --warmup 3 trained on with the default 10, and one with another --val-fraction on another split of the text
+  // (its val loss not comparable), both without a word.
+  const std::string train = "train --config " + p("tiny.json") + " --data " + p("data") + " --seq 16 --batch 2 "
+                            "--print-every 0 ";
+  ASSERT_EQ(run_cli(train + "--steps 2 --warmup 3 --save " + p("ck")).status, 0);
+  const json state = json::parse(slurp(p("ck/trainer_state.json")));
+  EXPECT_EQ(state.at("warmup"), 3);
+  EXPECT_EQ(state.at("val_fraction"), 0.1);
+  const Result r = run_cli(train + "--steps 4 --resume " + p("ck") + " --val-fraction 0.5 --weight-decay 0");
+  EXPECT_EQ(r.status, 0) << r.output;
+  for (const std::string& note : {"note: --val-fraction 0.5 replaces the saved run's 0.1", "note: --warmup 10 "
+                                  "replaces the saved run's 3", "note: --weight-decay 0 replaces the saved run's 0.1"})
+    EXPECT_NE(r.output.find(note), std::string::npos) << note << "\n" << r.output;
+  EXPECT_EQ(r.output.find("--beta1"), std::string::npos) << r.output;
+  const Result same = run_cli(train + "--steps 4 --warmup 3 --resume " + p("ck"));
+  EXPECT_EQ(same.status, 0) << same.output;
+  EXPECT_EQ(same.output.find("--warmup"), std::string::npos) << same.output;
+  // A state of another type is named, not skipped.
+  json bad = state;
+  bad["clip"] = "1";
+  std::ofstream(p("ck/trainer_state.json")) << bad.dump();
+  expect_user_error(run_cli(train + "--steps 4 --warmup 3 --resume " + p("ck")), "trainer_state.json: 'clip' must be "
+                    "a number (found \"1\")", "clip a string");
+}
+
 }  // namespace
 }  // namespace dmoe
