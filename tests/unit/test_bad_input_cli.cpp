@@ -1849,5 +1849,16 @@ TEST_F(BadInput, ResumeWithOtherTrainingSettingsSaysSo) {
                     "a number (found \"1\")", "clip a string");
 }
 
+TEST_F(BadInput, RunLayerIsANonNegativeIndex) {
+  // run's --layer had no range: `--layer -1` was looked up as 'model.layers.-1.block_sparse_moe.gate.weight' and
+  // reported as a layer without a gate (init's --layer is checked to [0, 1000000]).
+  ASSERT_EQ(run_cli("init --hidden 8 --ffn 8 --experts 2 --top-k 1 --tokens 4 --out " + p("w.st") + " --input " +
+                    p("x.st")).status, 0);
+  const Result r = run_cli("run --top-k 1 --weights " + p("w.st") + " --input " + p("x.st") + " --output " + p("y.st") +
+                           " --layer -1");
+  expect_parse_error(r, "--layer: -1 is not in range 0 to 1000000", "run --layer -1");
+  EXPECT_EQ(r.output.find("model.layers.-1"), std::string::npos) << r.output;
+}
+
 }  // namespace
 }  // namespace dmoe
