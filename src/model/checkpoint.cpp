@@ -234,6 +234,11 @@ std::string checkpoint_entry_file(const std::string& path_or_dir) {
                      "model.safetensors.index.json, two models: which one is meant is a guess (transformers reads "
                      "model.safetensors, the index's shards are another model); name the file to read ('{}' or '{}'), "
                      "or remove the one that is stale", path_or_dir, single.string(), index.string());
+  // Neither: the error was the missing model.safetensors alone ("not a readable regular file"), as if that were the
+  // only thing a model directory may hold (an index of another name beside its shards was not mentioned).
+  DMOE_REQUIRE_INPUT(has_index || has_single, "model directory '{}' holds neither model.safetensors nor "
+                     "model.safetensors.index.json, the files a model directory is read from; name the model's file "
+                     "(a .safetensors file, or an index ending in .json)", path_or_dir);
   return has_index ? index.string() : single.string();
 }
 

@@ -1860,5 +1860,24 @@ TEST_F(BadInput, RunLayerIsANonNegativeIndex) {
   EXPECT_EQ(r.output.find("model.layers.-1"), std::string::npos) << r.output;
 }
 
+TEST_F(BadInput, InitModelWithoutShardsRefusesAnIndexNameAndEmptyModelDirectoriesAreNamed) {
+  // `init-model --out m.json` (no --shard-bytes) wrote one safetensors file that every reader takes for an index by
+  // its name: eval then said "byte 2 of the file is NUL ... a JSON file is text", rc 0 at the write.
+  for (const char* out : {"m.json", "model.safetensors.index.json"}) {
+    expect_user_error(run_cli("init-model --config " + p("tiny.json") + " --out " + p(out)), "ends in .json, the name "
+                      "of a sharded model's index: without --shard-bytes --out is one safetensors file", out);
+    EXPECT_FALSE(fs::exists(p(out))) << out;
+  }
+  ASSERT_EQ(run_cli("init-model --config " + p("tiny.json") + " --out " + p("m.json") + " --shard-bytes 300000").status,
+            0);
+  // A model directory with neither file a directory is read from: the error named model.safetensors alone.
+  write_tokens_file();
+  expect_user_error(run_cli("eval --config " + p("tiny.json") + " --weights " + dir_.string() + " --tokens " +
+                            p("tok.st") + " --output " + p("e.st")), "holds neither model.safetensors nor "
+                    "model.safetensors.index.json", "a directory with an index of another name");
+  EXPECT_EQ(run_cli("eval --config " + p("tiny.json") + " --weights " + p("m.json") + " --tokens " + p("tok.st") +
+                    " --output " + p("e.st")).status, 0);
+}
+
 }  // namespace
 }  // namespace dmoe

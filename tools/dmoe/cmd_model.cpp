@@ -136,6 +136,13 @@ Command add_init_model_command(CLI::App& app) {
     // Before anything is computed: the outputs are not the config and can be written.
     require_distinct_files({{"--out", o->out}, {"--save-config", o->save_config}}, {{"--config", config_path}});
     if (o->shard_bytes > 0) check_sharded_outputs(*o);
+    // Without shards --out is one safetensors file, and every reader (eval --weights, train --init, run) takes a name
+    // ending in .json for an index: `init-model --out m.json` wrote a model its own reader refused ("byte 2 of the file
+    // is NUL ... a JSON file is text"), rc 0.
+    DMOE_REQUIRE_INPUT(o->shard_bytes > 0 || std::filesystem::path(o->out).extension() != ".json",
+                       "--out '{}' ends in .json, the name of a sharded model's index: without --shard-bytes --out is "
+                       "one safetensors file, which readers of a .json name would take for an index; give a name "
+                       "such as model.safetensors, or add --shard-bytes B for shards and an index", o->out);
     check_output_file(o->out, "--out");
     if (!o->save_config.empty()) check_output_file(o->save_config, "--save-config");
     const MixtralConfig c = load_mixtral_config(config_path);
