@@ -1879,5 +1879,22 @@ TEST_F(BadInput, InitModelWithoutShardsRefusesAnIndexNameAndEmptyModelDirectorie
                     " --output " + p("e.st")).status, 0);
 }
 
+TEST_F(BadInput, GpuCheckScriptChecksItsPartsBeforeRunningAny) {
+  // scripts/gpu_check.sh ran its parts in order and met a misspelt one only when it came to it: 'tests,fash' ran the
+  // GPU tests first (minutes of a short device lease) and then failed; a BUILD_DIR without dmoe ran every step.
+  const std::string script = std::string(DMOE_SOURCE_DIR) + "/scripts/gpu_check.sh ";
+  const std::string build = fs::path(DMOE_CLI_PATH).parent_path().string();
+  const Result typo = run_shell("cd " + dir_.string() + " && bash " + script + build + " " + p("logs") + " tests,fash");
+  EXPECT_EQ(typo.status, 2) << typo.output;
+  EXPECT_NE(typo.output.find("unknown part 'fash'; allowed: tests, multi,"), std::string::npos) << typo.output;
+  EXPECT_EQ(typo.output.find("== "), std::string::npos) << "a part ran first:\n" << typo.output;
+  EXPECT_FALSE(fs::exists(p("logs")));
+  const Result nobuild = run_shell("cd " + dir_.string() + " && bash " + script + p("nobuild") + " " + p("logs") +
+                                   " tests");
+  EXPECT_EQ(nobuild.status, 2) << nobuild.output;
+  EXPECT_NE(nobuild.output.find("nobuild/dmoe' is not an executable"), std::string::npos) << nobuild.output;
+  EXPECT_FALSE(fs::exists(p("logs")));
+}
+
 }  // namespace
 }  // namespace dmoe
