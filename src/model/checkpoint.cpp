@@ -137,9 +137,18 @@ std::string find_moe_prefix(const SafetensorsFile& file, std::optional<int> laye
   if (!layers.empty()) return layer_prefix(*layers.begin());
   if (file.has("block_sparse_moe.gate.weight")) return "block_sparse_moe.";
   if (file.has("gate.weight")) return "";
+  // A layer written under another prefix (init --prefix P): the error listed the names looked for but not the gate that
+  // is there, nor the option that reads it.
+  std::string others;
+  for (const std::string& name : file.names())
+    if (name.size() > 11 && name.compare(name.size() - 11, 11, "gate.weight") == 0 &&
+        name.find(".experts.") == std::string::npos)
+      others += fmt::format("{}--prefix '{}'", others.empty() ? "" : ", ", name.substr(0, name.size() - 11));
   DMOE_FAIL_INPUT("checkpoint '{}': no MoE layer found; looked for 'model.layers.{{L}}.block_sparse_moe.gate.weight', "
-                  "'block_sparse_moe.gate.weight' and 'gate.weight' among its {} tensors",
-                  file.source(), file.size());
+                  "'block_sparse_moe.gate.weight' and 'gate.weight' among its {} tensors{}",
+                  file.source(), file.size(),
+                  others.empty() ? std::string()
+                                 : fmt::format("; the file has a gate under another prefix: give {}", others));
 }
 
 MoeWeights load_moe_weights(const SafetensorsFile& file, const MoeConfig& config, const std::string& prefix,

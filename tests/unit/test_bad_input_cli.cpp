@@ -1896,5 +1896,17 @@ TEST_F(BadInput, GpuCheckScriptChecksItsPartsBeforeRunningAny) {
   EXPECT_FALSE(fs::exists(p("logs")));
 }
 
+TEST_F(BadInput, LayerUnderAnotherPrefixIsNamedWithTheOptionThatReadsIt) {
+  // A layer written by `init --prefix enc.moe.` and run without --prefix: "no MoE layer found; looked for ... among
+  // its 13 tensors", the gate that is there not named, nor the option.
+  ASSERT_EQ(run_cli("init --hidden 8 --ffn 8 --experts 2 --top-k 1 --tokens 4 --prefix enc.moe. --out " + p("w.st") +
+                    " --input " + p("x.st")).status, 0);
+  const std::string run = "run --top-k 1 --weights " + p("w.st") + " --input " + p("x.st") + " --output " + p("y.st");
+  expect_user_error(run_cli(run), "no MoE layer found; looked for 'model.layers.{L}.block_sparse_moe.gate.weight', "
+                    "'block_sparse_moe.gate.weight' and 'gate.weight' among its 7 tensors; the file has a gate under "
+                    "another prefix: give --prefix 'enc.moe.'", "another prefix");
+  EXPECT_EQ(run_cli(run + " --prefix enc.moe.").status, 0);
+}
+
 }  // namespace
 }  // namespace dmoe
