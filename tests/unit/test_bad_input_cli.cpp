@@ -35,7 +35,10 @@
 // or too long for the file system, a flow --trace larger than the memory. The eleventh pass's (branch bad11): train's
 // "not given" marks taken from the user (--min-lr < 0, --stop-after 0) and options with no effect (--min-lr without a
 // cosine, --stop-after past --steps, run/bench/init routing flags), DMOE_FAULT / DMOE_COMM_TIMEOUT_S read by
-// strtol/strtod rules, launch replacing the caller's DMOE_RENDEZVOUS without a word.
+// strtol/strtod rules, launch replacing the caller's DMOE_RENDEZVOUS without a word. The twelfth pass's (branch bad12):
+// link loops as a model --config or --tune-file (rc 2), --save through a dangling link or a loop (late), F64 values
+// past float named as inf, flow project's outputs onto --cluster, eval token files with a mask or labels, --resume with
+// settings left out, run --layer -1, init-model --out NAME.json, gpu_check.sh's parts, a layer under another prefix.
 //
 // Run: dmoe_unit_tests --gtest_filter='BadInput*'
 #include <gtest/gtest.h>
