@@ -1911,5 +1911,25 @@ TEST_F(BadInput, LayerUnderAnotherPrefixIsNamedWithTheOptionThatReadsIt) {
   EXPECT_EQ(run_cli(run + " --prefix enc.moe.").status, 0);
 }
 
+TEST_F(BadInput, ADirectoryHidingANamedConfigSaysSo) {
+  // A directory in the current directory with a named config's name (one made for the outputs) is read before the
+  // named configs: "config file 'cpu-small' is a directory; expected a JSON file" and "model config 'tiny' is a
+  // directory without a config.json", the named file that was meant not mentioned.
+  for (const char* d : {"cpu-small", "tiny", "example"}) fs::create_directories(dir_ / d);
+  const std::string cd = "cd " + dir_.string() + " && " + DMOE_CLI_PATH + " ";
+  expect_user_error(run_shell(cd + "bench --engine cpu --config cpu-small -n 1 --repeat 1 --warmup 0"),
+                    "config 'cpu-small' is a directory in the current directory, which is read before the named "
+                    "configs (and is no JSON file); the named config 'cpu-small' is ", "bench --config cpu-small");
+  expect_user_error(run_shell(cd + "flow simulate --costs example"), "the named cost file 'example' is ",
+                    "flow --costs example");
+  expect_user_error(run_shell(cd + "init-model --config tiny --out m.st"), "model config 'tiny' is a directory "
+                    "without a config.json; it is read before the named models, and the named model config 'tiny' is ",
+                    "init-model --config tiny");
+  EXPECT_FALSE(fs::exists(dir_ / "m.st"));
+  // A model directory with its config.json is a model directory, whatever its name.
+  fs::copy_file(dir_ / "tiny.json", dir_ / "tiny" / "config.json");
+  EXPECT_EQ(run_shell(cd + "init-model --config tiny --out m.st").status, 0);
+}
+
 }  // namespace
 }  // namespace dmoe

@@ -236,8 +236,13 @@ std::string find_model_config_file(const std::string& name) {
   if (fs::is_directory(name, ec)) {  // a Hugging Face model directory
     const fs::path p = fs::path(name) / "config.json";
     std::error_code config_ec;
-    DMOE_REQUIRE_INPUT(fs::exists(p, config_ec), "model config '{}' is a directory without a config.json{}", name,
-                       config_ec ? " (" + p.string() + ": " + config_ec.message() + ")" : "");
+    // A directory that merely has a named model's name (one made for the outputs) hid the named model: said.
+    const std::string named = named_json_shadowed_by(name, "bench/models");
+    DMOE_REQUIRE_INPUT(fs::exists(p, config_ec), "model config '{}' is a directory without a config.json{}{}", name,
+                       config_ec ? " (" + p.string() + ": " + config_ec.message() + ")" : "",
+                       named.empty() ? std::string()
+                                     : "; it is read before the named models, and the named model config '" + name +
+                                           "' is " + named + ": give that path to use it");
     return p.string();
   }
   return find_named_json(name, "bench/models", "model config");
