@@ -38,7 +38,8 @@
 // strtol/strtod rules, launch replacing the caller's DMOE_RENDEZVOUS without a word. The twelfth pass's (branch bad12):
 // link loops as a model --config or --tune-file (rc 2), --save through a dangling link or a loop (late), F64 values
 // past float named as inf, flow project's outputs onto --cluster, eval token files with a mask or labels, --resume with
-// settings left out, run --layer -1, init-model --out NAME.json, gpu_check.sh's parts, a layer under another prefix.
+// settings left out, run --layer -1, init-model --out NAME.json, gpu_check.sh's parts, a layer under another prefix,
+// a directory hiding a named config.
 //
 // Run: dmoe_unit_tests --gtest_filter='BadInput*'
 #include <gtest/gtest.h>
