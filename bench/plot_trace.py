@@ -11,6 +11,7 @@ naming processes and threads), as dmoe writes it. Needs matplotlib (pip install 
 """
 import argparse
 import json
+import os
 import sys
 
 # One colour per task kind; the backward kinds are darker shades of their forward's.
@@ -60,6 +61,9 @@ def main():
     ap.add_argument("--title", default="")
     ap.add_argument("--pids", default="", help="comma-separated process ids to draw (default: all)")
     args = ap.parse_args()
+    # savefig writes --out in place: onto the input (`plot_trace.py t.json --out t.json`) it replaced the trace with the PNG.
+    if os.path.exists(args.out) and os.path.exists(args.trace) and os.path.samefile(args.out, args.trace):
+        sys.exit(f"plot_trace: --out {args.out} is the trace {args.trace}: writing the PNG would destroy it; give another --out")
     processes, threads, spans = read_trace(args.trace)
     pids = sorted(spans)
     if args.pids:

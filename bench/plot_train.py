@@ -8,6 +8,7 @@ Needs matplotlib (pip install matplotlib); dmoe itself does not.
 """
 import argparse
 import json
+import os
 import sys
 
 
@@ -18,6 +19,9 @@ def main():
     ap.add_argument("--title", default="")
     ap.add_argument("--window", type=int, default=50, help="steps in the running mean")
     args = ap.parse_args()
+    # savefig writes --out in place: onto the input (`plot_train.py t.json --out t.json`) it replaced the log with the PNG.
+    if os.path.exists(args.out) and os.path.exists(args.log) and os.path.samefile(args.out, args.log):
+        sys.exit(f"plot_train: --out {args.out} is the log {args.log}: writing the PNG would destroy it; give another --out")
     steps, losses, val_steps, val = [], [], [], []
     with open(args.log) as f:
         for n, line in enumerate(f, 1):

@@ -22,6 +22,19 @@ B=${1:-build}
 O=${2:-out/gpu}
 WHAT=${3:-all}
 [ "$WHAT" = all ] && WHAT=tests,multi,bench,modes
+# Every part is checked before the first runs: a misspelt later part ('tests,fash') was found only after the earlier
+# ones had run (minutes of a short device lease), and so was a BUILD_DIR without dmoe in it.
+PARTS="tests multi bench quick gemm wgrad modes profile gpus flash flash_multi flash_backward faults sanitize"
+for part in ${WHAT//,/ }; do
+  case " $PARTS " in
+    *" $part "*) ;;
+    *) echo "gpu_check.sh: unknown part '$part'; allowed: ${PARTS// /, }, all (alone)" >&2; exit 2 ;;
+  esac
+done
+if [ ! -x "$B/dmoe" ]; then
+  echo "gpu_check.sh: '$B/dmoe' is not an executable: BUILD_DIR must be a dmoe build (cmake --build BUILD_DIR)" >&2
+  exit 2
+fi
 mkdir -p "$O"
 export DMOE_HOME=$PWD NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 DMOE_COMM_TIMEOUT_S=60
 NV=$(python3 -c "import nvidia.nvshmem as m; print(m.__path__[0])" 2>/dev/null)/lib
@@ -394,8 +407,5 @@ $(grep -a "^$mode:" "$O/san_library_${mode}_$tool.log")"
 }
 
 for part in ${WHAT//,/ }; do
-  case $part in
-    tests | multi | bench | quick | gemm | wgrad | modes | profile | gpus | flash | flash_multi | flash_backward | faults | sanitize) part_$part ;;
-    *) echo "unknown part '$part'; allowed: tests, multi, bench, quick, gemm, wgrad, modes, profile, gpus, flash, flash_multi, flash_backward, faults, sanitize, all" >&2; exit 2 ;;
-  esac
+  part_$part  # (checked against PARTS above)
 done

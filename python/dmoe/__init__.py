@@ -121,6 +121,17 @@ def _run(x, gate, w1, w3, w2, top_k, activation, world, dy, renormalize, capacit
     allow_non_finite = check_bool("dmoe", "allow_non_finite", allow_non_finite)
     check_choice("dmoe", "dtype", dtype, ("float32", "f32", "bfloat16", "bf16"))
     check_choice("dmoe", "drop_policy", drop_policy, ("latest-tokens", "lowest-weight"))
+    # Arguments that cannot act were taken without a word (as dmoe run refuses the flags): the loss coefficients
+    # weight the router losses in the backward only, and the losses come back unweighted; a drop policy chooses the
+    # tokens a full expert drops, and a dropless layer drops none.
+    if dy is None:
+        for name, value in (("aux_loss_coef", aux_loss_coef), ("z_loss_coef", z_loss_coef)):
+            if value != 0:
+                raise ValueError(f"dmoe: {name} = {value} weights a router loss in the backward only, and layer_forward "
+                                 f"has none (its 'losses' are unweighted): use layer_backward, or drop {name}")
+    if capacity_factor == 0 and drop_policy != "latest-tokens":
+        raise ValueError(f"dmoe: drop_policy = '{drop_policy}' chooses the tokens a full expert drops, and "
+                         f"capacity_factor = 0 is dropless: give a capacity_factor > 0, or drop drop_policy")
     for name, a in (("x", x), ("gate", gate), ("w1", w1), ("w3", w3), ("w2", w2), ("dy", dy)):
         if a is not None and not isinstance(a, np.ndarray):
             raise TypeError(f"dmoe: {name} must be a numpy.ndarray, got {type(a).__name__}")
@@ -183,8 +194,10 @@ def layer_forward(x, gate, w1, w3, w2, *, top_k, activation="swiglu", world=1, r
     each (rank, expert) keeps at most ``ceil(cf * T * k / E)`` rows (``drop_policy`` 'latest-tokens' or
     'lowest-weight'). ``dtype`` 'bfloat16' rounds every stored activation to bf16 as a bf16 GPU engine stores
     them. Returns a dict: ``y`` [N, H], ``expert_ids`` [N, k] int32, ``expert_weights`` [N, k], ``router_logits``
-    [N, E], ``losses`` {'load_balance', 'z_loss'} (over all ranks' tokens). Inputs must be finite; results that
-    are not (finite inputs overflowing float32) raise ValueError unless ``allow_non_finite``.
+    [N, E], ``losses`` {'load_balance', 'z_loss'} (over all ranks' tokens, unweighted: ``aux_loss_coef`` and
+    ``z_loss_coef`` act in ``layer_backward`` only, and a non-zero one is refused here; so is a ``drop_policy``
+    other than the default on a dropless layer). Inputs must be finite; results that are not (finite inputs
+    overflowing float32) raise ValueError unless ``allow_non_finite``.
     """
     return _run(x, gate, w1, w3, w2, top_k, activation, world, None, renormalize, capacity_factor, drop_policy,
                 aux_loss_coef, z_loss_coef, dtype, pad_to_capacity, batch_row_multiple, allow_non_finite)

@@ -137,9 +137,18 @@ std::string find_moe_prefix(const SafetensorsFile& file, std::optional<int> laye
   if (!layers.empty()) return layer_prefix(*layers.begin());
   if (file.has("block_sparse_moe.gate.weight")) return "block_sparse_moe.";
   if (file.has("gate.weight")) return "";
+  // A layer written under another prefix (init --prefix P): the error listed the names looked for but not the gate that
+  // is there, nor the option that reads it.
+  std::string others;
+  for (const std::string& name : file.names())
+    if (name.size() > 11 && name.compare(name.size() - 11, 11, "gate.weight") == 0 &&
+        name.find(".experts.") == std::string::npos)
+      others += fmt::format("{}--prefix '{}'", others.empty() ? "" : ", ", name.substr(0, name.size() - 11));
   DMOE_FAIL_INPUT("checkpoint '{}': no MoE layer found; looked for 'model.layers.{{L}}.block_sparse_moe.gate.weight', "
-                  "'block_sparse_moe.gate.weight' and 'gate.weight' among its {} tensors",
-                  file.source(), file.size());
+                  "'block_sparse_moe.gate.weight' and 'gate.weight' among its {} tensors{}",
+                  file.source(), file.size(),
+                  others.empty() ? std::string()
+                                 : fmt::format("; the file has a gate under another prefix: give {}", others));
 }
 
 MoeWeights load_moe_weights(const SafetensorsFile& file, const MoeConfig& config, const std::string& prefix,
@@ -234,6 +243,11 @@ std::string checkpoint_entry_file(const std::string& path_or_dir) {
                      "model.safetensors.index.json, two models: which one is meant is a guess (transformers reads "
                      "model.safetensors, the index's shards are another model); name the file to read ('{}' or '{}'), "
                      "or remove the one that is stale", path_or_dir, single.string(), index.string());
+  // Neither: the error was the missing model.safetensors alone ("not a readable regular file"), as if that were the
+  // only thing a model directory may hold (an index of another name beside its shards was not mentioned).
+  DMOE_REQUIRE_INPUT(has_index || has_single, "model directory '{}' holds neither model.safetensors nor "
+                     "model.safetensors.index.json, the files a model directory is read from; name the model's file "
+                     "(a .safetensors file, or an index ending in .json)", path_or_dir);
   return has_index ? index.string() : single.string();
 }
 

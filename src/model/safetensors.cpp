@@ -387,7 +387,23 @@ void SafetensorsFile::read_f32_into(const std::string& name, const std::vector<i
   } else if (t.dtype == "F16") {
     for (size_t i = 0; i < n; ++i) out[i] = half_to_float(load<uint16_t>(p + 2 * i));
   } else if (t.dtype == "F64") {
-    for (size_t i = 0; i < n; ++i) out[i] = double_to_float(load<double>(p + 8 * i));
+    for (size_t i = 0; i < n; ++i) {
+      const double d = load<double>(p + 8 * i);
+      out[i] = double_to_float(d);
+      // A finite double past float's range became inf here, and the caller's finiteness check then said "x[0, 5] is
+      // inf" of a file that holds 1e300: the value and the cause, instead.
+      if (std::isfinite(d) && !std::isfinite(out[i])) {
+        std::string index;
+        for (size_t k = t.shape.size(), rest = i; k-- > 0;) {
+          const size_t dim = size_t(t.shape[k]);
+          index = std::to_string(rest % dim) + (index.empty() ? "" : ", ") + index;
+          rest /= dim;
+        }
+        DMOE_FAIL_INPUT("safetensors '{}': tensor '{}' [{}] is {:g} (F64), beyond float32's range (magnitude at most "
+                        "{:g}), in which dmoe computes; scale the values into float's range", source_, name, index, d,
+                        double(FLT_MAX));
+      }
+    }
   } else {
     DMOE_FAIL_INPUT("safetensors '{}': tensor '{}' has dtype {}; only F32, BF16, F16 and F64 can be read as float",
                     source_, name, t.dtype);

@@ -66,7 +66,8 @@ class SafetensorsFile {
   std::span<const uint8_t> raw(const std::string& name) const;
 
   // F32, BF16, F16 or F64 converted to float. The shape must equal expected_shape; the error names the
-  // tensor, the expected and the found shape.
+  // tensor, the expected and the found shape. A finite F64 value beyond float's range is an input error naming it
+  // (it would be inf); F64 values just past FLT_MAX that round to it are taken.
   std::vector<float> read_f32(const std::string& name, const std::vector<int64_t>& expected_shape) const;
   HostTensor<float> read_f32(const std::string& name) const;
   // As read_f32, into out[0 .. numel) (saves a copy when filling a bigger buffer).

@@ -14,6 +14,7 @@
 #include <random>
 #include <sstream>
 #include <thread>
+#include <tuple>
 
 #include <nlohmann/json.hpp>
 
@@ -122,10 +123,13 @@ void read_prefixed(const SafetensorsFile& f, const std::string& name_prefix, Mix
   }
 }
 
+// The cosine's floor: --min-lr, or lr / 10 when it is not given (min_lr < 0).
+double effective_min_lr(const TrainOptions& o) { return o.min_lr < 0 ? o.lr / 10 : o.min_lr; }
+
 }  // namespace
 
 double scheduled_lr(const TrainOptions& o, int64_t step) {
-  const double min_lr = o.min_lr < 0 ? o.lr / 10 : o.min_lr;
+  const double min_lr = effective_min_lr(o);
   if (o.warmup > 0 && step <= o.warmup) return o.lr * double(step) / double(o.warmup);
   if (o.steps <= o.warmup) return o.lr;
   // With a warm-up the peak is its last step (t = warmup) and the cosine runs over the steps after it. Without one
@@ -327,6 +331,28 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
     if (state.contains("lr") && state["lr"].is_number() && state["lr"].get<double>() != o.lr)
       print(fmt::format("train: note: --lr {} replaces the saved run's {} (--resume {}): the run continues with the new "
                         "schedule, not as the uninterrupted run would", o.lr, state["lr"].get<double>(), o.resume_dir));
+    // The rest of the run's settings (recorded since the twelfth bad-input pass; older states lack them): a resumed
+    // run that left out, say, the saved run's --warmup 100 took the default 10 without a word, and one with another
+    // --val-fraction trained on another part of the text and validated on other windows.
+    for (const char* key : {"val_fraction", "warmup", "min_lr", "weight_decay", "beta1", "beta2", "clip"})
+      DMOE_REQUIRE_INPUT(!state.contains(key) || state[key].is_number(), "{}/trainer_state.json: '{}' must be a number "
+                         "(found {})", o.resume_dir, key, state.contains(key) ? state[key].dump() : "");
+    if (state.contains("val_fraction") && state["val_fraction"].get<double>() != o.val_fraction)
+      print(fmt::format("train: note: --val-fraction {} replaces the saved run's {} (--resume {}): the run continues "
+                        "on another split of the text (other training bytes, other held-out windows: its val loss is "
+                        "not comparable with the saved run's)", o.val_fraction, state["val_fraction"].get<double>(),
+                        o.resume_dir));
+    for (const auto& [key, option, value] : {std::tuple<const char*, const char*, double>{"warmup", "--warmup",
+                                                                                         double(o.warmup)},
+                                             {"min_lr", "--min-lr", effective_min_lr(o)},
+                                             {"weight_decay", "--weight-decay", o.weight_decay},
+                                             {"beta1", "--beta1", o.beta1}, {"beta2", "--beta2", o.beta2},
+                                             {"clip", "--clip", o.clip}})
+      if (state.contains(key) && state[key].get<double>() != value)
+        print(fmt::format("train: note: {} {} replaces the saved run's {} (--resume {}){}: the run continues with the "
+                          "new setting, not as the uninterrupted run would", option, value, state[key].get<double>(),
+                          o.resume_dir, std::string(key) == "min_lr" && o.min_lr < 0 ? " (the default, --lr / 10)"
+                                                                                      : ""));
     if (state.contains("steps") && state["steps"].is_number_integer() && state["steps"].get<int64_t>() != o.steps)
       print(fmt::format("train: note: --steps {} replaces the saved run's {} (--resume {}): the warm-up and cosine "
                         "schedule are those of {} steps, not of the saved run's", o.steps,
@@ -339,9 +365,11 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
     // rope_theta, rms_norm_eps, ...) was resumed without a word: the saved config.json must be this run's model.
     const fs::path saved_config = fs::path(o.resume_dir) / "config.json";
     // dmoe writes it with every checkpoint: without it the comparison below was skipped without a word.
-    DMOE_REQUIRE_INPUT(fs::exists(saved_config), "--resume {}: no config.json; a dmoe checkpoint holds config.json, "
-                       "model.safetensors, optimizer.safetensors and trainer_state.json (the saved model is compared "
-                       "with --config)", o.resume_dir);
+    // (The error_code form: a config.json that is a symbolic link loop threw filesystem_error, rc 2.)
+    std::error_code config_ec;
+    DMOE_REQUIRE_INPUT(fs::exists(saved_config, config_ec), "--resume {}: no config.json{}; a dmoe checkpoint holds "
+                       "config.json, model.safetensors, optimizer.safetensors and trainer_state.json (the saved model is "
+                       "compared with --config)", o.resume_dir, config_ec ? " (" + config_ec.message() + ")" : "");
     {
       const json saved = mixtral_config_to_json(load_mixtral_config(saved_config.string())),
                  now = mixtral_config_to_json(config);
@@ -411,7 +439,10 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
   // never written over another's; a file that is not one of these is refused before the run, not replaced.
   std::optional<flow::TunePoint> tuned_choice;
   json tune_runs = json::array();
-  if (tuned && !o.tune_file.empty() && fs::exists(o.tune_file)) {
+  // The error_code form: a symbolic link loop as --tune-file threw filesystem_error ("unexpected error", rc 2); such a
+  // path is refused as an output below, naming the loop.
+  std::error_code tune_ec;
+  if (tuned && !o.tune_file.empty() && fs::exists(o.tune_file, tune_ec)) {
     const json t = read_json_file(o.tune_file, "Flow tuning file");
     DMOE_REQUIRE_INPUT(t.is_object() && t.contains("runs") && t["runs"].is_array(), "--tune-file {}: not a Flow tuning "
                        "file (no \"runs\" list); it is left as it is: give a new path", o.tune_file);
@@ -518,7 +549,10 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
       }
       files.write((fs::path(dir) / "trainer_state.json").string(),
                   json{{"step", step}, {"seed", o.seed}, {"steps", o.steps}, {"batch", o.batch}, {"seq", o.seq},
-                       {"lr", o.lr}, {"data", o.data_path}, {"save_id", save_id}}.dump(2) + "\n");
+                       {"lr", o.lr}, {"data", o.data_path}, {"save_id", save_id},
+                       {"val_fraction", o.val_fraction}, {"warmup", o.warmup}, {"min_lr", effective_min_lr(o)},
+                       {"weight_decay", o.weight_decay}, {"beta1", o.beta1}, {"beta2", o.beta2},
+                       {"clip", o.clip}}.dump(2) + "\n");
       files.commit();
     }
     replica.barrier();  // no rank goes on (e.g. to resume from the checkpoint) before it is written

@@ -283,3 +283,22 @@ def test_threads_sharing_a_session_take_turns():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
     assert r.stdout.split() == ["0", "80", "0"]
+
+
+# ---- the twelfth bad-input pass (docs/faults.md, "twelfth pass") ------------------------------------------------
+
+
+def test_arguments_that_cannot_act_are_refused():
+    # layer_forward took aux_loss_coef / z_loss_coef (they weight the losses in the backward only; the forward's
+    # losses are unweighted) and drop_policy on a dropless layer without a word, as dmoe run's flags were.
+    x, gate, w1, w3, w2, dy = make("swiglu", 8)
+    expect(ValueError, "aux_loss_coef = 5.0 weights a router loss in the backward only", dmoe.layer_forward, x, gate,
+           w1, w3, w2, top_k=K, aux_loss_coef=5.0)
+    expect(ValueError, "z_loss_coef = 0.5 weights a router loss in the backward only", dmoe.layer_forward, x, gate,
+           w1, w3, w2, top_k=K, z_loss_coef=0.5)
+    for run in (dmoe.layer_forward, lambda *a, **kw: dmoe.layer_backward(*a, dy, **kw)):
+        expect(ValueError, "drop_policy = 'lowest-weight' chooses the tokens a full expert drops, and "
+               "capacity_factor = 0 is dropless", run, x, gate, w1, w3, w2, top_k=K, drop_policy="lowest-weight")
+    # Where they act, they are taken.
+    assert "dx" in dmoe.layer_backward(x, gate, w1, w3, w2, dy, top_k=K, aux_loss_coef=5.0, z_loss_coef=0.5)
+    dmoe.layer_forward(x, gate, w1, w3, w2, top_k=K, capacity_factor=1.0, drop_policy="lowest-weight")

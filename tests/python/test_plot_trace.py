@@ -59,3 +59,25 @@ def test_bad_traces_and_options_are_refused(tmp_path):
     assert r.returncode != 0 and "[7] not in the trace" in r.stderr
     r = run(str(good), "--out", str(tmp_path / "no_dir" / "p.png"))
     assert r.returncode != 0 and "--out" in r.stderr
+
+
+def test_out_onto_the_trace_is_refused(tmp_path):
+    # The twelfth bad-input pass: savefig wrote --out in place, so `plot_trace.py t.json --out t.json` replaced the
+    # trace with the PNG (and plot_train.py the log). Refused before anything is read or drawn (no matplotlib needed).
+    trace = tmp_path / "t.json"
+    text = json.dumps({"traceEvents": trace_events()})
+    trace.write_text(text)
+    r = run(str(trace), "--out", str(trace))
+    assert r.returncode != 0 and "--out" in r.stderr and "is the trace" in r.stderr, r.stderr
+    assert trace.read_text() == text
+    link = tmp_path / "link.png"
+    link.symlink_to(trace)
+    r = run(str(trace), "--out", str(link))
+    assert r.returncode != 0 and "is the trace" in r.stderr, r.stderr
+    assert trace.read_text() == text
+    log = tmp_path / "train.jsonl"
+    log.write_text('{"step": 1, "loss": 5.5}\n')
+    train = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "plot_train.py")
+    r = subprocess.run([sys.executable, train, str(log), "--out", str(log)], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "is the log" in r.stderr, r.stderr
+    assert log.read_text() == '{"step": 1, "loss": 5.5}\n'

@@ -35,12 +35,17 @@
 // or too long for the file system, a flow --trace larger than the memory. The eleventh pass's (branch bad11): train's
 // "not given" marks taken from the user (--min-lr < 0, --stop-after 0) and options with no effect (--min-lr without a
 // cosine, --stop-after past --steps, run/bench/init routing flags), DMOE_FAULT / DMOE_COMM_TIMEOUT_S read by
-// strtol/strtod rules, launch replacing the caller's DMOE_RENDEZVOUS without a word.
+// strtol/strtod rules, launch replacing the caller's DMOE_RENDEZVOUS without a word. The twelfth pass's (branch bad12):
+// link loops as a model --config or --tune-file (rc 2), --save through a dangling link or a loop (late), F64 values
+// past float named as inf, flow project's outputs onto --cluster, eval token files with a mask or labels, --resume with
+// settings left out, run --layer -1, init-model --out NAME.json, gpu_check.sh's parts, a layer under another prefix,
+// a directory hiding a named config.
 //
 // Run: dmoe_unit_tests --gtest_filter='BadInput*'
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -1693,6 +1698,238 @@ TEST_F(BadInput, TrainStopAfterOutsideTheScheduleIsRefused) {
                     "(--steps 2)", "--stop-after 50");
   EXPECT_EQ(run_cli(train + "--stop-after 2").status, 0);
   EXPECT_NE(run_cli("train --help").output.find("--stop-after INT:INT in [0 - 1000000000]=--steps"), std::string::npos);
+}
+
+// ---- The twelfth pass (2026-12-04, branch bad12; docs/faults.md) ---------------------------------------------
+
+TEST_F(BadInput, ModelConfigAndTuneFileThatAreLinkLoopsAreUserErrors) {
+  // fs::is_directory / fs::exists without an error_code: a symbolic link loop as a model --config (eval, init-model,
+  // train, flow measure/project), as the config.json of a --resume checkpoint, or as --tune-file ended in
+  // "unexpected error: filesystem error: status: Too many levels of symbolic links", rc 2.
+  fs::create_symlink("loop_b", dir_ / "loop_a");
+  fs::create_symlink("loop_a", dir_ / "loop_b");
+  const std::string loop = p("loop_a");
+  write_tokens_file();
+  expect_user_error(run_cli("eval --config " + loop + " --weights " + p("m.st") + " --tokens " + p("tok.st") +
+                            " --output " + p("e.st")), "model config '" + loop + "' cannot be read: Too many levels "
+                    "of symbolic links (it is a symbolic link)", "eval --config a loop");
+  expect_user_error(run_cli("init-model --config " + loop + " --out " + p("m.st")), "cannot be read: Too many levels",
+                    "init-model --config a loop");
+  expect_user_error(run_cli("flow measure --config " + loop + " --batch 2 --seq 8 --steps 1"),
+                    "cannot be read: Too many levels", "flow measure --config a loop");
+  expect_user_error(run_cli("flow project --config " + loop + " --cluster h200 --gpus 8"),
+                    "cannot be read: Too many levels", "flow project --config a loop");
+  // A layer config (run, init, bench): the search places were listed as if nothing were there.
+  expect_user_error(run_cli("init --config " + loop + " --out " + p("w.st")), "config '" + loop + "' cannot be "
+                    "read: Too many levels of symbolic links", "init --config a loop");
+  const std::string train = "train --config " + p("tiny.json") + " --data " + p("data") + " --seq 16 --batch 2 "
+                            "--print-every 0 ";
+  expect_user_error(run_cli("train --config " + loop + " --data " + p("data") + " --steps 1"),
+                    "cannot be read: Too many levels", "train --config a loop");
+  const Result tune = run_cli(train + "--steps 40 --schedule tuned --tune-samples 2 --tune-steps 1 --tune-file " + loop);
+  expect_user_error(tune, "--tune-file '" + loop + "' is a symbolic link whose target cannot be resolved (Too many "
+                    "levels of symbolic links)", "--tune-file a loop");
+  EXPECT_EQ(tune.output.find("train: mixtral"), std::string::npos) << tune.output;
+  ASSERT_EQ(run_cli(train + "--steps 1 --save " + p("ck")).status, 0);
+  fs::remove(dir_ / "ck" / "config.json");
+  fs::create_symlink("config.json", dir_ / "ck" / "config.json");  // a link to itself
+  expect_user_error(run_cli(train + "--steps 2 --resume " + p("ck")), "--resume " + p("ck") + ": no config.json "
+                    "(Too many levels of symbolic links)", "--resume with a config.json loop");
+  // A dangling link keeps the named lookup (a named model of that name is found; else the search is listed).
+  fs::create_symlink("nowhere", dir_ / "tiny");
+  EXPECT_EQ(run_shell("cd " + dir_.string() + " && " + DMOE_CLI_PATH + " init-model --config tiny --out " +
+                      p("m2.st")).status, 0);
+}
+
+TEST_F(BadInput, TrainSaveThroughABrokenLinkIsRefusedBeforeTraining) {
+  // A dangling symbolic link or a link loop as --save, or above it, was taken for a directory to be made: the run
+  // trained to the end, then "--save X: the checkpoint directory cannot be made: File exists" (or "Too many levels
+  // of symbolic links"), and the training was lost.
+  fs::create_symlink("nowhere", dir_ / "dangling");
+  fs::create_symlink("loop_b", dir_ / "loop_a");
+  fs::create_symlink("loop_a", dir_ / "loop_b");
+  const std::string train = "train --config " + p("tiny.json") + " --data " + p("data") + " --steps 1 --seq 16 "
+                            "--batch 2 --print-every 0 --save ";
+  for (const auto& [save, link] : std::vector<std::pair<std::string, std::string>>{
+           {p("dangling"), p("dangling")}, {p("dangling") + "/sub", p("dangling")}, {p("loop_a"), p("loop_a")},
+           {p("loop_a") + "/ck", p("loop_a")}}) {
+    const Result r = run_cli(train + save);
+    expect_user_error(r, "--save '" + save + "': '" + link + "' is a symbolic link that leads to no directory",
+                      "--save " + save);
+    EXPECT_EQ(r.output.find("train: mixtral"), std::string::npos) << "trained first:\n" << r.output;
+  }
+  EXPECT_FALSE(fs::exists(dir_ / "nowhere"));
+  // A link to a directory is one; a missing directory with missing parents is made.
+  fs::create_directories(dir_ / "real");
+  fs::create_symlink("real", dir_ / "to_real");
+  EXPECT_EQ(run_cli(train + p("to_real")).status, 0);
+  EXPECT_TRUE(fs::exists(dir_ / "real" / "trainer_state.json"));
+  EXPECT_EQ(run_cli(train + p("new/deeper/ck")).status, 0);
+  EXPECT_TRUE(fs::exists(dir_ / "new" / "deeper" / "ck" / "model.safetensors"));
+}
+
+TEST_F(BadInput, DoubleValuesPastFloatsRangeAreNamedWithTheirValue) {
+  // An F64 x (or weight) holding 1e300, a finite number, was reported as "x[0, 5] is inf; inputs must be finite":
+  // the file holds no inf; the value does not fit float32, which dmoe computes in.
+  ASSERT_EQ(run_cli("init --hidden 8 --ffn 8 --experts 2 --top-k 1 --tokens 4 --out " + p("w.st") + " --input " +
+                    p("x.st") + " --save-config " + p("c.json")).status, 0);
+  std::vector<float> x = SafetensorsFile::open(p("x.st")).read_f32("x").values;
+  auto write_x = [&](const std::string& name, double big, int64_t at) {
+    std::vector<double> d(x.begin(), x.end());
+    d[size_t(at)] = big;
+    SafetensorsWriter w;
+    w.add("x", DType::f64, {4, 8}, d.data());
+    w.write(p(name));
+  };
+  write_x("x_big.st", 1e300, 13);
+  write_x("x_max.st", double(FLT_MAX) * 1.0000000001, 13);  // rounds to FLT_MAX: finite, taken
+  const std::string run = "run --config " + p("c.json") + " --weights " + p("w.st") + " --output " + p("y.st");
+  const Result big = run_cli(run + " --input " + p("x_big.st"));
+  expect_user_error(big, "tensor 'x' [1, 5] is 1e+300 (F64), beyond float32's range (magnitude at most "
+                    "3.40282e+38)", "x 1e300 stored as F64");
+  EXPECT_EQ(big.output.find("is inf"), std::string::npos) << big.output;
+  EXPECT_NE(run_cli(run + " --input " + p("x_max.st") + " --allow-non-finite").output.find("wrote"),
+            std::string::npos);
+}
+
+TEST_F(BadInput, FlowProjectOutputsCannotReplaceTheClusterFile) {
+  // --cluster was no input of the distinctness check: `--cluster cl.json --json cl.json` (or --trace) replaced the
+  // cluster file with the results, rc 0.
+  fs::copy_file(fs::path(DMOE_SOURCE_DIR) / "bench/flow/clusters/h200.json", dir_ / "cl.json");
+  const std::string before = slurp(p("cl.json"));
+  const std::string project = "flow project --config " + p("tiny.json") + " --cluster " + p("cl.json") + " --gpus 4 ";
+  for (const char* option : {"--json", "--trace"}) {
+    expect_user_error(run_cli(project + option + " " + p("cl.json")), std::string(option) + " '" + p("cl.json") +
+                      "' is the same file as --cluster '" + p("cl.json") + "'", option);
+    EXPECT_EQ(slurp(p("cl.json")), before) << option;
+  }
+  EXPECT_EQ(run_cli(project + "--json " + p("out.json")).status, 0);
+}
+
+TEST_F(BadInput, EvalTokensFileWithAMaskOrLabelsIsRefused) {
+  // Every position of 'tokens' is taken as a real token and a target: a file that also held an attention_mask (or
+  // labels) was evaluated with the padding in the loss, the other tensors ignored, rc 0.
+  ASSERT_EQ(run_cli("init-model --config " + p("tiny.json") + " --out " + p("m.st")).status, 0);
+  std::vector<int32_t> tokens(16, 7), mask(16, 1);
+  for (int i = 12; i < 16; ++i) mask[size_t(i)] = 0;
+  SafetensorsWriter w;
+  w.add_i32("tokens", {2, 8}, tokens);
+  w.add_i32("attention_mask", {2, 8}, mask);
+  w.add_i32("labels", {2, 8}, tokens);
+  w.write(p("tok_mask.st"));
+  const std::string eval = "eval --config " + p("tiny.json") + " --weights " + p("m.st") + " --output " + p("e.st") +
+                           " --tokens ";
+  expect_user_error(run_cli(eval + p("tok_mask.st")), "holds 'attention_mask', 'labels' beside 'tokens', which eval "
+                    "would ignore", "a mask and labels beside tokens");
+  EXPECT_FALSE(fs::exists(p("e.st")));
+  write_tokens_file();
+  EXPECT_EQ(run_cli(eval + p("tok.st")).status, 0);
+}
+
+TEST_F(BadInput, ResumeWithOtherTrainingSettingsSaysSo) {
+  // trainer_state.json recorded --lr, --steps and --data only: a resumed run that left out the saved run's
+  // --warmup 3 trained on with the default 10, and one with another --val-fraction on another split of the text
+  // (its val loss not comparable), both without a word.
+  const std::string train = "train --config " + p("tiny.json") + " --data " + p("data") + " --seq 16 --batch 2 "
+                            "--print-every 0 ";
+  ASSERT_EQ(run_cli(train + "--steps 2 --warmup 3 --save " + p("ck")).status, 0);
+  const json state = json::parse(slurp(p("ck/trainer_state.json")));
+  EXPECT_EQ(state.at("warmup"), 3);
+  EXPECT_EQ(state.at("val_fraction"), 0.1);
+  const Result r = run_cli(train + "--steps 4 --resume " + p("ck") + " --val-fraction 0.5 --weight-decay 0");
+  EXPECT_EQ(r.status, 0) << r.output;
+  for (const std::string& note : {"note: --val-fraction 0.5 replaces the saved run's 0.1", "note: --warmup 10 "
+                                  "replaces the saved run's 3", "note: --weight-decay 0 replaces the saved run's 0.1"})
+    EXPECT_NE(r.output.find(note), std::string::npos) << note << "\n" << r.output;
+  EXPECT_EQ(r.output.find("--beta1"), std::string::npos) << r.output;
+  const Result same = run_cli(train + "--steps 4 --warmup 3 --resume " + p("ck"));
+  EXPECT_EQ(same.status, 0) << same.output;
+  EXPECT_EQ(same.output.find("--warmup"), std::string::npos) << same.output;
+  // A state of another type is named, not skipped.
+  json bad = state;
+  bad["clip"] = "1";
+  std::ofstream(p("ck/trainer_state.json")) << bad.dump();
+  expect_user_error(run_cli(train + "--steps 4 --warmup 3 --resume " + p("ck")), "trainer_state.json: 'clip' must be "
+                    "a number (found \"1\")", "clip a string");
+}
+
+TEST_F(BadInput, RunLayerIsANonNegativeIndex) {
+  // run's --layer had no range: `--layer -1` was looked up as 'model.layers.-1.block_sparse_moe.gate.weight' and
+  // reported as a layer without a gate (init's --layer is checked to [0, 1000000]).
+  ASSERT_EQ(run_cli("init --hidden 8 --ffn 8 --experts 2 --top-k 1 --tokens 4 --out " + p("w.st") + " --input " +
+                    p("x.st")).status, 0);
+  const Result r = run_cli("run --top-k 1 --weights " + p("w.st") + " --input " + p("x.st") + " --output " + p("y.st") +
+                           " --layer -1");
+  expect_parse_error(r, "--layer: -1 is not in range 0 to 1000000", "run --layer -1");
+  EXPECT_EQ(r.output.find("model.layers.-1"), std::string::npos) << r.output;
+}
+
+TEST_F(BadInput, InitModelWithoutShardsRefusesAnIndexNameAndEmptyModelDirectoriesAreNamed) {
+  // `init-model --out m.json` (no --shard-bytes) wrote one safetensors file that every reader takes for an index by
+  // its name: eval then said "byte 2 of the file is NUL ... a JSON file is text", rc 0 at the write.
+  for (const char* out : {"m.json", "model.safetensors.index.json"}) {
+    expect_user_error(run_cli("init-model --config " + p("tiny.json") + " --out " + p(out)), "ends in .json, the name "
+                      "of a sharded model's index: without --shard-bytes --out is one safetensors file", out);
+    EXPECT_FALSE(fs::exists(p(out))) << out;
+  }
+  ASSERT_EQ(run_cli("init-model --config " + p("tiny.json") + " --out " + p("m.json") + " --shard-bytes 300000").status,
+            0);
+  // A model directory with neither file a directory is read from: the error named model.safetensors alone.
+  write_tokens_file();
+  expect_user_error(run_cli("eval --config " + p("tiny.json") + " --weights " + dir_.string() + " --tokens " +
+                            p("tok.st") + " --output " + p("e.st")), "holds neither model.safetensors nor "
+                    "model.safetensors.index.json", "a directory with an index of another name");
+  EXPECT_EQ(run_cli("eval --config " + p("tiny.json") + " --weights " + p("m.json") + " --tokens " + p("tok.st") +
+                    " --output " + p("e.st")).status, 0);
+}
+
+TEST_F(BadInput, GpuCheckScriptChecksItsPartsBeforeRunningAny) {
+  // scripts/gpu_check.sh ran its parts in order and met a misspelt one only when it came to it: 'tests,fash' ran the
+  // GPU tests first (minutes of a short device lease) and then failed; a BUILD_DIR without dmoe ran every step.
+  const std::string script = std::string(DMOE_SOURCE_DIR) + "/scripts/gpu_check.sh ";
+  const std::string build = fs::path(DMOE_CLI_PATH).parent_path().string();
+  const Result typo = run_shell("cd " + dir_.string() + " && bash " + script + build + " " + p("logs") + " tests,fash");
+  EXPECT_EQ(typo.status, 2) << typo.output;
+  EXPECT_NE(typo.output.find("unknown part 'fash'; allowed: tests, multi,"), std::string::npos) << typo.output;
+  EXPECT_EQ(typo.output.find("== "), std::string::npos) << "a part ran first:\n" << typo.output;
+  EXPECT_FALSE(fs::exists(p("logs")));
+  const Result nobuild = run_shell("cd " + dir_.string() + " && bash " + script + p("nobuild") + " " + p("logs") +
+                                   " tests");
+  EXPECT_EQ(nobuild.status, 2) << nobuild.output;
+  EXPECT_NE(nobuild.output.find("nobuild/dmoe' is not an executable"), std::string::npos) << nobuild.output;
+  EXPECT_FALSE(fs::exists(p("logs")));
+}
+
+TEST_F(BadInput, LayerUnderAnotherPrefixIsNamedWithTheOptionThatReadsIt) {
+  // A layer written by `init --prefix enc.moe.` and run without --prefix: "no MoE layer found; looked for ... among
+  // its 13 tensors", the gate that is there not named, nor the option.
+  ASSERT_EQ(run_cli("init --hidden 8 --ffn 8 --experts 2 --top-k 1 --tokens 4 --prefix enc.moe. --out " + p("w.st") +
+                    " --input " + p("x.st")).status, 0);
+  const std::string run = "run --top-k 1 --weights " + p("w.st") + " --input " + p("x.st") + " --output " + p("y.st");
+  expect_user_error(run_cli(run), "no MoE layer found; looked for 'model.layers.{L}.block_sparse_moe.gate.weight', "
+                    "'block_sparse_moe.gate.weight' and 'gate.weight' among its 7 tensors; the file has a gate under "
+                    "another prefix: give --prefix 'enc.moe.'", "another prefix");
+  EXPECT_EQ(run_cli(run + " --prefix enc.moe.").status, 0);
+}
+
+TEST_F(BadInput, ADirectoryHidingANamedConfigSaysSo) {
+  // A directory in the current directory with a named config's name (one made for the outputs) is read before the
+  // named configs: "config file 'cpu-small' is a directory; expected a JSON file" and "model config 'tiny' is a
+  // directory without a config.json", the named file that was meant not mentioned.
+  for (const char* d : {"cpu-small", "tiny", "example"}) fs::create_directories(dir_ / d);
+  const std::string cd = "cd " + dir_.string() + " && " + DMOE_CLI_PATH + " ";
+  expect_user_error(run_shell(cd + "bench --engine cpu --config cpu-small -n 1 --repeat 1 --warmup 0"),
+                    "config 'cpu-small' is a directory in the current directory, which is read before the named "
+                    "configs (and is no JSON file); the named config 'cpu-small' is ", "bench --config cpu-small");
+  expect_user_error(run_shell(cd + "flow simulate --costs example"), "the named cost file 'example' is ",
+                    "flow --costs example");
+  expect_user_error(run_shell(cd + "init-model --config tiny --out m.st"), "model config 'tiny' is a directory "
+                    "without a config.json; it is read before the named models, and the named model config 'tiny' is ",
+                    "init-model --config tiny");
+  EXPECT_FALSE(fs::exists(dir_ / "m.st"));
+  // A model directory with its config.json is a model directory, whatever its name.
+  fs::copy_file(dir_ / "tiny.json", dir_ / "tiny" / "config.json");
+  EXPECT_EQ(run_shell(cd + "init-model --config tiny --out m.st").status, 0);
 }
 
 }  // namespace

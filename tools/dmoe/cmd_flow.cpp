@@ -769,7 +769,12 @@ Command add_flow_command(CLI::App& app) {
     if (o->action == "project") {
       if (sub->count("--dtype") == 0) o->dtype = "bf16";
       if (sub->count("--seq") == 0) o->seq = 1024;  // the paper models' sequence
-      require_distinct_files(outputs, {{"--config", find_model_config_file(o->model_config)}});
+      // The cluster file is an input too: `--cluster cl.json --json cl.json` replaced the cluster with the results
+      // (rc 0; a named one in DMOE_HOME's bench/flow/clusters the same).
+      std::vector<NamedPath> inputs = {{"--config", find_model_config_file(o->model_config)}};
+      if (!o->cluster.empty())
+        inputs.push_back({"--cluster", find_named_json(o->cluster, "bench/flow/clusters", "cluster file")});
+      require_distinct_files(outputs, inputs);
       DMOE_REQUIRE_INPUT(o->micro_batches >= 1 && o->micro_batches <= 4096, "--micro-batches {}: must be in [1, 4096]",
                          o->micro_batches);
       DMOE_REQUIRE_INPUT(o->samples >= 1 && o->samples <= 1000, "--samples {}: must be in [1, 1000]", o->samples);

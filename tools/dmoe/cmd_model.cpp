@@ -47,6 +47,15 @@ HostTensor<int32_t> read_tokens(const std::string& path) {
   const SafetensorsFile f = SafetensorsFile::open(path);
   DMOE_REQUIRE_INPUT(f.has("tokens"), "{}: no tensor 'tokens' (expected tokens [batch, seq], I32 or I64); tensors "
                "present: {}", path, tensor_list(f));
+  // Every position of tokens is a real token and a target: a file that also holds, say, an attention_mask or labels
+  // (a tokenizer's export with input_ids renamed) was evaluated with the padding counted in the loss, the mask and
+  // labels ignored, rc 0.
+  std::string others;
+  for (const std::string& name : f.names())
+    if (name != "tokens") others += (others.empty() ? "'" : ", '") + name + "'";
+  DMOE_REQUIRE_INPUT(others.empty(), "{}: holds {} beside 'tokens', which eval would ignore: eval reads tokens [batch, "
+                     "seq] alone and takes every position as a real token (the loss is the next-token cross-entropy "
+                     "over all of them: no attention mask, no labels); give a file with 'tokens' only", path, others);
   const TensorInfo& t = f.info("tokens");
   DMOE_REQUIRE_INPUT(t.dtype == "I32" || t.dtype == "I64", "{}: tokens has dtype {}; allowed: I32, I64", path, t.dtype);
   DMOE_REQUIRE_INPUT(t.shape.size() == 2 && t.shape[0] >= 1 && t.shape[1] >= 2,
@@ -127,6 +136,13 @@ Command add_init_model_command(CLI::App& app) {
     // Before anything is computed: the outputs are not the config and can be written.
     require_distinct_files({{"--out", o->out}, {"--save-config", o->save_config}}, {{"--config", config_path}});
     if (o->shard_bytes > 0) check_sharded_outputs(*o);
+    // Without shards --out is one safetensors file, and every reader (eval --weights, train --init, run) takes a name
+    // ending in .json for an index: `init-model --out m.json` wrote a model its own reader refused ("byte 2 of the file
+    // is NUL ... a JSON file is text"), rc 0.
+    DMOE_REQUIRE_INPUT(o->shard_bytes > 0 || std::filesystem::path(o->out).extension() != ".json",
+                       "--out '{}' ends in .json, the name of a sharded model's index: without --shard-bytes --out is "
+                       "one safetensors file, which readers of a .json name would take for an index; give a name "
+                       "such as model.safetensors, or add --shard-bytes B for shards and an index", o->out);
     check_output_file(o->out, "--out");
     if (!o->save_config.empty()) check_output_file(o->save_config, "--save-config");
     const MixtralConfig c = load_mixtral_config(config_path);

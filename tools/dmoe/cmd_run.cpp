@@ -57,7 +57,9 @@ Command add_run_command(CLI::App& app) {
   sub->add_option("--input", o->input, "safetensors file holding x [tokens, hidden]")->required();
   sub->add_option("--output", o->output, "safetensors file to write y, expert_ids, expert_weights (, dx, grads)")->required();
   sub->add_option("--grad-output", o->grad_output, "safetensors file holding dy [tokens, hidden]: also run backward");
-  sub->add_option("--layer", o->layer, "use model.layers.L.block_sparse_moe. (default: the first MoE layer in the file)");
+  // As init's --layer: `--layer -1` was looked up as 'model.layers.-1.block_sparse_moe.gate.weight'.
+  sub->add_option("--layer", o->layer, "use model.layers.L.block_sparse_moe. (default: the first MoE layer in the file)")
+      ->check(Range(0, 1000000));
   sub->add_option("--prefix", o->prefix, "tensor-name prefix of the layer (instead of --layer)");
   sub->add_option("--engine", o->engine,
                   "cpu (reference engine; config world = simulated ranks) | ep (aliases cuda, gpu; expert parallelism "

@@ -102,11 +102,22 @@ void check_train_paths(const TrainOptions& o, const std::string& config_file) {
       for (const char* name : {"trainer_state.json", "model.safetensors", "optimizer.safetensors", "config.json"})
         check_output_file((fs::path(o.save_dir) / name).string(), "--save");
     } else {  // created at the end, with its missing parents: the nearest existing one must take a new file
-      fs::path existing = fs::absolute(o.save_dir, ec).parent_path();
-      while (!existing.empty() && !fs::exists(existing, ec) && existing != existing.parent_path())
+      // The nearest part of the path that is there as a name, links not followed: a dangling symbolic link or a link
+      // loop as --save (or above it) was taken for a missing directory, and the run trained to the end and then failed
+      // with "the checkpoint directory cannot be made: File exists" (or "Too many levels of symbolic links").
+      fs::path existing = fs::absolute(o.save_dir, ec);
+      std::error_code link_ec;
+      while (!existing.empty() && !fs::exists(fs::symlink_status(existing, link_ec)) &&
+             existing != existing.parent_path())
         existing = existing.parent_path();
-      DMOE_REQUIRE_INPUT(fs::is_directory(existing, ec), "--save '{}': '{}' is not a directory, so the checkpoint "
-                         "directory cannot be made in it", o.save_dir, existing.string());
+      std::error_code target_ec;
+      const bool is_dir = fs::is_directory(fs::status(existing, target_ec));
+      DMOE_REQUIRE_INPUT(is_dir || !fs::is_symlink(fs::symlink_status(existing, link_ec)), "--save '{}': '{}' is a "
+                         "symbolic link that leads to no directory ({}), so the checkpoint directory cannot be made "
+                         "there; give a directory, or a new name", o.save_dir, existing.string(),
+                         target_ec ? target_ec.message() : std::string("its target is not a directory"));
+      DMOE_REQUIRE_INPUT(is_dir, "--save '{}': '{}' is not a directory, so the checkpoint directory cannot be made in "
+                         "it", o.save_dir, existing.string());
       check_output_file((existing / ".dmoe-save-check").string(), "--save");
       // A name the file system cannot take (a component past NAME_MAX, or a path whose files would pass PATH_MAX)
       // trained to the end and then failed with "the checkpoint directory cannot be made: File name too long".

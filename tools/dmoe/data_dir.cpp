@@ -98,9 +98,29 @@ std::string describe_search(const std::vector<DataRoot>& roots, const std::strin
   return out;
 }
 
+std::string named_json_shadowed_by(const std::string& name, const std::string& folder) {
+  if (name.empty() || name.find('/') != std::string::npos || fs::path(name).extension() == ".json") return "";
+  return find_data_file(data_roots(), folder + "/" + name + ".json");
+}
+
 std::string find_named_json(const std::string& name, const std::string& folder, const std::string& what) {
   std::error_code ec;
-  if (fs::exists(name, ec)) return name;
+  if (fs::exists(name, ec)) {
+    // A directory of that name in the current directory (say, one made for the outputs: `mkdir cpu-small`) hid the
+    // named file: "config file 'cpu-small' is a directory; expected a JSON file", the named one not mentioned.
+    const std::string named = fs::is_directory(name, ec) ? named_json_shadowed_by(name, folder) : "";
+    DMOE_REQUIRE_INPUT(named.empty(), "{} '{}' is a directory in the current directory, which is read before the "
+                       "named {}s (and is no JSON file); the named {} '{}' is {}: give that path to use it", what, name,
+                       what, what, name, named);
+    return name;
+  }
+  // A path that is there but cannot be followed (a symbolic link loop, a part of it not searchable) was looked up as
+  // a named file, and the error listed the search places as if nothing were there (or, for a model config, ended in
+  // "unexpected error: filesystem error", rc 2).
+  std::error_code link_ec;
+  DMOE_REQUIRE_INPUT(!ec || ec == std::errc::no_such_file_or_directory || !fs::exists(fs::symlink_status(name, link_ec)),
+                     "{} '{}' cannot be read: {}{}", what, name, ec.message(),
+                     fs::is_symlink(fs::symlink_status(name, link_ec)) ? " (it is a symbolic link)" : "");
   DMOE_REQUIRE_INPUT(!name.empty(), "{}: an empty name is neither a file nor a named {}", what, what);
   // A path (a '/' in it, or a .json name) is not looked up among the named files: the caller's reader
   // reports it missing, naming its option.

@@ -40,5 +40,8 @@ std::string describe_search(const std::vector<DataRoot>& roots, const std::strin
 // found nowhere is a bad-input error saying what `what` is ("config", "model config"), listing every
 // place looked at and the names available.
 std::string find_named_json(const std::string& name, const std::string& folder, const std::string& what);
+// The named file bench/FOLDER/NAME.json that a path NAME in the current directory hides ("" if NAME is a path with a
+// '/' or a .json ending, or no named file has that name).
+std::string named_json_shadowed_by(const std::string& name, const std::string& folder);
 
 }  // namespace dmoe::cli

@@ -229,9 +229,20 @@ void require_layer_or_prefix(const std::optional<int>& layer, const std::string&
 
 std::string find_model_config_file(const std::string& name) {
   namespace fs = std::filesystem;
-  if (fs::is_directory(name)) {  // a Hugging Face model directory
+  // The error_code forms: a symbolic link loop (the name, or the directory's config.json) threw filesystem_error and
+  // ended eval, train, init-model and flow measure/project in "unexpected error: filesystem error: status: Too many
+  // levels of symbolic links", rc 2.
+  std::error_code ec;
+  if (fs::is_directory(name, ec)) {  // a Hugging Face model directory
     const fs::path p = fs::path(name) / "config.json";
-    DMOE_REQUIRE_INPUT(fs::exists(p), "model config '{}' is a directory without a config.json", name);
+    std::error_code config_ec;
+    // A directory that merely has a named model's name (one made for the outputs) hid the named model: said.
+    const std::string named = named_json_shadowed_by(name, "bench/models");
+    DMOE_REQUIRE_INPUT(fs::exists(p, config_ec), "model config '{}' is a directory without a config.json{}{}", name,
+                       config_ec ? " (" + p.string() + ": " + config_ec.message() + ")" : "",
+                       named.empty() ? std::string()
+                                     : "; it is read before the named models, and the named model config '" + name +
+                                           "' is " + named + ": give that path to use it");
     return p.string();
   }
   return find_named_json(name, "bench/models", "model config");
