@@ -48,10 +48,11 @@ std::string describe(const DeviceWaitRecord& r) {
   } else if (r.kernel == kWaitSm90GroupedGemm || r.kernel == kWaitSm90Wgrad) {
     std::snprintf(text, sizeof(text),
                   "; the %s kernel (block %d, thread %d) waited more than %llu ms for the %s "
-                  "barrier of pipeline slot %d (phase parity %u) and stopped; raise DMOE_GPU_WAIT_TIMEOUT_MS if "
+                  "barrier of %s %d (phase parity %u) and stopped; raise DMOE_GPU_WAIT_TIMEOUT_MS if "
                   "the GPU is shared and slow, otherwise this is a bug",
                   r.kernel == kWaitSm90Wgrad ? "sm90 grouped weight-gradient" : "sm90 grouped GEMM", r.block, r.thread,
                   r.waited_ms, sm90_wait_name(r.what),
+                  r.what == 2 ? "consumer" : r.what >= 5 ? "resident-A buffer" : r.what >= 3 ? "tile-ring entry" : "pipeline slot",
                   r.slot, r.parity);
   } else {
     std::snprintf(text, sizeof(text), "; kernel %d (block %d, thread %d) timed out waiting on flag %d", r.kernel,

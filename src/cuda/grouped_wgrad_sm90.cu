@@ -15,8 +15,8 @@
 // primitives in sm90_primitives.cuh and layouts in sm90_layout.hpp):
 //   warpgroup 0   producer: one thread takes tile indices (the first wave by blockIdx, then from a global
 //                 counter: tiles start in index order), hands each to the consumers through a 4-entry
-//                 ring, and TMA-loads its k-blocks (64 rows of A_g and of B_g) into a ring of 6 slots of
-//                 32 KiB; in accumulate mode it also prefetches the tile's C rows into L2
+//                 ring, and TMA-loads its k-blocks (64 rows of A_g and of B_g) into a ring of kStages (7) slots
+//                 of 32 KiB; in accumulate mode it also prefetches the tile's C rows into L2
 //                 (cp.async.bulk.prefetch.L2), about two main loops before the epilogue reads them.
 //   warpgroups 1-2 consumers, "ping-pong": consumer w takes the CTA's tiles w, w + 2, w + 4, ... of its
 //                 sequence; each computes a whole 128×128 tile (two wgmma m64n128k16 per k16 step, 128
@@ -26,7 +26,8 @@
 //                 the slot ring its own tiles' k-blocks sit (the other's tiles are skipped by count). The
 //                 main loops run in tile order (an order barrier per consumer, as CUTLASS's ping-pong
 //                 orders its math warpgroups): skipping by count is only safe once the other consumer
-//                 has waited for its tile's slots (found when the strip schedule hung, nineteenth session).
+//                 has waited for its tile's slots — whenever two consecutive tiles have more k-blocks than
+//                 there are slots (found when the strip schedule hung, nineteenth session; see the wait).
 // Tiles: the groups with rows, in order, each ceil(m/128) × ceil(n/128) tiles, n fastest; a table of those
 // groups replaces a search (every group with rows has the same number of tiles).
 //
@@ -49,7 +50,9 @@
 //          Expected on the H200 (written before measuring): the L2 traffic per output byte falls from ~3.25
 //          to ~2.1 (loads 2.25 → 1.1, writes 1), so ~1.3-1.5× on the L2-bound storing products —
 //          flash-paper dw1 507 → ~350-390 µs, fine-grained 399 → ~280-310 µs — until the DRAM writes
-//          (~3-4 TB/s) bound it; decode (16 rows: loads are 1/8 of the writes) unchanged.
+//          (~3-4 TB/s) bound it; decode (16 rows: loads are 1/8 of the writes) unchanged. Measured
+//          (docs/perf.md, nineteenth session): the tile loads fell 38 % as designed, the time only 6-10 %
+//          (flash-paper 508 → 460 µs, fine-grained 399 → 367): past the L2 the f32 writes bound it.
 //
 // Operands: A_g^T [m, rows] has m contiguous and B_g [rows, n] n contiguous, so both are MN-major for
 // wgmma: TMA loads each as 64-column panels × 64 k-rows (128-byte swizzle; the NN kernel's B layout,
@@ -81,7 +84,8 @@
 // ~200 µs), against 103 GFLOP (~130 µs at ~800 TFLOP/s); with the stores overlapped the kernel should be
 // bound by the DRAM writes: ~190-220 µs (2.2-2.5× the mma.sync kernel's 481), the excess being the first
 // and last tiles of each CTA (no overlap) and wgmma at ~4 k-blocks per tile. Accumulating reads the same
-// 0.78 GB back: ~1.6 GB of DRAM traffic, ~350-400 µs (vs 840). Not measured yet (written without a GPU).
+// 0.78 GB back: ~1.6 GB of DRAM traffic, ~350-400 µs (vs 840). Measured (eleventh session): 399 µs storing,
+// 860 accumulating — L2-bound (the strip schedule below took the storing case to 367 µs).
 //
 // Every mbarrier wait has a time limit (DMOE_GPU_WAIT_TIMEOUT_MS): past it the wait is recorded
 // (cuda/check.hpp, kWaitSm90Wgrad) and the kernel traps, so a bug is an error, not a hang.
@@ -335,7 +339,8 @@ __global__ void __launch_bounds__(kThreads, 1)
           const int32_t n0 = first.n0 + local * kTileN;
           if constexpr (kMode == kLoadAdd || kMode == kRed) {
             // C's tile rows into L2 now; the owning consumer reads (or reduces into) them after this tile's
-            // main loop, which starts once the previous tile's slots drain.
+            // main loop, which starts once the previous tile's slots drain (and the other consumer's main loop
+            // of the previous tile ends).
             const float* c_tile = p.c + int64_t(first.group) * p.c_stride + int64_t(first.m0) * p.n + n0;
             const uint32_t bytes = uint32_t(min(kTileN, p.n - n0)) * 4;  // n % 8 == 0: a multiple of 32
             const int rows_in = min(kTileM, p.m - first.m0);
@@ -410,9 +415,13 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
       // The main loops run in tile order: this tile's only after the other consumer's previous one. Without
-      // it a consumer that skipped a tile of exactly S k-blocks would wait on the slot of that tile's first
-      // k-block one phase early — and pass, if that k-block's load had not landed yet (phase parity repeats
-      // every two rounds). With it, every earlier use of a slot has been waited for by its owner first.
+      // it, whenever the skipped tile i − 1 and this tile i have more k-blocks together than the S slots, some
+      // k-block of tile i waits on a slot last filled for tile i − 1 before its owner has waited for that
+      // fill — one phase early — and passes if that load has not landed (phase parity repeats every two
+      // phases). With S = 4 and tiles of exactly 4 k-blocks it happened every run (the strip schedule's first
+      // version hung); the tile schedule (S = 7) was exposed from 4 + 4 k-blocks on (groups over 192 rows),
+      // hidden by timing. Keep the barrier for every tile, not only for the exact-S case.
+      // (A review's protocol model, nineteenth session: without the barrier 3 + 3 k-blocks at S = 4 failed too.)
       if (i >= 1) mbar_wait(mainloop_done(1 - consumer), ((i - 1) / 2) & 1, 2, 1 - consumer, p);
       const int b_panels = sm90::mn_panels_in(p.n, tc.n0, kTileN);
       int prev_slot = -1;
@@ -448,6 +457,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         prev_slot = s;
       }
       wgmma_wait<0>();
+      // After wgmma_wait<0> (not after the issue, as CUTLASS does): thread 0's arrival then stands for all four
+      // warps, because the last wgmma cannot complete before every warp issued it; arriving earlier lets a slow
+      // warp see the barrier two phases ahead (hung in the review's model).
       if (tid == 0) {
         mbar_arrive(empty(prev_slot));
         mbar_arrive(mainloop_done(consumer));

@@ -279,7 +279,8 @@ TEST_P(CudaKernelsGroupedWgrad, Sm90StripScheduleEqualsTileScheduleBitwise) {
   std::string error;
   if (!run_on_gpu(kernel, pr, strips, error)) GTEST_SKIP() << "needs an sm_90 GPU and a build for sm_90a";
   ASSERT_TRUE(error.empty()) << error;
-  // (sm90_tiles accumulates by loading C; red's one f32 add per element at L2 gives the same bits)
+  // (sm90_tiles accumulates by loading C; red's one f32 add per element at L2 gives the same bits for these
+  // normal-valued sums — an L2 f32 atomic may flush subnormals, which the register add keeps)
   ASSERT_TRUE(run_on_gpu(Kernel::sm90_tiles, pr, tiles, error));
   ASSERT_TRUE(error.empty()) << error;
   int64_t bad = 0;
@@ -338,69 +339,125 @@ TEST_P(CudaKernelsGroupedWgrad, Sm90Bf16StoreIsTheF32StoreRounded) {
                     << first;
 }
 
-// A flash-paper-like call (64 groups of ~256 rows, 8 × 8 tiles each: ~4 strips of 8 tiles per CTA, so every
-// CTA reuses its resident A buffers and its consumers skip tiles of exactly as many k-blocks as there are B
-// slots — the case of the main-loop order barrier), stored and accumulated, three times each: the strip
-// schedule equals the tile schedule bit for bit every time, and no wait times out. (GPU only: the tile
-// schedule is checked against the CPU twin above, on smaller shapes.)
-TEST(CudaKernelsGroupedWgradStress, StripScheduleEqualsTilesOnManyStrips) {
+// Calls with many strips or tiles per CTA (buffer reuse, skipped tiles, the order barrier), GPU only: the strip
+// schedule against the tile schedule bit for bit (stored, accumulated by loading C, and by L2 reductions — each
+// against the tile schedule doing the same), three runs each, no wait timing out; and the sm90 kernel against the
+// mma.sync kernel within both kernels' tolerance (magnitudes Σ|a·b| from the mma.sync kernel on |A|, |B|). The tile
+// schedule is checked against the CPU twin above on smaller shapes.
+struct StressCase {
+  const char* name;
+  int32_t groups;
+  int32_t rows_lo, rows_hi;  // rows of a group: uniform in [lo, hi], every fifth group the multiple of 64 in it
+  int64_t m, n;
+};
+// flash-paper-like (strips of 8, ~4 per CTA, 4 + 4 k-blocks at S = 4); odd strips of 3 tiles with m's last row
+// tile one panel (1088 = 8.5 · 128) and rows around every multiple of 64; 1-tile strips (n = 128: a consumer owns
+// nothing in every other strip, and clears A's tail in turn) at 3 k-blocks with 8 B slots; strips of 8 and 2
+// (n = 1160) near the 320-row bound; 3-k-block tiles at S = 4 (one 320-row group: 3 + 3 > 4); long groups (385-448
+// rows, 7 k-blocks = the tile schedule's 7 slots) on the tile schedule.
+const StressCase kStressCases[] = {
+    {"flash_paper_like", 64, 232, 280, 1024, 1024}, {"odd_strips_tails", 96, 1, 320, 1088, 384},
+    {"one_tile_strips", 160, 129, 192, 1024, 128},  {"near_bound_long_n", 48, 290, 320, 1024, 1160},
+    {"three_kblocks_at_s4", 96, 129, 192, 1024, 1024}, {"long_groups_tiles", 48, 385, 448, 1024, 1024},
+};
+
+class CudaKernelsGroupedWgradStress : public testing::TestWithParam<StressCase> {};
+
+TEST_P(CudaKernelsGroupedWgradStress, StripsEqualTilesAndMatchTheMmaKernel) {
   if (!has_cuda_device()) GTEST_SKIP() << "no CUDA device";
+  const StressCase& sc = GetParam();
   const uint64_t seed = std::random_device{}();
   SCOPED_TRACE(testing::Message() << "seed " << seed);
   std::mt19937_64 rng(seed);
-  constexpr int32_t kGroups = 64;
-  constexpr int64_t kM = 1024, kN = 1024;
-  std::vector<int64_t> offsets(kGroups + 1, 0);
-  std::normal_distribution<double> around(256.0, 24.0);
-  for (int32_t g = 0; g < kGroups; ++g) {
-    // every fourth group exactly 256 rows (4 k-blocks, the 4 B slots of a 320-row strip launch), one of 320
-    int64_t rows = g % 4 == 0 ? 256 : std::clamp<int64_t>(int64_t(std::lround(around(rng))), 1, 320);
-    if (g == 5) rows = 320;
+  std::vector<int64_t> offsets(size_t(sc.groups) + 1, 0);
+  for (int32_t g = 0; g < sc.groups; ++g) {
+    int64_t rows = sc.rows_lo + int64_t(rng() % uint64_t(sc.rows_hi - sc.rows_lo + 1));
+    if (g % 5 == 0 && (rows / 64) * 64 >= sc.rows_lo && rows >= 64) rows = (rows / 64) * 64;
+    if (std::string(sc.name) == "three_kblocks_at_s4" && g == 7) rows = 320;  // res_kblocks 5: 4 B slots
     offsets[g + 1] = offsets[g] + rows;
   }
-  const int64_t total = offsets.back();
-  const std::vector<uint16_t> a = random_bf16_bits(rng, size_t(total * kM)), b = random_bf16_bits(rng, size_t(total * kN));
+  const int64_t total = offsets.back(), M = sc.m, N = sc.n;
+  std::vector<uint16_t> a = random_bf16_bits(rng, size_t(total * M)), b = random_bf16_bits(rng, size_t(total * N));
   DeviceRun run;
   cuda::GroupedWgrad g;
   g.a = static_cast<const __nv_bfloat16*>(run.upload(a.data(), a.size() * 2));
   g.b = static_cast<const __nv_bfloat16*>(run.upload(b.data(), b.size() * 2));
-  const std::vector<float> c0(size_t(kGroups) * kM * kN, 0.5f);
+  const std::vector<float> c0(size_t(sc.groups) * M * N, 0.5f);
   g.c = static_cast<float*>(run.upload(c0.data(), c0.size() * sizeof(float)));
   g.row_offsets = offsets.data();
-  g.groups = kGroups;
-  g.m = kM;
-  g.n = kN;
-  g.lda = kM;
-  g.ldb = kN;
-  g.c_group_stride = kM * kN;
-  if (!cuda::sm90_grouped_wgrad_usable(g)) GTEST_SKIP() << "needs an sm_90 GPU and a build for sm_90a";
-  void* scratch = run.workspace.reserve(cuda::sm90_grouped_wgrad_scratch_bytes(g.groups), run.ctx.stream);
-  auto result = [&](int schedule, bool accumulate) {
-    EXPECT_EQ(cudaMemcpy(g.c, c0.data(), c0.size() * sizeof(float), cudaMemcpyHostToDevice), cudaSuccess);
-    g.accumulate = accumulate;
-    cuda::Sm90WgradTuning t;
-    t.schedule = schedule;
-    cuda::sm90_grouped_wgrad(run.ctx, scratch, g, t);
+  g.groups = sc.groups;
+  g.m = M;
+  g.n = N;
+  g.lda = M;
+  g.ldb = N;
+  g.c_group_stride = M * N;
+  if (!cuda::sm90_grouped_wgrad_usable(g) || !cuda::grouped_wgrad_usable(g))
+    GTEST_SKIP() << "needs an sm_90 GPU and a build for sm_90a";
+  void* scratch = run.workspace.reserve(
+      std::max(cuda::sm90_grouped_wgrad_scratch_bytes(g.groups), cuda::grouped_wgrad_scratch_bytes(g.groups)),
+      run.ctx.stream);
+  // kernel: 0 strips (sm90 default), 1 tiles, 2 the mma.sync kernel; accumulate: 0 store, 1 load, 2 red.
+  auto result = [&](const cuda::GroupedWgrad& call, int kernel, int accumulate) {
+    EXPECT_EQ(cudaMemcpy(call.c, c0.data(), c0.size() * sizeof(float), cudaMemcpyHostToDevice), cudaSuccess);
+    cuda::GroupedWgrad h = call;
+    h.accumulate = accumulate != 0;
+    if (kernel == 2) {
+      cuda::grouped_wgrad(run.ctx, scratch, h);
+    } else {
+      cuda::Sm90WgradTuning t;
+      t.schedule = kernel;
+      t.accumulate = accumulate == 2 ? 2 : 1;
+      cuda::sm90_grouped_wgrad(run.ctx, scratch, h, t);
+    }
     const cudaError_t status = cudaStreamSynchronize(run.ctx.stream);
     EXPECT_EQ(status, cudaSuccess) << cudaGetErrorString(status) << " (a trapped wait: the kernel stopped)";
     std::vector<float> c(c0.size());
-    EXPECT_EQ(cudaMemcpy(c.data(), g.c, c.size() * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(c.data(), call.c, c.size() * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
     return c;
   };
-  for (const bool accumulate : {false, true}) {
-    const std::vector<float> tiles = result(1, accumulate);
+  for (const int accumulate : {0, 1, 2}) {
+    const std::vector<float> tiles = result(g, 1, accumulate);
+    ASSERT_FALSE(HasFailure());
     for (int repeat = 0; repeat < 3; ++repeat) {
-      const std::vector<float> strips = result(0, accumulate);
+      const std::vector<float> strips = result(g, 0, accumulate);
       ASSERT_FALSE(HasFailure());
       EXPECT_EQ(std::memcmp(strips.data(), tiles.data(), tiles.size() * sizeof(float)), 0)
-          << (accumulate ? "accumulating" : "storing") << ", run " << repeat;
+          << "accumulate mode " << accumulate << ", run " << repeat;
     }
+  }
+  // Against the mma.sync kernel (another summation order): per element (rows + 2) · 2^-23 · (Σ|a·b| + |c0|) for
+  // each kernel (the bound of `tolerance` above), Σ|a·b| from the mma.sync kernel on |A| and |B| (its own error is
+  // far below the bound's slack).
+  for (auto& x : a) x &= 0x7fff;
+  for (auto& x : b) x &= 0x7fff;
+  cuda::GroupedWgrad abs_call = g;
+  abs_call.a = static_cast<const __nv_bfloat16*>(run.upload(a.data(), a.size() * 2));
+  abs_call.b = static_cast<const __nv_bfloat16*>(run.upload(b.data(), b.size() * 2));
+  std::vector<float> mag = result(abs_call, 2, 0);
+  for (const int accumulate : {0, 1}) {
+    const std::vector<float> sm90 = result(g, 0, accumulate), mma = result(g, 2, accumulate);
+    int64_t bad = 0;
+    std::string first;
+    for (int32_t grp = 0; grp < sc.groups; ++grp) {
+      const int64_t rows = offsets[grp + 1] - offsets[grp];
+      for (int64_t i = 0; i < M * N; ++i) {
+        const size_t at = size_t(grp) * size_t(M * N) + size_t(i);
+        const double tol = 2.0 * tolerance(rows, mag[at], accumulate ? 0.5 : 0.0);
+        if (!(std::abs(double(sm90[at]) - double(mma[at])) <= tol) && bad++ == 0)
+          first = "group " + std::to_string(grp) + " element " + std::to_string(i) + ": " + std::to_string(sm90[at]) +
+                  " vs " + std::to_string(mma[at]);
+      }
+    }
+    EXPECT_EQ(bad, 0) << bad << " elements off the mma.sync kernel's (accumulate " << accumulate << "); first: " << first;
   }
 }
 
+INSTANTIATE_TEST_SUITE_P(Calls, CudaKernelsGroupedWgradStress, testing::ValuesIn(kStressCases),
+                         [](const testing::TestParamInfo<StressCase>& info) { return std::string(info.param.name); });
+
 // DMOE_WGRAD=auto's choice (cuda/gemm.cpp, from the measured tables there): storing, mma.sync below 0.25 G
 // multiply-adds per expert product, the sm90 kernel below 6 G, cuBLAS above; accumulating, mma.sync below 1.5 G and
-// cuBLAS above (the sm90 kernel was slower at every measured size); bf16 gradients on cuBLAS.
+// cuBLAS above (the sm90 kernel was slower at every measured size; it takes them only where mma.sync cannot run).
 TEST(CudaKernelsGroupedWgradPolicy, AutoPicksByMeasuredSizeAndMode) {
   if (!has_cuda_device()) GTEST_SKIP() << "no CUDA device";
   const char* knob = std::getenv("DMOE_WGRAD");
