@@ -68,7 +68,7 @@ struct TrainOptions {
   std::string tune_file;                   // tuned: samples and choice as JSON, one entry per run shape (model,
                                            // batch, seq, world, dtype): this shape's is reused without tuning
   // cuda, bf16: keep the experts' gradients f32 where bf16_expert_grads_for_training (train_replica.hpp) would make
-  // them bf16 (the reference run of the GPU tests; dmoe bench model's --f32-expert-grads). No CLI option.
+  // them bf16 (dmoe train --f32-expert-grads; the reference run of the GPU tests; dmoe bench model's flag of that name).
   bool f32_expert_grads = false;
 };
 

@@ -190,6 +190,11 @@ TEST_F(BadInput, TrainOptionsAreCheckedAndNameTheRule) {
   expect_user_error(run_cli("train --config " + p("tiny.json") + " --data " + p("data") + " --steps 1 --seq 300"),
                     "max_position_embeddings", "seq past the model");
   expect_user_error(run_cli(train + "--world 3"), "split evenly", "world");
+  // bf16 expert gradients exist on the GPU engine's bf16 model only: elsewhere the flag would do nothing.
+  expect_user_error(run_cli(train + "--f32-expert-grads"), "--f32-expert-grads applies to --engine cuda --dtype bf16",
+                    "f32 expert grads on the cpu engine");
+  expect_user_error(run_cli(train + "--engine cuda --dtype f32 --f32-expert-grads"),
+                    "--f32-expert-grads applies to --engine cuda --dtype bf16", "f32 expert grads of an f32 model");
   expect_user_error(run_cli("train --config " + p("tiny.json") + " --data " + p("nothing") + " --steps 1"),
                     "not a file or directory", "missing data");
   std::ofstream(p("empty.txt")).close();

@@ -211,7 +211,12 @@ Command add_train_command(CLI::App& app) {
   sub->add_option("--val-batches", o->val_batches, "held-out windows = val-batches x batch")->check(Range(int64_t(1), int64_t(1) << 20));
   sub->add_option("--seed", o->seed, "data order and random init");
   sub->add_option("--print-every", o->print_every, "progress line every N steps (0: none)")->check(Range(int64_t(0), kMaxSteps));
-  return [o, config, engine, dtype, chunk, samples, steps, file, min_lr, stop_after] {
+  CLI::Option* f32_grads = sub->add_flag(
+      "--f32-expert-grads", o->f32_expert_grads,
+      "cuda, bf16: keep the experts' gradients in f32 where they would be bf16 (one micro-batch, no --schedule, experts "
+      "with hidden x ffn >= 2^21: there bf16 gradients take half the memory and the optimizer reads half the bytes; "
+      "src/model/train_replica.hpp)");
+  return [o, config, engine, dtype, chunk, samples, steps, file, min_lr, stop_after, f32_grads] {
     DMOE_REQUIRE_INPUT(stop_after->count() == 0 || o->stop_after >= 1, "train: --stop-after 0 is invalid: it stops "
                        "after a step of the --steps schedule, from 1 to --steps {} (leave it out to run all the steps)",
                        o->steps);
@@ -243,6 +248,10 @@ Command add_train_command(CLI::App& app) {
     DMOE_REQUIRE_INPUT(*dtype == "f32" || *dtype == "bf16", "--dtype '{}' is not allowed; allowed: f32, bf16", *dtype);
     o->engine = *engine;
     o->dtype = parse_dtype(*dtype);
+    // Without effect elsewhere: the CPU engine and f32 models keep every gradient in f32.
+    DMOE_REQUIRE_INPUT(f32_grads->count() == 0 || (o->engine == "cuda" && o->dtype == DType::bf16),
+                       "train: --f32-expert-grads applies to --engine cuda --dtype bf16 (this run: --engine {} --dtype "
+                       "{}, whose gradients are all f32 already); drop it", o->engine, *dtype);
     if (o->engine == "cpu")
       require_one_process("train", "train the whole model and write --log and --save (the runs' lines interleaved in "
                           "one log)", "use --engine cuda (one rank per process)");
