@@ -775,6 +775,10 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
                           bf16_expert_grads_for_training(config, o.dtype, o.micro_batches, !o.schedule.empty()) &&
                               !o.f32_expert_grads);
     result.bf16_expert_grads = replica->bf16_expert_grads();
+    // Said, as it changes the numbers (each expert gradient rounded once to bf16) and the memory.
+    if (rank == 0 && result.bf16_expert_grads)
+      print("train: the experts' gradients are kept in bf16 (one micro-batch, no --schedule, hidden x ffn >= 2^21: half "
+            "their memory, and the optimizer reads half the bytes); --f32-expert-grads keeps them f32");
     run_rank(rank, *replica);
   } else {
     // --schedule: the Flow executor's gradient chunks go on a second group of the same thread ranks (docs/flow.md:
