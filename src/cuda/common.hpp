@@ -210,6 +210,8 @@ struct Sm90WgradTuning {
                        // reductions at L2, no round trip through the SM); 0 = DMOE_SM90_WGRAD_ACCUMULATE or load
   int schedule = 0;    // 0: the strip schedule for groups of at most 320 rows (A's k-range loaded once for up to
                        // 8 tiles), the tile schedule for longer ones; 1: the tile schedule for every group
+  int bf16_store = 0;  // a bf16 C (c_bf16): 0 16-byte stores (each quad's words transposed first); 1 each lane's
+                       // 4-byte pairs as they come out of the accumulators (measured slower; for benchmarks)
 };
 void sm90_grouped_wgrad(const CudaContext& ctx, void* scratch, const GroupedWgrad& g, const Sm90WgradTuning& t = {});
 

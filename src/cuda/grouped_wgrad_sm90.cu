@@ -1,7 +1,8 @@
 // cuda/grouped_wgrad_sm90.cu — the experts' weight gradients on Hopper (sm_90a): for every group g with rows,
 // C_g [m, n] (+)= A_g^T · B_g, A_g [rows_g, m] and B_g [rows_g, n] the group's rows of two row-major bf16
 // activation matrices, f32 accumulation and output (or, with c_bf16, bf16 output: each f32 sum rounded once, for
-// the PyTorch module's bf16 expert gradients). Same descriptor and semantics as the mma.sync kernel
+// the PyTorch module's and the bf16 GPU model's expert gradients, written 16 bytes per lane after a transpose
+// inside each quad). Same descriptor and semantics as the mma.sync kernel
 // (GroupedWgrad, grouped_wgrad.cu), which stays for sm_80-class GPUs (f32 output only).
 //
 // Why: the mma.sync kernel runs one CTA per 128×128 tile and writes its f32 tile only after its products,
@@ -134,8 +135,9 @@ constexpr int strip_smem_bytes(int res_kblocks, int b_stages) {
 }
 static_assert(strip_smem_bytes(kStripMaxKBlocks, kStripMinStages) <= kMaxSmem, "strip buffers do not fit");
 
-// How C is written: store (accumulate = false), load-add-store, reductions at L2, or stored as bf16 (c_bf16).
-enum WgradMode : int { kStore = 0, kLoadAdd = 1, kRed = 2, kStoreBf16 = 3 };
+// How C is written: store (accumulate = false), load-add-store, reductions at L2, or stored as bf16 (c_bf16:
+// 16-byte stores after a transpose inside each quad, or, as measured against, each lane's 4-byte pairs).
+enum WgradMode : int { kStore = 0, kLoadAdd = 1, kRed = 2, kStoreBf16 = 3, kStoreBf16Pairs = 4 };
 
 struct WgradSm90Params {
   const int64_t* row_offsets;  // [groups + 1], as given
@@ -515,6 +517,52 @@ __global__ void __launch_bounds__(kThreads, 1)
           else
             rows_add(std::integral_constant<int, 2>{});
         } else if constexpr (kMode == kStoreBf16) {
+          // Each f32 pair rounded once to a bf16 pair (one 32-bit word), then the quad's words of four
+          // consecutive 8-column blocks transposed (two xor steps, one shuffle per word): lane q then holds
+          // block 4i + q's 8 columns and writes them as one 16-byte store, so a quad writes 64 contiguous bytes
+          // (two whole 32-byte sectors) of a row per instruction. The pairs' own 4-byte stores (kStoreBf16Pairs)
+          // left every sector half written by each instruction and ran at ~1 TB/s of output.
+          __nv_bfloat16* b_group = p.c_bf16 + int64_t(tc.group) * p.c_stride;
+          const int q = lane % 4;
+          const bool hi = (q & 2) != 0, lo = (q & 1) != 0;
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int row = row_base + 8 * half;
+            // The row's first column of this quad's blocks (16-byte aligned: n % 8 == 0, c_stride % 8 == 0).
+            __nv_bfloat16* dst_row = b_group + int64_t(row) * p.n + tc.n0;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              uint32_t w[4];  // w[b]: this lane's word of block 4i + b
+#pragma unroll
+              for (int b = 0; b < 4; ++b) {
+                const __nv_bfloat162 v =
+                    __floats2bfloat162_rn(acc[4 * (4 * i + b) + 2 * half], acc[4 * (4 * i + b) + 2 * half + 1]);
+                w[b] = *reinterpret_cast<const uint32_t*>(&v);
+              }
+              // Step 1 (partner q ^ 2): keep the two blocks whose bit 1 equals q's, swap the other two.
+              uint32_t keep[2], got[2];  // keep[t] = (block (q & 2) + t, from q); got[t] = (same block, from q ^ 2)
+#pragma unroll
+              for (int t = 0; t < 2; ++t) {
+                keep[t] = hi ? w[2 + t] : w[t];
+                got[t] = __shfl_xor_sync(0xffffffffu, hi ? w[t] : w[2 + t], 2);
+              }
+              // Step 2 (partner q ^ 1): keep block q's two words, swap block q ^ 1's.
+              const uint32_t own_k = lo ? keep[1] : keep[0], own_g = lo ? got[1] : got[0];
+              const uint32_t in_k = __shfl_xor_sync(0xffffffffu, lo ? keep[0] : keep[1], 1);  // from q ^ 1
+              const uint32_t in_g = __shfl_xor_sync(0xffffffffu, lo ? got[0] : got[1], 1);    // from q ^ 3
+              // Block q's words by source lane s: s = q → own_k, q ^ 1 → in_k, q ^ 2 → own_g, q ^ 3 → in_g.
+              uint32_t out[4];
+#pragma unroll
+              for (int s = 0; s < 4; ++s) {
+                const int d = s ^ q;
+                out[s] = d == 0 ? own_k : d == 1 ? in_k : d == 2 ? own_g : in_g;
+              }
+              const int block = 4 * i + q;  // shuffles above run in every lane; only the stores are guarded
+              if (row < p.m && block < cols_left)
+                __stcs(reinterpret_cast<uint4*>(dst_row + 8 * block), make_uint4(out[0], out[1], out[2], out[3]));
+            }
+          }
+        } else if constexpr (kMode == kStoreBf16Pairs) {
           // Each f32 pair rounded once to a bf16 pair (4 bytes; a quad writes 16 contiguous bytes of a row).
           __nv_bfloat16* b_group = p.c_bf16 + int64_t(tc.group) * p.c_stride;
 #pragma unroll
@@ -580,6 +628,7 @@ void launch_mode(int mode, const CudaContext& ctx, const CUtensorMap& map_a, con
     case kStore: return launch<kStore, kStrip>(ctx, map_a, map_b, p);
     case kLoadAdd: return launch<kLoadAdd, kStrip>(ctx, map_a, map_b, p);
     case kRed: return launch<kRed, kStrip>(ctx, map_a, map_b, p);
+    case kStoreBf16Pairs: return launch<kStoreBf16Pairs, kStrip>(ctx, map_a, map_b, p);
     default: return launch<kStoreBf16, kStrip>(ctx, map_a, map_b, p);
   }
 }
@@ -595,6 +644,7 @@ bool sm90_grouped_wgrad_usable(const GroupedWgrad& g) {
   const void* c = g.c_bf16 != nullptr ? static_cast<const void*>(g.c_bf16) : static_cast<const void*>(g.c);
   if (!is_aligned(g.a, 16) || !is_aligned(g.b, 16) || !is_aligned(c, 16)) return false;
   if (g.c_bf16 != nullptr && g.accumulate) return false;  // bf16 C is stored, never added to
+  if (g.c_bf16 != nullptr && g.c_group_stride % 8 != 0) return false;  // its 16-byte stores
   // TMA coordinates (rows of a and b, columns) and the tile fields are 32-bit.
   const int64_t first = std::min(g.a_first_row, g.b_first_row);
   if (g.row_offsets[g.groups] - first >= (int64_t(1) << 31) - kBK || g.m >= (int64_t(1) << 31) - kTileM ||
@@ -616,12 +666,14 @@ void sm90_grouped_wgrad(const CudaContext& ctx, void* scratch, const GroupedWgra
   if (!check_wgrad_call(g, "sm90_grouped_wgrad")) return;
   DMOE_CUDA_REQUIRE(t.accumulate >= 0 && t.accumulate <= 2,
                     "sm90_grouped_wgrad: accumulate = %d; allowed: 0 (default), 1 (load), 2 (red)", t.accumulate);
+  DMOE_CUDA_REQUIRE(t.bf16_store == 0 || t.bf16_store == 1,
+                    "sm90_grouped_wgrad: bf16_store = %d; allowed: 0 (16-byte stores), 1 (4-byte pairs)", t.bf16_store);
   DMOE_CUDA_REQUIRE(t.schedule == 0 || t.schedule == 1,
                     "sm90_grouped_wgrad: schedule = %d; allowed: 0 (strips where they fit), 1 (tiles only)", t.schedule);
   DMOE_CUDA_REQUIRE(sm90_grouped_wgrad_usable(g),
                     "sm90_grouped_wgrad: not usable here (needs an sm_90 GPU, a build for sm_90a, m, n, lda, ldb "
                     "multiples of 8 — m = %lld, n = %lld, lda = %lld, ldb = %lld — lda >= m, ldb >= n, 16-byte "
-                    "aligned pointers and c_group_stride a multiple of 4; a bf16 C is stored, not accumulated)",
+                    "aligned pointers and c_group_stride a multiple of 4 (of 8 for a bf16 C, which is stored, not accumulated)",
                     (long long)g.m, (long long)g.n, (long long)g.lda, (long long)g.ldb);
   // The groups with rows: those of at most kStripMaxKBlocks k-blocks take the strip schedule (unless tiles
   // are asked for), the longer ones the tile schedule, in a second launch; `active` holds the first list,
@@ -677,7 +729,7 @@ void sm90_grouped_wgrad(const CudaContext& ctx, void* scratch, const GroupedWgra
   const int64_t end = g.row_offsets[g.groups];
   const CUtensorMap map_a = make_rowmajor_panel_map(g.a, end - g.a_first_row, g.m, g.lda, kBK);
   const CUtensorMap map_b = make_rowmajor_panel_map(g.b, end - g.b_first_row, g.n, g.ldb, kBK);
-  const int mode = g.c_bf16 != nullptr ? int(kStoreBf16)
+  const int mode = g.c_bf16 != nullptr ? int(t.bf16_store == 1 ? kStoreBf16Pairs : kStoreBf16)
                    : !g.accumulate     ? int(kStore)
                    : t.accumulate == 0 ? accumulate_mode_from_env()
                                        : t.accumulate;

@@ -319,24 +319,31 @@ TEST_P(CudaKernelsGroupedWgrad, Sm90Bf16StoreIsTheF32StoreRounded) {
   EXPECT_FALSE(cuda::grouped_wgrad_usable(g)) << "the mma.sync kernel stores f32 only";
   g.accumulate = false;
   void* scratch = run.workspace.reserve(cuda::sm90_grouped_wgrad_scratch_bytes(g.groups), run.ctx.stream);
-  cuda::sm90_grouped_wgrad(run.ctx, scratch, g);
-  ASSERT_EQ(cudaStreamSynchronize(run.ctx.stream), cudaSuccess);
-  std::vector<uint16_t> got(c16.size());
-  ASSERT_EQ(cudaMemcpy(got.data(), g.c_bf16, got.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
-  int64_t bad = 0;
-  std::string first;
-  for (int32_t grp = 0; grp < shape.groups; ++grp) {
-    const bool rows = pr.offsets[grp + 1] > pr.offsets[grp];
-    for (int64_t i = 0; i < pr.stride(); ++i) {
-      const size_t at = size_t(grp) * pr.stride() + size_t(i);
-      const uint16_t want = rows && i < shape.m * shape.n ? float_to_bf16(c32[at]).bits : c16[at];
-      if (got[at] != want && bad++ == 0)
-        first = "group " + std::to_string(grp) + " element " + std::to_string(i) + ": got bits " +
-                std::to_string(got[at]) + ", want " + std::to_string(want);
+  // Both store paths: 16-byte stores after the quad transpose (the default), and the 4-byte pairs.
+  for (const int path : {0, 1}) {
+    SCOPED_TRACE(path == 0 ? "16-byte stores" : "4-byte pairs");
+    ASSERT_EQ(cudaMemcpy(g.c_bf16, c16.data(), c16.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+    cuda::Sm90WgradTuning tuning;
+    tuning.bf16_store = path;
+    cuda::sm90_grouped_wgrad(run.ctx, scratch, g, tuning);
+    ASSERT_EQ(cudaStreamSynchronize(run.ctx.stream), cudaSuccess);
+    std::vector<uint16_t> got(c16.size());
+    ASSERT_EQ(cudaMemcpy(got.data(), g.c_bf16, got.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+    int64_t bad = 0;
+    std::string first;
+    for (int32_t grp = 0; grp < shape.groups; ++grp) {
+      const bool rows = pr.offsets[grp + 1] > pr.offsets[grp];
+      for (int64_t i = 0; i < pr.stride(); ++i) {
+        const size_t at = size_t(grp) * pr.stride() + size_t(i);
+        const uint16_t want = rows && i < shape.m * shape.n ? float_to_bf16(c32[at]).bits : c16[at];
+        if (got[at] != want && bad++ == 0)
+          first = "group " + std::to_string(grp) + " element " + std::to_string(i) + ": got bits " +
+                  std::to_string(got[at]) + ", want " + std::to_string(want);
+      }
     }
+    EXPECT_EQ(bad, 0) << bad << " elements differ from the f32 store rounded (or changed outside the groups' C); first: "
+                      << first;
   }
-  EXPECT_EQ(bad, 0) << bad << " elements differ from the f32 store rounded (or changed outside the groups' C); first: "
-                    << first;
 }
 
 // Calls with many strips or tiles per CTA (buffer reuse, skipped tiles, the order barrier), GPU only: the strip

@@ -279,7 +279,8 @@ std::vector<GemmBenchRow> bench_wgrad_gemms(const MoeConfig& c, cudaStream_t str
   // The backward's activations and one f32 gradient buffer [E, H·I] that every product writes (dw1, dw3
   // and dw2 have the same size; the values only matter for the kernels' speed, not their results).
   DeviceBuffer dout(size_t(N) * H * 2), h(size_t(N) * I * 2), dpre1(size_t(N) * I * 2),
-      dpre3(swiglu ? size_t(N) * I * 2 : 0), x(size_t(N) * H * 2), dw(size_t(E) * H * I * sizeof(float));
+      dpre3(swiglu ? size_t(N) * I * 2 : 0), x(size_t(N) * H * 2), dw(size_t(E) * H * I * sizeof(float)),
+      dw_bf16(size_t(E) * H * I * 2);
   fill_uniform_bf16(dout.p, N * H, seed + 21, 1.0f, stream);
   fill_uniform_bf16(h.p, N * I, seed + 22, 1.0f, stream);
   fill_uniform_bf16(dpre1.p, N * I, seed + 23, 1.0f, stream);
@@ -315,6 +316,46 @@ std::vector<GemmBenchRow> bench_wgrad_gemms(const MoeConfig& c, cudaStream_t str
   std::vector<GemmBenchRow> rows;
   std::vector<std::function<void()>> work;
   for (const Product& pr : products) {
+    // bf16 gradients (the PyTorch module's bf16 experts, the GPU model's bf16 expert gradients): stored, the sm90
+    // kernel's two store paths against cuBLAS's per-expert calls with bf16 output.
+    {
+      cuda::GroupedWgrad g;
+      g.a = pr.a->bf16();
+      g.b = pr.b->bf16();
+      g.c_bf16 = static_cast<__nv_bfloat16*>(dw_bf16.p);
+      g.row_offsets = local.data();
+      g.groups = E;
+      g.m = pr.m;
+      g.n = pr.n;
+      g.lda = pr.m;
+      g.ldb = pr.n;
+      g.c_group_stride = H * I;
+      DMOE_REQUIRE(cuda::sm90_grouped_wgrad_usable(g),
+                   "dmoe bench gemm --wgrad: the bf16-output weight-gradient kernel cannot run here (needs an sm_90 "
+                   "GPU and a build for sm_90a)");
+      std::vector<cuda::GemmProblem> loop;
+      for (int32_t e = 0; e < E; ++e) {
+        const int64_t r0 = local[e], rows_e = local[e + 1] - r0;
+        if (rows_e == 0) continue;
+        loop.push_back({pr.m, pr.n, rows_e, pr.a->bf16() + r0 * pr.m, pr.b->bf16() + r0 * pr.n,
+                        static_cast<__nv_bfloat16*>(dw_bf16.p) + e * H * I});
+      }
+      const std::string product = std::string(pr.name) + " bf16";
+      const double flop = 2.0 * double(N) * double(pr.m) * double(pr.n);
+      // At least: the operands once and C written (2 bytes an element).
+      const double bytes = double(N) * double(pr.m + pr.n) * 2 + double(active) * double(pr.m * pr.n) * 2;
+      cuda::Sm90WgradTuning wide, pairs;
+      pairs.bf16_store = 1;
+      rows.push_back({"sm90", product, {}, flop, 0, bytes});
+      work.push_back([&, g, wide] { cuda::sm90_grouped_wgrad(ctx, scratch, g, wide); });
+      rows.push_back({"sm90pairs", product, {}, flop, 0, bytes});
+      work.push_back([&, g, pairs] { cuda::sm90_grouped_wgrad(ctx, scratch, g, pairs); });
+      rows.push_back({"cublas", product, {}, flop, 0, bytes});
+      work.push_back([&, pr, loop] {
+        const cudaDataType_t t = CUDA_R_16BF;
+        cuda::gemm_rm_grouped(ctx, pointers, true, false, pr.m, pr.n, pr.n, 1.f, 0.f, t, t, t, loop);
+      });
+    }
     for (const bool accumulate : {false, true}) {
       cuda::GroupedWgrad g;
       g.a = pr.a->bf16();
