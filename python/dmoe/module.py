@@ -54,7 +54,9 @@ def map_launcher_env() -> None:
     env = os.environ
     if "DMOE_RANK" in env or "RANK" not in env or "WORLD_SIZE" not in env:
         return
-    if "OMPI_COMM_WORLD_RANK" in env or "SLURM_PROCID" in env or "PMI_RANK" in env:
+    # Slurm's variables describe ranks only in an srun step (SLURM_STEP_ID); a batch script's own process has
+    # SLURM_PROCID too (torchrun started from an sbatch script is torchrun's world), as dmoe's detection reads it.
+    if "OMPI_COMM_WORLD_RANK" in env or ("SLURM_PROCID" in env and "SLURM_STEP_ID" in env) or "PMI_RANK" in env:
         return
     world = int(env["WORLD_SIZE"])
     local_world = int(env.get("LOCAL_WORLD_SIZE", world))
@@ -305,7 +307,7 @@ class MoELayer(torch.nn.Module):
             return self._session.rank
         map_launcher_env()
         for var in ("DMOE_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID", "PMI_RANK"):
-            if var in os.environ:
+            if var in os.environ and (var != "SLURM_PROCID" or "SLURM_STEP_ID" in os.environ):
                 return int(os.environ[var])
         return 0
 

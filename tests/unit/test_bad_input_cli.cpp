@@ -1937,5 +1937,21 @@ TEST_F(BadInput, ADirectoryHidingANamedConfigSaysSo) {
   EXPECT_EQ(run_shell(cd + "init-model --config tiny --out m.st").status, 0);
 }
 
+// ---- The thirteenth pass (2026-12-04, branch bad13; docs/faults.md) -------------------------------------------
+
+TEST_F(BadInput, SlurmBatchScriptsOwnProcessIsASingleProcess) {
+  // sl1: a command run directly in an `sbatch --ntasks=4` script (the batch step: SLURM_PROCID, SLURM_NTASKS, no
+  // SLURM_STEP_ID) was read as one of 4 srun processes: "train on the CPU engine ... this is one of 4 processes".
+  const std::string train = "train --engine cpu --config " + p("tiny.json") + " --data " + p("data") +
+                            " --steps 1 --seq 16 --batch 2 --print-every 0";
+  const std::string batch = "SLURM_JOB_ID=7 SLURM_PROCID=0 SLURM_NTASKS=4 SLURM_LOCALID=0 SLURM_NODEID=0 "
+                            "SLURM_TASKS_PER_NODE=4";
+  const Result r = run_cli(train, batch);
+  EXPECT_EQ(r.status, 0) << r.output;
+  // A task of an srun step of 4 is still one of 4.
+  expect_user_error(run_cli(train, batch + " SLURM_STEP_ID=0 SLURM_STEP_NUM_TASKS=4 SLURM_STEP_TASKS_PER_NODE=4"),
+                    "this is one of 4 processes (srun)", "srun step");
+}
+
 }  // namespace
 }  // namespace dmoe
