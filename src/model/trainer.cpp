@@ -193,13 +193,16 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
                        "multiple of 4", o.chunk_bytes);
     if (!tuned) flow_graph = make_graph(s, o.micro_batches, o.chunk_bytes);
   }
-  config.check_sequence(o.seq);
-  DMOE_REQUIRE_INPUT(o.lr > 0 && o.warmup >= 0 && o.clip >= 0 && o.val_fraction > 0 && o.val_fraction < 1,
-               "train: need lr > 0 (is {}), warmup >= 0 ({}), clip >= 0 ({}), 0 < val_fraction < 1 ({})", o.lr,
-               o.warmup, o.clip, o.val_fraction);
+  config.check_sequence(o.seq, "train: --seq");
+  // One rule a message, naming its option and the allowed range (all four rules were one message, whichever failed).
+  // NaN fails each comparison, so it is named by the rule of its option.
+  DMOE_REQUIRE_INPUT(o.lr > 0 && std::isfinite(o.lr), "train: --lr {} must be finite and > 0", o.lr);
+  DMOE_REQUIRE_INPUT(o.warmup >= 0, "train: --warmup {} must be >= 0 (steps of the linear warm-up)", o.warmup);
+  DMOE_REQUIRE_INPUT(o.clip >= 0 && std::isfinite(o.clip), "train: --clip {} must be finite and >= 0 (0: no "
+                     "clipping)", o.clip);
+  DMOE_REQUIRE_INPUT(o.val_fraction > 0 && o.val_fraction < 1, "train: --val-fraction {} must be in (0, 1)",
+                     o.val_fraction);
   // AdamW's hyper-parameters: outside these ranges the moments or the decay diverge (NaN weights later).
-  DMOE_REQUIRE_INPUT(std::isfinite(o.lr) && std::isfinite(o.clip), "train: --lr {} and --clip {} must be finite",
-                     o.lr, o.clip);
   DMOE_REQUIRE_INPUT(o.beta1 >= 0 && o.beta1 < 1, "train: --beta1 {} must be in [0, 1)", o.beta1);
   DMOE_REQUIRE_INPUT(o.beta2 >= 0 && o.beta2 < 1, "train: --beta2 {} must be in [0, 1)", o.beta2);
   DMOE_REQUIRE_INPUT(o.weight_decay >= 0 && std::isfinite(o.weight_decay),

@@ -186,7 +186,7 @@ TEST_F(BadInput, TrainOptionsAreCheckedAndNameTheRule) {
   expect_user_error(run_cli(train + "--beta2 -3"), "--beta2 -3 must be in [0, 1)", "beta2");
   expect_user_error(run_cli(train + "--weight-decay -1"), "--weight-decay -1", "weight decay");
   expect_user_error(run_cli(train + "--min-lr 1"), "--min-lr 1 must be <= --lr", "min lr");
-  expect_user_error(run_cli(train + "--lr nan"), "need lr > 0", "lr nan");
+  expect_user_error(run_cli(train + "--lr nan"), "train: --lr nan must be finite and > 0", "lr nan");
   expect_user_error(run_cli("train --config " + p("tiny.json") + " --data " + p("data") + " --steps 1 --seq 300"),
                     "max_position_embeddings", "seq past the model");
   expect_user_error(run_cli(train + "--world 3"), "split evenly", "world");
@@ -1951,6 +1951,25 @@ TEST_F(BadInput, SlurmBatchScriptsOwnProcessIsASingleProcess) {
   // A task of an srun step of 4 is still one of 4.
   expect_user_error(run_cli(train, batch + " SLURM_STEP_ID=0 SLURM_STEP_NUM_TASKS=4 SLURM_STEP_TASKS_PER_NODE=4"),
                     "this is one of 4 processes (srun)", "srun step");
+}
+
+TEST_F(BadInput, TrainErrorsNameTheOptionAndOnlyTheRuleThatFailed) {
+  // "sequence length 300 is outside [1, max_position_embeddings = 256]" named no option; "--lr 0" was answered with
+  // every rule at once: "need lr > 0 (is 0), warmup >= 0 (10), clip >= 0 (1), 0 < val_fraction < 1 (0.1)".
+  const std::string train = "train --config " + p("tiny.json") + " --data " + p("data") + " --steps 1 --batch 2 ";
+  expect_user_error(run_cli(train + "--seq 300"), "train: --seq 300 is outside [1, max_position_embeddings = 256] of "
+                    "the model config", "--seq 300");
+  expect_user_error(run_cli("flow measure --config " + p("tiny.json") + " --seq 300 --batch 4 --steps 1"),
+                    "flow measure: --seq 300 is outside [1, max_position_embeddings = 256]", "flow measure --seq 300");
+  for (const auto& [option, message] :
+       {std::pair{"--lr 0", "train: --lr 0 must be finite and > 0"},
+        std::pair{"--lr -1", "train: --lr -1 must be finite and > 0"},
+        std::pair{"--val-fraction 1", "train: --val-fraction 1 must be in (0, 1)"},
+        std::pair{"--val-fraction 0", "train: --val-fraction 0 must be in (0, 1)"}}) {
+    const Result r = run_cli(train + "--seq 16 " + option);
+    expect_user_error(r, message, option);
+    EXPECT_EQ(r.output.find("warmup >="), std::string::npos) << option << ": other rules named\n" << r.output;
+  }
 }
 
 }  // namespace

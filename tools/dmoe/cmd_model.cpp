@@ -200,7 +200,7 @@ Command add_eval_command(CLI::App& app) {
     const MixtralConfig c = load_mixtral_config(config_path);
     const HostTensor<int32_t> tokens = read_tokens(o->tokens);
     const int64_t B = tokens.shape[0], S = tokens.shape[1], V = c.vocab_size;
-    c.check_sequence(S);
+    c.check_sequence(S, "eval --tokens: the sequence length (the tokens' second dimension)");
     // Before the weights are read: the host's share (the CPU engine's activations; on either engine the logits
     // [B, S, V] as the result, the writer's copy and the serialised file).
     const double logits_bytes = 4.0 * double(B) * double(S) * double(V);
