@@ -1972,5 +1972,31 @@ TEST_F(BadInput, TrainErrorsNameTheOptionAndOnlyTheRuleThatFailed) {
   }
 }
 
+TEST_F(BadInput, OutputPathsNearPathMaxAreWrittenOrSaidTooLong) {
+  // ph45-ph59: an output path of 4081-4095 bytes (valid) was refused as "cannot create a temporary file in DIR: File
+  // name too long", the temporary's name blamed; 4096 bytes and more as "cannot inspect it: File name too long".
+  fs::path d = dir_;
+  while (d.string().size() < 3800) d /= std::string(200, 'd');  // ends in [3800, 4000)
+  d /= std::string(4035 - d.string().size() - 1, 'e');
+  fs::create_directories(d);
+  const std::string init = "init --hidden 8 --ffn 8 --experts 2 --top-k 1 --tokens 2 --out ";
+  for (size_t n : {4085, 4095}) {
+    const fs::path out = d / (std::string(n - d.string().size() - 1 - 3, 'o') + ".st");
+    ASSERT_EQ(out.string().size(), n);
+    const Result r = run_cli(init + out.string());
+    EXPECT_EQ(r.status, 0) << n << "\n" << r.output.substr(r.output.size() > 300 ? r.output.size() - 300 : 0);
+    EXPECT_TRUE(fs::exists(out)) << n;
+  }
+  const fs::path over = d / (std::string(4096 - d.string().size() - 1, 'o'));
+  expect_user_error(run_cli(init + over.string()), "the path is too long: 4096 bytes, past the limit of 4095 bytes on "
+                    "a path (PATH_MAX)", "4096 bytes");
+  // A directory so long that no temporary fits beside any name in it.
+  const fs::path deep = d / std::string(4080 - d.string().size() - 1, 'f');
+  fs::create_directories(deep);
+  expect_user_error(run_cli(init + (deep / "w.st").string()), "the path is too long: 4085 bytes, and its directory's "
+                    "4080; dmoe writes an output through a temporary file beside it", "a directory of 4080 bytes");
+  EXPECT_EQ(std::distance(fs::directory_iterator(deep), fs::directory_iterator()), 0) << "a temporary left";
+}
+
 }  // namespace
 }  // namespace dmoe
