@@ -1998,5 +1998,22 @@ TEST_F(BadInput, OutputPathsNearPathMaxAreWrittenOrSaidTooLong) {
   EXPECT_EQ(std::distance(fs::directory_iterator(deep), fs::directory_iterator()), 0) << "a temporary left";
 }
 
+TEST_F(BadInput, AFileHidingANamedConfigSaysSoWhenItDoesNotParse) {
+  // nc1: a text file `tiny` in the current directory is read before the named model config; its parse error alone
+  // ("model config 'tiny': not valid JSON ...") did not say that a named config of the name exists.
+  std::ofstream(dir_ / "tiny") << "notes\n";
+  std::ofstream(dir_ / "cpu-small") << "{\"tokens\": 4,";
+  const std::string cd = "cd " + dir_.string() + " && " + DMOE_CLI_PATH + " ";
+  expect_user_error(run_shell(cd + "init-model --config tiny --out m.st"), "That is the file 'tiny' in the current "
+                    "directory, which is read before the named model configs; the named model config 'tiny' is ",
+                    "init-model --config tiny");
+  EXPECT_FALSE(fs::exists(dir_ / "m.st"));
+  expect_user_error(run_shell(cd + "bench --engine cpu --config cpu-small -n 1 --repeat 1 --warmup 0"),
+                    "the named config 'cpu-small' is ", "bench --config cpu-small");
+  // A file that parses is the file meant, as before.
+  fs::copy_file(dir_ / "tiny.json", dir_ / "tiny", fs::copy_options::overwrite_existing);
+  EXPECT_EQ(run_shell(cd + "init-model --config tiny --out m.st").status, 0);
+}
+
 }  // namespace
 }  // namespace dmoe
