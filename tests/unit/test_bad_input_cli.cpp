@@ -2015,5 +2015,23 @@ TEST_F(BadInput, AFileHidingANamedConfigSaysSoWhenItDoesNotParse) {
   EXPECT_EQ(run_shell(cd + "init-model --config tiny --out m.st").status, 0);
 }
 
+TEST_F(BadInput, RunTakesAModelDirectoryAsItsConfig) {
+  // `run --config DIR` (a Hugging Face model directory, as eval/train take) was "config file 'DIR' is a directory;
+  // expected a JSON file"; it reads DIR/config.json, as `--config DIR/config.json` does.
+  fs::create_directories(dir_ / "hf");
+  fs::copy_file(dir_ / "tiny.json", dir_ / "hf" / "config.json");
+  ASSERT_EQ(run_cli("init --config " + p("hf") + " --tokens 4 --layer 1 --out " + p("w.st") + " --input " + p("x.st"))
+                .status, 0);
+  const std::string run = "run --layer 1 --weights " + p("w.st") + " --input " + p("x.st") + " --output ";
+  const Result by_dir = run_cli(run + p("y1.st") + " --config " + p("hf"));
+  ASSERT_EQ(by_dir.status, 0) << by_dir.output;
+  ASSERT_EQ(run_cli(run + p("y2.st") + " --config " + p("hf/config.json")).status, 0);
+  EXPECT_EQ(slurp(p("y1.st")), slurp(p("y2.st")));
+  // A directory without a config.json is still no config.
+  fs::create_directories(dir_ / "empty");
+  expect_user_error(run_cli(run + p("y3.st") + " --config " + p("empty")), "is a directory; expected a JSON file",
+                    "an empty directory");
+}
+
 }  // namespace
 }  // namespace dmoe
