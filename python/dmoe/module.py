@@ -18,7 +18,7 @@ from ._checks import check_bool, check_choice, check_float, check_int
 from ._dmoe import Session, cuda_built
 
 _ENGINES = ("auto", "cpu", "ep", "flash")
-_ACTIVATIONS = ("relu", "gelu", "swiglu")
+_ACTIVATIONS = ("relu", "gelu", "swiglu", "silu")  # silu: swiglu's alias, as in dmoe.layer_forward
 _DROP_POLICIES = ("latest-tokens", "lowest-weight")
 _COMMS = ("auto", "nccl", "nvshmem")
 # The router losses of the forward that just ran in this thread (threads may share a layer).
@@ -238,6 +238,7 @@ class MoELayer(torch.nn.Module):
         where = "dmoe.MoELayer"
         check_choice(where, "engine", engine, _ENGINES)
         check_choice(where, "activation", activation, _ACTIVATIONS)
+        activation = "swiglu" if activation == "silu" else activation
         # Every argument is checked here, not at the first forward (where a wrong type was nanobind's "incompatible
         # function arguments" and a bad value the engine's error, after the layer had been made and placed).
         hidden, ffn = check_int(where, "hidden", hidden, hi=2**62), check_int(where, "ffn", ffn, hi=2**62)
