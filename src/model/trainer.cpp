@@ -207,6 +207,11 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
   DMOE_REQUIRE_INPUT(o.beta2 >= 0 && o.beta2 < 1, "train: --beta2 {} must be in [0, 1)", o.beta2);
   DMOE_REQUIRE_INPUT(o.weight_decay >= 0 && std::isfinite(o.weight_decay),
                      "train: --weight-decay {} must be finite and >= 0", o.weight_decay);
+  // The decoupled decay multiplies the weight matrices by 1 - lr * weight_decay each step: at 1 or more it zeroes or
+  // flips them, and `--weight-decay 1e300` trained on until the router's "logits contain NaN" a step later.
+  DMOE_REQUIRE_INPUT(o.lr * o.weight_decay < 1, "train: --weight-decay {} with --lr {}: AdamW's decay multiplies the "
+                     "weights by 1 - lr x weight_decay = {:g} each step, which zeroes or flips them; give lr x "
+                     "weight_decay < 1 (the default decay is 0.1)", o.weight_decay, o.lr, 1 - o.lr * o.weight_decay);
   DMOE_REQUIRE_INPUT(o.min_lr < 0 || (o.min_lr <= o.lr && std::isfinite(o.min_lr)),
                      "train: --min-lr {} must be <= --lr {} (or negative for the default, lr/10)", o.min_lr, o.lr);
   // A stop past the schedule's end was min(stop_after, steps) without a word (`--steps 2 --stop-after 50`: 2 steps).

@@ -2033,5 +2033,19 @@ TEST_F(BadInput, RunTakesAModelDirectoryAsItsConfig) {
                     "an empty directory");
 }
 
+TEST_F(BadInput, TrainWeightDecayThatFlipsTheWeightsIsRefused) {
+  // wd1: --weight-decay 1e300 (finite, >= 0) was taken; the decay factor 1 - lr x weight_decay flipped the weights
+  // and the run ended a step later in the router's "logits contain NaN".
+  const std::string train = "train --config " + p("tiny.json") + " --data " + p("data") + " --steps 2 --seq 16 "
+                            "--batch 2 --print-every 0 ";
+  const Result r = run_cli(train + "--weight-decay 1e300");
+  expect_user_error(r, "train: --weight-decay 1e+300 with --lr 0.003: AdamW's decay multiplies the weights by 1 - lr x "
+                    "weight_decay", "--weight-decay 1e300");
+  EXPECT_EQ(r.output.find("step 1"), std::string::npos) << "trained first:\n" << r.output;
+  expect_user_error(run_cli(train + "--weight-decay 1000 --lr 1e-3"), "= 0 each step, which zeroes or flips them",
+                    "lr x weight_decay = 1");
+  EXPECT_EQ(run_cli(train + "--weight-decay 3000 --lr 3e-4").status, 0);  // 0.9: a strong decay, taken
+}
+
 }  // namespace
 }  // namespace dmoe
