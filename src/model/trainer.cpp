@@ -436,9 +436,14 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
     full = load_mixtral_weights(CheckpointReader::open(o.init), config);
   }
   const int64_t last_step = o.stop_after > 0 ? std::min(o.stop_after, o.steps) : o.steps;
-  DMOE_REQUIRE_INPUT(first_step <= last_step,
-               "--resume {}: the saved run is at step {}, --steps {} (--stop-after {}) leaves nothing to do",
-               o.resume_dir, first_step - 1, o.steps, o.stop_after);
+  // "(--stop-after 0)" was named here when --stop-after was not given (0 is its "not given" mark, refused as a value).
+  if (o.stop_after > 0)
+    DMOE_REQUIRE_INPUT(first_step <= last_step, "--resume {}: the saved run is at step {}, and --stop-after {} stops at "
+                       "or before it: nothing to do; give a --stop-after past {} (up to --steps {}), or leave it out",
+                       o.resume_dir, first_step - 1, o.stop_after, first_step - 1, o.steps);
+  DMOE_REQUIRE_INPUT(first_step <= last_step, "--resume {}: the saved run is at step {}, and --steps {} ends there or "
+                     "before: nothing to do; give --steps past {} to train further", o.resume_dir, first_step - 1,
+                     o.steps, first_step - 1);
 
   // --schedule tuned: the run shape a tuning file belongs to, and whether one is reused.
   const json tune_key{{"model", config.summary()}, {"batch", o.batch}, {"seq", o.seq}, {"world", o.world},

@@ -39,7 +39,10 @@
 // link loops as a model --config or --tune-file (rc 2), --save through a dangling link or a loop (late), F64 values
 // past float named as inf, flow project's outputs onto --cluster, eval token files with a mask or labels, --resume with
 // settings left out, run --layer -1, init-model --out NAME.json, gpu_check.sh's parts, a layer under another prefix,
-// a directory hiding a named config.
+// a directory hiding a named config. The thirteenth pass's (branch bad13): a Slurm batch script's own process read as
+// an srun world, train/flow errors that named no option or every rule, outputs near PATH_MAX, a file hiding a named
+// config, run --config of a model directory, a weight decay that flips the weights, a resume error naming a
+// --stop-after nobody gave.
 //
 // Run: dmoe_unit_tests --gtest_filter='BadInput*'
 #include <gtest/gtest.h>
@@ -2045,6 +2048,20 @@ TEST_F(BadInput, TrainWeightDecayThatFlipsTheWeightsIsRefused) {
   expect_user_error(run_cli(train + "--weight-decay 1000 --lr 1e-3"), "= 0 each step, which zeroes or flips them",
                     "lr x weight_decay = 1");
   EXPECT_EQ(run_cli(train + "--weight-decay 3000 --lr 3e-4").status, 0);  // 0.9: a strong decay, taken
+}
+
+TEST_F(BadInput, ResumeWithNothingLeftNamesOnlyTheOptionsGiven) {
+  // r4: "--resume ck: the saved run is at step 2, --steps 2 (--stop-after 0) leaves nothing to do" named a
+  // --stop-after 0 nobody gave (0 is its "not given" mark, refused as a value since the eleventh pass).
+  const std::string train = "train --config " + p("tiny.json") + " --data " + p("data") + " --seq 16 --batch 2 "
+                            "--print-every 0 ";
+  ASSERT_EQ(run_cli(train + "--steps 2 --save " + p("ck")).status, 0);
+  const Result r = run_cli(train + "--steps 2 --resume " + p("ck"));
+  expect_user_error(r, "the saved run is at step 2, and --steps 2 ends there or before: nothing to do; give --steps "
+                    "past 2", "--steps 2");
+  EXPECT_EQ(r.output.find("--stop-after"), std::string::npos) << r.output;
+  expect_user_error(run_cli(train + "--steps 4 --stop-after 2 --resume " + p("ck")), "and --stop-after 2 stops at or "
+                    "before it: nothing to do; give a --stop-after past 2 (up to --steps 4)", "--stop-after 2");
 }
 
 }  // namespace
