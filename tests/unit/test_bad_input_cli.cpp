@@ -42,7 +42,7 @@
 // a directory hiding a named config. The thirteenth pass's (branch bad13): a Slurm batch script's own process read as
 // an srun world, train/flow errors that named no option or every rule, outputs near PATH_MAX, a file hiding a named
 // config, run --config of a model directory, a weight decay that flips the weights, a resume error naming a
-// --stop-after nobody gave.
+// --stop-after nobody gave, an eval token outside the vocabulary.
 //
 // Run: dmoe_unit_tests --gtest_filter='BadInput*'
 #include <gtest/gtest.h>
@@ -2062,6 +2062,22 @@ TEST_F(BadInput, ResumeWithNothingLeftNamesOnlyTheOptionsGiven) {
   EXPECT_EQ(r.output.find("--stop-after"), std::string::npos) << r.output;
   expect_user_error(run_cli(train + "--steps 4 --stop-after 2 --resume " + p("ck")), "and --stop-after 2 stops at or "
                     "before it: nothing to do; give a --stop-after past 2 (up to --steps 4)", "--stop-after 2");
+}
+
+TEST_F(BadInput, EvalTokenOutsideTheVocabularyNamesTheFileAndTheConfig) {
+  // ev2: "mixtral: token -1 at [0, 0] is outside the vocabulary [0, 256)", after the weights were read, named
+  // neither the token file nor the config whose vocabulary it was judged by.
+  ASSERT_EQ(run_cli("init-model --config " + p("tiny.json") + " --out " + p("m.safetensors")).status, 0);
+  SafetensorsWriter w;
+  std::vector<int32_t> tokens(16, 3);
+  tokens[9] = -1;
+  w.add_i32("tokens", {2, 8}, tokens);
+  w.write(p("neg.st"));
+  expect_user_error(run_cli("eval --config " + p("tiny.json") + " --weights " + p("m.safetensors") + " --tokens " +
+                            p("neg.st") + " --output " + p("o.st")),
+                    "eval --tokens " + p("neg.st") + ": token -1 at [1, 1] is outside the vocabulary [0, 256) of "
+                    "--config " + p("tiny.json"), "token -1");
+  EXPECT_FALSE(fs::exists(p("o.st")));
 }
 
 }  // namespace
