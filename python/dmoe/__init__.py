@@ -56,7 +56,8 @@ from ._dmoe import Session, cuda_built
 __all__ = ["Session", "cuda_built", "layer_forward", "layer_backward", "MoELayer", "init_from_process_group",
            "__version__"]
 
-_ACTIVATIONS = ("relu", "gelu", "swiglu")
+# 'silu' is swiglu's alias, as the CLI and a Hugging Face config's hidden_act take it (the experts are SwiGLU).
+_ACTIVATIONS = ("relu", "gelu", "swiglu", "silu")
 
 
 def _np():
@@ -108,6 +109,7 @@ def _run(x, gate, w1, w3, w2, top_k, activation, world, dy, renormalize, capacit
     from ._checks import check_bool, check_choice, check_float, check_int
 
     check_choice("dmoe", "activation", activation, _ACTIVATIONS)
+    activation = "swiglu" if activation == "silu" else activation
     # The scalars' types and ranges here: the extension's refusal of a wrong type names no argument.
     top_k = check_int("dmoe", "top_k", top_k)
     world = check_int("dmoe", "world", world)

@@ -18,7 +18,7 @@ from ._checks import check_bool, check_choice, check_float, check_int
 from ._dmoe import Session, cuda_built
 
 _ENGINES = ("auto", "cpu", "ep", "flash")
-_ACTIVATIONS = ("relu", "gelu", "swiglu")
+_ACTIVATIONS = ("relu", "gelu", "swiglu", "silu")  # silu: swiglu's alias, as in dmoe.layer_forward
 _DROP_POLICIES = ("latest-tokens", "lowest-weight")
 _COMMS = ("auto", "nccl", "nvshmem")
 # The router losses of the forward that just ran in this thread (threads may share a layer).
@@ -54,7 +54,9 @@ def map_launcher_env() -> None:
     env = os.environ
     if "DMOE_RANK" in env or "RANK" not in env or "WORLD_SIZE" not in env:
         return
-    if "OMPI_COMM_WORLD_RANK" in env or "SLURM_PROCID" in env or "PMI_RANK" in env:
+    # Slurm's variables describe ranks only in an srun step (SLURM_STEP_ID); a batch script's own process has
+    # SLURM_PROCID too (torchrun started from an sbatch script is torchrun's world), as dmoe's detection reads it.
+    if "OMPI_COMM_WORLD_RANK" in env or ("SLURM_PROCID" in env and "SLURM_STEP_ID" in env) or "PMI_RANK" in env:
         return
     world = int(env["WORLD_SIZE"])
     local_world = int(env.get("LOCAL_WORLD_SIZE", world))
@@ -236,6 +238,7 @@ class MoELayer(torch.nn.Module):
         where = "dmoe.MoELayer"
         check_choice(where, "engine", engine, _ENGINES)
         check_choice(where, "activation", activation, _ACTIVATIONS)
+        activation = "swiglu" if activation == "silu" else activation
         # Every argument is checked here, not at the first forward (where a wrong type was nanobind's "incompatible
         # function arguments" and a bad value the engine's error, after the layer had been made and placed).
         hidden, ffn = check_int(where, "hidden", hidden, hi=2**62), check_int(where, "ffn", ffn, hi=2**62)
@@ -305,7 +308,7 @@ class MoELayer(torch.nn.Module):
             return self._session.rank
         map_launcher_env()
         for var in ("DMOE_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID", "PMI_RANK"):
-            if var in os.environ:
+            if var in os.environ and (var != "SLURM_PROCID" or "SLURM_STEP_ID" in os.environ):
                 return int(os.environ[var])
         return 0
 

@@ -301,7 +301,12 @@ class PySession {
     locked([&](LayerSession& s) { s.backward(b); });
   }
 
+  // An unknown or already released ticket was silently nothing: a second release (or one after backward) hid a
+  // caller's mix-up of tickets, as backward's and losses' errors do not.
   void release(int64_t ticket) {
+    if (pending_.find(ticket) == pending_.end())
+      throw nb::value_error(("dmoe: release: ticket " + std::to_string(ticket) + " is not a pending train forward "
+                             "of this layer (already backward()ed or released, or from an inference forward)").c_str());
     locked([&](LayerSession& s) { s.release(ticket); });
     pending_.erase(ticket);
   }

@@ -99,16 +99,21 @@ ProcessEnv detect_process_env() {
     return e;
   }
 
-  if (std::getenv("SLURM_PROCID")) {
+  // Slurm's variables describe a launcher world only inside a job step, which srun starts and marks with
+  // SLURM_STEP_ID (srun(1), OUTPUT ENVIRONMENT VARIABLES). A batch script's own process (sbatch(1): SLURM_PROCID,
+  // SLURM_NTASKS = the job's --ntasks, SLURM_LOCALID, SLURM_TASKS_PER_NODE, but no SLURM_STEP_*) is one process
+  // that srun would start the tasks from; read as a world of SLURM_NTASKS it would wait for ranks never started.
+  if (std::getenv("SLURM_PROCID") && std::getenv("SLURM_STEP_ID")) {
     e.launcher = "srun";
     e.rank = required("SLURM_PROCID", "SLURM_*");
-    // srun sets the step's task count; SLURM_NTASKS is the allocation's (the same unless the step
-    // asked for fewer tasks).
+    // The step's task count and tasks per node: SLURM_NTASKS and SLURM_NTASKS_PER_NODE are the job's (inherited
+    // from sbatch/salloc; larger when the step asked for fewer tasks). The job's are read only where a step's
+    // variable is missing.
     const char* world_var = std::getenv("SLURM_STEP_NUM_TASKS") ? "SLURM_STEP_NUM_TASKS" : "SLURM_NTASKS";
     e.world = required(world_var, "SLURM_*");
     e.local_rank = required("SLURM_LOCALID", "SLURM_*");
     const char* local_world_var = "SLURM_NTASKS_PER_NODE";
-    if (env_int32("SLURM_NTASKS_PER_NODE", v)) {
+    if (!std::getenv("SLURM_STEP_TASKS_PER_NODE") && env_int32("SLURM_NTASKS_PER_NODE", v)) {
       e.local_world = v;
     } else {
       int32_t node_idx = 0;
@@ -116,8 +121,8 @@ ProcessEnv detect_process_env() {
       const char* per_node_var = std::getenv("SLURM_STEP_TASKS_PER_NODE") ? "SLURM_STEP_TASKS_PER_NODE"
                                                                           : "SLURM_TASKS_PER_NODE";
       const char* per_node = std::getenv(per_node_var);
-      DMOE_REQUIRE_INPUT(per_node, "srun environment without tasks per node: none of SLURM_NTASKS_PER_NODE, "
-                         "SLURM_STEP_TASKS_PER_NODE, SLURM_TASKS_PER_NODE is set");
+      DMOE_REQUIRE_INPUT(per_node, "srun environment without tasks per node: none of SLURM_STEP_TASKS_PER_NODE, "
+                         "SLURM_NTASKS_PER_NODE, SLURM_TASKS_PER_NODE is set");
       e.local_world = slurm_tasks_on_node(per_node_var, per_node, node_idx);
       local_world_var = per_node_var;
     }

@@ -4,7 +4,9 @@
 // launcher started the process, tried in this order:
 //   dmoe launch   DMOE_RANK, DMOE_WORLD, DMOE_LOCAL_RANK, DMOE_LOCAL_WORLD        launcher "dmoe-launch"
 //   Open MPI      OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK, _LOCAL_SIZE           launcher "mpirun"
-//   Slurm srun    SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, tasks per node       launcher "srun"
+//   Slurm srun    SLURM_PROCID, SLURM_STEP_NUM_TASKS, SLURM_LOCALID, tasks per    launcher "srun"
+//                 node; only with SLURM_STEP_ID (a job step): a batch script's own
+//                 process has SLURM_PROCID and SLURM_NTASKS too, and is one process
 //   PMI (Hydra)   PMI_RANK, PMI_SIZE, MPI_LOCALRANKID, MPI_LOCALNRANKS            launcher "pmi"
 //   none of them  rank 0 of 1                                                      launcher "single"
 // dmoe launch is tried first because it may itself run inside an MPI or Slurm job: its children inherit

@@ -19,7 +19,7 @@ namespace dmoe {
 
 double host_wait_timeout_seconds() {
   const char* text = std::getenv("DMOE_COMM_TIMEOUT_S");
-  if (!text) return 600.0;
+  if (!text || !*text) return 600.0;  // empty is as unset, as for every other DMOE_* knob (README)
   // A decimal number only: strtod also took hexadecimal ("0x10" as 16 s) and leading white space.
   const std::string_view t = text;
   const bool decimal = !t.empty() && ((t[0] >= '0' && t[0] <= '9') || t[0] == '.') &&

@@ -169,6 +169,15 @@ OutputTarget resolve_output(const std::string& path, std::string_view option) {
     DMOE_FAIL_INPUT("{}: {}; an output must be a file in an existing directory", what,
                     blocker.empty() ? std::string("a part of the path is not a directory") : blocker);
   } else {
+    // A path past PATH_MAX (or with a part past NAME_MAX) was "cannot inspect it: File name too long": say which limit.
+    if (errno == ENAMETOOLONG) {
+      size_t longest = 0;
+      for (const fs::path& piece : fs::path(t.path)) longest = std::max(longest, piece.native().size());
+      DMOE_REQUIRE_INPUT(t.path.size() < size_t(PATH_MAX), "{}: the path is too long: {} bytes, past the limit of {} "
+                         "bytes on a path (PATH_MAX); give a shorter path", what, t.path.size(), PATH_MAX - 1);
+      DMOE_FAIL_INPUT("{}: a part of the path is too long: {} bytes, past the limit of {} bytes on a file name "
+                      "(NAME_MAX)", what, longest, NAME_MAX);
+    }
     DMOE_REQUIRE_INPUT(errno == ENOENT, "{}: cannot inspect it: {}", what, std::strerror(errno));
   }
   const fs::path p(t.path);
@@ -191,11 +200,20 @@ int create_temporary(const OutputTarget& t, std::string& tmp, std::string_view w
   for (int attempt = 0; attempt < 100; ++attempt) {
     // ".NAME.dmoe-tmp.PID.N", with NAME cut short where the whole would pass NAME_MAX (255 bytes): a long but
     // valid output name was refused as "File name too long", which the user's name was not.
+    // NAME is cut short too where the temporary's whole path would pass PATH_MAX: an output path of 4076-4095 bytes,
+    // valid itself, was refused as "cannot create a temporary file in DIR: File name too long", the name blamed.
     const std::string suffix = fmt::format(".dmoe-tmp.{}.{}", ::getpid(), counter++);
-    std::string name(1, '.');
-    name.append(t.name, 0, std::min(t.name.size(), size_t(NAME_MAX) - 1 - suffix.size()));
+    const std::string prefix = (fs::path(t.directory) / ".").string();  // "DIR/."
+    const size_t fixed = prefix.size() + suffix.size();
+    DMOE_REQUIRE_INPUT(fixed + 1 < size_t(PATH_MAX),
+                       "{}: the path is too long: {} bytes, and its directory's {}; dmoe writes an output through a "
+                       "temporary file beside it, whose path (at least {} bytes) would pass the limit of {} bytes on "
+                       "a path (PATH_MAX): give a shorter path (a relative one counts only its own bytes)", what,
+                       t.path.size(), t.directory.size(), fixed + 1, PATH_MAX - 1);
+    std::string name = prefix;
+    name.append(t.name, 0, std::min({t.name.size(), size_t(NAME_MAX) - 1 - suffix.size(), size_t(PATH_MAX) - 1 - fixed}));
     name += suffix;
-    tmp = (fs::path(t.directory) / name).string();
+    tmp = std::move(name);
     // Registered before it is created: a signal between the open and a later registration left it behind. A
     // signal before the open unlinks a name that does not exist yet, or (EEXIST) a stale dmoe temporary of a
     // process with the same PID.

@@ -98,12 +98,13 @@ void MixtralConfig::validate() const {
                      initializer_range);
 }
 
-void MixtralConfig::check_sequence(int64_t seq) const {
+void MixtralConfig::check_sequence(int64_t seq, std::string_view source) const {
   DMOE_REQUIRE_INPUT(seq >= 1 && seq <= max_position_embeddings,
-               "sequence length {} is outside [1, max_position_embeddings = {}]", seq, max_position_embeddings);
+               "{} {} is outside [1, max_position_embeddings = {}] of the model config", source, seq,
+               max_position_embeddings);
   DMOE_REQUIRE_INPUT(sliding_window == 0 || sliding_window >= seq,
-               "sequence length {} exceeds sliding_window = {}: dmoe has no sliding-window attention mask (set "
-               "sliding_window to null or >= the sequence length)", seq, sliding_window);
+               "{} {} exceeds the model config's sliding_window = {}: dmoe has no sliding-window attention mask (set "
+               "sliding_window to null or >= the sequence length)", source, seq, sliding_window);
 }
 
 MoeConfig MixtralConfig::moe_config(int64_t tokens, int32_t world) const {

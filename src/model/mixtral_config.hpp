@@ -14,6 +14,7 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 
 #include <nlohmann/json_fwd.hpp>
 
@@ -45,8 +46,9 @@ struct MixtralConfig {
   int64_t kv_size() const { return int64_t(num_key_value_heads) * head_size(); }   // k_proj, v_proj rows
   // Throws naming the key, its value and the rule.
   void validate() const;
-  // Checks a sequence length against max_position_embeddings and sliding_window.
-  void check_sequence(int64_t seq) const;
+  // Checks a sequence length against max_position_embeddings and sliding_window. `source` names where the length
+  // came from in the error ("train: --seq"; the default, "sequence length", for a length of no option).
+  void check_sequence(int64_t seq, std::string_view source = "sequence length") const;
   // The MoE layer of one block for `tokens` tokens per rank on `world` ranks: SwiGLU, renormalised
   // top-k, dropless, f32, no auxiliary terms of its own (the model adds Mixtral's).
   MoeConfig moe_config(int64_t tokens, int32_t world) const;

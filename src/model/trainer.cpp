@@ -193,17 +193,25 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
                        "multiple of 4", o.chunk_bytes);
     if (!tuned) flow_graph = make_graph(s, o.micro_batches, o.chunk_bytes);
   }
-  config.check_sequence(o.seq);
-  DMOE_REQUIRE_INPUT(o.lr > 0 && o.warmup >= 0 && o.clip >= 0 && o.val_fraction > 0 && o.val_fraction < 1,
-               "train: need lr > 0 (is {}), warmup >= 0 ({}), clip >= 0 ({}), 0 < val_fraction < 1 ({})", o.lr,
-               o.warmup, o.clip, o.val_fraction);
+  config.check_sequence(o.seq, "train: --seq");
+  // One rule a message, naming its option and the allowed range (all four rules were one message, whichever failed).
+  // NaN fails each comparison, so it is named by the rule of its option.
+  DMOE_REQUIRE_INPUT(o.lr > 0 && std::isfinite(o.lr), "train: --lr {} must be finite and > 0", o.lr);
+  DMOE_REQUIRE_INPUT(o.warmup >= 0, "train: --warmup {} must be >= 0 (steps of the linear warm-up)", o.warmup);
+  DMOE_REQUIRE_INPUT(o.clip >= 0 && std::isfinite(o.clip), "train: --clip {} must be finite and >= 0 (0: no "
+                     "clipping)", o.clip);
+  DMOE_REQUIRE_INPUT(o.val_fraction > 0 && o.val_fraction < 1, "train: --val-fraction {} must be in (0, 1)",
+                     o.val_fraction);
   // AdamW's hyper-parameters: outside these ranges the moments or the decay diverge (NaN weights later).
-  DMOE_REQUIRE_INPUT(std::isfinite(o.lr) && std::isfinite(o.clip), "train: --lr {} and --clip {} must be finite",
-                     o.lr, o.clip);
   DMOE_REQUIRE_INPUT(o.beta1 >= 0 && o.beta1 < 1, "train: --beta1 {} must be in [0, 1)", o.beta1);
   DMOE_REQUIRE_INPUT(o.beta2 >= 0 && o.beta2 < 1, "train: --beta2 {} must be in [0, 1)", o.beta2);
   DMOE_REQUIRE_INPUT(o.weight_decay >= 0 && std::isfinite(o.weight_decay),
                      "train: --weight-decay {} must be finite and >= 0", o.weight_decay);
+  // The decoupled decay multiplies the weight matrices by 1 - lr * weight_decay each step: at 1 or more it zeroes or
+  // flips them, and `--weight-decay 1e300` trained on until the router's "logits contain NaN" a step later.
+  DMOE_REQUIRE_INPUT(o.lr * o.weight_decay < 1, "train: --weight-decay {} with --lr {}: AdamW's decay multiplies the "
+                     "weights by 1 - lr x weight_decay = {:g} each step, which zeroes or flips them; give lr x "
+                     "weight_decay < 1 (the default decay is 0.1)", o.weight_decay, o.lr, 1 - o.lr * o.weight_decay);
   DMOE_REQUIRE_INPUT(o.min_lr < 0 || (o.min_lr <= o.lr && std::isfinite(o.min_lr)),
                      "train: --min-lr {} must be <= --lr {} (or negative for the default, lr/10)", o.min_lr, o.lr);
   // A stop past the schedule's end was min(stop_after, steps) without a word (`--steps 2 --stop-after 50`: 2 steps).
@@ -428,9 +436,14 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
     full = load_mixtral_weights(CheckpointReader::open(o.init), config);
   }
   const int64_t last_step = o.stop_after > 0 ? std::min(o.stop_after, o.steps) : o.steps;
-  DMOE_REQUIRE_INPUT(first_step <= last_step,
-               "--resume {}: the saved run is at step {}, --steps {} (--stop-after {}) leaves nothing to do",
-               o.resume_dir, first_step - 1, o.steps, o.stop_after);
+  // "(--stop-after 0)" was named here when --stop-after was not given (0 is its "not given" mark, refused as a value).
+  if (o.stop_after > 0)
+    DMOE_REQUIRE_INPUT(first_step <= last_step, "--resume {}: the saved run is at step {}, and --stop-after {} stops at "
+                       "or before it: nothing to do; give a --stop-after past {} (up to --steps {}), or leave it out",
+                       o.resume_dir, first_step - 1, o.stop_after, first_step - 1, o.steps);
+  DMOE_REQUIRE_INPUT(first_step <= last_step, "--resume {}: the saved run is at step {}, and --steps {} ends there or "
+                     "before: nothing to do; give --steps past {} to train further", o.resume_dir, first_step - 1,
+                     o.steps, first_step - 1);
 
   // --schedule tuned: the run shape a tuning file belongs to, and whether one is reused.
   const json tune_key{{"model", config.summary()}, {"batch", o.batch}, {"seq", o.seq}, {"world", o.world},

@@ -302,3 +302,26 @@ def test_arguments_that_cannot_act_are_refused():
     # Where they act, they are taken.
     assert "dx" in dmoe.layer_backward(x, gate, w1, w3, w2, dy, top_k=K, aux_loss_coef=5.0, z_loss_coef=0.5)
     dmoe.layer_forward(x, gate, w1, w3, w2, top_k=K, capacity_factor=1.0, drop_policy="lowest-weight")
+
+
+def test_silu_is_swiglus_alias_and_release_needs_a_pending_ticket():
+    # Thirteenth bad-input pass. activation='silu' was refused ("allowed: relu, gelu, swiglu") where the CLI and a
+    # Hugging Face config's hidden_act take it for SwiGLU.
+    x, gate, w1, w3, w2, dy = make("swiglu", 8)
+    swiglu = dmoe.layer_backward(x, gate, w1, w3, w2, dy, top_k=K)
+    silu = dmoe.layer_backward(x, gate, w1, w3, w2, dy, top_k=K, activation="silu")
+    for name in ("y", "dx"):
+        np.testing.assert_array_equal(silu[name], swiglu[name])
+    np.testing.assert_array_equal(dmoe.layer_forward(x, gate, w1, w3, w2, top_k=K, activation="silu")["y"], swiglu["y"])
+    # Session.release of an unknown, released or backward()ed ticket was silently nothing.
+    s = dmoe.Session(H, I, E, K)
+    ticket = s.forward(x, np.empty_like(x), gate, w1, w3, w2)
+    s.release(ticket)
+    assert s.pending == 0
+    expect(ValueError, f"release: ticket {ticket} is not a pending train forward of this layer", s.release, ticket)
+    expect(ValueError, "release: ticket 99 is not a pending train forward", s.release, 99)
+    expect(ValueError, "release: ticket -1 is not a pending train forward", s.release,
+           s.forward(x, np.empty_like(x), gate, w1, w3, w2, train=False))
+    t2 = s.forward(x, np.empty_like(x), gate, w1, w3, w2)
+    s.backward(t2, dy, np.empty_like(x), *[np.empty(a.shape, np.float64) for a in (gate, w1, w3, w2)])
+    expect(ValueError, f"release: ticket {t2} is not a pending", s.release, t2)

@@ -248,6 +248,15 @@ def test_torchrun_env_is_mapped_onto_dmoe_launch(tmp_path):
                         "print(os.environ['DMOE_RANK'], 'DMOE_RENDEZVOUS' in os.environ)"],
                        env=launched, capture_output=True, text=True, check=True)
     assert r.stdout.split() == ["0", "False"]
+    # torchrun started from an sbatch script: the batch step's SLURM_PROCID/SLURM_NTASKS (no SLURM_STEP_ID) do not
+    # make it an srun world, torchrun's is mapped; inside an srun step (SLURM_STEP_ID) srun's variables win
+    batch = dict(torchrun, SLURM_PROCID="0", SLURM_NTASKS="4", SLURM_LOCALID="0", SLURM_TASKS_PER_NODE="4")
+    out = subprocess.run([sys.executable, "-c", code], env=batch, capture_output=True, text=True, check=True).stdout
+    assert out.splitlines()[0] == "1 2 1 2"
+    step = dict(batch, SLURM_STEP_ID="0")
+    r = subprocess.run([sys.executable, "-c", "import os, dmoe.module as m; m.map_launcher_env(); "
+                        "print('DMOE_RANK' in os.environ)"], env=step, capture_output=True, text=True, check=True)
+    assert r.stdout.split() == ["False"]
 
 
 def test_init_from_process_group_maps_the_group_and_carries_the_ids():

@@ -39,7 +39,10 @@
 // link loops as a model --config or --tune-file (rc 2), --save through a dangling link or a loop (late), F64 values
 // past float named as inf, flow project's outputs onto --cluster, eval token files with a mask or labels, --resume with
 // settings left out, run --layer -1, init-model --out NAME.json, gpu_check.sh's parts, a layer under another prefix,
-// a directory hiding a named config.
+// a directory hiding a named config. The thirteenth pass's (branch bad13): a Slurm batch script's own process read as
+// an srun world, train/flow errors that named no option or every rule, outputs near PATH_MAX, a file hiding a named
+// config, run --config of a model directory, a weight decay that flips the weights, a resume error naming a
+// --stop-after nobody gave, an eval token outside the vocabulary.
 //
 // Run: dmoe_unit_tests --gtest_filter='BadInput*'
 #include <gtest/gtest.h>
@@ -186,7 +189,7 @@ TEST_F(BadInput, TrainOptionsAreCheckedAndNameTheRule) {
   expect_user_error(run_cli(train + "--beta2 -3"), "--beta2 -3 must be in [0, 1)", "beta2");
   expect_user_error(run_cli(train + "--weight-decay -1"), "--weight-decay -1", "weight decay");
   expect_user_error(run_cli(train + "--min-lr 1"), "--min-lr 1 must be <= --lr", "min lr");
-  expect_user_error(run_cli(train + "--lr nan"), "need lr > 0", "lr nan");
+  expect_user_error(run_cli(train + "--lr nan"), "train: --lr nan must be finite and > 0", "lr nan");
   expect_user_error(run_cli("train --config " + p("tiny.json") + " --data " + p("data") + " --steps 1 --seq 300"),
                     "max_position_embeddings", "seq past the model");
   expect_user_error(run_cli(train + "--world 3"), "split evenly", "world");
@@ -1935,6 +1938,146 @@ TEST_F(BadInput, ADirectoryHidingANamedConfigSaysSo) {
   // A model directory with its config.json is a model directory, whatever its name.
   fs::copy_file(dir_ / "tiny.json", dir_ / "tiny" / "config.json");
   EXPECT_EQ(run_shell(cd + "init-model --config tiny --out m.st").status, 0);
+}
+
+// ---- The thirteenth pass (2026-12-04, branch bad13; docs/faults.md) -------------------------------------------
+
+TEST_F(BadInput, SlurmBatchScriptsOwnProcessIsASingleProcess) {
+  // sl1: a command run directly in an `sbatch --ntasks=4` script (the batch step: SLURM_PROCID, SLURM_NTASKS, no
+  // SLURM_STEP_ID) was read as one of 4 srun processes: "train on the CPU engine ... this is one of 4 processes".
+  const std::string train = "train --engine cpu --config " + p("tiny.json") + " --data " + p("data") +
+                            " --steps 1 --seq 16 --batch 2 --print-every 0";
+  const std::string batch = "SLURM_JOB_ID=7 SLURM_PROCID=0 SLURM_NTASKS=4 SLURM_LOCALID=0 SLURM_NODEID=0 "
+                            "SLURM_TASKS_PER_NODE=4";
+  const Result r = run_cli(train, batch);
+  EXPECT_EQ(r.status, 0) << r.output;
+  // A task of an srun step of 4 is still one of 4.
+  expect_user_error(run_cli(train, batch + " SLURM_STEP_ID=0 SLURM_STEP_NUM_TASKS=4 SLURM_STEP_TASKS_PER_NODE=4"),
+                    "this is one of 4 processes (srun)", "srun step");
+}
+
+TEST_F(BadInput, TrainErrorsNameTheOptionAndOnlyTheRuleThatFailed) {
+  // "sequence length 300 is outside [1, max_position_embeddings = 256]" named no option; "--lr 0" was answered with
+  // every rule at once: "need lr > 0 (is 0), warmup >= 0 (10), clip >= 0 (1), 0 < val_fraction < 1 (0.1)".
+  const std::string train = "train --config " + p("tiny.json") + " --data " + p("data") + " --steps 1 --batch 2 ";
+  expect_user_error(run_cli(train + "--seq 300"), "train: --seq 300 is outside [1, max_position_embeddings = 256] of "
+                    "the model config", "--seq 300");
+  expect_user_error(run_cli("flow measure --config " + p("tiny.json") + " --seq 300 --batch 4 --steps 1"),
+                    "flow measure: --seq 300 is outside [1, max_position_embeddings = 256]", "flow measure --seq 300");
+  for (const auto& [option, message] :
+       {std::pair{"--lr 0", "train: --lr 0 must be finite and > 0"},
+        std::pair{"--lr -1", "train: --lr -1 must be finite and > 0"},
+        std::pair{"--val-fraction 1", "train: --val-fraction 1 must be in (0, 1)"},
+        std::pair{"--val-fraction 0", "train: --val-fraction 0 must be in (0, 1)"}}) {
+    const Result r = run_cli(train + "--seq 16 " + option);
+    expect_user_error(r, message, option);
+    EXPECT_EQ(r.output.find("warmup >="), std::string::npos) << option << ": other rules named\n" << r.output;
+  }
+}
+
+TEST_F(BadInput, OutputPathsNearPathMaxAreWrittenOrSaidTooLong) {
+  // ph45-ph59: an output path of 4081-4095 bytes (valid) was refused as "cannot create a temporary file in DIR: File
+  // name too long", the temporary's name blamed; 4096 bytes and more as "cannot inspect it: File name too long".
+  fs::path d = dir_;
+  while (d.string().size() < 3800) d /= std::string(200, 'd');  // ends in [3800, 4000)
+  d /= std::string(4035 - d.string().size() - 1, 'e');
+  fs::create_directories(d);
+  const std::string init = "init --hidden 8 --ffn 8 --experts 2 --top-k 1 --tokens 2 --out ";
+  for (size_t n : {4085, 4095}) {
+    const fs::path out = d / (std::string(n - d.string().size() - 1 - 3, 'o') + ".st");
+    ASSERT_EQ(out.string().size(), n);
+    const Result r = run_cli(init + out.string());
+    EXPECT_EQ(r.status, 0) << n << "\n" << r.output.substr(r.output.size() > 300 ? r.output.size() - 300 : 0);
+    EXPECT_TRUE(fs::exists(out)) << n;
+  }
+  const fs::path over = d / (std::string(4096 - d.string().size() - 1, 'o'));
+  expect_user_error(run_cli(init + over.string()), "the path is too long: 4096 bytes, past the limit of 4095 bytes on "
+                    "a path (PATH_MAX)", "4096 bytes");
+  // A directory so long that no temporary fits beside any name in it.
+  const fs::path deep = d / std::string(4080 - d.string().size() - 1, 'f');
+  fs::create_directories(deep);
+  expect_user_error(run_cli(init + (deep / "w.st").string()), "the path is too long: 4085 bytes, and its directory's "
+                    "4080; dmoe writes an output through a temporary file beside it", "a directory of 4080 bytes");
+  EXPECT_EQ(std::distance(fs::directory_iterator(deep), fs::directory_iterator()), 0) << "a temporary left";
+}
+
+TEST_F(BadInput, AFileHidingANamedConfigSaysSoWhenItDoesNotParse) {
+  // nc1: a text file `tiny` in the current directory is read before the named model config; its parse error alone
+  // ("model config 'tiny': not valid JSON ...") did not say that a named config of the name exists.
+  std::ofstream(dir_ / "tiny") << "notes\n";
+  std::ofstream(dir_ / "cpu-small") << "{\"tokens\": 4,";
+  const std::string cd = "cd " + dir_.string() + " && " + DMOE_CLI_PATH + " ";
+  expect_user_error(run_shell(cd + "init-model --config tiny --out m.st"), "That is the file 'tiny' in the current "
+                    "directory, which is read before the named model configs; the named model config 'tiny' is ",
+                    "init-model --config tiny");
+  EXPECT_FALSE(fs::exists(dir_ / "m.st"));
+  expect_user_error(run_shell(cd + "bench --engine cpu --config cpu-small -n 1 --repeat 1 --warmup 0"),
+                    "the named config 'cpu-small' is ", "bench --config cpu-small");
+  // A file that parses is the file meant, as before.
+  fs::copy_file(dir_ / "tiny.json", dir_ / "tiny", fs::copy_options::overwrite_existing);
+  EXPECT_EQ(run_shell(cd + "init-model --config tiny --out m.st").status, 0);
+}
+
+TEST_F(BadInput, RunTakesAModelDirectoryAsItsConfig) {
+  // `run --config DIR` (a Hugging Face model directory, as eval/train take) was "config file 'DIR' is a directory;
+  // expected a JSON file"; it reads DIR/config.json, as `--config DIR/config.json` does.
+  fs::create_directories(dir_ / "hf");
+  fs::copy_file(dir_ / "tiny.json", dir_ / "hf" / "config.json");
+  ASSERT_EQ(run_cli("init --config " + p("hf") + " --tokens 4 --layer 1 --out " + p("w.st") + " --input " + p("x.st"))
+                .status, 0);
+  const std::string run = "run --layer 1 --weights " + p("w.st") + " --input " + p("x.st") + " --output ";
+  const Result by_dir = run_cli(run + p("y1.st") + " --config " + p("hf"));
+  ASSERT_EQ(by_dir.status, 0) << by_dir.output;
+  ASSERT_EQ(run_cli(run + p("y2.st") + " --config " + p("hf/config.json")).status, 0);
+  EXPECT_EQ(slurp(p("y1.st")), slurp(p("y2.st")));
+  // A directory without a config.json is still no config.
+  fs::create_directories(dir_ / "empty");
+  expect_user_error(run_cli(run + p("y3.st") + " --config " + p("empty")), "is a directory; expected a JSON file",
+                    "an empty directory");
+}
+
+TEST_F(BadInput, TrainWeightDecayThatFlipsTheWeightsIsRefused) {
+  // wd1: --weight-decay 1e300 (finite, >= 0) was taken; the decay factor 1 - lr x weight_decay flipped the weights
+  // and the run ended a step later in the router's "logits contain NaN".
+  const std::string train = "train --config " + p("tiny.json") + " --data " + p("data") + " --steps 2 --seq 16 "
+                            "--batch 2 --print-every 0 ";
+  const Result r = run_cli(train + "--weight-decay 1e300");
+  expect_user_error(r, "train: --weight-decay 1e+300 with --lr 0.003: AdamW's decay multiplies the weights by 1 - lr x "
+                    "weight_decay", "--weight-decay 1e300");
+  EXPECT_EQ(r.output.find("step 1"), std::string::npos) << "trained first:\n" << r.output;
+  expect_user_error(run_cli(train + "--weight-decay 1000 --lr 1e-3"), "= 0 each step, which zeroes or flips them",
+                    "lr x weight_decay = 1");
+  EXPECT_EQ(run_cli(train + "--weight-decay 3000 --lr 3e-4").status, 0);  // 0.9: a strong decay, taken
+}
+
+TEST_F(BadInput, ResumeWithNothingLeftNamesOnlyTheOptionsGiven) {
+  // r4: "--resume ck: the saved run is at step 2, --steps 2 (--stop-after 0) leaves nothing to do" named a
+  // --stop-after 0 nobody gave (0 is its "not given" mark, refused as a value since the eleventh pass).
+  const std::string train = "train --config " + p("tiny.json") + " --data " + p("data") + " --seq 16 --batch 2 "
+                            "--print-every 0 ";
+  ASSERT_EQ(run_cli(train + "--steps 2 --save " + p("ck")).status, 0);
+  const Result r = run_cli(train + "--steps 2 --resume " + p("ck"));
+  expect_user_error(r, "the saved run is at step 2, and --steps 2 ends there or before: nothing to do; give --steps "
+                    "past 2", "--steps 2");
+  EXPECT_EQ(r.output.find("--stop-after"), std::string::npos) << r.output;
+  expect_user_error(run_cli(train + "--steps 4 --stop-after 2 --resume " + p("ck")), "and --stop-after 2 stops at or "
+                    "before it: nothing to do; give a --stop-after past 2 (up to --steps 4)", "--stop-after 2");
+}
+
+TEST_F(BadInput, EvalTokenOutsideTheVocabularyNamesTheFileAndTheConfig) {
+  // ev2: "mixtral: token -1 at [0, 0] is outside the vocabulary [0, 256)", after the weights were read, named
+  // neither the token file nor the config whose vocabulary it was judged by.
+  ASSERT_EQ(run_cli("init-model --config " + p("tiny.json") + " --out " + p("m.safetensors")).status, 0);
+  SafetensorsWriter w;
+  std::vector<int32_t> tokens(16, 3);
+  tokens[9] = -1;
+  w.add_i32("tokens", {2, 8}, tokens);
+  w.write(p("neg.st"));
+  expect_user_error(run_cli("eval --config " + p("tiny.json") + " --weights " + p("m.safetensors") + " --tokens " +
+                            p("neg.st") + " --output " + p("o.st")),
+                    "eval --tokens " + p("neg.st") + ": token -1 at [1, 1] is outside the vocabulary [0, 256) of "
+                    "--config " + p("tiny.json"), "token -1");
+  EXPECT_FALSE(fs::exists(p("o.st")));
 }
 
 }  // namespace

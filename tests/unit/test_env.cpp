@@ -39,8 +39,15 @@ TEST_F(TimeoutEnv, ReadsSeconds) {
   EXPECT_EQ(host_wait_timeout_seconds(), 2.5);
 }
 
+// An empty value is the default, as for the other knobs (README: "an empty value is as unset"); it was refused until
+// the thirteenth bad-input pass, with no reason recorded.
+TEST_F(TimeoutEnv, EmptyIsTheDefault) {
+  setenv("DMOE_COMM_TIMEOUT_S", "", 1);
+  EXPECT_EQ(host_wait_timeout_seconds(), 600.0);
+}
+
 TEST_F(TimeoutEnv, RejectsWhatIsNotAPositiveNumber) {
-  for (const char* bad : {"", "abc", "10s", "0", "-3"}) {
+  for (const char* bad : {" ", "abc", "10s", "0", "-3"}) {
     setenv("DMOE_COMM_TIMEOUT_S", bad, 1);
     try {
       host_wait_timeout_seconds();

@@ -52,11 +52,11 @@ class EnvGuard {
   void set(const char* name, const char* value) { ::setenv(name, value, 1); }
 
  private:
-  static constexpr std::array<const char*, 23> kNames{
+  static constexpr std::array<const char*, 24> kNames{
       "DMOE_RANK", "DMOE_WORLD", "DMOE_LOCAL_RANK", "DMOE_LOCAL_WORLD", "DMOE_DEVICE",
       "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE",
       "SLURM_PROCID", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE",
-      "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_NODEID", "PMI_RANK", "PMI_SIZE",
+      "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_NODEID", "SLURM_STEP_ID", "PMI_RANK", "PMI_SIZE",
       "MPI_LOCALRANKID", "MPI_LOCALNRANKS", "DMOE_SHARED_GPUS", "DMOE_RENDEZVOUS"};
   std::map<std::string, std::string> saved_;
 };
@@ -114,8 +114,13 @@ TEST(LaunchEnv, OpenMpiVariables) {
   expect_env(detect_process_env(), 5, 8, 1, 4, "mpirun");
 }
 
+// A task of an srun step: SLURM_STEP_ID marks the step (srun(1)). Until the thirteenth bad-input pass this test
+// set no SLURM_STEP_ID and pinned SLURM_NTASKS alone as an srun world; but sbatch(1) gives a batch script's own
+// process SLURM_PROCID and SLURM_NTASKS too (the job's task count, no SLURM_STEP_*), so SLURM_NTASKS alone does not
+// tell a step's task from the one process of the script (SlurmBatchScriptIsOneProcess).
 TEST(LaunchEnv, SlurmVariables) {
   EnvGuard env;
+  env.set("SLURM_STEP_ID", "0");
   env.set("SLURM_PROCID", "3");
   env.set("SLURM_NTASKS", "4");
   env.set("SLURM_LOCALID", "1");
@@ -123,8 +128,39 @@ TEST(LaunchEnv, SlurmVariables) {
   expect_env(detect_process_env(), 3, 4, 1, 2, "srun");
 }
 
+// sbatch --ntasks=4 (or --ntasks-per-node=2 on 2 nodes): the batch script runs once, on the first node, with the
+// job's variables; dmoe run directly in it is a single process (srun would start the 4 tasks).
+TEST(LaunchEnv, SlurmBatchScriptIsOneProcess) {
+  EnvGuard env;
+  env.set("SLURM_PROCID", "0");
+  env.set("SLURM_NTASKS", "4");
+  env.set("SLURM_LOCALID", "0");
+  env.set("SLURM_NODEID", "0");
+  env.set("SLURM_TASKS_PER_NODE", "2(x2)");
+  env.set("SLURM_NTASKS_PER_NODE", "2");
+  expect_env(detect_process_env(), 0, 1, 0, 1, "single");
+}
+
+// srun -n 2 inside a job of --ntasks-per-node=4: the step's counts (SLURM_STEP_NUM_TASKS, SLURM_STEP_TASKS_PER_NODE)
+// win over the job's inherited SLURM_NTASKS and SLURM_NTASKS_PER_NODE (which gave a local world of 4 in a world of 2:
+// refused as invalid before).
+TEST(LaunchEnv, SlurmStepCountsWinOverTheJobs) {
+  EnvGuard env;
+  env.set("SLURM_STEP_ID", "3");
+  env.set("SLURM_PROCID", "1");
+  env.set("SLURM_NTASKS", "8");
+  env.set("SLURM_NTASKS_PER_NODE", "4");
+  env.set("SLURM_TASKS_PER_NODE", "4(x2)");
+  env.set("SLURM_STEP_NUM_TASKS", "2");
+  env.set("SLURM_STEP_TASKS_PER_NODE", "2");
+  env.set("SLURM_LOCALID", "1");
+  env.set("SLURM_NODEID", "0");
+  expect_env(detect_process_env(), 1, 2, 1, 2, "srun");
+}
+
 TEST(LaunchEnv, SlurmCompressedTasksPerNode) {
   EnvGuard env;
+  env.set("SLURM_STEP_ID", "0");
   env.set("SLURM_PROCID", "6");
   env.set("SLURM_NTASKS", "7");
   env.set("SLURM_LOCALID", "0");
@@ -176,6 +212,7 @@ TEST(LaunchEnv, MalformedValuesNameTheVariable) {
   }
   {
     EnvGuard env;
+    env.set("SLURM_STEP_ID", "0");
     env.set("SLURM_PROCID", "0");
     env.set("SLURM_NTASKS", "2");
     env.set("SLURM_LOCALID", " 0");

@@ -362,6 +362,7 @@ int measure_command(const FlowOptions& o) {
                      "--measure-r: give at least two values of R (the fit needs two), or --schedule all");
   DMOE_REQUIRE_INPUT(o.world >= 1 && o.batch >= 1 && o.seq >= 2,
                      "--world {} (>= 1), --batch {} (>= 1), --seq {} (>= 2)", o.world, o.batch, o.seq);
+  c.check_sequence(o.seq, "flow measure: --seq");  // was "sequence length 300 is outside ...", the option unnamed
   DMOE_REQUIRE_INPUT(o.steps >= 1, "--steps {}: must be >= 1", o.steps);
   DMOE_REQUIRE_INPUT(c.num_local_experts % o.world == 0,
                      "--world {}: must divide num_local_experts = {} of --config {} (each rank owns E/W experts)",
@@ -498,6 +499,7 @@ int measure_cuda_command(const FlowOptions& o) {
   DMOE_REQUIRE_INPUT(ablation || o.measure_r.size() >= 2,
                      "--measure-r: give at least two values of R (the fit needs two), or --schedule all");
   DMOE_REQUIRE_INPUT(o.batch >= 1 && o.seq >= 2, "--batch {} (>= 1), --seq {} (>= 2)", o.batch, o.seq);
+  c.check_sequence(o.seq, "flow measure: --seq");
   DMOE_REQUIRE_INPUT(o.steps >= 1, "--steps {}: must be >= 1", o.steps);
   DMOE_REQUIRE_INPUT(o.micro_batches >= 1 && o.batch % o.micro_batches == 0,
                      "--micro-batches {}: must be >= 1 and divide --batch {}", o.micro_batches, o.batch);

@@ -200,7 +200,13 @@ Command add_eval_command(CLI::App& app) {
     const MixtralConfig c = load_mixtral_config(config_path);
     const HostTensor<int32_t> tokens = read_tokens(o->tokens);
     const int64_t B = tokens.shape[0], S = tokens.shape[1], V = c.vocab_size;
-    c.check_sequence(S);
+    c.check_sequence(S, "eval --tokens: the sequence length (the tokens' second dimension)");
+    // Before the weights are read, naming the file: the model's check said "mixtral: token -1 at [0, 0] is outside the
+    // vocabulary [0, 256)" after loading the weights, the file and the config it is judged by not named.
+    for (size_t t = 0; t < tokens.values.size(); ++t)
+      DMOE_REQUIRE_INPUT(tokens.values[t] >= 0 && tokens.values[t] < V, "eval --tokens {}: token {} at [{}, {}] is "
+                         "outside the vocabulary [0, {}) of --config {} (vocab_size)", o->tokens, tokens.values[t],
+                         int64_t(t) / S, int64_t(t) % S, V, o->config);
     // Before the weights are read: the host's share (the CPU engine's activations; on either engine the logits
     // [B, S, V] as the result, the writer's copy and the serialised file).
     const double logits_bytes = 4.0 * double(B) * double(S) * double(V);

@@ -6,7 +6,10 @@
 #include <set>
 #include <system_error>
 
+#include <nlohmann/json.hpp>
+
 #include "core/error.hpp"
+#include "model/config_io.hpp"
 
 // Both are set by the build (CMakeLists.txt, cmake/install.cmake); the defaults are for a build without them.
 #ifndef DMOE_SOURCE_DIR
@@ -108,10 +111,24 @@ std::string find_named_json(const std::string& name, const std::string& folder, 
   if (fs::exists(name, ec)) {
     // A directory of that name in the current directory (say, one made for the outputs: `mkdir cpu-small`) hid the
     // named file: "config file 'cpu-small' is a directory; expected a JSON file", the named one not mentioned.
-    const std::string named = fs::is_directory(name, ec) ? named_json_shadowed_by(name, folder) : "";
-    DMOE_REQUIRE_INPUT(named.empty(), "{} '{}' is a directory in the current directory, which is read before the "
-                       "named {}s (and is no JSON file); the named {} '{}' is {}: give that path to use it", what, name,
-                       what, what, name, named);
+    const bool directory = fs::is_directory(name, ec);
+    const std::string named = named_json_shadowed_by(name, folder);
+    DMOE_REQUIRE_INPUT(!directory || named.empty(), "{} '{}' is a directory in the current directory, which is read "
+                       "before the named {}s (and is no JSON file); the named {} '{}' is {}: give that path to use it",
+                       what, name, what, what, name, named);
+    // A file of that name (notes, a log, a download) likewise: its parse error alone ("model config 'tiny': not valid
+    // JSON") did not say that a named config of the name exists, nor how to reach it. Read here only in that case
+    // (configs are kilobytes); a file that parses is taken, as it was.
+    if (!named.empty()) {
+      try {
+        (void)read_json_file(name, what);
+      } catch (const Error& e) {
+        if (!e.is_input()) throw;
+        DMOE_FAIL_INPUT("{}\nThat is the file '{}' in the current directory, which is read before the named {}s; the "
+                        "named {} '{}' is {}: give that path to use it (or rename the file)", e.what(), name, what,
+                        what, name, named);
+      }
+    }
     return name;
   }
   // A path that is there but cannot be followed (a symbolic link loop, a part of it not searchable) was looked up as

@@ -21,8 +21,9 @@ namespace dmoe::cli {
 
 void add_config_options(CLI::App& app, ConfigOptions& o, bool config_required) {
   auto* c = app.add_option("--config", o.config_path,
-                           "MoE config: a dmoe JSON file, a Hugging Face Mixtral config.json, or a named "
-                           "config from bench/configs (flags below override its fields)");
+                           "MoE config: a dmoe JSON file, a Hugging Face Mixtral config.json or model "
+                           "directory (its config.json), or a named config from bench/configs (flags below "
+                           "override its fields)");
   if (config_required) c->required();
   app.add_option("--tokens", o.tokens, "tokens per rank (T)");
   app.add_option("--hidden", o.hidden, "model width (H)");
@@ -170,7 +171,15 @@ ParsedNumber parse_real_number(const std::string& value) {
   return n;
 }
 
-std::string find_config_file(const std::string& name) { return find_named_json(name, "bench/configs", "config"); }
+std::string find_config_file(const std::string& name) {
+  namespace fs = std::filesystem;
+  // A model directory, as eval/train take for --config: its config.json holds the layer's shapes (read as that
+  // config.json given by its path is). It was "config file 'DIR' is a directory; expected a JSON file".
+  std::error_code ec;
+  const fs::path model_config = fs::path(name) / "config.json";
+  if (!name.empty() && fs::is_directory(name, ec) && fs::is_regular_file(model_config, ec)) return model_config.string();
+  return find_named_json(name, "bench/configs", "config");
+}
 
 void check_cpu_engine_cost(const MoeConfig& c, int forward_calls, int backward_calls) {
   const CpuLayerEstimate fwd = estimate_cpu_layer(c, false), both = estimate_cpu_layer(c, true);
