@@ -174,8 +174,8 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
     spec.layers = config.num_hidden_layers;
     spec.micro_batches = micro_batches;
     spec.schedule = s;
-    spec.dense_grad_bytes_per_layer = o.engine == "cuda" ? flow::cuda_mixtral_dense_grad_bytes_per_layer(config)
-                                                         : flow::mixtral_dense_grad_bytes_per_layer(config);
+    flow::set_mixtral_grad_layout(spec, config, o.engine == "cuda" ? flow::cuda_mixtral_dense_grad_bytes_per_layer(config)
+                                                                   : flow::mixtral_dense_grad_bytes_per_layer(config));
     spec.chunk_bytes = std::max<int64_t>(4, chunk_bytes / 4 * 4);  // the executor cuts on 4-byte elements
     return flow::build_task_graph(spec);
   };
