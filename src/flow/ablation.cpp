@@ -17,6 +17,8 @@ GraphSpec make_spec(Schedule s, int32_t layers, int32_t r, int64_t chunk, const 
   spec.micro_batches = r;
   spec.schedule = s;
   spec.dense_grad_bytes_per_layer = c.dense_grad_bytes_per_layer;
+  spec.head_grad_bytes = c.head_grad_bytes;
+  spec.embed_grad_bytes = c.embed_grad_bytes;
   spec.chunk_bytes = chunk;
   return spec;
 }
@@ -30,7 +32,7 @@ double simulated_step_ms(int32_t layers, const CostModel& costs, const TunePoint
 
 TunerOptions tuner_options_within_task_limit(int32_t layers, const CostModel& costs, TunerOptions options) {
   const auto tasks = [&](int32_t r, double log2_chunk) {  // as validate(GraphSpec) counts them
-    const int64_t total = int64_t(layers) * costs.dense_grad_bytes_per_layer;
+    const int64_t total = int64_t(layers) * costs.dense_grad_bytes_per_layer + costs.head_grad_bytes + costs.embed_grad_bytes;
     const int64_t chunk = std::max<int64_t>(1, std::llround(std::exp2(log2_chunk)));
     return 8 * int64_t(layers) * r + (total == 0 ? 0 : (total + chunk - 1) / chunk);
   };

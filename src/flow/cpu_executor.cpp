@@ -66,6 +66,19 @@ int64_t mixtral_dense_grad_bytes_per_layer(const MixtralConfig& c) {
   return 4 * (2 * H + 2 * c.q_size() * H + 2 * c.kv_size() * H);  // norms, q and o, k and v (f32)
 }
 
+int64_t mixtral_head_grad_bytes(const MixtralConfig& c) {
+  const int64_t H = c.hidden_size;
+  return 4 * (H + (c.tie_word_embeddings ? 0 : int64_t(c.vocab_size) * H));  // final norm, lm_head (f32)
+}
+
+int64_t mixtral_embed_grad_bytes(const MixtralConfig& c) { return 4 * int64_t(c.vocab_size) * c.hidden_size; }
+
+void set_mixtral_grad_layout(GraphSpec& spec, const MixtralConfig& c, int64_t dense_grad_bytes_per_layer) {
+  spec.dense_grad_bytes_per_layer = dense_grad_bytes_per_layer;
+  spec.head_grad_bytes = mixtral_head_grad_bytes(c);
+  spec.embed_grad_bytes = mixtral_embed_grad_bytes(c);
+}
+
 double run_cpu_flow_step(MixtralModel& model, Comm& ar_comm, const TaskGraph& g, const int32_t* tokens, int64_t batch,
                          int64_t seq, std::vector<ModelState>& states, std::vector<TraceEvent>* timeline) {
   const MixtralConfig& c = model.config();
@@ -78,6 +91,10 @@ double run_cpu_flow_step(MixtralModel& model, Comm& ar_comm, const TaskGraph& g,
   DMOE_REQUIRE(g.spec.dense_grad_bytes_per_layer == mixtral_dense_grad_bytes_per_layer(c),
                "flow executor: graph dense_grad_bytes_per_layer {} but the model's layers hold {} bytes of all-reduced "
                "gradients", g.spec.dense_grad_bytes_per_layer, mixtral_dense_grad_bytes_per_layer(c));
+  DMOE_REQUIRE(g.spec.head_grad_bytes == mixtral_head_grad_bytes(c) && g.spec.embed_grad_bytes == mixtral_embed_grad_bytes(c),
+               "flow executor: graph head_grad_bytes {} and embed_grad_bytes {} but the model's head (final norm, "
+               "lm_head) holds {} bytes of all-reduced gradients and its embedding {} (set_mixtral_grad_layout)",
+               g.spec.head_grad_bytes, g.spec.embed_grad_bytes, mixtral_head_grad_bytes(c), mixtral_embed_grad_bytes(c));
   for (int32_t id : g.allreduce_order)
     DMOE_REQUIRE(g.tasks[size_t(id)].bytes % 4 == 0, "flow executor: chunk_bytes {}: must be a multiple of 4 (f32 "
                  "gradients)", g.spec.chunk_bytes);
@@ -90,12 +107,13 @@ double run_cpu_flow_step(MixtralModel& model, Comm& ar_comm, const TaskGraph& g,
   // not match. Rank 0's spec to every rank, each compares (the GPU executor's check, exact here: a broadcast).
   if (model.world() > 1) {
     const GraphSpec& sp = g.spec;
-    const std::vector<int64_t> mine{sp.layers, sp.micro_batches, int64_t(sp.schedule), sp.dense_grad_bytes_per_layer,
-                                    sp.chunk_bytes, batch, seq};
+    const std::vector<int64_t> mine{sp.layers,       sp.micro_batches,  int64_t(sp.schedule), sp.dense_grad_bytes_per_layer,
+                                    sp.chunk_bytes,  sp.head_grad_bytes, sp.embed_grad_bytes, batch, seq};
     std::vector<int64_t> root = mine;
     model.comm().broadcast(root.data(), int64_t(root.size()), DType::i64, 0, nullptr);
     DMOE_REQUIRE_INPUT(root == mine, "flow executor: rank {} runs another task graph or batch than rank 0 (layers, "
-                       "micro-batches, schedule, dense bytes per layer, chunk bytes, sequences, sequence length: {} here, "
+                       "micro-batches, schedule, dense bytes per layer, chunk bytes, head bytes, embedding bytes, sequences, sequence "
+                       "length: {} here, "
                        "{} on rank 0)", model.rank(), fmt::join(mine, ", "), fmt::join(root, ", "));
   }
   const int64_t micro = batch / R;
@@ -107,20 +125,29 @@ double run_cpu_flow_step(MixtralModel& model, Comm& ar_comm, const TaskGraph& g,
   std::vector<std::vector<float>> dresid(static_cast<size_t>(R)), dh(static_cast<size_t>(R));
   const double scale = 1.0 / R;
 
-  // The dense gradients in backward's order (layer L−1 first), and the rest (embedding, norm, lm_head).
+  // The replicated gradients in the graph's layout (ReplicatedLayout: the order backward completes them): the head
+  // (final norm, lm_head), layers L−1 … 0 (norms, q/k/v/o), the embedding. The routers are EpEngine's (summed in
+  // moe_collect_grads), the experts expert-parallel.
   std::vector<ParamView> views = parameter_views(model.grads(), c);
-  std::vector<Segment> layered, tail;
+  auto view = [&](const std::string& name) -> const ParamView& {
+    for (const ParamView& p : views)
+      if (p.name == name) return p;
+    DMOE_FAIL("flow executor: the model has no tensor {}", name);
+  };
+  std::vector<Segment> replicated;
+  for (const char* name : {"model.norm.weight", "lm_head.weight"})
+    replicated.push_back({view(name).data, view(name).numel});
   for (int l = L - 1; l >= 0; --l)
     for (const ParamView& p : views)
-      if (layer_dense(p, l)) layered.push_back({p.data, p.numel});
-  for (const ParamView& p : views) {
-    bool in_layer = false;
-    for (int l = 0; l < L; ++l) in_layer |= layer_dense(p, l);
-    if (!p.is_expert && !p.is_gate && !in_layer) tail.push_back({p.data, p.numel});
-  }
-  auto allreduce_elements = [&](int64_t begin, int64_t end) {  // [begin, end) of the layered gradients
+      if (layer_dense(p, l)) replicated.push_back({p.data, p.numel});
+  replicated.push_back({view("model.embed_tokens.weight").data, view("model.embed_tokens.weight").numel});
+  int64_t covered = 0;  // every replicated tensor once, none that is not
+  for (const ParamView& p : views) covered += (p.is_expert || p.is_gate) ? 0 : p.numel;
+  for (const Segment& s : replicated) covered -= s.numel;
+  DMOE_REQUIRE(covered == 0, "flow executor: the replicated layout misses {} elements of the model's gradients", covered);
+  auto allreduce_elements = [&](int64_t begin, int64_t end) {  // [begin, end) of the replicated layout
     int64_t offset = 0;
-    for (const Segment& s : layered) {
+    for (const Segment& s : replicated) {
       const int64_t lo = std::max(begin, offset), hi = std::min(end, offset + s.numel);
       if (lo < hi) ar_comm.allreduce_sum(s.data + (lo - offset), hi - lo, DType::f32, nullptr);
       offset += s.numel;
@@ -231,7 +258,6 @@ double run_cpu_flow_step(MixtralModel& model, Comm& ar_comm, const TaskGraph& g,
     allreduce = std::thread([&] {
       error_rank() = rank_for_errors;
       try {
-        int64_t begin = 0;
         for (int32_t id : g.allreduce_order) {
           const Task& t = g.tasks[size_t(id)];
           {
@@ -247,18 +273,10 @@ double run_cpu_flow_step(MixtralModel& model, Comm& ar_comm, const TaskGraph& g,
             sh.check_failed();
           }
           timed(id, [&] {
-            if (model.world() > 1) allreduce_elements(begin / 4, (begin + t.bytes) / 4);
+            if (model.world() > 1) allreduce_elements(t.offset / 4, (t.offset + t.bytes) / 4);
           });
-          begin += t.bytes;
           sh.mark_done(id);
         }
-        {
-          std::unique_lock<std::mutex> lock(sh.mutex);
-          sh.changed.wait(lock, [&] { return sh.failed || (sh.compute_finished && sh.alltoall_finished); });
-          sh.check_failed();
-        }
-        if (model.world() > 1)
-          for (const Segment& s : tail) ar_comm.allreduce_sum(s.data, s.numel, DType::f32, nullptr);
       } catch (...) {
         allreduce_error = std::current_exception();
         sh.fail();

@@ -14,9 +14,10 @@
 //                      (the caller's thread: every collective on the model's communicator is issued here,
 //                      in alltoall_order, so every rank issues them in the same order)
 //   all-reduce thread  allreduce_order on its own communicator: chunk k all-reduces bytes [k·Sp, (k+1)·Sp)
-//                      of the layers' dense gradients laid out layer L−1 first (the graph's layout), under
-//                      the priority rule (no all-to-all stage ready or running); then the embedding, final
-//                      norm and lm_head gradients in one call once everything else is done.
+//                      of the replicated gradients in the graph's layout (ReplicatedLayout: final norm and
+//                      lm_head, layers L−1 … 0, the embedding), once every task writing them is done (the head:
+//                      C'[L−1, r] for every r; a layer: its AT'; the embedding: AT'[0]), under the priority rule
+//                      (no all-to-all stage ready or running). Nothing is all-reduced outside the graph's tasks.
 //
 // The MoE stage is cut at its all-to-alls (EpEngine's phases, MixtralModel::moe_route … moe_collect_grads), as on
 // the GPU executor: the experts of one micro-batch run on the compute thread while another's rows are exchanged.
@@ -43,6 +44,14 @@ namespace dmoe::flow {
 
 // Bytes of one layer's all-reduced gradients (norms, q/k/v/o; not the gate, which EpEngine sums, nor experts).
 int64_t mixtral_dense_grad_bytes_per_layer(const MixtralConfig& config);
+// Bytes of the head's all-reduced gradients: the final norm and lm_head (f32; the norm only with tied embeddings,
+// whose head gradient is the embedding's), and of the embedding's. The same in the GPU model.
+int64_t mixtral_head_grad_bytes(const MixtralConfig& config);
+int64_t mixtral_embed_grad_bytes(const MixtralConfig& config);
+// The spec's replicated-gradient layout for a Mixtral model: dense_grad_bytes_per_layer (the engine's:
+// mixtral_dense_grad_bytes_per_layer, or cuda_mixtral_dense_grad_bytes_per_layer for the GPU model, which
+// all-reduces its routers with the layers), head_grad_bytes and embed_grad_bytes. The executors refuse another.
+void set_mixtral_grad_layout(GraphSpec& spec, const MixtralConfig& config, int64_t dense_grad_bytes_per_layer);
 
 // One step on this rank: tokens [batch, seq], split into graph.spec.micro_batches micro-batches of whole
 // sequences; states: R states (resized). Adds the gradients (scaled 1/R) to model.grads() and all-reduces the

@@ -12,9 +12,11 @@
 //                                   C' first issues its compute prelude on the compute stream: moe_backward_combine
 //                                   and, for l = L−1, moe_finish + head_forward (its loss all-reduce on this
 //                                   stream) + head_backward — the graph folds the head into C'[L−1, r]
-//   AR chunk k                      bytes [k·Sp, (k+1)·Sp) of the layers' replicated gradients laid out layer L−1
-//                                   first (norms, q/k/v/o, router of each layer); then embedding, final norm,
-//                                   lm_head. Two modes (ArComm):
+//   AR chunk k                      bytes [k·Sp, (k+1)·Sp) of the replicated gradients in the graph's layout
+//                                   (ReplicatedLayout): final norm + lm_head (complete after C'[L−1, r]'s prelude
+//                                   for every r), layers L−1 … 0 (norms, q/k/v/o, router of each), the embedding
+//                                   (complete after AT'[0, r]); nothing is all-reduced outside the chunks.
+//                                   Two modes (ArComm):
 //     own    an all-reduce stream and a communicator of its own (NCCL), chunks issued in chunk order whenever the
 //            dynamic priority rule allows (a timing-dependent decision that changes only *when* a chunk goes on
 //            its own communicator, never the order of any communicator's collectives);
@@ -31,8 +33,8 @@
 // the kernels are deterministic). At W > 1 too when the all-reduce sums each element in an order that does not
 // depend on how the buffer is cut (two ranks: a + b; NVSHMEM's rank-order sum); NCCL's sums over more ranks may
 // differ in the last bits between chunkings. Refused: tied embeddings (head and embedding backward add into one
-// tensor in another order than the sequential one), a graph whose dense_grad_bytes_per_layer is not the model's,
-// Sp not a multiple of 4.
+// tensor in another order than the sequential one), a graph whose dense_grad_bytes_per_layer, head_grad_bytes or
+// embed_grad_bytes is not the model's (set_mixtral_grad_layout), Sp not a multiple of 4.
 //
 // Without CUDA (DMOE_CUDA=OFF) the executor's constructor and measure_cuda_flow refuse with a dmoe::Error.
 #pragma once

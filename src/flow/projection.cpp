@@ -75,6 +75,8 @@ CostModel project_costs(const ProjectionSpec& s, const ClusterModel& cl) {
   CostModel c;
   c.layers = m.num_hidden_layers;
   c.dense_grad_bytes_per_layer = mixtral_dense_grad_bytes_per_layer(m);
+  c.head_grad_bytes = mixtral_head_grad_bytes(m);  // final norm + lm_head, replicated like the layers' dense part
+  c.embed_grad_bytes = mixtral_embed_grad_bytes(m);
   auto set = [&](TaskKind kind, double fixed, double batch) { c[kind] = TaskCost{fixed, batch}; };
   set(TaskKind::attention_fwd, cl.compute_fixed_ms, at_flop / flop_per_ms);
   set(TaskKind::expert_fwd, cl.compute_fixed_ms, e_flop / flop_per_ms);

@@ -11,7 +11,8 @@
 //   D, C, C', D'  each GPU sends T·k rows of H values (act_bytes each) and receives as many; of them the share
 //        (g − 1)/P stays in the node (NVLink), (P − g)/P leaves it (the network); both links run at once:
 //        max(intra / nvlink_bytes_per_s, inter / net_bytes_per_s)
-//   AR   a ring all-reduce of the layer's replicated gradients (dense_grad_bytes_per_layer, f32): 2·(P−1)/P of the
+//   AR   a ring all-reduce of the replicated gradients (per layer dense_grad_bytes_per_layer; the head's and the
+//        embedding's, head_grad_bytes and embed_grad_bytes, in their own chunks; f32): 2·(P−1)/P of the
 //        bytes over the slowest link of the ring (the network when P > g, else NVLink): ar_bytes_per_ms is that
 //        link's bandwidth divided by 2·(P−1)/P; alpha per call.
 // The model is the paper's: symmetric ranks, no stragglers or routing skew, a non-blocking network.

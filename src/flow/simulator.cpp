@@ -30,10 +30,13 @@ void validate(const CostModel& c) {
                "costs.allreduce.gbytes_per_s = {}: must be finite and > 0", c.ar_bytes_per_ms / 1e6);
   DMOE_REQUIRE(c.dense_grad_bytes_per_layer >= 0, "costs.dense_grad_bytes_per_layer = {}: must be >= 0",
                c.dense_grad_bytes_per_layer);
+  DMOE_REQUIRE(c.head_grad_bytes >= 0 && c.embed_grad_bytes >= 0,
+               "costs.head_grad_bytes = {}, embed_grad_bytes = {}: must be >= 0", c.head_grad_bytes, c.embed_grad_bytes);
 }
 
 CostModel parse_cost_model(const json& j, const std::string& where) {
-  only_keys(j, {"layers", "dense_grad_bytes_per_layer", "tasks", "allreduce", "note"}, where);
+  only_keys(j, {"layers", "dense_grad_bytes_per_layer", "head_grad_bytes", "embed_grad_bytes", "tasks", "allreduce",
+               "note"}, where);
   CostModel c;
   if (j.contains("layers")) {
     DMOE_REQUIRE_INPUT(j.at("layers").is_number_integer() && j.at("layers").get<int64_t>() >= 1 &&
@@ -50,6 +53,13 @@ CostModel parse_cost_model(const json& j, const std::string& where) {
   // The task graph's limit, checked here as the file's error (it ended in "(task_graph.cpp:81)").
   DMOE_REQUIRE_INPUT(c.dense_grad_bytes_per_layer <= (int64_t(1) << 40), "{}.dense_grad_bytes_per_layer = {}: must be "
                      "at most 2^40", where, c.dense_grad_bytes_per_layer);
+  for (const char* key : {"head_grad_bytes", "embed_grad_bytes"}) {
+    if (!j.contains(key)) continue;
+    const json& v = j.at(key);
+    DMOE_REQUIRE_INPUT(v.is_number_integer() && v.get<int64_t>() >= 0 && v.get<int64_t>() <= (int64_t(1) << 40),
+                       "{}.{} = {}: must be an integer in [0, 2^40]", where, key, v.dump());
+    (std::string(key) == "head_grad_bytes" ? c.head_grad_bytes : c.embed_grad_bytes) = v.get<int64_t>();
+  }
   DMOE_REQUIRE_INPUT(j.contains("tasks"), "{}: missing key 'tasks' (AT, D, E, C, C', E', D', AT')", where);
   const json& tasks = j.at("tasks");
   only_keys(tasks, {"AT", "D", "E", "C", "C'", "E'", "D'", "AT'"}, where + ".tasks");
@@ -71,7 +81,7 @@ CostModel parse_cost_model(const json& j, const std::string& where) {
   DMOE_REQUIRE_INPUT(std::isfinite(c.ar_bytes_per_ms), "{}.allreduce.gbytes_per_s = {}: too large (at most 1e300)",
                      where, gbps);
   // With every cost 0 the step takes 0 ms and no speed-up is defined (simulate printed nan, rc 0).
-  bool any_cost = c.ar_alpha_ms > 0 || c.dense_grad_bytes_per_layer > 0;
+  bool any_cost = c.ar_alpha_ms > 0 || c.dense_grad_bytes_per_layer > 0 || c.head_grad_bytes > 0 || c.embed_grad_bytes > 0;
   for (const TaskCost& t : c.tasks) any_cost |= t.fixed_ms > 0 || t.batch_ms > 0;
   DMOE_REQUIRE_INPUT(any_cost, "{}: every cost is 0 (tasks' fixed_ms and batch_ms, allreduce.alpha_ms, "
                      "dense_grad_bytes_per_layer): the step would take 0 ms; give at least one cost > 0", where);
@@ -87,6 +97,8 @@ json cost_model_json(const CostModel& c) {
             {"tasks", tasks},
             {"allreduce", {{"alpha_ms", c.ar_alpha_ms}, {"gbytes_per_s", c.ar_bytes_per_ms / 1e6}}}};
   if (c.layers > 0) j["layers"] = c.layers;
+  if (c.head_grad_bytes > 0) j["head_grad_bytes"] = c.head_grad_bytes;
+  if (c.embed_grad_bytes > 0) j["embed_grad_bytes"] = c.embed_grad_bytes;
   return j;
 }
 
@@ -152,7 +164,10 @@ CostModel fit_cost_model(const std::vector<MeasuredRun>& runs, const FitOptions&
   for (size_t i = 0; i < runs.size(); ++i) {
     DMOE_REQUIRE(runs[i].graph, "fit_cost_model: run {} has no graph", i);
     const TaskGraph& g = *runs[i].graph;
-    if (i == 0) c.dense_grad_bytes_per_layer = g.spec.dense_grad_bytes_per_layer, c.layers = g.spec.layers;
+    if (i == 0) {
+      c.dense_grad_bytes_per_layer = g.spec.dense_grad_bytes_per_layer, c.layers = g.spec.layers;
+      c.head_grad_bytes = g.spec.head_grad_bytes, c.embed_grad_bytes = g.spec.embed_grad_bytes;
+    }
     for (const TraceEvent& e : runs[i].timeline)
       DMOE_REQUIRE(e.task >= 0 && e.task < int32_t(g.tasks.size()) && e.end_ms >= e.start_ms,
                    "fit_cost_model: run {}: event for task {} [{}, {}] is not a task of its graph or ends before it starts",

@@ -36,6 +36,8 @@ struct CostModel {
   double ar_alpha_ms = 0;                 // per AR call
   double ar_bytes_per_ms = 1e7;           // β (1e7 B/ms = 10 GB/s)
   int64_t dense_grad_bytes_per_layer = 0;  // bytes all-reduced per layer
+  int64_t head_grad_bytes = 0;             // bytes all-reduced of the head (final norm, lm_head); GraphSpec's
+  int64_t embed_grad_bytes = 0;            // bytes all-reduced of the embedding; GraphSpec's
   int32_t layers = 0;                      // from the file; 0 when it has none
   TaskCost& operator[](TaskKind k) { return tasks[size_t(k)]; }
   const TaskCost& operator[](TaskKind k) const { return tasks[size_t(k)]; }
@@ -44,6 +46,8 @@ struct CostModel {
 // {"layers": 12, "dense_grad_bytes_per_layer": 3145728,
 //  "tasks": {"AT": {"fixed_ms": 0.05, "batch_ms": 1.2}, "D": …, "E": …, "C": …, "C'": …, "E'": …, "D'": …, "AT'": …},
 //  "allreduce": {"alpha_ms": 0.03, "gbytes_per_s": 20}}
+// Optional: "head_grad_bytes", "embed_grad_bytes" (the head's and the embedding's all-reduced bytes, laid out
+// before and after the layers' as GraphSpec's; 0 when absent — a file without them models the layers' AR only).
 // Every task kind is required; unknown keys and negative values are errors naming the key.
 CostModel parse_cost_model(const nlohmann::json& j, const std::string& where = "costs");
 CostModel load_cost_model(const std::string& path);

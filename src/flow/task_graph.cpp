@@ -66,7 +66,7 @@ namespace {
 bool is_chunked(Schedule s) { return s == Schedule::chunked_ar || s == Schedule::tuned; }
 
 int64_t num_allreduce_tasks(const GraphSpec& spec) {
-  const int64_t total = int64_t(spec.layers) * spec.dense_grad_bytes_per_layer;
+  const int64_t total = ReplicatedLayout(spec).total();
   if (total == 0) return 0;
   if (!is_chunked(spec.schedule)) return 1;
   return (total + spec.chunk_bytes - 1) / spec.chunk_bytes;
@@ -74,12 +74,22 @@ int64_t num_allreduce_tasks(const GraphSpec& spec) {
 
 }  // namespace
 
+bool same_spec(const GraphSpec& a, const GraphSpec& b) {
+  return a.layers == b.layers && a.micro_batches == b.micro_batches && a.schedule == b.schedule &&
+         a.dense_grad_bytes_per_layer == b.dense_grad_bytes_per_layer && a.chunk_bytes == b.chunk_bytes &&
+         a.head_grad_bytes == b.head_grad_bytes && a.embed_grad_bytes == b.embed_grad_bytes;
+}
+
 void validate(const GraphSpec& spec) {
   DMOE_REQUIRE(spec.layers >= 1 && spec.layers <= 100000, "layers {}: must be in [1, 100000]", spec.layers);
   DMOE_REQUIRE(spec.micro_batches >= 1 && spec.micro_batches <= 4096, "micro_batches {}: must be in [1, 4096]",
                spec.micro_batches);
   DMOE_REQUIRE(spec.dense_grad_bytes_per_layer >= 0 && spec.dense_grad_bytes_per_layer <= (int64_t(1) << 40),
                "dense_grad_bytes_per_layer {}: must be in [0, 2^40]", spec.dense_grad_bytes_per_layer);
+  DMOE_REQUIRE(spec.head_grad_bytes >= 0 && spec.head_grad_bytes <= (int64_t(1) << 40),
+               "head_grad_bytes {}: must be in [0, 2^40]", spec.head_grad_bytes);
+  DMOE_REQUIRE(spec.embed_grad_bytes >= 0 && spec.embed_grad_bytes <= (int64_t(1) << 40),
+               "embed_grad_bytes {}: must be in [0, 2^40]", spec.embed_grad_bytes);
   if (is_chunked(spec.schedule))
     DMOE_REQUIRE_INPUT(spec.chunk_bytes >= 1, "chunk_bytes {}: must be >= 1 for schedule {}", spec.chunk_bytes,
                  schedule_name(spec.schedule));
@@ -204,18 +214,28 @@ TaskGraph build_task_graph(const GraphSpec& spec) {
     }
   }
 
-  // The all-reduce. The gradient buffer is laid out in the order backward completes it (layer L−1 first),
-  // so chunk k covers bytes [k·Sp, min((k+1)·Sp, total)) and is ready once the layer holding its last byte
-  // (the one completed last) has run AT' for every micro-batch.
-  const int64_t total = g.total_dense_bytes(), per_layer = spec.dense_grad_bytes_per_layer;
+  // The all-reduce. The replicated gradients are laid out in the order backward completes them
+  // (ReplicatedLayout: head, layer L−1 … layer 0, embedding), so chunk k covers bytes [k·Sp, min((k+1)·Sp, total))
+  // and depends on every task that writes any of its bytes, for every micro-batch: C'[L−1, r] for the head's
+  // bytes (its prelude runs the head's backward), AT'[l, r] for layer l's, AT'[0, r] for the embedding's.
+  const ReplicatedLayout lay(spec);
+  const int64_t total = lay.total(), per_layer = spec.dense_grad_bytes_per_layer;
   const int64_t num_ar = num_allreduce_tasks(spec);
   for (int64_t k = 0; k < num_ar; ++k) {
     const int64_t begin = is_chunked(spec.schedule) ? k * spec.chunk_bytes : 0;
     const int64_t end = is_chunked(spec.schedule) ? std::min(total, (k + 1) * spec.chunk_bytes) : total;
-    const int32_t layer = L - 1 - int32_t((end - 1) / per_layer);
-    const int32_t ar = add(TaskKind::allreduce, -1, -1, all_r(TaskKind::attention_bwd, layer));
+    std::vector<int32_t> deps;
+    auto append = [&](const std::vector<int32_t>& v) { deps.insert(deps.end(), v.begin(), v.end()); };
+    if (begin < lay.layers_begin()) append(all_r(TaskKind::combine_bwd, L - 1));
+    const int64_t lo = std::max(begin, lay.layers_begin()), hi = std::min(end, lay.embed_begin());
+    if (lo < hi)  // layer indices in the layout: i = L−1−l
+      for (int64_t i = (lo - lay.layers_begin()) / per_layer; i <= (hi - 1 - lay.layers_begin()) / per_layer; ++i)
+        append(all_r(TaskKind::attention_bwd, L - 1 - int32_t(i)));
+    if (end > lay.embed_begin()) append(all_r(TaskKind::attention_bwd, 0));
+    const int32_t ar = add(TaskKind::allreduce, -1, -1, std::move(deps));
     g.tasks[size_t(ar)].chunk = int32_t(k);
     g.tasks[size_t(ar)].bytes = end - begin;
+    g.tasks[size_t(ar)].offset = begin;
     g.tasks[size_t(ar)].num_micro_batches = R;
   }
 

@@ -7,8 +7,11 @@
 //              experts, comm)  E' (experts backward, compute)  D' (dispatch backward: the input gradients
 //              come home, comm)  AT' (gate + attention backward, compute; completes layer l's dense
 //              gradients once all R micro-batches have run it)
-//   AR:        the all-reduce of the dense (data-parallel) parameters' gradients, one task or chunks of Sp
-//              bytes of the gradient buffer laid out in the order backward produces it (layer L−1 first).
+//   AR:        the all-reduce of the replicated (data-parallel) parameters' gradients, one task or chunks of Sp
+//              bytes of the gradient buffer laid out in the order backward completes it: the head (final norm +
+//              lm_head, complete once C'[L−1, r] has run for every r: the head's backward is folded into C'[L−1]),
+//              then layers L−1 … 0 (each complete after its AT' for every r), then the embedding (complete after
+//              AT'[0, r] for every r). A chunk depends on every task that writes any of its bytes.
 //
 // A task lists its true dependencies; each stream also has a fixed issue order (in-order streams, as CUDA
 // streams are). Three issue sequences: compute, all-to-all (communicator A) and all-reduce chunks
@@ -63,6 +66,25 @@ struct GraphSpec {
   Schedule schedule = Schedule::vanilla;
   int64_t dense_grad_bytes_per_layer = 0;    // bytes of layer l's all-reduced gradients (attention, norms, gate)
   int64_t chunk_bytes = kDefaultChunkBytes;  // Sp; used by chunked-ar and tuned only
+  int64_t head_grad_bytes = 0;   // final norm + lm_head, all-reduced; laid out first (written by C'[L−1, r]'s head)
+  int64_t embed_grad_bytes = 0;  // the embedding, all-reduced; laid out last (written by AT'[0, r])
+};
+// Field by field (GraphSpec has padding: memcmp of two specs may differ where the fields do not).
+bool same_spec(const GraphSpec& a, const GraphSpec& b);
+
+// The replicated-gradient layout the AR chunks cut, in the order backward completes it:
+//   [0, head)                          the head (final norm + lm_head)
+//   [head, head + L·G)                 layer L−1 first, … layer 0 (G = dense_grad_bytes_per_layer)
+//   [head + L·G, head + L·G + embed)   the embedding
+struct ReplicatedLayout {
+  int64_t head = 0, per_layer = 0, embed = 0;
+  int32_t layers = 0;
+  explicit ReplicatedLayout(const GraphSpec& spec)
+      : head(spec.head_grad_bytes), per_layer(spec.dense_grad_bytes_per_layer), embed(spec.embed_grad_bytes),
+        layers(spec.layers) {}
+  int64_t layers_begin() const { return head; }
+  int64_t embed_begin() const { return head + int64_t(layers) * per_layer; }
+  int64_t total() const { return embed_begin() + embed; }
 };
 
 // Throws dmoe::Error naming the field, the value and what is allowed.
@@ -76,6 +98,7 @@ struct Task {
   int32_t micro_batch = 0;   // 0-based; -1 for a task on the whole batch (pipe-moe's AT, AR)
   int32_t chunk = -1;        // AR chunk index (0 = the first bytes backward produces); -1 otherwise
   int64_t bytes = 0;         // AR: the chunk's bytes; 0 otherwise
+  int64_t offset = 0;        // AR: the chunk's first byte in the ReplicatedLayout; 0 otherwise
   int32_t num_micro_batches = 1;  // how many micro-batches the task covers (R for whole-batch tasks)
   std::vector<int32_t> deps;      // true dependencies (task ids), sorted, no duplicates
 };
@@ -87,7 +110,8 @@ struct TaskGraph {
   std::vector<int32_t> alltoall_order;   // issue order on the all-to-all communicator
   std::vector<int32_t> allreduce_order;  // issue order on the all-reduce communicator (chunk index order)
   int32_t num_forward_tasks = 0;         // tasks of kind AT..C
-  int64_t total_dense_bytes() const { return int64_t(spec.layers) * spec.dense_grad_bytes_per_layer; }
+  // Every all-reduced byte: head + layers + embedding (ReplicatedLayout).
+  int64_t total_dense_bytes() const { return ReplicatedLayout(spec).total(); }
   const std::vector<int32_t>& order(Stream s) const;
   std::string describe(int32_t task_id) const;  // e.g. "E'[l=3,r=1]", "AR[chunk 7, 1048576 B]"
 };

@@ -174,8 +174,8 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
     spec.layers = config.num_hidden_layers;
     spec.micro_batches = micro_batches;
     spec.schedule = s;
-    spec.dense_grad_bytes_per_layer = o.engine == "cuda" ? flow::cuda_mixtral_dense_grad_bytes_per_layer(config)
-                                                         : flow::mixtral_dense_grad_bytes_per_layer(config);
+    flow::set_mixtral_grad_layout(spec, config, o.engine == "cuda" ? flow::cuda_mixtral_dense_grad_bytes_per_layer(config)
+                                                                   : flow::mixtral_dense_grad_bytes_per_layer(config));
     spec.chunk_bytes = std::max<int64_t>(4, chunk_bytes / 4 * 4);  // the executor cuts on 4-byte elements
     return flow::build_task_graph(spec);
   };
@@ -756,9 +756,9 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
           "Flow executor (--schedule {}, R = {} micro-batches): time per task kind, ms per step over its last {} steps "
           "(the graph's first step left out: it builds the engines; {}; "
           "the streams overlap, so the kinds add up to more than the step; the tasks span {:.2f} ms per step; "
-          "the embedding/norm/LM-head all-reduce after the graph is in no task, nor on the GPU the C' preludes (head, "
-          "combine backward; the CPU executor runs them inside C'); a collective's time includes waiting for its "
-          "peers):",
+          "the AR chunks cover every replicated gradient, the head's and the embedding's included; on the GPU the C' "
+          "preludes (head, combine backward) are in no task (the CPU executor runs them inside C'); a collective's "
+          "time includes waiting for its peers):",
           schedule_text, tuned ? point.micro_batches : o.micro_batches, flow_times.steps, flow_times.clock,
           flow_times.span_ms / n);
       for (const auto& [name, ms] : flow_times.kinds) table += fmt::format("\n  {:<64} {:9.2f}", name, ms / n);

@@ -17,6 +17,7 @@
 
 #include "comm/comm.hpp"
 #include "core/random.hpp"
+#include "flow/cpu_executor.hpp"
 #include "flow/cuda_executor.hpp"
 #include "flow/task_graph.hpp"
 #include "gpu_test_util.hpp"
@@ -87,7 +88,7 @@ flow::GraphSpec spec_for(const MixtralConfig& c, flow::Schedule s, int32_t R, in
   spec.layers = c.num_hidden_layers;
   spec.micro_batches = R;
   spec.schedule = s;
-  spec.dense_grad_bytes_per_layer = flow::cuda_mixtral_dense_grad_bytes_per_layer(c);
+  flow::set_mixtral_grad_layout(spec, c, flow::cuda_mixtral_dense_grad_bytes_per_layer(c));
   spec.chunk_bytes = sp;
   return spec;
 }
@@ -121,9 +122,13 @@ void schedules_equal_sequential(DType dtype) {
     int32_t R;
     int64_t sp;
   };
+  // The head's chunks (final norm + lm_head, laid out first): Sp = a third of the head's bytes cuts inside it, Sp = the
+  // head's bytes ends a chunk at its end; 64 B cuts every tensor.
+  const int64_t head = flow::mixtral_head_grad_bytes(c), head_third = head / 3 / 4 * 4;
   for (const Case& k : {Case{flow::Schedule::vanilla, 2, 1 << 20}, Case{flow::Schedule::pipe_moe, 2, 1 << 20},
                         Case{flow::Schedule::pipe_attn, 2, 1 << 20}, Case{flow::Schedule::pipe_attn, 4, 1 << 20},
-                        Case{flow::Schedule::chunked_ar, 2, 1 << 20}, Case{flow::Schedule::chunked_ar, 4, 64}}) {
+                        Case{flow::Schedule::chunked_ar, 2, 1 << 20}, Case{flow::Schedule::chunked_ar, 4, 64},
+                        Case{flow::Schedule::chunked_ar, 2, head_third}, Case{flow::Schedule::chunked_ar, 4, head}}) {
     const std::string what = std::string(flow::schedule_name(k.schedule)) + " R=" + std::to_string(k.R) +
                              " Sp=" + std::to_string(k.sp) + " " + dtype_name(dtype);
     // The sequential order on the same micro-batches.
@@ -178,6 +183,14 @@ TEST(GpuFlow, TimelineRespectsDependenciesAndOverlaps) {
     executor.step(g, tokens.data(), batch, seq, states, &timeline);
   }
   ASSERT_EQ(timeline.size(), g.tasks.size());
+  // The head's gradients are the first chunks, waiting for the last layer's C' (its prelude runs the head's backward)
+  // of every micro-batch, and no AT': checked below against the GPU's timestamps like every other dependency.
+  const flow::Task& first = g.tasks[size_t(g.allreduce_order.front())];
+  ASSERT_EQ(first.deps.size(), 4u);
+  for (int32_t d : first.deps) {
+    EXPECT_EQ(g.tasks[size_t(d)].kind, flow::TaskKind::combine_bwd);
+    EXPECT_EQ(g.tasks[size_t(d)].layer, c.num_hidden_layers - 1);
+  }
   std::vector<flow::TraceEvent> by_id(g.tasks.size());
   for (const flow::TraceEvent& e : timeline) by_id[size_t(e.task)] = e;
   const double slack = 1e-3;  // ms: event timestamps have ~0.5 us resolution

@@ -82,6 +82,16 @@ TEST(FlowCudaHost, SingleCommIssueOrderOfASmallGraph) {
   EXPECT_EQ(names(g, single_comm_issue_order(g, 1)), forward + backward + "ch0 E'00 D'00 ch1 E'01 D'01 AT'00 AT'01 ch2 ch3");
   // No limit: all of a layer's chunks right behind the all-to-all issued where they became available.
   EXPECT_EQ(names(g, single_comm_issue_order(g, 0)), forward + backward + "ch0 ch1 E'00 D'00 E'01 D'01 AT'00 AT'01 ch2 ch3");
+  // With the head's gradients laid out first (500 B: one chunk) and the embedding's last (500 B): the head's chunk
+  // goes in the first gap of the backward, behind C'[1, 1] (the all-to-all issued where it became placeable; D'[1, 0]
+  // waits for E'[1, 0]); the layers' chunks move one down; the embedding's goes at the end.
+  GraphSpec with_head = host_spec(Schedule::chunked_ar, 2, 2, 1000, 500);
+  with_head.head_grad_bytes = 500;
+  with_head.embed_grad_bytes = 500;
+  const TaskGraph h = build_task_graph(with_head);
+  EXPECT_EQ(names(h, single_comm_issue_order(h, 1)),
+            forward + "C'10 C'11 ch0 E'10 D'10 E'11 D'11 AT'10 C'00 AT'11 C'01 ch1 E'00 D'00 ch2 E'01 D'01 AT'00 AT'01 "
+                      "ch3 ch4 ch5");
   // Whole AR (pipe-attn): one task, after everything.
   const TaskGraph p = build_task_graph(host_spec(Schedule::pipe_attn, 2, 2, 1000, 500));
   const std::vector<int32_t> po = single_comm_issue_order(p, 1);
@@ -96,11 +106,14 @@ TEST(FlowCudaHost, SingleCommIssueOrderFollowsTheRule) {
     for (int32_t R : {1, 2, 4})
       for (int32_t L : {1, 3})
         for (int64_t sp : {64, 256, 1000, 4096})
-          for (int32_t per_gap : {0, 1, 2}) {
-            const TaskGraph g = build_task_graph(host_spec(s, L, R, 1000, sp));
+          for (int32_t per_gap : {0, 1, 2})
+            for (bool with_head : {false, true}) {  // the head's (700 B) and the embedding's (300 B) chunks too
+            GraphSpec spec = host_spec(s, L, R, 1000, sp);
+            if (with_head) spec.head_grad_bytes = 700, spec.embed_grad_bytes = 300;
+            const TaskGraph g = build_task_graph(spec);
             const std::string what = std::string(schedule_name(s)) + " L=" + std::to_string(L) + " R=" +
                                      std::to_string(R) + " Sp=" + std::to_string(sp) + " per_gap=" +
-                                     std::to_string(per_gap);
+                                     std::to_string(per_gap) + (with_head ? " with head" : "");
             const std::vector<int32_t> order = single_comm_issue_order(g, per_gap);
             ASSERT_EQ(order.size(), g.tasks.size()) << what;
             std::vector<int32_t> position(g.tasks.size(), -1);

@@ -1,7 +1,9 @@
 // test_flow_executor.cpp — the CPU Flow executor (src/flow/cpu_executor.*): the Mixtral model's stages run in a
 // task graph's orders on three threads per rank (compute, all-to-all, all-reduce with its own ThreadComm) give
 // gradients and losses bit-identical to the sequential order (forward r = 0..R−1, backward r = 0..R−1,
-// reduce_grads), for every schedule, W = 1 and 2, R = 2 and 4, chunks that split tensors and one chunk for all.
+// reduce_grads), for every schedule, W = 1, 2 and 4, R = 2 and 4, chunks that split tensors (the head's among them)
+// and one chunk for all; the head's (final norm, lm_head) and the embedding's gradients are all-reduced in the
+// graph's chunks, each chunk only after every task that writes its bytes.
 //
 // Run: dmoe_unit_tests --gtest_filter='FlowExecutor*'
 #include <gtest/gtest.h>
@@ -95,20 +97,46 @@ GraphSpec spec_for(const MixtralConfig& c, Schedule s, int32_t R, int64_t chunk)
   spec.layers = c.num_hidden_layers;
   spec.micro_batches = R;
   spec.schedule = s;
-  spec.dense_grad_bytes_per_layer = mixtral_dense_grad_bytes_per_layer(c);
+  set_mixtral_grad_layout(spec, c, mixtral_dense_grad_bytes_per_layer(c));
   spec.chunk_bytes = chunk;
   return spec;
+}
+
+// The tiny model's replicated layout: head (norm 8 + lm_head 88 floats) 384 B, three layers of 832 B, embedding 352 B.
+constexpr int64_t kTinyHead = 384, kTinyLayer = 832, kTinyEmbed = 352;
+
+// The tasks that write bytes [begin, end) of the layout, restated from the model (head_backward runs in C'[L−1, r]'s
+// prelude, a layer's dense backward in its AT', embed_backward in AT'[0, r]), not from the chunks' deps.
+std::vector<int32_t> writers(const TaskGraph& g, int64_t begin, int64_t end) {
+  const int32_t L = g.spec.layers;
+  std::vector<int32_t> w;
+  for (const Task& t : g.tasks) {
+    bool writes = false;
+    if (t.kind == TaskKind::combine_bwd && t.layer == L - 1) writes = begin < kTinyHead;
+    if (t.kind == TaskKind::attention_bwd) {
+      const int64_t lo = kTinyHead + int64_t(L - 1 - t.layer) * kTinyLayer;
+      writes = begin < lo + kTinyLayer && lo < end;
+      if (t.layer == 0) writes = writes || end > kTinyHead + L * kTinyLayer;
+    }
+    if (writes) w.push_back(t.id);
+  }
+  return w;
 }
 
 TEST(FlowExecutor, BitIdenticalToTheSequentialOrder) {
   const MixtralConfig c = tiny();
   const int64_t batch = 4, seq = 5;
-  for (int32_t world : {1, 2})
+  ASSERT_EQ(mixtral_head_grad_bytes(c), kTinyHead);
+  ASSERT_EQ(mixtral_dense_grad_bytes_per_layer(c), kTinyLayer);
+  ASSERT_EQ(mixtral_embed_grad_bytes(c), kTinyEmbed);
+  // Sp = 64 cuts every tensor; 200 cuts inside the head and its second chunk spans the head's end; 384 ends exactly
+  // at the head's end; 1 MiB is one chunk of everything.
+  for (int32_t world : {1, 2, 4})
     for (int32_t R : {2, 4}) {
       const std::vector<RankOut> want = sequential(c, world, batch, seq, R);
       for (Schedule s : {Schedule::vanilla, Schedule::pipe_moe, Schedule::pipe_attn, Schedule::chunked_ar})
-        for (int64_t chunk : {int64_t(64), int64_t(1) << 20}) {
-          if (chunk == 64 && s != Schedule::chunked_ar) continue;
+        for (int64_t chunk : {int64_t(64), int64_t(200), int64_t(384), int64_t(1) << 20}) {
+          if (chunk != int64_t(1) << 20 && s != Schedule::chunked_ar) continue;
           SCOPED_TRACE(::testing::Message() << schedule_name(s) << " W=" << world << " R=" << R << " Sp=" << chunk);
           const TaskGraph g = build_task_graph(spec_for(c, s, R, chunk));
           const std::vector<RankOut> got =
@@ -123,6 +151,27 @@ TEST(FlowExecutor, BitIdenticalToTheSequentialOrder) {
   // The comparison can fail: the trainer's order (backward from r = R−1 down) differs in the last bits.
   std::string diff;
   EXPECT_FALSE(bit_equal(sequential(c, 2, batch, seq, 4, true), sequential(c, 2, batch, seq, 4), &diff));
+  // And it would fail if the head's or the embedding's gradients were left out of the all-reduce or reduced before
+  // their last contribution: rank 0's own gradient of each differs from the sum over ranks. (Not so for every layer
+  // tensor with these weights: the other ranks' parts of some are below rank 0's last bit.)
+  for (int32_t world : {2, 4}) {
+    const std::vector<RankOut> own = on_ranks(c, world, batch, seq, [&](MixtralModel& model, Comm&, const int32_t* tokens) {
+      ModelState st;
+      const double loss = model.forward(tokens, batch, seq, st);
+      model.backward(st, 1.0);
+      return loss;
+    });
+    const std::vector<RankOut> summed = sequential(c, world, batch, seq, 1);
+    MixtralWeights names = random_mixtral_weights(c, 1);
+    const std::vector<ParamView> views = parameter_views(names, c);
+    for (size_t t = 0; t < views.size(); ++t) {
+      if (views[t].name != "model.norm.weight" && views[t].name != "lm_head.weight" &&
+          views[t].name != "model.embed_tokens.weight")
+        continue;
+      SCOPED_TRACE(views[t].name + " W=" + std::to_string(world));
+      EXPECT_NE(own[0].grads[t], summed[0].grads[t]);
+    }
+  }
 }
 
 TEST(FlowExecutor, TimelineRespectsDependenciesAndStreamOrders) {
@@ -144,6 +193,17 @@ TEST(FlowExecutor, TimelineRespectsDependenciesAndStreamOrders) {
     for (const Task& t : g.tasks)
       for (int32_t d : t.deps)
         EXPECT_GE(start[size_t(t.id)], end[size_t(d)]) << g.describe(t.id) << " after " << g.describe(d);
+    // Every chunk (the head's first) starts after every task that writes its bytes has ended, the writers found from
+    // the model's layout, not from the graph's dependencies.
+    int64_t at = 0;
+    for (int32_t id : g.allreduce_order) {
+      const Task& t = g.tasks[size_t(id)];
+      EXPECT_EQ(t.offset, at);
+      for (int32_t w : writers(g, t.offset, t.offset + t.bytes))
+        EXPECT_GE(start[size_t(id)], end[size_t(w)]) << g.describe(id) << " before " << g.describe(w) << " ended";
+      at += t.bytes;
+    }
+    EXPECT_EQ(at, kTinyHead + 3 * kTinyLayer + kTinyEmbed);
     for (Stream s : {Stream::compute, Stream::alltoall, Stream::allreduce}) {
       double previous_end = 0;
       for (int32_t id : g.order(s)) {
@@ -172,6 +232,12 @@ TEST(FlowExecutor, RefusesWhatItCannotRun) {
   GraphSpec wrong = spec_for(c, Schedule::pipe_attn, 2, 64);
   wrong.dense_grad_bytes_per_layer += 4;
   EXPECT_NE(error_of(c, wrong).find("dense_grad_bytes_per_layer"), std::string::npos);
+  // A graph without the head's or the embedding's bytes would leave them unreduced: refused.
+  for (int part : {0, 1}) {
+    GraphSpec no_head = spec_for(c, Schedule::chunked_ar, 2, 64);
+    (part == 0 ? no_head.head_grad_bytes : no_head.embed_grad_bytes) = 0;
+    EXPECT_NE(error_of(c, no_head).find("head_grad_bytes"), std::string::npos);
+  }
   EXPECT_NE(error_of(c, spec_for(c, Schedule::chunked_ar, 2, 66)).find("multiple of 4"), std::string::npos);
   EXPECT_NE(error_of(c, spec_for(c, Schedule::pipe_attn, 3, 64)).find("do not split into micro_batches 3"),
             std::string::npos);

@@ -57,6 +57,9 @@ TEST(FlowProjection, CostsAreTheFormulasOfTheHeader) {
   const double ex = 2 * T * k * 3 * H * I;
   EXPECT_EQ(c.layers, 3);
   EXPECT_EQ(c.dense_grad_bytes_per_layer, mixtral_dense_grad_bytes_per_layer(s.model));
+  // The head's (final norm + lm_head) and the embedding's replicated gradients are all-reduced too, in their chunks.
+  EXPECT_EQ(c.head_grad_bytes, 4 * int64_t(H + s.model.vocab_size * H));
+  EXPECT_EQ(c.embed_grad_bytes, 4 * int64_t(s.model.vocab_size * H));
   EXPECT_DOUBLE_EQ(c[TaskKind::attention_fwd].batch_ms, at / 1e9);
   EXPECT_DOUBLE_EQ(c[TaskKind::attention_bwd].batch_ms, 2 * at / 1e9);
   EXPECT_DOUBLE_EQ(c[TaskKind::expert_fwd].batch_ms, ex / 1e9);

@@ -15,6 +15,7 @@
 #include "flow_test_util.hpp"
 #include "core/error.hpp"
 #include "core/random.hpp"
+#include "flow/ablation.hpp"
 #include "flow/comm_queue.hpp"
 #include "flow/cuda_executor.hpp"
 #include "flow/simulator.hpp"
@@ -496,6 +497,58 @@ TEST(FlowSimulator, CostModelAndTrace) {
   EXPECT_NE(err([](json& b) { b.erase("dense_grad_bytes_per_layer"); }).find("missing key 'dense_grad_bytes_per_layer'"),
             std::string::npos);
   EXPECT_NE(error_of([] { load_cost_model("/nonexistent/costs.json"); }).find("cannot be opened for reading"), std::string::npos);
+}
+
+// The head's and the embedding's AR bytes: optional in a cost file (0 when absent), kept by cost_model_json, carried
+// into the graphs the ablation simulates (their chunks simulated like the layers'), and taken by the fit from the
+// measured graph, so a prediction simulates the chunks the executor ran.
+TEST(FlowSimulator, HeadAndEmbeddingBytesAreSimulated) {
+  json j = json::parse(R"({
+    "layers": 2, "dense_grad_bytes_per_layer": 2000000,
+    "tasks": {"AT": {"batch_ms": 2.0}, "D": {"batch_ms": 1.0}, "E": {"batch_ms": 3.0}, "C": {"batch_ms": 1.0},
+              "C'": {"batch_ms": 1.0}, "E'": {"batch_ms": 6.0}, "D'": {"batch_ms": 1.0}, "AT'": {"batch_ms": 4.0}},
+    "allreduce": {"alpha_ms": 0.05, "gbytes_per_s": 10}})");
+  const CostModel plain = parse_cost_model(j);
+  EXPECT_EQ(plain.head_grad_bytes, 0);
+  EXPECT_EQ(plain.embed_grad_bytes, 0);
+  EXPECT_FALSE(cost_model_json(plain).contains("head_grad_bytes"));
+  j["head_grad_bytes"] = 3000000;
+  j["embed_grad_bytes"] = 1000000;
+  const CostModel c = parse_cost_model(j);
+  EXPECT_EQ(c.head_grad_bytes, 3000000);
+  EXPECT_EQ(c.embed_grad_bytes, 1000000);
+  const CostModel back = parse_cost_model(cost_model_json(c));
+  EXPECT_EQ(back.head_grad_bytes, c.head_grad_bytes);
+  EXPECT_EQ(back.embed_grad_bytes, c.embed_grad_bytes);
+  // Vanilla is sequential: its step grows by exactly the extra bytes' transfer time.
+  const ScheduleRun v0 = run_schedule(Schedule::vanilla, 2, 1, 1 << 20, plain);
+  const ScheduleRun v1 = run_schedule(Schedule::vanilla, 2, 1, 1 << 20, c);
+  EXPECT_EQ(v1.spec.head_grad_bytes, 3000000);
+  EXPECT_NEAR(v1.result.step_ms - v0.result.step_ms, 4000000 / 1e7, 1e-9);
+  // Chunked: the head's chunks are ready after layer 1's C' and overlap the rest of the backward, so the step grows
+  // by less than their transfer time.
+  const ScheduleRun k0 = run_schedule(Schedule::chunked_ar, 2, 2, 1 << 20, plain);
+  const ScheduleRun k1 = run_schedule(Schedule::chunked_ar, 2, 2, 1 << 20, c);
+  const TaskGraph g = build_task_graph(k1.spec);
+  EXPECT_EQ(g.total_dense_bytes(), 8000000);
+  EXPECT_LT(k1.result.step_ms - k0.result.step_ms, 4000000 / 1e7 - 0.1);
+  const int32_t first = g.allreduce_order[0];
+  double first_start = -1;
+  for (const TraceEvent& e : k1.result.events)
+    if (e.task == first) first_start = e.start_ms;
+  EXPECT_LT(first_start, k1.result.backward_end_ms);
+  // The fit takes the layout from the measured graph.
+  const TaskGraph g1 = build_task_graph(run_schedule(Schedule::chunked_ar, 2, 1, 1 << 20, c, 10, {}, true).spec);
+  const CostModel fitted = fit_cost_model({{&g, k1.result.events}, {&g1, simulate(g1, c).events}});
+  EXPECT_EQ(fitted.head_grad_bytes, 3000000);
+  EXPECT_EQ(fitted.embed_grad_bytes, 1000000);
+  auto err = [&](const char* key, json v) {
+    json b = j;
+    b[key] = v;
+    return error_of([&] { parse_cost_model(b, "costs.json"); });
+  };
+  EXPECT_NE(err("head_grad_bytes", -1).find("costs.json.head_grad_bytes = -1"), std::string::npos);
+  EXPECT_NE(err("embed_grad_bytes", 1.5).find("costs.json.embed_grad_bytes = 1.5"), std::string::npos);
 }
 
 }  // namespace

@@ -132,30 +132,37 @@ TEST(FlowTaskGraph, StreamIssueOrders) {
 }
 
 TEST(FlowTaskGraph, AllReduceChunks) {
-  // L = 3 layers of 3 MiB, Sp = 2 MiB: backward produces layer 2, 1, 0; chunk k's last byte decides.
+  // L = 3 layers of 3 MiB, Sp = 2 MiB: backward produces layer 2, 1, 0; a chunk waits for the AT' of every layer
+  // it holds bytes of, for every micro-batch.
   const TaskGraph g = build_task_graph(spec_of(Schedule::chunked_ar, 3, 2, 3 << 20, 2 << 20));
   const Index id(g);
   ASSERT_EQ(g.allreduce_order.size(), 5u);
-  const int want_layer[] = {2, 1, 1, 0, 0};
+  const std::vector<std::vector<int>> want_layers = {{2}, {2, 1}, {1}, {0}, {0}};
   int64_t sum = 0;
   for (size_t k = 0; k < 5; ++k) {
     const Task& t = g.tasks[size_t(g.allreduce_order[k])];
     EXPECT_EQ(t.chunk, int32_t(k));
     EXPECT_EQ(t.bytes, k < 4 ? (2 << 20) : (1 << 20));
+    EXPECT_EQ(t.offset, sum);
     sum += t.bytes;
-    EXPECT_EQ(t.deps, (std::vector<int32_t>{id(TaskKind::attention_bwd, want_layer[k], 0),
-                                            id(TaskKind::attention_bwd, want_layer[k], 1)}))
-        << g.describe(t.id);
+    std::vector<int32_t> want;
+    for (int l : want_layers[k])
+      for (int r : {0, 1}) want.push_back(id(TaskKind::attention_bwd, l, r));
+    std::sort(want.begin(), want.end());
+    EXPECT_EQ(t.deps, want) << g.describe(t.id);
   }
   EXPECT_EQ(sum, g.total_dense_bytes());
-  // Without chunking: one AR of everything, after the whole backward (the last layer's AT' of every r).
+  // Without chunking: one AR of everything, after the whole backward (every layer's AT' of every r).
   for (Schedule s : {Schedule::pipe_moe, Schedule::pipe_attn}) {
     const TaskGraph w = build_task_graph(spec_of(s, 3, 2, 3 << 20, 2 << 20));
     ASSERT_EQ(w.allreduce_order.size(), 1u);
     const Task& t = w.tasks[size_t(w.allreduce_order[0])];
     EXPECT_EQ(t.bytes, 9 << 20);
     const Index wid(w);
-    std::vector<int32_t> want = {wid(TaskKind::attention_bwd, 0, 0), wid(TaskKind::attention_bwd, 0, 1)};
+    std::vector<int32_t> want;
+    for (int l = 0; l < 3; ++l)
+      for (int r : {0, 1}) want.push_back(wid(TaskKind::attention_bwd, l, r));
+    std::sort(want.begin(), want.end());
     want.erase(std::unique(want.begin(), want.end()), want.end());
     EXPECT_EQ(t.deps, want);
   }
@@ -165,6 +172,93 @@ TEST(FlowTaskGraph, AllReduceChunks) {
   const TaskGraph big = build_task_graph(spec_of(Schedule::chunked_ar, 3, 1, 100, 1 << 20));
   ASSERT_EQ(big.allreduce_order.size(), 1u);
   EXPECT_EQ(big.tasks[size_t(big.allreduce_order[0])].bytes, 300);
+}
+
+// The head's and the embedding's gradients in the layout (head, layers L−1 … 0, embedding): every chunk covers the
+// bytes the layout gives it and depends on exactly the tasks that write any of them — C'[L−1, r] for the head's
+// (its prelude runs the head's backward), AT'[l, r] for layer l's, AT'[0, r] for the embedding's, every r — restated
+// here byte range by byte range, for every schedule and for Sp that cut inside the head, at its end, inside a layer.
+TEST(FlowTaskGraph, HeadChunksFirstEmbeddingLastEachWaitingForItsWriters) {
+  const int64_t head = 5000, G = 3000, embed = 4400;
+  for (Schedule s : kAll)
+    for (int L : {1, 3})
+      for (int R : {1, 2, 4})
+        for (int64_t sp : {int64_t(1200), int64_t(5000), int64_t(6000), int64_t(1) << 20}) {
+          SCOPED_TRACE(::testing::Message() << schedule_name(s) << " L=" << L << " R=" << R << " Sp=" << sp);
+          GraphSpec spec = spec_of(s, L, R, G, sp);
+          spec.head_grad_bytes = head;
+          spec.embed_grad_bytes = embed;
+          const TaskGraph g = build_task_graph(spec);
+          const Index id(g);
+          const int64_t total = head + L * G + embed;
+          EXPECT_EQ(g.total_dense_bytes(), total);
+          const bool chunked = s == Schedule::chunked_ar || s == Schedule::tuned;
+          ASSERT_EQ(int64_t(g.allreduce_order.size()), chunked ? (total + sp - 1) / sp : 1);
+          // The writers of each region of the layout, in layout order.
+          struct Region {
+            int64_t begin, end;
+            std::vector<int32_t> writers;
+          };
+          std::vector<Region> regions;
+          auto every_r = [&](TaskKind k, int l) {
+            std::vector<int32_t> v;
+            for (int r = 0; r < R; ++r) v.push_back(id(k, l, r));
+            return v;
+          };
+          regions.push_back({0, head, every_r(TaskKind::combine_bwd, L - 1)});
+          for (int i = 0; i < L; ++i)
+            regions.push_back({head + i * G, head + (i + 1) * G, every_r(TaskKind::attention_bwd, L - 1 - i)});
+          regions.push_back({head + L * G, total, every_r(TaskKind::attention_bwd, 0)});
+          int64_t at = 0;
+          for (size_t k = 0; k < g.allreduce_order.size(); ++k) {
+            const Task& t = g.tasks[size_t(g.allreduce_order[k])];
+            EXPECT_EQ(t.chunk, int32_t(k));
+            EXPECT_EQ(t.offset, at);
+            EXPECT_EQ(t.bytes, chunked ? std::min(sp, total - at) : total);
+            std::vector<int32_t> want;
+            for (const Region& reg : regions)
+              if (reg.begin < t.offset + t.bytes && t.offset < reg.end)
+                want.insert(want.end(), reg.writers.begin(), reg.writers.end());
+            if (s == Schedule::vanilla) want.push_back(t.id - 1);  // the sequential order
+            std::sort(want.begin(), want.end());
+            want.erase(std::unique(want.begin(), want.end()), want.end());
+            EXPECT_EQ(t.deps, want) << g.describe(t.id);
+            at += t.bytes;
+          }
+          EXPECT_EQ(at, total);
+          if (!chunked) continue;
+          // The first chunk holds the head's first bytes: it waits for the last layer's C' and no AT' (vanilla aside,
+          // where everything is sequential) — it can go while layer L−1's experts backward still runs.
+          const Task& first = g.tasks[size_t(g.allreduce_order[0])];
+          if (sp <= head && s != Schedule::vanilla)
+            for (int32_t d : first.deps) EXPECT_EQ(g.tasks[size_t(d)].kind, TaskKind::combine_bwd) << g.describe(d);
+          // The last chunk holds the embedding's last bytes: it waits for AT'[0, r] of every r.
+          const Task& last = g.tasks[size_t(g.allreduce_order.back())];
+          for (int r = 0; r < R; ++r)
+            EXPECT_TRUE(std::binary_search(last.deps.begin(), last.deps.end(), id(TaskKind::attention_bwd, 0, r)));
+        }
+  // The head alone (no layer bytes) still gets its chunks, with its writers.
+  GraphSpec only_head = spec_of(Schedule::chunked_ar, 2, 2, 0, 64);
+  only_head.head_grad_bytes = 100;
+  const TaskGraph h = build_task_graph(only_head);
+  ASSERT_EQ(h.allreduce_order.size(), 2u);
+  const Index hid(h);
+  EXPECT_EQ(h.tasks[size_t(h.allreduce_order[1])].deps,
+            (std::vector<int32_t>{hid(TaskKind::combine_bwd, 1, 0), hid(TaskKind::combine_bwd, 1, 1)}));
+  GraphSpec bad = spec_of(Schedule::chunked_ar, 2, 2);
+  bad.head_grad_bytes = -4;
+  EXPECT_NE(error_of([&] { build_task_graph(bad); }).find("head_grad_bytes -4"), std::string::npos);
+  bad.head_grad_bytes = 0;
+  bad.embed_grad_bytes = -4;
+  EXPECT_NE(error_of([&] { build_task_graph(bad); }).find("embed_grad_bytes -4"), std::string::npos);
+  // same_spec compares every field.
+  GraphSpec a = spec_of(Schedule::chunked_ar, 2, 2), b = a;
+  EXPECT_TRUE(same_spec(a, b));
+  b.embed_grad_bytes = 4;
+  EXPECT_FALSE(same_spec(a, b));
+  b = a;
+  b.head_grad_bytes = 4;
+  EXPECT_FALSE(same_spec(a, b));
 }
 
 TEST(FlowTaskGraph, CheckFindsBrokenGraphs) {

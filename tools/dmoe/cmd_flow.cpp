@@ -156,10 +156,10 @@ int simulate_command(const FlowOptions& o, const flow::CostModel& costs, int32_t
     runs.push_back(
         flow::run_schedule(s, layers, o.micro_batches, o.chunk_bytes, costs, o.samples, tuner, true, o.link_model));
   }
-  std::printf("flow %s: %d layers, %lld dense gradient bytes per layer, costs %s, link %s (one rank's timeline; "
-              "ranks symmetric)\n",
-              o.action.c_str(), layers, (long long)costs.dense_grad_bytes_per_layer, o.costs_path.c_str(),
-              o.link.c_str());
+  std::printf("flow %s: %d layers, %lld dense gradient bytes per layer, %lld of the head, %lld of the embedding, costs "
+              "%s, link %s (one rank's timeline; ranks symmetric)\n",
+              o.action.c_str(), layers, (long long)costs.dense_grad_bytes_per_layer, (long long)costs.head_grad_bytes,
+              (long long)costs.embed_grad_bytes, o.costs_path.c_str(), o.link.c_str());
   std::printf("%-11s %3s %10s %10s %8s %8s %9s %9s %9s %9s %9s\n", "schedule", "R", "Sp KiB", "step ms", "speedup",
               "vs prev", "fwd ms", "bwd ms", "compute", "a2a", "AR");
   const double base = runs.front().result.step_ms;
@@ -330,15 +330,16 @@ json measured_trace(const std::vector<std::pair<flow::GraphSpec, std::vector<flo
 }
 
 // The graphs flow measure runs: --schedule all's ablation (vanilla at R = 1, the others at --micro-batches), or one
-// schedule at every --measure-r. dense_bytes: one layer's all-reduced gradients in the engine's layout.
-std::vector<flow::GraphSpec> measure_specs(const FlowOptions& o, int32_t layers, flow::Schedule schedule, bool ablation,
-                                           int64_t dense_bytes) {
+// schedule at every --measure-r. dense_bytes: one layer's all-reduced gradients in the engine's layout (the head's
+// and the embedding's are the same on both engines: set_mixtral_grad_layout).
+std::vector<flow::GraphSpec> measure_specs(const FlowOptions& o, const MixtralConfig& c, flow::Schedule schedule,
+                                           bool ablation, int64_t dense_bytes) {
   auto spec_of = [&](flow::Schedule sch, int32_t r) {
     flow::GraphSpec spec;
-    spec.layers = layers;
+    spec.layers = c.num_hidden_layers;
     spec.micro_batches = r;
     spec.schedule = sch;
-    spec.dense_grad_bytes_per_layer = dense_bytes;
+    flow::set_mixtral_grad_layout(spec, c, dense_bytes);
     spec.chunk_bytes = o.chunk_bytes;
     return spec;
   };
@@ -387,7 +388,7 @@ int measure_command(const FlowOptions& o) {
   std::vector<int32_t> tokens(size_t(o.world * o.batch * o.seq));
   for (auto& t : tokens) t = int32_t(rng.next() % uint64_t(c.vocab_size));
   const std::vector<flow::GraphSpec> specs =
-      measure_specs(o, c.num_hidden_layers, schedule, ablation, flow::mixtral_dense_grad_bytes_per_layer(c));
+      measure_specs(o, c, schedule, ablation, flow::mixtral_dense_grad_bytes_per_layer(c));
   std::vector<flow::CpuFlowMeasurement> runs;
   std::vector<flow::TaskGraph> graphs;
   std::vector<ResourceReport> resources;
@@ -521,7 +522,7 @@ int measure_cuda_command(const FlowOptions& o) {
   for (auto& t : tokens) t = int32_t(rng.next() % uint64_t(c.vocab_size));
   const int32_t* mine = tokens.data() + size_t(rank) * o.batch * o.seq;
   const std::vector<flow::GraphSpec> specs =
-      measure_specs(o, c.num_hidden_layers, schedule, ablation, flow::cuda_mixtral_dense_grad_bytes_per_layer(c));
+      measure_specs(o, c, schedule, ablation, flow::cuda_mixtral_dense_grad_bytes_per_layer(c));
   // Peak memory and energy over each measurement's timed steps, on rank 0 (its process, its GPU through NVML).
   std::optional<ResourceProbe> probe;
   if (rank == 0) {

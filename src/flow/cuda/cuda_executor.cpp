@@ -16,6 +16,7 @@
 #include "core/env.hpp"
 #include "core/error.hpp"
 #include "cuda/check.hpp"
+#include "flow/cpu_executor.hpp"
 #include "model/cuda/cuda_mixtral.hpp"
 
 namespace dmoe::flow {
@@ -83,10 +84,13 @@ struct CudaFlowExecutor::Impl {
   // Point 1 of the deadlock argument (docs/flow.md): every rank builds the same graph. One all-reduce of the
   // spec on the model's communicator, on the all-to-all stream (where all its collectives go).
   void check_spec(const GraphSpec& s) {
-    if (model.world() == 1 || (has_checked && std::memcmp(&checked, &s, sizeof(s)) == 0)) return;
+    // Field by field: memcmp would read GraphSpec's padding, which can differ between ranks and skip the check
+    // (a collective) on some ranks only.
+    if (model.world() == 1 || (has_checked && same_spec(checked, s))) return;
     // The mode and chunks_per_gap too: they decide the model communicator's collective order.
-    const std::vector<int64_t> mine{s.layers,      s.micro_batches, int64_t(s.schedule), s.dense_grad_bytes_per_layer,
-                                    s.chunk_bytes, int64_t(mode),   chunks_per_gap};
+    const std::vector<int64_t> mine{s.layers,          s.micro_batches,    int64_t(s.schedule), s.dense_grad_bytes_per_layer,
+                                    s.chunk_bytes,     int64_t(mode),      chunks_per_gap,      s.head_grad_bytes,
+                                    s.embed_grad_bytes};
     const size_t bytes = mine.size() * sizeof(int64_t);
     Backend& be = model.backend();
     // After every collective the caller issued on the compute stream (one order per communicator).
@@ -106,10 +110,12 @@ struct CudaFlowExecutor::Impl {
     for (size_t i = 0; i < mine.size(); ++i)
       DMOE_REQUIRE_INPUT(sum[i] == mine[i] * model.world(),
                          "flow: the {} ranks do not all run the same task graph (field {} of (layers, micro-batches, "
-                         "schedule, dense bytes per layer, chunk bytes, AR communicator, chunks per gap) differs; this "
-                         "rank: {}, {}, {}, {}, {}, {} (DMOE_FLOW_AR_COMM), {} (DMOE_FLOW_CHUNKS_PER_GAP))",
+                         "schedule, dense bytes per layer, chunk bytes, AR communicator, chunks per gap, head bytes, "
+                         "embedding bytes) differs; this rank: {}, {}, {}, {}, {}, {} (DMOE_FLOW_AR_COMM), {} "
+                         "(DMOE_FLOW_CHUNKS_PER_GAP), {}, {})",
                          model.world(), i, s.layers, s.micro_batches, schedule_name(s.schedule),
-                         s.dense_grad_bytes_per_layer, s.chunk_bytes, ar_comm_name(mode), chunks_per_gap);
+                         s.dense_grad_bytes_per_layer, s.chunk_bytes, ar_comm_name(mode), chunks_per_gap,
+                         s.head_grad_bytes, s.embed_grad_bytes);
     checked = s;
     has_checked = true;
   }
@@ -156,6 +162,12 @@ double CudaFlowExecutor::step(const TaskGraph& g, const int32_t* tokens, int64_t
                      "flow executor: graph dense_grad_bytes_per_layer {} but the GPU model's layers hold {} bytes of "
                      "all-reduced gradients", g.spec.dense_grad_bytes_per_layer,
                      cuda_mixtral_dense_grad_bytes_per_layer(c));
+  DMOE_REQUIRE_INPUT(g.spec.head_grad_bytes == mixtral_head_grad_bytes(c) &&
+                         g.spec.embed_grad_bytes == mixtral_embed_grad_bytes(c),
+                     "flow executor: graph head_grad_bytes {} and embed_grad_bytes {} but the GPU model's head (final "
+                     "norm, lm_head) holds {} bytes of all-reduced gradients and its embedding {} "
+                     "(set_mixtral_grad_layout)", g.spec.head_grad_bytes, g.spec.embed_grad_bytes,
+                     mixtral_head_grad_bytes(c), mixtral_embed_grad_bytes(c));
   for (int32_t id : g.allreduce_order)
     DMOE_REQUIRE_INPUT(g.tasks[size_t(id)].bytes % 4 == 0,
                        "flow executor: chunk_bytes {}: must be a multiple of 4 (f32 gradients)", g.spec.chunk_bytes);
@@ -175,30 +187,27 @@ double CudaFlowExecutor::step(const TaskGraph& g, const int32_t* tokens, int64_t
   DMOE_CHECK_CUDA(cudaStreamWaitEvent(x.a2a, x.step_begin, 0));
   DMOE_CHECK_CUDA(cudaStreamWaitEvent(x.ar, x.step_begin, 0));
 
-  // The replicated gradients in backward's order (layer L−1 first), and the rest (embedding, final norm, lm_head).
+  // The replicated gradients in the graph's layout (ReplicatedLayout: the order backward completes them): the head
+  // (final norm, lm_head: written by C'[L−1, r]'s prelude), layers L−1 … 0 (norms, q/k/v/o, router), the embedding
+  // (written by AT'[0, r]). Every byte of it is in some chunk: nothing is all-reduced outside the graph's tasks.
   const ParamLayout& lay = model.layout();
-  std::vector<Segment> layered, tail{{lay.embed_tokens, int64_t(c.vocab_size) * c.hidden_size},
-                                      {lay.norm, c.hidden_size}};
-  if (lay.lm_head >= 0) tail.push_back({lay.lm_head, int64_t(c.vocab_size) * c.hidden_size});
+  DMOE_REQUIRE(lay.lm_head >= 0, "flow executor: the GPU model has no lm_head (tied embeddings are refused)");
+  std::vector<Segment> replicated{{lay.norm, c.hidden_size}, {lay.lm_head, int64_t(c.vocab_size) * c.hidden_size}};
   for (int l = L - 1; l >= 0; --l)
-    for (const Segment& s : layer_segments(c, lay, l)) layered.push_back(s);
+    for (const Segment& s : layer_segments(c, lay, l)) replicated.push_back(s);
+  replicated.push_back({lay.embed_tokens, int64_t(c.vocab_size) * c.hidden_size});
   float* grads = model.gradients();
   Comm& ar_comm = x.ar_comm();
   const cudaStream_t ar_stream = x.ar_stream();
-  auto allreduce_elements = [&](int64_t first, int64_t last) {  // [first, last) of the layered gradients
+  auto allreduce_elements = [&](int64_t first, int64_t last) {  // [first, last) of the replicated layout
     int64_t at = 0;
-    for (const Segment& s : layered) {
+    for (const Segment& s : replicated) {
       const int64_t lo = std::max(first, at), hi = std::min(last, at + s.numel);
       if (lo < hi) ar_comm.allreduce_sum(grads + s.offset + (lo - at), hi - lo, DType::f32, ar_stream);
       at += s.numel;
     }
   };
 
-  std::vector<int64_t> chunk_first;  // per chunk: its first byte (chunks are in chunk order)
-  for (int64_t at = 0; int32_t k : g.allreduce_order) {
-    chunk_first.push_back(at);
-    at += g.tasks[size_t(k)].bytes;
-  }
   std::vector<uint8_t> issued(g.tasks.size(), 0);
   auto stream_of_task = [&](const Task& t) { return t.stream == flow::Stream::compute ? x.compute
                                                     : t.stream == flow::Stream::alltoall ? x.a2a : ar_stream; };
@@ -267,8 +276,7 @@ double CudaFlowExecutor::step(const TaskGraph& g, const int32_t* tokens, int64_t
     wait_deps(t, on);
     if (timeline) DMOE_CHECK_CUDA(cudaEventRecord(x.begin[size_t(id)], on));
     if (t.kind == TaskKind::allreduce) {
-      const int64_t first = chunk_first[size_t(t.chunk)];
-      if (model.world() > 1) allreduce_elements(first / 4, (first + t.bytes) / 4);
+      if (model.world() > 1) allreduce_elements(t.offset / 4, (t.offset + t.bytes) / 4);
     } else {
       run(t);
     }
@@ -328,10 +336,6 @@ double CudaFlowExecutor::step(const TaskGraph& g, const int32_t* tokens, int64_t
                    limit_s);
     }
   }
-  // Embedding, final norm, lm_head: last, in one call each, as the CPU executor does.
-  DMOE_CHECK_CUDA(cudaStreamWaitEvent(ar_stream, x.done[size_t(g.compute_order.back())], 0));
-  if (model.world() > 1)
-    for (const Segment& s : tail) ar_comm.allreduce_sum(grads + s.offset, s.numel, DType::f32, ar_stream);
   // The compute stream (the model's) continues after the step only once the gradients are summed.
   DMOE_CHECK_CUDA(cudaEventRecord(x.prelude, x.ar));
   DMOE_CHECK_CUDA(cudaStreamWaitEvent(x.compute, x.prelude, 0));
