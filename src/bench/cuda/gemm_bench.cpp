@@ -330,6 +330,7 @@ std::vector<GemmBenchRow> bench_wgrad_gemms(const MoeConfig& c, cudaStream_t str
       g.lda = pr.m;
       g.ldb = pr.n;
       g.c_group_stride = H * I;
+      g.accumulate = false;  // a bf16 C is stored, never accumulated (the kernel refuses that; the default adds)
       DMOE_REQUIRE(cuda::sm90_grouped_wgrad_usable(g),
                    "dmoe bench gemm --wgrad: the bf16-output weight-gradient kernel cannot run here (needs an sm_90 "
                    "GPU and a build for sm_90a)");
