@@ -201,8 +201,8 @@ bool check_wgrad_call(const GroupedWgrad& g, const char* who);
 // alone), on TMA + wgmma: persistent CTAs over a tile table, two consumer warpgroups taking alternate
 // 128×128 tiles so that one's stores overlap the other's products.
 // True where it can run: an sm_90 GPU and a build for sm_90a, m, n, lda, ldb multiples of 8, lda >= m,
-// ldb >= n, 16-byte aligned a, b and c (or c_bf16, with accumulate false), c_group_stride a multiple of 4,
-// fewer than 2^31 - 64 rows from a's (and b's) first row to the last group's end.
+// ldb >= n, 16-byte aligned a, b and c (or c_bf16, with accumulate false), c_group_stride a multiple of 4 (of 8
+// for c_bf16: its 16-byte stores), fewer than 2^31 - 64 rows from a's (and b's) first row to the last group's end.
 bool sm90_grouped_wgrad_usable(const GroupedWgrad& g);
 size_t sm90_grouped_wgrad_scratch_bytes(int32_t groups);
 struct Sm90WgradTuning {
@@ -211,7 +211,7 @@ struct Sm90WgradTuning {
   int schedule = 0;    // 0: the strip schedule for groups of at most 320 rows (A's k-range loaded once for up to
                        // 8 tiles), the tile schedule for longer ones; 1: the tile schedule for every group
   int bf16_store = 0;  // a bf16 C (c_bf16): 0 16-byte stores (each quad's words transposed first); 1 each lane's
-                       // 4-byte pairs as they come out of the accumulators (measured slower; for benchmarks)
+                       // 4-byte pairs as they come out of the accumulators (1.2-2× slower, docs/perf.md; benchmarks)
 };
 void sm90_grouped_wgrad(const CudaContext& ctx, void* scratch, const GroupedWgrad& g, const Sm90WgradTuning& t = {});
 
@@ -224,7 +224,7 @@ void grouped_wgrad(const GroupedWgrad& g, const CudaContext& ctx);
 //                   kMmaWgradMaxMeanMacs, the TMA + wgmma kernel (sm90) below kSm90WgradMaxMeanMacs, else cublas;
 //                   where sm90 cannot run, mma below kMmaOverCublasMaxMeanMacs; accumulating calls: mma below
 //                   kMmaOverCublasMaxMeanMacs, else cublas (sm90 measured slower there); bf16 gradients (c_bf16,
-//                   which the mma.sync kernel does not store): cublas (the sm90 kernel's bf16 store measured slower)
+//                   which the mma.sync kernel does not store): sm90 below kSm90WgradMaxMeanMacs, else cublas
 //   own             the sm90 kernel wherever usable, else the mma.sync kernel
 //   sm90            the TMA + wgmma kernel wherever usable
 //   mma             the mma.sync kernel wherever usable
@@ -232,6 +232,9 @@ void grouped_wgrad(const GroupedWgrad& g, const CudaContext& ctx);
 // Every call in `calls` must be usable on the kernel picked; otherwise cuBLAS runs them.
 enum class WgradKernel { cublas, sm90, mma };
 WgradKernel pick_wgrad_kernel(double mean_macs, const std::vector<GroupedWgrad>& calls);
+// Whether bf16 weight gradients can be stored by one grouped launch per product here: an sm_90 GPU, a build for
+// sm_90a, and DMOE_WGRAD auto, own or sm90 (the model's choice of bf16 expert gradients, model/train_replica.hpp).
+bool grouped_bf16_wgrad_available();
 const char* wgrad_kernel_name(WgradKernel k);
 
 }  // namespace dmoe::cuda

@@ -398,8 +398,8 @@ void expert_ffn_backward(const T* x, const T* w1, const T* w3, const T* w2, cons
   };
   WgradKernel wgrad_kernel = WgradKernel::cublas;
   if constexpr (std::is_same_v<T, bf16>) {
-    // f32 gradients: any of the kernels; bf16 gradients: cuBLAS, or the sm90 kernel where DMOE_WGRAD=sm90 forces it
-    // (its bf16 store measured slower: gemm.cpp).
+    // f32 gradients: any of the kernels; bf16 gradients: the sm90 kernel or cuBLAS (the mma.sync kernel stores f32
+    // only; the bounds: gemm.cpp).
     const double mean_macs = double(hidden) * double(ffn) * double(rows) / double(std::max<int64_t>(active, 1));
     std::vector<GroupedWgrad> calls{wgrad_call(dout, 0, hidden, h, ffn, dw2),
                                     wgrad_call(dpre1, row_begin, ffn, x, hidden, dw1)};

@@ -9,6 +9,7 @@
 
 #include "core/env.hpp"
 #include "cuda/common.hpp"
+#include "cuda/sm90_host.hpp"
 
 namespace dmoe::cuda {
 
@@ -164,25 +165,50 @@ constexpr double kOwnMaxMeanMacs = 4e9;
 constexpr double kMmaWgradMaxMeanMacs = 2.5e8;
 constexpr double kSm90WgradMaxMeanMacs = 6e9;
 constexpr double kMmaOverCublasMaxMeanMacs = 1.5e9;
-// bf16 gradients (the PyTorch module's, stored without an f32 copy): cuBLAS's path is one cublasGemmEx per
-// expert and product, each ~15-20 µs of host time on the H200 machine (a memset, the launch and an event
-// record inside cuBLAS: 24 calls, ~430 µs of the T = 512 Mixtral backward's host time), where the sm90 kernel
-// is one launch per product. Measured (docs/perf.md, sixteenth session; Mixtral H 4096, I 14336, E 8, the
-// three products of a backward): sm90 bf16 2.68 ms at T = 64, 256 and 512 against cuBLAS's 0.92-1.07 ms,
-// 0.685 vs 0.561 ms at T = 1: ~1 TB/s of output whatever the rows (cause not established; its f32 store ran at
-// ~0.9 TB/s on Mixtral's 60 G products too). So auto leaves bf16 gradients on cuBLAS (DMOE_WGRAD=sm90 forces the
-// kernel) until it is faster there.
+// bf16 gradients (the PyTorch module's, stored without an f32 copy; the GPU model's large experts): cuBLAS's path is
+// one cublasGemmEx per expert and product, each ~15-20 µs of host time on the H200 machine (a memset, the launch and
+// an event record inside cuBLAS: 24 calls, ~430 µs of the T = 512 Mixtral backward's host time), where the sm90
+// kernel is one launch per product. Its bf16 store wrote each lane's 4-byte pairs (half of every 32-byte sector per
+// instruction) and ran at ~1 TB/s of output (sixteenth session: 2.68 ms against cuBLAS's 0.92-1.07 on Mixtral's T = 64
+// to 512 backward); since 3a0b2e5 each quad transposes its words and a lane stores 8 columns (16 bytes). Measured
+// (docs/perf.md, twenty-first session, H100, `dmoe bench gemm --wgrad`, dw1 bf16 stored, µs, 16-byte stores / the
+// old pairs / cuBLAS's per-expert calls, device time only):
+//   0.10 G (decode, 16 rows × 64 experts)       383 / 649 / 858
+//   0.13 G (GPT2-Tiny-MoE's layer)               23 / 25 / 186
+//   0.40 G (fine-grained)                       322 / 372 / 1699
+//   0.94 G (Mixtral T = 64: 16 rows × 8)        448 / 756 / 412
+//   1.07 G (flash-paper)                        408 / 477 / 711
+//   7.5 G (Mixtral T = 512)                     503 / 828 / 462
+//   16 G, 60 G (DeepSeek-V2-S, Mixtral T 4096)  2182, 2294 / 2133, 2212 / 1747, 1631
+// so auto takes the sm90 kernel for bf16 gradients below kSm90WgradMaxMeanMacs, as for f32 ones (Mixtral T = 64 is
+// 8 % slower there on the device and saves 24 host-timed cuBLAS calls), and cuBLAS above.
+
+namespace {
+
+enum class WgradMode { automatic, own, sm90, mma, cublas };
+
+WgradMode wgrad_mode() {
+  static const WgradMode mode = [] {
+    const std::string v = env_choice("DMOE_WGRAD", {"auto", "own", "sm90", "mma", "cublas"}, "auto");
+    if (v == "own") return WgradMode::own;
+    if (v == "sm90") return WgradMode::sm90;
+    if (v == "mma") return WgradMode::mma;
+    if (v == "cublas") return WgradMode::cublas;
+    return WgradMode::automatic;
+  }();
+  return mode;
+}
+
+}  // namespace
+
+bool grouped_bf16_wgrad_available() {
+  const WgradMode m = wgrad_mode();
+  return (m == WgradMode::automatic || m == WgradMode::own || m == WgradMode::sm90) && device_info().usable;
+}
 
 WgradKernel pick_wgrad_kernel(double mean_macs, const std::vector<GroupedWgrad>& calls) {
-  enum Mode { automatic, own, sm90, mma, cublas };
-  static const Mode mode = [] {
-    const std::string v = env_choice("DMOE_WGRAD", {"auto", "own", "sm90", "mma", "cublas"}, "auto");
-    if (v == "own") return own;
-    if (v == "sm90") return sm90;
-    if (v == "mma") return mma;
-    if (v == "cublas") return cublas;
-    return automatic;
-  }();
+  using enum WgradMode;
+  const WgradMode mode = wgrad_mode();
   auto all = [&](bool (*usable)(const GroupedWgrad&)) {
     for (const GroupedWgrad& g : calls)
       if (!usable(g)) return false;
@@ -201,7 +227,8 @@ WgradKernel pick_wgrad_kernel(double mean_macs, const std::vector<GroupedWgrad>&
       if (usable_mma) return WgradKernel::mma;
       break;
     case automatic:
-      if (!calls.empty() && calls.front().c_bf16 != nullptr) return WgradKernel::cublas;  // bf16: above
+      if (!calls.empty() && calls.front().c_bf16 != nullptr)  // bf16 (stored, never accumulated): above
+        return mean_macs < kSm90WgradMaxMeanMacs && usable_sm90 ? WgradKernel::sm90 : WgradKernel::cublas;
       if (!calls.empty() && std::all_of(calls.begin(), calls.end(), [](const GroupedWgrad& g) { return g.accumulate; }))
         return mean_macs >= kMmaOverCublasMaxMeanMacs ? WgradKernel::cublas
                : usable_mma                           ? WgradKernel::mma

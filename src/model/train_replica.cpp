@@ -11,13 +11,15 @@
 
 namespace dmoe {
 
-bool bf16_expert_grads_pay_off(const MixtralConfig& config) {
+bool bf16_expert_grads_pay_off(const MixtralConfig& config, bool grouped_bf16_wgrad) {
+  if (grouped_bf16_wgrad && config.hidden_size % 8 == 0 && config.intermediate_size % 8 == 0) return true;
   return int64_t(config.hidden_size) * int64_t(config.intermediate_size) >= kBf16ExpertGradMinWeight;
 }
 
 bool bf16_expert_grads_for_training(const MixtralConfig& config, DType storage, int32_t micro_batches,
-                                    bool flow_schedule) {
-  return storage == DType::bf16 && micro_batches == 1 && !flow_schedule && bf16_expert_grads_pay_off(config);
+                                    bool flow_schedule, bool grouped_bf16_wgrad) {
+  return storage == DType::bf16 && micro_batches == 1 && !flow_schedule &&
+         bf16_expert_grads_pay_off(config, grouped_bf16_wgrad);
 }
 
 double TrainReplica::flow_step(const flow::TaskGraph&, const int32_t*, int64_t, int64_t) {

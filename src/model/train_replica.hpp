@@ -109,19 +109,24 @@ std::unique_ptr<TrainReplica> make_cuda_replica(const MixtralConfig& config, DTy
                                                 int32_t micro_batches, int64_t max_tokens,
                                                 bool bf16_expert_grads = false);
 
-// Whether bf16 expert gradients make a GPU step faster for this shape: bf16 products go to one cuBLAS call per expert
-// and product (pick_wgrad_kernel: the grouped kernels' bf16 store is slower), whose host time (~15-20 µs a call) pays
-// only for large experts. Measured on the H200 at 8 × 1024 tokens a step (docs/perf.md, eighteenth session; bf16 vs
-// f32 expert gradients, the same call): DeepSeek-V2-S (H·I = 7.9 M) optimizer 32.7 → 30.0 ms, LLaMA2-MoE (4.2 M) step
-// 148.6 → 143.5 ms; GPT2-Tiny-MoE (0.13 M) 38.0 ms against 13.4 and BERT-Large-MoE (0.52 M) 49.7 against 40.7 (their
-// backward's 1152-2304 cuBLAS calls are host-bound). So H·I of at least kBf16ExpertGradMinWeight elements; no shape
-// between 0.52 M and 4.2 M was measured, nor other token counts (fewer tokens a step: relatively more host time).
+// Whether bf16 expert gradients make a GPU step faster for this shape. Where the GPU stores them with one grouped
+// launch per product (`grouped_bf16_wgrad`: cuda_grouped_bf16_wgrad(), the sm90 kernel's 16-byte bf16 stores) they pay
+// on every measured shape (docs/perf.md, twenty-first session, H100, 8 × 1024 tokens, bf16 vs f32 expert gradients, the
+// same call): GPT2-Tiny-MoE (H·I = 0.13 M) step 14.7 → 13.7 ms, BERT-Large-MoE (0.52 M) 46.0 → 44.7 ms; the kernel's
+// 16-byte stores need H and I multiples of 8. Elsewhere bf16 products go to one cuBLAS call per expert and product,
+// whose host time (~15-20 µs a call) pays only for large experts (eighteenth session, H200: DeepSeek-V2-S (7.9 M)
+// optimizer 32.7 → 30.0 ms, LLaMA2-MoE (4.2 M) step 148.6 → 143.5 ms; GPT2-Tiny-MoE 38.0 ms against 13.4 and
+// BERT-Large-MoE 49.7 against 40.7, their backward's 1152-2304 cuBLAS calls host-bound): H·I of at least
+// kBf16ExpertGradMinWeight elements.
 constexpr int64_t kBf16ExpertGradMinWeight = int64_t(1) << 21;
-bool bf16_expert_grads_pay_off(const MixtralConfig& config);
+bool bf16_expert_grads_pay_off(const MixtralConfig& config, bool grouped_bf16_wgrad);
 // dmoe train's choice: a bf16 GPU model, one backward per layer a step (one micro-batch: several add into the
 // gradients; no Flow schedule: its R varies), and a shape where it pays.
 bool bf16_expert_grads_for_training(const MixtralConfig& config, DType storage, int32_t micro_batches,
-                                    bool flow_schedule);
+                                    bool flow_schedule, bool grouped_bf16_wgrad);
+// Whether this process's GPU stores bf16 weight gradients with one grouped launch per product (an sm_90 GPU, a build
+// for sm_90a, DMOE_WGRAD auto, own or sm90); false in a build without CUDA.
+bool cuda_grouped_bf16_wgrad();
 // The rank and size of the GPU job this process belongs to (1 rank when not started by a launcher).
 void cuda_job_size(int32_t* rank, int32_t* world);
 

@@ -785,13 +785,15 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
     std::unique_ptr<TrainReplica> replica =
         make_cuda_replica(config, o.dtype, full, full_m, full_v, o.micro_batches,
                           local * o.seq,  // validation runs a rank's whole share in one forward
-                          bf16_expert_grads_for_training(config, o.dtype, o.micro_batches, !o.schedule.empty()) &&
+                          bf16_expert_grads_for_training(config, o.dtype, o.micro_batches, !o.schedule.empty(),
+                                                         cuda_grouped_bf16_wgrad()) &&
                               !o.f32_expert_grads);
     result.bf16_expert_grads = replica->bf16_expert_grads();
     // Said, as it changes the numbers (each expert gradient rounded once to bf16) and the memory.
     if (rank == 0 && result.bf16_expert_grads)
-      print("train: the experts' gradients are kept in bf16 (one micro-batch, no --schedule, hidden x ffn >= 2^21: half "
-            "their memory, and the optimizer reads half the bytes); --f32-expert-grads keeps them f32");
+      print("train: the experts' gradients are kept in bf16 (one micro-batch, no --schedule, stored by the grouped sm90 "
+            "kernel or hidden x ffn >= 2^21: half their memory, and the optimizer reads half the bytes); "
+            "--f32-expert-grads keeps them f32");
     run_rank(rank, *replica);
   } else {
     // --schedule: the Flow executor's gradient chunks go on a second group of the same thread ranks (docs/flow.md:

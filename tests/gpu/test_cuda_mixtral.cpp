@@ -367,8 +367,8 @@ TEST(GpuMixtral, TrainingStepsMatchCpuEngine) {
   EXPECT_LT(gpu.records.back().loss, gpu.records.front().loss);  // it learns
 }
 
-// The smallest shape dmoe train gives bf16 expert gradients (bf16_expert_grads_for_training: H·I = 1024 · 2048 = 2^21,
-// the threshold), kept small elsewhere so a step takes milliseconds: 2 layers, 4 experts (top 2), 8 query and 4 kv
+// The smallest shape dmoe train gives bf16 expert gradients wherever cuBLAS would store them
+// (bf16_expert_grads_for_training: H·I = 1024 · 2048 = 2^21, the threshold), kept small elsewhere so a step takes milliseconds: 2 layers, 4 experts (top 2), 8 query and 4 kv
 // heads of 128, the byte vocabulary of the test text.
 MixtralConfig bf16_grad_train_config() {
   MixtralConfig c = load_mixtral_config((fs::path(DMOE_SOURCE_DIR) / "bench/models/tiny.json").string());
@@ -419,7 +419,7 @@ TEST(GpuMixtral, TrainTakesBf16ExpertGradientsNearF32) {
   cuda_job_size(&rank, &world);
   if (4 % world != 0) GTEST_SKIP() << "the model's 4 experts do not split over " << world << " ranks";
   const MixtralConfig c = bf16_grad_train_config();
-  ASSERT_TRUE(bf16_expert_grads_for_training(c, DType::bf16, 1, false));
+  ASSERT_TRUE(bf16_expert_grads_for_training(c, DType::bf16, 1, false, false));
   TrainOptions o = bf16_grad_train_options(world, 8);
   auto quiet = [](const std::string&) {};
   const TrainResult bf = train_mixtral(c, o, quiet);

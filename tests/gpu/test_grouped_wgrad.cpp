@@ -464,7 +464,8 @@ INSTANTIATE_TEST_SUITE_P(Calls, CudaKernelsGroupedWgradStress, testing::ValuesIn
 
 // DMOE_WGRAD=auto's choice (cuda/gemm.cpp, from the measured tables there): storing, mma.sync below 0.25 G
 // multiply-adds per expert product, the sm90 kernel below 6 G, cuBLAS above; accumulating, mma.sync below 1.5 G and
-// cuBLAS above (the sm90 kernel was slower at every measured size; it takes them only where mma.sync cannot run).
+// cuBLAS above (the sm90 kernel was slower at every measured size; it takes them only where mma.sync cannot run);
+// bf16 gradients, the sm90 kernel below 6 G and cuBLAS above.
 TEST(CudaKernelsGroupedWgradPolicy, AutoPicksByMeasuredSizeAndMode) {
   if (!has_cuda_device()) GTEST_SKIP() << "no CUDA device";
   const char* knob = std::getenv("DMOE_WGRAD");
@@ -497,6 +498,16 @@ TEST(CudaKernelsGroupedWgradPolicy, AutoPicksByMeasuredSizeAndMode) {
   EXPECT_EQ(pick(1.07e9, true), K::mma);
   EXPECT_EQ(pick(2.1e9, true), K::cublas);
   EXPECT_EQ(pick(1.6e10, true), K::cublas);
+  // bf16 gradients (stored): the sm90 kernel below 6 G (the mma.sync kernel stores f32 only), cuBLAS above.
+  std::vector<uint16_t> c16(size_t(2) * 256 * 256, 0);
+  cuda::GroupedWgrad b = g;
+  b.c = nullptr;
+  b.c_bf16 = static_cast<__nv_bfloat16*>(run.upload(c16.data(), c16.size() * 2));
+  b.accumulate = false;
+  ASSERT_TRUE(cuda::sm90_grouped_wgrad_usable(b));
+  EXPECT_EQ(cuda::pick_wgrad_kernel(1.0e8, {b, b}), K::sm90);
+  EXPECT_EQ(cuda::pick_wgrad_kernel(2.1e9, {b, b}), K::sm90);
+  EXPECT_EQ(cuda::pick_wgrad_kernel(7.5e9, {b, b}), K::cublas);
 }
 
 std::string shape_name(const WgradShape& s) {
@@ -521,6 +532,8 @@ const WgradShape kShapes[] = {
     // more than 8 column tiles (strips of 8 and a shorter last one), groups around the strip schedule's
     // 320-row bound (some take the tile schedule in a second launch)
     {8, 400, 136, 1160, false},        {8, 400, 200, 1160, true},
+    // a last column tile of 56 columns (7 of the bf16 store's 8-column blocks: a partial quad after the first)
+    {20, 200, 200, 184, false},
 };
 
 INSTANTIATE_TEST_SUITE_P(Shapes, CudaKernelsGroupedWgrad,

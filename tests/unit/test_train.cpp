@@ -36,24 +36,32 @@ class Train : public test::TrainTest {
 };
 
 // dmoe train's choice of bf16 expert gradients on the GPU (model/train_replica.hpp): a bf16 model, one micro-batch, no
-// Flow schedule, experts of H·I >= 2 M elements; anything else keeps them f32 (several micro-batches add into them,
-// which bf16 ones refuse; small experts' bf16 products were measured slower).
-TEST(TrainExpertGrads, Bf16OnlyWithOneBackwardPerStepOnLargeExperts) {
+// Flow schedule, and a shape where they pay — any H and I multiples of 8 where the GPU stores bf16 weight gradients
+// with one grouped launch per product (the sm90 kernel), else experts of H·I >= 2 M elements (cuBLAS's per-expert
+// bf16 products of small experts were measured slower); anything else keeps them f32 (several micro-batches add into
+// them, which bf16 ones refuse).
+TEST(TrainExpertGrads, Bf16OnlyWithOneBackwardPerStepWhereTheyPay) {
   MixtralConfig big = load_mixtral_config((fs::path(DMOE_SOURCE_DIR) / "bench/models/llama2-moe.json").string());
   MixtralConfig small = load_mixtral_config((fs::path(DMOE_SOURCE_DIR) / "bench/models/gpt2-tiny-moe.json").string());
-  EXPECT_TRUE(bf16_expert_grads_pay_off(big));     // 1024 x 4096
-  EXPECT_FALSE(bf16_expert_grads_pay_off(small));  // 256 x 512
-  EXPECT_TRUE(bf16_expert_grads_for_training(big, DType::bf16, 1, false));
-  EXPECT_FALSE(bf16_expert_grads_for_training(big, DType::bf16, 2, false));  // micro-batches add into them
-  EXPECT_FALSE(bf16_expert_grads_for_training(big, DType::bf16, 1, true));   // a Flow schedule (R varies)
-  EXPECT_FALSE(bf16_expert_grads_for_training(big, DType::f32, 1, false));   // an f32 model's are f32
-  EXPECT_FALSE(bf16_expert_grads_for_training(small, DType::bf16, 1, false));
+  for (const bool grouped : {false, true}) {
+    SCOPED_TRACE(grouped ? "grouped bf16 weight gradients" : "cuBLAS's per-expert bf16 products");
+    EXPECT_TRUE(bf16_expert_grads_pay_off(big, grouped));            // 1024 x 4096
+    EXPECT_EQ(bf16_expert_grads_pay_off(small, grouped), grouped);   // 256 x 512
+    EXPECT_TRUE(bf16_expert_grads_for_training(big, DType::bf16, 1, false, grouped));
+    EXPECT_FALSE(bf16_expert_grads_for_training(big, DType::bf16, 2, false, grouped));  // micro-batches add into them
+    EXPECT_FALSE(bf16_expert_grads_for_training(big, DType::bf16, 1, true, grouped));   // a Flow schedule (R varies)
+    EXPECT_FALSE(bf16_expert_grads_for_training(big, DType::f32, 1, false, grouped));   // an f32 model's are f32
+    EXPECT_EQ(bf16_expert_grads_for_training(small, DType::bf16, 1, false, grouped), grouped);
+  }
   MixtralConfig edge = small;
   edge.hidden_size = 1024;
   edge.intermediate_size = 2048;  // exactly 2^21
-  EXPECT_TRUE(bf16_expert_grads_pay_off(edge));
+  EXPECT_TRUE(bf16_expert_grads_pay_off(edge, false));
   edge.intermediate_size = 2047;
-  EXPECT_FALSE(bf16_expert_grads_pay_off(edge));
+  EXPECT_FALSE(bf16_expert_grads_pay_off(edge, false));
+  EXPECT_FALSE(bf16_expert_grads_pay_off(edge, true));  // not a multiple of 8: the grouped kernel's stores refuse it
+  edge.intermediate_size = 2040;
+  EXPECT_TRUE(bf16_expert_grads_pay_off(edge, true));
 }
 
 TEST(TrainSchedule, WarmupThenCosineToMinLr) {

@@ -213,9 +213,9 @@ Command add_train_command(CLI::App& app) {
   sub->add_option("--print-every", o->print_every, "progress line every N steps (0: none)")->check(Range(int64_t(0), kMaxSteps));
   CLI::Option* f32_grads = sub->add_flag(
       "--f32-expert-grads", o->f32_expert_grads,
-      "cuda, bf16: keep the experts' gradients in f32 where they would be bf16 (one micro-batch, no --schedule, experts "
-      "with hidden x ffn >= 2^21: there bf16 gradients take half the memory and the optimizer reads half the bytes; "
-      "src/model/train_replica.hpp)");
+      "cuda, bf16: keep the experts' gradients in f32 where they would be bf16 (one micro-batch, no --schedule, and "
+      "experts the GPU's grouped sm90 kernel stores, or hidden x ffn >= 2^21: there bf16 gradients take half the memory "
+      "and the optimizer reads half the bytes; src/model/train_replica.hpp)");
   return [o, config, engine, dtype, chunk, samples, steps, file, min_lr, stop_after, f32_grads] {
     DMOE_REQUIRE_INPUT(stop_after->count() == 0 || o->stop_after >= 1, "train: --stop-after 0 is invalid: it stops "
                        "after a step of the --steps schedule, from 1 to --steps {} (leave it out to run all the steps)",

@@ -33,7 +33,7 @@ ModelBenchResult bench_model_step(const MixtralConfig& config, const ModelBenchO
                      config.num_local_experts, rank.world);
   std::unique_ptr<Comm> comm = std::move(rank.comm);
   CudaMixtralModel model(config, o.dtype, *comm, std::move(rank.backend),
-                         o.bf16_expert_grads && bf16_expert_grads_pay_off(config));
+                         o.bf16_expert_grads && bf16_expert_grads_pay_off(config, cuda_grouped_bf16_wgrad()));
   r_world = rank.world;
   cudaStream_t stream = static_cast<cudaStream_t>(model.backend().stream());
   // Random weights straight on the device (a host-side init of billions of values would take minutes):

@@ -10,6 +10,7 @@
 #include "comm/process_env.hpp"
 #include "core/error.hpp"
 #include "cuda/check.hpp"
+#include "cuda/common.hpp"
 #include "cuda/cuda_backend.hpp"
 #include "flow/cuda_executor.hpp"
 #include "flow/simulator.hpp"
@@ -206,6 +207,12 @@ EvalResult run_cuda_model(const MixtralConfig& config, const MixtralWeights& wei
     st.blocks.clear();  // engines before the model's backend
   }
   return result;
+}
+
+bool cuda_grouped_bf16_wgrad() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) return false;
+  return cuda::grouped_bf16_wgrad_available();
 }
 
 void cuda_job_size(int32_t* rank, int32_t* world) {

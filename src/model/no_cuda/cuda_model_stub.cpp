@@ -18,6 +18,7 @@ EvalResult run_cuda_model(const MixtralConfig&, const MixtralWeights&, const std
   DMOE_FAIL_INPUT("--engine cuda needs the CUDA engines, and this dmoe was built without CUDA (DMOE_CUDA=OFF or no "
                   "nvcc); use --engine cpu");
 }
+bool cuda_grouped_bf16_wgrad() { return false; }
 void cuda_job_size(int32_t* rank, int32_t* world) {
   *rank = 0;
   *world = 1;
