@@ -224,7 +224,8 @@ void grouped_wgrad(const GroupedWgrad& g, const CudaContext& ctx);
 //                   kMmaWgradMaxMeanMacs, the TMA + wgmma kernel (sm90) below kSm90WgradMaxMeanMacs, else cublas;
 //                   where sm90 cannot run, mma below kMmaOverCublasMaxMeanMacs; accumulating calls: mma below
 //                   kMmaOverCublasMaxMeanMacs, else cublas (sm90 measured slower there); bf16 gradients (c_bf16,
-//                   which the mma.sync kernel does not store): sm90 below kSm90WgradMaxMeanMacs, else cublas
+//                   which the mma.sync kernel does not store): sm90 below kSm90WgradMaxMeanMacs where each expert's
+//                   output has fewer than kSm90Bf16WgradMaxOutput (2^24) elements, else cublas
 //   own             the sm90 kernel wherever usable, else the mma.sync kernel
 //   sm90            the TMA + wgmma kernel wherever usable
 //   mma             the mma.sync kernel wherever usable

@@ -164,6 +164,7 @@ constexpr double kOwnMaxMeanMacs = 4e9;
 // so auto takes mma below kMmaOverCublasMaxMeanMacs there, cuBLAS above.
 constexpr double kMmaWgradMaxMeanMacs = 2.5e8;
 constexpr double kSm90WgradMaxMeanMacs = 6e9;
+constexpr int64_t kSm90Bf16WgradMaxOutput = int64_t(1) << 24;
 constexpr double kMmaOverCublasMaxMeanMacs = 1.5e9;
 // bf16 gradients (the PyTorch module's, stored without an f32 copy; the GPU model's large experts): cuBLAS's path is
 // one cublasGemmEx per expert and product, each ~15-20 µs of host time on the H200 machine (a memset, the launch and
@@ -180,8 +181,13 @@ constexpr double kMmaOverCublasMaxMeanMacs = 1.5e9;
 //   1.07 G (flash-paper)                        408 / 477 / 711
 //   7.5 G (Mixtral T = 512)                     503 / 828 / 462
 //   16 G, 60 G (DeepSeek-V2-S, Mixtral T 4096)  2182, 2294 / 2133, 2212 / 1747, 1631
-// so auto takes the sm90 kernel for bf16 gradients below kSm90WgradMaxMeanMacs, as for f32 ones (Mixtral T = 64 is
-// 8 % slower there on the device and saves 24 host-timed cuBLAS calls), and cuBLAS above.
+// cuBLAS loses where its per-expert calls are short (many experts of small outputs: the host issues slower than the
+// GPU runs them) and wins on Mixtral's few large experts (4096 × 14336 outputs each) at every T. Through the PyTorch
+// module (bench/module_block_profile.py, Mixtral block fwd + bwd, ms; same call, H100) the sm90 kernel there was
+// slower at T = 64 (3.93 against 3.69) and T = 256 (4.07 against 3.67), though it cut the backward's host time
+// (373 against 820 µs at T = 64): the GPU, not the host, bounds that step. So auto takes the sm90 kernel for bf16
+// gradients below kSm90WgradMaxMeanMacs where each expert's output has fewer than kSm90Bf16WgradMaxOutput elements
+// (measured: ≤ 6.3 M wins, decode's; 58.7 M loses, Mixtral's; nothing between), else cuBLAS.
 
 namespace {
 
@@ -227,8 +233,13 @@ WgradKernel pick_wgrad_kernel(double mean_macs, const std::vector<GroupedWgrad>&
       if (usable_mma) return WgradKernel::mma;
       break;
     case automatic:
-      if (!calls.empty() && calls.front().c_bf16 != nullptr)  // bf16 (stored, never accumulated): above
-        return mean_macs < kSm90WgradMaxMeanMacs && usable_sm90 ? WgradKernel::sm90 : WgradKernel::cublas;
+      if (!calls.empty() && calls.front().c_bf16 != nullptr) {  // bf16 (stored, never accumulated): above
+        const bool small_outputs = std::all_of(calls.begin(), calls.end(), [](const GroupedWgrad& g) {
+          return g.m * g.n < kSm90Bf16WgradMaxOutput;
+        });
+        return mean_macs < kSm90WgradMaxMeanMacs && small_outputs && usable_sm90 ? WgradKernel::sm90
+                                                                                  : WgradKernel::cublas;
+      }
       if (!calls.empty() && std::all_of(calls.begin(), calls.end(), [](const GroupedWgrad& g) { return g.accumulate; }))
         return mean_macs >= kMmaOverCublasMaxMeanMacs ? WgradKernel::cublas
                : usable_mma                           ? WgradKernel::mma
