@@ -173,7 +173,8 @@ constexpr double kMmaOverCublasMaxMeanMacs = 1.5e9;
 // instruction) and ran at ~1 TB/s of output (sixteenth session: 2.68 ms against cuBLAS's 0.92-1.07 on Mixtral's T = 64
 // to 512 backward); since 3a0b2e5 each quad transposes its words and a lane stores 8 columns (16 bytes). Measured
 // (docs/perf.md, twenty-first session, H100, `dmoe bench gemm --wgrad`, dw1 bf16 stored, µs, 16-byte stores / the
-// old pairs / cuBLAS's per-expert calls, device time only):
+// old pairs / cuBLAS's per-expert calls; events around each call, so cuBLAS's include the gaps where the host issues
+// its calls slower than the GPU runs them):
 //   0.10 G (decode, 16 rows × 64 experts)       383 / 649 / 858
 //   0.13 G (GPT2-Tiny-MoE's layer)               23 / 25 / 186
 //   0.40 G (fine-grained)                       322 / 372 / 1699

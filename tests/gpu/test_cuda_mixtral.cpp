@@ -368,8 +368,8 @@ TEST(GpuMixtral, TrainingStepsMatchCpuEngine) {
 }
 
 // The smallest shape dmoe train gives bf16 expert gradients wherever cuBLAS would store them
-// (bf16_expert_grads_for_training: H·I = 1024 · 2048 = 2^21, the threshold), kept small elsewhere so a step takes milliseconds: 2 layers, 4 experts (top 2), 8 query and 4 kv
-// heads of 128, the byte vocabulary of the test text.
+// (bf16_expert_grads_for_training: H·I = 1024 · 2048 = 2^21, the threshold), kept small elsewhere so a step takes
+// milliseconds: 2 layers, 4 experts (top 2), 8 query and 4 kv heads of 128, the byte vocabulary of the test text.
 MixtralConfig bf16_grad_train_config() {
   MixtralConfig c = load_mixtral_config((fs::path(DMOE_SOURCE_DIR) / "bench/models/tiny.json").string());
   c.hidden_size = 1024;
