@@ -451,6 +451,7 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
   // The file holds one entry per run shape ({"runs": [{"key", "samples", "choice"}, ...]}): a new shape is added,
   // never written over another's; a file that is not one of these is refused before the run, not replaced.
   std::optional<flow::TunePoint> tuned_choice;
+  bool tuned_vanilla = false;  // the reused choice is the vanilla baseline (the graph of --schedule vanilla)
   json tune_runs = json::array();
   // The error_code form: a symbolic link loop as --tune-file threw filesystem_error ("unexpected error", rc 2); such a
   // path is refused as an output below, naming the loop.
@@ -484,10 +485,21 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
                          "--tune-file {}: choice micro_batches {} (must split the {} sequences per rank) or chunk_bytes "
                          "{} (must be a multiple of 4 in [4, 2^40]) is not usable here", o.tune_file, mb,
                          o.batch / o.world, sp_text);
+      // "schedule": "vanilla" when the baseline won (files written before it existed hold chunked-ar choices only).
+      bool vanilla = false;
+      if (c.contains("schedule")) {
+        DMOE_REQUIRE_INPUT(c["schedule"].is_string() && (c["schedule"] == "vanilla" || c["schedule"] == "chunked-ar"),
+                           "--tune-file {}: choice.schedule {} of this run's shape; allowed: \"vanilla\", "
+                           "\"chunked-ar\"", o.tune_file, c["schedule"].dump());
+        vanilla = c["schedule"] == "vanilla";
+        DMOE_REQUIRE_INPUT(!vanilla || r == 1, "--tune-file {}: choice.schedule \"vanilla\" with micro_batches {}; "
+                           "the vanilla baseline runs R = 1", o.tune_file, mb);
+      }
       flow::TunePoint p;
       p.micro_batches = int32_t(r);
       p.log2_chunk_bytes = std::log2(double(sp));
       tuned_choice = p;
+      tuned_vanilla = vanilla;
     }
   }
   if (tuned && !tuned_choice) {
@@ -591,29 +603,40 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
       return sum / double(windows);  // each forward's loss is already the mean over all ranks
     };
 
-    // --schedule tuned (flow/tuner.hpp): each sample runs one warm-up step and tune_steps timed steps of chunked-ar
-    // at the tuner's (Sp, R); rank 0's mean wall time of the Flow step is every rank's observation, so every rank's
-    // tuner suggests the same next point. The first sample is R = 1 (no pipelining) at 1 MiB: the tuner can then
-    // never settle on something slower than not splitting the batch.
+    // --schedule tuned (flow/tuner.hpp): each sample runs one warm-up step and tune_steps timed steps; rank 0's mean
+    // wall time of the Flow step is every rank's observation, so every rank's tuner suggests the same next point. The
+    // first sample is the vanilla baseline (the graph of --schedule vanilla: R = 1, the all-reduce after the
+    // backward), the other tune_samples − 1 are chunked-ar at the tuner's (Sp, R), starting at R = 1 and 1 MiB. The
+    // choice is the fastest of all of them, so a tuned run is never slower than vanilla by more than the samples'
+    // noise (issue 15's "never more than 2 % slower once tuned"), even where every chunking costs more than it hides.
     std::optional<flow::FlowTuner> tuner;
     flow::TunePoint point;
+    bool point_vanilla = false;  // the current graph is the vanilla baseline, not chunked-ar at `point`
+    std::optional<double> vanilla_ms;  // the baseline's sample, once taken
+    int32_t samples_taken = 0;
     std::vector<double> sample_ms;
     int32_t sample_step = 0;
     json samples = json::array();
     std::string schedule_text = o.schedule;
-    auto use_point = [&](const flow::TunePoint& p) {
+    auto use_point = [&](const flow::TunePoint& p, bool vanilla) {
       point = p;
-      graph = make_graph(flow::Schedule::chunked_ar, p.micro_batches, p.chunk_bytes());
+      point_vanilla = vanilla;
+      graph = vanilla ? make_graph(flow::Schedule::vanilla, 1, p.chunk_bytes())
+                      : make_graph(flow::Schedule::chunked_ar, p.micro_batches, p.chunk_bytes());
       sample_ms.clear();
       sample_step = 0;
     };
-    auto describe = [](const flow::TunePoint& p) {
+    auto describe = [](const flow::TunePoint& p, bool vanilla) {
+      if (vanilla) return std::string("vanilla (R = 1, the all-reduce after the backward)");
       return fmt::format("R = {}, Sp = {:.1f} KiB", p.micro_batches, (p.chunk_bytes() / 4 * 4) / 1024.0);
     };
+    flow::TunePoint first;  // the tuner's first point, and the baseline's R (its Sp is not used)
+    first.micro_batches = 1;
+    first.log2_chunk_bytes = 20;
     if (tuned && tuned_choice) {
-      use_point(*tuned_choice);
-      schedule_text = "tuned (" + describe(point) + ", reused from " + o.tune_file + ")";
-      if (rank == 0) print(fmt::format("tuned: reusing {} from {}", describe(point), o.tune_file));
+      use_point(*tuned_choice, tuned_vanilla);
+      schedule_text = "tuned (" + describe(point, point_vanilla) + ", reused from " + o.tune_file + ")";
+      if (rank == 0) print(fmt::format("tuned: reusing {} from {}", describe(point, point_vanilla), o.tune_file));
     } else if (tuned) {
       flow::TunerOptions to;
       to.seed = o.seed;
@@ -621,10 +644,7 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
       for (int32_t r : {1, 2, 4, 8})
         if (local % r == 0) to.micro_batches.push_back(r);
       tuner.emplace(to);
-      flow::TunePoint first;
-      first.micro_batches = 1;
-      first.log2_chunk_bytes = 20;
-      use_point(first);
+      use_point(first, true);
     }
 
     // Peak memory and energy over the training steps (core/resource_probe.hpp), read by rank 0 (this process
@@ -660,31 +680,40 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
             double mean = 0;
             for (double v : sample_ms) mean += v / double(sample_ms.size());
             mean = replica.rank0_value(mean);
-            tuner->observe(point, mean);
-            samples.push_back({{"micro_batches", point.micro_batches}, {"chunk_bytes", point.chunk_bytes() / 4 * 4},
-                               {"step_ms", mean}});
+            ++samples_taken;
+            if (point_vanilla) {
+              vanilla_ms = mean;
+              samples.push_back({{"schedule", "vanilla"}, {"micro_batches", 1}, {"step_ms", mean}});
+            } else {
+              tuner->observe(point, mean);
+              samples.push_back({{"schedule", "chunked-ar"}, {"micro_batches", point.micro_batches},
+                                 {"chunk_bytes", point.chunk_bytes() / 4 * 4}, {"step_ms", mean}});
+            }
             if (rank == 0 && o.print_every > 0)
-              print(fmt::format("tuned: sample {}/{}: {}: {:.3f} ms per Flow step", tuner->num_observations(),
-                                o.tune_samples, describe(point), mean));
-            if (int32_t(tuner->num_observations()) == o.tune_samples) {
-              const flow::TunePoint best = tuner->best();
-              const double best_ms = tuner->best_value();
-              use_point(best);
+              print(fmt::format("tuned: sample {}/{}: {}: {:.3f} ms per Flow step", samples_taken, o.tune_samples,
+                                describe(point, point_vanilla), mean));
+            if (samples_taken == o.tune_samples) {
+              // The baseline wins ties: it is the simpler schedule.
+              const bool vanilla = *vanilla_ms <= tuner->best_value();
+              const flow::TunePoint best = vanilla ? first : tuner->best();
+              const double best_ms = vanilla ? *vanilla_ms : tuner->best_value();
+              use_point(best, vanilla);
               tuner.reset();
-              schedule_text = "tuned (" + describe(point) + ")";
+              schedule_text = "tuned (" + describe(point, point_vanilla) + ")";
               if (rank == 0) {
-                print(fmt::format("tuned: chose {} ({:.3f} ms per Flow step) for the rest of the run", describe(best),
-                                  best_ms));
+                print(fmt::format("tuned: chose {} ({:.3f} ms per Flow step; vanilla {:.3f}) for the rest of the run",
+                                  describe(best, vanilla), best_ms, *vanilla_ms));
                 if (!o.tune_file.empty()) {
                   tune_runs.push_back(json{{"key", tune_key}, {"samples", samples},
-                                           {"choice", {{"micro_batches", best.micro_batches},
+                                           {"choice", {{"schedule", vanilla ? "vanilla" : "chunked-ar"},
+                                                       {"micro_batches", best.micro_batches},
                                                        {"chunk_bytes", best.chunk_bytes() / 4 * 4},
                                                        {"step_ms", best_ms}}}});
                   write_json(o.tune_file, json{{"runs", tune_runs}});
                 }
               }
             } else {
-              use_point(tuner->suggest());
+              use_point(point_vanilla ? first : tuner->suggest(), false);
             }
           }
         }

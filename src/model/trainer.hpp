@@ -59,11 +59,12 @@ struct TrainOptions {
   // vanilla | pipe-moe | pipe-attn | chunked-ar runs each step as one task graph on the engine's Flow executor (cpu:
   // flow/cpu_executor.hpp, three threads per rank; cuda: flow/cuda_executor.hpp, three streams; backwards
   // r = 0..R−1, so the gradients differ from the empty schedule's in the last bits). tuned: the first
-  // steps sample (Sp, R) of chunked-ar with the Bayesian tuner (flow/tuner.hpp), tune_steps timed steps after one
-  // warm-up step per sample, all of them real training steps; then the best point for the rest of the run.
+  // steps sample the vanilla graph once, then (Sp, R) of chunked-ar with the Bayesian tuner (flow/tuner.hpp),
+  // tune_steps timed steps after one warm-up step per sample, all of them real training steps; then the fastest
+  // sample (vanilla included) for the rest of the run.
   std::string schedule;
   int64_t chunk_bytes = int64_t(1) << 20;  // Sp of chunked-ar
-  int32_t tune_samples = 8;                // tuned: points sampled
+  int32_t tune_samples = 8;                // tuned: samples (the vanilla baseline, then tune_samples − 1 points)
   int32_t tune_steps = 3;                  // tuned: timed steps per point (after one warm-up step)
   std::string tune_file;                   // tuned: samples and choice as JSON, one entry per run shape (model,
                                            // batch, seq, world, dtype): this shape's is reused without tuning

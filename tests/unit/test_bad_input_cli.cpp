@@ -391,6 +391,13 @@ TEST_F(BadInput, TrainTuneFileAndResumeStateAreChecked) {
   const json good = {{"micro_batches", 1}, {"chunk_bytes", 1024}};
   expect_user_error(run_cli(tuned + "--tune-file " + tune_file("t3.json", {good, good})), "two entries have this "
                     "run's shape", "two entries");
+  // The choice's schedule: the vanilla baseline (R = 1 only) or chunked-ar; nothing else.
+  const json other = {{"schedule", "pipe-moe"}, {"micro_batches", 1}, {"chunk_bytes", 1024}};
+  expect_user_error(run_cli(tuned + "--tune-file " + tune_file("t5.json", {other})), "choice.schedule \"pipe-moe\" of "
+                    "this run's shape; allowed: \"vanilla\", \"chunked-ar\"", "choice.schedule pipe-moe");
+  const json split_vanilla = {{"schedule", "vanilla"}, {"micro_batches", 2}, {"chunk_bytes", 1024}};
+  expect_user_error(run_cli(tuned + "--tune-file " + tune_file("t6.json", {split_vanilla})), "choice.schedule "
+                    "\"vanilla\" with micro_batches 2; the vanilla baseline runs R = 1", "vanilla at R = 2");
   // A top-level key besides "runs" would be dropped when the file is rewritten (ts29): refused, the file kept.
   {
     json with_notes = json::parse(slurp(tune_file("t4.json", {good})));

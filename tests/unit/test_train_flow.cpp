@@ -70,7 +70,10 @@ TEST_F(TrainFlow, TunedScheduleOnTheCpuChoosesAndReuses) {
   std::string printed;
   const TrainResult first = train_mixtral(tiny(), o, [&](const std::string& line) { printed += line + "\n"; });
   EXPECT_EQ(first.records.size(), 8u);
-  EXPECT_NE(printed.find("tuned: chose R = "), std::string::npos) << printed;
+  EXPECT_NE(printed.find("tuned: chose "), std::string::npos) << printed;
+  // The first sample is the vanilla baseline, the two others chunked-ar from R = 1 at 1 MiB.
+  EXPECT_NE(printed.find("tuned: sample 1/3: vanilla (R = 1"), std::string::npos) << printed;
+  EXPECT_NE(printed.find("tuned: sample 2/3: R = 1, Sp = 1024.0 KiB"), std::string::npos) << printed;
   // The per-task table is of the chosen graph only: its 2 steps after sampling, the first left out (when the choice is
   // the last sample's point, that sample's 2 steps are the same graph and count too: 3).
   const bool one = printed.find("over its last 1 steps") != std::string::npos;
@@ -79,16 +82,44 @@ TEST_F(TrainFlow, TunedScheduleOnTheCpuChoosesAndReuses) {
   std::ifstream f(p("tune.json"));
   const nlohmann::json t = nlohmann::json::parse(f);
   ASSERT_EQ(t["runs"].size(), 1u) << t.dump();
-  EXPECT_EQ(t["runs"][0]["samples"].size(), 3u) << t.dump();
+  const nlohmann::json& samples = t["runs"][0]["samples"];
+  ASSERT_EQ(samples.size(), 3u) << t.dump();
+  EXPECT_EQ(samples[0]["schedule"], "vanilla") << t.dump();
+  EXPECT_EQ(samples[1]["schedule"], "chunked-ar") << t.dump();
   EXPECT_EQ(t["runs"][0]["key"]["world"], 2) << t.dump();
-  const int r = t["runs"][0]["choice"]["micro_batches"].get<int>();
+  const nlohmann::json& choice = t["runs"][0]["choice"];
+  const int r = choice["micro_batches"].get<int>();
   EXPECT_TRUE(r == 1 || r == 2) << t.dump();  // 2 sequences per rank: R = 4, 8 do not divide them
+  // The choice is the fastest sample, the baseline included (ties to vanilla).
+  double fastest = 1e300;
+  for (const auto& smp : samples) fastest = std::min(fastest, smp["step_ms"].get<double>());
+  EXPECT_EQ(choice["step_ms"].get<double>(), fastest) << t.dump();
+  const bool vanilla = choice["schedule"] == "vanilla";
+  EXPECT_EQ(vanilla, samples[0]["step_ms"].get<double>() == fastest) << t.dump();
   printed.clear();
   o.steps = 2;
   const TrainResult second = train_mixtral(tiny(), o, [&](const std::string& line) { printed += line + "\n"; });
   EXPECT_EQ(second.records.size(), 2u);
-  EXPECT_NE(printed.find("tuned: reusing R = " + std::to_string(r)), std::string::npos) << printed;
+  EXPECT_NE(printed.find(vanilla ? std::string("tuned: reusing vanilla") : "tuned: reusing R = " + std::to_string(r)),
+            std::string::npos) << printed;
   EXPECT_EQ(printed.find("tuned: sample"), std::string::npos) << printed;
+
+  // A file whose choice is the baseline runs the vanilla graph (--schedule vanilla's) without sampling, whatever the
+  // samples were; its losses are vanilla's.
+  nlohmann::json forced = t;
+  forced["runs"][0]["choice"] = {{"schedule", "vanilla"}, {"micro_batches", 1}, {"chunk_bytes", 1 << 20}, {"step_ms", 1.0}};
+  std::ofstream(p("forced.json")) << forced.dump();
+  o.tune_file = p("forced.json");
+  printed.clear();
+  const TrainResult reused = train_mixtral(tiny(), o, [&](const std::string& line) { printed += line + "\n"; });
+  EXPECT_NE(printed.find("tuned: reusing vanilla"), std::string::npos) << printed;
+  EXPECT_NE(printed.find("Flow executor (--schedule tuned (vanilla"), std::string::npos) << printed;
+  TrainOptions v = o;
+  v.schedule = "vanilla";
+  v.tune_file.clear();
+  const TrainResult plain = train_mixtral(tiny(), v, [](const std::string&) {});
+  ASSERT_EQ(plain.records.size(), reused.records.size());
+  for (size_t i = 0; i < plain.records.size(); ++i) EXPECT_EQ(plain.records[i].loss, reused.records[i].loss) << i;
 }
 
 }  // namespace

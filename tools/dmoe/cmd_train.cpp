@@ -180,11 +180,11 @@ Command add_train_command(CLI::App& app) {
   sub->add_option("--dtype", *dtype, "f32 | bf16 (cuda: the weights and activations the kernels use; master weights "
                   "and AdamW moments stay f32)");
   sub->add_option("--schedule", o->schedule, "Flow: vanilla | pipe-moe | pipe-attn | chunked-ar | tuned — each step as "
-                  "a task graph on the engine's Flow executor (cpu: threads; cuda: streams; docs/flow.md); tuned: the first steps sample (Sp, R) "
-                  "with the Bayesian tuner, then the best; default: the sequential loop");
+                  "a task graph on the engine's Flow executor (cpu: threads; cuda: streams; docs/flow.md); tuned: the first steps sample vanilla, then "
+                  "(Sp, R) of chunked-ar with the Bayesian tuner, then run the fastest; default: the sequential loop");
   CLI::Option* chunk = sub->add_option("--chunk-bytes", o->chunk_bytes,
                                        "Flow: Sp, the all-reduce chunk of chunked-ar (default 1 MiB)");
-  CLI::Option* samples = sub->add_option("--tune-samples", o->tune_samples, "Flow, --schedule tuned: points (Sp, R) sampled")
+  CLI::Option* samples = sub->add_option("--tune-samples", o->tune_samples, "Flow, --schedule tuned: samples, the vanilla baseline and N − 1 points (Sp, R)")
       ->capture_default_str();
   CLI::Option* steps = sub->add_option("--tune-steps", o->tune_steps,
                                        "Flow, --schedule tuned: timed steps per point, after one warm-up step")
