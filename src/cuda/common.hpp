@@ -129,6 +129,9 @@ struct Sm90Tuning {
                      // DMOE_SM90_SCHEDULE or dynamic
   int leave_out = 0;  // measurement aid, wrong results: 1 = no stores, 2 = no products and no stores (loads
                       // and the pipeline only); times of the variants place the kernel's time in its stages
+  uint32_t skip_lag_ns = 0;  // test aid: warps 1-3 of a consumer warpgroup whose rows all lie past its group
+                             // sleep this long before each slot wait, so that the skip path must hold its
+                             // warps together (tests/gpu/test_own_gemm.cpp); at most 1e6 (__nanosleep's bound)
 };
 void sm90_grouped_gemm(const CudaContext& ctx, void* scratch, const GroupedGemmNT& g, const Sm90Tuning& tuning = {});
 

@@ -105,6 +105,7 @@ struct Sm90Params {
   const int32_t* tiles_on_device;  // null, or the tiles as counted on the device (offsets in device memory)
   int32_t n_tiles;              // column tiles per group
   int32_t leave_out;            // measurement aid (Sm90Tuning::leave_out): 1 no stores, 2 no products either
+  uint32_t skip_lag_ns;         // test aid (Sm90Tuning::skip_lag_ns): 0 in every real call
   int32_t* tile_counter;        // kDynamic: the next tiles' counter, zeroed before the launch
   unsigned long long timeout_ns;
   DeviceWaitRecord* wait_record;  // host-mapped; written only when a wait times out
@@ -295,9 +296,15 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (tc.m_tile * kBlockM + consumer * 64 >= tc.rows || p.leave_out == 2) {
         for (int32_t kb = 0; kb < k_blocks; ++kb, ++it) {
           const int s = int(it % S);
+          if (p.skip_lag_ns != 0 && warp != 0) __nanosleep(p.skip_lag_ns);  // test aid: a late warp
           // Waiting for the slot to be full first keeps the empty barrier's arrivals in step with the
           // other consumer's (one arrival per filling of the slot).
           mbar_wait(full(s), (it / S) & 1, 0, s, p);
+          // Thread 0's one arrival stands for all four warps, so all four must have seen this fill before
+          // the slot can be refilled: no wgmma ties the warps together here, and a warp left behind by two
+          // fills of a slot waits on a parity that repeats — a phase late — and the next tile's wgmma then
+          // hangs the warpgroup (the wait report of faults.md; the lagged test in test_own_gemm.cpp).
+          warpgroup_barrier(1 + consumer);
           if (threadIdx.x % 128 == 0) mbar_arrive(empty(s));
         }
         continue;
@@ -515,7 +522,7 @@ int64_t tile_bound(int64_t rows, int32_t groups, int32_t n_tiles) {
 // nothing to launch); with offsets in device memory, a bound on them (the device counts the tiles).
 int32_t prepare_tiles(const CudaContext& ctx, void* scratch, const int64_t* row_offsets, bool offsets_on_device,
                       int64_t device_rows, int32_t groups, int64_t n, int64_t k, int out_n, bool dynamic,
-                      int leave_out, Sm90Params& p) {
+                      const Sm90Tuning& aids, Sm90Params& p) {
   const int32_t n_tiles = int32_t((n + out_n - 1) / out_n);
   char* ws = static_cast<char*>(scratch);
   const size_t offsets_bytes = (size_t(groups) + 1) * sizeof(int64_t);
@@ -560,7 +567,8 @@ int32_t prepare_tiles(const CudaContext& ctx, void* scratch, const int64_t* row_
   p.tiles = tiles;
   p.tiles_on_device = offsets_on_device ? reinterpret_cast<const int32_t*>(ws + counter_offset + sizeof(int32_t)) : nullptr;
   p.n_tiles = n_tiles;
-  p.leave_out = leave_out;
+  p.leave_out = aids.leave_out;
+  p.skip_lag_ns = aids.skip_lag_ns;
   p.tile_counter = reinterpret_cast<int32_t*>(ws + counter_offset);
   if (dynamic) DMOE_CHECK_CUDA(cudaMemsetAsync(p.tile_counter, 0, sizeof(int32_t), ctx.stream));
   p.timeout_ns = wait_timeout_ns();
@@ -569,14 +577,14 @@ int32_t prepare_tiles(const CudaContext& ctx, void* scratch, const int64_t* row_
 }
 
 template <int BN, int BK, bool kFuse, Activation A, bool kStaged, bool kDynamic>
-void launch(const CudaContext& ctx, void* scratch, const GroupedGemmNT& g, int leave_out) {
+void launch(const CudaContext& ctx, void* scratch, const GroupedGemmNT& g, const Sm90Tuning& aids) {
   using Cfg = TileConfig<BN, BK, kStaged>;
   const auto kernel = grouped_gemm_sm90_kernel<BN, BK, kFuse, A, kStaged, kDynamic>;
   constexpr bool kGated = kFuse && A == Activation::swiglu;
   constexpr int kOutN = kGated ? BN / 2 : BN;
   Sm90Params p;
   const int32_t tiles = prepare_tiles(ctx, scratch, g.row_offsets, g.offsets_on_device, g.rows, g.groups, g.n, g.k,
-                                      kOutN, kDynamic, leave_out, p);
+                                      kOutN, kDynamic, aids, p);
   if (tiles == 0) return;
 
   const int64_t rows_total = g.offsets_on_device ? g.rows : g.row_offsets[g.groups];
@@ -596,13 +604,13 @@ void launch(const CudaContext& ctx, void* scratch, const GroupedGemmNT& g, int l
 
 // The NN product (GroupedGemmNN): direct epilogue only, BK = 64.
 template <int BN, bool kDynamic>
-void launch_nn(const CudaContext& ctx, void* scratch, const GroupedGemmNN& g, int leave_out) {
+void launch_nn(const CudaContext& ctx, void* scratch, const GroupedGemmNN& g, const Sm90Tuning& aids) {
   constexpr int BK = 64;
   using Cfg = TileConfig<BN, BK, false>;
   const auto kernel = grouped_gemm_sm90_kernel<BN, BK, false, Activation::relu, false, kDynamic, true>;
   Sm90Params p;
   const int32_t tiles =
-      prepare_tiles(ctx, scratch, g.row_offsets, false, 0, g.groups, g.n, g.k, BN, kDynamic, leave_out, p);
+      prepare_tiles(ctx, scratch, g.row_offsets, false, 0, g.groups, g.n, g.k, BN, kDynamic, aids, p);
   if (tiles == 0) return;
 
   const bool two = g.a2 != nullptr;
@@ -622,7 +630,7 @@ void launch_nn(const CudaContext& ctx, void* scratch, const GroupedGemmNN& g, in
 }
 
 template <int BN, int BK, bool kStaged, bool kDynamic>
-void launch_for(const CudaContext& ctx, void* scratch, const GroupedGemmNT& g, int lo) {
+void launch_for(const CudaContext& ctx, void* scratch, const GroupedGemmNT& g, const Sm90Tuning& lo) {
   if (g.h == nullptr) return launch<BN, BK, false, Activation::relu, kStaged, kDynamic>(ctx, scratch, g, lo);
   switch (g.activation) {
     case Activation::relu:
@@ -824,7 +832,9 @@ void sm90_grouped_gemm(const CudaContext& ctx, void* scratch, const GroupedGemmN
   DMOE_CUDA_REQUIRE(t.leave_out >= 0 && t.leave_out <= 2,
                     "sm90_grouped_gemm: leave_out = %d; allowed: 0, 1 (no stores), 2 (no products, no stores)",
                     t.leave_out);
-  const int lo = t.leave_out;
+  DMOE_CUDA_REQUIRE(t.skip_lag_ns <= 1000000u, "sm90_grouped_gemm: skip_lag_ns = %u; allowed: 0 to 1000000 (a test "
+                    "aid)", t.skip_lag_ns);
+  const Sm90Tuning& lo = t;  // the aids (leave_out, skip_lag_ns) travel to the launch
   DMOE_CUDA_REQUIRE(t.schedule >= 0 && t.schedule <= 2,
                     "sm90_grouped_gemm: schedule = %d; allowed: 0 (default), 1 (static), 2 (dynamic)", t.schedule);
   const bool dyn = t.schedule == 0 ? dynamic_schedule() : t.schedule == 2;
@@ -874,14 +884,16 @@ void sm90_grouped_gemm_nn(const CudaContext& ctx, void* scratch, const GroupedGe
   DMOE_CUDA_REQUIRE(t.leave_out >= 0 && t.leave_out <= 2,
                     "sm90_grouped_gemm_nn: leave_out = %d; allowed: 0, 1 (no stores), 2 (no products, no stores)",
                     t.leave_out);
+  DMOE_CUDA_REQUIRE(t.skip_lag_ns <= 1000000u, "sm90_grouped_gemm_nn: skip_lag_ns = %u; allowed: 0 to 1000000 (a test "
+                    "aid)", t.skip_lag_ns);
   DMOE_CUDA_REQUIRE(t.schedule >= 0 && t.schedule <= 2,
                     "sm90_grouped_gemm_nn: schedule = %d; allowed: 0 (default), 1 (static), 2 (dynamic)", t.schedule);
   const bool wide = (t.block_n == 0 ? column_tile() : t.block_n) == 256;
   const bool dyn = t.schedule == 0 ? dynamic_schedule() : t.schedule == 2;
   if (dyn)
-    wide ? launch_nn<256, true>(ctx, scratch, g, t.leave_out) : launch_nn<128, true>(ctx, scratch, g, t.leave_out);
+    wide ? launch_nn<256, true>(ctx, scratch, g, t) : launch_nn<128, true>(ctx, scratch, g, t);
   else
-    wide ? launch_nn<256, false>(ctx, scratch, g, t.leave_out) : launch_nn<128, false>(ctx, scratch, g, t.leave_out);
+    wide ? launch_nn<256, false>(ctx, scratch, g, t) : launch_nn<128, false>(ctx, scratch, g, t);
 }
 
 // The twin of cpu::grouped_gemm_nn: scratch from the context's workspace (reserved here, so callers that

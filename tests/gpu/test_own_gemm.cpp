@@ -36,6 +36,7 @@ struct OwnGemmShape {
   int epilogue;  // 0: C only; 1 relu, 2 gelu, 3 swiglu: fused activation (h, and C2 for SwiGLU)
   int store = 1;  // 1: staged in shared memory + bulk stores, 2: direct stores from registers
   int schedule = 0;  // 0 default (dynamic), 1 static, 2 dynamic (tiles after the first wave from a global counter)
+  uint32_t lag_ns = 0;  // Sm90Tuning::skip_lag_ns: warps 1-3 of a skipping consumer late at every slot
 };
 
 constexpr const char* kEpilogueNames[] = {"plain", "relu", "gelu", "swiglu"};
@@ -115,6 +116,7 @@ TEST_P(CudaKernelsOwnGemm, MatchesHostReference) {
   tuning.block_n = s.block_n;
   tuning.epilogue = s.store;
   tuning.schedule = s.schedule;
+  tuning.skip_lag_ns = s.lag_ns;
   cuda::sm90_grouped_gemm(ctx, scratch, g, tuning);
   const cudaError_t status = cudaStreamSynchronize(ctx.stream);
   if (status != cudaSuccess) release();
@@ -192,6 +194,10 @@ TEST_P(CudaKernelsOwnGemm, MatchesHostReference) {
 // ~1200 fused SwiGLU tiles of 256 columns whose groups mix last tiles of <= 64 rows (second consumer
 // skips) and longer ones, with both schedules — the case that hung the first dynamic kernel on the H200
 // (fine-grained, decode at T = 1024, mixtral at T = 512; a stack frame from register pressure).
+// Lagged: the same mixes with warps 1-3 of every skipping consumer 20 µs late at each slot, k-blocks over
+// the 4 slots of 256-column tiles: before the skip path held its warps together (a named barrier before
+// thread 0's arrival), thread 0 ran two fills ahead of them and the next tile hung (the wait report of
+// docs/faults.md, seen once in a benchmark on the H200, reproduced here on every run).
 INSTANTIATE_TEST_SUITE_P(Shapes, CudaKernelsOwnGemm,
                          testing::Values(OwnGemmShape{48, 300, 520, 392, 128, 0},
                                          OwnGemmShape{48, 300, 520, 392, 256, 0},
@@ -216,13 +222,18 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CudaKernelsOwnGemm,
                                          OwnGemmShape{20, 300, 264, 136, 128, 2, 2, 1},
                                          OwnGemmShape{20, 300, 264, 136, 256, 3, 2, 1},
                                          OwnGemmShape{128, 200, 776, 72, 256, 3, 2, 2},
-                                         OwnGemmShape{128, 200, 776, 72, 256, 3, 2, 1}),
+                                         OwnGemmShape{128, 200, 776, 72, 256, 3, 2, 1},
+                                         OwnGemmShape{48, 300, 520, 392, 256, 0, 2, 2, 20000},
+                                         OwnGemmShape{48, 300, 520, 392, 256, 0, 2, 1, 20000},
+                                         OwnGemmShape{20, 300, 264, 1024, 256, 3, 2, 2, 20000},
+                                         OwnGemmShape{20, 300, 264, 1024, 128, 1, 1, 0, 20000}),
                          [](const testing::TestParamInfo<OwnGemmShape>& info) {
                            const OwnGemmShape& s = info.param;
                            return "G" + std::to_string(s.groups) + "_n" + std::to_string(s.n) + "_k" +
                                   std::to_string(s.k) + "_bn" + std::to_string(s.block_n) + "_" +
                                   kEpilogueNames[s.epilogue] + (s.store == 2 ? "_direct" : "_staged") +
-                                  (s.schedule == 2 ? "_dynamic" : s.schedule == 1 ? "_static" : "");
+                                  (s.schedule == 2 ? "_dynamic" : s.schedule == 1 ? "_static" : "") +
+                                  (s.lag_ns != 0 ? "_lagged" : "");
                          });
 
 // Offsets in device memory (GroupedGemmNT::offsets_on_device: the deferred train forward's, no host read of the

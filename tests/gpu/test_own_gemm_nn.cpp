@@ -41,6 +41,7 @@ struct NnShape {
   int schedule = 0;   // 0 default (dynamic), 1 static, 2 dynamic
   bool skew = false;  // all rows in one group (the others empty)
   bool twin = false;  // through cuda::grouped_gemm_nn (the twin's signature, workspace scratch)
+  uint32_t lag_ns = 0;  // Sm90Tuning::skip_lag_ns (test_own_gemm.cpp's lagged shapes)
 };
 
 struct DeviceBuffers {
@@ -110,6 +111,7 @@ TEST_P(CudaKernelsOwnGemmNN, MatchesCpuTwinAndCublas) {
     cuda::Sm90Tuning tuning;
     tuning.block_n = s.block_n;
     tuning.schedule = s.schedule;
+    tuning.skip_lag_ns = s.lag_ns;
     cuda::sm90_grouped_gemm_nn(ctx, scratch, g, tuning);
   }
   cudaError_t status = cudaStreamSynchronize(ctx.stream);
@@ -200,13 +202,14 @@ INSTANTIATE_TEST_SUITE_P(
                     NnShape{20, 300, 264, 72, 128, true, 1}, NnShape{8, 1000, 264, 136, 256, true, 1, true},
                     NnShape{16, 120, 2048, 768, 256, true}, NnShape{16, 120, 768, 2048, 256, false},
                     NnShape{16, 200, 2048, 256, 0, false, 0, false, true},
-                    NnShape{10, 300, 264, 72, 0, true, 0, false, true}),
+                    NnShape{10, 300, 264, 72, 0, true, 0, false, true},
+                    NnShape{48, 300, 520, 392, 256, true, 2, false, false, 20000}),
     [](const testing::TestParamInfo<NnShape>& info) {
       const NnShape& s = info.param;
       return "G" + std::to_string(s.groups) + "_rows" + std::to_string(s.max_rows) + "_n" + std::to_string(s.n) +
              "_k" + std::to_string(s.k) + "_bn" + std::to_string(s.block_n) + (s.two ? "_two" : "") +
              (s.schedule == 1 ? "_static" : s.schedule == 2 ? "_dynamic" : "") + (s.skew ? "_skew" : "") +
-             (s.twin ? "_twin" : "");
+             (s.twin ? "_twin" : "") + (s.lag_ns != 0 ? "_lagged" : "");
     });
 
 // What the kernel refuses, with the reason in the message: n or k not a multiple of 8, a2 without b2, the
