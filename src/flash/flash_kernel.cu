@@ -851,6 +851,9 @@ __device__ void processor_role(const KernelArgs& a, const TileMaps& maps, uint8_
       for (int32_t kb = 0; kb < k_blocks; ++kb, ++it) {
         const int st = int(it % kStages);
         flash_mbar_wait(full(st), (it / kStages) & 1, flash::kWaitSlotFull, st, a, flash::kRoleConsumer);
+        // Thread 0's arrival stands for all four warps: without a wgmma to tie them, a late warp could see the slot
+        // refilled twice and wait a phase late (the own GEMM's skip path, docs/faults.md), so all four first.
+        warpgroup_barrier(1 + consumer);
         if (threadIdx.x % 128 == 0) mbar_arrive(empty(st));
       }
     } else {
