@@ -250,6 +250,8 @@ struct Params {
   unsigned long long timeout_ns = 10'000'000'000ull;  // every wait's limit
   void* wait_record = nullptr;  // GPU: cuda::DeviceWaitRecord (host-mapped)
   uint64_t* profile = nullptr;  // GPU, optional: [grid, kProfileSlots] (ProfileSlot); null = off
+  uint32_t skip_lag_ns = 0;     // GPU test aid: warps 1-3 of a consumer skipping a task's rows sleep this long
+                                // before each slot wait (FlashEngine::set_skip_lag_for_tests); 0 in real calls
 };
 
 // One backward of one rank, after its train forward (epoch n = Control::epoch, the forward's) and before the

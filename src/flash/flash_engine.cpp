@@ -154,6 +154,7 @@ flash::Params FlashEngine::params(const void* x, void* y) const {
   p.symmetric = symmetric_.local;
   p.local = local_;
   p.timeout_ns = cuda::wait_timeout_ns();
+  p.skip_lag_ns = skip_lag_ns_;
   return p;
 }
 

@@ -22,6 +22,7 @@
 #include "comm/comm.hpp"
 #include "comm/cuda/symmetric.hpp"
 #include "core/config.hpp"
+#include "core/error.hpp"
 #include "core/flash_protocol.hpp"
 #include "model/moe_weights.hpp"
 
@@ -59,6 +60,12 @@ class FlashEngine {
   void set_weight_views(const void* gate, const void* w1, const void* w3, const void* w2);
   // x, y: [T, H] bf16 device memory, 16-byte aligned. One cooperative kernel launch on `stream`.
   void forward(const void* x, void* y, cudaStream_t stream);
+  // Test aid (tests/gpu/test_flash.cpp): the kernel's consumers that skip a task's rows run with warps 1-3 late by
+  // this much at every slot, so that the skip path must hold its warps together. 0 (the default) in real use.
+  void set_skip_lag_for_tests(uint32_t ns) {
+    DMOE_REQUIRE(ns <= 1000000u, "FlashEngine::set_skip_lag_for_tests: {} ns; allowed: 0 to 1000000", ns);
+    skip_lag_ns_ = ns;
+  }
   // Waits for `stream` (bounded, DMOE_COMM_TIMEOUT_S) and throws if a forward flagged an error (a token whose
   // router logits hold a NaN: no expert can be chosen, its row is dropped).
   void check(cudaStream_t stream);
@@ -118,6 +125,7 @@ class FlashEngine {
   bool has_weights_ = false;
   bool owns_weights_ = false;  // gate_ .. w2_ were allocated by set_weights (not set_weight_views)
   uint64_t* profile_ = nullptr;  // [grid, kProfileSlots] when profiling
+  uint32_t skip_lag_ns_ = 0;     // set_skip_lag_for_tests
   uint64_t forwards_ = 0;
   const void* last_x_ = nullptr;   // the last forward's x (the router backward reads it)
   bool backward_pending_ = false;  // a train forward whose backward has not run

@@ -850,6 +850,7 @@ __device__ void processor_role(const KernelArgs& a, const TileMaps& maps, uint8_
     if (skip) {
       for (int32_t kb = 0; kb < k_blocks; ++kb, ++it) {
         const int st = int(it % kStages);
+        if (a.p.skip_lag_ns != 0 && warp != 0) __nanosleep(a.p.skip_lag_ns);  // test aid: a late warp
         flash_mbar_wait(full(st), (it / kStages) & 1, flash::kWaitSlotFull, st, a, flash::kRoleConsumer);
         // Thread 0's arrival stands for all four warps: without a wgmma to tie them, a late warp could see the slot
         // refilled twice and wait a phase late (the own GEMM's skip path, docs/faults.md), so all four first.

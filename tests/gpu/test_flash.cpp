@@ -136,6 +136,42 @@ INSTANTIATE_TEST_SUITE_P(Cases, FlashLayer,
                                            FlashCase{Activation::gelu, 0, 512, 16, 4}),
                          [](const auto& info) { return case_name(info.param); });
 
+// The consumers' skip path with warps 1-3 of every skipping consumer 20 µs late at each slot (the test aid): tasks
+// of more k-blocks (H = I = 1024: 16) than the 4 slots, experts of 64 rows or fewer (T 64, k 8: the second consumer
+// skips every task) and of mixed sizes. The one-arrival skip loop without the warpgroup barrier lets thread 0 run two
+// fills ahead of its warps and hangs the next task (the own GEMM's wait report, docs/faults.md); with it the
+// results are the CPU reference's, as without the lag.
+TEST(FlashLayerLaggedSkip, LateWarpsInTheSkipPathChangeNothing) {
+  if (!flash_runs_here()) GTEST_SKIP() << "no sm_90 GPU with this build's sm_90a kernels";
+  const ProcessEnv env = detect_process_env();
+  if (env.world > 1) GTEST_SKIP() << "one process";
+  for (const FlashCase& fc : {FlashCase{Activation::swiglu, 0, 64, 8, 8}, FlashCase{Activation::relu, 0, 300, 8, 2}}) {
+    MoeConfig c = flash_case_config(fc, 1);
+    c.hidden = 1024;
+    c.ffn = 1024;
+    const MoeWeights w = random_moe_weights(c, 31);
+    const auto x = inputs_without_near_ties(c, w, 300, 1e-4f);
+    ASSERT_FALSE(x.empty()) << c.summary();
+    const LayerResult ref = run_cpu_layer(c, w, x, nullptr);
+    auto comm = make_local_comm();
+    FlashEngine engine(c, *comm);
+    engine.set_weights(w);
+    DeviceRows xd(x.size()), yd(x.size());
+    xd.upload(x.data());
+    engine.forward(xd.ptr, yd.ptr, nullptr);
+    engine.check(nullptr);
+    const auto y = yd.download();
+    engine.set_skip_lag_for_tests(20000);
+    for (int rep = 0; rep < 3; ++rep) {
+      engine.forward(xd.ptr, yd.ptr, nullptr);
+      engine.check(nullptr);
+      EXPECT_TRUE(yd.download() == y) << c.summary() << ": lagged forward " << rep << " differs";
+    }
+    EXPECT_EQ(engine.expert_ids(nullptr), ref.expert_ids) << c.summary();
+    EXPECT_CLOSE(y.data(), ref.y.data(), y.size(), kTolBf16, c.summary() << " y vs CPU");
+  }
+}
+
 // Skew: every token picks expert 0 first and expert 1 second (x > 0, the gate's only non-zero row is 0's, the
 // other logits tie at exactly 0 and go to the lower index), so experts 2.. and, at W > 2, whole ranks get
 // nothing; one expert gets every token.
