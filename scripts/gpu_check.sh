@@ -12,7 +12,8 @@
 # benchmark, training step per DMOE_WGRAD path), gpus (one rank per GPU on a multi-GPU machine),
 # flash (the Flash kernel at W = 1: its tests, and its benchmark beside EP), flash_multi (Flash at W = 2, 4
 # ranks on the GPU), flash_backward (the Flash backward: its tests at W = 1, 2, 4 and the training step beside
-# EP's on the four named configs), faults (the fault-injection matrix over GPU processes), sanitize (compute-sanitizer);
+# EP's on the four named configs), faults (the fault-injection matrix over GPU processes), sanitize (compute-sanitizer),
+# skiplag (the skip paths of the own GEMM and Flash with late warps, each case its own process; the shape that hung once);
 # all = tests,multi,bench,modes (default).
 #
 # Run from the repository root. Needs the NVSHMEM wheel in the Python on PATH (the GPU machine has it in
@@ -24,7 +25,7 @@ WHAT=${3:-all}
 [ "$WHAT" = all ] && WHAT=tests,multi,bench,modes
 # Every part is checked before the first runs: a misspelt later part ('tests,fash') was found only after the earlier
 # ones had run (minutes of a short device lease), and so was a BUILD_DIR without dmoe in it.
-PARTS="tests multi bench quick gemm wgrad modes profile gpus flash flash_multi flash_backward faults sanitize"
+PARTS="tests multi bench quick gemm wgrad modes profile gpus flash flash_multi flash_backward faults sanitize skiplag"
 for part in ${WHAT//,/ }; do
   case " $PARTS " in
     *" $part "*) ;;
@@ -118,6 +119,23 @@ part_gemm() {
     run 100 "gemm_dram_$cfg" ncu --clock-control none -k regex:grouped_gemm_sm90 -c 3 --metrics \
       dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct,gpu__time_duration.sum \
       "$B/dmoe" bench gemm --config "$cfg" --variants b256
+  done
+}
+
+part_skiplag() {
+  # docs/faults.md, "An own-GEMM wait that fired once": warps 1-3 of skipping consumers made late (the test aids). A
+  # hang stops its process with the kernel's wait report (limit 4 s here), so each case runs alone.
+  export DMOE_GPU_WAIT_TIMEOUT_MS=4000
+  local t
+  for t in $("$B/tests/dmoe_gpu_tests" --gtest_list_tests --gtest_filter='*OwnGemm*lagged*:FlashLayerLaggedSkip*' |
+             awk '/^[^ ]/{s=$1} /^  /{print s $1}'); do
+    run 60 "skiplag_${t//\//_}" "$B/tests/dmoe_gpu_tests" --gtest_brief=1 --gtest_filter="$t"
+  done
+  unset DMOE_GPU_WAIT_TIMEOUT_MS
+  local i
+  for i in 1 2 3 4; do
+    run 100 "skiplag_gemm_bert_$i" "$B/dmoe" bench gemm --tokens 8192 --hidden 512 --ffn 1024 --experts 32 --top-k 1 \
+      --activation swiglu --dtype bf16 --wgrad
   done
 }
 
