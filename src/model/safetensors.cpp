@@ -104,7 +104,10 @@ bool get_count(const json& v, uint64_t max, uint64_t* out) {
 std::string describe(const json& v) {
   // Short description of an unexpected JSON value for error messages.
   std::string s = v.dump(-1, ' ', false, json::error_handler_t::replace);
-  if (s.size() > 60) s = s.substr(0, 57) + "...";
+  if (s.size() > 60) {  // in place: GCC 12 at -O3 warns falsely (-Warray-bounds) on substr(...) + "..."
+    s.resize(57);
+    s += "...";
+  }
   return fmt::format("{} {}", v.type_name(), s);
 }
 
