@@ -20,6 +20,7 @@
 
 #include "bench/device_probe.hpp"
 #include "comm/comm.hpp"
+#include "comm/process_env.hpp"
 #include "core/error.hpp"
 #include "core/host_resources.hpp"
 #include "core/output_file.hpp"
@@ -512,13 +513,22 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
     if (!o.tune_file.empty()) check_output_file(o.tune_file, "--tune-file");
   }
 
-  // The log grows line by line (so a crash keeps what was written): not atomic, but checked before the run
-  // and after every line.
+  // The log grows line by line (so a crash keeps what was written), checked before the run and after every line. A new
+  // run writes it as <log>.partial beside the log (a symlink's target) and renames it over the log when it ends: a run
+  // that fails leaves the earlier run's log as it was (it used to be truncated at the start, so a failed run lost it)
+  // and its own lines in the .partial. A resumed run appends to the log it continues.
   std::ofstream log;
-  if (!o.log_path.empty()) {
+  std::string log_target, log_written;
+  // In a GPU job every process runs this with the same --log; rank 0 writes it (the others used to open and truncate it
+  // too, racing rank 0's first lines).
+  if (!o.log_path.empty() && (o.engine != "cuda" || detect_process_env().rank == 0)) {
     check_output_file(o.log_path, "--log");
-    log.open(o.log_path, std::ios::binary | (first_step > 1 ? std::ios::app : std::ios::trunc));
-    DMOE_REQUIRE_INPUT(log.good(), "--log {}: cannot be opened for writing", o.log_path);
+    log_target = fs::is_symlink(o.log_path) ? fs::canonical(o.log_path).string() : o.log_path;
+    log_written = first_step > 1 ? log_target : log_target + ".partial";
+    log.open(log_written, std::ios::binary | (first_step > 1 ? std::ios::app : std::ios::trunc));
+    DMOE_REQUIRE_INPUT(log.good(), "--log {}: {} cannot be opened for writing", o.log_path, log_written);
+    if (first_step == 1)
+      print(fmt::format("train: the log goes to {} until the run ends, then replaces {}", log_written, o.log_path));
   }
   print(fmt::format("train: {} | data {} ({} bytes: {} train, {} held out) | batch {} x seq {} | world {} | steps "
                     "{}..{} of {}", config.summary(), o.data_path, corpus.size(), train_bytes, val_bytes, o.batch,
@@ -837,6 +847,15 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
                            ar_comms.empty() ? nullptr : ar_comms[size_t(rank)].get());
       run_rank(rank, *replica);
     });
+  }
+  if (log.is_open()) {
+    log.close();
+    DMOE_REQUIRE_INPUT(!log.fail(), "--log {}: closing {} failed (disk full?)", o.log_path, log_written);
+    if (log_written != log_target) {
+      std::error_code ec;
+      fs::rename(log_written, log_target, ec);
+      DMOE_REQUIRE_INPUT(!ec, "--log {}: {} could not be renamed over it: {}", o.log_path, log_written, ec.message());
+    }
   }
   result.weights = full;
   if (!result.records.empty()) result.final_val_loss = result.records.back().val_loss;

@@ -629,6 +629,34 @@ TEST_F(BadInput, TrainSaveIsCheckedBeforeTheTraining) {
                     "subdirectories are not read", "--data with a subdirectory only");
 }
 
+TEST_F(BadInput, ANewTrainRunThatFailsKeepsTheEarlierLog) {
+  // tl1 (the twenty-third session's bad-input pass): a new run truncated --log at its start, so a run that then failed
+  // (here it diverges at step 2) left one line, and the earlier run's log, beside its checkpoint, was gone.
+  const std::string train = "train --config " + p("tiny.json") + " --data " + p("data") + " --seq 16 --batch 2 "
+                            "--val-batches 1 --print-every 0 --log ";
+  ASSERT_EQ(run_cli_bounded(train + p("log.jsonl") + " --steps 3").status, 0);
+  const std::string before = slurp(p("log.jsonl"));
+  ASSERT_NE(before.find("\"step\":3"), std::string::npos) << before;
+  EXPECT_FALSE(fs::exists(p("log.jsonl.partial")));
+  const Result diverged =
+      run_cli_bounded(train + p("log.jsonl") + " --steps 4 --lr 1e30 --weight-decay 0 --clip 0 --warmup 0");
+  EXPECT_NE(diverged.status, 0) << diverged.output;
+  EXPECT_EQ(slurp(p("log.jsonl")), before);
+  ASSERT_TRUE(fs::exists(p("log.jsonl.partial")));  // what the failed run logged
+  EXPECT_NE(slurp(p("log.jsonl.partial")).find("\"step\":1"), std::string::npos);
+  // A run that ends replaces the log with its own lines and leaves no .partial.
+  ASSERT_EQ(run_cli_bounded(train + p("log.jsonl") + " --steps 2").status, 0);
+  const std::string after = slurp(p("log.jsonl"));
+  EXPECT_NE(after.find("\"step\":2"), std::string::npos) << after;
+  EXPECT_EQ(after.find("\"step\":3"), std::string::npos) << after;
+  EXPECT_FALSE(fs::exists(p("log.jsonl.partial")));
+  // Through a symlink: the link's target is replaced, the link stays a link.
+  fs::create_symlink(p("log.jsonl"), p("link.jsonl"));
+  ASSERT_EQ(run_cli_bounded(train + p("link.jsonl") + " --steps 3").status, 0);
+  EXPECT_TRUE(fs::is_symlink(p("link.jsonl")));
+  EXPECT_NE(slurp(p("log.jsonl")).find("\"step\":3"), std::string::npos);
+}
+
 TEST_F(BadInput, FaultForACommandWithoutFaultPointsIsRefusedBeforeItsWork) {
   const std::string init = "init --hidden 8 --ffn 8 --experts 4 --top-k 2 --tokens 2 --out ";
   // fi1, fi2: the error came after the work, with the output written (rc 1).

@@ -196,7 +196,8 @@ Command add_train_command(CLI::App& app) {
   sub->add_option("--resume", o->resume_dir, "continue the run saved in this directory (exact resume)");
   sub->add_option("--save", o->save_dir, "write a checkpoint here at the end (and every --save-every steps)");
   sub->add_option("--save-every", o->save_every, "also save every N steps")->check(Range(int64_t(0), kMaxSteps));
-  sub->add_option("--log", o->log_path, "JSON-lines log: {step, loss, lr, grad_norm, tokens_per_s}, {step, val_loss}");
+  sub->add_option("--log", o->log_path, "JSON-lines log: {step, loss, lr, grad_norm, tokens_per_s}, {step, val_loss}; a new run writes it "
+                  "as <log>.partial and replaces the log when it ends (a failed run leaves the old log); --resume appends");
   sub->add_option("--lr", o->lr, "peak learning rate");
   // Not given: lr/10 (TrainOptions' min_lr < 0). A negative value given was taken for that default without a word.
   CLI::Option* min_lr = sub->add_option("--min-lr", o->min_lr, "final learning rate of the cosine, >= 0 and <= --lr "
