@@ -1847,6 +1847,13 @@ TEST_F(BadInput, FlowProjectOutputsCannotReplaceTheClusterFile) {
     EXPECT_EQ(slurp(p("cl.json")), before) << option;
   }
   EXPECT_EQ(run_cli(project + "--json " + p("out.json")).status, 0);
+  // fp1 (fourteenth pass): --seq was not checked against the model (tiny has 256 positions): 1024 by default, and
+  // --seq 4000000000000 printed a 2.5e17 ms step, rc 0. Not given, it is now the model's maximum where shorter.
+  const Result dflt = run_cli(project);
+  EXPECT_EQ(dflt.status, 0) << dflt.output;
+  EXPECT_NE(dflt.output.find("x 256 tokens per GPU"), std::string::npos) << dflt.output;
+  expect_user_error(run_cli(project + "--seq 4000000000000"), "flow project: --seq", "--seq past the model");
+  expect_user_error(run_cli(project + "--seq 257"), "flow project: --seq", "--seq 257 on tiny");
 }
 
 TEST_F(BadInput, EvalTokensFileWithAMaskOrLabelsIsRefused) {

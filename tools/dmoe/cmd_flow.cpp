@@ -79,6 +79,7 @@ struct FlowOptions {
   std::string cluster;
   int32_t gpus = 16, experts = 0;
   bool experts_given = false;
+  bool seq_given = false;
 };
 
 // --measure-r: comma-separated values of R, each a decimal integer in [1, 4096]. Read strictly: CLI11's list
@@ -216,6 +217,10 @@ int project_command(FlowOptions o) {
                        o.model_config);
     spec.model.num_local_experts = o.experts;
   }
+  // --seq against the model, as measure checks it: `--config tiny` (256 positions) was projected at 1024 tokens, and
+  // --seq 4000000000000 printed a 2.5e17 ms step, rc 0.
+  if (!o.seq_given) o.seq = std::min<int64_t>(1024, spec.model.max_position_embeddings);
+  spec.model.check_sequence(o.seq, "flow project: --seq");
   spec.batch = o.batch;
   spec.seq = o.seq;
   spec.gpus = o.gpus;
@@ -740,7 +745,7 @@ Command add_flow_command(CLI::App& app) {
   sub->add_option("--json", o->json_path, "also write the results as JSON");
   sub->add_option("--config", o->model_config, "measure: HF Mixtral config.json or a named model in bench/models");
   sub->add_option("--batch", o->batch, "measure: sequences per rank");
-  sub->add_option("--seq", o->seq, "measure: sequence length");
+  sub->add_option("--seq", o->seq, "measure: sequence length (default 32); project: tokens per sequence (default 1024, or the model's max_position_embeddings if fewer); within the model's positions");
   sub->add_option("--world", o->world, "measure: simulated ranks");
   sub->add_option("--measure-r", o->measure_r_text, "measure: values of R, comma-separated (all but the last are "
                   "fitted)")->capture_default_str();
@@ -771,7 +776,7 @@ Command add_flow_command(CLI::App& app) {
                                             {"--costs-out", o->costs_out}};
     if (o->action == "project") {
       if (sub->count("--dtype") == 0) o->dtype = "bf16";
-      if (sub->count("--seq") == 0) o->seq = 1024;  // the paper models' sequence
+      o->seq_given = sub->count("--seq") > 0;  // not given: the paper models' 1024, or the model's maximum if shorter
       // The cluster file is an input too: `--cluster cl.json --json cl.json` replaced the cluster with the results
       // (rc 0; a named one in DMOE_HOME's bench/flow/clusters the same).
       std::vector<NamedPath> inputs = {{"--config", find_model_config_file(o->model_config)}};
