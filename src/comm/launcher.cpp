@@ -556,6 +556,17 @@ int launch(const LaunchOptions& o) {
                      o.num_ranks);
   DMOE_REQUIRE_INPUT(!o.command.empty(), "no command to launch: give it after `--`, e.g. dmoe launch -n 2 -- dmoe bench ...");
   for (int32_t g : o.gpus) DMOE_REQUIRE_INPUT(g >= 0, "--gpus lists {}: GPU indices must be >= 0", g);
+  if (!o.gpus.empty()) {
+    // Indices into the GPUs the ranks will see: `--gpus 7,99` on a machine without those was handed on as DMOE_DEVICE
+    // 7 and 99 (rc 0), for each rank's CUDA to fail on later or never.
+    const int32_t visible = count_visible_gpus();
+    for (int32_t g : o.gpus)
+      DMOE_REQUIRE_INPUT(g < visible, "--gpus lists {}, but {}; GPU indices must be in [0, {}) (indices into "
+                         "CUDA_VISIBLE_DEVICES when it is set, else into `nvidia-smi -L`)", g,
+                         visible == 0 ? std::string("no GPU is visible here: leave out --gpus")
+                                      : fmt::format("{} GPU{} visible here", visible, visible == 1 ? " is" : "s are"),
+                         visible);
+  }
   const std::string program = find_program(o.command[0]);
   DMOE_REQUIRE_INPUT(!program.empty(), "cannot find an executable '{}'{}", o.command[0],
                      o.command[0].find('/') == std::string::npos ? " on PATH" : "");

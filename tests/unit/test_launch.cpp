@@ -453,7 +453,7 @@ TEST_F(LaunchCli, RanksSharingGpusGetMpsAndPercentages) {
 }
 
 TEST_F(LaunchCli, UnevenSharingAndNoMps) {
-  fake_gpus(1);
+  fake_gpus(2);
   fake_mps();
   // Three ranks on GPUs 0 and 1 (from --gpus): GPU 0 hosts two, so 50% each there and 100% on GPU 1.
   auto r = launch_lib(3, kPrintEnv, {0, 1});
@@ -465,6 +465,7 @@ TEST_F(LaunchCli, UnevenSharingAndNoMps) {
   EXPECT_EQ(vars[1]["dev"], "1");
 
   fs::remove(mps_log());
+  fake_gpus(1);
   r = launch_lib(2, kPrintEnv, {}, /*use_mps=*/false);  // both on the one GPU, no daemon
   ASSERT_EQ(r.status, 0) << r.output;
   vars = parse_rank_vars(r.output);
@@ -503,6 +504,21 @@ TEST_F(LaunchCli, CudaVisibleDevicesDecidesTheGpuCount) {
     EXPECT_EQ(vars[rank]["dev"], std::to_string(rank));  // indices into the visible list
     EXPECT_EQ(vars[rank]["shared"], "0");
   }
+}
+
+TEST_F(LaunchCli, GpusPastTheVisibleOnesAreRefused) {
+  // la1 (fourteenth bad-input pass): `--gpus 7,99` without those GPUs handed DMOE_DEVICE 7 and 99 to the ranks, rc 0.
+  fake_gpus(2);
+  auto r = launch_lib(2, kPrintEnv, {1, 2});
+  EXPECT_NE(r.status, 0) << r.output;
+  EXPECT_TRUE(contains(r.output, "--gpus lists 2, but 2 GPUs are visible here; GPU indices must be in [0, 2)")) << r.output;
+  fake_gpus(0);
+  r = launch_lib(1, kPrintEnv, {0});
+  EXPECT_NE(r.status, 0) << r.output;
+  EXPECT_TRUE(contains(r.output, "no GPU is visible here: leave out --gpus")) << r.output;
+  fake_gpus(1);
+  r = launch_lib(1, kPrintEnv, {2}, true, {{"CUDA_VISIBLE_DEVICES", "4,5,6"}});  // an index into the visible list
+  EXPECT_EQ(r.status, 0) << r.output;
 }
 
 TEST_F(LaunchCli, NoGpusMeansNoDeviceAndNoMps) {
@@ -608,6 +624,10 @@ TEST_F(LaunchCli, SigtermIsForwardedToTheRanks) {
 // The library entry point, with the relayed output going to a file of the test's choosing.
 TEST_F(LaunchCli, LibraryLaunchWritesToTheGivenDescriptors) {
   fake_gpus(0);
+  // --gpus 0 needs a visible GPU 0 (this test calls launch() without the fake nvidia-smi on PATH).
+  const char* old_visible = std::getenv("CUDA_VISIBLE_DEVICES");
+  const std::optional<std::string> saved_visible = old_visible ? std::optional<std::string>(old_visible) : std::nullopt;
+  ::setenv("CUDA_VISIBLE_DEVICES", "0", 1);
   const fs::path out_path = dir_ / "lib_out.txt";
   const int fd = ::open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
   ASSERT_GE(fd, 0);
@@ -620,6 +640,10 @@ TEST_F(LaunchCli, LibraryLaunchWritesToTheGivenDescriptors) {
   o.err_fd = fd;
   const int status = launch(o);
   ::close(fd);
+  if (saved_visible)
+    ::setenv("CUDA_VISIBLE_DEVICES", saved_visible->c_str(), 1);
+  else
+    ::unsetenv("CUDA_VISIBLE_DEVICES");
   const std::string text = read_file(out_path);
   EXPECT_EQ(status, 7) << text;
   EXPECT_TRUE(contains(text, "[rank 0] lib 0 0")) << text;
