@@ -52,7 +52,7 @@ TunerOptions tuner_options_within_task_limit(int32_t layers, const CostModel& co
 }
 
 TuneRun tune_on_simulator(int32_t layers, const CostModel& costs, int32_t samples, const TunerOptions& options,
-                          LinkModel link) {
+                          LinkModel link, const StepDone& step_done) {
   DMOE_REQUIRE(samples >= 1 && samples <= 1000, "--samples {}: must be in [1, 1000]", samples);
   FlowTuner tuner(tuner_options_within_task_limit(layers, costs, options));
   TuneRun run;
@@ -61,6 +61,7 @@ TuneRun tune_on_simulator(int32_t layers, const CostModel& costs, int32_t sample
     const double y = simulated_step_ms(layers, costs, p, link);
     tuner.observe(p, y);
     run.samples.push_back({p, y});
+    if (step_done) step_done(fmt::format("tuner sample {} of {}", i + 1, samples));
   }
   run.best = tuner.best();
   run.best_step_ms = tuner.best_value();
@@ -68,22 +69,28 @@ TuneRun tune_on_simulator(int32_t layers, const CostModel& costs, int32_t sample
 }
 
 ScheduleRun run_schedule(Schedule s, int32_t layers, int32_t r, int64_t chunk, const CostModel& costs,
-                         int32_t tune_samples, const TunerOptions& options, bool vanilla_with_r, LinkModel link) {
+                         int32_t tune_samples, const TunerOptions& options, bool vanilla_with_r, LinkModel link,
+                         const StepDone& step_done) {
   GraphSpec spec = make_spec(s, layers, r, chunk, costs);
   if (s == Schedule::vanilla && !vanilla_with_r) spec.micro_batches = 1;
   if (s == Schedule::tuned) {
-    const TuneRun t = tune_on_simulator(layers, costs, tune_samples, options, link);
+    const TuneRun t = tune_on_simulator(layers, costs, tune_samples, options, link,
+                                        step_done ? StepDone([&](const std::string& what) { step_done("tuned: " + what); })
+                                                  : StepDone());
     spec.micro_batches = t.best.micro_batches;
     spec.chunk_bytes = t.best.chunk_bytes();
   }
-  return {spec, simulate(build_task_graph(spec), costs, link)};
+  ScheduleRun run{spec, simulate(build_task_graph(spec), costs, link)};
+  if (step_done) step_done(schedule_name(s));
+  return run;
 }
 
 std::vector<ScheduleRun> run_ablation(int32_t layers, int32_t r, int64_t chunk, const CostModel& costs,
-                                      int32_t tune_samples, const TunerOptions& options, LinkModel link) {
+                                      int32_t tune_samples, const TunerOptions& options, LinkModel link,
+                                      const StepDone& step_done) {
   std::vector<ScheduleRun> runs;
   for (Schedule s : {Schedule::vanilla, Schedule::pipe_moe, Schedule::pipe_attn, Schedule::chunked_ar, Schedule::tuned})
-    runs.push_back(run_schedule(s, layers, r, chunk, costs, tune_samples, options, false, link));
+    runs.push_back(run_schedule(s, layers, r, chunk, costs, tune_samples, options, false, link, step_done));
   return runs;
 }
 

@@ -9,6 +9,8 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <string>
 #include <vector>
 
 #include "flow/simulator.hpp"
@@ -33,6 +35,10 @@ struct TuneRun {
   double best_step_ms = 0;
 };
 
+// Called after each simulated step with what it was ("pipe-attn", "tuned: sample 3 of 10"): `dmoe flow` prints
+// progress from it, since a step at --layers 100000 takes seconds and the ablation's table printed after 49 s of silence.
+using StepDone = std::function<void(const std::string& what)>;
+
 // `link`: the simulator's link model for every run (simulate(); exclusive, the paper's, by default).
 // The simulated step at (Sp, R) with the tuned schedule.
 double simulated_step_ms(int32_t layers, const CostModel& costs, const TunePoint& point,
@@ -43,15 +49,16 @@ double simulated_step_ms(int32_t layers, const CostModel& costs, const TunePoint
 // micro_batches 8", a point nobody gave. Throws dmoe::Error (input) when no point fits. tune_on_simulator applies it.
 TunerOptions tuner_options_within_task_limit(int32_t layers, const CostModel& costs, TunerOptions options);
 TuneRun tune_on_simulator(int32_t layers, const CostModel& costs, int32_t samples, const TunerOptions& options = {},
-                          LinkModel link = LinkModel::exclusive);
+                          LinkModel link = LinkModel::exclusive, const StepDone& step_done = {});
 
 // One schedule (vanilla runs with R = 1 unless vanilla_with_r). schedule tuned: runs the tuner first.
 ScheduleRun run_schedule(Schedule schedule, int32_t layers, int32_t micro_batches, int64_t chunk_bytes,
                          const CostModel& costs, int32_t tune_samples = 10, const TunerOptions& options = {},
-                         bool vanilla_with_r = false, LinkModel link = LinkModel::exclusive);
+                         bool vanilla_with_r = false, LinkModel link = LinkModel::exclusive,
+                         const StepDone& step_done = {});
 // All five, in the ablation's order.
 std::vector<ScheduleRun> run_ablation(int32_t layers, int32_t micro_batches, int64_t chunk_bytes, const CostModel& costs,
                                       int32_t tune_samples = 10, const TunerOptions& options = {},
-                                      LinkModel link = LinkModel::exclusive);
+                                      LinkModel link = LinkModel::exclusive, const StepDone& step_done = {});
 
 }  // namespace dmoe::flow

@@ -38,6 +38,10 @@ CostModel parse_cost_model(const json& j, const std::string& where) {
   only_keys(j, {"layers", "dense_grad_bytes_per_layer", "head_grad_bytes", "embed_grad_bytes", "tasks", "allreduce",
                "note"}, where);
   CostModel c;
+  if (j.contains("note")) {
+    DMOE_REQUIRE_INPUT(j.at("note").is_string(), "{}.note = {}: must be a string", where, j.at("note").dump().substr(0, 80));
+    c.note = j.at("note").get<std::string>();
+  }
   if (j.contains("layers")) {
     DMOE_REQUIRE_INPUT(j.at("layers").is_number_integer() && j.at("layers").get<int64_t>() >= 1 &&
                      j.at("layers").get<int64_t>() <= 100000,
@@ -97,6 +101,7 @@ json cost_model_json(const CostModel& c) {
             {"tasks", tasks},
             {"allreduce", {{"alpha_ms", c.ar_alpha_ms}, {"gbytes_per_s", c.ar_bytes_per_ms / 1e6}}}};
   if (c.layers > 0) j["layers"] = c.layers;
+  if (!c.note.empty()) j["note"] = c.note;
   if (c.head_grad_bytes > 0) j["head_grad_bytes"] = c.head_grad_bytes;
   if (c.embed_grad_bytes > 0) j["embed_grad_bytes"] = c.embed_grad_bytes;
   return j;
@@ -181,17 +186,26 @@ CostModel fit_cost_model(const std::vector<MeasuredRun>& runs, const FitOptions&
       y[k].push_back(charged[j]);
     }
   }
+  std::vector<std::string> unmeasured;
   for (int k = 0; k < 8; ++k) {
-    if (x[size_t(k)].empty()) continue;  // not measured: costs 0
+    const std::string name = task_kind_name(TaskKind(k));
+    if (x[size_t(k)].empty()) {  // not measured: costs 0
+      unmeasured.push_back(name + " (no task measured: 0)");
+      continue;
+    }
     double a = 0, b = 0;
     DMOE_REQUIRE(fit_line(x[size_t(k)], y[size_t(k)], &a, &b),
                  "fit_cost_model: task kind {}: all {} measured tasks cover the same share of the batch; measure two "
                  "values of R (micro_batches) to separate fixed_ms from batch_ms",
-                 task_kind_name(TaskKind(k)), x[size_t(k)].size());
+                 name, x[size_t(k)].size());
+    if (a < 0) unmeasured.push_back(fmt::format("{}.fixed_ms (fitted {:.3g}: clamped to 0)", name, a));
+    if (b < 0) unmeasured.push_back(fmt::format("{}.batch_ms (fitted {:.3g}: clamped to 0)", name, b));
     c.tasks[size_t(k)] = {std::max(0.0, a), std::max(0.0, b)};
   }
   const size_t ar = size_t(TaskKind::allreduce);
-  if (!x[ar].empty()) {
+  if (x[ar].empty()) {
+    unmeasured.push_back("allreduce (no all-reduce measured: alpha_ms and gbytes_per_s are the defaults)");
+  } else {
     double a = 0, b = 0;
     if (fit_line(x[ar], y[ar], &a, &b) && b > 0) {
       c.ar_alpha_ms = std::max(0.0, a);
@@ -201,8 +215,12 @@ CostModel fit_cost_model(const std::vector<MeasuredRun>& runs, const FitOptions&
       for (double v : y[ar]) mean += v / double(y[ar].size());
       c.ar_alpha_ms = mean;
       c.ar_bytes_per_ms = kUnmeasuredBytesPerMs;
+      unmeasured.push_back(fmt::format("allreduce.gbytes_per_s ({:.0e} is a placeholder: the measured calls' time did "
+                                       "not grow with their bytes, e.g. at one rank, where no all-reduce moves data; "
+                                       "alpha_ms is their mean, {:.3g} ms)", kUnmeasuredBytesPerMs / 1e6, mean));
     }
   }
+  if (!unmeasured.empty()) c.note = fmt::format("not measured: {}", fmt::join(unmeasured, "; "));
   validate(c);
   return c;
 }

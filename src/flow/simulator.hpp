@@ -39,6 +39,9 @@ struct CostModel {
   int64_t head_grad_bytes = 0;             // bytes all-reduced of the head (final norm, lm_head); GraphSpec's
   int64_t embed_grad_bytes = 0;            // bytes all-reduced of the embedding; GraphSpec's
   int32_t layers = 0;                      // from the file; 0 when it has none
+  // The file's "note": what the costs are (example.json's say "NOT measured"; fit_cost_model says which ones it could
+  // not measure, e.g. the all-reduce at W = 1, where no all-reduce runs). flow simulate / tune print it.
+  std::string note;
   TaskCost& operator[](TaskKind k) { return tasks[size_t(k)]; }
   const TaskCost& operator[](TaskKind k) const { return tasks[size_t(k)]; }
 };
@@ -48,6 +51,7 @@ struct CostModel {
 //  "allreduce": {"alpha_ms": 0.03, "gbytes_per_s": 20}}
 // Optional: "head_grad_bytes", "embed_grad_bytes" (the head's and the embedding's all-reduced bytes, laid out
 // before and after the layers' as GraphSpec's; 0 when absent — a file without them models the layers' AR only).
+// Optional "note": a string, kept in CostModel::note.
 // Every task kind is required; unknown keys and negative values are errors naming the key.
 CostModel parse_cost_model(const nlohmann::json& j, const std::string& where = "costs");
 CostModel load_cost_model(const std::string& path);
@@ -102,7 +106,9 @@ RanksResult simulate_ranks(const TaskGraph& graph, const std::vector<std::vector
 // pipe-moe's whole-batch tasks beside micro-batch ones); the AR, d = alpha_ms + bytes / beta when the calls
 // have two sizes at least and the time grows with them — otherwise alpha_ms = their mean time and beta =
 // kUnmeasuredBytesPerMs (bytes free). A kind with no measured task (the CPU executor's empty E, C, E', D')
-// costs 0. Negative fitted values (noise) are clamped to 0. Errors name the kind and what is missing.
+// costs 0. Negative fitted values (noise) are clamped to 0. Errors name the kind and what is missing. The result's
+// note lists what was not measured (the all-reduce's placeholder, kinds at 0, clamped values), so a file written from
+// it does not pass a free all-reduce off as a measured one.
 constexpr double kUnmeasuredBytesPerMs = 1e15;
 struct MeasuredRun {
   const TaskGraph* graph = nullptr;

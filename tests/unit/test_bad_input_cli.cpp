@@ -1048,6 +1048,53 @@ TEST_F(BadInput, FlowTuneSaysWhenItsSamplesTakeLong) {
   EXPECT_EQ(small.output.find("note:"), std::string::npos) << small.output;
 }
 
+TEST_F(BadInput, LongSimulationsPrintProgress) {
+  // fl1/fl2 (fourteenth pass): `flow simulate --layers 100000` was silent for 49 s, `flow tune` (its samples, then the
+  // grid's ~230 simulations) for minutes. Now a progress line comes at most every --progress seconds (default 10);
+  // --progress 0 prints one after every simulated step, which a test can see on a tiny run.
+  const Result sim = run_cli("flow simulate --costs " + p("costs.json") + " --layers 2 --samples 3 --progress 0");
+  ASSERT_EQ(sim.status, 0) << sim.output;
+  for (const char* line : {"flow simulate: 1 of 8 simulated steps", "(last: vanilla)", "(last: tuned: tuner sample 3 "
+                           "of 3)", "flow simulate: 8 of 8 simulated steps"})
+    EXPECT_NE(sim.output.find(line), std::string::npos) << line << "\n" << sim.output;
+  // The cost file's note (example.json: "Illustrative per-task costs (NOT measured)") is printed with the results.
+  EXPECT_NE(sim.output.find("costs note (" + p("costs.json") + "): Illustrative"), std::string::npos) << sim.output;
+  const Result tune = run_cli("flow tune --costs " + p("costs.json") + " --layers 2 --samples 2 --progress 0");
+  ASSERT_EQ(tune.status, 0) << tune.output;
+  EXPECT_NE(tune.output.find("(last: tuner sample 2 of 2)"), std::string::npos) << tune.output;
+  const std::regex grid(R"(flow tune: ([0-9]+) of \1 simulated steps after [0-9.]+ s \(last: grid point ([0-9]+) of \2\))");
+  EXPECT_TRUE(std::regex_search(tune.output, grid)) << tune.output;
+  // The default (10 s) prints nothing on a short run.
+  const Result quiet = run_cli("flow simulate --costs " + p("costs.json") + " --layers 2 --samples 3");
+  EXPECT_EQ(quiet.output.find("simulated steps after"), std::string::npos) << quiet.output;
+  for (const char* bad : {"-1", "nan", "100000"})
+    expect_user_error(run_cli("flow simulate --costs " + p("costs.json") + " --progress " + bad),
+                      std::string("--progress ") + bad, bad);
+  expect_user_error(run_cli("flow measure --config tiny --progress 1"),
+                    "--progress is an option of flow simulate, tune and project", "--progress on measure");
+}
+
+TEST_F(BadInput, AFittedCostFileSaysWhatWasNotMeasured) {
+  // fm1 (fourteenth pass): at W = 1 no all-reduce moves data, and the fitted file's all-reduce was the placeholder
+  // 1e9 GB/s without a word; `flow simulate` on it then took the all-reduce as free. The fit now lists what it could
+  // not measure in the file's note, measure prints it, and simulate prints a cost file's note with its results.
+  const Result m = run_cli("flow measure --config tiny --batch 4 --seq 8 --world 1 --measure-r 1,2 --steps 1 "
+                           "--costs-out " + p("fit.json"));
+  ASSERT_EQ(m.status, 0) << m.output;
+  EXPECT_NE(m.output.find("note: the fitted costs: not measured:"), std::string::npos) << m.output;
+  const std::string note = nlohmann::json::parse(slurp(p("fit.json"))).at("note").get<std::string>();
+  EXPECT_NE(note.find("W = 1"), std::string::npos) << note;
+  EXPECT_NE(note.find("allreduce.gbytes_per_s (1e+09 is a placeholder"), std::string::npos) << note;
+  const Result s = run_cli("flow simulate --costs " + p("fit.json"));
+  ASSERT_EQ(s.status, 0) << s.output;
+  EXPECT_NE(s.output.find("costs note (" + p("fit.json") + "): fitted by dmoe flow measure"), std::string::npos)
+      << s.output;
+  // A note that is not a string is refused, naming the key.
+  std::ofstream(p("bad_note.json")) << R"({"note": 3, "dense_grad_bytes_per_layer": 1, "tasks": {}, "allreduce": {}})";
+  expect_user_error(run_cli("flow simulate --costs " + p("bad_note.json")), "bad_note.json.note = 3: must be a string",
+                    "a numeric note");
+}
+
 TEST(BadInputEnv, CommTimeoutMustBeFiniteAndBounded) {
   // rn13/rn14 (tenth session): 1e-6 s and 1e-300 s were accepted and the run failed or passed by timing.
   for (const char* bad : {"1e309", "inf", "1e10", "1e-6", "1e-300", "0.009"}) {

@@ -80,6 +80,8 @@ struct FlowOptions {
   int32_t gpus = 16, experts = 0;
   bool experts_given = false;
   bool seq_given = false;
+  // simulate, tune, project: seconds between progress lines on stderr (0: after every simulated step)
+  double progress_s = 10;
 };
 
 // --measure-r: comma-separated values of R, each a decimal integer in [1, 4096]. Read strictly: CLI11's list
@@ -127,6 +129,20 @@ json run_json(const flow::ScheduleRun& run) {
           {"allreduce_busy_ms", r.allreduce_busy_ms}};
 }
 
+// A fitted cost file's note: how it was made, then what the fit could not measure (at W = 1 the all-reduce moves no
+// data and its bandwidth is a placeholder: the file said nothing, and flow simulate then took the all-reduce as free).
+// The same is printed when the file is written.
+std::string fitted_note(const std::string& how, const flow::CostModel& fit) {
+  if (fit.note.empty()) return how;
+  std::printf("note: the fitted costs: %s\n", fit.note.c_str());
+  return how + "; " + fit.note;
+}
+
+// A cost file's note (what its costs are, what was not measured), above the results computed from it.
+void print_costs_note(const flow::CostModel& costs, const std::string& path) {
+  if (!costs.note.empty()) std::printf("costs note (%s): %s\n", path.c_str(), costs.note.c_str());
+}
+
 bool chunked(flow::Schedule s) { return s == flow::Schedule::chunked_ar || s == flow::Schedule::tuned; }
 
 // The tuner refits its Gaussian process at every sample, and the whole run prints at its end: --samples 1000 (the
@@ -140,6 +156,38 @@ void note_tuner_cost(int32_t samples, const char* what) {
                  seconds > 3600 ? fmt::format(" ({:.1f} h)", seconds / 3600).c_str() : "");
 }
 
+// Progress of a long simulation on stderr, at most one line per `every_s` seconds (none in the first ones): at
+// --layers 100000 each simulated step takes seconds and `flow simulate` was silent for 49 s, `flow tune` (with its
+// grid of ~230 simulations) for minutes. The estimate of what is left assumes the steps still to come cost as much as
+// the ones done (the tuner's fit grows with its samples: it is an underestimate at hundreds of samples).
+class SimulationProgress {
+ public:
+  SimulationProgress(std::string what, int64_t total, double every_s)
+      : what_(std::move(what)), total_(total), every_s_(every_s) {}
+  void operator()(const std::string& last) {
+    ++done_;
+    const double t = seconds_since(start_);
+    if (t < next_s_) return;
+    next_s_ = t + every_s_;
+    std::fprintf(stderr, "%s: %lld of %lld simulated steps after %.1f s (last: %s); about %.0f s left\n", what_.c_str(),
+                 (long long)done_, (long long)total_, t, last.c_str(),
+                 done_ >= total_ ? 0.0 : t / double(done_) * double(total_ - done_));
+  }
+  flow::StepDone callback() {
+    return [this](const std::string& last) { (*this)(last); };
+  }
+
+ private:
+  static double seconds_since(std::chrono::steady_clock::time_point t0) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+  std::string what_;
+  int64_t total_ = 0, done_ = 0;
+  double every_s_ = 10;
+  double next_s_ = every_s_;
+  std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
+};
+
 int simulate_command(const FlowOptions& o, const flow::CostModel& costs, int32_t layers) {
   std::vector<flow::ScheduleRun> runs;
   flow::TunerOptions tuner;
@@ -150,12 +198,16 @@ int simulate_command(const FlowOptions& o, const flow::CostModel& costs, int32_t
       if (o.batch % r == 0) tuner.micro_batches.push_back(r);
   }
   if (o.schedule == "all" || o.schedule == "tuned") note_tuner_cost(o.samples, "the tuned row");
+  // The ablation: four schedules and the tuned row (its samples, then its best point).
+  const int64_t steps = o.schedule == "all" ? 4 + o.samples + 1 : o.schedule == "tuned" ? o.samples + 1 : 1;
+  SimulationProgress progress("flow " + o.action, steps, o.progress_s);
   if (o.schedule == "all") {
-    runs = flow::run_ablation(layers, o.micro_batches, o.chunk_bytes, costs, o.samples, tuner, o.link_model);
+    runs = flow::run_ablation(layers, o.micro_batches, o.chunk_bytes, costs, o.samples, tuner, o.link_model,
+                              progress.callback());
   } else {
     const flow::Schedule s = flow::parse_schedule(o.schedule, "--schedule");
-    runs.push_back(
-        flow::run_schedule(s, layers, o.micro_batches, o.chunk_bytes, costs, o.samples, tuner, true, o.link_model));
+    runs.push_back(flow::run_schedule(s, layers, o.micro_batches, o.chunk_bytes, costs, o.samples, tuner, true,
+                                      o.link_model, progress.callback()));
   }
   std::printf("flow %s: %d layers, %lld dense gradient bytes per layer, %lld of the head, %lld of the embedding, costs "
               "%s, link %s (one rank's timeline; ranks symmetric)\n",
@@ -176,6 +228,7 @@ int simulate_command(const FlowOptions& o, const flow::CostModel& costs, int32_t
   }
   std::printf("speedup = first row's step / this step; vs prev = change from the row above; compute/a2a/AR = busy "
               "ms of the compute stream, the all-to-alls and the all-reduce\n");
+  if (o.action != "project") print_costs_note(costs, o.costs_path);
   if (!o.trace_path.empty()) {
     // The trace is built as a JSON document before it is written: ~2 KB of memory per event (measured: 2000 layers of
     // bench/flow/example.json, 144093 events, 282 MB above the same run without --trace; the file takes ~240 B per
@@ -256,13 +309,18 @@ int tune_command(const FlowOptions& o, const flow::CostModel& costs, int32_t lay
   flow::TunerOptions tuner;
   tuner.seed = o.seed;
   note_tuner_cost(o.samples, "flow tune");
-  const flow::TuneRun run = flow::tune_on_simulator(layers, costs, o.samples, tuner, o.link_model);
-  // The grid the tuner searched (cut to the graphs that can be built at this many layers).
-  tuner = flow::tuner_options_within_task_limit(layers, costs, tuner);
+  // The grid the tuner searched (cut to the graphs that can be built at this many layers): every point of it is
+  // simulated too, after the tuner's samples, to say how far the tuner's best is from the grid's.
+  const flow::TunerOptions searched = flow::tuner_options_within_task_limit(layers, costs, tuner);
+  const flow::FlowTuner grid(searched);
+  SimulationProgress progress("flow tune", o.samples + int64_t(grid.candidates().size()), o.progress_s);
+  const flow::TuneRun run = flow::tune_on_simulator(layers, costs, o.samples, tuner, o.link_model, progress.callback());
+  tuner = searched;
   std::printf("flow tune: %d layers, costs %s; Bayesian optimisation (GP, Matern-5/2, EI) of log2(Sp) in [%g, %g] x "
               "R in {%s}, seed %llu\n",
               layers, o.costs_path.c_str(), tuner.log2_chunk_min, tuner.log2_chunk_max,
               fmt::format("{}", fmt::join(tuner.micro_batches, ", ")).c_str(), (unsigned long long)o.seed);
+  print_costs_note(costs, o.costs_path);
   std::printf("%6s %8s %10s %3s %10s %10s\n", "sample", "log2 Sp", "Sp KiB", "R", "step ms", "best ms");
   double best = std::numeric_limits<double>::infinity();
   json samples = json::array();
@@ -275,12 +333,13 @@ int tune_command(const FlowOptions& o, const flow::CostModel& costs, int32_t lay
                        {"micro_batches", s.point.micro_batches}, {"step_ms", s.step_ms}});
   }
   // The whole grid, for reference (what the tuner's samples save).
-  const flow::FlowTuner grid(tuner);
   flow::TunePoint grid_point;
   double grid_best = std::numeric_limits<double>::infinity();
-  for (const flow::TunePoint& p : grid.candidates()) {
+  for (size_t i = 0; i < grid.candidates().size(); ++i) {
+    const flow::TunePoint& p = grid.candidates()[i];
     const double v = flow::simulated_step_ms(layers, costs, p, o.link_model);
     if (v < grid_best) grid_best = v, grid_point = p;
+    progress(fmt::format("grid point {} of {}", i + 1, grid.candidates().size()));
   }
   std::printf("best: Sp = %.0f KiB (log2 %.3f), R = %d: %.3f ms; the grid's best (%zu simulations): %.3f ms at Sp = "
               "%.0f KiB, R = %d (tuner %.2f%% above)\n",
@@ -473,8 +532,9 @@ int measure_command(const FlowOptions& o) {
   print_resource_labels(run_names, resources);
   if (!o.costs_out.empty()) {
     json costs = flow::cost_model_json(*fit);
-    costs["note"] = fmt::format("fitted by dmoe flow measure (CPU executor, model {}, batch {} x {}, W = {}, schedule {})",
-                                o.model_config, o.batch, o.seq, o.world, flow::schedule_name(schedule));
+    costs["note"] = fitted_note(fmt::format("fitted by dmoe flow measure (CPU executor, model {}, batch {} x {}, W = {}, "
+                                            "schedule {})", o.model_config, o.batch, o.seq, o.world,
+                                            flow::schedule_name(schedule)), *fit);
     write_json(o.costs_out, costs, "--costs-out");
     std::printf("wrote %s\n", o.costs_out.c_str());
   }
@@ -624,9 +684,9 @@ int measure_cuda_command(const FlowOptions& o) {
   if (!o.costs_out.empty()) {
     DMOE_REQUIRE_INPUT(fitted_costs, "--costs-out: needs one --schedule measured at several --measure-r (not all)");
     json costs = flow::cost_model_json(fit);
-    costs["note"] = fmt::format("fitted by dmoe flow measure (GPU executor, {}, model {}, batch {} x {}, W = {}, "
-                                "schedule {})", o.dtype, o.model_config, o.batch, o.seq, world,
-                                flow::schedule_name(schedule));
+    costs["note"] = fitted_note(fmt::format("fitted by dmoe flow measure (GPU executor, {}, model {}, batch {} x {}, "
+                                            "W = {}, schedule {})", o.dtype, o.model_config, o.batch, o.seq, world,
+                                            flow::schedule_name(schedule)), fit);
     write_json(o.costs_out, costs, "--costs-out");
     std::printf("wrote %s\n", o.costs_out.c_str());
   }
@@ -698,6 +758,7 @@ void check_options_of_action(const CLI::App& sub, const FlowOptions& o) {
       {"--gpus", project, "flow project"},
       {"--experts", project, "flow project"},
       {"--link", o.action != "measure", "flow simulate, tune and project (the executors run on real links)"},
+      {"--progress", o.action != "measure", "flow simulate, tune and project (measure prints each step)"},
   };
   for (const Rule& r : rules)
     DMOE_REQUIRE_INPUT(r.applies || sub.count(r.option) == 0, "{}: {} is an option of {}; it would be ignored here: "
@@ -743,6 +804,8 @@ Command add_flow_command(CLI::App& app) {
   sub->add_option("--seed", o->seed, "tuner seed");
   sub->add_option("--trace", o->trace_path, "simulate: write the timelines as Chrome trace-event JSON");
   sub->add_option("--json", o->json_path, "also write the results as JSON");
+  sub->add_option("--progress", o->progress_s, "simulate, tune, project: seconds between progress lines on stderr "
+                  "while simulating (0: after every simulated step)")->capture_default_str();
   sub->add_option("--config", o->model_config, "measure: HF Mixtral config.json or a named model in bench/models");
   sub->add_option("--batch", o->batch, "measure: sequences per rank");
   sub->add_option("--seq", o->seq, "measure: sequence length (default 32); project: tokens per sequence (default 1024, or the model's max_position_embeddings if fewer); within the model's positions");
@@ -759,6 +822,9 @@ Command add_flow_command(CLI::App& app) {
                            o->action == "project",
                        "flow {}: unknown action (allowed: simulate, tune, project, measure)", o->action);
     if (o->action != "measure") require_no_fault_injected("flow " + o->action);  // only the executors have fault points
+    DMOE_REQUIRE_INPUT(std::isfinite(o->progress_s) && o->progress_s >= 0 && o->progress_s <= 86400,
+                       "--progress {}: must be seconds in [0, 86400] (0 prints after every simulated step)",
+                       o->progress_s);
     o->schedule_given = sub->count("--schedule") > 0;
     o->measure_r_given = sub->count("--measure-r") > 0;
     o->experts_given = sub->count("--experts") > 0;
