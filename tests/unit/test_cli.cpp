@@ -141,6 +141,18 @@ TEST_F(Cli, BenchPrintsTableAndJson) {
   ASSERT_EQ(j.size(), 2u);
   EXPECT_EQ(j[1]["world"], 2);
   EXPECT_EQ(j[1]["max_abs_diff_vs_single_rank"], 0.0);
+  EXPECT_EQ(j[0]["overhead_bound"], true);  // 8 tokens of H = I = 16: ~2e4 FLOP a forward
+  // b1 (fourteenth bad-input pass): such rows, and cold single calls, printed rates with no word about them.
+  EXPECT_NE(r.output.find("per-call overhead (threads, buffers), not its arithmetic"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("note: --repeat 1 --warmup 0: each time is taken from cold calls"), std::string::npos)
+      << r.output;
+  // A layer of real size, warmed up, has neither note.
+  auto big = run_cli("bench --engine cpu --tokens 64 --hidden 64 --ffn 128 --experts 4 --top-k 2 -n 1 --repeat 3 "
+                     "--warmup 1 --no-backward --json " + p("big.json"));
+  ASSERT_EQ(big.status, 0) << big.output;
+  EXPECT_EQ(big.output.find("note:"), std::string::npos) << big.output;
+  std::ifstream fb(p("big.json"));
+  EXPECT_EQ(nlohmann::json::parse(fb)[0]["overhead_bound"], false);
 }
 
 std::string file_bytes(const std::string& path) {
