@@ -98,9 +98,9 @@ void MixtralConfig::validate() const {
                      initializer_range);
 }
 
-void MixtralConfig::check_sequence(int64_t seq, std::string_view source) const {
-  DMOE_REQUIRE_INPUT(seq >= 1 && seq <= max_position_embeddings,
-               "{} {} is outside [1, max_position_embeddings = {}] of the model config", source, seq,
+void MixtralConfig::check_sequence(int64_t seq, std::string_view source, int64_t min_seq) const {
+  DMOE_REQUIRE_INPUT(seq >= min_seq && seq <= max_position_embeddings,
+               "{} {} is outside [{}, max_position_embeddings = {}] of the model config", source, seq, min_seq,
                max_position_embeddings);
   DMOE_REQUIRE_INPUT(sliding_window == 0 || sliding_window >= seq,
                "{} {} exceeds the model config's sliding_window = {}: dmoe has no sliding-window attention mask (set "

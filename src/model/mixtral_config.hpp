@@ -48,7 +48,8 @@ struct MixtralConfig {
   void validate() const;
   // Checks a sequence length against max_position_embeddings and sliding_window. `source` names where the length
   // came from in the error ("train: --seq"; the default, "sequence length", for a length of no option).
-  void check_sequence(int64_t seq, std::string_view source = "sequence length") const;
+  // `min_seq`: eval needs 2 (its loss predicts each next token); the range in the error says so.
+  void check_sequence(int64_t seq, std::string_view source = "sequence length", int64_t min_seq = 1) const;
   // The MoE layer of one block for `tokens` tokens per rank on `world` ranks: SwiGLU, renormalised
   // top-k, dropless, f32, no auxiliary terms of its own (the model adds Mixtral's).
   MoeConfig moe_config(int64_t tokens, int32_t world) const;

@@ -61,6 +61,7 @@
 #include <tuple>
 
 #include <signal.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -199,7 +200,7 @@ TEST_F(BadInput, TrainOptionsAreCheckedAndNameTheRule) {
   expect_user_error(run_cli(train + "--engine cuda --dtype f32 --f32-expert-grads"),
                     "--f32-expert-grads applies to --engine cuda --dtype bf16", "f32 expert grads of an f32 model");
   expect_user_error(run_cli("train --config " + p("tiny.json") + " --data " + p("nothing") + " --steps 1"),
-                    "not a file or directory", "missing data");
+                    p("nothing") + ": does not exist; allowed: a regular text file", "missing data");
   std::ofstream(p("empty.txt")).close();
   expect_user_error(run_cli("train --config " + p("tiny.json") + " --data " + p("empty.txt") + " --steps 1"),
                     "has 0 bytes", "empty data");
@@ -629,6 +630,37 @@ TEST_F(BadInput, TrainSaveIsCheckedBeforeTheTraining) {
                     "subdirectories are not read", "--data with a subdirectory only");
 }
 
+TEST_F(BadInput, EvalAndConfigErrorsNameTheirOptionsAndFiles) {
+  // m1-m3 (the twenty-third session's pass): weak messages.
+  ASSERT_EQ(run_cli("init-model --config " + p("tiny.json") + " --out " + p("m.safetensors")).status, 0);
+  SafetensorsWriter w;
+  w.add_i32("tokens", {3, 300}, std::vector<int32_t>(900, 1));
+  w.write(p("long.st"));
+  SafetensorsWriter w3;
+  w3.add_i32("tokens", {3, 8}, std::vector<int32_t>(24, 1));
+  w3.write(p("three.st"));
+  const std::string eval = "eval --config " + p("tiny.json") + " --weights " + p("m.safetensors") + " --output " +
+                           p("e.st") + " --tokens ";
+  // m1: the range said [1, 256] while a sequence of 1 is refused too (the loss predicts each next token).
+  expect_user_error(run_cli(eval + p("long.st")), "300 is outside [2, max_position_embeddings = 256]", "eval seq 300");
+  // m2: "mixtral: batch = 3 sequences cannot be split evenly over world = 2 ranks" named neither option.
+  expect_user_error(run_cli(eval + p("three.st") + " --world 2"), "eval --world 2: the 3 sequences of --tokens " +
+                    p("three.st") + " cannot be split evenly over 2 ranks", "eval --world 2 of 3 sequences");
+  EXPECT_FALSE(fs::exists(p("e.st")));
+  // m3: "config: capacity_factor = -1 is invalid" named neither the file nor the option.
+  std::ofstream(p("cf.json")) << R"({"tokens": 8, "hidden": 16, "ffn": 16, "experts": 4, "top_k": 2, "capacity_factor": -1})";
+  expect_user_error(run_cli("bench --engine cpu -n 1 --config " + p("cf.json")), "capacity_factor = -1 is invalid; use 0 "
+                    "for dropless or a positive number [capacity_factor from --config " + p("cf.json") +
+                    " (--capacity-factor overrides it)]", "capacity_factor in a file");
+  expect_user_error(run_cli("init --config " + p("cf.json") + " --capacity-factor -2 --out " + p("w.st") +
+                            " --save-config " + p("c.json")),
+                    "[capacity_factor from --capacity-factor]", "--capacity-factor -2");
+  expect_user_error(run_cli("bench --engine cpu --experts 4 --world 3"), "[experts from --experts; world from --world]",
+                    "experts and world");
+  EXPECT_EQ(run_cli("bench --engine cpu -n 1 --repeat 1 --config " + p("cf.json") + " --capacity-factor 1").status, 0)
+      << "an option overrides the file's value";
+}
+
 TEST_F(BadInput, ANewTrainRunThatFailsKeepsTheEarlierLog) {
   // tl1 (the twenty-third session's bad-input pass): a new run truncated --log at its start, so a run that then failed
   // (here it diverges at step 2) left one line, and the earlier run's log, beside its checkpoint, was gone.
@@ -641,6 +673,9 @@ TEST_F(BadInput, ANewTrainRunThatFailsKeepsTheEarlierLog) {
   const Result diverged =
       run_cli_bounded(train + p("log.jsonl") + " --steps 4 --lr 1e30 --weight-decay 0 --clip 0 --warmup 0");
   EXPECT_NE(diverged.status, 0) << diverged.output;
+  // m5 (the same pass): the error was the router's "logits contain NaN", naming neither the step nor --lr.
+  expect_user_error(diverged, "train: step 2: non-finite values in the model after step 1 (lr 1e+30", "divergence");
+  EXPECT_NE(diverged.output.find("the training diverged; lower --lr"), std::string::npos) << diverged.output;
   EXPECT_EQ(slurp(p("log.jsonl")), before);
   ASSERT_TRUE(fs::exists(p("log.jsonl.partial")));  // what the failed run logged
   EXPECT_NE(slurp(p("log.jsonl.partial")).find("\"step\":1"), std::string::npos);
@@ -1175,8 +1210,12 @@ TEST_F(BadInput, TrainDataLinksAndSaveOntoTheLogAreRefusedBeforeTraining) {
   // A symbolic link loop as --data, or inside the --data directory: "unexpected error: filesystem error", rc 2.
   fs::create_symlink("loop_b", dir_ / "loop_a");
   fs::create_symlink("loop_a", dir_ / "loop_b");
-  expect_user_error(run_cli(train + "--data " + p("loop_a")), "--data " + p("loop_a") + ": not a file or directory "
+  expect_user_error(run_cli(train + "--data " + p("loop_a")), "--data " + p("loop_a") + ": cannot be read as a file "
                     "(Too many levels of symbolic links)", "--data a link loop");
+  // m4 (fourteenth pass): a FIFO was "not a file or directory".
+  ASSERT_EQ(::mkfifo(p("fifo").c_str(), 0600), 0);
+  expect_user_error(run_cli(train + "--data " + p("fifo")), "--data " + p("fifo") + ": is a FIFO (named pipe); allowed: "
+                    "a regular text file, or a directory of them", "--data a FIFO");
   fs::create_symlink("loop_d", dir_ / "data" / "loop_c");
   fs::create_symlink("loop_c", dir_ / "data" / "loop_d");
   EXPECT_EQ(run_cli(train + "--data " + p("data")).status, 0) << "a link loop among the text files is skipped";

@@ -299,8 +299,8 @@ Command add_bench_command(CLI::App& app) {
                          o->config.world ? "--world" : "--config " + o->config.config_path, fmt::join(o->worlds, " "));
       worlds = {base.world};
     }
+    validate_config(base, o->config);
     base.world = 1;
-    base.validate();
 
     // Before anything is timed: each world's memory and time (warm-ups, timed calls, the reference run).
     for (int32_t world : worlds) {

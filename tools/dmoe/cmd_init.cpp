@@ -114,7 +114,7 @@ Command add_init_command(CLI::App& app) {
     MoeConfig defaults;
     defaults.tokens = 64;
     MoeConfig c = resolve_config(o->config, defaults);
-    c.validate();
+    validate_config(c, o->config);
     // Before anything is generated: the outputs are distinct files, none is the --config read, and each
     // can be written.
     const std::vector<NamedPath> outputs{{"--out", o->out},

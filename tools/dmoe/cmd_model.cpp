@@ -59,7 +59,8 @@ HostTensor<int32_t> read_tokens(const std::string& path) {
   const TensorInfo& t = f.info("tokens");
   DMOE_REQUIRE_INPUT(t.dtype == "I32" || t.dtype == "I64", "{}: tokens has dtype {}; allowed: I32, I64", path, t.dtype);
   DMOE_REQUIRE_INPUT(t.shape.size() == 2 && t.shape[0] >= 1 && t.shape[1] >= 2,
-               "{}: tokens has shape {}; expected [batch >= 1, seq >= 2]", path, shape_string(t.shape));
+               "{}: tokens has shape {}; expected [batch >= 1, seq >= 2] (the loss predicts each next token)", path,
+               shape_string(t.shape));
   return f.read_i32("tokens");
 }
 
@@ -200,7 +201,15 @@ Command add_eval_command(CLI::App& app) {
     const MixtralConfig c = load_mixtral_config(config_path);
     const HostTensor<int32_t> tokens = read_tokens(o->tokens);
     const int64_t B = tokens.shape[0], S = tokens.shape[1], V = c.vocab_size;
-    c.check_sequence(S, "eval --tokens: the sequence length (the tokens' second dimension)");
+    c.check_sequence(S, "eval --tokens: the sequence length (the tokens' second dimension)", 2);
+    // The ranks split the batch's sequences and the experts (the engines' own errors named neither --world nor
+    // --tokens: "mixtral: batch = 3 sequences cannot be split evenly over world = 2 ranks").
+    DMOE_REQUIRE_INPUT(B % o->world == 0, "eval --world {}: the {} sequences of --tokens {} cannot be split evenly over "
+                       "{} ranks (each rank evaluates whole sequences): give a --world that divides {}, or a batch "
+                       "that is a multiple of {}", o->world, B, o->tokens, o->world, B, o->world);
+    DMOE_REQUIRE_INPUT(c.num_local_experts % o->world == 0, "eval --world {}: the {} experts of --config {} "
+                       "(num_local_experts) cannot be split evenly over {} ranks: give a --world that divides {}",
+                       o->world, c.num_local_experts, o->config, o->world, c.num_local_experts);
     // Before the weights are read, naming the file: the model's check said "mixtral: token -1 at [0, 0] is outside the
     // vocabulary [0, 256)" after loading the weights, the file and the config it is judged by not named.
     for (size_t t = 0; t < tokens.values.size(); ++t)

@@ -122,7 +122,8 @@ Command add_run_command(CLI::App& app) {
                        o->config.tokens ? std::string("--tokens") : "from --config " + o->config.config_path, o->input,
                        total, c.world, per_rank);
     c.tokens = per_rank;
-    c.validate();
+    validate_config(c, o->config, {{"tokens", fmt::format("the rows of x in --input {} over world = {} ranks", o->input,
+                                                          c.world)}});
     require_routing_flags_used(o->config, c, !o->grad_output.empty(), "run", "add --grad-output FILE (dy)");
     // What the engine cannot run is said before the weights are read (a build without CUDA says so below).
     if (kind != EngineKind::cpu && cuda_engines_built()) {

@@ -278,6 +278,38 @@ MoeConfig resolve_config(const ConfigOptions& o, const MoeConfig& defaults) {
   return c;
 }
 
+void validate_config(const MoeConfig& c, const ConfigOptions& o, const std::map<std::string, std::string>& set_here) {
+  // "config: capacity_factor = -1 is invalid" named neither the file nor the option, and a config file's value looked
+  // like the user's option: the error now says where each value it names came from.
+  try {
+    c.validate();
+  } catch (const Error& e) {
+    if (!e.is_input()) throw;
+    const std::string what = e.what();
+    const std::pair<const char*, std::pair<const char*, bool>> fields[] = {
+        {"tokens", {"--tokens", o.tokens.has_value()}},    {"hidden", {"--hidden", o.hidden.has_value()}},
+        {"ffn", {"--ffn", o.ffn.has_value()}},             {"experts", {"--experts", o.experts.has_value()}},
+        {"top_k", {"--top-k", o.top_k.has_value()}},       {"world", {"--world", o.world.has_value()}},
+        {"dtype", {"--dtype", o.dtype.has_value()}},
+        {"capacity_factor", {"--capacity-factor", o.capacity_factor.has_value()}},
+        {"aux_loss_coef", {"--aux-loss-coef", o.aux_loss_coef.has_value()}},
+        {"z_loss_coef", {"--z-loss-coef", o.z_loss_coef.has_value()}}};
+    std::string from;
+    for (const auto& [field, option] : fields) {
+      if (what.find(std::string(field) + " = ") == std::string::npos) continue;
+      const auto here = set_here.find(field);
+      const std::string source =
+          here != set_here.end() ? fmt::format("{} from {}", field, here->second)
+          : option.second ? fmt::format("{} from {}", field, option.first)
+          : !o.config_path.empty() ? fmt::format("{} from --config {} ({} overrides it)", field, o.config_path, option.first)
+                                   : fmt::format("{} is the default ({} sets it)", field, option.first);
+      from += (from.empty() ? "" : "; ") + source;
+    }
+    if (from.empty()) throw;
+    throw Error(what + " [" + from + "]", ErrorKind::input);
+  }
+}
+
 void require_routing_flags_used(const ConfigOptions& o, const MoeConfig& c, bool backward, const std::string& command,
                                 const std::string& how_backward) {
   for (const auto& [given, name] : {std::pair{o.aux_loss_coef.has_value(), "--aux-loss-coef"},

@@ -2,6 +2,7 @@
 // Mixtral), overridden field by field by flags.
 #pragma once
 
+#include <map>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -75,6 +76,11 @@ class Range : public CLI::Validator {
 
 // The file's config (or defaults), with the flags applied on top. Does not validate.
 MoeConfig resolve_config(const ConfigOptions& options, const MoeConfig& defaults = MoeConfig{});
+// c.validate(), its error followed by where each value it names came from: "[capacity_factor from --config c.json
+// (--capacity-factor overrides it)]", "[tokens from --tokens]" or "[... is the default (--top-k sets it)]".
+// `set_here`: fields the command set itself, and from what (run: {"tokens", "the rows of x in --input FILE"}).
+void validate_config(const MoeConfig& c, const ConfigOptions& options,
+                     const std::map<std::string, std::string>& set_here = {});
 
 // Routing flags the layer run would not use, refused naming the flag (each was taken and had no effect, rc 0):
 // --aux-loss-coef / --z-loss-coef weight the router losses' gradients, so they need a backward (`backward`;
