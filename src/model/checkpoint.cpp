@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <regex>
 #include <set>
 #include <sstream>
 
@@ -495,8 +496,25 @@ void save_mixtral_checkpoint(const std::string& path, const MixtralWeights& w, c
     writer.set_metadata("format", "pt");
     files.write((dir / file).string(), writer.serialize());
   }
+  // The shards the index being replaced named (e.g. 42 of an earlier --shard-bytes 1): after the commit those the new
+  // index does not name are removed, or they stayed beside the new model (41 stale files, the index right). Only files
+  // with a shard's name in this directory, named by that index, are touched; an index that cannot be read is left be.
+  std::set<std::string> old_shards;
+  std::error_code ec;
+  if (std::filesystem::is_regular_file(path, ec)) {
+    std::ifstream in(path);
+    const nlohmann::json old = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+    const std::regex shard_name(R"(model-[0-9]{5}-of-[0-9]{5}\.safetensors)");
+    if (old.is_object() && old.contains("weight_map") && old.at("weight_map").is_object())
+      for (const auto& [name, file] : old.at("weight_map").items())
+        if (file.is_string() && std::regex_match(file.get<std::string>(), shard_name))
+          old_shards.insert(file.get<std::string>());
+  }
   files.write(path, index.dump(2) + "\n");
   files.commit();
+  for (size_t s = 0; s < shards.size(); ++s)
+    old_shards.erase(fmt::format("model-{:05d}-of-{:05d}.safetensors", s + 1, shards.size()));
+  for (const std::string& file : old_shards) std::filesystem::remove(dir / file, ec);  // a failure leaves it, as before
 }
 
 }  // namespace dmoe

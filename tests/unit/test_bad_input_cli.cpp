@@ -661,6 +661,36 @@ TEST_F(BadInput, EvalAndConfigErrorsNameTheirOptionsAndFiles) {
       << "an option overrides the file's value";
 }
 
+TEST_F(BadInput, ReshardingRemovesTheShardsTheOldIndexNamed) {
+  // s1 (the twenty-third session's pass): 42 one-tensor shards, then the same index with one shard: 41 stale shards
+  // stayed beside the new one. Now the shards the replaced index named, and the new one does not, are removed; other
+  // files (a shard-like name no index named, the user's own) stay.
+  fs::create_directories(dir_ / "sh");
+  const std::string out = p("sh/model.safetensors.index.json");
+  ASSERT_EQ(run_cli("init-model --config " + p("tiny.json") + " --out " + out + " --shard-bytes 1").status, 0);
+  const auto shards = [&] {
+    int n = 0;
+    for (const auto& e : fs::directory_iterator(dir_ / "sh")) n += e.path().extension() == ".safetensors";
+    return n;
+  };
+  const int many = shards();
+  ASSERT_GT(many, 2);
+  std::ofstream(dir_ / "sh" / "model-00001-of-00099.safetensors") << "not named by any index";
+  std::ofstream(dir_ / "sh" / "notes.txt") << "mine";
+  ASSERT_EQ(run_cli("init-model --config " + p("tiny.json") + " --out " + out + " --shard-bytes 100000000").status, 0);
+  EXPECT_EQ(shards(), 2) << "the one new shard and the file no index named";
+  EXPECT_TRUE(fs::exists(dir_ / "sh" / "model-00001-of-00001.safetensors"));
+  EXPECT_TRUE(fs::exists(dir_ / "sh" / "model-00001-of-00099.safetensors"));
+  EXPECT_TRUE(fs::exists(dir_ / "sh" / "notes.txt"));
+  write_tokens_file();  // the model reads back
+  const Result eval = run_cli("eval --config " + p("tiny.json") + " --weights " + out + " --tokens " + p("tok.st") +
+                              " --output " + p("e.st"));
+  EXPECT_EQ(eval.status, 0) << eval.output;
+  const nlohmann::json index = nlohmann::json::parse(slurp(out));
+  for (const auto& [name, file] : index.at("weight_map").items())
+    EXPECT_EQ(file.get<std::string>(), "model-00001-of-00001.safetensors") << name;
+}
+
 TEST_F(BadInput, ANewTrainRunThatFailsKeepsTheEarlierLog) {
   // tl1 (the twenty-third session's bad-input pass): a new run truncated --log at its start, so a run that then failed
   // (here it diverges at step 2) left one line, and the earlier run's log, beside its checkpoint, was gone.
