@@ -684,70 +684,13 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
       probe.emplace(po);
     }
     double previous_lr = 0, previous_grad_norm = 0;  // the last update's, for a divergence's error
-    for (int64_t step = first_step; step <= last_step; ++step) {
-      if (probe && step == first_step) probe->start();
-      const auto t0 = std::chrono::steady_clock::now();
-      const std::vector<int32_t> tokens = train_batch(step);
-      replica.zero_grads();
-      double loss = 0;
+    int64_t step = first_step;
+    // Weights made non-finite by the step before are found by a check deep in the model ("router_topk: token 1 has no
+    // valid choice 1; its logits contain NaN"), which named neither the step nor the options behind it.
+    const auto diverged_is_said = [&](const auto& step_math) {
       try {
-        if (graph) {  // forwards, backwards and the all-reduce as one task graph (docs/flow.md)
-          const auto f0 = std::chrono::steady_clock::now();
-          loss = replica.flow_step(*graph, tokens.data() + rank * local * o.seq, local, o.seq);
-          if (tuner) {  // still sampling
-            const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - f0).count();
-            if (sample_step++ > 0) sample_ms.push_back(ms);  // the first step at a point is its warm-up
-            if (int32_t(sample_ms.size()) == o.tune_steps) {
-              double mean = 0;
-              for (double v : sample_ms) mean += v / double(sample_ms.size());
-              mean = replica.rank0_value(mean);
-              ++samples_taken;
-              if (point_vanilla) {
-                vanilla_ms = mean;
-                samples.push_back({{"schedule", "vanilla"}, {"micro_batches", 1}, {"step_ms", mean}});
-              } else {
-                tuner->observe(point, mean);
-                samples.push_back({{"schedule", "chunked-ar"}, {"micro_batches", point.micro_batches},
-                                   {"chunk_bytes", point.chunk_bytes() / 4 * 4}, {"step_ms", mean}});
-              }
-              if (rank == 0 && o.print_every > 0)
-                print(fmt::format("tuned: sample {}/{}: {}: {:.3f} ms per Flow step", samples_taken, o.tune_samples,
-                                  describe(point, point_vanilla), mean));
-              if (samples_taken == o.tune_samples) {
-                // The baseline wins ties: it is the simpler schedule.
-                const bool vanilla = *vanilla_ms <= tuner->best_value();
-                const flow::TunePoint best = vanilla ? first : tuner->best();
-                const double best_ms = vanilla ? *vanilla_ms : tuner->best_value();
-                use_point(best, vanilla);
-                tuner.reset();
-                schedule_text = "tuned (" + describe(point, point_vanilla) + ")";
-                if (rank == 0) {
-                  print(fmt::format("tuned: chose {} ({:.3f} ms per Flow step; vanilla {:.3f}) for the rest of the run",
-                                    describe(best, vanilla), best_ms, *vanilla_ms));
-                  if (!o.tune_file.empty()) {
-                    tune_runs.push_back(json{{"key", tune_key}, {"samples", samples},
-                                             {"choice", {{"schedule", vanilla ? "vanilla" : "chunked-ar"},
-                                                         {"micro_batches", best.micro_batches},
-                                                         {"chunk_bytes", best.chunk_bytes() / 4 * 4},
-                                                         {"step_ms", best_ms}}}});
-                    write_json(o.tune_file, json{{"runs", tune_runs}});
-                  }
-                }
-              } else {
-                use_point(point_vanilla ? first : tuner->suggest(), false);
-              }
-            }
-          }
-        } else {
-          for (int32_t r = 0; r < o.micro_batches; ++r)
-            loss += replica.forward(tokens.data() + (rank * local + r * micro) * o.seq, micro, o.seq, r) /
-                    o.micro_batches;
-          for (int32_t r = o.micro_batches - 1; r >= 0; --r) replica.backward(r, 1.0 / o.micro_batches);
-          replica.reduce_grads();
-        }
+        return step_math();
       } catch (const Error& e) {
-        // Weights made non-finite by the step before are found by a check deep in the model ("router_topk: token 1
-        // has no valid choice 1; its logits contain NaN"), which names neither the step nor the options behind it.
         const std::string what = e.what();
         const bool non_finite = what.find("NaN") != std::string::npos || what.find("not finite") != std::string::npos ||
                                 what.find("non-finite") != std::string::npos;
@@ -756,6 +699,72 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
                                 "{:.4g} before clipping): the training diverged; lower --lr, or keep --clip and "
                                 "--warmup on. The check that saw it: {}", step, step - 1, previous_lr,
                                 previous_grad_norm, what), ErrorKind::input);
+      }
+    };
+    for (; step <= last_step; ++step) {
+      if (probe && step == first_step) probe->start();
+      const auto t0 = std::chrono::steady_clock::now();
+      const std::vector<int32_t> tokens = train_batch(step);
+      replica.zero_grads();
+      double loss = 0;
+      if (graph) {  // forwards, backwards and the all-reduce as one task graph (docs/flow.md)
+        const auto f0 = std::chrono::steady_clock::now();
+        loss = diverged_is_said(
+            [&] { return replica.flow_step(*graph, tokens.data() + rank * local * o.seq, local, o.seq); });
+        if (tuner) {  // still sampling
+          const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - f0).count();
+          if (sample_step++ > 0) sample_ms.push_back(ms);  // the first step at a point is its warm-up
+          if (int32_t(sample_ms.size()) == o.tune_steps) {
+            double mean = 0;
+            for (double v : sample_ms) mean += v / double(sample_ms.size());
+            mean = replica.rank0_value(mean);
+            ++samples_taken;
+            if (point_vanilla) {
+              vanilla_ms = mean;
+              samples.push_back({{"schedule", "vanilla"}, {"micro_batches", 1}, {"step_ms", mean}});
+            } else {
+              tuner->observe(point, mean);
+              samples.push_back({{"schedule", "chunked-ar"}, {"micro_batches", point.micro_batches},
+                                 {"chunk_bytes", point.chunk_bytes() / 4 * 4}, {"step_ms", mean}});
+            }
+            if (rank == 0 && o.print_every > 0)
+              print(fmt::format("tuned: sample {}/{}: {}: {:.3f} ms per Flow step", samples_taken, o.tune_samples,
+                                describe(point, point_vanilla), mean));
+            if (samples_taken == o.tune_samples) {
+              // The baseline wins ties: it is the simpler schedule.
+              const bool vanilla = *vanilla_ms <= tuner->best_value();
+              const flow::TunePoint best = vanilla ? first : tuner->best();
+              const double best_ms = vanilla ? *vanilla_ms : tuner->best_value();
+              use_point(best, vanilla);
+              tuner.reset();
+              schedule_text = "tuned (" + describe(point, point_vanilla) + ")";
+              if (rank == 0) {
+                print(fmt::format("tuned: chose {} ({:.3f} ms per Flow step; vanilla {:.3f}) for the rest of the run",
+                                  describe(best, vanilla), best_ms, *vanilla_ms));
+                if (!o.tune_file.empty()) {
+                  tune_runs.push_back(json{{"key", tune_key}, {"samples", samples},
+                                           {"choice", {{"schedule", vanilla ? "vanilla" : "chunked-ar"},
+                                                       {"micro_batches", best.micro_batches},
+                                                       {"chunk_bytes", best.chunk_bytes() / 4 * 4},
+                                                       {"step_ms", best_ms}}}});
+                  write_json(o.tune_file, json{{"runs", tune_runs}});
+                }
+              }
+            } else {
+              use_point(point_vanilla ? first : tuner->suggest(), false);
+            }
+          }
+        }
+      } else {
+        loss = diverged_is_said([&] {
+          double sum = 0;
+          for (int32_t r = 0; r < o.micro_batches; ++r)
+            sum += replica.forward(tokens.data() + (rank * local + r * micro) * o.seq, micro, o.seq, r) /
+                   o.micro_batches;
+          for (int32_t r = o.micro_batches - 1; r >= 0; --r) replica.backward(r, 1.0 / o.micro_batches);
+          replica.reduce_grads();
+          return sum;
+        });
       }
       // Global norm: replicated tensors once (equal on all ranks), experts summed over ranks.
       double sq[2] = {0, 0};  // replicated, experts (over all ranks)
