@@ -30,7 +30,9 @@ struct TuneSample {
 };
 
 struct TuneRun {
-  std::vector<TuneSample> samples;  // in the order the tuner asked for them
+  // In the order the tuner asked for them; fewer than asked when every point of the grid was sampled (the tuner
+  // stops there: more samples could only repeat its best point).
+  std::vector<TuneSample> samples;
   TunePoint best;
   double best_step_ms = 0;
 };

@@ -16,6 +16,7 @@
 // index). Deterministic for a given seed and sequence of observations.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <vector>
@@ -92,6 +93,8 @@ class FlowTuner {
   void observe(const TunePoint& x, double y);
 
   size_t num_observations() const { return y_.size(); }
+  // Every candidate observed: suggest() can only repeat the best one from here on.
+  bool exhausted() const { return std::find(observed_.begin(), observed_.end(), uint8_t(0)) == observed_.end(); }
   TunePoint best() const;       // the best observation so far
   double best_value() const;
   const GaussianProcess& model() const { return gp_; }

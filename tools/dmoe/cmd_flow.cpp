@@ -145,15 +145,25 @@ void print_costs_note(const flow::CostModel& costs, const std::string& path) {
 
 bool chunked(flow::Schedule s) { return s == flow::Schedule::chunked_ar || s == flow::Schedule::tuned; }
 
-// The tuner refits its Gaussian process at every sample, and the whole run prints at its end: --samples 1000 (the
-// largest allowed) was silent for hours. Measured on the 2-core CI machine (bench/flow/example.json; the simulated
-// steps are a small part): ~11 s at 160 samples, ~49 s at 240, growing as samples^3.65.
-void note_tuner_cost(int32_t samples, const char* what) {
+// The samples the tuner will take, with notes on stderr when that is not --samples or takes long. The tuner stops
+// once every point of its grid (at this many layers) is sampled: --samples 1000 on the 228-point grid ran ~2.5 h, its
+// last ~770 samples repeating the best point. It refits its Gaussian process at every sample, measured on the 2-core
+// CI machine (bench/flow/example.json; the simulated steps are a small part): ~11 s at 160 samples, ~49 s at 240,
+// growing as samples^3.65.
+int32_t planned_tuner_samples(int32_t layers, const flow::CostModel& costs, const flow::TunerOptions& tuner,
+                              int32_t asked, const char* what) {
+  const flow::FlowTuner grid(flow::tuner_options_within_task_limit(layers, costs, tuner));
+  const int32_t samples = int32_t(std::min<size_t>(size_t(asked), grid.candidates().size()));
+  if (samples < asked)
+    std::fprintf(stderr, "note: --samples %d: the tuner's grid has %zu points at %d layers and it stops once every one "
+                 "is sampled (more could only repeat its best), so %s takes at most %d\n", asked,
+                 grid.candidates().size(), layers, what, samples);
   const double seconds = 49.0 * std::pow(double(samples) / 240.0, 3.65);
   if (seconds > 10)
-    std::fprintf(stderr, "note: %s with --samples %d may take about %.0f s%s before it prints (the tuner's fit grows as "
-                 "samples^3.65: ~11 s at 160, ~49 s at 240 on a 2-core machine)\n", what, samples, seconds,
+    std::fprintf(stderr, "note: %s with %d tuner samples may take about %.0f s%s before it prints (the tuner's fit grows "
+                 "as samples^3.65: ~11 s at 160, ~49 s at 240 on a 2-core machine)\n", what, samples, seconds,
                  seconds > 3600 ? fmt::format(" ({:.1f} h)", seconds / 3600).c_str() : "");
+  return samples;
 }
 
 // Progress of a long simulation on stderr, at most one line per `every_s` seconds (none in the first ones): at
@@ -197,9 +207,10 @@ int simulate_command(const FlowOptions& o, const flow::CostModel& costs, int32_t
     for (int32_t r : {1, 2, 4, 8})
       if (o.batch % r == 0) tuner.micro_batches.push_back(r);
   }
-  if (o.schedule == "all" || o.schedule == "tuned") note_tuner_cost(o.samples, "the tuned row");
+  const bool tuned_row = o.schedule == "all" || o.schedule == "tuned";
+  const int32_t samples = tuned_row ? planned_tuner_samples(layers, costs, tuner, o.samples, "the tuned row") : 0;
   // The ablation: four schedules and the tuned row (its samples, then its best point).
-  const int64_t steps = o.schedule == "all" ? 4 + o.samples + 1 : o.schedule == "tuned" ? o.samples + 1 : 1;
+  const int64_t steps = o.schedule == "all" ? 4 + samples + 1 : o.schedule == "tuned" ? samples + 1 : 1;
   SimulationProgress progress("flow " + o.action, steps, o.progress_s);
   if (o.schedule == "all") {
     runs = flow::run_ablation(layers, o.micro_batches, o.chunk_bytes, costs, o.samples, tuner, o.link_model,
@@ -308,12 +319,12 @@ int project_command(FlowOptions o) {
 int tune_command(const FlowOptions& o, const flow::CostModel& costs, int32_t layers) {
   flow::TunerOptions tuner;
   tuner.seed = o.seed;
-  note_tuner_cost(o.samples, "flow tune");
   // The grid the tuner searched (cut to the graphs that can be built at this many layers): every point of it is
   // simulated too, after the tuner's samples, to say how far the tuner's best is from the grid's.
   const flow::TunerOptions searched = flow::tuner_options_within_task_limit(layers, costs, tuner);
   const flow::FlowTuner grid(searched);
-  SimulationProgress progress("flow tune", o.samples + int64_t(grid.candidates().size()), o.progress_s);
+  const int32_t taken = planned_tuner_samples(layers, costs, tuner, o.samples, "flow tune");
+  SimulationProgress progress("flow tune", taken + int64_t(grid.candidates().size()), o.progress_s);
   const flow::TuneRun run = flow::tune_on_simulator(layers, costs, o.samples, tuner, o.link_model, progress.callback());
   tuner = searched;
   std::printf("flow tune: %d layers, costs %s; Bayesian optimisation (GP, Matern-5/2, EI) of log2(Sp) in [%g, %g] x "
