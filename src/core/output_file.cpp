@@ -348,6 +348,82 @@ void write_file_atomically(const std::string& path, std::string_view text) {
   write_file_atomically(path, std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(text.data()), text.size()));
 }
 
+GrowingOutputFile::GrowingOutputFile(const std::string& path, std::string_view option, bool append)
+    : path_(path), option_(option) {
+  const OutputTarget t = resolve_output(path, option);
+  target_ = t.path;
+  directory_ = t.directory;
+  const std::string what = fmt::format("{} '{}'", option, path);
+  if (append) {
+    DMOE_REQUIRE_INPUT(t.exists, "{}: does not exist, and this run appends to it (a resumed run continues its log)",
+                       what);
+    fd_ = ::open(target_.c_str(), O_WRONLY | O_APPEND | O_CLOEXEC);
+    DMOE_REQUIRE_INPUT(fd_ >= 0, "{}: cannot be opened for appending: {}", what, std::strerror(errno));
+    struct stat st {};
+    size_ = ::fstat(fd_, &st) == 0 ? uint64_t(st.st_size) : 0;
+    published_ = true;
+    return;
+  }
+  fd_ = create_temporary(t, temporary_, what, &slot_);
+  if (t.exists) (void)::fchmod(fd_, t.mode);  // the file it replaces keeps its permission bits
+}
+
+void GrowingOutputFile::write(std::string_view piece) {
+  DMOE_REQUIRE(fd_ >= 0, "GrowingOutputFile: write after close ({})", path_);
+  if (write_all(fd_, reinterpret_cast<const uint8_t*>(piece.data()), piece.size())) {
+    size_ += piece.size();
+    return;
+  }
+  const int err = errno;
+  (void)::ftruncate(fd_, off_t(size_));  // no part of a piece stays at the end
+  DMOE_FAIL_INPUT("{} '{}': a write failed: {} (disk full, or a file size limit?); {}", option_, path_,
+                  std::strerror(err),
+                  published_ ? fmt::format("the file keeps the {} bytes before it", size_)
+                             : "nothing was published yet: the earlier file is unchanged");
+}
+
+void GrowingOutputFile::truncate(uint64_t bytes) {
+  DMOE_REQUIRE(fd_ >= 0 && bytes <= size_, "GrowingOutputFile: truncate {} of {} bytes ({})", bytes, size_, path_);
+  DMOE_REQUIRE_INPUT(::ftruncate(fd_, off_t(bytes)) == 0, "{} '{}': cannot be cut back to {} bytes: {}", option_, path_,
+                     bytes, std::strerror(errno));
+  size_ = bytes;
+}
+
+void GrowingOutputFile::publish() {
+  if (published_) return;
+  DMOE_REQUIRE_INPUT(::fsync(fd_) == 0, "{} '{}': fsync of its temporary '{}' failed: {}", option_, path_, temporary_,
+                     std::strerror(errno));
+  DMOE_REQUIRE_INPUT(::rename(temporary_.c_str(), target_.c_str()) == 0, "{} '{}': the rename of its temporary '{}' "
+                     "onto it failed: {}; it is unchanged", option_, path_, temporary_, std::strerror(errno));
+  release_temporary(slot_);
+  slot_ = -1;
+  published_ = true;
+  const int dir = ::open(directory_.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dir >= 0) {
+    (void)::fsync(dir);
+    ::close(dir);
+  }
+}
+
+void GrowingOutputFile::close() {
+  if (fd_ < 0) return;
+  const int fd = fd_;
+  fd_ = -1;
+  const bool synced = ::fsync(fd) == 0;
+  const int err = errno;
+  const bool closed = ::close(fd) == 0;
+  DMOE_REQUIRE_INPUT(synced && closed, "{} '{}': {} failed: {}", option_, path_, synced ? "close" : "fsync",
+                     std::strerror(synced ? errno : err));
+}
+
+GrowingOutputFile::~GrowingOutputFile() {
+  if (fd_ >= 0) ::close(fd_);
+  if (!published_ && !temporary_.empty()) {
+    ::unlink(temporary_.c_str());
+    release_temporary(slot_);
+  }
+}
+
 bool same_file(const std::string& a, const std::string& b) {
   struct stat sa {}, sb {};
   if (::stat(a.c_str(), &sa) == 0 && ::stat(b.c_str(), &sb) == 0)

@@ -57,6 +57,35 @@ class OutputFileSet {
   std::vector<Written> written_;
 };
 
+// A file that grows piece by piece (a training log) under the same policy. Checked as check_output_file; a new file's
+// pieces go to a temporary beside the target (a name of dmoe's own, created exclusively, removed on SIGINT/SIGTERM/
+// SIGHUP and when the object is destroyed unpublished), and publish() renames it over the target, after which the
+// pieces go on into the same file under the target's name. Until then the target keeps its earlier content: a run that
+// fails before it publishes leaves the earlier file as it was. `append`: the target itself is opened for appending
+// (it must exist; a resumed run's log), and counts as published. A write that fails (disk full, a file size limit)
+// is cut back to the end of the piece before it, so the file never ends in a part of a piece, and throws naming the
+// option, the path and whether the earlier content is still there.
+class GrowingOutputFile {
+ public:
+  GrowingOutputFile(const std::string& path, std::string_view option, bool append);
+  GrowingOutputFile(const GrowingOutputFile&) = delete;
+  GrowingOutputFile& operator=(const GrowingOutputFile&) = delete;
+  ~GrowingOutputFile();
+
+  void write(std::string_view piece);
+  void publish();  // the first call renames the temporary over the target; later calls do nothing
+  bool published() const { return published_; }
+  // Cuts the file back to its first `bytes` bytes (a resumed run drops the lines past its checkpoint).
+  void truncate(uint64_t bytes);
+  void close();  // checked; done by the destructor too (unchecked there)
+
+ private:
+  std::string path_, option_, target_, directory_, temporary_;
+  int fd_ = -1, slot_ = -1;
+  uint64_t size_ = 0;
+  bool published_ = false;
+};
+
 // True when a and b name the same file: same (st_dev, st_ino) when both exist (symlinks followed),
 // otherwise the same absolute, lexically normalised path.
 bool same_file(const std::string& a, const std::string& b);

@@ -57,6 +57,55 @@ std::string new_save_id() {
   return fmt::format("{:016x}", id);
 }
 
+// A resumed run's log, cut back to the checkpoint's step: the lines of steps past it (logged by a run stopped after
+// its last save) would otherwise be followed by the same steps again, and a half-written last line by more lines.
+// Lines that are not a dmoe step record are kept. Says what was cut, and when the log ends before the checkpoint.
+void trim_resumed_log(GrowingOutputFile& log, const std::string& path, int64_t checkpoint_step,
+                      const std::function<void(const std::string&)>& print) {
+  std::ifstream in(path, std::ios::binary);
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  size_t keep = 0, cut_lines = 0;
+  int64_t last_kept = 0, first_cut = -1, last_cut = -1;
+  for (size_t begin = 0; begin < text.size();) {
+    const size_t end = text.find('\n', begin);
+    if (end == std::string::npos) {  // a half-written last line
+      ++cut_lines;
+      break;
+    }
+    const json line = json::parse(text.begin() + std::ptrdiff_t(begin), text.begin() + std::ptrdiff_t(end), nullptr,
+                                  /*allow_exceptions=*/false);
+    const bool step_line = line.is_object() && line.contains("step") && line.at("step").is_number_integer();
+    const int64_t s = step_line ? line.at("step").get<int64_t>() : 0;
+    if (step_line && s > checkpoint_step) {
+      cut_lines += 1 + size_t(std::count(text.begin() + std::ptrdiff_t(end) + 1, text.end(), '\n'));
+      first_cut = s;
+      for (size_t b = end + 1; b < text.size();) {  // the last step among the lines cut, for the note
+        const size_t e = text.find('\n', b);
+        const json l = json::parse(text.begin() + std::ptrdiff_t(b),
+                                   e == std::string::npos ? text.end() : text.begin() + std::ptrdiff_t(e), nullptr, false);
+        if (l.is_object() && l.contains("step") && l.at("step").is_number_integer()) last_cut = l.at("step").get<int64_t>();
+        if (e == std::string::npos) break;
+        b = e + 1;
+      }
+      break;
+    }
+    if (step_line) last_kept = s;
+    keep = end + 1;
+    begin = end + 1;
+  }
+  if (keep < text.size()) {
+    log.truncate(keep);
+    print(fmt::format("train: note: --log {}: cut {} line(s) past the checkpoint's step {}{} (logged after its last "
+                      "save by the run that stopped); this run logs them again", path, cut_lines, checkpoint_step,
+                      first_cut >= 0 ? fmt::format(": those of steps {}..{}", first_cut, std::max(first_cut, last_cut))
+                                     : ": a half-written last line"));
+  }
+  if (last_kept < checkpoint_step)
+    print(fmt::format("train: note: --log {} ends at step {} but the checkpoint is at step {}: the lines of steps {}..{} "
+                      "are not in it (another run's log, or one given only now?)", path, last_kept, checkpoint_step,
+                      last_kept + 1, checkpoint_step));
+}
+
 // The bytes of a file, or of every regular file of a directory in name order. The error_code forms: a symbolic link
 // loop (the path itself, or an entry) threw filesystem_error, "unexpected error" with rc 2; an entry that is no
 // regular file (a loop, a dangling link, a FIFO) is skipped like the others.
@@ -522,22 +571,20 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
     if (!o.tune_file.empty()) check_output_file(o.tune_file, "--tune-file");
   }
 
-  // The log grows line by line (so a crash keeps what was written), checked before the run and after every line. A new
-  // run writes it as <log>.partial beside the log (a symlink's target) and renames it over the log when it ends: a run
-  // that fails leaves the earlier run's log as it was (it used to be truncated at the start, so a failed run lost it)
-  // and its own lines in the .partial. A resumed run appends to the log it continues.
-  std::ofstream log;
-  std::string log_target, log_written;
+  // The log grows line by line, each line checked (core/output_file.hpp, GrowingOutputFile). A new run's lines go to a
+  // temporary of dmoe's own beside the log, which replaces the log when the run first saves a checkpoint (--save-every)
+  // or ends: until then the earlier run's log stays as it was, beside the checkpoint it describes (it used to be
+  // truncated at the start, so a run that failed lost it; then it was written as "<log>.partial", a name nobody
+  // checked, which could be an input: `--data c.partial --log c` destroyed the text). A resumed run appends to the log
+  // it continues, cut back first to the checkpoint's step (a run stopped after its last save logged steps past it).
+  std::optional<GrowingOutputFile> log;
   // In a GPU job every process runs this with the same --log; rank 0 writes it (the others used to open and truncate it
   // too, racing rank 0's first lines).
   if (!o.log_path.empty() && (o.engine != "cuda" || detect_process_env().rank == 0)) {
-    check_output_file(o.log_path, "--log");
-    log_target = fs::is_symlink(o.log_path) ? fs::canonical(o.log_path).string() : o.log_path;
-    log_written = first_step > 1 ? log_target : log_target + ".partial";
-    log.open(log_written, std::ios::binary | (first_step > 1 ? std::ios::app : std::ios::trunc));
-    DMOE_REQUIRE_INPUT(log.good(), "--log {}: {} cannot be opened for writing", o.log_path, log_written);
-    if (first_step == 1)
-      print(fmt::format("train: the log goes to {} until the run ends, then replaces {}", log_written, o.log_path));
+    std::error_code ec;
+    const bool append = first_step > 1 && fs::exists(o.log_path, ec);
+    log.emplace(o.log_path, "--log", append);
+    if (append) trim_resumed_log(*log, o.log_path, first_step - 1, print);
   }
   print(fmt::format("train: {} | data {} ({} bytes: {} train, {} held out) | batch {} x seq {} | world {} | steps "
                     "{}..{} of {}", config.summary(), o.data_path, corpus.size(), train_bytes, val_bytes, o.batch,
@@ -598,6 +645,7 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
                        {"weight_decay", o.weight_decay}, {"beta1", o.beta1}, {"beta2", o.beta2},
                        {"clip", o.clip}}.dump(2) + "\n");
       files.commit();
+      if (log) log->publish();  // from now on the log describes this run, whose checkpoint this is
     }
     replica.barrier();  // no rank goes on (e.g. to resume from the checkpoint) before it is written
   };
@@ -793,17 +841,13 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
       if (rank != 0) continue;
       if (step == last_step) resources = probe->finish(last_step - first_step + 1);  // validation included
       result.records.push_back(rec);
-      if (log.is_open()) {
+      if (log) {
         json line{{"step", step}, {"loss", loss}, {"lr", ap.lr}, {"grad_norm", rec.grad_norm},
                   {"tokens_per_s", rec.tokens_per_s}, {"tflop_per_s", step_flop / seconds * 1e-12}};
         if (ceiling > 0) line["mfu"] = step_flop / seconds / (ceiling * o.world);
         if (resources) line["resources"] = resources->to_json();  // the last step's record
-        log << line.dump() << '\n';
-        if (do_val) log << json{{"step", step}, {"val_loss", rec.val_loss}}.dump() << '\n';
-        log.flush();
-        // A full disk or a file that cannot grow is the user's to fix: an input error (no source location).
-        DMOE_REQUIRE_INPUT(!log.fail(), "--log {}: writing step {} failed (disk full, or a file size limit?); the lines before it are in the "
-                           "file", o.log_path, step);
+        log->write(line.dump() + "\n" +
+                   (do_val ? json{{"step", step}, {"val_loss", rec.val_loss}}.dump() + "\n" : std::string()));
       }
       if (o.print_every > 0 && (step % o.print_every == 0 || step == last_step || do_val))
         print(fmt::format("step {:>5}/{} | loss {:.4f} | lr {:.3e} | grad norm {:.3f} | {:.0f} tokens/s | {:.3g} "
@@ -881,14 +925,9 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
       run_rank(rank, *replica);
     });
   }
-  if (log.is_open()) {
-    log.close();
-    DMOE_REQUIRE_INPUT(!log.fail(), "--log {}: closing {} failed (disk full?)", o.log_path, log_written);
-    if (log_written != log_target) {
-      std::error_code ec;
-      fs::rename(log_written, log_target, ec);
-      DMOE_REQUIRE_INPUT(!ec, "--log {}: {} could not be renamed over it: {}", o.log_path, log_written, ec.message());
-    }
+  if (log) {
+    log->publish();
+    log->close();
   }
   result.weights = full;
   if (!result.records.empty()) result.final_val_loss = result.records.back().val_loss;

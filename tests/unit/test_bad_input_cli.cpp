@@ -56,7 +56,9 @@
 #include <fstream>
 #include <functional>
 #include <map>
+#include <numeric>
 #include <regex>
+#include <set>
 #include <sstream>
 #include <tuple>
 
@@ -691,6 +693,14 @@ TEST_F(BadInput, ReshardingRemovesTheShardsTheOldIndexNamed) {
     EXPECT_EQ(file.get<std::string>(), "model-00001-of-00001.safetensors") << name;
 }
 
+// The files of dir_ besides `known`: a temporary left behind would be one.
+std::vector<std::string> others_in(const fs::path& dir, const std::set<std::string>& known) {
+  std::vector<std::string> out;
+  for (const auto& e : fs::directory_iterator(dir))
+    if (!known.count(e.path().filename().string())) out.push_back(e.path().filename().string());
+  return out;
+}
+
 TEST_F(BadInput, ANewTrainRunThatFailsKeepsTheEarlierLog) {
   // tl1 (the twenty-third session's bad-input pass): a new run truncated --log at its start, so a run that then failed
   // (here it diverges at step 2) left one line, and the earlier run's log, beside its checkpoint, was gone.
@@ -699,7 +709,8 @@ TEST_F(BadInput, ANewTrainRunThatFailsKeepsTheEarlierLog) {
   ASSERT_EQ(run_cli_bounded(train + p("log.jsonl") + " --steps 3").status, 0);
   const std::string before = slurp(p("log.jsonl"));
   ASSERT_NE(before.find("\"step\":3"), std::string::npos) << before;
-  EXPECT_FALSE(fs::exists(p("log.jsonl.partial")));
+  const std::set<std::string> known = {"data", "tiny.json", "costs.json", "log.jsonl", "link.jsonl"};
+  EXPECT_EQ(others_in(dir_, known), std::vector<std::string>{});
   const Result diverged =
       run_cli_bounded(train + p("log.jsonl") + " --steps 4 --lr 1e30 --weight-decay 0 --clip 0 --warmup 0");
   EXPECT_NE(diverged.status, 0) << diverged.output;
@@ -707,19 +718,70 @@ TEST_F(BadInput, ANewTrainRunThatFailsKeepsTheEarlierLog) {
   expect_user_error(diverged, "train: step 2: non-finite values in the model after step 1 (lr 1e+30", "divergence");
   EXPECT_NE(diverged.output.find("the training diverged; lower --lr"), std::string::npos) << diverged.output;
   EXPECT_EQ(slurp(p("log.jsonl")), before);
-  ASSERT_TRUE(fs::exists(p("log.jsonl.partial")));  // what the failed run logged
-  EXPECT_NE(slurp(p("log.jsonl.partial")).find("\"step\":1"), std::string::npos);
-  // A run that ends replaces the log with its own lines and leaves no .partial.
+  EXPECT_EQ(others_in(dir_, known), std::vector<std::string>{}) << "the failed run's temporary is removed";
+  // A run that ends replaces the log with its own lines.
   ASSERT_EQ(run_cli_bounded(train + p("log.jsonl") + " --steps 2").status, 0);
   const std::string after = slurp(p("log.jsonl"));
   EXPECT_NE(after.find("\"step\":2"), std::string::npos) << after;
   EXPECT_EQ(after.find("\"step\":3"), std::string::npos) << after;
-  EXPECT_FALSE(fs::exists(p("log.jsonl.partial")));
   // Through a symlink: the link's target is replaced, the link stays a link.
   fs::create_symlink(p("log.jsonl"), p("link.jsonl"));
   ASSERT_EQ(run_cli_bounded(train + p("link.jsonl") + " --steps 3").status, 0);
   EXPECT_TRUE(fs::is_symlink(p("link.jsonl")));
   EXPECT_NE(slurp(p("log.jsonl")).find("\"step\":3"), std::string::npos);
+  EXPECT_EQ(others_in(dir_, known), std::vector<std::string>{});
+}
+
+TEST_F(BadInput, TheLogOfANewRunIsWrittenUnderNoNameOfTheUsers) {
+  // F1-F3, F20 (fifteenth pass): a new run's log went to "<log>.partial", a name never checked: `--data c.partial --log
+  // c` wrote the log into the training text and renamed it away (rc 0); a leftover link s.jsonl.partial -> keep.txt
+  // had keep.txt overwritten; `--tune-file t.partial --log t` left the tuning file in place of the log.
+  const std::string train = "train --config " + p("tiny.json") + " --seq 16 --batch 2 --val-batches 1 --print-every 0 "
+                            "--steps 2 ";
+  fs::copy_file(p("data/a.txt"), p("corpus.partial"));
+  const std::string text = slurp(p("corpus.partial"));
+  ASSERT_EQ(run_cli_bounded(train + "--data " + p("corpus.partial") + " --log " + p("corpus")).status, 0);
+  EXPECT_EQ(slurp(p("corpus.partial")), text);
+  EXPECT_NE(slurp(p("corpus")).find("\"step\":2"), std::string::npos);
+  std::ofstream(p("keep.txt")) << "keep";
+  fs::create_symlink(p("keep.txt"), p("s.jsonl.partial"));
+  ASSERT_EQ(run_cli_bounded(train + "--data " + p("data") + " --log " + p("s.jsonl")).status, 0);
+  EXPECT_EQ(slurp(p("keep.txt")), "keep");
+  EXPECT_FALSE(fs::is_symlink(p("s.jsonl")));
+  fs::create_directory(p("d.jsonl.partial"));
+  EXPECT_EQ(run_cli_bounded(train + "--data " + p("data") + " --log " + p("d.jsonl")).status, 0);
+}
+
+TEST_F(BadInput, AResumedRunsLogMatchesItsCheckpoint) {
+  // F5 (fifteenth pass): a run stopped after its last save had logged steps past it, and the resumed run appended the
+  // same steps again (the log of an interrupted new run was not even in the log, but in a leftover .partial). Now a
+  // new run's log replaces the old one at its first save, and a resumed run cuts the log back to its checkpoint.
+  const std::string train = "train --config " + p("tiny.json") + " --data " + p("data") + " --seq 16 --batch 2 "
+                            "--val-batches 1 --print-every 0 --steps 12 --save " + p("ck") + " --log " + p("log.jsonl");
+  std::ofstream(p("log.jsonl")) << "{\"step\":1,\"loss\":9}\n";  // an earlier run's
+  // --stop-after ends the run after step 7, its last save at step 4 (--save-every 4): as if stopped there.
+  ASSERT_EQ(run_cli_bounded(train + " --save-every 4 --stop-after 7").status, 0);
+  const auto steps_in = [&](const std::string& file) {
+    std::vector<int64_t> steps;
+    std::istringstream in(slurp(file));
+    for (std::string line; std::getline(in, line);) {
+      const nlohmann::json j = nlohmann::json::parse(line);
+      if (j.contains("loss")) steps.push_back(j.at("step").get<int64_t>());
+    }
+    return steps;
+  };
+  EXPECT_EQ(steps_in(p("log.jsonl")), (std::vector<int64_t>{1, 2, 3, 4, 5, 6, 7}));
+  // The checkpoint of a stopped run is at its last step; cut the state back to step 4 by saving there again.
+  ASSERT_EQ(run_cli_bounded("train --config " + p("tiny.json") + " --data " + p("data") + " --seq 16 --batch 2 "
+                            "--val-batches 1 --print-every 0 --steps 12 --save " + p("ck") + " --stop-after 4 --log " +
+                            p("four.jsonl")).status, 0);
+  const Result resumed = run_cli_bounded(train + " --resume " + p("ck"));
+  ASSERT_EQ(resumed.status, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("cut 4 line(s) past the checkpoint's step 4: those of steps 5..7"), std::string::npos)
+      << resumed.output;
+  std::vector<int64_t> all(12);
+  std::iota(all.begin(), all.end(), 1);
+  EXPECT_EQ(steps_in(p("log.jsonl")), all);
 }
 
 TEST_F(BadInput, FaultForACommandWithoutFaultPointsIsRefusedBeforeItsWork) {
