@@ -368,7 +368,7 @@ GrowingOutputFile::GrowingOutputFile(const std::string& path, std::string_view o
   if (t.exists) (void)::fchmod(fd_, t.mode);  // the file it replaces keeps its permission bits
 }
 
-void GrowingOutputFile::write(std::string_view piece) {
+void GrowingOutputFile::write(std::string_view piece, std::string_view what) {
   DMOE_REQUIRE(fd_ >= 0, "GrowingOutputFile: write after close ({})", path_);
   if (write_all(fd_, reinterpret_cast<const uint8_t*>(piece.data()), piece.size())) {
     size_ += piece.size();
@@ -376,8 +376,8 @@ void GrowingOutputFile::write(std::string_view piece) {
   }
   const int err = errno;
   (void)::ftruncate(fd_, off_t(size_));  // no part of a piece stays at the end
-  DMOE_FAIL_INPUT("{} '{}': a write failed: {} (disk full, or a file size limit?); {}", option_, path_,
-                  std::strerror(err),
+  DMOE_FAIL_INPUT("{} '{}': {}a write failed: {} (disk full, or a file size limit?); {}", option_, path_,
+                  what.empty() ? std::string() : fmt::format("writing {}: ", what), std::strerror(err),
                   published_ ? fmt::format("the file keeps the {} bytes before it", size_)
                              : "nothing was published yet: the earlier file is unchanged");
 }

@@ -72,7 +72,8 @@ class GrowingOutputFile {
   GrowingOutputFile& operator=(const GrowingOutputFile&) = delete;
   ~GrowingOutputFile();
 
-  void write(std::string_view piece);
+  // `what`: which piece, for the error ("step 12").
+  void write(std::string_view piece, std::string_view what = {});
   void publish();  // the first call renames the temporary over the target; later calls do nothing
   bool published() const { return published_; }
   // Cuts the file back to its first `bytes` bytes (a resumed run drops the lines past its checkpoint).

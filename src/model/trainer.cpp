@@ -847,7 +847,8 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
         if (ceiling > 0) line["mfu"] = step_flop / seconds / (ceiling * o.world);
         if (resources) line["resources"] = resources->to_json();  // the last step's record
         log->write(line.dump() + "\n" +
-                   (do_val ? json{{"step", step}, {"val_loss", rec.val_loss}}.dump() + "\n" : std::string()));
+                   (do_val ? json{{"step", step}, {"val_loss", rec.val_loss}}.dump() + "\n" : std::string()),
+                   fmt::format("step {}", step));
       }
       if (o.print_every > 0 && (step % o.print_every == 0 || step == last_step || do_val))
         print(fmt::format("step {:>5}/{} | loss {:.4f} | lr {:.3e} | grad norm {:.3f} | {:.0f} tokens/s | {:.3g} "

@@ -732,6 +732,43 @@ TEST_F(BadInput, ANewTrainRunThatFailsKeepsTheEarlierLog) {
   EXPECT_EQ(others_in(dir_, known), std::vector<std::string>{});
 }
 
+TEST_F(BadInput, ABareResumeContinuesTheSavedRunExactly) {
+  // F14 (fifteenth pass): `--resume ck` without the saved run's --steps/--lr/--warmup took the defaults, each with a
+  // note "--steps 100 replaces the saved run's 6": the run went on with another schedule. Now the options not given
+  // take the saved values, and the resumed run's steps equal the uninterrupted run's, bit for bit.
+  const std::string base = "train --config " + p("tiny.json") + " --data " + p("data") + " --seq 16 --batch 2 "
+                           "--val-batches 1 --print-every 0 ";
+  const std::string settings = "--steps 6 --lr 0.002 --warmup 3 --min-lr 0.0001 --clip 0.5 --weight-decay 0.05 ";
+  ASSERT_EQ(run_cli_bounded(base + settings + "--log " + p("whole.jsonl")).status, 0);
+  ASSERT_EQ(run_cli_bounded(base + settings + "--stop-after 3 --save " + p("ck") + " --log " + p("parts.jsonl")).status,
+            0);
+  const Result resumed = run_cli_bounded(base + "--resume " + p("ck") + " --save " + p("ck") + " --log " +
+                                         p("parts.jsonl"));
+  ASSERT_EQ(resumed.status, 0) << resumed.output;
+  EXPECT_EQ(resumed.output.find("replaces the saved run's"), std::string::npos) << resumed.output;
+  // The steps' records agree but for the timings (the stopped run also validated at its last step).
+  const auto records = [&](const std::string& file) {
+    std::vector<std::string> out;
+    std::istringstream in(slurp(file));
+    for (std::string line; std::getline(in, line);) {
+      nlohmann::json j = nlohmann::json::parse(line);
+      if (!j.contains("loss")) continue;
+      for (const char* timing : {"tokens_per_s", "tflop_per_s", "resources"}) j.erase(timing);
+      out.push_back(j.dump());
+    }
+    return out;
+  };
+  EXPECT_EQ(records(p("parts.jsonl")), records(p("whole.jsonl")));
+  // A given option still replaces the saved value, with its note; a saved value out of its option's range is refused.
+  const Result longer = run_cli_bounded(base + "--resume " + p("ck") + " --steps 8");
+  EXPECT_NE(longer.output.find("--steps 8 replaces the saved run's 6"), std::string::npos) << longer.output;
+  nlohmann::json state = nlohmann::json::parse(slurp(p("ck/trainer_state.json")));
+  state["steps"] = int64_t(100000000000);
+  std::ofstream(p("ck/trainer_state.json")) << state.dump();
+  expect_user_error(run_cli_bounded(base + "--resume " + p("ck")), "trainer_state.json's 'steps' = 100000000000 is "
+                    "outside [1, 1000000000], the range of --steps; give --steps to replace it", "steps 1e11");
+}
+
 TEST_F(BadInput, TheLogOfANewRunIsWrittenUnderNoNameOfTheUsers) {
   // F1-F3, F20 (fifteenth pass): a new run's log went to "<log>.partial", a name never checked: `--data c.partial --log
   // c` wrote the log into the training text and renamed it away (rc 0); a leftover link s.jsonl.partial -> keep.txt
@@ -966,7 +1003,7 @@ TEST_F(BadInput, OptionsIgnoredCheckedLateOrFailingWithASourceLocation) {
   // d6: a --log that cannot grow (a full disk; here a 512-byte file size limit): "(trainer.cpp:515)".
   expect_user_error(test::run_shell("trap '' XFSZ; ulimit -f 1; timeout 30 " + std::string(DMOE_CLI_PATH) + " " + train +
                                     "--steps 12 --log " + p("log.json")),
-                    "--log " + p("log.json") + ": writing step", "log write failure");
+                    "--log '" + p("log.json") + "': writing step", "log write failure");
   // c16: a CPU step of minutes was silent after the first line; now a note comes first (before the data is read: a
   // missing --data then ends the run at once).
   const Result slow = run_cli_bounded("train --config " + p("tiny.json") + " --data " + p("no_data") +
@@ -2067,11 +2104,15 @@ TEST_F(BadInput, ResumeWithOtherTrainingSettingsSaysSo) {
   const json state = json::parse(slurp(p("ck/trainer_state.json")));
   EXPECT_EQ(state.at("warmup"), 3);
   EXPECT_EQ(state.at("val_fraction"), 0.1);
-  const Result r = run_cli(train + "--steps 4 --resume " + p("ck") + " --val-fraction 0.5 --weight-decay 0");
+  const Result r = run_cli(train + "--steps 4 --resume " + p("ck") + " --val-fraction 0.5 --weight-decay 0 --warmup 1");
   EXPECT_EQ(r.status, 0) << r.output;
-  for (const std::string& note : {"note: --val-fraction 0.5 replaces the saved run's 0.1", "note: --warmup 10 "
+  for (const std::string& note : {"note: --val-fraction 0.5 replaces the saved run's 0.1", "note: --warmup 1 "
                                   "replaces the saved run's 3", "note: --weight-decay 0 replaces the saved run's 0.1"})
     EXPECT_NE(r.output.find(note), std::string::npos) << note << "\n" << r.output;
+  // Left out, --warmup is the saved run's 3 (fifteenth pass, F14: it was the default 10, with a note).
+  const Result bare = run_cli(train + "--steps 4 --resume " + p("ck"));
+  EXPECT_EQ(bare.status, 0) << bare.output;
+  EXPECT_EQ(bare.output.find("--warmup"), std::string::npos) << bare.output;
   EXPECT_EQ(r.output.find("--beta1"), std::string::npos) << r.output;
   const Result same = run_cli(train + "--steps 4 --warmup 3 --resume " + p("ck"));
   EXPECT_EQ(same.status, 0) << same.output;

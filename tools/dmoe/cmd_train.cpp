@@ -7,9 +7,12 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <vector>
 
 #include <unistd.h>
+
+#include <nlohmann/json.hpp>
 
 #include "commands.hpp"
 #include "core/config.hpp"
@@ -150,6 +153,50 @@ void check_train_paths(const TrainOptions& o, const std::string& config_file) {
   }
 }
 
+// A bare --resume continues the saved run exactly: the settings its trainer_state.json records are taken for the
+// options not given here. They used to be the defaults, each "replacing the saved run's" value with a note: `train
+// --resume ck` after `--steps 6 --lr 0.002 --warmup 3` ran a 100-step schedule at 0.003 with 10 warm-up steps. Values
+// outside an option's range are refused naming the file (a state of "steps": 1e11 was taken). The trainer checks the
+// rest of the state (types, seed, model) and notes what a given option changes.
+void adopt_saved_settings(TrainOptions& o, const CLI::App& sub, int64_t max_steps) {
+  namespace fs = std::filesystem;
+  const std::string path = (fs::path(o.resume_dir) / "trainer_state.json").string();
+  std::error_code ec;
+  if (!fs::is_regular_file(path, ec)) return;  // the trainer says what is missing
+  std::ifstream in(path, std::ios::binary);
+  const nlohmann::json state = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  if (!state.is_object()) return;  // the trainer names what is wrong with it
+  const auto saved = [&](const char* key, const char* option) {
+    return sub.count(option) == 0 && state.contains(key) && state.at(key).is_number();
+  };
+  const auto adopt_int = [&](const char* key, const char* option, int64_t& field, int64_t lo, int64_t hi) {
+    if (!saved(key, option) || !state.at(key).is_number_integer()) return;
+    const int64_t v = state.at(key).get<int64_t>();
+    DMOE_REQUIRE_INPUT(v >= lo && v <= hi, "--resume {}: trainer_state.json's '{}' = {} is outside [{}, {}], the range "
+                       "of {}; give {} to replace it", o.resume_dir, key, v, lo, hi, option, option);
+    field = v;
+  };
+  const auto adopt_real = [&](const char* key, const char* option, double& field, double lo, double hi) {
+    if (!saved(key, option)) return;
+    const double v = state.at(key).get<double>();
+    DMOE_REQUIRE_INPUT(std::isfinite(v) && v >= lo && v <= hi, "--resume {}: trainer_state.json's '{}' = {} is outside "
+                       "[{}, {}], the range of {}; give {} to replace it", o.resume_dir, key, v, lo, hi, option, option);
+    field = v;
+  };
+  adopt_int("steps", "--steps", o.steps, 1, max_steps);
+  adopt_int("batch", "--batch", o.batch, 1, int64_t(1) << 20);
+  adopt_int("seq", "--seq", o.seq, 2, int64_t(1) << 20);
+  adopt_int("warmup", "--warmup", o.warmup, 0, max_steps);
+  if (saved("seed", "--seed") && state.at("seed").is_number_unsigned()) o.seed = state.at("seed").get<uint64_t>();
+  adopt_real("lr", "--lr", o.lr, 0, 1e6);
+  if (sub.count("--lr") == 0) adopt_real("min_lr", "--min-lr", o.min_lr, 0, 1e6);  // else lr/10 of the new --lr
+  adopt_real("val_fraction", "--val-fraction", o.val_fraction, 0, 1);
+  adopt_real("weight_decay", "--weight-decay", o.weight_decay, 0, 1e6);
+  adopt_real("beta1", "--beta1", o.beta1, 0, 1);
+  adopt_real("beta2", "--beta2", o.beta2, 0, 1);
+  adopt_real("clip", "--clip", o.clip, 0, 1e9);
+}
+
 }  // namespace
 
 // Step counts' upper bound in the option checks (a readable range in the error, not DBL_MAX's 309 digits).
@@ -193,11 +240,13 @@ Command add_train_command(CLI::App& app) {
                   "one entry per run shape (model, batch, seq, world, dtype): an entry of this run's shape is reused without "
                   "tuning, a new shape is added");
   sub->add_option("--init", o->init, "random, or a model.safetensors / index.json to start from");
-  sub->add_option("--resume", o->resume_dir, "continue the run saved in this directory (exact resume)");
+  sub->add_option("--resume", o->resume_dir, "continue the run saved in this directory (exact resume: the options "
+                  "not given take the saved run's values; one given replaces it, with a note)");
   sub->add_option("--save", o->save_dir, "write a checkpoint here at the end (and every --save-every steps)");
   sub->add_option("--save-every", o->save_every, "also save every N steps")->check(Range(int64_t(0), kMaxSteps));
-  sub->add_option("--log", o->log_path, "JSON-lines log: {step, loss, lr, grad_norm, tokens_per_s}, {step, val_loss}; a new run writes it "
-                  "as <log>.partial and replaces the log when it ends (a failed run leaves the old log); --resume appends");
+  sub->add_option("--log", o->log_path, "JSON-lines log: {step, loss, lr, grad_norm, tokens_per_s}, {step, val_loss}; a "
+                  "new run replaces the log at its first --save-every checkpoint or its end (a run that fails before "
+                  "leaves the old log); --resume appends, after cutting the lines past its checkpoint");
   sub->add_option("--lr", o->lr, "peak learning rate");
   // Not given: lr/10 (TrainOptions' min_lr < 0). A negative value given was taken for that default without a word.
   CLI::Option* min_lr = sub->add_option("--min-lr", o->min_lr, "final learning rate of the cosine, >= 0 and <= --lr "
@@ -217,7 +266,8 @@ Command add_train_command(CLI::App& app) {
       "cuda, bf16: keep the experts' gradients in f32 where they would be bf16 (one micro-batch, no --schedule, and "
       "experts the GPU's grouped sm90 kernel stores, or hidden x ffn >= 2^21: there bf16 gradients take half the memory "
       "and the optimizer reads half the bytes; src/model/train_replica.hpp)");
-  return [o, config, engine, dtype, chunk, samples, steps, file, min_lr, stop_after, f32_grads] {
+  return [o, config, engine, dtype, chunk, samples, steps, file, min_lr, stop_after, f32_grads, sub] {
+    if (!o->resume_dir.empty()) adopt_saved_settings(*o, *sub, kMaxSteps);
     DMOE_REQUIRE_INPUT(stop_after->count() == 0 || o->stop_after >= 1, "train: --stop-after 0 is invalid: it stops "
                        "after a step of the --steps schedule, from 1 to --steps {} (leave it out to run all the steps)",
                        o->steps);
