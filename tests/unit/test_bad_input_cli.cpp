@@ -890,6 +890,17 @@ TEST_F(BadInput, OutputsCannotBeAFileOfAShardedOrDirectoryCheckpoint) {
                     "is the same file as --init", "train --log onto the directory's model");
   EXPECT_TRUE(slurp(shard) == before) << "the shard was replaced";  // (not EXPECT_EQ: no binary dump)
   EXPECT_TRUE(slurp(p("md/model.safetensors")) == model) << "the model was replaced";
+  // F8 (fifteenth pass): an --output named as the other kind of model in the --weights directory made the directory
+  // hold two models, which the next eval refused; rc 0.
+  for (const std::string& weights : {p("sh"), p("sh/model.safetensors.index.json")})
+    expect_user_error(run_cli_bounded("eval --config " + p("tiny.json") + " --weights " + weights + " --tokens " +
+                                      p("tok.st") + " --output " + p("sh/model.safetensors")),
+                      "is named as a model in the directory of --weights", "eval --output beside an index");
+  expect_user_error(run_cli_bounded("eval --config " + p("tiny.json") + " --weights " + p("md") + " --tokens " +
+                                    p("tok.st") + " --output " + p("md/model.safetensors.index.json")),
+                    "is named as a model in the directory of --weights", "eval --output index beside a model");
+  EXPECT_FALSE(fs::exists(p("sh/model.safetensors")));
+  EXPECT_FALSE(fs::exists(p("md/model.safetensors.index.json")));
   // t3: --save into a directory with an index.json: the saved model.safetensors was shadowed by the index's shards.
   expect_user_error(run_cli_bounded(train + "--init " + p("sh") + " --save " + p("sh")),
                     "holds a model.safetensors.index.json", "train --save beside an index");
@@ -910,6 +921,15 @@ TEST_F(BadInput, InitModelShardedOutputsAreChecked) {
   expect_user_error(run_cli_bounded(init + p("index.json") + " --save-config " + p("model-00002-of-00004.safetensors")),
                     "has the name of a shard", "--save-config named as a shard");
   EXPECT_FALSE(fs::exists(p("index.json")));
+  // F7 (fifteenth pass): a --config named as a shard beside --out was replaced by that shard (rc 0).
+  fs::copy_file(p("tiny.json"), p("model-00001-of-00004.safetensors"));
+  const std::string config = slurp(p("model-00001-of-00004.safetensors"));
+  expect_user_error(run_cli_bounded("init-model --config " + p("model-00001-of-00004.safetensors") +
+                                    " --shard-bytes 300000 --out " + p("index.json")),
+                    "--config '" + p("model-00001-of-00004.safetensors") + "' has the name of a shard",
+                    "--config named as a shard");
+  EXPECT_EQ(slurp(p("model-00001-of-00004.safetensors")), config);
+  fs::remove(p("model-00001-of-00004.safetensors"));
   ASSERT_EQ(run_cli_bounded(init + p("index.json") + " --save-config " + p("config.json")).status, 0);
   write_tokens_file();
   EXPECT_EQ(run_cli_bounded("eval --config " + p("config.json") + " --weights " + p("index.json") + " --tokens " +

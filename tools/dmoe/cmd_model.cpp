@@ -87,20 +87,26 @@ void check_init_model_resources(const MixtralConfig& c, const std::string& out, 
 // path ending in .json for an index: any other --out made a model its own reader refused ("header length ... is
 // absurd"), one named as a shard had the index written over that shard, and a --save-config of a shard's name
 // replaced the shard with the config; all with rc 0.
-void check_sharded_outputs(const InitModelOptions& o) {
+void check_sharded_outputs(const InitModelOptions& o, const std::string& config_path) {
   namespace fs = std::filesystem;
   DMOE_REQUIRE_INPUT(fs::path(o.out).extension() == ".json", "--out '{}' with --shard-bytes: --out is the index.json "
                      "of the shards, and must end in .json (e.g. model.safetensors.index.json); without --shard-bytes "
                      "it is one model.safetensors", o.out);
-  if (o.save_config.empty()) return;
   const fs::path dir = fs::path(o.out).parent_path().empty() ? fs::path(".") : fs::path(o.out).parent_path();
-  const fs::path config = fs::path(o.save_config);
-  const fs::path config_dir = config.parent_path().empty() ? fs::path(".") : config.parent_path();
-  DMOE_REQUIRE_INPUT(!(same_file(dir.string(), config_dir.string()) &&
-                       std::regex_match(config.filename().string(), std::regex(R"(model-[0-9]{5}-of-[0-9]{5}\.safetensors)"))),
-                     "--save-config '{}' has the name of a shard that --shard-bytes writes beside --out '{}' "
-                     "(model-0000i-of-0000N.safetensors): one would replace the other; give another name, e.g. "
-                     "config.json", o.save_config, o.out);
+  // A file beside --out with a shard's name is replaced by that shard: the --config read (a config copied to
+  // model-00001-of-00001.safetensors became 1 MB of weights, rc 0) or the --save-config written.
+  const auto is_shard_beside_out = [&](const std::string& path) {
+    const fs::path p(path);
+    const fs::path p_dir = p.parent_path().empty() ? fs::path(".") : p.parent_path();
+    return same_file(dir.string(), p_dir.string()) &&
+           std::regex_match(p.filename().string(), std::regex(R"(model-[0-9]{5}-of-[0-9]{5}\.safetensors)"));
+  };
+  for (const auto& [option, path] : {std::pair<const char*, std::string>{"--save-config", o.save_config},
+                                     {"--config", config_path}})
+    DMOE_REQUIRE_INPUT(path.empty() || !is_shard_beside_out(path),
+                       "{} '{}' has the name of a shard that --shard-bytes writes beside --out '{}' "
+                       "(model-0000i-of-0000N.safetensors): the shard would replace it; give it another name, e.g. "
+                       "config.json", option, path, o.out);
 }
 
 // "the loss is nan", "logits[0, 3, 17] is inf", ... for the first non-finite result of an eval; "" if none.
@@ -136,7 +142,7 @@ Command add_init_model_command(CLI::App& app) {
     const std::string config_path = find_model_config_file(o->config);
     // Before anything is computed: the outputs are not the config and can be written.
     require_distinct_files({{"--out", o->out}, {"--save-config", o->save_config}}, {{"--config", config_path}});
-    if (o->shard_bytes > 0) check_sharded_outputs(*o);
+    if (o->shard_bytes > 0) check_sharded_outputs(*o, config_path);
     // Without shards --out is one safetensors file, and every reader (eval --weights, train --init, run) takes a name
     // ending in .json for an index: `init-model --out m.json` wrote a model its own reader refused ("byte 2 of the file
     // is NUL ... a JSON file is text"), rc 0.
@@ -197,6 +203,22 @@ Command add_eval_command(CLI::App& app) {
     std::vector<NamedPath> inputs = {{"--config", config_path}, {"--weights", o->weights}, {"--tokens", o->tokens}};
     for (const std::string& f : checkpoint_files(o->weights)) inputs.push_back({"--weights", f});
     require_distinct_files({{"--output", o->output}}, inputs);
+    // An --output named as a model inside the model's directory made it hold two models, which every reader then
+    // refused (`eval --output ckpt/model.safetensors.index.json` after a sharded save), rc 0.
+    {
+      namespace fs = std::filesystem;
+      std::error_code ec;
+      const fs::path weights_dir = fs::is_directory(o->weights, ec) ? fs::path(o->weights)
+                                                                     : fs::path(o->weights).parent_path();
+      const fs::path out(o->output);
+      const std::string name = out.filename().string();
+      DMOE_REQUIRE_INPUT(!((name == "model.safetensors" || name == "model.safetensors.index.json") &&
+                           same_file(weights_dir.empty() ? "." : weights_dir.string(),
+                                     out.parent_path().empty() ? "." : out.parent_path().string())),
+                         "--output '{}' is named as a model in the directory of --weights '{}': a reader of that "
+                         "directory would find two models (or this output instead of the weights); write it "
+                         "elsewhere or under another name, e.g. eval.safetensors", o->output, o->weights);
+    }
     check_output_file(o->output, "--output");
     const MixtralConfig c = load_mixtral_config(config_path);
     const HostTensor<int32_t> tokens = read_tokens(o->tokens);
