@@ -74,7 +74,11 @@ class ThreadGroup {
                                             world_ - arrived_, world_, missing);
       poison_locked(cause);
       lock.unlock();
-      DMOE_FAIL("ThreadComm: {}; the limit is DMOE_COMM_TIMEOUT_S", cause);
+      // Not a bug in dmoe: a rank that failed or hangs, or a healthy step longer than the limit (a large model on the
+      // CPU engine), so the message says how to raise it.
+      DMOE_FAIL_RUN("ThreadComm: {}; the limit is DMOE_COMM_TIMEOUT_S={:g} s: if that rank is only slow (a large "
+                    "step on the CPU engine), raise it, e.g. DMOE_COMM_TIMEOUT_S={:g}", cause, timeout_.count(),
+                    std::max(600.0, timeout_.count() * 10));
     }
   }
 
@@ -111,7 +115,7 @@ class ThreadGroup {
   }
   // Called with mutex_ held (the caller's unique_lock releases it as the error unwinds).
   [[noreturn]] void fail_poisoned(int32_t rank, const char* what) {
-    DMOE_FAIL("ThreadComm: {} aborted on rank {}: another rank failed: {}", what, rank, cause_);
+    DMOE_FAIL_RUN("ThreadComm: {} aborted on rank {}: another rank failed: {}", what, rank, cause_);
   }
 
   int32_t world_;

@@ -40,10 +40,17 @@ void throw_error(const char* file, int line, const std::string& raw) {
   throw Error(fmt::format("{} ({}:{})", message, base, line));
 }
 
-void throw_input_error(const std::string& raw) {
+namespace {
+
+[[noreturn]] void throw_without_location(const std::string& raw, ErrorKind kind) {
   const std::string message = printable(raw);
-  if (error_rank() >= 0) throw Error(fmt::format("[rank {}] {}", error_rank(), message), ErrorKind::input);
-  throw Error(message, ErrorKind::input);
+  if (error_rank() >= 0) throw Error(fmt::format("[rank {}] {}", error_rank(), message), kind);
+  throw Error(message, kind);
 }
+
+}  // namespace
+
+void throw_input_error(const std::string& raw) { throw_without_location(raw, ErrorKind::input); }
+void throw_run_error(const std::string& raw) { throw_without_location(raw, ErrorKind::run); }
 
 }  // namespace dmoe

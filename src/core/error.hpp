@@ -1,11 +1,13 @@
 // error.hpp — dmoe::Error and the checking macros every layer uses.
 //
-// Two kinds of error, one type:
+// Three kinds of error, one type:
 //   - bad input (a flag, a config field, a file, an environment variable the user gave): DMOE_REQUIRE_INPUT
 //     and DMOE_FAIL_INPUT. The message names the field, the value and the rule that was broken; it carries
 //     no source location, since it is about the input, not about dmoe's code.
 //   - internal (a broken invariant, a failed system or library call): DMOE_REQUIRE and DMOE_FAIL. The
 //     message ends in (file:line), for the bug report.
+//   - the run (a time limit reached, a peer rank that failed): DMOE_FAIL_RUN. Neither the input's fault nor a bug
+//     in dmoe's code, so no source location; the message says what was waited for and which setting bounds it.
 // Both carry the rank, once one is known ("[rank r] ...").
 #pragma once
 
@@ -16,7 +18,7 @@
 
 namespace dmoe {
 
-enum class ErrorKind { input, internal };
+enum class ErrorKind { input, internal, run };
 
 class Error : public std::runtime_error {
  public:
@@ -36,6 +38,8 @@ int& error_rank();
 [[noreturn]] void throw_error(const char* file, int line, const std::string& message);
 // Bad input: the message alone.
 [[noreturn]] void throw_input_error(const std::string& message);
+// A failure of the run (a timeout, a peer): the message alone.
+[[noreturn]] void throw_run_error(const std::string& message);
 
 }  // namespace dmoe
 
@@ -54,3 +58,5 @@ int& error_rank();
   } while (0)
 
 #define DMOE_FAIL_INPUT(...) ::dmoe::throw_input_error(fmt::format(__VA_ARGS__))
+
+#define DMOE_FAIL_RUN(...) ::dmoe::throw_run_error(fmt::format(__VA_ARGS__))

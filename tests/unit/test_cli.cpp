@@ -398,6 +398,10 @@ TEST_F(Cli, InjectedHangOnOneRankEndsTheRunInTime) {
                          " --output " + p("y.safetensors"), "DMOE_FAULT=1:expert_gemm:hang DMOE_COMM_TIMEOUT_S=1");
   EXPECT_EQ(r.status, 1) << r.output;
   EXPECT_NE(r.output.find("rank 1 (last in stage expert_gemm)"), std::string::npos) << r.output;
+  // F11 (fifteenth pass): a time limit is no bug of dmoe's: no "(thread_comm.cpp:77)", and how to raise it.
+  EXPECT_NE(r.output.find("the limit is DMOE_COMM_TIMEOUT_S=1 s"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("raise it, e.g. DMOE_COMM_TIMEOUT_S=600"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find(".cpp:"), std::string::npos) << r.output;
   EXPECT_FALSE(fs::exists(p("y.safetensors")));
 }
 

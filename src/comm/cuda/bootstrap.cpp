@@ -65,7 +65,7 @@ void wait_nccl_ready(ncclComm_t comm, const std::string& what) {
       if (const std::string failed = watch->failed_peer(); !failed.empty()) {
         cuda::abandon_gpu();
         ncclCommAbort(comm);
-        DMOE_FAIL("{}: stopped waiting for NCCL after {:.1f} s: {}", what, waited, failed);
+        DMOE_FAIL_RUN("{}: stopped waiting for NCCL after {:.1f} s: {}", what, waited, failed);
       }
     }
     if (waited > timeout) {
@@ -76,8 +76,9 @@ void wait_nccl_ready(ncclComm_t comm, const std::string& what) {
         watch->give_up();
         peers = watch->describe_peers();
       }
-      DMOE_FAIL("{}: waited {:.0f} s for NCCL (DMOE_COMM_TIMEOUT_S={:.0f}); a peer rank has probably failed or is "
-                "not making the same call{}{}", what, waited, timeout, peers.empty() ? "" : "; ", peers);
+      DMOE_FAIL_RUN("{}: waited {:.0f} s for NCCL (DMOE_COMM_TIMEOUT_S={:g}); a peer rank has probably failed or is "
+                    "not making the same call{}{} (if it is only slow, raise DMOE_COMM_TIMEOUT_S)", what, waited, timeout,
+                    peers.empty() ? "" : "; ", peers);
     }
     std::this_thread::sleep_for(sleep);
     sleep = std::min(sleep * 2, std::chrono::microseconds(2000));
