@@ -71,6 +71,19 @@ TEST_F(FlowCli, OneScheduleAndTune) {
   const json v = read_json(dir / "v.json");
   ASSERT_EQ(v.at("runs").size(), 1u);
   EXPECT_EQ(v.at("runs")[0].at("micro_batches"), 2);  // an explicit schedule keeps --micro-batches
+  // F12 (fifteenth pass): vanilla alone took the --micro-batches default of 2, not the ablation's R = 1.
+  ASSERT_EQ(run_cli("flow simulate --costs " + costs.string() + " --layers 2 --schedule vanilla --json " +
+                    (dir / "v1.json").string()).status, 0);
+  ASSERT_EQ(run_cli("flow simulate --costs " + costs.string() + " --layers 2 --json " + (dir / "all.json").string())
+                .status, 0);
+  const json v1 = read_json(dir / "v1.json"), all = read_json(dir / "all.json");
+  EXPECT_EQ(v1.at("runs")[0].at("micro_batches"), 1);
+  EXPECT_EQ(all.at("runs")[0].at("schedule"), "vanilla");
+  EXPECT_EQ(v1.at("runs")[0].at("step_ms"), all.at("runs")[0].at("step_ms"));
+  // F21: one tuner sample is a guess, not a search (train --tune-samples had the floor of 2 already).
+  const Result one_sample = run_cli("flow tune --costs " + costs.string() + " --samples 1");
+  EXPECT_EQ(one_sample.status, 1) << one_sample.output;
+  EXPECT_NE(one_sample.output.find("--samples 1: must be in [2, 1000]"), std::string::npos) << one_sample.output;
   const Result t = run_cli("flow tune --costs " + costs.string() + " --layers 3 --samples 6 --json " +
                            (dir / "t.json").string());
   ASSERT_EQ(t.status, 0) << t.output;

@@ -144,6 +144,12 @@ TEST(FlowProjection, CliPrintsTheAblationAndWritesTheCosts) {
   EXPECT_EQ(p.at("link"), "shared");
   EXPECT_EQ(parse_cost_model(p.at("projected_costs"), "p").dense_grad_bytes_per_layer,
             written.dense_grad_bytes_per_layer);
+  EXPECT_NE(r.output.find("GB/s effective"), std::string::npos) << r.output;
+  // F13 (fifteenth pass): one GPU's placeholder all-reduce bandwidth was printed as "1e+09 GB/s effective".
+  const dmoe::test::CliResult one = dmoe::test::run_cli("flow project --config gpt2-tiny-moe --cluster h200 --gpus 1");
+  ASSERT_EQ(one.status, 0) << one.output;
+  EXPECT_NE(one.output.find("no all-reduce (one GPU)"), std::string::npos) << one.output;
+  EXPECT_EQ(one.output.find("GB/s effective"), std::string::npos) << one.output;
   // Options of another action are refused, not ignored; --gpus must fit the experts.
   const dmoe::test::CliResult bad = dmoe::test::run_cli("flow simulate --costs example --gpus 16");
   EXPECT_NE(bad.status, 0);

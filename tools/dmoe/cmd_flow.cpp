@@ -301,13 +301,16 @@ int project_command(FlowOptions o) {
               o.dtype.c_str(), spec.gpus, std::min(cluster.gpus_per_node, spec.gpus), cluster.name.c_str(),
               cluster_path.c_str());
   std::printf("per-task costs (ms per call + ms for the whole batch): AT %.3f + %.3f, E %.3f + %.3f, D/C/C'/D' %.3f + "
-              "%.3f each, AT' %.3f + %.3f, E' %.3f + %.3f; AR %.3f ms + %.3g GB/s effective\n",
+              "%.3f each, AT' %.3f + %.3f, E' %.3f + %.3f; %s\n",
               costs[flow::TaskKind::attention_fwd].fixed_ms, costs[flow::TaskKind::attention_fwd].batch_ms,
               costs[flow::TaskKind::expert_fwd].fixed_ms, costs[flow::TaskKind::expert_fwd].batch_ms,
               costs[flow::TaskKind::dispatch_fwd].fixed_ms, costs[flow::TaskKind::dispatch_fwd].batch_ms,
               costs[flow::TaskKind::attention_bwd].fixed_ms, costs[flow::TaskKind::attention_bwd].batch_ms,
               costs[flow::TaskKind::expert_bwd].fixed_ms, costs[flow::TaskKind::expert_bwd].batch_ms,
-              costs.ar_alpha_ms, costs.ar_bytes_per_ms / 1e6);
+              // One GPU all-reduces nothing: its placeholder bandwidth printed as "1e+09 GB/s effective".
+              spec.gpus > 1 ? fmt::format("AR {:.3f} ms + {:.3g} GB/s effective", costs.ar_alpha_ms,
+                                          costs.ar_bytes_per_ms / 1e6).c_str()
+                            : "no all-reduce (one GPU)");
   if (!o.costs_out.empty()) {
     write_json(o.costs_out, flow::cost_model_json(costs), "--costs-out");
     std::printf("wrote %s (a cost file for flow simulate / tune)\n", o.costs_out.c_str());
@@ -806,8 +809,8 @@ Command add_flow_command(CLI::App& app) {
   sub->add_option("--costs", o->costs_path,
                   "simulate, tune: per-task costs JSON, or a named one in bench/flow (e.g. example)");
   sub->add_option("--layers", o->layers, "layers (default: the cost file's \"layers\")");
-  sub->add_option("--micro-batches", o->micro_batches, "R for pipe-moe, pipe-attn, chunked-ar (vanilla runs R = 1 in "
-                  "the ablation)");
+  sub->add_option("--micro-batches", o->micro_batches, "R for pipe-moe, pipe-attn, chunked-ar (default 2; vanilla "
+                  "runs R = 1 unless this is given)");
   sub->add_option("--schedule", o->schedule, "all, or one of vanilla, pipe-moe, pipe-attn, chunked-ar, tuned (measure: "
                   "all or a fixed one; default pipe-attn)");
   sub->add_option("--chunk-bytes", o->chunk_bytes, "Sp of chunked-ar (default 1 MiB)");
@@ -837,6 +840,9 @@ Command add_flow_command(CLI::App& app) {
                        "--progress {}: must be seconds in [0, 86400] (0 prints after every simulated step)",
                        o->progress_s);
     o->schedule_given = sub->count("--schedule") > 0;
+    // vanilla is one batch per step (R = 1, as in the ablation); asked for alone it took the --micro-batches default
+    // of 2, so the same schedule printed two step times. A given --micro-batches still runs it at that R.
+    if (o->schedule == "vanilla" && sub->count("--micro-batches") == 0) o->micro_batches = 1;
     o->measure_r_given = sub->count("--measure-r") > 0;
     o->experts_given = sub->count("--experts") > 0;
     if (o->action == "project" && sub->count("--link") == 0) o->link = "shared";
@@ -862,7 +868,8 @@ Command add_flow_command(CLI::App& app) {
       require_distinct_files(outputs, inputs);
       DMOE_REQUIRE_INPUT(o->micro_batches >= 1 && o->micro_batches <= 4096, "--micro-batches {}: must be in [1, 4096]",
                          o->micro_batches);
-      DMOE_REQUIRE_INPUT(o->samples >= 1 && o->samples <= 1000, "--samples {}: must be in [1, 1000]", o->samples);
+      DMOE_REQUIRE_INPUT(o->samples >= 2 && o->samples <= 1000, "--samples {}: must be in [2, 1000] (one sample is one "
+                         "guess, no search; train --tune-samples has the same floor)", o->samples);
       DMOE_REQUIRE_INPUT(o->chunk_bytes >= 1, "--chunk-bytes {}: must be >= 1", o->chunk_bytes);
       // R splits each GPU's batch along its sequences (no sequence is cut, docs/flow.md), as train and measure
       // require: `--batch 1` projected pipe-attn at the default R = 2 (and a tuned R = 2, 1.38x), a schedule that
@@ -894,7 +901,8 @@ Command add_flow_command(CLI::App& app) {
     DMOE_REQUIRE_INPUT(o->micro_batches >= 1 && o->micro_batches <= 4096, "--micro-batches {}: must be in [1, 4096]",
                        o->micro_batches);
     DMOE_REQUIRE_INPUT(o->chunk_bytes >= 1, "--chunk-bytes {}: must be >= 1", o->chunk_bytes);
-    DMOE_REQUIRE_INPUT(o->samples >= 1 && o->samples <= 1000, "--samples {}: must be in [1, 1000]", o->samples);
+    DMOE_REQUIRE_INPUT(o->samples >= 2 && o->samples <= 1000, "--samples {}: must be in [2, 1000] (one sample is one "
+                         "guess, no search; train --tune-samples has the same floor)", o->samples);
     if (o->action == "tune") return tune_command(*o, costs, layers);
     return simulate_command(*o, costs, layers);
   };
