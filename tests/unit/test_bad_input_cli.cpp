@@ -909,6 +909,20 @@ TEST_F(BadInput, OutputsCannotBeAFileOfAShardedOrDirectoryCheckpoint) {
   EXPECT_EQ(run_cli_bounded(train + "--init " + p("md") + " --log " + p("md/log.json")).status, 0);
 }
 
+// F9 (fifteenth pass): init-model of a large model (bert-large-moe, 4.7 GiB) printed nothing for minutes. Its size is
+// said before the weights are generated; stopped there (SIGTERM), it leaves no file.
+TEST_F(BadInput, InitModelOfALargeModelSaysItsSizeFirst) {
+  json c = json::parse(slurp(std::string(DMOE_SOURCE_DIR) + "/bench/models/gpt2-tiny-moe.json"));
+  c["num_hidden_layers"] = 48;  // 331M parameters, a 1.2 GiB file
+  write_json_file(p("large.json"), c);
+  const Result r = test::run_shell("timeout -s TERM 2 " + std::string(DMOE_CLI_PATH) + " init-model --config " +
+                                   p("large.json") + " --out " + p("large.safetensors"));
+  EXPECT_NE(r.output.find("init-model: 3.31e+08 parameters, a file of about 1.2 GiB"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("generating random weights, then writing"), std::string::npos) << r.output;
+  if (r.status == 124)
+    EXPECT_EQ(others_in(dir_, {"data", "tiny.json", "costs.json", "large.json"}), std::vector<std::string>{});
+}
+
 TEST_F(BadInput, InitModelShardedOutputsAreChecked) {
   const std::string init = "init-model --config " + p("tiny.json") + " --shard-bytes 300000 --out ";
   // i1, i2: --out named as a shard had the index written over shard 1; any name not ending in .json made a model

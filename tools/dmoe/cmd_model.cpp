@@ -8,6 +8,7 @@
 //       next-token cross-entropy + router_aux_loss_coef · aux when output_router_logits), ce_loss and aux_loss
 //       scalars, and with --grad grad.<HF name> for every parameter.
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -154,7 +155,18 @@ Command add_init_model_command(CLI::App& app) {
     if (!o->save_config.empty()) check_output_file(o->save_config, "--save-config");
     const MixtralConfig c = load_mixtral_config(config_path);
     check_init_model_resources(c, o->out, o->shard_bytes);
+    // A large model was silent for minutes (bert-large-moe, 4.7 GiB: > 90 s on 2 cores); its size is known now.
+    const double file_bytes = 4.0 * double(c.num_parameters());
+    const bool large = file_bytes >= double(512ull << 20);
+    const auto start = std::chrono::steady_clock::now();
+    if (large)
+      std::fprintf(stderr, "init-model: %.3g parameters, a file of about %s: generating random weights, then writing "
+                   "(about a minute per 4 GB on a small machine)\n", double(c.num_parameters()),
+                   format_bytes(file_bytes).c_str());
     const MixtralWeights w = random_mixtral_weights(c, o->seed);
+    if (large)
+      std::fprintf(stderr, "init-model: weights generated in %.0f s; writing %s\n",
+                   std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), o->out.c_str());
     save_mixtral_checkpoint(o->out, w, c, o->shard_bytes);
     if (!o->save_config.empty()) save_mixtral_config(c, o->save_config);
     std::printf("wrote %s: %s\n", o->out.c_str(), c.summary().c_str());
