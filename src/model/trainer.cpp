@@ -318,15 +318,29 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
   // A step (or a validation) that takes minutes on the CPU was silent after the first line (batch 2^20 x seq 2 ran past
   // a 60 s timeout without a word): say so first. 1 GFLOP/s per core is below what the CPU engine reaches (~2.3 on
   // the 2-core CI machine for the tiny model), so the estimate is an upper one.
+  // Each all-reduce chunk of --schedule chunked-ar is a collective of its own: ~100 us on the CPU engine (57K chunks of
+  // tiny at --chunk-bytes 4 took 6.3 s a step on the 2-core machine), ~10 us on a GPU (a launch). `--chunk-bytes 40`
+  // on gpt2-tiny-moe (1.9M chunks) was silent for over 200 s.
+  int64_t ar_chunks = 0;
+  if (flow_graph && o.world > 1)
+    for (const flow::Task& t : flow_graph->tasks) ar_chunks += t.kind == flow::TaskKind::allreduce;
+  const double chunks_s = double(ar_chunks) * (o.engine == "cuda" ? 1e-5 : 1e-4);
+  const std::string chunks_note =
+      chunks_s > 1 ? fmt::format("; --chunk-bytes {} cuts each step's gradient all-reduce into {} chunks, each a "
+                                 "collective of its own (~{:.3g} s of the step; a larger --chunk-bytes, e.g. 1048576, "
+                                 "takes far fewer)", o.chunk_bytes, ar_chunks, chunks_s)
+                   : std::string();
+  if (o.engine == "cuda" && chunks_s > 10)
+    print(fmt::format("train: note: a training step may take ~{:.3g} s or more{}", chunks_s, chunks_note));
   if (o.engine != "cuda") {
     const double cores = std::min<double>(o.world, std::max(1u, std::thread::hardware_concurrency()));
-    const double step_s = 3 * config.forward_flop(o.batch, o.seq) / (1e9 * cores);
+    const double step_s = 3 * config.forward_flop(o.batch, o.seq) / (1e9 * cores) + chunks_s;
     const double val_s = config.forward_flop(std::max<int64_t>(1, o.val_batches) * o.batch, o.seq) / (1e9 * cores);
     if (step_s > 10 || val_s > 10)
       print(fmt::format("train: note: on the CPU engine a training step may take up to ~{:.3g} s (batch {} x seq {}) "
                         "and each validation up to ~{:.3g} s (--val-batches {} x batch {} windows), at >= 1 GFLOP/s per "
-                        "core on {:.0f} cores; lower --batch/--seq/--val-batches for a quicker run", step_s, o.batch,
-                        o.seq, val_s, o.val_batches, o.batch, cores));
+                        "core on {:.0f} cores; lower --batch/--seq/--val-batches for a quicker run{}", step_s, o.batch,
+                        o.seq, val_s, o.val_batches, o.batch, cores, chunks_note));
   }
 
   // ---- data
@@ -540,10 +554,17 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
       const bool mb_ok = !c["micro_batches"].is_number_unsigned() || c["micro_batches"].get<uint64_t>() <= 4096;
       const bool sp_ok = !c["chunk_bytes"].is_number_unsigned() || c["chunk_bytes"].get<uint64_t>() <= (uint64_t(1) << 40);
       const int64_t r = mb_ok ? c["micro_batches"].get<int64_t>() : 0, sp = sp_ok ? c["chunk_bytes"].get<int64_t>() : 0;
-      DMOE_REQUIRE_INPUT(r >= 1 && (o.batch / o.world) % r == 0 && sp >= 4 && sp % 4 == 0 && sp <= (int64_t(1) << 40),
-                         "--tune-file {}: choice micro_batches {} (must split the {} sequences per rank) or chunk_bytes "
-                         "{} (must be a multiple of 4 in [4, 2^40]) is not usable here", o.tune_file, mb,
-                         o.batch / o.world, sp_text);
+      // One message per field (both were named whichever was wrong).
+      DMOE_REQUIRE_INPUT(r >= 1 && (o.batch / o.world) % r == 0, "--tune-file {}: choice.micro_batches {} of this run's "
+                         "shape must split the {} sequences per rank (--batch {} / --world {}); retune, or remove the "
+                         "entry", o.tune_file, mb, o.batch / o.world, o.batch, o.world);
+      DMOE_REQUIRE_INPUT(sp >= 4 && sp % 4 == 0 && sp <= (int64_t(1) << 40), "--tune-file {}: choice.chunk_bytes {} of "
+                         "this run's shape must be a multiple of 4 in [4, 2^40]", o.tune_file, sp_text);
+      // The step time is not used, but a negative or non-numeric one says the file is not what the tuner wrote.
+      DMOE_REQUIRE_INPUT(!c.contains("step_ms") || (c["step_ms"].is_number() && std::isfinite(c["step_ms"].get<double>())
+                                                    && c["step_ms"].get<double>() > 0),
+                         "--tune-file {}: choice.step_ms {} of this run's shape must be a time in ms > 0", o.tune_file,
+                         c.contains("step_ms") ? c["step_ms"].dump() : "");
       // "schedule": "vanilla" when the baseline won (files written before it existed hold chunked-ar choices only).
       bool vanilla = false;
       if (c.contains("schedule")) {

@@ -365,6 +365,18 @@ TEST_F(BadInput, FlowMeasureShowsProgressOnALongRun) {
   EXPECT_NE(r.output.find("s left"), std::string::npos) << r.output;
 }
 
+// F10 (fifteenth pass): --chunk-bytes 40 cut gpt2-tiny-moe's all-reduce into 1.9M chunks, each a collective: a step of
+// minutes, silent after the header. The note says so first.
+TEST_F(BadInput, TinyAllReduceChunksAreCountedInTheStepEstimate) {
+  // (A missing --data ends the run right after the note.)
+  const Result r = test::run_shell("timeout 60 " + std::string(DMOE_CLI_PATH) + " train --config gpt2-tiny-moe --data " +
+                                   p("no-data") + " --seq 16 --batch 2 --steps 1 --val-batches 1 --world 2 --schedule "
+                                   "chunked-ar --chunk-bytes 40");
+  EXPECT_NE(r.output.find("--chunk-bytes 40 cuts each step's gradient all-reduce into 1953613 chunks"),
+            std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("a training step may take up to ~"), std::string::npos) << r.output;
+}
+
 TEST_F(BadInput, TrainTuneFileAndResumeStateAreChecked) {
   const std::string base = "train --config " + p("tiny.json") + " --data " + p("data") + " --seq 16 --batch 2 "
                            "--print-every 0 ";
@@ -386,11 +398,20 @@ TEST_F(BadInput, TrainTuneFileAndResumeStateAreChecked) {
     return p(name);
   };
   const json wrapped = {{"micro_batches", 4294967298ull}, {"chunk_bytes", 1024}};
-  expect_user_error(run_cli(tuned + "--tune-file " + tune_file("t1.json", {wrapped})), "micro_batches 4294967298",
-                    "wrapped micro_batches");
+  expect_user_error(run_cli(tuned + "--tune-file " + tune_file("t1.json", {wrapped})), "choice.micro_batches "
+                    "4294967298 of this run's shape must split the 2 sequences per rank", "wrapped micro_batches");
   const json odd = {{"micro_batches", 1}, {"chunk_bytes", 1023}};
-  expect_user_error(run_cli(tuned + "--tune-file " + tune_file("t2.json", {odd})), "chunk_bytes 1023 (must be a "
-                    "multiple of 4", "chunk_bytes 1023");
+  expect_user_error(run_cli(tuned + "--tune-file " + tune_file("t2.json", {odd})), "choice.chunk_bytes 1023 of this "
+                    "run's shape must be a multiple of 4", "chunk_bytes 1023");
+  // F17 (fifteenth pass): a micro_batches that does not split the batch named the (fine) chunk_bytes too; a negative
+  // step time was taken.
+  const json four = {{"micro_batches", 4}, {"chunk_bytes", 1048576}};
+  const Result r4 = run_cli(tuned + "--tune-file " + tune_file("t7.json", {four}));
+  expect_user_error(r4, "choice.micro_batches 4 of this run's shape must split", "micro_batches 4 of 2 sequences");
+  EXPECT_EQ(r4.output.find("chunk_bytes"), std::string::npos) << r4.output;
+  const json negative = {{"micro_batches", 1}, {"chunk_bytes", 1024}, {"step_ms", -5}};
+  expect_user_error(run_cli(tuned + "--tune-file " + tune_file("t8.json", {negative})), "choice.step_ms -5 of this "
+                    "run's shape must be a time in ms > 0", "step_ms -5");
   const json good = {{"micro_batches", 1}, {"chunk_bytes", 1024}};
   expect_user_error(run_cli(tuned + "--tune-file " + tune_file("t3.json", {good, good})), "two entries have this "
                     "run's shape", "two entries");
