@@ -438,9 +438,10 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
       print(fmt::format("train: note: --steps {} replaces the saved run's {} (--resume {}): the warm-up and cosine "
                         "schedule are those of {} steps, not of the saved run's", o.steps,
                         state["steps"].get<int64_t>(), o.resume_dir, o.steps));
-    // Another --data continues the run on other text (the state records the path as given then): said, as for --lr.
+    // Another --data continues the run on other text: said, as for --lr. The state records the absolute path (a relative
+    // one, as earlier states hold, named another file from another directory: `--data ../data` from a subdirectory).
     if (state.contains("data") && !same_file(state["data"].get<std::string>(), o.data_path))
-      print(fmt::format("train: note: --data {} is not the saved run's data ({}, as given then; --resume {}): the run "
+      print(fmt::format("train: note: --data {} is not the saved run's data ({}; --resume {}): the run "
                         "continues on other text", o.data_path, state["data"].get<std::string>(), o.resume_dir));
     // The weights' shapes are checked when they are read, but a model that differs in anything else (tied embeddings,
     // rope_theta, rms_norm_eps, ...) was resumed without a word: the saved config.json must be this run's model.
@@ -661,7 +662,7 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
       }
       files.write((fs::path(dir) / "trainer_state.json").string(),
                   json{{"step", step}, {"seed", o.seed}, {"steps", o.steps}, {"batch", o.batch}, {"seq", o.seq},
-                       {"lr", o.lr}, {"data", o.data_path}, {"save_id", save_id},
+                       {"lr", o.lr}, {"data", fs::absolute(o.data_path).lexically_normal().string()}, {"save_id", save_id},
                        {"val_fraction", o.val_fraction}, {"warmup", o.warmup}, {"min_lr", effective_min_lr(o)},
                        {"weight_decay", o.weight_decay}, {"beta1", o.beta1}, {"beta2", o.beta2},
                        {"clip", o.clip}}.dump(2) + "\n");

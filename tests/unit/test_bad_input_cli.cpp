@@ -1036,6 +1036,15 @@ TEST_F(BadInput, TrainResumeStatesAndMomentsAreChecked) {
                                        "--batch 2 --val-batches 1 --print-every 0 --steps 2 --resume " + p("ck"));
   EXPECT_EQ(other.status, 0) << other.output;
   EXPECT_NE(other.output.find("is not the saved run's data"), std::string::npos) << other.output;
+  // F15 (fifteenth pass): the same data named from another directory was "not the saved run's data".
+  fs::create_directories(p("sub"));
+  const std::string rel = "train --config ../tiny.json --seq 16 --batch 2 --val-batches 1 --print-every 0 ";
+  ASSERT_EQ(test::run_shell("cd " + p("sub") + " && " + DMOE_CLI_PATH + " " + rel + "--data ../data --steps 1 --save "
+                            "../rel").status, 0);
+  const Result same = test::run_shell("cd " + dir_.string() + " && " + DMOE_CLI_PATH + " train --config tiny.json --seq 16 --batch 2 --val-batches 1 --print-every 0 "
+                                      "--data ./data --steps 2 --resume rel");
+  EXPECT_EQ(same.status, 0) << same.output;
+  EXPECT_EQ(same.output.find("is not the saved run's data"), std::string::npos) << same.output;
 }
 
 TEST_F(BadInput, OptionsIgnoredCheckedLateOrFailingWithASourceLocation) {
