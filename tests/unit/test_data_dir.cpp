@@ -120,5 +120,29 @@ TEST_F(DataDir, BadDmoeHomeAndMissingPathsAreClearErrors) {
   EXPECT_NE(r.output.find("named model configs there: "), std::string::npos) << r.output;
 }
 
+// F16, F19 (fifteenth pass): a named file that is a device, FIFO or directory was "not there"; a model's name given
+// where a layer config is read did not say it is a model; DMOE_HOME set to the source tree listed that folder twice.
+TEST_F(DataDir, ANameOfTheOtherKindOrNoRegularFileIsSaid) {
+  fs::create_directories(dir_ / "home/bench/models");
+  fs::create_symlink("/dev/zero", dir_ / "home/bench/models/zero.json");
+  fs::create_directories(dir_ / "home/bench/models/folder.json");
+  auto r = run("init-model --config zero --out m.safetensors", (dir_ / "home").string());
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("models/zero.json ($DMOE_HOME: there, but a device, not a regular file)"), std::string::npos)
+      << r.output;
+  r = run("init-model --config folder --out m.safetensors", (dir_ / "home").string());
+  EXPECT_NE(r.output.find("($DMOE_HOME: there, but a directory, not a regular file)"), std::string::npos) << r.output;
+  r = run("init --config tiny --out w.safetensors", DMOE_SOURCE_DIR);
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("'tiny' is a named model config ("), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("which init-model, train, eval"), std::string::npos) << r.output;
+  const std::string source = (fs::path(DMOE_SOURCE_DIR) / "bench/configs/tiny.json").string() + " (";
+  const size_t first = r.output.find(source);
+  ASSERT_NE(first, std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find(source, first + 1), std::string::npos) << "one folder listed twice:\n" << r.output;
+  EXPECT_NE(r.output.find("($DMOE_HOME; also the source tree dmoe was built from: not there)"), std::string::npos)
+      << r.output;
+}
+
 }  // namespace
 }  // namespace dmoe

@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.hpp"
+#include "core/output_file.hpp"
 #include "model/config_io.hpp"
 
 // Both are set by the build (CMakeLists.txt, cmake/install.cmake); the defaults are for a build without them.
@@ -35,6 +36,30 @@ bool is_file(const fs::path& p) {
   return fs::is_regular_file(p, ec);
 }
 
+// What a path that is there but no regular file is ("a directory", "a FIFO", ...); "" for a file or nothing.
+std::string not_a_file(const fs::path& p) {
+  std::error_code ec;
+  const fs::file_status st = fs::status(p, ec);
+  if (ec || !fs::exists(st) || fs::is_regular_file(st)) return "";
+  if (fs::is_directory(st)) return "a directory";
+  if (fs::is_fifo(st)) return "a FIFO";
+  if (fs::is_character_file(st) || fs::is_block_file(st)) return "a device";
+  if (fs::is_socket(st)) return "a socket";
+  return "not a regular file";
+}
+
+// The other folder of named configs: a name of one given where the other is read (`init --config tiny`, tiny being a
+// model) was "neither a file nor a named config", the model not mentioned.
+struct NamedFolder {
+  const char* folder;
+  const char* what;
+  const char* readers;
+};
+constexpr NamedFolder kNamedConfigFolders[] = {
+    {"bench/configs", "config", "init, run and bench layer"},
+    {"bench/models", "model config", "init-model, train, eval, bench model and flow measure / project"},
+};
+
 }  // namespace
 
 std::vector<DataRoot> data_roots() {
@@ -52,13 +77,22 @@ std::vector<DataRoot> data_roots() {
                        "executable", home);
     roots.push_back({home, "$DMOE_HOME"});
   }
+  // One folder reached twice (DMOE_HOME set to the source tree) is one place, listed once with both origins.
+  const auto add = [&](const std::string& path, const std::string& origin) {
+    for (DataRoot& r : roots)
+      if (is_dir(path) && is_dir(r.path) && same_file(r.path, path)) {
+        r.origin += "; also " + origin;
+        return;
+      }
+    roots.push_back({path, origin});
+  };
   std::error_code ec;
   const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
   if (!ec && !exe.empty()) {
     const fs::path data = (exe.parent_path() / DMOE_DATA_DIR_FROM_BIN).lexically_normal();
-    roots.push_back({data.string(), "the install's data folder, beside " + exe.string()});
+    add(data.string(), "the install's data folder, beside " + exe.string());
   }
-  roots.push_back({DMOE_SOURCE_DIR, "the source tree dmoe was built from"});
+  add(DMOE_SOURCE_DIR, "the source tree dmoe was built from");
   return roots;
 }
 
@@ -94,6 +128,8 @@ std::string describe_search(const std::vector<DataRoot>& roots, const std::strin
       why = ": no such folder";
     else if (!is_dir(fs::path(r.path) / "bench"))
       why = ": it has no bench/ folder";
+    else if (const std::string kind = not_a_file(p); !kind.empty())
+      why = ": there, but " + kind + ", not a regular file";
     else if (!is_file(p))
       why = ": not there";
     out += fmt::format("\n  {} ({}{})", p.string(), r.origin, why);
@@ -149,8 +185,14 @@ std::string find_named_json(const std::string& name, const std::string& folder, 
   const std::vector<std::string> names = data_file_names(roots, folder, ".json");
   std::string available;
   for (const std::string& n : names) available += (available.empty() ? "" : ", ") + n;
-  DMOE_FAIL_INPUT("{} '{}' is neither a file nor a named {}; looked for it in, in this order:{}\n{}",
-                  what, name, what, describe_search(roots, relative),
+  std::string elsewhere;
+  for (const NamedFolder& f : kNamedConfigFolders)
+    if (folder != f.folder && std::any_of(std::begin(kNamedConfigFolders), std::end(kNamedConfigFolders),
+                                          [&](const NamedFolder& g) { return folder == g.folder; }))
+      if (const std::string other = find_data_file(roots, std::string(f.folder) + "/" + name + ".json"); !other.empty())
+        elsewhere = fmt::format("\n'{}' is a named {} ({}), which {} read", name, f.what, other, f.readers);
+  DMOE_FAIL_INPUT("{} '{}' is neither a file nor a named {}; looked for it in, in this order:{}{}\n{}",
+                  what, name, what, describe_search(roots, relative), elsewhere,
                   names.empty() ? "no named " + what + "s were found in any of these places: set DMOE_HOME to a "
                                       "folder holding bench/ (a dmoe source tree or an install's share/dmoe)"
                                 : "named " + what + "s there: " + available);
