@@ -111,6 +111,11 @@ struct OutputTarget {
 OutputTarget resolve_output(const std::string& path, std::string_view option) {
   const std::string what = option.empty() ? fmt::format("output '{}'", path) : fmt::format("{} '{}'", option, path);
   DMOE_REQUIRE_INPUT(!path.empty(), "{}: the output path is empty", what);
+  // `--json -` wrote a file named "-" (not the standard output), `--out --` a file named "--": a name that reads as an
+  // option or as stdout is refused; ./-name writes a file of that name.
+  DMOE_REQUIRE_INPUT(path[0] != '-', "{}: a path that starts with '-' reads as an option{}; outputs are files: give "
+                     "./{} for a file of that name", what, path == "-" ? " or as the standard output (not supported)"
+                                                                      : "", path);
   OutputTarget t;
   t.path = path;
   struct stat ls {};

@@ -2303,6 +2303,24 @@ TEST_F(BadInput, TrainErrorsNameTheOptionAndOnlyTheRuleThatFailed) {
   }
 }
 
+// F22 (fifteenth pass): `--json -` wrote a file named "-" (no standard output), `--out --` a file named "--".
+TEST_F(BadInput, OutputsNamedLikeAnOptionOrStdoutAreRefused) {
+  const Result dash = test::run_shell("cd " + dir_.string() + " && " + DMOE_CLI_PATH +
+                                      " flow simulate --costs costs.json --schedule vanilla --json -");
+  expect_user_error(dash, "--json '-': a path that starts with '-' reads as an option or as the standard output",
+                    "--json -");
+  const Result dashes = test::run_shell("cd " + dir_.string() + " && " + DMOE_CLI_PATH +
+                                        " init-model --config tiny.json --out --");
+  expect_user_error(dashes, "--out '--': a path that starts with '-' reads as an option; outputs are files: give ./--",
+                    "--out --");
+  EXPECT_FALSE(fs::exists(p("-")));
+  EXPECT_FALSE(fs::exists(p("--")));
+  // ./- is a file of that name.
+  EXPECT_EQ(test::run_shell("cd " + dir_.string() + " && " + DMOE_CLI_PATH +
+                            " flow simulate --costs costs.json --schedule vanilla --json ./-").status, 0);
+  EXPECT_TRUE(fs::exists(p("-")));
+}
+
 TEST_F(BadInput, OutputPathsNearPathMaxAreWrittenOrSaidTooLong) {
   // ph45-ph59: an output path of 4081-4095 bytes (valid) was refused as "cannot create a temporary file in DIR: File
   // name too long", the temporary's name blamed; 4096 bytes and more as "cannot inspect it: File name too long".

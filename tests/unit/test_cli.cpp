@@ -359,6 +359,7 @@ TEST_F(Cli, VersionHelpDefaultsAndEngineNames) {
   EXPECT_EQ(r.status, 0);
   EXPECT_EQ(r.output.find("=0 REQUIRED"), std::string::npos) << "a required option's placeholder: " << r.output;
   EXPECT_EQ(r.output.find("=[]"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("The ranks' standard input is /dev/null"), std::string::npos) << r.output;  // F23
   // ep names the CUDA EP engine in both subcommands; cuda and gpu are accepted as its old names.
   if (!fs::exists("/dev/nvidia0")) {
     for (const char* engine : {"cuda", "gpu"}) {

@@ -58,7 +58,9 @@ Command add_launch_command(CLI::App& app) {
   // (CLI11 parses no option after `--`). A command without options may also come without `--`.
   sub->add_option("command", o->command, "the program to run and its arguments (after --)");
   sub->footer("The command follows `--`. Each rank gets DMOE_RANK, DMOE_WORLD, DMOE_LOCAL_RANK, "
-              "DMOE_LOCAL_WORLD, DMOE_DEVICE, DMOE_RENDEZVOUS; output lines are prefixed \"[rank R] \".");
+              "DMOE_LOCAL_WORLD, DMOE_DEVICE, DMOE_RENDEZVOUS; output lines are prefixed \"[rank R] \". "
+              "The ranks' standard input is /dev/null (N ranks cannot share one stream; `echo x | dmoe launch` "
+              "gives them nothing): pass input as files.");
   return [o] {
     LaunchOptions options;
     options.num_ranks = o->num_ranks;
