@@ -70,6 +70,19 @@ void require_file_size_allowed(double bytes, const std::string& what) {
                      format_bytes(bytes), format_bytes(double(limit.rlim_cur)));
 }
 
+void require_file_descriptors(int64_t needed, const std::string& what) {
+  struct rlimit limit {};
+  if (::getrlimit(RLIMIT_NOFILE, &limit) != 0 || limit.rlim_cur == RLIM_INFINITY) return;
+  std::error_code ec;
+  int64_t open = 0;
+  for (std::filesystem::directory_iterator it("/proc/self/fd", ec), end; !ec && it != end; it.increment(ec)) ++open;
+  if (ec || open == 0) return;  // not Linux, or /proc not mounted: nothing known
+  open -= 1;  // the iterator's own descriptor
+  DMOE_REQUIRE_INPUT(open + needed <= int64_t(limit.rlim_cur), "{} needs up to {} file descriptors more than the {} "
+                     "this process has open, and may have at most {} (ulimit -n); raise the limit (e.g. ulimit -n "
+                     "1024)", what, needed, open, uint64_t(limit.rlim_cur));
+}
+
 void require_output_space(double bytes, const std::string& path, const std::string& option, const std::string& what) {
   const std::string parent = std::filesystem::path(path).parent_path().string();
   const std::string dir = parent.empty() ? std::string(".") : parent;

@@ -42,6 +42,10 @@ inline double model_activation_bytes_lower_bound(double tokens, double vocab, do
 // it is; such a write failed with EFBIG (or SIGXFSZ killed dmoe) after the work, with the old file kept.
 void require_file_size_allowed(double bytes, const std::string& what);
 
+// Refuses a command that needs up to `needed` more open files at once (its log, a checkpoint's files and their
+// temporaries, the data) than `ulimit -n` (RLIMIT_NOFILE) leaves; under `ulimit -n 4` train ran, then failed to save.
+void require_file_descriptors(int64_t needed, const std::string& what);
+
 // Refuses an output `path` of about `bytes` that its file system's free space (or `ulimit -f`) cannot take, naming the
 // option and what the file holds: before the work, where the write failed after it (eval --output of a model's
 // gradients, run --output), with the old file kept but the work lost.

@@ -298,6 +298,9 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
     require_host_memory(host_model_bytes, "train (the f32 weights and their two AdamW moments on the host)",
                         kModelSizes);
 
+  // Open at once: the log, a checkpoint's files and their temporaries, a data file, the threads' pipes (F18 of the
+  // fifteenth pass: under ulimit -n 4 the whole run trained, then its save failed).
+  require_file_descriptors(16, "train (its --log, the --save checkpoint's files and their temporaries, --data)");
   // The checkpoint (the f32 model and its two AdamW moments; each file's temporary is written before the old one goes)
   // on a file system without room for it failed only after the whole training: checked now, as init-model does.
   if (!o.save_dir.empty()) {

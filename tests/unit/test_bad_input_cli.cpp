@@ -2304,6 +2304,17 @@ TEST_F(BadInput, TrainErrorsNameTheOptionAndOnlyTheRuleThatFailed) {
 }
 
 // F22 (fifteenth pass): `--json -` wrote a file named "-" (no standard output), `--out --` a file named "--".
+// F18 (fifteenth pass): under `ulimit -n 4` train ran to its end, then could not create the checkpoint's files.
+TEST_F(BadInput, TrainUnderAFileDescriptorLimitIsRefusedFirst) {
+  const Result r = test::run_shell("ulimit -n 12; " + std::string(DMOE_CLI_PATH) + " train --config " + p("tiny.json") +
+                                   " --data " + p("data") + " --seq 16 --batch 2 --steps 2 --val-batches 1 --save " +
+                                   p("ck"));
+  expect_user_error(r, "needs up to 16 file descriptors more than the", "ulimit -n 12");
+  EXPECT_NE(r.output.find("may have at most 12 (ulimit -n)"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("train: mixtral"), std::string::npos) << "started before refusing: " << r.output;
+  EXPECT_FALSE(fs::exists(p("ck")));
+}
+
 TEST_F(BadInput, OutputsNamedLikeAnOptionOrStdoutAreRefused) {
   const Result dash = test::run_shell("cd " + dir_.string() + " && " + DMOE_CLI_PATH +
                                       " flow simulate --costs costs.json --schedule vanilla --json -");
