@@ -35,7 +35,21 @@ struct TemporarySlot {
 TemporarySlot g_temporaries[64];
 constexpr int kCleanedSignals[] = {SIGINT, SIGTERM, SIGHUP};
 
+// While a set's renames run (OutputFileSet::commit), a SIGINT/SIGTERM/SIGHUP is held back: ending between two renames
+// left a checkpoint of mixed steps (the model of step 56 with the moments of step 55: the earlier, good checkpoint
+// replaced file by file) or a sharded model of two seeds under one index. The handler records the signal; commit ends
+// the process by it once every file is in place. (SIGKILL cannot be held back; a resume refuses such a mix by its
+// save id.)
+std::atomic<int> g_committing{0};
+std::atomic<int> g_pending_signal{0};
+void (*g_after_rename_for_tests)(size_t) = nullptr;
+
 extern "C" void remove_temporaries_and_reraise(int sig) {
+  if (g_committing.load() > 0) {
+    int none = 0;
+    g_pending_signal.compare_exchange_strong(none, sig);
+    return;
+  }
   const int saved_errno = errno;
   for (TemporarySlot& slot : g_temporaries)
     if (slot.state.load() == 2) ::unlink(slot.path);
@@ -59,6 +73,7 @@ void install_cleanup_handlers() {
         continue;
       struct sigaction action {};
       action.sa_handler = remove_temporaries_and_reraise;
+      action.sa_flags = SA_RESTART;  // a signal held back during a commit must not fail another thread's read or write
       sigemptyset(&action.sa_mask);
       for (const int other : kCleanedSignals) sigaddset(&action.sa_mask, other);
       ::sigaction(sig, &action, nullptr);
@@ -157,6 +172,17 @@ OutputTarget resolve_output(const std::string& path, std::string_view option) {
   struct stat st {};
   if (::stat(t.path.c_str(), &st) == 0) {
     DMOE_REQUIRE_INPUT(S_ISREG(st.st_mode), "{} is {}; {}", what, file_kind(st.st_mode), kAllowed);
+    // `--log /dev/stdout >> hist.txt` (or `--json out.txt > out.txt`): the output is the file this process's standard
+    // output or error goes to. The rename replaced it, so the earlier content of hist.txt was gone and the run's own
+    // lines went to the replaced file.
+    for (const auto& [fd, stream] : {std::pair<int, const char*>{1, "standard output"}, {2, "standard error"}}) {
+      struct stat open {};
+      DMOE_REQUIRE_INPUT(!(::fstat(fd, &open) == 0 && S_ISREG(open.st_mode) && open.st_dev == st.st_dev &&
+                           open.st_ino == st.st_ino),
+                         "{} is the file this process's {} is redirected to ('{}'): the output would replace it, "
+                         "its earlier content and the lines printed into it gone; give the output another file",
+                         what, stream, t.path);
+    }
     t.exists = true;
     t.mode = st.st_mode & 07777;
   } else if (errno == ENOTDIR) {
@@ -311,27 +337,44 @@ void OutputFileSet::write(const std::string& path, std::string_view text) {
 }
 
 void OutputFileSet::commit() {
+  // The renames back to back, signals held (above); the directories synced after, so that the window is short.
+  g_committing.fetch_add(1);
+  const auto end_of_commit = [] {
+    if (g_committing.fetch_sub(1) == 1)
+      if (const int sig = g_pending_signal.exchange(0); sig != 0) remove_temporaries_and_reraise(sig);
+  };
+  std::vector<std::string> directories;
   for (size_t i = 0; i < written_.size(); ++i) {
     const Written& w = written_[i];
     if (::rename(w.temporary.c_str(), w.target.c_str()) != 0) {
       const int err = errno;
       std::string replaced;
       for (size_t j = 0; j < i; ++j) replaced += fmt::format("{}'{}'", j ? ", " : "", written_[j].path);
+      const std::string path = w.path;
       written_.erase(written_.begin(), written_.begin() + std::ptrdiff_t(i));
       discard();
-      DMOE_FAIL_INPUT("writing '{}' failed at the rename of its temporary onto it: {}; it is unchanged{}", w.path,
+      end_of_commit();
+      DMOE_FAIL_INPUT("writing '{}' failed at the rename of its temporary onto it: {}; it is unchanged{}", path,
                       std::strerror(err), replaced.empty() ? "" : "; already replaced: " + replaced);
     }
     release_temporary(w.slot);
-    // Make the rename itself durable; a directory that cannot be synced (some file systems) is no error.
-    const int dir = ::open(w.directory.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (g_after_rename_for_tests) g_after_rename_for_tests(i);
+    if (std::find(directories.begin(), directories.end(), w.directory) == directories.end())
+      directories.push_back(w.directory);
+  }
+  written_.clear();
+  end_of_commit();
+  // Make the renames durable; a directory that cannot be synced (some file systems) is no error.
+  for (const std::string& d : directories) {
+    const int dir = ::open(d.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (dir >= 0) {
       (void)::fsync(dir);
       ::close(dir);
     }
   }
-  written_.clear();
 }
+
+void set_after_rename_hook_for_tests(void (*hook)(size_t renamed_index)) { g_after_rename_for_tests = hook; }
 
 void OutputFileSet::discard() {
   for (const Written& w : written_) {

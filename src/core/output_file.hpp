@@ -35,8 +35,9 @@ void write_file_atomically(const std::string& path, std::span<const uint8_t> byt
 void write_file_atomically(const std::string& path, std::string_view text);
 
 // Several outputs that appear together or not at all: write() puts each file's bytes in its temporary
-// (checked as above), commit() renames them all onto their targets. A failed write(), or destruction
-// without commit(), removes every temporary of the set and leaves all targets untouched.
+// (checked as above), commit() renames them all onto their targets, holding back SIGINT, SIGTERM and SIGHUP until
+// the last rename (the process then ends by the signal). A failed write(), or destruction without commit(), removes
+// every temporary of the set and leaves all targets untouched.
 class OutputFileSet {
  public:
   OutputFileSet() = default;
@@ -56,6 +57,9 @@ class OutputFileSet {
   void discard();
   std::vector<Written> written_;
 };
+
+// Tests only: called after each rename of OutputFileSet::commit (a signal sent there must wait for the last one).
+void set_after_rename_hook_for_tests(void (*hook)(size_t renamed_index));
 
 // A file that grows piece by piece (a training log) under the same policy. Checked as check_output_file; a new file's
 // pieces go to a temporary beside the target (a name of dmoe's own, created exclusively, removed on SIGINT/SIGTERM/

@@ -5,6 +5,7 @@
 // Run: dmoe_unit_tests --gtest_filter='OutputFile*'.
 #include <gtest/gtest.h>
 
+#include <fcntl.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -127,6 +128,62 @@ TEST_F(OutputFile, TemporariesAreRemovedWhenASignalEndsTheProcess) {
     for (const auto& e : fs::directory_iterator(dir_)) names += e.path().filename().string() + " ";
     EXPECT_EQ(entries(), 1u) << "signal " << sig << " left: " << names;
   }
+}
+
+// G1, G2 (sixteenth pass): a SIGTERM between two renames of a set left a checkpoint of mixed steps (and a sharded
+// model of two seeds). A signal during the commit now waits for the last rename; the process then ends by it.
+TEST_F(OutputFile, ASignalDuringACommitWaitsForItsLastRename) {
+  for (const int sig : {SIGTERM, SIGINT}) {
+    struct sigaction now {};
+    ASSERT_EQ(::sigaction(sig, nullptr, &now), 0);
+    if (now.sa_handler == SIG_IGN) GTEST_SKIP() << "signal " << sig << " is ignored in this process (and so in children)";
+    for (const char* name : {"a.txt", "b.txt", "c.txt"}) write_file_atomically(p(name), std::string_view("old"));
+    const pid_t pid = ::fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+      static int signal_to_send;
+      signal_to_send = sig;
+      set_after_rename_hook_for_tests([](size_t renamed) {
+        if (renamed == 0) ::raise(signal_to_send);  // after the first of three renames
+      });
+      OutputFileSet set;
+      for (const char* name : {"a.txt", "b.txt", "c.txt"}) set.write(p(name), std::string_view("new"));
+      set.commit();
+      ::_exit(3);  // not reached: the held-back signal ends the process once the commit is done
+    }
+    int status = 0;
+    ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+    EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == sig) << "status " << status;
+    for (const char* name : {"a.txt", "b.txt", "c.txt"}) EXPECT_EQ(read_text(p(name)), "new") << name;
+    EXPECT_EQ(entries(), 3u) << "a temporary was left";
+  }
+}
+
+// G3 (sixteenth pass): `--log /dev/stdout >> hist.txt` replaced hist.txt with the log (rc 0).
+TEST_F(OutputFile, TheFileStandardOutputIsRedirectedToIsRefused) {
+  write_file_atomically(p("hist.txt"), std::string_view("earlier lines\n"));
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    const int fd = ::open(p("hist.txt").c_str(), O_WRONLY | O_APPEND);
+    if (fd < 0 || ::dup2(fd, 1) < 0) ::_exit(4);
+    int code = 0;
+    for (const std::string& path : {std::string("/dev/stdout"), p("hist.txt")}) {
+      try {
+        check_output_file(path, "--log");
+        code = 5;  // accepted
+      } catch (const Error& e) {
+        if (std::string(e.what()).find("is the file this process's standard output is redirected to") ==
+            std::string::npos)
+          code = 6;
+      }
+    }
+    ::_exit(code);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "status " << status;
+  EXPECT_EQ(read_text(p("hist.txt")), "earlier lines\n");
 }
 
 TEST_F(OutputFile, SymlinkTargetIsReplacedAndDanglingLinkRefused) {
