@@ -414,12 +414,16 @@ GrowingOutputFile::GrowingOutputFile(const std::string& path, std::string_view o
   }
   fd_ = create_temporary(t, temporary_, what, &slot_);
   if (t.exists) (void)::fchmod(fd_, t.mode);  // the file it replaces keeps its permission bits
+  replaces_ = t.exists;
 }
 
 void GrowingOutputFile::write(std::string_view piece, std::string_view what) {
   DMOE_REQUIRE(fd_ >= 0, "GrowingOutputFile: write after close ({})", path_);
   if (write_all(fd_, reinterpret_cast<const uint8_t*>(piece.data()), piece.size())) {
     size_ += piece.size();
+    // With no earlier file to keep, the first piece publishes: a new run's log that failed or was stopped (Ctrl-C after
+    // 200 steps) was removed with its temporary, the whole loss history gone, though it replaced nothing.
+    if (!published_ && !replaces_) publish();
     return;
   }
   const int err = errno;

@@ -66,7 +66,8 @@ void set_after_rename_hook_for_tests(void (*hook)(size_t renamed_index));
 // SIGHUP and when the object is destroyed unpublished), and publish() renames it over the target, after which the
 // pieces go on into the same file under the target's name. Until then the target keeps its earlier content: a run that
 // fails before it publishes leaves the earlier file as it was. `append`: the target itself is opened for appending
-// (it must exist; a resumed run's log), and counts as published. A write that fails (disk full, a file size limit)
+// (it must exist; a resumed run's log), and counts as published. Where no file is at the target there is nothing to
+// keep: the first write publishes. A write that fails (disk full, a file size limit)
 // is cut back to the end of the piece before it, so the file never ends in a part of a piece, and throws naming the
 // option, the path and whether the earlier content is still there.
 class GrowingOutputFile {
@@ -89,6 +90,7 @@ class GrowingOutputFile {
   int fd_ = -1, slot_ = -1;
   uint64_t size_ = 0;
   bool published_ = false;
+  bool replaces_ = false;  // an earlier file is at the target (else the first write publishes)
 };
 
 // True when a and b name the same file: same (st_dev, st_ino) when both exist (symlinks followed),

@@ -788,6 +788,23 @@ TEST_F(BadInput, ABareResumeContinuesTheSavedRunExactly) {
   std::ofstream(p("ck/trainer_state.json")) << state.dump();
   expect_user_error(run_cli_bounded(base + "--resume " + p("ck")), "trainer_state.json's 'steps' = 100000000000 is "
                     "outside [1, 1000000000], the range of --steps; give --steps to replace it", "steps 1e11");
+  // G6 (sixteenth pass): a whole number written as 3.0 was skipped, the default taken "replacing the saved run's 3";
+  // 2.5 likewise. G9: a key the state lacks left the default without a word.
+  state["steps"] = 6;
+  state["warmup"] = 3.0;
+  std::ofstream(p("ck/trainer_state.json")) << state.dump();
+  const Result whole = run_cli_bounded(base + "--resume " + p("ck") + " --steps 8");
+  EXPECT_EQ(whole.status, 0) << whole.output;
+  EXPECT_EQ(whole.output.find("--warmup"), std::string::npos) << whole.output;
+  state["warmup"] = 2.5;
+  std::ofstream(p("ck/trainer_state.json")) << state.dump();
+  expect_user_error(run_cli_bounded(base + "--resume " + p("ck") + " --steps 8"), "trainer_state.json's 'warmup' = 2.5 "
+                    "is not a whole number, which --warmup must be", "warmup 2.5");
+  state.erase("warmup");
+  std::ofstream(p("ck/trainer_state.json")) << state.dump();
+  const Result missing = run_cli_bounded(base + "--resume " + p("ck") + " --steps 8");
+  EXPECT_NE(missing.output.find("trainer_state.json has no 'warmup'; --warmup takes its default"), std::string::npos)
+      << missing.output;
 }
 
 TEST_F(BadInput, TheLogOfANewRunIsWrittenUnderNoNameOfTheUsers) {
@@ -808,6 +825,17 @@ TEST_F(BadInput, TheLogOfANewRunIsWrittenUnderNoNameOfTheUsers) {
   EXPECT_FALSE(fs::is_symlink(p("s.jsonl")));
   fs::create_directory(p("d.jsonl.partial"));
   EXPECT_EQ(run_cli_bounded(train + "--data " + p("data") + " --log " + p("d.jsonl")).status, 0);
+}
+
+// G5 (sixteenth pass): a new run's log with no earlier file was removed with its temporary when the run failed or was
+// stopped: the loss history gone, though the log replaced nothing. It is published at its first line now.
+TEST_F(BadInput, ANewLogWithNothingToReplaceOutlivesAFailedRun) {
+  const Result diverged = run_cli_bounded("train --config " + p("tiny.json") + " --data " + p("data") + " --seq 16 "
+                                          "--batch 2 --val-batches 1 --print-every 0 --steps 4 --lr 1e30 "
+                                          "--weight-decay 0 --clip 0 --warmup 0 --log " + p("new.jsonl"));
+  ASSERT_EQ(diverged.status, 1) << diverged.output;
+  EXPECT_NE(slurp(p("new.jsonl")).find("{\"grad_norm\""), std::string::npos) << slurp(p("new.jsonl"));
+  EXPECT_EQ(others_in(dir_, {"data", "tiny.json", "costs.json", "new.jsonl"}), std::vector<std::string>{});
 }
 
 TEST_F(BadInput, AResumedRunsLogMatchesItsCheckpoint) {
@@ -2324,6 +2352,11 @@ TEST_F(BadInput, OutputsNamedLikeAnOptionOrStdoutAreRefused) {
                                         " init-model --config tiny.json --out --");
   expect_user_error(dashes, "--out '--': a path that starts with '-' reads as an option; outputs are files: give ./--",
                     "--out --");
+  // G19 (sixteenth pass): --save -ck left an empty directory and named its first file, not --save.
+  const Result save = test::run_shell("cd " + dir_.string() + " && " + DMOE_CLI_PATH + " train --config tiny.json "
+                                      "--data data --seq 16 --batch 2 --steps 1 --save -ck");
+  expect_user_error(save, "--save '-ck': a path that starts with '-' reads as an option", "--save -ck");
+  EXPECT_FALSE(fs::exists(p("-ck")));
   EXPECT_FALSE(fs::exists(p("-")));
   EXPECT_FALSE(fs::exists(p("--")));
   // ./- is a file of that name.

@@ -31,6 +31,9 @@ namespace {
 // must be a directory or a new name, not the data (the checkpoint's files would land among the text).
 void check_train_paths(const TrainOptions& o, const std::string& config_file) {
   namespace fs = std::filesystem;
+  // `--save -ck` was refused only at its first file ("output '-ck/model.safetensors'"), after the directory was made.
+  DMOE_REQUIRE_INPUT(o.save_dir.empty() || o.save_dir[0] != '-', "--save '{}': a path that starts with '-' reads as an "
+                     "option; give ./{} for a directory of that name", o.save_dir, o.save_dir);
   std::vector<NamedPath> inputs = {{"--config", config_file}, {"--data", o.data_path}};
   if (o.init != "random") {
     inputs.push_back({"--init", o.init});
@@ -166,12 +169,26 @@ void adopt_saved_settings(TrainOptions& o, const CLI::App& sub, int64_t max_step
   std::ifstream in(path, std::ios::binary);
   const nlohmann::json state = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
   if (!state.is_object()) return;  // the trainer names what is wrong with it
+  // A key the state lacks (hand-edited, or written by an older dmoe) leaves the option's default: said, since the run
+  // then is not the saved one (a state without "steps" ran 100 steps instead of 8, without a word).
   const auto saved = [&](const char* key, const char* option) {
-    return sub.count(option) == 0 && state.contains(key) && state.at(key).is_number();
+    if (sub.count(option) != 0) return false;
+    if (!state.contains(key)) {
+      std::printf("train: note: --resume %s: trainer_state.json has no '%s'; %s takes its default (give %s to set "
+                  "it)\n", o.resume_dir.c_str(), key, option, option);
+      return false;
+    }
+    return state.at(key).is_number();  // other types: the trainer names them
   };
   const auto adopt_int = [&](const char* key, const char* option, int64_t& field, int64_t lo, int64_t hi) {
-    if (!saved(key, option) || !state.at(key).is_number_integer()) return;
-    const int64_t v = state.at(key).get<int64_t>();
+    if (!saved(key, option)) return;
+    // 2.0 is the integer 2 (a JSON writer may print it so); 2.5 is no step count. Either used to be skipped, and the
+    // default taken with a note as if given.
+    const double real = state.at(key).get<double>();
+    DMOE_REQUIRE_INPUT(std::isfinite(real) && real == std::floor(real) && std::fabs(real) < 9.2e18,
+                       "--resume {}: trainer_state.json's '{}' = {} is not a whole number, which {} must be; give {} "
+                       "to replace it", o.resume_dir, key, state.at(key).dump(), option, option);
+    const int64_t v = state.at(key).is_number_integer() ? state.at(key).get<int64_t>() : int64_t(real);
     DMOE_REQUIRE_INPUT(v >= lo && v <= hi, "--resume {}: trainer_state.json's '{}' = {} is outside [{}, {}], the range "
                        "of {}; give {} to replace it", o.resume_dir, key, v, lo, hi, option, option);
     field = v;
@@ -188,6 +205,7 @@ void adopt_saved_settings(TrainOptions& o, const CLI::App& sub, int64_t max_step
   adopt_int("seq", "--seq", o.seq, 2, int64_t(1) << 20);
   adopt_int("warmup", "--warmup", o.warmup, 0, max_steps);
   if (saved("seed", "--seed") && state.at("seed").is_number_unsigned()) o.seed = state.at("seed").get<uint64_t>();
+  std::fflush(stdout);
   adopt_real("lr", "--lr", o.lr, 0, 1e6);
   if (sub.count("--lr") == 0) adopt_real("min_lr", "--min-lr", o.min_lr, 0, 1e6);  // else lr/10 of the new --lr
   adopt_real("val_fraction", "--val-fraction", o.val_fraction, 0, 1);
