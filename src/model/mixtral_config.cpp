@@ -68,6 +68,19 @@ void MixtralConfig::validate() const {
   positive("max_position_embeddings", max_position_embeddings);
   DMOE_REQUIRE_INPUT(vocab_size <= std::numeric_limits<int32_t>::max(), "{}: vocab_size = {} does not fit int32 tokens",
                kWhat, vocab_size);
+  // The parameter count in doubles first: past int64 (intermediate_size 2^63 - 1) it wrapped ("params=0.0582M", then
+  // "unexpected error: cannot create std::vector larger than max_size()"); hidden_size 1e9 overflowed the flow
+  // projection's gradient bytes. 1e15 parameters (4 PB of f32) is far past any machine.
+  {
+    const double H = double(hidden_size), D = head_dim > 0 ? double(head_dim) : H / double(num_attention_heads);
+    const double Q = double(num_attention_heads) * D, KV = double(num_key_value_heads) * D;
+    const double params = double(vocab_size) * H * 2 + double(num_hidden_layers) *
+                          (2 * H * Q + 2 * H * KV + double(num_local_experts) * H * (1 + 3 * double(intermediate_size)));
+    DMOE_REQUIRE_INPUT(params <= 1e15, "{}: the model would have {:.3g} parameters (vocab_size {}, hidden_size {}, "
+                       "intermediate_size {}, num_hidden_layers {}, num_attention_heads {}, num_local_experts {}): past "
+                       "1e15 (4 PB of f32), more than any machine holds", kWhat, params, vocab_size, hidden_size,
+                       intermediate_size, num_hidden_layers, num_attention_heads, num_local_experts);
+  }
   DMOE_REQUIRE_INPUT(head_dim > 0 || hidden_size % num_attention_heads == 0,
                "{}: hidden_size = {} is not divisible by num_attention_heads = {} (set head_dim to choose the head "
                "size)", kWhat, hidden_size, num_attention_heads);

@@ -460,7 +460,8 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
                  now = mixtral_config_to_json(config);
       std::string differ;
       for (auto it = saved.begin(); it != saved.end(); ++it)
-        if (it.key() != "initializer_range" && it.key() != "output_router_logits" &&  // no effect on a resumed run
+        // initializer_range has no effect on a resumed run; output_router_logits does (it adds the load-balancing loss).
+        if (it.key() != "initializer_range" &&
             (!now.contains(it.key()) || now.at(it.key()) != it.value()))
           differ += fmt::format("{}{} {} (this run: {})", differ.empty() ? "" : ", ", it.key(), it.value().dump(),
                                 now.contains(it.key()) ? now.at(it.key()).dump() : "none");

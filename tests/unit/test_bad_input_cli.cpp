@@ -458,6 +458,26 @@ TEST_F(BadInput, WholeModelsThatCannotFitAreRefusedUpFront) {
   std::ofstream(p("huge.json")) << cfg.dump();
   const Result init = run_cli("init-model --config " + p("huge.json") + " --out " + p("h.st"));
   expect_user_error(init, "would allocate about", "init-model of 1.7e12 parameters");
+  // G8, G12 (sixteenth pass): intermediate_size 2^63 - 1 wrapped the parameter count ("params=0.0582M", then
+  // "unexpected error: cannot create std::vector larger than max_size()", rc 2); hidden_size 1e9 overflowed flow
+  // project's gradient bytes ("(simulator.cpp:31)").
+  json wraps = json::parse(slurp(p("tiny.json")));
+  wraps["intermediate_size"] = std::numeric_limits<int64_t>::max();
+  std::ofstream(p("wraps.json")) << wraps.dump();
+  for (const std::string& cmd : {"init-model --config " + p("wraps.json") + " --out " + p("w.st"),
+                                 "flow project --config " + p("wraps.json") + " --cluster h200 --gpus 4"})
+    expect_user_error(run_cli(cmd), "the model would have 1.42e+22 parameters", cmd);
+  wraps = json::parse(slurp(p("tiny.json")));
+  wraps["hidden_size"] = 1000000000;
+  std::ofstream(p("wide.json")) << wraps.dump();
+  expect_user_error(run_cli("flow project --config " + p("wide.json") + " --cluster h200 --gpus 4"),
+                    "parameters (vocab_size 256, hidden_size 1000000000", "flow project, hidden 1e9");
+  // G11: flow measure of a tied model named the executor's source line.
+  json tied = json::parse(slurp(p("tiny.json")));
+  tied["tie_word_embeddings"] = true;
+  std::ofstream(p("tied.json")) << tied.dump();
+  expect_user_error(run_cli("flow measure --config " + p("tied.json") + " --batch 2 --seq 16"),
+                    "tie_word_embeddings = true; the Flow executors need untied embeddings", "flow measure, tied");
   EXPECT_NE(init.output.find("hidden_size"), std::string::npos) << init.output;
   EXPECT_FALSE(fs::exists(p("h.st")));
   cfg = json::parse(slurp(p("tiny.json")));
@@ -644,6 +664,13 @@ TEST_F(BadInput, TrainSaveIsCheckedBeforeTheTraining) {
   expect_user_error(run_cli_bounded("train --config " + p("tied.json") + " --data " + p("data") + " --steps 2 --seq 16 "
                                     "--batch 2 --resume " + p("new/nested/ck")),
                     "differs from this run's --config: tie_word_embeddings false (this run: true)", "resume, tied");
+  // G7 (sixteenth pass): output_router_logits off dropped the load-balancing loss of a resumed run without a word.
+  json no_aux = json::parse(slurp(p("tiny.json")));
+  no_aux["output_router_logits"] = false;
+  write_json_file(p("no_aux.json"), no_aux);
+  expect_user_error(run_cli_bounded("train --config " + p("no_aux.json") + " --data " + p("data") + " --steps 2 --seq 16 "
+                                    "--batch 2 --resume " + p("new/nested/ck")),
+                    "differs from this run's --config: output_router_logits true (this run: false)", "resume, no aux");
   EXPECT_EQ(run_cli_bounded("train --config " + p("tiny.json") + " --data " + p("data") + " --steps 2 --seq 16 "
                             "--batch 2 --resume " + p("new/nested/ck")).status, 0);
   // td1: --data with its text in a subdirectory only: "has 0 bytes", without saying why.

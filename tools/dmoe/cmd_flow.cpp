@@ -434,6 +434,9 @@ std::vector<flow::GraphSpec> measure_specs(const FlowOptions& o, const MixtralCo
 
 int measure_command(const FlowOptions& o) {
   const MixtralConfig c = load_mixtral_config(find_model_config_file(o.model_config));
+  // The executors' own check said so with a source location (G11 of the sixteenth pass), as an internal error.
+  DMOE_REQUIRE_INPUT(!c.tie_word_embeddings, "flow measure --config {}: tie_word_embeddings = true; the Flow executors "
+                     "need untied embeddings (train --schedule refuses them too): set it to false", o.model_config);
   const bool ablation = o.schedule_given && o.schedule == "all";
   const flow::Schedule schedule =
       flow::parse_schedule(o.schedule_given && !ablation ? o.schedule : "pipe-attn", "--schedule");
@@ -571,6 +574,9 @@ int measure_command(const FlowOptions& o) {
 
 int measure_cuda_command(const FlowOptions& o) {
   const MixtralConfig c = load_mixtral_config(find_model_config_file(o.model_config));
+  // The executors' own check said so with a source location (G11 of the sixteenth pass), as an internal error.
+  DMOE_REQUIRE_INPUT(!c.tie_word_embeddings, "flow measure --config {}: tie_word_embeddings = true; the Flow executors "
+                     "need untied embeddings (train --schedule refuses them too): set it to false", o.model_config);
   DMOE_REQUIRE_INPUT(o.dtype == "f32" || o.dtype == "bf16", "--dtype {}: allowed: f32, bf16", o.dtype);
   const DType storage = o.dtype == "bf16" ? DType::bf16 : DType::f32;
   const bool ablation = o.schedule_given && o.schedule == "all";
