@@ -61,9 +61,18 @@ std::string new_save_id() {
 // its last save) would otherwise be followed by the same steps again, and a half-written last line by more lines.
 // Lines that are not a dmoe step record are kept. Says what was cut, and when the log ends before the checkpoint.
 void trim_resumed_log(GrowingOutputFile& log, const std::string& path, int64_t checkpoint_step,
-                      const std::function<void(const std::string&)>& print) {
+                      std::optional<double> checkpoint_loss, const std::function<void(const std::string&)>& print) {
   std::ifstream in(path, std::ios::binary);
   std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  // A last line whole but for its newline (an editor's save) is a line: it used to be cut as half-written.
+  bool add_newline = false;
+  if (!text.empty() && text.back() != '\n') {
+    const size_t begin = text.rfind('\n') == std::string::npos ? 0 : text.rfind('\n') + 1;
+    if (json::parse(text.begin() + std::ptrdiff_t(begin), text.end(), nullptr, false).is_object()) {
+      text += '\n';
+      add_newline = true;
+    }
+  }
   size_t keep = 0, cut_lines = 0;
   int64_t last_kept = 0, first_cut = -1, last_cut = -1;
   for (size_t begin = 0; begin < text.size();) {
@@ -76,6 +85,12 @@ void trim_resumed_log(GrowingOutputFile& log, const std::string& path, int64_t c
                                   /*allow_exceptions=*/false);
     const bool step_line = line.is_object() && line.contains("step") && line.at("step").is_number_integer();
     const int64_t s = step_line ? line.at("step").get<int64_t>() : 0;
+    // Before anything is cut: the line of the checkpoint's step must show its loss (JSON numbers round-trip exactly).
+    if (step_line && s == checkpoint_step && checkpoint_loss && line.contains("loss") && line.at("loss").is_number())
+      DMOE_REQUIRE_INPUT(line.at("loss").get<double>() == *checkpoint_loss, "--log {}: its line of step {} has loss {}, "
+                         "but the checkpoint's step {} had loss {}: it is another run's log, whose lines past step {} "
+                         "this resume would cut; give the saved run's log, or a new --log name (the file is unchanged)",
+                         path, s, line.at("loss").dump(), s, json(*checkpoint_loss).dump(), s);
     if (step_line && s > checkpoint_step) {
       cut_lines += 1 + size_t(std::count(text.begin() + std::ptrdiff_t(end) + 1, text.end(), '\n'));
       first_cut = s;
@@ -93,8 +108,9 @@ void trim_resumed_log(GrowingOutputFile& log, const std::string& path, int64_t c
     keep = end + 1;
     begin = end + 1;
   }
+  if (add_newline && keep == text.size()) log.write("\n", "the newline its last line lacked");
   if (keep < text.size()) {
-    log.truncate(keep);
+    log.truncate(std::min<uint64_t>(keep, text.size() - (add_newline ? 1 : 0)));
     print(fmt::format("train: note: --log {}: cut {} line(s) past the checkpoint's step {}{} (logged after its last "
                       "save by the run that stopped); this run logs them again", path, cut_lines, checkpoint_step,
                       first_cut >= 0 ? fmt::format(": those of steps {}..{}", first_cut, std::max(first_cut, last_cut))
@@ -377,6 +393,7 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
   MixtralWeights full_m = make_mixtral_weights(config, 0, config.num_local_experts);
   MixtralWeights full_v = make_mixtral_weights(config, 0, config.num_local_experts);
   int64_t first_step = 1;
+  std::optional<double> checkpoint_loss;
   if (!o.resume_dir.empty()) {
     const json state = read_json((fs::path(o.resume_dir) / "trainer_state.json").string());
     DMOE_REQUIRE_INPUT(state.contains("step") && state["step"].is_number_integer(),
@@ -390,6 +407,10 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
                        "run; start from the weights with --init {}/model.safetensors instead", o.resume_dir,
                        o.resume_dir);
     first_step = state["step"].get<int64_t>() + 1;
+    // The loss of the checkpoint's step (states from before 2026-12-07 have none): the log's line of that step must
+    // show it, or the log is another run's (resuming with it cut that run's lines past the step, G4 of the sixteenth
+    // bad-input pass).
+    if (state.contains("loss") && state["loss"].is_number()) checkpoint_loss = state["loss"].get<double>();
     // A key of the wrong type would end in nlohmann's type_error ("unexpected error"): named instead.
     DMOE_REQUIRE_INPUT(!state.contains("seed") || state["seed"].is_number_unsigned(),
                        "{}/trainer_state.json: 'seed' must be an integer >= 0 (found {})", o.resume_dir,
@@ -610,7 +631,7 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
     std::error_code ec;
     const bool append = first_step > 1 && fs::exists(o.log_path, ec);
     log.emplace(o.log_path, "--log", append);
-    if (append) trim_resumed_log(*log, o.log_path, first_step - 1, print);
+    if (append) trim_resumed_log(*log, o.log_path, first_step - 1, checkpoint_loss, print);
   }
   print(fmt::format("train: {} | data {} ({} bytes: {} train, {} held out) | batch {} x seq {} | world {} | steps "
                     "{}..{} of {}", config.summary(), o.data_path, corpus.size(), train_bytes, val_bytes, o.batch,
@@ -623,6 +644,7 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
 
   // Every rank's share into the full tensors (dense from rank 0): shared memory for threads, the communicator for GPU
   // processes; then rank 0 writes the checkpoint.
+  double saved_step_loss = std::numeric_limits<double>::quiet_NaN();  // rank 0's loss of the step a save holds
   auto save = [&](int32_t rank, TrainReplica& replica, int64_t step, const std::string& dir) {
     // Ranks that are processes gather the experts to rank 0 through the communicator (gather_full); threads
     // copy their shares into the shared full tensors.
@@ -664,12 +686,13 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
         opt.set_metadata(kSaveIdMetadata, save_id);
         files.write((fs::path(dir) / "optimizer.safetensors").string(), opt.serialize());
       }
-      files.write((fs::path(dir) / "trainer_state.json").string(),
-                  json{{"step", step}, {"seed", o.seed}, {"steps", o.steps}, {"batch", o.batch}, {"seq", o.seq},
-                       {"lr", o.lr}, {"data", fs::absolute(o.data_path).lexically_normal().string()}, {"save_id", save_id},
-                       {"val_fraction", o.val_fraction}, {"warmup", o.warmup}, {"min_lr", effective_min_lr(o)},
-                       {"weight_decay", o.weight_decay}, {"beta1", o.beta1}, {"beta2", o.beta2},
-                       {"clip", o.clip}}.dump(2) + "\n");
+      json state{{"step", step}, {"seed", o.seed}, {"steps", o.steps}, {"batch", o.batch}, {"seq", o.seq},
+                 {"lr", o.lr}, {"data", fs::absolute(o.data_path).lexically_normal().string()}, {"save_id", save_id},
+                 {"val_fraction", o.val_fraction}, {"warmup", o.warmup}, {"min_lr", effective_min_lr(o)},
+                 {"weight_decay", o.weight_decay}, {"beta1", o.beta1}, {"beta2", o.beta2}, {"clip", o.clip}};
+      // The log's line of this step shows it: a resume checks that its --log is this run's (trim_resumed_log).
+      if (std::isfinite(saved_step_loss)) state["loss"] = saved_step_loss;
+      files.write((fs::path(dir) / "trainer_state.json").string(), state.dump(2) + "\n");
       files.commit();
       if (log) log->publish();  // from now on the log describes this run, whose checkpoint this is
     }
@@ -858,6 +881,7 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
       TrainRecord rec;
       rec.step = step;
       rec.loss = loss;
+      if (rank == 0) saved_step_loss = loss;
       rec.lr = ap.lr;
       rec.grad_norm = std::sqrt(total_sq);
       rec.tokens_per_s = double(o.batch * o.seq) / std::max(seconds, 1e-9);

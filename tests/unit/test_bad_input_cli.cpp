@@ -865,6 +865,33 @@ TEST_F(BadInput, ANewLogWithNothingToReplaceOutlivesAFailedRun) {
   EXPECT_EQ(others_in(dir_, {"data", "tiny.json", "costs.json", "new.jsonl"}), std::vector<std::string>{});
 }
 
+// G4, G21 (sixteenth pass): resumed with another run's log, the resume cut that log's 97 lines past its checkpoint's
+// step, rc 0; a whole last line without its newline was cut as half-written (its val_loss line lost).
+TEST_F(BadInput, AResumeRefusesAnotherRunsLogAndKeepsAWholeLastLine) {
+  const std::string base = "train --config " + p("tiny.json") + " --data " + p("data") + " --seq 16 --batch 2 "
+                           "--val-batches 1 --print-every 0 ";
+  ASSERT_EQ(run_cli_bounded(base + "--steps 4 --save " + p("ckA") + " --log " + p("a.jsonl")).status, 0);
+  ASSERT_EQ(run_cli_bounded(base + "--steps 10 --seed 9 --log " + p("b.jsonl")).status, 0);
+  const std::string other = slurp(p("b.jsonl"));
+  expect_user_error(run_cli_bounded(base + "--steps 6 --resume " + p("ckA") + " --log " + p("b.jsonl")),
+                    "its line of step 4 has loss", "another run's log");
+  EXPECT_EQ(slurp(p("b.jsonl")), other);
+  std::string own = slurp(p("a.jsonl"));
+  ASSERT_EQ(own.back(), '\n');
+  own.pop_back();
+  std::ofstream(p("a.jsonl"), std::ios::binary) << own;
+  const Result resumed = run_cli_bounded(base + "--steps 6 --resume " + p("ckA") + " --log " + p("a.jsonl"));
+  ASSERT_EQ(resumed.status, 0) << resumed.output;
+  EXPECT_EQ(resumed.output.find("cut "), std::string::npos) << resumed.output;
+  std::vector<int64_t> steps;
+  std::istringstream in(slurp(p("a.jsonl")));
+  for (std::string line; std::getline(in, line);) {
+    const nlohmann::json j = nlohmann::json::parse(line);
+    if (j.contains("loss")) steps.push_back(j.at("step").get<int64_t>());
+  }
+  EXPECT_EQ(steps, (std::vector<int64_t>{1, 2, 3, 4, 5, 6}));
+}
+
 TEST_F(BadInput, AResumedRunsLogMatchesItsCheckpoint) {
   // F5 (fifteenth pass): a run stopped after its last save had logged steps past it, and the resumed run appended the
   // same steps again (the log of an interrupted new run was not even in the log, but in a leftover .partial). Now a
