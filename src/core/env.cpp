@@ -32,8 +32,9 @@ double host_wait_timeout_seconds() {
   // At least 10 ms: below that a wait gives up before a peer thread or process can arrive, so the run fails (or
   // passes) by timing alone, with a time-out message that reads like a hang.
   DMOE_REQUIRE_INPUT(end != text && *end == '\0' && v >= 0.01 && v <= 1e9,
-                     "DMOE_COMM_TIMEOUT_S='{}' is invalid: expected seconds in [0.01, 1e9] (below 10 ms every wait "
-                     "would give up before its peers can arrive)", text);
+                     "DMOE_COMM_TIMEOUT_S='{}' is invalid: expected seconds in [0.01, 1e9] ({})", text,
+                     v > 1e9 ? "past 1e9 s, ~32 years, a deadline no longer fits the clocks' 64-bit nanoseconds"
+                             : "below 10 ms every wait would give up before its peers can arrive");
   return v;
 }
 

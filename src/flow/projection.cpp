@@ -27,9 +27,12 @@ ClusterModel parse_cluster_model(const json& j, const std::string& where) {
   c.name = j.contains("name") ? j.at("name").get<std::string>() : where;
   const double flop = number_at(j, "flop_per_s", where), nvlink = number_at(j, "nvlink_gbytes_per_s", where),
                net = number_at(j, "net_gbytes_per_s", where);
-  for (const auto& [key, v] : {std::pair<const char*, double>{"flop_per_s", flop}, {"nvlink_gbytes_per_s", nvlink},
-                               {"net_gbytes_per_s", net}})
-    DMOE_REQUIRE_INPUT(v > 0 && v <= 1e200, "{}.{} = {}: must be > 0 and <= 1e200", where, key, v);
+  // Ranges of real machines with room to spare: values far past them (alltoall_fixed_ms 1e30, net 1e-300 GB/s) printed
+  // step times of 300 digits, rc 0 (G20 of the sixteenth bad-input pass).
+  DMOE_REQUIRE_INPUT(flop >= 1e6 && flop <= 1e19, "{}.flop_per_s = {}: must be in [1e6, 1e19] (an H200's bf16 GEMM is "
+                     "~7e14)", where, flop);
+  for (const auto& [key, v] : {std::pair<const char*, double>{"nvlink_gbytes_per_s", nvlink}, {"net_gbytes_per_s", net}})
+    DMOE_REQUIRE_INPUT(v >= 1e-3 && v <= 1e6, "{}.{} = {}: must be in [0.001, 1e6] GB/s", where, key, v);
   c.flop_per_s = flop;
   c.nvlink_bytes_per_s = nvlink * 1e9;
   c.net_bytes_per_s = net * 1e9;
@@ -40,6 +43,10 @@ ClusterModel parse_cluster_model(const json& j, const std::string& where) {
   c.compute_fixed_ms = number_at(j, "compute_fixed_ms", where);
   c.alltoall_fixed_ms = number_at(j, "alltoall_fixed_ms", where);
   c.allreduce_alpha_ms = number_at(j, "allreduce_alpha_ms", where);
+  for (const auto& [key, v] : {std::pair<const char*, double>{"compute_fixed_ms", c.compute_fixed_ms},
+                               {"alltoall_fixed_ms", c.alltoall_fixed_ms}, {"allreduce_alpha_ms", c.allreduce_alpha_ms}})
+    DMOE_REQUIRE_INPUT(v >= 0 && v <= 1e4, "{}.{} = {}: must be in [0, 1e4] ms (a call's fixed cost; measured ones are "
+                       "0.01 to 0.2 ms)", where, key, v);
   return c;
 }
 

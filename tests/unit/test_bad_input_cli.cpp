@@ -48,6 +48,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cfloat>
 #include <cmath>
 #include <cstdlib>
@@ -600,9 +601,12 @@ TEST_F(BadInput, FlowProjectClusterFilesAndExpertsAreChecked) {
   };
   // fp1, fp2: finite numbers whose costs are not: "(simulator.cpp:24)", "(simulator.cpp:29)".
   expect_user_error(run_cli_bounded(cluster("slow.json", [](json& c) { c["flop_per_s"] = 1e-300; })),
-                    "would take inf ms with cluster", "flop_per_s 1e-300");
+                    "flop_per_s = 1e-300: must be in [1e6, 1e19]", "flop_per_s 1e-300");
   expect_user_error(run_cli_bounded(cluster("fast.json", [](json& c) { c["nvlink_gbytes_per_s"] = 1e300; })),
-                    "nvlink_gbytes_per_s = 1e+300: must be > 0 and <= 1e200", "nvlink 1e300");
+                    "nvlink_gbytes_per_s = 1e+300: must be in [0.001, 1e6] GB/s", "nvlink 1e300");
+  // G20 (sixteenth pass): a fixed cost of 1e30 ms printed step times of 300 digits, rc 0.
+  expect_user_error(run_cli_bounded(cluster("fixed.json", [](json& c) { c["alltoall_fixed_ms"] = 1e30; })),
+                    "alltoall_fixed_ms = 1e+30: must be in [0, 1e4] ms", "alltoall_fixed_ms 1e30");
   // fp3: a bandwidth of 1e-300 GB/s looped forever in the shared link's simulation.
   const Result tiny = run_cli_bounded(cluster("tiny_bw.json", [](json& c) { c["net_gbytes_per_s"] = 1e-300; }));
   EXPECT_NE(tiny.status, 124) << "hang\n" << tiny.output;
@@ -832,6 +836,11 @@ TEST_F(BadInput, ABareResumeContinuesTheSavedRunExactly) {
   const Result missing = run_cli_bounded(base + "--resume " + p("ck") + " --steps 8");
   EXPECT_NE(missing.output.find("trainer_state.json has no 'warmup'; --warmup takes its default"), std::string::npos)
       << missing.output;
+  // G10: a 2 GB state was parsed (46 s, 6.4 GB) before the size limit was checked. (Sparse: no disk used.)
+  fs::resize_file(p("ck/trainer_state.json"), uint64_t(1) << 31);
+  const auto t0 = std::chrono::steady_clock::now();
+  expect_user_error(run_cli_bounded(base + "--resume " + p("ck")), "104857600", "a 2 GB state");
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 10.0);
 }
 
 TEST_F(BadInput, TheLogOfANewRunIsWrittenUnderNoNameOfTheUsers) {
@@ -852,6 +861,14 @@ TEST_F(BadInput, TheLogOfANewRunIsWrittenUnderNoNameOfTheUsers) {
   EXPECT_FALSE(fs::is_symlink(p("s.jsonl")));
   fs::create_directory(p("d.jsonl.partial"));
   EXPECT_EQ(run_cli_bounded(train + "--data " + p("data") + " --log " + p("d.jsonl")).status, 0);
+}
+
+// G14 (sixteenth pass): --stop-after without --save saved nothing, without a word (the help said "stop (and save)").
+TEST_F(BadInput, StopAfterWithoutSaveSaysNothingIsSaved) {
+  const Result r = run_cli_bounded("train --config " + p("tiny.json") + " --data " + p("data") + " --seq 16 --batch 2 "
+                                   "--val-batches 1 --print-every 0 --steps 4 --stop-after 2");
+  EXPECT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("--stop-after 2 without --save: nothing is saved"), std::string::npos) << r.output;
 }
 
 // G5 (sixteenth pass): a new run's log with no earlier file was removed with its temporary when the run failed or was
