@@ -67,7 +67,8 @@ void trim_resumed_log(GrowingOutputFile& log, const std::string& path, int64_t c
   // A last line whole but for its newline (an editor's save) is a line: it used to be cut as half-written.
   bool add_newline = false;
   if (!text.empty() && text.back() != '\n') {
-    const size_t begin = text.rfind('\n') == std::string::npos ? 0 : text.rfind('\n') + 1;
+    const size_t last_newline = text.rfind('\n');
+    const size_t begin = last_newline == std::string::npos ? 0 : last_newline + 1;
     if (json::parse(text.begin() + std::ptrdiff_t(begin), text.end(), nullptr, false).is_object()) {
       text += '\n';
       add_newline = true;

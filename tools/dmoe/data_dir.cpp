@@ -185,12 +185,15 @@ std::string find_named_json(const std::string& name, const std::string& folder, 
   const std::vector<std::string> names = data_file_names(roots, folder, ".json");
   std::string available;
   for (const std::string& n : names) available += (available.empty() ? "" : ", ") + n;
+  // Only between the two config folders (a cost or cluster file has no other kind).
+  const bool config_folder = std::any_of(std::begin(kNamedConfigFolders), std::end(kNamedConfigFolders),
+                                         [&](const NamedFolder& f) { return folder == f.folder; });
   std::string elsewhere;
-  for (const NamedFolder& f : kNamedConfigFolders)
-    if (folder != f.folder && std::any_of(std::begin(kNamedConfigFolders), std::end(kNamedConfigFolders),
-                                          [&](const NamedFolder& g) { return folder == g.folder; }))
-      if (const std::string other = find_data_file(roots, std::string(f.folder) + "/" + name + ".json"); !other.empty())
-        elsewhere = fmt::format("\n'{}' is a named {} ({}), which {} read", name, f.what, other, f.readers);
+  for (const NamedFolder& f : kNamedConfigFolders) {
+    if (!config_folder || folder == f.folder) continue;
+    if (const std::string other = find_data_file(roots, std::string(f.folder) + "/" + name + ".json"); !other.empty())
+      elsewhere = fmt::format("\n'{}' is a named {} ({}), which {} read", name, f.what, other, f.readers);
+  }
   DMOE_FAIL_INPUT("{} '{}' is neither a file nor a named {}; looked for it in, in this order:{}{}\n{}",
                   what, name, what, describe_search(roots, relative), elsewhere,
                   names.empty() ? "no named " + what + "s were found in any of these places: set DMOE_HOME to a "
