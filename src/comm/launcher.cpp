@@ -145,7 +145,7 @@ void reset_child_signals() {
   struct sigaction def {};
   def.sa_handler = SIG_DFL;
   sigemptyset(&def.sa_mask);
-  for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGPIPE}) sigaction(sig, &def, nullptr);
+  for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGPIPE, SIGXFSZ}) sigaction(sig, &def, nullptr);
   sigset_t none;
   sigemptyset(&none);
   sigprocmask(SIG_SETMASK, &none, nullptr);

@@ -8,7 +8,12 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <mutex>
+#include <sstream>
+#include <utility>
+
+#include <nlohmann/json.hpp>
 
 #include <fcntl.h>
 #include <signal.h>
@@ -336,13 +341,49 @@ void OutputFileSet::write(const std::string& path, std::string_view text) {
   write(path, std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(text.data()), text.size()));
 }
 
-void OutputFileSet::commit() {
+namespace {
+
+// A journal's paths: relative to its directory where the file is in it (a checkpoint directory that was moved or is
+// resumed from another working directory still completes), absolute otherwise.
+std::string journal_entry_path(const std::string& path, const fs::path& journal_dir) {
+  const fs::path absolute = fs::absolute(path).lexically_normal();
+  return absolute.parent_path() == journal_dir ? absolute.filename().string() : absolute.string();
+}
+
+fs::path journal_directory(const std::string& journal) {
+  return fs::absolute(journal).lexically_normal().parent_path();
+}
+
+}  // namespace
+
+void OutputFileSet::commit(const std::string& journal) {
   // The renames back to back, signals held (above); the directories synced after, so that the window is short.
   g_committing.fetch_add(1);
   const auto end_of_commit = [] {
     if (g_committing.fetch_sub(1) == 1)
       if (const int sig = g_pending_signal.exchange(0); sig != 0) remove_temporaries_and_reraise(sig);
   };
+  if (!journal.empty()) {
+    // Every temporary is complete (written, synced, closed); the journal says where each goes, before the first
+    // rename. Written atomically itself (a nested set: the signals stay held).
+    const fs::path dir = journal_directory(journal);
+    nlohmann::json renames = nlohmann::json::array();
+    for (const Written& w : written_)
+      renames.push_back({{"temporary", journal_entry_path(w.temporary, dir)},
+                         {"target", journal_entry_path(w.target, dir)}});
+    void (*hook)(size_t) = std::exchange(g_after_rename_for_tests, nullptr);  // the test hook counts the set's renames
+    try {
+      OutputFileSet record;
+      record.write(journal, nlohmann::json{{"dmoe_commit", 1}, {"renames", renames}}.dump(1) + "\n");
+      record.commit();
+      g_after_rename_for_tests = hook;
+    } catch (...) {
+      g_after_rename_for_tests = hook;
+      discard();
+      end_of_commit();
+      throw;
+    }
+  }
   std::vector<std::string> directories;
   for (size_t i = 0; i < written_.size(); ++i) {
     const Written& w = written_[i];
@@ -353,6 +394,7 @@ void OutputFileSet::commit() {
       const std::string path = w.path;
       written_.erase(written_.begin(), written_.begin() + std::ptrdiff_t(i));
       discard();
+      if (!journal.empty()) ::unlink(journal.c_str());  // its remaining temporaries are gone: nothing to complete
       end_of_commit();
       DMOE_FAIL_INPUT("writing '{}' failed at the rename of its temporary onto it: {}; it is unchanged{}", path,
                       std::strerror(err), replaced.empty() ? "" : "; already replaced: " + replaced);
@@ -363,7 +405,10 @@ void OutputFileSet::commit() {
       directories.push_back(w.directory);
   }
   written_.clear();
+  // Every file is in place: the journal has nothing left to complete.
+  if (!journal.empty()) ::unlink(journal.c_str());
   end_of_commit();
+  if (!journal.empty()) directories.push_back(journal_directory(journal).string());
   // Make the renames durable; a directory that cannot be synced (some file systems) is no error.
   for (const std::string& d : directories) {
     const int dir = ::open(d.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
@@ -372,6 +417,63 @@ void OutputFileSet::commit() {
       ::close(dir);
     }
   }
+}
+
+std::string finish_interrupted_commit(const std::string& journal) {
+  struct stat st {};
+  if (::lstat(journal.c_str(), &st) != 0) {
+    DMOE_REQUIRE_INPUT(errno == ENOENT || errno == ENOTDIR, "the commit journal '{}' cannot be inspected: {}", journal,
+                       std::strerror(errno));
+    return {};
+  }
+  DMOE_REQUIRE_INPUT(S_ISREG(st.st_mode) && st.st_size < (1 << 20), "the commit journal '{}' is {} of {} bytes, not "
+                     "a journal dmoe writes (a small regular file); move it away", journal, file_kind(st.st_mode),
+                     int64_t(st.st_size));
+  std::ifstream in(journal, std::ios::binary);
+  std::stringstream text;
+  text << in.rdbuf();
+  DMOE_REQUIRE_INPUT(in.good() || in.eof(), "the commit journal '{}' cannot be read", journal);
+  const nlohmann::json record = nlohmann::json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
+  DMOE_REQUIRE_INPUT(record.is_object() && record.value("dmoe_commit", 0) == 1 && record.contains("renames") &&
+                         record["renames"].is_array(),
+                     "the commit journal '{}' is not one dmoe wrote (expected {{\"dmoe_commit\": 1, \"renames\": "
+                     "[...]}}): the files beside it are left as they are; move it away", journal);
+  const fs::path dir = journal_directory(journal);
+  std::vector<std::pair<std::string, std::string>> renames;
+  for (const nlohmann::json& r : record["renames"]) {
+    DMOE_REQUIRE_INPUT(r.is_object() && r.contains("temporary") && r["temporary"].is_string() &&
+                           r.contains("target") && r["target"].is_string(),
+                       "the commit journal '{}' has an entry without 'temporary' and 'target' paths: {}", journal,
+                       r.dump());
+    const auto resolve = [&](const std::string& p) {
+      return fs::path(p).is_absolute() ? p : (dir / p).string();
+    };
+    const std::string temporary = resolve(r["temporary"].get<std::string>());
+    // Only dmoe's own temporaries are renamed: a hand-made journal must not move arbitrary files.
+    DMOE_REQUIRE_INPUT(fs::path(temporary).filename().string().find(".dmoe-tmp.") != std::string::npos,
+                       "the commit journal '{}' names '{}', which is not a dmoe temporary; move the journal away",
+                       journal, temporary);
+    renames.emplace_back(temporary, resolve(r["target"].get<std::string>()));
+  }
+  std::string completed;
+  for (const auto& [temporary, target] : renames) {
+    struct stat ts {};
+    if (::lstat(temporary.c_str(), &ts) != 0) continue;  // renamed before the commit ended
+    // ENOENT: another process completing the same journal (every rank of a resumed run calls this) renamed it first.
+    if (::rename(temporary.c_str(), target.c_str()) != 0) {
+      DMOE_REQUIRE_INPUT(errno == ENOENT, "completing the commit of '{}' (journal '{}'): renaming '{}' onto it failed: "
+                         "{}", target, journal, temporary, std::strerror(errno));
+      continue;
+    }
+    completed += fmt::format("{}'{}'", completed.empty() ? "" : ", ", target);
+  }
+  ::unlink(journal.c_str());  // last, so that whoever finds it gone finds every file in place
+  const int d = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (d >= 0) {
+    (void)::fsync(d);
+    ::close(d);
+  }
+  return completed;
 }
 
 void set_after_rename_hook_for_tests(void (*hook)(size_t renamed_index)) { g_after_rename_for_tests = hook; }

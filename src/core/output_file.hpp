@@ -38,6 +38,9 @@ void write_file_atomically(const std::string& path, std::string_view text);
 // (checked as above), commit() renames them all onto their targets, holding back SIGINT, SIGTERM and SIGHUP until
 // the last rename (the process then ends by the signal). A failed write(), or destruction without commit(), removes
 // every temporary of the set and leaves all targets untouched.
+// SIGKILL (or a power cut) cannot be held back: with a `journal` path, commit() first writes there which temporary
+// goes onto which target (atomically, after every temporary is complete), then renames, then removes the journal, so
+// that finish_interrupted_commit(journal) can complete a commit that was killed between two renames.
 class OutputFileSet {
  public:
   OutputFileSet() = default;
@@ -47,7 +50,7 @@ class OutputFileSet {
 
   void write(const std::string& path, std::span<const uint8_t> bytes);
   void write(const std::string& path, std::string_view text);
-  void commit();
+  void commit(const std::string& journal = {});
 
  private:
   struct Written {
@@ -57,6 +60,12 @@ class OutputFileSet {
   void discard();
   std::vector<Written> written_;
 };
+
+// Completes a commit that ended between its journal and its last rename (a SIGKILL, an out-of-memory kill, a power
+// cut): every temporary the journal names that still exists is renamed onto its target, then the journal removed.
+// Returns the targets completed ("" when there was no journal, or nothing left to do). A journal that cannot be read,
+// or a rename that fails, throws naming the journal (the files are left as they are).
+std::string finish_interrupted_commit(const std::string& journal);
 
 // Tests only: called after each rename of OutputFileSet::commit (a signal sent there must wait for the last one).
 void set_after_rename_hook_for_tests(void (*hook)(size_t renamed_index));

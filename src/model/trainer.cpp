@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstring>
+#include <functional>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -56,6 +58,18 @@ std::string new_save_id() {
   const uint64_t id = (uint64_t(device()) << 32 ^ uint64_t(device())) ^ (time * 0x9E3779B97F4A7C15ull);
   return fmt::format("{:016x}", id);
 }
+
+}  // namespace
+
+std::string complete_interrupted_save(const std::string& dir) {
+  const std::string journal = (fs::path(dir) / kCheckpointJournal).string();
+  const std::string completed = finish_interrupted_commit(journal);
+  if (completed.empty()) return {};
+  return fmt::format("train: note: --resume {}: its last save was interrupted between the renames of its files (the "
+                     "process killed); completed it from {}: {} now hold that save", dir, journal, completed);
+}
+
+namespace {
 
 // A resumed run's log, cut back to the checkpoint's step: the lines of steps past it (logged by a run stopped after
 // its last save) would otherwise be followed by the same steps again, and a half-written last line by more lines.
@@ -127,7 +141,8 @@ void trim_resumed_log(GrowingOutputFile& log, const std::string& path, int64_t c
 // loop (the path itself, or an entry) threw filesystem_error, "unexpected error" with rc 2; an entry that is no
 // regular file (a loop, a dangling link, a FIFO) is skipped like the others.
 // `other_bytes`: the memory the run needs beside the text (its model and activations), for the check before reading.
-std::vector<uint8_t> read_corpus(const std::string& path, double other_bytes) {
+std::vector<uint8_t> read_corpus(const std::string& path, double other_bytes,
+                                 const std::function<void(const std::string&)>& print) {
   std::vector<fs::path> files;
   std::error_code ec;
   const fs::file_status status = fs::status(path, ec);
@@ -166,12 +181,22 @@ std::vector<uint8_t> read_corpus(const std::string& path, double other_bytes) {
                       fmt::format("train --data {} ({} of text in {} file(s), read into memory whole, beside the "
                                   "model's {})", path, format_bytes(total), files.size(), format_bytes(other_bytes)),
                       "a smaller --data: fewer or shorter files");
+  // A large text was read for many seconds before the first line (3 GB: 12 s, G16 of the sixteenth pass): said first.
+  if (total >= double(1ull << 30))
+    print(fmt::format("train: reading --data {} ({} in {} file(s)) into memory", path, format_bytes(total),
+                      files.size()));
   std::vector<uint8_t> bytes;
   bytes.reserve(size_t(std::min(total, 1e15)));
   for (const fs::path& f : files) {
     std::ifstream in(f, std::ios::binary);
     DMOE_REQUIRE_INPUT(in.good(), "--data: cannot read '{}'", f.string());
-    bytes.insert(bytes.end(), std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+    // In blocks (a byte-wise iterator read at ~250 MB/s); to the end of the file whatever its size said.
+    std::vector<char> block(size_t(1) << 22);
+    while (in) {
+      in.read(block.data(), std::streamsize(block.size()));
+      bytes.insert(bytes.end(), block.data(), block.data() + in.gcount());
+    }
+    DMOE_REQUIRE_INPUT(in.eof(), "--data: reading '{}' failed after {} bytes", f.string(), bytes.size());
   }
   return bytes;
 }
@@ -180,6 +205,21 @@ std::vector<uint8_t> read_corpus(const std::string& path, double other_bytes) {
 struct Moments {
   MixtralWeights m, v;
 };
+
+// The text a run trained on, as its checkpoint records it: a resume compared only the --data path, so a file added to
+// the folder between save and resume changed the split and the windows without a word (G13, sixteenth pass).
+// FNV-1a over 8-byte words (the tail bytewise), with the length.
+std::string corpus_fingerprint(const std::vector<uint8_t>& text) {
+  uint64_t h = 0xcbf29ce484222325ull ^ uint64_t(text.size());
+  size_t i = 0;
+  for (; i + 8 <= text.size(); i += 8) {
+    uint64_t word;
+    std::memcpy(&word, text.data() + i, 8);
+    h = (h ^ word) * 0x100000001b3ull;
+  }
+  for (; i < text.size(); ++i) h = (h ^ text[i]) * 0x100000001b3ull;
+  return fmt::format("{:016x}", h);
+}
 
 void write_json(const std::string& path, const json& j) { write_file_atomically(path, j.dump(2) + "\n"); }
 
@@ -327,9 +367,19 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
       existing = existing.parent_path();
     const double bytes = host_model_bytes;
     const std::optional<uint64_t> free = disk_free_bytes(existing.string());
-    DMOE_REQUIRE_INPUT(!free || bytes <= double(*free), "--save {}: the checkpoint needs about {} (the f32 model and "
-                       "its two AdamW moments) and the file system of '{}' has {} free", o.save_dir,
-                       format_bytes(bytes), existing.string(), format_bytes(double(*free)));
+    // A save keeps the checkpoint before it until its own files are complete: where the directory holds none yet and
+    // --save-every saves more than once, the second save needs room for two (G17, sixteenth pass: it failed after the
+    // training). Where one is there already, the space it takes comes back with each save.
+    const bool holds_one = fs::exists(fs::path(o.save_dir) / "model.safetensors", ec);
+    const bool saves_again = o.save_every > 0 && o.save_every < (o.stop_after > 0 ? o.stop_after : o.steps);
+    const double needed = holds_one || !saves_again ? bytes : 2 * bytes;
+    DMOE_REQUIRE_INPUT(!free || needed <= double(*free), "--save {}: the checkpoint needs about {} (the f32 model and "
+                       "its two AdamW moments){} and the file system of '{}' has {} free", o.save_dir,
+                       format_bytes(bytes), needed > bytes ? fmt::format(", {} for two of them: --save-every {} saves "
+                                                                         "again while the last save is still kept",
+                                                                         format_bytes(needed), o.save_every)
+                                                           : std::string(),
+                       existing.string(), format_bytes(double(*free)));
     // Its largest file holds the two moments: 2/3 of it.
     require_file_size_allowed(bytes * 2 / 3, fmt::format("--save {}: optimizer.safetensors (the two AdamW moments)",
                                                          o.save_dir));
@@ -364,7 +414,8 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
   }
 
   // ---- data
-  const std::vector<uint8_t> corpus = read_corpus(o.data_path, host_run_bytes);
+  const std::vector<uint8_t> corpus = read_corpus(o.data_path, host_run_bytes, print);
+  const std::string corpus_id = corpus_fingerprint(corpus);
   std::error_code ec_dir;
   const int64_t val_bytes = int64_t(double(corpus.size()) * o.val_fraction);
   const int64_t train_bytes = int64_t(corpus.size()) - val_bytes;
@@ -396,6 +447,7 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
   int64_t first_step = 1;
   std::optional<double> checkpoint_loss;
   if (!o.resume_dir.empty()) {
+    if (const std::string note = complete_interrupted_save(o.resume_dir); !note.empty()) print(note);
     const json state = read_json((fs::path(o.resume_dir) / "trainer_state.json").string());
     DMOE_REQUIRE_INPUT(state.contains("step") && state["step"].is_number_integer(),
                  "{}/trainer_state.json: no integer 'step'", o.resume_dir);
@@ -465,9 +517,21 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
                         state["steps"].get<int64_t>(), o.resume_dir, o.steps));
     // Another --data continues the run on other text: said, as for --lr. The state records the absolute path (a relative
     // one, as earlier states hold, named another file from another directory: `--data ../data` from a subdirectory).
-    if (state.contains("data") && !same_file(state["data"].get<std::string>(), o.data_path))
+    // Since the sixteenth pass the state also records the text itself (its length and fingerprint): the same path
+    // with other content (a file added to the folder, a file edited) is said, and another path to the same text is not.
+    const bool text_known = state.contains("data_bytes") && state["data_bytes"].is_number_integer() &&
+                            state.contains("data_fingerprint") && state["data_fingerprint"].is_string();
+    const bool same_text = text_known && state["data_bytes"].get<int64_t>() == int64_t(corpus.size()) &&
+                           state["data_fingerprint"].get<std::string>() == corpus_id;
+    const bool same_path = !state.contains("data") || same_file(state["data"].get<std::string>(), o.data_path);
+    if (!same_path && !same_text)
       print(fmt::format("train: note: --data {} is not the saved run's data ({}; --resume {}): the run "
                         "continues on other text", o.data_path, state["data"].get<std::string>(), o.resume_dir));
+    else if (same_path && text_known && !same_text)
+      print(fmt::format("train: note: --data {} has changed since the saved run ({} bytes then, {} now, or the same "
+                        "length with other content; --resume {}): the run continues on other text, its training and "
+                        "held-out parts split elsewhere (its val loss is not comparable with the saved run's)",
+                        o.data_path, state["data_bytes"].get<int64_t>(), corpus.size(), o.resume_dir));
     // The weights' shapes are checked when they are read, but a model that differs in anything else (tied embeddings,
     // rope_theta, rms_norm_eps, ...) was resumed without a word: the saved config.json must be this run's model.
     const fs::path saved_config = fs::path(o.resume_dir) / "config.json";
@@ -689,12 +753,13 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
       }
       json state{{"step", step}, {"seed", o.seed}, {"steps", o.steps}, {"batch", o.batch}, {"seq", o.seq},
                  {"lr", o.lr}, {"data", fs::absolute(o.data_path).lexically_normal().string()}, {"save_id", save_id},
+                 {"data_bytes", int64_t(corpus.size())}, {"data_fingerprint", corpus_id},
                  {"val_fraction", o.val_fraction}, {"warmup", o.warmup}, {"min_lr", effective_min_lr(o)},
                  {"weight_decay", o.weight_decay}, {"beta1", o.beta1}, {"beta2", o.beta2}, {"clip", o.clip}};
       // The log's line of this step shows it: a resume checks that its --log is this run's (trim_resumed_log).
       if (std::isfinite(saved_step_loss)) state["loss"] = saved_step_loss;
       files.write((fs::path(dir) / "trainer_state.json").string(), state.dump(2) + "\n");
-      files.commit();
+      files.commit((fs::path(dir) / kCheckpointJournal).string());
       if (log) log->publish();  // from now on the log describes this run, whose checkpoint this is
     }
     replica.barrier();  // no rank goes on (e.g. to resume from the checkpoint) before it is written

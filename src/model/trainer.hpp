@@ -89,6 +89,12 @@ struct TrainResult {
 // The learning rate of step t (1-based).
 double scheduled_lr(const TrainOptions& o, int64_t step);
 
+// The journal of a checkpoint's commit (`--save DIR`): a save killed between its renames (SIGKILL, out of memory) is
+// completed from it by complete_interrupted_save(DIR), which every rank of a resumed run calls before reading the
+// checkpoint (safe when several do). Returns a note for the user, or "" when there was nothing to complete.
+inline constexpr const char* kCheckpointJournal = ".dmoe-commit.json";
+std::string complete_interrupted_save(const std::string& dir);
+
 // Runs the training; prints progress lines via `print` (null: stdout). With engine cuda and W > 1 ranks every
 // process calls it (collective); rank 0 prints, logs and saves.
 TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& options,

@@ -159,6 +159,55 @@ TEST_F(OutputFile, ASignalDuringACommitWaitsForItsLastRename) {
   }
 }
 
+// G1 (sixteenth pass) under SIGKILL, which cannot be held back: a set committed with a journal and killed after its
+// first of three renames is completed by finish_interrupted_commit (all three new, no temporary or journal left).
+TEST_F(OutputFile, ACommitKilledBetweenRenamesIsCompletedFromItsJournal) {
+  for (const char* name : {"a.txt", "b.txt", "c.txt"}) write_file_atomically(p(name), std::string_view("old"));
+  const std::string journal = p(".commit.json");
+  EXPECT_EQ(finish_interrupted_commit(journal), "") << "no journal: nothing to do";
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    set_after_rename_hook_for_tests([](size_t renamed) {
+      if (renamed == 0) ::raise(SIGKILL);
+    });
+    OutputFileSet set;
+    for (const char* name : {"a.txt", "b.txt", "c.txt"}) set.write(p(name), std::string_view("new"));
+    set.commit(p(".commit.json"));
+    ::_exit(3);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) << "status " << status;
+  // The mix the kill left: the first file new, the others old, their temporaries and the journal beside them.
+  EXPECT_EQ(read_text(p("a.txt")), "new");
+  EXPECT_EQ(read_text(p("b.txt")), "old");
+  EXPECT_TRUE(fs::exists(journal));
+  const std::string completed = finish_interrupted_commit(journal);
+  EXPECT_NE(completed.find("b.txt"), std::string::npos) << completed;
+  EXPECT_NE(completed.find("c.txt"), std::string::npos) << completed;
+  EXPECT_EQ(completed.find("a.txt"), std::string::npos) << completed;
+  for (const char* name : {"a.txt", "b.txt", "c.txt"}) EXPECT_EQ(read_text(p(name)), "new") << name;
+  EXPECT_EQ(entries(), 3u) << "a temporary or the journal was left";
+
+  // A commit that ends normally leaves no journal.
+  {
+    OutputFileSet set;
+    set.write(p("a.txt"), std::string_view("newer"));
+    set.commit(journal);
+  }
+  EXPECT_FALSE(fs::exists(journal));
+  EXPECT_EQ(read_text(p("a.txt")), "newer");
+
+  // A journal dmoe did not write, or one that would move a file that is no dmoe temporary, is refused; nothing moves.
+  write_file_atomically(journal, std::string_view("not json"));
+  EXPECT_NE(error_of([&] { finish_interrupted_commit(journal); }).find("is not one dmoe wrote"), std::string::npos);
+  write_file_atomically(journal, std::string_view(R"({"dmoe_commit": 1, "renames": [{"temporary": "b.txt", "target": "a.txt"}]})"));
+  EXPECT_NE(error_of([&] { finish_interrupted_commit(journal); }).find("which is not a dmoe temporary"), std::string::npos);
+  EXPECT_EQ(read_text(p("a.txt")), "newer");
+  EXPECT_EQ(read_text(p("b.txt")), "new");
+}
+
 // G3 (sixteenth pass): `--log /dev/stdout >> hist.txt` replaced hist.txt with the log (rc 0).
 TEST_F(OutputFile, TheFileStandardOutputIsRedirectedToIsRefused) {
   write_file_atomically(p("hist.txt"), std::string_view("earlier lines\n"));

@@ -80,8 +80,9 @@ struct FlowOptions {
   int32_t gpus = 16, experts = 0;
   bool experts_given = false;
   bool seq_given = false;
-  // simulate, tune, project: seconds between progress lines on stderr (0: after every simulated step)
+  // seconds between progress lines on stderr (0: after every simulated or measured step); measure's default is 2
   double progress_s = 10;
+  bool progress_given = false;
 };
 
 // --measure-r: comma-separated values of R, each a decimal integer in [1, 4096]. Read strictly: CLI11's list
@@ -485,7 +486,8 @@ int measure_command(const FlowOptions& o) {
     ++done;
     total_ms += ms;
     const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    if (elapsed < 2 || elapsed - last_report < 2) return;
+    const double every = o.progress_given ? o.progress_s : 2.0;
+    if (elapsed < every || elapsed - last_report < every) return;
     last_report = elapsed;
     std::fprintf(stderr, "  flow measure: %s, step %d/%d (%.0f ms); %d of %d steps in %.0f s, ~%.0f s left\n",
                  current.c_str(), step, o.steps, ms, done, all_steps, elapsed,
@@ -778,7 +780,6 @@ void check_options_of_action(const CLI::App& sub, const FlowOptions& o) {
       {"--gpus", project, "flow project"},
       {"--experts", project, "flow project"},
       {"--link", o.action != "measure", "flow simulate, tune and project (the executors run on real links)"},
-      {"--progress", o.action != "measure", "flow simulate, tune and project (measure prints each step)"},
   };
   for (const Rule& r : rules)
     DMOE_REQUIRE_INPUT(r.applies || sub.count(r.option) == 0, "{}: {} is an option of {}; it would be ignored here: "
@@ -824,8 +825,8 @@ Command add_flow_command(CLI::App& app) {
   sub->add_option("--seed", o->seed, "tuner seed");
   sub->add_option("--trace", o->trace_path, "simulate: write the timelines as Chrome trace-event JSON");
   sub->add_option("--json", o->json_path, "also write the results as JSON");
-  sub->add_option("--progress", o->progress_s, "simulate, tune, project: seconds between progress lines on stderr "
-                  "while simulating (0: after every simulated step)")->capture_default_str();
+  sub->add_option("--progress", o->progress_s, "seconds between progress lines on stderr while simulating or "
+                  "measuring (0: after every step; measure's default: 2)")->capture_default_str();
   sub->add_option("--config", o->model_config, "measure: HF Mixtral config.json or a named model in bench/models");
   sub->add_option("--batch", o->batch, "measure: sequences per rank");
   sub->add_option("--seq", o->seq, "measure: sequence length (default 32); project: tokens per sequence (default 1024, or the model's max_position_embeddings if fewer); within the model's positions");
@@ -842,6 +843,7 @@ Command add_flow_command(CLI::App& app) {
                            o->action == "project",
                        "flow {}: unknown action (allowed: simulate, tune, project, measure)", o->action);
     if (o->action != "measure") require_no_fault_injected("flow " + o->action);  // only the executors have fault points
+    o->progress_given = sub->count("--progress") > 0;
     DMOE_REQUIRE_INPUT(std::isfinite(o->progress_s) && o->progress_s >= 0 && o->progress_s <= 86400,
                        "--progress {}: must be seconds in [0, 86400] (0 prints after every simulated step)",
                        o->progress_s);

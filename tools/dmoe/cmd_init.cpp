@@ -76,6 +76,11 @@ void check_init_resources(const MoeConfig& c, const InitOptions& o) {
   add(o.out, stored * params);
   add(o.input, stored * activation);
   add(o.grad_output, stored * activation);
+  // And `ulimit -f` (G15, sixteenth pass): a weights file past it failed only after the weights were generated.
+  require_file_size_allowed(stored * params, fmt::format("init --out {}", o.out));
+  if (any_activation)
+    require_file_size_allowed(stored * activation, fmt::format("init {} (x or dy)", o.input.empty() ? "--grad-output "
+                                                               + o.grad_output : "--input " + o.input));
   for (const Volume& v : volumes) {
     const std::optional<uint64_t> free = disk_free_bytes(v.directory);
     DMOE_REQUIRE_INPUT(!free || v.bytes <= double(*free),

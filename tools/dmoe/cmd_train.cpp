@@ -286,7 +286,12 @@ Command add_train_command(CLI::App& app) {
       "experts the GPU's grouped sm90 kernel stores, or hidden x ffn >= 2^21: there bf16 gradients take half the memory "
       "and the optimizer reads half the bytes; src/model/train_replica.hpp)");
   return [o, config, engine, dtype, chunk, samples, steps, file, min_lr, stop_after, f32_grads, sub] {
-    if (!o->resume_dir.empty()) adopt_saved_settings(*o, *sub, kMaxSteps);
+    if (!o->resume_dir.empty()) {
+      // A save killed between its renames is completed first: the settings below are read from its trainer_state.json.
+      if (const std::string note = complete_interrupted_save(o->resume_dir); !note.empty())
+        std::printf("%s\n", note.c_str());
+      adopt_saved_settings(*o, *sub, kMaxSteps);
+    }
     DMOE_REQUIRE_INPUT(stop_after->count() == 0 || o->stop_after >= 1, "train: --stop-after 0 is invalid: it stops "
                        "after a step of the --steps schedule, from 1 to --steps {} (leave it out to run all the steps)",
                        o->steps);

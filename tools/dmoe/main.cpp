@@ -6,6 +6,7 @@
 //   dmoe init-model / eval   a whole Mixtral model: random HF checkpoint / forward (+ backward) on tokens
 //   dmoe train  train a Mixtral model on byte-level text (CPU)
 //   dmoe flow   Flow's schedules on the simulator: simulate (the ablation), tune (Sp, R)
+#include <csignal>
 #include <cstdio>
 #include <cerrno>
 #include <cstdlib>
@@ -69,6 +70,10 @@ int main(int argc, char** argv) { return check_stdout(run_main(argc, argv)); }
 namespace {
 
 int run_main(int argc, char** argv) {
+  // G15 (sixteenth pass): past a small `ulimit -f`, SIGXFSZ ended dmoe in the middle of a write (its default action,
+  // a core dump), leaving the output's temporary behind and saying nothing. Ignored, the write fails with EFBIG
+  // instead, which every output path reports (naming the file; the old one kept, the temporary removed).
+  ::signal(SIGXFSZ, SIG_IGN);
   CLI::App app{"dmoe: distributed Mixture-of-Experts engine (CPU reference; CUDA when built with it)"};
   app.set_version_flag("--version", "dmoe " DMOE_VERSION " (" DMOE_ENGINES ")");
   // --help shows each option's default ("[3]"); options without one show nothing.
