@@ -17,6 +17,7 @@
 
 #include "../unit/cli_test_util.hpp"
 #include "comm/cuda/local_comm.hpp"
+#include "comm/process_env.hpp"
 #include "core/error.hpp"
 #include "core/random.hpp"
 #include "cuda/cuda_backend.hpp"
@@ -167,6 +168,10 @@ class MoeEngineGpuCli : public ::testing::Test {
 // exactly equal) on one layer: weights and config from `dmoe init`, x written here without near-tied logits.
 TEST_F(MoeEngineGpuCli, RunEngineFlashEqualsEpAndCpuRouting) {
   if (!flash_runs_here()) GTEST_SKIP() << "no sm_90 GPU with this build's sm_90a kernels";
+  // One process's CLI runs: under a launcher the children inherit its rank variables, and `dmoe run --engine cpu` is
+  // then (rightly) refused as one of W processes. Found at W = 2 on the H100, twenty-fifth session.
+  if (detect_process_env().world > 1) GTEST_SKIP() << "a one-process test (dmoe run --engine cpu refuses to be one of "
+                                                   << detect_process_env().world << " processes)";
   const MoeConfig c = engine_config(300);
   auto r = test::run_cli("init --hidden 256 --ffn 384 --experts 8 --top-k 2 --tokens 300 --dtype bf16 --seed 7 "
                          "--out " + p("w.st") + " --save-config " + p("c.json"));

@@ -1975,7 +1975,8 @@ TEST_F(BadInput, TrainTuneStepsNearInt32MaxIsRefusedNotWrapped) {
   // steps" check passed, and the run trained on the first sample point to its end without tuning (rc 0).
   const Result r = run_cli("train --config " + p("tiny.json") + " --data " + p("data") + " --steps 4 --seq 16 --batch 2 "
                            "--print-every 0 --schedule tuned --tune-steps 2147483647");
-  expect_user_error(r, "train: --schedule tuned samples 8 points x (2147483647 timed + 1 warm-up) steps = 17179869184 "
+  expect_user_error(r, "train: --schedule tuned samples 8 points and the vanilla baseline again, 9 x (2147483647 timed "
+                    "+ 1 warm-up) steps = 19327352832 "
                     "steps, more than the 4 this run has", "--tune-steps 2^31 - 1");
 }
 

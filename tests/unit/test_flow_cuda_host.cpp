@@ -249,7 +249,7 @@ TEST(FlowCudaHost, TrainScheduleBadInputNamesWhatIsAllowed) {
              "--chunk-bytes is the chunk of --schedule chunked-ar (this run: --schedule pipe-moe");
   // checked before any GPU work: the tuning must fit into the run, and a --tune-file that is some other JSON is
   // refused, not replaced
-  fails_with(base + " --schedule tuned --engine cuda", "= 32 steps, more than the 1 this run has");
+  fails_with(base + " --schedule tuned --engine cuda", "= 36 steps, more than the 1 this run has");
   const std::string other = testing::TempDir() + "/not_a_tuning_file.json";
   {
     std::ofstream f(other);

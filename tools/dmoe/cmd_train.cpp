@@ -250,7 +250,7 @@ Command add_train_command(CLI::App& app) {
                   "(Sp, R) of chunked-ar with the Bayesian tuner, then run the fastest; default: the sequential loop");
   CLI::Option* chunk = sub->add_option("--chunk-bytes", o->chunk_bytes,
                                        "Flow: Sp, the all-reduce chunk of chunked-ar (default 1 MiB)");
-  CLI::Option* samples = sub->add_option("--tune-samples", o->tune_samples, "Flow, --schedule tuned: samples, the vanilla baseline and N − 1 points (Sp, R)")
+  CLI::Option* samples = sub->add_option("--tune-samples", o->tune_samples, "Flow, --schedule tuned: samples, the vanilla baseline and N − 1 points (Sp, R); the baseline is sampled again last")
       ->capture_default_str();
   CLI::Option* steps = sub->add_option("--tune-steps", o->tune_steps,
                                        "Flow, --schedule tuned: timed steps per point, after one warm-up step")
