@@ -220,43 +220,42 @@ def test_bad_input_is_refused():
             dmoe.MoELayer(H, I, E, K, engine="flash")
 
 
-def test_torchrun_env_is_mapped_onto_dmoe_launch(tmp_path):
+def test_torchrun_env_is_mapped_onto_dmoe_launch(tmp_path, monkeypatch):
+    # map_launcher_env reads and writes os.environ only: each case runs on an environment of its own (a dict in its
+    # place), in this process. (Each case was a Python subprocess importing torch: 11 s of CI's pytest.)
     import os
-    import subprocess
-    import sys
 
-    code = ("import os, dmoe.module as m; m.map_launcher_env(); "
-            "print(*[os.environ.get(v, '-') for v in ('DMOE_RANK', 'DMOE_WORLD', 'DMOE_LOCAL_RANK', 'DMOE_LOCAL_WORLD')]); "
-            "print(os.path.isdir(os.environ['DMOE_RENDEZVOUS']), os.environ['DMOE_RENDEZVOUS'])")
+    import dmoe.module as m
+
+    def mapped(env):
+        env = dict(env)
+        monkeypatch.setattr(m.os, "environ", env)
+        m.map_launcher_env()
+        return env
+
+    def ids(env):
+        return " ".join(env.get(v, "-") for v in ("DMOE_RANK", "DMOE_WORLD", "DMOE_LOCAL_RANK", "DMOE_LOCAL_WORLD"))
+
     base = {k: v for k, v in os.environ.items() if not k.startswith(("DMOE_", "OMPI_", "SLURM_", "PMI_"))}
     torchrun = dict(base, RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                     MASTER_PORT="29511", TORCHELASTIC_RUN_ID="t1")
-    out = subprocess.run([sys.executable, "-c", code], env=torchrun, capture_output=True, text=True, check=True).stdout
-    ids, place = out.splitlines()
-    assert ids == "1 2 1 2"
-    assert place.startswith("True /tmp/dmoe-torchrun-127.0.0.1-29511-t1-")
+    env = mapped(torchrun)
+    assert ids(env) == "1 2 1 2"
+    assert env["DMOE_RENDEZVOUS"].startswith("/tmp/dmoe-torchrun-127.0.0.1-29511-t1-")
+    assert os.path.isdir(env["DMOE_RENDEZVOUS"])
     # a directory given by the user wins; several nodes without one is an error that says what to do
-    given = dict(torchrun, DMOE_RENDEZVOUS=str(tmp_path / "rdv"))
-    out = subprocess.run([sys.executable, "-c", code], env=given, capture_output=True, text=True, check=True).stdout
-    assert out.splitlines()[1] == f"True {tmp_path / 'rdv'}"
-    nodes = dict(torchrun, WORLD_SIZE="4")
-    r = subprocess.run([sys.executable, "-c", code], env=nodes, capture_output=True, text=True)
-    assert r.returncode != 0 and "set DMOE_RENDEZVOUS to a directory on a shared file system" in r.stderr
+    env = mapped(dict(torchrun, DMOE_RENDEZVOUS=str(tmp_path / "rdv")))
+    assert env["DMOE_RENDEZVOUS"] == str(tmp_path / "rdv") and os.path.isdir(tmp_path / "rdv")
+    with pytest.raises(RuntimeError, match="set DMOE_RENDEZVOUS to a directory on a shared file system"):
+        mapped(dict(torchrun, WORLD_SIZE="4"))
     # under dmoe launch nothing changes
-    launched = dict(torchrun, DMOE_RANK="0", DMOE_WORLD="2")
-    r = subprocess.run([sys.executable, "-c", "import os, dmoe.module as m; m.map_launcher_env(); "
-                        "print(os.environ['DMOE_RANK'], 'DMOE_RENDEZVOUS' in os.environ)"],
-                       env=launched, capture_output=True, text=True, check=True)
-    assert r.stdout.split() == ["0", "False"]
+    env = mapped(dict(torchrun, DMOE_RANK="0", DMOE_WORLD="2"))
+    assert env["DMOE_RANK"] == "0" and "DMOE_RENDEZVOUS" not in env
     # torchrun started from an sbatch script: the batch step's SLURM_PROCID/SLURM_NTASKS (no SLURM_STEP_ID) do not
     # make it an srun world, torchrun's is mapped; inside an srun step (SLURM_STEP_ID) srun's variables win
     batch = dict(torchrun, SLURM_PROCID="0", SLURM_NTASKS="4", SLURM_LOCALID="0", SLURM_TASKS_PER_NODE="4")
-    out = subprocess.run([sys.executable, "-c", code], env=batch, capture_output=True, text=True, check=True).stdout
-    assert out.splitlines()[0] == "1 2 1 2"
-    step = dict(batch, SLURM_STEP_ID="0")
-    r = subprocess.run([sys.executable, "-c", "import os, dmoe.module as m; m.map_launcher_env(); "
-                        "print('DMOE_RANK' in os.environ)"], env=step, capture_output=True, text=True, check=True)
-    assert r.stdout.split() == ["False"]
+    assert ids(mapped(batch)) == "1 2 1 2"
+    assert "DMOE_RANK" not in mapped(dict(batch, SLURM_STEP_ID="0"))
 
 
 def test_init_from_process_group_maps_the_group_and_carries_the_ids():
