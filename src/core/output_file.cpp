@@ -430,9 +430,15 @@ std::string finish_interrupted_commit(const std::string& journal) {
                      "a journal dmoe writes (a small regular file); move it away", journal, file_kind(st.st_mode),
                      int64_t(st.st_size));
   std::ifstream in(journal, std::ios::binary);
+  if (!in.is_open()) {
+    // Another rank completing the same journal may have removed it since the lstat: then every file is in place.
+    const int err = errno;
+    if (err == ENOENT) return {};
+    DMOE_FAIL_INPUT("the commit journal '{}' cannot be read: {}", journal, std::strerror(err));
+  }
   std::stringstream text;
   text << in.rdbuf();
-  DMOE_REQUIRE_INPUT(in.good() || in.eof(), "the commit journal '{}' cannot be read", journal);
+  DMOE_REQUIRE_INPUT(!in.bad(), "the commit journal '{}' cannot be read", journal);
   const nlohmann::json record = nlohmann::json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
   DMOE_REQUIRE_INPUT(record.is_object() && record.value("dmoe_commit", 0) == 1 && record.contains("renames") &&
                          record["renames"].is_array(),
