@@ -132,9 +132,12 @@ void trim_resumed_log(GrowingOutputFile& log, const std::string& path, int64_t c
                                      : ": a half-written last line"));
   }
   if (last_kept < checkpoint_step)
-    print(fmt::format("train: note: --log {} ends at step {} but the checkpoint is at step {}: the lines of steps {}..{} "
-                      "are not in it (another run's log, or one given only now?)", path, last_kept, checkpoint_step,
-                      last_kept + 1, checkpoint_step));
+    print(fmt::format("train: note: --log {} ends at step {} but the checkpoint is at step {}: it has no line of {} "
+                      "(the run that saved may have stopped before writing it, or this log is another run's or one "
+                      "given only now); this run's lines follow from step {}", path, last_kept, checkpoint_step,
+                      last_kept + 1 == checkpoint_step ? fmt::format("step {}", checkpoint_step)
+                                                       : fmt::format("steps {}..{}", last_kept + 1, checkpoint_step),
+                      checkpoint_step + 1));
 }
 
 // The bytes of a file, or of every regular file of a directory in name order. The error_code forms: a symbolic link

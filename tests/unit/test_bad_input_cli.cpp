@@ -981,6 +981,25 @@ TEST_F(BadInput, SaveEveryNeedsRoomForTwoCheckpoints) {
   EXPECT_EQ(run_cli_bounded(base + "--save " + p("probe")).status, 0) << "a save that replaces one where there is room";
 }
 
+TEST_F(BadInput, AResumedLogWithoutTheCheckpointsStepSaysWhichLinesAreMissing) {
+  // G21 (sixteenth pass): the note for a log that ends before the checkpoint said "the lines of steps 4..4 are not in
+  // it (another run's log, or one given only now?)", though a run stopped between its save and its log line leaves
+  // exactly that.
+  const std::string base = "train --config " + p("tiny.json") + " --data " + p("data") + " --seq 16 --batch 2 "
+                           "--val-batches 1 --print-every 0 --steps 4 ";
+  ASSERT_EQ(run_cli_bounded(base + "--stop-after 2 --save " + p("ck") + " --log " + p("l.jsonl")).status, 0);
+  // The step-2 lines gone (its record and its validation), as if the run had stopped before writing them.
+  std::string kept;
+  std::istringstream in(slurp(p("l.jsonl")));
+  for (std::string line; std::getline(in, line);)
+    if (nlohmann::json::parse(line).value("step", 0) != 2) kept += line + "\n";
+  std::ofstream(p("l.jsonl"), std::ios::trunc) << kept;
+  const Result r = run_cli_bounded(base + "--resume " + p("ck") + " --log " + p("l.jsonl"));
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("ends at step 1 but the checkpoint is at step 2: it has no line of step 2 (the run that "
+                          "saved may have stopped before writing it"), std::string::npos) << r.output;
+}
+
 TEST_F(BadInput, AResumeRefusesAnotherRunsLogAndKeepsAWholeLastLine) {
   const std::string base = "train --config " + p("tiny.json") + " --data " + p("data") + " --seq 16 --batch 2 "
                            "--val-batches 1 --print-every 0 ";
