@@ -343,15 +343,16 @@ void OutputFileSet::write(const std::string& path, std::string_view text) {
 
 namespace {
 
-// A journal's paths: relative to its directory where the file is in it (a checkpoint directory that was moved or is
-// resumed from another working directory still completes), absolute otherwise.
-std::string journal_entry_path(const std::string& path, const fs::path& journal_dir) {
-  const fs::path absolute = fs::absolute(path).lexically_normal();
-  return absolute.parent_path() == journal_dir ? absolute.filename().string() : absolute.string();
-}
-
+// A journal names its files by their names in its own directory (a checkpoint directory that was moved, or is resumed
+// from another working directory, still completes) and records the identity (device, inode) of each temporary and of
+// the file it replaces: finish_interrupted_commit renames only where the directory is still as the kill left it.
 fs::path journal_directory(const std::string& journal) {
   return fs::absolute(journal).lexically_normal().parent_path();
+}
+
+// A plain file name: no directory part, not "." or "..".
+bool plain_file_name(const std::string& name) {
+  return !name.empty() && name != "." && name != ".." && name.find('/') == std::string::npos;
 }
 
 }  // namespace
@@ -366,13 +367,29 @@ void OutputFileSet::commit(const std::string& journal) {
   if (!journal.empty()) {
     // Every temporary is complete (written, synced, closed); the journal says where each goes, before the first
     // rename. Written atomically itself (a nested set: the signals stay held).
-    const fs::path dir = journal_directory(journal);
     nlohmann::json renames = nlohmann::json::array();
-    for (const Written& w : written_)
-      renames.push_back({{"temporary", journal_entry_path(w.temporary, dir)},
-                         {"target", journal_entry_path(w.target, dir)}});
     void (*hook)(size_t) = std::exchange(g_after_rename_for_tests, nullptr);  // the test hook counts the set's renames
     try {
+      const fs::path dir = journal_directory(journal);
+      // The journal is dmoe's own file: not a link (the write would replace the link's target) nor anything else.
+      struct stat js {};
+      DMOE_REQUIRE_INPUT(::lstat(journal.c_str(), &js) != 0 || S_ISREG(js.st_mode), "the commit journal '{}' is {}: "
+                         "the name is dmoe's own (it records a save's renames); move it away", journal,
+                         file_kind(js.st_mode));
+      for (const Written& w : written_) {
+        const fs::path target = fs::absolute(w.target).lexically_normal();
+        DMOE_REQUIRE(target.parent_path() == dir, "a journaled commit writes into the journal's directory only ('{}' is "
+                     "not in '{}')", target.string(), dir.string());
+        struct stat ts {}, old {};
+        DMOE_REQUIRE(::lstat(w.temporary.c_str(), &ts) == 0, "the temporary '{}' is gone before its commit",
+                     w.temporary);
+        const bool replaces = ::lstat(w.target.c_str(), &old) == 0;
+        renames.push_back({{"temporary", fs::path(w.temporary).filename().string()},
+                           {"target", target.filename().string()},
+                           {"temporary_id", fmt::format("{}:{}", uint64_t(ts.st_dev), uint64_t(ts.st_ino))},
+                           {"replaced_id", replaces ? fmt::format("{}:{}", uint64_t(old.st_dev), uint64_t(old.st_ino))
+                                                    : std::string("none")}});
+      }
       OutputFileSet record;
       record.write(journal, nlohmann::json{{"dmoe_commit", 1}, {"renames", renames}}.dump(1) + "\n");
       record.commit();
@@ -426,9 +443,11 @@ std::string finish_interrupted_commit(const std::string& journal) {
                        std::strerror(errno));
     return {};
   }
+  const std::string move_away = fmt::format("; to use the files as they are, remove '{}' (and the hidden "
+                                            "'.NAME.dmoe-tmp.PID.N' files beside it)", journal);
   DMOE_REQUIRE_INPUT(S_ISREG(st.st_mode) && st.st_size < (1 << 20), "the commit journal '{}' is {} of {} bytes, not "
-                     "a journal dmoe writes (a small regular file); move it away", journal, file_kind(st.st_mode),
-                     int64_t(st.st_size));
+                     "a journal dmoe writes (a small regular file){}", journal, file_kind(st.st_mode),
+                     int64_t(st.st_size), move_away);
   std::ifstream in(journal, std::ios::binary);
   if (!in.is_open()) {
     // Another rank completing the same journal may have removed it since the lstat: then every file is in place.
@@ -440,38 +459,66 @@ std::string finish_interrupted_commit(const std::string& journal) {
   text << in.rdbuf();
   DMOE_REQUIRE_INPUT(!in.bad(), "the commit journal '{}' cannot be read", journal);
   const nlohmann::json record = nlohmann::json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
-  DMOE_REQUIRE_INPUT(record.is_object() && record.value("dmoe_commit", 0) == 1 && record.contains("renames") &&
+  const auto is_string = [](const nlohmann::json& j, const char* key) {
+    return j.contains(key) && j.at(key).is_string();
+  };
+  DMOE_REQUIRE_INPUT(record.is_object() && record.contains("dmoe_commit") && record["dmoe_commit"].is_number_integer() &&
+                         record["dmoe_commit"].get<int64_t>() == 1 && record.contains("renames") &&
                          record["renames"].is_array(),
                      "the commit journal '{}' is not one dmoe wrote (expected {{\"dmoe_commit\": 1, \"renames\": "
-                     "[...]}}): the files beside it are left as they are; move it away", journal);
+                     "[...]}}): the files beside it are left as they are{}", journal, move_away);
   const fs::path dir = journal_directory(journal);
-  std::vector<std::pair<std::string, std::string>> renames;
+  struct Rename {
+    std::string temporary, target, temporary_id, replaced_id;
+  };
+  std::vector<Rename> renames;
   for (const nlohmann::json& r : record["renames"]) {
-    DMOE_REQUIRE_INPUT(r.is_object() && r.contains("temporary") && r["temporary"].is_string() &&
-                           r.contains("target") && r["target"].is_string(),
-                       "the commit journal '{}' has an entry without 'temporary' and 'target' paths: {}", journal,
-                       r.dump());
-    const auto resolve = [&](const std::string& p) {
-      return fs::path(p).is_absolute() ? p : (dir / p).string();
-    };
-    const std::string temporary = resolve(r["temporary"].get<std::string>());
-    // Only dmoe's own temporaries are renamed: a hand-made journal must not move arbitrary files.
-    DMOE_REQUIRE_INPUT(fs::path(temporary).filename().string().find(".dmoe-tmp.") != std::string::npos,
-                       "the commit journal '{}' names '{}', which is not a dmoe temporary; move the journal away",
-                       journal, temporary);
-    renames.emplace_back(temporary, resolve(r["target"].get<std::string>()));
+    DMOE_REQUIRE_INPUT(r.is_object() && is_string(r, "temporary") && is_string(r, "target") &&
+                           is_string(r, "temporary_id") && is_string(r, "replaced_id"),
+                       "the commit journal '{}' has an entry without the 'temporary', 'target', 'temporary_id' and "
+                       "'replaced_id' strings dmoe writes: {}{}", journal, r.dump(), move_away);
+    const std::string temporary = r["temporary"].get<std::string>(), target = r["target"].get<std::string>();
+    // File names in the journal's directory only, and only dmoe's own temporaries are moved: a journal edited by hand
+    // (or come with a downloaded checkpoint) must not move or replace files elsewhere.
+    DMOE_REQUIRE_INPUT(plain_file_name(temporary) && plain_file_name(target) &&
+                           temporary.find(".dmoe-tmp.") != std::string::npos,
+                       "the commit journal '{}' names '{}' onto '{}': dmoe's journals name a '.NAME.dmoe-tmp.PID.N' "
+                       "temporary and a file of their own directory only{}", journal, temporary, target, move_away);
+    renames.push_back({(dir / temporary).string(), (dir / target).string(), r["temporary_id"].get<std::string>(),
+                       r["replaced_id"].get<std::string>()});
+  }
+  // Every file must be as the killed commit left it: its temporary still there and the file it replaces unchanged,
+  // or the rename done (the target is the temporary). A checkpoint restored by hand since (`cp backup/* ck/` skips the
+  // hidden journal) would otherwise be overwritten by the stale temporaries.
+  const auto id_of = [](const std::string& path) -> std::string {
+    struct stat s {};
+    return ::lstat(path.c_str(), &s) == 0 ? fmt::format("{}:{}", uint64_t(s.st_dev), uint64_t(s.st_ino))
+                                          : std::string("none");
+  };
+  for (const Rename& r : renames) {
+    // The temporary first: another rank renaming between the two reads is then seen as pending, done, or in flight
+    // (the target already the temporary's file, the temporary's name read before the rename).
+    const std::string temporary_now = id_of(r.temporary);
+    const std::string target_now = id_of(r.target);
+    const bool pending = temporary_now == r.temporary_id && target_now == r.replaced_id;
+    const bool done = (temporary_now == "none" || temporary_now == r.temporary_id) && target_now == r.temporary_id;
+    DMOE_REQUIRE_INPUT(pending || done, "the commit journal '{}' records a save killed between its renames, but '{}' "
+                       "has changed since ({}): the save cannot be completed without replacing files it did not "
+                       "write{}", journal, r.target,
+                       temporary_now == "none" ? "neither the save's new file nor its temporary is there"
+                       : temporary_now != r.temporary_id ? "its temporary is not the one the save wrote"
+                                                          : "it is not the file the save was replacing", move_away);
   }
   std::string completed;
-  for (const auto& [temporary, target] : renames) {
-    struct stat ts {};
-    if (::lstat(temporary.c_str(), &ts) != 0) continue;  // renamed before the commit ended
+  for (const Rename& r : renames) {
+    if (id_of(r.temporary) != r.temporary_id) continue;  // renamed before the kill
     // ENOENT: another process completing the same journal (every rank of a resumed run calls this) renamed it first.
-    if (::rename(temporary.c_str(), target.c_str()) != 0) {
+    if (::rename(r.temporary.c_str(), r.target.c_str()) != 0) {
       DMOE_REQUIRE_INPUT(errno == ENOENT, "completing the commit of '{}' (journal '{}'): renaming '{}' onto it failed: "
-                         "{}", target, journal, temporary, std::strerror(errno));
+                         "{}", r.target, journal, r.temporary, std::strerror(errno));
       continue;
     }
-    completed += fmt::format("{}'{}'", completed.empty() ? "" : ", ", target);
+    completed += fmt::format("{}'{}'", completed.empty() ? "" : ", ", r.target);
   }
   ::unlink(journal.c_str());  // last, so that whoever finds it gone finds every file in place
   const int d = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);

@@ -66,7 +66,7 @@ std::string complete_interrupted_save(const std::string& dir) {
   const std::string completed = finish_interrupted_commit(journal);
   if (completed.empty()) return {};
   return fmt::format("train: note: --resume {}: its last save was interrupted between the renames of its files (the "
-                     "process killed); completed it from {}: {} now hold that save", dir, journal, completed);
+                     "process killed); completed it from {}, renaming its new files onto {}", dir, journal, completed);
 }
 
 namespace {
@@ -193,11 +193,19 @@ std::vector<uint8_t> read_corpus(const std::string& path, double other_bytes,
   for (const fs::path& f : files) {
     std::ifstream in(f, std::ios::binary);
     DMOE_REQUIRE_INPUT(in.good(), "--data: cannot read '{}'", f.string());
-    // In blocks (a byte-wise iterator read at ~250 MB/s); to the end of the file whatever its size said.
+    // In blocks (a byte-wise iterator read at ~250 MB/s), to the end of the file, but not far past the size it had
+    // when the memory was checked: /proc/self/pagemap (size 0) read 256 GB of zeros into a bad_alloc blamed on the
+    // model (H13 of the seventeenth pass).
+    std::error_code size_ec;
+    const uintmax_t expected = fs::file_size(f, size_ec);
+    const size_t start = bytes.size();
     std::vector<char> block(size_t(1) << 22);
     while (in) {
       in.read(block.data(), std::streamsize(block.size()));
       bytes.insert(bytes.end(), block.data(), block.data() + in.gcount());
+      DMOE_REQUIRE_INPUT(size_ec || bytes.size() - start <= expected + (uintmax_t(64) << 20), "--data: '{}' reads past "
+                         "its size ({} bytes) by more than 64 MiB: a /proc or /sys file, or one that grows while it is "
+                         "read; allowed: text files", f.string(), expected);
     }
     DMOE_REQUIRE_INPUT(in.eof(), "--data: reading '{}' failed after {} bytes", f.string(), bytes.size());
   }
@@ -211,16 +219,28 @@ struct Moments {
 
 // The text a run trained on, as its checkpoint records it: a resume compared only the --data path, so a file added to
 // the folder between save and resume changed the split and the windows without a word (G13, sixteenth pass).
-// FNV-1a over 8-byte words (the tail bytewise), with the length.
+// 64 bits over 8-byte words, each mixed (multiply, rotate, multiply) before it enters the state and the state rotated
+// and multiplied after, as xxHash64's tail does, then a final avalanche. An FNV-1a over whole words, the first
+// version, let a change of the high bytes of two words cancel (two letters' case flipped in a licence text gave the
+// same fingerprint; H9 of the seventeenth pass).
 std::string corpus_fingerprint(const std::vector<uint8_t>& text) {
-  uint64_t h = 0xcbf29ce484222325ull ^ uint64_t(text.size());
+  constexpr uint64_t P1 = 0x9E3779B185EBCA87ull, P2 = 0xC2B2AE3D27D4EB4Full, P3 = 0x165667B19E3779F9ull,
+                     P4 = 0x85EBCA77C2B2AE63ull;
+  const auto rotl = [](uint64_t x, int r) { return (x << r) | (x >> (64 - r)); };
+  uint64_t h = P3 ^ (uint64_t(text.size()) * P1);
   size_t i = 0;
   for (; i + 8 <= text.size(); i += 8) {
     uint64_t word;
     std::memcpy(&word, text.data() + i, 8);
-    h = (h ^ word) * 0x100000001b3ull;
+    h ^= rotl(word * P2, 31) * P1;
+    h = rotl(h, 27) * P1 + P4;
   }
-  for (; i < text.size(); ++i) h = (h ^ text[i]) * 0x100000001b3ull;
+  for (; i < text.size(); ++i) h = rotl(h ^ (text[i] * P3), 11) * P1;
+  h ^= h >> 33;
+  h *= P2;
+  h ^= h >> 29;
+  h *= P3;
+  h ^= h >> 32;
   return fmt::format("{:016x}", h);
 }
 
@@ -522,8 +542,22 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
     // one, as earlier states hold, named another file from another directory: `--data ../data` from a subdirectory).
     // Since the sixteenth pass the state also records the text itself (its length and fingerprint): the same path
     // with other content (a file added to the folder, a file edited) is said, and another path to the same text is not.
-    const bool text_known = state.contains("data_bytes") && state["data_bytes"].is_number_integer() &&
-                            state.contains("data_fingerprint") && state["data_fingerprint"].is_string();
+    // Both or neither (states written before the twenty-fifth session have neither): a wrong type or a negative length
+    // was skipped without a word (H10 of the seventeenth pass).
+    DMOE_REQUIRE_INPUT(state.contains("data_bytes") == state.contains("data_fingerprint"), "{}/trainer_state.json has "
+                       "'{}' without '{}': a checkpoint records both (the training text's length and fingerprint) or, "
+                       "written before they were, neither", o.resume_dir,
+                       state.contains("data_bytes") ? "data_bytes" : "data_fingerprint",
+                       state.contains("data_bytes") ? "data_fingerprint" : "data_bytes");
+    DMOE_REQUIRE_INPUT(!state.contains("data_bytes") || (state["data_bytes"].is_number_integer() &&
+                                                         state["data_bytes"].get<int64_t>() >= 0),
+                       "{}/trainer_state.json: 'data_bytes' must be an integer >= 0, the training text's length (found "
+                       "{})", o.resume_dir, state.contains("data_bytes") ? state["data_bytes"].dump() : "");
+    DMOE_REQUIRE_INPUT(!state.contains("data_fingerprint") || (state["data_fingerprint"].is_string() &&
+                                                               state["data_fingerprint"].get<std::string>().size() == 16),
+                       "{}/trainer_state.json: 'data_fingerprint' must be 16 hexadecimal digits (found {})",
+                       o.resume_dir, state.contains("data_fingerprint") ? state["data_fingerprint"].dump() : "");
+    const bool text_known = state.contains("data_bytes");
     const bool same_text = text_known && state["data_bytes"].get<int64_t>() == int64_t(corpus.size()) &&
                            state["data_fingerprint"].get<std::string>() == corpus_id;
     const bool same_path = !state.contains("data") || same_file(state["data"].get<std::string>(), o.data_path);
@@ -531,10 +565,13 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
       print(fmt::format("train: note: --data {} is not the saved run's data ({}; --resume {}): the run "
                         "continues on other text", o.data_path, state["data"].get<std::string>(), o.resume_dir));
     else if (same_path && text_known && !same_text)
-      print(fmt::format("train: note: --data {} has changed since the saved run ({} bytes then, {} now, or the same "
-                        "length with other content; --resume {}): the run continues on other text, its training and "
-                        "held-out parts split elsewhere (its val loss is not comparable with the saved run's)",
-                        o.data_path, state["data_bytes"].get<int64_t>(), corpus.size(), o.resume_dir));
+      print(fmt::format("train: note: --data {} has changed since the saved run ({}; --resume {}): the run continues "
+                        "on other text, its training and held-out parts split elsewhere (its val loss is not "
+                        "comparable with the saved run's)", o.data_path,
+                        state["data_bytes"].get<int64_t>() == int64_t(corpus.size())
+                            ? fmt::format("{} bytes then and now, other content", corpus.size())
+                            : fmt::format("{} bytes then, {} now", state["data_bytes"].get<int64_t>(), corpus.size()),
+                        o.resume_dir));
     // The weights' shapes are checked when they are read, but a model that differs in anything else (tied embeddings,
     // rope_theta, rms_norm_eps, ...) was resumed without a word: the saved config.json must be this run's model.
     const fs::path saved_config = fs::path(o.resume_dir) / "config.json";
@@ -680,10 +717,11 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
     // In 64 bits: --tune-steps 2147483647 wrapped tune_steps + 1 to a negative count, the check passed, and the whole run
     // stayed on the first sample without a word (rc 0, never tuned).
     const int64_t need = (int64_t(o.tune_samples) + 1) * (int64_t(o.tune_steps) + 1);
-    DMOE_REQUIRE_INPUT(last_step - first_step + 1 >= need, "train: --schedule tuned samples {} points and the vanilla "
-                       "baseline again, {} x ({} timed + 1 warm-up) steps = {} steps, more than the {} this run has; "
-                       "lower --tune-samples/--tune-steps or raise --steps", o.tune_samples, int64_t(o.tune_samples) + 1,
-                       o.tune_steps, need, last_step - first_step + 1);
+    DMOE_REQUIRE_INPUT(last_step - first_step + 1 >= need, "train: --schedule tuned samples the vanilla baseline, {} "
+                       "point(s) (Sp, R) and the baseline again: {} x ({} timed + 1 warm-up) steps = {} steps, more "
+                       "than the {} this run has; lower --tune-samples/--tune-steps or raise --steps",
+                       o.tune_samples - 1, int64_t(o.tune_samples) + 1, o.tune_steps, need,
+                       last_step - first_step + 1);
     if (!o.tune_file.empty()) check_output_file(o.tune_file, "--tune-file");
   }
 

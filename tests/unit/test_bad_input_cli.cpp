@@ -946,11 +946,63 @@ TEST_F(BadInput, AResumeSaysWhenItsDataHasChangedSinceTheSave) {
   const Result copy = run_cli_bounded(base + "--data " + p("copy") + " --resume " + p("ck"));
   ASSERT_EQ(copy.status, 0) << copy.output;
   EXPECT_EQ(copy.output.find("--data"), std::string::npos) << copy.output;
-  // The same path with a file added: said.
+  // The same length with the case of two letters flipped (H9 of the seventeenth pass: the first fingerprint missed
+  // it), then a file added: said.
+  std::string text = slurp(p("copy/a.txt"));
+  for (const size_t at : {size_t(40), size_t(1000)}) text[at] = char(text[at] ^ 0x20);
+  std::ofstream(p("copy/a.txt"), std::ios::trunc) << text;
+  const Result flipped = run_cli_bounded(base + "--data " + p("copy") + " --resume " + p("ck"));
+  ASSERT_EQ(flipped.status, 0) << flipped.output;
+  EXPECT_NE(flipped.output.find("is not the saved run's data"), std::string::npos) << flipped.output;
   std::ofstream(p("data/b.txt")) << std::string(4000, 'x');
   const Result changed = run_cli_bounded(base + "--data " + p("data") + " --resume " + p("ck"));
   ASSERT_EQ(changed.status, 0) << changed.output;
-  EXPECT_NE(changed.output.find("has changed since the saved run"), std::string::npos) << changed.output;
+  EXPECT_NE(changed.output.find("has changed since the saved run ("), std::string::npos) << changed.output;
+  // A state with one of the two, a wrong type or a negative length is refused, naming the file (H10).
+  nlohmann::json state = nlohmann::json::parse(slurp(p("ck/trainer_state.json")));
+  for (const auto& [key, value, needle] :
+       {std::tuple<const char*, nlohmann::json, const char*>{"data_bytes", -5, "'data_bytes' must be an integer >= 0"},
+        {"data_bytes", "12", "'data_bytes' must be an integer >= 0"},
+        {"data_fingerprint", 7, "'data_fingerprint' must be 16 hexadecimal digits"}}) {
+    nlohmann::json edited = state;
+    edited[key] = value;
+    std::ofstream(p("ck/trainer_state.json"), std::ios::trunc) << edited.dump();
+    expect_user_error(run_cli_bounded(base + "--data " + p("data") + " --resume " + p("ck")), needle, key);
+  }
+  state.erase("data_fingerprint");
+  std::ofstream(p("ck/trainer_state.json"), std::ios::trunc) << state.dump();
+  expect_user_error(run_cli_bounded(base + "--data " + p("data") + " --resume " + p("ck")),
+                    "has 'data_bytes' without 'data_fingerprint'", "one of the two");
+}
+
+TEST_F(BadInput, DataThatReadsPastItsSizeIsRefused) {
+  // H13 (seventeenth pass): /proc/self/pagemap (size 0) passed the memory check and was read "to the end": 256 GB of
+  // zeros, then a bad_alloc blamed on --batch, --seq and the model.
+  if (!fs::exists("/proc/self/pagemap")) GTEST_SKIP() << "no /proc/self/pagemap here";
+  expect_user_error(run_cli_bounded("train --config " + p("tiny.json") + " --data /proc/self/pagemap --seq 16 --batch 2 "
+                                    "--steps 1"),
+                    "--data: '/proc/self/pagemap' reads past its size (0 bytes) by more than 64 MiB", "pagemap");
+}
+
+TEST_F(BadInput, TheSavesJournalNameIsNoOtherFile) {
+  // H3, H4, H8 (seventeenth pass): --log or --tune-file named DIR/.dmoe-commit.json beside --save DIR was overwritten by
+  // the save's journal and removed (rc 0); a symbolic link there had the journal written onto its target; a directory
+  // there failed the save after the training.
+  const std::string base = "train --config " + p("tiny.json") + " --data " + p("data") + " --seq 16 --batch 2 "
+                           "--val-batches 1 --print-every 0 --steps 2 --save " + p("ck") + " ";
+  fs::create_directories(p("ck"));
+  expect_user_error(run_cli_bounded(base + "--log " + p("ck/.dmoe-commit.json")), "--log '" + p("ck/.dmoe-commit.json") +
+                    "' is the checkpoint's .dmoe-commit.json", "--log onto the journal");
+  expect_user_error(run_cli_bounded(base + "--schedule tuned --tune-file " + p("ck/.dmoe-commit.json")),
+                    "is the same file as --save", "--tune-file onto the journal");
+  std::ofstream(p("victim.txt")) << "keep me";
+  fs::create_symlink(p("victim.txt"), p("ck/.dmoe-commit.json"));
+  expect_user_error(run_cli_bounded(base), "which is not a regular file: that name is the journal each save writes",
+                    "a link at the journal's name");
+  EXPECT_EQ(slurp(p("victim.txt")), "keep me");
+  fs::remove(p("ck/.dmoe-commit.json"));
+  fs::create_directories(p("ck/.dmoe-commit.json"));
+  expect_user_error(run_cli_bounded(base), "which is not a regular file", "a directory at the journal's name");
 }
 
 TEST_F(BadInput, SaveEveryNeedsRoomForTwoCheckpoints) {
@@ -1994,8 +2046,8 @@ TEST_F(BadInput, TrainTuneStepsNearInt32MaxIsRefusedNotWrapped) {
   // steps" check passed, and the run trained on the first sample point to its end without tuning (rc 0).
   const Result r = run_cli("train --config " + p("tiny.json") + " --data " + p("data") + " --steps 4 --seq 16 --batch 2 "
                            "--print-every 0 --schedule tuned --tune-steps 2147483647");
-  expect_user_error(r, "train: --schedule tuned samples 8 points and the vanilla baseline again, 9 x (2147483647 timed "
-                    "+ 1 warm-up) steps = 19327352832 "
+  expect_user_error(r, "train: --schedule tuned samples the vanilla baseline, 7 point(s) (Sp, R) and the baseline "
+                    "again: 9 x (2147483647 timed + 1 warm-up) steps = 19327352832 "
                     "steps, more than the 4 this run has", "--tune-steps 2^31 - 1");
 }
 

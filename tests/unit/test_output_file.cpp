@@ -199,13 +199,54 @@ TEST_F(OutputFile, ACommitKilledBetweenRenamesIsCompletedFromItsJournal) {
   EXPECT_FALSE(fs::exists(journal));
   EXPECT_EQ(read_text(p("a.txt")), "newer");
 
-  // A journal dmoe did not write, or one that would move a file that is no dmoe temporary, is refused; nothing moves.
+  // A journal dmoe did not write, or one that would move a file that is no dmoe temporary or onto a file outside its
+  // directory, is refused; nothing moves (H2, H7 of the seventeenth pass: "../victim.txt" was replaced; a
+  // "dmoe_commit" of another type ended in an internal JSON error).
   write_file_atomically(journal, std::string_view("not json"));
   EXPECT_NE(error_of([&] { finish_interrupted_commit(journal); }).find("is not one dmoe wrote"), std::string::npos);
+  write_file_atomically(journal, std::string_view(R"({"dmoe_commit": "1", "renames": []})"));
+  EXPECT_NE(error_of([&] { finish_interrupted_commit(journal); }).find("is not one dmoe wrote"), std::string::npos);
+  for (const char* entry : {R"({"temporary": "b.txt", "target": "a.txt", "temporary_id": "1:1", "replaced_id": "none"})",
+                            R"({"temporary": ".a.txt.dmoe-tmp.1.1", "target": "../a.txt", "temporary_id": "1:1", "replaced_id": "none"})",
+                            R"({"temporary": ".a.txt.dmoe-tmp.1.1", "target": "/tmp/a.txt", "temporary_id": "1:1", "replaced_id": "none"})"}) {
+    write_file_atomically(journal, std::string(R"({"dmoe_commit": 1, "renames": [)") + entry + "]}");
+    EXPECT_NE(error_of([&] { finish_interrupted_commit(journal); }).find("dmoe's journals name a '.NAME.dmoe-tmp.PID.N' "
+                                                                        "temporary and a file of their own directory only"),
+              std::string::npos) << entry;
+  }
   write_file_atomically(journal, std::string_view(R"({"dmoe_commit": 1, "renames": [{"temporary": "b.txt", "target": "a.txt"}]})"));
-  EXPECT_NE(error_of([&] { finish_interrupted_commit(journal); }).find("which is not a dmoe temporary"), std::string::npos);
+  EXPECT_NE(error_of([&] { finish_interrupted_commit(journal); }).find("has an entry without"), std::string::npos);
   EXPECT_EQ(read_text(p("a.txt")), "newer");
   EXPECT_EQ(read_text(p("b.txt")), "new");
+  fs::remove(journal);
+}
+
+// H1 (seventeenth pass): after a kill between renames, files restored by hand (`cp backup/* ck/` skips the hidden
+// journal) were overwritten on the next resume by the killed save's stale temporaries, and the journal removed. A
+// journal now records the identity of each temporary and of the file it replaces; where a file has changed since,
+// nothing is completed and the error says so.
+TEST_F(OutputFile, AJournalIsNotCompletedOverFilesChangedSinceTheKill) {
+  for (const char* name : {"a.txt", "b.txt", "c.txt"}) write_file_atomically(p(name), std::string_view("old"));
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    set_after_rename_hook_for_tests([](size_t renamed) {
+      if (renamed == 0) ::raise(SIGKILL);
+    });
+    OutputFileSet set;
+    for (const char* name : {"a.txt", "b.txt", "c.txt"}) set.write(p(name), std::string_view("new"));
+    set.commit(p(".commit.json"));
+    ::_exit(3);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) << "status " << status;
+  write_file_atomically(p("b.txt"), std::string_view("restored"));  // a new file at b.txt: not the one replaced
+  const std::string e = error_of([&] { finish_interrupted_commit(p(".commit.json")); });
+  EXPECT_NE(e.find("b.txt' has changed since (it is not the file the save was replacing)"), std::string::npos) << e;
+  EXPECT_EQ(read_text(p("b.txt")), "restored");
+  EXPECT_EQ(read_text(p("c.txt")), "old");
+  EXPECT_TRUE(fs::exists(p(".commit.json"))) << "the journal is kept: the user decides";
 }
 
 // G3 (sixteenth pass): `--log /dev/stdout >> hist.txt` replaced hist.txt with the log (rc 0).

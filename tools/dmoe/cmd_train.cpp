@@ -57,7 +57,8 @@ void check_train_paths(const TrainOptions& o, const std::string& config_file) {
     std::vector<NamedPath> others = inputs;
     if (!o.log_path.empty()) others.push_back({"--log", o.log_path});
     if (!o.save_dir.empty())
-      for (const char* name : {"trainer_state.json", "model.safetensors", "optimizer.safetensors", "config.json"})
+      for (const char* name : {"trainer_state.json", "model.safetensors", "optimizer.safetensors", "config.json",
+                               kCheckpointJournal})
         others.push_back({"--save", (fs::path(o.save_dir) / name).string()});
     require_distinct_files({{"--tune-file", o.tune_file}}, others);
   }
@@ -108,6 +109,14 @@ void check_train_paths(const TrainOptions& o, const std::string& config_file) {
                              o.save_dir, name);
       for (const char* name : {"trainer_state.json", "model.safetensors", "optimizer.safetensors", "config.json"})
         check_output_file((fs::path(o.save_dir) / name).string(), "--save");
+      // The save's journal (docs/model.md) is dmoe's own name: a link there would have the journal written through it
+      // onto its target, and a directory or FIFO failed the save only after the training (H4, H8 of the seventeenth
+      // pass).
+      const fs::path journal = fs::path(o.save_dir) / kCheckpointJournal;
+      const fs::file_status js = fs::symlink_status(journal, ec);
+      DMOE_REQUIRE_INPUT(!fs::exists(js) || fs::is_regular_file(js), "--save '{}' holds '{}', which is not a regular "
+                         "file: that name is the journal each save writes (which temporary goes onto which file); move "
+                         "it away", o.save_dir, journal.string());
     } else {  // created at the end, with its missing parents: the nearest existing one must take a new file
       // The nearest part of the path that is there as a name, links not followed: a dangling symbolic link or a link
       // loop as --save (or above it) was taken for a missing directory, and the run trained to the end and then failed
@@ -150,7 +159,8 @@ void check_train_paths(const TrainOptions& o, const std::string& config_file) {
                            "destroy that input; give another --save directory", o.save_dir, name, in.option,
                            in.path);
     if (!o.log_path.empty())
-      for (const char* name : {"trainer_state.json", "model.safetensors", "optimizer.safetensors", "config.json"})
+      for (const char* name : {"trainer_state.json", "model.safetensors", "optimizer.safetensors", "config.json",
+                               kCheckpointJournal})
         DMOE_REQUIRE_INPUT(!same_file(o.log_path, (fs::path(o.save_dir) / name).string()),
                            "--log '{}' is the checkpoint's {} in --save '{}': saving would replace the log; give "
                            "another --log", o.log_path, name, o.save_dir);
