@@ -2,10 +2,12 @@
 #include "model/checkpoint.hpp"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <random>
 #include <regex>
 #include <set>
 #include <sstream>
@@ -17,6 +19,19 @@
 #include "model/config_io.hpp"
 
 namespace dmoe {
+
+namespace {
+
+constexpr const char* kShardSaveId = "dmoe_save_id";
+
+std::string random_save_id() {
+  std::random_device device;
+  const uint64_t time = uint64_t(std::chrono::steady_clock::now().time_since_epoch().count());
+  return fmt::format("{:016x}", (uint64_t(device()) << 32 ^ uint64_t(device())) ^ (time * 0x9E3779B97F4A7C15ull));
+}
+
+}  // namespace
+
 namespace {
 
 constexpr const char* kLayersPrefix = "model.layers.";
@@ -283,6 +298,12 @@ CheckpointReader CheckpointReader::open(const std::string& path_or_dir) {
     r.weight_map_[name] = f;
   }
   DMOE_REQUIRE_INPUT(!r.weight_map_.empty(), "checkpoint index '{}': weight_map is empty", path);
+  if (j.contains("metadata") && j.at("metadata").is_object() && j.at("metadata").contains(kShardSaveId)) {
+    const nlohmann::json& id = j.at("metadata").at(kShardSaveId);
+    DMOE_REQUIRE_INPUT(id.is_string() && !id.get<std::string>().empty(), "checkpoint index '{}': metadata.{} must be a "
+                       "non-empty string (found {})", path, kShardSaveId, id.dump());
+    r.save_id_ = id.get<std::string>();
+  }
   return r;
 }
 
@@ -313,6 +334,15 @@ const SafetensorsFile& CheckpointReader::file_of(const std::string& name) const 
   if (!file) {
     const std::string shard = (std::filesystem::path(directory_) / it->second).string();
     file = std::make_shared<SafetensorsFile>(SafetensorsFile::open(shard));
+    if (!save_id_.empty()) {
+      const auto meta = file->metadata();
+      const auto id = meta.find(kShardSaveId);
+      DMOE_REQUIRE_INPUT(id != meta.end() && id->second == save_id_, "checkpoint '{}': shard '{}' is of another save "
+                         "than the index (its {} {}, the index's {}): the shards and the index were written by "
+                         "different runs (one killed between its renames, or a shard copied in); write the model "
+                         "again", source_, it->second, kShardSaveId, id == meta.end() ? "missing" : id->second,
+                         save_id_);
+    }
   }
   DMOE_REQUIRE_INPUT(file->has(name), "checkpoint '{}': the weight_map puts '{}' in '{}', which does not hold it", source_,
                name, it->second);
@@ -486,6 +516,10 @@ void save_mixtral_checkpoint(const std::string& path, const MixtralWeights& w, c
     check_output_file((dir / fmt::format("model-{:05d}-of-{:05d}.safetensors", s + 1, shards.size())).string(),
                       fmt::format("shard {} of {} (beside --out '{}')", s + 1, shards.size(), path));
   OutputFileSet files;
+  // One id for the save, in the index's metadata and every shard's (HF readers ignore both): a SIGKILL between the
+  // renames below left shards of two seeds under one index, which eval read, rc 0 (H5 of the seventeenth pass).
+  const std::string save_id = random_save_id();
+  index["metadata"][kShardSaveId] = save_id;
   for (size_t s = 0; s < shards.size(); ++s) {
     const std::string file = fmt::format("model-{:05d}-of-{:05d}.safetensors", s + 1, shards.size());
     SafetensorsWriter writer;
@@ -494,6 +528,7 @@ void save_mixtral_checkpoint(const std::string& path, const MixtralWeights& w, c
       index["weight_map"][p->name] = file;
     }
     writer.set_metadata("format", "pt");
+    writer.set_metadata(kShardSaveId, save_id);
     files.write((dir / file).string(), writer.serialize());
   }
   // The shards the index being replaced named (e.g. 42 of an earlier --shard-bytes 1): after the commit those the new

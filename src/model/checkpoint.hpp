@@ -77,6 +77,9 @@ class CheckpointReader {
   std::string source_;
   std::string directory_;                          // where the shards are
   std::map<std::string, std::string> weight_map_;  // tensor -> shard file (index only)
+  // An index dmoe wrote names its save ("dmoe_save_id" in its metadata, and in each shard's): a shard of another save
+  // (a kill between the renames of init-model --shard-bytes, a shard copied in) is refused when opened.
+  std::string save_id_;
   mutable std::map<std::string, std::shared_ptr<SafetensorsFile>> files_;
 };
 

@@ -1151,6 +1151,24 @@ void set_f32_tensor(const fs::path& path, const std::string& name, float value, 
   std::ofstream(path, std::ios::binary) << bytes;
 }
 
+TEST_F(BadInput, AShardOfAnotherSaveIsRefused) {
+  // H5 (seventeenth pass): init-model --shard-bytes killed (SIGKILL) between its renames left shards of two seeds under
+  // one index, which eval read (rc 0, a loss of neither model). The index and its shards carry one save id now.
+  for (const char* seed : {"1", "2"}) {
+    fs::create_directories(p(seed));
+    ASSERT_EQ(run_cli_bounded("init-model --config " + p("tiny.json") + " --seed " + seed + " --out " +
+                              p(seed) + "/model.safetensors.index.json --shard-bytes 300000").status, 0);
+  }
+  write_tokens_file();
+  const std::string eval = "eval --config " + p("tiny.json") + " --weights " + p("1/model.safetensors.index.json") +
+                           " --tokens " + p("tok.st") + " --output " + p("out.st");
+  ASSERT_EQ(run_cli_bounded(eval).status, 0);
+  fs::copy_file(p("2/model-00002-of-00004.safetensors"), p("1/model-00002-of-00004.safetensors"),
+                fs::copy_options::overwrite_existing);
+  expect_user_error(run_cli_bounded(eval), "shard 'model-00002-of-00004.safetensors' is of another save than the index",
+                    "a shard of another seed");
+}
+
 TEST_F(BadInput, OutputsCannotBeAFileOfAShardedOrDirectoryCheckpoint) {
   fs::create_directories(p("sh"));
   ASSERT_EQ(run_cli_bounded("init-model --config " + p("tiny.json") + " --out " + p("sh/model.safetensors.index.json") +
