@@ -984,6 +984,19 @@ TEST_F(BadInput, DataThatReadsPastItsSizeIsRefused) {
                     "--data: '/proc/self/pagemap' reads past its size (0 bytes) by more than 64 MiB", "pagemap");
 }
 
+TEST_F(BadInput, TwoRunsCannotSaveIntoOneDirectoryAtOnce) {
+  // H12 (seventeenth pass): two runs with the same --save both ended "saved", the directory holding whichever committed
+  // last. The first holds the directory's lock while it runs; the second is refused before it trains.
+  const std::string base = std::string(DMOE_CLI_PATH) + " train --config " + p("tiny.json") + " --data " + p("data") +
+                           " --seq 16 --batch 2 --val-batches 1 --print-every 0 --save " + p("ck") + " ";
+  // The first run in the background until the second has been tried: its log's first line says it is training.
+  const Result r = test::run_shell(
+      "( (timeout 120 " + base + "--steps 100000 --log " + p("first.jsonl") + " >/dev/null 2>&1 & echo $! > " +
+      p("first.pid") + "); for i in $(seq 600); do [ -s " + p("first.jsonl") + " ] && break; sleep 0.1; done; "
+      "timeout 60 " + base + "--steps 2; rc=$?; kill $(cat " + p("first.pid") + "); exit $rc )");
+  expect_user_error(r, "another dmoe run is saving into this directory now", "a second run into the same --save");
+}
+
 TEST_F(BadInput, TheSavesJournalNameIsNoOtherFile) {
   // H3, H4, H8 (seventeenth pass): --log or --tune-file named DIR/.dmoe-commit.json beside --save DIR was overwritten by
   // the save's journal and removed (rc 0); a symbolic link there had the journal written onto its target; a directory
