@@ -16,6 +16,8 @@
 #include <new>
 #include <string>
 
+#include <sys/resource.h>
+
 #include "comm/stage_board.hpp"
 #include "commands.hpp"
 #include "options.hpp"
@@ -177,8 +179,16 @@ int run_main(int argc, char** argv) {
         !model ? std::string("tokens, hidden, ffn, experts, world")
                : (what == "flow" ? std::string("simulate, tune: --layers, --micro-batches; project, measure: ") : std::string()) +
                      "--batch, --seq (eval: the --tokens shape), or " + dmoe::kModelSizes;
-    std::fprintf(stderr, "dmoe: error: out of host memory (std::bad_alloc) in dmoe %s; make it smaller (%s)\n",
-                 what.c_str(), hint.c_str());
+    // Under `ulimit -v` the limit, not the problem's size, is the likelier cause (H13 of the seventeenth pass: a
+    // 0.26 M-parameter model's train was told to shrink its --batch): said first.
+    struct rlimit as {};
+    const std::string limit =
+        ::getrlimit(RLIMIT_AS, &as) == 0 && as.rlim_cur != RLIM_INFINITY
+            ? "this process may map at most " + dmoe::format_bytes(double(as.rlim_cur)) +
+                  " (ulimit -v; the binary's libraries take ~1 GB of it): raise that limit, or "
+            : std::string();
+    std::fprintf(stderr, "dmoe: error: out of host memory (std::bad_alloc) in dmoe %s; %smake it smaller (%s)\n",
+                 what.c_str(), limit.c_str(), hint.c_str());
     return failed_exit(1);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "dmoe: unexpected error: %s\n", e.what());
