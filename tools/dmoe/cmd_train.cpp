@@ -6,6 +6,7 @@
 #include <climits>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <vector>
@@ -134,7 +135,13 @@ void check_train_paths(const TrainOptions& o, const std::string& config_file) {
                          target_ec ? target_ec.message() : std::string("its target is not a directory"));
       DMOE_REQUIRE_INPUT(is_dir, "--save '{}': '{}' is not a directory, so the checkpoint directory cannot be made in "
                          "it", o.save_dir, existing.string());
-      check_output_file((existing / ".dmoe-save-check").string(), "--save");
+      // A directory made there and removed (a probe file's name in the error named a path the user never gave:
+      // "--save '/proc/.dmoe-save-check'"; H14 of the seventeenth pass).
+      std::string probe = (existing / ".dmoe-save-check.XXXXXX").string();
+      if (::mkdtemp(probe.data()) == nullptr)
+        DMOE_FAIL_INPUT("--save '{}': the checkpoint directory cannot be made in '{}': {}", o.save_dir,
+                        existing.string(), std::strerror(errno));
+      ::rmdir(probe.c_str());
       // A name the file system cannot take (a component past NAME_MAX, or a path whose files would pass PATH_MAX)
       // trained to the end and then failed with "the checkpoint directory cannot be made: File name too long".
       const long name_max = ::pathconf(existing.c_str(), _PC_NAME_MAX);
