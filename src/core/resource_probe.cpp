@@ -217,7 +217,9 @@ ProbeReading RaplProbe::finish(int64_t steps) const {
 
 // ---- NVML ------------------------------------------------------------------------------------------------------
 
-namespace {
+// A named namespace, not an anonymous one: Nvml::Api (declared in the header) has fields of these types, which in a
+// unity build (several sources in one unit) is a -Wsubobject-linkage warning.
+namespace nvml_abi {
 
 // NVML's C API as documented (nvml.h is not needed: these are the few calls used, with their documented types).
 using nvmlReturn = int;  // NVML_SUCCESS = 0
@@ -233,7 +235,8 @@ struct NvmlMemory {  // nvmlMemory_t
   unsigned long long total, free, used;
 };
 
-}  // namespace
+}  // namespace nvml_abi
+using namespace nvml_abi;
 
 struct Nvml::Api {
   nvmlReturn (*init)() = nullptr;
