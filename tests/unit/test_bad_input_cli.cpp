@@ -97,6 +97,19 @@ std::string slurp(const fs::path& p) {
 }
 
 // A user error: not 0, not a crash, no "(file.cpp:123)".
+// A training log's step records without their timings: two runs of the same steps agree on the rest.
+std::vector<std::string> step_records(const fs::path& file) {
+  std::vector<std::string> out;
+  std::istringstream in(slurp(file));
+  for (std::string line; std::getline(in, line);) {
+    nlohmann::json j = nlohmann::json::parse(line);
+    if (!j.contains("loss")) continue;
+    for (const char* timing : {"tokens_per_s", "tflop_per_s", "resources"}) j.erase(timing);
+    out.push_back(j.dump());
+  }
+  return out;
+}
+
 void expect_user_error(const Result& r, const std::string& needle, const std::string& what) {
   EXPECT_EQ(r.status, 1) << what << "\n" << r.output;
   EXPECT_NE(r.output.find(needle), std::string::npos) << what << ": expected '" << needle << "' in\n" << r.output;
@@ -802,18 +815,7 @@ TEST_F(BadInput, ABareResumeContinuesTheSavedRunExactly) {
   ASSERT_EQ(resumed.status, 0) << resumed.output;
   EXPECT_EQ(resumed.output.find("replaces the saved run's"), std::string::npos) << resumed.output;
   // The steps' records agree but for the timings (the stopped run also validated at its last step).
-  const auto records = [&](const std::string& file) {
-    std::vector<std::string> out;
-    std::istringstream in(slurp(file));
-    for (std::string line; std::getline(in, line);) {
-      nlohmann::json j = nlohmann::json::parse(line);
-      if (!j.contains("loss")) continue;
-      for (const char* timing : {"tokens_per_s", "tflop_per_s", "resources"}) j.erase(timing);
-      out.push_back(j.dump());
-    }
-    return out;
-  };
-  EXPECT_EQ(records(p("parts.jsonl")), records(p("whole.jsonl")));
+  EXPECT_EQ(step_records(p("parts.jsonl")), step_records(p("whole.jsonl")));
   // A given option still replaces the saved value, with its note; a saved value out of its option's range is refused.
   const Result longer = run_cli_bounded(base + "--resume " + p("ck") + " --steps 8");
   EXPECT_NE(longer.output.find("--steps 8 replaces the saved run's 6"), std::string::npos) << longer.output;
@@ -920,18 +922,7 @@ TEST_F(BadInput, ASaveKilledBetweenItsRenamesIsCompletedOnResume) {
   EXPECT_NE(resumed.output.find("its last save was interrupted between the renames of its files"), std::string::npos)
       << resumed.output;
   // It continued from step 4, as the uninterrupted run did (the records agree but for the timings).
-  const auto records = [&](const std::string& file) {
-    std::vector<std::string> out;
-    std::istringstream in(slurp(file));
-    for (std::string line; std::getline(in, line);) {
-      nlohmann::json j = nlohmann::json::parse(line);
-      if (!j.contains("loss")) continue;
-      for (const char* timing : {"tokens_per_s", "tflop_per_s", "resources"}) j.erase(timing);
-      out.push_back(j.dump());
-    }
-    return out;
-  };
-  EXPECT_EQ(records(p("parts.jsonl")), records(p("whole.jsonl")));
+  EXPECT_EQ(step_records(p("parts.jsonl")), step_records(p("whole.jsonl")));
   EXPECT_FALSE(fs::exists(p("ck/.dmoe-commit.json")));
   size_t files = 0;
   for ([[maybe_unused]] const auto& e : fs::directory_iterator(p("ck"))) ++files;

@@ -46,6 +46,24 @@ class OutputFile : public ::testing::Test {
   void TearDown() override { fs::remove_all(dir_); }
   std::string p(const char* name) const { return (dir_ / name).string(); }
   size_t entries() const { return size_t(std::distance(fs::directory_iterator(dir_), fs::directory_iterator())); }
+  // In a child process: a, b, c.txt committed as "new" with the journal .commit.json, killed (SIGKILL) right after the
+  // first rename. The parent checks that it died by the signal.
+  void commit_killed_after_first_rename() const {
+    const pid_t pid = ::fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+      set_after_rename_hook_for_tests([](size_t renamed) {
+        if (renamed == 0) ::raise(SIGKILL);
+      });
+      OutputFileSet set;
+      for (const char* name : {"a.txt", "b.txt", "c.txt"}) set.write(p(name), std::string_view("new"));
+      set.commit(p(".commit.json"));
+      ::_exit(3);
+    }
+    int status = 0;
+    ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+    ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) << "status " << status;
+  }
   fs::path dir_;
 };
 
@@ -165,20 +183,7 @@ TEST_F(OutputFile, ACommitKilledBetweenRenamesIsCompletedFromItsJournal) {
   for (const char* name : {"a.txt", "b.txt", "c.txt"}) write_file_atomically(p(name), std::string_view("old"));
   const std::string journal = p(".commit.json");
   EXPECT_EQ(finish_interrupted_commit(journal), "") << "no journal: nothing to do";
-  const pid_t pid = ::fork();
-  ASSERT_GE(pid, 0);
-  if (pid == 0) {
-    set_after_rename_hook_for_tests([](size_t renamed) {
-      if (renamed == 0) ::raise(SIGKILL);
-    });
-    OutputFileSet set;
-    for (const char* name : {"a.txt", "b.txt", "c.txt"}) set.write(p(name), std::string_view("new"));
-    set.commit(p(".commit.json"));
-    ::_exit(3);
-  }
-  int status = 0;
-  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
-  ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) << "status " << status;
+  ASSERT_NO_FATAL_FAILURE(commit_killed_after_first_rename());
   // The mix the kill left: the first file new, the others old, their temporaries and the journal beside them.
   EXPECT_EQ(read_text(p("a.txt")), "new");
   EXPECT_EQ(read_text(p("b.txt")), "old");
@@ -227,20 +232,7 @@ TEST_F(OutputFile, ACommitKilledBetweenRenamesIsCompletedFromItsJournal) {
 // nothing is completed and the error says so.
 TEST_F(OutputFile, AJournalIsNotCompletedOverFilesChangedSinceTheKill) {
   for (const char* name : {"a.txt", "b.txt", "c.txt"}) write_file_atomically(p(name), std::string_view("old"));
-  const pid_t pid = ::fork();
-  ASSERT_GE(pid, 0);
-  if (pid == 0) {
-    set_after_rename_hook_for_tests([](size_t renamed) {
-      if (renamed == 0) ::raise(SIGKILL);
-    });
-    OutputFileSet set;
-    for (const char* name : {"a.txt", "b.txt", "c.txt"}) set.write(p(name), std::string_view("new"));
-    set.commit(p(".commit.json"));
-    ::_exit(3);
-  }
-  int status = 0;
-  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
-  ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) << "status " << status;
+  ASSERT_NO_FATAL_FAILURE(commit_killed_after_first_rename());
   write_file_atomically(p("b.txt"), std::string_view("restored"));  // a new file at b.txt: not the one replaced
   const std::string e = error_of([&] { finish_interrupted_commit(p(".commit.json")); });
   EXPECT_NE(e.find("b.txt' has changed since (it is not the file the save was replacing)"), std::string::npos) << e;
