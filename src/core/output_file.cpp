@@ -355,9 +355,35 @@ bool plain_file_name(const std::string& name) {
   return !name.empty() && name != "." && name != ".." && name.find('/') == std::string::npos;
 }
 
+// A file's identity as a journal records it, "DEV:INO" ("none" where there is no file); links not followed.
+std::string identity_of(const std::string& path) {
+  struct stat s {};
+  return ::lstat(path.c_str(), &s) == 0 ? fmt::format("{}:{}", uint64_t(s.st_dev), uint64_t(s.st_ino))
+                                        : std::string("none");
+}
+
+// True when `temporary` is a name create_temporary gives beside `target`: ".NAME.dmoe-tmp.PID.N", NAME the target's
+// file name or its first part (cut short to fit NAME_MAX).
+bool temporary_name_of(const std::string& temporary, const std::string& target) {
+  const size_t at = temporary.find(".dmoe-tmp.");
+  return plain_file_name(temporary) && plain_file_name(target) && temporary[0] == '.' && at != std::string::npos &&
+         at > 1 && at - 1 <= target.size() && target.compare(0, at - 1, temporary, 1, at - 1) == 0;
+}
+
 }  // namespace
 
-void OutputFileSet::commit(const std::string& journal) {
+void OutputFileSet::commit(const std::string& journal, GrowingOutputFile* publish) {
+  if (publish && publish->published_) publish = nullptr;
+  if (publish) {
+    // Its pieces on the disk before the journal names it (GrowingOutputFile::publish does the same before its rename).
+    DMOE_REQUIRE(publish->fd_ >= 0, "GrowingOutputFile: published with a commit after close ({})", publish->path_);
+    if (::fsync(publish->fd_) != 0) {
+      const int err = errno;
+      discard();
+      DMOE_FAIL_INPUT("{} '{}': fsync of its temporary '{}' failed: {}; it is unchanged, and so are the files to be "
+                      "committed with it", publish->option_, publish->path_, publish->temporary_, std::strerror(err));
+    }
+  }
   // The renames back to back, signals held (above); the directories synced after, so that the window is short.
   g_committing.fetch_add(1);
   const auto end_of_commit = [] {
@@ -390,8 +416,25 @@ void OutputFileSet::commit(const std::string& journal) {
                            {"replaced_id", replaces ? fmt::format("{}:{}", uint64_t(old.st_dev), uint64_t(old.st_ino))
                                                     : std::string("none")}});
       }
+      nlohmann::json record_json{{"dmoe_commit", 1}, {"renames", renames}};
+      if (publish) {
+        // Outside the journal's directory (a --log anywhere): absolute paths and the option that named it, for
+        // finish_interrupted_commit to hold against the resuming command's own option (H6 of the seventeenth pass).
+        struct stat ts {}, old {};
+        DMOE_REQUIRE(::lstat(publish->temporary_.c_str(), &ts) == 0, "the temporary '{}' is gone before its commit",
+                     publish->temporary_);
+        const bool replaces = ::lstat(publish->target_.c_str(), &old) == 0;
+        const nlohmann::json entry{
+            {"option", publish->option_},
+            {"temporary", fs::absolute(publish->temporary_).lexically_normal().string()},
+            {"target", fs::absolute(publish->target_).lexically_normal().string()},
+            {"temporary_id", fmt::format("{}:{}", uint64_t(ts.st_dev), uint64_t(ts.st_ino))},
+            {"replaced_id", replaces ? fmt::format("{}:{}", uint64_t(old.st_dev), uint64_t(old.st_ino))
+                                     : std::string("none")}};
+        record_json["option_renames"] = nlohmann::json::array({entry});
+      }
       OutputFileSet record;
-      record.write(journal, nlohmann::json{{"dmoe_commit", 1}, {"renames", renames}}.dump(1) + "\n");
+      record.write(journal, record_json.dump(1) + "\n");
       record.commit();
       g_after_rename_for_tests = hook;
     } catch (...) {
@@ -421,7 +464,25 @@ void OutputFileSet::commit(const std::string& journal) {
     if (std::find(directories.begin(), directories.end(), w.directory) == directories.end())
       directories.push_back(w.directory);
   }
+  const size_t renamed = written_.size();
   written_.clear();
+  // Last, as GrowingOutputFile::publish did after the commit: the log describes the files now in place.
+  if (publish) {
+    if (::rename(publish->temporary_.c_str(), publish->target_.c_str()) != 0) {
+      const int err = errno;
+      if (!journal.empty()) ::unlink(journal.c_str());  // the set's files are in place; the log keeps its temporary
+      end_of_commit();
+      DMOE_FAIL_INPUT("{} '{}': the rename of its temporary '{}' onto it failed: {}; it is unchanged (the files "
+                      "committed with it are in place)", publish->option_, publish->path_, publish->temporary_,
+                      std::strerror(err));
+    }
+    release_temporary(publish->slot_);
+    publish->slot_ = -1;
+    publish->published_ = true;  // its pieces go on into the same file, now under the target's name
+    if (g_after_rename_for_tests) g_after_rename_for_tests(renamed);
+    if (std::find(directories.begin(), directories.end(), publish->directory_) == directories.end())
+      directories.push_back(publish->directory_);
+  }
   // Every file is in place: the journal has nothing left to complete.
   if (!journal.empty()) ::unlink(journal.c_str());
   end_of_commit();
@@ -436,7 +497,9 @@ void OutputFileSet::commit(const std::string& journal) {
   }
 }
 
-std::string finish_interrupted_commit(const std::string& journal) {
+std::string finish_interrupted_commit(const std::string& journal, const std::vector<NamedPath>& outputs,
+                                      std::string* left) {
+  if (left) left->clear();
   struct stat st {};
   if (::lstat(journal.c_str(), &st) != 0) {
     DMOE_REQUIRE_INPUT(errno == ENOENT || errno == ENOTDIR, "the commit journal '{}' cannot be inspected: {}", journal,
@@ -490,28 +553,91 @@ std::string finish_interrupted_commit(const std::string& journal) {
   // Every file must be as the killed commit left it: its temporary still there and the file it replaces unchanged,
   // or the rename done (the target is the temporary). A checkpoint restored by hand since (`cp backup/* ck/` skips the
   // hidden journal) would otherwise be overwritten by the stale temporaries.
-  const auto id_of = [](const std::string& path) -> std::string {
-    struct stat s {};
-    return ::lstat(path.c_str(), &s) == 0 ? fmt::format("{}:{}", uint64_t(s.st_dev), uint64_t(s.st_ino))
-                                          : std::string("none");
-  };
-  for (const Rename& r : renames) {
-    // The temporary first: another rank renaming between the two reads is then seen as pending, done, or in flight
-    // (the target already the temporary's file, the temporary's name read before the rename).
-    const std::string temporary_now = id_of(r.temporary);
-    const std::string target_now = id_of(r.target);
+  // The temporary first: another rank renaming between the two reads is then seen as pending, done, or in flight
+  // (the target already the temporary's file, the temporary's name read before the rename).
+  const auto state_of = [](const Rename& r, std::string& temporary_now, std::string& target_now) {
+    temporary_now = identity_of(r.temporary);
+    target_now = identity_of(r.target);
     const bool pending = temporary_now == r.temporary_id && target_now == r.replaced_id;
     const bool done = (temporary_now == "none" || temporary_now == r.temporary_id) && target_now == r.temporary_id;
-    DMOE_REQUIRE_INPUT(pending || done, "the commit journal '{}' records a save killed between its renames, but '{}' "
-                       "has changed since ({}): the save cannot be completed without replacing files it did not "
-                       "write{}", journal, r.target,
-                       temporary_now == "none" ? "neither the save's new file nor its temporary is there"
-                       : temporary_now != r.temporary_id ? "its temporary is not the one the save wrote"
-                                                          : "it is not the file the save was replacing", move_away);
+    return pending || done;
+  };
+  const auto what_changed = [](const Rename& r, const std::string& temporary_now) {
+    return temporary_now == "none" ? "neither the save's new file nor its temporary is there"
+           : temporary_now != r.temporary_id ? "its temporary is not the one the save wrote"
+                                             : "it is not the file the save was replacing";
+  };
+  // A file of an option (a new run's --log, published with the save: OutputFileSet::commit's `publish`) is outside the
+  // journal's directory. H2's rule holds for it too, a journal never has dmoe rename onto a path of its choosing: it
+  // is completed only onto this command's own file of that option, the same file the save was replacing, from dmoe's
+  // temporary of that name beside it (H6 of the seventeenth pass: the log stayed the earlier run's).
+  std::vector<Rename> option_renames;
+  std::string left_out;
+  if (record.contains("option_renames")) {
+    DMOE_REQUIRE_INPUT(record["option_renames"].is_array(), "the commit journal '{}' is not one dmoe wrote (its "
+                       "'option_renames' is no array): the files beside it are left as they are{}", journal, move_away);
+    for (const nlohmann::json& r : record["option_renames"]) {
+      DMOE_REQUIRE_INPUT(r.is_object() && is_string(r, "option") && is_string(r, "temporary") &&
+                             is_string(r, "target") && is_string(r, "temporary_id") && is_string(r, "replaced_id"),
+                         "the commit journal '{}' has an entry without the 'option', 'temporary', 'target', "
+                         "'temporary_id' and 'replaced_id' strings dmoe writes: {}{}", journal, r.dump(), move_away);
+      const std::string option = r["option"].get<std::string>(), target = r["target"].get<std::string>();
+      const std::string temporary = r["temporary"].get<std::string>();
+      const std::string temporary_id = r["temporary_id"].get<std::string>();
+      const std::string temporary_name = fs::path(temporary).filename().string();
+      DMOE_REQUIRE_INPUT(temporary_name_of(temporary_name, fs::path(target).filename().string()),
+                         "the commit journal '{}' names '{}' onto {} '{}': dmoe's journals name a "
+                         "'.NAME.dmoe-tmp.PID.N' temporary of that file's own name{}", journal, temporary, option,
+                         target, move_away);
+      const auto given = std::find_if(outputs.begin(), outputs.end(), [&](const NamedPath& out) {
+        return out.option == option && !out.path.empty();
+      });
+      if (given == outputs.end()) {
+        // This command writes no such file: the entry is left alone (the saved files are whole without it); where its
+        // new content still waits in its temporary, the caller says so.
+        if (identity_of(temporary) == temporary_id && identity_of(target) != temporary_id)
+          left_out += fmt::format("{}'{}' (the new content of {} '{}'; mv '{}' '{}' puts it in place)",
+                                  left_out.empty() ? "" : "; ", temporary, option, target, temporary, target);
+        continue;
+      }
+      // The command's own file, resolved as it will be written (a symbolic link to its target); the temporary is
+      // looked for beside it, so a moved directory still completes, and a journal naming another directory moves
+      // nothing there.
+      const OutputTarget own = resolve_output(given->path, option);
+      const Rename rename{(fs::path(own.directory) / temporary_name).string(), own.path, temporary_id,
+                          r["replaced_id"].get<std::string>()};
+      std::string temporary_now, target_now;
+      if (state_of(rename, temporary_now, target_now)) {
+        option_renames.push_back(rename);
+        continue;
+      }
+      const bool same_path = fs::absolute(own.path).lexically_normal() == fs::path(target).lexically_normal();
+      DMOE_REQUIRE_INPUT(same_path, "the commit journal '{}' records a save killed before it put its {} '{}' in place, "
+                         "but this command's {} '{}' is another file: give {} '{}' to complete the save with it, or "
+                         "leave {} out to complete the save's other files alone{}; nothing was renamed", journal,
+                         option, target, option, given->path, option, target, option,
+                         identity_of(temporary) == temporary_id ? fmt::format(" (its content stays in '{}')", temporary)
+                                                                : std::string());
+      // Where the killed run's content is, if it is still there.
+      const std::string content = temporary_now == temporary_id ? fmt::format("; its content stays in '{}'",
+                                                                              rename.temporary) : std::string();
+      DMOE_FAIL_INPUT("the commit journal '{}' records a save killed before it put its {} '{}' in place, but that "
+                      "file has changed since ({}): it cannot be completed without replacing a file the save did not "
+                      "write; nothing was renamed: leave {} out to complete the save's other files alone{}, or, to use "
+                      "the files as they are, remove '{}' (and the hidden '.NAME.dmoe-tmp.PID.N' files beside it)",
+                      journal, option, given->path, what_changed(rename, temporary_now), option, content, journal);
+    }
   }
+  for (const Rename& r : renames) {
+    std::string temporary_now, target_now;
+    DMOE_REQUIRE_INPUT(state_of(r, temporary_now, target_now), "the commit journal '{}' records a save killed between "
+                       "its renames, but '{}' has changed since ({}): the save cannot be completed without replacing "
+                       "files it did not write{}", journal, r.target, what_changed(r, temporary_now), move_away);
+  }
+  renames.insert(renames.end(), option_renames.begin(), option_renames.end());  // last, as the commit renames them
   std::string completed;
   for (const Rename& r : renames) {
-    if (id_of(r.temporary) != r.temporary_id) continue;  // renamed before the kill
+    if (identity_of(r.temporary) != r.temporary_id) continue;  // renamed before the kill
     // ENOENT: another process completing the same journal (every rank of a resumed run calls this) renamed it first.
     if (::rename(r.temporary.c_str(), r.target.c_str()) != 0) {
       DMOE_REQUIRE_INPUT(errno == ENOENT, "completing the commit of '{}' (journal '{}'): renaming '{}' onto it failed: "
@@ -521,11 +647,17 @@ std::string finish_interrupted_commit(const std::string& journal) {
     completed += fmt::format("{}'{}'", completed.empty() ? "" : ", ", r.target);
   }
   ::unlink(journal.c_str());  // last, so that whoever finds it gone finds every file in place
-  const int d = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (d >= 0) {
-    (void)::fsync(d);
-    ::close(d);
+  std::vector<std::string> directories = {dir.string()};
+  for (const Rename& r : option_renames)
+    directories.push_back(fs::path(r.target).has_parent_path() ? fs::path(r.target).parent_path().string() : ".");
+  for (const std::string& d : directories) {
+    const int fd = ::open(d.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd >= 0) {
+      (void)::fsync(fd);
+      ::close(fd);
+    }
   }
+  if (left) *left = left_out;
   return completed;
 }
 

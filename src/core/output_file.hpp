@@ -24,6 +24,14 @@
 
 namespace dmoe {
 
+class GrowingOutputFile;
+
+// One file a command reads or writes, with the option that named it ("--input").
+struct NamedPath {
+  std::string option;
+  std::string path;
+};
+
 // Checks, before any long work, that write_file_atomically(path, …) can succeed as far as the file
 // system can tell: the target is a regular file, a symlink to one, or a new name in an existing
 // directory where a temporary file can be created (one is created and removed). `option` (e.g.
@@ -41,6 +49,9 @@ void write_file_atomically(const std::string& path, std::string_view text);
 // SIGKILL (or a power cut) cannot be held back: with a `journal` path, commit() first writes there which temporary
 // goes onto which target (atomically, after every temporary is complete), then renames, then removes the journal, so
 // that finish_interrupted_commit(journal) can complete a commit that was killed between two renames.
+// `publish`: a GrowingOutputFile not yet published (a new run's --log) whose rename is the commit's last, journaled
+// with the others (by its option, as absolute paths: it is outside the journal's directory); once committed it is
+// published (its pieces go on into the same file under the target's name). Null, or one already published: nothing.
 class OutputFileSet {
  public:
   OutputFileSet() = default;
@@ -50,7 +61,7 @@ class OutputFileSet {
 
   void write(const std::string& path, std::span<const uint8_t> bytes);
   void write(const std::string& path, std::string_view text);
-  void commit(const std::string& journal = {});
+  void commit(const std::string& journal = {}, GrowingOutputFile* publish = nullptr);
 
  private:
   struct Written {
@@ -65,16 +76,23 @@ class OutputFileSet {
 // cut): every temporary the journal names that still exists is renamed onto its target, then the journal removed.
 // Returns the targets completed ("" when there was no journal, or nothing left to do). A journal that cannot be read,
 // or a rename that fails, throws naming the journal (the files are left as they are).
-std::string finish_interrupted_commit(const std::string& journal);
+// A journaled file of an option (OutputFileSet::commit's `publish`, outside the journal's directory) is completed only
+// onto this command's own output of that option in `outputs`, and only where that is the same file the commit was
+// replacing and the temporary is dmoe's, beside it; a journal can then move no file the command was not told to
+// write. Another file, or one changed since, throws (nothing renamed, the journal kept). Where `outputs` has no such
+// option, that entry is left as it is and `left` (when given) says where its content is, for a note.
+std::string finish_interrupted_commit(const std::string& journal, const std::vector<NamedPath>& outputs = {},
+                                      std::string* left = nullptr);
 
 // Tests only: called after each rename of OutputFileSet::commit (a signal sent there must wait for the last one).
 void set_after_rename_hook_for_tests(void (*hook)(size_t renamed_index));
 
 // A file that grows piece by piece (a training log) under the same policy. Checked as check_output_file; a new file's
 // pieces go to a temporary beside the target (a name of dmoe's own, created exclusively, removed on SIGINT/SIGTERM/
-// SIGHUP and when the object is destroyed unpublished), and publish() renames it over the target, after which the
-// pieces go on into the same file under the target's name. Until then the target keeps its earlier content: a run that
-// fails before it publishes leaves the earlier file as it was. `append`: the target itself is opened for appending
+// SIGHUP and when the object is destroyed unpublished), and publish() renames it over the target (or a commit does, as
+// the last of its files: OutputFileSet::commit's `publish`), after which the pieces go on into the same file under the
+// target's name. Until then the target keeps its earlier content: a run that fails before it publishes leaves the
+// earlier file as it was. `append`: the target itself is opened for appending
 // (it must exist; a resumed run's log), and counts as published. Where no file is at the target there is nothing to
 // keep: the first write publishes. A write that fails (disk full, a file size limit)
 // is cut back to the end of the piece before it, so the file never ends in a part of a piece, and throws naming the
@@ -95,6 +113,7 @@ class GrowingOutputFile {
   void close();  // checked; done by the destructor too (unchecked there)
 
  private:
+  friend class OutputFileSet;  // commit(journal, publish) renames the temporary as one of the set's files
   std::string path_, option_, target_, directory_, temporary_;
   int fd_ = -1, slot_ = -1;
   uint64_t size_ = 0;
@@ -105,12 +124,6 @@ class GrowingOutputFile {
 // True when a and b name the same file: same (st_dev, st_ino) when both exist (symlinks followed),
 // otherwise the same absolute, lexically normalised path.
 bool same_file(const std::string& a, const std::string& b);
-
-// One file a command reads or writes, with the option that named it ("--input").
-struct NamedPath {
-  std::string option;
-  std::string path;
-};
 
 // Refuses an output that is the same file as an input or as another output, naming both options.
 // Empty paths are skipped.

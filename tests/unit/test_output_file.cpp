@@ -17,6 +17,9 @@
 #include <functional>
 #include <sstream>
 #include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "core/error.hpp"
 #include "error_test_util.hpp"
@@ -63,6 +66,38 @@ class OutputFile : public ::testing::Test {
     int status = 0;
     ASSERT_EQ(::waitpid(pid, &status, 0), pid);
     ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) << "status " << status;
+  }
+  // As above, with a new run's log.txt (its temporary holding "new 1\nnew 2\n", an earlier log.txt at the target)
+  // published by the commit as its last rename; killed (SIGKILL) right after rename `kill_after` (0..2: the set's,
+  // 3: the log's).
+  void commit_with_log_killed_after(size_t kill_after) const {
+    const pid_t pid = ::fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+      static size_t kill_at;
+      kill_at = kill_after;
+      set_after_rename_hook_for_tests([](size_t renamed) {
+        if (renamed == kill_at) ::raise(SIGKILL);
+      });
+      GrowingOutputFile log(p("log.txt"), "--log", /*append=*/false);
+      log.write("new 1\n");
+      log.write("new 2\n");
+      OutputFileSet set;
+      for (const char* name : {"a.txt", "b.txt", "c.txt"}) set.write(p(name), std::string_view("new"));
+      set.commit(p(".commit.json"), &log);
+      ::_exit(3);
+    }
+    int status = 0;
+    ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+    ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) << "status " << status;
+  }
+  // The names in the directory that are dmoe temporaries.
+  std::vector<std::string> temporaries() const {
+    std::vector<std::string> names;
+    for (const auto& e : fs::directory_iterator(dir_))
+      if (e.path().filename().string().find(".dmoe-tmp.") != std::string::npos)
+        names.push_back(e.path().filename().string());
+    return names;
   }
   fs::path dir_;
 };
@@ -239,6 +274,145 @@ TEST_F(OutputFile, AJournalIsNotCompletedOverFilesChangedSinceTheKill) {
   EXPECT_EQ(read_text(p("b.txt")), "restored");
   EXPECT_EQ(read_text(p("c.txt")), "old");
   EXPECT_TRUE(fs::exists(p(".commit.json"))) << "the journal is kept: the user decides";
+}
+
+// H6 (seventeenth pass): a new run's log was published after its first checkpoint's commit, so a SIGKILL between the
+// two (or between the commit's renames) left, on resume, the checkpoint completed beside the earlier run's log, the new
+// lines in an orphaned temporary. The log's rename is now the commit's last and in its journal: completed with the
+// others where the resuming command's own --log is that file.
+TEST_F(OutputFile, ALogPublishedWithACommitIsCompletedFromItsJournal) {
+  const std::string journal = p(".commit.json");
+  const auto start_over = [&] {
+    for (const char* name : {"a.txt", "b.txt", "c.txt"}) write_file_atomically(p(name), std::string_view("old"));
+    write_file_atomically(p("log.txt"), std::string_view("earlier run\n"));
+  };
+  start_over();
+  // Committed whole: the log is published, and its later pieces go on into the file under its name.
+  {
+    GrowingOutputFile log(p("log.txt"), "--log", /*append=*/false);
+    log.write("new 1\n");
+    EXPECT_FALSE(log.published());
+    OutputFileSet set;
+    set.write(p("a.txt"), std::string_view("new"));
+    set.commit(journal, &log);
+    EXPECT_TRUE(log.published());
+    log.write("new 2\n");
+    log.close();
+  }
+  EXPECT_EQ(read_text(p("log.txt")), "new 1\nnew 2\n");
+  EXPECT_EQ(read_text(p("a.txt")), "new");
+  EXPECT_FALSE(fs::exists(journal));
+  EXPECT_EQ(temporaries(), std::vector<std::string>{});
+
+  // Killed after the set's three renames, before the log's: the journal holds the log's rename too.
+  start_over();
+  ASSERT_NO_FATAL_FAILURE(commit_with_log_killed_after(2));
+  for (const char* name : {"a.txt", "b.txt", "c.txt"}) EXPECT_EQ(read_text(p(name)), "new") << name;
+  EXPECT_EQ(read_text(p("log.txt")), "earlier run\n");
+  ASSERT_TRUE(fs::exists(journal));
+  EXPECT_NE(read_text(journal).find("\"option\": \"--log\""), std::string::npos) << read_text(journal);
+  std::string left = "unset";
+  const std::string completed = finish_interrupted_commit(journal, {{"--log", p("log.txt")}}, &left);
+  EXPECT_NE(completed.find("log.txt"), std::string::npos) << completed;
+  EXPECT_EQ(left, "");
+  EXPECT_EQ(read_text(p("log.txt")), "new 1\nnew 2\n");
+  EXPECT_FALSE(fs::exists(journal));
+  EXPECT_EQ(temporaries(), std::vector<std::string>{});
+
+  // Killed between the set's renames; the resuming command names the log through a symbolic link (the same file).
+  start_over();
+  ASSERT_NO_FATAL_FAILURE(commit_with_log_killed_after(0));
+  EXPECT_EQ(read_text(p("b.txt")), "old");
+  fs::create_symlink(p("log.txt"), p("link.txt"));
+  const std::string both = finish_interrupted_commit(journal, {{"--log", p("link.txt")}});
+  for (const char* name : {"b.txt", "c.txt", "log.txt"}) EXPECT_NE(both.find(name), std::string::npos) << both;
+  for (const char* name : {"a.txt", "b.txt", "c.txt"}) EXPECT_EQ(read_text(p(name)), "new") << name;
+  EXPECT_EQ(read_text(p("log.txt")), "new 1\nnew 2\n");
+  EXPECT_TRUE(fs::is_symlink(p("link.txt")));
+  EXPECT_FALSE(fs::exists(journal));
+  EXPECT_EQ(temporaries(), std::vector<std::string>{});
+
+  // A command without --log completes the set and leaves the log's temporary, saying where its lines are.
+  fs::remove(p("link.txt"));
+  start_over();
+  ASSERT_NO_FATAL_FAILURE(commit_with_log_killed_after(0));
+  const std::string set_only = finish_interrupted_commit(journal, {}, &left);
+  EXPECT_EQ(set_only.find("log.txt"), std::string::npos) << set_only;
+  for (const char* name : {"a.txt", "b.txt", "c.txt"}) EXPECT_EQ(read_text(p(name)), "new") << name;
+  EXPECT_EQ(read_text(p("log.txt")), "earlier run\n");
+  ASSERT_EQ(temporaries().size(), 1u);
+  EXPECT_EQ(left, "'" + p(temporaries()[0].c_str()) + "' (the new content of --log '" + p("log.txt") + "'; mv '" +
+                      p(temporaries()[0].c_str()) + "' '" + p("log.txt") + "' puts it in place)");
+  EXPECT_EQ(read_text(p(temporaries()[0].c_str())), "new 1\nnew 2\n");
+  EXPECT_FALSE(fs::exists(journal));
+}
+
+// H6's completion keeps H1's and H2's rules: the log's entry is outside the journal's directory, so it is completed
+// only onto the resuming command's own --log, the file the save was replacing, unchanged since; otherwise nothing at
+// all is renamed and the journal is kept.
+TEST_F(OutputFile, AJournaledLogIsCompletedOnlyOntoTheSameUnchangedFile) {
+  const std::string journal = p(".commit.json");
+  for (const char* name : {"a.txt", "b.txt", "c.txt"}) write_file_atomically(p(name), std::string_view("old"));
+  write_file_atomically(p("log.txt"), std::string_view("earlier run\n"));
+  write_file_atomically(p("other.txt"), std::string_view("another log\n"));
+  ASSERT_NO_FATAL_FAILURE(commit_with_log_killed_after(0));
+  const auto nothing_moved = [&](const std::string& log_content, const char* what) {
+    EXPECT_EQ(read_text(p("a.txt")), "new") << what;
+    for (const char* name : {"b.txt", "c.txt"}) EXPECT_EQ(read_text(p(name)), "old") << what << ": " << name;
+    EXPECT_EQ(read_text(p("log.txt")), log_content) << what;
+    EXPECT_EQ(read_text(p("other.txt")), "another log\n") << what;
+    EXPECT_EQ(temporaries().size(), 3u) << what;  // b's, c's and the log's
+    EXPECT_TRUE(fs::exists(journal)) << what << ": the journal is kept: the user decides";
+  };
+
+  // Another file as --log (a new name for the resumed run's log): refused, saying which file the save was publishing.
+  std::string e = error_of([&] { finish_interrupted_commit(journal, {{"--log", p("other.txt")}}); });
+  EXPECT_NE(e.find("records a save killed before it put its --log '" + p("log.txt") + "' in place, but this "
+                   "command's --log '" + p("other.txt") + "' is another file: give --log '" + p("log.txt") + "' to "
+                   "complete the save with it, or leave --log out to complete the save's other files alone (its "
+                   "content stays in '"), std::string::npos) << e;
+  nothing_moved("earlier run\n", "another --log");
+  e = error_of([&] { finish_interrupted_commit(journal, {{"--log", p("new.txt")}}); });
+  EXPECT_NE(e.find("is another file"), std::string::npos) << e;
+  EXPECT_FALSE(fs::exists(p("new.txt")));
+
+  // A journal edited so that the log's temporary is a file of another directory (of dmoe's pattern, its identity
+  // right): the temporary is looked for beside the command's --log only, so that file is never moved.
+  const std::string edited_from = read_text(journal);
+  nlohmann::json record = nlohmann::json::parse(edited_from);
+  fs::create_directories(dir_ / "elsewhere");
+  const std::string planted = (dir_ / "elsewhere" / ".log.txt.dmoe-tmp.1.1").string();
+  write_file_atomically(planted, std::string_view("planted\n"));
+  struct stat ps {};
+  ASSERT_EQ(::lstat(planted.c_str(), &ps), 0);
+  record["option_renames"][0]["temporary"] = planted;
+  record["option_renames"][0]["temporary_id"] = std::to_string(ps.st_dev) + ":" + std::to_string(ps.st_ino);
+  write_file_atomically(journal, record.dump());
+  e = error_of([&] { finish_interrupted_commit(journal, {{"--log", p("log.txt")}}); });
+  EXPECT_NE(e.find("has changed since (neither the save's new file nor its temporary is there)"), std::string::npos)
+      << e;
+  EXPECT_EQ(read_text(planted), "planted\n");
+  nothing_moved("earlier run\n", "a temporary of another directory");
+  // ... and one that is no dmoe temporary of the log's name: refused as it stands.
+  for (const char* temporary : {"victim.txt", ".other.txt.dmoe-tmp.1.1", ".log.txt.1.1"}) {
+    record["option_renames"][0]["temporary"] = p(temporary);
+    write_file_atomically(journal, record.dump());
+    e = error_of([&] { finish_interrupted_commit(journal, {{"--log", p("log.txt")}}); });
+    EXPECT_NE(e.find("dmoe's journals name a '.NAME.dmoe-tmp.PID.N' temporary of that file's own name"),
+              std::string::npos) << temporary << ": " << e;
+  }
+  write_file_atomically(journal, edited_from);
+  nothing_moved("earlier run\n", "journals edited");
+
+  // The log replaced since the kill (restored by hand, or another run's): H1's rule, nothing renamed.
+  write_file_atomically(p("log.txt"), std::string_view("restored\n"));
+  e = error_of([&] { finish_interrupted_commit(journal, {{"--log", p("log.txt")}}); });
+  EXPECT_NE(e.find("records a save killed before it put its --log '" + p("log.txt") + "' in place, but that file has "
+                   "changed since (it is not the file the save was replacing)"), std::string::npos) << e;
+  EXPECT_NE(e.find("leave --log out to complete the save's other files alone; its content stays in '"),
+            std::string::npos) << e;
+  EXPECT_NE(e.find("or, to use the files as they are, remove '" + journal + "'"), std::string::npos) << e;
+  nothing_moved("restored\n", "a log changed since");
 }
 
 // G3 (sixteenth pass): `--log /dev/stdout >> hist.txt` replaced hist.txt with the log (rc 0).
