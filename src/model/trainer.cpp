@@ -65,12 +65,24 @@ std::string new_save_id() {
 
 }  // namespace
 
-std::string complete_interrupted_save(const std::string& dir) {
+std::string complete_interrupted_save(const std::string& dir, const std::string& log_path) {
   const std::string journal = (fs::path(dir) / kCheckpointJournal).string();
-  const std::string completed = finish_interrupted_commit(journal);
-  if (completed.empty()) return {};
-  return fmt::format("train: note: --resume {}: its last save was interrupted between the renames of its files (the "
-                     "process killed); completed it from {}, renaming its new files onto {}", dir, journal, completed);
+  std::vector<NamedPath> outputs;
+  if (!log_path.empty()) outputs.push_back({"--log", log_path});
+  std::string left;
+  const std::string completed = finish_interrupted_commit(journal, outputs, &left);
+  std::string note;
+  if (!completed.empty())
+    note = fmt::format("train: note: --resume {}: its last save was interrupted between the renames of its files (the "
+                       "process killed); completed it from {}, renaming its new files onto {}", dir, journal,
+                       completed);
+  // The save was publishing a new run's log, and this run has no --log: the checkpoint is whole without it, and this
+  // run writes no log that could be mixed; the lines are left where they are, said here rather than refused.
+  if (!left.empty())
+    note += fmt::format("{}train: note: --resume {}: its last save was also putting its run's log in place, and this "
+                        "run has no --log: that log is left as it is, its new lines in {}", note.empty() ? "" : "\n",
+                        dir, left);
+  return note;
 }
 
 namespace {
@@ -474,7 +486,7 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
   int64_t first_step = 1;
   std::optional<double> checkpoint_loss;
   if (!o.resume_dir.empty()) {
-    if (const std::string note = complete_interrupted_save(o.resume_dir); !note.empty()) print(note);
+    if (const std::string note = complete_interrupted_save(o.resume_dir, o.log_path); !note.empty()) print(note);
     const json state = read_json((fs::path(o.resume_dir) / "trainer_state.json").string());
     DMOE_REQUIRE_INPUT(state.contains("step") && state["step"].is_number_integer(),
                  "{}/trainer_state.json: no integer 'step'", o.resume_dir);
@@ -828,8 +840,10 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
       // The log's line of this step shows it: a resume checks that its --log is this run's (trim_resumed_log).
       if (std::isfinite(saved_step_loss)) state["loss"] = saved_step_loss;
       files.write((fs::path(dir) / "trainer_state.json").string(), state.dump(2) + "\n");
-      files.commit((fs::path(dir) / kCheckpointJournal).string());
-      if (log) log->publish();  // from now on the log describes this run, whose checkpoint this is
+      // A new run's log is published with its first checkpoint, as the last of the commit's renames and in its journal:
+      // from now on the log describes this run, whose checkpoint this is. (Published after the commit, a kill between
+      // the two left the checkpoint completed on resume beside the earlier run's log: H6 of the seventeenth pass.)
+      files.commit((fs::path(dir) / kCheckpointJournal).string(), log ? &*log : nullptr);
     }
     replica.barrier();  // no rank goes on (e.g. to resume from the checkpoint) before it is written
   };

@@ -90,10 +90,12 @@ struct TrainResult {
 double scheduled_lr(const TrainOptions& o, int64_t step);
 
 // The journal of a checkpoint's commit (`--save DIR`): a save killed between its renames (SIGKILL, out of memory) is
-// completed from it by complete_interrupted_save(DIR), which every rank of a resumed run calls before reading the
-// checkpoint (safe when several do). Returns a note for the user, or "" when there was nothing to complete.
+// completed from it by complete_interrupted_save(DIR, LOG), which every rank of a resumed run calls before reading the
+// checkpoint (safe when several do). A new run's --log published with that save is completed too, only onto `log_path`
+// (the resuming run's --log) where it is the same file; "" completes the checkpoint alone. Returns a note for the
+// user, or "" when there was nothing to complete.
 inline constexpr const char* kCheckpointJournal = ".dmoe-commit.json";
-std::string complete_interrupted_save(const std::string& dir);
+std::string complete_interrupted_save(const std::string& dir, const std::string& log_path);
 
 // Runs the training; prints progress lines via `print` (null: stdout). With engine cuda and W > 1 ranks every
 // process calls it (collective); rank 0 prints, logs and saves.

@@ -79,6 +79,7 @@
 #include "model/config_io.hpp"
 #include "model/mixtral_config.hpp"
 #include "model/safetensors.hpp"
+#include "model/trainer.hpp"
 
 namespace dmoe {
 namespace {
@@ -927,6 +928,83 @@ TEST_F(BadInput, ASaveKilledBetweenItsRenamesIsCompletedOnResume) {
   size_t files = 0;
   for ([[maybe_unused]] const auto& e : fs::directory_iterator(p("ck"))) ++files;
   EXPECT_EQ(files, 4u) << "a temporary or the journal was left in the checkpoint";
+}
+
+TEST_F(BadInput, ANewRunsLogIsCompletedWithItsKilledFirstSave) {
+  // H6 (seventeenth pass): a new run's log goes to a temporary until its first save, and was renamed over --log only
+  // after the save's commit. A SIGKILL between the two (or between the commit's renames) left, after `--resume` with
+  // the same --log, the checkpoint completed beside the earlier run's log, the new lines in an orphaned temporary.
+  // The log's rename is now the commit's last, in its journal: the resume completes both.
+  const std::string base = "train --config " + p("tiny.json") + " --data " + p("data") + " --seq 16 --batch 2 "
+                           "--val-batches 1 --print-every 0 --steps 6 --lr 0.002 --warmup 2 ";
+  ASSERT_EQ(run_cli_bounded(base + "--log " + p("whole.jsonl")).status, 0);
+  const std::string earlier = "{\"step\":1,\"loss\":9.5,\"note\":\"an earlier run's log\"}\n";
+  // The run `base --stop-after 4 --save ck --log log.jsonl` over an earlier log.jsonl, in a child (the trainer as the
+  // CLI runs it), killed (SIGKILL) after rename `kill_after` of its one save: 0..3 the checkpoint's files, 4 the log.
+  const auto killed_save = [&](size_t kill_after) {
+    fs::remove_all(p("ck"));
+    std::ofstream(p("log.jsonl"), std::ios::trunc) << earlier;
+    const pid_t pid = ::fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+      static size_t kill_at;
+      kill_at = kill_after;
+      set_after_rename_hook_for_tests([](size_t renamed) {
+        if (renamed == kill_at) ::raise(SIGKILL);
+      });
+      TrainOptions o;
+      o.data_path = p("data");
+      o.seq = 16, o.batch = 2, o.val_batches = 1, o.print_every = 0, o.steps = 6, o.lr = 0.002, o.warmup = 2;
+      o.stop_after = 4, o.save_dir = p("ck"), o.log_path = p("log.jsonl");
+      try {
+        train_mixtral(load_mixtral_config(p("tiny.json")), o, [](const std::string&) {});
+      } catch (...) {
+        ::_exit(4);
+      }
+      ::_exit(3);
+    }
+    int status = 0;
+    ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+    ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) << "status " << status;
+    ASSERT_EQ(slurp(p("log.jsonl")), earlier) << "the kill came after the log's rename";
+    ASSERT_TRUE(fs::exists(p("ck/.dmoe-commit.json")));
+  };
+  const std::set<std::string> known = {"data", "tiny.json", "costs.json", "whole.jsonl", "log.jsonl", "ck"};
+  const std::string resume = base + "--resume " + p("ck") + " --save " + p("ck") + " ";
+  for (const size_t kill_after : {size_t(3), size_t(1)}) {
+    ASSERT_NO_FATAL_FAILURE(killed_save(kill_after));
+    if (kill_after == 1) {
+      // Another --log: refused, nothing renamed (the journal kept), the error naming the log the save was publishing.
+      expect_user_error(run_cli_bounded(resume + "--log " + p("other.jsonl")), "but this command's --log '" +
+                        p("other.jsonl") + "' is another file: give --log '" + p("log.jsonl") + "'", "another --log");
+      EXPECT_TRUE(fs::exists(p("ck/.dmoe-commit.json")));
+      EXPECT_FALSE(fs::exists(p("ck/trainer_state.json")));
+      EXPECT_EQ(slurp(p("log.jsonl")), earlier);
+      EXPECT_FALSE(fs::exists(p("other.jsonl")));
+    }
+    const Result resumed = run_cli_bounded(resume + "--log " + p("log.jsonl"));
+    ASSERT_EQ(resumed.status, 0) << resumed.output;
+    EXPECT_NE(resumed.output.find("its last save was interrupted between the renames of its files"),
+              std::string::npos) << resumed.output;
+    EXPECT_NE(resumed.output.find("'" + p("log.jsonl") + "'"), std::string::npos) << resumed.output;
+    EXPECT_EQ(resumed.output.find("it has no line of"), std::string::npos) << resumed.output;
+    // The log is the new run's, steps 1..4, then the resumed run's 5..6: as the uninterrupted run's.
+    EXPECT_EQ(step_records(p("log.jsonl")), step_records(p("whole.jsonl"))) << "kill after rename " << kill_after;
+    EXPECT_EQ(others_in(dir_, known), std::vector<std::string>{}) << "the log's temporary was left";
+    EXPECT_FALSE(fs::exists(p("ck/.dmoe-commit.json")));
+  }
+  // Resumed without --log: the checkpoint is completed and the log's temporary left as it is, the note saying where.
+  ASSERT_NO_FATAL_FAILURE(killed_save(1));
+  const Result no_log = run_cli_bounded(resume);
+  ASSERT_EQ(no_log.status, 0) << no_log.output;
+  EXPECT_NE(no_log.output.find("its last save was also putting its run's log in place, and this run has no --log: "
+                               "that log is left as it is, its new lines in '" + p(".log.jsonl.dmoe-tmp.")),
+            std::string::npos) << no_log.output;
+  EXPECT_NE(no_log.output.find("(the new content of --log '" + p("log.jsonl") + "'; mv '"), std::string::npos)
+      << no_log.output;
+  EXPECT_EQ(slurp(p("log.jsonl")), earlier);
+  EXPECT_EQ(others_in(dir_, known).size(), 1u) << "the log's temporary";
+  EXPECT_FALSE(fs::exists(p("ck/.dmoe-commit.json")));
 }
 
 TEST_F(BadInput, AResumeSaysWhenItsDataHasChangedSinceTheSave) {

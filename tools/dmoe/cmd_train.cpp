@@ -304,8 +304,9 @@ Command add_train_command(CLI::App& app) {
       "and the optimizer reads half the bytes; src/model/train_replica.hpp)");
   return [o, config, engine, dtype, chunk, samples, steps, file, min_lr, stop_after, f32_grads, sub] {
     if (!o->resume_dir.empty()) {
-      // A save killed between its renames is completed first: the settings below are read from its trainer_state.json.
-      if (const std::string note = complete_interrupted_save(o->resume_dir); !note.empty())
+      // A save killed between its renames is completed first (with the log it was publishing, onto this --log only):
+      // the settings below are read from its trainer_state.json.
+      if (const std::string note = complete_interrupted_save(o->resume_dir, o->log_path); !note.empty())
         std::printf("%s\n", note.c_str());
       adopt_saved_settings(*o, *sub, kMaxSteps);
     }
