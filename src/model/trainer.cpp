@@ -1043,8 +1043,14 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
       rec.tokens_per_s = double(o.batch * o.seq) / std::max(seconds, 1e-9);
       const bool do_val = step == last_step || (o.val_every > 0 && step % o.val_every == 0);
       if (do_val) rec.val_loss = validate();
-      if (o.save_every > 0 && step % o.save_every == 0 && step != last_step) save(rank, replica, step, o.save_dir);
-      if (rank != 0) continue;
+      // Saved after the step's line is in the log: the save publishes a new run's log with the checkpoint, and a resume
+      // finds the checkpoint's step there (trim_resumed_log checks its loss). Saved first, a --save-every checkpoint's
+      // step had no line in the log it published, nor in the log of a run killed right after that save.
+      const bool save_now = o.save_every > 0 && step % o.save_every == 0 && step != last_step;
+      if (rank != 0) {
+        if (save_now) save(rank, replica, step, o.save_dir);  // collective: every rank calls it once
+        continue;
+      }
       if (step == last_step) resources = probe->finish(last_step - first_step + 1);  // validation included
       result.records.push_back(rec);
       if (log) {
@@ -1062,6 +1068,7 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
                           ceiling > 0 ? fmt::format(" | MFU {:.1f}%", 100 * step_flop / seconds / (ceiling * o.world))
                                       : std::string(),
                           do_val ? fmt::format(" | val loss {:.4f}", rec.val_loss) : std::string()));
+      if (save_now) save(rank, replica, step, o.save_dir);
     }
     save(rank, replica, last_step, o.save_dir);
     if (resources && o.print_every > 0) {

@@ -939,9 +939,10 @@ TEST_F(BadInput, ANewRunsLogIsCompletedWithItsKilledFirstSave) {
                            "--val-batches 1 --print-every 0 --steps 6 --lr 0.002 --warmup 2 ";
   ASSERT_EQ(run_cli_bounded(base + "--log " + p("whole.jsonl")).status, 0);
   const std::string earlier = "{\"step\":1,\"loss\":9.5,\"note\":\"an earlier run's log\"}\n";
-  // The run `base --stop-after 4 --save ck --log log.jsonl` over an earlier log.jsonl, in a child (the trainer as the
-  // CLI runs it), killed (SIGKILL) after rename `kill_after` of its one save: 0..3 the checkpoint's files, 4 the log.
-  const auto killed_save = [&](size_t kill_after) {
+  // The run `base --stop-after 4 --save ck --log log.jsonl` (or `--save-every N` for N > 0) over an earlier log.jsonl,
+  // in a child (the trainer as the CLI runs it), killed (SIGKILL) after rename `kill_after` of its first save: 0..3 the
+  // checkpoint's files, 4 the log.
+  const auto killed_save = [&](size_t kill_after, int64_t save_every = 0) {
     fs::remove_all(p("ck"));
     std::ofstream(p("log.jsonl"), std::ios::trunc) << earlier;
     const pid_t pid = ::fork();
@@ -955,7 +956,11 @@ TEST_F(BadInput, ANewRunsLogIsCompletedWithItsKilledFirstSave) {
       TrainOptions o;
       o.data_path = p("data");
       o.seq = 16, o.batch = 2, o.val_batches = 1, o.print_every = 0, o.steps = 6, o.lr = 0.002, o.warmup = 2;
-      o.stop_after = 4, o.save_dir = p("ck"), o.log_path = p("log.jsonl");
+      o.save_dir = p("ck"), o.log_path = p("log.jsonl");
+      if (save_every > 0)
+        o.save_every = save_every;
+      else
+        o.stop_after = 4;
       try {
         train_mixtral(load_mixtral_config(p("tiny.json")), o, [](const std::string&) {});
       } catch (...) {
@@ -993,6 +998,14 @@ TEST_F(BadInput, ANewRunsLogIsCompletedWithItsKilledFirstSave) {
     EXPECT_EQ(others_in(dir_, known), std::vector<std::string>{}) << "the log's temporary was left";
     EXPECT_FALSE(fs::exists(p("ck/.dmoe-commit.json")));
   }
+  // The first save of `--save-every 2` (step 2), killed before the log's rename: the log it publishes holds step 2's
+  // line (it was saved before that line was written, so the resumed log lacked it).
+  ASSERT_NO_FATAL_FAILURE(killed_save(3, 2));
+  const Result every = run_cli_bounded(resume + "--save-every 2 --log " + p("log.jsonl"));
+  ASSERT_EQ(every.status, 0) << every.output;
+  EXPECT_EQ(every.output.find("it has no line of"), std::string::npos) << every.output;
+  EXPECT_EQ(step_records(p("log.jsonl")), step_records(p("whole.jsonl")));
+  EXPECT_EQ(others_in(dir_, known), std::vector<std::string>{});
   // Resumed without --log: the checkpoint is completed and the log's temporary left as it is, the note saying where.
   ASSERT_NO_FATAL_FAILURE(killed_save(1));
   const Result no_log = run_cli_bounded(resume);
