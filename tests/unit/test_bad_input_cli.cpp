@@ -1245,18 +1245,19 @@ TEST_F(BadInput, InitModelShardedOutputsAreChecked) {
   expect_user_error(run_cli_bounded(init + p("model.safetensors")), "must end in .json", "--out not .json");
   EXPECT_FALSE(fs::exists(p("model-00002-of-00004.safetensors")));
   // i3: --save-config with a shard's name replaced that shard with the config.
-  expect_user_error(run_cli_bounded(init + p("index.json") + " --save-config " + p("model-00002-of-00004.safetensors")),
+  // (Shards are named after the index since the eighteenth pass: index.json has index-0000i-of-0000N.safetensors.)
+  expect_user_error(run_cli_bounded(init + p("index.json") + " --save-config " + p("index-00002-of-00004.safetensors")),
                     "has the name of a shard", "--save-config named as a shard");
   EXPECT_FALSE(fs::exists(p("index.json")));
   // F7 (fifteenth pass): a --config named as a shard beside --out was replaced by that shard (rc 0).
-  fs::copy_file(p("tiny.json"), p("model-00001-of-00004.safetensors"));
-  const std::string config = slurp(p("model-00001-of-00004.safetensors"));
-  expect_user_error(run_cli_bounded("init-model --config " + p("model-00001-of-00004.safetensors") +
+  fs::copy_file(p("tiny.json"), p("index-00001-of-00004.safetensors"));
+  const std::string config = slurp(p("index-00001-of-00004.safetensors"));
+  expect_user_error(run_cli_bounded("init-model --config " + p("index-00001-of-00004.safetensors") +
                                     " --shard-bytes 300000 --out " + p("index.json")),
-                    "--config '" + p("model-00001-of-00004.safetensors") + "' has the name of a shard",
+                    "--config '" + p("index-00001-of-00004.safetensors") + "' has the name of a shard",
                     "--config named as a shard");
-  EXPECT_EQ(slurp(p("model-00001-of-00004.safetensors")), config);
-  fs::remove(p("model-00001-of-00004.safetensors"));
+  EXPECT_EQ(slurp(p("index-00001-of-00004.safetensors")), config);
+  fs::remove(p("index-00001-of-00004.safetensors"));
   ASSERT_EQ(run_cli_bounded(init + p("index.json") + " --save-config " + p("config.json")).status, 0);
   write_tokens_file();
   EXPECT_EQ(run_cli_bounded("eval --config " + p("config.json") + " --weights " + p("index.json") + " --tokens " +
@@ -2155,8 +2156,11 @@ TEST_F(BadInput, ModelDirectoryWithAnIndexAndAModelFileIsRefused) {
   write_tokens_file();
   fs::create_directories(p("m"));
   ASSERT_EQ(run_cli("init-model --config " + p("tiny.json") + " --out " + p("m/model.safetensors") + " --seed 1").status, 0);
-  ASSERT_EQ(run_cli("init-model --config " + p("tiny.json") + " --out " + p("m/model.safetensors.index.json") +
+  // (init-model itself refuses to write the second one there since the eighteenth pass: written elsewhere, moved in.)
+  fs::create_directories(p("m2"));
+  ASSERT_EQ(run_cli("init-model --config " + p("tiny.json") + " --out " + p("m2/model.safetensors.index.json") +
                     " --shard-bytes 300000 --seed 2").status, 0);
+  for (const auto& e : fs::directory_iterator(p("m2"))) fs::rename(e.path(), p("m") / e.path().filename());
   expect_eval_and_train_init_refused(p("tiny.json"), p("m"), "holds both model.safetensors and "
                                      "model.safetensors.index.json, two models", "a directory of two models");
   // Each file named on its own is read.
@@ -2745,6 +2749,64 @@ TEST_F(BadInput, EvalTokenOutsideTheVocabularyNamesTheFileAndTheConfig) {
                     "eval --tokens " + p("neg.st") + ": token -1 at [1, 1] is outside the vocabulary [0, 256) of "
                     "--config " + p("tiny.json"), "token -1");
   EXPECT_FALSE(fs::exists(p("o.st")));
+}
+
+// ---- The eighteenth pass (2026-12-07, twenty-sixth session; docs/faults.md) -------------------------------------
+
+TEST_F(BadInput, TwoShardedModelsInOneDirectoryKeepTheirOwnShards) {
+  // F1: every index's shards were named model-0000i-of-0000N, so a second model (b.index.json) written beside a first
+  // (a.index.json) replaced its shards (rc 0, a's eval then refused them), and rewriting a with one shard deleted the
+  // four files b used. Shards are now named after their index, and a file the replaced index does not name is kept.
+  fs::create_directories(p("sh"));
+  write_tokens_file();
+  const auto init = [&](const std::string& index, const std::string& args) {
+    return run_cli_bounded("init-model --config " + p("tiny.json") + " --out " + p("sh/" + index) + " " + args);
+  };
+  const auto eval = [&](const std::string& index) {
+    return run_cli_bounded("eval --config " + p("tiny.json") + " --weights " + p("sh/" + index) + " --tokens " +
+                           p("tok.st") + " --output " + p("e.st"));
+  };
+  ASSERT_EQ(init("a.index.json", "--shard-bytes 300000").status, 0);
+  ASSERT_EQ(init("b.index.json", "--shard-bytes 300000 --seed 2").status, 0);
+  const Result a = eval("a.index.json"), b = eval("b.index.json");
+  EXPECT_EQ(a.status, 0) << a.output;
+  EXPECT_EQ(b.status, 0) << b.output;
+  EXPECT_NE(a.output.substr(a.output.find("loss")), b.output.substr(b.output.find("loss"))) << "two seeds, one model";
+  EXPECT_TRUE(fs::exists(p("sh/a-00001-of-00004.safetensors")));
+  EXPECT_TRUE(fs::exists(p("sh/b-00004-of-00004.safetensors")));
+  // a rewritten with one shard: its four old shards go, b's stay.
+  ASSERT_EQ(init("a.index.json", "--shard-bytes 3000000").status, 0);
+  EXPECT_FALSE(fs::exists(p("sh/a-00001-of-00004.safetensors")));
+  EXPECT_TRUE(fs::exists(p("sh/a-00001-of-00001.safetensors")));
+  const Result b2 = eval("b.index.json");
+  EXPECT_EQ(b2.status, 0) << b2.output;
+  EXPECT_EQ(b2.output, b.output) << "b's model changed";
+  // A file at a shard's name that no index being replaced names is refused, not replaced.
+  std::ofstream(p("sh/c-00001-of-00004.safetensors")) << "mine";
+  expect_user_error(init("c.index.json", "--shard-bytes 300000"), "it is not a shard of this model", "a foreign file");
+  EXPECT_EQ(slurp(p("sh/c-00001-of-00004.safetensors")), "mine");
+  EXPECT_FALSE(fs::exists(p("sh/c.index.json")));
+  // HF's names stay as they were: model.safetensors.index.json has model-0000i-of-0000N.safetensors.
+  ASSERT_EQ(init("model.safetensors.index.json", "--shard-bytes 300000").status, 0);
+  EXPECT_TRUE(fs::exists(p("sh/model-00001-of-00004.safetensors")));
+}
+
+TEST_F(BadInput, InitModelDoesNotMakeADirectoryOfTwoModels) {
+  // F12: init-model wrote model.safetensors.index.json beside a model.safetensors (or the other way round), rc 0, and
+  // every reader of the directory then refused it as two models.
+  fs::create_directories(p("both"));
+  ASSERT_EQ(run_cli_bounded("init-model --config " + p("tiny.json") + " --out " + p("both/model.safetensors")).status, 0);
+  expect_user_error(run_cli_bounded("init-model --config " + p("tiny.json") + " --out " +
+                                    p("both/model.safetensors.index.json") + " --shard-bytes 400000"),
+                    "its directory already holds model.safetensors", "an index beside a model file");
+  EXPECT_FALSE(fs::exists(p("both/model.safetensors.index.json")));
+  EXPECT_FALSE(fs::exists(p("both/model-00001-of-00003.safetensors")));
+  fs::create_directories(p("both2"));
+  ASSERT_EQ(run_cli_bounded("init-model --config " + p("tiny.json") + " --out " + p("both2/model.safetensors.index.json") +
+                            " --shard-bytes 400000").status, 0);
+  expect_user_error(run_cli_bounded("init-model --config " + p("tiny.json") + " --out " + p("both2/model.safetensors")),
+                    "its directory already holds model.safetensors.index.json", "a model file beside an index");
+  EXPECT_FALSE(fs::exists(p("both2/model.safetensors")));
 }
 
 }  // namespace
