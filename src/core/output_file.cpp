@@ -18,6 +18,7 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <linux/fs.h>
+#include <sys/file.h>
 #include <sys/ioctl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -629,6 +630,33 @@ GrowingOutputFile::~GrowingOutputFile() {
     ::unlink(temporary_.c_str());
     release_temporary(slot_);
   }
+}
+
+ExclusiveLock::~ExclusiveLock() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+bool ExclusiveLock::lock(bool wait) {
+  while (::flock(fd_, LOCK_EX | (wait ? 0 : LOCK_NB)) != 0) {
+    if (errno == EINTR) continue;
+    if (errno == EWOULDBLOCK) return false;
+    break;  // ENOLCK, EINVAL, EOPNOTSUPP: a file system without flock; no lock, as before
+  }
+  return true;
+}
+
+bool ExclusiveLock::lock_directory(const std::string& directory, std::string_view what, bool wait) {
+  DMOE_REQUIRE(fd_ < 0, "ExclusiveLock: already holds a lock");
+  fd_ = ::open(directory.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  DMOE_REQUIRE_INPUT(fd_ >= 0, "{}: the directory '{}' cannot be opened: {}", what, directory, std::strerror(errno));
+  return lock(wait);
+}
+
+bool ExclusiveLock::lock_file(const std::string& path, std::string_view what, bool wait) {
+  DMOE_REQUIRE(fd_ < 0, "ExclusiveLock: already holds a lock");
+  fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644);
+  DMOE_REQUIRE_INPUT(fd_ >= 0, "{}: the lock file '{}' cannot be opened: {}", what, path, std::strerror(errno));
+  return lock(wait);
 }
 
 bool same_file(const std::string& a, const std::string& b) {

@@ -64,6 +64,8 @@
 #include <tuple>
 
 #include <signal.h>
+#include <fcntl.h>
+#include <sys/file.h>
 #include <sys/mount.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -2807,6 +2809,49 @@ TEST_F(BadInput, InitModelDoesNotMakeADirectoryOfTwoModels) {
   expect_user_error(run_cli_bounded("init-model --config " + p("tiny.json") + " --out " + p("both2/model.safetensors")),
                     "its directory already holds model.safetensors.index.json", "a model file beside an index");
   EXPECT_FALSE(fs::exists(p("both2/model.safetensors")));
+}
+
+TEST_F(BadInput, InitModelWhileAnotherWritesIntoItsDirectoryIsRefused) {
+  // F3: concurrent init-model --shard-bytes runs into one index all said "wrote", their renames interleaved, and in 3
+  // of 6 tries eval then refused a shard "of another save than the index". init-model now holds the directory's lock
+  // (flock) while it writes; a second writer is refused before it generates anything.
+  fs::create_directories(p("cc"));
+  const std::string init = "init-model --config " + p("tiny.json") + " --out " + p("cc/m.index.json") +
+                           " --shard-bytes 100000";
+  {
+    const int fd = ::open(p("cc").c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(::flock(fd, LOCK_EX | LOCK_NB), 0);  // as another writer holds it
+    expect_user_error(run_cli_bounded(init), "another dmoe process is writing into", "a held directory lock");
+    EXPECT_FALSE(fs::exists(p("cc/m.index.json")));
+    ::close(fd);
+  }
+  // Six at once: each writes a whole model or is refused, and the model left is one whole save.
+  const Result r = run_shell("cd " + p("cc") + " && for s in 1 2 3 4 5 6; do (timeout 60 " + DMOE_CLI_PATH + " " + init +
+                             " --seed $s > out.$s 2>&1; echo $? > rc.$s) & done; wait");
+  int written = 0;
+  for (int s = 1; s <= 6; ++s) {
+    const std::string rc = slurp(p("cc/rc." + std::to_string(s))), out = slurp(p("cc/out." + std::to_string(s)));
+    EXPECT_TRUE(rc == "0\n" || (rc == "1\n" && out.find("another dmoe process is writing into") != std::string::npos))
+        << "seed " << s << ": rc " << rc << out;
+    written += rc == "0\n";
+  }
+  EXPECT_GE(written, 1);
+  write_tokens_file();
+  const Result eval = run_cli_bounded("eval --config " + p("tiny.json") + " --weights " + p("cc/m.index.json") +
+                                      " --tokens " + p("tok.st") + " --output " + p("e.st"));
+  EXPECT_EQ(eval.status, 0) << eval.output;
+  // Under a launcher (dmoe launch -n 8 -- dmoe init-model ...) each process wrote the model over the others': refused,
+  // as init is (which wrote its files once per process).
+  const std::string job = "DMOE_RANK=0 DMOE_WORLD=2 DMOE_LOCAL_RANK=0 DMOE_LOCAL_WORLD=2";
+  expect_user_error(run_cli_bounded("init-model --config " + p("tiny.json") + " --out " + p("l.index.json") +
+                                    " --shard-bytes 100000", job),
+                    "init-model writes files and runs no ranks, but this is one of 2 processes (dmoe-launch)",
+                    "init-model under a launcher");
+  EXPECT_FALSE(fs::exists(p("l.index.json")));
+  expect_user_error(run_cli_bounded("init --hidden 8 --ffn 8 --experts 2 --top-k 1 --tokens 4 --out " + p("w.st"), job),
+                    "init writes files and runs no ranks, but this is one of 2 processes", "init under a launcher");
+  EXPECT_FALSE(fs::exists(p("w.st")));
 }
 
 }  // namespace

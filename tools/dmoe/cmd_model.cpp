@@ -160,6 +160,7 @@ Command add_init_model_command(CLI::App& app) {
       ->check(Range(int64_t(0), std::numeric_limits<int64_t>::max()));
   sub->add_option("--save-config", o->save_config, "also write the config as config.json here");
   return [o] {
+    require_not_under_launcher("init-model", "--out (with --shard-bytes: the index and its shards)");
     const std::string config_path = find_model_config_file(o->config);
     // Before anything is computed: the outputs are not the config and can be written.
     require_distinct_files({{"--out", o->out}, {"--save-config", o->save_config}}, {{"--config", config_path}});
@@ -173,6 +174,20 @@ Command add_init_model_command(CLI::App& app) {
                        "such as model.safetensors, or add --shard-bytes B for shards and an index", o->out);
     check_output_file(o->out, "--out");
     if (!o->save_config.empty()) check_output_file(o->save_config, "--save-config");
+    // One writer at a time in --out's directory: concurrent init-model --shard-bytes runs into one index each reported
+    // success while their renames interleaved, leaving an index over another run's shards (F3 of the eighteenth pass);
+    // a model written beside one being written could also make a directory of two models. The lock (flock on the
+    // directory, as train --save takes on its checkpoint directory) is held until the process ends; a second writer is
+    // refused before it generates anything.
+    ExclusiveLock directory_lock;
+    {
+      const std::filesystem::path parent = std::filesystem::path(o->out).parent_path();
+      const std::string dir = parent.empty() ? std::string(".") : parent.string();
+      DMOE_REQUIRE_INPUT(directory_lock.lock_directory(dir, "init-model --out", /*wait=*/false),
+                         "init-model --out {}: another dmoe process is writing into '{}' now (it holds the directory's "
+                         "lock: another init-model, or a train --save into it): wait for it to end, or write elsewhere",
+                         o->out, dir);
+    }
     require_no_second_model_beside(o->out);
     const MixtralConfig c = load_mixtral_config(config_path);
     check_init_model_resources(c, o->out, o->shard_bytes);
