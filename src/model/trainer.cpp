@@ -252,6 +252,45 @@ void write_json(const std::string& path, const json& j) { write_file_atomically(
 
 json read_json(const std::string& path) { return read_json_file(path, "training state"); }
 
+// Adds this run shape's entry to the tuning file, replacing an entry of the same shape. The file is a store shared by
+// runs of several shapes, which a sweep may run at once: each run wrote back the list it had read at its start, so the
+// last to finish dropped the entries the others had added meanwhile (F2 of the eighteenth bad-input pass). The file is
+// read again and written under an exclusive lock (flock on a hidden lock file beside it, ".NAME.dmoe-lock", kept: the
+// tuning file itself is replaced by a rename, which a lock on it would not survive). A file that is no tuning file any
+// more is left as it is, and said.
+void add_tune_entry(const std::string& tune_file, const json& key, const json& entry,
+                    const std::function<void(const std::string&)>& print) {
+  const fs::path path(tune_file);
+  const fs::path lock_path = (path.has_parent_path() ? path.parent_path() : fs::path(".")) /
+                             ("." + path.filename().string() + ".dmoe-lock");
+  ExclusiveLock lock;
+  lock.lock_file(lock_path.string(), "--tune-file", /*wait=*/true);
+  json runs = json::array();
+  std::error_code ec;
+  if (fs::exists(path, ec)) {
+    std::string problem;
+    try {
+      const json t = read_json_file(tune_file, "Flow tuning file");
+      if (!t.is_object() || t.size() != 1 || !t.contains("runs") || !t["runs"].is_array())
+        problem = "it holds something else than {\"runs\": [...]} now";
+      else
+        runs = t["runs"];
+    } catch (const Error& e) {
+      problem = e.what();
+    }
+    if (!problem.empty()) {
+      print(fmt::format("train: note: --tune-file {}: the choice was not written: the file changed during the run and "
+                        "is no Flow tuning file ({}); it is left as it is", tune_file, problem));
+      return;
+    }
+  }
+  json kept = json::array();
+  for (const json& run : runs)
+    if (!(run.is_object() && run.contains("key") && run["key"] == key)) kept.push_back(run);
+  kept.push_back(entry);
+  write_json(tune_file, json{{"runs", kept}});
+}
+
 // Tensors under name_prefix + HF name from one file into w (all shapes checked). AdamW's moments must be finite, the
 // second one >= 0 (its square root divides the step): a NaN there made NaN weights after the first resumed step.
 void read_prefixed(const SafetensorsFile& f, const std::string& name_prefix, MixtralWeights& w, const MixtralConfig& c,
@@ -979,12 +1018,13 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
                 print(fmt::format("tuned: chose {} ({:.3f} ms per Flow step; vanilla {:.3f}) for the rest of the run",
                                   describe(best, vanilla), best_ms, *vanilla_ms));
                 if (!o.tune_file.empty()) {
-                  tune_runs.push_back(json{{"key", tune_key}, {"samples", samples},
-                                           {"choice", {{"schedule", vanilla ? "vanilla" : "chunked-ar"},
-                                                       {"micro_batches", best.micro_batches},
-                                                       {"chunk_bytes", best.chunk_bytes() / 4 * 4},
-                                                       {"step_ms", best_ms}}}});
-                  write_json(o.tune_file, json{{"runs", tune_runs}});
+                  add_tune_entry(o.tune_file, tune_key,
+                                 json{{"key", tune_key}, {"samples", samples},
+                                      {"choice", {{"schedule", vanilla ? "vanilla" : "chunked-ar"},
+                                                  {"micro_batches", best.micro_batches},
+                                                  {"chunk_bytes", best.chunk_bytes() / 4 * 4},
+                                                  {"step_ms", best_ms}}}},
+                                 print);
                 }
               }
             } else if (samples_taken == all_samples - 1) {

@@ -2854,5 +2854,28 @@ TEST_F(BadInput, InitModelWhileAnotherWritesIntoItsDirectoryIsRefused) {
   EXPECT_FALSE(fs::exists(p("w.st")));
 }
 
+TEST_F(BadInput, TwoTunedRunsAtOnceKeepBothTuningEntries) {
+  // F2: the tuning file is a store of one entry per run shape, but each run wrote back the list it had read at its
+  // start: of two runs at once, the last to finish dropped the other's entry (rc 0, no word). The file is now read
+  // again and written under a lock.
+  const std::string train = std::string(DMOE_CLI_PATH) + " train --config " + p("tiny.json") + " --data " +
+                            p("data") + " --world 2 --print-every 0 --schedule tuned --tune-file " + p("T.json") + " ";
+  // A tunes for ~50 steps; B starts once A has logged its first step (A has read the file) and ends long before A.
+  const Result r = run_shell(
+      "( timeout 120 " + train + "--steps 56 --seq 32 --batch 8 --tune-samples 3 --tune-steps 12 --log " + p("A.jsonl") +
+      " > " + p("a.out") + " 2>&1 & a=$!; for i in $(seq 600); do [ -s " + p("A.jsonl") + " ] && break; sleep 0.05; "
+      "done; timeout 60 " + train + "--steps 8 --seq 16 --batch 4 --tune-samples 2 --tune-steps 1 > " + p("b.out") +
+      " 2>&1; b=$?; wait $a; a=$?; echo \"rc $a $b\" )");
+  ASSERT_NE(r.output.find("rc 0 0"), std::string::npos) << r.output << slurp(p("a.out")) << slurp(p("b.out"));
+  std::set<int64_t> seqs;
+  const json tuning = json::parse(slurp(p("T.json")));
+  for (const json& run : tuning.at("runs")) seqs.insert(run.at("key").at("seq").get<int64_t>());
+  EXPECT_EQ(seqs, (std::set<int64_t>{16, 32})) << slurp(p("T.json"));
+  // A run of a shape already there reuses its entry and adds none.
+  ASSERT_EQ(run_shell(train + "--steps 8 --seq 16 --batch 4 --tune-samples 2 --tune-steps 1 --log " + p("C.jsonl"))
+                .status, 0);
+  EXPECT_EQ(json::parse(slurp(p("T.json"))).at("runs").size(), 2u);
+}
+
 }  // namespace
 }  // namespace dmoe
