@@ -78,8 +78,12 @@ namespace {
 // A resumed run's log, cut back to the checkpoint's step: the lines of steps past it (logged by a run stopped after
 // its last save) would otherwise be followed by the same steps again, and a half-written last line by more lines.
 // Lines that are not a dmoe step record are kept. Says what was cut, and when the log ends before the checkpoint.
+// Lines past the checkpoint are cut only when the log's line of the checkpoint's step shows the state's loss: a state
+// without one (written before 2026-12-07) cannot show the log is this run's, and cutting another run's log lost its
+// lines (F4 of the eighteenth bad-input pass); that is refused, the file unchanged. `state_file` names the state.
 void trim_resumed_log(GrowingOutputFile& log, const std::string& path, int64_t checkpoint_step,
-                      std::optional<double> checkpoint_loss, const std::function<void(const std::string&)>& print) {
+                      std::optional<double> checkpoint_loss, const std::string& state_file,
+                      const std::function<void(const std::string&)>& print) {
   std::ifstream in(path, std::ios::binary);
   std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   // A last line whole but for its newline (an editor's save) is a line: it used to be cut as half-written.
@@ -94,6 +98,7 @@ void trim_resumed_log(GrowingOutputFile& log, const std::string& path, int64_t c
   }
   size_t keep = 0, cut_lines = 0;
   int64_t last_kept = 0, first_cut = -1, last_cut = -1;
+  bool verified = false;  // the line of the checkpoint's step shows the state's loss
   for (size_t begin = 0; begin < text.size();) {
     const size_t end = text.find('\n', begin);
     if (end == std::string::npos) {  // a half-written last line
@@ -110,7 +115,18 @@ void trim_resumed_log(GrowingOutputFile& log, const std::string& path, int64_t c
                          "but the checkpoint's step {} had loss {}: it is another run's log, whose lines past step {} "
                          "this resume would cut; give the saved run's log, or a new --log name (the file is unchanged)",
                          path, s, line.at("loss").dump(), s, json(*checkpoint_loss).dump(), s);
+    if (step_line && s == checkpoint_step && checkpoint_loss && line.contains("loss") && line.at("loss").is_number())
+      verified = true;
     if (step_line && s > checkpoint_step) {
+      DMOE_REQUIRE_INPUT(verified, "--log {}: this resume would cut its lines past the checkpoint's step {} (from step "
+                         "{} on), but {}: nothing shows that the log is the saved run's, and another run's log would "
+                         "lose those lines; give the saved run's log with the lines past step {} removed, or a new "
+                         "--log name (the file is unchanged)", path, checkpoint_step, s,
+                         checkpoint_loss ? fmt::format("it has no line of step {} with a loss to compare with the "
+                                                       "checkpoint's", checkpoint_step)
+                                         : fmt::format("{} has no 'loss' (the loss of its step, which dmoe records "
+                                                       "since 2026-12-07)", state_file),
+                         checkpoint_step);
       cut_lines += 1 + size_t(std::count(text.begin() + std::ptrdiff_t(end) + 1, text.end(), '\n'));
       first_cut = s;
       for (size_t b = end + 1; b < text.size();) {  // the last step among the lines cut, for the note
@@ -529,7 +545,13 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
     // The loss of the checkpoint's step (states from before 2026-12-07 have none): the log's line of that step must
     // show it, or the log is another run's (resuming with it cut that run's lines past the step, G4 of the sixteenth
     // bad-input pass).
-    if (state.contains("loss") && state["loss"].is_number()) checkpoint_loss = state["loss"].get<double>();
+    // A wrong type (a string, null) skipped the log's check without a word (F4 of the eighteenth pass): refused, as
+    // the other keys are. (A missing one is allowed; the log is then not cut, see trim_resumed_log.)
+    DMOE_REQUIRE_INPUT(!state.contains("loss") || (state["loss"].is_number() &&
+                                                   std::isfinite(state["loss"].get<double>())),
+                       "{}/trainer_state.json: 'loss' must be a number, the loss of its step (found {})", o.resume_dir,
+                       state.contains("loss") ? state["loss"].dump() : "");
+    if (state.contains("loss")) checkpoint_loss = state["loss"].get<double>();
     // A key of the wrong type would end in nlohmann's type_error ("unexpected error"): named instead.
     DMOE_REQUIRE_INPUT(!state.contains("seed") || state["seed"].is_number_unsigned(),
                        "{}/trainer_state.json: 'seed' must be an integer >= 0 (found {})", o.resume_dir,
@@ -804,7 +826,9 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
     std::error_code ec;
     const bool append = first_step > 1 && fs::exists(o.log_path, ec);
     log.emplace(o.log_path, "--log", append);
-    if (append) trim_resumed_log(*log, o.log_path, first_step - 1, checkpoint_loss, print);
+    if (append)
+      trim_resumed_log(*log, o.log_path, first_step - 1, checkpoint_loss,
+                       (fs::path(o.resume_dir) / "trainer_state.json").string(), print);
   }
   print(fmt::format("train: {} | data {} ({} bytes: {} train, {} held out) | batch {} x seq {} | world {} | steps "
                     "{}..{} of {}", config.summary(), o.data_path, corpus.size(), train_bytes, val_bytes, o.batch,

@@ -2877,5 +2877,35 @@ TEST_F(BadInput, TwoTunedRunsAtOnceKeepBothTuningEntries) {
   EXPECT_EQ(json::parse(slurp(p("T.json"))).at("runs").size(), 2u);
 }
 
+TEST_F(BadInput, AResumeWhoseStateCannotShowTheLogIsItsOwnDoesNotCutIt) {
+  // F4: with trainer_state.json's 'loss' missing, null or a string, the check that --log is the saved run's was
+  // skipped without a word, and the resume cut another run's log past the checkpoint's step (rc 0). A wrong type is
+  // refused; a missing loss (states before 2026-12-07) lets nothing be cut, the file unchanged.
+  const std::string base = "train --config " + p("tiny.json") + " --data " + p("data") + " --seq 16 --batch 2 "
+                           "--val-batches 1 --print-every 0 ";
+  ASSERT_EQ(run_cli_bounded(base + "--steps 4 --stop-after 2 --save " + p("ck")).status, 0);
+  ASSERT_EQ(run_cli_bounded(base + "--steps 6 --seed 5 --log " + p("B.jsonl")).status, 0);
+  const std::string other = slurp(p("B.jsonl"));
+  json state = json::parse(slurp(p("ck/trainer_state.json")));
+  ASSERT_TRUE(state.contains("loss"));
+  for (const json& bad : {json("x"), json(nullptr), json(json::object())}) {
+    state["loss"] = bad;
+    write_json_file(p("ck/trainer_state.json"), state);
+    expect_user_error(run_cli_bounded(base + "--steps 4 --resume " + p("ck") + " --log " + p("B.jsonl")),
+                      "trainer_state.json: 'loss' must be a number, the loss of its step (found " + bad.dump() + ")",
+                      "loss " + bad.dump());
+    EXPECT_EQ(slurp(p("B.jsonl")), other);
+  }
+  state.erase("loss");
+  write_json_file(p("ck/trainer_state.json"), state);
+  expect_user_error(run_cli_bounded(base + "--steps 4 --resume " + p("ck") + " --log " + p("B.jsonl")),
+                    "--log " + p("B.jsonl") + ": this resume would cut its lines past the checkpoint's step 2 (from "
+                    "step 3 on), but " + p("ck/trainer_state.json") + " has no 'loss'", "loss missing");
+  EXPECT_EQ(slurp(p("B.jsonl")), other);
+  // Without lines to cut, such a state resumes as before.
+  const Result fresh = run_cli_bounded(base + "--steps 4 --resume " + p("ck") + " --log " + p("new.jsonl"));
+  EXPECT_EQ(fresh.status, 0) << fresh.output;
+}
+
 }  // namespace
 }  // namespace dmoe
