@@ -122,8 +122,10 @@ class ExclusiveLock {
   int fd_ = -1;
 };
 
-// True when a and b name the same file: same (st_dev, st_ino) when both exist (symlinks followed),
-// otherwise the same absolute, lexically normalised path.
+// True when a and b name the same file: same (st_dev, st_ino) when both exist (symlinks followed); false when only one
+// exists; when neither does, the same name in the same directory (the directories' identities; a working directory
+// deeper than PATH_MAX, where paths cannot be made absolute, is no obstacle), else the same absolute, lexically
+// normalised path.
 bool same_file(const std::string& a, const std::string& b);
 
 // One file a command reads or writes, with the option that named it ("--input").

@@ -2907,5 +2907,33 @@ TEST_F(BadInput, AResumeWhoseStateCannotShowTheLogIsItsOwnDoesNotCutIt) {
   EXPECT_EQ(fresh.status, 0) << fresh.output;
 }
 
+TEST_F(BadInput, PathsInAWorkingDirectoryDeeperThanPathMaxAreComparedAsFiles) {
+  // F6: in a working directory deeper than PATH_MAX no path can be made absolute, and two new files there (or a new
+  // output and an existing input) compared equal: `init --out a.st --input b.st` was refused as "the same file", as
+  // were run --output and train --save beside --log. Files are compared by their directories' identity now.
+  const std::string level(200, 'd');
+  std::string down;
+  for (int i = 0; i < 22; ++i) down += "mkdir -p " + level + " && cd -P " + level + " && ";  // -P: dash
+  const std::string in_deep = "cd " + p("") + " && " + down;
+  const std::string dmoe = std::string(DMOE_CLI_PATH);
+  const Result init = run_shell(in_deep + "[ ${#PWD} -gt 4096 ] && " + dmoe + " init --hidden 16 --ffn 32 --experts 4 "
+                                "--top-k 2 --tokens 8 --out a.st --input b.st --save-config c.json");
+  EXPECT_EQ(init.status, 0) << init.output;
+  const Result run = run_shell(in_deep + dmoe + " run --config c.json --weights a.st --input b.st --output y.st");
+  EXPECT_EQ(run.status, 0) << run.output;
+  const Result train = run_shell(in_deep + "timeout 60 " + dmoe + " train --config " + p("tiny.json") + " --data " +
+                                 p("data") + " --steps 1 --seq 8 --batch 2 --val-batches 1 --print-every 0 --save ck "
+                                 "--log l.jsonl");
+  EXPECT_EQ(train.status, 0) << train.output;
+  // The same file is still the same file there.
+  const Result same = run_shell(in_deep + dmoe + " init --hidden 16 --ffn 32 --experts 4 --top-k 2 --tokens 8 --out "
+                                "n.st --input ./n.st");
+  EXPECT_EQ(same.status, 1) << same.output;
+  EXPECT_NE(same.output.find("are the same file"), std::string::npos) << same.output;
+  const Result onto = run_shell(in_deep + dmoe + " run --config c.json --weights a.st --input b.st --output ./b.st");
+  EXPECT_NE(onto.output.find("is the same file as --input"), std::string::npos) << onto.output;
+  run_shell("rm -rf " + p(level));  // std::filesystem::remove_all cannot reach past PATH_MAX
+}
+
 }  // namespace
 }  // namespace dmoe
