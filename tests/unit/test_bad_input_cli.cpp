@@ -2935,5 +2935,34 @@ TEST_F(BadInput, PathsInAWorkingDirectoryDeeperThanPathMaxAreComparedAsFiles) {
   run_shell("rm -rf " + p(level));  // std::filesystem::remove_all cannot reach past PATH_MAX
 }
 
+TEST_F(BadInput, ModelConfigNumbersThatFloatCannotHoldAreRefused) {
+  // F5: router_aux_loss_coef 1e39 (or 1e300) made eval write a loss of inf (float32) with rc 0, the check done in
+  // double. F7: rms_norm_eps 1e39 or 3.5e38 became inf in float32 (every norm's output 0, uniform logits), 1e-50 became
+  // 0, both rc 0. Each is refused when the config is read, naming the field and its range.
+  ASSERT_EQ(run_cli_bounded("init-model --config " + p("tiny.json") + " --out " + p("m.st")).status, 0);
+  write_tokens_file();
+  const json tiny = json::parse(slurp(p("tiny.json")));
+  const auto eval_with = [&](const char* key, double value) {
+    json c = tiny;
+    c[key] = value;
+    write_json_file(p("c.json"), c);
+    return run_cli_bounded("eval --config " + p("c.json") + " --weights " + p("m.st") + " --tokens " + p("tok.st") +
+                           " --output " + p("o.st"));
+  };
+  for (const double coef : {1e39, 1e300, 1e7})
+    expect_user_error(eval_with("router_aux_loss_coef", coef), "must be in [0, 1e6] (the load-balancing loss's weight",
+                      "router_aux_loss_coef " + std::to_string(coef));
+  for (const double eps : {1e39, 3.5e38, 2.0, 1e-50, 1e-39})
+    expect_user_error(eval_with("rms_norm_eps", eps), "rms_norm_eps = ", "rms_norm_eps " + std::to_string(eps));
+  expect_user_error(eval_with("rms_norm_eps", 1e-50), "must be in [1.175494e-38, 1] (the RMSNorm epsilon", "message");
+  EXPECT_FALSE(fs::exists(p("o.st")));
+  // The range's ends and real values are taken.
+  for (const auto& [key, value] : {std::pair<const char*, double>{"router_aux_loss_coef", 1e6},
+                                   {"router_aux_loss_coef", 0.0}, {"rms_norm_eps", 1.0}, {"rms_norm_eps", 1e-6}}) {
+    const Result r = eval_with(key, value);
+    EXPECT_EQ(r.status, 0) << key << " " << value << "\n" << r.output;
+  }
+}
+
 }  // namespace
 }  // namespace dmoe

@@ -134,7 +134,9 @@ void require_no_second_model_beside(const std::string& out) {
 std::string first_non_finite(const EvalResult& r, const MixtralConfig& c, int64_t S, bool grad) {
   for (const auto& [name, v] : {std::pair<const char*, double>{"the loss", r.loss}, {"the cross-entropy", r.ce_loss},
                                 {"the load-balancing loss", r.aux_loss}})
-    if (!std::isfinite(v)) return fmt::format("{} is {}", name, v);
+    // Written as float32: a finite double past float's range is inf in the file.
+    if (!std::isfinite(v) || std::fabs(v) > double(std::numeric_limits<float>::max()))
+      return fmt::format("{} is {}{}", name, v, std::isfinite(v) ? " (inf as float32)" : "");
   const int64_t V = c.vocab_size;
   for (size_t i = 0; i < r.logits.size(); ++i)
     if (!std::isfinite(r.logits[i]))
