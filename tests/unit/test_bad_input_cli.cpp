@@ -2964,5 +2964,27 @@ TEST_F(BadInput, ModelConfigNumbersThatFloatCannotHoldAreRefused) {
   }
 }
 
+TEST_F(BadInput, FlowCostsOfZeroMsAreRefusedNotPrintedAsNan) {
+  // F8: a cost file whose every cost is 0 made every step 0 ms: simulate printed "0.00 -nanx -nan%" in each row and
+  // tune "(tuner -nan% above)", rc 0.
+  json c = json::parse(slurp(p("costs.json")));
+  for (auto& [kind, task] : c.at("tasks").items()) task = {{"fixed_ms", 0}, {"batch_ms", 0}};
+  c["dense_grad_bytes_per_layer"] = 0;  // nothing all-reduced: allreduce.alpha_ms (0.08) is never paid
+  c.erase("head_grad_bytes");
+  c.erase("embed_grad_bytes");
+  write_json_file(p("z.json"), c);
+  for (const char* action : {"simulate", "tune"}) {
+    const Result r = run_cli_bounded(std::string("flow ") + action + " --costs " + p("z.json") + " --samples 2");
+    expect_user_error(r, "every cost is 0 (the tasks' fixed_ms and batch_ms; and with dense_grad_bytes_per_layer", action);
+    EXPECT_EQ(r.output.find("nan"), std::string::npos) << r.output;
+  }
+  // Bytes to all-reduce give a step, and ratios.
+  c["dense_grad_bytes_per_layer"] = 4096;
+  write_json_file(p("z.json"), c);
+  const Result one = run_cli_bounded("flow simulate --costs " + p("z.json") + " --samples 2");
+  EXPECT_EQ(one.status, 0) << one.output;
+  EXPECT_EQ(one.output.find("nan"), std::string::npos) << one.output;
+}
+
 }  // namespace
 }  // namespace dmoe
