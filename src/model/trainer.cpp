@@ -391,27 +391,46 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
                        "multiple of 4", o.chunk_bytes);
     if (!tuned) flow_graph = make_graph(s, o.micro_batches, o.chunk_bytes);
   }
-  config.check_sequence(o.seq, "train: --seq");
+  // The value of an option as the errors below name it: "--beta2 1" as given, or, taken by a bare --resume from the
+  // saved state, the file and its key (they named --min-lr, --seq or --beta2 that nobody had given: F9 of the
+  // eighteenth bad-input pass).
+  const auto named = [&](const std::string& option, const auto& value) {
+    if (!o.from_state.count(option)) return fmt::format("{} {}", option, value);
+    std::string key = option.substr(2);
+    std::replace(key.begin(), key.end(), '-', '_');
+    return fmt::format("{}'s '{}' = {} (--resume {}: the saved run's; give {} to replace it)",
+                       (fs::path(o.resume_dir) / "trainer_state.json").string(), key, value, o.resume_dir, option);
+  };
+  // The sequence's floor is 2 (each position predicts the next; --seq 1 is refused by its option): the range said 1.
+  if (o.from_state.count("--seq"))
+    config.check_sequence(o.seq, fmt::format("train: {}'s 'seq' (--resume {}: the saved run's; give --seq to replace "
+                                             "it) =", (fs::path(o.resume_dir) / "trainer_state.json").string(),
+                                             o.resume_dir), 2);
+  else
+    config.check_sequence(o.seq, "train: --seq", 2);
   // One rule a message, naming its option and the allowed range (all four rules were one message, whichever failed).
   // NaN fails each comparison, so it is named by the rule of its option.
-  DMOE_REQUIRE_INPUT(o.lr > 0 && std::isfinite(o.lr), "train: --lr {} must be finite and > 0", o.lr);
-  DMOE_REQUIRE_INPUT(o.warmup >= 0, "train: --warmup {} must be >= 0 (steps of the linear warm-up)", o.warmup);
-  DMOE_REQUIRE_INPUT(o.clip >= 0 && std::isfinite(o.clip), "train: --clip {} must be finite and >= 0 (0: no "
-                     "clipping)", o.clip);
-  DMOE_REQUIRE_INPUT(o.val_fraction > 0 && o.val_fraction < 1, "train: --val-fraction {} must be in (0, 1)",
-                     o.val_fraction);
+  DMOE_REQUIRE_INPUT(o.lr > 0 && std::isfinite(o.lr), "train: {} must be finite and > 0", named("--lr", o.lr));
+  DMOE_REQUIRE_INPUT(o.warmup >= 0, "train: {} must be >= 0 (steps of the linear warm-up)", named("--warmup", o.warmup));
+  DMOE_REQUIRE_INPUT(o.clip >= 0 && std::isfinite(o.clip), "train: {} must be finite and >= 0 (0: no clipping)",
+                     named("--clip", o.clip));
+  DMOE_REQUIRE_INPUT(o.val_fraction > 0 && o.val_fraction < 1, "train: {} must be in (0, 1)",
+                     named("--val-fraction", o.val_fraction));
   // AdamW's hyper-parameters: outside these ranges the moments or the decay diverge (NaN weights later).
-  DMOE_REQUIRE_INPUT(o.beta1 >= 0 && o.beta1 < 1, "train: --beta1 {} must be in [0, 1)", o.beta1);
-  DMOE_REQUIRE_INPUT(o.beta2 >= 0 && o.beta2 < 1, "train: --beta2 {} must be in [0, 1)", o.beta2);
-  DMOE_REQUIRE_INPUT(o.weight_decay >= 0 && std::isfinite(o.weight_decay),
-                     "train: --weight-decay {} must be finite and >= 0", o.weight_decay);
+  DMOE_REQUIRE_INPUT(o.beta1 >= 0 && o.beta1 < 1, "train: {} must be in [0, 1)", named("--beta1", o.beta1));
+  DMOE_REQUIRE_INPUT(o.beta2 >= 0 && o.beta2 < 1, "train: {} must be in [0, 1)", named("--beta2", o.beta2));
+  DMOE_REQUIRE_INPUT(o.weight_decay >= 0 && std::isfinite(o.weight_decay), "train: {} must be finite and >= 0",
+                     named("--weight-decay", o.weight_decay));
   // The decoupled decay multiplies the weight matrices by 1 - lr * weight_decay each step: at 1 or more it zeroes or
   // flips them, and `--weight-decay 1e300` trained on until the router's "logits contain NaN" a step later.
-  DMOE_REQUIRE_INPUT(o.lr * o.weight_decay < 1, "train: --weight-decay {} with --lr {}: AdamW's decay multiplies the "
-                     "weights by 1 - lr x weight_decay = {:g} each step, which zeroes or flips them; give lr x "
-                     "weight_decay < 1 (the default decay is 0.1)", o.weight_decay, o.lr, 1 - o.lr * o.weight_decay);
+  DMOE_REQUIRE_INPUT(o.lr * o.weight_decay < 1, "train: {} with {}: AdamW's decay multiplies the weights by 1 - lr x "
+                     "weight_decay = {:g} each step, which zeroes or flips them; give lr x weight_decay < 1 (the "
+                     "default decay is 0.1)", named("--weight-decay", o.weight_decay), named("--lr", o.lr),
+                     1 - o.lr * o.weight_decay);
+  // (A negative --min-lr is refused by its option since the eleventh pass; < 0 here is "not given": lr / 10.)
   DMOE_REQUIRE_INPUT(o.min_lr < 0 || (o.min_lr <= o.lr && std::isfinite(o.min_lr)),
-                     "train: --min-lr {} must be <= --lr {} (or negative for the default, lr/10)", o.min_lr, o.lr);
+                     "train: {} must be <= {} (the cosine decays from lr to min_lr; leave --min-lr out for the "
+                     "default, lr/10)", named("--min-lr", o.min_lr), named("--lr", o.lr));
   // A stop past the schedule's end was min(stop_after, steps) without a word (`--steps 2 --stop-after 50`: 2 steps).
   DMOE_REQUIRE_INPUT(o.stop_after <= o.steps, "train: --stop-after {} is past the last step of the schedule (--steps "
                      "{}): it stops after one of its steps, 1 to {}; give --steps {} for a longer run, or leave out "

@@ -2599,7 +2599,7 @@ TEST_F(BadInput, TrainErrorsNameTheOptionAndOnlyTheRuleThatFailed) {
   // "sequence length 300 is outside [1, max_position_embeddings = 256]" named no option; "--lr 0" was answered with
   // every rule at once: "need lr > 0 (is 0), warmup >= 0 (10), clip >= 0 (1), 0 < val_fraction < 1 (0.1)".
   const std::string train = "train --config " + p("tiny.json") + " --data " + p("data") + " --steps 1 --batch 2 ";
-  expect_user_error(run_cli(train + "--seq 300"), "train: --seq 300 is outside [1, max_position_embeddings = 256] of "
+  expect_user_error(run_cli(train + "--seq 300"), "train: --seq 300 is outside [2, max_position_embeddings = 256] of "
                     "the model config", "--seq 300");
   expect_user_error(run_cli("flow measure --config " + p("tiny.json") + " --seq 300 --batch 4 --steps 1"),
                     "flow measure: --seq 300 is outside [1, max_position_embeddings = 256]", "flow measure --seq 300");
@@ -2984,6 +2984,81 @@ TEST_F(BadInput, FlowCostsOfZeroMsAreRefusedNotPrintedAsNan) {
   const Result one = run_cli_bounded("flow simulate --costs " + p("z.json") + " --samples 2");
   EXPECT_EQ(one.status, 0) << one.output;
   EXPECT_EQ(one.output.find("nan"), std::string::npos) << one.output;
+}
+
+TEST_F(BadInput, TrainErrorsNameTheStateFileForSavedSettingsAndTheTrueRanges) {
+  // F9: (a) "--min-lr 0.5 must be <= --lr 0.003 (or negative for the default, lr/10)", though a negative --min-lr is
+  // refused; (b) "--seq 300 is outside [1, ...]", though --seq 1 is refused; (c) a saved setting out of range, taken by
+  // a bare --resume, named as --min-lr, --seq or --beta2, which nobody had given.
+  const std::string base = "train --config " + p("tiny.json") + " --data " + p("data") + " --print-every 0 ";
+  const Result min_lr = run_cli_bounded(base + "--steps 3 --seq 16 --batch 2 --min-lr 0.5");
+  expect_user_error(min_lr, "train: --min-lr 0.5 must be <= --lr 0.003 (the cosine decays from lr to min_lr; leave "
+                    "--min-lr out for the default, lr/10)", "--min-lr 0.5");
+  EXPECT_EQ(min_lr.output.find("negative"), std::string::npos) << min_lr.output;
+  expect_user_error(run_cli_bounded(base + "--steps 3 --seq 300 --batch 2"),
+                    "train: --seq 300 is outside [2, max_position_embeddings = 256]", "--seq 300");
+  ASSERT_EQ(run_cli_bounded(base + "--steps 4 --stop-after 2 --seq 16 --batch 2 --val-batches 1 --save " + p("ck"))
+                .status, 0);
+  const json saved = json::parse(slurp(p("ck/trainer_state.json")));
+  const std::string state = p("ck/trainer_state.json");
+  for (const auto& [key, value, needle] :
+       {std::tuple<const char*, json, std::string>{"min_lr", 0.01, state + "'s 'min_lr' = 0.01 (--resume " + p("ck") +
+                                                   ": the saved run's; give --min-lr to replace it) must be <= " + state +
+                                                   "'s 'lr' = 0.003"},
+        {"seq", 300, "train: " + state + "'s 'seq' (--resume " + p("ck") + ": the saved run's; give --seq to replace "
+                     "it) = 300 is outside [2, max_position_embeddings = 256]"},
+        {"beta2", 1.0, "train: " + state + "'s 'beta2' = 1 (--resume " + p("ck") + ": the saved run's; give --beta2 to "
+                       "replace it) must be in [0, 1)"}}) {
+    json edited = saved;
+    edited[key] = value;
+    write_json_file(state, edited);
+    const Result r = run_cli_bounded("train --config " + p("tiny.json") + " --data " + p("data") + " --resume " + p("ck"));
+    expect_user_error(r, needle, key);
+    const std::string option = std::string("--") + (std::string(key) == "min_lr" ? "min-lr" : key) + " ";
+    EXPECT_EQ(r.output.find("train: " + option), std::string::npos) << "an option nobody gave:\n" << r.output;
+  }
+  // Given on the command line, the option is named as before.
+  expect_user_error(run_cli_bounded("train --config " + p("tiny.json") + " --data " + p("data") + " --resume " + p("ck") +
+                                    " --beta2 1"), "train: --beta2 1 must be in [0, 1)", "--beta2 1 given");
+}
+
+TEST_F(BadInput, ClusterGpusPerNodeStatesOneRange) {
+  // F10: gpus_per_node -1 said "must be finite and >= 0", but 0 is refused too ("an integer in [1, 1024]").
+  json cluster = json::parse(slurp(fs::path(DMOE_SOURCE_DIR) / "bench/flow/clusters/h200.json"));
+  for (const double g : {-1.0, 0.0, 2.5, 2048.0}) {
+    cluster["gpus_per_node"] = g;
+    write_json_file(p("cl.json"), cluster);
+    const Result r = run_cli_bounded("flow project --config " + p("tiny.json") + " --samples 2 --gpus 4 --experts 4 "
+                                     "--cluster " + p("cl.json"));
+    expect_user_error(r, ".gpus_per_node = " + fmt::format("{}", g) + ": must be an integer in [1, 1024]",
+                      "gpus_per_node " + std::to_string(g));
+    EXPECT_EQ(r.output.find(">= 0"), std::string::npos) << r.output;
+  }
+}
+
+TEST_F(BadInput, RunSaysItTakesOneSafetensorsFileNotAnIndex) {
+  // F11: run --weights INDEX.json read the JSON as a safetensors file: "header length 8387229874382703227 is absurd".
+  ASSERT_EQ(run_cli_bounded("init-model --config " + p("tiny.json") + " --out " + p("sh.index.json") +
+                            " --shard-bytes 300000").status, 0);
+  ASSERT_EQ(run_cli_bounded("init --hidden 64 --ffn 128 --experts 4 --top-k 2 --tokens 4 --out " + p("w.st") +
+                            " --input " + p("x.st") + " --save-config " + p("c.json")).status, 0);
+  const Result r = run_cli_bounded("run --config " + p("c.json") + " --weights " + p("sh.index.json") + " --input " +
+                                   p("x.st") + " --output " + p("y.st") + " --layer 1");
+  expect_user_error(r, "--weights '" + p("sh.index.json") + "' is a .json file, a sharded model's index: run reads one "
+                    "MoE layer from one safetensors file", "an index");
+  EXPECT_NE(r.output.find("the layer's gate 'model.layers.1.block_sparse_moe.gate.weight' is in the shard '" +
+                          p("sh-0000")), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("absurd"), std::string::npos) << r.output;
+  EXPECT_FALSE(fs::exists(p("y.st")));
+}
+
+TEST_F(BadInput, InvalidJsonIsDescribedWithoutTheParsersTag) {
+  // F14: "not valid JSON: [json.exception.parse_error.101] parse error at line 1, column 1: ..." showed the library's
+  // exception tag; the position stays, in words.
+  std::ofstream(p("bad.json")) << "Name:\tdmoe\n";
+  const Result r = run_cli_bounded("init-model --config " + p("bad.json") + " --out " + p("m.st"));
+  expect_user_error(r, "not valid JSON: parse error at line 1, column 1", "a config that is no JSON");
+  EXPECT_EQ(r.output.find("json.exception"), std::string::npos) << r.output;
 }
 
 }  // namespace

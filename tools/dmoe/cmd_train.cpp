@@ -222,6 +222,7 @@ void adopt_saved_settings(TrainOptions& o, const CLI::App& sub, int64_t max_step
     DMOE_REQUIRE_INPUT(v >= lo && v <= hi, "--resume {}: trainer_state.json's '{}' = {} is outside [{}, {}], the range "
                        "of {}; give {} to replace it", o.resume_dir, key, v, lo, hi, option, option);
     field = v;
+    o.from_state.insert(option);
   };
   const auto adopt_real = [&](const char* key, const char* option, double& field, double lo, double hi) {
     if (!saved(key, option)) return;
@@ -229,6 +230,7 @@ void adopt_saved_settings(TrainOptions& o, const CLI::App& sub, int64_t max_step
     DMOE_REQUIRE_INPUT(std::isfinite(v) && v >= lo && v <= hi, "--resume {}: trainer_state.json's '{}' = {} is outside "
                        "[{}, {}], the range of {}; give {} to replace it", o.resume_dir, key, v, lo, hi, option, option);
     field = v;
+    o.from_state.insert(option);
   };
   adopt_int("steps", "--steps", o.steps, 1, max_steps);
   adopt_int("batch", "--batch", o.batch, 1, int64_t(1) << 20);
