@@ -3061,5 +3061,16 @@ TEST_F(BadInput, InvalidJsonIsDescribedWithoutTheParsersTag) {
   EXPECT_EQ(r.output.find("json.exception"), std::string::npos) << r.output;
 }
 
+TEST_F(BadInput, BenchProgressIntoAPipeIsOneLineEveryFewSeconds) {
+  // F13: into a pipe or a log, bench printed a progress line per call once a timing had run 2 s: ~4400 lines a second
+  // (26517 lines, 1.5 MB in 8 s) for a tiny layer. Now one line after 2 s, then one every 5 s.
+  const Result r = run_shell("timeout -s INT 4 " + std::string(DMOE_CLI_PATH) + " bench --engine cpu --tokens 8 "
+                             "--hidden 16 --ffn 32 --experts 4 --top-k 2 --repeat 1000000 --warmup 1000000 -n 2 2>&1 "
+                             "| grep -c 'so far'");
+  const int lines = std::atoi(r.output.c_str());
+  EXPECT_GE(lines, 1) << "no progress at all: " << r.output;
+  EXPECT_LE(lines, 2) << r.output;
+}
+
 }  // namespace
 }  // namespace dmoe
