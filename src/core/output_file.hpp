@@ -121,8 +121,30 @@ class GrowingOutputFile {
   bool replaces_ = false;  // an earlier file is at the target (else the first write publishes)
 };
 
-// True when a and b name the same file: same (st_dev, st_ino) when both exist (symlinks followed),
-// otherwise the same absolute, lexically normalised path.
+// An exclusive advisory lock (flock) that one dmoe process holds while it writes a set of files: on a directory (opened
+// read-only) or on a lock file (created if missing and never removed: removing it would let a third process lock a new
+// file while a second still holds the old one). Released when the object is destroyed, or when the process ends
+// however it ends. On a file system without flock (some network ones) there is no lock, as before.
+class ExclusiveLock {
+ public:
+  ExclusiveLock() = default;
+  ExclusiveLock(const ExclusiveLock&) = delete;
+  ExclusiveLock& operator=(const ExclusiveLock&) = delete;
+  ~ExclusiveLock();
+  // false when another process holds it and `wait` is false (true once locked, or where locks are not supported);
+  // a path that cannot be opened throws an input error naming `what` and the path.
+  bool lock_directory(const std::string& directory, std::string_view what, bool wait);
+  bool lock_file(const std::string& path, std::string_view what, bool wait);
+
+ private:
+  bool lock(bool wait);
+  int fd_ = -1;
+};
+
+// True when a and b name the same file: same (st_dev, st_ino) when both exist (symlinks followed); false when only one
+// exists; when neither does, the same name in the same directory (the directories' identities; a working directory
+// deeper than PATH_MAX, where paths cannot be made absolute, is no obstacle), else the same absolute, lexically
+// normalised path.
 bool same_file(const std::string& a, const std::string& b);
 
 // Refuses an output that is the same file as an input or as another output, naming both options.

@@ -36,8 +36,13 @@ ClusterModel parse_cluster_model(const json& j, const std::string& where) {
   c.flop_per_s = flop;
   c.nvlink_bytes_per_s = nvlink * 1e9;
   c.net_bytes_per_s = net * 1e9;
-  const double g = number_at(j, "gpus_per_node", where);
-  DMOE_REQUIRE_INPUT(g >= 1 && g <= 1024 && g == double(int32_t(g)), "{}.gpus_per_node = {}: must be an integer in "
+  // Its own rule only: number_at's "must be finite and >= 0" for -1 said 0 was allowed, which this refuses (F10 of the
+  // eighteenth bad-input pass).
+  DMOE_REQUIRE_INPUT(j.contains("gpus_per_node"), "{}: missing key 'gpus_per_node'", where);
+  DMOE_REQUIRE_INPUT(j.at("gpus_per_node").is_number(), "{}.gpus_per_node: must be a number (got {})", where,
+                     j.at("gpus_per_node").dump());
+  const double g = j.at("gpus_per_node").get<double>();
+  DMOE_REQUIRE_INPUT(g >= 1 && g <= 1024 && g == std::floor(g), "{}.gpus_per_node = {}: must be an integer in "
                      "[1, 1024]", where, g);
   c.gpus_per_node = int32_t(g);
   c.compute_fixed_ms = number_at(j, "compute_fixed_ms", where);

@@ -84,11 +84,16 @@ CostModel parse_cost_model(const json& j, const std::string& where) {
   c.ar_bytes_per_ms = gbps * 1e6;  // 1 GB/s = 1e9 B / 1e3 ms
   DMOE_REQUIRE_INPUT(std::isfinite(c.ar_bytes_per_ms), "{}.allreduce.gbytes_per_s = {}: too large (at most 1e300)",
                      where, gbps);
-  // With every cost 0 the step takes 0 ms and no speed-up is defined (simulate printed nan, rc 0).
-  bool any_cost = c.ar_alpha_ms > 0 || c.dense_grad_bytes_per_layer > 0 || c.head_grad_bytes > 0 || c.embed_grad_bytes > 0;
+  // With every cost 0 the step takes 0 ms and no speed-up is defined (simulate printed nan, rc 0). allreduce.alpha_ms
+  // is paid per all-reduce, and with no gradient bytes nothing is all-reduced: a file of zero tasks and zero bytes but
+  // an alpha_ms > 0 still printed "-nanx" in every row (F8 of the eighteenth bad-input pass).
+  const bool all_reduces = c.dense_grad_bytes_per_layer > 0 || c.head_grad_bytes > 0 || c.embed_grad_bytes > 0;
+  bool any_cost = all_reduces;
   for (const TaskCost& t : c.tasks) any_cost |= t.fixed_ms > 0 || t.batch_ms > 0;
-  DMOE_REQUIRE_INPUT(any_cost, "{}: every cost is 0 (tasks' fixed_ms and batch_ms, allreduce.alpha_ms, "
-                     "dense_grad_bytes_per_layer): the step would take 0 ms; give at least one cost > 0", where);
+  DMOE_REQUIRE_INPUT(any_cost, "{}: every cost is 0 (the tasks' fixed_ms and batch_ms; and with dense_grad_bytes_per_layer, "
+                     "head_grad_bytes and embed_grad_bytes 0 nothing is all-reduced, so allreduce.alpha_ms is never "
+                     "paid): the step would take 0 ms, of which no speed-up can be taken; give at least one task cost "
+                     "> 0 or gradient bytes to all-reduce", where);
   validate(c);
   return c;
 }

@@ -479,6 +479,48 @@ std::vector<uint8_t> mixtral_checkpoint_bytes(const MixtralWeights& w, const Mix
   return writer.serialize();
 }
 
+namespace {
+
+// The part of a shard's name before "-NNNNN-of-NNNNN.safetensors": the index's file name without ".json", ".index" and
+// ".safetensors" ("model" for model.safetensors.index.json, as HF writes it).
+std::string shard_base(const std::string& index_path) {
+  std::string base = std::filesystem::path(index_path).filename().string();
+  for (const std::string suffix : {".json", ".index", ".safetensors"})
+    if (base.size() > suffix.size() && base.compare(base.size() - suffix.size(), suffix.size(), suffix) == 0)
+      base.resize(base.size() - suffix.size());
+  return base.empty() || base == ".json" ? std::string("model") : base;
+}
+
+// The save id in a safetensors file's __metadata__ (its header only is read); "" when it has none or is no such file.
+std::string save_id_of_file(const std::filesystem::path& file) {
+  std::ifstream in(file, std::ios::binary);
+  uint8_t length_bytes[8] = {};
+  if (!in.read(reinterpret_cast<char*>(length_bytes), 8)) return {};
+  uint64_t length = 0;
+  for (int i = 7; i >= 0; --i) length = length << 8 | length_bytes[i];
+  if (length == 0 || length > SafetensorsFile::kMaxHeaderBytes) return {};
+  std::string header(size_t(length), '\0');
+  if (!in.read(header.data(), std::streamsize(length))) return {};
+  const nlohmann::json j = nlohmann::json::parse(header, nullptr, /*allow_exceptions=*/false);
+  if (!j.is_object() || !j.contains("__metadata__") || !j.at("__metadata__").is_object()) return {};
+  const nlohmann::json& meta = j.at("__metadata__");
+  return meta.contains(kShardSaveId) && meta.at(kShardSaveId).is_string() ? meta.at(kShardSaveId).get<std::string>()
+                                                                          : std::string();
+}
+
+}  // namespace
+
+std::string shard_file_name(const std::string& index_path, size_t shard, size_t count) {
+  return fmt::format("{}-{:05d}-of-{:05d}.safetensors", shard_base(index_path), shard, count);
+}
+
+bool is_shard_file_name(const std::string& index_path, const std::string& file_name) {
+  const std::string head = shard_base(index_path) + "-";
+  static const std::regex tail(R"([0-9]{5}-of-[0-9]{5}\.safetensors)");
+  return file_name.size() > head.size() && file_name.compare(0, head.size(), head) == 0 &&
+         std::regex_match(file_name.substr(head.size()), tail);
+}
+
 void save_mixtral_checkpoint(const std::string& path, const MixtralWeights& w, const MixtralConfig& config,
                              int64_t max_shard_bytes) {
   if (max_shard_bytes <= 0) {
@@ -501,55 +543,72 @@ void save_mixtral_checkpoint(const std::string& path, const MixtralWeights& w, c
   }
   const std::filesystem::path dir = std::filesystem::path(path).has_parent_path()
                                         ? std::filesystem::path(path).parent_path() : std::filesystem::path(".");
+  std::vector<std::string> names;
+  for (size_t s = 0; s < shards.size(); ++s) names.push_back(shard_file_name(path, s + 1, shards.size()));
   nlohmann::json index = {{"metadata", {{"total_size", total}}}, {"weight_map", nlohmann::json::object()}};
   // The index is written last: named as one of the shards, it replaced that shard (a broken model, no error).
-  for (size_t s = 0; s < shards.size(); ++s)
-    DMOE_REQUIRE_INPUT(std::filesystem::path(path).filename() !=
-                           fmt::format("model-{:05d}-of-{:05d}.safetensors", s + 1, shards.size()),
-                       "sharded checkpoint '{}': the index has the name of one of its shards; name it "
-                       "model.safetensors.index.json", path);
+  for (const std::string& name : names)
+    DMOE_REQUIRE_INPUT(std::filesystem::path(path).filename() != name, "sharded checkpoint '{}': the index has the name "
+                       "of one of its shards; name it model.safetensors.index.json", path);
+  // The index being replaced (if any): the files it names are this model's earlier shards. An index that cannot be read
+  // names none.
+  std::set<std::string> old_named;
+  std::string old_save_id;
+  std::error_code ec;
+  if (std::filesystem::is_regular_file(path, ec)) {
+    std::ifstream in(path);
+    const nlohmann::json old = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+    if (old.is_object() && old.contains("weight_map") && old.at("weight_map").is_object())
+      for (const auto& [name, file] : old.at("weight_map").items())
+        if (file.is_string()) old_named.insert(file.get<std::string>());
+    if (old.is_object() && old.contains("metadata") && old.at("metadata").is_object() &&
+        old.at("metadata").contains(kShardSaveId) && old.at("metadata").at(kShardSaveId).is_string())
+      old_save_id = old.at("metadata").at(kShardSaveId).get<std::string>();
+  }
   // The shards and the index together or not at all: each shard was renamed into place as soon as it was written, so
   // a write that failed (or was interrupted) at shard 3 of 4 left the new shards 1-2 beside the old 3-4 and the old
   // index, whose weight_map names the same files: a model of two saves, read without a word. Every shard is checked
   // before the first is written, and all are renamed at the end (OutputFileSet), the index last.
-  for (size_t s = 0; s < shards.size(); ++s)
-    check_output_file((dir / fmt::format("model-{:05d}-of-{:05d}.safetensors", s + 1, shards.size())).string(),
-                      fmt::format("shard {} of {} (beside --out '{}')", s + 1, shards.size(), path));
+  // A file at a shard's name that the index being replaced does not name is not this model's: all shards used to be
+  // named model-…, so a second index in the directory replaced the first one's shards with rc 0 (F1 of the eighteenth
+  // bad-input pass). It is refused, not replaced.
+  for (size_t s = 0; s < shards.size(); ++s) {
+    const std::filesystem::path target = dir / names[s];
+    check_output_file(target.string(), fmt::format("shard {} of {} (beside --out '{}')", s + 1, shards.size(), path));
+    DMOE_REQUIRE_INPUT(!std::filesystem::exists(std::filesystem::symlink_status(target, ec)) || old_named.count(names[s]),
+                       "sharded checkpoint '{}': '{}' exists, and {}: it is not a shard of this model (another model's "
+                       "shard, a file of yours, or one left by an interrupted save), and would be replaced; remove it "
+                       "if it is stale, or give --out another name (the shards are named after the index: {})", path,
+                       target.string(), std::filesystem::exists(path, ec) ? "the index being replaced does not name it"
+                                                                          : "no index is being replaced",
+                       shard_file_name(path, 1, shards.size()));
+  }
   OutputFileSet files;
   // One id for the save, in the index's metadata and every shard's (HF readers ignore both): a SIGKILL between the
   // renames below left shards of two seeds under one index, which eval read, rc 0 (H5 of the seventeenth pass).
   const std::string save_id = random_save_id();
   index["metadata"][kShardSaveId] = save_id;
   for (size_t s = 0; s < shards.size(); ++s) {
-    const std::string file = fmt::format("model-{:05d}-of-{:05d}.safetensors", s + 1, shards.size());
     SafetensorsWriter writer;
     for (const ParamView* p : shards[s]) {
       writer.add_f32(p->name, p->shape, p->data);
-      index["weight_map"][p->name] = file;
+      index["weight_map"][p->name] = names[s];
     }
     writer.set_metadata("format", "pt");
     writer.set_metadata(kShardSaveId, save_id);
-    files.write((dir / file).string(), writer.serialize());
-  }
-  // The shards the index being replaced named (e.g. 42 of an earlier --shard-bytes 1): after the commit those the new
-  // index does not name are removed, or they stayed beside the new model (41 stale files, the index right). Only files
-  // with a shard's name in this directory, named by that index, are touched; an index that cannot be read is left be.
-  std::set<std::string> old_shards;
-  std::error_code ec;
-  if (std::filesystem::is_regular_file(path, ec)) {
-    std::ifstream in(path);
-    const nlohmann::json old = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
-    const std::regex shard_name(R"(model-[0-9]{5}-of-[0-9]{5}\.safetensors)");
-    if (old.is_object() && old.contains("weight_map") && old.at("weight_map").is_object())
-      for (const auto& [name, file] : old.at("weight_map").items())
-        if (file.is_string() && std::regex_match(file.get<std::string>(), shard_name))
-          old_shards.insert(file.get<std::string>());
+    files.write((dir / names[s]).string(), writer.serialize());
   }
   files.write(path, index.dump(2) + "\n");
   files.commit();
-  for (size_t s = 0; s < shards.size(); ++s)
-    old_shards.erase(fmt::format("model-{:05d}-of-{:05d}.safetensors", s + 1, shards.size()));
-  for (const std::string& file : old_shards) std::filesystem::remove(dir / file, ec);  // a failure leaves it, as before
+  // The shards the index being replaced named (e.g. 42 of an earlier --shard-bytes 1): after the commit those the new
+  // index does not name are removed, or they stayed beside the new model (41 stale files, the index right). Only files
+  // of this directory with a shard name of this index, and of the replaced index's save (its save id, where it has
+  // one), are removed: a file of another model that the old index happened to name (written under the old common
+  // names) is left be (F1: rewriting one model's index deleted another's shards).
+  for (const std::string& name : names) old_named.erase(name);
+  for (const std::string& file : old_named)
+    if (is_shard_file_name(path, file) && (old_save_id.empty() || save_id_of_file(dir / file) == old_save_id))
+      std::filesystem::remove(dir / file, ec);  // a failure leaves it, as before
 }
 
 }  // namespace dmoe

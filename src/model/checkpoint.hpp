@@ -98,9 +98,20 @@ MixtralWeights load_mixtral_weights(const CheckpointReader& reader, const Mixtra
 // Adds every tensor of w under name_prefix + its HF name ("" for weights, "grad." for gradients).
 void add_mixtral_tensors(SafetensorsWriter& writer, const MixtralWeights& w, const MixtralConfig& config,
                          const std::string& name_prefix = "", DType stored_as = DType::f32);
+// The name of shard `shard` (1-based) of `count` of the sharded checkpoint whose index is `index_path`: the index's
+// name without ".json", ".index" and ".safetensors", then "-0000i-of-0000N.safetensors", as HF names them
+// (model.safetensors.index.json: model-00001-of-00004.safetensors; a.index.json: a-00001-of-00004.safetensors). Two
+// indexes of one directory thus have shards of their own (they all used to be model-…, so a second model replaced the
+// first one's shards).
+std::string shard_file_name(const std::string& index_path, size_t shard, size_t count);
+// Whether `file_name` (a name, no directory) is a shard name of that index, of any count ("<base>-NNNNN-of-NNNNN.safetensors").
+bool is_shard_file_name(const std::string& index_path, const std::string& file_name);
 // Writes w as HF would: max_shard_bytes = 0 → one safetensors file at `path`; otherwise `path` is the
-// index.json to write and the shards model-0000i-of-0000N.safetensors go beside it, each up to about
-// max_shard_bytes (a tensor is never split). Metadata {"format": "pt"} as HF writes.
+// index.json to write and the shards shard_file_name(path, i, N) go beside it, each up to about
+// max_shard_bytes (a tensor is never split). Metadata {"format": "pt"} as HF writes. A file at a shard's name is
+// replaced only when the index being replaced names it (else the save is refused: it may be another model's), and
+// the old index's shards that the new one does not name are removed only when they are of its save (their save id).
+// The caller keeps other writers out of the directory meanwhile (init-model holds its lock, ExclusiveLock).
 // The one-file form's bytes (max_shard_bytes = 0), for a caller that writes it with others (OutputFileSet).
 // `metadata`: entries beside {"format": "pt"} (train --save tags its files with the step, see trainer.cpp).
 std::vector<uint8_t> mixtral_checkpoint_bytes(const MixtralWeights& w, const MixtralConfig& config,

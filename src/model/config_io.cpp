@@ -295,6 +295,16 @@ nlohmann::json parse_json_strictly(std::string_view text, StrictJsonProblem& pro
   return j;
 }
 
+std::string json_error_text(const std::exception& e) {
+  const std::string text = e.what();
+  // The tag is "[json.exception.<kind>.<id>] ", followed by the description in plain words.
+  if (text.rfind("[json.exception.", 0) == 0) {
+    const size_t end = text.find("] ");
+    if (end != std::string::npos) return text.substr(end + 2);
+  }
+  return text;
+}
+
 nlohmann::json read_json_file(const std::string& path, std::string_view what) {
   // Only a regular file: a FIFO or /dev/zero would block or never end.
   std::error_code ec;
@@ -323,7 +333,7 @@ nlohmann::json read_json_file(const std::string& path, std::string_view what) {
   try {
     j = parse_json_strictly(text, problem);
   } catch (const json::exception& e) {
-    DMOE_FAIL_INPUT("{} '{}': not valid JSON: {}", what, path, e.what());
+    DMOE_FAIL_INPUT("{} '{}': not valid JSON: {}", what, path, json_error_text(e));
   }
   DMOE_REQUIRE_INPUT(problem.kind == StrictJsonProblem::none, "{} '{}': {}", what, path, problem.message);
   return j;

@@ -53,6 +53,9 @@ struct StrictJsonProblem {
 // returned in `problem` (the result is then partial). Invalid JSON throws nlohmann's parse_error.
 nlohmann::json parse_json_strictly(std::string_view text, StrictJsonProblem& problem);
 nlohmann::json read_json_file(const std::string& path, std::string_view what);
+// An nlohmann exception's text without its "[json.exception.parse_error.101] " tag, for a user's message ("parse error
+// at line 1, column 1: syntax error while parsing value - invalid literal; last read: 'N'").
+std::string json_error_text(const std::exception& e);
 // Writes config_to_json(config), pretty-printed.
 void save_config_file(const MoeConfig& config, const std::string& path);
 

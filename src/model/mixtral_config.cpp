@@ -92,8 +92,13 @@ void MixtralConfig::validate() const {
   DMOE_REQUIRE_INPUT(num_experts_per_tok <= num_local_experts,
                "{}: num_experts_per_tok = {} exceeds num_local_experts = {}", kWhat, num_experts_per_tok,
                num_local_experts);
-  DMOE_REQUIRE_INPUT(rms_norm_eps > 0 && std::isfinite(rms_norm_eps), "{}: rms_norm_eps = {} must be positive", kWhat,
-               rms_norm_eps);
+  // The norms compute in float32 with float(rms_norm_eps): past float's range (1e39, 3.5e38) it became inf and every
+  // norm's output 0 (uniform logits, rc 0); below it (1e-50) it became 0 (F7 of the eighteenth bad-input pass). Real
+  // models use 1e-6 .. 1e-5; an eps past 1 outweighs the activations' mean square.
+  DMOE_REQUIRE_INPUT(rms_norm_eps >= double(std::numeric_limits<float>::min()) && rms_norm_eps <= 1,
+                     "{}: rms_norm_eps = {} must be in [{:.7g}, 1] (the RMSNorm epsilon, used in float32: the smallest "
+                     "normal float up to 1; Mixtral's is 1e-5)", kWhat, rms_norm_eps,
+                     double(std::numeric_limits<float>::min()));
   // The rotary frequencies 1 / theta^(2j/D) are computed in float32, as transformers does: a theta below 1 makes them
   // exceed 1 radian per position, and a tiny one (1e-300: 0 as a float) inf, so that a forward's attention was NaN and
   // eval or train failed in the router ("logits contain NaN") naming x or the gate; past float's range (1e300) every
@@ -101,8 +106,11 @@ void MixtralConfig::validate() const {
   DMOE_REQUIRE_INPUT(rope_theta >= 1 && rope_theta <= double(std::numeric_limits<float>::max()),
                      "{}: rope_theta = {} must be in [1, {:.7g}] (the RoPE base; its frequencies are computed in "
                      "float32; Mixtral's is 1e6)", kWhat, rope_theta, double(std::numeric_limits<float>::max()));
-  DMOE_REQUIRE_INPUT(router_aux_loss_coef >= 0 && std::isfinite(router_aux_loss_coef),
-               "{}: router_aux_loss_coef = {} must be >= 0", kWhat, router_aux_loss_coef);
+  // The loss and its gradients are float32: a coefficient of 1e39 (or 1e300) made the written loss inf with rc 0, and
+  // train "trained" with a loss of 2e39 (F5 of the eighteenth bad-input pass). Real models use 0.001 .. 0.1.
+  DMOE_REQUIRE_INPUT(router_aux_loss_coef >= 0 && router_aux_loss_coef <= 1e6,
+                     "{}: router_aux_loss_coef = {} must be in [0, 1e6] (the load-balancing loss's weight; the loss and "
+                     "its gradients are float32; Mixtral's is 0.02)", kWhat, router_aux_loss_coef);
   DMOE_REQUIRE_INPUT(sliding_window >= 0, "{}: sliding_window = {} must be null or positive", kWhat, sliding_window);
   // The standard deviation of init-model's normal draws: a negative one was accepted (it drew negated weights), one
   // past ~1e37 made the float32 weights inf (written with rc 0).

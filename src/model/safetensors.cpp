@@ -120,7 +120,7 @@ json parse_header(const uint8_t* begin, const uint8_t* end, const std::string& s
   try {
     header = parse_json_strictly(std::string_view(reinterpret_cast<const char*>(begin), size_t(end - begin)), problem);
   } catch (const json::exception& e) {
-    DMOE_FAIL_INPUT("safetensors '{}': header is not valid JSON: {}", src, e.what());
+    DMOE_FAIL_INPUT("safetensors '{}': header is not valid JSON: {}", src, json_error_text(e));
   }
   switch (problem.kind) {
     case StrictJsonProblem::none: break;

@@ -90,8 +90,12 @@ namespace {
 // A resumed run's log, cut back to the checkpoint's step: the lines of steps past it (logged by a run stopped after
 // its last save) would otherwise be followed by the same steps again, and a half-written last line by more lines.
 // Lines that are not a dmoe step record are kept. Says what was cut, and when the log ends before the checkpoint.
+// Lines past the checkpoint are cut only when the log's line of the checkpoint's step shows the state's loss: a state
+// without one (written before 2026-12-07) cannot show the log is this run's, and cutting another run's log lost its
+// lines (F4 of the eighteenth bad-input pass); that is refused, the file unchanged. `state_file` names the state.
 void trim_resumed_log(GrowingOutputFile& log, const std::string& path, int64_t checkpoint_step,
-                      std::optional<double> checkpoint_loss, const std::function<void(const std::string&)>& print) {
+                      std::optional<double> checkpoint_loss, const std::string& state_file,
+                      const std::function<void(const std::string&)>& print) {
   std::ifstream in(path, std::ios::binary);
   std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   // A last line whole but for its newline (an editor's save) is a line: it used to be cut as half-written.
@@ -106,6 +110,7 @@ void trim_resumed_log(GrowingOutputFile& log, const std::string& path, int64_t c
   }
   size_t keep = 0, cut_lines = 0;
   int64_t last_kept = 0, first_cut = -1, last_cut = -1;
+  bool verified = false;  // the line of the checkpoint's step shows the state's loss
   for (size_t begin = 0; begin < text.size();) {
     const size_t end = text.find('\n', begin);
     if (end == std::string::npos) {  // a half-written last line
@@ -122,7 +127,18 @@ void trim_resumed_log(GrowingOutputFile& log, const std::string& path, int64_t c
                          "but the checkpoint's step {} had loss {}: it is another run's log, whose lines past step {} "
                          "this resume would cut; give the saved run's log, or a new --log name (the file is unchanged)",
                          path, s, line.at("loss").dump(), s, json(*checkpoint_loss).dump(), s);
+    if (step_line && s == checkpoint_step && checkpoint_loss && line.contains("loss") && line.at("loss").is_number())
+      verified = true;
     if (step_line && s > checkpoint_step) {
+      DMOE_REQUIRE_INPUT(verified, "--log {}: this resume would cut its lines past the checkpoint's step {} (from step "
+                         "{} on), but {}: nothing shows that the log is the saved run's, and another run's log would "
+                         "lose those lines; give the saved run's log with the lines past step {} removed, or a new "
+                         "--log name (the file is unchanged)", path, checkpoint_step, s,
+                         checkpoint_loss ? fmt::format("it has no line of step {} with a loss to compare with the "
+                                                       "checkpoint's", checkpoint_step)
+                                         : fmt::format("{} has no 'loss' (the loss of its step, which dmoe records "
+                                                       "since 2026-12-07)", state_file),
+                         checkpoint_step);
       cut_lines += 1 + size_t(std::count(text.begin() + std::ptrdiff_t(end) + 1, text.end(), '\n'));
       first_cut = s;
       for (size_t b = end + 1; b < text.size();) {  // the last step among the lines cut, for the note
@@ -264,6 +280,45 @@ void write_json(const std::string& path, const json& j) { write_file_atomically(
 
 json read_json(const std::string& path) { return read_json_file(path, "training state"); }
 
+// Adds this run shape's entry to the tuning file, replacing an entry of the same shape. The file is a store shared by
+// runs of several shapes, which a sweep may run at once: each run wrote back the list it had read at its start, so the
+// last to finish dropped the entries the others had added meanwhile (F2 of the eighteenth bad-input pass). The file is
+// read again and written under an exclusive lock (flock on a hidden lock file beside it, ".NAME.dmoe-lock", kept: the
+// tuning file itself is replaced by a rename, which a lock on it would not survive). A file that is no tuning file any
+// more is left as it is, and said.
+void add_tune_entry(const std::string& tune_file, const json& key, const json& entry,
+                    const std::function<void(const std::string&)>& print) {
+  const fs::path path(tune_file);
+  const fs::path lock_path = (path.has_parent_path() ? path.parent_path() : fs::path(".")) /
+                             ("." + path.filename().string() + ".dmoe-lock");
+  ExclusiveLock lock;
+  lock.lock_file(lock_path.string(), "--tune-file", /*wait=*/true);
+  json runs = json::array();
+  std::error_code ec;
+  if (fs::exists(path, ec)) {
+    std::string problem;
+    try {
+      const json t = read_json_file(tune_file, "Flow tuning file");
+      if (!t.is_object() || t.size() != 1 || !t.contains("runs") || !t["runs"].is_array())
+        problem = "it holds something else than {\"runs\": [...]} now";
+      else
+        runs = t["runs"];
+    } catch (const Error& e) {
+      problem = e.what();
+    }
+    if (!problem.empty()) {
+      print(fmt::format("train: note: --tune-file {}: the choice was not written: the file changed during the run and "
+                        "is no Flow tuning file ({}); it is left as it is", tune_file, problem));
+      return;
+    }
+  }
+  json kept = json::array();
+  for (const json& run : runs)
+    if (!(run.is_object() && run.contains("key") && run["key"] == key)) kept.push_back(run);
+  kept.push_back(entry);
+  write_json(tune_file, json{{"runs", kept}});
+}
+
 // Tensors under name_prefix + HF name from one file into w (all shapes checked). AdamW's moments must be finite, the
 // second one >= 0 (its square root divides the step): a NaN there made NaN weights after the first resumed step.
 void read_prefixed(const SafetensorsFile& f, const std::string& name_prefix, MixtralWeights& w, const MixtralConfig& c,
@@ -348,27 +403,46 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
                        "multiple of 4", o.chunk_bytes);
     if (!tuned) flow_graph = make_graph(s, o.micro_batches, o.chunk_bytes);
   }
-  config.check_sequence(o.seq, "train: --seq");
+  // The value of an option as the errors below name it: "--beta2 1" as given, or, taken by a bare --resume from the
+  // saved state, the file and its key (they named --min-lr, --seq or --beta2 that nobody had given: F9 of the
+  // eighteenth bad-input pass).
+  const auto named = [&](const std::string& option, const auto& value) {
+    if (!o.from_state.count(option)) return fmt::format("{} {}", option, value);
+    std::string key = option.substr(2);
+    std::replace(key.begin(), key.end(), '-', '_');
+    return fmt::format("{}'s '{}' = {} (--resume {}: the saved run's; give {} to replace it)",
+                       (fs::path(o.resume_dir) / "trainer_state.json").string(), key, value, o.resume_dir, option);
+  };
+  // The sequence's floor is 2 (each position predicts the next; --seq 1 is refused by its option): the range said 1.
+  if (o.from_state.count("--seq"))
+    config.check_sequence(o.seq, fmt::format("train: {}'s 'seq' (--resume {}: the saved run's; give --seq to replace "
+                                             "it) =", (fs::path(o.resume_dir) / "trainer_state.json").string(),
+                                             o.resume_dir), 2);
+  else
+    config.check_sequence(o.seq, "train: --seq", 2);
   // One rule a message, naming its option and the allowed range (all four rules were one message, whichever failed).
   // NaN fails each comparison, so it is named by the rule of its option.
-  DMOE_REQUIRE_INPUT(o.lr > 0 && std::isfinite(o.lr), "train: --lr {} must be finite and > 0", o.lr);
-  DMOE_REQUIRE_INPUT(o.warmup >= 0, "train: --warmup {} must be >= 0 (steps of the linear warm-up)", o.warmup);
-  DMOE_REQUIRE_INPUT(o.clip >= 0 && std::isfinite(o.clip), "train: --clip {} must be finite and >= 0 (0: no "
-                     "clipping)", o.clip);
-  DMOE_REQUIRE_INPUT(o.val_fraction > 0 && o.val_fraction < 1, "train: --val-fraction {} must be in (0, 1)",
-                     o.val_fraction);
+  DMOE_REQUIRE_INPUT(o.lr > 0 && std::isfinite(o.lr), "train: {} must be finite and > 0", named("--lr", o.lr));
+  DMOE_REQUIRE_INPUT(o.warmup >= 0, "train: {} must be >= 0 (steps of the linear warm-up)", named("--warmup", o.warmup));
+  DMOE_REQUIRE_INPUT(o.clip >= 0 && std::isfinite(o.clip), "train: {} must be finite and >= 0 (0: no clipping)",
+                     named("--clip", o.clip));
+  DMOE_REQUIRE_INPUT(o.val_fraction > 0 && o.val_fraction < 1, "train: {} must be in (0, 1)",
+                     named("--val-fraction", o.val_fraction));
   // AdamW's hyper-parameters: outside these ranges the moments or the decay diverge (NaN weights later).
-  DMOE_REQUIRE_INPUT(o.beta1 >= 0 && o.beta1 < 1, "train: --beta1 {} must be in [0, 1)", o.beta1);
-  DMOE_REQUIRE_INPUT(o.beta2 >= 0 && o.beta2 < 1, "train: --beta2 {} must be in [0, 1)", o.beta2);
-  DMOE_REQUIRE_INPUT(o.weight_decay >= 0 && std::isfinite(o.weight_decay),
-                     "train: --weight-decay {} must be finite and >= 0", o.weight_decay);
+  DMOE_REQUIRE_INPUT(o.beta1 >= 0 && o.beta1 < 1, "train: {} must be in [0, 1)", named("--beta1", o.beta1));
+  DMOE_REQUIRE_INPUT(o.beta2 >= 0 && o.beta2 < 1, "train: {} must be in [0, 1)", named("--beta2", o.beta2));
+  DMOE_REQUIRE_INPUT(o.weight_decay >= 0 && std::isfinite(o.weight_decay), "train: {} must be finite and >= 0",
+                     named("--weight-decay", o.weight_decay));
   // The decoupled decay multiplies the weight matrices by 1 - lr * weight_decay each step: at 1 or more it zeroes or
   // flips them, and `--weight-decay 1e300` trained on until the router's "logits contain NaN" a step later.
-  DMOE_REQUIRE_INPUT(o.lr * o.weight_decay < 1, "train: --weight-decay {} with --lr {}: AdamW's decay multiplies the "
-                     "weights by 1 - lr x weight_decay = {:g} each step, which zeroes or flips them; give lr x "
-                     "weight_decay < 1 (the default decay is 0.1)", o.weight_decay, o.lr, 1 - o.lr * o.weight_decay);
+  DMOE_REQUIRE_INPUT(o.lr * o.weight_decay < 1, "train: {} with {}: AdamW's decay multiplies the weights by 1 - lr x "
+                     "weight_decay = {:g} each step, which zeroes or flips them; give lr x weight_decay < 1 (the "
+                     "default decay is 0.1)", named("--weight-decay", o.weight_decay), named("--lr", o.lr),
+                     1 - o.lr * o.weight_decay);
+  // (A negative --min-lr is refused by its option since the eleventh pass; < 0 here is "not given": lr / 10.)
   DMOE_REQUIRE_INPUT(o.min_lr < 0 || (o.min_lr <= o.lr && std::isfinite(o.min_lr)),
-                     "train: --min-lr {} must be <= --lr {} (or negative for the default, lr/10)", o.min_lr, o.lr);
+                     "train: {} must be <= {} (the cosine decays from lr to min_lr; leave --min-lr out for the "
+                     "default, lr/10)", named("--min-lr", o.min_lr), named("--lr", o.lr));
   // A stop past the schedule's end was min(stop_after, steps) without a word (`--steps 2 --stop-after 50`: 2 steps).
   DMOE_REQUIRE_INPUT(o.stop_after <= o.steps, "train: --stop-after {} is past the last step of the schedule (--steps "
                      "{}): it stops after one of its steps, 1 to {}; give --steps {} for a longer run, or leave out "
@@ -502,7 +576,13 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
     // The loss of the checkpoint's step (states from before 2026-12-07 have none): the log's line of that step must
     // show it, or the log is another run's (resuming with it cut that run's lines past the step, G4 of the sixteenth
     // bad-input pass).
-    if (state.contains("loss") && state["loss"].is_number()) checkpoint_loss = state["loss"].get<double>();
+    // A wrong type (a string, null) skipped the log's check without a word (F4 of the eighteenth pass): refused, as
+    // the other keys are. (A missing one is allowed; the log is then not cut, see trim_resumed_log.)
+    DMOE_REQUIRE_INPUT(!state.contains("loss") || (state["loss"].is_number() &&
+                                                   std::isfinite(state["loss"].get<double>())),
+                       "{}/trainer_state.json: 'loss' must be a number, the loss of its step (found {})", o.resume_dir,
+                       state.contains("loss") ? state["loss"].dump() : "");
+    if (state.contains("loss")) checkpoint_loss = state["loss"].get<double>();
     // A key of the wrong type would end in nlohmann's type_error ("unexpected error"): named instead.
     DMOE_REQUIRE_INPUT(!state.contains("seed") || state["seed"].is_number_unsigned(),
                        "{}/trainer_state.json: 'seed' must be an integer >= 0 (found {})", o.resume_dir,
@@ -777,7 +857,9 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
     std::error_code ec;
     const bool append = first_step > 1 && fs::exists(o.log_path, ec);
     log.emplace(o.log_path, "--log", append);
-    if (append) trim_resumed_log(*log, o.log_path, first_step - 1, checkpoint_loss, print);
+    if (append)
+      trim_resumed_log(*log, o.log_path, first_step - 1, checkpoint_loss,
+                       (fs::path(o.resume_dir) / "trainer_state.json").string(), print);
   }
   print(fmt::format("train: {} | data {} ({} bytes: {} train, {} held out) | batch {} x seq {} | world {} | steps "
                     "{}..{} of {}", config.summary(), o.data_path, corpus.size(), train_bytes, val_bytes, o.batch,
@@ -993,12 +1075,13 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
                 print(fmt::format("tuned: chose {} ({:.3f} ms per Flow step; vanilla {:.3f}) for the rest of the run",
                                   describe(best, vanilla), best_ms, *vanilla_ms));
                 if (!o.tune_file.empty()) {
-                  tune_runs.push_back(json{{"key", tune_key}, {"samples", samples},
-                                           {"choice", {{"schedule", vanilla ? "vanilla" : "chunked-ar"},
-                                                       {"micro_batches", best.micro_batches},
-                                                       {"chunk_bytes", best.chunk_bytes() / 4 * 4},
-                                                       {"step_ms", best_ms}}}});
-                  write_json(o.tune_file, json{{"runs", tune_runs}});
+                  add_tune_entry(o.tune_file, tune_key,
+                                 json{{"key", tune_key}, {"samples", samples},
+                                      {"choice", {{"schedule", vanilla ? "vanilla" : "chunked-ar"},
+                                                  {"micro_batches", best.micro_batches},
+                                                  {"chunk_bytes", best.chunk_bytes() / 4 * 4},
+                                                  {"step_ms", best_ms}}}},
+                                 print);
                 }
               }
             } else if (samples_taken == all_samples - 1) {

@@ -19,6 +19,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -71,6 +72,9 @@ struct TrainOptions {
   // cuda, bf16: keep the experts' gradients f32 where bf16_expert_grads_for_training (train_replica.hpp) would make
   // them bf16 (dmoe train --f32-expert-grads; the reference run of the GPU tests; dmoe bench model's flag of that name).
   bool f32_expert_grads = false;
+  // Options whose value a bare --resume took from the saved trainer_state.json ("--seq", "--min-lr", ...; dmoe train's
+  // adopt_saved_settings): their errors name the state file and its key, not an option the user did not give.
+  std::set<std::string> from_state;
 };
 
 struct TrainRecord {

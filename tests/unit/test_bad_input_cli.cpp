@@ -64,6 +64,8 @@
 #include <tuple>
 
 #include <signal.h>
+#include <fcntl.h>
+#include <sys/file.h>
 #include <sys/mount.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -1336,18 +1338,19 @@ TEST_F(BadInput, InitModelShardedOutputsAreChecked) {
   expect_user_error(run_cli_bounded(init + p("model.safetensors")), "must end in .json", "--out not .json");
   EXPECT_FALSE(fs::exists(p("model-00002-of-00004.safetensors")));
   // i3: --save-config with a shard's name replaced that shard with the config.
-  expect_user_error(run_cli_bounded(init + p("index.json") + " --save-config " + p("model-00002-of-00004.safetensors")),
+  // (Shards are named after the index since the eighteenth pass: index.json has index-0000i-of-0000N.safetensors.)
+  expect_user_error(run_cli_bounded(init + p("index.json") + " --save-config " + p("index-00002-of-00004.safetensors")),
                     "has the name of a shard", "--save-config named as a shard");
   EXPECT_FALSE(fs::exists(p("index.json")));
   // F7 (fifteenth pass): a --config named as a shard beside --out was replaced by that shard (rc 0).
-  fs::copy_file(p("tiny.json"), p("model-00001-of-00004.safetensors"));
-  const std::string config = slurp(p("model-00001-of-00004.safetensors"));
-  expect_user_error(run_cli_bounded("init-model --config " + p("model-00001-of-00004.safetensors") +
+  fs::copy_file(p("tiny.json"), p("index-00001-of-00004.safetensors"));
+  const std::string config = slurp(p("index-00001-of-00004.safetensors"));
+  expect_user_error(run_cli_bounded("init-model --config " + p("index-00001-of-00004.safetensors") +
                                     " --shard-bytes 300000 --out " + p("index.json")),
-                    "--config '" + p("model-00001-of-00004.safetensors") + "' has the name of a shard",
+                    "--config '" + p("index-00001-of-00004.safetensors") + "' has the name of a shard",
                     "--config named as a shard");
-  EXPECT_EQ(slurp(p("model-00001-of-00004.safetensors")), config);
-  fs::remove(p("model-00001-of-00004.safetensors"));
+  EXPECT_EQ(slurp(p("index-00001-of-00004.safetensors")), config);
+  fs::remove(p("index-00001-of-00004.safetensors"));
   ASSERT_EQ(run_cli_bounded(init + p("index.json") + " --save-config " + p("config.json")).status, 0);
   write_tokens_file();
   EXPECT_EQ(run_cli_bounded("eval --config " + p("config.json") + " --weights " + p("index.json") + " --tokens " +
@@ -2246,8 +2249,11 @@ TEST_F(BadInput, ModelDirectoryWithAnIndexAndAModelFileIsRefused) {
   write_tokens_file();
   fs::create_directories(p("m"));
   ASSERT_EQ(run_cli("init-model --config " + p("tiny.json") + " --out " + p("m/model.safetensors") + " --seed 1").status, 0);
-  ASSERT_EQ(run_cli("init-model --config " + p("tiny.json") + " --out " + p("m/model.safetensors.index.json") +
+  // (init-model itself refuses to write the second one there since the eighteenth pass: written elsewhere, moved in.)
+  fs::create_directories(p("m2"));
+  ASSERT_EQ(run_cli("init-model --config " + p("tiny.json") + " --out " + p("m2/model.safetensors.index.json") +
                     " --shard-bytes 300000 --seed 2").status, 0);
+  for (const auto& e : fs::directory_iterator(p("m2"))) fs::rename(e.path(), p("m") / e.path().filename());
   expect_eval_and_train_init_refused(p("tiny.json"), p("m"), "holds both model.safetensors and "
                                      "model.safetensors.index.json, two models", "a directory of two models");
   // Each file named on its own is read.
@@ -2684,7 +2690,7 @@ TEST_F(BadInput, TrainErrorsNameTheOptionAndOnlyTheRuleThatFailed) {
   // "sequence length 300 is outside [1, max_position_embeddings = 256]" named no option; "--lr 0" was answered with
   // every rule at once: "need lr > 0 (is 0), warmup >= 0 (10), clip >= 0 (1), 0 < val_fraction < 1 (0.1)".
   const std::string train = "train --config " + p("tiny.json") + " --data " + p("data") + " --steps 1 --batch 2 ";
-  expect_user_error(run_cli(train + "--seq 300"), "train: --seq 300 is outside [1, max_position_embeddings = 256] of "
+  expect_user_error(run_cli(train + "--seq 300"), "train: --seq 300 is outside [2, max_position_embeddings = 256] of "
                     "the model config", "--seq 300");
   expect_user_error(run_cli("flow measure --config " + p("tiny.json") + " --seq 300 --batch 4 --steps 1"),
                     "flow measure: --seq 300 is outside [1, max_position_embeddings = 256]", "flow measure --seq 300");
@@ -2836,6 +2842,325 @@ TEST_F(BadInput, EvalTokenOutsideTheVocabularyNamesTheFileAndTheConfig) {
                     "eval --tokens " + p("neg.st") + ": token -1 at [1, 1] is outside the vocabulary [0, 256) of "
                     "--config " + p("tiny.json"), "token -1");
   EXPECT_FALSE(fs::exists(p("o.st")));
+}
+
+// ---- The eighteenth pass (2026-12-07, twenty-sixth session; docs/faults.md) -------------------------------------
+
+TEST_F(BadInput, TwoShardedModelsInOneDirectoryKeepTheirOwnShards) {
+  // F1: every index's shards were named model-0000i-of-0000N, so a second model (b.index.json) written beside a first
+  // (a.index.json) replaced its shards (rc 0, a's eval then refused them), and rewriting a with one shard deleted the
+  // four files b used. Shards are now named after their index, and a file the replaced index does not name is kept.
+  fs::create_directories(p("sh"));
+  write_tokens_file();
+  const auto init = [&](const std::string& index, const std::string& args) {
+    return run_cli_bounded("init-model --config " + p("tiny.json") + " --out " + p("sh/" + index) + " " + args);
+  };
+  const auto eval = [&](const std::string& index) {
+    return run_cli_bounded("eval --config " + p("tiny.json") + " --weights " + p("sh/" + index) + " --tokens " +
+                           p("tok.st") + " --output " + p("e.st"));
+  };
+  ASSERT_EQ(init("a.index.json", "--shard-bytes 300000").status, 0);
+  ASSERT_EQ(init("b.index.json", "--shard-bytes 300000 --seed 2").status, 0);
+  const Result a = eval("a.index.json"), b = eval("b.index.json");
+  EXPECT_EQ(a.status, 0) << a.output;
+  EXPECT_EQ(b.status, 0) << b.output;
+  EXPECT_NE(a.output.substr(a.output.find("loss")), b.output.substr(b.output.find("loss"))) << "two seeds, one model";
+  EXPECT_TRUE(fs::exists(p("sh/a-00001-of-00004.safetensors")));
+  EXPECT_TRUE(fs::exists(p("sh/b-00004-of-00004.safetensors")));
+  // a rewritten with one shard: its four old shards go, b's stay.
+  ASSERT_EQ(init("a.index.json", "--shard-bytes 3000000").status, 0);
+  EXPECT_FALSE(fs::exists(p("sh/a-00001-of-00004.safetensors")));
+  EXPECT_TRUE(fs::exists(p("sh/a-00001-of-00001.safetensors")));
+  const Result b2 = eval("b.index.json");
+  EXPECT_EQ(b2.status, 0) << b2.output;
+  EXPECT_EQ(b2.output, b.output) << "b's model changed";
+  // A file at a shard's name that no index being replaced names is refused, not replaced.
+  std::ofstream(p("sh/c-00001-of-00004.safetensors")) << "mine";
+  expect_user_error(init("c.index.json", "--shard-bytes 300000"), "it is not a shard of this model", "a foreign file");
+  EXPECT_EQ(slurp(p("sh/c-00001-of-00004.safetensors")), "mine");
+  EXPECT_FALSE(fs::exists(p("sh/c.index.json")));
+  // HF's names stay as they were: model.safetensors.index.json has model-0000i-of-0000N.safetensors.
+  ASSERT_EQ(init("model.safetensors.index.json", "--shard-bytes 300000").status, 0);
+  EXPECT_TRUE(fs::exists(p("sh/model-00001-of-00004.safetensors")));
+}
+
+TEST_F(BadInput, InitModelDoesNotMakeADirectoryOfTwoModels) {
+  // F12: init-model wrote model.safetensors.index.json beside a model.safetensors (or the other way round), rc 0, and
+  // every reader of the directory then refused it as two models.
+  fs::create_directories(p("both"));
+  ASSERT_EQ(run_cli_bounded("init-model --config " + p("tiny.json") + " --out " + p("both/model.safetensors")).status, 0);
+  expect_user_error(run_cli_bounded("init-model --config " + p("tiny.json") + " --out " +
+                                    p("both/model.safetensors.index.json") + " --shard-bytes 400000"),
+                    "its directory already holds model.safetensors", "an index beside a model file");
+  EXPECT_FALSE(fs::exists(p("both/model.safetensors.index.json")));
+  EXPECT_FALSE(fs::exists(p("both/model-00001-of-00003.safetensors")));
+  fs::create_directories(p("both2"));
+  ASSERT_EQ(run_cli_bounded("init-model --config " + p("tiny.json") + " --out " + p("both2/model.safetensors.index.json") +
+                            " --shard-bytes 400000").status, 0);
+  expect_user_error(run_cli_bounded("init-model --config " + p("tiny.json") + " --out " + p("both2/model.safetensors")),
+                    "its directory already holds model.safetensors.index.json", "a model file beside an index");
+  EXPECT_FALSE(fs::exists(p("both2/model.safetensors")));
+}
+
+TEST_F(BadInput, InitModelWhileAnotherWritesIntoItsDirectoryIsRefused) {
+  // F3: concurrent init-model --shard-bytes runs into one index all said "wrote", their renames interleaved, and in 3
+  // of 6 tries eval then refused a shard "of another save than the index". init-model now holds the directory's lock
+  // (flock) while it writes; a second writer is refused before it generates anything.
+  fs::create_directories(p("cc"));
+  const std::string init = "init-model --config " + p("tiny.json") + " --out " + p("cc/m.index.json") +
+                           " --shard-bytes 100000";
+  {
+    const int fd = ::open(p("cc").c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(::flock(fd, LOCK_EX | LOCK_NB), 0);  // as another writer holds it
+    expect_user_error(run_cli_bounded(init), "another dmoe process is writing into", "a held directory lock");
+    EXPECT_FALSE(fs::exists(p("cc/m.index.json")));
+    ::close(fd);
+  }
+  // Six at once: each writes a whole model or is refused, and the model left is one whole save.
+  const Result r = run_shell("cd " + p("cc") + " && for s in 1 2 3 4 5 6; do (timeout 60 " + DMOE_CLI_PATH + " " + init +
+                             " --seed $s > out.$s 2>&1; echo $? > rc.$s) & done; wait");
+  int written = 0;
+  for (int s = 1; s <= 6; ++s) {
+    const std::string rc = slurp(p("cc/rc." + std::to_string(s))), out = slurp(p("cc/out." + std::to_string(s)));
+    EXPECT_TRUE(rc == "0\n" || (rc == "1\n" && out.find("another dmoe process is writing into") != std::string::npos))
+        << "seed " << s << ": rc " << rc << out;
+    written += rc == "0\n";
+  }
+  EXPECT_GE(written, 1);
+  write_tokens_file();
+  const Result eval = run_cli_bounded("eval --config " + p("tiny.json") + " --weights " + p("cc/m.index.json") +
+                                      " --tokens " + p("tok.st") + " --output " + p("e.st"));
+  EXPECT_EQ(eval.status, 0) << eval.output;
+  // Under a launcher (dmoe launch -n 8 -- dmoe init-model ...) each process wrote the model over the others': refused,
+  // as init is (which wrote its files once per process).
+  const std::string job = "DMOE_RANK=0 DMOE_WORLD=2 DMOE_LOCAL_RANK=0 DMOE_LOCAL_WORLD=2";
+  expect_user_error(run_cli_bounded("init-model --config " + p("tiny.json") + " --out " + p("l.index.json") +
+                                    " --shard-bytes 100000", job),
+                    "init-model writes files and runs no ranks, but this is one of 2 processes (dmoe-launch)",
+                    "init-model under a launcher");
+  EXPECT_FALSE(fs::exists(p("l.index.json")));
+  expect_user_error(run_cli_bounded("init --hidden 8 --ffn 8 --experts 2 --top-k 1 --tokens 4 --out " + p("w.st"), job),
+                    "init writes files and runs no ranks, but this is one of 2 processes", "init under a launcher");
+  EXPECT_FALSE(fs::exists(p("w.st")));
+}
+
+TEST_F(BadInput, TwoTunedRunsAtOnceKeepBothTuningEntries) {
+  // F2: the tuning file is a store of one entry per run shape, but each run wrote back the list it had read at its
+  // start: of two runs at once, the last to finish dropped the other's entry (rc 0, no word). The file is now read
+  // again and written under a lock.
+  const std::string train = std::string(DMOE_CLI_PATH) + " train --config " + p("tiny.json") + " --data " +
+                            p("data") + " --world 2 --print-every 0 --schedule tuned --tune-file " + p("T.json") + " ";
+  // A tunes for ~50 steps; B starts once A has logged its first step (A has read the file) and ends long before A.
+  const Result r = run_shell(
+      "( timeout 120 " + train + "--steps 56 --seq 32 --batch 8 --tune-samples 3 --tune-steps 12 --log " + p("A.jsonl") +
+      " > " + p("a.out") + " 2>&1 & a=$!; for i in $(seq 600); do [ -s " + p("A.jsonl") + " ] && break; sleep 0.05; "
+      "done; timeout 60 " + train + "--steps 8 --seq 16 --batch 4 --tune-samples 2 --tune-steps 1 > " + p("b.out") +
+      " 2>&1; b=$?; wait $a; a=$?; echo \"rc $a $b\" )");
+  ASSERT_NE(r.output.find("rc 0 0"), std::string::npos) << r.output << slurp(p("a.out")) << slurp(p("b.out"));
+  std::set<int64_t> seqs;
+  const json tuning = json::parse(slurp(p("T.json")));
+  for (const json& run : tuning.at("runs")) seqs.insert(run.at("key").at("seq").get<int64_t>());
+  EXPECT_EQ(seqs, (std::set<int64_t>{16, 32})) << slurp(p("T.json"));
+  // A run of a shape already there reuses its entry and adds none.
+  ASSERT_EQ(run_shell(train + "--steps 8 --seq 16 --batch 4 --tune-samples 2 --tune-steps 1 --log " + p("C.jsonl"))
+                .status, 0);
+  EXPECT_EQ(json::parse(slurp(p("T.json"))).at("runs").size(), 2u);
+}
+
+TEST_F(BadInput, AResumeWhoseStateCannotShowTheLogIsItsOwnDoesNotCutIt) {
+  // F4: with trainer_state.json's 'loss' missing, null or a string, the check that --log is the saved run's was
+  // skipped without a word, and the resume cut another run's log past the checkpoint's step (rc 0). A wrong type is
+  // refused; a missing loss (states before 2026-12-07) lets nothing be cut, the file unchanged.
+  const std::string base = "train --config " + p("tiny.json") + " --data " + p("data") + " --seq 16 --batch 2 "
+                           "--val-batches 1 --print-every 0 ";
+  ASSERT_EQ(run_cli_bounded(base + "--steps 4 --stop-after 2 --save " + p("ck")).status, 0);
+  ASSERT_EQ(run_cli_bounded(base + "--steps 6 --seed 5 --log " + p("B.jsonl")).status, 0);
+  const std::string other = slurp(p("B.jsonl"));
+  json state = json::parse(slurp(p("ck/trainer_state.json")));
+  ASSERT_TRUE(state.contains("loss"));
+  for (const json& bad : {json("x"), json(nullptr), json(json::object())}) {
+    state["loss"] = bad;
+    write_json_file(p("ck/trainer_state.json"), state);
+    expect_user_error(run_cli_bounded(base + "--steps 4 --resume " + p("ck") + " --log " + p("B.jsonl")),
+                      "trainer_state.json: 'loss' must be a number, the loss of its step (found " + bad.dump() + ")",
+                      "loss " + bad.dump());
+    EXPECT_EQ(slurp(p("B.jsonl")), other);
+  }
+  state.erase("loss");
+  write_json_file(p("ck/trainer_state.json"), state);
+  expect_user_error(run_cli_bounded(base + "--steps 4 --resume " + p("ck") + " --log " + p("B.jsonl")),
+                    "--log " + p("B.jsonl") + ": this resume would cut its lines past the checkpoint's step 2 (from "
+                    "step 3 on), but " + p("ck/trainer_state.json") + " has no 'loss'", "loss missing");
+  EXPECT_EQ(slurp(p("B.jsonl")), other);
+  // Without lines to cut, such a state resumes as before.
+  const Result fresh = run_cli_bounded(base + "--steps 4 --resume " + p("ck") + " --log " + p("new.jsonl"));
+  EXPECT_EQ(fresh.status, 0) << fresh.output;
+}
+
+TEST_F(BadInput, PathsInAWorkingDirectoryDeeperThanPathMaxAreComparedAsFiles) {
+  // F6: in a working directory deeper than PATH_MAX no path can be made absolute, and two new files there (or a new
+  // output and an existing input) compared equal: `init --out a.st --input b.st` was refused as "the same file", as
+  // were run --output and train --save beside --log. Files are compared by their directories' identity now.
+  const std::string level(200, 'd');
+  std::string down;
+  for (int i = 0; i < 22; ++i) down += "mkdir -p " + level + " && cd -P " + level + " && ";  // -P: dash
+  const std::string in_deep = "cd " + p("") + " && " + down;
+  const std::string dmoe = std::string(DMOE_CLI_PATH);
+  const Result init = run_shell(in_deep + "[ ${#PWD} -gt 4096 ] && " + dmoe + " init --hidden 16 --ffn 32 --experts 4 "
+                                "--top-k 2 --tokens 8 --out a.st --input b.st --save-config c.json");
+  EXPECT_EQ(init.status, 0) << init.output;
+  const Result run = run_shell(in_deep + dmoe + " run --config c.json --weights a.st --input b.st --output y.st");
+  EXPECT_EQ(run.status, 0) << run.output;
+  const Result train = run_shell(in_deep + "timeout 60 " + dmoe + " train --config " + p("tiny.json") + " --data " +
+                                 p("data") + " --steps 1 --seq 8 --batch 2 --val-batches 1 --print-every 0 --save ck "
+                                 "--log l.jsonl");
+  EXPECT_EQ(train.status, 0) << train.output;
+  // The same file is still the same file there.
+  const Result same = run_shell(in_deep + dmoe + " init --hidden 16 --ffn 32 --experts 4 --top-k 2 --tokens 8 --out "
+                                "n.st --input ./n.st");
+  EXPECT_EQ(same.status, 1) << same.output;
+  EXPECT_NE(same.output.find("are the same file"), std::string::npos) << same.output;
+  const Result onto = run_shell(in_deep + dmoe + " run --config c.json --weights a.st --input b.st --output ./b.st");
+  EXPECT_NE(onto.output.find("is the same file as --input"), std::string::npos) << onto.output;
+  run_shell("rm -rf " + p(level));  // std::filesystem::remove_all cannot reach past PATH_MAX
+}
+
+TEST_F(BadInput, ModelConfigNumbersThatFloatCannotHoldAreRefused) {
+  // F5: router_aux_loss_coef 1e39 (or 1e300) made eval write a loss of inf (float32) with rc 0, the check done in
+  // double. F7: rms_norm_eps 1e39 or 3.5e38 became inf in float32 (every norm's output 0, uniform logits), 1e-50 became
+  // 0, both rc 0. Each is refused when the config is read, naming the field and its range.
+  ASSERT_EQ(run_cli_bounded("init-model --config " + p("tiny.json") + " --out " + p("m.st")).status, 0);
+  write_tokens_file();
+  const json tiny = json::parse(slurp(p("tiny.json")));
+  const auto eval_with = [&](const char* key, double value) {
+    json c = tiny;
+    c[key] = value;
+    write_json_file(p("c.json"), c);
+    return run_cli_bounded("eval --config " + p("c.json") + " --weights " + p("m.st") + " --tokens " + p("tok.st") +
+                           " --output " + p("o.st"));
+  };
+  for (const double coef : {1e39, 1e300, 1e7})
+    expect_user_error(eval_with("router_aux_loss_coef", coef), "must be in [0, 1e6] (the load-balancing loss's weight",
+                      "router_aux_loss_coef " + std::to_string(coef));
+  for (const double eps : {1e39, 3.5e38, 2.0, 1e-50, 1e-39})
+    expect_user_error(eval_with("rms_norm_eps", eps), "rms_norm_eps = ", "rms_norm_eps " + std::to_string(eps));
+  expect_user_error(eval_with("rms_norm_eps", 1e-50), "must be in [1.175494e-38, 1] (the RMSNorm epsilon", "message");
+  EXPECT_FALSE(fs::exists(p("o.st")));
+  // The range's ends and real values are taken.
+  for (const auto& [key, value] : {std::pair<const char*, double>{"router_aux_loss_coef", 1e6},
+                                   {"router_aux_loss_coef", 0.0}, {"rms_norm_eps", 1.0}, {"rms_norm_eps", 1e-6}}) {
+    const Result r = eval_with(key, value);
+    EXPECT_EQ(r.status, 0) << key << " " << value << "\n" << r.output;
+  }
+}
+
+TEST_F(BadInput, FlowCostsOfZeroMsAreRefusedNotPrintedAsNan) {
+  // F8: a cost file whose every cost is 0 made every step 0 ms: simulate printed "0.00 -nanx -nan%" in each row and
+  // tune "(tuner -nan% above)", rc 0.
+  json c = json::parse(slurp(p("costs.json")));
+  for (auto& [kind, task] : c.at("tasks").items()) task = {{"fixed_ms", 0}, {"batch_ms", 0}};
+  c["dense_grad_bytes_per_layer"] = 0;  // nothing all-reduced: allreduce.alpha_ms (0.08) is never paid
+  c.erase("head_grad_bytes");
+  c.erase("embed_grad_bytes");
+  write_json_file(p("z.json"), c);
+  for (const char* action : {"simulate", "tune"}) {
+    const Result r = run_cli_bounded(std::string("flow ") + action + " --costs " + p("z.json") + " --samples 2");
+    expect_user_error(r, "every cost is 0 (the tasks' fixed_ms and batch_ms; and with dense_grad_bytes_per_layer", action);
+    EXPECT_EQ(r.output.find("nan"), std::string::npos) << r.output;
+  }
+  // Bytes to all-reduce give a step, and ratios.
+  c["dense_grad_bytes_per_layer"] = 4096;
+  write_json_file(p("z.json"), c);
+  const Result one = run_cli_bounded("flow simulate --costs " + p("z.json") + " --samples 2");
+  EXPECT_EQ(one.status, 0) << one.output;
+  EXPECT_EQ(one.output.find("nan"), std::string::npos) << one.output;
+}
+
+TEST_F(BadInput, TrainErrorsNameTheStateFileForSavedSettingsAndTheTrueRanges) {
+  // F9: (a) "--min-lr 0.5 must be <= --lr 0.003 (or negative for the default, lr/10)", though a negative --min-lr is
+  // refused; (b) "--seq 300 is outside [1, ...]", though --seq 1 is refused; (c) a saved setting out of range, taken by
+  // a bare --resume, named as --min-lr, --seq or --beta2, which nobody had given.
+  const std::string base = "train --config " + p("tiny.json") + " --data " + p("data") + " --print-every 0 ";
+  const Result min_lr = run_cli_bounded(base + "--steps 3 --seq 16 --batch 2 --min-lr 0.5");
+  expect_user_error(min_lr, "train: --min-lr 0.5 must be <= --lr 0.003 (the cosine decays from lr to min_lr; leave "
+                    "--min-lr out for the default, lr/10)", "--min-lr 0.5");
+  EXPECT_EQ(min_lr.output.find("negative"), std::string::npos) << min_lr.output;
+  expect_user_error(run_cli_bounded(base + "--steps 3 --seq 300 --batch 2"),
+                    "train: --seq 300 is outside [2, max_position_embeddings = 256]", "--seq 300");
+  ASSERT_EQ(run_cli_bounded(base + "--steps 4 --stop-after 2 --seq 16 --batch 2 --val-batches 1 --save " + p("ck"))
+                .status, 0);
+  const json saved = json::parse(slurp(p("ck/trainer_state.json")));
+  const std::string state = p("ck/trainer_state.json");
+  for (const auto& [key, value, needle] :
+       {std::tuple<const char*, json, std::string>{"min_lr", 0.01, state + "'s 'min_lr' = 0.01 (--resume " + p("ck") +
+                                                   ": the saved run's; give --min-lr to replace it) must be <= " + state +
+                                                   "'s 'lr' = 0.003"},
+        {"seq", 300, "train: " + state + "'s 'seq' (--resume " + p("ck") + ": the saved run's; give --seq to replace "
+                     "it) = 300 is outside [2, max_position_embeddings = 256]"},
+        {"beta2", 1.0, "train: " + state + "'s 'beta2' = 1 (--resume " + p("ck") + ": the saved run's; give --beta2 to "
+                       "replace it) must be in [0, 1)"}}) {
+    json edited = saved;
+    edited[key] = value;
+    write_json_file(state, edited);
+    const Result r = run_cli_bounded("train --config " + p("tiny.json") + " --data " + p("data") + " --resume " + p("ck"));
+    expect_user_error(r, needle, key);
+    const std::string option = std::string("--") + (std::string(key) == "min_lr" ? "min-lr" : key) + " ";
+    EXPECT_EQ(r.output.find("train: " + option), std::string::npos) << "an option nobody gave:\n" << r.output;
+  }
+  // Given on the command line, the option is named as before.
+  expect_user_error(run_cli_bounded("train --config " + p("tiny.json") + " --data " + p("data") + " --resume " + p("ck") +
+                                    " --beta2 1"), "train: --beta2 1 must be in [0, 1)", "--beta2 1 given");
+}
+
+TEST_F(BadInput, ClusterGpusPerNodeStatesOneRange) {
+  // F10: gpus_per_node -1 said "must be finite and >= 0", but 0 is refused too ("an integer in [1, 1024]").
+  json cluster = json::parse(slurp(fs::path(DMOE_SOURCE_DIR) / "bench/flow/clusters/h200.json"));
+  for (const double g : {-1.0, 0.0, 2.5, 2048.0}) {
+    cluster["gpus_per_node"] = g;
+    write_json_file(p("cl.json"), cluster);
+    const Result r = run_cli_bounded("flow project --config " + p("tiny.json") + " --samples 2 --gpus 4 --experts 4 "
+                                     "--cluster " + p("cl.json"));
+    expect_user_error(r, ".gpus_per_node = " + fmt::format("{}", g) + ": must be an integer in [1, 1024]",
+                      "gpus_per_node " + std::to_string(g));
+    EXPECT_EQ(r.output.find(">= 0"), std::string::npos) << r.output;
+  }
+}
+
+TEST_F(BadInput, RunSaysItTakesOneSafetensorsFileNotAnIndex) {
+  // F11: run --weights INDEX.json read the JSON as a safetensors file: "header length 8387229874382703227 is absurd".
+  ASSERT_EQ(run_cli_bounded("init-model --config " + p("tiny.json") + " --out " + p("sh.index.json") +
+                            " --shard-bytes 300000").status, 0);
+  ASSERT_EQ(run_cli_bounded("init --hidden 64 --ffn 128 --experts 4 --top-k 2 --tokens 4 --out " + p("w.st") +
+                            " --input " + p("x.st") + " --save-config " + p("c.json")).status, 0);
+  const Result r = run_cli_bounded("run --config " + p("c.json") + " --weights " + p("sh.index.json") + " --input " +
+                                   p("x.st") + " --output " + p("y.st") + " --layer 1");
+  expect_user_error(r, "--weights '" + p("sh.index.json") + "' is a .json file, a sharded model's index: run reads one "
+                    "MoE layer from one safetensors file", "an index");
+  EXPECT_NE(r.output.find("the layer's gate 'model.layers.1.block_sparse_moe.gate.weight' is in the shard '" +
+                          p("sh-0000")), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("absurd"), std::string::npos) << r.output;
+  EXPECT_FALSE(fs::exists(p("y.st")));
+}
+
+TEST_F(BadInput, InvalidJsonIsDescribedWithoutTheParsersTag) {
+  // F14: "not valid JSON: [json.exception.parse_error.101] parse error at line 1, column 1: ..." showed the library's
+  // exception tag; the position stays, in words.
+  std::ofstream(p("bad.json")) << "Name:\tdmoe\n";
+  const Result r = run_cli_bounded("init-model --config " + p("bad.json") + " --out " + p("m.st"));
+  expect_user_error(r, "not valid JSON: parse error at line 1, column 1", "a config that is no JSON");
+  EXPECT_EQ(r.output.find("json.exception"), std::string::npos) << r.output;
+}
+
+TEST_F(BadInput, BenchProgressIntoAPipeIsOneLineEveryFewSeconds) {
+  // F13: into a pipe or a log, bench printed a progress line per call once a timing had run 2 s: ~4400 lines a second
+  // (26517 lines, 1.5 MB in 8 s) for a tiny layer. Now one line after 2 s, then one every 5 s.
+  const Result r = run_shell("timeout -s INT 4 " + std::string(DMOE_CLI_PATH) + " bench --engine cpu --tokens 8 "
+                             "--hidden 16 --ffn 32 --experts 4 --top-k 2 --repeat 1000000 --warmup 1000000 -n 2 2>&1 "
+                             "| grep -c 'so far'");
+  const int lines = std::atoi(r.output.c_str());
+  EXPECT_GE(lines, 1) << "no progress at all: " << r.output;
+  EXPECT_LE(lines, 2) << r.output;
 }
 
 }  // namespace

@@ -104,6 +104,7 @@ Command add_init_command(CLI::App& app) {
   sub->add_option("--grad-output", o->grad_output, "also write a random dy [world*tokens, hidden] here");
   sub->add_option("--save-config", o->save_config, "also write the resolved config as dmoe JSON");
   return [o, layer_option] {
+    require_not_under_launcher("init", "--out (and --input, --grad-output, --save-config)");
     require_prefix_ends_with_dot(o->prefix);
     require_layer_or_prefix(layer_option->count() > 0 ? std::optional<int>(o->layer) : std::nullopt, o->prefix);
     // The weights file holds tensors only: the routing flags reach --save-config's JSON and nothing else, and were

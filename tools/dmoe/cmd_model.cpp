@@ -84,7 +84,8 @@ void check_init_model_resources(const MixtralConfig& c, const std::string& out, 
   require_file_size_allowed(buffered, fmt::format("init-model --out {}{}", out, shard_bytes > 0 ? " (a shard)" : ""));
 }
 
-// With --shard-bytes, --out is the index and the shards model-0000i-of-0000N.safetensors go beside it. Readers take a
+// With --shard-bytes, --out is the index and its shards go beside it, named after it (shard_file_name: NAME.index.json
+// has NAME-0000i-of-0000N.safetensors; model.safetensors.index.json, as HF, model-0000i-of-0000N). Readers take a
 // path ending in .json for an index: any other --out made a model its own reader refused ("header length ... is
 // absurd"), one named as a shard had the index written over that shard, and a --save-config of a shard's name
 // replaced the shard with the config; all with rc 0.
@@ -99,22 +100,43 @@ void check_sharded_outputs(const InitModelOptions& o, const std::string& config_
   const auto is_shard_beside_out = [&](const std::string& path) {
     const fs::path p(path);
     const fs::path p_dir = p.parent_path().empty() ? fs::path(".") : p.parent_path();
-    return same_file(dir.string(), p_dir.string()) &&
-           std::regex_match(p.filename().string(), std::regex(R"(model-[0-9]{5}-of-[0-9]{5}\.safetensors)"));
+    return same_file(dir.string(), p_dir.string()) && is_shard_file_name(o.out, p.filename().string());
   };
   for (const auto& [option, path] : {std::pair<const char*, std::string>{"--save-config", o.save_config},
                                      {"--config", config_path}})
     DMOE_REQUIRE_INPUT(path.empty() || !is_shard_beside_out(path),
                        "{} '{}' has the name of a shard that --shard-bytes writes beside --out '{}' "
-                       "(model-0000i-of-0000N.safetensors): the shard would replace it; give it another name, e.g. "
-                       "config.json", option, path, o.out);
+                       "({}-0000i-of-0000N.safetensors): the shard would replace it; give it another name, e.g. "
+                       "config.json", option, path, o.out,
+                       shard_file_name(o.out, 1, 1).substr(0, shard_file_name(o.out, 1, 1).size() - 27));
+}
+
+// A model directory is read from its model.safetensors.index.json or its model.safetensors, and one holding both is
+// refused by every reader (eval --weights DIR, train --init DIR: which model is meant would be a guess). init-model
+// wrote the second beside the first with rc 0 (F12 of the eighteenth bad-input pass); it is refused before the work.
+// Other names (a.index.json beside b.index.json, each with shards of its own) are read by their names only.
+void require_no_second_model_beside(const std::string& out) {
+  namespace fs = std::filesystem;
+  const fs::path p(out);
+  const std::string name = p.filename().string();
+  const char* other = name == "model.safetensors" ? "model.safetensors.index.json"
+                      : name == "model.safetensors.index.json" ? "model.safetensors" : nullptr;
+  if (!other) return;
+  const fs::path beside = (p.parent_path().empty() ? fs::path(".") : p.parent_path()) / other;
+  std::error_code ec;
+  DMOE_REQUIRE_INPUT(!fs::exists(fs::symlink_status(beside, ec)), "--out '{}': its directory already holds {} ('{}'): "
+                     "with both it would be a directory of two models, which eval --weights DIR and train --init DIR "
+                     "refuse (which one is meant would be a guess); remove '{}' if it is stale, or write this model "
+                     "into another directory or under another name", out, other, beside.string(), beside.string());
 }
 
 // "the loss is nan", "logits[0, 3, 17] is inf", ... for the first non-finite result of an eval; "" if none.
 std::string first_non_finite(const EvalResult& r, const MixtralConfig& c, int64_t S, bool grad) {
   for (const auto& [name, v] : {std::pair<const char*, double>{"the loss", r.loss}, {"the cross-entropy", r.ce_loss},
                                 {"the load-balancing loss", r.aux_loss}})
-    if (!std::isfinite(v)) return fmt::format("{} is {}", name, v);
+    // Written as float32: a finite double past float's range is inf in the file.
+    if (!std::isfinite(v) || std::fabs(v) > double(std::numeric_limits<float>::max()))
+      return fmt::format("{} is {}{}", name, v, std::isfinite(v) ? " (inf as float32)" : "");
   const int64_t V = c.vocab_size;
   for (size_t i = 0; i < r.logits.size(); ++i)
     if (!std::isfinite(r.logits[i]))
@@ -140,6 +162,7 @@ Command add_init_model_command(CLI::App& app) {
       ->check(Range(int64_t(0), std::numeric_limits<int64_t>::max()));
   sub->add_option("--save-config", o->save_config, "also write the config as config.json here");
   return [o] {
+    require_not_under_launcher("init-model", "--out (with --shard-bytes: the index and its shards)");
     const std::string config_path = find_model_config_file(o->config);
     // Before anything is computed: the outputs are not the config and can be written.
     require_distinct_files({{"--out", o->out}, {"--save-config", o->save_config}}, {{"--config", config_path}});
@@ -153,6 +176,21 @@ Command add_init_model_command(CLI::App& app) {
                        "such as model.safetensors, or add --shard-bytes B for shards and an index", o->out);
     check_output_file(o->out, "--out");
     if (!o->save_config.empty()) check_output_file(o->save_config, "--save-config");
+    // One writer at a time in --out's directory: concurrent init-model --shard-bytes runs into one index each reported
+    // success while their renames interleaved, leaving an index over another run's shards (F3 of the eighteenth pass);
+    // a model written beside one being written could also make a directory of two models. The lock (flock on the
+    // directory, as train --save takes on its checkpoint directory) is held until the process ends; a second writer is
+    // refused before it generates anything.
+    ExclusiveLock directory_lock;
+    {
+      const std::filesystem::path parent = std::filesystem::path(o->out).parent_path();
+      const std::string dir = parent.empty() ? std::string(".") : parent.string();
+      DMOE_REQUIRE_INPUT(directory_lock.lock_directory(dir, "init-model --out", /*wait=*/false),
+                         "init-model --out {}: another dmoe process is writing into '{}' now (it holds the directory's "
+                         "lock: another init-model, or a train --save into it): wait for it to end, or write elsewhere",
+                         o->out, dir);
+    }
+    require_no_second_model_beside(o->out);
     const MixtralConfig c = load_mixtral_config(config_path);
     check_init_model_resources(c, o->out, o->shard_bytes);
     // A large model was silent for minutes (bert-large-moe, 4.7 GiB: > 90 s on 2 cores); its size is known now.

@@ -5,6 +5,9 @@
 //                            with --grad-output DY (dy [T_total, H]): dx and "grad." + each weight name.
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
+
+#include <nlohmann/json.hpp>
 
 #include "commands.hpp"
 #include "core/error.hpp"
@@ -13,6 +16,7 @@
 #include "engine/moe_engine.hpp"
 #include "engine/reference.hpp"
 #include "model/checkpoint.hpp"
+#include "model/config_io.hpp"
 #include "options.hpp"
 #include "run_gpu.hpp"
 
@@ -85,6 +89,30 @@ Command add_run_command(CLI::App& app) {
                             {"--config", o->config.config_path.empty() ? std::string()
                                                                        : find_config_file(o->config.config_path)}});
     check_output_file(o->output, "--output");
+    // run reads one layer from one safetensors file: a sharded model's index was read as one, its JSON bytes as the
+    // header length ("header length 8387229874382703227 is absurd"; F11 of the eighteenth bad-input pass).
+    if (std::filesystem::path(o->weights).extension() == ".json") {
+      std::string gate, shard;
+      try {  // the shard of the layer's gate (--prefix, --layer, else the lowest layer with one), where the index says
+        const nlohmann::json j = read_json_file(o->weights, "checkpoint index");
+        const nlohmann::json& map = j.at("weight_map");
+        if (!o->prefix.empty() || o->layer) {
+          gate = gate_name(o->prefix.empty() ? layer_prefix(*o->layer) : o->prefix);
+        } else {
+          for (int L = 0; L < 100000 && gate.empty(); ++L)
+            if (map.contains(gate_name(layer_prefix(L)))) gate = gate_name(layer_prefix(L));
+        }
+        if (!gate.empty() && map.contains(gate) && map.at(gate).is_string())
+          shard = (std::filesystem::path(o->weights).parent_path() / map.at(gate).get<std::string>()).string();
+      } catch (const std::exception&) {  // an index that is no JSON, or has no weight_map: the plain advice below
+      }
+      DMOE_FAIL_INPUT("--weights '{}' is a .json file, a sharded model's index: run reads one MoE layer from one "
+                      "safetensors file; {}, or evaluate the whole model with dmoe eval --weights (and train --init), "
+                      "which take an index", o->weights,
+                      shard.empty() ? "give the shard that holds the layer (the index's weight_map names it)"
+                                    : fmt::format("the layer's gate '{}' is in the shard '{}': give that file", gate,
+                                                  shard));
+    }
     const SafetensorsFile weights_file = SafetensorsFile::open(o->weights);
     const std::string prefix = o->prefix.empty() ? find_moe_prefix(weights_file, o->layer) : o->prefix;
     // Without --config the shapes come from the weights file; top_k must then be given. kTopKUnknown marks

@@ -67,17 +67,29 @@ void check_train_paths(const TrainOptions& o, const std::string& config_file) {
   // run on that --data trains on the log too (one that exists is refused above, as one of --data's files).
   if (fs::is_directory(o.data_path, ec))
     for (const NamedPath& out : {NamedPath{"--log", o.log_path}, NamedPath{"--tune-file", o.tune_file}})
-      DMOE_REQUIRE_INPUT(out.path.empty() || !same_file(fs::absolute(out.path, ec).parent_path().string(), o.data_path),
+      DMOE_REQUIRE_INPUT(out.path.empty() || !same_file(fs::path(out.path).has_parent_path()
+                                                            ? fs::path(out.path).parent_path().string() : ".",
+                                                        o.data_path),
                          "{} '{}' is in the --data directory '{}', whose files are the training text: later runs on it "
                          "would train on this {}; write it elsewhere", out.option, out.path, o.data_path,
                          out.option == "--log" ? "log" : "tuning file");
   // --save is made a directory at the end: as the path of a new --log or --tune-file (or below it) the training ran to
   // the end and then failed with "unexpected error: filesystem error: cannot create directories".
   if (!o.save_dir.empty()) {
-    const fs::path save = fs::weakly_canonical(fs::absolute(o.save_dir, ec), ec).lexically_normal();
+    // Absolute and normalised; in a working directory deeper than PATH_MAX (no path can be made absolute there) the
+    // paths as given, normalised: both were empty there, and every --log was refused as --save (F6 of the eighteenth
+    // bad-input pass).
+    const auto normal = [](const std::string& path) {
+      std::error_code e;
+      const fs::path absolute = fs::absolute(path, e);
+      if (e) return fs::path(path).lexically_normal();
+      const fs::path canonical = fs::weakly_canonical(absolute, e);
+      return (e ? absolute : canonical).lexically_normal();
+    };
+    const fs::path save = normal(o.save_dir);
     for (const NamedPath& out : {NamedPath{"--log", o.log_path}, NamedPath{"--tune-file", o.tune_file}}) {
       if (out.path.empty()) continue;
-      const fs::path file = fs::weakly_canonical(fs::absolute(out.path, ec), ec).lexically_normal();
+      const fs::path file = normal(out.path);
       const auto [f, s] = std::mismatch(file.begin(), file.end(), save.begin(), save.end());
       DMOE_REQUIRE_INPUT(f != file.end(), "--save '{}' is {} '{}'{}: the checkpoint is a directory, the {} a file; give "
                          "them different paths", o.save_dir, out.option, out.path, s == save.end() ? "" : " or inside it",
@@ -210,6 +222,7 @@ void adopt_saved_settings(TrainOptions& o, const CLI::App& sub, int64_t max_step
     DMOE_REQUIRE_INPUT(v >= lo && v <= hi, "--resume {}: trainer_state.json's '{}' = {} is outside [{}, {}], the range "
                        "of {}; give {} to replace it", o.resume_dir, key, v, lo, hi, option, option);
     field = v;
+    o.from_state.insert(option);
   };
   const auto adopt_real = [&](const char* key, const char* option, double& field, double lo, double hi) {
     if (!saved(key, option)) return;
@@ -217,6 +230,7 @@ void adopt_saved_settings(TrainOptions& o, const CLI::App& sub, int64_t max_step
     DMOE_REQUIRE_INPUT(std::isfinite(v) && v >= lo && v <= hi, "--resume {}: trainer_state.json's '{}' = {} is outside "
                        "[{}, {}], the range of {}; give {} to replace it", o.resume_dir, key, v, lo, hi, option, option);
     field = v;
+    o.from_state.insert(option);
   };
   adopt_int("steps", "--steps", o.steps, 1, max_steps);
   adopt_int("batch", "--batch", o.batch, 1, int64_t(1) << 20);

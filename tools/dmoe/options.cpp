@@ -224,6 +224,13 @@ void require_one_process(const std::string& command, const std::string& conseque
                      instead.empty() ? "" : ", or " + instead);
 }
 
+void require_not_under_launcher(const std::string& command, const std::string& writes) {
+  const ProcessEnv job = detect_process_env();
+  DMOE_REQUIRE_INPUT(job.world == 1, "{} writes files and runs no ranks, but this is one of {} processes ({}): each "
+                     "would write {}, over each other's; run it once, outside the launcher (then start the job that "
+                     "reads them)", command, job.world, job.launcher, writes);
+}
+
 void require_prefix_ends_with_dot(const std::string& prefix) {
   DMOE_REQUIRE_INPUT(prefix.empty() || prefix.back() == '.',
                      "--prefix '{}' must end with '.': tensor names are the prefix followed by 'gate.weight', "

@@ -116,5 +116,9 @@ std::string model_engine(const std::string& given, const char* option = "--engin
 // dmoe train --log L` interleaved two runs' lines in L (rc 0). Refused, saying what each would do (`consequence`) and
 // the engine that runs one rank per process (`instead`, may be empty).
 void require_one_process(const std::string& command, const std::string& consequence, const std::string& instead);
+// init and init-model write files and run no ranks: as one of a launcher's processes each process wrote them all, and
+// init-model's sharded saves interleaved (an index over shards of another process's save, rc 0: F3 of the eighteenth
+// bad-input pass). Refused, saying what each would write.
+void require_not_under_launcher(const std::string& command, const std::string& writes);
 
 }  // namespace dmoe::cli
