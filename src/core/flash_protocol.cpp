@@ -82,6 +82,9 @@ LocalLayout local_layout(const Shape& s) {
   l.choice_slot = carve(at, tkt * sizeof(int32_t));
   l.dlogits = carve(at, T * size_t(s.experts) * sizeof(float));
   l.dx_router = carve(at, T * size_t(s.hidden) * sizeof(float));
+  l.gate_partial = carve(at, s.split_gate ? size_t(s.gate_column_chunks()) * size_t(s.tokens) * size_t(s.experts) *
+                                                sizeof(float)
+                                          : 0);
   l.bytes = at;
   return l;
 }
@@ -132,6 +135,7 @@ const char* wait_name(int32_t what) {
     case kWaitRingEmpty: return "the task ring entry to be taken (tile ring empty)";
     case kWaitGradReady: return "the row gradients of source rank `slot` (grad_ready signal)";
     case kWaitDxReady: return "the input gradients from expert rank `slot` (dx_ready signal)";
+    case kWaitGateBarrier: return "the grid barrier after the split gate's partial logits (every block of this rank)";
   }
   return "an unknown flag";
 }

@@ -29,6 +29,8 @@ namespace dmoe::flash {
 
 constexpr int32_t kTileRows = 128;  // rows of a task tile (two consumer warpgroups of 64 on the GPU)
 constexpr int32_t kTileCols = 256;  // accumulator columns of a task tile
+constexpr int32_t kGateChunkTokens = 64;  // tokens of one gate chunk (the kernel's mma row groups: 4 of 16)
+constexpr int32_t kGateChunkCols = 64;    // columns of H in one gate chunk (one 128-byte-swizzled TMA box)
 
 // ---- signal word: bits 63..32 the epoch, 31..0 a value (a count) ---------------------------------------
 DMOE_HD constexpr uint64_t make_signal(uint32_t epoch, uint32_t value) { return (uint64_t(epoch) << 32) | value; }
@@ -51,7 +53,9 @@ struct Control {
   uint32_t task_counter;   // the next task index handed out after the first wave (reset every forward)
   uint32_t error;          // first error seen (Error below), 0 = none; sticky until the engine reads it
   uint32_t error_detail;   // e.g. the token
-  uint64_t pad[3];
+  uint64_t gate_barrier;   // blocks arrived after the split gate's partial logits, over all forwards (every forward
+                           // arrives, split or not, so that its target stays n·G)
+  uint64_t pad[2];
 };
 static_assert(sizeof(Control) == 64, "Control is one 64-byte block");
 
@@ -62,7 +66,8 @@ enum Role : int32_t { kRoleGate = 1, kRoleCounts = 2, kRoleDispatch = 3, kRolePr
                       kRoleCombine = 6, kRoleBackward = 7 };
 enum WaitWhat : int32_t { kWaitGridBarrier = 1, kWaitCounts = 2, kWaitRowsReady = 3, kWaitUpDone = 4,
                           kWaitArrived = 5, kWaitSlotFull = 6, kWaitSlotEmpty = 7, kWaitRingFull = 8,
-                          kWaitRingEmpty = 9, kWaitGradReady = 10, kWaitDxReady = 11 };
+                          kWaitRingEmpty = 9, kWaitGradReady = 10, kWaitDxReady = 11,
+                          kWaitGateBarrier = 12 };
 const char* role_name(int32_t role);
 const char* wait_name(int32_t what);
 
@@ -101,8 +106,19 @@ struct Shape {
   int32_t grid = 1;      // blocks of the kernel (the CPU twin: 1)
   bool train = false;    // forwards keep what the backward reads (probabilities, lse, pre-activations) and the
                          // backward's buffers exist (flash_backward); false: inference only, smaller regions
+  bool split_gate = false;  // the router logits' K columns split over the blocks (decode sizes; see
+                            // split_gate_items): set by the engine (cuda::flash_split_gate, DMOE_FLASH_GATE), false
+                            // on the CPU twin
 
   DMOE_HD int32_t local_experts() const { return experts / world; }
+  // The split gate's work items: (64-token chunk, 64-column chunk of H) pairs, one per block; each block writes
+  // its item's partial logits [64 tokens, E] (f32) and, after a grid barrier, the owner of a token sums that
+  // token's partials in column-chunk order (deterministic). Used where a block's own tokens would otherwise take
+  // many dependent rounds of column chunks (a token's whole H in one block: ~22 µs at H = 4096, docs/perf.md).
+  DMOE_HD int64_t gate_column_chunks() const { return (hidden + kGateChunkCols - 1) / kGateChunkCols; }
+  DMOE_HD int64_t split_gate_items() const {
+    return (tokens + kGateChunkTokens - 1) / kGateChunkTokens * gate_column_chunks();
+  }
   // Rows one rank can receive in one forward: every row routed to it by every source.
   DMOE_HD int64_t recv_rows() const {
     const int64_t all = int64_t(world) * tokens * top_k;
@@ -229,6 +245,7 @@ struct LocalLayout {
   size_t h = 0, ids = 0, weights = 0, slot = 0, block_counts = 0, up_done = 0, peers = 0, control = 0;
   size_t probs = 0, lse = 0, pre1 = 0, pre3 = 0, dest_row = 0, dweights = 0, choice_slot = 0, dlogits = 0,
          dx_router = 0;
+  size_t gate_partial = 0;  // split gate: [gate_column_chunks, T, E] f32 partial logits (0 bytes otherwise)
   size_t bytes = 0;
 };
 SymmetricLayout symmetric_layout(const Shape& s);

@@ -71,6 +71,7 @@ constexpr int kMaxGateTasks = 2;                      // warp tasks per warp: 4�
 constexpr int kMaxGateExperts = 32 * (kThreads / 32) * kMaxGateTasks / 4;
 constexpr int kGateSlots = kMaxGateExperts / 32;      // logits per lane in the warp routing (warp_routing.cuh)
 constexpr int kMaxSmem = 232448;
+static_assert(kGateTokens == flash::kGateChunkTokens && kBK == flash::kGateChunkCols, "the split gate's items");
 constexpr int kTableBase = 1024 + kRingBytes + 256;   // tables start after the aligned ring and barriers
 
 static_assert(kBarrierBytes <= kGateBarrierOffset && kGateBarrierOffset + 8 * kMaxGateStages <= 256,
@@ -209,6 +210,24 @@ __device__ void grid_barrier(const KernelArgs& a, uint32_t epoch) {
   __syncthreads();
 }
 
+// The split gate's barrier: every block's partial logits written (Control::gate_barrier). Every forward arrives,
+// split or not, so that the target stays epoch·G; only the split gate waits.
+__device__ void gate_barrier(const KernelArgs& a, uint32_t epoch, bool wait) {
+  uint64_t* bar = &control(a)->gate_barrier;
+  if (!wait) {
+    if (threadIdx.x == 0) atomicAdd(reinterpret_cast<unsigned long long*>(bar), 1ull);
+    return;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const uint64_t target = uint64_t(epoch) * gridDim.x;
+    atomic_add_acq_rel_gpu(bar, 1);
+    wait_flag([&] { return ld_acquire_gpu(bar); }, [&](uint64_t v) { return v >= target; }, a, flash::kRoleGate,
+              flash::kWaitGateBarrier, -1, target);
+  }
+  __syncthreads();
+}
+
 // ---- gate ------------------------------------------------------------------------------------------------
 // This block's tokens [t_begin, t_end): ids, weights, and slot[t·k+j] = rank of t among this block's tokens
 // routed to ids[t,j]; block_counts[block][e] = this block's tokens routed to e.
@@ -269,6 +288,63 @@ __device__ __forceinline__ void gate_chunk_products(float (&acc)[4][4], uint32_t
     mma_16816(acc[1], af, f1);
     mma_16816(acc[2], af, f2);
     mma_16816(acc[3], af, f3);
+  }
+}
+
+// The split gate (flash::Shape::split_gate_items, decode sizes): block b computes item b = (token chunk tc, column
+// chunk kc), the logits of tokens [64·tc, 64·tc + 64) over H's columns [64·kc, 64·kc + 64), with the one-group
+// loop's warp tasks on one TMA stage (gate stage 0 and its mbarrier, phase 0: nothing else loads a gate chunk in a
+// split forward), and stores them to gate_partial[kc, t, e]; gate_role sums a token's partials in kc order after
+// the gate barrier. One round trip per block instead of ceil(H/64) chunks in the token's own block.
+__device__ __noinline__ void split_gate_partials(const KernelArgs& a, const TileMaps& maps, uint8_t* scratch) {
+  const flash::Shape& s = a.p.shape;
+  const int64_t item = blockIdx.x;
+  if (item >= s.split_gate_items()) return;
+  const int32_t E = s.experts;
+  const int64_t T = s.tokens, chunks = s.gate_column_chunks();
+  const int64_t tc = item / chunks, kc = item % chunks, t0 = tc * kGateTokens;
+  const int32_t n = int32_t(min(int64_t(kGateTokens), T - t0));
+  const ScratchLayout sc = scratch_layout(E, s.top_k, s.world);
+  uint8_t* x_stage = scratch + sc.gate_stage;
+  uint8_t* w_stage = x_stage + kGateTokens * 128;
+  const uint32_t bar = smem_u32(scratch) + kRingBytes + kGateBarrierOffset;
+  if (threadIdx.x == 0) {
+    fence_async_shared();
+    mbar_expect_tx(bar, uint32_t(kGateTokens * 128 + E * 128));
+    tma_load_2d(smem_u32(x_stage), &maps.x, int32_t(kc * 64), int32_t(t0), bar);
+    tma_load_2d(smem_u32(w_stage), &maps.gate, int32_t(kc * 64), 0, bar);
+  }
+  flash_mbar_wait(bar, 0, flash::kWaitSlotFull, 0, a, flash::kRoleGate);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int mi = lane / 8, r8 = lane % 8;
+  const int32_t tasks = 4 * ((E + 31) / 32);
+  const int32_t my_tasks = (tasks - warp + kThreads / 32 - 1) / (kThreads / 32);  // <= kMaxGateTasks
+  float* partial = reinterpret_cast<float*>(a.p.local + a.ll.gate_partial) + (kc * T + t0) * E;
+  const uint32_t xb = smem_u32(x_stage), wb = smem_u32(w_stage);
+#pragma unroll
+  for (int m = 0; m < kMaxGateTasks; ++m) {
+    if (m >= my_tasks) break;
+    const int32_t task = warp + m * (kThreads / 32);
+    const int32_t tg = task % 4, eg = task / 4;
+    if (tg * 16 >= n) continue;
+    float acc[4][4];
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[nt][i] = 0.f;
+    const int32_t a_row = tg * 16 + 8 * (mi % 2) + r8;
+    const int32_t b_row0 = min(eg * 32 + 8 * (mi / 2) + r8, E - 1);
+    const int32_t b_row1 = min(eg * 32 + 16 + 8 * (mi / 2) + r8, E - 1);
+    gate_chunk_products(acc, xb, wb, a_row, b_row0, b_row1, mi, r8);
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+      const int32_t e0 = eg * 32 + nt * 8 + 2 * (lane % 4);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int32_t row = tg * 16 + lane / 4 + (i >= 2 ? 8 : 0), e = e0 + (i & 1);
+        if (row < n && e < E) partial[int64_t(row) * E + e] = acc[nt][i];
+      }
+    }
   }
 }
 
@@ -335,7 +411,20 @@ __device__ __noinline__ void gate_role(const KernelArgs& a, const TileMaps& maps
       for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[m][nt][i] = 0.f;
-    if (groups >= 2) {
+    if (s.split_gate) {
+      // Every block's partials are written (gate barrier): this block's tokens' sums, in column-chunk order.
+      const float* partial = reinterpret_cast<const float*>(a.p.local + a.ll.gate_partial);
+      const int64_t T = s.tokens, plane = T * E, nchunks = s.gate_column_chunks();
+      for (int32_t i = threadIdx.x; i < n * E; i += blockDim.x) {
+        const int32_t row = i / E, e = i % E;
+        const float* p = partial + (c0 + row) * E + e;
+        float v = 0.f;
+#pragma unroll 8
+        for (int64_t kc = 0; kc < nchunks; ++kc) v += __ldcg(p + kc * plane);  // other blocks wrote them (L2)
+        logits[row * stride + e] = v;
+      }
+      __syncthreads();
+    } else if (groups >= 2) {
       const int32_t my_task = warp % task_count, g = warp / task_count;
       const bool active = g < groups;
       const int32_t tg = my_task % tg_count, eg = my_task / tg_count;
@@ -1018,6 +1107,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
   const uint32_t epoch = uint32_t(*epoch_s);
   if (threadIdx.x == 0) stamp(a, flash::kStampStart);
+  if (s.split_gate) split_gate_partials(a, maps, smem);
+  gate_barrier(a, epoch, s.split_gate);
   gate_role(a, maps, smem, t_begin, t_end);
   if (threadIdx.x == 0) stamp(a, flash::kStampGate);
   grid_barrier(a, epoch);
@@ -1131,6 +1222,22 @@ int32_t flash_grid_blocks(const flash::Shape& s) {
     grid = int32_t(forced);
   }
   return grid;
+}
+
+bool flash_split_gate(const flash::Shape& s) {
+  // Unset means block until the split gate has run on a GPU (written in the twenty-sixth session, when no device
+  // call succeeded; docs/perf.md): auto applies the rule below, split forces it.
+  const std::string mode = env_choice("DMOE_FLASH_GATE", {"auto", "split", "block"}, "block");
+  const bool fits = s.split_gate_items() <= int64_t(s.grid);
+  if (mode == "block") return false;
+  if (mode == "split") {
+    if (!fits)
+      fail_input("DMOE_FLASH_GATE=split needs a block per gate item: ceil(T/64)*ceil(H/64) = %lld items for T = %lld, "
+                 "H = %lld, but the grid has %d blocks; allowed here: auto or block", (long long)s.split_gate_items(),
+                 (long long)s.tokens, (long long)s.hidden, s.grid);
+    return true;
+  }
+  return fits && s.gate_column_chunks() >= 16;
 }
 
 void flash_forward(const flash::Params& p, cudaStream_t stream) {

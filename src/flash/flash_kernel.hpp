@@ -26,6 +26,13 @@ std::string flash_unusable_reason(const flash::Shape& shape);
 // on one (measured occupancy; 1 with its shared memory), so that the cooperative launch holds them all.
 int32_t flash_grid_blocks(const flash::Shape& shape);
 
+// Whether the router's logits are computed by the split gate (flash::Shape::split_gate_items): every
+// (token chunk, column chunk) item on a block of its own. DMOE_FLASH_GATE: block (the default, until the split gate
+// has been measured on a GPU) — each block its own tokens; auto — split where the items fit one wave of `shape.grid`
+// blocks and H has at least 16 column chunks (fewer: a block's own rounds are few and the split's extra grid barrier
+// costs more); split — always (where the items do not fit, an input error).
+bool flash_split_gate(const flash::Shape& shape);
+
 // One rank's forward: a cooperative launch of flash_grid_blocks(shape) = p.shape.grid blocks on `stream`.
 // Nothing synchronises; the kernel advances the epoch in p.local's Control itself, so launches may follow
 // each other (or be captured in a CUDA graph) with no host work between them.

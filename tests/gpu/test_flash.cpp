@@ -64,8 +64,9 @@ struct DeviceRows {
 class FlashLayer : public ::testing::TestWithParam<FlashCase> {};
 
 // y and the routing against the CPU reference (all ranks' tokens) and, at W = 1, the EP engine on the GPU.
-TEST_P(FlashLayer, MatchesCpuReferenceAndEpEngine) {
-  if (!flash_runs_here()) GTEST_SKIP() << "no sm_90 GPU with this build's sm_90a kernels";
+// `split_gate`: whether the engine must have chosen the split gate (0 or 1; 2: auto's rule, split where the items
+// fit the grid and H has at least 16 column chunks).
+void check_flash_layer(const FlashCase& fc, int64_t hidden, int split_gate) {
   const ProcessEnv env = detect_process_env();
   int devices = 0;
   cudaGetDeviceCount(&devices);
@@ -75,7 +76,8 @@ TEST_P(FlashLayer, MatchesCpuReferenceAndEpEngine) {
   DMOE_CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   {
     auto comm = make_flash_test_comm(env, stream);
-    const MoeConfig c = flash_case_config(GetParam(), comm->world());
+    MoeConfig c = flash_case_config(fc, comm->world());
+    c.hidden = hidden;
     const int32_t rank = comm->rank(), Le = c.experts_per_rank();
     const int64_t T = c.tokens, H = c.hidden, k = c.top_k;
     const MoeWeights w = random_moe_weights(c, 23);
@@ -85,6 +87,10 @@ TEST_P(FlashLayer, MatchesCpuReferenceAndEpEngine) {
     const LayerResult ref = run_cpu_layer(c, w, x, nullptr);
 
     FlashEngine engine(c, *comm);
+    const flash::Shape& shape = engine.shape();
+    const bool expect_split = split_gate == 2 ? shape.split_gate_items() <= shape.grid && shape.gate_column_chunks() >= 16
+                                              : split_gate != 0;
+    ASSERT_EQ(shape.split_gate, expect_split) << c.summary() << ", grid " << shape.grid;
     engine.set_weights(slice_experts(w, c.first_expert(rank), Le));
     DeviceRows xd{size_t(T * H)}, yd{size_t(T * H)};
     xd.upload(x.data() + rank * T * H);
@@ -123,6 +129,59 @@ TEST_P(FlashLayer, MatchesCpuReferenceAndEpEngine) {
     comm->barrier(stream);
   }
   cudaStreamDestroy(stream);
+}
+
+TEST_P(FlashLayer, MatchesCpuReferenceAndEpEngine) {
+  if (!flash_runs_here()) GTEST_SKIP() << "no sm_90 GPU with this build's sm_90a kernels";
+  check_flash_layer(GetParam(), 256, 0);  // H = 256: 4 column chunks, the block's own gate loop (auto)
+}
+
+// DMOE_FLASH_GATE for one scope (restored after).
+struct ScopedGateMode {
+  std::string before;
+  bool had = false;
+  explicit ScopedGateMode(const char* mode) {
+    if (const char* v = std::getenv("DMOE_FLASH_GATE")) {
+      had = true;
+      before = v;
+    }
+    setenv("DMOE_FLASH_GATE", mode, 1);
+  }
+  ~ScopedGateMode() {
+    if (had) setenv("DMOE_FLASH_GATE", before.c_str(), 1);
+    else unsetenv("DMOE_FLASH_GATE");
+  }
+};
+
+// The split gate (every (token chunk, column chunk) item on a block of its own, partial logits summed by each
+// token's block after a grid barrier): chosen by auto at H = 1024 (16 column chunks) where the items fit the grid,
+// forced at H = 256; against the CPU reference and EP as above, with partial token chunks (T = 1, 37, 300), k = 8,
+// E = 16, every activation; and H = 1024 with the block's own loop (block) for the same cases.
+TEST(FlashLayerSplitGate, MatchesCpuReferenceAndEpEngine) {
+  if (!flash_runs_here()) GTEST_SKIP() << "no sm_90 GPU with this build's sm_90a kernels";
+  const FlashCase cases[] = {{Activation::swiglu, 0, 1, 8, 2}, {Activation::swiglu, 0, 37, 8, 8},
+                             {Activation::relu, 0.5, 129, 8, 1}, {Activation::gelu, 0, 300, 16, 4}};
+  for (const FlashCase& fc : cases) {
+    SCOPED_TRACE(case_name(fc));
+    {
+      ScopedGateMode mode("auto");
+      check_flash_layer(fc, 1024, 2);
+    }
+    {
+      // Forced split needs a block per item: under MPS a rank's grid can be smaller (then it is an input error).
+      MoeConfig c = flash_case_config(fc, 1);
+      flash::Shape shape = flash::make_shape(c, 1);
+      shape.grid = cuda::flash_grid_blocks(shape);
+      if (shape.split_gate_items() <= shape.grid) {
+        ScopedGateMode mode("split");
+        check_flash_layer(fc, 256, 1);
+      }
+    }
+    {
+      ScopedGateMode mode("block");
+      check_flash_layer(fc, 1024, 0);
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, FlashLayer,

@@ -317,3 +317,40 @@ TEST(FlashCpuTwin, RefusesLowestWeightDropPolicy) {
 
 }  // namespace
 }  // namespace dmoe
+
+namespace dmoe {
+namespace {
+
+// The split gate's items and partial-logit buffer (flash_kernel.cu: split_gate_partials, gate_role): a block per
+// (64-token chunk, 64-column chunk) pair; the buffer [column chunks, T, E] f32 exists only for a split shape, after
+// every other part, so that nothing else moves.
+TEST(FlashProtocol, SplitGateItemsAndPartialBuffer) {
+  MoeConfig c;
+  c.tokens = 65;
+  c.hidden = 4096;
+  c.ffn = 1536;
+  c.experts = 64;
+  c.top_k = 8;
+  c.dtype = DType::bf16;
+  flash::Shape s = flash::make_shape(c, 132);
+  EXPECT_EQ(s.gate_column_chunks(), 64);
+  EXPECT_EQ(s.split_gate_items(), 2 * 64);  // T = 65: two token chunks
+  s.tokens = 1;
+  EXPECT_EQ(s.split_gate_items(), 64);
+  s.hidden = 4100;  // a partial column chunk counts
+  EXPECT_EQ(s.gate_column_chunks(), 65);
+  s.hidden = 4096;
+  const flash::LocalLayout block = flash::local_layout(s);
+  EXPECT_EQ(block.gate_partial, block.bytes) << "no buffer without the split gate";
+  flash::Shape split = s;
+  split.split_gate = true;
+  const flash::LocalLayout ll = flash::local_layout(split);
+  EXPECT_EQ(ll.control, block.control);
+  EXPECT_EQ(ll.dx_router, block.dx_router);
+  EXPECT_GE(ll.gate_partial, block.dx_router);
+  EXPECT_GE(ll.bytes, ll.gate_partial + size_t(64) * 1 * 64 * sizeof(float));
+  static_assert(sizeof(flash::Control) == 64);
+}
+
+}  // namespace
+}  // namespace dmoe
