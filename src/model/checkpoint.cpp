@@ -521,10 +521,41 @@ bool is_shard_file_name(const std::string& index_path, const std::string& file_n
          std::regex_match(file_name.substr(head.size()), tail);
 }
 
+namespace {
+
+// G19-1, G19-2 (nineteenth bad-input pass): --save-config through a symlink to a shard this save writes was written
+// over that shard (the model broken, rc 0); through a symlink to an old shard this save removes, the model was
+// committed and the old shards removed before the config's write failed. The collision check compared names only.
+// Now every output is compared with every other and with every file to be removed by identity (same_file follows
+// symlinks), before anything is written.
+void require_outputs_apart(const std::vector<NamedPath>& outputs, const std::vector<NamedPath>& removed) {
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    for (size_t j = i + 1; j < outputs.size(); ++j)
+      DMOE_REQUIRE_INPUT(!same_file(outputs[i].path, outputs[j].path), "{} '{}' and {} '{}' are the same file (a "
+                         "symbolic or hard link to it): one would be written over the other; give each output a file "
+                         "of its own (e.g. --save-config config.json, not a link to a shard)", outputs[i].option,
+                         outputs[i].path, outputs[j].option, outputs[j].path);
+    for (const NamedPath& r : removed)
+      DMOE_REQUIRE_INPUT(!same_file(outputs[i].path, r.path), "{} '{}' is the same file as '{}' ({}), which this save "
+                         "removes once the new model is in place: it would be written, then deleted; give {} a file of "
+                         "its own (e.g. config.json, not a link to a shard)", outputs[i].option, outputs[i].path,
+                         r.path, r.option, outputs[i].option);
+  }
+}
+
+}  // namespace
+
 void save_mixtral_checkpoint(const std::string& path, const MixtralWeights& w, const MixtralConfig& config,
-                             int64_t max_shard_bytes) {
+                             int64_t max_shard_bytes, const std::vector<AlsoWritten>& also) {
   if (max_shard_bytes <= 0) {
-    write_file_atomically(path, mixtral_checkpoint_bytes(w, config));
+    std::vector<NamedPath> outputs;
+    for (const AlsoWritten& a : also) outputs.push_back(a.file);
+    outputs.push_back({"--out", path});
+    require_outputs_apart(outputs, {});
+    OutputFileSet files;
+    for (const AlsoWritten& a : also) files.write(a.file.path, a.text);
+    files.write(path, mixtral_checkpoint_bytes(w, config));
+    files.commit();
     return;
   }
   std::vector<ParamView> views = parameter_views(const_cast<MixtralWeights&>(w), config);
@@ -583,6 +614,19 @@ void save_mixtral_checkpoint(const std::string& path, const MixtralWeights& w, c
                                                                           : "no index is being replaced",
                        shard_file_name(path, 1, shards.size()));
   }
+  // The old index's shards that the new one does not name, of this index's names and of its save (its save id, where it
+  // has one), are removed after the commit (below); they are found now, so that no output can be one of them.
+  std::vector<NamedPath> outputs, removed;
+  for (const AlsoWritten& a : also) outputs.push_back(a.file);
+  outputs.push_back({"--out", path});
+  for (size_t s = 0; s < shards.size(); ++s)
+    outputs.push_back({fmt::format("shard {} of {}", s + 1, shards.size()), (dir / names[s]).string()});
+  for (const std::string& name : names) old_named.erase(name);
+  for (const std::string& file : old_named)
+    if (is_shard_file_name(path, file) && std::filesystem::exists(dir / file, ec) &&
+        (old_save_id.empty() || save_id_of_file(dir / file) == old_save_id))
+      removed.push_back({"a shard of the index being replaced", (dir / file).string()});
+  require_outputs_apart(outputs, removed);
   OutputFileSet files;
   // One id for the save, in the index's metadata and every shard's (HF readers ignore both): a SIGKILL between the
   // renames below left shards of two seeds under one index, which eval read, rc 0 (H5 of the seventeenth pass).
@@ -598,6 +642,7 @@ void save_mixtral_checkpoint(const std::string& path, const MixtralWeights& w, c
     writer.set_metadata(kShardSaveId, save_id);
     files.write((dir / names[s]).string(), writer.serialize());
   }
+  for (const AlsoWritten& a : also) files.write(a.file.path, a.text);
   files.write(path, index.dump(2) + "\n");
   files.commit();
   // The shards the index being replaced named (e.g. 42 of an earlier --shard-bytes 1): after the commit those the new
@@ -605,10 +650,7 @@ void save_mixtral_checkpoint(const std::string& path, const MixtralWeights& w, c
   // of this directory with a shard name of this index, and of the replaced index's save (its save id, where it has
   // one), are removed: a file of another model that the old index happened to name (written under the old common
   // names) is left be (F1: rewriting one model's index deleted another's shards).
-  for (const std::string& name : names) old_named.erase(name);
-  for (const std::string& file : old_named)
-    if (is_shard_file_name(path, file) && (old_save_id.empty() || save_id_of_file(dir / file) == old_save_id))
-      std::filesystem::remove(dir / file, ec);  // a failure leaves it, as before
+  for (const NamedPath& file : removed) std::filesystem::remove(file.path, ec);  // a failure leaves it, as before
 }
 
 }  // namespace dmoe

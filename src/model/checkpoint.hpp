@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "core/config.hpp"
+#include "core/output_file.hpp"
 #include "model/mixtral_weights.hpp"
 #include "model/moe_weights.hpp"
 #include "model/safetensors.hpp"
@@ -116,7 +117,15 @@ bool is_shard_file_name(const std::string& index_path, const std::string& file_n
 // `metadata`: entries beside {"format": "pt"} (train --save tags its files with the step, see trainer.cpp).
 std::vector<uint8_t> mixtral_checkpoint_bytes(const MixtralWeights& w, const MixtralConfig& config,
                                               const std::map<std::string, std::string>& metadata = {});
+// `also`: other files of the command (init-model's --save-config: {option, path} and its text), written in the same
+// set as the model, so that all of them appear or none. Before anything is written, every output (the model or the
+// index, every shard, each of `also`) is checked by file identity (symlinks followed) against every other and against
+// every shard of the index being replaced that the save will remove; a collision is refused naming both.
+struct AlsoWritten {
+  NamedPath file;
+  std::string text;
+};
 void save_mixtral_checkpoint(const std::string& path, const MixtralWeights& w, const MixtralConfig& config,
-                             int64_t max_shard_bytes = 0);
+                             int64_t max_shard_bytes = 0, const std::vector<AlsoWritten>& also = {});
 
 }  // namespace dmoe

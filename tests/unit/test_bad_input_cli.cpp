@@ -3164,5 +3164,38 @@ TEST_F(BadInput, BenchProgressIntoAPipeIsOneLineEveryFewSeconds) {
   EXPECT_LE(lines, 2) << r.output;
 }
 
+
+// The nineteenth pass (G19-*): outputs of init-model compared by identity, the tuning file's lock.
+TEST_F(BadInput, InitModelSaveConfigThroughALinkToAShardIsRefused) {
+  const std::string init = "init-model --config " + p("tiny.json") + " --out " + p("m.index.json");
+  ASSERT_EQ(run_cli_bounded(init + " --shard-bytes 400000").status, 0);
+  const std::string index = slurp(p("m.index.json")), shard1 = slurp(p("m-00001-of-00003.safetensors"));
+  // G19-1: a link to a shard this save rewrites: the config was written over the shard, rc 0.
+  fs::create_symlink("m-00001-of-00003.safetensors", p("cfg.json"));
+  Result r = run_cli_bounded(init + " --shard-bytes 400000 --seed 2 --save-config " + p("cfg.json"));
+  expect_user_error(r, "--save-config '" + p("cfg.json") + "' and shard 1 of 3", "a link to a shard rewritten");
+  EXPECT_NE(r.output.find("are the same file"), std::string::npos) << r.output;
+  EXPECT_EQ(slurp(p("m.index.json")), index);
+  EXPECT_TRUE(slurp(p("m-00001-of-00003.safetensors")) == shard1) << "shard 1 was changed";
+  // G19-2: a link to an old shard this save removes: the new model was committed, the old shards removed, then the
+  // config's write failed (rc 1, the model replaced anyway).
+  ASSERT_EQ(run_cli_bounded(init + " --shard-bytes 200000").status, 0);
+  const std::string index6 = slurp(p("m.index.json"));
+  ASSERT_TRUE(fs::exists(p("m-00005-of-00006.safetensors")));
+  fs::remove(p("cfg.json"));
+  fs::create_symlink("m-00005-of-00006.safetensors", p("cfg.json"));
+  r = run_cli_bounded(init + " --shard-bytes 400000 --seed 2 --save-config " + p("cfg.json"));
+  expect_user_error(r, "--save-config '" + p("cfg.json") + "' is the same file as", "a link to a shard removed");
+  EXPECT_NE(r.output.find("which this save removes"), std::string::npos) << r.output;
+  EXPECT_EQ(slurp(p("m.index.json")), index6);
+  for (int i = 1; i <= 6; ++i) EXPECT_TRUE(fs::exists(p(fmt::format("m-{:05d}-of-00006.safetensors", i)))) << i;
+  EXPECT_FALSE(fs::exists(p("m-00001-of-00003.safetensors")));
+  // A config of its own is written with the model.
+  ASSERT_EQ(run_cli_bounded(init + " --shard-bytes 400000 --seed 2 --save-config " + p("c.json")).status, 0);
+  EXPECT_TRUE(fs::exists(p("c.json")));
+  EXPECT_FALSE(fs::exists(p("m-00005-of-00006.safetensors")));
+}
+
+
 }  // namespace
 }  // namespace dmoe

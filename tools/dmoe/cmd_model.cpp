@@ -205,8 +205,12 @@ Command add_init_model_command(CLI::App& app) {
     if (large)
       std::fprintf(stderr, "init-model: weights generated in %.0f s; writing %s\n",
                    std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), o->out.c_str());
-    save_mixtral_checkpoint(o->out, w, c, o->shard_bytes);
-    if (!o->save_config.empty()) save_mixtral_config(c, o->save_config);
+    // The config is written with the model, in one set (G19-2: written after the model's commit, a failure left the
+    // new model in place and the old shards removed).
+    std::vector<AlsoWritten> also;
+    if (!o->save_config.empty())
+      also.push_back({{"--save-config", o->save_config}, mixtral_config_to_json(c).dump(2) + "\n"});
+    save_mixtral_checkpoint(o->out, w, c, o->shard_bytes, also);
     std::printf("wrote %s: %s\n", o->out.c_str(), c.summary().c_str());
     return 0;
   };
