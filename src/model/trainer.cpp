@@ -286,11 +286,23 @@ json read_json(const std::string& path) { return read_json_file(path, "training 
 // read again and written under an exclusive lock (flock on a hidden lock file beside it, ".NAME.dmoe-lock", kept: the
 // tuning file itself is replaced by a rename, which a lock on it would not survive). A file that is no tuning file any
 // more is left as it is, and said.
+// The lock file of a tuning file: beside the file that is replaced, not beside the name given. Two symbolic links to
+// one T.json (a/T.json, b/T.json) took two locks (a/.T.json.dmoe-lock, b/...) while the rename went to the one target,
+// so two runs each wrote back their own entry and one was lost, rc 0 (G19-5 of the nineteenth bad-input pass). The
+// path is resolved (weakly_canonical: every link of the part that exists, the file's own included); where it cannot be
+// (a working directory past PATH_MAX), the name as given, as before.
+fs::path tune_file_lock_path(const std::string& tune_file) {
+  std::error_code ec;
+  fs::path path = fs::weakly_canonical(fs::absolute(tune_file, ec), ec);
+  if (ec || path.filename().empty()) path = fs::path(tune_file);
+  return (path.has_parent_path() ? path.parent_path() : fs::path(".")) /
+         ("." + path.filename().string() + ".dmoe-lock");
+}
+
 void add_tune_entry(const std::string& tune_file, const json& key, const json& entry,
                     const std::function<void(const std::string&)>& print) {
   const fs::path path(tune_file);
-  const fs::path lock_path = (path.has_parent_path() ? path.parent_path() : fs::path(".")) /
-                             ("." + path.filename().string() + ".dmoe-lock");
+  const fs::path lock_path = tune_file_lock_path(tune_file);
   ExclusiveLock lock;
   lock.lock_file(lock_path.string(), "--tune-file", /*wait=*/true);
   json runs = json::array();

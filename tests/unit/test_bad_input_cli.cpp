@@ -3197,5 +3197,21 @@ TEST_F(BadInput, InitModelSaveConfigThroughALinkToAShardIsRefused) {
 }
 
 
+TEST_F(BadInput, TheTuningFilesLockIsBesideTheFileALinkNames) {
+  // G19-5: the lock was made beside the name given: two links a/T.json, b/T.json to real/T.json took two locks, and of
+  // two runs at once one entry was lost (rc 0). The lock is now beside the file the links name.
+  fs::create_directories(p("real"));
+  fs::create_directories(p("a"));
+  std::ofstream(p("real/T.json")) << "{\"runs\":[]}";
+  fs::create_symlink("../real/T.json", p("a/T.json"));
+  const std::string train = "train --config " + p("tiny.json") + " --data " + p("data") + " --seq 16 --batch 2 "
+                            "--steps 10 --print-every 0 --schedule tuned --tune-samples 3 --tune-steps 1 ";
+  ASSERT_EQ(run_cli_bounded(train + "--tune-file " + p("a/T.json")).status, 0);
+  EXPECT_TRUE(fs::exists(p("real/.T.json.dmoe-lock")));
+  EXPECT_FALSE(fs::exists(fs::symlink_status(p("a/.T.json.dmoe-lock"))));
+  EXPECT_EQ(json::parse(slurp(p("real/T.json"))).at("runs").size(), 1u);
+}
+
+
 }  // namespace
 }  // namespace dmoe
