@@ -299,6 +299,25 @@ fs::path tune_file_lock_path(const std::string& tune_file) {
          ("." + path.filename().string() + ".dmoe-lock");
 }
 
+// Before the training: the tuning file's lock file can be opened (it is created here when missing, and locked when the
+// entry is written). A directory or a symbolic link at its name (never followed) was found only after all the tuning
+// steps, and the run ended without its save or its tuning ("cannot be opened: Is a directory", or for a link "Too
+// many levels of symbolic links"; G19-3 of the nineteenth bad-input pass).
+void check_tune_lock_file(const TrainOptions& o) {
+  const fs::path lock = tune_file_lock_path(o.tune_file);
+  std::error_code ec;
+  const fs::file_status st = fs::symlink_status(lock, ec);
+  const char* what = fs::is_symlink(st) ? "a symbolic link" : fs::is_directory(st) ? "a directory" : nullptr;
+  DMOE_REQUIRE_INPUT(!what, "--tune-file {}: '{}' is {}: that name is the lock file dmoe takes beside the tuning file "
+                     "while it writes its entry (a regular file, created when missing; a link there is never "
+                     "followed); move it away", o.tune_file, lock.string(), what);
+  const int fd = ::open(lock.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0644);
+  DMOE_REQUIRE_INPUT(fd >= 0, "--tune-file {}: its lock file '{}' cannot be opened or created ({}): dmoe locks it while "
+                     "it writes the tuning entry; make it a writable regular file, or give a --tune-file in a "
+                     "writable directory", o.tune_file, lock.string(), std::strerror(errno));
+  ::close(fd);
+}
+
 void add_tune_entry(const std::string& tune_file, const json& key, const json& entry,
                     const std::function<void(const std::string&)>& print) {
   const fs::path path(tune_file);
@@ -830,7 +849,10 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
                        "than the {} this run has; lower --tune-samples/--tune-steps or raise --steps",
                        o.tune_samples - 1, int64_t(o.tune_samples) + 1, o.tune_steps, need,
                        last_step - first_step + 1);
-    if (!o.tune_file.empty()) check_output_file(o.tune_file, "--tune-file");
+    if (!o.tune_file.empty()) {
+      check_output_file(o.tune_file, "--tune-file");
+      check_tune_lock_file(o);
+    }
   }
 
   // The log grows line by line, each line checked (core/output_file.hpp, GrowingOutputFile). A new run's lines go to a

@@ -3213,5 +3213,30 @@ TEST_F(BadInput, TheTuningFilesLockIsBesideTheFileALinkNames) {
 }
 
 
+TEST_F(BadInput, TheTuningFilesLockFileIsCheckedBeforeTheTraining) {
+  const auto train_batch = [&](int batch) {
+    return "train --config " + p("tiny.json") + " --data " + p("data") + " --seq 16 --batch " + std::to_string(batch) +
+           " --steps 10 --print-every 0 --schedule tuned --tune-samples 3 --tune-steps 1 --tune-file " + p("T.json") +
+           " ";
+  };
+  const std::string train = train_batch(2);
+  // G19-3: a directory or a link at the lock's name was found after all the tuning steps ("cannot be opened: Is a
+  // directory", for a link "Too many levels of symbolic links"), and the run ended without its save.
+  fs::create_directories(p(".T.json.dmoe-lock"));
+  Result r = run_cli_bounded(train + "--log " + p("l.jsonl"));
+  expect_user_error(r, "'" + p(".T.json.dmoe-lock") + "' is a directory: that name is the lock file", "a directory");
+  EXPECT_EQ(r.output.find("tuned: chose"), std::string::npos) << r.output;
+  EXPECT_FALSE(fs::exists(p("l.jsonl")));
+  fs::remove(p(".T.json.dmoe-lock"));
+  std::ofstream(p("victim")) << "keep";
+  fs::create_symlink(p("victim"), p(".T.json.dmoe-lock"));
+  r = run_cli_bounded(train);
+  expect_user_error(r, "is a symbolic link: that name is the lock file", "a link");
+  EXPECT_EQ(r.output.find("Too many levels"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("tuned: chose"), std::string::npos) << r.output;
+  EXPECT_EQ(slurp(p("victim")), "keep");
+  fs::remove(p(".T.json.dmoe-lock"));
+}
+
 }  // namespace
 }  // namespace dmoe
