@@ -305,6 +305,11 @@ fs::path tune_file_lock_path(const std::string& tune_file) {
 // many levels of symbolic links"; G19-3 of the nineteenth bad-input pass).
 void check_tune_lock_file(const TrainOptions& o) {
   const fs::path lock = tune_file_lock_path(o.tune_file);
+  // G19-10: --log onto the lock file (as H3, --log onto the save's journal): the log was written there and the lock
+  // then sat on an unlinked inode, which a concurrent tuned run would not lock.
+  DMOE_REQUIRE_INPUT(o.log_path.empty() || !same_file(o.log_path, lock.string()), "--log '{}' is the lock file of "
+                     "--tune-file {} ('{}'), which dmoe creates and locks beside the tuning file while it writes its "
+                     "entry: give another --log", o.log_path, o.tune_file, lock.string());
   std::error_code ec;
   const fs::file_status st = fs::symlink_status(lock, ec);
   const char* what = fs::is_symlink(st) ? "a symbolic link" : fs::is_directory(st) ? "a directory" : nullptr;

@@ -3236,6 +3236,15 @@ TEST_F(BadInput, TheTuningFilesLockFileIsCheckedBeforeTheTraining) {
   EXPECT_EQ(r.output.find("tuned: chose"), std::string::npos) << r.output;
   EXPECT_EQ(slurp(p("victim")), "keep");
   fs::remove(p(".T.json.dmoe-lock"));
+  // G19-10: --log onto the lock file was taken (rc 0), the log written where the lock is taken.
+  r = run_cli_bounded(train + "--log " + p(".T.json.dmoe-lock"));
+  expect_user_error(r, "--log '" + p(".T.json.dmoe-lock") + "' is the lock file of --tune-file", "--log onto the lock");
+  EXPECT_FALSE(fs::exists(p("T.json")));
+  ASSERT_EQ(run_cli_bounded(train).status, 0);
+  EXPECT_TRUE(fs::is_regular_file(fs::symlink_status(p(".T.json.dmoe-lock"))));
+  // The lock file exists now: --log onto it is refused by identity as well.
+  expect_user_error(run_cli_bounded(train_batch(4) + "--log " + p(".T.json.dmoe-lock")),
+                    "is the lock file of --tune-file", "--log onto the existing lock");
 }
 
 }  // namespace
