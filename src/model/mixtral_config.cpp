@@ -2,6 +2,7 @@
 #include "model/mixtral_config.hpp"
 
 #include <cmath>
+#include <cstdlib>
 #include <fstream>
 #include <limits>
 #include <sstream>
@@ -95,10 +96,20 @@ void MixtralConfig::validate() const {
   // The norms compute in float32 with float(rms_norm_eps): past float's range (1e39, 3.5e38) it became inf and every
   // norm's output 0 (uniform logits, rc 0); below it (1e-50) it became 0 (F7 of the eighteenth bad-input pass). Real
   // models use 1e-6 .. 1e-5; an eps past 1 outweighs the activations' mean square.
+  // The lower bound is printed rounded up (the fewest digits, from 7, whose value is not below FLT_MIN): {:.7g} printed
+  // 1.175494e-38, below the bound, so that "rms_norm_eps = 1.175494e-38 must be in [1.175494e-38, 1]" (G19-6 of the
+  // nineteenth bad-input pass). Even {:.9g} (1.17549435e-38) is below it; 1.1754944e-38 is taken.
+  const auto bound_up = [](double v) {
+    for (int digits = 7; digits < 17; ++digits) {
+      const std::string text = fmt::format("{:.{}g}", v, digits);
+      if (std::strtod(text.c_str(), nullptr) >= v) return text;
+    }
+    return fmt::format("{:.17g}", v);
+  };
   DMOE_REQUIRE_INPUT(rms_norm_eps >= double(std::numeric_limits<float>::min()) && rms_norm_eps <= 1,
-                     "{}: rms_norm_eps = {} must be in [{:.7g}, 1] (the RMSNorm epsilon, used in float32: the smallest "
+                     "{}: rms_norm_eps = {} must be in [{}, 1] (the RMSNorm epsilon, used in float32: the smallest "
                      "normal float up to 1; Mixtral's is 1e-5)", kWhat, rms_norm_eps,
-                     double(std::numeric_limits<float>::min()));
+                     bound_up(double(std::numeric_limits<float>::min())));
   // The rotary frequencies 1 / theta^(2j/D) are computed in float32, as transformers does: a theta below 1 makes them
   // exceed 1 radian per position, and a tiny one (1e-300: 0 as a float) inf, so that a forward's attention was NaN and
   // eval or train failed in the router ("logits contain NaN") naming x or the gate; past float's range (1e300) every

@@ -3046,7 +3046,14 @@ TEST_F(BadInput, ModelConfigNumbersThatFloatCannotHoldAreRefused) {
                       "router_aux_loss_coef " + std::to_string(coef));
   for (const double eps : {1e39, 3.5e38, 2.0, 1e-50, 1e-39})
     expect_user_error(eval_with("rms_norm_eps", eps), "rms_norm_eps = ", "rms_norm_eps " + std::to_string(eps));
-  expect_user_error(eval_with("rms_norm_eps", 1e-50), "must be in [1.175494e-38, 1] (the RMSNorm epsilon", "message");
+  expect_user_error(eval_with("rms_norm_eps", 1e-50), "must be in [1.1754944e-38, 1] (the RMSNorm epsilon", "message");
+  // G19-6: the lower bound was printed rounded down: "rms_norm_eps = 1.175494e-38 must be in [1.175494e-38, 1]". It is
+  // printed rounded up now, and the printed bound is taken.
+  const Result below = eval_with("rms_norm_eps", 1.175494e-38);
+  expect_user_error(below, "must be in [1.1754944e-38, 1]", "FLT_MIN rounded down");
+  EXPECT_EQ(below.output.find("[1.175494e-38,"), std::string::npos) << below.output;
+  EXPECT_EQ(eval_with("rms_norm_eps", 1.1754944e-38).status, 0);
+  fs::remove(p("o.st"));
   EXPECT_FALSE(fs::exists(p("o.st")));
   // The range's ends and real values are taken.
   for (const auto& [key, value] : {std::pair<const char*, double>{"router_aux_loss_coef", 1e6},
