@@ -73,6 +73,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "kill_test_util.hpp"
 #include "cli_test_util.hpp"
 #include "core/env.hpp"
 #include "core/error.hpp"
@@ -903,20 +904,12 @@ TEST_F(BadInput, ASaveKilledBetweenItsRenamesIsCompletedOnResume) {
   ASSERT_EQ(run_cli_bounded(base + "--stop-after 4 --save " + p("ck4") + " --log " + p("parts.jsonl")).status, 0);
   // The step-4 save committed into ck as the trainer commits it (same files, same order, same journal), killed after
   // its second rename: model.safetensors and config.json of step 4 beside the optimizer and state of step 2.
-  const pid_t pid = ::fork();
-  ASSERT_GE(pid, 0);
-  if (pid == 0) {
-    set_after_rename_hook_for_tests([](size_t renamed) {
-      if (renamed == 1) ::raise(SIGKILL);
-    });
+  const int status = test::run_child_signalled_after_rename(1, SIGKILL, [&] {
     OutputFileSet files;
     for (const char* name : {"model.safetensors", "config.json", "optimizer.safetensors", "trainer_state.json"})
       files.write(p("ck/") + name, std::string_view(slurp(p("ck4/") + name)));
     files.commit(p("ck/.dmoe-commit.json"));
-    ::_exit(3);
-  }
-  int status = 0;
-  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  });
   ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) << "status " << status;
   ASSERT_EQ(nlohmann::json::parse(slurp(p("ck/trainer_state.json")))["step"], 2) << "the kill left no mix to complete";
   const Result resumed = run_cli_bounded(base + "--resume " + p("ck") + " --save " + p("ck") + " --log " +
@@ -947,14 +940,7 @@ TEST_F(BadInput, ANewRunsLogIsCompletedWithItsKilledFirstSave) {
   const auto killed_save = [&](size_t kill_after, int64_t save_every = 0) {
     fs::remove_all(p("ck"));
     std::ofstream(p("log.jsonl"), std::ios::trunc) << earlier;
-    const pid_t pid = ::fork();
-    ASSERT_GE(pid, 0);
-    if (pid == 0) {
-      static size_t kill_at;
-      kill_at = kill_after;
-      set_after_rename_hook_for_tests([](size_t renamed) {
-        if (renamed == kill_at) ::raise(SIGKILL);
-      });
+    const int status = test::run_child_signalled_after_rename(kill_after, SIGKILL, [&] {
       TrainOptions o;
       o.data_path = p("data");
       o.seq = 16, o.batch = 2, o.val_batches = 1, o.print_every = 0, o.steps = 6, o.lr = 0.002, o.warmup = 2;
@@ -963,15 +949,8 @@ TEST_F(BadInput, ANewRunsLogIsCompletedWithItsKilledFirstSave) {
         o.save_every = save_every;
       else
         o.stop_after = 4;
-      try {
-        train_mixtral(load_mixtral_config(p("tiny.json")), o, [](const std::string&) {});
-      } catch (...) {
-        ::_exit(4);
-      }
-      ::_exit(3);
-    }
-    int status = 0;
-    ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+      train_mixtral(load_mixtral_config(p("tiny.json")), o, [](const std::string&) {});
+    });
     ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) << "status " << status;
     ASSERT_EQ(slurp(p("log.jsonl")), earlier) << "the kill came after the log's rename";
     ASSERT_TRUE(fs::exists(p("ck/.dmoe-commit.json")));

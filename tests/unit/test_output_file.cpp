@@ -24,6 +24,7 @@
 #include "core/error.hpp"
 #include "error_test_util.hpp"
 #include "core/output_file.hpp"
+#include "kill_test_util.hpp"
 
 namespace dmoe {
 namespace {
@@ -52,43 +53,25 @@ class OutputFile : public ::testing::Test {
   // In a child process: a, b, c.txt committed as "new" with the journal .commit.json, killed (SIGKILL) right after the
   // first rename. The parent checks that it died by the signal.
   void commit_killed_after_first_rename() const {
-    const pid_t pid = ::fork();
-    ASSERT_GE(pid, 0);
-    if (pid == 0) {
-      set_after_rename_hook_for_tests([](size_t renamed) {
-        if (renamed == 0) ::raise(SIGKILL);
-      });
+    const int status = test::run_child_signalled_after_rename(0, SIGKILL, [&] {
       OutputFileSet set;
       for (const char* name : {"a.txt", "b.txt", "c.txt"}) set.write(p(name), std::string_view("new"));
       set.commit(p(".commit.json"));
-      ::_exit(3);
-    }
-    int status = 0;
-    ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+    });
     ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) << "status " << status;
   }
   // As above, with a new run's log.txt (its temporary holding "new 1\nnew 2\n", an earlier log.txt at the target)
   // published by the commit as its last rename; killed (SIGKILL) right after rename `kill_after` (0..2: the set's,
   // 3: the log's).
   void commit_with_log_killed_after(size_t kill_after) const {
-    const pid_t pid = ::fork();
-    ASSERT_GE(pid, 0);
-    if (pid == 0) {
-      static size_t kill_at;
-      kill_at = kill_after;
-      set_after_rename_hook_for_tests([](size_t renamed) {
-        if (renamed == kill_at) ::raise(SIGKILL);
-      });
+    const int status = test::run_child_signalled_after_rename(kill_after, SIGKILL, [&] {
       GrowingOutputFile log(p("log.txt"), "--log", /*append=*/false);
       log.write("new 1\n");
       log.write("new 2\n");
       OutputFileSet set;
       for (const char* name : {"a.txt", "b.txt", "c.txt"}) set.write(p(name), std::string_view("new"));
       set.commit(p(".commit.json"), &log);
-      ::_exit(3);
-    }
-    int status = 0;
-    ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+    });
     ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) << "status " << status;
   }
   // The names in the directory that are dmoe temporaries.
@@ -191,21 +174,12 @@ TEST_F(OutputFile, ASignalDuringACommitWaitsForItsLastRename) {
     ASSERT_EQ(::sigaction(sig, nullptr, &now), 0);
     if (now.sa_handler == SIG_IGN) GTEST_SKIP() << "signal " << sig << " is ignored in this process (and so in children)";
     for (const char* name : {"a.txt", "b.txt", "c.txt"}) write_file_atomically(p(name), std::string_view("old"));
-    const pid_t pid = ::fork();
-    ASSERT_GE(pid, 0);
-    if (pid == 0) {
-      static int signal_to_send;
-      signal_to_send = sig;
-      set_after_rename_hook_for_tests([](size_t renamed) {
-        if (renamed == 0) ::raise(signal_to_send);  // after the first of three renames
-      });
+    // The signal after the first of three renames, held back until the commit is done, then ending the child.
+    const int status = test::run_child_signalled_after_rename(0, sig, [&] {
       OutputFileSet set;
       for (const char* name : {"a.txt", "b.txt", "c.txt"}) set.write(p(name), std::string_view("new"));
       set.commit();
-      ::_exit(3);  // not reached: the held-back signal ends the process once the commit is done
-    }
-    int status = 0;
-    ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+    });
     EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == sig) << "status " << status;
     for (const char* name : {"a.txt", "b.txt", "c.txt"}) EXPECT_EQ(read_text(p(name)), "new") << name;
     EXPECT_EQ(entries(), 3u) << "a temporary was left";
