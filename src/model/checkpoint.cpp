@@ -479,10 +479,6 @@ std::vector<uint8_t> mixtral_checkpoint_bytes(const MixtralWeights& w, const Mix
   return writer.serialize();
 }
 
-namespace {
-
-// The part of a shard's name before "-NNNNN-of-NNNNN.safetensors": the index's file name without ".json", ".index" and
-// ".safetensors" ("model" for model.safetensors.index.json, as HF writes it).
 std::string shard_base(const std::string& index_path) {
   std::string base = std::filesystem::path(index_path).filename().string();
   for (const std::string suffix : {".json", ".index", ".safetensors"})
@@ -490,6 +486,8 @@ std::string shard_base(const std::string& index_path) {
       base.resize(base.size() - suffix.size());
   return base.empty() || base == ".json" ? std::string("model") : base;
 }
+
+namespace {
 
 // The save id in a safetensors file's __metadata__ (its header only is read); "" when it has none or is no such file.
 std::string save_id_of_file(const std::filesystem::path& file) {

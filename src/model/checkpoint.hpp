@@ -99,6 +99,9 @@ MixtralWeights load_mixtral_weights(const CheckpointReader& reader, const Mixtra
 // Adds every tensor of w under name_prefix + its HF name ("" for weights, "grad." for gradients).
 void add_mixtral_tensors(SafetensorsWriter& writer, const MixtralWeights& w, const MixtralConfig& config,
                          const std::string& name_prefix = "", DType stored_as = DType::f32);
+// The part of a shard's name before "-NNNNN-of-NNNNN.safetensors": the index's file name without ".json", ".index" and
+// ".safetensors" ("model" for model.safetensors.index.json, as HF writes it).
+std::string shard_base(const std::string& index_path);
 // The name of shard `shard` (1-based) of `count` of the sharded checkpoint whose index is `index_path`: the index's
 // name without ".json", ".index" and ".safetensors", then "-0000i-of-0000N.safetensors", as HF names them
 // (model.safetensors.index.json: model-00001-of-00004.safetensors; a.index.json: a-00001-of-00004.safetensors). Two

@@ -107,8 +107,7 @@ void check_sharded_outputs(const InitModelOptions& o, const std::string& config_
     DMOE_REQUIRE_INPUT(path.empty() || !is_shard_beside_out(path),
                        "{} '{}' has the name of a shard that --shard-bytes writes beside --out '{}' "
                        "({}-0000i-of-0000N.safetensors): the shard would replace it; give it another name, e.g. "
-                       "config.json", option, path, o.out,
-                       shard_file_name(o.out, 1, 1).substr(0, shard_file_name(o.out, 1, 1).size() - 27));
+                       "config.json", option, path, o.out, shard_base(o.out));
 }
 
 // A model directory is read from its model.safetensors.index.json or its model.safetensors, and one holding both is
