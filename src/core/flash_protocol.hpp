@@ -53,8 +53,8 @@ struct Control {
   uint32_t task_counter;   // the next task index handed out after the first wave (reset every forward)
   uint32_t error;          // first error seen (Error below), 0 = none; sticky until the engine reads it
   uint32_t error_detail;   // e.g. the token
-  uint64_t gate_barrier;   // blocks arrived after the split gate's partial logits, over all forwards (every forward
-                           // arrives, split or not, so that its target stays n·G)
+  uint64_t gate_barrier;   // blocks arrived after the split gate's partial logits, over all forwards (n·G after n:
+                           // an engine's forwards all split the gate or none does)
   uint64_t pad[2];
 };
 static_assert(sizeof(Control) == 64, "Control is one 64-byte block");

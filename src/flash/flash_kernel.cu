@@ -210,14 +210,10 @@ __device__ void grid_barrier(const KernelArgs& a, uint32_t epoch) {
   __syncthreads();
 }
 
-// The split gate's barrier: every block's partial logits written (Control::gate_barrier). Every forward arrives,
-// split or not, so that the target stays epoch·G; only the split gate waits.
-__device__ void gate_barrier(const KernelArgs& a, uint32_t epoch, bool wait) {
+// The split gate's barrier: every block's partial logits written (Control::gate_barrier). An engine's shape, and so
+// whether its forwards split the gate, is fixed: every forward of a split engine arrives, so the target is epoch·G.
+__device__ void gate_barrier(const KernelArgs& a, uint32_t epoch) {
   uint64_t* bar = &control(a)->gate_barrier;
-  if (!wait) {
-    if (threadIdx.x == 0) atomicAdd(reinterpret_cast<unsigned long long*>(bar), 1ull);
-    return;
-  }
   __syncthreads();
   if (threadIdx.x == 0) {
     const uint64_t target = uint64_t(epoch) * gridDim.x;
@@ -1107,8 +1103,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
   const uint32_t epoch = uint32_t(*epoch_s);
   if (threadIdx.x == 0) stamp(a, flash::kStampStart);
-  if (s.split_gate) split_gate_partials(a, maps, smem);
-  gate_barrier(a, epoch, s.split_gate);
+  if (s.split_gate) {
+    split_gate_partials(a, maps, smem);
+    gate_barrier(a, epoch);
+  }
   gate_role(a, maps, smem, t_begin, t_end);
   if (threadIdx.x == 0) stamp(a, flash::kStampGate);
   grid_barrier(a, epoch);
