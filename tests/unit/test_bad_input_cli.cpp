@@ -2923,6 +2923,11 @@ TEST_F(BadInput, InitModelWhileAnotherWritesIntoItsDirectoryIsRefused) {
   expect_user_error(run_cli_bounded("init --hidden 8 --ffn 8 --experts 2 --top-k 1 --tokens 4 --out " + p("w.st"), job),
                     "init writes files and runs no ranks, but this is one of 2 processes", "init under a launcher");
   EXPECT_FALSE(fs::exists(p("w.st")));
+  // flow simulate (tune, project) too: each process simulated and wrote --json over the others'.
+  expect_user_error(run_cli_bounded("flow simulate --costs example --json " + p("sim.json"), job),
+                    "flow simulate writes files and runs no ranks, but this is one of 2 processes (dmoe-launch): each "
+                    "would write --json " + p("sim.json"), "flow simulate under a launcher");
+  EXPECT_FALSE(fs::exists(p("sim.json")));
 }
 
 TEST_F(BadInput, TwoTunedRunsAtOnceKeepBothTuningEntries) {

@@ -865,6 +865,14 @@ Command add_flow_command(CLI::App& app) {
       if (!path->empty()) check_output_file(*path, option);
     const std::vector<NamedPath> outputs = {{"--trace", o->trace_path}, {"--json", o->json_path},
                                             {"--costs-out", o->costs_out}};
+    // simulate, tune and project run no ranks: under a launcher every process wrote the same outputs over each
+    // other's (the work done n times, the file of whichever finished last).
+    if (o->action != "measure") {
+      std::string written;
+      for (const NamedPath& out : outputs)
+        if (!out.path.empty()) written += (written.empty() ? "" : ", ") + out.option + " " + out.path;
+      if (!written.empty()) require_not_under_launcher("flow " + o->action, written);
+    }
     if (o->action == "project") {
       if (sub->count("--dtype") == 0) o->dtype = "bf16";
       o->seq_given = sub->count("--seq") > 0;  // not given: the paper models' 1024, or the model's maximum if shorter
