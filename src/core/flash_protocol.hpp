@@ -109,6 +109,9 @@ struct Shape {
   bool split_gate = false;  // the router logits' K columns split over the blocks (decode sizes; see
                             // split_gate_items): set by the engine (cuda::flash_split_gate, DMOE_FLASH_GATE), false
                             // on the CPU twin
+  bool spread_combine = false;  // the combine's (token, column slice) items over every block's consumer warps instead
+                                // of each block's own tokens (cuda::flash_spread_combine, DMOE_FLASH_COMBINE); the
+                                // sums and their order are the same, so the CPU twin has no flag of its own
 
   DMOE_HD int32_t local_experts() const { return experts / world; }
   // The split gate's work items: (64-token chunk, 64-column chunk of H) pairs, one per block; each block writes

@@ -19,7 +19,8 @@
 //                    warpgroups run wgmma and the epilogues: up tiles store h with the activation fused and count
 //                    themselves in up_done; down tiles store their rows straight into the home rank's `out` and
 //                    add them to the home's `arrived`;
-//   combine_role     consumer threads, once `arrived` says every row is back: y[t] = Σ_j w[t,j]·out[t·k+j].
+//   combine_role     consumer threads, once `arrived` says every row is back: y[t] = Σ_j w[t,j]·out[t·k+j], a
+//                    block's own tokens, or (spread_combine) column slices of every token over the grid's warps.
 // No role burns a whole multiprocessor on scheduling or polling: the queue is one counter and each processor
 // subscribes to its own task's signals (the reference design dedicates blocks to both).
 //
@@ -766,8 +767,22 @@ __device__ void combine_role(const KernelArgs& a, uint8_t* tables, int64_t t_beg
   const int warp = (threadIdx.x - 128) / 32, lane = threadIdx.x % 32;  // 8 warps
   const int64_t chunks = H / 8;  // 16-byte chunks of a row
   constexpr int kBatch = 4;      // chunks per lane in flight
-  for (int64_t t = t_begin + warp; t < t_end; t += 8) {
-    for (int64_t c0 = lane; c0 < chunks; c0 += 32 * kBatch) {
+  // Work items are (token, column slice) pairs. token (the default): a block's own tokens, whole rows, a warp
+  // each. slice (Shape::spread_combine): items over every consumer warp of the grid — `arrived` counts the whole
+  // rank's rows, so any block may sum any token; at decode sizes one warp walking the token's k rows took ~14 us
+  // on an H100 (T = 1). Slices are 32*kBatch chunks while there is an item for every warp, else one chunk a lane.
+  int64_t slice = chunks, item = t_begin + warp, items_end = t_end, item_step = 8;
+  if (s.spread_combine) {
+    const int64_t warps = int64_t(gridDim.x) * 8, wide = (chunks + 32 * kBatch - 1) / (32 * kBatch);
+    slice = s.tokens * wide >= warps ? 32 * kBatch : 32;
+    item = int64_t(blockIdx.x) * 8 + warp;
+    items_end = s.tokens * ((chunks + slice - 1) / slice);
+    item_step = warps;
+  }
+  const int64_t slices = (chunks + slice - 1) / slice;
+  for (; item < items_end; item += item_step) {
+    const int64_t t = item / slices, c_lo = (item % slices) * slice, c_hi = min(chunks, c_lo + slice);
+    for (int64_t c0 = c_lo + lane; c0 < c_hi; c0 += 32 * kBatch) {
       float accy[kBatch][8];
 #pragma unroll
       for (int u = 0; u < kBatch; ++u)
@@ -780,7 +795,7 @@ __device__ void combine_role(const KernelArgs& a, uint8_t* tables, int64_t t_beg
         uint4 raw[kBatch];
 #pragma unroll
         for (int u = 0; u < kBatch; ++u)
-          raw[u] = c0 + 32 * u < chunks ? __ldcg(row + c0 + 32 * u) : make_uint4(0, 0, 0, 0);  // written by peers
+          raw[u] = c0 + 32 * u < c_hi ? __ldcg(row + c0 + 32 * u) : make_uint4(0, 0, 0, 0);  // written by peers
 #pragma unroll
         for (int u = 0; u < kBatch; ++u) {
           const uint32_t words[4] = {raw[u].x, raw[u].y, raw[u].z, raw[u].w};
@@ -793,7 +808,7 @@ __device__ void combine_role(const KernelArgs& a, uint8_t* tables, int64_t t_beg
       }
 #pragma unroll
       for (int u = 0; u < kBatch; ++u) {
-        if (c0 + 32 * u >= chunks) break;
+        if (c0 + 32 * u >= c_hi) break;
         uint32_t packed[4];
 #pragma unroll
         for (int wi = 0; wi < 4; ++wi) packed[wi] = WordCodec<__nv_bfloat16>::pack(&accy[u][2 * wi]);
@@ -1236,6 +1251,11 @@ bool flash_split_gate(const flash::Shape& s) {
     return true;
   }
   return fits && s.gate_column_chunks() >= 16;
+}
+
+bool flash_spread_combine() {
+  // Written in the twenty-seventh session, when the device machines were paused: token until it has run on a GPU.
+  return env_choice("DMOE_FLASH_COMBINE", {"token", "slice"}, "token") == "slice";
 }
 
 void flash_forward(const flash::Params& p, cudaStream_t stream) {

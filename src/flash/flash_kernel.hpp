@@ -33,6 +33,12 @@ int32_t flash_grid_blocks(const flash::Shape& shape);
 // costs more); split — always (where the items do not fit, an input error).
 bool flash_split_gate(const flash::Shape& shape);
 
+// Whether the combine spreads (token, column slice) items over every block's consumer warps
+// (flash::Shape::spread_combine). DMOE_FLASH_COMBINE: token (the default, until measured on a GPU) — each block
+// sums its own tokens, a warp a token; slice — spread (at T = 1 one warp summing the token took ~14 us on an H100).
+// Each output element is the same sum in the same order either way.
+bool flash_spread_combine();
+
 // One rank's forward: a cooperative launch of flash_grid_blocks(shape) = p.shape.grid blocks on `stream`.
 // Nothing synchronises; the kernel advances the epoch in p.local's Control itself, so launches may follow
 // each other (or be captured in a CUDA graph) with no host work between them.

@@ -91,6 +91,8 @@ void check_flash_layer(const FlashCase& fc, int64_t hidden, int split_gate) {
     const bool expect_split = split_gate == 2 ? shape.split_gate_items() <= shape.grid && shape.gate_column_chunks() >= 16
                                               : split_gate != 0;
     ASSERT_EQ(shape.split_gate, expect_split) << c.summary() << ", grid " << shape.grid;
+    const char* combine = std::getenv("DMOE_FLASH_COMBINE");
+    ASSERT_EQ(shape.spread_combine, combine != nullptr && std::string(combine) == "slice");
     engine.set_weights(slice_experts(w, c.first_expert(rank), Le));
     DeviceRows xd{size_t(T * H)}, yd{size_t(T * H)};
     xd.upload(x.data() + rank * T * H);
@@ -136,21 +138,24 @@ TEST_P(FlashLayer, MatchesCpuReferenceAndEpEngine) {
   check_flash_layer(GetParam(), 256, 0);  // H = 256: 4 column chunks, the block's own gate loop (auto)
 }
 
-// DMOE_FLASH_GATE for one scope (restored after).
-struct ScopedGateMode {
-  std::string before;
+// An environment variable (DMOE_FLASH_GATE, DMOE_FLASH_COMBINE) for one scope (restored after).
+struct ScopedEnv {
+  std::string name, before;
   bool had = false;
-  explicit ScopedGateMode(const char* mode) {
-    if (const char* v = std::getenv("DMOE_FLASH_GATE")) {
+  ScopedEnv(const char* variable, const char* value) : name(variable) {
+    if (const char* v = std::getenv(variable)) {
       had = true;
       before = v;
     }
-    setenv("DMOE_FLASH_GATE", mode, 1);
+    setenv(variable, value, 1);
   }
-  ~ScopedGateMode() {
-    if (had) setenv("DMOE_FLASH_GATE", before.c_str(), 1);
-    else unsetenv("DMOE_FLASH_GATE");
+  ~ScopedEnv() {
+    if (had) setenv(name.c_str(), before.c_str(), 1);
+    else unsetenv(name.c_str());
   }
+};
+struct ScopedGateMode : ScopedEnv {
+  explicit ScopedGateMode(const char* mode) : ScopedEnv("DMOE_FLASH_GATE", mode) {}
 };
 
 // The split gate (every (token chunk, column chunk) item on a block of its own, partial logits summed by each
@@ -180,6 +185,25 @@ TEST(FlashLayerSplitGate, MatchesCpuReferenceAndEpEngine) {
     {
       ScopedGateMode mode("block");
       check_flash_layer(fc, 1024, 0);
+    }
+  }
+}
+
+// The combine spread over every block's warps (DMOE_FLASH_COMBINE=slice): T = 1 (one token over 16 warps of
+// 256-column slices), 37 and 129 (fewer items of 1024 columns than warps: the narrow slices), 300 (wide slices),
+// H = 256 and 1024 (a slice past H's end is cut), with the split gate at T = 1; against the CPU reference and EP
+// as above (each element is the token combine's sum in its order: the tolerances are the same).
+TEST(FlashLayerSpreadCombine, MatchesCpuReferenceAndEpEngine) {
+  if (!flash_runs_here()) GTEST_SKIP() << "no sm_90 GPU with this build's sm_90a kernels";
+  ScopedEnv combine("DMOE_FLASH_COMBINE", "slice");
+  const FlashCase cases[] = {{Activation::swiglu, 0, 1, 8, 2}, {Activation::swiglu, 0, 37, 8, 8},
+                             {Activation::relu, 0.5, 129, 8, 1}, {Activation::gelu, 0, 300, 16, 4}};
+  for (const FlashCase& fc : cases) {
+    SCOPED_TRACE(case_name(fc));
+    check_flash_layer(fc, 256, 0);
+    {
+      ScopedGateMode mode("auto");
+      check_flash_layer(fc, 1024, 2);
     }
   }
 }

@@ -1733,6 +1733,7 @@ TEST_F(BadInput, EnvironmentKnobsAreCheckedWhenACommandStarts) {
       {"DMOE_FLOW_CHUNKS_PER_GAP=-1", "DMOE_FLOW_CHUNKS_PER_GAP='-1' is invalid"},
       {"DMOE_FLASH_GRID=0", "DMOE_FLASH_GRID='0' is out of range"},
       {"DMOE_FLASH_GATE=fast", "DMOE_FLASH_GATE='fast' is not allowed; allowed: auto, split, block"},
+      {"DMOE_FLASH_COMBINE=warp", "DMOE_FLASH_COMBINE='warp' is not allowed; allowed: token, slice"},
       {"DMOE_SHARED_GPUS=2", "DMOE_SHARED_GPUS='2' is not allowed; allowed: 0, 1"},
       {"DMOE_DEFER_ROUTING=2", "DMOE_DEFER_ROUTING='2' is invalid"},
       {"DMOE_COMM_TIMEOUT_S=abc", "DMOE_COMM_TIMEOUT_S='abc' is invalid"},
