@@ -10,7 +10,8 @@
 # (named configs, forward only, no peers), gemm (the own GEMM's variants and its DRAM traffic),
 # profile (per-kernel times under Nsight Compute), wgrad (the sm90 weight-gradient kernel: tests, kernel
 # benchmark, training step per DMOE_WGRAD path), gpus (one rank per GPU on a multi-GPU machine),
-# flash (the Flash kernel at W = 1: its tests, and its benchmark beside EP), flash_multi (Flash at W = 2, 4
+# flash (the Flash kernel at W = 1: its tests, and its benchmark beside EP), flash_decode (the opt-in split gate and
+# spread combine against the defaults: their tests, decode T = 1-128 and two large configs in each mode), flash_multi (Flash at W = 2, 4
 # ranks on the GPU), flash_backward (the Flash backward: its tests at W = 1, 2, 4 and the training step beside
 # EP's on the four named configs), faults (the fault-injection matrix over GPU processes), sanitize (compute-sanitizer),
 # skiplag (the skip paths of the own GEMM and Flash with late warps, each case its own process; the shape that hung once);
@@ -25,7 +26,7 @@ WHAT=${3:-all}
 [ "$WHAT" = all ] && WHAT=tests,multi,bench,modes
 # Every part is checked before the first runs: a misspelt later part ('tests,fash') was found only after the earlier
 # ones had run (minutes of a short device lease), and so was a BUILD_DIR without dmoe in it.
-PARTS="tests multi bench quick gemm wgrad modes profile gpus flash flash_multi flash_backward faults sanitize skiplag"
+PARTS="tests multi bench quick gemm wgrad modes profile gpus flash flash_decode flash_multi flash_backward faults sanitize skiplag"
 for part in ${WHAT//,/ }; do
   case " $PARTS " in
     *" $part "*) ;;
@@ -243,6 +244,33 @@ part_flash() {
   for t in 1 8 32; do
     run 60 "flash_bench_decode_t$t" "$B/dmoe" bench layer --config decode --tokens "$t" --flash --no-backward \
       --check-tokens 1 --json "$O/flash_bench_decode_t$t.json"
+  done
+}
+
+part_flash_decode() {
+  # The opt-in decode-size paths (written while no GPU was lent; docs/flash.md): DMOE_FLASH_GATE=split|auto against
+  # block, DMOE_FLASH_COMBINE=slice against token. Tests first; then each mode's benchmark, the defaults in the same
+  # rounds as the baseline. Taking a mode as the default needs its tests passed and these numbers in docs/perf.md.
+  export DMOE_GPU_WAIT_TIMEOUT_MS=${DMOE_GPU_WAIT_TIMEOUT_MS:-5000}
+  run 200 flash_decode_tests "$B/tests/dmoe_gpu_tests" --gtest_brief=1 \
+    --gtest_filter='*FlashLayerSplitGate*:*FlashLayerSpreadCombine*:*FlashLayer.*'
+  local t gate combine
+  for t in 1 8 32 128; do
+    for gate in block split auto; do
+      [ "$gate" = split ] && [ "$t" -gt 64 ] && continue  # T/64 * H/64 items past one wave: an input error
+      for combine in token slice; do
+        DMOE_FLASH_GATE=$gate DMOE_FLASH_COMBINE=$combine run 60 "flash_decode_t${t}_${gate}_$combine" "$B/dmoe" \
+          bench layer --config decode --tokens "$t" --flash --no-backward --check-tokens 1 \
+          --json "$O/flash_decode_t${t}_${gate}_$combine.json"
+      done
+    done
+  done
+  local cfg
+  for cfg in flash-paper fine-grained; do
+    for combine in token slice; do
+      DMOE_FLASH_COMBINE=$combine run 120 "flash_decode_${cfg}_$combine" "$B/dmoe" bench layer --config "$cfg" \
+        --flash --no-backward --check-tokens 2 --json "$O/flash_decode_${cfg}_$combine.json"
+    done
   done
 }
 
