@@ -10,8 +10,9 @@
 # (named configs, forward only, no peers), gemm (the own GEMM's variants and its DRAM traffic),
 # profile (per-kernel times under Nsight Compute), wgrad (the sm90 weight-gradient kernel: tests, kernel
 # benchmark, training step per DMOE_WGRAD path), gpus (one rank per GPU on a multi-GPU machine),
-# flash (the Flash kernel at W = 1: its tests, and its benchmark beside EP), flash_decode (the opt-in split gate and
-# spread combine against the defaults: their tests, decode T = 1-128 and two large configs in each mode), flash_multi (Flash at W = 2, 4
+# flash (the Flash kernel at W = 1: its tests, and its benchmark beside EP), flash_decode (the opt-in split gate,
+# spread combine and down-tile prefetch against the defaults: their tests, decode T = 1-128 and two large configs
+# in each mode), flash_multi (Flash at W = 2, 4
 # ranks on the GPU), flash_backward (the Flash backward: its tests at W = 1, 2, 4 and the training step beside
 # EP's on the four named configs), faults (the fault-injection matrix over GPU processes), sanitize (compute-sanitizer),
 # skiplag (the skip paths of the own GEMM and Flash with late warps, each case its own process; the shape that hung once);
@@ -249,27 +250,30 @@ part_flash() {
 
 part_flash_decode() {
   # The opt-in decode-size paths (written while no GPU was lent; docs/flash.md): DMOE_FLASH_GATE=split|auto against
-  # block, DMOE_FLASH_COMBINE=slice against token. Tests first; then each mode's benchmark, the defaults in the same
-  # rounds as the baseline. Taking a mode as the default needs its tests passed and these numbers in docs/perf.md.
+  # block, DMOE_FLASH_COMBINE=slice against token, DMOE_FLASH_PREFETCH=1 against 0. Tests first; then each mode's
+  # benchmark, the defaults (block, token, 0) in the same rounds as the baseline. Taking a mode as the default needs
+  # its tests passed and these numbers in docs/perf.md.
   export DMOE_GPU_WAIT_TIMEOUT_MS=${DMOE_GPU_WAIT_TIMEOUT_MS:-5000}
   run 200 flash_decode_tests "$B/tests/dmoe_gpu_tests" --gtest_brief=1 \
-    --gtest_filter='*FlashLayerSplitGate*:*FlashLayerSpreadCombine*:*FlashLayer.*'
-  local t gate combine
+    --gtest_filter='*FlashLayerSplitGate*:*FlashLayerSpreadCombine*:*FlashLayerPrefetchDown*:*FlashLayer.*'
+  local t mode gate combine prefetch
   for t in 1 8 32 128; do
-    for gate in block split auto; do
+    # gate/combine/prefetch: the default, each change alone, then all three (auto: split where it fits)
+    for mode in block/token/0 split/token/0 auto/token/0 block/slice/0 block/token/1 auto/slice/1; do
+      IFS=/ read -r gate combine prefetch <<<"$mode"
       [ "$gate" = split ] && [ "$t" -gt 64 ] && continue  # T/64 * H/64 items past one wave: an input error
-      for combine in token slice; do
-        DMOE_FLASH_GATE=$gate DMOE_FLASH_COMBINE=$combine run 60 "flash_decode_t${t}_${gate}_$combine" "$B/dmoe" \
-          bench layer --config decode --tokens "$t" --flash --no-backward --check-tokens 1 \
-          --json "$O/flash_decode_t${t}_${gate}_$combine.json"
-      done
+      DMOE_FLASH_GATE=$gate DMOE_FLASH_COMBINE=$combine DMOE_FLASH_PREFETCH=$prefetch \
+        run 60 "flash_decode_t${t}_${gate}_${combine}_$prefetch" "$B/dmoe" bench layer --config decode --tokens "$t" \
+        --flash --no-backward --check-tokens 1 --json "$O/flash_decode_t${t}_${gate}_${combine}_$prefetch.json"
     done
   done
   local cfg
   for cfg in flash-paper fine-grained; do
-    for combine in token slice; do
-      DMOE_FLASH_COMBINE=$combine run 120 "flash_decode_${cfg}_$combine" "$B/dmoe" bench layer --config "$cfg" \
-        --flash --no-backward --check-tokens 2 --json "$O/flash_decode_${cfg}_$combine.json"
+    for mode in token/0 slice/0 token/1; do
+      IFS=/ read -r combine prefetch <<<"$mode"
+      DMOE_FLASH_COMBINE=$combine DMOE_FLASH_PREFETCH=$prefetch run 120 "flash_decode_${cfg}_${combine}_$prefetch" \
+        "$B/dmoe" bench layer --config "$cfg" --flash --no-backward --check-tokens 2 \
+        --json "$O/flash_decode_${cfg}_${combine}_$prefetch.json"
     done
   done
 }

@@ -78,7 +78,7 @@ namespace {
 // tests' and scripts' own knobs. A name outside it is most likely a misspelling, which would have no effect.
 constexpr const char* kKnownNames[] = {
     "DMOE_ATTENTION", "DMOE_COMM_TIMEOUT_S", "DMOE_CUDNN_LIBRARY", "DMOE_DEFER_ROUTING", "DMOE_DGRAD",
-    "DMOE_EXPERT_GEMM", "DMOE_EXPERT_GEMM_STREAMS", "DMOE_FAULT", "DMOE_FLASH_COMBINE", "DMOE_FLASH_GATE", "DMOE_FLASH_GRID", "DMOE_FLOW_AR_COMM",
+    "DMOE_EXPERT_GEMM", "DMOE_EXPERT_GEMM_STREAMS", "DMOE_FAULT", "DMOE_FLASH_COMBINE", "DMOE_FLASH_GATE", "DMOE_FLASH_GRID", "DMOE_FLASH_PREFETCH", "DMOE_FLOW_AR_COMM",
     "DMOE_FLOW_CHUNKS_PER_GAP", "DMOE_GPU_WAIT_TIMEOUT_MS", "DMOE_HOME", "DMOE_NVML_LIBRARY", "DMOE_NVSHMEM_MIN_HEAP",
     "DMOE_SM90_BLOCK_N", "DMOE_SM90_EPILOGUE", "DMOE_SM90_SCHEDULE", "DMOE_SM90_WGRAD_ACCUMULATE", "DMOE_WGRAD",
     // set by dmoe launch (and read from mpirun's / Slurm's through core/process_env)
@@ -177,6 +177,7 @@ void check_environment() {
   (void)env_integer("DMOE_FLASH_GRID", 1, (int64_t(1) << 31) - 1, 0, "blocks");
   (void)env_choice("DMOE_FLASH_GATE", {"auto", "split", "block"}, "block");
   (void)env_choice("DMOE_FLASH_COMBINE", {"token", "slice"}, "token");
+  (void)env_choice("DMOE_FLASH_PREFETCH", {"0", "1"}, "0");
   (void)env_byte_size("DMOE_NVSHMEM_MIN_HEAP", 0);
   (void)env_choice("DMOE_SHARED_GPUS", {"0", "1"}, "as dmoe launch sets it");
   // A misspelled name is not an error (scripts may export variables for other tools), but it is said.

@@ -112,6 +112,8 @@ struct Shape {
   bool spread_combine = false;  // the combine's (token, column slice) items over every block's consumer warps instead
                                 // of each block's own tokens (cuda::flash_spread_combine, DMOE_FLASH_COMBINE); the
                                 // sums and their order are the same, so the CPU twin has no flag of its own
+  bool prefetch_down = false;   // a down tile waiting for its up tiles fetches its w2 box into L2 meanwhile
+                                // (cuda::flash_prefetch_down, DMOE_FLASH_PREFETCH; a hint: the same results)
 
   DMOE_HD int32_t local_experts() const { return experts / world; }
   // The split gate's work items: (64-token chunk, 64-column chunk of H) pairs, one per block; each block writes

@@ -73,6 +73,7 @@ FlashEngine::FlashEngine(const MoeConfig& config, Comm& comm, bool train) : conf
   shape_.grid = cuda::flash_grid_blocks(shape_);
   shape_.split_gate = cuda::flash_split_gate(shape_);
   shape_.spread_combine = cuda::flash_spread_combine();
+  shape_.prefetch_down = cuda::flash_prefetch_down();
   if (config_.world > 1) check_ranks_agree(config_, comm);
   sl_ = flash::symmetric_layout(shape_);
   ll_ = flash::local_layout(shape_);

@@ -896,6 +896,12 @@ __device__ void processor_role(const KernelArgs& a, const TileMaps& maps, uint8_
         } else {
           const uint32_t* counter = up_done + task.row_tile;
           const uint64_t target = uint64_t(kConsumers) * uint64_t(up_cols);
+          if (s.prefetch_down && uint64_t(ld_acquire_gpu(counter)) < target) {
+            // The weights do not depend on h: while the row tile's up tiles finish, its w2 tile streams into L2
+            // (at T = 1 the down phase waited for the whole up phase with a third of the blocks idle).
+            const int32_t b_row = int32_t(int64_t(task.expert) * H + int64_t(task.n_tile) * kTileCols);
+            for (int32_t kb = 0; kb < int32_t((I + kBK - 1) / kBK); ++kb) tma_prefetch_l2_2d(&maps.w2, kb * kBK, b_row);
+          }
           wait_flag([&] { return uint64_t(ld_acquire_gpu(counter)); }, [&](uint64_t v) { return v >= target; }, a,
                     flash::kRoleProducer, flash::kWaitUpDone, task.row_tile, target);
         }
@@ -1251,6 +1257,11 @@ bool flash_split_gate(const flash::Shape& s) {
     return true;
   }
   return fits && s.gate_column_chunks() >= 16;
+}
+
+bool flash_prefetch_down() {
+  // Written in the twenty-seventh session, when the device machines were paused: off until it has run on a GPU.
+  return env_choice("DMOE_FLASH_PREFETCH", {"0", "1"}, "0") == "1";
 }
 
 bool flash_spread_combine() {

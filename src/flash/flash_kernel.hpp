@@ -39,6 +39,11 @@ bool flash_split_gate(const flash::Shape& shape);
 // Each output element is the same sum in the same order either way.
 bool flash_spread_combine();
 
+// Whether a down tile's producer, finding its row tile's up tiles not yet done, first fetches the tile's w2 box
+// into L2 (flash::Shape::prefetch_down; a hint, the results are the same bits). DMOE_FLASH_PREFETCH: 0 (the default,
+// until measured on a GPU) or 1.
+bool flash_prefetch_down();
+
 // One rank's forward: a cooperative launch of flash_grid_blocks(shape) = p.shape.grid blocks on `stream`.
 // Nothing synchronises; the kernel advances the epoch in p.local's Control itself, so launches may follow
 // each other (or be captured in a CUDA graph) with no host work between them.

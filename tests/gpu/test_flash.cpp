@@ -93,6 +93,8 @@ void check_flash_layer(const FlashCase& fc, int64_t hidden, int split_gate) {
     ASSERT_EQ(shape.split_gate, expect_split) << c.summary() << ", grid " << shape.grid;
     const char* combine = std::getenv("DMOE_FLASH_COMBINE");
     ASSERT_EQ(shape.spread_combine, combine != nullptr && std::string(combine) == "slice");
+    const char* prefetch = std::getenv("DMOE_FLASH_PREFETCH");
+    ASSERT_EQ(shape.prefetch_down, prefetch != nullptr && std::string(prefetch) == "1");
     engine.set_weights(slice_experts(w, c.first_expert(rank), Le));
     DeviceRows xd{size_t(T * H)}, yd{size_t(T * H)};
     xd.upload(x.data() + rank * T * H);
@@ -205,6 +207,21 @@ TEST(FlashLayerSpreadCombine, MatchesCpuReferenceAndEpEngine) {
       ScopedGateMode mode("auto");
       check_flash_layer(fc, 1024, 2);
     }
+  }
+}
+
+// The down tiles' L2 prefetch (DMOE_FLASH_PREFETCH=1, a hint) with the spread combine and the split gate, as the
+// decode path would run them: the same cases against the CPU reference and EP.
+TEST(FlashLayerPrefetchDown, MatchesCpuReferenceAndEpEngine) {
+  if (!flash_runs_here()) GTEST_SKIP() << "no sm_90 GPU with this build's sm_90a kernels";
+  ScopedEnv prefetch("DMOE_FLASH_PREFETCH", "1");
+  ScopedEnv combine("DMOE_FLASH_COMBINE", "slice");
+  ScopedGateMode mode("auto");
+  const FlashCase cases[] = {{Activation::swiglu, 0, 1, 8, 2}, {Activation::relu, 0.5, 129, 8, 1},
+                             {Activation::gelu, 0, 300, 16, 4}};
+  for (const FlashCase& fc : cases) {
+    SCOPED_TRACE(case_name(fc));
+    check_flash_layer(fc, 1024, 2);
   }
 }
 

@@ -1734,6 +1734,7 @@ TEST_F(BadInput, EnvironmentKnobsAreCheckedWhenACommandStarts) {
       {"DMOE_FLASH_GRID=0", "DMOE_FLASH_GRID='0' is out of range"},
       {"DMOE_FLASH_GATE=fast", "DMOE_FLASH_GATE='fast' is not allowed; allowed: auto, split, block"},
       {"DMOE_FLASH_COMBINE=warp", "DMOE_FLASH_COMBINE='warp' is not allowed; allowed: token, slice"},
+      {"DMOE_FLASH_PREFETCH=yes", "DMOE_FLASH_PREFETCH='yes' is not allowed; allowed: 0, 1"},
       {"DMOE_SHARED_GPUS=2", "DMOE_SHARED_GPUS='2' is not allowed; allowed: 0, 1"},
       {"DMOE_DEFER_ROUTING=2", "DMOE_DEFER_ROUTING='2' is invalid"},
       {"DMOE_COMM_TIMEOUT_S=abc", "DMOE_COMM_TIMEOUT_S='abc' is invalid"},
