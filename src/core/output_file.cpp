@@ -486,6 +486,14 @@ void OutputFileSet::commit(const std::string& journal, GrowingOutputFile* publis
   }
   // Every file is in place: the journal has nothing left to complete.
   if (!journal.empty()) ::unlink(journal.c_str());
+  // The files the new ones replace, before a held-back signal ends the process (G19-4: removed after the commit, the
+  // old shards stayed beside the new model when a signal came during the renames).
+  for (const std::string& path : std::exchange(removed_after_commit_, {})) {
+    ::unlink(path.c_str());  // a failure leaves it (it is no longer part of the model)
+    const fs::path p(path);
+    const std::string d = p.has_parent_path() ? p.parent_path().string() : std::string(".");
+    if (std::find(directories.begin(), directories.end(), d) == directories.end()) directories.push_back(d);
+  }
   end_of_commit();
   if (!journal.empty()) directories.push_back(journal_directory(journal).string());
   // Make the renames durable; a directory that cannot be synced (some file systems) is no error.
@@ -664,12 +672,15 @@ std::string finish_interrupted_commit(const std::string& journal, const std::vec
 
 void set_after_rename_hook_for_tests(void (*hook)(size_t renamed_index)) { g_after_rename_for_tests = hook; }
 
+void OutputFileSet::remove_after_commit(const std::string& path) { removed_after_commit_.push_back(path); }
+
 void OutputFileSet::discard() {
   for (const Written& w : written_) {
     ::unlink(w.temporary.c_str());
     release_temporary(w.slot);
   }
   written_.clear();
+  removed_after_commit_.clear();  // nothing was replaced: every file stays
 }
 
 OutputFileSet::~OutputFileSet() { discard(); }

@@ -61,6 +61,11 @@ class OutputFileSet {
 
   void write(const std::string& path, std::span<const uint8_t> bytes);
   void write(const std::string& path, std::string_view text);
+  // A file the commit removes once every file of the set is in place, before a signal held back during the renames
+  // ends the process (a failure to remove it leaves it; a set that is not committed removes nothing). A replaced
+  // index's old shards were removed after commit() returned, so a SIGTERM during the renames ended the process first
+  // and left them beside the new model (G19-4 of the nineteenth bad-input pass).
+  void remove_after_commit(const std::string& path);
   void commit(const std::string& journal = {}, GrowingOutputFile* publish = nullptr);
 
  private:
@@ -70,6 +75,7 @@ class OutputFileSet {
   };
   void discard();
   std::vector<Written> written_;
+  std::vector<std::string> removed_after_commit_;
 };
 
 // Completes a commit that ended between its journal and its last rename (a SIGKILL, an out-of-memory kill, a power

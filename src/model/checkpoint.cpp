@@ -642,13 +642,15 @@ void save_mixtral_checkpoint(const std::string& path, const MixtralWeights& w, c
   }
   for (const AlsoWritten& a : also) files.write(a.file.path, a.text);
   files.write(path, index.dump(2) + "\n");
-  files.commit();
   // The shards the index being replaced named (e.g. 42 of an earlier --shard-bytes 1): after the commit those the new
   // index does not name are removed, or they stayed beside the new model (41 stale files, the index right). Only files
   // of this directory with a shard name of this index, and of the replaced index's save (its save id, where it has
   // one), are removed: a file of another model that the old index happened to name (written under the old common
-  // names) is left be (F1: rewriting one model's index deleted another's shards).
-  for (const NamedPath& file : removed) std::filesystem::remove(file.path, ec);  // a failure leaves it, as before
+  // names) is left be (F1: rewriting one model's index deleted another's shards). The commit removes them before a
+  // signal it held back ends the process (G19-4: removed after it, they stayed, and going back to their shard count
+  // was then refused).
+  for (const NamedPath& file : removed) files.remove_after_commit(file.path);
+  files.commit();
 }
 
 }  // namespace dmoe

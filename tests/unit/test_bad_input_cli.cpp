@@ -79,6 +79,7 @@
 #include "core/error.hpp"
 #include "core/fault.hpp"
 #include "core/output_file.hpp"
+#include "model/checkpoint.hpp"
 #include "model/config_io.hpp"
 #include "model/mixtral_config.hpp"
 #include "model/safetensors.hpp"
@@ -3238,6 +3239,37 @@ TEST_F(BadInput, TheTuningFilesLockFileIsCheckedBeforeTheTraining) {
   // The lock file exists now: --log onto it is refused by identity as well.
   expect_user_error(run_cli_bounded(train_batch(4) + "--log " + p(".T.json.dmoe-lock")),
                     "is the lock file of --tune-file", "--log onto the existing lock");
+}
+
+// The nineteenth pass's rest (G19-4, -7, -8, -9, -11, -12).
+TEST_F(BadInput, ASignalDuringAReshardingCommitLeavesNoOldShards) {
+  // G19-4: a SIGTERM during init-model's resharding 6 -> 3 shards, right after the commit's last rename: the commit
+  // completed, and the signal it held back ended the process before the six old shards were removed; going back to 6
+  // shards was then refused ("exists, and the index being replaced does not name it").
+  struct sigaction now {};
+  ASSERT_EQ(::sigaction(SIGTERM, nullptr, &now), 0);
+  if (now.sa_handler == SIG_IGN) GTEST_SKIP() << "SIGTERM is ignored in this process (and so in children)";
+  const std::string init = "init-model --config " + p("tiny.json") + " --out " + p("m.index.json");
+  ASSERT_EQ(run_cli_bounded(init + " --shard-bytes 200000").status, 0);
+  ASSERT_TRUE(fs::exists(p("m-00006-of-00006.safetensors")));
+  // init-model's save of 3 shards, as the command makes it, the signal after its fourth rename (the index's).
+  const int status = test::run_child_signalled_after_rename(3, SIGTERM, [&] {
+    const MixtralConfig c = load_mixtral_config(p("tiny.json"));
+    save_mixtral_checkpoint(p("m.index.json"), random_mixtral_weights(c, 2), c, 400000, {});
+  });
+  ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGTERM) << "status " << status;
+  EXPECT_NE(slurp(p("m.index.json")).find("m-00003-of-00003.safetensors"), std::string::npos) << "not committed";
+  EXPECT_EQ(others_in(dir_, {"data", "tiny.json", "costs.json", "m.index.json", "m-00001-of-00003.safetensors",
+                             "m-00002-of-00003.safetensors", "m-00003-of-00003.safetensors"}),
+            std::vector<std::string>{}) << "old shards (or temporaries) left";
+  write_tokens_file();
+  const Result eval = run_cli_bounded("eval --config " + p("tiny.json") + " --weights " + p("m.index.json") +
+                                      " --tokens " + p("tok.st") + " --output " + p("e.st"));
+  EXPECT_EQ(eval.status, 0) << eval.output;
+  const Result back = run_cli_bounded(init + " --shard-bytes 200000");
+  EXPECT_EQ(back.status, 0) << back.output;
+  EXPECT_TRUE(fs::exists(p("m-00006-of-00006.safetensors")));
+  EXPECT_FALSE(fs::exists(p("m-00001-of-00003.safetensors")));
 }
 
 }  // namespace

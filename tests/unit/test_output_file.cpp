@@ -186,6 +186,37 @@ TEST_F(OutputFile, ASignalDuringACommitWaitsForItsLastRename) {
   }
 }
 
+// G19-4 (nineteenth pass): the files a commit replaces for good (a replaced index's old shards) were removed after
+// it, so a signal held back during its renames ended the process first and left them. They go before the signal now;
+// a set that is not committed removes none.
+TEST_F(OutputFile, FilesRemovedWithACommitGoBeforeItsHeldSignal) {
+  struct sigaction now {};
+  ASSERT_EQ(::sigaction(SIGTERM, nullptr, &now), 0);
+  if (now.sa_handler == SIG_IGN) GTEST_SKIP() << "SIGTERM is ignored in this process (and so in children)";
+  for (const char* name : {"a.txt", "old1.txt", "old2.txt"}) write_file_atomically(p(name), std::string_view("old"));
+  const int status = test::run_child_signalled_after_rename(1, SIGTERM, [&] {
+    OutputFileSet set;
+    for (const char* name : {"a.txt", "b.txt"}) set.write(p(name), std::string_view("new"));
+    for (const char* name : {"old1.txt", "old2.txt"}) set.remove_after_commit(p(name));
+    set.commit();
+  });
+  EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGTERM) << "status " << status;
+  for (const char* name : {"a.txt", "b.txt"}) EXPECT_EQ(read_text(p(name)), "new") << name;
+  EXPECT_FALSE(fs::exists(p("old1.txt")));
+  EXPECT_FALSE(fs::exists(p("old2.txt")));
+  EXPECT_EQ(entries(), 2u) << "a temporary was left";
+  // Not committed (destroyed, or a write failed): every file stays.
+  write_file_atomically(p("old1.txt"), std::string_view("old"));
+  {
+    OutputFileSet set;
+    set.write(p("a.txt"), std::string_view("newer"));
+    set.remove_after_commit(p("old1.txt"));
+  }
+  EXPECT_EQ(read_text(p("a.txt")), "new");
+  EXPECT_EQ(read_text(p("old1.txt")), "old");
+  EXPECT_EQ(entries(), 3u);
+}
+
 // G1 (sixteenth pass) under SIGKILL, which cannot be held back: a set committed with a journal and killed after its
 // first of three renames is completed by finish_interrupted_commit (all three new, no temporary or journal left).
 TEST_F(OutputFile, ACommitKilledBetweenRenamesIsCompletedFromItsJournal) {
