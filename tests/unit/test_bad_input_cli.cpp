@@ -2676,7 +2676,7 @@ TEST_F(BadInput, TrainErrorsNameTheOptionAndOnlyTheRuleThatFailed) {
   expect_user_error(run_cli(train + "--seq 300"), "train: --seq 300 is outside [2, max_position_embeddings = 256] of "
                     "the model config", "--seq 300");
   expect_user_error(run_cli("flow measure --config " + p("tiny.json") + " --seq 300 --batch 4 --steps 1"),
-                    "flow measure: --seq 300 is outside [1, max_position_embeddings = 256]", "flow measure --seq 300");
+                    "flow measure: --seq 300 is outside [2, max_position_embeddings = 256]", "flow measure --seq 300");
   for (const auto& [option, message] :
        {std::pair{"--lr 0", "train: --lr 0 must be finite and > 0"},
         std::pair{"--lr -1", "train: --lr -1 must be finite and > 0"},
@@ -3270,6 +3270,15 @@ TEST_F(BadInput, ASignalDuringAReshardingCommitLeavesNoOldShards) {
   EXPECT_EQ(back.status, 0) << back.output;
   EXPECT_TRUE(fs::exists(p("m-00006-of-00006.safetensors")));
   EXPECT_FALSE(fs::exists(p("m-00001-of-00003.safetensors")));
+}
+
+TEST_F(BadInput, FlowMeasureSeqStatesOneRange) {
+  // G19-7: --seq 1000 said "outside [1, max_position_embeddings = 256]", --seq 1 "--seq 1 (>= 2)": two rules for one
+  // range. Both now say [2, max_position_embeddings].
+  const std::string measure = "flow measure --config " + p("tiny.json") + " --batch 4 --steps 1 --seq ";
+  for (const char* seq : {"1", "1000", "0"})
+    expect_user_error(run_cli(measure + seq), "flow measure: --seq " + std::string(seq) + " is outside [2, "
+                      "max_position_embeddings = 256] of the model config", std::string("--seq ") + seq);
 }
 
 }  // namespace
