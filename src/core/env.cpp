@@ -135,17 +135,19 @@ std::optional<uint64_t> parse_byte_count(const std::string& t) {
     value = value * 10 + uint64_t(t[i] - '0');
   }
   if (i == 0) return std::nullopt;
+  // Any case throughout: "1g", "1GB", "1gib" and "1Gi" were K/M/G/T in either case but "iB" only as written, so "1gib"
+  // and "1Gi" were refused by a message that promised "KiB too" (G19-8 of the nineteenth bad-input pass). NVSHMEM
+  // takes NVSHMEM_SYMMETRIC_SIZE's first suffix letter in either case, too.
   std::string suffix = t.substr(i);
-  if (suffix.size() >= 3 && suffix.ends_with("iB"))  // "GiB"
-    suffix.resize(suffix.size() - 2);
-  else if (!suffix.empty() && suffix.back() == 'B')  // "GB", "B"
-    suffix.pop_back();
+  for (char& c : suffix) c = char(std::tolower(static_cast<unsigned char>(c)));
   int shift = 0;
-  if (suffix.size() == 1) {
-    const char c = char(std::tolower(static_cast<unsigned char>(suffix[0])));
-    shift = c == 'k' ? 10 : c == 'm' ? 20 : c == 'g' ? 30 : c == 't' ? 40 : -1;
-  } else if (!suffix.empty()) {
-    shift = -1;
+  if (!suffix.empty()) {
+    const char unit = suffix[0];
+    const std::string rest = suffix.substr(1);
+    shift = unit == 'k' ? 10 : unit == 'm' ? 20 : unit == 'g' ? 30 : unit == 't' ? 40 : unit == 'b' ? 0 : -1;
+    // After K/M/G/T: nothing, B, i or iB ("1G", "1GB", "1Gi", "1GiB"); B alone is bytes ("7B").
+    const bool rest_ok = unit == 'b' ? rest.empty() : rest.empty() || rest == "b" || rest == "i" || rest == "ib";
+    if (!rest_ok) shift = -1;
   }
   if (shift < 0 || (shift > 0 && value > (UINT64_MAX >> shift))) return std::nullopt;
   return value << shift;
@@ -156,7 +158,8 @@ uint64_t env_byte_size(const char* name, uint64_t fallback) {
   if (!text || !*text) return fallback;
   const std::optional<uint64_t> bytes = parse_byte_count(text);
   DMOE_REQUIRE_INPUT(bytes.has_value(), "{}='{}' is not a size; allowed: a decimal number of bytes below 2^64, "
-                     "optionally with a suffix k, M, G or T (powers of 1024; kB, KiB, ... too)", name, text);
+                     "optionally with a suffix K, M, G or T (powers of 1024), in any case and optionally followed by "
+                     "B, i or iB (1G, 1g, 1GB, 1Gi, 1GiB, 1gib, 512MiB, 64kB), or B alone (bytes: 7B)", name, text);
   return *bytes;
 }
 

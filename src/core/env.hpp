@@ -27,12 +27,14 @@ std::string env_choice(const char* name, std::initializer_list<const char*> allo
 // input error naming the variable, the value and the range. `unit` ("milliseconds") is said in the message.
 int64_t env_integer(const char* name, int64_t lo, int64_t hi, int64_t fallback, const char* unit);
 
-// A byte count as NVSHMEM reads NVSHMEM_SYMMETRIC_SIZE: decimal digits with an optional k/M/G/T suffix (powers of
-// 1024, optionally followed by B or iB: "512MiB", "1G", "64kB", "7B"); nullopt when it does not parse or passes 2^64.
+// A byte count, as NVSHMEM reads NVSHMEM_SYMMETRIC_SIZE's whole numbers: decimal digits with an optional K/M/G/T
+// suffix (powers of 1024), in any case and optionally followed by B, i or iB ("512MiB", "1G", "1gib", "1Gi", "64kB"),
+// or B alone ("7B"); nullopt when it does not parse or passes 2^64.
 std::optional<uint64_t> parse_byte_count(const std::string& text);
 
-// A byte count in the environment variable `name` ("1073741824", "1G", "512MiB", "64kB": powers of 1024): `fallback`
-// when unset or empty; anything else, or a value past 2^64, is an input error naming the variable.
+// A byte count in the environment variable `name` as parse_byte_count reads it ("1073741824", "1G", "512MiB", "1gib":
+// powers of 1024): `fallback` when unset or empty; anything else, or a value past 2^64, is an input error naming the
+// variable and the spellings allowed.
 uint64_t env_byte_size(const char* name, uint64_t fallback);
 
 // Upper bounds of the knobs read through env_integer, shared by their readers and check_environment().

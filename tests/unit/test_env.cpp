@@ -133,5 +133,31 @@ TEST(EnvKnobs, ByteSizesAreExactAndNameTheVariable) {
   EXPECT_EQ(env_byte_size(name, 99), 99u);
 }
 
+// G19-8 (nineteenth bad-input pass): "1g", "1GB" and "1K" were taken but "1gib" and "1Gi" refused, by a message that
+// promised "KiB too": the suffix is read in any case now, with B, i or iB after it, and the message lists the spellings.
+TEST(EnvKnobs, ByteSizeSuffixesAreReadInAnyCaseAsTheMessageSays) {
+  const char* name = "DMOE_TEST_KNOB";
+  const std::vector<std::pair<const char*, uint64_t>> good = {
+      {"1g", 1ull << 30},   {"1m", 1ull << 20},   {"1K", 1024},        {"1t", 1ull << 40},  {"1GB", 1ull << 30},
+      {"1gib", 1ull << 30}, {"1Gi", 1ull << 30},  {"1GIB", 1ull << 30}, {"2kib", 2048},      {"3Mi", 3ull << 20},
+      {"1gB", 1ull << 30},  {"4TiB", 4ull << 40}, {"7b", 7},           {"512mib", 512ull << 20}};
+  for (const auto& [text, bytes] : good) {
+    setenv(name, text, 1);
+    EXPECT_EQ(env_byte_size(name, 99), bytes) << text;
+  }
+  for (const char* bad : {"1gi b", "1gbi", "1ib", "1i", "1bb", "1bi", "1kk", "1gibb", "1P", "1Gib2"}) {
+    setenv(name, bad, 1);
+    try {
+      (void)env_byte_size(name, 99);
+      ADD_FAILURE() << bad << " was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("optionally with a suffix K, M, G or T (powers of 1024), in any case and "
+                                           "optionally followed by B, i or iB (1G, 1g, 1GB, 1Gi, 1GiB, 1gib"),
+                std::string::npos) << e.what();
+    }
+  }
+  unsetenv(name);
+}
+
 }  // namespace
 }  // namespace dmoe

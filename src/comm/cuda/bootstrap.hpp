@@ -54,8 +54,8 @@ void finalize_nvshmem();
 ncclComm_t init_nccl(const ProcessEnv& env);
 
 // Parses a byte size as NVSHMEM reads NVSHMEM_SYMMETRIC_SIZE: an integer with an optional K/M/G/T
-// suffix (powers of 1024, optionally followed by B/iB; core/env.hpp's parse_byte_count). Returns 0 when the
-// text does not parse (or passes 2^64).
+// suffix (powers of 1024, any case, optionally followed by B, i or iB; core/env.hpp's parse_byte_count). Returns 0
+// when the text does not parse (or passes 2^64).
 size_t parse_byte_size(const std::string& text);
 
 }  // namespace dmoe
