@@ -59,16 +59,27 @@ std::string env_choice(const char* name, std::initializer_list<const char*> allo
 }
 
 int64_t env_integer(const char* name, int64_t lo, int64_t hi, int64_t fallback, const char* unit) {
-  const char* text = std::getenv(name);
+  return env_integer_value(name, std::getenv(name), lo, hi, fallback, unit);
+}
+
+int64_t env_integer_value(const char* name, const char* text, int64_t lo, int64_t hi, int64_t fallback,
+                          std::string_view unit) {
   if (!text || !*text) return fallback;
-  const std::string range = fmt::format("allowed: a decimal integer from {} to {}{}{}", lo, hi, *unit ? " " : "", unit);
+  const std::string range = fmt::format("allowed: a decimal integer from {} to {}{}{}", lo, hi, unit.empty() ? "" : " ",
+                                        unit);
   const char* digits = text[0] == '-' ? text + 1 : text;
   bool ok = *digits != '\0';
   for (const char* p = digits; *p; ++p) ok = ok && *p >= '0' && *p <= '9';
   DMOE_REQUIRE_INPUT(ok, "{}='{}' is not a decimal integer; {}", name, text, range);
   errno = 0;
   const long long v = std::strtoll(text, nullptr, 10);
-  DMOE_REQUIRE_INPUT(errno != ERANGE && v >= lo && v <= hi, "{}='{}' is out of range; {}", name, text, range);
+  const bool past_64_bits = errno == ERANGE, negative = text[0] == '-';
+  // Which end it passed, and that end: a value past 64 bits was "out of range" or, for DMOE_FLOW_CHUNKS_PER_GAP,
+  // "invalid: a decimal integer >= 0", which it is (G19-9 of the nineteenth bad-input pass).
+  DMOE_REQUIRE_INPUT(!(past_64_bits ? !negative : v > hi), "{}='{}' is too large: the maximum is {}; {}", name, text,
+                     hi, range);
+  DMOE_REQUIRE_INPUT(!(past_64_bits ? negative : v < lo), "{}='{}' is too small: the minimum is {}; {}", name, text, lo,
+                     range);
   return v;
 }
 
@@ -127,14 +138,20 @@ std::vector<std::string> unknown_dmoe_variables(char** environment) {
   return warnings;
 }
 
-std::optional<uint64_t> parse_byte_count(const std::string& t) {
+namespace {
+
+enum class ByteCount { ok, malformed, too_large };
+
+// parse_byte_count, telling a well-formed count past 2^64 (too_large) from text that is no count (malformed).
+ByteCount read_byte_count(const std::string& t, uint64_t& out) {
   size_t i = 0;
   uint64_t value = 0;
+  bool too_large = false;
   for (; i < t.size() && t[i] >= '0' && t[i] <= '9'; ++i) {
-    if (value > (UINT64_MAX - uint64_t(t[i] - '0')) / 10) return std::nullopt;
+    if (value > (UINT64_MAX - uint64_t(t[i] - '0')) / 10) too_large = true;
     value = value * 10 + uint64_t(t[i] - '0');
   }
-  if (i == 0) return std::nullopt;
+  if (i == 0) return ByteCount::malformed;
   // Any case throughout: "1g", "1GB", "1gib" and "1Gi" were K/M/G/T in either case but "iB" only as written, so "1gib"
   // and "1Gi" were refused by a message that promised "KiB too" (G19-8 of the nineteenth bad-input pass). NVSHMEM
   // takes NVSHMEM_SYMMETRIC_SIZE's first suffix letter in either case, too.
@@ -149,18 +166,31 @@ std::optional<uint64_t> parse_byte_count(const std::string& t) {
     const bool rest_ok = unit == 'b' ? rest.empty() : rest.empty() || rest == "b" || rest == "i" || rest == "ib";
     if (!rest_ok) shift = -1;
   }
-  if (shift < 0 || (shift > 0 && value > (UINT64_MAX >> shift))) return std::nullopt;
-  return value << shift;
+  if (shift < 0) return ByteCount::malformed;
+  if (too_large || (shift > 0 && value > (UINT64_MAX >> shift))) return ByteCount::too_large;
+  out = value << shift;
+  return ByteCount::ok;
+}
+
+}  // namespace
+
+std::optional<uint64_t> parse_byte_count(const std::string& t) {
+  uint64_t bytes = 0;
+  return read_byte_count(t, bytes) == ByteCount::ok ? std::optional<uint64_t>(bytes) : std::nullopt;
 }
 
 uint64_t env_byte_size(const char* name, uint64_t fallback) {
   const char* text = std::getenv(name);
   if (!text || !*text) return fallback;
-  const std::optional<uint64_t> bytes = parse_byte_count(text);
-  DMOE_REQUIRE_INPUT(bytes.has_value(), "{}='{}' is not a size; allowed: a decimal number of bytes below 2^64, "
+  uint64_t bytes = 0;
+  const ByteCount read = read_byte_count(text, bytes);
+  // A size past 64 bits is one, too large: it was "not a size" (as G19-9's integers were "invalid").
+  DMOE_REQUIRE_INPUT(read != ByteCount::too_large, "{}='{}' is too large: the maximum is {} bytes (2^64 - 1, 16 EiB)",
+                     name, text, UINT64_MAX);
+  DMOE_REQUIRE_INPUT(read == ByteCount::ok, "{}='{}' is not a size; allowed: a decimal number of bytes below 2^64, "
                      "optionally with a suffix K, M, G or T (powers of 1024), in any case and optionally followed by "
                      "B, i or iB (1G, 1g, 1GB, 1Gi, 1GiB, 1gib, 512MiB, 64kB), or B alone (bytes: 7B)", name, text);
-  return *bytes;
+  return bytes;
 }
 
 void check_environment() {

@@ -5,6 +5,7 @@
 #include <initializer_list>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace dmoe {
@@ -26,6 +27,10 @@ std::string env_choice(const char* name, std::initializer_list<const char*> allo
 // (an optional leading '-'), in [lo, hi]; anything else (spaces, a sign '+', a fraction, a value past 64 bits) is an
 // input error naming the variable, the value and the range. `unit` ("milliseconds") is said in the message.
 int64_t env_integer(const char* name, int64_t lo, int64_t hi, int64_t fallback, const char* unit);
+// As env_integer, for a value already read (`text`, nullptr or "" for unset); `name` is the variable the errors name.
+// A value past hi (or past 64 bits) is "too large: the maximum is hi", one below lo "too small: the minimum is lo".
+int64_t env_integer_value(const char* name, const char* text, int64_t lo, int64_t hi, int64_t fallback,
+                          std::string_view unit);
 
 // A byte count, as NVSHMEM reads NVSHMEM_SYMMETRIC_SIZE's whole numbers: decimal digits with an optional K/M/G/T
 // suffix (powers of 1024), in any case and optionally followed by B, i or iB ("512MiB", "1G", "1gib", "1Gi", "64kB"),

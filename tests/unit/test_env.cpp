@@ -117,8 +117,7 @@ TEST(EnvKnobs, ByteSizesAreExactAndNameTheVariable) {
     EXPECT_EQ(env_byte_size(name, 99), bytes) << text;
   }
   // A malformed value was read as 0 bytes (no floor for the NVSHMEM heap) without a word.
-  for (const char* bad : {"abc", "1e9", " 1G", "1 G", "1iB", "1GG", "1BB", "-1", "1.5G", "99999999999999999999",
-                          "16777216T"}) {
+  for (const char* bad : {"abc", "1e9", " 1G", "1 G", "1iB", "1GG", "1BB", "-1", "1.5G"}) {
     setenv(name, bad, 1);
     try {
       (void)env_byte_size(name, 99);
@@ -129,6 +128,21 @@ TEST(EnvKnobs, ByteSizesAreExactAndNameTheVariable) {
       EXPECT_NE(m.find("allowed: a decimal number of bytes"), std::string::npos) << m;
     }
   }
+  // A size past 64 bits is one, too large (G19-9: it was "not a size").
+  for (const char* large : {"99999999999999999999", "16777216T", "18446744073709551616", "17179869184G"}) {
+    setenv(name, large, 1);
+    try {
+      (void)env_byte_size(name, 99);
+      ADD_FAILURE() << large << " was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(std::string("DMOE_TEST_KNOB='") + large + "' is too large: the maximum is "
+                                           "18446744073709551615 bytes"), std::string::npos) << e.what();
+    }
+  }
+  setenv(name, "18446744073709551615", 1);
+  EXPECT_EQ(env_byte_size(name, 99), UINT64_MAX);
+  setenv(name, "16777215T", 1);
+  EXPECT_EQ(env_byte_size(name, 99), 16777215ull << 40);
   unsetenv(name);
   EXPECT_EQ(env_byte_size(name, 99), 99u);
 }

@@ -200,6 +200,7 @@ TEST(FlowCudaHost, ArCommModeFromTheEnvironment) {
   EXPECT_EQ(chunks_per_gap_from_env("0"), 0);
   EXPECT_EQ(chunks_per_gap_from_env("3"), 3);
   for (const char* bad : {"-1", "x", "2x", "+2", "99999999999"}) EXPECT_THROW(chunks_per_gap_from_env(bad), Error) << bad;
+  EXPECT_EQ(chunks_per_gap_from_env("2147483647"), 2147483647);
 }
 
 TEST(FlowCudaHost, DenseBytesPerLayerCountRouterNormsAndAttention) {
