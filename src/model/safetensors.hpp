@@ -57,6 +57,8 @@ class SafetensorsFile {
 
   const std::string& source() const { return source_; }
   size_t size() const { return tensors_.size(); }
+  uint64_t file_bytes() const { return bytes_.size(); }  // the whole file as read
+  uint64_t data_start() const { return data_start_; }    // 8 + the header's length: where the data region begins
   bool has(const std::string& name) const { return tensors_.count(name) != 0; }
   // Throws, listing the closest available names, when there is no tensor `name`.
   const TensorInfo& info(const std::string& name) const;

@@ -3309,5 +3309,32 @@ TEST_F(BadInput, EnvironmentIntegersPastTheMaximumSayTooLarge) {
   EXPECT_EQ(run_cli(init, "DMOE_FLOW_CHUNKS_PER_GAP=2147483647").status, 0);
 }
 
+TEST_F(BadInput, EvalTokensFileWithStrayBytesIsRefusedWithItsSizes) {
+  // G19-11: a tokens file with 7 stray bytes after its data region was evaluated, rc 0, the bytes ignored.
+  ASSERT_EQ(run_cli("init-model --config " + p("tiny.json") + " --out " + p("m.st")).status, 0);
+  write_tokens_file();
+  const std::string eval = "eval --config " + p("tiny.json") + " --weights " + p("m.st") + " --output " + p("e.st") +
+                           " --tokens ";
+  EXPECT_EQ(run_cli(eval + p("tok.st")).status, 0);
+  fs::remove(p("e.st"));
+  const uint64_t size = fs::file_size(p("tok.st"));
+  fs::copy_file(p("tok.st"), p("tok7.st"));
+  std::ofstream(p("tok7.st"), std::ios::app | std::ios::binary) << "garbage";
+  const std::string tokens = slurp(p("tok.st"));
+  const uint64_t header = 8 + uint64_t(uint8_t(tokens[0])) + 256 * uint64_t(uint8_t(tokens[1]));
+  expect_user_error(run_cli(eval + p("tok7.st")), fmt::format("{}: the file is {} bytes, but its header ({} bytes with "
+                    "the length field) and tokens I32 [2, 8] (64 bytes) make {} bytes: 7 byte(s) are no tensor's (after "
+                    "the tokens)", p("tok7.st"), size + 7, header, size), "7 stray bytes");
+  EXPECT_FALSE(fs::exists(p("e.st")));
+  // The tokens after a hole at the start of the data region: the hole is as stray.
+  std::string moved = tokens.substr(0, header);
+  const std::string offsets = "\"data_offsets\":[0,64]";
+  ASSERT_NE(moved.find(offsets), std::string::npos) << moved;
+  moved.replace(moved.find(offsets), offsets.size(), "\"data_offsets\":[4,68]");
+  std::ofstream(p("hole.st"), std::ios::binary) << moved << "hole" << tokens.substr(header);
+  expect_user_error(run_cli(eval + p("hole.st")), "4 byte(s) are no tensor's (4 of them before the tokens)", "a hole");
+  EXPECT_FALSE(fs::exists(p("e.st")));
+}
+
 }  // namespace
 }  // namespace dmoe

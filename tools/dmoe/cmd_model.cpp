@@ -62,6 +62,16 @@ HostTensor<int32_t> read_tokens(const std::string& path) {
   DMOE_REQUIRE_INPUT(t.shape.size() == 2 && t.shape[0] >= 1 && t.shape[1] >= 2,
                "{}: tokens has shape {}; expected [batch >= 1, seq >= 2] (the loss predicts each next token)", path,
                shape_string(t.shape));
+  // The file is its header and the tokens, nothing else: stray bytes after the data region (or before the tokens in
+  // it) were ignored, rc 0 (G19-11 of the nineteenth bad-input pass): a file appended to, or tokens cut short by a
+  // header that describes fewer of them than were written. (The generic reader tolerates holes and trailing bytes.)
+  const uint64_t expected = f.data_start() + t.nbytes();
+  DMOE_REQUIRE_INPUT(f.file_bytes() == expected && t.begin == 0, "{}: the file is {} bytes, but its header ({} bytes "
+                     "with the length field) and tokens {} {} ({} bytes) make {} bytes: {} byte(s) are no tensor's{}; "
+                     "a tokens file holds its header and the tokens only (was it appended to?)", path, f.file_bytes(),
+                     f.data_start(), t.dtype, shape_string(t.shape), t.nbytes(), expected, f.file_bytes() - expected,
+                     t.begin > 0 ? fmt::format(" ({} of them before the tokens)", t.begin)
+                                 : std::string(" (after the tokens)"));
   return f.read_i32("tokens");
 }
 
