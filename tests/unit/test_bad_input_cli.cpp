@@ -3336,5 +3336,32 @@ TEST_F(BadInput, EvalTokensFileWithStrayBytesIsRefusedWithItsSizes) {
   EXPECT_FALSE(fs::exists(p("e.st")));
 }
 
+TEST_F(BadInput, InitModelShardsAreNotNamedLikeOptionsOrHidden) {
+  // G19-12: --out ./-.index.json named its shards --00001-of-00003.safetensors (option-like), --out .index.json
+  // .index-00001-of-00003.safetensors (hidden). The index's NAME must be non-empty and start with neither '.' nor '-'.
+  const std::string init = "init-model --config " + p("tiny.json") + " --shard-bytes 400000 --out ";
+  const std::set<std::string> known = {"data", "tiny.json", "costs.json"};
+  for (const auto& [out, needle] : std::vector<std::pair<std::string, std::string>>{
+           {"-.index.json", "and its NAME is '-': the shards would be named like options "
+                            "('--0000i-of-0000N.safetensors')"},
+           {"-m.safetensors.index.json", "and its NAME is '-m': the shards would be named like options"},
+           {".index.json", "and its NAME is empty: the index would be a hidden file, its shards "
+                           "'.index-0000i-of-0000N.safetensors'"},
+           {".json", "and its NAME is empty: the index would be a hidden file, its shards 'model-0000i-of-0000N"},
+           {".m.index.json", "and its NAME is '.m': the shards would be hidden files ('.m-0000i-of-0000N.safetensors')"}}) {
+    expect_user_error(run_cli_bounded(init + p(out)), "--out '" + p(out) + "' with --shard-bytes: the shards are named "
+                      "after the index (NAME.index.json has NAME-0000i-of-0000N.safetensors), " + needle, out);
+    EXPECT_NE(run_cli_bounded(init + p(out)).output.find("allowed: a NAME that is not empty and starts with neither "
+                                                         "'.' nor '-'"), std::string::npos) << out;
+    EXPECT_EQ(others_in(dir_, known), std::vector<std::string>{}) << out;
+  }
+  // Relative, as the finding's ./-.index.json: refused alike.
+  expect_user_error(run_shell("cd " + dir_.string() + " && " + std::string(DMOE_CLI_PATH) + " " + init +
+                              "./-.index.json"), "and its NAME is '-'", "./-.index.json");
+  EXPECT_EQ(others_in(dir_, known), std::vector<std::string>{});
+  ASSERT_EQ(run_cli_bounded(init + p("m-.index.json")).status, 0);
+  EXPECT_TRUE(fs::exists(p("m--00001-of-00003.safetensors")));
+}
+
 }  // namespace
 }  // namespace dmoe

@@ -101,9 +101,26 @@ void check_init_model_resources(const MixtralConfig& c, const std::string& out, 
 // replaced the shard with the config; all with rc 0.
 void check_sharded_outputs(const InitModelOptions& o, const std::string& config_path) {
   namespace fs = std::filesystem;
-  DMOE_REQUIRE_INPUT(fs::path(o.out).extension() == ".json", "--out '{}' with --shard-bytes: --out is the index.json "
-                     "of the shards, and must end in .json (e.g. model.safetensors.index.json); without --shard-bytes "
-                     "it is one model.safetensors", o.out);
+  // By the name's end (a bare ".json" has no extension to std::filesystem, and was told to "end in .json").
+  DMOE_REQUIRE_INPUT(fs::path(o.out).filename().string().ends_with(".json"), "--out '{}' with --shard-bytes: --out is "
+                     "the index.json of the shards, and must end in .json (e.g. model.safetensors.index.json); without "
+                     "--shard-bytes it is one model.safetensors", o.out);
+  // The shards are named after the index (NAME.index.json: NAME-0000i-of-0000N.safetensors): a NAME starting with '-'
+  // gave shards named like options (--out ./-.index.json: --00001-of-00003.safetensors), an empty one or one starting
+  // with '.' hidden files (--out .index.json: .index-00001-of-00003.safetensors) (G19-12 of the nineteenth pass).
+  std::string name = fs::path(o.out).filename().string();
+  for (const std::string suffix : {".json", ".index", ".safetensors"})
+    if (name.ends_with(suffix)) name.resize(name.size() - suffix.size());
+  DMOE_REQUIRE_INPUT(!name.empty() && name[0] != '.' && name[0] != '-', "--out '{}' with --shard-bytes: the shards are "
+                     "named after the index (NAME.index.json has NAME-0000i-of-0000N.safetensors), and its NAME is {}: "
+                     "{}; allowed: a NAME that is not empty and starts with neither '.' nor '-', e.g. --out "
+                     "model.safetensors.index.json", o.out, name.empty() ? std::string("empty") : "'" + name + "'",
+                     name.empty() ? fmt::format("the index would be a hidden file, its shards '{}-0000i-of-0000N"
+                                                ".safetensors'", shard_base(o.out))
+                     : name[0] == '-' ? fmt::format("the shards would be named like options ('{}-0000i-of-0000N"
+                                                    ".safetensors')", name)
+                                      : fmt::format("the shards would be hidden files ('{}-0000i-of-0000N.safetensors')",
+                                                    name));
   const fs::path dir = fs::path(o.out).parent_path().empty() ? fs::path(".") : fs::path(o.out).parent_path();
   // A file beside --out with a shard's name is replaced by that shard: the --config read (a config copied to
   // model-00001-of-00001.safetensors became 1 MB of weights, rc 0) or the --save-config written.
