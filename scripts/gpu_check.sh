@@ -284,7 +284,7 @@ part_flash_multi() {
   export DMOE_GPU_WAIT_TIMEOUT_MS=${DMOE_GPU_WAIT_TIMEOUT_MS:-5000}
   for n in 2 4; do
     run 200 "flash_launch_w$n" "$B/dmoe" launch -n "$n" -- "$B/tests/dmoe_gpu_tests" --gtest_brief=1 \
-      --gtest_filter='*FlashLayer.*:*FlashBackward.*'
+      --gtest_filter='*FlashLayer.*:*FlashLayerSplitGate.*:*FlashLayerSpreadCombine.*:*FlashLayerPrefetchDown.*:*FlashBackward.*'
   done
   run 150 flash_bench_flash-paper_w4 "$B/dmoe" launch -n 4 -- "$B/dmoe" bench layer --config flash-paper --flash \
     --no-backward --check-tokens 2 --json "$O/flash_bench_flash-paper_w4.json"

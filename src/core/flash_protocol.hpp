@@ -144,6 +144,42 @@ Shape make_shape(const MoeConfig& config, int32_t grid);
 
 DMOE_HD int32_t row_tiles(int64_t rows) { return int32_t((rows + kTileRows - 1) / kTileRows); }
 
+// ---- combine work items --------------------------------------------------------------------------------
+// The combine sums each token's k rows in 16-byte chunks (8 bf16 columns), a warp per work item; an item is a
+// token's columns [c_lo, c_hi) in chunks. Without spread_combine, a block's own tokens [t_begin, t_end), whole
+// rows, its kCombineWarps warps striding over them; with it, every token's slices over all the grid's warps (any
+// block may sum any token), warp-major (item i on block i % grid, warp (i % (8·grid)) / grid: a few items land on
+// as many blocks), slices of kCombineWideChunks while there is an item for every warp, else of
+// kCombineNarrowChunks (one chunk a lane). Every (token, chunk) is one item's exactly once
+// (tests/unit/test_flash_protocol.cpp); the kernel's loop is `for (i = first; i < end; i += step)`.
+constexpr int32_t kCombineWarps = 8;          // consumer warps of a block
+constexpr int64_t kCombineWideChunks = 128;   // 32 lanes x 4 chunks in flight
+constexpr int64_t kCombineNarrowChunks = 32;  // one chunk a lane
+struct CombineItems {
+  int64_t slice = 0;  // chunks of one item
+  int64_t first = 0, end = 0, step = 1;
+  DMOE_HD int64_t slices(int64_t chunks) const { return (chunks + slice - 1) / slice; }
+};
+DMOE_HD CombineItems combine_items(const Shape& s, int64_t block, int64_t grid, int32_t warp, int64_t t_begin,
+                                   int64_t t_end) {
+  const int64_t chunks = s.hidden / 8;
+  CombineItems c;
+  if (!s.spread_combine) {
+    c.slice = chunks;
+    c.first = t_begin + warp;
+    c.end = t_end;
+    c.step = kCombineWarps;
+    return c;
+  }
+  const int64_t warps = grid * kCombineWarps;
+  const int64_t wide = (chunks + kCombineWideChunks - 1) / kCombineWideChunks;
+  c.slice = s.tokens * wide >= warps ? kCombineWideChunks : kCombineNarrowChunks;
+  c.first = int64_t(warp) * grid + block;  // warp-major: few items land on as many blocks (SMs) as there are items
+  c.end = s.tokens * c.slices(chunks);
+  c.step = warps;
+  return c;
+}
+
 // ---- task table --------------------------------------------------------------------------------------
 // Tasks of one rank, numbered: all up tiles (expert by expert; inside an expert, row tiles fastest within
 // a column tile, so tiles running together share the weight slice), then all down tiles in the same

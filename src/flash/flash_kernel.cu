@@ -764,24 +764,17 @@ __device__ void combine_role(const KernelArgs& a, uint8_t* tables, int64_t t_beg
   const auto* slot = reinterpret_cast<const int32_t*>(a.p.local + a.ll.slot);
   const __nv_bfloat16* out = reinterpret_cast<const __nv_bfloat16*>(a.p.symmetric + a.sl.out);
   __nv_bfloat16* y = static_cast<__nv_bfloat16*>(a.p.y);
-  const int warp = (threadIdx.x - 128) / 32, lane = threadIdx.x % 32;  // 8 warps
+  const int warp = (threadIdx.x - 128) / 32, lane = threadIdx.x % 32;  // flash::kCombineWarps warps
   const int64_t chunks = H / 8;  // 16-byte chunks of a row
-  constexpr int kBatch = 4;      // chunks per lane in flight
-  // Work items are (token, column slice) pairs. token (the default): a block's own tokens, whole rows, a warp
-  // each. slice (Shape::spread_combine): items over every consumer warp of the grid — `arrived` counts the whole
-  // rank's rows, so any block may sum any token; at decode sizes one warp walking the token's k rows took ~14 us
-  // on an H100 (T = 1). Slices are 32*kBatch chunks while there is an item for every warp, else one chunk a lane.
-  int64_t slice = chunks, item = t_begin + warp, items_end = t_end, item_step = 8;
-  if (s.spread_combine) {
-    const int64_t warps = int64_t(gridDim.x) * 8, wide = (chunks + 32 * kBatch - 1) / (32 * kBatch);
-    slice = s.tokens * wide >= warps ? 32 * kBatch : 32;
-    item = int64_t(blockIdx.x) * 8 + warp;
-    items_end = s.tokens * ((chunks + slice - 1) / slice);
-    item_step = warps;
-  }
-  const int64_t slices = (chunks + slice - 1) / slice;
-  for (; item < items_end; item += item_step) {
-    const int64_t t = item / slices, c_lo = (item % slices) * slice, c_hi = min(chunks, c_lo + slice);
+  constexpr int kBatch = 4;      // chunks per lane in flight (flash::kCombineWideChunks = 32 lanes x kBatch)
+  static_assert(flash::kCombineWideChunks == 32 * kBatch && flash::kCombineWarps == 8, "the combine's items");
+  // Work items (flash::combine_items): a block's own tokens, a warp a token (the default), or (spread_combine)
+  // column slices of every token over all the grid's consumer warps — `arrived` counts the whole rank's rows, so
+  // any block may sum any token; at decode sizes one warp walking the token's k rows took ~14 us on an H100 (T = 1).
+  const flash::CombineItems items = flash::combine_items(s, blockIdx.x, gridDim.x, warp, t_begin, t_end);
+  const int64_t slices = items.slices(chunks);
+  for (int64_t item = items.first; item < items.end; item += items.step) {
+    const int64_t t = item / slices, c_lo = (item % slices) * items.slice, c_hi = min(chunks, c_lo + items.slice);
     for (int64_t c0 = c_lo + lane; c0 < c_hi; c0 += 32 * kBatch) {
       float accy[kBatch][8];
 #pragma unroll
@@ -789,8 +782,10 @@ __device__ void combine_role(const KernelArgs& a, uint8_t* tables, int64_t t_beg
 #pragma unroll
         for (int i = 0; i < 8; ++i) accy[u][i] = 0.f;
       for (int32_t j = 0; j < k; ++j) {
-        if (slot[t * k + j] < 0) continue;  // dropped: contributes nothing
-        const float w = weights[t * k + j];
+        // Past L1: with spread_combine the token's weights and drop marks were written by another block (the gate,
+        // the dispatch), and this block's own dispatch may have cached their line before they were.
+        if (__ldcg(slot + t * k + j) < 0) continue;  // dropped: contributes nothing
+        const float w = __ldcg(weights + t * k + j);
         const uint4* row = reinterpret_cast<const uint4*>(out + (t * k + j) * H);
         uint4 raw[kBatch];
 #pragma unroll

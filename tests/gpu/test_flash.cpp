@@ -97,6 +97,15 @@ void check_flash_layer(const FlashCase& fc, int64_t hidden, int split_gate) {
     ASSERT_EQ(shape.prefetch_down, prefetch != nullptr && std::string(prefetch) == "1");
     engine.set_weights(slice_experts(w, c.first_expert(rank), Le));
     DeviceRows xd{size_t(T * H)}, yd{size_t(T * H)};
+    // First a forward of other tokens (this rank's rows in reverse order: other routing, other drops), so that
+    // the checked forward follows one whose partial logits, drop marks and returned rows differ: a read of the
+    // previous forward's data shows (the same input twice would hide it).
+    std::vector<float> other(size_t(T * H));
+    for (int64_t t = 0; t < T; ++t)
+      std::copy_n(x.data() + (rank * T + (T - 1 - t)) * H, H, other.data() + t * H);
+    xd.upload(other.data());
+    engine.forward(xd.ptr, yd.ptr, stream);
+    engine.check(stream);
     xd.upload(x.data() + rank * T * H);
     engine.forward(xd.ptr, yd.ptr, stream);
     engine.check(stream);
@@ -191,10 +200,12 @@ TEST(FlashLayerSplitGate, MatchesCpuReferenceAndEpEngine) {
   }
 }
 
-// The combine spread over every block's warps (DMOE_FLASH_COMBINE=slice): T = 1 (one token over 16 warps of
-// 256-column slices), 37 and 129 (fewer items of 1024 columns than warps: the narrow slices), 300 (wide slices),
-// H = 256 and 1024 (a slice past H's end is cut), with the split gate at T = 1; against the CPU reference and EP
-// as above (each element is the token combine's sum in its order: the tolerances are the same).
+// The combine spread over every block's warps (DMOE_FLASH_COMBINE=slice), on the full grid (132 blocks: 1056
+// warps, so the narrow 256-column slices at these T) and on a grid of 8 forced through DMOE_FLASH_GRID (64 warps:
+// wide 1024-column slices from T = 37 on); H = 256, 1024 and 1040 (130 chunks: the last slice cut; with the split
+// gate, a partial last column chunk of 16); capacity (0.5) in one case; with the split gate where auto takes it;
+// against the CPU reference and EP as above (each element is the token combine's sum in its order: the same
+// tolerances). The index arithmetic itself is checked on the CPU (FlashProtocol.CombineItemsCoverEveryChunkOnce).
 TEST(FlashLayerSpreadCombine, MatchesCpuReferenceAndEpEngine) {
   if (!flash_runs_here()) GTEST_SKIP() << "no sm_90 GPU with this build's sm_90a kernels";
   ScopedEnv combine("DMOE_FLASH_COMBINE", "slice");
@@ -206,6 +217,11 @@ TEST(FlashLayerSpreadCombine, MatchesCpuReferenceAndEpEngine) {
     {
       ScopedGateMode mode("auto");
       check_flash_layer(fc, 1024, 2);
+      check_flash_layer(fc, 1040, 2);
+    }
+    {
+      ScopedEnv grid("DMOE_FLASH_GRID", "8");
+      check_flash_layer(fc, 1040, 0);
     }
   }
 }

@@ -352,5 +352,49 @@ TEST(FlashProtocol, SplitGateItemsAndPartialBuffer) {
   static_assert(sizeof(flash::Control) == 64);
 }
 
+// The combine's work items (flash::combine_items, the kernel's loop run here for every block and warp): each
+// (token, 16-byte chunk) of the rank's tokens is summed by exactly one warp, whole rows by the token's own block
+// without spread_combine; with it, slices spread so that at T = 1 more than one block works.
+TEST(FlashProtocol, CombineItemsCoverEveryChunkOnce) {
+  struct Case {
+    int64_t tokens, hidden;
+    int32_t grid;
+  };
+  for (const Case& cs : {Case{1, 4096, 132}, Case{1, 256, 132}, Case{37, 1024, 132}, Case{129, 4096, 132},
+                         Case{300, 1000, 7}, Case{8192, 4096, 132}, Case{5, 4096, 1}, Case{3, 8, 132}}) {
+    for (const bool spread : {false, true}) {
+      flash::Shape s;
+      s.tokens = cs.tokens;
+      s.hidden = cs.hidden;
+      s.grid = cs.grid;
+      s.spread_combine = spread;
+      const int64_t chunks = s.hidden / 8, per = (s.tokens + s.grid - 1) / s.grid;
+      std::vector<int> seen(size_t(s.tokens * chunks), 0);
+      std::vector<char> block_worked(size_t(s.grid), 0);
+      for (int64_t b = 0; b < s.grid; ++b) {
+        const int64_t t_begin = std::min(s.tokens, b * per), t_end = std::min(s.tokens, t_begin + per);
+        for (int32_t w = 0; w < flash::kCombineWarps; ++w) {
+          const flash::CombineItems items = flash::combine_items(s, b, s.grid, w, t_begin, t_end);
+          const int64_t slices = items.slices(chunks);
+          for (int64_t i = items.first; i < items.end; i += items.step) {
+            const int64_t t = i / slices, c_lo = (i % slices) * items.slice;
+            const int64_t c_hi = std::min(chunks, c_lo + items.slice);
+            ASSERT_LT(t, s.tokens);
+            if (!spread) ASSERT_TRUE(t >= t_begin && t < t_end) << "a block sums its own tokens";
+            for (int64_t c = c_lo; c < c_hi; ++c) ++seen[size_t(t * chunks + c)];
+            block_worked[size_t(b)] |= char(c_hi > c_lo);
+          }
+        }
+      }
+      const std::string tag = "T " + std::to_string(cs.tokens) + ", H " + std::to_string(cs.hidden) + ", grid " +
+                              std::to_string(cs.grid) + (spread ? ", spread" : "");
+      for (size_t i = 0; i < seen.size(); ++i) ASSERT_EQ(seen[i], 1) << tag << ": chunk " << i;
+      const int64_t blocks = std::count(block_worked.begin(), block_worked.end(), char(1));
+      if (spread && cs.tokens == 1 && cs.hidden == 4096 && cs.grid == 132) EXPECT_EQ(blocks, 16) << tag;  // 16 items
+      if (!spread && cs.tokens == 1) EXPECT_EQ(blocks, 1) << tag;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace dmoe
