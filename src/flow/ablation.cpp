@@ -34,7 +34,7 @@ TunerOptions tuner_options_within_task_limit(int32_t layers, const CostModel& co
   const auto tasks = [&](int32_t r, double log2_chunk) {  // as validate(GraphSpec) counts them
     const int64_t total = int64_t(layers) * costs.dense_grad_bytes_per_layer + costs.head_grad_bytes + costs.embed_grad_bytes;
     const int64_t chunk = std::max<int64_t>(1, std::llround(std::exp2(log2_chunk)));
-    return 8 * int64_t(layers) * r + (total == 0 ? 0 : (total + chunk - 1) / chunk);
+    return 8 * int64_t(layers) * r + (total == 0 ? 0 : ceil_div(total, chunk));
   };
   std::vector<int32_t> kept;
   for (int32_t r : options.micro_batches)

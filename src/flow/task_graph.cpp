@@ -69,7 +69,7 @@ int64_t num_allreduce_tasks(const GraphSpec& spec) {
   const int64_t total = ReplicatedLayout(spec).total();
   if (total == 0) return 0;
   if (!is_chunked(spec.schedule)) return 1;
-  return (total + spec.chunk_bytes - 1) / spec.chunk_bytes;
+  return ceil_div(total, spec.chunk_bytes);
 }
 
 }  // namespace
@@ -91,8 +91,9 @@ void validate(const GraphSpec& spec) {
   DMOE_REQUIRE(spec.embed_grad_bytes >= 0 && spec.embed_grad_bytes <= (int64_t(1) << 40),
                "embed_grad_bytes {}: must be in [0, 2^40]", spec.embed_grad_bytes);
   if (is_chunked(spec.schedule))
-    DMOE_REQUIRE_INPUT(spec.chunk_bytes >= 1, "chunk_bytes {}: must be >= 1 for schedule {}", spec.chunk_bytes,
-                 schedule_name(spec.schedule));
+    DMOE_REQUIRE_INPUT(spec.chunk_bytes >= 1 && spec.chunk_bytes <= kMaxChunkBytes, "chunk_bytes {}: must be in [1, "
+                       "2^40] for schedule {} (a chunk at least as large as the gradients is one all-reduce)",
+                       spec.chunk_bytes, schedule_name(spec.schedule));
   const int64_t tasks = 8 * int64_t(spec.layers) * spec.micro_batches + num_allreduce_tasks(spec);
   DMOE_REQUIRE_INPUT(tasks <= kMaxTasks,
                "chunk_bytes {} with layers {}, micro_batches {}, dense_grad_bytes_per_layer {}: {} tasks, more "
@@ -223,7 +224,9 @@ TaskGraph build_task_graph(const GraphSpec& spec) {
   const int64_t num_ar = num_allreduce_tasks(spec);
   for (int64_t k = 0; k < num_ar; ++k) {
     const int64_t begin = is_chunked(spec.schedule) ? k * spec.chunk_bytes : 0;
-    const int64_t end = is_chunked(spec.schedule) ? std::min(total, (k + 1) * spec.chunk_bytes) : total;
+    // (k + 1)·Sp is below total + Sp; past total only for the last chunk, where Sp may be large: no overflow either way.
+    const int64_t end = is_chunked(spec.schedule) ? (total - begin <= spec.chunk_bytes ? total : begin + spec.chunk_bytes)
+                                                  : total;
     std::vector<int32_t> deps;
     auto append = [&](const std::vector<int32_t>& v) { deps.insert(deps.end(), v.begin(), v.end()); };
     if (begin < lay.layers_begin()) append(all_r(TaskKind::combine_bwd, L - 1));

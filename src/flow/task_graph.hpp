@@ -59,6 +59,12 @@ Stream stream_of(TaskKind kind);
 
 constexpr int64_t kDefaultChunkBytes = int64_t(1) << 20;  // the paper's fixed Sp of the chunked-ar ablation step
 constexpr int64_t kMaxTasks = int64_t(1) << 22;           // refuse graphs beyond this (a mistyped Sp)
+// The largest Sp an option or a tuning file may give: 2^40 bytes (1 TiB), far past any model's replicated gradients (a
+// chunk at least as large as them is one all-reduce). Near INT64_MAX the chunk count's (total + Sp - 1) / Sp wrapped
+// negative, no all-reduce task was made and the ranks trained apart with rc 0 (G20-3 of the twentieth pass).
+constexpr int64_t kMaxChunkBytes = int64_t(1) << 40;
+// ceil(a / b) for a >= 0, b >= 1, without the overflow of (a + b - 1) / b.
+constexpr int64_t ceil_div(int64_t a, int64_t b) { return a / b + (a % b != 0 ? 1 : 0); }
 
 struct GraphSpec {
   int32_t layers = 1;

@@ -435,8 +435,11 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
     }
     DMOE_REQUIRE_INPUT(!config.tie_word_embeddings, "train: --schedule needs untied embeddings (tie_word_embeddings = "
                        "false): the executor refuses tied ones");
-    DMOE_REQUIRE_INPUT(o.chunk_bytes >= 4 && o.chunk_bytes % 4 == 0, "train: --chunk-bytes {} must be a positive "
-                       "multiple of 4", o.chunk_bytes);
+    // At most 2^40, as a tuning file's choice: near INT64_MAX the chunk count overflowed and the dense gradients were
+    // never all-reduced (the ranks trained apart, rc 0; G20-3). A chunk as large as the gradients is one all-reduce.
+    DMOE_REQUIRE_INPUT(o.chunk_bytes >= 4 && o.chunk_bytes % 4 == 0 && o.chunk_bytes <= flow::kMaxChunkBytes,
+                       "train: --chunk-bytes {} must be a positive multiple of 4 of at most 2^40 = {} (a chunk at least "
+                       "as large as the gradients is one all-reduce)", o.chunk_bytes, flow::kMaxChunkBytes);
     if (!tuned) flow_graph = make_graph(s, o.micro_batches, o.chunk_bytes);
   }
   // The value of an option as the errors below name it: "--beta2 1" as given, or, taken by a bare --resume from the

@@ -3363,5 +3363,40 @@ TEST_F(BadInput, InitModelShardsAreNotNamedLikeOptionsOrHidden) {
   EXPECT_TRUE(fs::exists(p("m--00001-of-00003.safetensors")));
 }
 
+// ---- The twentieth pass (G20-3, -4, -7 to -15; /tmp/pass20/REPORT.md, rows in G20-ROWS-B.md) ----------------------
+
+// `src` copied to `dst` with the tensors of `extra` (name -> shape and values) added.
+void copy_safetensors_with(const std::string& src, const std::string& dst,
+                           const std::map<std::string, std::pair<std::vector<int64_t>, std::vector<float>>>& extra) {
+  const SafetensorsFile f = SafetensorsFile::open(src);
+  SafetensorsWriter w;
+  for (const std::string& name : f.names()) {
+    const std::vector<int64_t> shape = f.info(name).shape;
+    w.add_f32(name, shape, f.read_f32(name, shape).data());
+  }
+  for (const auto& [name, t] : extra) w.add_f32(name, t.first, t.second.data());
+  w.write(dst);
+}
+
+TEST_F(BadInput, ChunkBytesNearInt64MaxIsRefusedNotTrainedWithoutTheAllReduce) {
+  // G20-3: (total + Sp - 1) / Sp wrapped negative at Sp = 2^63 - 4: no all-reduce task, the two ranks trained apart
+  // (another loss), rc 0; flow simulate printed AR 0.00. Sp is at most 2^40 now, and 2^40 is one chunk.
+  const std::string train = "train --config " + p("tiny.json") + " --data " + p("data") + " --steps 1 --seq 16 "
+                            "--batch 4 --world 2 --print-every 0 --schedule chunked-ar --chunk-bytes ";
+  expect_user_error(run_cli_bounded(train + "9223372036854775804"), "--chunk-bytes 9223372036854775804 must be a "
+                    "positive multiple of 4 of at most 2^40", "train");
+  expect_user_error(run_cli_bounded(train + "1099511627780"), "of at most 2^40", "train, 2^40 + 4");
+  const Result small = run_cli_bounded(train + "1048576"), largest = run_cli_bounded(train + "1099511627776");
+  ASSERT_EQ(small.status, 0) << small.output;
+  ASSERT_EQ(largest.status, 0) << largest.output;
+  const auto done = [](const std::string& out) { return out.substr(out.find("done:")); };
+  EXPECT_EQ(done(largest.output), done(small.output)) << "one chunk of everything must train as 1 MiB chunks do";
+  expect_user_error(run_cli_bounded("flow simulate --costs " + p("costs.json") + " --schedule chunked-ar --chunk-bytes "
+                                    "9223372036854775804"), "--chunk-bytes 9223372036854775804: must be in [1, 2^40",
+                    "flow simulate");
+  expect_user_error(run_cli_bounded("flow measure --config " + p("tiny.json") + " --steps 1 --schedule chunked-ar "
+                                    "--chunk-bytes 9223372036854775804"), "of at most 2^40", "flow measure");
+}
+
 }  // namespace
 }  // namespace dmoe

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <map>
 #include <numeric>
 #include <tuple>
@@ -293,6 +294,27 @@ TEST(FlowTaskGraph, BadInputNamesTheField) {
   EXPECT_EQ(parse_schedule("chunked-ar"), Schedule::chunked_ar);
   // pipe-attn does not chunk, so its Sp is not checked.
   EXPECT_NO_THROW(build_task_graph(spec_of(Schedule::pipe_attn, 2, 2, 1 << 20, 0)));
+}
+
+// G20-3 (twentieth bad-input pass): Sp near INT64_MAX wrapped the chunk count's (total + Sp - 1) / Sp negative, so
+// the graph had no all-reduce task and `train --world 2 --schedule chunked-ar` trained its ranks apart, rc 0. The
+// count is an overflow-free ceiling now, and Sp above 2^40 is refused; Sp = 2^40 is one chunk of everything.
+TEST(FlowTaskGraph, ChunkBytesNearInt64MaxIsRefusedAndTheLargestIsOneChunk) {
+  constexpr int64_t kMax = INT64_MAX;
+  EXPECT_EQ(ceil_div(0, 7), 0);
+  EXPECT_EQ(ceil_div(14, 7), 2);
+  EXPECT_EQ(ceil_div(15, 7), 3);
+  EXPECT_EQ(ceil_div(9 << 20, kMax - 3), 1);
+  EXPECT_EQ(ceil_div(kMax, 1), kMax);
+  EXPECT_EQ(ceil_div(kMax, kMax), 1);
+  for (Schedule s : {Schedule::chunked_ar, Schedule::tuned}) {
+    const std::string e = error_of([&] { build_task_graph(spec_of(s, 3, 2, 3 << 20, kMax - 3)); });
+    EXPECT_NE(e.find("chunk_bytes 9223372036854775804: must be in [1, 2^40]"), std::string::npos) << e;
+    const TaskGraph g = build_task_graph(spec_of(s, 3, 2, 3 << 20, kMaxChunkBytes));
+    ASSERT_EQ(g.allreduce_order.size(), 1u) << schedule_name(s);
+    EXPECT_EQ(g.tasks[size_t(g.allreduce_order[0])].bytes, 9 << 20);
+    EXPECT_EQ(g.tasks[size_t(g.allreduce_order[0])].offset, 0);
+  }
 }
 
 }  // namespace

@@ -788,8 +788,10 @@ void check_options_of_action(const CLI::App& sub, const FlowOptions& o) {
   if (o.action != "measure") return;
   DMOE_REQUIRE_INPUT(o.steps >= 1 && o.steps <= 100000, "--steps {}: must be in [1, 100000]", o.steps);
   // The executors cut the all-reduce on f32 elements; a chunk count past the graph's task limit is caught by it.
-  DMOE_REQUIRE_INPUT(o.chunk_bytes >= 4 && o.chunk_bytes % 4 == 0, "--chunk-bytes {}: must be a positive multiple of 4 "
-                     "(the all-reduce is cut on f32 gradients)", o.chunk_bytes);
+  DMOE_REQUIRE_INPUT(o.chunk_bytes >= 4 && o.chunk_bytes % 4 == 0 && o.chunk_bytes <= flow::kMaxChunkBytes,
+                     "--chunk-bytes {}: must be a positive multiple of 4 (the all-reduce is cut on f32 gradients) of at "
+                     "most 2^40 = {} (a chunk at least as large as the gradients is one all-reduce)", o.chunk_bytes,
+                     flow::kMaxChunkBytes);
   if (!ablation) {
     std::vector<int32_t> sorted = o.measure_r;
     std::sort(sorted.begin(), sorted.end());
@@ -887,7 +889,9 @@ Command add_flow_command(CLI::App& app) {
                          o->micro_batches);
       DMOE_REQUIRE_INPUT(o->samples >= 2 && o->samples <= 1000, "--samples {}: must be in [2, 1000] (one sample is one "
                          "guess, no search; train --tune-samples has the same floor)", o->samples);
-      DMOE_REQUIRE_INPUT(o->chunk_bytes >= 1, "--chunk-bytes {}: must be >= 1", o->chunk_bytes);
+      DMOE_REQUIRE_INPUT(o->chunk_bytes >= 1 && o->chunk_bytes <= flow::kMaxChunkBytes, "--chunk-bytes {}: must be in "
+                       "[1, 2^40 = {}] (a chunk at least as large as the gradients is one all-reduce)", o->chunk_bytes,
+                       flow::kMaxChunkBytes);
       // R splits each GPU's batch along its sequences (no sequence is cut, docs/flow.md), as train and measure
       // require: `--batch 1` projected pipe-attn at the default R = 2 (and a tuned R = 2, 1.38x), a schedule that
       // cannot run. (The tuned row's candidates are the divisors among 1, 2, 4, 8: simulate_command.)
@@ -917,7 +921,9 @@ Command add_flow_command(CLI::App& app) {
     DMOE_REQUIRE_INPUT(layers >= 1, "--layers {}: must be >= 1 (or give \"layers\" in {})", o->layers, o->costs_path);
     DMOE_REQUIRE_INPUT(o->micro_batches >= 1 && o->micro_batches <= 4096, "--micro-batches {}: must be in [1, 4096]",
                        o->micro_batches);
-    DMOE_REQUIRE_INPUT(o->chunk_bytes >= 1, "--chunk-bytes {}: must be >= 1", o->chunk_bytes);
+    DMOE_REQUIRE_INPUT(o->chunk_bytes >= 1 && o->chunk_bytes <= flow::kMaxChunkBytes, "--chunk-bytes {}: must be in "
+                       "[1, 2^40 = {}] (a chunk at least as large as the gradients is one all-reduce)", o->chunk_bytes,
+                       flow::kMaxChunkBytes);
     DMOE_REQUIRE_INPUT(o->samples >= 2 && o->samples <= 1000, "--samples {}: must be in [2, 1000] (one sample is one "
                          "guess, no search; train --tune-samples has the same floor)", o->samples);
     if (o->action == "tune") return tune_command(*o, costs, layers);
