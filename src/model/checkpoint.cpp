@@ -122,6 +122,42 @@ void require_finite(const SafetensorsFile& file, const std::string& name, const 
                        file.source(), name, i / cols, i % cols, values[i]);
 }
 
+// A tensor of the layer that the load does not read (a gate.bias, an expert's bias, the same layer's experts in the
+// transformers 5.x fused layout) was ignored: run gave the same y as without it, rc 0 (G20-4 of the twentieth pass).
+// Within the layer's names (under `prefix`; for the bare prefix "" the gate.* and experts.* names) only the gate's
+// weight and the experts' w1, w2 (and w3 for SwiGLU) weights may be; other layers' tensors, and the rest of a whole
+// model's, stay allowed (run --weights of a model file with --layer L).
+void require_no_unread_layer_tensors(const SafetensorsFile& file, const MoeConfig& config, const std::string& prefix) {
+  const std::string gate = gate_name(prefix), experts = prefix + "experts.";
+  const bool swiglu = config.activation == Activation::swiglu;
+  static const std::regex expert(R"(([0-9]+)\.(w1|w2|w3)\.weight)");
+  static const std::regex mixtral_layer(R"(model\.layers\.([0-9]+)\.block_sparse_moe\.)");
+  std::smatch layer;
+  const std::string fused_head =
+      std::regex_match(prefix, layer, mixtral_layer) ? fmt::format("model.layers.{}.mlp.", layer[1].str()) : "";
+  for (const std::string& name : file.names()) {
+    if (!fused_head.empty() && name.compare(0, fused_head.size(), fused_head) == 0 &&
+        (name == fused_head + "gate.weight" || name.compare(fused_head.size(), 8, "experts.") == 0))
+      DMOE_FAIL_INPUT("checkpoint '{}': the layer under '{}' also has '{}', its experts in the transformers 5.x fused "
+                      "layout, which run would ignore (two versions of the same layer); run reads the Mixtral layout "
+                      "({}{{E}}.w1.weight ...): keep one layout", file.source(), prefix, name, experts);
+    const bool in_layer = prefix.empty() ? name.compare(0, 5, "gate.") == 0 || name.compare(0, 8, "experts.") == 0
+                                         : name.compare(0, prefix.size(), prefix) == 0;
+    if (!in_layer || name == gate) continue;
+    std::smatch m;
+    if (name.compare(0, experts.size(), experts) == 0) {
+      const std::string rest = name.substr(experts.size());
+      if (std::regex_match(rest, m, expert)) continue;  // a w3 of non-SwiGLU experts is named by the load below
+    }
+    DMOE_FAIL_INPUT("checkpoint '{}': tensor '{}' is in the MoE layer under '{}' but is not one of its parameters{}, so "
+                    "run would ignore it and compute another layer than the file's; the layer is the gate's '{}' and "
+                    "each expert's {} weights, without biases: remove it from the file", file.source(), name, prefix,
+                    name.size() > 5 && name.compare(name.size() - 5, 5, ".bias") == 0 ? " (the layer has no biases)"
+                                                                                       : std::string(),
+                    gate, swiglu ? "w1, w3 and w2" : "w1 and w2");
+  }
+}
+
 // "layers with an MoE gate: 0, 3" or what else was found, for errors about a missing gate.
 std::string moe_layers_present(const SafetensorsFile& file) {
   const std::set<int> layers = moe_layers(file);
@@ -177,6 +213,7 @@ MoeWeights load_moe_weights(const SafetensorsFile& file, const MoeConfig& config
   DMOE_REQUIRE_INPUT(file.has(gate), "checkpoint '{}': gate tensor '{}' is missing (check --prefix / --layer; {})",
                      file.source(), gate, moe_layers_present(file));
   require_no_expert_beyond(file.names(), file.source(), prefix, config.experts, "experts");
+  require_no_unread_layer_tensors(file, config, prefix);
   file.read_f32_into(gate, {config.experts, h}, w.gate.data());
   require_finite(file, gate, w.gate.data(), config.experts, h);
 
@@ -393,6 +430,55 @@ bool load_fused_moe(const CheckpointReader& reader, const MixtralConfig& c, int 
   return true;
 }
 
+// A tensor of the file that the load does not read was ignored without a word (G20-4 of the twentieth pass): an
+// lm_head.bias of +-5, or the fused 5.x experts beside the per-expert ones, gave the same loss as without them, rc 0,
+// and train --init saved the model without them. Every tensor must be one the model reads (any expert: the other
+// ranks' are read by them), apart from the rotary inverse frequencies older transformers saved as buffers (dmoe
+// computes them from rope_theta).
+void require_no_unread_tensors(const CheckpointReader& reader, const MixtralConfig& config,
+                               const std::vector<bool>& fused) {
+  static const std::regex expert(R"(model\.layers\.([0-9]+)\.block_sparse_moe\.experts\.([0-9]+)\.w[123]\.weight)");
+  static const std::regex fused_name(R"(model\.layers\.([0-9]+)\.mlp\.(gate\.weight|experts\.gate_up_proj|experts\.down_proj))");
+  static const std::regex rotary(R"(model\.layers\.[0-9]+\.self_attn\.rotary_emb\.inv_freq)");
+  std::set<std::string> read;
+  for (int L = 0; L < config.num_hidden_layers; ++L) {  // every parameter but the experts' (the pattern above)
+    read.insert(fmt::format("model.layers.{}.input_layernorm.weight", L));
+    for (const char* m : {"q_proj", "k_proj", "v_proj", "o_proj"})
+      read.insert(fmt::format("model.layers.{}.self_attn.{}.weight", L, m));
+    read.insert(fmt::format("model.layers.{}.post_attention_layernorm.weight", L));
+    if (!fused[size_t(L)]) read.insert(gate_name(layer_prefix(L)));
+  }
+  for (const char* name : {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}) read.insert(name);
+  for (const std::string& name : reader.names()) {
+    if (read.count(name) || std::regex_match(name, rotary)) continue;
+    std::smatch m;
+    if (std::regex_match(name, m, expert)) {
+      const int64_t L = std::stoll(m[1].str());
+      if (L < config.num_hidden_layers && !fused[size_t(L)]) continue;
+      DMOE_FAIL_INPUT("checkpoint '{}': layer {} holds its experts in both layouts: the transformers 5.x fused tensors "
+                      "(model.layers.{}.mlp.gate.weight, mlp.experts.gate_up_proj, mlp.experts.down_proj), which are "
+                      "read, and per-expert ones such as '{}', which would be ignored (the file has no "
+                      "'{}'); keep one layout", reader.source(), L, L, name, gate_name(layer_prefix(int(L))));
+    }
+    if (std::regex_match(name, m, fused_name)) {
+      const int64_t L = std::stoll(m[1].str());
+      // Without the Mixtral gate either, the fused set is incomplete: the missing tensor is named below.
+      if (L < config.num_hidden_layers && (fused[size_t(L)] || !reader.has(gate_name(layer_prefix(int(L)))))) continue;
+      DMOE_FAIL_INPUT("checkpoint '{}': layer {} holds its MoE in both layouts: the Mixtral tensors "
+                      "model.layers.{}.block_sparse_moe.*, which are read, and the transformers 5.x fused '{}', which "
+                      "would be ignored (two versions of the same experts and router); keep one layout",
+                      reader.source(), L, L, name);
+    }
+    DMOE_FAIL_INPUT("checkpoint '{}': tensor '{}' is not a parameter of dmoe's Mixtral model{}, so it would be "
+                    "ignored and another model than the file's would run; remove it from the file (dmoe reads the "
+                    "embeddings, each layer's input_layernorm, q/k/v/o_proj, post_attention_layernorm, "
+                    "block_sparse_moe gate and experts' w1/w3/w2 (or the fused mlp.experts), model.norm and "
+                    "lm_head.weight, all without biases)", reader.source(), name,
+                    name.size() > 5 && name.compare(name.size() - 5, 5, ".bias") == 0
+                        ? " (its layers have no biases)" : std::string());
+  }
+}
+
 }  // namespace
 
 MixtralWeights load_mixtral_weights(const CheckpointReader& reader, const MixtralConfig& config,
@@ -421,6 +507,7 @@ MixtralWeights load_mixtral_weights(const CheckpointReader& reader, const Mixtra
   std::vector<bool> fused(config.num_hidden_layers, false);
   for (int L = 0; L < config.num_hidden_layers; ++L)
     if (!reader.has(gate_name(layer_prefix(L)))) fused[L] = load_fused_moe(reader, config, L, w.layers[L].moe);
+  require_no_unread_tensors(reader, config, fused);
   const std::string layers = "model.layers.";
   for (ParamView& p : parameter_views(w, config)) {
     if (p.name.compare(0, layers.size(), layers) == 0 && p.name.find(".block_sparse_moe.") != std::string::npos &&

@@ -3398,5 +3398,83 @@ TEST_F(BadInput, ChunkBytesNearInt64MaxIsRefusedNotTrainedWithoutTheAllReduce) {
                                     "--chunk-bytes 9223372036854775804"), "of at most 2^40", "flow measure");
 }
 
+TEST_F(BadInput, TensorsTheModelDoesNotReadAreRefusedNotIgnored) {
+  // G20-4: an lm_head.bias of +-5, a gate.bias of (10, 0, 0, -10) and the fused 5.x experts beside the per-expert ones
+  // gave the loss (or the y) of the file without them, rc 0; train --init saved the model without them.
+  write_tokens_file();
+  ASSERT_EQ(run_cli("init-model --config " + p("tiny.json") + " --out " + p("m.st")).status, 0);
+  std::vector<float> bias(256);
+  for (int i = 0; i < 256; ++i) bias[size_t(i)] = i < 128 ? 5.0f : -5.0f;
+  copy_safetensors_with(p("m.st"), p("mb.st"), {{"lm_head.bias", {{256}, bias}}});
+  expect_eval_and_train_init_refused(p("tiny.json"), p("mb.st"), "tensor 'lm_head.bias' is not a parameter of dmoe's "
+                                     "Mixtral model (its layers have no biases)", "lm_head.bias");
+  copy_safetensors_with(p("m.st"), p("mf.st"),
+                        {{"model.layers.1.mlp.gate.weight", {{4, 64}, std::vector<float>(4 * 64, 0.5f)}},
+                         {"model.layers.1.mlp.experts.gate_up_proj", {{4, 256, 64}, std::vector<float>(4 * 256 * 64)}},
+                         {"model.layers.1.mlp.experts.down_proj", {{4, 64, 128}, std::vector<float>(4 * 64 * 128)}}});
+  expect_eval_and_train_init_refused(p("tiny.json"), p("mf.st"), "layer 1 holds its MoE in both layouts",
+                                     "fused beside per-expert");
+  // The rotary frequencies older transformers saved are computed from rope_theta: still read as before.
+  copy_safetensors_with(p("m.st"), p("mr.st"),
+                        {{"model.layers.0.self_attn.rotary_emb.inv_freq", {{8}, std::vector<float>(8, 1.0f)}}});
+  const Result rotary = run_cli("eval --config " + p("tiny.json") + " --weights " + p("mr.st") + " --tokens " +
+                                p("tok.st") + " --output " + p("e.st"));
+  EXPECT_EQ(rotary.status, 0) << rotary.output;
+
+  // A layer file: gate.bias, and the same layer's fused experts.
+  ASSERT_EQ(run_cli("init --hidden 64 --ffn 128 --experts 4 --top-k 2 --tokens 4 --out " + p("w.st") + " --input " +
+                    p("x.st") + " --save-config " + p("c.json")).status, 0);
+  const std::string run = "run --config " + p("c.json") + " --output " + p("y.st") + " ";
+  copy_safetensors_with(p("w.st"), p("wb.st"),
+                        {{"model.layers.0.block_sparse_moe.gate.bias", {{4}, {10.0f, 0.0f, 0.0f, -10.0f}}}});
+  expect_user_error(run_cli(run + "--weights " + p("wb.st") + " --input " + p("x.st")),
+                    "tensor 'model.layers.0.block_sparse_moe.gate.bias' is in the MoE layer under "
+                    "'model.layers.0.block_sparse_moe.' but is not one of its parameters (the layer has no biases)",
+                    "run, gate.bias");
+  copy_safetensors_with(p("w.st"), p("wf.st"),
+                        {{"model.layers.0.mlp.experts.down_proj", {{4, 64, 128}, std::vector<float>(4 * 64 * 128)}}});
+  expect_user_error(run_cli(run + "--weights " + p("wf.st") + " --input " + p("x.st")), "also has "
+                    "'model.layers.0.mlp.experts.down_proj', its experts in the transformers 5.x fused layout",
+                    "run, fused beside per-expert");
+  // An extra tensor in --input (and --grad-output) is refused, as eval --tokens refuses one.
+  copy_safetensors_with(p("x.st"), p("xm.st"), {{"mask", {{8}, std::vector<float>(8)}}});
+  expect_user_error(run_cli(run + "--weights " + p("w.st") + " --input " + p("xm.st")), "holds 'mask' beside 'x', "
+                    "which run would ignore", "run --input with a mask");
+  ASSERT_EQ(run_cli("init --config " + p("c.json") + " --out " + p("w2.st") + " --grad-output " + p("dy.st")).status, 0);
+  copy_safetensors_with(p("dy.st"), p("dym.st"), {{"dy2", {{8}, std::vector<float>(8)}}});
+  expect_user_error(run_cli(run + "--weights " + p("w.st") + " --input " + p("x.st") + " --grad-output " + p("dym.st")),
+                    "--grad-output " + p("dym.st") + ": holds 'dy2' beside 'dy'", "run --grad-output with another dy");
+  EXPECT_FALSE(fs::exists(p("y.st")));
+  // The other layers and the attention of a whole model's file are not the layer's: run --layer L reads as before.
+  const Result layer = run_cli("run --config " + p("tiny.json") + " --weights " + p("m.st") + " --layer 1 --input " +
+                               p("x.st") + " --output " + p("y.st"));
+  EXPECT_EQ(layer.status, 0) << layer.output;
+}
+
+TEST_F(BadInput, RunTokensAndWorldBelowOneAreRefusedAsInitRefusesThem) {
+  // G20-9: --tokens 0 (or "tokens": 0 in the config) was replaced by x's rows; G20-10: --world -8 was "x has 8 tokens,
+  // not divisible by world = -8".
+  ASSERT_EQ(run_cli("init --hidden 16 --ffn 32 --experts 4 --top-k 2 --tokens 8 --out " + p("w.st") + " --input " +
+                    p("x.st") + " --save-config " + p("c.json")).status, 0);
+  const std::string run = "run --config " + p("c.json") + " --weights " + p("w.st") + " --input " + p("x.st") +
+                          " --output " + p("y.st") + " ";
+  for (const char* t : {"0", "-3"})
+    expect_user_error(run_cli(run + "--tokens " + t), std::string("tokens = ") + t + " is invalid; tokens per rank "
+                      "must be >= 1", std::string("--tokens ") + t);
+  json c = json::parse(slurp(p("c.json")));
+  c["tokens"] = 0;
+  std::ofstream(p("c0.json")) << c.dump();
+  expect_user_error(run_cli("run --config " + p("c0.json") + " --weights " + p("w.st") + " --input " + p("x.st") +
+                            " --output " + p("y.st")), "tokens = 0 is invalid", "\"tokens\": 0 in the config");
+  for (const char* w : {"0", "-8"}) {
+    const Result r = run_cli(run + "--world " + w);
+    expect_user_error(r, std::string("world = ") + w + " is invalid; must be >= 1", std::string("--world ") + w);
+    EXPECT_EQ(r.output.find("not divisible"), std::string::npos) << r.output;
+  }
+  EXPECT_FALSE(fs::exists(p("y.st")));
+  EXPECT_EQ(run_cli(run + "--tokens 8").status, 0);
+  expect_user_error(run_cli(run + "--tokens 4"), "tokens = 4 per rank (--tokens), but x in", "--tokens 4 of 8 rows");
+}
+
 }  // namespace
 }  // namespace dmoe

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <limits>
 
 #include <nlohmann/json.hpp>
 
@@ -49,6 +50,19 @@ std::string first_non_finite(const LayerResult& r, const MoeConfig& c, bool back
   if (bad.empty()) bad = scan(r.grads.w3, c.hidden, "the experts' w3 gradient (stacked)");
   if (bad.empty()) bad = scan(r.grads.w2, c.ffn, "the experts' w2 gradient (stacked)");
   return bad;
+}
+
+// `file` (of `option`) must hold the tensor `name` and nothing else: an extra tensor (a mask, a second batch) was
+// ignored without a word, rc 0 (G20-4 of the twentieth pass), where eval --tokens refuses one.
+void require_only_tensor(const SafetensorsFile& file, const std::string& path, const char* name, const char* option,
+                         const char* expected) {
+  DMOE_REQUIRE_INPUT(file.has(name), "{}: no tensor '{}' (expected {}); tensors present: {}", path, name, expected,
+                     tensor_list(file));
+  std::string others;
+  for (const std::string& n : file.names())
+    if (n != name) others += (others.empty() ? "'" : ", '") + n + "'";
+  DMOE_REQUIRE_INPUT(others.empty(), "{} {}: holds {} beside '{}', which run would ignore: run reads {} alone (every "
+                     "row is a token; no mask); give a file with '{}' only", option, path, others, name, expected, name);
 }
 
 }  // namespace
@@ -120,31 +134,42 @@ Command add_run_command(CLI::App& app) {
     // A top_k of -1 given by the flag or the file is told apart by resolving again with another mark (it was taken for
     // "nobody said": `--top-k -1` was answered "the weights file does not record it; pass --top-k K").
     constexpr int32_t kTopKUnknown = -1, kTopKUnknownToo = -2;
+    // tokens likewise: "not given" was tokens == 0, so `--tokens 0` (or "tokens": 0 in the config) was taken as not
+    // given and replaced by x's rows without a word, where init refuses it (G20-9). No option or file gives INT64_MIN.
+    constexpr int64_t kTokensUnknown = std::numeric_limits<int64_t>::min();
     const MoeConfig inferred = o->config.config_path.empty() ? infer_moe_config(weights_file, prefix) : MoeConfig{};
     const auto resolved_with = [&](int32_t mark) {
       MoeConfig m = inferred;
       m.top_k = mark;
+      m.tokens = kTokensUnknown;
       return resolve_config(o->config, m);
     };
     MoeConfig c = resolved_with(kTopKUnknown);
+    const bool tokens_given = c.tokens != kTokensUnknown;
     DMOE_REQUIRE_INPUT(c.top_k != kTopKUnknown || resolved_with(kTopKUnknownToo).top_k != kTopKUnknownToo,
                        "top_k is not known: {} does not record it; pass --top-k K (1 <= K <= experts = {})",
                        o->config.config_path.empty() ? "the weights file " + o->weights
                                                      : "--config " + o->config.config_path,
                        c.experts);
 
+    // A tokens or world below 1 is refused as init and bench refuse it, naming where it came from: `--world -8` was
+    // "x has 8 tokens, not divisible by world = -8" (G20-10), `--tokens 0` replaced by x's rows (G20-9).
+    if ((tokens_given && c.tokens < 1) || c.world < 1) {
+      MoeConfig judged = c;
+      if (!tokens_given) judged.tokens = 1;
+      validate_config(judged, o->config);
+    }
     const SafetensorsFile input = SafetensorsFile::open(o->input);
-    DMOE_REQUIRE_INPUT(input.has("x"), "{}: no tensor 'x' (expected x [tokens, hidden]); tensors present: {}",
-                       o->input, tensor_list(input));
+    require_only_tensor(input, o->input, "x", "--input", "x [tokens, hidden]");
     const TensorInfo& xi = input.info("x");
     DMOE_REQUIRE_INPUT(xi.shape.size() == 2, "{}: x has shape {}; expected [tokens, hidden]", o->input,
                        shape_string(xi.shape));
     const int64_t total = xi.shape[0];
-    DMOE_REQUIRE_INPUT(c.world >= 1 && total % c.world == 0,
-                       "{}: x has {} tokens, not divisible by world = {}", o->input, total, c.world);
+    DMOE_REQUIRE_INPUT(total % c.world == 0, "{}: x has {} tokens, not divisible by world = {}", o->input, total,
+                       c.world);
     const int64_t per_rank = total / c.world;
     // Tokens come from the input; tokens given by --tokens or by the --config file must agree with it.
-    DMOE_REQUIRE_INPUT(c.tokens == 0 || c.tokens == per_rank,
+    DMOE_REQUIRE_INPUT(!tokens_given || c.tokens == per_rank,
                        "tokens = {} per rank ({}), but x in {} holds {} rows for world = {} ranks ({} per rank); drop "
                        "tokens or make it match", c.tokens,
                        o->config.tokens ? std::string("--tokens") : "from --config " + o->config.config_path, o->input,
@@ -177,8 +202,7 @@ Command add_run_command(CLI::App& app) {
     std::vector<float> dy;
     if (!o->grad_output.empty()) {
       const SafetensorsFile g = SafetensorsFile::open(o->grad_output);
-      DMOE_REQUIRE_INPUT(g.has("dy"), "{}: no tensor 'dy' (expected dy [tokens, hidden]); tensors present: {}",
-                         o->grad_output, tensor_list(g));
+      require_only_tensor(g, o->grad_output, "dy", "--grad-output", "dy [tokens, hidden]");
       dy = g.read_f32("dy", {total, c.hidden});
     }
 
