@@ -32,6 +32,7 @@
 #include <thread>
 
 #include "core/error.hpp"
+#include "core/host_resources.hpp"
 
 extern char** environ;
 
@@ -216,7 +217,11 @@ class TempDir {
                        "'{}': {}; {}", pattern, std::strerror(errno),
                        from_env ? fmt::format("TMPDIR='{}' must name a writable directory (or unset it for /tmp)", tmp)
                                 : std::string("/tmp must be a writable directory (or set TMPDIR to one)"));
-    path_ = pattern;
+    // Absolute: the ranks get it in DMOE_RENDEZVOUS (and their stage board under it), and a rank command that changes
+    // directory (`sh -c 'cd run && dmoe ...'`) looked for TMPDIR=tmp's relative path elsewhere (G20-13).
+    std::error_code ec;
+    const fs::path absolute = fs::absolute(pattern, ec);
+    path_ = ec ? pattern : absolute.lexically_normal().string();
   }
   ~TempDir() {
     if (keep_) return;
@@ -345,12 +350,20 @@ class RankSet {
   RankSet& operator=(const RankSet&) = delete;
 
   void start(int32_t r, const std::string& program, std::vector<std::string> args, EnvList env) {
+    // Out of descriptors (checked before the first rank, but something else may take them meanwhile): an input error,
+    // not an internal one with a source location (G20-7).
     int out_pipe[2], err_pipe[2];
-    DMOE_REQUIRE(::pipe2(out_pipe, O_CLOEXEC) == 0, "pipe2 failed: {}", std::strerror(errno));
+    const auto pipe_failed = [&](int e) {
+      DMOE_FAIL_INPUT("dmoe launch: cannot make the output pipes of rank {} of {}: {}{}", r, ranks_.size(),
+                      std::strerror(e), e == EMFILE || e == ENFILE ? "; each rank needs 2 open descriptors in the "
+                      "launcher: raise ulimit -n, or launch fewer ranks" : "");
+    };
+    if (::pipe2(out_pipe, O_CLOEXEC) != 0) pipe_failed(errno);
     if (::pipe2(err_pipe, O_CLOEXEC) != 0) {
+      const int e = errno;
       ::close(out_pipe[0]);
       ::close(out_pipe[1]);
-      DMOE_FAIL("pipe2 failed: {}", std::strerror(errno));
+      pipe_failed(e);
     }
     args[0] = program;
     std::vector<char*> argv = c_strings(args);
@@ -581,6 +594,10 @@ int launch(const LaunchOptions& o) {
   bool shared = false;
   for (const auto& [gpu, n] : ranks_on_gpu) shared = shared || n > 1;
 
+  // Each rank's stdout and stderr stay open in the launcher as a pipe each (two descriptors, four while it starts):
+  // past ulimit -n the error came at rank ~N/2, after the ranks before it had started and run (G20-7). Refused first.
+  require_file_descriptors(2 * int64_t(o.num_ranks) + 16, fmt::format("dmoe launch -n {} (two pipes per rank, and its "
+                           "rendezvous directory and signals)", o.num_ranks));
   SignalGuard signals;
   TempDir temp;
   const std::string rendezvous = temp.path() + "/rendezvous";

@@ -78,9 +78,12 @@ void require_file_descriptors(int64_t needed, const std::string& what) {
   for (std::filesystem::directory_iterator it("/proc/self/fd", ec), end; !ec && it != end; it.increment(ec)) ++open;
   if (ec || open == 0) return;  // not Linux, or /proc not mounted: nothing known
   open -= 1;  // the iterator's own descriptor
+  // The advice is a limit that fits (it said "ulimit -n 1024" also where 1024 was too few: launch -n 600).
+  int64_t enough = 1024;
+  while (enough < open + needed) enough *= 2;
   DMOE_REQUIRE_INPUT(open + needed <= int64_t(limit.rlim_cur), "{} needs up to {} file descriptors more than the {} "
                      "this process has open, and may have at most {} (ulimit -n); raise the limit (e.g. ulimit -n "
-                     "1024)", what, needed, open, uint64_t(limit.rlim_cur));
+                     "{})", what, needed, open, uint64_t(limit.rlim_cur), enough);
 }
 
 void require_output_space(double bytes, const std::string& path, const std::string& option, const std::string& what) {

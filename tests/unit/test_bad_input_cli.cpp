@@ -3451,6 +3451,18 @@ TEST_F(BadInput, TensorsTheModelDoesNotReadAreRefusedNotIgnored) {
   EXPECT_EQ(layer.status, 0) << layer.output;
 }
 
+TEST_F(BadInput, LaunchPastTheDescriptorLimitIsRefusedBeforeAnyRankStarts) {
+  // G20-7: `ulimit -n 64; launch -n 40` failed with "pipe2 failed: Too many open files (launcher.cpp:353)" after 29
+  // ranks had started and run.
+  const Result r = run_shell("ulimit -n 64; " + std::string(DMOE_CLI_PATH) + " launch -n 40 -- sh -c 'echo $DMOE_RANK"
+                             " >> " + p("started") + "'");
+  expect_user_error(r, "dmoe launch -n 40 (two pipes per rank", "launch -n 40 under ulimit -n 64");
+  EXPECT_NE(r.output.find("may have at most 64 (ulimit -n); raise the limit (e.g. ulimit -n 1024)"), std::string::npos)
+      << r.output;
+  EXPECT_FALSE(fs::exists(p("started"))) << "ranks started before the refusal: " << slurp(p("started"));
+  EXPECT_EQ(run_shell("ulimit -n 64; " + std::string(DMOE_CLI_PATH) + " launch -n 20 -- true").status, 0);
+}
+
 TEST_F(BadInput, RunTokensAndWorldBelowOneAreRefusedAsInitRefusesThem) {
   // G20-9: --tokens 0 (or "tokens": 0 in the config) was replaced by x's rows; G20-10: --world -8 was "x has 8 tokens,
   // not divisible by world = -8".
@@ -3474,6 +3486,18 @@ TEST_F(BadInput, RunTokensAndWorldBelowOneAreRefusedAsInitRefusesThem) {
   EXPECT_FALSE(fs::exists(p("y.st")));
   EXPECT_EQ(run_cli(run + "--tokens 8").status, 0);
   expect_user_error(run_cli(run + "--tokens 4"), "tokens = 4 per rank (--tokens), but x in", "--tokens 4 of 8 rows");
+}
+
+TEST_F(BadInput, LaunchHandsTheRanksAnAbsoluteRendezvous) {
+  // G20-13: TMPDIR=tmp gave the ranks DMOE_RENDEZVOUS=tmp/dmoe-launch-.../rendezvous, elsewhere after a cd.
+  fs::create_directories(p("tmp"));
+  const Result r = run_shell("cd " + dir_.string() + " && TMPDIR=tmp " + std::string(DMOE_CLI_PATH) +
+                             " launch -n 1 -- sh -c 'cd / && echo \"R=$DMOE_RENDEZVOUS\" && test -d \"$DMOE_RENDEZVOUS\"'");
+  ASSERT_EQ(r.status, 0) << r.output;
+  const size_t at = r.output.find("R=");
+  ASSERT_NE(at, std::string::npos) << r.output;
+  const std::string want = "R=" + fs::canonical(dir_).string() + "/tmp/dmoe-launch-";
+  EXPECT_EQ(r.output.substr(at, want.size()), want) << r.output;
 }
 
 }  // namespace
