@@ -1,6 +1,8 @@
 // config_io.cpp — JSON <-> MoeConfig, with errors that name the key, the expected type and the file.
 #include "model/config_io.hpp"
 
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <limits>
@@ -318,8 +320,11 @@ nlohmann::json read_json_file(const std::string& path, std::string_view what) {
   DMOE_REQUIRE_INPUT(size_ec || size <= kMaxJsonFileBytes, "{} '{}' is {} bytes, more than a JSON file dmoe reads may "
                      "be (limit {} bytes: configs, indexes, cost and tuning files are kilobytes); not a JSON file?", what,
                      path, size, kMaxJsonFileBytes);
+  errno = 0;
   std::ifstream in(path, std::ios::binary);
-  DMOE_REQUIRE_INPUT(in.good(), "{} '{}': cannot be opened for reading", what, path);
+  // With the reason (G20-12 of the twentieth pass: a mode-000 config said only "cannot be opened for reading").
+  DMOE_REQUIRE_INPUT(in.good(), "{} '{}': cannot be opened for reading{}", what, path,
+                     errno != 0 ? std::string(": ") + std::strerror(errno) : std::string());
   std::stringstream buffer;
   buffer << in.rdbuf();
   DMOE_REQUIRE_INPUT(!in.bad(), "{} '{}': read error", what, path);

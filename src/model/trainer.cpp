@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cerrno>
 #include <cstring>
 #include <functional>
 #include <cstdio>
@@ -223,8 +224,11 @@ std::vector<uint8_t> read_corpus(const std::string& path, double other_bytes,
   std::vector<uint8_t> bytes;
   bytes.reserve(size_t(std::min(total, 1e15)));
   for (const fs::path& f : files) {
+    errno = 0;
     std::ifstream in(f, std::ios::binary);
-    DMOE_REQUIRE_INPUT(in.good(), "--data: cannot read '{}'", f.string());
+    // With the reason, as a safetensors input says it ("cannot read 'x.txt'" alone: G20-12 of the twentieth pass).
+    DMOE_REQUIRE_INPUT(in.good(), "--data: cannot read '{}': {}", f.string(),
+                       errno != 0 ? std::strerror(errno) : "cannot be opened");
     // In blocks (a byte-wise iterator read at ~250 MB/s), to the end of the file, but not far past the size it had
     // when the memory was checked: /proc/self/pagemap (size 0) read 256 GB of zeros into a bad_alloc blamed on the
     // model (H13 of the seventeenth pass).
@@ -506,6 +510,16 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
   else
     require_host_memory(host_model_bytes, "train (the f32 weights and their two AdamW moments on the host)",
                         kModelSizes);
+  // The held-out windows are kept as tokens for the whole run: --val-batches 1048576 at batch 64 x seq 256 (64 GiB)
+  // ended in a bad_alloc blamed on --batch and --seq (G20-8 of the twentieth pass).
+  const double val_token_bytes = 4.0 * double(std::max<int64_t>(1, o.val_batches)) * double(o.batch) * double(o.seq);
+  require_host_memory((o.engine == "cuda" ? host_model_bytes : host_run_bytes) + val_token_bytes,
+                      fmt::format("train's validation set (--val-batches {} x batch {} = {:.0f} held-out windows of seq {} "
+                                  "tokens, {} kept for the run, beside the model's {})", o.val_batches, o.batch,
+                                  double(std::max<int64_t>(1, o.val_batches)) * double(o.batch), o.seq,
+                                  format_bytes(val_token_bytes),
+                                  format_bytes(o.engine == "cuda" ? host_model_bytes : host_run_bytes)),
+                      "a smaller --val-batches, or --batch, --seq");
 
   // Open at once: the log, a checkpoint's files and their temporaries, a data file, the threads' pipes (F18 of the
   // fifteenth pass: under ulimit -n 4 the whole run trained, then its save failed).

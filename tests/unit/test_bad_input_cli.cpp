@@ -3463,6 +3463,18 @@ TEST_F(BadInput, LaunchPastTheDescriptorLimitIsRefusedBeforeAnyRankStarts) {
   EXPECT_EQ(run_shell("ulimit -n 64; " + std::string(DMOE_CLI_PATH) + " launch -n 20 -- true").status, 0);
 }
 
+TEST_F(BadInput, ValidationWindowsPastTheMemoryNameValBatches) {
+  // G20-8: --val-batches 1048576 at batch 64 x seq 256 (64 GiB of held-out tokens) ended in a bad_alloc blamed on
+  // --batch and --seq; the estimate now counts the windows.
+  const Result r = run_shell("ulimit -v 4000000; " + std::string(DMOE_CLI_PATH) + " train --config " + p("tiny.json") +
+                             " --data " + p("data") + " --steps 1 --batch 64 --seq 256 --val-batches 1048576 "
+                             "--print-every 0");
+  expect_user_error(r, "train's validation set (--val-batches 1048576 x batch 64 = 67108864 held-out windows of seq "
+                    "256 tokens", "--val-batches 2^20");
+  EXPECT_NE(r.output.find("a smaller --val-batches"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("bad_alloc"), std::string::npos) << r.output;
+}
+
 TEST_F(BadInput, RunTokensAndWorldBelowOneAreRefusedAsInitRefusesThem) {
   // G20-9: --tokens 0 (or "tokens": 0 in the config) was replaced by x's rows; G20-10: --world -8 was "x has 8 tokens,
   // not divisible by world = -8".
@@ -3488,6 +3500,28 @@ TEST_F(BadInput, RunTokensAndWorldBelowOneAreRefusedAsInitRefusesThem) {
   expect_user_error(run_cli(run + "--tokens 4"), "tokens = 4 per rank (--tokens), but x in", "--tokens 4 of 8 rows");
 }
 
+TEST_F(BadInput, UnreadableDataAndConfigFilesSayWhy) {
+  // G20-12: as a user who may not read them, "--data: cannot read 'noread.txt'" and "config file 'cfg.json': cannot be
+  // opened for reading" gave no reason. Root reads any file: as root this runs dmoe as nobody (setpriv).
+  std::string as_user;
+  if (::geteuid() == 0) {
+    as_user = "setpriv --reuid 65534 --regid 65534 --clear-groups ";
+    if (run_shell(as_user + std::string(DMOE_CLI_PATH) + " --version").status != 0)
+      GTEST_SKIP() << "dmoe cannot be run as nobody here (setpriv, or the build directory's permissions)";
+  }
+  std::ofstream(p("noread.txt")) << slurp(p("data/a.txt"));
+  fs::copy_file(p("tiny.json"), p("noread.json"));
+  for (const char* f : {"noread.txt", "noread.json"}) fs::permissions(p(f), fs::perms::none);
+  const std::string dmoe = as_user + std::string(DMOE_CLI_PATH);
+  expect_user_error(run_shell(dmoe + " train --config " + p("tiny.json") + " --data " + p("noread.txt") +
+                              " --steps 1 --seq 16 --batch 2 --print-every 0"),
+                    "--data: cannot read '" + p("noread.txt") + "': Permission denied", "--data of mode 000");
+  fs::create_directories(p("out"));
+  fs::permissions(p("out"), fs::perms::all);
+  expect_user_error(run_shell(dmoe + " init-model --config " + p("noread.json") + " --out " + p("out/m.st")),
+                    "cannot be opened for reading: Permission denied", "--config of mode 000");
+}
+
 TEST_F(BadInput, LaunchHandsTheRanksAnAbsoluteRendezvous) {
   // G20-13: TMPDIR=tmp gave the ranks DMOE_RENDEZVOUS=tmp/dmoe-launch-.../rendezvous, elsewhere after a cd.
   fs::create_directories(p("tmp"));
@@ -3498,6 +3532,19 @@ TEST_F(BadInput, LaunchHandsTheRanksAnAbsoluteRendezvous) {
   ASSERT_NE(at, std::string::npos) << r.output;
   const std::string want = "R=" + fs::canonical(dir_).string() + "/tmp/dmoe-launch-";
   EXPECT_EQ(r.output.substr(at, want.size()), want) << r.output;
+}
+
+TEST_F(BadInput, WarmupThatCoversEveryStepIsNoted) {
+  // G20-14: --steps 2 --warmup 1000000 trained at lr 3e-09 and 6e-09, nothing said.
+  const std::string train = "train --config " + p("tiny.json") + " --data " + p("data") + " --steps 2 --seq 16 "
+                            "--batch 2 --print-every 0 ";
+  const Result r = run_cli(train + "--warmup 1000000");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("train: note: --warmup 1000000 >= --steps 2: the learning rate never reaches --lr"),
+            std::string::npos) << r.output;
+  const Result fine = run_cli(train + "--warmup 1");
+  ASSERT_EQ(fine.status, 0) << fine.output;
+  EXPECT_EQ(fine.output.find("--warmup"), std::string::npos) << fine.output;
 }
 
 }  // namespace

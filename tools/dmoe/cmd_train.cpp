@@ -344,6 +344,16 @@ Command add_train_command(CLI::App& app) {
                                      : std::string("--steps 1 is the one step at the peak --lr"),
                        o->warmup > 0 ? fmt::format("give --warmup below --steps (e.g. --warmup {})", o->steps / 10)
                                      : std::string("give --steps 2 or more"));
+    // A warm-up as long as the run: `--steps 2 --warmup 1000000` trained at lr 3e-09 and 6e-09 without a word (G20-14).
+    // Said when --warmup is given (the default 10 over a short trial run is the usual case, and says nothing new).
+    if (sub->count("--warmup") != 0 && o->warmup > 0 && o->warmup >= o->steps)
+      std::printf("train: note: --warmup %lld >= --steps %lld: %s, and no step is on the cosine down to --min-lr "
+                  "(give --warmup below --steps, e.g. --warmup %lld)\n", (long long)o->warmup, (long long)o->steps,
+                  o->warmup > o->steps
+                      ? fmt::format("the learning rate never reaches --lr {:g} (the last step's is {:.3g})", o->lr,
+                                    o->lr * double(o->steps) / double(o->warmup)).c_str()
+                      : "only the last step reaches --lr",
+                  (long long)(o->steps / 10));
     // Options of one schedule given for another would be ignored: refused instead.
     for (const CLI::Option* opt : {samples, steps, file})
       DMOE_REQUIRE_INPUT(opt->count() == 0 || o->schedule == "tuned", "train: {} is an option of --schedule tuned "
