@@ -31,7 +31,10 @@ double host_wait_timeout_seconds() {
   // At most 1e9 s (~32 years): a deadline of now + v must fit the clocks' 64-bit nanoseconds (inf would not).
   // At least 10 ms: below that a wait gives up before a peer thread or process can arrive, so the run fails (or
   // passes) by timing alone, with a time-out message that reads like a hang.
-  DMOE_REQUIRE_INPUT(end != text && *end == '\0' && v >= 0.01 && v <= 1e9,
+  // "1e", "1.2.3" and "600-" pass the character check above but are no number: said so, not "below 10 ms" (G20-11).
+  DMOE_REQUIRE_INPUT(end != text && *end == '\0', "DMOE_COMM_TIMEOUT_S='{}' is invalid: not a decimal number (expected "
+                     "seconds in [0.01, 1e9], e.g. 600 or 0.5)", text);
+  DMOE_REQUIRE_INPUT(v >= 0.01 && v <= 1e9,
                      "DMOE_COMM_TIMEOUT_S='{}' is invalid: expected seconds in [0.01, 1e9] ({})", text,
                      v > 1e9 ? "past 1e9 s, ~32 years, a deadline no longer fits the clocks' 64-bit nanoseconds"
                              : "below 10 ms every wait would give up before its peers can arrive");

@@ -3500,6 +3500,21 @@ TEST_F(BadInput, RunTokensAndWorldBelowOneAreRefusedAsInitRefusesThem) {
   expect_user_error(run_cli(run + "--tokens 4"), "tokens = 4 per rank (--tokens), but x in", "--tokens 4 of 8 rows");
 }
 
+TEST(BadInputEnv, CommTimeoutThatIsNoNumberIsSaidToBeNone) {
+  // G20-11: "1e", "1.2.3", "600-" were "below 10 ms".
+  for (const char* v : {"1e", "1.2.3", "600-", "5e+", "."}) {
+    const std::string e = input_error_of([&] {
+      ::setenv("DMOE_COMM_TIMEOUT_S", v, 1);
+      host_wait_timeout_seconds();
+    });
+    EXPECT_NE(e.find("is invalid: not a decimal number"), std::string::npos) << v << ": " << e;
+    EXPECT_EQ(e.find("10 ms"), std::string::npos) << v << ": " << e;
+  }
+  ::setenv("DMOE_COMM_TIMEOUT_S", "0.001", 1);
+  EXPECT_NE(input_error_of([] { host_wait_timeout_seconds(); }).find("below 10 ms"), std::string::npos);
+  ::unsetenv("DMOE_COMM_TIMEOUT_S");
+}
+
 TEST_F(BadInput, UnreadableDataAndConfigFilesSayWhy) {
   // G20-12: as a user who may not read them, "--data: cannot read 'noread.txt'" and "config file 'cfg.json': cannot be
   // opened for reading" gave no reason. Root reads any file: as root this runs dmoe as nobody (setpriv).
