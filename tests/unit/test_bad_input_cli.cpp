@@ -3562,5 +3562,15 @@ TEST_F(BadInput, WarmupThatCoversEveryStepIsNoted) {
   EXPECT_EQ(fine.output.find("--warmup"), std::string::npos) << fine.output;
 }
 
+TEST_F(BadInput, BenchWorldGivenTwiceIsRefused) {
+  // G20-15: -n 1 -n 1 ran and printed W = 1 twice.
+  const std::string bench = "bench --hidden 16 --ffn 16 --experts 4 --top-k 1 --tokens 8 --repeat 1 --warmup 0 ";
+  const Result r = run_cli(bench + "-n 1 -n 1");
+  expect_user_error(r, "-n/--worlds 1 1: W = 1 is given twice; give each rank count once", "-n 1 -n 1");
+  EXPECT_EQ(r.output.find("engine:"), std::string::npos) << r.output;
+  expect_user_error(run_cli(bench + "-n 1 -n 2 -n 1"), "W = 1 is given twice", "-n 1 2 1");
+  EXPECT_EQ(run_cli(bench + "-n 1 -n 2").status, 0);
+}
+
 }  // namespace
 }  // namespace dmoe

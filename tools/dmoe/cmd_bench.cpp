@@ -300,6 +300,11 @@ Command add_bench_command(CLI::App& app) {
     require_routing_flags_used(o->config, base, backward, "bench", "leave out --no-backward");
     // A world from --world or the config file is the one rank count to run, unless -n says otherwise.
     std::vector<int32_t> worlds = o->worlds;
+    // `-n 1 -n 1` ran and printed W = 1 twice (two JSON entries), without a word (G20-15): a count once each.
+    for (size_t i = 0; i < worlds.size(); ++i)
+      for (size_t j = 0; j < i; ++j)
+        DMOE_REQUIRE_INPUT(worlds[i] != worlds[j], "-n/--worlds {}: W = {} is given twice; give each rank count once "
+                           "(each is run and printed once per value)", fmt::join(o->worlds, " "), worlds[i]);
     if (o->config.world || base.world != 1) {
       DMOE_REQUIRE_INPUT(worlds_option->count() == 0 || o->worlds == std::vector<int32_t>{base.world},
                          "world = {} (from {}) and -n/--worlds {} disagree; give the rank counts once", base.world,
