@@ -78,15 +78,38 @@ struct StageBoard::Mapping {
   Slot* slot(int32_t r) const { return reinterpret_cast<Slot*>(static_cast<char*>(base) + sizeof(Header)) + r; }
   int64_t last_check_ns = 0;
   std::string last_failure;
+  dev_t dev = 0;  // the board file's identity: only that file is removed at the end
+  ino_t ino = 0;
 };
 
 StageBoard::StageBoard(const std::string& path, int32_t world, int32_t rank, int32_t local_world)
     : path_(path), world_(world), rank_(rank), local_world_(local_world) {
   DMOE_REQUIRE(world >= 1 && rank >= 0 && rank < world, "stage board {}: rank {} of {} is invalid", path, rank, world);
   const size_t bytes = board_bytes(world);
-  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+  // The first rank creates the board (O_EXCL) and sizes it at once; the others open that file. A file that was there
+  // before, empty (a user's file named by DMOE_STAGE_BOARD), or a symbolic link to one, was taken as a new board and
+  // sized, and the job's last rank then unlinked the path: the user's file was deleted. Links are not followed now, and
+  // an existing file must become a board of this size within the creator's moment; else it is refused and left.
+  int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+  const bool created = fd >= 0;
+  if (!created && errno == EEXIST) fd = ::open(path.c_str(), O_RDWR | O_NOFOLLOW | O_CLOEXEC);
+  if (fd < 0 && errno == ELOOP)
+    DMOE_FAIL("stage board {}: is a symbolic link; a board is a file of its own (set DMOE_STAGE_BOARD to another "
+              "path); it was left as it is", path);
   DMOE_REQUIRE(fd >= 0, "stage board {}: cannot open or create it: {}", path, std::strerror(errno));
   struct stat st {};
+  if (!created) {  // a peer that created it sizes it right away: wait for that a moment (2 s), as for its header
+    const auto start = std::chrono::steady_clock::now();
+    while (::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_size == 0 &&
+           std::chrono::steady_clock::now() - start < std::chrono::seconds(2))
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    if (::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_size == 0) {
+      ::close(fd);
+      DMOE_FAIL("stage board {}: is an empty file that no rank of this job made into a board (a user's file, or one "
+                "left by a job killed as it began); remove it, or set DMOE_STAGE_BOARD to another path; it was left "
+                "as it is", path);
+    }
+  }
   // A board is sized in one ftruncate from 0: a file of another size, or one that is no regular file, is not one of
   // this job's, and is left as it is (DMOE_STAGE_BOARD naming a text file had it extended with zeros before the
   // "not a dmoe stage board" error).
@@ -115,6 +138,8 @@ StageBoard::StageBoard(const std::string& path, int32_t world, int32_t rank, int
   map_ = new Mapping;
   map_->base = base;
   map_->bytes = bytes;
+  map_->dev = st.st_dev;
+  map_->ino = st.st_ino;
   Header* h = map_->header();
   uint64_t expected = 0;
   if (h->magic.compare_exchange_strong(expected, kClaimed)) {
@@ -142,6 +167,12 @@ StageBoard::StageBoard(const std::string& path, int32_t world, int32_t rank, int
   s->waiting.store(0);
   s->state.store(int32_t(RankState::running));
   s->pid.store(int32_t(::getpid()), std::memory_order_release);
+}
+
+bool StageBoard::is_file_at_path() const {
+  struct stat st {};
+  return map_ && ::lstat(path_.c_str(), &st) == 0 && S_ISREG(st.st_mode) && st.st_dev == map_->dev &&
+         st.st_ino == map_->ino;
 }
 
 StageBoard::~StageBoard() {
@@ -305,6 +336,7 @@ void finish_stage_board() {
     const RankSlot s = b->slot(r);
     if (r != b->rank() && s.pid != 0 && s.process_alive) return;
   }
+  if (!b->is_file_at_path()) return;  // the path names another file now: not this job's to remove
   ::unlink(b->path().c_str());
 }
 

@@ -56,6 +56,8 @@ class StageBoard final : public PeerWatch {
   int32_t rank() const { return rank_; }
   int32_t world() const { return world_; }
   const std::string& path() const { return path_; }
+  // Whether `path` still names the file this board maps (not replaced since; not a link): the only file removed.
+  bool is_file_at_path() const;
 
   // PeerWatch.
   std::string failed_peer() override;

@@ -129,6 +129,42 @@ TEST(StageBoard, LeavesAFileThatIsNoBoardAsItIs) {
   EXPECT_THROW(StageBoard(t.path("fifo"), 2, 0, 2), Error);
 }
 
+TEST(StageBoard, AnEmptyFileOrALinkAtThePathIsRefusedAndNotRemoved) {
+  // Seen in the code in the twentieth bad-input pass: DMOE_STAGE_BOARD naming a user's empty file (or a link to one)
+  // had it sized into a board, and the job's last rank unlinked the path at the end: the user's file was gone.
+  TempBoardDir t;
+  { std::ofstream(t.path("empty")); }
+  ASSERT_EQ(fs::file_size(t.path("empty")), 0u);
+  try {
+    StageBoard b(t.path("empty"), 2, 0, 2);
+    FAIL() << "an empty file of the user's was taken as a stage board";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("is an empty file that no rank of this job made into a board"),
+              std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(fs::is_regular_file(t.path("empty")));
+  EXPECT_EQ(fs::file_size(t.path("empty")), 0u);
+  fs::create_symlink(t.path("empty"), t.path("link"));
+  fs::create_symlink(t.path("missing"), t.path("dangling"));
+  for (const char* name : {"link", "dangling"}) {
+    try {
+      StageBoard b(t.path(name), 2, 0, 2);
+      FAIL() << "a symbolic link was followed to a stage board: " << name;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("is a symbolic link"), std::string::npos) << e.what();
+    }
+    EXPECT_TRUE(fs::is_symlink(t.path(name))) << name;
+  }
+  EXPECT_EQ(fs::file_size(t.path("empty")), 0u);
+  EXPECT_FALSE(fs::exists(t.path("missing")));
+  // A board the job made is its own to remove, while the path still names it; a file put in its place is not.
+  StageBoard made(t.path("board"), 2, 0, 2);
+  EXPECT_TRUE(made.is_file_at_path());
+  { std::ofstream(t.path("other")) << "user"; }
+  fs::rename(t.path("other"), t.path("board"));
+  EXPECT_FALSE(made.is_file_at_path());
+}
+
 TEST(StageBoard, PathFollowsTheLauncher) {
   ProcessEnv env;
   env.world = 2;
