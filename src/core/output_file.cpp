@@ -812,20 +812,28 @@ bool same_file(const std::string& a, const std::string& b) {
   // works on a relative path however deep the working directory is; making the paths absolute does not there (a
   // working directory longer than PATH_MAX: getcwd fails), and two such paths used to compare equal as two empty
   // ones, so that `init --out a.st --input b.st` was refused as "the same file" (F6 of the eighteenth bad-input pass).
+  // The path is split as given, at its last '/', and the directory part left to the kernel: "lnk/../o.json" (lnk a
+  // link to other/dir) is o.json in other/, where the kernel writes it. Normalised lexically first, it was "./o.json",
+  // so that `--json lnk/../o.json --trace other/o.json` wrote both into one file, rc 0, and `--json lnk/../q.json
+  // --trace ./q.json` (two files) was refused as one (G20-2 of the twentieth bad-input pass).
   const auto split = [](const std::string& path) {
-    fs::path p = fs::path(path).lexically_normal();
-    if (p.filename().empty() && p.has_parent_path()) p = p.parent_path();  // "dir/" names dir
-    return std::pair<fs::path, fs::path>{p.has_parent_path() ? p.parent_path() : fs::path("."), p.filename()};
+    std::string s = path;
+    while (s.size() > 1 && s.back() == '/') s.pop_back();  // "dir/" names dir
+    const size_t slash = s.rfind('/');
+    if (slash == std::string::npos) return std::pair<std::string, std::string>{".", s};
+    return std::pair<std::string, std::string>{slash == 0 ? std::string("/") : s.substr(0, slash), s.substr(slash + 1)};
   };
   const auto [dir_a, name_a] = split(a);
   const auto [dir_b, name_b] = split(b);
-  if (name_a != "." && name_a != ".." && name_b != "." && name_b != "..") {
+  const auto plain = [](const std::string& name) { return !name.empty() && name != "." && name != ".."; };
+  if (plain(name_a) && plain(name_b)) {
     struct stat da {}, db {};
     const bool da_ok = ::stat(dir_a.c_str(), &da) == 0, db_ok = ::stat(dir_b.c_str(), &db) == 0;
     if (da_ok && db_ok) return da.st_dev == db.st_dev && da.st_ino == db.st_ino && name_a == name_b;
     if (da_ok != db_ok) return false;
   }
-  // Missing directories too: the absolute, normalised paths; where one cannot be made absolute, the paths as given.
+  // Missing directories too: the absolute paths, their existing part resolved (weakly_canonical follows the links, so
+  // "lnk/.." is lnk's target's parent) and the rest normalised; where one cannot be made absolute, the paths as given.
   std::error_code ec_a, ec_b;
   const fs::path pa = fs::weakly_canonical(fs::absolute(a, ec_a), ec_a);
   const fs::path pb = fs::weakly_canonical(fs::absolute(b, ec_b), ec_b);

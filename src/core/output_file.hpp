@@ -148,9 +148,10 @@ class ExclusiveLock {
 };
 
 // True when a and b name the same file: same (st_dev, st_ino) when both exist (symlinks followed); false when only one
-// exists; when neither does, the same name in the same directory (the directories' identities; a working directory
-// deeper than PATH_MAX, where paths cannot be made absolute, is no obstacle), else the same absolute, lexically
-// normalised path.
+// exists; when neither does, the same name in the same directory: the path as given split at its last '/', and the
+// directories' identities compared as the kernel resolves them ("lnk/.." is the parent of lnk's target, not "."; a
+// working directory deeper than PATH_MAX, where paths cannot be made absolute, is no obstacle), else (a directory
+// missing too) the same absolute path, its existing part resolved (links followed) and the rest normalised.
 bool same_file(const std::string& a, const std::string& b);
 
 // Refuses an output that is the same file as an input or as another output, naming both options.

@@ -508,5 +508,38 @@ TEST_F(OutputFile, SameFileByIdentity) {
             "(no error)");
 }
 
+
+// G20-2 (twentieth pass): two new outputs were compared by their lexically normalised paths, so "lnk/../o.json" (lnk a
+// link to other/dir) was "./o.json": `flow simulate --json lnk/../o.json --trace other/o.json` wrote both into one file
+// (rc 0), and `--json lnk/../q.json --trace ./q.json`, two files, was refused as one. The directory is now resolved as
+// the kernel resolves it (lnk/.. is other/).
+TEST_F(OutputFile, NewFilesThroughALinkAndDotDotAreComparedWhereTheKernelPutsThem) {
+  fs::create_directories(dir_ / "other" / "dir");
+  fs::create_symlink(dir_ / "other" / "dir", dir_ / "lnk");
+  EXPECT_TRUE(same_file(p("lnk/../o.json"), p("other/o.json")));
+  EXPECT_TRUE(same_file(p("other/o.json"), p("lnk/../o.json")));
+  EXPECT_FALSE(same_file(p("lnk/../q.json"), p("q.json")));
+  EXPECT_FALSE(same_file(p("lnk/../q.json"), p("./q.json")));
+  EXPECT_TRUE(same_file(p("lnk/x.json"), p("other/dir/x.json")));
+  EXPECT_TRUE(same_file(p("other/"), p("lnk/..")));  // both exist: by identity, as before
+  // A directory part missing: the existing part resolved (lnk/.. is other/), the rest compared as written.
+  EXPECT_TRUE(same_file(p("lnk/../new/o.json"), p("other/new/o.json")));
+  EXPECT_FALSE(same_file(p("lnk/../new/o.json"), p("new/o.json")));
+  const std::string msg = error_of([&] {
+    require_distinct_files({{"--json", p("lnk/../o.json")}, {"--trace", p("other/o.json")}}, {});
+  });
+  EXPECT_NE(msg.find("are the same file"), std::string::npos) << msg;
+  EXPECT_EQ(error_of([&] { require_distinct_files({{"--json", p("lnk/../q.json")}, {"--trace", p("q.json")}}, {}); }),
+            "(no error)");
+  // Relative paths, from inside the directory (split as given: "o.json" is in ".").
+  const fs::path cwd = fs::current_path();
+  fs::current_path(dir_);
+  const bool relative_same = same_file("lnk/../o.json", "other/o.json");
+  const bool relative_other = same_file("lnk/../o.json", "o.json");
+  fs::current_path(cwd);
+  EXPECT_TRUE(relative_same);
+  EXPECT_FALSE(relative_other);
+}
+
 }  // namespace
 }  // namespace dmoe
