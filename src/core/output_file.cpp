@@ -30,7 +30,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// The temporaries that exist now, for the handler of SIGINT, SIGTERM and SIGHUP: a fixed table, so that the handler
+// The temporaries that exist now, for the handler of the terminating signals below: a fixed table, so that the handler
 // only reads it and calls unlink (both async-signal-safe). An interrupted write (Ctrl-C, a scheduler's SIGTERM) left
 // its ".NAME.dmoe-tmp.PID.N" behind; now it is removed and the process then ends by the signal as before.
 // State: 0 free, 1 being filled, 2 a temporary that exists.
@@ -39,9 +39,18 @@ struct TemporarySlot {
   char path[PATH_MAX];
 };
 TemporarySlot g_temporaries[64];
-constexpr int kCleanedSignals[] = {SIGINT, SIGTERM, SIGHUP};
+// Every signal whose default action ends the process and that is sent to a job from outside, not raised by a fault in
+// it: Ctrl-C, Ctrl-\ (QUIT), kill and schedulers (TERM, HUP; Slurm --signal and `timeout -s` send USR1/USR2 too), a
+// CPU-time limit (XCPU: ulimit -t, a batch system's time limit), timers (ALRM, VTALRM, PROF), a file-size limit (XFSZ:
+// the dmoe tool ignores it, so a write fails with EFBIG instead, and an ignored signal gets no handler) and a closed
+// output pipe (PIPE: `dmoe train | head -1`). Only INT, TERM and HUP were handled: a CPU-time limit or a USR1 left the
+// run's whole log in its hidden temporary, and could end a commit between two renames (G20-6, twentieth pass). The
+// faults (SEGV, BUS, ILL, FPE, ABRT, TRAP, SYS) stay as they are: a process in that state should not go on to run
+// code, and their core dump shows where it was.
+constexpr int kCleanedSignals[] = {SIGINT,  SIGTERM,   SIGHUP,  SIGQUIT, SIGUSR1, SIGUSR2,
+                                   SIGALRM, SIGVTALRM, SIGPROF, SIGXCPU, SIGXFSZ, SIGPIPE};
 
-// While a set's renames run (OutputFileSet::commit), a SIGINT/SIGTERM/SIGHUP is held back: ending between two renames
+// While a set's renames run (OutputFileSet::commit), any of those signals is held back: ending between two renames
 // left a checkpoint of mixed steps (the model of step 56 with the moments of step 55: the earlier, good checkpoint
 // replaced file by file) or a sharded model of two seeds under one index. The handler records the signal; commit ends
 // the process by it once every file is in place. (SIGKILL cannot be held back; a resume refuses such a mix by its

@@ -10,8 +10,10 @@
 //     link whose target does not exist is refused.
 //   - anything else (directory, FIFO, character or block device, socket): refused with an error naming
 //     the path, what it is, and what is allowed. /dev/full, /dev/null and pipes are therefore errors.
-//   - a SIGINT, SIGTERM or SIGHUP (at their default disposition) that ends the process while a temporary exists
-//     removes it first; the process then ends by the signal as before (SIGKILL cannot be caught: it may leave one).
+//   - a terminating signal sent from outside (SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2, SIGALRM, SIGVTALRM,
+//     SIGPROF, SIGXCPU, SIGXFSZ, SIGPIPE; each only where it is at its default disposition, not ignored or handled by
+//     someone else) that ends the process while a temporary exists removes it first; the process then ends by the
+//     signal as before (SIGKILL cannot be caught: it may leave one).
 //   - an output that is the same file as one of the command's inputs (same device and inode, so hard
 //     links, symlinks and "./x" vs "x" count as the same file) is refused before anything runs.
 #pragma once
@@ -43,7 +45,7 @@ void write_file_atomically(const std::string& path, std::span<const uint8_t> byt
 void write_file_atomically(const std::string& path, std::string_view text);
 
 // Several outputs that appear together or not at all: write() puts each file's bytes in its temporary
-// (checked as above), commit() renames them all onto their targets, holding back SIGINT, SIGTERM and SIGHUP until
+// (checked as above), commit() renames them all onto their targets, holding back those signals (above) until
 // the last rename (the process then ends by the signal). A failed write(), or destruction without commit(), removes
 // every temporary of the set and leaves all targets untouched.
 // SIGKILL (or a power cut) cannot be held back: with a `journal` path, commit() first writes there which temporary
@@ -94,8 +96,8 @@ std::string finish_interrupted_commit(const std::string& journal, const std::vec
 void set_after_rename_hook_for_tests(void (*hook)(size_t renamed_index));
 
 // A file that grows piece by piece (a training log) under the same policy. Checked as check_output_file; a new file's
-// pieces go to a temporary beside the target (a name of dmoe's own, created exclusively, removed on SIGINT/SIGTERM/
-// SIGHUP and when the object is destroyed unpublished), and publish() renames it over the target (or a commit does, as
+// pieces go to a temporary beside the target (a name of dmoe's own, created exclusively, removed on the signals above
+// and when the object is destroyed unpublished), and publish() renames it over the target (or a commit does, as
 // the last of its files: OutputFileSet::commit's `publish`), after which the pieces go on into the same file under the
 // target's name. Until then the target keeps its earlier content: a run that fails before it publishes leaves the
 // earlier file as it was. `append`: the target itself is opened for appending

@@ -3572,5 +3572,57 @@ TEST_F(BadInput, BenchWorldGivenTwiceIsRefused) {
   EXPECT_EQ(run_cli(bench + "-n 1 -n 2").status, 0);
 }
 
+// ---- The twentieth pass (docs/faults.md, G20-1, G20-2, G20-5, G20-6: outputs) -------------------------------------
+// Outputs that cannot be renamed over (a bind mount, another user's file in a sticky directory) found before the work,
+// a file system out of inodes, flow's outputs written as one set, temporaries removed on a CPU-time limit. Cases that
+// need root (a mount, a second user) are skipped, with the reason, where this process cannot do that.
+
+// `timeout` bounds each command: a regression that runs the whole work shows as a slow failure, not a hang. `prefix`:
+// what runs dmoe (setpriv ...).
+Result run_cli_g20(const std::string& args, const std::string& prefix = "") {
+  return test::run_shell(prefix + "timeout 120 " + std::string(DMOE_CLI_PATH) + " " + args);
+}
+
+class G20Output : public BadInput {
+ protected:
+  void TearDown() override {
+    for (const std::string& m : mounts_) ::umount2(m.c_str(), MNT_DETACH);
+    BadInput::TearDown();
+  }
+  // `print_every` 1: a line per step, to see whether the training ran.
+  std::string train(int steps, int print_every = 0, int batch = 2) const {
+    return "train --config " + p("tiny.json") + " --data " + p("data") + " --seq 16 --batch " + std::to_string(batch) +
+           " --val-batches 1 --print-every " + std::to_string(print_every) + " --steps " + std::to_string(steps) + " ";
+  }
+  // Bind-mounts `source` over the file `target` (a container's `-v file:file`); false where this process may not.
+  bool bind_mount(const std::string& source, const std::string& target) {
+    if (::mount(source.c_str(), target.c_str(), nullptr, MS_BIND, nullptr) != 0) return false;
+    mounts_.push_back(target);
+    return true;
+  }
+  // dmoe's hidden files (temporaries, backups) in the test's directory or `sub` of it.
+  std::vector<std::string> temporaries(const std::string& sub = "") const {
+    std::vector<std::string> names;
+    for (const auto& e : fs::directory_iterator(sub.empty() ? dir_ : dir_ / sub))
+      if (e.path().filename().string().find(".dmoe-") != std::string::npos)
+        names.push_back(e.path().filename().string());
+    return names;
+  }
+  std::vector<std::string> mounts_;
+};
+
+// G20-6: a CPU-time limit (ulimit -t: SIGXCPU) during `train --log` over an earlier log left the run's whole loss
+// history in the hidden `.l.jsonl.dmoe-tmp.PID.1` for good (rc 152). The temporary is removed now, the earlier log
+// kept, and the process still ends by the signal.
+TEST_F(G20Output, ACpuTimeLimitLeavesNoTemporaryBehind) {
+  std::ofstream(p("l.jsonl")) << "{\"step\":1,\"loss\":1}\n";
+  const Result r = test::run_shell("ulimit -c 0; ulimit -S -t 1; timeout 120 " + std::string(DMOE_CLI_PATH) + " " +
+                                   train(1000000) + "--log " + p("l.jsonl") + " > /dev/null 2>&1; echo rc=$?");
+  // 128 + SIGXCPU (24) from the shell; 124 would be the timeout (the limit never came).
+  EXPECT_NE(r.output.find("rc=152"), std::string::npos) << r.output;
+  EXPECT_EQ(slurp(p("l.jsonl")), "{\"step\":1,\"loss\":1}\n");
+  EXPECT_EQ(temporaries(), std::vector<std::string>{});
+}
+
 }  // namespace
 }  // namespace dmoe

@@ -217,6 +217,65 @@ TEST_F(OutputFile, FilesRemovedWithACommitGoBeforeItsHeldSignal) {
   EXPECT_EQ(entries(), 3u);
 }
 
+// G20-6 (twentieth pass): only SIGINT, SIGTERM and SIGHUP removed the temporaries and were held back during a commit.
+// A CPU-time limit (SIGXCPU), Slurm's --signal or `timeout -s USR1` (SIGUSR1), an alarm or a closed output pipe left
+// the hidden temporaries behind (a run's whole log), and could end a commit between two renames.
+TEST_F(OutputFile, EveryTerminatingSignalFromOutsideRemovesTemporariesAndWaitsForACommit) {
+  for (const int sig : {SIGUSR1, SIGUSR2, SIGXCPU, SIGALRM, SIGVTALRM, SIGPROF, SIGQUIT, SIGPIPE}) {
+    struct sigaction now {};
+    ASSERT_EQ(::sigaction(sig, nullptr, &now), 0);
+    if (now.sa_handler == SIG_IGN) continue;  // ignored in this process (and so in children): nothing to test
+    for (const char* name : {"a.txt", "b.txt", "c.txt"}) write_file_atomically(p(name), std::string_view("old"));
+    const pid_t pid = ::fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+      const struct rlimit no_core {0, 0};
+      ::setrlimit(RLIMIT_CORE, &no_core);  // SIGQUIT and SIGXCPU dump a core by default
+      OutputFileSet set;
+      set.write(p("a.txt"), std::string_view("new a"));
+      set.write(p("d.txt"), std::string_view("new d"));  // both temporaries exist, neither is renamed yet
+      GrowingOutputFile log(p("c.txt"), "--log", /*append=*/false);
+      log.write("a line\n");  // replaces an earlier c.txt: the piece waits in its temporary
+      ::raise(sig);
+      ::_exit(3);
+    }
+    int status = 0;
+    ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+    EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == sig) << "signal " << sig << ": status " << status;
+    EXPECT_EQ(read_text(p("a.txt")), "old");
+    EXPECT_EQ(read_text(p("c.txt")), "old");
+    EXPECT_FALSE(fs::exists(p("d.txt")));
+    EXPECT_EQ(temporaries(), std::vector<std::string>{}) << "signal " << sig;
+
+    // During a commit: held back until the last rename, then the process ends by it.
+    const int held = test::run_child_signalled_after_rename(0, sig, [&] {
+      const struct rlimit no_core {0, 0};
+      ::setrlimit(RLIMIT_CORE, &no_core);
+      OutputFileSet set;
+      for (const char* name : {"a.txt", "b.txt", "c.txt"}) set.write(p(name), std::string_view("new"));
+      set.commit();
+    });
+    EXPECT_TRUE(WIFSIGNALED(held) && WTERMSIG(held) == sig) << "signal " << sig << ": status " << held;
+    for (const char* name : {"a.txt", "b.txt", "c.txt"}) EXPECT_EQ(read_text(p(name)), "new") << name << ", " << sig;
+    EXPECT_EQ(entries(), 3u) << "signal " << sig << ": a temporary was left";
+  }
+  // A signal the user set to be ignored (nohup, `trap '' USR1`) stays ignored: no handler ends the process by it.
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    ::signal(SIGUSR1, SIG_IGN);
+    OutputFileSet set;
+    set.write(p("e.txt"), std::string_view("e"));
+    ::raise(SIGUSR1);
+    set.commit();
+    ::_exit(3);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 3) << "status " << status;
+  EXPECT_EQ(read_text(p("e.txt")), "e");
+}
+
 // G1 (sixteenth pass) under SIGKILL, which cannot be held back: a set committed with a journal and killed after its
 // first of three renames is completed by finish_interrupted_commit (all three new, no temporary or journal left).
 TEST_F(OutputFile, ACommitKilledBetweenRenamesIsCompletedFromItsJournal) {
