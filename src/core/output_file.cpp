@@ -11,6 +11,7 @@
 #include <fstream>
 #include <mutex>
 #include <sstream>
+#include <tuple>
 #include <utility>
 
 #include <nlohmann/json.hpp>
@@ -278,6 +279,57 @@ int create_temporary(const OutputTarget& t, std::string& tmp, std::string_view w
   DMOE_FAIL_INPUT("{}: cannot create a temporary file in '{}': 100 names taken", what, t.directory);
 }
 
+// True where this process has CAP_FOWNER (root, as a rule), which lets rename(2) replace a file in a sticky directory
+// that neither it nor the directory belongs to.
+bool has_cap_fowner() {
+  std::ifstream in("/proc/self/status");
+  for (std::string line; std::getline(in, line);)
+    if (line.rfind("CapEff:", 0) == 0) return (std::strtoull(line.c_str() + 7, nullptr, 16) >> 3) & 1;  // CAP_FOWNER 3
+  return ::geteuid() == 0;  // no /proc: root has it unless its capabilities were dropped
+}
+
+// Why rename(2) cannot put a new file over the existing file `path` in `directory` (resolved: not a link), or "" where
+// nothing says it cannot. rename needs more than write permission: the target must not be a mount point (EBUSY: a
+// bind-mounted file, as a container's `-v FILE:FILE` makes), and in a sticky directory (S_ISVTX: /tmp, shared
+// scratch) the file must be this user's, or the directory this user's, or the process must have CAP_FOWNER (EPERM).
+// Both were found only at the rename, after the work; in a checkpoint's commit, after two of its files had been
+// replaced (G20-1, twentieth pass).
+std::string why_not_renamable(const std::string& path, const std::string& directory) {
+  bool mount_point = false;
+  struct statx fx {};
+  if (::statx(AT_FDCWD, path.c_str(), AT_SYMLINK_NOFOLLOW, STATX_TYPE | STATX_MNT_ID, &fx) == 0) {
+    if (fx.stx_attributes_mask & STATX_ATTR_MOUNT_ROOT) {
+      mount_point = fx.stx_attributes & STATX_ATTR_MOUNT_ROOT;
+    } else {  // a kernel before 5.8: the mount ids, or the devices, of the file and its directory
+      struct statx dx {};
+      if (::statx(AT_FDCWD, directory.c_str(), 0, STATX_TYPE | STATX_MNT_ID, &dx) == 0)
+        mount_point = (fx.stx_mask & dx.stx_mask & STATX_MNT_ID)
+                          ? fx.stx_mnt_id != dx.stx_mnt_id
+                          : fx.stx_dev_major != dx.stx_dev_major || fx.stx_dev_minor != dx.stx_dev_minor;
+    }
+  } else {
+    struct stat fs_ {}, ds {};
+    mount_point = ::lstat(path.c_str(), &fs_) == 0 && ::stat(directory.c_str(), &ds) == 0 && fs_.st_dev != ds.st_dev;
+  }
+  if (mount_point)
+    return "is a mount point (a file mounted over that name: a bind mount, or a container's volume such as `-v "
+           "FILE:FILE`), which rename(2) cannot replace (Device or resource busy); dmoe replaces an output whole by "
+           "renaming a new file over it: give a path that is not a mount point (mount the directory rather than the "
+           "file, or write elsewhere and copy the file over)";
+  struct stat ds {}, fs_ {};
+  if (::stat(directory.c_str(), &ds) == 0 && (ds.st_mode & S_ISVTX) && ::lstat(path.c_str(), &fs_) == 0) {
+    const uid_t me = ::geteuid();
+    if (fs_.st_uid != me && ds.st_uid != me && !has_cap_fowner())
+      return fmt::format("belongs to another user (uid {}) in '{}', a directory with the sticky bit (mode {:04o}, as "
+                         "/tmp), where only the file's owner, the directory's owner or a privileged process may "
+                         "replace or remove a file (rename(2) gives Operation not permitted); dmoe replaces an output "
+                         "whole by renaming a new file over it: give a path of your own (a new name, or a directory "
+                         "of your own), or ask the file's owner (uid {}) to remove it", uint64_t(fs_.st_uid), directory,
+                         unsigned(ds.st_mode & 07777), uint64_t(fs_.st_uid));
+  }
+  return {};
+}
+
 bool write_all(int fd, const uint8_t* data, size_t size) {
   while (size > 0) {
     const ssize_t n = ::write(fd, data, size);
@@ -312,6 +364,10 @@ void check_output_file(const std::string& path, std::string_view option) {
                        "clear the attribute (chattr -{} '{}') or give another path", option, path,
                        flags & FS_IMMUTABLE_FL ? "immutable" : "append-only", flags & FS_IMMUTABLE_FL ? "i" : "a",
                        t.path);
+    // A file the rename cannot replace: a mount point, another user's file in a sticky directory (G20-1).
+    if (const std::string why = why_not_renamable(t.path, t.directory); !why.empty())
+      DMOE_FAIL_INPUT("{} '{}'{} {}", option, path, t.path == path ? std::string() : fmt::format(" (its target '{}')",
+                                                                                               t.path), why);
     // The rename needs only the directory's permission: a write-protected file (chmod a-w, or another user's file in
     // a directory this user may write) was replaced with rc 0, where `echo > FILE` says "Permission denied". Root may
     // write any file (access() says so), as its shell may.
@@ -380,10 +436,48 @@ bool temporary_name_of(const std::string& temporary, const std::string& target) 
          at > 1 && at - 1 <= target.size() && target.compare(0, at - 1, temporary, 1, at - 1) == 0;
 }
 
+// A hard link to the file `target` (in `directory`) under a hidden name beside it, ".NAME.dmoe-old.PID.N" (NAME cut
+// short as a temporary's): the file a commit is about to replace, kept until the commit ends so that a later rename of
+// the set that fails can put it back (OutputFileSet::commit). "" where no link can be made (a file system without
+// hard links, fs.protected_hardlinks, a path past the limits): that file cannot be put back then.
+std::string link_backup(const std::string& target, const std::string& directory) {
+  static std::atomic<unsigned> counter{0};
+  const std::string name = fs::path(target).filename().string();
+  const std::string prefix = (fs::path(directory) / ".").string();  // "DIR/."
+  for (int attempt = 0; attempt < 100; ++attempt) {
+    const std::string suffix = fmt::format(".dmoe-old.{}.{}", ::getpid(), counter++);
+    const size_t fixed = prefix.size() + suffix.size();
+    if (fixed + 1 >= size_t(PATH_MAX)) return {};
+    std::string backup = prefix;
+    backup.append(name, 0, std::min({name.size(), size_t(NAME_MAX) - 1 - suffix.size(), size_t(PATH_MAX) - 1 - fixed}));
+    backup += suffix;
+    if (::link(target.c_str(), backup.c_str()) == 0) return backup;
+    if (errno != EEXIST) return {};
+  }
+  return {};
+}
+
 }  // namespace
 
 void OutputFileSet::commit(const std::string& journal, GrowingOutputFile* publish) {
   if (publish && publish->published_) publish = nullptr;
+  // A target that the rename cannot replace (a mount point, another user's file in a sticky directory) fails the whole
+  // set here, before anything is renamed: check_output_file says so before the work, but the file may have become one
+  // since (G20-1, twentieth pass: a bind-mounted optimizer.safetensors failed the checkpoint's third rename).
+  {
+    std::vector<std::tuple<std::string, std::string, std::string>> targets;  // shown path, target, its directory
+    for (const Written& w : written_) targets.emplace_back(w.path, w.target, w.directory);
+    if (publish) targets.emplace_back(publish->path_, publish->target_, publish->directory_);
+    for (const auto& [path, target, directory] : targets) {
+      struct stat ts {};
+      if (::lstat(target.c_str(), &ts) != 0) continue;  // a new file: nothing to replace
+      if (const std::string why = why_not_renamable(target, directory); !why.empty()) {
+        discard();
+        DMOE_FAIL_INPUT("writing '{}': '{}' {}; nothing was replaced{}", path, target, why,
+                        targets.size() > 1 ? " (nor any other file written with it)" : "");
+      }
+    }
+  }
   if (publish) {
     // Its pieces on the disk before the journal names it (GrowingOutputFile::publish does the same before its rename).
     DMOE_REQUIRE(publish->fd_ >= 0, "GrowingOutputFile: published with a commit after close ({})", publish->path_);
@@ -400,6 +494,29 @@ void OutputFileSet::commit(const std::string& journal, GrowingOutputFile* publis
     if (g_committing.fetch_sub(1) == 1)
       if (const int sig = g_pending_signal.exchange(0); sig != 0) remove_temporaries_and_reraise(sig);
   };
+  // A rename that fails part-way anyway (G20-1: a mount or a sticky directory the checks above did not see, EIO, a
+  // file system gone read-only) left the files renamed before it replaced, the rest not: a checkpoint of two saves,
+  // its journal removed, which every resume refused. Completing the set later is no way out (the same rename fails
+  // again while its cause is there, and another user's file may never become replaceable), so the set is undone
+  // instead: each file that a later rename of the set could leave replaced is first hard-linked to a backup beside it
+  // (".NAME.dmoe-old.PID.N"; a link costs no space and no inode), and a failed rename renames the backups back over
+  // the files already replaced (and removes the files the set created), leaving every target as it was. The backups go
+  // when the commit ends; the journal names them, so that a commit killed between its renames (SIGKILL) and completed
+  // by finish_interrupted_commit removes them too. Where a backup cannot be made (a file system without hard links)
+  // and a rename fails after that file was replaced, the set is kept for completion instead: its journal and the
+  // remaining temporaries stay, and finish_interrupted_commit completes it once the cause is gone.
+  const size_t total = written_.size() + (publish ? 1 : 0);
+  std::vector<std::string> backups(written_.size());  // "" where there is none
+  std::vector<bool> existed(written_.size(), false);
+  for (size_t i = 0; i < written_.size(); ++i) {
+    struct stat ts {};
+    existed[i] = ::lstat(written_[i].target.c_str(), &ts) == 0;
+    if (existed[i] && i + 1 < total) backups[i] = link_backup(written_[i].target, written_[i].directory);
+  }
+  const auto remove_backups = [&backups] {
+    for (std::string& b : backups)
+      if (!b.empty()) ::unlink(std::exchange(b, std::string()).c_str());
+  };
   if (!journal.empty()) {
     // Every temporary is complete (written, synced, closed); the journal says where each goes, before the first
     // rename. Written atomically itself (a nested set: the signals stay held).
@@ -412,7 +529,8 @@ void OutputFileSet::commit(const std::string& journal, GrowingOutputFile* publis
       DMOE_REQUIRE_INPUT(::lstat(journal.c_str(), &js) != 0 || S_ISREG(js.st_mode), "the commit journal '{}' is {}: "
                          "the name is dmoe's own (it records a save's renames); move it away", journal,
                          file_kind(js.st_mode));
-      for (const Written& w : written_) {
+      for (size_t i = 0; i < written_.size(); ++i) {
+        const Written& w = written_[i];
         const fs::path target = fs::absolute(w.target).lexically_normal();
         DMOE_REQUIRE(target.parent_path() == dir, "a journaled commit writes into the journal's directory only ('{}' is "
                      "not in '{}')", target.string(), dir.string());
@@ -420,11 +538,13 @@ void OutputFileSet::commit(const std::string& journal, GrowingOutputFile* publis
         DMOE_REQUIRE(::lstat(w.temporary.c_str(), &ts) == 0, "the temporary '{}' is gone before its commit",
                      w.temporary);
         const bool replaces = ::lstat(w.target.c_str(), &old) == 0;
-        renames.push_back({{"temporary", fs::path(w.temporary).filename().string()},
-                           {"target", target.filename().string()},
-                           {"temporary_id", fmt::format("{}:{}", uint64_t(ts.st_dev), uint64_t(ts.st_ino))},
-                           {"replaced_id", replaces ? fmt::format("{}:{}", uint64_t(old.st_dev), uint64_t(old.st_ino))
-                                                    : std::string("none")}});
+        nlohmann::json entry{{"temporary", fs::path(w.temporary).filename().string()},
+                             {"target", target.filename().string()},
+                             {"temporary_id", fmt::format("{}:{}", uint64_t(ts.st_dev), uint64_t(ts.st_ino))},
+                             {"replaced_id", replaces ? fmt::format("{}:{}", uint64_t(old.st_dev), uint64_t(old.st_ino))
+                                                      : std::string("none")}};
+        if (!backups[i].empty()) entry["backup"] = fs::path(backups[i]).filename().string();
+        renames.push_back(std::move(entry));
       }
       nlohmann::json record_json{{"dmoe_commit", 1}, {"renames", renames}};
       if (publish) {
@@ -449,51 +569,125 @@ void OutputFileSet::commit(const std::string& journal, GrowingOutputFile* publis
       g_after_rename_for_tests = hook;
     } catch (...) {
       g_after_rename_for_tests = hook;
+      remove_backups();
       discard();
       end_of_commit();
       throw;
     }
   }
   std::vector<std::string> directories;
+  const auto add_directory = [&directories](const std::string& d) {
+    if (std::find(directories.begin(), directories.end(), d) == directories.end()) directories.push_back(d);
+  };
+  const auto sync_directories = [&directories] {
+    // Make the renames durable; a directory that cannot be synced (some file systems) is no error.
+    for (const std::string& d : directories) {
+      const int dir = ::open(d.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+      if (dir >= 0) {
+        (void)::fsync(dir);
+        ::close(dir);
+      }
+    }
+  };
+  std::vector<std::string> renamed_ids(written_.size());  // each renamed file's identity (its temporary's)
+  size_t failed = total;  // the rename that failed (written_.size(): the published file's), total: none
+  int failed_errno = 0;
   for (size_t i = 0; i < written_.size(); ++i) {
     const Written& w = written_[i];
+    renamed_ids[i] = identity_of(w.temporary);
     if (::rename(w.temporary.c_str(), w.target.c_str()) != 0) {
-      const int err = errno;
-      std::string replaced;
-      for (size_t j = 0; j < i; ++j) replaced += fmt::format("{}'{}'", j ? ", " : "", written_[j].path);
-      const std::string path = w.path;
-      written_.erase(written_.begin(), written_.begin() + std::ptrdiff_t(i));
-      discard();
-      if (!journal.empty()) ::unlink(journal.c_str());  // its remaining temporaries are gone: nothing to complete
-      end_of_commit();
-      DMOE_FAIL_INPUT("writing '{}' failed at the rename of its temporary onto it: {}; it is unchanged{}", path,
-                      std::strerror(err), replaced.empty() ? "" : "; already replaced: " + replaced);
+      failed = i;
+      failed_errno = errno;
+      break;
     }
     release_temporary(w.slot);
     if (g_after_rename_for_tests) g_after_rename_for_tests(i);
-    if (std::find(directories.begin(), directories.end(), w.directory) == directories.end())
-      directories.push_back(w.directory);
+    add_directory(w.directory);
   }
-  const size_t renamed = written_.size();
-  written_.clear();
   // Last, as GrowingOutputFile::publish did after the commit: the log describes the files now in place.
-  if (publish) {
+  if (failed == total && publish) {
     if (::rename(publish->temporary_.c_str(), publish->target_.c_str()) != 0) {
-      const int err = errno;
-      if (!journal.empty()) ::unlink(journal.c_str());  // the set's files are in place; the log keeps its temporary
-      end_of_commit();
-      DMOE_FAIL_INPUT("{} '{}': the rename of its temporary '{}' onto it failed: {}; it is unchanged (the files "
-                      "committed with it are in place)", publish->option_, publish->path_, publish->temporary_,
-                      std::strerror(err));
+      failed = written_.size();
+      failed_errno = errno;
+    } else {
+      release_temporary(publish->slot_);
+      publish->slot_ = -1;
+      publish->published_ = true;  // its pieces go on into the same file, now under the target's name
+      if (g_after_rename_for_tests) g_after_rename_for_tests(written_.size());
+      add_directory(publish->directory_);
     }
-    release_temporary(publish->slot_);
-    publish->slot_ = -1;
-    publish->published_ = true;  // its pieces go on into the same file, now under the target's name
-    if (g_after_rename_for_tests) g_after_rename_for_tests(renamed);
-    if (std::find(directories.begin(), directories.end(), publish->directory_) == directories.end())
-      directories.push_back(publish->directory_);
   }
-  // Every file is in place: the journal has nothing left to complete.
+  if (failed < total) {
+    const std::string path = failed < written_.size() ? written_[failed].path : publish->path_;
+    const std::string cause = fmt::format("writing '{}' failed at the rename of its temporary onto it: {}; it is "
+                                          "unchanged", path, std::strerror(failed_errno));
+    std::string replaced;
+    bool undoable = true;
+    for (size_t j = 0; j < failed; ++j) {
+      replaced += fmt::format("{}'{}'", j ? ", " : "", written_[j].path);
+      undoable = undoable && (!backups[j].empty() || !existed[j]);
+    }
+    if (failed == 0) {  // nothing replaced
+      remove_backups();
+      discard();
+      if (!journal.empty()) ::unlink(journal.c_str());  // its temporaries are gone: nothing to complete
+      end_of_commit();
+      DMOE_FAIL_INPUT("{}{}", cause, total > 1 ? ", and so are the other files written with it" : "");
+    }
+    if (!undoable && !journal.empty()) {
+      // No backup of a file already replaced: kept for completion (above). The temporaries not renamed stay (released
+      // from the signal handler's table and from this set), and so does the published file's.
+      for (size_t j = failed; j < written_.size(); ++j) release_temporary(written_[j].slot);
+      written_.clear();
+      std::string log_kept;
+      if (publish) {
+        release_temporary(publish->slot_);
+        publish->slot_ = -1;
+        log_kept = fmt::format(" (and '{}', {}'s)", publish->temporary_, publish->option_);
+        publish->temporary_.clear();  // not removed with the GrowingOutputFile: the journal names it
+      }
+      end_of_commit();
+      sync_directories();
+      DMOE_FAIL_INPUT("{}; {} were replaced already and cannot be put back (no backup could be linked: hard links are "
+                      "not supported there?), so the set was left to be completed: its journal '{}' and the "
+                      "remaining temporaries{} stay beside it, and completing the journal once '{}' can be replaced "
+                      "puts every file in place (train --resume does, for a checkpoint)", cause, replaced, journal,
+                      log_kept, path);
+    }
+    // Undo: the journal first (a journal naming files put back would have them taken for changed since the save), then
+    // each replaced file back from its backup, each new one removed.
+    if (!journal.empty()) ::unlink(journal.c_str());
+    std::string not_restored;
+    for (size_t j = failed; j-- > 0;) {
+      const Written& w = written_[j];
+      bool ok = false;
+      if (!backups[j].empty()) {
+        ok = ::rename(backups[j].c_str(), w.target.c_str()) == 0;
+        if (ok) backups[j].clear();
+      } else if (!existed[j]) {
+        ok = identity_of(w.target) != renamed_ids[j] || ::unlink(w.target.c_str()) == 0;
+      }
+      if (!ok)
+        not_restored += fmt::format("{}'{}'{}", not_restored.empty() ? "" : ", ", w.path,
+                                    backups[j].empty() ? std::string() : fmt::format(" (its earlier content is in '{}')",
+                                                                                     backups[j]));
+      if (!ok && !backups[j].empty()) backups[j].clear();  // kept for the user: named above
+      add_directory(w.directory);
+    }
+    remove_backups();
+    written_.erase(written_.begin(), written_.begin() + std::ptrdiff_t(failed));
+    discard();
+    end_of_commit();
+    sync_directories();
+    if (!not_restored.empty())
+      DMOE_FAIL_INPUT("{}; the files replaced before it ({}) were to be put back, but {} could not be: the set is "
+                      "mixed there", cause, replaced, not_restored);
+    DMOE_FAIL_INPUT("{}, and so are the other files written with it: {} had been replaced and were put back as they "
+                    "were", cause, replaced);
+  }
+  written_.clear();
+  // Every file is in place: the backups and then the journal have nothing left to keep.
+  remove_backups();
   if (!journal.empty()) ::unlink(journal.c_str());
   // The files the new ones replace, before a held-back signal ends the process (G19-4: removed after the commit, the
   // old shards stayed beside the new model when a signal came during the renames).
@@ -504,15 +698,8 @@ void OutputFileSet::commit(const std::string& journal, GrowingOutputFile* publis
     if (std::find(directories.begin(), directories.end(), d) == directories.end()) directories.push_back(d);
   }
   end_of_commit();
-  if (!journal.empty()) directories.push_back(journal_directory(journal).string());
-  // Make the renames durable; a directory that cannot be synced (some file systems) is no error.
-  for (const std::string& d : directories) {
-    const int dir = ::open(d.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (dir >= 0) {
-      (void)::fsync(dir);
-      ::close(dir);
-    }
-  }
+  if (!journal.empty()) add_directory(journal_directory(journal).string());
+  sync_directories();
 }
 
 std::string finish_interrupted_commit(const std::string& journal, const std::vector<NamedPath>& outputs,
@@ -551,6 +738,7 @@ std::string finish_interrupted_commit(const std::string& journal, const std::vec
   const fs::path dir = journal_directory(journal);
   struct Rename {
     std::string temporary, target, temporary_id, replaced_id;
+    std::string backup = {};  // the replaced file's hard link the commit kept (OutputFileSet::commit), or ""
   };
   std::vector<Rename> renames;
   for (const nlohmann::json& r : record["renames"]) {
@@ -565,8 +753,18 @@ std::string finish_interrupted_commit(const std::string& journal, const std::vec
                            temporary.find(".dmoe-tmp.") != std::string::npos,
                        "the commit journal '{}' names '{}' onto '{}': dmoe's journals name a '.NAME.dmoe-tmp.PID.N' "
                        "temporary and a file of their own directory only{}", journal, temporary, target, move_away);
+    // The backup of the file replaced (since the twentieth pass): a '.NAME.dmoe-old.PID.N' of the same directory.
+    std::string backup;
+    if (r.contains("backup")) {
+      DMOE_REQUIRE_INPUT(r["backup"].is_string() && plain_file_name(r["backup"].get<std::string>()) &&
+                             r["backup"].get<std::string>().find(".dmoe-old.") != std::string::npos,
+                         "the commit journal '{}' names the backup {} for '{}': dmoe's journals name a "
+                         "'.NAME.dmoe-old.PID.N' file of their own directory{}", journal, r["backup"].dump(), target,
+                         move_away);
+      backup = (dir / r["backup"].get<std::string>()).string();
+    }
     renames.push_back({(dir / temporary).string(), (dir / target).string(), r["temporary_id"].get<std::string>(),
-                       r["replaced_id"].get<std::string>()});
+                       r["replaced_id"].get<std::string>(), backup});
   }
   // Every file must be as the killed commit left it: its temporary still there and the file it replaces unchanged,
   // or the rename done (the target is the temporary). A checkpoint restored by hand since (`cp backup/* ck/` skips the
@@ -664,6 +862,9 @@ std::string finish_interrupted_commit(const std::string& journal, const std::vec
     }
     completed += fmt::format("{}'{}'", completed.empty() ? "" : ", ", r.target);
   }
+  // The files the commit kept to undo it with, now replaced for good: removed, where each is still that file.
+  for (const Rename& r : renames)
+    if (!r.backup.empty() && identity_of(r.backup) == r.replaced_id) ::unlink(r.backup.c_str());
   ::unlink(journal.c_str());  // last, so that whoever finds it gone finds every file in place
   std::vector<std::string> directories = {dir.string()};
   for (const Rename& r : option_renames)

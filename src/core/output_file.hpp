@@ -36,8 +36,10 @@ struct NamedPath {
 
 // Checks, before any long work, that write_file_atomically(path, …) can succeed as far as the file
 // system can tell: the target is a regular file, a symlink to one, or a new name in an existing
-// directory where a temporary file can be created (one is created and removed). `option` (e.g.
-// "--output") is named in the error.
+// directory where a temporary file can be created (one is created and removed), and an existing file is one the
+// rename can replace: not immutable or append-only, not a mount point (a bind-mounted file: EBUSY), not another user's
+// file in a sticky directory such as /tmp (EPERM, unless this process has CAP_FOWNER), writable by this user.
+// `option` (e.g. "--output") is named in the error.
 void check_output_file(const std::string& path, std::string_view option);
 
 // Writes `bytes` to `path` under the policy above; throws dmoe::Error naming the path and the cause.
@@ -47,7 +49,13 @@ void write_file_atomically(const std::string& path, std::string_view text);
 // Several outputs that appear together or not at all: write() puts each file's bytes in its temporary
 // (checked as above), commit() renames them all onto their targets, holding back those signals (above) until
 // the last rename (the process then ends by the signal). A failed write(), or destruction without commit(), removes
-// every temporary of the set and leaves all targets untouched.
+// every temporary of the set and leaves all targets untouched. commit() first checks every target as check_output_file
+// does for the rename (a mount point, a sticky directory): one that cannot be replaced fails the set before any rename.
+// A rename that fails anyway part-way undoes the set: each file a later rename could leave replaced is hard-linked to a
+// backup ".NAME.dmoe-old.PID.N" beside it first, and the files already replaced are put back from their backups (the
+// files the set created removed), so the error leaves every target as it was; the backups are removed when the commit
+// ends. (Where no backup could be linked and a journal is given, the journal and the remaining temporaries are kept
+// instead, for finish_interrupted_commit to complete once the cause is gone.)
 // SIGKILL (or a power cut) cannot be held back: with a `journal` path, commit() first writes there which temporary
 // goes onto which target (atomically, after every temporary is complete), then renames, then removes the journal, so
 // that finish_interrupted_commit(journal) can complete a commit that was killed between two renames.
@@ -81,7 +89,8 @@ class OutputFileSet {
 };
 
 // Completes a commit that ended between its journal and its last rename (a SIGKILL, an out-of-memory kill, a power
-// cut): every temporary the journal names that still exists is renamed onto its target, then the journal removed.
+// cut): every temporary the journal names that still exists is renamed onto its target, the commit's backups of the
+// replaced files removed, then the journal removed.
 // Returns the targets completed ("" when there was no journal, or nothing left to do). A journal that cannot be read,
 // or a rename that fails, throws naming the journal (the files are left as they are).
 // A journaled file of an option (OutputFileSet::commit's `publish`, outside the journal's directory) is completed only

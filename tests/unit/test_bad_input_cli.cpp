@@ -3624,5 +3624,76 @@ TEST_F(G20Output, ACpuTimeLimitLeavesNoTemporaryBehind) {
   EXPECT_EQ(temporaries(), std::vector<std::string>{});
 }
 
+// G20-1: `train --resume ck --save ck` with ck/optimizer.safetensors bind-mounted (a container's `-v file:file`)
+// trained, then its commit renamed model.safetensors and config.json and failed on the optimizer (EBUSY), removed its
+// journal, and left a checkpoint of two saves that every resume refused. Refused now before the training, the
+// checkpoint unchanged and still resumable.
+TEST_F(G20Output, ACheckpointFileThatIsAMountPointIsRefusedBeforeTheTraining) {
+  ASSERT_EQ(run_cli_g20(train(2) + "--save " + p("ck")).status, 0);
+  fs::copy_file(p("ck/optimizer.safetensors"), p("opt_src.st"));
+  if (!bind_mount(p("opt_src.st"), p("ck/optimizer.safetensors")))
+    GTEST_SKIP() << "cannot bind-mount a file here (" << std::strerror(errno) << ")";
+  std::vector<std::string> before;
+  for (const char* name : {"model.safetensors", "config.json", "optimizer.safetensors", "trainer_state.json"})
+    before.push_back(slurp(p("ck/") + name));
+  const Result r = run_cli_g20(train(4, 1) + "--resume " + p("ck") + " --save " + p("ck"));
+  expect_user_error(r, "--save '" + p("ck/optimizer.safetensors") + "' is a mount point", "a bind-mounted checkpoint file");
+  EXPECT_EQ(r.output.find("| loss "), std::string::npos) << "trained before the refusal:\n" << r.output;
+  size_t i = 0;
+  for (const char* name : {"model.safetensors", "config.json", "optimizer.safetensors", "trainer_state.json"})
+    EXPECT_EQ(slurp(p("ck/") + name), before[i++]) << name << " changed";
+  EXPECT_EQ(temporaries("ck"), std::vector<std::string>{});
+  // Saved elsewhere, the same resume runs (the mounted file is read, as an input).
+  const Result elsewhere = run_cli_g20(train(4) + "--resume " + p("ck") + " --save " + p("ck2"));
+  EXPECT_EQ(elsewhere.status, 0) << elsewhere.output;
+}
+
+// G20-5 (a): a bind-mounted --log, bench --json or --tune-file ran the whole work (20 training steps, bench --repeat
+// 300), then failed at the rename, the run's log lines lost. Refused before the work now, by check_output_file.
+TEST_F(G20Output, OutputsThatAreMountPointsAreRefusedBeforeTheWork) {
+  for (const char* name : {"src.json", "log.jsonl", "b.json"}) std::ofstream(p(name)) << "{}\n";
+  // A tuning file of batch 2 (one that is read, then written with the choice of batch 4 added).
+  const std::string tuned = "--schedule tuned --tune-samples 3 --tune-steps 1 --tune-file " + p("t.json");
+  ASSERT_EQ(run_cli_g20(train(10) + tuned).status, 0);
+  fs::copy_file(p("t.json"), p("t_src.json"));
+  for (const auto& [source, target] : {std::pair<const char*, const char*>{"src.json", "log.jsonl"},
+                                       {"src.json", "b.json"}, {"t_src.json", "t.json"}})
+    if (!bind_mount(p(source), p(target)))
+      GTEST_SKIP() << "cannot bind-mount a file here (" << std::strerror(errno) << ")";
+  Result r = run_cli_g20(train(20, 1) + "--log " + p("log.jsonl"));
+  expect_user_error(r, "--log '" + p("log.jsonl") + "' is a mount point", "a bind-mounted --log");
+  EXPECT_EQ(r.output.find("| loss "), std::string::npos) << "trained before the refusal:\n" << r.output;
+  r = run_cli_g20("bench --hidden 64 --ffn 128 --experts 4 --top-k 2 --tokens 64 -n 1 --repeat 2 --json " + p("b.json"));
+  expect_user_error(r, "--json '" + p("b.json") + "' is a mount point", "a bind-mounted bench --json");
+  r = run_cli_g20(train(10, 0, 4) + tuned);
+  expect_user_error(r, "--tune-file '" + p("t.json") + "' is a mount point", "a bind-mounted --tune-file");
+  EXPECT_EQ(r.output.find("tuned: chose"), std::string::npos) << r.output;
+  EXPECT_EQ(slurp(p("src.json")), "{}\n");
+}
+
+// G20-1, G20-5 (a): as another user, bench --json onto a file of root's in a sticky directory (writable by all, so
+// access(W_OK) passed) ran the whole benchmark, then failed at the rename (Operation not permitted). Refused first now.
+// Needs root (to run dmoe as nobody).
+TEST_F(G20Output, AnotherUsersFileInAStickyDirectoryIsRefusedBeforeTheWork) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root, to run dmoe as nobody beside a file of root's";
+  const std::string as_nobody = "setpriv --reuid 65534 --regid 65534 --clear-groups ";
+  if (test::run_shell(as_nobody + std::string(DMOE_CLI_PATH) + " --version").status != 0)
+    GTEST_SKIP() << "dmoe cannot be run as nobody here (setpriv, or the build directory's permissions)";
+  fs::create_directories(p("shared"));
+  fs::permissions(dir_, fs::perms::owner_all | fs::perms::group_read | fs::perms::group_exec |
+                            fs::perms::others_read | fs::perms::others_exec);
+  ::chmod(p("shared").c_str(), 01777);
+  std::ofstream(p("shared/b.json")) << "{\"colleague\":1}\n";
+  ::chmod(p("shared/b.json").c_str(), 0666);
+  if (test::run_shell(as_nobody + "test -w " + p("shared")).status != 0)
+    GTEST_SKIP() << "nobody cannot reach " << dir_ << " (TMPDIR's permissions)";
+  const std::string bench = "bench --hidden 64 --ffn 128 --experts 4 --top-k 2 --tokens 64 -n 1 --repeat 2 --json ";
+  const Result r = run_cli_g20(bench + p("shared/b.json"), as_nobody);
+  expect_user_error(r, "--json '" + p("shared/b.json") + "' belongs to another user (uid 0) in '" + p("shared") +
+                    "', a directory with the sticky bit", "another user's file in a sticky directory");
+  EXPECT_EQ(slurp(p("shared/b.json")), "{\"colleague\":1}\n");
+  EXPECT_EQ(run_cli_g20(bench + p("shared/mine.json"), as_nobody).status, 0) << "a new name there is fine";
+}
+
 }  // namespace
 }  // namespace dmoe

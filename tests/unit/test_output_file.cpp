@@ -6,12 +6,14 @@
 #include <gtest/gtest.h>
 
 #include <fcntl.h>
+#include <sys/mount.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <csignal>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -323,6 +325,107 @@ TEST_F(OutputFile, ACommitKilledBetweenRenamesIsCompletedFromItsJournal) {
   EXPECT_EQ(read_text(p("a.txt")), "newer");
   EXPECT_EQ(read_text(p("b.txt")), "new");
   fs::remove(journal);
+}
+
+// G20-1 (twentieth pass): a rename that failed part-way through a set (a bind-mounted optimizer.safetensors: EBUSY)
+// left the files renamed before it replaced and the rest not, the journal removed: a checkpoint of two saves that every
+// resume refused. The files already replaced are now put back from backups made before the first rename. Here the
+// third rename fails because its target became a directory after the checks (EISDIR).
+std::string g_sabotaged;  // the target the hook below turns into a non-empty directory
+TEST_F(OutputFile, ARenameThatFailsPartWayPutsTheReplacedFilesBack) {
+  for (const bool journaled : {false, true}) {
+    for (const char* name : {"a.txt", "b.txt", "c.txt"}) write_file_atomically(p(name), std::string_view("old"));
+    fs::remove_all(p("d.txt"));
+    g_sabotaged = p("c.txt");
+    set_after_rename_hook_for_tests([](size_t renamed) {
+      if (renamed != 2) return;  // after a.txt, d.txt (new) and b.txt: c.txt's rename fails
+      fs::remove(g_sabotaged);
+      fs::create_directories(g_sabotaged + "/inside");
+    });
+    const std::string e = error_of([&] {
+      OutputFileSet set;
+      for (const char* name : {"a.txt", "d.txt", "b.txt", "c.txt"}) set.write(p(name), std::string_view("new"));
+      set.commit(journaled ? p(".commit.json") : std::string());
+    });
+    set_after_rename_hook_for_tests(nullptr);
+    EXPECT_NE(e.find("writing '" + p("c.txt") + "' failed at the rename of its temporary onto it: Is a directory; it "
+                     "is unchanged, and so are the other files written with it: '" + p("a.txt") + "', '" + p("d.txt") +
+                     "', '" + p("b.txt") + "' had been replaced and were put back as they were"), std::string::npos)
+        << e;
+    EXPECT_EQ(read_text(p("a.txt")), "old");
+    EXPECT_EQ(read_text(p("b.txt")), "old");
+    EXPECT_FALSE(fs::exists(p("d.txt"))) << "a file the set created is removed again";
+    std::string names;
+    for (const auto& entry : fs::directory_iterator(dir_)) names += entry.path().filename().string() + " ";
+    EXPECT_EQ(entries(), 3u) << "a temporary, a backup or the journal was left: " << names;
+    fs::remove_all(p("c.txt"));
+  }
+  // A commit that succeeds leaves no backup either (entries() above and in the other tests), and its journal named
+  // them: a commit killed between its renames is completed with its backups removed (ACommitKilledBetweenRenames...).
+}
+
+// G20-1: a target that is a mount point (a bind-mounted file) cannot be renamed over (EBUSY); it is refused by
+// check_output_file before the work, and by the commit before any rename where it became one since. Needs a mount.
+TEST_F(OutputFile, AMountPointTargetIsRefusedBeforeAnythingIsReplaced) {
+  for (const char* name : {"a.txt", "b.txt", "src.txt"}) write_file_atomically(p(name), std::string_view("old"));
+  if (::mount(p("src.txt").c_str(), p("b.txt").c_str(), nullptr, MS_BIND, nullptr) != 0)
+    GTEST_SKIP() << "cannot bind-mount a file here (" << std::strerror(errno) << ")";
+  struct Unmount {
+    std::string path;
+    ~Unmount() { ::umount2(path.c_str(), MNT_DETACH); }
+  } unmount{p("b.txt")};
+  std::string e = error_of([&] { check_output_file(p("b.txt"), "--log"); });
+  EXPECT_NE(e.find("--log '" + p("b.txt") + "' is a mount point (a file mounted over that name: a bind mount, or a "
+                   "container's volume such as `-v FILE:FILE`), which rename(2) cannot replace"), std::string::npos)
+      << e;
+  fs::create_symlink(p("b.txt"), p("link.txt"));
+  e = error_of([&] { check_output_file(p("link.txt"), "--json"); });
+  EXPECT_NE(e.find("(its target '" + p("b.txt") + "') is a mount point"), std::string::npos) << e;
+  EXPECT_EQ(error_of([&] { check_output_file(p("a.txt"), "--json"); }), "(no error)");
+  e = error_of([&] {
+    OutputFileSet set;
+    for (const char* name : {"a.txt", "b.txt"}) set.write(p(name), std::string_view("new"));
+    set.commit(p(".commit.json"));
+  });
+  EXPECT_NE(e.find("is a mount point"), std::string::npos) << e;
+  EXPECT_NE(e.find("nothing was replaced (nor any other file written with it)"), std::string::npos) << e;
+  EXPECT_EQ(read_text(p("a.txt")), "old");
+  EXPECT_EQ(read_text(p("b.txt")), "old");
+  EXPECT_EQ(entries(), 4u) << "a temporary or the journal was left";
+}
+
+// G20-1: another user's file in a sticky directory (/tmp, shared scratch) cannot be renamed over by this user (EPERM):
+// refused before the work. Needs root, to make a file of one user and run the check as another (nobody).
+TEST_F(OutputFile, AnotherUsersFileInAStickyDirectoryIsRefused) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root: a file of another user, checked as nobody";
+  fs::create_directories(dir_ / "shared");
+  ::chmod(dir_.c_str(), 0755);
+  ::chmod(p("shared").c_str(), 01777);
+  write_file_atomically(p("shared/theirs.json"), std::string_view("{}"));  // root's, writable by everyone
+  ::chmod(p("shared/theirs.json").c_str(), 0666);
+  // As root (CAP_FOWNER) the rename is allowed: no error.
+  EXPECT_EQ(error_of([&] { check_output_file(p("shared/theirs.json"), "--json"); }), "(no error)");
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    if (::setgid(65534) != 0 || ::setuid(65534) != 0 || ::access(p("shared").c_str(), W_OK | X_OK) != 0) ::_exit(5);
+    const std::string e = error_of([&] { check_output_file(p("shared/theirs.json"), "--json"); });
+    const bool named = e.find("--json '" + p("shared/theirs.json") + "' belongs to another user (uid 0) in '" +
+                              p("shared") + "', a directory with the sticky bit (mode 1777, as /tmp)") !=
+                       std::string::npos;
+    // A new name beside it is fine, and so is the user's own file there.
+    const bool own_ok = error_of([&] { write_file_atomically(p("shared/mine.json"), std::string_view("{}")); }) ==
+                            "(no error)" &&
+                        error_of([&] { check_output_file(p("shared/mine.json"), "--json"); }) == "(no error)";
+    ::_exit(named && own_ok ? 0 : (named ? 7 : 6));
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  if (WIFEXITED(status) && WEXITSTATUS(status) == 5)
+    GTEST_SKIP() << "cannot become nobody here, or nobody cannot reach " << dir_ << " (TMPDIR's permissions)";
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
+      << "status " << status << " (6: the sticky directory was not named, 7: the user's own file was refused)";
+  EXPECT_EQ(read_text(p("shared/theirs.json")), "{}");
 }
 
 // H1 (seventeenth pass): after a kill between renames, files restored by hand (`cp backup/* ck/` skips the hidden
