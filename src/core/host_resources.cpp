@@ -30,6 +30,12 @@ std::optional<uint64_t> disk_free_bytes(const std::string& directory) {
   return uint64_t(s.f_bavail) * uint64_t(s.f_frsize);
 }
 
+std::optional<uint64_t> disk_free_inodes(const std::string& directory) {
+  struct statvfs s {};
+  if (::statvfs(directory.c_str(), &s) != 0 || s.f_files == 0) return std::nullopt;  // f_files 0: not counted (btrfs)
+  return uint64_t(s.f_favail);
+}
+
 std::string format_bytes(double bytes) {
   const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
   int u = 0;
@@ -93,7 +99,17 @@ void require_output_space(double bytes, const std::string& path, const std::stri
   DMOE_REQUIRE_INPUT(!free || bytes <= double(*free), "{} '{}' would be a file of about {} ({}), and the file system "
                      "of '{}' has {} free; free some space or write it elsewhere", option, path, format_bytes(bytes),
                      what, dir, format_bytes(double(*free)));
+  require_free_inodes(1, dir, fmt::format("{} '{}' ({})", option, path, what));
   require_file_size_allowed(bytes, fmt::format("{} '{}' ({})", option, path, what));
+}
+
+void require_free_inodes(uint64_t files, const std::string& directory, const std::string& what) {
+  const std::optional<uint64_t> inodes = disk_free_inodes(directory);
+  DMOE_REQUIRE_INPUT(!inodes || files <= *inodes, "{} creates {} {} at once, and the file system of '{}' has {} free "
+                     "inode{} (df -i '{}'): no free inodes for {}, whatever space is free (a file system can run out of "
+                     "files before bytes: a tmpfs's nr_inodes, many small files); remove files there or write "
+                     "elsewhere", what, files, files == 1 ? "file" : "files", directory, *inodes, *inodes == 1 ? "" : "s",
+                     directory, files == 1 ? "it" : "them");
 }
 
 std::optional<uint64_t> address_space_left_bytes() {

@@ -16,6 +16,12 @@ namespace dmoe {
 std::optional<uint64_t> host_memory_available_bytes();
 // Bytes free to an unprivileged writer in the file system holding `directory`; nullopt if unknown.
 std::optional<uint64_t> disk_free_bytes(const std::string& directory);
+// Inodes (files) free to an unprivileged writer there (statvfs f_favail); nullopt where unknown or not counted.
+std::optional<uint64_t> disk_free_inodes(const std::string& directory);
+// Refuses `what`, which creates `files` new files at once in `directory`, where its file system has fewer free inodes
+// (G20-5, twentieth pass: a tmpfs out of inodes with bytes free failed a checkpoint's save after the training, as "No
+// space left on device"). Says "no free inodes", and df -i.
+void require_free_inodes(uint64_t files, const std::string& directory, const std::string& what);
 // "3.2 GiB", "512 MiB", "12 KiB", "100 B".
 std::string format_bytes(double bytes);
 
@@ -48,7 +54,7 @@ void require_file_descriptors(int64_t needed, const std::string& what);
 
 // Refuses an output `path` of about `bytes` that its file system's free space (or `ulimit -f`) cannot take, naming the
 // option and what the file holds: before the work, where the write failed after it (eval --output of a model's
-// gradients, run --output), with the old file kept but the work lost.
+// gradients, run --output), with the old file kept but the work lost. Also a free inode for its temporary.
 void require_output_space(double bytes, const std::string& path, const std::string& option, const std::string& what);
 
 // The address space this process may still take under `ulimit -v` (RLIMIT_AS minus VmSize), or nullopt when no

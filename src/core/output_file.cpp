@@ -22,6 +22,7 @@
 #include <sys/file.h>
 #include <sys/ioctl.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include "core/error.hpp"
@@ -272,6 +273,14 @@ int create_temporary(const OutputTarget& t, std::string& tmp, std::string_view w
     }
     const int open_errno = errno;
     release_temporary(entry);
+    // Out of inodes, not of bytes (a tmpfs's nr_inodes, many small files): "No space left on device" sent the user to
+    // df -h, which showed space free (G20-5, twentieth pass).
+    struct statvfs v {};
+    DMOE_REQUIRE_INPUT(!(open_errno == ENOSPC && ::statvfs(t.directory.c_str(), &v) == 0 && v.f_files > 0 &&
+                         (v.f_favail == 0 || v.f_ffree == 0) && v.f_bavail > 0),
+                       "{}: cannot create a temporary file in '{}': no free inodes (its file system can hold no more "
+                       "files, though space is free: df -i '{}'); remove files there or write elsewhere", what,
+                       t.directory, t.directory);
     errno = open_errno;
     DMOE_REQUIRE_INPUT(errno == EEXIST || errno == EINTR, "{}: cannot create a temporary file in '{}': {}", what,
                        t.directory, std::strerror(errno));

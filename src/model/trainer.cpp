@@ -529,8 +529,11 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
   if (!o.save_dir.empty()) {
     std::error_code ec;
     fs::path existing = fs::absolute(o.save_dir, ec);
-    while (!existing.empty() && !fs::exists(existing, ec) && existing != existing.parent_path())
+    int64_t new_directories = 0;  // made by the first save
+    while (!existing.empty() && !fs::exists(existing, ec) && existing != existing.parent_path()) {
+      new_directories += !existing.filename().empty();  // "ck/" is one directory
       existing = existing.parent_path();
+    }
     const double bytes = host_model_bytes;
     const std::optional<uint64_t> free = disk_free_bytes(existing.string());
     // A save keeps the checkpoint before it until its own files are complete: where the directory holds none yet and
@@ -546,6 +549,15 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
                                                                          format_bytes(needed), o.save_every)
                                                            : std::string(),
                        existing.string(), format_bytes(double(*free)));
+    // And its files: a save creates the temporaries of its four files and its journal at once, beside the checkpoint
+    // it replaces (two saves' worth where the first is kept, as above, and its directories where they are new). A file
+    // system out of inodes with bytes free (a tmpfs's nr_inodes) failed the save after the training, as "No space left
+    // on device" (G20-5, twentieth pass).
+    const int64_t save_files = 5;  // model, config, optimizer, state, journal
+    require_free_inodes(uint64_t((holds_one || !saves_again ? save_files : 2 * save_files - 1) + new_directories),
+                        existing.string(), fmt::format("--save {} (each save: the temporaries of its four files and "
+                                                       "its journal{})", o.save_dir,
+                                                       holds_one || !saves_again ? "" : ", twice while the first is kept"));
     // Its largest file holds the two moments: 2/3 of it.
     require_file_size_allowed(bytes * 2 / 3, fmt::format("--save {}: optimizer.safetensors (the two AdamW moments)",
                                                          o.save_dir));

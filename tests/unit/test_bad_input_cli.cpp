@@ -3695,5 +3695,34 @@ TEST_F(G20Output, AnotherUsersFileInAStickyDirectoryIsRefusedBeforeTheWork) {
   EXPECT_EQ(run_cli_g20(bench + p("shared/mine.json"), as_nobody).status, 0) << "a new name there is fine";
 }
 
+// G20-5 (b): on a file system out of inodes with bytes free (a tmpfs of nr_inodes=8: the checkpoint's four files and
+// two directories leave two), `train --resume ck --save ck` trained all its steps, then failed to save with "cannot
+// create a temporary file in 'ck': No space left on device", although df -h showed space. The save's files (four
+// temporaries and the journal) are counted against the free inodes up front now, and a temporary that cannot be
+// created for want of an inode says so.
+TEST_F(G20Output, AFileSystemOutOfInodesIsFoundBeforeTheTrainingAndNamed) {
+  fs::create_directories(p("ti"));
+  if (::mount("dmoe-test", p("ti").c_str(), "tmpfs", 0, "size=64m,nr_inodes=8") != 0)
+    GTEST_SKIP() << "cannot mount a tmpfs here (" << std::strerror(errno) << ")";
+  mounts_.push_back(p("ti"));
+  fs::create_directories(p("ti/ck"));
+  ASSERT_EQ(run_cli_g20(train(2) + "--save " + p("ti/ck")).status, 0);
+  const std::string state = slurp(p("ti/ck/trainer_state.json"));
+  const Result r = run_cli_g20(train(4, 1) + "--resume " + p("ti/ck") + " --save " + p("ti/ck"));
+  expect_user_error(r, "--save " + p("ti/ck") + " (each save: the temporaries of its four files and its journal) "
+                    "creates 5 files at once, and the file system of '" + p("ti/ck") + "' has 2 free inodes (df -i",
+                    "a save on a file system out of inodes");
+  EXPECT_NE(r.output.find("no free inodes for them"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("| loss "), std::string::npos) << "trained before the refusal:\n" << r.output;
+  EXPECT_EQ(slurp(p("ti/ck/trainer_state.json")), state);
+  // A single output there: its temporary cannot be created; "no free inodes", not "No space left on device".
+  std::ofstream(p("ti/a")) << "a";
+  std::ofstream(p("ti/b")) << "b";  // the last free inode
+  const Result json = run_cli_g20("bench --hidden 8 --ffn 8 --experts 2 --top-k 1 --tokens 4 -n 1 --repeat 1 --json " +
+                                  p("ti/b.json"));
+  expect_user_error(json, "no free inodes", "bench --json on a file system out of inodes");
+  EXPECT_EQ(json.output.find("No space left"), std::string::npos) << json.output;
+}
+
 }  // namespace
 }  // namespace dmoe

@@ -58,6 +58,7 @@ void check_init_resources(const MoeConfig& c, const InitOptions& o) {
     dev_t device;
     std::string directory;
     double bytes;
+    uint64_t files = 1;  // the temporaries created there at once (one set: all exist before the first rename)
   };
   std::vector<Volume> volumes;
   auto add = [&](const std::string& path, double bytes) {
@@ -69,6 +70,7 @@ void check_init_resources(const MoeConfig& c, const InitOptions& o) {
     for (Volume& v : volumes)
       if (v.device == st.st_dev) {
         v.bytes += bytes;
+        ++v.files;
         return;
       }
     volumes.push_back({st.st_dev, dir, bytes});
@@ -76,6 +78,7 @@ void check_init_resources(const MoeConfig& c, const InitOptions& o) {
   add(o.out, stored * params);
   add(o.input, stored * activation);
   add(o.grad_output, stored * activation);
+  add(o.save_config, 0);  // a small file, but an inode
   // And `ulimit -f` (G15, sixteenth pass): a weights file past it failed only after the weights were generated.
   require_file_size_allowed(stored * params, fmt::format("init --out {}", o.out));
   if (any_activation)
@@ -86,6 +89,7 @@ void check_init_resources(const MoeConfig& c, const InitOptions& o) {
     DMOE_REQUIRE_INPUT(!free || v.bytes <= double(*free),
                        "init would write about {} to the file system of '{}', which has {} free", format_bytes(v.bytes),
                        v.directory, format_bytes(double(*free)));
+    require_free_inodes(v.files, v.directory, fmt::format("init (its outputs in '{}')", v.directory));
   }
 }
 

@@ -91,6 +91,9 @@ void check_init_model_resources(const MixtralConfig& c, const std::string& out, 
   DMOE_REQUIRE_INPUT(!free || file_bytes <= double(*free),
                      "init-model would write about {} to the file system of '{}', which has {} free",
                      format_bytes(file_bytes), dir, format_bytes(double(*free)));
+  // Its files, all created before the first is renamed into place: a lower bound of the shards (a tensor is not split).
+  require_free_inodes(shard_bytes > 0 ? uint64_t(std::ceil(file_bytes / double(shard_bytes))) + 1 : 1, dir,
+                      fmt::format("init-model --out {}{}", out, shard_bytes > 0 ? " (its shards and their index)" : ""));
   require_file_size_allowed(buffered, fmt::format("init-model --out {}{}", out, shard_bytes > 0 ? " (a shard)" : ""));
 }
 
