@@ -3724,5 +3724,33 @@ TEST_F(G20Output, AFileSystemOutOfInodesIsFoundBeforeTheTrainingAndNamed) {
   EXPECT_EQ(json.output.find("No space left"), std::string::npos) << json.output;
 }
 
+// G20-5 (c): flow measure and flow project wrote --costs-out, --trace and --json one by one, so a later one failing
+// (here past `ulimit -f`: the trace is far larger than the cost file) left the earlier ones replaced and the rest not,
+// a set of two runs. They are one set now: all or none.
+TEST_F(G20Output, FlowOutputsAreWrittenAllOrNone) {
+  const std::vector<std::string> names = {"c.json", "t.json", "j.json"};
+  for (const std::string& name : names) std::ofstream(p(name)) << "old\n";
+  const std::string outputs = " --costs-out " + p("c.json") + " --trace " + p("t.json") + " --json " + p("j.json");
+  // 16 blocks (of 512 bytes in dash, 1024 in bash): the cost file and the JSON (1-4 KB) fit, the trace (~30 KB) does
+  // not. SIGXFSZ is ignored by dmoe: the write fails with EFBIG.
+  for (const std::string& action : {"flow project --config " + p("tiny.json") + " --cluster h200 --gpus 2",
+                                    "flow measure --config " + p("tiny.json") + " --steps 1 --batch 4 --seq 8"}) {
+    const Result r = test::run_shell("ulimit -f 16; timeout 120 " + std::string(DMOE_CLI_PATH) + " " + action +
+                                     outputs);
+    expect_user_error(r, "File too large", action);
+    for (const std::string& name : names) EXPECT_EQ(slurp(p(name)), "old\n") << action << ": " << name << " replaced";
+    EXPECT_EQ(temporaries(), std::vector<std::string>{}) << action;
+    EXPECT_EQ(r.output.find("wrote "), std::string::npos) << action << "\n" << r.output;
+    // Without the limit all three are written, and said so.
+    const Result ok = run_cli_g20(action + outputs);
+    ASSERT_EQ(ok.status, 0) << action << "\n" << ok.output;
+    for (const std::string& name : names) {
+      EXPECT_NE(slurp(p(name)), "old\n") << action << ": " << name;
+      EXPECT_NE(ok.output.find("wrote " + p(name)), std::string::npos) << action << "\n" << ok.output;
+      std::ofstream(p(name)) << "old\n";
+    }
+  }
+}
+
 }  // namespace
 }  // namespace dmoe

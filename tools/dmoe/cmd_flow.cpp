@@ -117,6 +117,28 @@ void write_json(const std::string& path, const json& j, const char* what) {
   write_file_atomically(path, j.dump(1) + "\n");
 }
 
+// An action's output files (--costs-out, --trace, --json), written together: each is checked again and goes to its
+// temporary as it is made, and commit() renames them all into place, or none (OutputFileSet). Written one by one,
+// `flow measure --costs-out c --trace t --json j` with j failing at the end left c and t replaced and j not, the error
+// naming only j: a set of two runs (G20-5, twentieth pass). The "wrote" lines are printed once all are in place.
+class FlowOutputs {
+ public:
+  void add(const std::string& path, const json& j, const char* option, std::string wrote) {
+    check_output_file(path, option);
+    files_.write(path, j.dump(1) + "\n");
+    wrote_.push_back(std::move(wrote));
+  }
+  void commit() {
+    files_.commit();
+    for (const std::string& line : wrote_) std::printf("%s\n", line.c_str());
+    wrote_.clear();
+  }
+
+ private:
+  OutputFileSet files_;
+  std::vector<std::string> wrote_;
+};
+
 json run_json(const flow::ScheduleRun& run) {
   const flow::SimResult& r = run.result;
   return {{"schedule", flow::schedule_name(run.spec.schedule)},
@@ -199,7 +221,11 @@ class SimulationProgress {
   std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
 };
 
-int simulate_command(const FlowOptions& o, const flow::CostModel& costs, int32_t layers) {
+// `outputs`: files of the action written before (project's --costs-out), committed with this one's; null: none.
+int simulate_command(const FlowOptions& o, const flow::CostModel& costs, int32_t layers,
+                     FlowOutputs* outputs = nullptr) {
+  FlowOutputs own;
+  if (!outputs) outputs = &own;
   std::vector<flow::ScheduleRun> runs;
   flow::TunerOptions tuner;
   tuner.seed = o.seed;
@@ -257,17 +283,16 @@ int simulate_command(const FlowOptions& o, const flow::CostModel& costs, int32_t
       for (const json& e : t.at("traceEvents")) trace["traceEvents"].push_back(e);
       trace["flow"].push_back(t.at("flow"));
     }
-    write_json(o.trace_path, trace, "--trace");
-    std::printf("wrote %s (Chrome trace events: chrome://tracing or ui.perfetto.dev; one process per schedule)\n",
-                o.trace_path.c_str());
+    outputs->add(o.trace_path, trace, "--trace", fmt::format("wrote {} (Chrome trace events: chrome://tracing or "
+                                                             "ui.perfetto.dev; one process per schedule)", o.trace_path));
   }
   if (!o.json_path.empty()) {
     json out = {{"layers", layers}, {"costs", o.costs_path}, {"link", o.link}, {"runs", json::array()}};
     if (o.action == "project") out["projected_costs"] = flow::cost_model_json(costs);
     for (const flow::ScheduleRun& run : runs) out["runs"].push_back(run_json(run));
-    write_json(o.json_path, out, "--json");
-    std::printf("wrote %s\n", o.json_path.c_str());
+    outputs->add(o.json_path, out, "--json", "wrote " + o.json_path);
   }
+  outputs->commit();
   return 0;
 }
 
@@ -312,12 +337,12 @@ int project_command(FlowOptions o) {
               spec.gpus > 1 ? fmt::format("AR {:.3f} ms + {:.3g} GB/s effective", costs.ar_alpha_ms,
                                           costs.ar_bytes_per_ms / 1e6).c_str()
                             : "no all-reduce (one GPU)");
-  if (!o.costs_out.empty()) {
-    write_json(o.costs_out, flow::cost_model_json(costs), "--costs-out");
-    std::printf("wrote %s (a cost file for flow simulate / tune)\n", o.costs_out.c_str());
-  }
+  FlowOutputs outputs;  // --costs-out with simulate's --trace and --json, all or none
+  if (!o.costs_out.empty())
+    outputs.add(o.costs_out, flow::cost_model_json(costs), "--costs-out",
+                fmt::format("wrote {} (a cost file for flow simulate / tune)", o.costs_out));
   o.costs_path = "projected from " + cluster_path;
-  return simulate_command(o, costs, costs.layers);
+  return simulate_command(o, costs, costs.layers, &outputs);
 }
 
 int tune_command(const FlowOptions& o, const flow::CostModel& costs, int32_t layers) {
@@ -550,28 +575,28 @@ int measure_command(const FlowOptions& o) {
     }
   }
   print_resource_labels(run_names, resources);
+  FlowOutputs outputs;  // --costs-out, --trace and --json: all or none
   if (!o.costs_out.empty()) {
     json costs = flow::cost_model_json(*fit);
     costs["note"] = fitted_note(fmt::format("fitted by dmoe flow measure (CPU executor, model {}, batch {} x {}, W = {}, "
                                             "schedule {})", o.model_config, o.batch, o.seq, o.world,
                                             flow::schedule_name(schedule)), *fit);
-    write_json(o.costs_out, costs, "--costs-out");
-    std::printf("wrote %s\n", o.costs_out.c_str());
+    outputs.add(o.costs_out, costs, "--costs-out", "wrote " + o.costs_out);
   }
   if (!o.trace_path.empty()) {  // rank 0's last step of each run, measured on the executor's threads
     std::vector<std::pair<flow::GraphSpec, std::vector<flow::TraceEvent>>> traced;
     for (size_t i = 0; i < runs.size(); ++i) traced.push_back({specs[i], runs[i].timeline});
-    write_json(o.trace_path, measured_trace(traced), "--trace");
-    std::printf("wrote %s (rank 0's last step of each run; Chrome trace events, or bench/plot_trace.py for a Gantt "
-                "PNG)\n", o.trace_path.c_str());
+    outputs.add(o.trace_path, measured_trace(traced), "--trace",
+                fmt::format("wrote {} (rank 0's last step of each run; Chrome trace events, or bench/plot_trace.py "
+                            "for a Gantt PNG)", o.trace_path));
   }
   if (!o.json_path.empty()) {
     json out = {{"engine", "cpu"}, {"model", o.model_config}, {"world", o.world},
                 {"schedule", ablation ? "all" : flow::schedule_name(schedule)}, {"rows", rows}};
     if (fit) out["costs"] = flow::cost_model_json(*fit);
-    write_json(o.json_path, out, "--json");
-    std::printf("wrote %s\n", o.json_path.c_str());
+    outputs.add(o.json_path, out, "--json", "wrote " + o.json_path);
   }
+  outputs.commit();
   return 0;
 }
 
@@ -704,26 +729,25 @@ int measure_cuda_command(const FlowOptions& o) {
     }
   }
   print_resource_labels(run_names, resources);
+  FlowOutputs outputs;  // --costs-out, --trace and --json: all or none
   if (!o.costs_out.empty()) {
     DMOE_REQUIRE_INPUT(fitted_costs, "--costs-out: needs one --schedule measured at several --measure-r (not all)");
     json costs = flow::cost_model_json(fit);
     costs["note"] = fitted_note(fmt::format("fitted by dmoe flow measure (GPU executor, {}, model {}, batch {} x {}, "
                                             "W = {}, schedule {})", o.dtype, o.model_config, o.batch, o.seq, world,
                                             flow::schedule_name(schedule)), fit);
-    write_json(o.costs_out, costs, "--costs-out");
-    std::printf("wrote %s\n", o.costs_out.c_str());
+    outputs.add(o.costs_out, costs, "--costs-out", "wrote " + o.costs_out);
   }
-  if (!o.trace_path.empty()) {
-    write_json(o.trace_path, measured_trace(traced), "--trace");
-    std::printf("wrote %s (measured GPU timelines, CUDA events; one process per run)\n", o.trace_path.c_str());
-  }
+  if (!o.trace_path.empty())
+    outputs.add(o.trace_path, measured_trace(traced), "--trace",
+                fmt::format("wrote {} (measured GPU timelines, CUDA events; one process per run)", o.trace_path));
   if (!o.json_path.empty()) {
     json out = {{"engine", "cuda"}, {"model", o.model_config}, {"world", world},
                 {"ar_comm", flow::ar_comm_name(session.ar_comm())}, {"rows", rows}};
     if (fitted_costs) out["costs"] = flow::cost_model_json(fit);
-    write_json(o.json_path, out, "--json");
-    std::printf("wrote %s\n", o.json_path.c_str());
+    outputs.add(o.json_path, out, "--json", "wrote " + o.json_path);
   }
+  outputs.commit();
   return 0;
 }
 
