@@ -547,12 +547,13 @@ void OutputFileSet::commit(const std::string& journal, GrowingOutputFile* publis
         DMOE_REQUIRE(::lstat(w.temporary.c_str(), &ts) == 0, "the temporary '{}' is gone before its commit",
                      w.temporary);
         const bool replaces = ::lstat(w.target.c_str(), &old) == 0;
-        nlohmann::json entry{{"temporary", fs::path(w.temporary).filename().string()},
-                             {"target", target.filename().string()},
+        // The names as path_for_json writes them: a name that is not UTF-8 made the dump below throw (G21-1).
+        nlohmann::json entry{{"temporary", path_for_json(fs::path(w.temporary).filename().string())},
+                             {"target", path_for_json(target.filename().string())},
                              {"temporary_id", fmt::format("{}:{}", uint64_t(ts.st_dev), uint64_t(ts.st_ino))},
                              {"replaced_id", replaces ? fmt::format("{}:{}", uint64_t(old.st_dev), uint64_t(old.st_ino))
                                                       : std::string("none")}};
-        if (!backups[i].empty()) entry["backup"] = fs::path(backups[i]).filename().string();
+        if (!backups[i].empty()) entry["backup"] = path_for_json(fs::path(backups[i]).filename().string());
         renames.push_back(std::move(entry));
       }
       nlohmann::json record_json{{"dmoe_commit", 1}, {"renames", renames}};
@@ -565,8 +566,8 @@ void OutputFileSet::commit(const std::string& journal, GrowingOutputFile* publis
         const bool replaces = ::lstat(publish->target_.c_str(), &old) == 0;
         const nlohmann::json entry{
             {"option", publish->option_},
-            {"temporary", fs::absolute(publish->temporary_).lexically_normal().string()},
-            {"target", fs::absolute(publish->target_).lexically_normal().string()},
+            {"temporary", path_for_json(fs::absolute(publish->temporary_).lexically_normal().string())},
+            {"target", path_for_json(fs::absolute(publish->target_).lexically_normal().string())},
             {"temporary_id", fmt::format("{}:{}", uint64_t(ts.st_dev), uint64_t(ts.st_ino))},
             {"replaced_id", replaces ? fmt::format("{}:{}", uint64_t(old.st_dev), uint64_t(old.st_ino))
                                      : std::string("none")}};
@@ -755,7 +756,8 @@ std::string finish_interrupted_commit(const std::string& journal, const std::vec
                            is_string(r, "temporary_id") && is_string(r, "replaced_id"),
                        "the commit journal '{}' has an entry without the 'temporary', 'target', 'temporary_id' and "
                        "'replaced_id' strings dmoe writes: {}{}", journal, r.dump(), move_away);
-    const std::string temporary = r["temporary"].get<std::string>(), target = r["target"].get<std::string>();
+    const std::string temporary = path_from_json(r["temporary"].get<std::string>()),
+                      target = path_from_json(r["target"].get<std::string>());
     // File names in the journal's directory only, and only dmoe's own temporaries are moved: a journal edited by hand
     // (or come with a downloaded checkpoint) must not move or replace files elsewhere.
     DMOE_REQUIRE_INPUT(plain_file_name(temporary) && plain_file_name(target) &&
@@ -765,12 +767,12 @@ std::string finish_interrupted_commit(const std::string& journal, const std::vec
     // The backup of the file replaced (since the twentieth pass): a '.NAME.dmoe-old.PID.N' of the same directory.
     std::string backup;
     if (r.contains("backup")) {
-      DMOE_REQUIRE_INPUT(r["backup"].is_string() && plain_file_name(r["backup"].get<std::string>()) &&
-                             r["backup"].get<std::string>().find(".dmoe-old.") != std::string::npos,
+      DMOE_REQUIRE_INPUT(r["backup"].is_string() && plain_file_name(path_from_json(r["backup"].get<std::string>())) &&
+                             path_from_json(r["backup"].get<std::string>()).find(".dmoe-old.") != std::string::npos,
                          "the commit journal '{}' names the backup {} for '{}': dmoe's journals name a "
                          "'.NAME.dmoe-old.PID.N' file of their own directory{}", journal, r["backup"].dump(), target,
                          move_away);
-      backup = (dir / r["backup"].get<std::string>()).string();
+      backup = (dir / path_from_json(r["backup"].get<std::string>())).string();
     }
     renames.push_back({(dir / temporary).string(), (dir / target).string(), r["temporary_id"].get<std::string>(),
                        r["replaced_id"].get<std::string>(), backup});
@@ -806,8 +808,9 @@ std::string finish_interrupted_commit(const std::string& journal, const std::vec
                              is_string(r, "target") && is_string(r, "temporary_id") && is_string(r, "replaced_id"),
                          "the commit journal '{}' has an entry without the 'option', 'temporary', 'target', "
                          "'temporary_id' and 'replaced_id' strings dmoe writes: {}{}", journal, r.dump(), move_away);
-      const std::string option = r["option"].get<std::string>(), target = r["target"].get<std::string>();
-      const std::string temporary = r["temporary"].get<std::string>();
+      const std::string option = r["option"].get<std::string>();
+      const std::string target = path_from_json(r["target"].get<std::string>());
+      const std::string temporary = path_from_json(r["temporary"].get<std::string>());
       const std::string temporary_id = r["temporary_id"].get<std::string>();
       const std::string temporary_name = fs::path(temporary).filename().string();
       DMOE_REQUIRE_INPUT(temporary_name_of(temporary_name, fs::path(target).filename().string()),
@@ -1073,6 +1076,85 @@ void require_distinct_files(const std::vector<NamedPath>& outputs, const std::ve
                    "{} '{}' and {} '{}' are the same file: one output would overwrite the other", outputs[j].option,
                          outputs[j].path, out.option, out.path);
   }
+}
+
+}  // namespace dmoe
+
+namespace dmoe {
+
+namespace {
+constexpr std::string_view kPathBytesMarker = "dmoe-bytes:";
+}
+
+bool is_utf8(std::string_view s) {
+  size_t i = 0;
+  while (i < s.size()) {
+    const unsigned char c = static_cast<unsigned char>(s[i]);
+    size_t n = 0;
+    uint32_t cp = 0;
+    if (c < 0x80) {
+      ++i;
+      continue;
+    } else if ((c & 0xE0) == 0xC0) {
+      n = 1, cp = c & 0x1F;
+    } else if ((c & 0xF0) == 0xE0) {
+      n = 2, cp = c & 0x0F;
+    } else if ((c & 0xF8) == 0xF0) {
+      n = 3, cp = c & 0x07;
+    } else {
+      return false;
+    }
+    if (i + n >= s.size()) return false;
+    for (size_t k = 1; k <= n; ++k) {
+      const unsigned char d = static_cast<unsigned char>(s[i + k]);
+      if ((d & 0xC0) != 0x80) return false;
+      cp = (cp << 6) | (d & 0x3F);
+    }
+    // overlong forms, UTF-16 surrogates and code points past U+10FFFF are not UTF-8
+    if ((n == 1 && cp < 0x80) || (n == 2 && cp < 0x800) || (n == 3 && cp < 0x10000) || cp > 0x10FFFF ||
+        (cp >= 0xD800 && cp <= 0xDFFF))
+      return false;
+    i += n + 1;
+  }
+  return true;
+}
+
+std::string path_for_json(std::string_view path) {
+  if (is_utf8(path) && path.substr(0, kPathBytesMarker.size()) != kPathBytesMarker) return std::string(path);
+  std::string out(kPathBytesMarker);
+  static constexpr char kHex[] = "0123456789ABCDEF";
+  for (const char ch : path) {
+    const unsigned char c = static_cast<unsigned char>(ch);
+    if (c == '%' || c < 0x20 || c >= 0x7F) {
+      out += '%';
+      out += kHex[c >> 4];
+      out += kHex[c & 15];
+    } else {
+      out += ch;
+    }
+  }
+  return out;
+}
+
+std::string path_from_json(std::string_view text) {
+  if (text.substr(0, kPathBytesMarker.size()) != kPathBytesMarker) return std::string(text);
+  text.remove_prefix(kPathBytesMarker.size());
+  const auto hex = [](char h) -> int {
+    if (h >= '0' && h <= '9') return h - '0';
+    if (h >= 'A' && h <= 'F') return h - 'A' + 10;
+    if (h >= 'a' && h <= 'f') return h - 'a' + 10;
+    return -1;
+  };
+  std::string out;
+  for (size_t i = 0; i < text.size(); ++i) {
+    if (text[i] == '%' && i + 2 < text.size() && hex(text[i + 1]) >= 0 && hex(text[i + 2]) >= 0) {
+      out += char(hex(text[i + 1]) * 16 + hex(text[i + 2]));
+      i += 2;
+    } else {
+      out += text[i];
+    }
+  }
+  return out;
 }
 
 }  // namespace dmoe

@@ -170,3 +170,18 @@ bool same_file(const std::string& a, const std::string& b);
 void require_distinct_files(const std::vector<NamedPath>& outputs, const std::vector<NamedPath>& inputs);
 
 }  // namespace dmoe
+
+namespace dmoe {
+
+// A path (or any text holding one) as a JSON string that dumps without error and reads back to the same bytes. JSON
+// strings are UTF-8, and nlohmann's dump throws type_error 316 on any other byte: a path that is not UTF-8 (a Latin-1
+// file name, `$'d\xff.txt'`) given to `train --data`, `--log` over an existing log, or flow's `--costs`/`--config`/
+// `--cluster` ended the command after all its work, with nothing written (G21-1, twenty-first pass). A UTF-8 path is
+// kept as it is; any other (and one that begins with the marker itself) is written as "dmoe-bytes:" and its bytes
+// percent-escaped ('%', control and non-ASCII bytes as %XX), which path_from_json turns back into the exact bytes.
+std::string path_for_json(std::string_view path);
+std::string path_from_json(std::string_view text);
+// True when `text` is valid UTF-8 as nlohmann's dump requires it.
+bool is_utf8(std::string_view text);
+
+}  // namespace dmoe

@@ -721,10 +721,11 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
     const bool text_known = state.contains("data_bytes");
     const bool same_text = text_known && state["data_bytes"].get<int64_t>() == int64_t(corpus.size()) &&
                            state["data_fingerprint"].get<std::string>() == corpus_id;
-    const bool same_path = !state.contains("data") || same_file(state["data"].get<std::string>(), o.data_path);
+    const std::string saved_data = state.contains("data") ? path_from_json(state["data"].get<std::string>()) : "";
+    const bool same_path = !state.contains("data") || same_file(saved_data, o.data_path);
     if (!same_path && !same_text)
       print(fmt::format("train: note: --data {} is not the saved run's data ({}; --resume {}): the run "
-                        "continues on other text", o.data_path, state["data"].get<std::string>(), o.resume_dir));
+                        "continues on other text", o.data_path, saved_data, o.resume_dir));
     else if (same_path && text_known && !same_text)
       print(fmt::format("train: note: --data {} has changed since the saved run ({}; --resume {}): the run continues "
                         "on other text, its training and held-out parts split elsewhere (its val loss is not "
@@ -983,7 +984,7 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
         files.write((fs::path(dir) / "optimizer.safetensors").string(), opt.serialize());
       }
       json state{{"step", step}, {"seed", o.seed}, {"steps", o.steps}, {"batch", o.batch}, {"seq", o.seq},
-                 {"lr", o.lr}, {"data", fs::absolute(o.data_path).lexically_normal().string()}, {"save_id", save_id},
+                 {"lr", o.lr}, {"data", path_for_json(fs::absolute(o.data_path).lexically_normal().string())}, {"save_id", save_id},
                  {"data_bytes", int64_t(corpus.size())}, {"data_fingerprint", corpus_id},
                  {"val_fraction", o.val_fraction}, {"warmup", o.warmup}, {"min_lr", effective_min_lr(o)},
                  {"weight_decay", o.weight_decay}, {"beta1", o.beta1}, {"beta2", o.beta2}, {"clip", o.clip}};

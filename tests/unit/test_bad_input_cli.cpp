@@ -65,6 +65,8 @@
 
 #include <signal.h>
 #include <fcntl.h>
+#include <linux/fs.h>
+#include <sys/ioctl.h>
 #include <sys/file.h>
 #include <sys/mount.h>
 #include <sys/stat.h>
@@ -3753,6 +3755,74 @@ TEST_F(G20Output, FlowOutputsAreWrittenAllOrNone) {
       std::ofstream(p(name)) << "old\n";
     }
   }
+}
+
+// ---- twenty-first pass ----
+
+class G21Output : public G20Output {
+ protected:
+  void TearDown() override {
+    for (const std::string& d : append_only_) set_flag(d, FS_APPEND_FL, false);
+    G20Output::TearDown();
+  }
+  // Sets or clears an attribute (chattr) of `path`; false where the file system or this user may not.
+  static bool set_flag(const std::string& path, int flag, bool on) {
+    const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0) return false;
+    int flags = 0;
+    bool ok = ::ioctl(fd, FS_IOC_GETFLAGS, &flags) == 0;
+    flags = on ? flags | flag : flags & ~flag;
+    ok = ok && ::ioctl(fd, FS_IOC_SETFLAGS, &flags) == 0;
+    ::close(fd);
+    return ok;
+  }
+  bool make_append_only(const std::string& dir) {
+    if (!set_flag(dir, FS_APPEND_FL, true)) return false;
+    append_only_.push_back(dir);
+    return true;
+  }
+  std::vector<std::string> append_only_;
+};
+
+// G21-1: a path that is not UTF-8 (a Latin-1 file name) given to an option whose path goes into a JSON file ran the
+// whole command, then ended with nlohmann's "type_error.316 invalid UTF-8 byte", rc 2, nothing written. Each works now;
+// a path read back (trainer_state.json's data, the journal) comes back exactly.
+TEST_F(G21Output, PathsThatAreNotUtf8DoNotEndTheCommandAfterItsWork) {
+  const std::string ff = "\xff";
+  fs::create_directories(p("d" + ff));
+  fs::copy_file(p("data/a.txt"), p("d" + ff + "/a.txt"));
+  const std::string train_ff = "train --config " + p("tiny.json") + " --data '" + p("d" + ff) +
+                               "' --seq 16 --batch 2 --val-batches 1 --print-every 0 ";
+  Result r = run_cli_g20(train_ff + "--steps 2 --save " + p("ck"));
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(slurp(p("ck/trainer_state.json")).find("dmoe-bytes:"), std::string::npos);
+  r = run_cli_g20(train_ff + "--steps 3 --resume " + p("ck"));
+  EXPECT_EQ(r.status, 0) << r.output;
+  EXPECT_EQ(r.output.find("not the saved run's data"), std::string::npos) << "the saved path did not come back:\n"
+                                                                           << r.output;
+  // --log over an existing log: published with the first save, named in its journal.
+  std::ofstream(p("l" + ff + ".jsonl")) << "old\n";
+  r = run_cli_g20(train(2) + "--save " + p("ck2") + " --log '" + p("l" + ff + ".jsonl") + "'");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(slurp(p("l" + ff + ".jsonl")).find("\"step\":2"), std::string::npos);
+  EXPECT_TRUE(fs::exists(p("ck2/trainer_state.json")));
+  // flow: --costs, --config and --cluster are named in the files written.
+  fs::copy_file(p("costs.json"), p("c" + ff + ".json"));
+  fs::copy_file(p("tiny.json"), p("t" + ff + ".json"));
+  fs::copy_file(fs::path(DMOE_SOURCE_DIR) / "bench/flow/clusters/h200.json", p("cl" + ff + ".json"));
+  for (const std::string& cmd :
+       {"flow simulate --costs '" + p("c" + ff + ".json") + "' --schedule vanilla --json " + p("fj.json"),
+        "flow measure --config '" + p("t" + ff + ".json") + "' --steps 1 --batch 2 --seq 8 --measure-r 1,2 --costs-out " +
+            p("co.json"),
+        "flow project --config " + p("tiny.json") + " --cluster '" + p("cl" + ff + ".json") + "' --gpus 2 --json " +
+            p("pj.json")}) {
+    r = run_cli_g20(cmd);
+    EXPECT_EQ(r.status, 0) << cmd << "\n" << r.output;
+    EXPECT_EQ(r.output.find("type_error"), std::string::npos) << cmd << "\n" << r.output;
+  }
+  for (const char* out : {"fj.json", "co.json", "pj.json"})
+    EXPECT_NO_THROW((void)json::parse(slurp(p(out)))) << out;
+  EXPECT_NE(slurp(p("fj.json")).find("dmoe-bytes:"), std::string::npos) << slurp(p("fj.json"));
 }
 
 }  // namespace

@@ -703,5 +703,47 @@ TEST_F(OutputFile, NewFilesThroughALinkAndDotDotAreComparedWhereTheKernelPutsThe
   EXPECT_FALSE(relative_other);
 }
 
+// ---- twenty-first pass ----
+
+// G21-1: a path that is not UTF-8 made nlohmann's dump throw type_error 316 after all the work. path_for_json gives a
+// string that dumps, and path_from_json the exact bytes back; a UTF-8 path is left as it is.
+TEST_F(OutputFile, PathsThatAreNotUtf8GoIntoJsonAndComeBackExactly) {
+  for (const std::string path : {std::string("/tmp/d\xff.txt"), std::string("caf\xc3\xa9/x"), std::string("a%b\xc3"),
+                                 std::string("dmoe-bytes:%41"), std::string("\xed\xa0\x80"), std::string("\xc0\xaf"),
+                                 std::string("line\nbreak\xfe"), std::string()}) {
+    const std::string text = path_for_json(path);
+    std::string dumped;
+    EXPECT_NO_THROW(dumped = nlohmann::json(text).dump()) << path;
+    EXPECT_EQ(path_from_json(nlohmann::json::parse(dumped).get<std::string>()), path);
+    EXPECT_EQ(is_utf8(path) && path.rfind("dmoe-bytes:", 0) != 0, text == path) << path;  // the marker is escaped
+  }
+  EXPECT_EQ(path_for_json("caf\xc3\xa9/x"), "caf\xc3\xa9/x");
+  EXPECT_EQ(path_for_json("/tmp/d\xff.txt"), "dmoe-bytes:/tmp/d%FF.txt");
+}
+
+// The commit journal names its files and a --log by such paths: a journaled commit with a log whose name is not UTF-8
+// was refused by the dump; now it is written, and a commit killed between its renames is completed from it.
+TEST_F(OutputFile, AJournalNamingFilesThatAreNotUtf8IsWrittenAndCompleted) {
+  const std::string log_path = p("l\xff.txt");
+  for (const char* name : {"a\xff.txt", "b.txt"}) write_file_atomically(p(name), std::string_view("old"));
+  write_file_atomically(log_path, std::string_view("earlier run\n"));
+  const int status = test::run_child_signalled_after_rename(0, SIGKILL, [&] {
+    GrowingOutputFile log(log_path, "--log", /*append=*/false);
+    log.write("new 1\n");
+    OutputFileSet set;
+    for (const char* name : {"a\xff.txt", "b.txt"}) set.write(p(name), std::string_view("new"));
+    set.commit(p(".commit.json"), &log);
+  });
+  ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) << "status " << status;
+  ASSERT_TRUE(fs::exists(p(".commit.json")));
+  EXPECT_NE(read_text(p(".commit.json")).find("dmoe-bytes:"), std::string::npos) << read_text(p(".commit.json"));
+  const std::string completed = finish_interrupted_commit(p(".commit.json"), {{"--log", log_path}});
+  EXPECT_NE(completed.find("b.txt"), std::string::npos) << completed;
+  for (const char* name : {"a\xff.txt", "b.txt"}) EXPECT_EQ(read_text(p(name)), "new") << name;
+  EXPECT_EQ(read_text(log_path), "new 1\n");
+  EXPECT_FALSE(fs::exists(p(".commit.json")));
+  EXPECT_EQ(temporaries(), std::vector<std::string>{});
+}
+
 }  // namespace
 }  // namespace dmoe

@@ -114,7 +114,8 @@ flow::LinkModel parse_link(const std::string& s) {
 
 void write_json(const std::string& path, const json& j, const char* what) {
   check_output_file(path, what);
-  write_file_atomically(path, j.dump(1) + "\n");
+  // Text fields only (a note naming a model file): a byte that is not UTF-8 becomes U+FFFD, not a late type_error.
+  write_file_atomically(path, j.dump(1, ' ', false, json::error_handler_t::replace) + "\n");
 }
 
 // An action's output files (--costs-out, --trace, --json), written together: each is checked again and goes to its
@@ -125,7 +126,7 @@ class FlowOutputs {
  public:
   void add(const std::string& path, const json& j, const char* option, std::string wrote) {
     check_output_file(path, option);
-    files_.write(path, j.dump(1) + "\n");
+    files_.write(path, j.dump(1, ' ', false, json::error_handler_t::replace) + "\n");  // as write_json's
     wrote_.push_back(std::move(wrote));
   }
   void commit() {
@@ -287,7 +288,7 @@ int simulate_command(const FlowOptions& o, const flow::CostModel& costs, int32_t
                                                              "ui.perfetto.dev; one process per schedule)", o.trace_path));
   }
   if (!o.json_path.empty()) {
-    json out = {{"layers", layers}, {"costs", o.costs_path}, {"link", o.link}, {"runs", json::array()}};
+    json out = {{"layers", layers}, {"costs", path_for_json(o.costs_path)}, {"link", o.link}, {"runs", json::array()}};
     if (o.action == "project") out["projected_costs"] = flow::cost_model_json(costs);
     for (const flow::ScheduleRun& run : runs) out["runs"].push_back(run_json(run));
     outputs->add(o.json_path, out, "--json", "wrote " + o.json_path);
@@ -388,7 +389,7 @@ int tune_command(const FlowOptions& o, const flow::CostModel& costs, int32_t lay
               grid_point.micro_batches, 100.0 * (run.best_step_ms - grid_best) / grid_best);
   if (!o.json_path.empty()) {
     write_json(o.json_path,
-               {{"layers", layers}, {"costs", o.costs_path}, {"seed", o.seed}, {"samples", samples},
+               {{"layers", layers}, {"costs", path_for_json(o.costs_path)}, {"seed", o.seed}, {"samples", samples},
                 {"best", {{"chunk_bytes", run.best.chunk_bytes()}, {"micro_batches", run.best.micro_batches},
                           {"step_ms", run.best_step_ms}}},
                 {"grid_best", {{"chunk_bytes", grid_point.chunk_bytes()}, {"micro_batches", grid_point.micro_batches},
