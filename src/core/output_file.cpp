@@ -339,6 +339,23 @@ std::string why_not_renamable(const std::string& path, const std::string& direct
   return {};
 }
 
+// Why no file can be replaced, renamed or removed in `directory`, or "": the directory has the append-only attribute
+// (chattr +a, as audit and log directories have), where files can be created but not renamed or removed, so every
+// check passed and the work ran, then the commit's rename failed (EPERM) naming dmoe's own journal, and a dozen hidden
+// temporaries, probes and backups stayed for good (G21-2, twenty-first pass). An immutable directory (chattr +i) is
+// found by the probe itself: nothing can be created there. File systems without attributes refuse the ioctl: "".
+std::string why_directory_append_only(const std::string& directory) {
+  const int fd = ::open(directory.c_str(), O_RDONLY | O_DIRECTORY | O_NONBLOCK | O_CLOEXEC);
+  int flags = 0;
+  if (fd < 0 || ::ioctl(fd, FS_IOC_GETFLAGS, &flags) != 0) flags = 0;
+  if (fd >= 0) ::close(fd);
+  if (!(flags & FS_APPEND_FL)) return {};
+  return fmt::format("is in '{}', a directory with the append-only attribute (chattr +a), where files can be created "
+                     "but not renamed or removed; dmoe writes an output whole to a temporary file beside it and renames "
+                     "that over the target: clear the attribute (chattr -a '{}') or give a path in another directory",
+                     directory, directory);
+}
+
 bool write_all(int fd, const uint8_t* data, size_t size) {
   while (size > 0) {
     const ssize_t n = ::write(fd, data, size);
@@ -357,12 +374,24 @@ bool write_all(int fd, const uint8_t* data, size_t size) {
 
 void check_output_file(const std::string& path, std::string_view option) {
   const OutputTarget t = resolve_output(path, option);
+  // Before the probe: in an append-only directory the probe could not be removed again (G21-2).
+  if (const std::string why = why_directory_append_only(t.directory); !why.empty())
+    DMOE_FAIL_INPUT("{} '{}' {}", option, path, why);
   std::string tmp;
   int slot = -1;  // registered too: a signal in the instant the probe exists left it behind
   const int fd = create_temporary(t, tmp, fmt::format("{} '{}'", option, path), &slot);
   ::close(fd);
-  ::unlink(tmp.c_str());
+  const int removed = ::unlink(tmp.c_str());
+  const int unlink_errno = errno;
   release_temporary(slot);
+  // A directory where a file can be created but not removed (the attribute unseen above: a file system whose ioctl
+  // says nothing, an LSM rule): no output could be renamed into place there either.
+  if (removed != 0 && unlink_errno != ENOENT)
+    DMOE_FAIL_INPUT("{} '{}': a file created in '{}' cannot be removed again ({}): the directory lets files be "
+                    "created but not removed or renamed (append-only: chattr +a?), and dmoe writes an output whole to a "
+                    "temporary that it renames over the target; clear that (chattr -a '{}') or give a path in another "
+                    "directory, and remove the probe '{}' left there", option, path, t.directory,
+                    std::strerror(unlink_errno), t.directory, tmp);
   // An immutable or append-only file cannot be replaced by the rename, even by root: that failed only after the work.
   if (t.exists) {
     const int existing = ::open(t.path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
@@ -478,6 +507,12 @@ void OutputFileSet::commit(const std::string& journal, GrowingOutputFile* publis
     for (const Written& w : written_) targets.emplace_back(w.path, w.target, w.directory);
     if (publish) targets.emplace_back(publish->path_, publish->target_, publish->directory_);
     for (const auto& [path, target, directory] : targets) {
+      // A directory made append-only since the check (G21-2): no rename can put a file in place there.
+      if (const std::string why = why_directory_append_only(directory); !why.empty()) {
+        discard();
+        DMOE_FAIL_INPUT("writing '{}': it {}; nothing was replaced{}", path, why,
+                        targets.size() > 1 ? " (nor any other file written with it)" : "");
+      }
       struct stat ts {};
       if (::lstat(target.c_str(), &ts) != 0) continue;  // a new file: nothing to replace
       if (const std::string why = why_not_renamable(target, directory); !why.empty()) {

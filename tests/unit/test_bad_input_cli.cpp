@@ -3825,5 +3825,29 @@ TEST_F(G21Output, PathsThatAreNotUtf8DoNotEndTheCommandAfterItsWork) {
   EXPECT_NE(slurp(p("fj.json")).find("dmoe-bytes:"), std::string::npos) << slurp(p("fj.json"));
 }
 
+// G21-2: in a directory with the append-only attribute (chattr +a) files can be created but not renamed or removed.
+// Every check passed, the whole training ran, then the commit's rename failed naming dmoe's internal journal, and a
+// dozen hidden probes, temporaries and backups stayed for good. Refused now before the work, naming the directory and
+// chattr -a, and nothing is left there.
+TEST_F(G21Output, AnAppendOnlyDirectoryIsRefusedBeforeTheWorkAndNothingIsLeftThere) {
+  ASSERT_EQ(run_cli_g20(train(2) + "--save " + p("ad/ck")).status, 0);
+  if (!make_append_only(p("ad/ck")) || !make_append_only(p("ad")))
+    GTEST_SKIP() << "cannot set the append-only attribute here (needs root and a file system with attributes)";
+  const std::string state = slurp(p("ad/ck/trainer_state.json"));
+  Result r = run_cli_g20(train(4, 1) + "--save " + p("ad/ck"));
+  expect_user_error(r, "a directory with the append-only attribute (chattr +a)", "train --save into an append-only dir");
+  EXPECT_NE(r.output.find("chattr -a '" + p("ad/ck") + "'"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("| loss "), std::string::npos) << "trained before the refusal:\n" << r.output;
+  EXPECT_EQ(slurp(p("ad/ck/trainer_state.json")), state);
+  EXPECT_EQ(temporaries("ad/ck"), std::vector<std::string>{});
+  for (const std::string& cmd : {"flow simulate --costs " + p("costs.json") + " --json " + p("ad/j.json"),
+                                 train(2, 1) + "--log " + p("ad/l.jsonl")}) {
+    r = run_cli_g20(cmd);
+    expect_user_error(r, "'" + p("ad") + "', a directory with the append-only attribute", cmd);
+    EXPECT_EQ(r.output.find("| loss "), std::string::npos) << cmd << "\n" << r.output;
+  }
+  EXPECT_EQ(temporaries("ad"), std::vector<std::string>{});
+}
+
 }  // namespace
 }  // namespace dmoe
