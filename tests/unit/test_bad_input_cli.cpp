@@ -3849,5 +3849,22 @@ TEST_F(G21Output, AnAppendOnlyDirectoryIsRefusedBeforeTheWorkAndNothingIsLeftThe
   EXPECT_EQ(temporaries("ad"), std::vector<std::string>{});
 }
 
+// G21-4: flow's outputs are one set, all their temporaries present before the first rename; each output's probe passed
+// alone, so on a file system with fewer free inodes than outputs the simulation ran, then "no free inodes". Counted up
+// front now, as train's and init's sets.
+TEST_F(G21Output, FlowsOutputsAreCountedAgainstTheFreeInodesUpFront) {
+  fs::create_directories(p("ti"));
+  if (::mount("dmoe-test", p("ti").c_str(), "tmpfs", 0, "size=16m,nr_inodes=2") != 0)
+    GTEST_SKIP() << "cannot mount a tmpfs here (" << std::strerror(errno) << ")";
+  mounts_.push_back(p("ti"));
+  const Result r = run_cli_g20("flow simulate --costs " + p("costs.json") + " --samples 5 --json " + p("ti/j.json") +
+                               " --trace " + p("ti/t.json"));
+  expect_user_error(r, "flow simulate (its outputs --trace, --json, written together) creates 2 files at once, and "
+                    "the file system of '" + p("ti") + "' has 1 free inode", "flow's set on a file system out of inodes");
+  EXPECT_EQ(r.output.find("| step"), std::string::npos) << r.output;
+  EXPECT_EQ(run_cli_g20("flow simulate --costs " + p("costs.json") + " --json " + p("ti/j.json")).status, 0)
+      << "one output fits";
+}
+
 }  // namespace
 }  // namespace dmoe

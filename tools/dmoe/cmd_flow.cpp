@@ -24,11 +24,14 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <optional>
 #include <fstream>
 #include <limits>
 
 #include <nlohmann/json.hpp>
+
+#include <sys/stat.h>
 
 #include "bench/device_probe.hpp"
 #include "commands.hpp"
@@ -893,6 +896,35 @@ Command add_flow_command(CLI::App& app) {
       if (!path->empty()) check_output_file(*path, option);
     const std::vector<NamedPath> outputs = {{"--trace", o->trace_path}, {"--json", o->json_path},
                                             {"--costs-out", o->costs_out}};
+    // The outputs are one set (FlowOutputs): their temporaries all exist before the first rename. Each probe above
+    // passed alone, so 2-3 outputs on a file system with fewer free inodes ran the whole simulation or measurement,
+    // then failed with "no free inodes" (G21-4, twenty-first pass). Counted per file system up front, as init's set.
+    {
+      struct Volume {
+        dev_t device;
+        std::string directory, options;
+        uint64_t files;
+      };
+      std::vector<Volume> volumes;
+      for (const NamedPath& out : outputs) {
+        if (out.path.empty()) continue;
+        const std::filesystem::path parent = std::filesystem::path(out.path).parent_path();
+        const std::string dir = parent.empty() ? std::string(".") : parent.string();
+        struct stat st {};
+        if (::stat(dir.c_str(), &st) != 0) continue;
+        const auto v = std::find_if(volumes.begin(), volumes.end(), [&](const Volume& x) { return x.device == st.st_dev; });
+        if (v == volumes.end()) {
+          volumes.push_back({st.st_dev, dir, out.option, 1});
+        } else {
+          v->options += ", " + out.option;
+          ++v->files;
+        }
+      }
+      for (const Volume& v : volumes)
+        if (v.files > 1)
+          require_free_inodes(v.files, v.directory, fmt::format("flow {} (its outputs {}, written together)",
+                                                                o->action, v.options));
+    }
     // simulate, tune and project run no ranks: under a launcher every process wrote the same outputs over each
     // other's (the work done n times, the file of whichever finished last).
     if (o->action != "measure") {
