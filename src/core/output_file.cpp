@@ -418,6 +418,19 @@ void check_output_file(const std::string& path, std::string_view option) {
   }
 }
 
+void check_appended_output_file(const std::string& path, std::string_view option) {
+  const OutputTarget t = resolve_output(path, option);
+  DMOE_REQUIRE_INPUT(t.exists, "{} '{}': does not exist, and this run appends to it", option, path);
+  const int fd = ::open(t.path.c_str(), O_WRONLY | O_APPEND | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) {
+    const int err = errno;
+    DMOE_FAIL_INPUT("{} '{}' cannot be opened for appending ({}; mode {:04o}): a resumed run appends its lines to its "
+                    "log; make it writable (chmod u+w '{}'), or give a new --log", option, path, std::strerror(err),
+                    unsigned(t.mode), t.path);
+  }
+  ::close(fd);
+}
+
 void OutputFileSet::write(const std::string& path, std::span<const uint8_t> bytes) {
   const OutputTarget t = resolve_output(path, "");
   const std::string what = fmt::format("writing '{}'", path);

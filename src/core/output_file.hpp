@@ -42,6 +42,12 @@ struct NamedPath {
 // `option` (e.g. "--output") is named in the error.
 void check_output_file(const std::string& path, std::string_view option);
 
+// The check for an existing file that is written in place, appended to and cut back (GrowingOutputFile with append:
+// a resumed run's --log), never renamed: a regular file (or a link to one) this process can open for writing. A
+// mount point or another user's shared file in a sticky directory is fine here; check_output_file refused them for a
+// rename that never comes (G21-5, twenty-first pass).
+void check_appended_output_file(const std::string& path, std::string_view option);
+
 // Writes `bytes` to `path` under the policy above; throws dmoe::Error naming the path and the cause.
 void write_file_atomically(const std::string& path, std::span<const uint8_t> bytes);
 void write_file_atomically(const std::string& path, std::string_view text);

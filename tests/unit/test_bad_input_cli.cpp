@@ -3866,5 +3866,23 @@ TEST_F(G21Output, FlowsOutputsAreCountedAgainstTheFreeInodesUpFront) {
       << "one output fits";
 }
 
+// G21-5: a resumed run appends to its existing log in place, never renaming it; a bind-mounted log (or another user's
+// shared log in a sticky directory) was refused as one rename(2) cannot replace. A new run's log still is.
+TEST_F(G21Output, AResumedRunAppendsToALogThatCouldNotBeRenamed) {
+  ASSERT_EQ(run_cli_g20(train(2) + "--save " + p("ck") + " --log " + p("l.jsonl")).status, 0);
+  if (!bind_mount(p("l.jsonl"), p("l.jsonl")))
+    GTEST_SKIP() << "cannot bind-mount a file here (" << std::strerror(errno) << ")";
+  const Result r = run_cli_g20(train(4) + "--resume " + p("ck") + " --log " + p("l.jsonl"));
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_EQ(step_records(p("l.jsonl")).size(), 4u) << slurp(p("l.jsonl"));
+  expect_user_error(run_cli_g20(train(2) + "--log " + p("l.jsonl")), "is a mount point", "a new run's mounted log");
+  // A resumed log this user may not write is still refused up front.
+  if (::geteuid() != 0) {
+    ::chmod(p("l.jsonl").c_str(), 0444);
+    expect_user_error(run_cli_g20(train(5) + "--resume " + p("ck") + " --log " + p("l.jsonl")),
+                      "cannot be opened for appending", "a read-only resumed log");
+  }
+}
+
 }  // namespace
 }  // namespace dmoe

@@ -50,7 +50,13 @@ void check_train_paths(const TrainOptions& o, const std::string& config_file) {
     for (const char* name : {"trainer_state.json", "model.safetensors", "optimizer.safetensors", "config.json"})
       inputs.push_back({"--resume", (fs::path(o.resume_dir) / name).string()});
   if (!o.log_path.empty()) {
-    check_output_file(o.log_path, "--log");
+    // A resumed run appends to an existing log in place (the trainer's GrowingOutputFile with append), it never renames
+    // it: a bind-mounted log, or another user's shared log in a sticky directory, was refused as one rename(2) cannot
+    // replace (G21-5, twenty-first pass). The rename's checks are for a new log only.
+    if (!o.resume_dir.empty() && fs::exists(o.log_path, ec))
+      check_appended_output_file(o.log_path, "--log");
+    else
+      check_output_file(o.log_path, "--log");
     require_distinct_files({{"--log", o.log_path}}, inputs);
   }
   // The tuning file is read (when it exists) and written after the tuning steps: not one of the other files.
