@@ -13,6 +13,7 @@
 #include <sstream>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -49,8 +50,22 @@ TemporarySlot g_temporaries[64];
 // run's whole log in its hidden temporary, and could end a commit between two renames (G20-6, twentieth pass). The
 // faults (SEGV, BUS, ILL, FPE, ABRT, TRAP, SYS) stay as they are: a process in that state should not go on to run
 // code, and their core dump shows where it was.
-constexpr int kCleanedSignals[] = {SIGINT,  SIGTERM,   SIGHUP,  SIGQUIT, SIGUSR1, SIGUSR2,
-                                   SIGALRM, SIGVTALRM, SIGPROF, SIGXCPU, SIGXFSZ, SIGPIPE};
+// SIGSTKFLT, SIGIO (SIGPOLL) and SIGPWR end a process by default too, and `kill -STKFLT`/`kill -IO` left the run's log
+// in its temporary (G21-6, twenty-first pass); so do the real-time signals SIGRTMIN..SIGRTMAX (no library dmoe uses
+// relies on one at its default disposition, and one that installs its own handler is left alone, below). SIGSYS stays
+// out: a seccomp filter raises it for a forbidden system call, a fault of the process like SEGV.
+const std::vector<int>& cleaned_signals() {
+  static const std::vector<int> signals = [] {
+    std::vector<int> s = {SIGINT,  SIGTERM,   SIGHUP,  SIGQUIT, SIGUSR1, SIGUSR2,   SIGALRM, SIGVTALRM,
+                          SIGPROF, SIGXCPU,   SIGXFSZ, SIGPIPE, SIGIO,   SIGPWR};
+#ifdef SIGSTKFLT
+    s.push_back(SIGSTKFLT);
+#endif
+    for (int sig = SIGRTMIN; sig <= SIGRTMAX; ++sig) s.push_back(sig);
+    return s;
+  }();
+  return signals;
+}
 
 // While a set's renames run (OutputFileSet::commit), any of those signals is held back: ending between two renames
 // left a checkpoint of mixed steps (the model of step 56 with the moments of step 55: the earlier, good checkpoint
@@ -83,7 +98,8 @@ extern "C" void remove_temporaries_and_reraise(int sig) {
 void install_cleanup_handlers() {
   static std::once_flag once;
   std::call_once(once, [] {
-    for (const int sig : kCleanedSignals) {
+    const std::vector<int>& cleaned = cleaned_signals();
+    for (const int sig : cleaned) {
       struct sigaction previous {};
       if (::sigaction(sig, nullptr, &previous) != 0 || previous.sa_handler != SIG_DFL ||
           (previous.sa_flags & SA_SIGINFO))
@@ -92,7 +108,7 @@ void install_cleanup_handlers() {
       action.sa_handler = remove_temporaries_and_reraise;
       action.sa_flags = SA_RESTART;  // a signal held back during a commit must not fail another thread's read or write
       sigemptyset(&action.sa_mask);
-      for (const int other : kCleanedSignals) sigaddset(&action.sa_mask, other);
+      for (const int other : cleaned) sigaddset(&action.sa_mask, other);
       ::sigaction(sig, &action, nullptr);
     }
   });

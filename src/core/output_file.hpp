@@ -11,7 +11,7 @@
 //   - anything else (directory, FIFO, character or block device, socket): refused with an error naming
 //     the path, what it is, and what is allowed. /dev/full, /dev/null and pipes are therefore errors.
 //   - a terminating signal sent from outside (SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2, SIGALRM, SIGVTALRM,
-//     SIGPROF, SIGXCPU, SIGXFSZ, SIGPIPE; each only where it is at its default disposition, not ignored or handled by
+//     SIGPROF, SIGXCPU, SIGXFSZ, SIGPIPE, SIGIO, SIGPWR, SIGSTKFLT and SIGRTMIN..SIGRTMAX; each only where it is at its default disposition, not ignored or handled by
 //     someone else) that ends the process while a temporary exists removes it first; the process then ends by the
 //     signal as before (SIGKILL cannot be caught: it may leave one).
 //   - an output that is the same file as one of the command's inputs (same device and inode, so hard

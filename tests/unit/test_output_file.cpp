@@ -747,5 +747,43 @@ TEST_F(OutputFile, AJournalNamingFilesThatAreNotUtf8IsWrittenAndCompleted) {
   EXPECT_EQ(temporaries(), std::vector<std::string>{});
 }
 
+// G21-6: SIGSTKFLT and SIGIO (`kill -STKFLT`, `kill -IO` during `train --log`) ended the process by their default
+// action with the log's temporary left behind; SIGPWR and the real-time signals terminate by default too. Each now
+// removes the temporaries, is held back during a commit, and still ends the process.
+TEST_F(OutputFile, TheRemainingTerminatingSignalsRemoveTemporariesToo) {
+  for (const int sig : {SIGSTKFLT, SIGIO, SIGPWR, SIGRTMIN, SIGRTMIN + 3, SIGRTMAX}) {
+    struct sigaction now {};
+    ASSERT_EQ(::sigaction(sig, nullptr, &now), 0);
+    if (now.sa_handler == SIG_IGN) continue;  // ignored here (and so in children): nothing to test
+    for (const char* name : {"a.txt", "b.txt", "c.txt"}) write_file_atomically(p(name), std::string_view("old"));
+    const pid_t pid = ::fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+      OutputFileSet set;
+      set.write(p("a.txt"), std::string_view("new a"));
+      set.write(p("d.txt"), std::string_view("new d"));
+      GrowingOutputFile log(p("c.txt"), "--log", /*append=*/false);
+      log.write("a line\n");
+      ::raise(sig);
+      ::_exit(3);
+    }
+    int status = 0;
+    ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+    EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == sig) << "signal " << sig << ": status " << status;
+    EXPECT_EQ(read_text(p("a.txt")), "old");
+    EXPECT_EQ(read_text(p("c.txt")), "old");
+    EXPECT_FALSE(fs::exists(p("d.txt")));
+    EXPECT_EQ(temporaries(), std::vector<std::string>{}) << "signal " << sig;
+    const int held = test::run_child_signalled_after_rename(0, sig, [&] {
+      OutputFileSet set;
+      for (const char* name : {"a.txt", "b.txt", "c.txt"}) set.write(p(name), std::string_view("new"));
+      set.commit();
+    });
+    EXPECT_TRUE(WIFSIGNALED(held) && WTERMSIG(held) == sig) << "signal " << sig << ": status " << held;
+    for (const char* name : {"a.txt", "b.txt", "c.txt"}) EXPECT_EQ(read_text(p(name)), "new") << name << ", " << sig;
+    EXPECT_EQ(entries(), 3u) << "signal " << sig << ": a temporary was left";
+  }
+}
+
 }  // namespace
 }  // namespace dmoe
