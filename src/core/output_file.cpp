@@ -507,7 +507,13 @@ bool temporary_name_of(const std::string& temporary, const std::string& target) 
 // short as a temporary's): the file a commit is about to replace, kept until the commit ends so that a later rename of
 // the set that fails can put it back (OutputFileSet::commit). "" where no link can be made (a file system without
 // hard links, fs.protected_hardlinks, a path past the limits): that file cannot be put back then.
-std::string link_backup(const std::string& target, const std::string& directory) {
+bool (*g_fail_backup_link_for_tests)(const std::string& target) = nullptr;
+
+std::string link_backup(const std::string& target, const std::string& directory, int* error = nullptr) {
+  if (g_fail_backup_link_for_tests && g_fail_backup_link_for_tests(target)) {
+    if (error) *error = EPERM;
+    return {};
+  }
   static std::atomic<unsigned> counter{0};
   const std::string name = fs::path(target).filename().string();
   const std::string prefix = (fs::path(directory) / ".").string();  // "DIR/."
@@ -519,8 +525,12 @@ std::string link_backup(const std::string& target, const std::string& directory)
     backup.append(name, 0, std::min({name.size(), size_t(NAME_MAX) - 1 - suffix.size(), size_t(PATH_MAX) - 1 - fixed}));
     backup += suffix;
     if (::link(target.c_str(), backup.c_str()) == 0) return backup;
-    if (errno != EEXIST) return {};
+    if (errno != EEXIST) {
+      if (error) *error = errno;
+      return {};
+    }
   }
+  if (error) *error = EEXIST;
   return {};
 }
 
@@ -581,11 +591,14 @@ void OutputFileSet::commit(const std::string& journal, GrowingOutputFile* publis
   const size_t total = written_.size() + (publish ? 1 : 0);
   std::vector<std::string> backups(written_.size());  // "" where there is none
   std::vector<bool> existed(written_.size(), false);
+  std::vector<int> backup_errno(written_.size(), 0);  // why a backup could not be linked (G21-9: the error said none)
   for (size_t i = 0; i < written_.size(); ++i) {
     struct stat ts {};
     existed[i] = ::lstat(written_[i].target.c_str(), &ts) == 0;
-    if (existed[i] && i + 1 < total) backups[i] = link_backup(written_[i].target, written_[i].directory);
+    if (existed[i] && i + 1 < total)
+      backups[i] = link_backup(written_[i].target, written_[i].directory, &backup_errno[i]);
   }
+  nlohmann::json record_json;  // the journal's record, rewritten with the failure where the set is kept (below)
   const auto remove_backups = [&backups] {
     for (std::string& b : backups)
       if (!b.empty()) ::unlink(std::exchange(b, std::string()).c_str());
@@ -620,7 +633,7 @@ void OutputFileSet::commit(const std::string& journal, GrowingOutputFile* publis
         if (!backups[i].empty()) entry["backup"] = path_for_json(fs::path(backups[i]).filename().string());
         renames.push_back(std::move(entry));
       }
-      nlohmann::json record_json{{"dmoe_commit", 1}, {"renames", renames}};
+      record_json = nlohmann::json{{"dmoe_commit", 1}, {"renames", renames}};
       if (publish) {
         // Outside the journal's directory (a --log anywhere): absolute paths and the option that named it, for
         // finish_interrupted_commit to hold against the resuming command's own option (H6 of the seventeenth pass).
@@ -695,11 +708,14 @@ void OutputFileSet::commit(const std::string& journal, GrowingOutputFile* publis
     const std::string path = failed < written_.size() ? written_[failed].path : publish->path_;
     const std::string cause = fmt::format("writing '{}' failed at the rename of its temporary onto it: {}; it is "
                                           "unchanged", path, std::strerror(failed_errno));
-    std::string replaced;
+    std::string replaced, no_backup;
     bool undoable = true;
     for (size_t j = 0; j < failed; ++j) {
       replaced += fmt::format("{}'{}'", j ? ", " : "", written_[j].path);
       undoable = undoable && (!backups[j].empty() || !existed[j]);
+      if (backups[j].empty() && existed[j])
+        no_backup += fmt::format("{}'{}' ({})", no_backup.empty() ? "" : ", ", written_[j].path,
+                                 std::strerror(backup_errno[j]));
     }
     if (failed == 0) {  // nothing replaced
       remove_backups();
@@ -720,12 +736,25 @@ void OutputFileSet::commit(const std::string& journal, GrowingOutputFile* publis
         log_kept = fmt::format(" (and '{}', {}'s)", publish->temporary_, publish->option_);
         publish->temporary_.clear();  // not removed with the GrowingOutputFile: the journal names it
       }
+      // The journal says the commit failed, and why, for the note of whoever completes it: it said "(the process
+      // killed)" for a rename that had failed (G21-9). Best effort: where the journal cannot be rewritten, it stays.
+      record_json["failed"] = fmt::format("the rename of '{}' failed: {}", path, std::strerror(failed_errno));
+      {
+        void (*hook)(size_t) = std::exchange(g_after_rename_for_tests, nullptr);
+        try {
+          OutputFileSet record;
+          record.write(journal, record_json.dump(1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n");
+          record.commit();
+        } catch (const std::exception&) {
+        }
+        g_after_rename_for_tests = hook;
+      }
       end_of_commit();
       sync_directories();
-      DMOE_FAIL_INPUT("{}; {} were replaced already and cannot be put back (no backup could be linked: hard links are "
-                      "not supported there?), so the set was left to be completed: its journal '{}' and the "
-                      "remaining temporaries{} stay beside it, and completing the journal once '{}' can be replaced "
-                      "puts every file in place (train --resume does, for a checkpoint)", cause, replaced, journal,
+      DMOE_FAIL_INPUT("{}; {} were replaced already and cannot be put back (no backup of {} could be linked, so "
+                      "the set was left to be completed rather than undone): its journal '{}' and the remaining "
+                      "temporaries{} stay beside it, and completing the journal once '{}' can be replaced puts every "
+                      "file in place (train --resume does, for a checkpoint)", cause, replaced, no_backup, journal,
                       log_kept, path);
     }
     // Undo: the journal first (a journal naming files put back would have them taken for changed since the save), then
@@ -777,8 +806,9 @@ void OutputFileSet::commit(const std::string& journal, GrowingOutputFile* publis
 }
 
 std::string finish_interrupted_commit(const std::string& journal, const std::vector<NamedPath>& outputs,
-                                      std::string* left) {
+                                      std::string* left, std::string* failure) {
   if (left) left->clear();
+  if (failure) failure->clear();
   struct stat st {};
   if (::lstat(journal.c_str(), &st) != 0) {
     DMOE_REQUIRE_INPUT(errno == ENOENT || errno == ENOTDIR, "the commit journal '{}' cannot be inspected: {}", journal,
@@ -809,6 +839,8 @@ std::string finish_interrupted_commit(const std::string& journal, const std::vec
                          record["renames"].is_array(),
                      "the commit journal '{}' is not one dmoe wrote (expected {{\"dmoe_commit\": 1, \"renames\": "
                      "[...]}}): the files beside it are left as they are{}", journal, move_away);
+  // A commit whose rename failed and that could not be undone records why (OutputFileSet::commit, G21-9).
+  if (failure && record.contains("failed") && record["failed"].is_string()) *failure = record["failed"].get<std::string>();
   const fs::path dir = journal_directory(journal);
   struct Rename {
     std::string temporary, target, temporary_id, replaced_id;
@@ -954,6 +986,10 @@ std::string finish_interrupted_commit(const std::string& journal, const std::vec
   }
   if (left) *left = left_out;
   return completed;
+}
+
+void set_backup_link_failure_for_tests(bool (*fail)(const std::string& target)) {
+  g_fail_backup_link_for_tests = fail;
 }
 
 void set_after_rename_hook_for_tests(void (*hook)(size_t renamed_index)) { g_after_rename_for_tests = hook; }

@@ -105,10 +105,15 @@ class OutputFileSet {
 // write. Another file, or one changed since, throws (nothing renamed, the journal kept). Where `outputs` has no such
 // option, that entry is left as it is and `left` (when given) says where its content is, for a note.
 std::string finish_interrupted_commit(const std::string& journal, const std::vector<NamedPath>& outputs = {},
-                                      std::string* left = nullptr);
+                                      std::string* left = nullptr, std::string* failure = nullptr);
+// (`failure`, when given: "" for a commit that was killed between its renames, or, for one whose rename failed and
+// that could not be undone, what failed, as the commit recorded it in its journal.)
 
 // Tests only: called after each rename of OutputFileSet::commit (a signal sent there must wait for the last one).
 void set_after_rename_hook_for_tests(void (*hook)(size_t renamed_index));
+// Tests only: where `fail(target)` is true, the commit's backup link of that target fails (EPERM), as on a file system
+// without hard links.
+void set_backup_link_failure_for_tests(bool (*fail)(const std::string& target));
 
 // A file that grows piece by piece (a training log) under the same policy. Checked as check_output_file; a new file's
 // pieces go to a temporary beside the target (a name of dmoe's own, created exclusively, removed on the signals above

@@ -70,13 +70,16 @@ std::string complete_interrupted_save(const std::string& dir, const std::string&
   const std::string journal = (fs::path(dir) / kCheckpointJournal).string();
   std::vector<NamedPath> outputs;
   if (!log_path.empty()) outputs.push_back({"--log", log_path});
-  std::string left;
-  const std::string completed = finish_interrupted_commit(journal, outputs, &left);
+  std::string left, failure;
+  const std::string completed = finish_interrupted_commit(journal, outputs, &left, &failure);
   std::string note;
+  // What stopped the save: a rename that failed (recorded in the journal, G21-9), else a kill or a power cut.
   if (!completed.empty())
-    note = fmt::format("train: note: --resume {}: its last save was interrupted between the renames of its files (the "
-                       "process killed); completed it from {}, renaming its new files onto {}", dir, journal,
-                       completed);
+    note = fmt::format("train: note: --resume {}: its last save {}; completed it from {}, renaming its new files onto {}",
+                       dir, failure.empty() ? "was interrupted between the renames of its files (the process was "
+                                              "killed, or the machine stopped)"
+                                            : fmt::format("failed part-way and could not be undone ({})", failure),
+                       journal, completed);
   // The save was publishing a new run's log, and this run has no --log: the checkpoint is whole without it, and this
   // run writes no log that could be mixed; the lines are left where they are, said here rather than refused.
   if (!left.empty())

@@ -785,5 +785,55 @@ TEST_F(OutputFile, TheRemainingTerminatingSignalsRemoveTemporariesToo) {
   }
 }
 
+// Sets or clears the immutable attribute of `path` (chattr +i / -i); false where the file system or user may not.
+bool set_immutable(const std::string& path, bool on) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) return false;
+  int flags = 0;
+  bool ok = ::ioctl(fd, FS_IOC_GETFLAGS, &flags) == 0;
+  flags = on ? flags | FS_IMMUTABLE_FL : flags & ~FS_IMMUTABLE_FL;
+  ok = ok && ::ioctl(fd, FS_IOC_SETFLAGS, &flags) == 0;
+  ::close(fd);
+  return ok;
+}
+std::string g_immutable_after_rename;  // the file the hook below makes immutable, so that its rename fails (EPERM)
+
+// G21-9: a commit whose backup of one file could not be linked, and whose later rename failed, said "no backup could
+// be linked" (only one had failed), and the resume that completed it said "(the process killed)". The error names the
+// file without a backup and why; the journal records the failure, which finish_interrupted_commit returns for the note.
+TEST_F(OutputFile, ACommitThatCouldNotBeUndoneSaysWhichBackupFailedAndItsJournalWhy) {
+  for (const char* name : {"a.txt", "b.txt", "c.txt"}) write_file_atomically(p(name), std::string_view("old"));
+  if (!set_immutable(p("c.txt"), true))
+    GTEST_SKIP() << "cannot set the immutable attribute here (needs root and a file system with attributes)";
+  set_immutable(p("c.txt"), false);
+  g_immutable_after_rename = p("c.txt");
+  set_backup_link_failure_for_tests([](const std::string& target) { return target.find("/a.txt") != std::string::npos; });
+  set_after_rename_hook_for_tests([](size_t renamed) {
+    if (renamed == 1) set_immutable(g_immutable_after_rename, true);  // after a.txt and b.txt: c.txt's rename fails
+  });
+  const std::string e = error_of([&] {
+    OutputFileSet set;
+    for (const char* name : {"a.txt", "b.txt", "c.txt"}) set.write(p(name), std::string_view("new"));
+    set.commit(p(".commit.json"));
+  });
+  set_after_rename_hook_for_tests(nullptr);
+  set_backup_link_failure_for_tests(nullptr);
+  set_immutable(p("c.txt"), false);
+  EXPECT_NE(e.find("no backup of '" + p("a.txt") + "' (Operation not permitted) could be linked"), std::string::npos)
+      << e;
+  EXPECT_EQ(e.find("no backup could be linked"), std::string::npos) << e;
+  ASSERT_TRUE(fs::exists(p(".commit.json"))) << e;
+  std::string failure = "unset";
+  const std::string completed = finish_interrupted_commit(p(".commit.json"), {}, nullptr, &failure);
+  EXPECT_NE(completed.find("c.txt"), std::string::npos) << completed;
+  EXPECT_EQ(failure, "the rename of '" + p("c.txt") + "' failed: Operation not permitted");
+  for (const char* name : {"a.txt", "b.txt", "c.txt"}) EXPECT_EQ(read_text(p(name)), "new") << name;
+  EXPECT_FALSE(fs::exists(p(".commit.json")));
+  // A commit killed between its renames records no failure.
+  ASSERT_NO_FATAL_FAILURE(commit_killed_after_first_rename());
+  (void)finish_interrupted_commit(p(".commit.json"), {}, nullptr, &failure);
+  EXPECT_EQ(failure, "");
+}
+
 }  // namespace
 }  // namespace dmoe
