@@ -363,27 +363,59 @@ std::vector<std::string> checkpoint_files(const std::string& path_or_dir) {
   return files;
 }
 
-const SafetensorsFile& CheckpointReader::file_of(const std::string& name) const {
-  if (weight_map_.empty()) return *files_.at("");
-  auto it = weight_map_.find(name);
-  DMOE_REQUIRE_INPUT(it != weight_map_.end(), "checkpoint '{}': tensor '{}' is not in the weight_map", source_, name);
-  auto& file = files_[it->second];
+const SafetensorsFile& CheckpointReader::shard(const std::string& file_name) const {
+  auto& file = files_[file_name];
   if (!file) {
-    const std::string shard = (std::filesystem::path(directory_) / it->second).string();
-    file = std::make_shared<SafetensorsFile>(SafetensorsFile::open(shard));
+    const std::string path = (std::filesystem::path(directory_) / file_name).string();
+    file = std::make_shared<SafetensorsFile>(SafetensorsFile::open(path));
     if (!save_id_.empty()) {
       const auto meta = file->metadata();
       const auto id = meta.find(kShardSaveId);
       DMOE_REQUIRE_INPUT(id != meta.end() && id->second == save_id_, "checkpoint '{}': shard '{}' is of another save "
                          "than the index (its {} {}, the index's {}): the shards and the index were written by "
                          "different runs (one killed between its renames, or a shard copied in); write the model "
-                         "again", source_, it->second, kShardSaveId, id == meta.end() ? "missing" : id->second,
+                         "again", source_, file_name, kShardSaveId, id == meta.end() ? "missing" : id->second,
                          save_id_);
     }
   }
-  DMOE_REQUIRE_INPUT(file->has(name), "checkpoint '{}': the weight_map puts '{}' in '{}', which does not hold it", source_,
-               name, it->second);
   return *file;
+}
+
+const SafetensorsFile& CheckpointReader::file_of(const std::string& name) const {
+  if (weight_map_.empty()) return *files_.at("");
+  auto it = weight_map_.find(name);
+  DMOE_REQUIRE_INPUT(it != weight_map_.end(), "checkpoint '{}': tensor '{}' is not in the weight_map", source_, name);
+  const SafetensorsFile& file = shard(it->second);
+  DMOE_REQUIRE_INPUT(file.has(name), "checkpoint '{}': the weight_map puts '{}' in '{}', which does not hold it", source_,
+               name, it->second);
+  return file;
+}
+
+// G21-3 (twenty-first pass): names() listed the weight_map's keys only, so a tensor a shard holds beside them (an
+// lm_head.bias, a second lm_head.weight of other values) was never seen by the check that every tensor of the model
+// is one dmoe reads, and was ignored with rc 0. Every shard is opened here and its tensors compared with the map.
+void CheckpointReader::check_shards() const {
+  if (weight_map_.empty() || shards_checked_) return;
+  std::set<std::string> shard_names;
+  for (const auto& [name, file] : weight_map_) shard_names.insert(file);
+  for (const std::string& file_name : shard_names) {
+    const SafetensorsFile& file = shard(file_name);
+    for (const std::string& name : file.names()) {
+      const auto it = weight_map_.find(name);
+      DMOE_REQUIRE_INPUT(it != weight_map_.end(), "checkpoint '{}': shard '{}' holds tensor '{}', which the index's "
+                         "weight_map does not name, so it would be ignored; every tensor of a shard must be named in "
+                         "the weight_map with that shard (remove the tensor from the shard, or add it to the index)",
+                         source_, file_name, name);
+      DMOE_REQUIRE_INPUT(it->second == file_name, "checkpoint '{}': tensor '{}' is present twice, in shard '{}' and in "
+                         "shard '{}' (where the index's weight_map puts it): two versions of one tensor, one of which "
+                         "would be ignored; a tensor must be in exactly one shard (remove it from '{}')", source_, name,
+                         file_name, it->second, file_name);
+    }
+  }
+  for (const auto& [name, file] : weight_map_)
+    DMOE_REQUIRE_INPUT(shard(file).has(name), "checkpoint '{}': the weight_map puts '{}' in '{}', which does not hold it",
+                       source_, name, file);
+  shards_checked_ = true;
 }
 
 std::map<std::string, std::string> CheckpointReader::metadata() const {
@@ -398,6 +430,7 @@ bool CheckpointReader::has(const std::string& name) const {
 
 std::vector<std::string> CheckpointReader::names() const {
   if (weight_map_.empty()) return files_.at("")->names();
+  check_shards();  // the shards hold exactly the weight_map's tensors, each once
   std::vector<std::string> v;
   for (const auto& [name, file] : weight_map_) v.push_back(name);
   return v;

@@ -66,7 +66,9 @@ class CheckpointReader {
   static CheckpointReader open(const std::string& path_or_dir);
   const std::string& source() const { return source_; }
   bool has(const std::string& name) const;
-  std::vector<std::string> names() const;  // sorted
+  // Sorted. For an index, every shard is opened and must hold exactly the tensors the weight_map puts in it: a tensor
+  // the map does not name, or one present in two shards, is an error naming the shard and the tensor.
+  std::vector<std::string> names() const;
   // The tensor converted to float; its shape must be `shape` (the error names both).
   void read_f32_into(const std::string& name, const std::vector<int64_t>& shape, float* out) const;
   // The one file's __metadata__ (strings); empty for a sharded checkpoint.
@@ -74,6 +76,10 @@ class CheckpointReader {
 
  private:
   const SafetensorsFile& file_of(const std::string& name) const;
+  const SafetensorsFile& shard(const std::string& file_name) const;  // opened on first use, its save id checked
+  void check_shards() const;
+
+  mutable bool shards_checked_ = false;
 
   std::string source_;
   std::string directory_;                          // where the shards are

@@ -3884,5 +3884,55 @@ TEST_F(G21Output, AResumedRunAppendsToALogThatCouldNotBeRenamed) {
   }
 }
 
+// ---- The twenty-first pass (G21-3, -7, -8, -10 to -13; /tmp/pass21/REPORT.md, rows in G21-ROWS-B.md) ---------------
+
+// `src` copied to `dst` with its __metadata__ and the tensors of `extra` added (a shard keeps its save id).
+void copy_safetensors_keeping_metadata(
+    const std::string& src, const std::string& dst,
+    const std::map<std::string, std::pair<std::vector<int64_t>, std::vector<float>>>& extra) {
+  const SafetensorsFile f = SafetensorsFile::open(src);
+  SafetensorsWriter w;
+  for (const auto& [key, value] : f.metadata()) w.set_metadata(key, value);
+  for (const std::string& name : f.names()) {
+    const std::vector<int64_t> shape = f.info(name).shape;
+    w.add_f32(name, shape, f.read_f32(name, shape).data());
+  }
+  for (const auto& [name, t] : extra) w.add_f32(name, t.first, t.second.data());
+  w.write(dst);
+}
+
+TEST_F(BadInput, AShardTensorTheIndexDoesNotNameIsRefusedNotIgnored) {
+  // G21-3: a shard holding lm_head.bias (not in the index's weight_map), or a second lm_head.weight of other values
+  // (the map puts it in another shard), evaluated with the clean model's loss, rc 0: names() listed the map only.
+  write_tokens_file();
+  fs::create_directories(p("sh"));
+  ASSERT_EQ(run_cli("init-model --config " + p("tiny.json") + " --out " + p("sh/model.safetensors.index.json") +
+                    " --shard-bytes 300000").status, 0);
+  const json index = json::parse(slurp(p("sh/model.safetensors.index.json")));
+  const std::string head_shard = index.at("weight_map").at("lm_head.weight").get<std::string>();
+  std::string other_shard;
+  for (const auto& [name, file] : index.at("weight_map").items())
+    if (file.get<std::string>() != head_shard) other_shard = file.get<std::string>();
+  ASSERT_FALSE(other_shard.empty()) << index.dump();
+  const Result clean = run_cli("eval --config " + p("tiny.json") + " --weights " + p("sh") + " --tokens " + p("tok.st") +
+                               " --output " + p("e.st"));
+  ASSERT_EQ(clean.status, 0) << clean.output;
+  fs::remove(p("e.st"));
+  const std::string shard = p("sh/" + other_shard), saved = p("saved.st");
+  fs::copy_file(shard, saved);
+  copy_safetensors_keeping_metadata(saved, shard, {{"lm_head.bias", {{256}, std::vector<float>(256, 5.0f)}}});
+  expect_eval_and_train_init_refused(p("tiny.json"), p("sh"), "shard '" + other_shard + "' holds tensor 'lm_head.bias', "
+                                     "which the index's weight_map does not name", "lm_head.bias in a shard");
+  copy_safetensors_keeping_metadata(saved, shard,
+                                    {{"lm_head.weight", {{256, 64}, std::vector<float>(256 * 64, 0.25f)}}});
+  expect_eval_and_train_init_refused(p("tiny.json"), p("sh"), "tensor 'lm_head.weight' is present twice, in shard '" +
+                                     other_shard + "' and in shard '" + head_shard + "'", "lm_head.weight twice");
+  // The untouched shard reads as before.
+  fs::copy_file(saved, shard, fs::copy_options::overwrite_existing);
+  const Result again = run_cli("eval --config " + p("tiny.json") + " --weights " + p("sh") + " --tokens " + p("tok.st") +
+                               " --output " + p("e.st"));
+  EXPECT_EQ(again.status, 0) << again.output;
+}
+
 }  // namespace
 }  // namespace dmoe
