@@ -15,6 +15,7 @@
 #include <numbers>
 #include <optional>
 #include <random>
+#include <set>
 #include <sstream>
 #include <thread>
 #include <tuple>
@@ -641,6 +642,21 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
                        "run; start from the weights with --init {}/model.safetensors instead", o.resume_dir,
                        o.resume_dir);
     first_step = state["step"].get<int64_t>() + 1;
+    // An unknown key (a misspelt "learning_rate", an entry another tool added) resumed with rc 0 and no note (G21-10
+    // of the twenty-first pass), as if it had been read; the tuning file refuses one. These are the keys a save writes.
+    {
+      static const std::set<std::string> known{"step", "seed", "steps", "batch", "seq", "lr", "data", "save_id",
+                                               "data_bytes", "data_fingerprint", "val_fraction", "warmup", "min_lr",
+                                               "weight_decay", "beta1", "beta2", "clip", "loss"};
+      for (const auto& [key, value] : state.items()) {
+        if (known.count(key)) continue;
+        std::string allowed;
+        for (const std::string& k : known) allowed += (allowed.empty() ? "" : ", ") + k;
+        DMOE_FAIL_INPUT("{}/trainer_state.json: unknown key '{}', which dmoe does not read, so it would be ignored; "
+                        "remove it (the keys of a saved state are {}; options such as the learning rate are given on "
+                        "the command line, e.g. --lr)", o.resume_dir, key, allowed);
+      }
+    }
     // The loss of the checkpoint's step (states from before 2026-12-07 have none): the log's line of that step must
     // show it, or the log is another run's (resuming with it cut that run's lines past the step, G4 of the sixteenth
     // bad-input pass).
@@ -799,6 +815,20 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
     }
     read_prefixed(opt, "exp_avg.", full_m, config, false);
     read_prefixed(opt, "exp_avg_sq.", full_v, config, true);
+    // A tensor beside the moments (exp_avg.lm_head.bias, a moment of no parameter) resumed with rc 0 and no note
+    // (G21-10): the model file refuses a tensor it does not read (G20-4), and so does the optimizer's.
+    {
+      std::set<std::string> moments;
+      for (const ParamView& p : parameter_views(full_m, config)) {
+        moments.insert("exp_avg." + p.name);
+        moments.insert("exp_avg_sq." + p.name);
+      }
+      for (const std::string& name : opt.names())
+        DMOE_REQUIRE_INPUT(moments.count(name), "--resume {}: {} holds tensor '{}', which is not an AdamW moment of "
+                           "the model's parameters, so it would be ignored; remove it (the file holds exp_avg.NAME and "
+                           "exp_avg_sq.NAME for each parameter NAME of model.safetensors, and nothing else)",
+                           o.resume_dir, opt.source(), name);
+    }
   } else if (o.init == "random") {
     full = random_mixtral_weights(config, o.seed);
   } else {

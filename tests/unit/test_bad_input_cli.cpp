@@ -3934,5 +3934,31 @@ TEST_F(BadInput, AShardTensorTheIndexDoesNotNameIsRefusedNotIgnored) {
   EXPECT_EQ(again.status, 0) << again.output;
 }
 
+
+TEST_F(BadInput, UnknownCheckpointStateKeysAndOptimizerTensorsAreRefused) {
+  // G21-10: a misspelt "learning_rate" in trainer_state.json, and an exp_avg.lm_head.bias in optimizer.safetensors,
+  // each resumed with rc 0 and no note.
+  const std::string base = "train --config " + p("tiny.json") + " --data " + p("data") + " --seq 16 --batch 2 "
+                           "--print-every 0 ";
+  ASSERT_EQ(run_cli(base + "--steps 1 --save " + p("ck")).status, 0);
+  const std::string state_text = slurp(p("ck/trainer_state.json"));
+  json state = json::parse(state_text);
+  state["learning_rate"] = 0.5;
+  std::ofstream(p("ck/trainer_state.json")) << state.dump();
+  const Result key = run_cli(base + "--steps 2 --resume " + p("ck"));
+  expect_user_error(key, "trainer_state.json: unknown key 'learning_rate', which dmoe does not read", "unknown key");
+  EXPECT_NE(key.output.find("the keys of a saved state are "), std::string::npos) << key.output;
+  std::ofstream(p("ck/trainer_state.json")) << state_text;
+
+  fs::copy_file(p("ck/optimizer.safetensors"), p("opt.st"));
+  copy_safetensors_keeping_metadata(p("opt.st"), p("ck/optimizer.safetensors"),
+                                    {{"exp_avg.lm_head.bias", {{256}, std::vector<float>(256)}}});
+  expect_user_error(run_cli(base + "--steps 2 --resume " + p("ck")), "holds tensor 'exp_avg.lm_head.bias', which is "
+                    "not an AdamW moment of the model's parameters", "extra optimizer tensor");
+  fs::copy_file(p("opt.st"), p("ck/optimizer.safetensors"), fs::copy_options::overwrite_existing);
+  const Result clean = run_cli(base + "--steps 2 --resume " + p("ck"));
+  EXPECT_EQ(clean.status, 0) << clean.output;
+}
+
 }  // namespace
 }  // namespace dmoe
