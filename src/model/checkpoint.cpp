@@ -158,10 +158,36 @@ void require_no_unread_layer_tensors(const SafetensorsFile& file, const MoeConfi
   }
 }
 
+// The layers whose MoE the file holds in the transformers 5.x fused layout (model.layers.L.mlp.gate.weight beside
+// mlp.experts.gate_up_proj), which eval and train --init read (load_fused_moe) but run does not.
+std::set<int> fused_moe_layers(const SafetensorsFile& file) {
+  static const std::regex fused_gate(R"(model\.layers\.(0|[1-9][0-9]{0,8})\.mlp\.gate\.weight)");
+  std::set<int> layers;
+  std::smatch m;
+  for (const std::string& name : file.names())
+    if (std::regex_match(name, m, fused_gate) &&
+        file.has(fmt::format("model.layers.{}.mlp.experts.gate_up_proj", m[1].str())))
+      layers.insert(std::stoi(m[1].str()));
+  return layers;
+}
+
+// G21-8 (twenty-first pass): run --layer 1 on a fused 5.x file said "layers with an MoE gate: none", although eval
+// reads the file: the fused layers are named, with the commands that read them.
+std::string fused_layers_note(const SafetensorsFile& file) {
+  const std::set<int> fused = fused_moe_layers(file);
+  if (fused.empty()) return "";
+  return fmt::format("; the file holds the MoE of layers {} in the transformers 5.x fused layout "
+                     "(model.layers.L.mlp.gate.weight, mlp.experts.gate_up_proj, mlp.experts.down_proj), which run "
+                     "does not read (it reads the Mixtral layout, model.layers.L.block_sparse_moe.*): eval and train "
+                     "--init read such a whole model, or save the model in the Mixtral layout (transformers' "
+                     "save_pretrained with save_original_format=True)", join(fused));
+}
+
 // "layers with an MoE gate: 0, 3" or what else was found, for errors about a missing gate.
 std::string moe_layers_present(const SafetensorsFile& file) {
   const std::set<int> layers = moe_layers(file);
-  if (!layers.empty()) return "layers with an MoE gate: " + join(layers);
+  if (!layers.empty()) return "layers with an MoE gate: " + join(layers) + fused_layers_note(file);
+  if (!fused_moe_layers(file).empty()) return "no layer with a Mixtral MoE gate" + fused_layers_note(file);
   if (file.has("block_sparse_moe.gate.weight")) return "the file has 'block_sparse_moe.gate.weight'";
   if (file.has("gate.weight")) return "the file has a bare 'gate.weight' (prefix '')";
   return fmt::format("no MoE gate among its {} tensors", file.size());
@@ -182,8 +208,9 @@ std::string find_moe_prefix(const SafetensorsFile& file, std::optional<int> laye
     const std::string prefix = layer_prefix(*layer);
     if (file.has(gate_name(prefix))) return prefix;
     const std::set<int> layers = moe_layers(file);
-    DMOE_FAIL_INPUT("checkpoint '{}': layer {} has no MoE gate '{}'; layers with an MoE gate: {}", file.source(),
-                    *layer, gate_name(prefix), layers.empty() ? std::string("none") : join(layers));
+    DMOE_FAIL_INPUT("checkpoint '{}': layer {} has no MoE gate '{}'; layers with an MoE gate: {}{}", file.source(),
+                    *layer, gate_name(prefix), layers.empty() ? std::string("none") : join(layers),
+                    fused_layers_note(file));
   }
   const std::set<int> layers = moe_layers(file);
   if (!layers.empty()) return layer_prefix(*layers.begin());
@@ -196,11 +223,13 @@ std::string find_moe_prefix(const SafetensorsFile& file, std::optional<int> laye
     if (name.size() > 11 && name.compare(name.size() - 11, 11, "gate.weight") == 0 &&
         name.find(".experts.") == std::string::npos)
       others += fmt::format("{}--prefix '{}'", others.empty() ? "" : ", ", name.substr(0, name.size() - 11));
+  const std::string fused = fused_layers_note(file);
   DMOE_FAIL_INPUT("checkpoint '{}': no MoE layer found; looked for 'model.layers.{{L}}.block_sparse_moe.gate.weight', "
                   "'block_sparse_moe.gate.weight' and 'gate.weight' among its {} tensors{}",
                   file.source(), file.size(),
-                  others.empty() ? std::string()
-                                 : fmt::format("; the file has a gate under another prefix: give {}", others));
+                  !fused.empty() ? fused
+                  : others.empty() ? std::string()
+                                   : fmt::format("; the file has a gate under another prefix: give {}", others));
 }
 
 MoeWeights load_moe_weights(const SafetensorsFile& file, const MoeConfig& config, const std::string& prefix,

@@ -3960,5 +3960,42 @@ TEST_F(BadInput, UnknownCheckpointStateKeysAndOptimizerTensorsAreRefused) {
   EXPECT_EQ(clean.status, 0) << clean.output;
 }
 
+
+TEST_F(BadInput, RunOnAFusedModelNamesTheLayoutAndTheCommandsThatReadIt) {
+  // G21-8: run --layer 1 on a transformers 5.x fused model said "layers with an MoE gate: none", though eval reads it.
+  write_tokens_file();
+  ASSERT_EQ(run_cli("init-model --config " + p("tiny.json") + " --out " + p("m.st")).status, 0);
+  {
+    const SafetensorsFile f = SafetensorsFile::open(p("m.st"));
+    SafetensorsWriter w;
+    for (const std::string& name : f.names())
+      if (name.find(".block_sparse_moe.") == std::string::npos) {
+        const std::vector<int64_t> shape = f.info(name).shape;
+        w.add_f32(name, shape, f.read_f32(name, shape).data());
+      }
+    for (int L = 0; L < 2; ++L) {
+      const std::string m = "model.layers." + std::to_string(L) + ".mlp.";
+      w.add_f32(m + "gate.weight", {4, 64}, std::vector<float>(4 * 64, 0.01f).data());
+      w.add_f32(m + "experts.gate_up_proj", {4, 256, 64}, std::vector<float>(4 * 256 * 64, 0.01f).data());
+      w.add_f32(m + "experts.down_proj", {4, 64, 128}, std::vector<float>(4 * 64 * 128, 0.01f).data());
+    }
+    w.write(p("mf.st"));
+  }
+  const Result eval = run_cli("eval --config " + p("tiny.json") + " --weights " + p("mf.st") + " --tokens " +
+                              p("tok.st") + " --output " + p("e.st"));
+  ASSERT_EQ(eval.status, 0) << eval.output;
+  ASSERT_EQ(run_cli("init --hidden 64 --ffn 128 --experts 4 --top-k 2 --tokens 4 --out " + p("w.st") + " --input " +
+                    p("x.st")).status, 0);
+  const std::string run = "run --config " + p("tiny.json") + " --weights " + p("mf.st") + " --input " + p("x.st") +
+                          " --output " + p("y.st");
+  for (const std::string& layer : {std::string(" --layer 1"), std::string()}) {
+    const Result r = run_cli(run + layer);
+    expect_user_error(r, "the file holds the MoE of layers 0, 1 in the transformers 5.x fused layout", "run" + layer);
+    EXPECT_NE(r.output.find("eval and train --init read such a whole model"), std::string::npos) << r.output;
+    EXPECT_EQ(r.output.find("--prefix 'model.layers.0.mlp.'"), std::string::npos) << r.output;
+  }
+  EXPECT_FALSE(fs::exists(p("y.st")));
+}
+
 }  // namespace
 }  // namespace dmoe
