@@ -184,6 +184,7 @@ void trim_resumed_log(GrowingOutputFile& log, const std::string& path, int64_t c
 std::vector<uint8_t> read_corpus(const std::string& path, double other_bytes,
                                  const std::function<void(const std::string&)>& print) {
   std::vector<fs::path> files;
+  std::vector<std::string> subdirectories;
   std::error_code ec;
   const fs::file_status status = fs::status(path, ec);
   if (fs::is_directory(status)) {
@@ -193,8 +194,22 @@ std::vector<uint8_t> read_corpus(const std::string& path, double other_bytes,
       DMOE_REQUIRE_INPUT(!ec, "--data {}: the directory cannot be read: {}", path, ec.message());
       std::error_code entry_ec;
       if (fs::is_regular_file(it->path(), entry_ec)) files.push_back(it->path());
+      else if (fs::is_directory(it->path(), entry_ec)) subdirectories.push_back(it->path().filename().string());
     }
     std::sort(files.begin(), files.end());
+    // Text in DIR/en/ and DIR/de/ beside a README trained on the README alone, without a word (G21-11 of the
+    // twenty-first pass). --data reads one level on purpose (a corpus directory may hold other data beneath it, and
+    // what is read must be what `ls DIR` shows); the skipped subdirectories are named.
+    if (!subdirectories.empty()) {
+      std::sort(subdirectories.begin(), subdirectories.end());
+      std::string names;
+      for (size_t i = 0; i < subdirectories.size() && i < 5; ++i) names += (i ? ", " : "") + subdirectories[i];
+      if (subdirectories.size() > 5) names += ", ...";
+      print(fmt::format("train: note: --data {}: skipped {} subdirector{} ({}): --data reads only the regular files "
+                        "directly in the directory, not those in its subdirectories; give a subdirectory as --data to "
+                        "train on its files", path, subdirectories.size(), subdirectories.size() == 1 ? "y" : "ies",
+                        names));
+    }
   } else {
     // What it is, when it is neither: a FIFO was "not a file or directory", which it is, in a sense.
     const fs::file_type type = status.type();

@@ -3997,5 +3997,22 @@ TEST_F(BadInput, RunOnAFusedModelNamesTheLayoutAndTheCommandsThatReadIt) {
   EXPECT_FALSE(fs::exists(p("y.st")));
 }
 
+
+TEST_F(BadInput, DataDirectorySubdirectoriesAreNamedWhenSkipped) {
+  // G21-11: text in data/en/ and data/de/ beside data/a.txt trained on a.txt alone, rc 0, without a word.
+  const std::string train = "train --config " + p("tiny.json") + " --data " + p("data") + " --steps 1 --seq 16 "
+                            "--batch 2 --print-every 0";
+  const Result plain = run_cli(train);
+  ASSERT_EQ(plain.status, 0) << plain.output;
+  EXPECT_EQ(plain.output.find("subdirector"), std::string::npos) << plain.output;
+  for (const char* sub : {"en", "de"}) {
+    fs::create_directories(p("data/") + sub);
+    std::ofstream(p("data/") + sub + "/t.txt") << "more text that is not read\n";
+  }
+  const Result r = run_cli(train);
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("--data " + p("data") + ": skipped 2 subdirectories (de, en): --data reads only the regular "
+                          "files directly in the directory"), std::string::npos) << r.output;
+}
 }  // namespace
 }  // namespace dmoe

@@ -266,7 +266,8 @@ Command add_train_command(CLI::App& app) {
   CLI::App* sub = app.add_subcommand("train", "train a Mixtral model on byte-level text (CPU or GPU engine)");
   sub->add_option("--config", *config, "HF Mixtral config.json or a named model in bench/models (e.g. tiny)")
       ->required();
-  sub->add_option("--data", o->data_path, "text file (or a directory of them) whose bytes are the tokens, e.g. "
+  sub->add_option("--data", o->data_path, "text file (or a directory of them: the regular files directly in it, in name "
+                  "order; subdirectories are skipped, with a note) whose bytes are the tokens, e.g. "
                   "/usr/share/common-licenses (Debian base-files)")->required();
   sub->add_option("--steps", o->steps, "last training step")->check(Range(int64_t(1), kMaxSteps));
   // 0 is TrainOptions' "not given": `--stop-after 0` ran the whole schedule.
