@@ -4014,5 +4014,19 @@ TEST_F(BadInput, DataDirectorySubdirectoriesAreNamedWhenSkipped) {
   EXPECT_NE(r.output.find("--data " + p("data") + ": skipped 2 subdirectories (de, en): --data reads only the regular "
                           "files directly in the directory"), std::string::npos) << r.output;
 }
+
+TEST_F(BadInput, FlowTaskLimitNamesTheOptionsOfItsSchedule) {
+  // G21-12: vanilla and pipe-moe past the task limit said "raise chunk_bytes", which they refuse, and not --layers.
+  for (const char* schedule : {"vanilla", "pipe-moe"}) {
+    const Result r = run_cli("flow simulate --costs " + p("costs.json") + " --schedule " + schedule +
+                             " --layers 100000 --micro-batches 4096");
+    expect_user_error(r, "lower layers (--layers, or a model's num_hidden_layers) or micro_batches (--micro-batches): "
+                      "schedule " + std::string(schedule) + " has no chunk_bytes to raise", schedule);
+    EXPECT_EQ(r.output.find("raise chunk_bytes"), std::string::npos) << r.output;
+  }
+  const Result chunked = run_cli("flow simulate --costs " + p("costs.json") + " --schedule chunked-ar --chunk-bytes 1");
+  expect_user_error(chunked, "or raise chunk_bytes (--chunk-bytes)", "chunked-ar");
+  EXPECT_NE(chunked.output.find("lower layers (--layers"), std::string::npos) << chunked.output;
+}
 }  // namespace
 }  // namespace dmoe
