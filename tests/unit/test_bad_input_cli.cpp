@@ -4028,5 +4028,15 @@ TEST_F(BadInput, FlowTaskLimitNamesTheOptionsOfItsSchedule) {
   expect_user_error(chunked, "or raise chunk_bytes (--chunk-bytes)", "chunked-ar");
   EXPECT_NE(chunked.output.find("lower layers (--layers"), std::string::npos) << chunked.output;
 }
+
+TEST_F(BadInput, InitModelSaysItWroteItsConfig) {
+  // G21-13: init-model --save-config wrote the file without a line; init prints "wrote c.json".
+  const Result r = run_cli("init-model --config " + p("tiny.json") + " --out " + p("m.st") + " --save-config " +
+                           p("c.json"));
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_TRUE(fs::exists(p("c.json")));
+  EXPECT_NE(r.output.find("wrote " + p("c.json") + "\n"), std::string::npos) << r.output;
+}
+
 }  // namespace
 }  // namespace dmoe

@@ -241,6 +241,8 @@ Command add_init_model_command(CLI::App& app) {
       also.push_back({{"--save-config", o->save_config}, mixtral_config_to_json(c).dump(2) + "\n"});
     save_mixtral_checkpoint(o->out, w, c, o->shard_bytes, also);
     std::printf("wrote %s: %s\n", o->out.c_str(), c.summary().c_str());
+    // As init says it (G21-13 of the twenty-first pass: the config was written without a line).
+    if (!o->save_config.empty()) std::printf("wrote %s\n", o->save_config.c_str());
     return 0;
   };
 }
