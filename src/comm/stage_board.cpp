@@ -38,6 +38,7 @@ struct alignas(64) Header {
 };
 
 struct alignas(64) Slot {
+  std::atomic<uint64_t> job;  // the job tag of the rank that wrote the slot (job_tag); 0: none known
   std::atomic<int32_t> pid;
   std::atomic<int32_t> state;
   std::atomic<int32_t> stage;
@@ -49,6 +50,16 @@ int64_t monotonic_ns() {
   timespec ts{};
   clock_gettime(CLOCK_MONOTONIC, &ts);
   return int64_t(ts.tv_sec) * 1'000'000'000 + ts.tv_nsec;
+}
+
+static_assert(sizeof(Slot) == 64, "the board's layout (its size per rank) is fixed");
+
+// A job's identity as a nonzero 64-bit tag (FNV-1a), or 0 when the job has none.
+uint64_t job_tag(const std::string& job) {
+  if (job.empty()) return 0;
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (const unsigned char c : job) h = (h ^ c) * 0x100000001b3ull;
+  return h == 0 ? 1 : h;
 }
 
 size_t board_bytes(int32_t world) { return sizeof(Header) + size_t(world) * sizeof(Slot); }
@@ -82,8 +93,9 @@ struct StageBoard::Mapping {
   ino_t ino = 0;
 };
 
-StageBoard::StageBoard(const std::string& path, int32_t world, int32_t rank, int32_t local_world)
-    : path_(path), world_(world), rank_(rank), local_world_(local_world) {
+StageBoard::StageBoard(const std::string& path, int32_t world, int32_t rank, int32_t local_world,
+                       const std::string& job)
+    : path_(path), world_(world), rank_(rank), local_world_(local_world), job_(job_tag(job)) {
   DMOE_REQUIRE(world >= 1 && rank >= 0 && rank < world, "stage board {}: rank {} of {} is invalid", path, rank, world);
   const size_t bytes = board_bytes(world);
   // The first rank creates the board (O_EXCL) and sizes it at once; the others open that file. A file that was there
@@ -161,7 +173,11 @@ StageBoard::StageBoard(const std::string& path, int32_t world, int32_t rank, int
               magic != kMagic ? "is not a dmoe stage board" : fmt::format("is a board of {} ranks", board_world).c_str(),
               world);
   }
+  // The slot is written with pid 0 first, then this job's tag, then the pid: a reader never sees the old job's pid
+  // under this job's tag.
   Slot* s = map_->slot(rank);
+  s->pid.store(0, std::memory_order_release);
+  s->job.store(job_, std::memory_order_release);
   s->stage.store(int32_t(FaultStage::none));
   s->stage_ns.store(monotonic_ns());
   s->waiting.store(0);
@@ -195,7 +211,15 @@ RankSlot StageBoard::slot(int32_t r) const {
   DMOE_REQUIRE(r >= 0 && r < world_, "stage board: rank {} is out of range [0, {})", r, world_);
   const Slot* s = map_->slot(r);
   RankSlot out;
+  // A board left at a fixed DMOE_STAGE_BOARD path by a job that was killed (SIGKILL: no exit handler removed it) is
+  // attached by the next job of the same world as it is: its slots held the old ranks' pids and states, and a wait
+  // stopped at once on "rank 1's process (pid ...) is gone" or "rank 1 failed" before the new rank 1 had attached
+  // (G21-7 of the twenty-first pass). A slot written by another job reads as not started.
   out.pid = s->pid.load(std::memory_order_acquire);
+  if (s->job.load(std::memory_order_acquire) != job_) {
+    out.pid = 0;
+    return out;
+  }
   out.state = RankState(s->state.load(std::memory_order_acquire));
   out.stage = FaultStage(s->stage.load(std::memory_order_acquire));
   out.waiting = s->waiting.load(std::memory_order_relaxed) != 0;
@@ -318,6 +342,28 @@ std::string stage_board_path(const ProcessEnv& env) {
   return {};
 }
 
+std::string stage_board_job(const ProcessEnv& env) {
+  const auto get = [](const char* name) {
+    const char* v = std::getenv(name);
+    return std::string(v ? v : "");
+  };
+  if (const std::string job = get("DMOE_JOB_ID"); !job.empty()) return "job:" + job;
+  if (env.launcher == "dmoe-launch") {
+    const std::string dir = get("DMOE_RENDEZVOUS");  // a directory of its own per launch
+    return dir.empty() ? std::string() : "dmoe-launch:" + dir;
+  }
+  if (env.launcher == "mpirun") {
+    std::string job = get("PMIX_NAMESPACE");
+    if (job.empty()) job = get("OMPI_MCA_ess_base_jobid");
+    return job.empty() ? std::string() : "mpirun:" + job;
+  }
+  if (env.launcher == "srun") {
+    const std::string job = get("SLURM_JOB_ID"), step = get("SLURM_STEP_ID");
+    return job.empty() ? std::string() : "srun:" + job + "." + (step.empty() ? "0" : step);
+  }
+  return {};
+}
+
 namespace {
 
 std::mutex g_board_mutex;
@@ -352,7 +398,7 @@ StageBoard* attach_stage_board(const ProcessEnv& env) {
     const std::string path = stage_board_path(env);
     if (!path.empty()) {
       try {
-        g_board = new StageBoard(path, env.world, env.rank, env.local_world);
+        g_board = new StageBoard(path, env.world, env.rank, env.local_world, stage_board_job(env));
         set_peer_watch(g_board);
         std::atexit(at_exit);
       } catch (const Error& e) {

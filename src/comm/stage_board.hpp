@@ -44,8 +44,11 @@ class StageBoard final : public PeerWatch {
   // Opens (creating when needed) the board at `path` for a job of `world` ranks and takes slot `rank`
   // (pid, running). Throws dmoe::Error naming the path when the file cannot be created or mapped, or holds
   // a board of another world size. `local_world`: ranks of this job on this node (the last of them to
-  // finish removes the file).
-  StageBoard(const std::string& path, int32_t world, int32_t rank, int32_t local_world);
+  // finish removes the file). `job`: the job's identity (stage_board_job), the same in every rank of the job:
+  // each slot carries it, and a slot of another job (a board left by a killed job at a fixed DMOE_STAGE_BOARD
+  // path) reads as not started, so its old pids and states are not taken for this job's ranks. "" (no identity):
+  // every slot is read as this job's.
+  StageBoard(const std::string& path, int32_t world, int32_t rank, int32_t local_world, const std::string& job = "");
   ~StageBoard() override;  // unmaps (the slot keeps its last state)
   StageBoard(const StageBoard&) = delete;
   StageBoard& operator=(const StageBoard&) = delete;
@@ -71,11 +74,16 @@ class StageBoard final : public PeerWatch {
   struct Mapping;
   std::string path_;
   int32_t world_ = 0, rank_ = 0, local_world_ = 0;
+  uint64_t job_ = 0;  // the job's tag (0: none)
   Mapping* map_ = nullptr;
 };
 
 // The board file for this process (rules above); "" when there is none.
 std::string stage_board_path(const ProcessEnv& env);
+// The job's identity, the same in all its ranks and another in the next job: DMOE_JOB_ID when set, else
+// DMOE_RENDEZVOUS under dmoe launch (a directory of its own per launch), PMIX_NAMESPACE (or Open MPI's job id)
+// under mpirun, SLURM_JOB_ID.SLURM_STEP_ID under srun; "" when there is none.
+std::string stage_board_job(const ProcessEnv& env);
 
 // The process's board, used by every communicator of a multi-rank job for its lifetime:
 // attach_stage_board opens it on first use (registered as the process's PeerWatch) and marks this rank

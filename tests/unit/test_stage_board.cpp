@@ -187,6 +187,53 @@ TEST(StageBoard, PathFollowsTheLauncher) {
   ::unsetenv("DMOE_STAGE_BOARD");
 }
 
+TEST(StageBoard, ABoardLeftByAKilledJobIsNotTakenForThisJobsRanks) {
+  // G21-7 (twenty-first pass): a job killed at a fixed DMOE_STAGE_BOARD path leaves its board (no exit handler ran);
+  // the next job of the same world attached it with the old slots, and a wait stopped at once on "rank 1 failed"
+  // before the new rank 1 had attached. Slots carry their job's identity now.
+  TempBoardDir t;
+  {
+    StageBoard old0(t.path(), 2, 0, 2, "dmoe-launch:/tmp/old"), old1(t.path(), 2, 1, 2, "dmoe-launch:/tmp/old");
+    old1.enter(FaultStage::combine);
+    old1.mark(RankState::failed);
+  }  // unmapped, the file stays, as after a SIGKILL
+  ASSERT_TRUE(fs::exists(t.path()));
+  StageBoard new0(t.path(), 2, 0, 2, "dmoe-launch:/tmp/new");
+  EXPECT_EQ(new0.slot(1).pid, 0);
+  EXPECT_EQ(new0.failed_peer(), "") << "the old job's rank 1 was taken for this job's";
+  const std::string peers = new0.describe_peers();
+  EXPECT_NE(peers.find("rank 1: not seen on this node"), std::string::npos) << peers;
+  // This job's rank 1 counts as soon as it attaches.
+  StageBoard new1(t.path(), 2, 1, 2, "dmoe-launch:/tmp/new");
+  EXPECT_EQ(new0.slot(1).pid, ::getpid());
+  EXPECT_EQ(new0.slot(1).state, RankState::running);
+  new1.enter(FaultStage::alltoall);
+  new1.mark(RankState::failed);
+  std::this_thread::sleep_for(std::chrono::milliseconds(15));  // failed_peer looks at most every 10 ms
+  EXPECT_EQ(new0.failed_peer(), "rank 1 failed in stage alltoall");
+}
+
+TEST(StageBoard, JobIdentityFollowsTheLauncher) {
+  ProcessEnv env;
+  env.world = 2;
+  ::unsetenv("DMOE_JOB_ID");
+  env.launcher = "single";
+  EXPECT_EQ(stage_board_job(env), "");
+  env.launcher = "dmoe-launch";
+  ::setenv("DMOE_RENDEZVOUS", "/tmp/launch-x/rendezvous", 1);
+  EXPECT_EQ(stage_board_job(env), "dmoe-launch:/tmp/launch-x/rendezvous");
+  ::unsetenv("DMOE_RENDEZVOUS");
+  env.launcher = "srun";
+  ::setenv("SLURM_JOB_ID", "77", 1);
+  ::setenv("SLURM_STEP_ID", "3", 1);
+  EXPECT_EQ(stage_board_job(env), "srun:77.3");
+  ::unsetenv("SLURM_JOB_ID");
+  ::unsetenv("SLURM_STEP_ID");
+  ::setenv("DMOE_JOB_ID", "nightly-5", 1);
+  EXPECT_EQ(stage_board_job(env), "job:nightly-5");
+  ::unsetenv("DMOE_JOB_ID");
+}
+
 // A one-process Comm whose failure handling is the base class's (the process's stage board), as the GPU
 // communicators' is; its collectives are never called here.
 class BoardOnlyComm final : public Comm {
