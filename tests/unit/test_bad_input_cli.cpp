@@ -3365,6 +3365,16 @@ TEST_F(BadInput, InitModelShardsAreNotNamedLikeOptionsOrHidden) {
   EXPECT_TRUE(fs::exists(p("m--00001-of-00003.safetensors")));
 }
 
+TEST_F(BadInput, InitModelShardNamesThatAreNotUtf8AreRefusedBeforeTheModelIsMade) {
+  // Twenty-first pass (G21-1's rest): the shard names go into the index's JSON weight_map; a NAME of Latin-1 bytes
+  // generated the whole model, then "unexpected error: [json.exception.type_error.316]", rc 2.
+  const std::string out = p("m\xff.index.json");
+  const Result r = run_cli_bounded("init-model --config " + p("tiny.json") + " --out '" + out + "' --shard-bytes 100000");
+  expect_user_error(r, "NAME is not valid UTF-8", "a Latin-1 index name");
+  EXPECT_EQ(r.output.find("type_error"), std::string::npos) << r.output;
+  EXPECT_FALSE(fs::exists(out));
+}
+
 // ---- The twentieth pass (G20-3, -4, -7 to -15; /tmp/pass20/REPORT.md, rows in G20-ROWS-B.md) ----------------------
 
 // `src` copied to `dst` with the tensors of `extra` (name -> shape and values) added.

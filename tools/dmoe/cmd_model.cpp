@@ -124,6 +124,11 @@ void check_sharded_outputs(const InitModelOptions& o, const std::string& config_
                                                     ".safetensors')", name)
                                       : fmt::format("the shards would be hidden files ('{}-0000i-of-0000N.safetensors')",
                                                     name));
+  // The shards' file names go into the index's weight_map, a JSON text, which holds UTF-8 only: a NAME of other bytes
+  // (a Latin-1 name) ended in "type_error.316" after the whole model was generated (twenty-first pass).
+  DMOE_REQUIRE_INPUT(is_utf8(name), "--out '{}' with --shard-bytes: the shards' names (NAME-0000i-of-0000N.safetensors) "
+                     "are written into the index's weight_map, a JSON text, and NAME is not valid UTF-8; allowed: a "
+                     "UTF-8 file name (the directory may be any)", o.out);
   const fs::path dir = fs::path(o.out).parent_path().empty() ? fs::path(".") : fs::path(o.out).parent_path();
   // A file beside --out with a shard's name is replaced by that shard: the --config read (a config copied to
   // model-00001-of-00001.safetensors became 1 MB of weights, rc 0) or the --save-config written.
