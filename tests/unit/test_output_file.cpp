@@ -78,6 +78,44 @@ class OutputFile : public ::testing::Test {
     });
     ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) << "status " << status;
   }
+  // The terminating signal `sig` (not ignored here), in a child: raised while a set's temporaries and a new log's
+  // temporary exist, it leaves every target as it was and no temporary, and ends the process; sent during a commit,
+  // it is held back until the last rename, then ends the process.
+  void expect_cleaned_up_and_held_back(int sig) const {
+    for (const char* name : {"a.txt", "b.txt", "c.txt"}) write_file_atomically(p(name), std::string_view("old"));
+    const pid_t pid = ::fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+      const struct rlimit no_core {0, 0};
+      ::setrlimit(RLIMIT_CORE, &no_core);  // SIGQUIT and SIGXCPU dump a core by default
+      OutputFileSet set;
+      set.write(p("a.txt"), std::string_view("new a"));
+      set.write(p("d.txt"), std::string_view("new d"));  // both temporaries exist, neither is renamed yet
+      GrowingOutputFile log(p("c.txt"), "--log", /*append=*/false);
+      log.write("a line\n");  // replaces an earlier c.txt: the piece waits in its temporary
+      ::raise(sig);
+      ::_exit(3);
+    }
+    int status = 0;
+    ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+    EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == sig) << "signal " << sig << ": status " << status;
+    EXPECT_EQ(read_text(p("a.txt")), "old");
+    EXPECT_EQ(read_text(p("c.txt")), "old");
+    EXPECT_FALSE(fs::exists(p("d.txt")));
+    EXPECT_EQ(temporaries(), std::vector<std::string>{}) << "signal " << sig;
+
+    // During a commit: held back until the last rename, then the process ends by it.
+    const int held = test::run_child_signalled_after_rename(0, sig, [&] {
+      const struct rlimit no_core {0, 0};
+      ::setrlimit(RLIMIT_CORE, &no_core);
+      OutputFileSet set;
+      for (const char* name : {"a.txt", "b.txt", "c.txt"}) set.write(p(name), std::string_view("new"));
+      set.commit();
+    });
+    EXPECT_TRUE(WIFSIGNALED(held) && WTERMSIG(held) == sig) << "signal " << sig << ": status " << held;
+    for (const char* name : {"a.txt", "b.txt", "c.txt"}) EXPECT_EQ(read_text(p(name)), "new") << name << ", " << sig;
+    EXPECT_EQ(entries(), 3u) << "signal " << sig << ": a temporary was left";
+  }
   // The names in the directory that are dmoe temporaries.
   std::vector<std::string> temporaries() const {
     std::vector<std::string> names;
@@ -229,39 +267,7 @@ TEST_F(OutputFile, EveryTerminatingSignalFromOutsideRemovesTemporariesAndWaitsFo
     struct sigaction now {};
     ASSERT_EQ(::sigaction(sig, nullptr, &now), 0);
     if (now.sa_handler == SIG_IGN) continue;  // ignored in this process (and so in children): nothing to test
-    for (const char* name : {"a.txt", "b.txt", "c.txt"}) write_file_atomically(p(name), std::string_view("old"));
-    const pid_t pid = ::fork();
-    ASSERT_GE(pid, 0);
-    if (pid == 0) {
-      const struct rlimit no_core {0, 0};
-      ::setrlimit(RLIMIT_CORE, &no_core);  // SIGQUIT and SIGXCPU dump a core by default
-      OutputFileSet set;
-      set.write(p("a.txt"), std::string_view("new a"));
-      set.write(p("d.txt"), std::string_view("new d"));  // both temporaries exist, neither is renamed yet
-      GrowingOutputFile log(p("c.txt"), "--log", /*append=*/false);
-      log.write("a line\n");  // replaces an earlier c.txt: the piece waits in its temporary
-      ::raise(sig);
-      ::_exit(3);
-    }
-    int status = 0;
-    ASSERT_EQ(::waitpid(pid, &status, 0), pid);
-    EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == sig) << "signal " << sig << ": status " << status;
-    EXPECT_EQ(read_text(p("a.txt")), "old");
-    EXPECT_EQ(read_text(p("c.txt")), "old");
-    EXPECT_FALSE(fs::exists(p("d.txt")));
-    EXPECT_EQ(temporaries(), std::vector<std::string>{}) << "signal " << sig;
-
-    // During a commit: held back until the last rename, then the process ends by it.
-    const int held = test::run_child_signalled_after_rename(0, sig, [&] {
-      const struct rlimit no_core {0, 0};
-      ::setrlimit(RLIMIT_CORE, &no_core);
-      OutputFileSet set;
-      for (const char* name : {"a.txt", "b.txt", "c.txt"}) set.write(p(name), std::string_view("new"));
-      set.commit();
-    });
-    EXPECT_TRUE(WIFSIGNALED(held) && WTERMSIG(held) == sig) << "signal " << sig << ": status " << held;
-    for (const char* name : {"a.txt", "b.txt", "c.txt"}) EXPECT_EQ(read_text(p(name)), "new") << name << ", " << sig;
-    EXPECT_EQ(entries(), 3u) << "signal " << sig << ": a temporary was left";
+    expect_cleaned_up_and_held_back(sig);
   }
   // A signal the user set to be ignored (nohup, `trap '' USR1`) stays ignored: no handler ends the process by it.
   const pid_t pid = ::fork();
@@ -755,33 +761,7 @@ TEST_F(OutputFile, TheRemainingTerminatingSignalsRemoveTemporariesToo) {
     struct sigaction now {};
     ASSERT_EQ(::sigaction(sig, nullptr, &now), 0);
     if (now.sa_handler == SIG_IGN) continue;  // ignored here (and so in children): nothing to test
-    for (const char* name : {"a.txt", "b.txt", "c.txt"}) write_file_atomically(p(name), std::string_view("old"));
-    const pid_t pid = ::fork();
-    ASSERT_GE(pid, 0);
-    if (pid == 0) {
-      OutputFileSet set;
-      set.write(p("a.txt"), std::string_view("new a"));
-      set.write(p("d.txt"), std::string_view("new d"));
-      GrowingOutputFile log(p("c.txt"), "--log", /*append=*/false);
-      log.write("a line\n");
-      ::raise(sig);
-      ::_exit(3);
-    }
-    int status = 0;
-    ASSERT_EQ(::waitpid(pid, &status, 0), pid);
-    EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == sig) << "signal " << sig << ": status " << status;
-    EXPECT_EQ(read_text(p("a.txt")), "old");
-    EXPECT_EQ(read_text(p("c.txt")), "old");
-    EXPECT_FALSE(fs::exists(p("d.txt")));
-    EXPECT_EQ(temporaries(), std::vector<std::string>{}) << "signal " << sig;
-    const int held = test::run_child_signalled_after_rename(0, sig, [&] {
-      OutputFileSet set;
-      for (const char* name : {"a.txt", "b.txt", "c.txt"}) set.write(p(name), std::string_view("new"));
-      set.commit();
-    });
-    EXPECT_TRUE(WIFSIGNALED(held) && WTERMSIG(held) == sig) << "signal " << sig << ": status " << held;
-    for (const char* name : {"a.txt", "b.txt", "c.txt"}) EXPECT_EQ(read_text(p(name)), "new") << name << ", " << sig;
-    EXPECT_EQ(entries(), 3u) << "signal " << sig << ": a temporary was left";
+    expect_cleaned_up_and_held_back(sig);
   }
 }
 
