@@ -10,8 +10,8 @@
 # (named configs, forward only, no peers), gemm (the own GEMM's variants and its DRAM traffic),
 # profile (per-kernel times under Nsight Compute), wgrad (the sm90 weight-gradient kernel: tests, kernel
 # benchmark, training step per DMOE_WGRAD path), gpus (one rank per GPU on a multi-GPU machine),
-# flash (the Flash kernel at W = 1: its tests, and its benchmark beside EP), flash_decode (the opt-in split gate,
-# spread combine and down-tile prefetch against the defaults: their tests, decode T = 1-128 and two large configs
+# flash (the Flash kernel at W = 1: its tests, and its benchmark beside EP), flash_decode (the split gate,
+# spread combine and down-tile prefetch against the old defaults: their tests, decode T = 1-128 and two large configs
 # in each mode), flash_multi (Flash at W = 2, 4
 # ranks on the GPU), flash_backward (the Flash backward: its tests at W = 1, 2, 4 and the training step beside
 # EP's on the four named configs), faults (the fault-injection matrix over GPU processes), sanitize (compute-sanitizer),
@@ -249,17 +249,17 @@ part_flash() {
 }
 
 part_flash_decode() {
-  # The opt-in decode-size paths (written while no GPU was lent; docs/flash.md): DMOE_FLASH_GATE=split|auto against
-  # block, DMOE_FLASH_COMBINE=slice against token, DMOE_FLASH_PREFETCH=1 against 0. Tests first; then each mode's
-  # benchmark, the defaults (block, token, 0) in the same rounds as the baseline. Taking a mode as the default needs
-  # its tests passed and these numbers in docs/perf.md.
+  # The decode-size paths (docs/flash.md): DMOE_FLASH_GATE=auto|split against block, DMOE_FLASH_COMBINE=slice against
+  # token, DMOE_FLASH_PREFETCH=1 against 0. Tests first; then each mode's benchmark beside the defaults (auto, slice,
+  # 0). Changing a default needs its tests passed and these numbers in docs/perf.md.
   export DMOE_GPU_WAIT_TIMEOUT_MS=${DMOE_GPU_WAIT_TIMEOUT_MS:-5000}
   run 200 flash_decode_tests "$B/tests/dmoe_gpu_tests" --gtest_brief=1 \
-    --gtest_filter='*FlashLayerSplitGate*:*FlashLayerSpreadCombine*:*FlashLayerPrefetchDown*:*FlashLayer.*'
+    --gtest_filter='*FlashLayer.*:*FlashLayerSplitGate.*:*FlashLayerSpreadCombine.*:*FlashLayerPrefetchDown.*:*FlashLayerBlockGateTokenCombine.*'
   local t mode gate combine prefetch
   for t in 1 8 32 128; do
-    # gate/combine/prefetch: the default, each change alone, then all three (auto: split where it fits)
-    for mode in block/token/0 split/token/0 auto/token/0 block/slice/0 block/token/1 auto/slice/1; do
+    # gate/combine/prefetch: the defaults (auto/slice/0 since the twenty-eighth session), the old defaults
+    # (block/token/0), each of the two changes alone, forced split, and the prefetch on top
+    for mode in auto/slice/0 block/token/0 auto/token/0 block/slice/0 split/slice/0 auto/slice/1; do
       IFS=/ read -r gate combine prefetch <<<"$mode"
       [ "$gate" = split ] && [ "$t" -gt 64 ] && continue  # T/64 * H/64 items past one wave: an input error
       DMOE_FLASH_GATE=$gate DMOE_FLASH_COMBINE=$combine DMOE_FLASH_PREFETCH=$prefetch \
@@ -284,7 +284,7 @@ part_flash_multi() {
   export DMOE_GPU_WAIT_TIMEOUT_MS=${DMOE_GPU_WAIT_TIMEOUT_MS:-5000}
   for n in 2 4; do
     run 200 "flash_launch_w$n" "$B/dmoe" launch -n "$n" -- "$B/tests/dmoe_gpu_tests" --gtest_brief=1 \
-      --gtest_filter='*FlashLayer.*:*FlashLayerSplitGate.*:*FlashLayerSpreadCombine.*:*FlashLayerPrefetchDown.*:*FlashBackward.*'
+      --gtest_filter='*FlashLayer.*:*FlashLayerSplitGate.*:*FlashLayerSpreadCombine.*:*FlashLayerPrefetchDown.*:*FlashLayerBlockGateTokenCombine.*:*FlashBackward.*'
   done
   run 150 flash_bench_flash-paper_w4 "$B/dmoe" launch -n 4 -- "$B/dmoe" bench layer --config flash-paper --flash \
     --no-backward --check-tokens 2 --json "$O/flash_bench_flash-paper_w4.json"

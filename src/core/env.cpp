@@ -211,8 +211,8 @@ void check_environment() {
   (void)env_choice("DMOE_ATTENTION", {"auto", "own", "cudnn"}, "auto");
   (void)env_choice("DMOE_FLOW_AR_COMM", {"auto", "own", "model"}, "auto");
   (void)env_integer("DMOE_FLASH_GRID", 1, (int64_t(1) << 31) - 1, 0, "blocks");
-  (void)env_choice("DMOE_FLASH_GATE", {"auto", "split", "block"}, "block");
-  (void)env_choice("DMOE_FLASH_COMBINE", {"token", "slice"}, "token");
+  (void)env_choice("DMOE_FLASH_GATE", {"auto", "split", "block"}, "auto");
+  (void)env_choice("DMOE_FLASH_COMBINE", {"token", "slice"}, "slice");
   (void)env_choice("DMOE_FLASH_PREFETCH", {"0", "1"}, "0");
   (void)env_byte_size("DMOE_NVSHMEM_MIN_HEAP", 0);
   (void)env_choice("DMOE_SHARED_GPUS", {"0", "1"}, "as dmoe launch sets it");

@@ -1239,9 +1239,9 @@ int32_t flash_grid_blocks(const flash::Shape& s) {
 }
 
 bool flash_split_gate(const flash::Shape& s) {
-  // Unset means block until the split gate has run on a GPU (written in the twenty-sixth session, when no device
-  // call succeeded; docs/perf.md): auto applies the rule below, split forces it.
-  const std::string mode = env_choice("DMOE_FLASH_GATE", {"auto", "split", "block"}, "block");
+  // Unset means auto (measured on an H100 in the twenty-eighth session, docs/perf.md: decode T = 1 forward -7 %):
+  // the rule below; split forces it, block keeps each block's own loop.
+  const std::string mode = env_choice("DMOE_FLASH_GATE", {"auto", "split", "block"}, "auto");
   const bool fits = s.split_gate_items() <= int64_t(s.grid);
   if (mode == "block") return false;
   if (mode == "split") {
@@ -1255,13 +1255,15 @@ bool flash_split_gate(const flash::Shape& s) {
 }
 
 bool flash_prefetch_down() {
-  // Written in the twenty-seventh session, when the device machines were paused: off until it has run on a GPU.
+  // Off: measured on an H100 in the twenty-eighth session (docs/perf.md), the hint slowed decode T = 1 by 7 % (the
+  // prefetches compete with the up tiles' own weight stream, which is what bounds the time).
   return env_choice("DMOE_FLASH_PREFETCH", {"0", "1"}, "0") == "1";
 }
 
 bool flash_spread_combine() {
-  // Written in the twenty-seventh session, when the device machines were paused: token until it has run on a GPU.
-  return env_choice("DMOE_FLASH_COMBINE", {"token", "slice"}, "token") == "slice";
+  // Unset means slice (measured on an H100 in the twenty-eighth session, docs/perf.md: the combine's tail at T = 1
+  // 17 -> 5 us; large configs unchanged within noise).
+  return env_choice("DMOE_FLASH_COMBINE", {"token", "slice"}, "slice") == "slice";
 }
 
 void flash_forward(const flash::Params& p, cudaStream_t stream) {

@@ -27,21 +27,21 @@ std::string flash_unusable_reason(const flash::Shape& shape);
 int32_t flash_grid_blocks(const flash::Shape& shape);
 
 // Whether the router's logits are computed by the split gate (flash::Shape::split_gate_items): every
-// (token chunk, column chunk) item on a block of its own. DMOE_FLASH_GATE: block (the default, until the split gate
-// has been measured on a GPU) — each block its own tokens; auto — split where the items fit one wave of `shape.grid`
+// (token chunk, column chunk) item on a block of its own. DMOE_FLASH_GATE: block — each block its own tokens;
+// auto (the default) — split where the items fit one wave of `shape.grid`
 // blocks and H has at least 16 column chunks (fewer: a block's own rounds are few and the split's extra grid barrier
 // costs more); split — always (where the items do not fit, an input error).
 bool flash_split_gate(const flash::Shape& shape);
 
 // Whether the combine spreads (token, column slice) items over every block's consumer warps
-// (flash::Shape::spread_combine). DMOE_FLASH_COMBINE: token (the default, until measured on a GPU) — each block
-// sums its own tokens, a warp a token; slice — spread (at T = 1 one warp summing the token took ~14 us on an H100).
+// (flash::Shape::spread_combine). DMOE_FLASH_COMBINE: token — each block sums its own tokens, a warp a
+// token; slice (the default) — spread (at T = 1 one warp summing the token took ~14 us on an H100, the spread ~4).
 // Each output element is the same sum in the same order either way.
 bool flash_spread_combine();
 
 // Whether a down tile's producer, finding its row tile's up tiles not yet done, first fetches the tile's w2 box
-// into L2 (flash::Shape::prefetch_down; a hint, the results are the same bits). DMOE_FLASH_PREFETCH: 0 (the default,
-// until measured on a GPU) or 1.
+// into L2 (flash::Shape::prefetch_down; a hint, the results are the same bits). DMOE_FLASH_PREFETCH: 0 (the default:
+// measured slower on an H100, docs/perf.md) or 1.
 bool flash_prefetch_down();
 
 // One rank's forward: a cooperative launch of flash_grid_blocks(shape) = p.shape.grid blocks on `stream`.

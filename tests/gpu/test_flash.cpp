@@ -92,7 +92,7 @@ void check_flash_layer(const FlashCase& fc, int64_t hidden, int split_gate) {
                                               : split_gate != 0;
     ASSERT_EQ(shape.split_gate, expect_split) << c.summary() << ", grid " << shape.grid;
     const char* combine = std::getenv("DMOE_FLASH_COMBINE");
-    ASSERT_EQ(shape.spread_combine, combine != nullptr && std::string(combine) == "slice");
+    ASSERT_EQ(shape.spread_combine, combine == nullptr || std::string(combine) == "slice");  // unset: slice
     const char* prefetch = std::getenv("DMOE_FLASH_PREFETCH");
     ASSERT_EQ(shape.prefetch_down, prefetch != nullptr && std::string(prefetch) == "1");
     engine.set_weights(slice_experts(w, c.first_expert(rank), Le));
@@ -223,6 +223,21 @@ TEST(FlashLayerSpreadCombine, MatchesCpuReferenceAndEpEngine) {
       ScopedEnv grid("DMOE_FLASH_GRID", "8");
       check_flash_layer(fc, 1040, 0);
     }
+  }
+}
+
+// The paths the defaults left (twenty-eighth session): each block's own gate loop and its own tokens' combine
+// (DMOE_FLASH_GATE=block, DMOE_FLASH_COMBINE=token), kept selectable, on the same cases at H = 1024 and 1040.
+TEST(FlashLayerBlockGateTokenCombine, MatchesCpuReferenceAndEpEngine) {
+  if (!flash_runs_here()) GTEST_SKIP() << "no sm_90 GPU with this build's sm_90a kernels";
+  ScopedEnv combine("DMOE_FLASH_COMBINE", "token");
+  ScopedGateMode mode("block");
+  const FlashCase cases[] = {{Activation::swiglu, 0, 1, 8, 2}, {Activation::swiglu, 0, 37, 8, 8},
+                             {Activation::relu, 0.5, 129, 8, 1}, {Activation::gelu, 0, 300, 16, 4}};
+  for (const FlashCase& fc : cases) {
+    SCOPED_TRACE(case_name(fc));
+    check_flash_layer(fc, 1024, 0);
+    check_flash_layer(fc, 1040, 0);
   }
 }
 
