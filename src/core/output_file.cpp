@@ -1098,7 +1098,42 @@ GrowingOutputFile::~GrowingOutputFile() {
 }
 
 ExclusiveLock::~ExclusiveLock() {
+  if (!transient_path_.empty()) {
+    // Removed while still locked, and only while the name is still this file (never another process's new one).
+    struct stat held {}, named {};
+    if (::fstat(fd_, &held) == 0 && ::lstat(transient_path_.c_str(), &named) == 0 && held.st_dev == named.st_dev &&
+        held.st_ino == named.st_ino)
+      ::unlink(transient_path_.c_str());
+    release_temporary(transient_slot_);
+  }
   if (fd_ >= 0) ::close(fd_);
+}
+
+bool ExclusiveLock::lock_transient_file(const std::string& path, std::string_view what) {
+  DMOE_REQUIRE(fd_ < 0, "ExclusiveLock: already holds a lock");
+  // Each round loses only to a holder that removed the file between this open and this lock: bounded in practice, and
+  // bounded here so that a file system that keeps changing the name cannot spin us.
+  for (int round = 0; round < 1000; ++round) {
+    fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0644);
+    DMOE_REQUIRE_INPUT(fd_ >= 0, "{}: the lock file '{}' cannot be opened: {}", what, path, std::strerror(errno));
+    if (!lock(/*wait=*/false)) {
+      ::close(fd_);
+      fd_ = -1;
+      return false;
+    }
+    struct stat held {}, named {};
+    if (::fstat(fd_, &held) == 0 && ::lstat(path.c_str(), &named) == 0 && held.st_dev == named.st_dev &&
+        held.st_ino == named.st_ino) {
+      transient_path_ = path;
+      transient_slot_ = register_temporary(path);
+      return true;
+    }
+    ::close(fd_);
+    fd_ = -1;
+  }
+  DMOE_REQUIRE_INPUT(false, "{}: the lock file '{}' was replaced 1000 times while this process took it: another "
+                     "process keeps removing it", what, path);
+  return false;
 }
 
 bool ExclusiveLock::lock(bool wait) {

@@ -163,10 +163,18 @@ class ExclusiveLock {
   // a path that cannot be opened throws an input error naming `what` and the path.
   bool lock_directory(const std::string& directory, std::string_view what, bool wait);
   bool lock_file(const std::string& path, std::string_view what, bool wait);
+  // A lock file that exists only while it is held (no hidden file left beside a user's output): created when missing,
+  // locked without waiting (false when another process holds it), and removed by its holder, still locked, when the
+  // object is destroyed or a terminating signal ends the process (the temporaries' handler). A process that opened the
+  // file just before its holder removed it finds, once locked, that the name is no longer its file, and takes the new
+  // one instead, so two processes never both hold "the" lock. SIGKILL leaves the file; the next holder removes it.
+  bool lock_transient_file(const std::string& path, std::string_view what);
 
  private:
   bool lock(bool wait);
   int fd_ = -1;
+  std::string transient_path_;  // lock_transient_file's name, removed by the destructor
+  int transient_slot_ = -1;     // its entry in the signal handler's table
 };
 
 // True when a and b name the same file: same (st_dev, st_ino) when both exist (symlinks followed); false when only one

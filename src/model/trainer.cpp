@@ -314,13 +314,15 @@ json read_json(const std::string& path) { return read_json_file(path, "training 
 // so two runs each wrote back their own entry and one was lost, rc 0 (G19-5 of the nineteenth bad-input pass). The
 // path is resolved (weakly_canonical: every link of the part that exists, the file's own included); where it cannot be
 // (a working directory past PATH_MAX), the name as given, as before.
-fs::path tune_file_lock_path(const std::string& tune_file) {
+// The same rule gives --log its lock file (beside the log that the run's rename replaces).
+fs::path lock_file_beside(const std::string& file) {
   std::error_code ec;
-  fs::path path = fs::weakly_canonical(fs::absolute(tune_file, ec), ec);
-  if (ec || path.filename().empty()) path = fs::path(tune_file);
+  fs::path path = fs::weakly_canonical(fs::absolute(file, ec), ec);
+  if (ec || path.filename().empty()) path = fs::path(file);
   return (path.has_parent_path() ? path.parent_path() : fs::path(".")) /
          ("." + path.filename().string() + ".dmoe-lock");
 }
+fs::path tune_file_lock_path(const std::string& tune_file) { return lock_file_beside(tune_file); }
 
 // Before the training: the tuning file's lock file can be opened (it is created here when missing, and locked when the
 // entry is written). A directory or a symbolic link at its name (never followed) was found only after all the tuning
@@ -967,10 +969,39 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
       // A file system without flock (some network ones): no lock, as before.
     }
   }
+  // One run at a time writes a log: two runs with one --log and two --save directories each wrote the log of their own
+  // run, and the last to publish replaced the other's (or, resumed, both appended their lines to it). The writing
+  // process holds an exclusive lock on a hidden lock file beside the log (".NAME.dmoe-lock": the log itself is replaced
+  // by a rename, which a lock on it would not survive), which exists only while the run does (ExclusiveLock::
+  // lock_transient_file); a second run is refused before it trains. Where the lock file cannot be made (a directory
+  // this process may not write, while a resumed run appends to a log it may write) or flock is not supported, there is
+  // no lock, as before.
+  ExclusiveLock log_lock;
+  const bool writes_log = !o.log_path.empty() && (o.engine != "cuda" || detect_process_env().rank == 0);
+  if (writes_log) {
+    const fs::path lock = lock_file_beside(o.log_path);
+    DMOE_REQUIRE_INPUT(o.tune_file.empty() || !same_file(o.tune_file, lock.string()), "--tune-file '{}' is the lock "
+                       "file of --log {} ('{}'), which dmoe creates and locks beside the log while the run writes it: "
+                       "give another --tune-file", o.tune_file, o.log_path, lock.string());
+    std::error_code ec;
+    const fs::file_status st = fs::symlink_status(lock, ec);
+    const char* what = fs::is_symlink(st) ? "a symbolic link" : fs::is_directory(st) ? "a directory"
+                     : fs::exists(st) && !fs::is_regular_file(st) ? "not a regular file" : nullptr;
+    DMOE_REQUIRE_INPUT(!what, "--log {}: '{}' is {}: that name is the lock file dmoe takes beside the log while a run "
+                       "writes it (a regular file, created when missing; a link there is never followed); move it "
+                       "away", o.log_path, lock.string(), what);
+    const int fd = ::open(lock.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0644);
+    if (fd >= 0) {
+      ::close(fd);
+      DMOE_REQUIRE_INPUT(log_lock.lock_transient_file(lock.string(), "--log"), "--log {}: another dmoe run is writing "
+                         "this log now (it holds '{}'): wait for it to end, or give another --log", o.log_path,
+                         lock.string());
+    }
+  }
   std::optional<GrowingOutputFile> log;
   // In a GPU job every process runs this with the same --log; rank 0 writes it (the others used to open and truncate it
   // too, racing rank 0's first lines).
-  if (!o.log_path.empty() && (o.engine != "cuda" || detect_process_env().rank == 0)) {
+  if (writes_log) {
     std::error_code ec;
     const bool append = first_step > 1 && fs::exists(o.log_path, ec);
     log.emplace(o.log_path, "--log", append);

@@ -1000,7 +1000,11 @@ TEST_F(BadInput, ANewRunsLogIsCompletedWithItsKilledFirstSave) {
   EXPECT_NE(no_log.output.find("(the new content of --log '" + p("log.jsonl") + "'; mv '"), std::string::npos)
       << no_log.output;
   EXPECT_EQ(slurp(p("log.jsonl")), earlier);
-  EXPECT_EQ(others_in(dir_, known).size(), 1u) << "the log's temporary";
+  // Left: the log's temporary, and the lock file the SIGKILLed run held beside its --log (empty; the next run with
+  // that --log takes it over and removes it).
+  std::vector<std::string> left = others_in(dir_, known);
+  EXPECT_EQ(std::erase(left, ".log.jsonl.dmoe-lock"), 1u);
+  EXPECT_EQ(left.size(), 1u) << "the log's temporary";
   EXPECT_FALSE(fs::exists(p("ck/.dmoe-commit.json")));
 }
 
@@ -1053,6 +1057,12 @@ TEST_F(BadInput, DataThatReadsPastItsSizeIsRefused) {
                     "--data: '/proc/self/pagemap' reads past its size (0 bytes) by more than 64 MiB", "pagemap");
 }
 
+// Shell text that ends a background run whose pid is in `pid_file` and waits (at most 10 s) until it is gone: a test
+// that ended while the run removed its temporaries raced the fixture's removal of the directory.
+std::string stop_background(const std::string& pid_file) {
+  return "f=$(cat " + pid_file + "); kill $f; for i in $(seq 200); do kill -0 $f 2>/dev/null || break; sleep 0.05; done";
+}
+
 TEST_F(BadInput, TwoRunsCannotSaveIntoOneDirectoryAtOnce) {
   // H12 (seventeenth pass): two runs with the same --save both ended "saved", the directory holding whichever committed
   // last. The first holds the directory's lock while it runs; the second is refused before it trains.
@@ -1062,8 +1072,51 @@ TEST_F(BadInput, TwoRunsCannotSaveIntoOneDirectoryAtOnce) {
   const Result r = test::run_shell(
       "( (timeout 120 " + base + "--steps 100000 --log " + p("first.jsonl") + " >/dev/null 2>&1 & echo $! > " +
       p("first.pid") + "); for i in $(seq 600); do [ -s " + p("first.jsonl") + " ] && break; sleep 0.1; done; "
-      "timeout 60 " + base + "--steps 2; rc=$?; kill $(cat " + p("first.pid") + "); exit $rc )");
+      "timeout 60 " + base + "--steps 2; rc=$?; " + stop_background(p("first.pid")) + "; exit $rc )");
   expect_user_error(r, "another dmoe run is saving into this directory now", "a second run into the same --save");
+}
+
+TEST_F(BadInput, TwoRunsCannotWriteOneLogAtOnce) {
+  // Left by the twenty-first pass: two runs with one --log and two --save directories both trained and wrote the log,
+  // the last to publish replacing the other's run (resumed, both appended to it). The first holds a lock file beside
+  // the log while it runs; the second is refused before it trains, whether the log is new or an earlier run's.
+  const std::string base = std::string(DMOE_CLI_PATH) + " train --config " + p("tiny.json") + " --data " + p("data") +
+                           " --seq 16 --batch 2 --val-batches 1 --print-every 0 ";
+  const std::string second = "timeout 60 " + base + "--steps 2 --save " + p("ck2") + " --log " + p("l.jsonl");
+  // The first run's log is new, so its first line is published at once: that line says it is training.
+  Result r = test::run_shell(
+      "( (timeout 120 " + base + "--steps 100000 --save " + p("ck1") + " --log " + p("l.jsonl") + " >/dev/null 2>&1 & "
+      "echo $! > " + p("first.pid") + "); for i in $(seq 600); do [ -s " + p("l.jsonl") + " ] && break; sleep 0.1; "
+      "done; " + second + "; rc=$?; " + stop_background(p("first.pid")) + "; exit $rc )");
+  expect_user_error(r, "--log " + p("l.jsonl") + ": another dmoe run is writing this log now", "a second run, same log");
+  EXPECT_FALSE(fs::exists(p("ck2/model.safetensors"))) << "the second run trained";
+  // Over an existing log the first run writes a temporary until its first save: wait for that.
+  std::ofstream(p("old.jsonl")) << "{\"step\": 1}\n";
+  r = test::run_shell(
+      "( (timeout 120 " + base + "--steps 100000 --save " + p("ck3") + " --log " + p("old.jsonl") + " >/dev/null 2>&1 & "
+      "echo $! > " + p("first.pid") + "); for i in $(seq 600); do ls -a " + p("") + " | grep -q '^.old.jsonl.dmoe-tmp' "
+      "&& break; sleep 0.1; done; timeout 60 " + base + "--steps 2 --save " + p("ck4") + " --log " + p("old.jsonl") +
+      "; rc=$?; " + stop_background(p("first.pid")) + "; exit $rc )");
+  expect_user_error(r, "another dmoe run is writing this log now", "a second run over an earlier log");
+  // One after the other is fine: the lock file lives as long as its run (none left by the killed runs above either), and
+  // a link or a directory at its name is refused, never followed.
+  EXPECT_FALSE(fs::exists(fs::symlink_status(p(".l.jsonl.dmoe-lock"))));
+  EXPECT_FALSE(fs::exists(fs::symlink_status(p(".old.jsonl.dmoe-lock"))));
+  const Result ok = run_cli_bounded("train --config " + p("tiny.json") + " --data " + p("data") + " --seq 16 --batch 2 "
+                                    "--val-batches 1 --print-every 0 --steps 2 --log " + p("l.jsonl"));
+  EXPECT_EQ(ok.status, 0) << ok.output;
+  EXPECT_FALSE(fs::exists(fs::symlink_status(p(".l.jsonl.dmoe-lock"))));
+  // A lock file a SIGKILLed run left is taken over (nobody holds it) and removed.
+  std::ofstream(p(".l.jsonl.dmoe-lock")).close();
+  EXPECT_EQ(run_cli_bounded("train --config " + p("tiny.json") + " --data " + p("data") + " --seq 16 --batch 2 "
+                            "--val-batches 1 --print-every 0 --steps 2 --log " + p("l.jsonl")).status, 0);
+  EXPECT_FALSE(fs::exists(fs::symlink_status(p(".l.jsonl.dmoe-lock"))));
+  std::ofstream(p("victim")) << "keep";
+  fs::create_symlink(p("victim"), p(".l.jsonl.dmoe-lock"));
+  expect_user_error(run_cli_bounded("train --config " + p("tiny.json") + " --data " + p("data") + " --seq 16 --batch 2 "
+                                    "--val-batches 1 --print-every 0 --steps 2 --log " + p("l.jsonl")),
+                    "is a symbolic link: that name is the lock file dmoe takes beside the log", "a link at the lock");
+  EXPECT_EQ(slurp(p("victim")), "keep");
 }
 
 TEST_F(BadInput, TheSavesJournalNameIsNoOtherFile) {

@@ -815,5 +815,39 @@ TEST_F(OutputFile, ACommitThatCouldNotBeUndoneSaysWhichBackupFailedAndItsJournal
   EXPECT_EQ(failure, "");
 }
 
+// The log's lock (ExclusiveLock::lock_transient_file): held by one holder at a time (two opens of the file conflict
+// even in one process), removed by its holder when released and when a terminating signal ends it, taken over when a
+// SIGKILLed holder left it.
+TEST_F(OutputFile, ATransientLockFileIsHeldByOneAndRemovedByItsHolder) {
+  const std::string lock = p(".l.jsonl.dmoe-lock");
+  {
+    ExclusiveLock first;
+    ASSERT_TRUE(first.lock_transient_file(lock, "--log"));
+    EXPECT_TRUE(fs::exists(lock));
+    ExclusiveLock second;
+    EXPECT_FALSE(second.lock_transient_file(lock, "--log"));
+    EXPECT_TRUE(fs::exists(lock)) << "a refused second holder removed the first's lock file";
+  }
+  EXPECT_FALSE(fs::exists(lock)) << "the holder left its lock file";
+  std::ofstream(lock).close();  // left by a SIGKILLed holder: nobody holds it
+  {
+    ExclusiveLock taken;
+    EXPECT_TRUE(taken.lock_transient_file(lock, "--log"));
+  }
+  EXPECT_FALSE(fs::exists(lock));
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    ExclusiveLock held;
+    if (!held.lock_transient_file(lock, "--log")) ::_exit(4);
+    ::raise(SIGTERM);
+    ::_exit(3);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGTERM) << "status " << status;
+  EXPECT_FALSE(fs::exists(lock)) << "SIGTERM left the lock file";
+}
+
 }  // namespace
 }  // namespace dmoe
