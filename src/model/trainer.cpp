@@ -940,35 +940,6 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
     }
   }
 
-  // The log grows line by line, each line checked (core/output_file.hpp, GrowingOutputFile). A new run's lines go to a
-  // temporary of dmoe's own beside the log, which replaces the log when the run first saves a checkpoint (--save-every)
-  // or ends: until then the earlier run's log stays as it was, beside the checkpoint it describes (it used to be
-  // truncated at the start, so a run that failed lost it; then it was written as "<log>.partial", a name nobody
-  // checked, which could be an input: `--data c.partial --log c` destroyed the text). A resumed run appends to the log
-  // it continues, cut back first to the checkpoint's step (a run stopped after its last save logged steps past it).
-  // One run at a time saves into a directory: two runs with the same --save both said "saved", the directory holding
-  // whichever committed last (H12 of the seventeenth pass). The saving process holds an exclusive lock on the directory
-  // (flock, released when it ends, however it ends); a second is refused before it trains.
-  struct DirectoryLock {
-    int fd = -1;
-    ~DirectoryLock() {
-      if (fd >= 0) ::close(fd);
-    }
-  } save_lock;
-  if (!o.save_dir.empty() && (o.engine != "cuda" || detect_process_env().rank == 0)) {
-    std::error_code ec;
-    fs::create_directories(o.save_dir, ec);
-    DMOE_REQUIRE_INPUT(!ec, "--save {}: the checkpoint directory cannot be made: {}", o.save_dir, ec.message());
-    save_lock.fd = ::open(o.save_dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    DMOE_REQUIRE_INPUT(save_lock.fd >= 0, "--save {}: the checkpoint directory cannot be opened: {}", o.save_dir,
-                       std::strerror(errno));
-    if (::flock(save_lock.fd, LOCK_EX | LOCK_NB) != 0) {
-      const int err = errno;
-      DMOE_REQUIRE_INPUT(err != EWOULDBLOCK, "--save {}: another dmoe run is saving into this directory now (it holds "
-                         "the directory's lock): wait for it to end, or give another --save", o.save_dir);
-      // A file system without flock (some network ones): no lock, as before.
-    }
-  }
   // One run at a time writes a log: two runs with one --log and two --save directories each wrote the log of their own
   // run, and the last to publish replaced the other's (or, resumed, both appended their lines to it). The writing
   // process holds an exclusive lock on a hidden lock file beside the log (".NAME.dmoe-lock": the log itself is replaced
@@ -998,6 +969,35 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
                          lock.string());
     }
   }
+  // One run at a time saves into a directory: two runs with the same --save both said "saved", the directory holding
+  // whichever committed last (H12 of the seventeenth pass). The saving process holds an exclusive lock on the directory
+  // (flock, released when it ends, however it ends); a second is refused before it trains.
+  struct DirectoryLock {
+    int fd = -1;
+    ~DirectoryLock() {
+      if (fd >= 0) ::close(fd);
+    }
+  } save_lock;
+  if (!o.save_dir.empty() && (o.engine != "cuda" || detect_process_env().rank == 0)) {
+    std::error_code ec;
+    fs::create_directories(o.save_dir, ec);
+    DMOE_REQUIRE_INPUT(!ec, "--save {}: the checkpoint directory cannot be made: {}", o.save_dir, ec.message());
+    save_lock.fd = ::open(o.save_dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    DMOE_REQUIRE_INPUT(save_lock.fd >= 0, "--save {}: the checkpoint directory cannot be opened: {}", o.save_dir,
+                       std::strerror(errno));
+    if (::flock(save_lock.fd, LOCK_EX | LOCK_NB) != 0) {
+      const int err = errno;
+      DMOE_REQUIRE_INPUT(err != EWOULDBLOCK, "--save {}: another dmoe run is saving into this directory now (it holds "
+                         "the directory's lock): wait for it to end, or give another --save", o.save_dir);
+      // A file system without flock (some network ones): no lock, as before.
+    }
+  }
+  // The log grows line by line, each line checked (core/output_file.hpp, GrowingOutputFile). A new run's lines go to a
+  // temporary of dmoe's own beside the log, which replaces the log when the run first saves a checkpoint (--save-every)
+  // or ends: until then the earlier run's log stays as it was, beside the checkpoint it describes (it used to be
+  // truncated at the start, so a run that failed lost it; then it was written as "<log>.partial", a name nobody
+  // checked, which could be an input: `--data c.partial --log c` destroyed the text). A resumed run appends to the log
+  // it continues, cut back first to the checkpoint's step (a run stopped after its last save logged steps past it).
   std::optional<GrowingOutputFile> log;
   // In a GPU job every process runs this with the same --log; rank 0 writes it (the others used to open and truncate it
   // too, racing rank 0's first lines).
