@@ -618,8 +618,26 @@ void OutputFileSet::commit(const std::string& journal, GrowingOutputFile* publis
       for (size_t i = 0; i < written_.size(); ++i) {
         const Written& w = written_[i];
         const fs::path target = fs::absolute(w.target).lexically_normal();
-        DMOE_REQUIRE(target.parent_path() == dir, "a journaled commit writes into the journal's directory only ('{}' is "
-                     "not in '{}')", target.string(), dir.string());
+        // The directories compared by identity (G22A-1): a --save given through a link to the directory (lnk ->
+        // real/ck) has its files resolved under real/ck, the same directory as lnk. A checkpoint file linked into
+        // another directory is refused before the training (train's check_train_paths); one linked there since is
+        // named here, before anything is renamed.
+        // The paths as given (relative ones work in a working directory deeper than PATH_MAX, where the absolute
+        // ones cannot be stat'ed); where either cannot be, compared as text, as before.
+        const auto parent_of = [](const std::string& path) {
+          const fs::path parent = fs::path(path).parent_path();
+          return parent.empty() ? std::string(".") : parent.string();
+        };
+        struct stat target_dir {}, journal_dir {};
+        const bool both = ::stat(parent_of(w.target).c_str(), &target_dir) == 0 &&
+                          ::stat(parent_of(journal).c_str(), &journal_dir) == 0;
+        const bool same_directory = both ? target_dir.st_dev == journal_dir.st_dev &&
+                                               target_dir.st_ino == journal_dir.st_ino
+                                         : target.parent_path() == dir;
+        DMOE_REQUIRE_INPUT(same_directory,
+                           "'{}' is (through a symbolic link) '{}', outside '{}': the files saved together with the "
+                           "journal '{}' must all be in its directory; nothing was replaced: make '{}' a file of its "
+                           "own", w.path, target.string(), dir.string(), journal, w.path);
         struct stat ts {}, old {};
         DMOE_REQUIRE(::lstat(w.temporary.c_str(), &ts) == 0, "the temporary '{}' is gone before its commit",
                      w.temporary);

@@ -4101,5 +4101,68 @@ TEST_F(BadInput, InitModelSaysItWroteItsConfig) {
   EXPECT_NE(r.output.find("wrote " + p("c.json") + "\n"), std::string::npos) << r.output;
 }
 
+// ---- The twenty-second pass (G22A-1, -2, -3, -5, -6, -11, G22B-3; /tmp/pass22a, /tmp/pass22b, rows in
+// G22-ROWS-output.md) ------------------------------------------------------------------------------------------------
+
+class G22Output : public G21Output {
+ protected:
+  // "--save ck" of a short run (steps `steps` of a schedule of 6, the checkpoint of step `steps`).
+  std::string six(int stop_after) const {
+    return "train --config " + p("tiny.json") + " --data " + p("data") + " --seq 16 --batch 2 --val-batches 1 "
+           "--print-every 0 --steps 6 --lr 0.002 --warmup 2 --stop-after " + std::to_string(stop_after) + " ";
+  }
+  // ck holds the step-2 checkpoint and a save of step 4 (ck4's files) committed into it as the trainer commits it,
+  // killed (SIGKILL) after its second rename: the step-4 model and config beside the step-2 optimizer and state, and
+  // the journal naming the two temporaries left.
+  void killed_save_into_ck() {
+    ASSERT_EQ(run_cli_g20(six(2) + "--save " + p("ck")).status, 0);
+    ASSERT_EQ(run_cli_g20(six(4) + "--save " + p("ck4")).status, 0);
+    const int status = test::run_child_signalled_after_rename(1, SIGKILL, [&] {
+      OutputFileSet files;
+      for (const char* name : {"model.safetensors", "config.json", "optimizer.safetensors", "trainer_state.json"})
+        files.write(p("ck/") + name, std::string_view(slurp(p("ck4/") + name)));
+      files.commit(p("ck/.dmoe-commit.json"));
+    });
+    ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) << "status " << status;
+    ASSERT_TRUE(fs::exists(p("ck/.dmoe-commit.json")));
+  }
+};
+
+// G22A-1: a checkpoint file that is a symbolic link into another directory (ck/model.safetensors ->
+// ../shared/model.safetensors) trained all its steps, then failed the save with an internal check "(output_file.cpp:621)",
+// the training lost. Refused now before the training, naming the link. A link inside the checkpoint directory, reached
+// through a link to that directory (`--save lnk`, lnk -> real/ck), failed the same way: it is saved now.
+TEST_F(G22Output, ACheckpointFileLinkedIntoAnotherDirectoryIsRefusedBeforeTheTraining) {
+  ASSERT_EQ(run_cli_g20(train(2) + "--save " + p("ck")).status, 0);
+  fs::create_directories(p("shared"));
+  fs::rename(p("ck/model.safetensors"), p("shared/model.safetensors"));
+  fs::create_symlink("../shared/model.safetensors", p("ck/model.safetensors"));
+  const std::string shared = slurp(p("shared/model.safetensors")), state = slurp(p("ck/trainer_state.json"));
+  const std::string target = fs::canonical(p("shared/model.safetensors")).string();
+  const Result r = run_cli_g20(train(6, 1) + "--resume " + p("ck") + " --save " + p("ck"));
+  expect_user_error(r, "--save '" + p("ck") + "': its model.safetensors is a symbolic link to '" + target +
+                    "', outside the checkpoint directory", "a checkpoint file linked into another directory");
+  EXPECT_NE(r.output.find("cp --remove-destination '" + target + "' '" + p("ck/model.safetensors") + "'"),
+            std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("| loss "), std::string::npos) << "trained before the refusal:\n" << r.output;
+  EXPECT_TRUE(fs::is_symlink(p("ck/model.safetensors")));
+  EXPECT_EQ(slurp(p("shared/model.safetensors")), shared);
+  EXPECT_EQ(slurp(p("ck/trainer_state.json")), state);
+  EXPECT_EQ(temporaries("ck"), std::vector<std::string>{});
+  // Saved elsewhere, the linked checkpoint is read as it is.
+  EXPECT_EQ(run_cli_g20(train(4) + "--resume " + p("ck") + " --save " + p("ck2")).status, 0);
+  // A link inside the directory, the directory given through a link: written through the link, in the same directory.
+  fs::create_directories(p("real"));
+  ASSERT_EQ(run_cli_g20(train(2) + "--save " + p("real/ck")).status, 0);
+  fs::rename(p("real/ck/config.json"), p("real/ck/cfg0.json"));
+  fs::create_symlink("cfg0.json", p("real/ck/config.json"));
+  fs::create_symlink("real/ck", p("lnk"));
+  const Result linked = run_cli_g20(train(4) + "--resume " + p("lnk") + " --save " + p("lnk"));
+  ASSERT_EQ(linked.status, 0) << linked.output;
+  EXPECT_EQ(json::parse(slurp(p("real/ck/trainer_state.json")))["step"], 4);
+  EXPECT_TRUE(fs::is_symlink(p("real/ck/config.json")));
+  EXPECT_EQ(temporaries("real/ck"), std::vector<std::string>{});
+}
+
 }  // namespace
 }  // namespace dmoe

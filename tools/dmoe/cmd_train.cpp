@@ -6,6 +6,7 @@
 #include <climits>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -128,6 +129,28 @@ void check_train_paths(const TrainOptions& o, const std::string& config_file) {
                              o.save_dir, name);
       for (const char* name : {"trainer_state.json", "model.safetensors", "optimizer.safetensors", "config.json"})
         check_output_file((fs::path(o.save_dir) / name).string(), "--save");
+      // G22A-1: a checkpoint file that is a symbolic link out of the checkpoint directory (ck/model.safetensors ->
+      // ../shared/model.safetensors) trained every step, then failed the save with an internal check: a save is one
+      // journaled set, its renames and its journal's names all in the checkpoint's own directory, which a file
+      // elsewhere cannot join. Decided: refused here, before the training, naming the link; the save neither writes
+      // through it onto the other directory's file nor replaces the link with a file of its own (which would silently
+      // cut the checkpoint off from the file the user linked). A link to another file of the same directory
+      // (config.json -> cfg0.json) stays allowed and is written through, the directories compared by identity (`--save
+      // lnk`, lnk -> real/ck, is the same directory as real/ck).
+      for (const char* name : {"trainer_state.json", "model.safetensors", "optimizer.safetensors", "config.json"}) {
+        const fs::path file = fs::path(o.save_dir) / name;
+        if (!fs::is_symlink(fs::symlink_status(file, ec))) continue;
+        char* real = ::realpath(file.c_str(), nullptr);
+        if (!real) continue;  // check_output_file above names a link that cannot be resolved
+        const std::string target = real;
+        std::free(real);
+        const fs::path parent = fs::path(target).parent_path();
+        DMOE_REQUIRE_INPUT(same_file(parent.string(), o.save_dir), "--save '{}': its {} is a symbolic link to '{}', "
+                           "outside the checkpoint directory: a save replaces the checkpoint's files together, as one "
+                           "set inside that directory, so it can neither write through the link into '{}' nor replace "
+                           "the link: make it a file of its own (cp --remove-destination '{}' '{}'), or give another "
+                           "--save directory", o.save_dir, name, target, parent.string(), target, file.string());
+      }
       // The save's journal (docs/model.md) is dmoe's own name: a link there would have the journal written through it
       // onto its target, and a directory or FIFO failed the save only after the training (H4, H8 of the seventeenth
       // pass).
