@@ -24,6 +24,7 @@
 
 #include <fcntl.h>
 #include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "bench/device_probe.hpp"
@@ -71,6 +72,26 @@ std::string complete_interrupted_save(const std::string& dir, const std::string&
   const std::string journal = (fs::path(dir) / kCheckpointJournal).string();
   std::vector<NamedPath> outputs;
   if (!log_path.empty()) outputs.push_back({"--log", log_path});
+  // G22A-2: the journal of a run committing into this directory now (not killed) was taken for an interrupted save
+  // and completed: that run's own renames then failed and it said its save had failed, and a completion racing its
+  // undo could leave a mixed set. A saving run holds the directory's lock (train_mixtral's save_lock, LOCK_EX) from
+  // before its training to its end; a journal is completed only under that lock, shared (every rank of a resumed job
+  // completes the same journal, by design), and refused while another run holds it. Where flock is not supported, as
+  // before.
+  struct DirectoryLock {
+    int fd = -1;
+    ~DirectoryLock() {
+      if (fd >= 0) ::close(fd);
+    }
+  } lock;
+  struct stat js {};
+  if (::lstat(journal.c_str(), &js) == 0) {
+    lock.fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (lock.fd >= 0 && ::flock(lock.fd, LOCK_SH | LOCK_NB) != 0)
+      DMOE_REQUIRE_INPUT(errno != EWOULDBLOCK, "--resume {}: another dmoe run is saving into this directory now (it "
+                         "holds the directory's lock, and '{}' is the journal of its save in progress, not of an "
+                         "interrupted one): wait for it to end, then resume", dir, journal);
+  }
   std::string left, failure;
   const std::string completed = finish_interrupted_commit(journal, outputs, &left, &failure);
   std::string note;
@@ -985,11 +1006,17 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
     save_lock.fd = ::open(o.save_dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     DMOE_REQUIRE_INPUT(save_lock.fd >= 0, "--save {}: the checkpoint directory cannot be opened: {}", o.save_dir,
                        std::strerror(errno));
-    if (::flock(save_lock.fd, LOCK_EX | LOCK_NB) != 0) {
+    for (int tries = 1; ::flock(save_lock.fd, LOCK_EX | LOCK_NB) != 0; ++tries) {
       const int err = errno;
+      // The other ranks of this GPU job complete an interrupted save's journal under this lock, shared, for a moment
+      // (complete_interrupted_save, G22A-2): waited for, up to 2 s, before another run is taken to hold it.
+      if (err == EWOULDBLOCK && o.engine == "cuda" && tries < 20) {
+        ::usleep(100000);
+        continue;
+      }
       DMOE_REQUIRE_INPUT(err != EWOULDBLOCK, "--save {}: another dmoe run is saving into this directory now (it holds "
                          "the directory's lock): wait for it to end, or give another --save", o.save_dir);
-      // A file system without flock (some network ones): no lock, as before.
+      break;  // A file system without flock (some network ones): no lock, as before.
     }
   }
   // The log grows line by line, each line checked (core/output_file.hpp, GrowingOutputFile). A new run's lines go to a

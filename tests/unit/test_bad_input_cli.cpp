@@ -4164,5 +4164,32 @@ TEST_F(G22Output, ACheckpointFileLinkedIntoAnotherDirectoryIsRefusedBeforeTheTra
   EXPECT_EQ(temporaries("real/ck"), std::vector<std::string>{});
 }
 
+// G22A-2: `train --resume ck` while another run was committing its save into ck took that live commit's journal for
+// a killed one and completed it: the other run's own renames then failed (ENOENT) and it said "unchanged" with rc 1,
+// though ck held its save. The resume now takes the directory's lock (the one a saving run holds) before it completes
+// a journal, and refuses while another run holds it. Here this test holds the lock, as a saving run would.
+TEST_F(G22Output, AResumeDoesNotCompleteTheCommitOfARunSavingNow) {
+  ASSERT_NO_FATAL_FAILURE(killed_save_into_ck());
+  const int lock = ::open(p("ck").c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  ASSERT_GE(lock, 0);
+  ASSERT_EQ(::flock(lock, LOCK_EX | LOCK_NB), 0);
+  const std::string journal = slurp(p("ck/.dmoe-commit.json"));
+  const std::vector<std::string> pending = temporaries("ck");
+  const Result r = run_cli_g20(six(6) + "--resume " + p("ck") + " --save " + p("ck2"));
+  expect_user_error(r, "--resume " + p("ck") + ": another dmoe run is saving into this directory now",
+                    "a resume during another run's commit");
+  EXPECT_EQ(r.output.find("completed it"), std::string::npos) << r.output;
+  EXPECT_EQ(slurp(p("ck/.dmoe-commit.json")), journal) << "the live journal was completed";
+  EXPECT_EQ(temporaries("ck"), pending);
+  EXPECT_FALSE(fs::exists(p("ck2/trainer_state.json")));
+  ::close(lock);
+  // The saving run gone (killed: its lock goes with it), the journal is completed as before.
+  const Result resumed = run_cli_g20(six(6) + "--resume " + p("ck") + " --save " + p("ck2"));
+  ASSERT_EQ(resumed.status, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("its last save was interrupted between the renames of its files"), std::string::npos)
+      << resumed.output;
+  EXPECT_FALSE(fs::exists(p("ck/.dmoe-commit.json")));
+}
+
 }  // namespace
 }  // namespace dmoe
