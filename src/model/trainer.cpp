@@ -596,10 +596,48 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
     // system out of inodes with bytes free (a tmpfs's nr_inodes) failed the save after the training, as "No space left
     // on device" (G20-5, twentieth pass).
     const int64_t save_files = 5;  // model, config, optimizer, state, journal
-    require_free_inodes(uint64_t((holds_one || !saves_again ? save_files : 2 * save_files - 1) + new_directories),
+    // G22A-3: the run's other new files on the same file system are there when the save creates its own: a new run's
+    // log in its temporary (published with the save), the lock file beside the log (while the run lasts), a new tuning
+    // file and its lock file. Left out of the count, a file system with exactly the save's inodes free trained every
+    // step, then failed the save with "no free inodes".
+    int64_t other_files = 0;
+    std::string others;
+    {
+      struct stat save_fs {};
+      const bool known = ::stat(existing.c_str(), &save_fs) == 0;
+      const auto on_save_fs = [&](const std::string& file) {
+        fs::path dir = fs::absolute(file, ec).parent_path();
+        while (!dir.empty() && !fs::exists(dir, ec) && dir != dir.parent_path()) dir = dir.parent_path();
+        struct stat st {};
+        return known && ::stat(dir.c_str(), &st) == 0 && st.st_dev == save_fs.st_dev;
+      };
+      const auto missing = [&](const fs::path& file) { return !fs::exists(fs::symlink_status(file, ec)); };
+      if (!o.log_path.empty() && on_save_fs(o.log_path)) {
+        // A resumed run appends to its log in place (no temporary); a new run writes a temporary.
+        const bool temporary = o.resume_dir.empty() || missing(o.log_path);
+        const bool lock = missing(lock_file_beside(o.log_path));
+        if (temporary || lock) {
+          other_files += int64_t(temporary) + int64_t(lock);
+          others += fmt::format(", --log {} ({}{}{})", o.log_path, temporary ? "its temporary" : "",
+                                temporary && lock ? " and " : "", lock ? "its lock file" : "");
+        }
+      }
+      if (o.schedule == "tuned" && !o.tune_file.empty() && on_save_fs(o.tune_file)) {
+        // An existing tuning file is replaced by its temporary before the save (no inode more); a new one stays.
+        const bool file = missing(o.tune_file), lock = missing(tune_file_lock_path(o.tune_file));
+        if (file || lock) {
+          other_files += int64_t(file) + int64_t(lock);
+          others += fmt::format(", --tune-file {} ({}{}{})", o.tune_file, file ? "the tuning file" : "",
+                                file && lock ? " and " : "", lock ? "its lock file" : "");
+        }
+      }
+    }
+    require_free_inodes(uint64_t((holds_one || !saves_again ? save_files : 2 * save_files - 1) + new_directories +
+                                 other_files),
                         existing.string(), fmt::format("--save {} (each save: the temporaries of its four files and "
-                                                       "its journal{})", o.save_dir,
-                                                       holds_one || !saves_again ? "" : ", twice while the first is kept"));
+                                                       "its journal{}){}", o.save_dir,
+                                                       holds_one || !saves_again ? "" : ", twice while the first is kept",
+                                                       others));
     // Its largest file holds the two moments: 2/3 of it.
     require_file_size_allowed(bytes * 2 / 3, fmt::format("--save {}: optimizer.safetensors (the two AdamW moments)",
                                                          o.save_dir));

@@ -4191,5 +4191,28 @@ TEST_F(G22Output, AResumeDoesNotCompleteTheCommitOfARunSavingNow) {
   EXPECT_FALSE(fs::exists(p("ck/.dmoe-commit.json")));
 }
 
+// G22A-3: --save and --log (or --tune-file) on one file system with exactly the free inodes the save counted (its
+// five files and its directory): the log's temporary and its lock file (the tuning file and its lock file) took two,
+// and the save failed after all the steps ("no free inodes"), an empty ck/ left. They are counted up front now.
+TEST_F(G22Output, TheLogAndTheTuningFileAreCountedWithTheSavesInodes) {
+  fs::create_directories(p("ti"));
+  if (::mount("dmoe-test", p("ti").c_str(), "tmpfs", 0, "size=64m,nr_inodes=7") != 0)
+    GTEST_SKIP() << "cannot mount a tmpfs here (" << std::strerror(errno) << ")";
+  mounts_.push_back(p("ti"));
+  Result r = run_cli_g20(train(20, 1) + "--save " + p("ti/ck") + " --log " + p("ti/l.jsonl"));
+  expect_user_error(r, "and the file system of '" + p("ti") + "' has 6 free inodes", "--log beside --save");
+  EXPECT_NE(r.output.find("--log " + p("ti/l.jsonl") + " (its temporary and its lock file)"), std::string::npos)
+      << r.output;
+  EXPECT_EQ(r.output.find("| loss "), std::string::npos) << "trained before the refusal:\n" << r.output;
+  EXPECT_FALSE(fs::exists(p("ti/ck")));
+  r = run_cli_g20(train(10, 1) + "--schedule tuned --tune-samples 3 --tune-steps 1 --tune-file " + p("ti/t.json") +
+                  " --save " + p("ti/ck"));
+  expect_user_error(r, "--tune-file " + p("ti/t.json") + " (the tuning file and its lock file)", "--tune-file beside --save");
+  EXPECT_EQ(r.output.find("| loss "), std::string::npos) << "trained before the refusal:\n" << r.output;
+  // The log elsewhere, the save fits.
+  r = run_cli_g20(train(2) + "--save " + p("ti/ck") + " --log " + p("l.jsonl"));
+  EXPECT_EQ(r.status, 0) << r.output;
+}
+
 }  // namespace
 }  // namespace dmoe
