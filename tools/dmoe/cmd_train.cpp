@@ -12,6 +12,9 @@
 #include <fstream>
 #include <vector>
 
+#include <fcntl.h>
+#include <linux/fs.h>
+#include <sys/ioctl.h>
 #include <unistd.h>
 
 #include <nlohmann/json.hpp>
@@ -178,11 +181,26 @@ void check_train_paths(const TrainOptions& o, const std::string& config_file) {
                          "it", o.save_dir, existing.string());
       // A directory made there and removed (a probe file's name in the error named a path the user never gave:
       // "--save '/proc/.dmoe-save-check'"; H14 of the seventeenth pass).
-      std::string probe = (existing / ".dmoe-save-check.XXXXXX").string();
-      if (::mkdtemp(probe.data()) == nullptr)
-        DMOE_FAIL_INPUT("--save '{}': the checkpoint directory cannot be made in '{}': {}", o.save_dir,
-                        existing.string(), std::strerror(errno));
-      ::rmdir(probe.c_str());
+      // G22A-5: not in an append-only directory (chattr +a): a directory may be made there, and the checkpoint's is,
+      // but not removed again, so the probe stayed for good, one per run (its rmdir's failure unseen). There the
+      // trainer makes the checkpoint directory itself before its first step (and says so if it cannot). A probe that
+      // cannot be removed elsewhere (an LSM rule) is named rather than left without a word.
+      int flags = 0;
+      if (const int fd = ::open(existing.c_str(), O_RDONLY | O_DIRECTORY | O_NONBLOCK | O_CLOEXEC); fd >= 0) {
+        if (::ioctl(fd, FS_IOC_GETFLAGS, &flags) != 0) flags = 0;  // no attributes here (tmpfs, /proc)
+        ::close(fd);
+      }
+      if (!(flags & FS_APPEND_FL)) {
+        std::string probe = (existing / ".dmoe-save-check.XXXXXX").string();
+        if (::mkdtemp(probe.data()) == nullptr)
+          DMOE_FAIL_INPUT("--save '{}': the checkpoint directory cannot be made in '{}': {}", o.save_dir,
+                          existing.string(), std::strerror(errno));
+        if (::rmdir(probe.c_str()) != 0)
+          DMOE_FAIL_INPUT("--save '{}': the directory '{}' that dmoe made in '{}' (to find out whether the "
+                          "checkpoint directory can be made there) cannot be removed again ({}): remove it by hand, "
+                          "and give --save in a directory where dmoe may remove what it makes", o.save_dir, probe,
+                          existing.string(), std::strerror(errno));
+      }
       // A name the file system cannot take (a component past NAME_MAX, or a path whose files would pass PATH_MAX)
       // trained to the end and then failed with "the checkpoint directory cannot be made: File name too long".
       const long name_max = ::pathconf(existing.c_str(), _PC_NAME_MAX);
