@@ -904,7 +904,11 @@ std::string finish_interrupted_commit(const std::string& journal, const std::vec
     return pending || done;
   };
   const auto what_changed = [](const Rename& r, const std::string& temporary_now) {
-    return temporary_now == "none" ? "neither the save's new file nor its temporary is there"
+    // "none" for the temporary alone: renamed, and the file there is another since (G22A-6: the message said neither
+    // was there, where both were, copied).
+    return temporary_now == "none" ? (identity_of(r.target) == "none"
+                                          ? "neither the save's new file nor its temporary is there"
+                                          : "its temporary is gone and the file there is not the save's new one")
            : temporary_now != r.temporary_id ? "its temporary is not the one the save wrote"
                                              : "it is not the file the save was replacing";
   };
@@ -968,6 +972,37 @@ std::string finish_interrupted_commit(const std::string& journal, const std::vec
                       "write; nothing was renamed: leave {} out to complete the save's other files alone{}, or, to use "
                       "the files as they are, remove '{}' (and the hidden '.NAME.dmoe-tmp.PID.N' files beside it)",
                       journal, option, given->path, what_changed(rename, temporary_now), option, content, journal);
+    }
+  }
+  // G22A-6: a directory copied since the kill (cp -a, rsync, a move to another disk) has every name where the kill
+  // left it, but none of the identities the journal recorded. Each file was refused as changed, with the advice to
+  // remove the journal, which left a set of two saves that every resume refused, the new save whole in the
+  // temporaries. Said as what it is, with the renames that complete the save by hand: dmoe cannot tell a copy of the
+  // killed directory from files restored by hand, so it does not rename them itself.
+  {
+    bool copied = !renames.empty();
+    for (const Rename& r : renames) {
+      const std::string temporary_now = identity_of(r.temporary), target_now = identity_of(r.target);
+      const bool recorded = temporary_now == r.temporary_id || target_now == r.temporary_id ||
+                            (r.replaced_id != "none" && target_now == r.replaced_id);
+      copied = copied && !recorded && (temporary_now != "none" || target_now != "none");
+    }
+    if (copied) {
+      std::string commands;
+      for (const std::vector<Rename>* set : {&renames, &option_renames})
+        for (const Rename& r : *set)
+          if (identity_of(r.temporary) != "none") commands += fmt::format("mv '{}' '{}' && ", r.temporary, r.target);
+      for (const Rename& r : renames)
+        if (!r.backup.empty() && identity_of(r.backup) != "none") commands += fmt::format("rm '{}' && ", r.backup);
+      commands += fmt::format("rm '{}'", journal);
+      DMOE_FAIL_INPUT("the commit journal '{}' records a save killed between its renames, but none of the files it "
+                      "names is the file it recorded (each has another device or inode number, though every name is "
+                      "there): the directory was copied or restored since the save was killed (cp -a, rsync, a move to "
+                      "another disk), so dmoe cannot tell whether they are still that save's files, and renamed "
+                      "nothing. If it is a copy of the directory as the kill left it, the save's new files are whole in "
+                      "its temporaries; to complete the save by hand: {}; or resume from the directory it was copied "
+                      "from (removing the journal alone leaves files of two saves, which no resume takes)",
+                      journal, commands);
     }
   }
   for (const Rename& r : renames) {

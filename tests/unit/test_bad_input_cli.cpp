@@ -4227,5 +4227,28 @@ TEST_F(G22Output, NoProbeIsLeftInAnAppendOnlyDirectory) {
   EXPECT_EQ(temporaries("ad"), std::vector<std::string>{});
 }
 
+// G22A-6: a save killed between its renames, the checkpoint then copied (cp -a, rsync, a move to another disk):
+// --resume of the copy said "neither the save's new file nor its temporary is there" (both are, with new inode numbers)
+// and advised removing the journal, which left a mixed set every resume refused. It says now that the directory was
+// copied, and how to complete the save by hand; done so, the copy resumes.
+TEST_F(G22Output, ACopiedCheckpointWithAJournalSaysHowToCompleteItsSave) {
+  ASSERT_NO_FATAL_FAILURE(killed_save_into_ck());
+  ASSERT_EQ(run_shell("cp -a " + p("ck") + " " + p("ck_copy")).status, 0);
+  const Result r = run_cli_g20(six(6) + "--resume " + p("ck_copy"));
+  expect_user_error(r, "was copied or restored since the save was killed", "a copied checkpoint with a journal");
+  EXPECT_EQ(r.output.find("neither the save's new file nor its temporary is there"), std::string::npos) << r.output;
+  const std::string lead = "to complete the save by hand: ";
+  const size_t at = r.output.find(lead);
+  ASSERT_NE(at, std::string::npos) << r.output;
+  const std::string commands = r.output.substr(at + lead.size(), r.output.find(';', at) - at - lead.size());
+  EXPECT_NE(commands.find("mv '" + p("ck_copy/.trainer_state.json.dmoe-tmp.")), std::string::npos) << commands;
+  ASSERT_EQ(run_shell(commands).status, 0) << commands;
+  EXPECT_FALSE(fs::exists(p("ck_copy/.dmoe-commit.json")));
+  EXPECT_EQ(temporaries("ck_copy"), std::vector<std::string>{});
+  EXPECT_EQ(json::parse(slurp(p("ck_copy/trainer_state.json")))["step"], 4);
+  const Result resumed = run_cli_g20(six(6) + "--resume " + p("ck_copy"));
+  EXPECT_EQ(resumed.status, 0) << resumed.output;
+}
+
 }  // namespace
 }  // namespace dmoe

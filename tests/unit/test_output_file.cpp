@@ -564,8 +564,9 @@ TEST_F(OutputFile, AJournaledLogIsCompletedOnlyOntoTheSameUnchangedFile) {
   record["option_renames"][0]["temporary_id"] = std::to_string(ps.st_dev) + ":" + std::to_string(ps.st_ino);
   write_file_atomically(journal, record.dump());
   e = error_of([&] { finish_interrupted_commit(journal, {{"--log", p("log.txt")}}); });
-  EXPECT_NE(e.find("has changed since (neither the save's new file nor its temporary is there)"), std::string::npos)
-      << e;
+  // (G22A-6: "neither the save's new file nor its temporary is there" said so also where a file is there.)
+  EXPECT_NE(e.find("has changed since (its temporary is gone and the file there is not the save's new one)"),
+            std::string::npos) << e;
   EXPECT_EQ(read_text(planted), "planted\n");
   nothing_moved("earlier run\n", "a temporary of another directory");
   // ... and one that is no dmoe temporary of the log's name: refused as it stands.
