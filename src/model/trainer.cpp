@@ -113,6 +113,30 @@ std::string complete_interrupted_save(const std::string& dir, const std::string&
 
 namespace {
 
+// G22A-11: a save whose rename failed and whose undo could not put a file back leaves that file's earlier content in a
+// hidden backup beside it (".NAME.dmoe-old.PID.N", named in the save's error, its journal removed): a later resume
+// said only "files of two different saves ... resume from another checkpoint". Its errors for a mixed checkpoint now
+// name each such backup, with the mv that puts it back.
+std::string backups_beside(const std::string& dir) {
+  std::string found;
+  std::error_code ec;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    const size_t at = name.find(".dmoe-old.");
+    if (name.size() < 2 || name[0] != '.' || at == std::string::npos || at < 2) continue;
+    const std::string original = name.substr(1, at - 1);
+    const bool ours = original == "model.safetensors" || original == "optimizer.safetensors" ||
+                      original == "config.json" || original == "trainer_state.json";
+    found += fmt::format("{}{}", found.empty() ? "" : "; ",
+                         ours ? fmt::format("mv '{}' '{}'", it->path().string(), (fs::path(dir) / original).string())
+                              : fmt::format("'{}'", it->path().string()));
+  }
+  if (found.empty()) return {};
+  return fmt::format(". Beside them are hidden backups that a save which failed could not put back (each holds the "
+                     "earlier content of the file its name begins with); to restore the checkpoint that save was "
+                     "replacing: {}", found);
+}
+
 // A resumed run's log, cut back to the checkpoint's step: the lines of steps past it (logged by a run stopped after
 // its last save) would otherwise be followed by the same steps again, and a half-written last line by more lines.
 // Lines that are not a dmoe step record are kept. Says what was cut, and when the log ends before the checkpoint.
@@ -866,8 +890,9 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
       DMOE_REQUIRE_INPUT(it == meta.end() || it->second == std::to_string(state_step),
                          "--resume {}: {} was saved at step {}, trainer_state.json at step {}: the files are of two "
                          "different saves (one interrupted between its renames, or a file copied in from another checkpoint); resume from "
-                         "another checkpoint",
-                         o.resume_dir, file, it == meta.end() ? "" : it->second, state_step);
+                         "another checkpoint{}",
+                         o.resume_dir, file, it == meta.end() ? "" : it->second, state_step,
+                         backups_beside(o.resume_dir));
     }
     // Files of one save carry its id (kSaveIdMetadata); checkpoints from before it carry none in any file. A file
     // with another id, or without one beside files that have one, was copied in from another checkpoint.
@@ -886,8 +911,8 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
                          "--resume {}: the files are of different saves (save ids: trainer_state.json {}, "
                          "model.safetensors {}, optimizer.safetensors {}): a file was copied in from another "
                          "checkpoint, whose weights and AdamW moments do not belong together; resume from one save's "
-                         "files, or start from a model with --init", o.resume_dir, said(state_id), said(model_id),
-                         said(opt_id));
+                         "files, or start from a model with --init{}", o.resume_dir, said(state_id), said(model_id),
+                         said(opt_id), backups_beside(o.resume_dir));
     }
     read_prefixed(opt, "exp_avg.", full_m, config, false);
     read_prefixed(opt, "exp_avg_sq.", full_v, config, true);

@@ -4250,5 +4250,25 @@ TEST_F(G22Output, ACopiedCheckpointWithAJournalSaysHowToCompleteItsSave) {
   EXPECT_EQ(resumed.status, 0) << resumed.output;
 }
 
+// G22A-11: a commit whose rename failed and whose undo could not put a file back leaves that file's earlier content in
+// a hidden backup beside it (the commit's error names it); a later --resume said only "files of two different saves
+// ... resume from another checkpoint". It names the backup now, and the mv that restores the checkpoint.
+TEST_F(G22Output, AResumeOfAMixedCheckpointNamesTheBackupsBesideIt) {
+  ASSERT_EQ(run_cli_g20(six(2) + "--save " + p("ck")).status, 0);
+  ASSERT_EQ(run_cli_g20(six(3) + "--save " + p("ck3")).status, 0);
+  // As the failed undo leaves it: the optimizer of the step-3 save in place, the step-2 one in its backup.
+  const std::string backup = p("ck/.optimizer.safetensors.dmoe-old.4242.2");
+  ASSERT_EQ(::link(p("ck/optimizer.safetensors").c_str(), backup.c_str()), 0);
+  fs::remove(p("ck/optimizer.safetensors"));
+  fs::copy_file(p("ck3/optimizer.safetensors"), p("ck/optimizer.safetensors"));
+  const Result r = run_cli_g20(six(6) + "--resume " + p("ck"));
+  expect_user_error(r, "optimizer.safetensors was saved at step 3, trainer_state.json at step 2", "a mixed checkpoint");
+  const std::string mv = "mv '" + backup + "' '" + p("ck/optimizer.safetensors") + "'";
+  EXPECT_NE(r.output.find(mv), std::string::npos) << r.output;
+  ASSERT_EQ(run_shell(mv).status, 0);
+  const Result resumed = run_cli_g20(six(6) + "--resume " + p("ck"));
+  EXPECT_EQ(resumed.status, 0) << resumed.output;
+}
+
 }  // namespace
 }  // namespace dmoe
