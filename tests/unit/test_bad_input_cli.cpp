@@ -4270,5 +4270,39 @@ TEST_F(G22Output, AResumeOfAMixedCheckpointNamesTheBackupsBesideIt) {
   EXPECT_EQ(resumed.status, 0) << resumed.output;
 }
 
+// G22B-3: bench --json and flow's --json/--trace/--costs-out on a file system with no space left (or under ulimit -f
+// 0) ran the whole benchmark or simulation, then failed at the write; run and init refuse that up front, and so do
+// they now.
+TEST_F(G22Output, BenchAndFlowOutputsOnAFullFileSystemAreRefusedBeforeTheWork) {
+  const std::string bench = "bench --hidden 8 --ffn 8 --experts 2 --top-k 1 --tokens 4 -n 1 --repeat 1 --json ";
+  const std::string flow = "flow simulate --costs " + p("costs.json") + " --schedule vanilla --layers 2 ";
+  // ulimit -f 0: no file may be written.
+  Result r = test::run_shell("ulimit -f 0; timeout 120 " + std::string(DMOE_CLI_PATH) + " " + bench + p("b.json"));
+  expect_user_error(r, "(ulimit -f)", "bench --json under ulimit -f 0");
+  EXPECT_FALSE(fs::exists(p("b.json")));
+  r = test::run_shell("ulimit -f 0; timeout 120 " + std::string(DMOE_CLI_PATH) + " " + flow + "--trace " + p("t.json"));
+  expect_user_error(r, "(ulimit -f)", "flow --trace under ulimit -f 0");
+  EXPECT_EQ(r.output.find("step ms"), std::string::npos) << "simulated before the refusal:\n" << r.output;
+  fs::create_directories(p("full"));
+  if (::mount("dmoe-test", p("full").c_str(), "tmpfs", 0, "size=64k") != 0)
+    GTEST_SKIP() << "cannot mount a tmpfs here (" << std::strerror(errno) << ")";
+  mounts_.push_back(p("full"));
+  {
+    std::ofstream fill(p("full/fill"), std::ios::binary);
+    const std::string block(4096, 'x');
+    for (int i = 0; i < 64 && fill; ++i) fill.write(block.data(), std::streamsize(block.size())).flush();
+  }
+  r = run_cli_g20(bench + p("full/b.json"));
+  expect_user_error(r, "--json '" + p("full/b.json") + "'", "bench --json on a full file system");
+  EXPECT_NE(r.output.find("has 0 B free"), std::string::npos) << r.output;
+  for (const std::string& outputs : {"--json " + p("full/j.json"), "--trace " + p("full/t.json"),
+                                     "--json " + p("full/j.json") + " --trace " + p("full/t.json")}) {
+    r = run_cli_g20(flow + outputs);
+    expect_user_error(r, "has 0 B free", "flow " + outputs + " on a full file system");
+    EXPECT_EQ(r.output.find("step ms"), std::string::npos) << "simulated before the refusal:\n" << r.output;
+  }
+  EXPECT_EQ(temporaries("full"), std::vector<std::string>{});
+}
+
 }  // namespace
 }  // namespace dmoe

@@ -17,6 +17,7 @@
 #include "comm/process_env.hpp"
 #include "commands.hpp"
 #include "core/error.hpp"
+#include "core/host_resources.hpp"
 #include "core/output_file.hpp"
 #include "core/random.hpp"
 #include "engine/moe_engine.hpp"
@@ -194,6 +195,10 @@ Command add_bench_command(CLI::App& app) {
                                            : o->what == "model" ? find_model_config_file(o->config.config_path)
                                                                 : find_config_file(o->config.config_path)}});
       check_output_file(o->json_path, "--json");
+      // G22B-3: on a file system with no space left (or under ulimit -f 0) the whole benchmark ran, then its write
+      // failed. Checked now, as run and init check theirs, against a lower bound of the file (a one-row result is
+      // ~650 B): no benchmark whose results fit is refused.
+      require_output_space(256, o->json_path, "--json", "at the least: the benchmark's results as JSON");
     }
     if (o->what == "model") {
       DMOE_REQUIRE_INPUT(gpu_available(), "dmoe bench model times a whole model on the GPU: no CUDA device is visible "

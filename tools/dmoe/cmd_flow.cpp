@@ -924,6 +924,15 @@ Command add_flow_command(CLI::App& app) {
         if (v.files > 1)
           require_free_inodes(v.files, v.directory, fmt::format("flow {} (its outputs {}, written together)",
                                                                 o->action, v.options));
+      // G22B-3: and their bytes (and ulimit -f): on a file system with no space left the whole simulation or
+      // measurement ran, then the write failed. A lower bound of each file (the smallest, a one-run --json, is
+      // ~350 B): no run whose outputs fit is refused.
+      for (const NamedPath& out : outputs)
+        if (!out.path.empty())
+          require_output_space(256, out.path, out.option, fmt::format("at the least: flow {}'s {}", o->action,
+                                                                      out.option == "--trace" ? "timelines"
+                                                                      : out.option == "--json" ? "results"
+                                                                                               : "fitted costs"));
     }
     // simulate, tune and project run no ranks: under a launcher every process wrote the same outputs over each
     // other's (the work done n times, the file of whichever finished last).
