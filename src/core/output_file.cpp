@@ -795,16 +795,31 @@ void OutputFileSet::commit(const std::string& journal, GrowingOutputFile* publis
       if (!ok && !backups[j].empty()) backups[j].clear();  // kept for the user: named above
       add_directory(w.directory);
     }
+    // G22B-7 (d): the files the set created were said to have been "replaced and put back"; they were removed.
+    // (Listed before the set's entries go, below.)
+    std::string put_back, removed_new;
+    size_t n_put_back = 0, n_removed = 0;
+    for (size_t j = 0; j < failed; ++j) {
+      std::string& list = existed[j] ? put_back : removed_new;
+      list += fmt::format("{}'{}'", list.empty() ? "" : ", ", written_[j].path);
+      ++(existed[j] ? n_put_back : n_removed);
+    }
     remove_backups();
     written_.erase(written_.begin(), written_.begin() + std::ptrdiff_t(failed));
     discard();
     end_of_commit();
     sync_directories();
     if (!not_restored.empty())
-      DMOE_FAIL_INPUT("{}; the files replaced before it ({}) were to be put back, but {} could not be: the set is "
-                      "mixed there", cause, replaced, not_restored);
-    DMOE_FAIL_INPUT("{}, and so are the other files written with it: {} had been replaced and were put back as they "
-                    "were", cause, replaced);
+      DMOE_FAIL_INPUT("{}; the files replaced or created before it ({}) were to be put back, but {} could not be: "
+                      "the set is mixed there", cause, replaced, not_restored);
+    std::string undone;
+    if (n_put_back > 0)
+      undone = fmt::format("{} had been replaced and {} put back as {}", put_back, n_put_back == 1 ? "was" : "were",
+                           n_put_back == 1 ? "it was" : "they were");
+    if (n_removed > 0)
+      undone += fmt::format("{}{}, new, {} created and removed again", undone.empty() ? "" : ", and ", removed_new,
+                            n_removed == 1 ? "was" : "were");
+    DMOE_FAIL_INPUT("{}, and so are the other files written with it: {}", cause, undone);
   }
   written_.clear();
   // Every file is in place: the backups and then the journal have nothing left to keep.

@@ -356,9 +356,11 @@ TEST_F(OutputFile, ARenameThatFailsPartWayPutsTheReplacedFilesBack) {
       set.commit(journaled ? p(".commit.json") : std::string());
     });
     set_after_rename_hook_for_tests(nullptr);
+    // G22B-7 (d): d.txt was new; it was said to have been "replaced and put back".
     EXPECT_NE(e.find("writing '" + p("c.txt") + "' failed at the rename of its temporary onto it: Is a directory; it "
-                     "is unchanged, and so are the other files written with it: '" + p("a.txt") + "', '" + p("d.txt") +
-                     "', '" + p("b.txt") + "' had been replaced and were put back as they were"), std::string::npos)
+                     "is unchanged, and so are the other files written with it: '" + p("a.txt") + "', '" + p("b.txt") +
+                     "' had been replaced and were put back as they were, and '" + p("d.txt") + "', new, was created "
+                     "and removed again"), std::string::npos)
         << e;
     EXPECT_EQ(read_text(p("a.txt")), "old");
     EXPECT_EQ(read_text(p("b.txt")), "old");
