@@ -33,6 +33,7 @@
 
 #include "core/error.hpp"
 #include "core/host_resources.hpp"
+#include "core/output_file.hpp"
 
 extern char** environ;
 
@@ -63,33 +64,51 @@ volatile sig_atomic_t g_received_signal = 0;
 
 void on_signal(int sig) { g_received_signal = sig; }
 
-// Installs the forwarding handlers (and ignores SIGPIPE, so a closed output pipe cannot kill the
-// launcher mid-teardown) for the lifetime of one launch; restores the previous dispositions.
+// Every signal the launcher changes the disposition of while it runs (filled by SignalGuard): a rank's child resets
+// each of them to the default before its exec (reset_child_signals).
+sigset_t g_changed_signals;
+
+// Installs the forwarding handlers (and ignores SIGPIPE and SIGXFSZ, so a closed output pipe or a file-size limit on
+// the launcher's output cannot kill it mid-teardown: a write fails instead) for the lifetime of one launch; restores
+// the previous dispositions.
+// G22B-1: only SIGINT, SIGTERM and SIGHUP were forwarded. Any other terminating signal (Slurm's --signal=USR1,
+// `timeout -s USR1`, ALRM, USR2, PWR, a CPU-time limit's XCPU ...) ended the launcher by its default action, the ranks
+// then died by PR_SET_PDEATHSIG's SIGKILL (a rank's hidden output temporary left for good) and the launcher's own
+// dmoe-launch-* directory stayed in TMPDIR. Now every signal the ranks' output files clean up for (cleaned_signals())
+// is forwarded and tears the launch down as SIGTERM does; INT, TERM and HUP always (as before), the others where they
+// are at their default disposition (one that is ignored, nohup's HUP aside, or handled by an embedding program is
+// left alone).
 class SignalGuard {
  public:
   SignalGuard() {
     g_received_signal = 0;
+    sigemptyset(&g_changed_signals);
     struct sigaction action {};
     action.sa_handler = on_signal;
     sigemptyset(&action.sa_mask);
-    for (size_t i = 0; i < kForwarded.size(); ++i) sigaction(kForwarded[i], &action, &saved_[i]);
     struct sigaction ignore {};
     ignore.sa_handler = SIG_IGN;
     sigemptyset(&ignore.sa_mask);
-    sigaction(SIGPIPE, &ignore, &saved_pipe_);
+    for (const int sig : cleaned_signals()) {
+      const bool ignored_here = sig == SIGPIPE || sig == SIGXFSZ;
+      struct sigaction previous {};
+      if (::sigaction(sig, nullptr, &previous) != 0) continue;
+      const bool always = sig == SIGINT || sig == SIGTERM || sig == SIGHUP;
+      const bool at_default = previous.sa_handler == SIG_DFL && !(previous.sa_flags & SA_SIGINFO);
+      if (!ignored_here && !always && !at_default) continue;
+      if (::sigaction(sig, ignored_here ? &ignore : &action, nullptr) != 0) continue;
+      saved_.emplace_back(sig, previous);
+      sigaddset(&g_changed_signals, sig);
+    }
   }
   ~SignalGuard() {
-    for (size_t i = 0; i < kForwarded.size(); ++i) sigaction(kForwarded[i], &saved_[i], nullptr);
-    sigaction(SIGPIPE, &saved_pipe_, nullptr);
+    for (const auto& [sig, previous] : saved_) ::sigaction(sig, &previous, nullptr);
   }
   SignalGuard(const SignalGuard&) = delete;
   SignalGuard& operator=(const SignalGuard&) = delete;
 
-  static constexpr std::array<int, 3> kForwarded{SIGINT, SIGTERM, SIGHUP};
-
  private:
-  std::array<struct sigaction, 3> saved_{};
-  struct sigaction saved_pipe_ {};
+  std::vector<std::pair<int, struct sigaction>> saved_;
 };
 
 // ---- environment and programs ---------------------------------------------------------------------
@@ -147,6 +166,8 @@ void reset_child_signals() {
   def.sa_handler = SIG_DFL;
   sigemptyset(&def.sa_mask);
   for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGPIPE, SIGXFSZ}) sigaction(sig, &def, nullptr);
+  for (int sig = 1; sig < NSIG; ++sig)
+    if (sigismember(&g_changed_signals, sig) == 1) sigaction(sig, &def, nullptr);
   sigset_t none;
   sigemptyset(&none);
   sigprocmask(SIG_SETMASK, &none, nullptr);
@@ -564,7 +585,11 @@ std::vector<int32_t> assign_devices(int32_t num_ranks, const std::vector<int32_t
   return devices;
 }
 
-int launch(const LaunchOptions& o) {
+namespace {
+
+// The launch itself; `ended_by` is the signal that stopped it (0: none), for launch() to end by once every guard here
+// has cleaned up.
+int run_launch(const LaunchOptions& o, int& ended_by) {
   DMOE_REQUIRE_INPUT(o.num_ranks >= 1 && o.num_ranks <= 4096, "-n {} is invalid: the number of ranks must be in [1, 4096]",
                      o.num_ranks);
   DMOE_REQUIRE_INPUT(!o.command.empty(), "no command to launch: give it after `--`, e.g. dmoe launch -n 2 -- dmoe bench ...");
@@ -648,6 +673,7 @@ int launch(const LaunchOptions& o) {
 
   RankSet ranks(o);
   for (int32_t r = 0; r < o.num_ranks; ++r) {
+    if (g_received_signal != 0) break;  // stopped while starting: no more ranks; the loop below ends those started
     EnvList env = base;
     set_env(env, "DMOE_RANK", std::to_string(r));
     set_env(env, "DMOE_LOCAL_RANK", std::to_string(r));
@@ -662,7 +688,7 @@ int launch(const LaunchOptions& o) {
   constexpr int kPollMs = 50;
   constexpr double kDrainAfterExitS = 1.0;  // grandchildren may hold a rank's pipes open after it exits
   int result = 0;
-  bool tearing_down = false, killed = false;
+  bool tearing_down = false, killed = false, terminated = false;
   auto teardown_start = Clock::now();
   auto all_exited_at = Clock::now();
   bool all_exited = false;
@@ -670,6 +696,7 @@ int launch(const LaunchOptions& o) {
     if (!tearing_down) {
       tearing_down = true;
       teardown_start = Clock::now();
+      terminated = sig == SIGTERM;
     }
     ranks.signal_running(sig);
   };
@@ -679,7 +706,10 @@ int launch(const LaunchOptions& o) {
     if (const int sig = g_received_signal; sig != 0) {
       g_received_signal = 0;
       message(o.err_fd, fmt::format("received signal {} ({}); forwarding it to the ranks", sig, ::strsignal(sig)));
-      if (result == 0) result = 128 + sig;
+      if (result == 0) {
+        result = 128 + sig;
+        ended_by = sig;
+      }
       begin_teardown(sig);
     }
     for (Rank* r : ranks.reap()) {
@@ -698,8 +728,18 @@ int launch(const LaunchOptions& o) {
       begin_teardown(SIGTERM);
     }
     if (tearing_down && !killed && ranks.num_running() > 0 && seconds_since(teardown_start) > o.kill_grace_seconds) {
-      ranks.signal_running(SIGKILL);
-      killed = true;
+      if (!terminated) {
+        // G22B-1: a rank may catch a forwarded USR1 or ALRM and go on (a checkpoint request): it gets a SIGTERM and a
+        // second grace period, to clean up, before the SIGKILL.
+        message(o.err_fd, fmt::format("{} rank(s) still running {} s after the signal; sending SIGTERM (SIGKILL after "
+                                      "{} s)", ranks.num_running(), o.kill_grace_seconds, o.kill_grace_seconds));
+        ranks.signal_running(SIGTERM);
+        terminated = true;
+        teardown_start = Clock::now();
+      } else {
+        ranks.signal_running(SIGKILL);
+        killed = true;
+      }
     }
     if (ranks.num_running() == 0) {
       if (!all_exited) {
@@ -710,6 +750,27 @@ int launch(const LaunchOptions& o) {
     }
   }
   ranks.close_all();
+  return result;
+}
+
+}  // namespace
+
+int launch(const LaunchOptions& o) {
+  int ended_by = 0;
+  const int result = run_launch(o, ended_by);
+  if (ended_by != 0 && o.end_by_signal) {
+    // G22B-1: the ranks, the MPS daemon, the rendezvous directory and the handlers are gone; the launcher now ends by
+    // the signal's default action, as a process without it would (a shell loop sees an interrupt, Slurm its signal).
+    struct sigaction def {};
+    def.sa_handler = SIG_DFL;
+    sigemptyset(&def.sa_mask);
+    ::sigaction(ended_by, &def, nullptr);
+    sigset_t only;
+    sigemptyset(&only);
+    sigaddset(&only, ended_by);
+    ::sigprocmask(SIG_UNBLOCK, &only, nullptr);
+    ::raise(ended_by);
+  }
   return result;
 }
 

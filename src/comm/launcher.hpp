@@ -23,8 +23,11 @@
 //
 // Failure: when a child exits non-zero or by a signal, the launcher reports the rank, its exit code or
 // signal and its last stderr lines, sends SIGTERM to the other ranks, SIGKILL after a grace period, and
-// returns that rank's exit code (128 + signal for a signal). SIGINT/SIGTERM/SIGHUP to the launcher are
-// forwarded to the ranks; it then returns 128 + that signal. 0 only when every rank exits 0.
+// returns that rank's exit code (128 + signal for a signal). A terminating signal to the launcher (SIGINT, SIGTERM,
+// SIGHUP, and SIGQUIT, SIGUSR1/2, SIGALRM, SIGVTALRM, SIGPROF, SIGXCPU, SIGIO, SIGPWR, SIGSTKFLT, SIGRTMIN..SIGRTMAX where
+// at their default disposition) is forwarded to the ranks, with SIGTERM after a grace period to a rank still running
+// and SIGKILL after a second; it then returns 128 + that signal, or with end_by_signal (the dmoe tool) ends by that
+// signal once its directory is removed. 0 only when every rank exits 0.
 #pragma once
 
 #include <cstdint>
@@ -42,6 +45,7 @@ struct LaunchOptions {
   int32_t failure_tail_lines = 10;    // stderr lines of a failed rank repeated in the report
   int out_fd = 1;                     // where prefixed child stdout goes
   int err_fd = 2;                     // where prefixed child stderr and the launcher's messages go
+  bool end_by_signal = false;         // after a forwarded signal and the teardown, end by it (raise) instead of returning
 };
 
 // Runs the ranks to completion; returns the exit status for the launcher (see above). Throws

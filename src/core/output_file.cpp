@@ -42,6 +42,8 @@ struct TemporarySlot {
   char path[PATH_MAX];
 };
 TemporarySlot g_temporaries[64];
+}  // namespace
+
 // Every signal whose default action ends the process and that is sent to a job from outside, not raised by a fault in
 // it: Ctrl-C, Ctrl-\ (QUIT), kill and schedulers (TERM, HUP; Slurm --signal and `timeout -s` send USR1/USR2 too), a
 // CPU-time limit (XCPU: ulimit -t, a batch system's time limit), timers (ALRM, VTALRM, PROF), a file-size limit (XFSZ:
@@ -66,6 +68,8 @@ const std::vector<int>& cleaned_signals() {
   }();
   return signals;
 }
+
+namespace {
 
 // While a set's renames run (OutputFileSet::commit), any of those signals is held back: ending between two renames
 // left a checkpoint of mixed steps (the model of step 56 with the moments of step 55: the earlier, good checkpoint

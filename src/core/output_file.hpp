@@ -48,6 +48,11 @@ void check_output_file(const std::string& path, std::string_view option);
 // rename that never comes (G21-5, twenty-first pass).
 void check_appended_output_file(const std::string& path, std::string_view option);
 
+// The terminating signals of the policy above (INT, TERM, HUP, QUIT, USR1, USR2, ALRM, VTALRM, PROF, XCPU, XFSZ, PIPE,
+// IO, PWR, STKFLT, SIGRTMIN..SIGRTMAX): every signal whose default action ends the process and that comes from outside
+// it. `dmoe launch` forwards the same set to its ranks (G22B-1).
+const std::vector<int>& cleaned_signals();
+
 // Writes `bytes` to `path` under the policy above; throws dmoe::Error naming the path and the cause.
 void write_file_atomically(const std::string& path, std::span<const uint8_t> bytes);
 void write_file_atomically(const std::string& path, std::string_view text);

@@ -4304,5 +4304,31 @@ TEST_F(G22Output, BenchAndFlowOutputsOnAFullFileSystemAreRefusedBeforeTheWork) {
   EXPECT_EQ(temporaries("full"), std::vector<std::string>{});
 }
 
+// ---- The twenty-second pass, launcher (G22B-1, G22B-2, G22B-6; /tmp/pass22b/REPORT.md, rows in G22-ROWS-launch.md) ----
+
+// G22B-1: `dmoe launch` forwarded only INT, TERM and HUP. A SIGUSR1 (Slurm's --signal, `timeout -s USR1`) ended the
+// launcher by its default action, its rank then died by SIGKILL (PR_SET_PDEATHSIG), and the rank's hidden
+// `.l.jsonl.dmoe-tmp.*` (a train --log over an earlier log) and the launcher's own dmoe-launch-* directory were left.
+// Now the launcher forwards it, the rank removes its temporary, the directory goes, and the launcher ends by SIGUSR1.
+TEST_F(G20Output, G22B1LaunchForwardsUsr1AndLeavesNothingBehind) {
+  std::ofstream(p("l.jsonl")) << "{\"step\":1,\"loss\":1}\n";
+  fs::create_directories(p("t"));
+  // The launcher in the background; once the rank's temporary exists, SIGUSR1 to the launcher, which then has 30 s to
+  // end (SIGKILLed after that: a hang fails, it does not block the suite). `wait` says 138 (128 + SIGUSR1).
+  const Result r = test::run_shell(
+      "cd " + p("") + " && ( TMPDIR=" + p("t") + " " + std::string(DMOE_CLI_PATH) + " launch -n 1 -- " +
+      std::string(DMOE_CLI_PATH) + " " + train(1000000) + "--log " + p("l.jsonl") + " > " + p("out.txt") + " 2>&1 & "
+      "L=$!; for i in $(seq 600); do ls -a | grep -q '^.l.jsonl.dmoe-tmp' && break; sleep 0.05; done; kill -USR1 $L; "
+      "for i in $(seq 600); do kill -0 $L 2>/dev/null || break; sleep 0.05; done; kill -KILL $L 2>/dev/null; wait $L; "
+      "echo rc=$? )");
+  const std::string out = slurp(p("out.txt"));
+  EXPECT_NE(r.output.find("rc=138"), std::string::npos) << r.output << out;
+  EXPECT_NE(out.find("received signal " + std::to_string(SIGUSR1)), std::string::npos) << out;
+  EXPECT_EQ(slurp(p("l.jsonl")), "{\"step\":1,\"loss\":1}\n");
+  EXPECT_EQ(temporaries(), std::vector<std::string>{}) << out;
+  EXPECT_TRUE(fs::is_empty(p("t"))) << "the launcher's rendezvous directory is left in TMPDIR";
+  EXPECT_EQ(out.find("SIGKILL"), std::string::npos) << out;
+}
+
 }  // namespace
 }  // namespace dmoe

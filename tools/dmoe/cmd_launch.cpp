@@ -67,6 +67,7 @@ Command add_launch_command(CLI::App& app) {
     options.use_mps = !o->no_mps;
     if (!o->gpus.empty()) options.gpus = parse_gpu_list(o->gpus);
     options.command = o->command;
+    options.end_by_signal = true;  // the exit status says the signal, as a process without the launcher's would
     return launch(options);
   };
 }
