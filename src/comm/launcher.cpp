@@ -160,7 +160,11 @@ std::vector<char*> c_strings(std::vector<std::string>& strings) {
   return out;
 }
 
-// In a freshly forked child: default signal dispositions (SIG_IGN would survive exec), nothing blocked.
+void (*g_after_fork_hook_for_tests)() = nullptr;
+
+// In a freshly forked child: default signal dispositions (SIG_IGN would survive exec), nothing blocked. The order
+// matters (G22B-2): the forwarded signals arrive blocked, so one pending is delivered at the unblock, with its
+// default action.
 void reset_child_signals() {
   struct sigaction def {};
   def.sa_handler = SIG_DFL;
@@ -391,10 +395,20 @@ class RankSet {
     std::vector<char*> envp = c_strings(env);
     const std::string exec_error = fmt::format("dmoe launch: cannot execute '{}': ", program);
     const pid_t parent = ::getpid();
+    // G22B-2: a signal that reached the child between fork() and reset_child_signals() ran the launcher's inherited
+    // on_signal, which only set a flag in the child's copy: the signal was lost, and the rank ran on until the SIGKILL
+    // after the grace period (its temporaries left). Now the launcher's signals are blocked across fork: in the child
+    // one that comes early stays pending until reset_child_signals() has set the default action and then unblocks it
+    // (the rank ends by it, before its exec); in the parent until the rank is recorded as running, so the forwarding
+    // loop (which signals only running ranks) reaches it.
+    sigset_t saved_mask;
+    ::sigprocmask(SIG_BLOCK, &g_changed_signals, &saved_mask);
     const pid_t pid = ::fork();
     if (pid < 0) {
+      const int e = errno;
+      ::sigprocmask(SIG_SETMASK, &saved_mask, nullptr);
       for (int fd : {out_pipe[0], out_pipe[1], err_pipe[0], err_pipe[1]}) ::close(fd);
-      DMOE_FAIL("fork failed for rank {}: {}", r, std::strerror(errno));
+      DMOE_FAIL("fork failed for rank {}: {}", r, std::strerror(e));
     }
     if (pid == 0) {
       // Child: only async-signal-safe work between fork and exec.
@@ -404,7 +418,8 @@ class RankSet {
       ::prctl(PR_SET_PDEATHSIG, SIGKILL);
       if (::getppid() != parent) ::_exit(127);
 #endif
-      reset_child_signals();
+      if (g_after_fork_hook_for_tests) g_after_fork_hook_for_tests();
+      reset_child_signals();  // the default actions first, then nothing blocked: a pending signal ends the rank here
       redirect_to_dev_null(0, O_RDONLY);
       ::dup2(out_pipe[1], 1);
       ::dup2(err_pipe[1], 2);
@@ -425,6 +440,7 @@ class RankSet {
     rank.running = true;
     rank.out.fd = out_pipe[0];
     rank.err.fd = err_pipe[0];
+    ::sigprocmask(SIG_SETMASK, &saved_mask, nullptr);  // recorded: a signal held back now is forwarded to it too
   }
 
   // Waits up to timeout_ms for output, relays it; returns false when no pipe is open any more.
@@ -754,6 +770,8 @@ int run_launch(const LaunchOptions& o, int& ended_by) {
 }
 
 }  // namespace
+
+void set_after_fork_hook_for_tests(void (*hook)()) { g_after_fork_hook_for_tests = hook; }
 
 int launch(const LaunchOptions& o) {
   int ended_by = 0;

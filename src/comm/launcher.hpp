@@ -52,6 +52,10 @@ struct LaunchOptions {
 // dmoe::Error for bad options or when the command, the temp directory or MPS cannot be set up.
 int launch(const LaunchOptions& options);
 
+// For tests (G22B-2): `hook` runs in each rank's child right after fork, before its signal dispositions are reset
+// (async-signal-safe work only); nullptr removes it.
+void set_after_fork_hook_for_tests(void (*hook)());
+
 // Number of GPUs `nvidia-smi -L` lists (lines starting "GPU "); 0 when nvidia-smi is missing or fails.
 int32_t count_gpus_with_nvidia_smi();
 

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <fcntl.h>
+#include <poll.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -620,6 +621,68 @@ TEST_F(LaunchCli, SigtermIsForwardedToTheRanks) {
   EXPECT_EQ(WTERMSIG(status), SIGTERM) << text;
   EXPECT_TRUE(contains(text, "[rank 0] got TERM 0")) << text;
   EXPECT_TRUE(contains(text, "[rank 1] got TERM 1")) << text;
+}
+
+// G22B-2: a signal that reached a rank between fork() and the reset of its signal handlers ran the launcher's inherited
+// handler in the child (a flag in the child's memory) and was lost: the rank execed and ran on until the SIGKILL after
+// the grace period. The test hook holds the rank's child in that window (1 s) while the launcher gets its SIGTERM and
+// forwards it; the rank must end by it before its exec, at once, not after the 5 s grace.
+int g_fork_window_fd = -1;
+
+TEST_F(LaunchCli, SignalInTheForkWindowStillStopsTheRank) {
+  fake_gpus(0);
+  int ready[2];
+  ASSERT_EQ(::pipe2(ready, O_CLOEXEC), 0);
+  const std::string path = (dir_ / "bin").string() + ":" + std::getenv("PATH");
+  const fs::path out_path = dir_ / "out.txt";
+  const auto start = Clock::now();
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    ::close(ready[0]);
+    g_fork_window_fd = ready[1];
+    set_after_fork_hook_for_tests([] {
+      [[maybe_unused]] const ssize_t n = ::write(g_fork_window_fd, "x", 1);
+      struct timespec one_second {1, 0};
+      ::nanosleep(&one_second, nullptr);  // cut short by a handler that runs (the bug), not by a blocked signal
+    });
+    ::setenv("PATH", path.c_str(), 1);
+    ::unsetenv("CUDA_VISIBLE_DEVICES");
+    const int fd = ::open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    LaunchOptions o;
+    o.num_ranks = 1;
+    o.command = {"sh", "-c", "echo started; exec sleep 30"};
+    o.out_fd = fd;
+    o.err_fd = fd;
+    int rc = 100;
+    try {
+      rc = launch(o);
+    } catch (...) {
+      rc = 101;
+    }
+    ::_exit(rc);
+  }
+  ::close(ready[1]);
+  pollfd in_window{ready[0], POLLIN, 0};
+  const bool reached = ::poll(&in_window, 1, 10000) == 1;
+  ::close(ready[0]);
+  if (reached) ::kill(pid, SIGTERM);  // the rank's child is in the window now
+  int status = 0;
+  pid_t got = 0;
+  while ((got = ::waitpid(pid, &status, WNOHANG)) == 0 && Clock::now() - start < std::chrono::seconds(20))
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  if (got == 0) {
+    ::kill(pid, SIGKILL);
+    ::waitpid(pid, &status, 0);
+  }
+  const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  const std::string text = read_file(out_path);
+  ASSERT_TRUE(reached) << "the rank's child never reached the hook: " << text;
+  ASSERT_NE(got, 0) << "the launcher did not end: " << text;
+  ASSERT_TRUE(WIFEXITED(status)) << text;
+  EXPECT_EQ(WEXITSTATUS(status), 128 + SIGTERM) << text;
+  EXPECT_FALSE(contains(text, "[rank 0] started")) << "the rank execed past the SIGTERM: " << text;
+  EXPECT_LT(seconds, 4.0) << "the rank ran on until the SIGKILL after the grace period: " << text;
 }
 
 // The library entry point, with the relayed output going to a file of the test's choosing.
