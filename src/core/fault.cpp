@@ -2,6 +2,7 @@
 #include "core/fault.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <mutex>
 #include <set>
@@ -113,6 +114,25 @@ void require_no_fault_injected(std::string_view command) {
   const std::optional<Fault> fault = fault_from_env();
   if (fault) DMOE_FAIL_INPUT("{}", no_fault_point(*fault, command));
 }
+
+namespace {
+std::atomic<int32_t> g_fault_run_world{0};
+}  // namespace
+
+void require_fault_reachable(std::string_view command, int32_t largest_world, std::string_view world_note,
+                             bool backward_runs, std::string_view backward_hint) {
+  g_fault_run_world.store(largest_world);
+  const std::optional<Fault> fault = fault_from_env();
+  if (!fault) return;
+  DMOE_REQUIRE_INPUT(fault->rank < largest_world, "DMOE_FAULT names rank {}, but this run has {} ranks (0 to {}{}{}); "
+                     "the fault would never fire: name a rank in that range, or unset DMOE_FAULT", fault->rank,
+                     largest_world, largest_world - 1, world_note.empty() ? "" : ": ", world_note);
+  DMOE_REQUIRE_INPUT(fault->stage != FaultStage::backward || backward_runs, "{} cannot fire: this `dmoe {}` runs no "
+                     "backward ({} for one); choose a forward stage (before_dispatch, alltoall, expert_gemm, combine, "
+                     "allreduce), or unset DMOE_FAULT", fault_spec(*fault), command, backward_hint);
+}
+
+int32_t fault_run_world() { return g_fault_run_world.load(); }
 
 std::string unfired_fault(std::string_view command) {
   const std::optional<Fault> fault = fault_from_env();

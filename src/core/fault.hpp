@@ -46,5 +46,15 @@ void reset_stages_reached();  // for tests
 // For a command that passes no fault point (init, init-model, flow simulate|tune|project): with DMOE_FAULT set,
 // the input error unfired_fault() would give after the work, before it (so no output is written first).
 void require_no_fault_injected(std::string_view command);
+// G22B-6: DMOE_FAULT checked against the whole run before any work: its rank against the run's largest world
+// (`world_note` says where that comes from, e.g. "the largest W of -n 1 4"; may be empty), a backward stage against
+// whether the run has a backward (`backward_hint`: how to get one, e.g. "leave out --no-backward"). bench -n 1 4 with a
+// fault on rank 3 was refused at its W = 1 row (fault_point checks each row's world), and a backward fault with
+// --no-backward was reported only after the run, its outputs written. Records `largest_world` for fault_point, which
+// then accepts a row of a smaller world (the fault fires in the row that has its rank).
+void require_fault_reachable(std::string_view command, int32_t largest_world, std::string_view world_note,
+                             bool backward_runs, std::string_view backward_hint);
+// The largest world require_fault_reachable recorded; 0 when it was not called.
+int32_t fault_run_world();
 
 }  // namespace dmoe

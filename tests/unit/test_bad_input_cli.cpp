@@ -316,12 +316,14 @@ TEST_F(BadInput, OptionValuesCli11WouldTakeSilentlyAreRefused) {
                     "DMOE_FAULT names rank 9, but this run has 2 ranks", "fault on a missing rank");
   EXPECT_FALSE(fs::exists(p("y.st")));
   // DMOE_FAULT on a stage the run never reaches (a forward has no backward), or on a command without fault points,
-  // never fired either, and the run ended with rc 0 as if the fault had been survived.
+  // never fired either, and the run ended with rc 0 as if the fault had been survived. The backward one is refused
+  // before the run now (G22B-6: it was said after the run, its --output written).
   expect_user_error(run_cli("run --hidden 8 --ffn 8 --experts 4 --top-k 2 --world 2 --weights " + p("w.st") +
                                 " --input " + p("x.st") + " --output " + p("y.st"),
                             "DMOE_FAULT=1:backward:throw"),
-                    "rank 1 ran in this process but never reached stage backward (it reached: before_dispatch, "
-                    "alltoall, expert_gemm, combine", "fault on an unreached stage");
+                    "DMOE_FAULT=1:backward:throw cannot fire: this `dmoe run` runs no backward (add --grad-output FILE "
+                    "(dy) for one)", "fault on an unreached stage");
+  EXPECT_FALSE(fs::exists(p("y.st")));
   expect_user_error(run_cli("init --hidden 8 --ffn 8 --experts 4 --top-k 2 --tokens 2 --out " + p("w2.st"),
                             "DMOE_FAULT=0:alltoall:throw"),
                     "`dmoe init` passes no fault point", "fault on a command without fault points");
@@ -4328,6 +4330,29 @@ TEST_F(G20Output, G22B1LaunchForwardsUsr1AndLeavesNothingBehind) {
   EXPECT_EQ(temporaries(), std::vector<std::string>{}) << out;
   EXPECT_TRUE(fs::is_empty(p("t"))) << "the launcher's rendezvous directory is left in TMPDIR";
   EXPECT_EQ(out.find("SIGKILL"), std::string::npos) << out;
+}
+
+// G22B-6: DMOE_FAULT in bench was checked per row: `-n 1 4` with a fault on rank 3 was refused at the W = 1 row ("this
+// run has 1 ranks") though the W = 4 row fires it, and a backward fault under --no-backward was reported only after
+// the run, its --json written, rc 1. Both are checked against the whole run up front now.
+TEST_F(BadInput, G22B6BenchChecksTheFaultAgainstTheWholeRun) {
+  const std::string bench = "bench --engine cpu --repeat 1 --warmup 0 --tokens 4 --hidden 8 --ffn 8 --experts 4 "
+                            "--top-k 2 ";
+  const Result fired = run_cli_bounded(bench + "-n 1 4", "DMOE_FAULT=3:combine:throw");
+  EXPECT_NE(fired.status, 0) << fired.output;
+  EXPECT_NE(fired.output.find("injected fault: rank 3 failed at stage combine"), std::string::npos) << fired.output;
+  EXPECT_EQ(fired.output.find("names rank 3"), std::string::npos) << fired.output;
+  // Past the largest W: refused before the first row.
+  const Result past = run_cli_bounded(bench + "-n 1 2", "DMOE_FAULT=3:combine:throw");
+  expect_user_error(past, "DMOE_FAULT names rank 3, but this run has 2 ranks (0 to 1: the largest W of -n 1 2)",
+                    "a rank past -n");
+  EXPECT_EQ(past.output.find("fwd ms"), std::string::npos) << "the table began before the refusal:\n" << past.output;
+  // A backward fault under --no-backward: refused before the run, no --json written.
+  const Result no_backward = run_cli_bounded(bench + "-n 1 --no-backward --json " + p("b.json"),
+                                             "DMOE_FAULT=0:backward:throw");
+  expect_user_error(no_backward, "DMOE_FAULT=0:backward:throw cannot fire: this `dmoe bench` runs no backward (leave "
+                    "out --no-backward for one)", "a backward fault with --no-backward");
+  EXPECT_FALSE(fs::exists(p("b.json")));
 }
 
 }  // namespace

@@ -17,6 +17,7 @@
 #include "comm/process_env.hpp"
 #include "commands.hpp"
 #include "core/error.hpp"
+#include "core/fault.hpp"
 #include "core/host_resources.hpp"
 #include "core/output_file.hpp"
 #include "core/random.hpp"
@@ -265,6 +266,7 @@ Command add_bench_command(CLI::App& app) {
                          "--world {}: on the GPU the ranks are processes and this job has {}; start W ranks with "
                          "dmoe launch -n W -- dmoe bench ... (or mpirun), or use --engine cpu for simulated ranks",
                          *o->config.world, job_world);
+      require_fault_reachable("bench", job_world, "", backward, "leave out --no-backward");  // G22B-6
       g.config_name = co.config_path;
       g.comm = o->comm;
       g.backward = backward;
@@ -318,6 +320,11 @@ Command add_bench_command(CLI::App& app) {
     }
     validate_config(base, o->config);
     base.world = 1;
+    // G22B-6: DMOE_FAULT against the whole run, not each row: -n 1 4 with a fault on rank 3 was refused at its W = 1
+    // row, and a backward fault under --no-backward was reported after the run, its --json written.
+    require_fault_reachable("bench", *std::max_element(worlds.begin(), worlds.end()),
+                            worlds.size() > 1 ? fmt::format("the largest W of -n {}", fmt::join(worlds, " ")) : "",
+                            backward, "leave out --no-backward");
 
     // Before anything is timed: each world's memory and time (warm-ups, timed calls, the reference run).
     for (int32_t world : worlds) {

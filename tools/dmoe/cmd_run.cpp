@@ -12,6 +12,7 @@
 
 #include "commands.hpp"
 #include "core/error.hpp"
+#include "core/fault.hpp"
 #include "core/host_resources.hpp"
 #include "core/output_file.hpp"
 #include "engine/moe_engine.hpp"
@@ -178,6 +179,8 @@ Command add_run_command(CLI::App& app) {
     validate_config(c, o->config, {{"tokens", fmt::format("the rows of x in --input {} over world = {} ranks", o->input,
                                                           c.world)}});
     require_routing_flags_used(o->config, c, !o->grad_output.empty(), "run", "add --grad-output FILE (dy)");
+    // G22B-6: a backward fault without --grad-output was reported only after the run, its --output written.
+    require_fault_reachable("run", c.world, "", !o->grad_output.empty(), "add --grad-output FILE (dy)");
     // What the engine cannot run is said before the weights are read (a build without CUDA says so below).
     if (kind != EngineKind::cpu && cuda_engines_built()) {
       MoeEngineOptions engine_options;
