@@ -690,7 +690,46 @@ void require_outputs_apart(const std::vector<NamedPath>& outputs, const std::vec
   }
 }
 
+// Consecutive tensors fill a shard until the next one would pass the limit (a tensor is never split): the shard of
+// each tensor. One rule for the save and for the count init-model checks against the free inodes before it generates
+// anything (G22A-4 of the twenty-second pass: that count was ceil(bytes / shard_bytes) + 1, which is no bound, as a
+// tensor is not split: 27 counted for 30 shards, or 1,019,137 for 41).
+std::vector<size_t> pack_shards(const std::vector<int64_t>& tensor_bytes, int64_t max_shard_bytes) {
+  std::vector<size_t> shard_of;
+  size_t shard = 0;
+  int64_t bytes = 0;
+  for (const int64_t b : tensor_bytes) {
+    if (bytes > 0 && bytes + b > max_shard_bytes) {
+      ++shard;
+      bytes = 0;
+    }
+    shard_of.push_back(shard);
+    bytes += b;
+  }
+  return shard_of;
+}
+
+// The f32 bytes of a whole model's tensors in parameter_views' order, from the config alone (no weights).
+std::vector<int64_t> mixtral_tensor_bytes(const MixtralConfig& c) {
+  const int64_t H = c.hidden_size, V = c.vocab_size, I = c.intermediate_size, E = c.num_local_experts;
+  std::vector<int64_t> bytes{4 * V * H};
+  for (int L = 0; L < c.num_hidden_layers; ++L) {
+    for (const int64_t n : {H, c.q_size() * H, c.kv_size() * H, c.kv_size() * H, H * c.q_size(), H, E * H})
+      bytes.push_back(4 * n);
+    for (int64_t e = 0; e < E; ++e)
+      for (int w = 0; w < 3; ++w) bytes.push_back(4 * I * H);
+  }
+  bytes.push_back(4 * H);
+  if (!c.tie_word_embeddings) bytes.push_back(4 * V * H);
+  return bytes;
+}
+
 }  // namespace
+
+size_t mixtral_shard_count(const MixtralConfig& config, int64_t max_shard_bytes) {
+  const std::vector<size_t> shard_of = pack_shards(mixtral_tensor_bytes(config), max_shard_bytes);
+  return shard_of.empty() ? 0 : shard_of.back() + 1;
+}
 
 void save_mixtral_checkpoint(const std::string& path, const MixtralWeights& w, const MixtralConfig& config,
                              int64_t max_shard_bytes, const std::vector<AlsoWritten>& also) {
@@ -706,19 +745,18 @@ void save_mixtral_checkpoint(const std::string& path, const MixtralWeights& w, c
     return;
   }
   std::vector<ParamView> views = parameter_views(const_cast<MixtralWeights&>(w), config);
-  // Consecutive tensors fill a shard until the next one would pass the limit.
-  std::vector<std::vector<const ParamView*>> shards(1);
-  int64_t bytes = 0, total = 0;
+  std::vector<int64_t> tensor_bytes;
+  int64_t total = 0;
   for (const ParamView& p : views) {
-    const int64_t b = p.numel * 4;
-    if (bytes > 0 && bytes + b > max_shard_bytes) {
-      shards.emplace_back();
-      bytes = 0;
-    }
-    shards.back().push_back(&p);
-    bytes += b;
-    total += b;
+    tensor_bytes.push_back(p.numel * 4);
+    total += p.numel * 4;
   }
+  // init-model counted these files from the config (mixtral_shard_count): the two lists must stay one.
+  DMOE_REQUIRE(w.num_experts != config.num_local_experts || tensor_bytes == mixtral_tensor_bytes(config),
+               "sharded checkpoint '{}': the tensors differ from those mixtral_tensor_bytes lists", path);
+  const std::vector<size_t> shard_of = pack_shards(tensor_bytes, max_shard_bytes);
+  std::vector<std::vector<const ParamView*>> shards(shard_of.empty() ? 1 : shard_of.back() + 1);
+  for (size_t i = 0; i < views.size(); ++i) shards[shard_of[i]].push_back(&views[i]);
   const std::filesystem::path dir = std::filesystem::path(path).has_parent_path()
                                         ? std::filesystem::path(path).parent_path() : std::filesystem::path(".");
   std::vector<std::string> names;

@@ -136,5 +136,8 @@ struct AlsoWritten {
 };
 void save_mixtral_checkpoint(const std::string& path, const MixtralWeights& w, const MixtralConfig& config,
                              int64_t max_shard_bytes = 0, const std::vector<AlsoWritten>& also = {});
+// The number of shards save_mixtral_checkpoint writes for a whole model of `config` at max_shard_bytes > 0 (the same
+// packing, from the config alone): init-model counts its files before it generates the weights (G22A-4).
+size_t mixtral_shard_count(const MixtralConfig& config, int64_t max_shard_bytes);
 
 }  // namespace dmoe

@@ -4355,5 +4355,72 @@ TEST_F(BadInput, G22B6BenchChecksTheFaultAgainstTheWholeRun) {
   EXPECT_FALSE(fs::exists(p("b.json")));
 }
 
+// ---- The twenty-second pass, model and messages (G22A-4, -7 to -10, -13; G22B-5, -7 (a) to (c)) --------------------
+
+// `src` rewritten to `dst`: its __metadata__ kept, the tensors `drop` accepts left out, those of `extra` added, every
+// float tensor stored as `stored_as` (bf16: a hand-converted checkpoint).
+void rewrite_safetensors(const std::string& src, const std::string& dst,
+                         const std::function<bool(const std::string&)>& drop,
+                         const std::map<std::string, std::pair<std::vector<int64_t>, std::vector<float>>>& extra,
+                         DType stored_as = DType::f32) {
+  const SafetensorsFile f = SafetensorsFile::open(src);
+  SafetensorsWriter w;
+  for (const auto& [key, value] : f.metadata()) w.set_metadata(key, value);
+  for (const std::string& name : f.names()) {
+    if (drop && drop(name)) continue;
+    const std::vector<int64_t> shape = f.info(name).shape;
+    w.add_f32(name, shape, f.read_f32(name, shape).data(), stored_as);
+  }
+  for (const auto& [name, t] : extra) w.add_f32(name, t.first, t.second.data(), stored_as);
+  w.write(dst);
+}
+
+size_t files_in(const std::string& dir) {
+  size_t n = 0;
+  for ([[maybe_unused]] const auto& e : fs::directory_iterator(dir)) ++n;
+  return n;
+}
+
+// G22A-4: init-model --shard-bytes counted ceil(bytes / shard-bytes) + 1 files against the free inodes, which is no
+// bound (a tensor is not split): tiny at --shard-bytes 40000 makes 30 shards (counted 27) and failed at shard 28 after
+// the generation; at --shard-bytes 1 it makes 41 (counted 1,019,137: a false refusal). --save-config was not counted.
+TEST_F(G21Output, InitModelCountsItsRealShardsAndItsConfigAgainstTheFreeInodes) {
+  const std::string init = "init-model --config " + p("tiny.json") + " --out ";
+  fs::create_directories(p("ref"));
+  ASSERT_EQ(run_cli_g20(init + p("ref/model.safetensors.index.json") + " --shard-bytes 40000").status, 0);
+  const size_t files = files_in(p("ref"));  // shards + index
+  ASSERT_GT(files, 20u);
+  const auto mount_tmpfs = [&](const std::string& name, size_t inodes) {
+    fs::create_directories(p(name));
+    const std::string options = "size=64m,nr_inodes=" + std::to_string(inodes);
+    if (::mount("dmoe-test", p(name).c_str(), "tmpfs", 0, options.c_str()) != 0) return false;
+    mounts_.push_back(p(name));
+    return true;
+  };
+  // One inode short (the tmpfs's root takes one of nr_inodes): refused up front with the real count.
+  if (!mount_tmpfs("t1", files)) GTEST_SKIP() << "cannot mount a tmpfs here (" << std::strerror(errno) << ")";
+  expect_user_error(run_cli_g20(init + p("t1/model.safetensors.index.json") + " --shard-bytes 40000"),
+                    "creates " + std::to_string(files) + " files at once, and the file system of '" + p("t1") +
+                        "' has " + std::to_string(files - 1) + " free inodes", "one inode short");
+  EXPECT_EQ(files_in(p("t1")), 0u);
+  // --shard-bytes 1: a shard per tensor, 41 + the index, on a file system of 199 free inodes: fine.
+  ASSERT_TRUE(mount_tmpfs("t2", 200));
+  const Result small = run_cli_g20(init + p("t2/model.safetensors.index.json") + " --shard-bytes 1");
+  EXPECT_EQ(small.status, 0) << small.output;
+  // Room for the shards and the index exactly, and --save-config beside them: counted too.
+  ASSERT_TRUE(mount_tmpfs("t3", files + 1));
+  expect_user_error(run_cli_g20(init + p("t3/model.safetensors.index.json") + " --shard-bytes 40000 --save-config " +
+                                p("t3/config.json")),
+                    "creates " + std::to_string(files + 1) + " files at once", "--save-config beside the shards");
+  EXPECT_EQ(files_in(p("t3")), 0u);
+  ASSERT_TRUE(mount_tmpfs("t4", 2));
+  expect_user_error(run_cli_g20(init + p("t4/m.st") + " --save-config " + p("t4/config.json")),
+                    "creates 2 files at once", "--save-config beside one model file");
+  EXPECT_EQ(files_in(p("t4")), 0u);
+  // Elsewhere it takes no inode of --out's file system.
+  const Result apart = run_cli_g20(init + p("t4/m.st") + " --save-config " + p("config.json"));
+  EXPECT_EQ(apart.status, 0) << apart.output;
+}
+
 }  // namespace
 }  // namespace dmoe

@@ -16,6 +16,8 @@
 #include <optional>
 #include <regex>
 
+#include <sys/stat.h>
+
 #include "commands.hpp"
 #include "core/config.hpp"
 #include "core/error.hpp"
@@ -79,7 +81,8 @@ HostTensor<int32_t> read_tokens(const std::string& path) {
 // Before the weights are generated (a model too large used to fill the memory tensor by tensor, for minutes, and end
 // in a bare std::bad_alloc): the f32 weights plus a file's (or shard's) writer copy and serialised bytes, against
 // MemAvailable, and the file's size against the free space where it goes.
-void check_init_model_resources(const MixtralConfig& c, const std::string& out, int64_t shard_bytes) {
+void check_init_model_resources(const MixtralConfig& c, const std::string& out, int64_t shard_bytes,
+                                const std::string& save_config) {
   const double params = double(c.num_parameters()), file_bytes = 4 * params;
   const double buffered = shard_bytes > 0 ? std::min(file_bytes, double(shard_bytes)) : file_bytes;
   require_host_memory(file_bytes + 2 * buffered,
@@ -91,9 +94,25 @@ void check_init_model_resources(const MixtralConfig& c, const std::string& out, 
   DMOE_REQUIRE_INPUT(!free || file_bytes <= double(*free),
                      "init-model would write about {} to the file system of '{}', which has {} free",
                      format_bytes(file_bytes), dir, format_bytes(double(*free)));
-  // Its files, all created before the first is renamed into place: a lower bound of the shards (a tensor is not split).
-  require_free_inodes(shard_bytes > 0 ? uint64_t(std::ceil(file_bytes / double(shard_bytes))) + 1 : 1, dir,
-                      fmt::format("init-model --out {}{}", out, shard_bytes > 0 ? " (its shards and their index)" : ""));
+  // Its files, all created before the first is renamed into place: the shards as the save packs them (the same
+  // packing, from the config) and the index, and --save-config where it is on the same file system. G22A-4 of the
+  // twenty-second pass: ceil(bytes / shard_bytes) + 1 was counted, which is no bound (a tensor is not split: 27 for 30
+  // shards, found at shard 28 after the generation; 1,019,137 for 41, a false refusal), and --save-config was not.
+  uint64_t files = shard_bytes > 0 ? uint64_t(mixtral_shard_count(c, shard_bytes)) + 1 : 1;
+  std::string config_too;
+  if (!save_config.empty()) {
+    const std::filesystem::path config_parent = std::filesystem::path(save_config).parent_path();
+    const std::string config_dir = config_parent.empty() ? std::string(".") : config_parent.string();
+    struct stat a {}, b {};
+    if (::stat(dir.c_str(), &a) == 0 && ::stat(config_dir.c_str(), &b) == 0 && a.st_dev == b.st_dev) {
+      ++files;
+      config_too = " and --save-config " + save_config;
+    } else {
+      require_free_inodes(1, config_dir, fmt::format("init-model --save-config {}", save_config));
+    }
+  }
+  require_free_inodes(files, dir, fmt::format("init-model --out {}{}{}", out,
+                                              shard_bytes > 0 ? " (its shards and their index)" : "", config_too));
   require_file_size_allowed(buffered, fmt::format("init-model --out {}{}", out, shard_bytes > 0 ? " (a shard)" : ""));
 }
 
@@ -226,7 +245,7 @@ Command add_init_model_command(CLI::App& app) {
     }
     require_no_second_model_beside(o->out);
     const MixtralConfig c = load_mixtral_config(config_path);
-    check_init_model_resources(c, o->out, o->shard_bytes);
+    check_init_model_resources(c, o->out, o->shard_bytes, o->save_config);
     // A large model was silent for minutes (bert-large-moe, 4.7 GiB: > 90 s on 2 cores); its size is known now.
     const double file_bytes = 4.0 * double(c.num_parameters());
     const bool large = file_bytes >= double(512ull << 20);
