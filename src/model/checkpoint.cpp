@@ -361,6 +361,10 @@ CheckpointReader CheckpointReader::open(const std::string& path_or_dir) {
     const std::string f = file.get<std::string>();
     DMOE_REQUIRE_INPUT(is_shard_name(f),
                  "checkpoint index '{}': weight_map['{}'] = '{}' must be a file name beside the index", path, name, f);
+    // The index itself, read as a shard, was reported as a second copy of the tensor its real shard holds (G22A-7).
+    DMOE_REQUIRE_INPUT(f != p.filename().string(), "checkpoint index '{}': weight_map['{}'] = '{}' names the index "
+                       "itself; it must name the shard (a .safetensors file beside the index) that holds '{}'", path,
+                       name, f, name);
     r.weight_map_[name] = f;
   }
   DMOE_REQUIRE_INPUT(!r.weight_map_.empty(), "checkpoint index '{}': weight_map is empty", path);
@@ -435,6 +439,11 @@ void CheckpointReader::check_shards() const {
                          "weight_map does not name, so it would be ignored; every tensor of a shard must be named in "
                          "the weight_map with that shard (remove the tensor from the shard, or add it to the index)",
                          source_, file_name, name);
+      // A map entry naming a shard that does not hold the tensor was reported as the tensor "present twice", with the
+      // advice to remove it from the one shard that holds it (G22A-7 of the twenty-second pass): the entry is wrong.
+      DMOE_REQUIRE_INPUT(it->second == file_name || shard(it->second).has(name), "checkpoint '{}': the index's "
+                         "weight_map puts tensor '{}' in shard '{}', which does not hold it; it is in shard '{}': fix the "
+                         "index's entry (\"{}\": \"{}\")", source_, name, it->second, file_name, name, file_name);
       DMOE_REQUIRE_INPUT(it->second == file_name, "checkpoint '{}': tensor '{}' is present twice, in shard '{}' and in "
                          "shard '{}' (where the index's weight_map puts it): two versions of one tensor, one of which "
                          "would be ignored; a tensor must be in exactly one shard (remove it from '{}')", source_, name,

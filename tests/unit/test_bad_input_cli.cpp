@@ -4422,5 +4422,34 @@ TEST_F(G21Output, InitModelCountsItsRealShardsAndItsConfigAgainstTheFreeInodes) 
   EXPECT_EQ(apart.status, 0) << apart.output;
 }
 
+TEST_F(BadInput, AWeightMapEntryNamingTheWrongShardIsNotCalledADuplicate) {
+  // G22A-7: an index whose weight_map puts lm_head.weight in a shard that does not hold it was reported as the tensor
+  // "present twice", with the advice to remove it from the one shard that holds it.
+  write_tokens_file();
+  fs::create_directories(p("sh"));
+  ASSERT_EQ(run_cli("init-model --config " + p("tiny.json") + " --out " + p("sh/model.safetensors.index.json") +
+                    " --shard-bytes 300000").status, 0);
+  const std::string index_path = p("sh/model.safetensors.index.json");
+  json index = json::parse(slurp(index_path));
+  const std::string head_shard = index.at("weight_map").at("lm_head.weight").get<std::string>();
+  std::string other_shard;
+  for (const auto& [name, file] : index.at("weight_map").items())
+    if (file.get<std::string>() != head_shard) other_shard = file.get<std::string>();
+  ASSERT_FALSE(other_shard.empty()) << index.dump();
+  index["weight_map"]["lm_head.weight"] = other_shard;
+  std::ofstream(index_path) << index.dump();
+  const std::string needle = "the index's weight_map puts tensor 'lm_head.weight' in shard '" + other_shard +
+                             "', which does not hold it; it is in shard '" + head_shard + "'";
+  expect_eval_and_train_init_refused(p("tiny.json"), p("sh"), needle, "a wrong weight_map entry");
+  const Result r = run_cli("eval --config " + p("tiny.json") + " --weights " + p("sh") + " --tokens " + p("tok.st") +
+                           " --output " + p("e.st"));
+  EXPECT_EQ(r.output.find("present twice"), std::string::npos) << r.output;
+  // A map entry naming the index itself.
+  index["weight_map"]["lm_head.weight"] = "model.safetensors.index.json";
+  std::ofstream(index_path) << index.dump();
+  expect_eval_and_train_init_refused(p("tiny.json"), p("sh"), "weight_map['lm_head.weight'] = "
+                                     "'model.safetensors.index.json' names the index itself", "the index in its map");
+}
+
 }  // namespace
 }  // namespace dmoe
