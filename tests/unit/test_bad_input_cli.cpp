@@ -4451,5 +4451,19 @@ TEST_F(BadInput, AWeightMapEntryNamingTheWrongShardIsNotCalledADuplicate) {
                                      "'model.safetensors.index.json' names the index itself", "the index in its map");
 }
 
+TEST_F(BadInput, InitRefusesAPrefixThatIsNotUtf8BeforeGenerating) {
+  // G22A-8 / G22B-4: init --prefix of other bytes generated every weight, then ended in the safetensors writer's
+  // "tensor name is not valid UTF-8", naming no option; run --prefix said the gate was missing.
+  const std::string layer = "--hidden 16 --ffn 32 --experts 4 --top-k 2 --tokens 8 ";
+  const std::string prefix = "--prefix 'p\xff.' ";
+  expect_user_error(run_cli("init " + layer + prefix + "--out " + p("w.st") + " --input " + p("x.st")),
+                    "--prefix 'p\xff.' is not valid UTF-8 (byte 2 is 0xFF)", "init --prefix");
+  EXPECT_FALSE(fs::exists(p("w.st")));
+  ASSERT_EQ(run_cli("init " + layer + "--prefix q. --out " + p("w.st") + " --input " + p("x.st")).status, 0);
+  expect_user_error(run_cli("run " + layer + prefix + "--weights " + p("w.st") + " --input " + p("x.st") +
+                            " --output " + p("y.st")),
+                    "--prefix 'p\xff.' is not valid UTF-8 (byte 2 is 0xFF)", "run --prefix");
+}
+
 }  // namespace
 }  // namespace dmoe

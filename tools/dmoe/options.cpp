@@ -14,6 +14,7 @@
 #include "comm/process_env.hpp"
 #include "core/error.hpp"
 #include "core/host_resources.hpp"
+#include "core/output_file.hpp"
 #include "data_dir.hpp"
 #include "model/config_io.hpp"
 
@@ -235,6 +236,16 @@ void require_prefix_ends_with_dot(const std::string& prefix) {
   DMOE_REQUIRE_INPUT(prefix.empty() || prefix.back() == '.',
                      "--prefix '{}' must end with '.': tensor names are the prefix followed by 'gate.weight', "
                      "'experts.0.w1.weight', ... (e.g. --prefix {}.)", prefix, prefix);
+  // Tensor names go into a safetensors header, a JSON text, which holds UTF-8 only: init --prefix of other bytes
+  // generated every weight, then ended in the writer's "tensor name is not valid UTF-8", naming no option; run said the
+  // gate was missing (G22A-8, G22B-4 of the twenty-second pass). Refused here, before anything is generated or read.
+  if (!is_utf8(prefix)) {
+    size_t valid = prefix.size();
+    while (valid > 0 && !is_utf8(std::string_view(prefix).substr(0, valid))) --valid;
+    DMOE_FAIL_INPUT("--prefix '{}' is not valid UTF-8 (byte {} is 0x{:02X}): tensor names are the prefix followed by "
+                    "'gate.weight', ..., and a safetensors header is JSON text, which holds UTF-8 only; allowed: a UTF-8 "
+                    "prefix ending in '.'", prefix, valid + 1, unsigned(static_cast<unsigned char>(prefix[valid])));
+  }
 }
 
 void require_layer_or_prefix(const std::optional<int>& layer, const std::string& prefix) {
