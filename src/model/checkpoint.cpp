@@ -485,9 +485,22 @@ namespace {
 // [0, I) of expert e are its w1, [I, 2I) its w3) and mlp.experts.down_proj [E, H, I] (w2).
 bool load_fused_moe(const CheckpointReader& reader, const MixtralConfig& c, int layer, MoeWeights& moe) {
   const std::string p = fmt::format("model.layers.{}.mlp.", layer);
-  if (!reader.has(p + "gate.weight") || !reader.has(p + "experts.gate_up_proj") || !reader.has(p + "experts.down_proj"))
-    return false;
   const int64_t E = c.num_local_experts, I = c.intermediate_size, H = c.hidden_size, m = I * H;
+  // A layer with some of the fused tensors but not all was reported as missing the Mixtral layout's router
+  // (block_sparse_moe.gate.weight), not the fused tensor it lacks (G22A-9 of the twenty-second pass).
+  const std::pair<std::string, std::vector<int64_t>> fused[] = {
+      {p + "gate.weight", {E, H}}, {p + "experts.gate_up_proj", {E, 2 * I, H}}, {p + "experts.down_proj", {E, H, I}}};
+  std::string present, missing;
+  for (const auto& [name, shape] : fused)
+    if (reader.has(name))
+      present += (present.empty() ? "" : ", ") + name;
+    else
+      missing += fmt::format("{}'{}' {}", missing.empty() ? "" : " and ", name, shape_string(shape));
+  if (present.empty()) return false;  // neither layout's router: the Mixtral tensors are named as missing
+  DMOE_REQUIRE_INPUT(missing.empty(), "checkpoint '{}': layer {} holds the transformers 5.x fused layout ({}) but lacks "
+                     "{}; a fused layer holds all of mlp.gate.weight [E, H], mlp.experts.gate_up_proj [E, 2I, H] and "
+                     "mlp.experts.down_proj [E, H, I] (or, in the Mixtral layout, block_sparse_moe.gate.weight and each "
+                     "expert's w1/w3/w2)", reader.source(), layer, present, missing);
   reader.read_f32_into(p + "gate.weight", {E, H}, moe.gate.data());
   std::vector<float> gate_up(E * 2 * m), down(E * m);
   reader.read_f32_into(p + "experts.gate_up_proj", {E, 2 * I, H}, gate_up.data());
@@ -533,7 +546,7 @@ void require_no_unread_tensors(const CheckpointReader& reader, const MixtralConf
     }
     if (std::regex_match(name, m, fused_name)) {
       const int64_t L = std::stoll(m[1].str());
-      // Without the Mixtral gate either, the fused set is incomplete: the missing tensor is named below.
+      // Without the Mixtral gate either, the fused set is incomplete: load_fused_moe named the missing tensor.
       if (L < config.num_hidden_layers && (fused[size_t(L)] || !reader.has(gate_name(layer_prefix(int(L)))))) continue;
       DMOE_FAIL_INPUT("checkpoint '{}': layer {} holds its MoE in both layouts: the Mixtral tensors "
                       "model.layers.{}.block_sparse_moe.*, which are read, and the transformers 5.x fused '{}', which "

@@ -4465,5 +4465,31 @@ TEST_F(BadInput, InitRefusesAPrefixThatIsNotUtf8BeforeGenerating) {
                     "--prefix 'p\xff.' is not valid UTF-8 (byte 2 is 0xFF)", "run --prefix");
 }
 
+TEST_F(BadInput, AFusedLayerWithoutOneOfItsTensorsNamesThatTensor) {
+  // G22A-9: a transformers 5.x fused layer lacking mlp.experts.gate_up_proj was reported as missing the Mixtral
+  // layout's block_sparse_moe.gate.weight.
+  write_tokens_file();
+  ASSERT_EQ(run_cli("init-model --config " + p("tiny.json") + " --out " + p("m.st")).status, 0);
+  const auto layer0_moe = [](const std::string& name) {
+    return name.rfind("model.layers.0.block_sparse_moe.", 0) == 0;
+  };
+  rewrite_safetensors(p("m.st"), p("nogu.st"), layer0_moe,
+                      {{"model.layers.0.mlp.gate.weight", {{4, 64}, std::vector<float>(4 * 64, 0.01f)}},
+                       {"model.layers.0.mlp.experts.down_proj", {{4, 64, 128}, std::vector<float>(4 * 64 * 128, 0.01f)}}});
+  expect_eval_and_train_init_refused(p("tiny.json"), p("nogu.st"), "layer 0 holds the transformers 5.x fused layout "
+                                     "(model.layers.0.mlp.gate.weight, model.layers.0.mlp.experts.down_proj) but lacks "
+                                     "'model.layers.0.mlp.experts.gate_up_proj' [4, 256, 64]", "no gate_up_proj");
+  rewrite_safetensors(p("m.st"), p("norouter.st"), layer0_moe,
+                      {{"model.layers.0.mlp.experts.gate_up_proj", {{4, 256, 64}, std::vector<float>(4 * 256 * 64)}},
+                       {"model.layers.0.mlp.experts.down_proj", {{4, 64, 128}, std::vector<float>(4 * 64 * 128)}}});
+  expect_eval_and_train_init_refused(p("tiny.json"), p("norouter.st"), "lacks 'model.layers.0.mlp.gate.weight' [4, 64]",
+                                     "no fused router");
+  // A layer of neither layout still names the Mixtral one.
+  rewrite_safetensors(p("m.st"), p("none.st"), layer0_moe, {});
+  expect_eval_and_train_init_refused(p("tiny.json"), p("none.st"),
+                                     "tensor 'model.layers.0.block_sparse_moe.gate.weight' [4, 64] is missing",
+                                     "no MoE at all");
+}
+
 }  // namespace
 }  // namespace dmoe
