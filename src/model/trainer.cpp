@@ -470,11 +470,23 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
   DMOE_REQUIRE_INPUT(config.vocab_size >= 256, "train: byte-level data needs vocab_size >= 256 (config has {})",
                config.vocab_size);
   DMOE_REQUIRE_INPUT(o.steps >= 1, "train: --steps = {} must be >= 1", o.steps);
+  // The value of an option as the errors below name it: "--beta2 1" as given, or, taken by a bare --resume from the
+  // saved state, the file and its key (they named --min-lr, --seq or --beta2 that nobody had given: F9 of the
+  // eighteenth bad-input pass).
+  const auto named = [&](const std::string& option, const auto& value) {
+    if (!o.from_state.count(option)) return fmt::format("{} {}", option, value);
+    std::string key = option.substr(2);
+    std::replace(key.begin(), key.end(), '-', '_');
+    return fmt::format("{}'s '{}' = {} (--resume {}: the saved run's; give {} to replace it)",
+                       (fs::path(o.resume_dir) / "trainer_state.json").string(), key, value, o.resume_dir, option);
+  };
+  // A bare resume's batch is trainer_state.json's: these named "--batch", which was not given (G22A-10 of the
+  // twenty-second pass; F9's naming did not reach them).
   DMOE_REQUIRE_INPUT(o.world >= 1 && o.batch >= 1 && o.batch % o.world == 0,
-               "train: --batch = {} sequences must split evenly over --world = {} ranks", o.batch, o.world);
+               "train: the batch, {}, must split evenly over --world {} ranks", named("--batch", o.batch), o.world);
   DMOE_REQUIRE_INPUT(o.micro_batches >= 1 && (o.batch / o.world) % o.micro_batches == 0,
-               "train: the {} sequences per rank (--batch {} / --world {}) do not split into --micro-batches {}",
-               o.batch / o.world, o.batch, o.world, o.micro_batches);
+               "train: the {} sequences per rank ({} / --world {}) do not split into --micro-batches {}",
+               o.batch / o.world, named("--batch", o.batch), o.world, o.micro_batches);
   DMOE_REQUIRE_INPUT(config.num_local_experts % o.world == 0,
                "train: num_local_experts = {} is not divisible by --world = {}", config.num_local_experts, o.world);
   DMOE_REQUIRE_INPUT(o.seq >= 2, "train: --seq = {} must be >= 2", o.seq);
@@ -512,16 +524,6 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
                        "as large as the gradients is one all-reduce)", o.chunk_bytes, flow::kMaxChunkBytes);
     if (!tuned) flow_graph = make_graph(s, o.micro_batches, o.chunk_bytes);
   }
-  // The value of an option as the errors below name it: "--beta2 1" as given, or, taken by a bare --resume from the
-  // saved state, the file and its key (they named --min-lr, --seq or --beta2 that nobody had given: F9 of the
-  // eighteenth bad-input pass).
-  const auto named = [&](const std::string& option, const auto& value) {
-    if (!o.from_state.count(option)) return fmt::format("{} {}", option, value);
-    std::string key = option.substr(2);
-    std::replace(key.begin(), key.end(), '-', '_');
-    return fmt::format("{}'s '{}' = {} (--resume {}: the saved run's; give {} to replace it)",
-                       (fs::path(o.resume_dir) / "trainer_state.json").string(), key, value, o.resume_dir, option);
-  };
   // The sequence's floor is 2 (each position predicts the next; --seq 1 is refused by its option): the range said 1.
   if (o.from_state.count("--seq"))
     config.check_sequence(o.seq, fmt::format("train: {}'s 'seq' (--resume {}: the saved run's; give --seq to replace "

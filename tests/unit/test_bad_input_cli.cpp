@@ -4491,5 +4491,22 @@ TEST_F(BadInput, AFusedLayerWithoutOneOfItsTensorsNamesThatTensor) {
                                      "no MoE at all");
 }
 
+TEST_F(BadInput, ABareResumesBatchIsNamedAsTheCheckpointsNotAsAnOption) {
+  // G22A-10: a bare resume of a --batch 2 run with --world 4 (or --micro-batches 4) said "--batch = 2 sequences must
+  // split evenly", though --batch was not given: the value was trainer_state.json's.
+  const std::string base = "train --config " + p("tiny.json") + " --data " + p("data") + " --seq 16 --print-every 0 ";
+  ASSERT_EQ(run_cli(base + "--batch 2 --steps 2 --save " + p("ck")).status, 0);
+  const std::string saved = p("ck/trainer_state.json") + "'s 'batch' = 2 (--resume " + p("ck") + ": the saved run's";
+  const Result world = run_cli(base + "--steps 4 --resume " + p("ck") + " --world 4");
+  expect_user_error(world, saved, "--world 4");
+  EXPECT_NE(world.output.find("must split evenly over --world 4 ranks"), std::string::npos) << world.output;
+  const Result micro = run_cli(base + "--steps 4 --resume " + p("ck") + " --micro-batches 4");
+  expect_user_error(micro, saved, "--micro-batches 4");
+  EXPECT_EQ(micro.output.find("--batch 2 /"), std::string::npos) << micro.output;
+  // Given, it is the option.
+  expect_user_error(run_cli(base + "--batch 2 --steps 4 --world 4"), "the batch, --batch 2, must split evenly over "
+                    "--world 4 ranks", "a new run's --batch");
+}
+
 }  // namespace
 }  // namespace dmoe
