@@ -474,6 +474,8 @@ std::vector<std::string> CheckpointReader::names() const {
   return v;
 }
 
+std::string CheckpointReader::dtype(const std::string& name) const { return file_of(name).info(name).dtype; }
+
 void CheckpointReader::read_f32_into(const std::string& name, const std::vector<int64_t>& shape, float* out) const {
   file_of(name).read_f32_into(name, shape, out);
 }

@@ -71,6 +71,8 @@ class CheckpointReader {
   std::vector<std::string> names() const;
   // The tensor converted to float; its shape must be `shape` (the error names both).
   void read_f32_into(const std::string& name, const std::vector<int64_t>& shape, float* out) const;
+  // The tensor's dtype as stored ("F32", "BF16", ...).
+  std::string dtype(const std::string& name) const;
   // The one file's __metadata__ (strings); empty for a sharded checkpoint.
   std::map<std::string, std::string> metadata() const;
 

@@ -881,8 +881,20 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
     }
     const std::string model_path = (fs::path(o.resume_dir) / "model.safetensors").string();
     const CheckpointReader model = CheckpointReader::open(model_path);
+    // dmoe saves the weights and the AdamW moments as F32 (the f32 masters, also with --dtype bf16). A file converted to
+    // bf16/f16 by hand (its metadata kept) was read, converted back, and resumed with rc 0, on rounded values: not the
+    // exact resume a checkpoint promises (G22A-13 of the twenty-second pass). --init still takes any float dtype.
+    const auto require_saved_dtype = [&](const std::string& file, const std::string& name, const std::string& dtype) {
+      DMOE_REQUIRE_INPUT(dtype == "F32", "--resume {}: {} holds tensor '{}' as {}, but dmoe saves a checkpoint's "
+                         "weights and AdamW moments as F32: the file was converted, and its rounded values would not "
+                         "continue the saved run exactly (a resume is bit for bit the run that was not interrupted); "
+                         "resume from the files as dmoe saved them, or start a new run from these weights with --init "
+                         "{}", o.resume_dir, file, name, dtype, model_path);
+    };
+    for (const std::string& name : model.names()) require_saved_dtype(model_path, name, model.dtype(name));
     full = load_mixtral_weights(model, config);
     const SafetensorsFile opt = SafetensorsFile::open((fs::path(o.resume_dir) / "optimizer.safetensors").string());
+    for (const std::string& name : opt.names()) require_saved_dtype(opt.source(), name, opt.info(name).dtype);
     // The save renames its files one after another (trainer_state.json last): a kill between two renames leaves files
     // of two steps. Each file names its step (kStepMetadata); files of checkpoints from before that carry none.
     const int64_t state_step = state["step"].get<int64_t>();

@@ -4508,5 +4508,25 @@ TEST_F(BadInput, ABareResumesBatchIsNamedAsTheCheckpointsNotAsAnOption) {
                     "--world 4 ranks", "a new run's --batch");
 }
 
+TEST_F(BadInput, AResumeRefusesACheckpointConvertedFromF32) {
+  // G22A-13: a checkpoint whose model.safetensors or optimizer.safetensors was converted to bf16 by hand (metadata
+  // kept) resumed with rc 0 and no note, and its loss was not the saved run's: the "exact resume" was not exact.
+  const std::string base = "train --config " + p("tiny.json") + " --data " + p("data") + " --seq 16 --batch 2 "
+                           "--print-every 0 ";
+  ASSERT_EQ(run_cli(base + "--steps 1 --save " + p("ck")).status, 0);
+  for (const char* file : {"model.safetensors", "optimizer.safetensors"}) {
+    const std::string path = p(std::string("ck/") + file), kept = p(std::string("kept.") + file);
+    fs::copy_file(path, kept, fs::copy_options::overwrite_existing);
+    rewrite_safetensors(kept, path, nullptr, {}, DType::bf16);
+    const Result r = run_cli(base + "--steps 2 --resume " + p("ck"));
+    expect_user_error(r, path + " holds tensor", file);
+    EXPECT_NE(r.output.find("as BF16, but dmoe saves a checkpoint's weights and AdamW moments as F32"),
+              std::string::npos) << r.output;
+    fs::copy_file(kept, path, fs::copy_options::overwrite_existing);
+  }
+  const Result ok = run_cli(base + "--steps 2 --resume " + p("ck"));
+  EXPECT_EQ(ok.status, 0) << ok.output;
+}
+
 }  // namespace
 }  // namespace dmoe
