@@ -59,10 +59,13 @@ void MoeConfig::validate() const {
                      capacity_factor);
   DMOE_REQUIRE_INPUT(dtype == DType::f32 || dtype == DType::bf16,
                      "config: dtype = {} is invalid; allowed: f32, bf16", dtype_name(dtype));
-  DMOE_REQUIRE_INPUT(std::isfinite(aux_loss_coef) && aux_loss_coef >= 0,
-                     "config: aux_loss_coef = {} is invalid; must be finite and >= 0", aux_loss_coef);
-  DMOE_REQUIRE_INPUT(std::isfinite(z_loss_coef) && z_loss_coef >= 0,
-                     "config: z_loss_coef = {} is invalid; must be finite and >= 0", z_loss_coef);
+  // [0, 1e6], as a model config's router_aux_loss_coef (F5 of the eighteenth pass): finite in double let 1e39 through,
+  // inf as float, and run computed the whole layer, then blamed it ("the layer overflowed float"; G22B-5).
+  DMOE_REQUIRE_INPUT(aux_loss_coef >= 0 && aux_loss_coef <= 1e6, "config: aux_loss_coef = {} must be in [0, 1e6] (the "
+                     "load-balancing loss's weight; the loss and its gradients are float32; Mixtral's is 0.02)",
+                     aux_loss_coef);
+  DMOE_REQUIRE_INPUT(z_loss_coef >= 0 && z_loss_coef <= 1e6, "config: z_loss_coef = {} must be in [0, 1e6] (the router "
+                     "z-loss's weight; the loss and its gradients are float32; ST-MoE's is 0.001)", z_loss_coef);
   // Row counts and element offsets are int64; keep every buffer's element count far from overflow.
   const double biggest = double(tokens) * double(world) * double(top_k) * double(std::max(hidden, ffn));
   DMOE_REQUIRE_INPUT(biggest < 0x1p52,

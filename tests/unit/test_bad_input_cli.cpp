@@ -4528,5 +4528,17 @@ TEST_F(BadInput, AResumeRefusesACheckpointConvertedFromF32) {
   EXPECT_EQ(ok.status, 0) << ok.output;
 }
 
+TEST_F(BadInput, LossCoefficientsPastFloatAreRefusedAsTheModelConfigsAre) {
+  // G22B-5: --z-loss-coef 1e39 (a layer config's z_loss_coef / aux_loss_coef past float's range) was accepted: run
+  // computed the whole layer and blamed it ("the layer overflowed float"), bench timed it with rc 0.
+  const std::string bench = "bench --hidden 8 --ffn 8 --experts 2 --top-k 1 --tokens 4 -n 1 --repeat 1 --warmup 0 ";
+  expect_user_error(run_cli(bench + "--z-loss-coef 1e39"), "z_loss_coef = 1e+39 must be in [0, 1e6]", "--z-loss-coef");
+  std::ofstream(p("c.json")) << R"({"hidden": 8, "ffn": 8, "experts": 2, "top_k": 1, "tokens": 4, "aux_loss_coef": 1e300})";
+  const Result r = run_cli(bench.substr(0, 6) + "--config " + p("c.json") + " -n 1 --repeat 1 --warmup 0");
+  expect_user_error(r, "aux_loss_coef = 1e+300 must be in [0, 1e6]", "a config's aux_loss_coef");
+  EXPECT_NE(r.output.find("aux_loss_coef from --config " + p("c.json")), std::string::npos) << r.output;
+  EXPECT_EQ(run_cli(bench + "--z-loss-coef 1e6 --aux-loss-coef 0").status, 0);
+}
+
 }  // namespace
 }  // namespace dmoe
