@@ -79,11 +79,15 @@ CostModel parse_cost_model(const json& j, const std::string& where) {
   DMOE_REQUIRE_INPUT(j.contains("allreduce"), "{}: missing key 'allreduce' ({{\"alpha_ms\", \"gbytes_per_s\"}})", where);
   only_keys(j.at("allreduce"), {"alpha_ms", "gbytes_per_s"}, where + ".allreduce");
   c.ar_alpha_ms = number_at(j.at("allreduce"), "alpha_ms", where + ".allreduce");
-  const double gbps = number_at(j.at("allreduce"), "gbytes_per_s", where + ".allreduce");
-  DMOE_REQUIRE_INPUT(gbps > 0, "{}.allreduce.gbytes_per_s = {}: must be > 0", where, gbps);
+  // Its own rule only, one for every bad value: number_at's "must be finite and >= 0" for -5 allowed the 0 that "must
+  // be > 0" refused, and "at most 1e300" let up to 1.8e302 through (G22B-7 (b) of the twenty-second pass).
+  DMOE_REQUIRE_INPUT(j.at("allreduce").contains("gbytes_per_s"), "{}.allreduce: missing key 'gbytes_per_s'", where);
+  const nlohmann::json& g = j.at("allreduce").at("gbytes_per_s");
+  DMOE_REQUIRE_INPUT(g.is_number(), "{}.allreduce.gbytes_per_s: must be a number (got {})", where, g.dump());
+  const double gbps = g.get<double>();
+  DMOE_REQUIRE_INPUT(gbps > 0 && gbps <= 1e300, "{}.allreduce.gbytes_per_s = {}: must be in (0, 1e300] GB/s", where,
+                     gbps);
   c.ar_bytes_per_ms = gbps * 1e6;  // 1 GB/s = 1e9 B / 1e3 ms
-  DMOE_REQUIRE_INPUT(std::isfinite(c.ar_bytes_per_ms), "{}.allreduce.gbytes_per_s = {}: too large (at most 1e300)",
-                     where, gbps);
   // With every cost 0 the step takes 0 ms and no speed-up is defined (simulate printed nan, rc 0). allreduce.alpha_ms
   // is paid per all-reduce, and with no gradient bytes nothing is all-reduced: a file of zero tasks and zero bytes but
   // an alpha_ms > 0 still printed "-nanx" in every row (F8 of the eighteenth bad-input pass).

@@ -2,6 +2,7 @@
 #include "model/config_io.hpp"
 
 #include <cerrno>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -42,6 +43,10 @@ std::string shown(const json& v) {
 // An integer in [lo, hi]; a float such as 8.0 is refused too, since it usually means a typo upstream.
 int64_t get_int(const json& j, const char* key, int64_t lo, int64_t hi, const char* what) {
   const json& v = j.at(key);
+  // An integer past 64 bits (2^64) is parsed as a double, and was called "not an integer" (G22B-7 (c)): out of range.
+  DMOE_REQUIRE_INPUT(!(v.is_number_float() && std::fabs(v.get<double>()) >= 0x1p63 &&
+                       v.get<double>() == std::floor(v.get<double>())),
+                     "{}: key '{}' = {} is out of range [{}, {}] (an integer past 64 bits)", what, key, v.dump(), lo, hi);
   DMOE_REQUIRE_INPUT(v.is_number_integer(), "{}: key '{}' must be an integer (found {})", what, key, shown(v));
   if (v.is_number_unsigned())
     DMOE_REQUIRE_INPUT(v.get<uint64_t>() <= uint64_t(hi), "{}: key '{}' = {} is out of range [{}, {}]", what, key,

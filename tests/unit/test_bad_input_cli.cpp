@@ -4540,5 +4540,29 @@ TEST_F(BadInput, LossCoefficientsPastFloatAreRefusedAsTheModelConfigsAre) {
   EXPECT_EQ(run_cli(bench + "--z-loss-coef 1e6 --aux-loss-coef 0").status, 0);
 }
 
+TEST_F(BadInput, MessagesSayWhichValueIsWrongAndStateOneRule) {
+  // G22B-7 (a): flow measure --batch 0 said "--world 1 (>= 1), --batch 0 (>= 1)", not which value was wrong.
+  const std::string measure = "flow measure --config " + p("tiny.json") + " --steps 1 --seq 16 ";
+  Result r = run_cli(measure + "--batch 0");
+  expect_user_error(r, "--batch 0 is invalid: must be >= 1", "--batch 0");
+  EXPECT_EQ(r.output.find("--world"), std::string::npos) << r.output;
+  expect_user_error(run_cli(measure + "--world -1"), "--world -1 is invalid: must be >= 1", "--world -1");
+  // (b): allreduce.gbytes_per_s 0 said "must be > 0", -5 "must be finite and >= 0": one rule now.
+  json costs = json::parse(slurp(p("costs.json")));
+  for (const double g : {0.0, -5.0, 1e301}) {
+    costs["allreduce"]["gbytes_per_s"] = g;
+    std::ofstream(p("g.json")) << costs.dump();
+    expect_user_error(run_cli("flow simulate --costs " + p("g.json")), "allreduce.gbytes_per_s = " +
+                      fmt::format("{}", g) + ": must be in (0, 1e300] GB/s", "gbytes_per_s " + fmt::format("{}", g));
+  }
+  // (c): "tokens": 2^64 in a layer config was "must be an integer (found number 1.8446744073709552e+19)".
+  std::ofstream(p("t.json")) << R"({"tokens": 18446744073709551616, "hidden": 16, "ffn": 32, "experts": 4, "top_k": 2})";
+  r = run_cli("bench --config " + p("t.json") + " -n 1");
+  expect_user_error(r, "key 'tokens' = 1.8446744073709552e+19 is out of range", "tokens 2^64");
+  EXPECT_NE(r.output.find("an integer past 64 bits"), std::string::npos) << r.output;
+  std::ofstream(p("t.json")) << R"({"tokens": 8.0, "hidden": 16, "ffn": 32, "experts": 4, "top_k": 2})";
+  expect_user_error(run_cli("bench --config " + p("t.json") + " -n 1"), "key 'tokens' must be an integer", "8.0");
+}
+
 }  // namespace
 }  // namespace dmoe

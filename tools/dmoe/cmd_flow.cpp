@@ -472,7 +472,9 @@ int measure_command(const FlowOptions& o) {
       flow::parse_schedule(o.schedule_given && !ablation ? o.schedule : "pipe-attn", "--schedule");
   DMOE_REQUIRE_INPUT(ablation || o.measure_r.size() >= 2,
                      "--measure-r: give at least two values of R (the fit needs two), or --schedule all");
-  DMOE_REQUIRE_INPUT(o.world >= 1 && o.batch >= 1, "--world {} (>= 1), --batch {} (>= 1)", o.world, o.batch);
+  // One message per option: "--world 1 (>= 1), --batch 0 (>= 1)" did not say which was wrong (G22B-7 (a)).
+  DMOE_REQUIRE_INPUT(o.world >= 1, "--world {} is invalid: must be >= 1 (ranks)", o.world);
+  DMOE_REQUIRE_INPUT(o.batch >= 1, "--batch {} is invalid: must be >= 1 (sequences per rank)", o.batch);
   // One range for --seq, [2, max_position_embeddings] (the loss predicts each next token): --seq 1 said "(>= 2)",
   // --seq 1000 "outside [1, max_position_embeddings = 256]" (G19-7 of the nineteenth bad-input pass).
   c.check_sequence(o.seq, "flow measure: --seq", 2);  // was "sequence length 300 is outside ...", the option unnamed
