@@ -1181,31 +1181,78 @@ ExclusiveLock::~ExclusiveLock() {
   if (fd_ >= 0) ::close(fd_);
 }
 
-bool ExclusiveLock::lock_transient_file(const std::string& path, std::string_view what) {
+ExclusiveLock::Outcome ExclusiveLock::lock_transient_file(const std::string& path, std::string_view what,
+                                                          std::string* why) {
   DMOE_REQUIRE(fd_ < 0, "ExclusiveLock: already holds a lock");
   // Each round loses only to a holder that removed the file between this open and this lock: bounded in practice, and
   // bounded here so that a file system that keeps changing the name cannot spin us.
   for (int round = 0; round < 1000; ++round) {
-    fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0644);
-    DMOE_REQUIRE_INPUT(fd_ >= 0, "{}: the lock file '{}' cannot be opened: {}", what, path, std::strerror(errno));
-    if (!lock(/*wait=*/false)) {
+    // One open (G23A-9: a first open that created the file and a second that failed left it behind): created here, or
+    // an existing one opened (read-only where another user's holder made it 0644: flock needs no write access).
+    bool created = true;
+    fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0644);
+    if (fd_ < 0 && errno == EEXIST) {
+      created = false;
+      fd_ = ::open(path.c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+      if (fd_ < 0 && errno == EACCES) fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+      if (fd_ < 0 && errno == ENOENT) continue;  // its holder removed it meanwhile: create it
+    }
+    if (fd_ < 0) {
+      const int e = errno;
+      struct stat st {};
+      const bool exists = ::lstat(path.c_str(), &st) == 0;
+      DMOE_REQUIRE_INPUT(!exists || S_ISREG(st.st_mode), "{}: '{}' is {}: that name is the lock file dmoe takes while "
+                         "a run writes it (an empty regular file, made and removed by dmoe; a link there is never "
+                         "followed); move it away", what, path, S_ISLNK(st.st_mode) ? "a symbolic link"
+                         : S_ISDIR(st.st_mode) ? "a directory" : "not a regular file");
+      if (!exists && (e == EACCES || e == EPERM || e == EROFS)) {
+        if (why) *why = std::strerror(e);
+        return Outcome::unavailable;
+      }
+      DMOE_REQUIRE_INPUT(false, "{}: the lock file '{}' cannot be opened or made: {}", what, path, std::strerror(e));
+    }
+    const auto give_up = [&] {
+      if (created) ::unlink(path.c_str());  // made by this call and never held: not left behind
       ::close(fd_);
       fd_ = -1;
-      return false;
+    };
+    struct stat held {};
+    if (::fstat(fd_, &held) != 0 || !S_ISREG(held.st_mode) || held.st_size != 0) {
+      const bool regular = S_ISREG(held.st_mode);
+      const auto size = int64_t(held.st_size);
+      give_up();
+      DMOE_REQUIRE_INPUT(false, "{}: '{}' is {}: that name is the lock file dmoe takes while a run writes it (an empty "
+                         "file dmoe makes and removes), and dmoe never takes over or removes a file with content; move "
+                         "it away", what, path, regular ? fmt::format("a file of {} bytes", size) : "not a regular file");
     }
-    struct stat held {}, named {};
-    if (::fstat(fd_, &held) == 0 && ::lstat(path.c_str(), &named) == 0 && held.st_dev == named.st_dev &&
-        held.st_ino == named.st_ino) {
+    if (!lock(/*wait=*/false)) {
+      // Held by another process, which may have opened the file this call just made: that file is its now.
+      ::close(fd_);
+      fd_ = -1;
+      return Outcome::busy;
+    }
+    struct stat named {};
+    if (::lstat(path.c_str(), &named) == 0 && held.st_dev == named.st_dev && held.st_ino == named.st_ino) {
       transient_path_ = path;
       transient_slot_ = register_temporary(path);
-      return true;
+      return Outcome::held;
     }
     ::close(fd_);
     fd_ = -1;
   }
   DMOE_REQUIRE_INPUT(false, "{}: the lock file '{}' was replaced 1000 times while this process took it: another "
                      "process keeps removing it", what, path);
-  return false;
+  return Outcome::busy;
+}
+
+ExclusiveLock::Outcome ExclusiveLock::lock_existing_file(const std::string& path) {
+  DMOE_REQUIRE(fd_ < 0, "ExclusiveLock: already holds a lock");
+  fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (fd_ < 0) return Outcome::unavailable;
+  if (lock(/*wait=*/false)) return Outcome::held;
+  ::close(fd_);
+  fd_ = -1;
+  return Outcome::busy;
 }
 
 bool ExclusiveLock::lock(bool wait) {

@@ -168,12 +168,21 @@ class ExclusiveLock {
   // a path that cannot be opened throws an input error naming `what` and the path.
   bool lock_directory(const std::string& directory, std::string_view what, bool wait);
   bool lock_file(const std::string& path, std::string_view what, bool wait);
+  enum class Outcome { held, busy, unavailable };
   // A lock file that exists only while it is held (no hidden file left beside a user's output): created when missing,
-  // locked without waiting (false when another process holds it), and removed by its holder, still locked, when the
+  // locked without waiting (busy when another process holds it), and removed by its holder, still locked, when the
   // object is destroyed or a terminating signal ends the process (the temporaries' handler). A process that opened the
   // file just before its holder removed it finds, once locked, that the name is no longer its file, and takes the new
-  // one instead, so two processes never both hold "the" lock. SIGKILL leaves the file; the next holder removes it.
-  bool lock_transient_file(const std::string& path, std::string_view what);
+  // one instead, so two processes never both hold "the" lock. SIGKILL leaves the file, empty; the next holder takes it
+  // over and removes it. Only an empty regular file is taken over: anything else at the name (a user's file that
+  // happens to bear it, a link, a directory) is an input error naming it, never locked or removed (G23A-2). One that
+  // cannot be created (EACCES, EPERM, EROFS: a directory this process may not write) is `unavailable`, `why` saying so;
+  // any other failure (EIO) is an error.
+  Outcome lock_transient_file(const std::string& path, std::string_view what, std::string* why = nullptr);
+  // An exclusive lock on an existing file itself (opened read-only, links followed): it holds through every name of
+  // the file (hard links), as long as the file is not replaced. busy when another process holds it; unavailable when
+  // it cannot be opened.
+  Outcome lock_existing_file(const std::string& path);
 
  private:
   bool lock(bool wait);

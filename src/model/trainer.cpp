@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cmath>
 #include <cerrno>
+#include <climits>
 #include <cstring>
 #include <functional>
 #include <cstdio>
@@ -23,7 +24,9 @@
 #include <nlohmann/json.hpp>
 
 #include <fcntl.h>
+#include <linux/fs.h>
 #include <sys/file.h>
+#include <sys/ioctl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -66,6 +69,75 @@ std::string new_save_id() {
   return fmt::format("{:016x}", id);
 }
 
+// The lock file beside a file that a run replaces by a rename (the tuning file, --log): ".NAME.dmoe-lock" beside the
+// file the path resolves to (weakly_canonical: every link of the part that exists; the name as given where it cannot
+// be resolved, a working directory past PATH_MAX). Where that name would pass NAME_MAX (a valid name of 245-255
+// bytes), NAME is cut and a hash of the whole name added, so that every run still finds the same lock file (the lock
+// was skipped there, G23A-4).
+fs::path lock_file_beside(const std::string& file) {
+  std::error_code ec;
+  fs::path path = fs::weakly_canonical(fs::absolute(file, ec), ec);
+  if (ec || path.filename().empty()) path = fs::path(file);
+  const std::string name = path.filename().string(), suffix = ".dmoe-lock";
+  std::string lock = "." + name + suffix;
+  if (lock.size() > size_t(NAME_MAX)) {
+    uint64_t hash = 0xcbf29ce484222325ull;  // FNV-1a: the same in every build
+    for (const unsigned char c : name) hash = (hash ^ c) * 0x100000001b3ull;
+    const std::string tag = fmt::format("~{:016x}", hash);
+    lock = "." + name.substr(0, size_t(NAME_MAX) - 1 - tag.size() - suffix.size()) + tag + suffix;
+  }
+  return (path.has_parent_path() ? path.parent_path() : fs::path(".")) / lock;
+}
+
+// Whether a directory has the append-only attribute (chattr +a): a file made there cannot be removed.
+bool append_only_directory(const fs::path& directory) {
+  const int fd = ::open(directory.empty() ? "." : directory.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return false;
+  int flags = 0;
+  const bool append = ::ioctl(fd, FS_IOC_GETFLAGS, &flags) == 0 && (flags & FS_APPEND_FL);
+  ::close(fd);
+  return append;
+}
+
+// One run at a time writes a log (L21-log of the twenty-first pass): two runs with one --log and two --save
+// directories each wrote the log of their own run, and the last to publish replaced the other's (or, resumed, both
+// appended their lines to it). The writing process holds two locks, and a second run is refused before it trains:
+// - the lock file beside the log (lock_file_beside; ExclusiveLock::lock_transient_file: it exists only while held),
+//   since a new run replaces the log by a rename, which a lock on the log itself would not survive;
+// - the log file itself where it exists, which holds through every name of the file: one log reached through two hard
+//   links took two lock files (G23A-3), and two resumed runs appended to it.
+// Neither is taken where it cannot be: no lock file in a directory this process may not write (a resumed run may
+// append to a log it may write there) or in an append-only one (it could not be removed, G23A-8), no file lock on a
+// log that does not exist yet; a run with neither says so.
+class LogLock {
+ public:
+  void take(const std::string& log_path, std::string_view option, const std::function<void(const std::string&)>& print) {
+    const auto busy = [&](const std::string& holder) {
+      return fmt::format("{} {}: another dmoe run is writing this log now (it holds {}): wait for it to end, or give "
+                         "another {}", option, log_path, holder, option);
+    };
+    struct stat st {};
+    const bool exists = ::stat(log_path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
+    if (exists)
+      DMOE_REQUIRE_INPUT(file_.lock_existing_file(log_path) != ExclusiveLock::Outcome::busy, "{}",
+                         busy("a lock on the log file"));
+    const fs::path lock = lock_file_beside(log_path);
+    std::string why;
+    ExclusiveLock::Outcome beside = ExclusiveLock::Outcome::unavailable;
+    if (append_only_directory(lock.parent_path()))
+      why = "its directory is append-only (chattr +a): a lock file made there could not be removed";
+    else
+      beside = beside_.lock_transient_file(lock.string(), fmt::format("{} {}", option, log_path), &why);
+    DMOE_REQUIRE_INPUT(beside != ExclusiveLock::Outcome::busy, "{}", busy("'" + lock.string() + "'"));
+    if (beside == ExclusiveLock::Outcome::unavailable && !exists)
+      print(fmt::format("train: note: {} {}: no lock file can be made beside it ('{}': {}), so another run writing this "
+                        "log at the same time would not be refused", option, log_path, lock.string(), why));
+  }
+
+ private:
+  ExclusiveLock file_, beside_;
+};
+
 }  // namespace
 
 std::string complete_interrupted_save(const std::string& dir, const std::string& log_path) {
@@ -92,6 +164,13 @@ std::string complete_interrupted_save(const std::string& dir, const std::string&
                          "holds the directory's lock, and '{}' is the journal of its save in progress, not of an "
                          "interrupted one): wait for it to end, then resume", dir, journal);
   }
+  // G23A-11: completing the journal renames the killed run's log onto --log: first the log's locks, so that a run
+  // writing that log now is not cut off from it (it appended on to the replaced file, all its lines lost, rc 0). Taken
+  // again, after this, by the training itself; by rank 0 of a job of processes, as there (the ranks would refuse each
+  // other).
+  LogLock log_lock;
+  if (!log_path.empty() && ::lstat(journal.c_str(), &js) == 0 && detect_process_env().rank == 0)
+    log_lock.take(log_path, "--log", [](const std::string&) {});
   std::string left, failure;
   const std::string completed = finish_interrupted_commit(journal, outputs, &left, &failure);
   std::string note;
@@ -359,14 +438,7 @@ json read_json(const std::string& path) { return read_json_file(path, "training 
 // so two runs each wrote back their own entry and one was lost, rc 0 (G19-5 of the nineteenth bad-input pass). The
 // path is resolved (weakly_canonical: every link of the part that exists, the file's own included); where it cannot be
 // (a working directory past PATH_MAX), the name as given, as before.
-// The same rule gives --log its lock file (beside the log that the run's rename replaces).
-fs::path lock_file_beside(const std::string& file) {
-  std::error_code ec;
-  fs::path path = fs::weakly_canonical(fs::absolute(file, ec), ec);
-  if (ec || path.filename().empty()) path = fs::path(file);
-  return (path.has_parent_path() ? path.parent_path() : fs::path(".")) /
-         ("." + path.filename().string() + ".dmoe-lock");
-}
+// The same rule gives --log its lock file (lock_file_beside, above).
 fs::path tune_file_lock_path(const std::string& tune_file) { return lock_file_beside(tune_file); }
 
 // Before the training: the tuning file's lock file can be opened (it is created here when missing, and locked when the
@@ -1038,34 +1110,19 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
     }
   }
 
-  // One run at a time writes a log: two runs with one --log and two --save directories each wrote the log of their own
-  // run, and the last to publish replaced the other's (or, resumed, both appended their lines to it). The writing
-  // process holds an exclusive lock on a hidden lock file beside the log (".NAME.dmoe-lock": the log itself is replaced
-  // by a rename, which a lock on it would not survive), which exists only while the run does (ExclusiveLock::
-  // lock_transient_file); a second run is refused before it trains. Where the lock file cannot be made (a directory
-  // this process may not write, while a resumed run appends to a log it may write) or flock is not supported, there is
-  // no lock, as before.
-  ExclusiveLock log_lock;
+  // One run at a time writes a log (LogLock, above), taken before the --save directory is made. Its lock file may be no
+  // other path of the run (--save there was made a moment later as a directory and failed, "Not a directory", G23A-10;
+  // --tune-file there was replaced by the tuning file).
+  LogLock log_lock;
   const bool writes_log = !o.log_path.empty() && (o.engine != "cuda" || detect_process_env().rank == 0);
   if (writes_log) {
     const fs::path lock = lock_file_beside(o.log_path);
-    DMOE_REQUIRE_INPUT(o.tune_file.empty() || !same_file(o.tune_file, lock.string()), "--tune-file '{}' is the lock "
-                       "file of --log {} ('{}'), which dmoe creates and locks beside the log while the run writes it: "
-                       "give another --tune-file", o.tune_file, o.log_path, lock.string());
-    std::error_code ec;
-    const fs::file_status st = fs::symlink_status(lock, ec);
-    const char* what = fs::is_symlink(st) ? "a symbolic link" : fs::is_directory(st) ? "a directory"
-                     : fs::exists(st) && !fs::is_regular_file(st) ? "not a regular file" : nullptr;
-    DMOE_REQUIRE_INPUT(!what, "--log {}: '{}' is {}: that name is the lock file dmoe takes beside the log while a run "
-                       "writes it (a regular file, created when missing; a link there is never followed); move it "
-                       "away", o.log_path, lock.string(), what);
-    const int fd = ::open(lock.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0644);
-    if (fd >= 0) {
-      ::close(fd);
-      DMOE_REQUIRE_INPUT(log_lock.lock_transient_file(lock.string(), "--log"), "--log {}: another dmoe run is writing "
-                         "this log now (it holds '{}'): wait for it to end, or give another --log", o.log_path,
-                         lock.string());
-    }
+    for (const NamedPath& other : std::vector<NamedPath>{{"--save", o.save_dir}, {"--tune-file", o.tune_file},
+                                                         {"--data", o.data_path}, {"--resume", o.resume_dir}})
+      DMOE_REQUIRE_INPUT(other.path.empty() || !same_file(other.path, lock.string()), "{} '{}' is the lock file of "
+                         "--log {} ('{}'), which dmoe makes beside the log while a run writes it and then removes: "
+                         "give another {}", other.option, other.path, o.log_path, lock.string(), other.option);
+    log_lock.take(o.log_path, "--log", print);
   }
   // One run at a time saves into a directory: two runs with the same --save both said "saved", the directory holding
   // whichever committed last (H12 of the seventeenth pass). The saving process holds an exclusive lock on the directory

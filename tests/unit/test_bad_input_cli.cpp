@@ -973,6 +973,16 @@ TEST_F(BadInput, ANewRunsLogIsCompletedWithItsKilledFirstSave) {
       EXPECT_EQ(slurp(p("log.jsonl")), earlier);
       EXPECT_FALSE(fs::exists(p("other.jsonl")));
     }
+    if (kill_after == 3) {
+      // G23A-11 (twenty-third pass): the completion renamed the killed run's log onto --log while another run was
+      // writing that log (it appended on to the replaced file: all its lines lost, rc 0). The log's lock comes first.
+      ExclusiveLock writer;  // another run writing log.jsonl now
+      ASSERT_EQ(writer.lock_transient_file(p(".log.jsonl.dmoe-lock"), "a test's --log"), ExclusiveLock::Outcome::held);
+      expect_user_error(run_cli_bounded(resume + "--log " + p("log.jsonl")), "--log " + p("log.jsonl") +
+                        ": another dmoe run is writing this log now", "a completion under another run's log");
+      EXPECT_TRUE(fs::exists(p("ck/.dmoe-commit.json")));
+      EXPECT_EQ(slurp(p("log.jsonl")), earlier);
+    }
     const Result resumed = run_cli_bounded(resume + "--log " + p("log.jsonl"));
     ASSERT_EQ(resumed.status, 0) << resumed.output;
     EXPECT_NE(resumed.output.find("its last save was interrupted between the renames of its files"),
@@ -1117,8 +1127,58 @@ TEST_F(BadInput, TwoRunsCannotWriteOneLogAtOnce) {
   fs::create_symlink(p("victim"), p(".l.jsonl.dmoe-lock"));
   expect_user_error(run_cli_bounded("train --config " + p("tiny.json") + " --data " + p("data") + " --seq 16 --batch 2 "
                                     "--val-batches 1 --print-every 0 --steps 2 --log " + p("l.jsonl")),
-                    "is a symbolic link: that name is the lock file dmoe takes beside the log", "a link at the lock");
+                    "--log " + p("l.jsonl") + ": '" + p(".l.jsonl.dmoe-lock") + "' is a symbolic link: that name is "
+                    "the lock file dmoe takes while a run writes it", "a link at the lock");
   EXPECT_EQ(slurp(p("victim")), "keep");
+}
+
+TEST_F(BadInput, TheLogsLockFileIsNoOtherFile) {
+  // G23A-2 (twenty-third pass): any regular file at the log's lock name was taken for a stale lock and removed at the
+  // end of the run, rc 0: the run's own --data, or another run's log named like it. Only an empty file is taken over
+  // now; one with content is refused and kept. G23A-10: --save there failed as "Not a directory", naming neither.
+  const std::string base = "train --config " + p("tiny.json") + " --seq 16 --batch 2 --val-batches 1 --print-every 0 "
+                           "--steps 2 ";
+  std::string text;
+  for (int i = 0; i < 4000; ++i) text += "text " + std::to_string(i % 97) + " ";
+  std::ofstream(p(".l.jsonl.dmoe-lock"), std::ios::binary) << text;
+  expect_user_error(run_cli_bounded(base + "--data " + p(".l.jsonl.dmoe-lock") + " --log " + p("l.jsonl")),
+                    "--data '" + p(".l.jsonl.dmoe-lock") + "' is the lock file of --log " + p("l.jsonl"), "--data");
+  EXPECT_EQ(slurp(p(".l.jsonl.dmoe-lock")), text);
+  fs::rename(p(".l.jsonl.dmoe-lock"), p(".x.jsonl.dmoe-lock"));  // another run's log, named like a lock
+  expect_user_error(run_cli_bounded(base + "--data " + p("data") + " --log " + p("x.jsonl")),
+                    "is a file of " + std::to_string(text.size()) + " bytes: that name is the lock file dmoe takes",
+                    "a file with content at the lock's name");
+  EXPECT_EQ(slurp(p(".x.jsonl.dmoe-lock")), text);
+  expect_user_error(run_cli_bounded(base + "--data " + p("data") + " --log " + p("l.jsonl") + " --save " +
+                                    p(".l.jsonl.dmoe-lock")),
+                    "--save '" + p(".l.jsonl.dmoe-lock") + "' is the lock file of --log " + p("l.jsonl"), "--save");
+  EXPECT_FALSE(fs::exists(p(".l.jsonl.dmoe-lock")));
+}
+
+TEST_F(BadInput, TheLogsLockHoldsThroughHardLinksAndLongNames) {
+  // G23A-3: one log reached through two hard links took two lock files; two resumed runs appended to it at once.
+  // G23A-4: a log name of 245-255 bytes made a lock name past NAME_MAX, and the lock was skipped without a word.
+  const std::string base = std::string(DMOE_CLI_PATH) + " train --config " + p("tiny.json") + " --data " + p("data") +
+                           " --seq 16 --batch 2 --val-batches 1 --print-every 0 ";
+  const auto second_is_refused = [&](const std::string& first_log, const std::string& second_log, const char* key) {
+    // The first run over an existing log writes a temporary until its end: wait for that (any hidden dmoe-tmp).
+    const Result r = test::run_shell(
+        "( (timeout 120 " + base + "--steps 100000 --log '" + first_log + "' >/dev/null 2>&1 & echo $! > " +
+        p("first.pid") + "); for i in $(seq 600); do ls -a " + p("") + " | grep -q 'dmoe-tmp' && break; sleep 0.1; "
+        "done; timeout 60 " + base + "--steps 2 --log '" + second_log + "'; rc=$?; " + stop_background(p("first.pid")) +
+        "; exit $rc )");
+    expect_user_error(r, "another dmoe run is writing this log now", key);
+  };
+  std::ofstream(p("a.jsonl")) << "{\"step\": 1}\n";
+  fs::create_hard_link(p("a.jsonl"), p("b.jsonl"));
+  second_is_refused(p("a.jsonl"), p("b.jsonl"), "the same log through a hard link");
+  const std::string longname = std::string(245, 'L') + ".jsonl";  // 251 bytes: ".NAME.dmoe-lock" would be 262
+  std::ofstream(p(longname)) << "{\"step\": 1}\n";
+  second_is_refused(p(longname), p(longname), "a log name of 251 bytes");
+  std::vector<std::string> left;
+  for (const auto& e : fs::directory_iterator(dir_))
+    if (e.path().filename().string().find("dmoe-") != std::string::npos) left.push_back(e.path().filename().string());
+  EXPECT_EQ(left, std::vector<std::string>{});
 }
 
 TEST_F(BadInput, TheSavesJournalNameIsNoOtherFile) {

@@ -820,29 +820,54 @@ TEST_F(OutputFile, ACommitThatCouldNotBeUndoneSaysWhichBackupFailedAndItsJournal
 
 // The log's lock (ExclusiveLock::lock_transient_file): held by one holder at a time (two opens of the file conflict
 // even in one process), removed by its holder when released and when a terminating signal ends it, taken over when a
-// SIGKILLed holder left it.
+// SIGKILLed holder left it (empty); a file with content, a link or a directory at its name is refused, kept as it is
+// (G23A-2: a user's file there was taken for a stale lock and removed); a file this call made and could not hold is
+// not left behind (G23A-9).
 TEST_F(OutputFile, ATransientLockFileIsHeldByOneAndRemovedByItsHolder) {
+  using Outcome = ExclusiveLock::Outcome;
   const std::string lock = p(".l.jsonl.dmoe-lock");
   {
     ExclusiveLock first;
-    ASSERT_TRUE(first.lock_transient_file(lock, "--log"));
+    ASSERT_EQ(first.lock_transient_file(lock, "--log"), Outcome::held);
     EXPECT_TRUE(fs::exists(lock));
     ExclusiveLock second;
-    EXPECT_FALSE(second.lock_transient_file(lock, "--log"));
+    EXPECT_EQ(second.lock_transient_file(lock, "--log"), Outcome::busy);
     EXPECT_TRUE(fs::exists(lock)) << "a refused second holder removed the first's lock file";
   }
   EXPECT_FALSE(fs::exists(lock)) << "the holder left its lock file";
-  std::ofstream(lock).close();  // left by a SIGKILLed holder: nobody holds it
+  std::ofstream(lock).close();  // left by a SIGKILLed holder: empty, nobody holds it
   {
     ExclusiveLock taken;
-    EXPECT_TRUE(taken.lock_transient_file(lock, "--log"));
+    EXPECT_EQ(taken.lock_transient_file(lock, "--log"), Outcome::held);
   }
   EXPECT_FALSE(fs::exists(lock));
+  // A file with content at the name is no lock of dmoe's: refused, kept.
+  std::ofstream(lock) << "a user's text";
+  {
+    ExclusiveLock refused;
+    try {
+      refused.lock_transient_file(lock, "--log");
+      ADD_FAILURE() << "a file with content was taken as a lock";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("is a file of 13 bytes: that name is the lock file dmoe takes"),
+                std::string::npos) << e.what();
+    }
+  }
+  EXPECT_EQ(read_text(lock), "a user's text");
+  fs::remove(lock);
+  fs::create_symlink(p("victim"), lock);
+  {
+    ExclusiveLock refused;
+    EXPECT_THROW(refused.lock_transient_file(lock, "--log"), Error);
+  }
+  EXPECT_TRUE(fs::is_symlink(lock));
+  EXPECT_FALSE(fs::exists(p("victim")));
+  fs::remove(lock);
   const pid_t pid = ::fork();
   ASSERT_GE(pid, 0);
   if (pid == 0) {
     ExclusiveLock held;
-    if (!held.lock_transient_file(lock, "--log")) ::_exit(4);
+    if (held.lock_transient_file(lock, "--log") != Outcome::held) ::_exit(4);
     ::raise(SIGTERM);
     ::_exit(3);
   }
@@ -850,6 +875,17 @@ TEST_F(OutputFile, ATransientLockFileIsHeldByOneAndRemovedByItsHolder) {
   ASSERT_EQ(::waitpid(pid, &status, 0), pid);
   EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGTERM) << "status " << status;
   EXPECT_FALSE(fs::exists(lock)) << "SIGTERM left the lock file";
+}
+
+// The lock on a file itself (ExclusiveLock::lock_existing_file) holds through its hard links (G23A-3).
+TEST_F(OutputFile, AFileLockHoldsThroughEveryNameOfTheFile) {
+  using Outcome = ExclusiveLock::Outcome;
+  write_file_atomically(p("a.jsonl"), std::string_view("{}\n"));
+  fs::create_hard_link(p("a.jsonl"), p("b.jsonl"));
+  ExclusiveLock first, second, missing;
+  ASSERT_EQ(first.lock_existing_file(p("a.jsonl")), Outcome::held);
+  EXPECT_EQ(second.lock_existing_file(p("b.jsonl")), Outcome::busy);
+  EXPECT_EQ(missing.lock_existing_file(p("none.jsonl")), Outcome::unavailable);
 }
 
 }  // namespace
