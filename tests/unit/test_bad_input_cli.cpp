@@ -4624,5 +4624,49 @@ TEST_F(BadInput, MessagesSayWhichValueIsWrongAndStateOneRule) {
   expect_user_error(run_cli("bench --config " + p("t.json") + " -n 1"), "key 'tokens' must be an integer", "8.0");
 }
 
+// ---- The twenty-third pass, checkpoint findings (G23A-1, -5, -6, -7; /tmp/pass23a, rows in G23-ROWS-ckpt.md) --------
+
+class G23Ckpt : public G22Output {};
+
+// G23A-1: two of the checkpoint's own files linked to one file inside --save (ck/config.json -> model.safetensors):
+// the save wrote both through the link onto model.safetensors, rc 0 "saved", and the trained weights were gone (the
+// file held the config). Refused before the training now, naming both; hard links of one file too.
+TEST_F(G23Ckpt, TwoCheckpointFilesThatAreOneFileAreRefusedBeforeTheTraining) {
+  ASSERT_EQ(run_cli_g20(train(2) + "--save " + p("ck")).status, 0);
+  fs::remove(p("ck/config.json"));
+  fs::create_symlink("model.safetensors", p("ck/config.json"));
+  const std::string model = slurp(p("ck/model.safetensors")), state = slurp(p("ck/trainer_state.json"));
+  Result r = run_cli_g20(train(4, 1) + "--save " + p("ck"));
+  expect_user_error(r, "--save '" + p("ck") + "': its model.safetensors and its config.json are one file (through "
+                    "the symbolic link '" + p("ck/config.json") + "')", "config.json linked to model.safetensors");
+  EXPECT_EQ(r.output.find("| loss "), std::string::npos) << "trained before the refusal:\n" << r.output;
+  EXPECT_EQ(slurp(p("ck/model.safetensors")), model);
+  EXPECT_EQ(slurp(p("ck/trainer_state.json")), state);
+  EXPECT_TRUE(fs::is_symlink(p("ck/config.json")));
+  // The moments linked onto the model.
+  fs::remove(p("ck/config.json"));
+  ASSERT_EQ(run_cli_g20(train(2) + "--save " + p("ck2")).status, 0);
+  fs::copy_file(p("ck2/config.json"), p("ck/config.json"));
+  fs::remove(p("ck/model.safetensors"));
+  fs::create_symlink("optimizer.safetensors", p("ck/model.safetensors"));
+  const std::string moments = slurp(p("ck/optimizer.safetensors"));
+  r = run_cli_g20(train(4) + "--save " + p("ck"));
+  expect_user_error(r, "its model.safetensors and its optimizer.safetensors are one file", "model -> optimizer");
+  EXPECT_EQ(slurp(p("ck/optimizer.safetensors")), moments);
+  // Hard links of one file.
+  fs::remove(p("ck/model.safetensors"));
+  fs::create_hard_link(p("ck/optimizer.safetensors"), p("ck/model.safetensors"));
+  r = run_cli_g20(train(4) + "--save " + p("ck"));
+  expect_user_error(r, "its model.safetensors and its optimizer.safetensors are one file (hard links)", "hard links");
+  EXPECT_EQ(temporaries("ck"), std::vector<std::string>{});
+  // A link to another file of the directory (G22A-1) is still written through.
+  fs::remove(p("ck/model.safetensors"));
+  fs::copy_file(p("ck2/model.safetensors"), p("ck/m0.safetensors"));
+  fs::create_symlink("m0.safetensors", p("ck/model.safetensors"));
+  r = run_cli_g20(train(4) + "--save " + p("ck"));
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_TRUE(fs::is_symlink(p("ck/model.safetensors")));
+}
+
 }  // namespace
 }  // namespace dmoe

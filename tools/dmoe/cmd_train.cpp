@@ -154,6 +154,31 @@ void check_train_paths(const TrainOptions& o, const std::string& config_file) {
                            "the link: make it a file of its own (cp --remove-destination '{}' '{}'), or give another "
                            "--save directory", o.save_dir, name, target, parent.string(), target, file.string());
       }
+      // G23A-1: two of the checkpoint's files that are one file (ck/config.json -> model.safetensors, a link that
+      // stays inside the directory, or two hard links): the save wrote both through it onto that one file, rc 0
+      // "saved", and the trained weights were gone (the file held the config). Refused before the training, naming
+      // both; compared by identity, links followed.
+      {
+        const char* const names[] = {"model.safetensors", "config.json", "optimizer.safetensors", "trainer_state.json"};
+        for (size_t i = 0; i < std::size(names); ++i)
+          for (size_t j = i + 1; j < std::size(names); ++j) {
+            const fs::path a = fs::path(o.save_dir) / names[i], b = fs::path(o.save_dir) / names[j];
+            if (!fs::exists(a, ec) || !fs::exists(b, ec) || !same_file(a.string(), b.string())) continue;
+            const bool a_link = fs::is_symlink(fs::symlink_status(a, ec));
+            const bool b_link = fs::is_symlink(fs::symlink_status(b, ec));
+            const std::string link = a_link ? a.string() : b.string();
+            if (a_link || b_link)
+              DMOE_FAIL_INPUT("--save '{}': its {} and its {} are one file (through the symbolic link '{}'): a save "
+                              "writes each of the checkpoint's four files as a file of its own, and would write "
+                              "both through the link onto that one file, the trained weights lost; remove the link "
+                              "'{}' (or make it a file of its own), or give another --save directory", o.save_dir,
+                              names[i], names[j], link, link);
+            DMOE_FAIL_INPUT("--save '{}': its {} and its {} are one file (hard links): each of the checkpoint's four "
+                            "files must be a file of its own; make them so (cp '{}' '{}.copy' && mv '{}.copy' '{}'), "
+                            "or give another --save directory", o.save_dir, names[i], names[j], b.string(), b.string(),
+                            b.string(), b.string());
+          }
+      }
       // The save's journal (docs/model.md) is dmoe's own name: a link there would have the journal written through it
       // onto its target, and a directory or FIFO failed the save only after the training (H4, H8 of the seventeenth
       // pass).
