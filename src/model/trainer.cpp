@@ -704,7 +704,10 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
       struct stat save_fs {};
       const bool known = ::stat(existing.c_str(), &save_fs) == 0;
       const auto on_save_fs = [&](const std::string& file) {
-        fs::path dir = fs::absolute(file, ec).parent_path();
+        // G23A-5: the directory the file's temporary and lock file are made in, links resolved (as the writer and
+        // lock_file_beside resolve them): a --log that is a link from another file system into the save's was counted
+        // on the link's file system, and the save failed after all the steps with "no free inodes".
+        fs::path dir = lock_file_beside(file).parent_path();
         while (!dir.empty() && !fs::exists(dir, ec) && dir != dir.parent_path()) dir = dir.parent_path();
         struct stat st {};
         return known && ::stat(dir.c_str(), &st) == 0 && st.st_dev == save_fs.st_dev;

@@ -4668,5 +4668,24 @@ TEST_F(G23Ckpt, TwoCheckpointFilesThatAreOneFileAreRefusedBeforeTheTraining) {
   EXPECT_TRUE(fs::is_symlink(p("ck/model.safetensors")));
 }
 
+// G23A-5: --log a symbolic link from another file system into the save's (lnk.jsonl -> ti/l.jsonl): its temporary and
+// lock file are made beside the link's target, on the save's file system, but were counted (G22A-3) on the link's, and
+// the save failed after all the steps with "no free inodes". Counted where they are made now.
+TEST_F(G23Ckpt, ALogLinkedIntoTheSavesFileSystemIsCountedThere) {
+  fs::create_directories(p("ti"));
+  if (::mount("dmoe-test", p("ti").c_str(), "tmpfs", 0, "size=64m,nr_inodes=8") != 0)
+    GTEST_SKIP() << "cannot mount a tmpfs here (" << std::strerror(errno) << ")";
+  mounts_.push_back(p("ti"));
+  std::ofstream(p("ti/l.jsonl")) << "{\"step\":1}\n";
+  fs::create_symlink(p("ti/l.jsonl"), p("lnk.jsonl"));
+  const Result r = run_cli_g20(train(20, 1) + "--save " + p("ti/ck") + " --log " + p("lnk.jsonl"));
+  expect_user_error(r, "and the file system of '" + p("ti") + "' has 6 free inodes", "--log linked beside --save");
+  EXPECT_NE(r.output.find("--log " + p("lnk.jsonl") + " (its temporary and its lock file)"), std::string::npos)
+      << r.output;
+  EXPECT_EQ(r.output.find("| loss "), std::string::npos) << "trained before the refusal:\n" << r.output;
+  EXPECT_FALSE(fs::exists(p("ti/ck")));
+  EXPECT_EQ(slurp(p("ti/l.jsonl")), "{\"step\":1}\n");
+}
+
 }  // namespace
 }  // namespace dmoe
