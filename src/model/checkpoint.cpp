@@ -355,16 +355,40 @@ CheckpointReader CheckpointReader::open(const std::string& path_or_dir) {
   const nlohmann::json j = read_json_file(path, "checkpoint index");
   DMOE_REQUIRE_INPUT(j.is_object() && j.contains("weight_map") && j.at("weight_map").is_object(),
                "checkpoint index '{}': expected an object with \"weight_map\": {{tensor name: shard file}}", path);
+  std::map<std::string, std::string> shard_of_file;  // a shard's normalised name -> the name it is read under
+  const std::filesystem::path shard_dir(r.directory_);
   for (const auto& [name, file] : j.at("weight_map").items()) {
     DMOE_REQUIRE_INPUT(file.is_string(), "checkpoint index '{}': weight_map['{}'] must be a file name (found {})", path,
                  name, file.type_name());
-    const std::string f = file.get<std::string>();
-    DMOE_REQUIRE_INPUT(is_shard_name(f),
-                 "checkpoint index '{}': weight_map['{}'] = '{}' must be a file name beside the index", path, name, f);
-    // The index itself, read as a shard, was reported as a second copy of the tensor its real shard holds (G22A-7).
-    DMOE_REQUIRE_INPUT(f != p.filename().string(), "checkpoint index '{}': weight_map['{}'] = '{}' names the index "
-                       "itself; it must name the shard (a .safetensors file beside the index) that holds '{}'", path,
-                       name, f, name);
+    const std::string given = file.get<std::string>();
+    DMOE_REQUIRE_INPUT(is_shard_name(given),
+                 "checkpoint index '{}': weight_map['{}'] = '{}' must be a file name beside the index", path, name,
+                 given);
+    // G23A-6: one shard spelt two ways ('./m-00001…' and 'm-00001…', or a link to it) was read as two shards, and
+    // each tensor of it reported "present twice … remove it from './m-00001…'", which deleted its only copy. Shards
+    // are keyed by the file they name: the name lexically normalised, and a name that is another one's file (a link,
+    // a hard link) taken as that one.
+    std::string f = std::filesystem::path(given).lexically_normal().string();
+    if (!shard_of_file.count(f)) {
+      std::string same = f;
+      for (const auto& [known, rep] : shard_of_file) {
+        std::error_code eq;
+        if (std::filesystem::equivalent(shard_dir / f, shard_dir / known, eq) && !eq) {
+          same = rep;
+          break;
+        }
+      }
+      shard_of_file[f] = same;
+    }
+    f = shard_of_file[f];
+    // The index itself, read as a shard, was reported as a second copy of the tensor its real shard holds (G22A-7);
+    // compared by the file named (G23A-6: './INDEX' or a link to the index read it as a safetensors file, "header
+    // length … is absurd").
+    std::error_code self_ec;
+    const bool self = f == p.filename().string() ||
+                      (std::filesystem::equivalent(shard_dir / f, p, self_ec) && !self_ec);
+    DMOE_REQUIRE_INPUT(!self, "checkpoint index '{}': weight_map['{}'] = '{}' names the index itself; it must name "
+                       "the shard (a .safetensors file beside the index) that holds '{}'", path, name, given, name);
     r.weight_map_[name] = f;
   }
   DMOE_REQUIRE_INPUT(!r.weight_map_.empty(), "checkpoint index '{}': weight_map is empty", path);
@@ -387,7 +411,8 @@ std::vector<std::string> checkpoint_files(const std::string& path_or_dir) {
     const nlohmann::json j = read_json_file(path, "checkpoint index");
     if (j.is_object() && j.contains("weight_map") && j.at("weight_map").is_object())
       for (const auto& [name, file] : j.at("weight_map").items())
-        if (file.is_string() && is_shard_name(file.get<std::string>())) shards.insert(file.get<std::string>());
+        if (file.is_string() && is_shard_name(file.get<std::string>()))  // one name per spelling (G23A-6)
+          shards.insert(std::filesystem::path(file.get<std::string>()).lexically_normal().string());
   } catch (const Error&) {
     return files;  // CheckpointReader::open says what is wrong with the index
   }

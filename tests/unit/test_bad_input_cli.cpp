@@ -4687,5 +4687,53 @@ TEST_F(G23Ckpt, ALogLinkedIntoTheSavesFileSystemIsCountedThere) {
   EXPECT_EQ(slurp(p("ti/l.jsonl")), "{\"step\":1}\n");
 }
 
+// G23A-6: a weight_map naming one shard two ways ('./m-00001…' for one tensor, 'm-00001…' for the others) was
+// refused as each tensor "present twice … (remove it from './m-00001…')", the advice deleting the only copy; a link to a
+// shard the same. And './INDEX' (or a link to the index) was read as a safetensors file: "header length … is absurd".
+TEST_F(G23Ckpt, AShardNamedTwoWaysIsOneShardAndTheIndexIsKnownByItsFile) {
+  write_tokens_file();
+  fs::create_directories(p("sh"));
+  ASSERT_EQ(run_cli("init-model --config " + p("tiny.json") + " --out " + p("sh/model.safetensors.index.json") +
+                    " --shard-bytes 300000").status, 0);
+  const std::string index_path = p("sh/model.safetensors.index.json");
+  const json original = json::parse(slurp(index_path));
+  const std::string eval = "eval --config " + p("tiny.json") + " --weights " + p("sh") + " --tokens " + p("tok.st") +
+                           " --output " + p("e.st");
+  ASSERT_EQ(run_cli(eval).status, 0);
+  const std::string expected = slurp(p("e.st"));
+  json index = original;
+  std::map<std::string, int> per_shard;
+  for (const auto& [name, file] : index.at("weight_map").items()) ++per_shard[file.get<std::string>()];
+  std::string tensor, embed_shard;  // a tensor of a shard that holds others too
+  for (const auto& [name, file] : index.at("weight_map").items())
+    if (per_shard[file.get<std::string>()] > 1) tensor = name, embed_shard = file.get<std::string>();
+  ASSERT_FALSE(tensor.empty()) << "the test needs a shard of two tensors: " << index.dump();
+  index["weight_map"][tensor] = "./" + embed_shard;
+  std::ofstream(index_path) << index.dump();
+  fs::remove(p("e.st"));
+  Result r = run_cli(eval);
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_EQ(r.output.find("present twice"), std::string::npos) << r.output;
+  EXPECT_EQ(slurp(p("e.st")), expected);
+  // Through a link to the shard.
+  fs::create_symlink(embed_shard, p("sh/lnk.safetensors"));
+  index["weight_map"][tensor] = "lnk.safetensors";
+  std::ofstream(index_path) << index.dump();
+  r = run_cli(eval);
+  ASSERT_EQ(r.status, 0) << r.output;
+  // './INDEX' and a link to the index name the index itself.
+  index = original;
+  fs::remove(p("e.st"));
+  index["weight_map"]["lm_head.weight"] = "./model.safetensors.index.json";
+  std::ofstream(index_path) << index.dump();
+  expect_eval_and_train_init_refused(p("tiny.json"), p("sh"), "weight_map['lm_head.weight'] = "
+                                     "'./model.safetensors.index.json' names the index itself", "./INDEX in its map");
+  fs::create_symlink("model.safetensors.index.json", p("sh/idx.json"));
+  index["weight_map"]["lm_head.weight"] = "idx.json";
+  std::ofstream(index_path) << index.dump();
+  expect_eval_and_train_init_refused(p("tiny.json"), p("sh"), "weight_map['lm_head.weight'] = 'idx.json' names the "
+                                     "index itself", "a link to the index in its map");
+}
+
 }  // namespace
 }  // namespace dmoe
