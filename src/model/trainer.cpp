@@ -806,6 +806,26 @@ TrainResult train_mixtral(const MixtralConfig& config, const TrainOptions& o,
   int64_t first_step = 1;
   std::optional<double> checkpoint_loss;
   if (!o.resume_dir.empty()) {
+    // G23A-7: a resume reading the checkpoint while another run committed into it read files of two saves, and was
+    // told the (whole) checkpoint was "of two different saves … resume from another checkpoint". A saving run holds the
+    // directory's lock (save_lock below, LOCK_EX) from before its training to its end: the checkpoint is read under
+    // that lock, shared, and refused while another run holds it (as complete_interrupted_save does, G22A-2). Released
+    // at the end of this block, before this run's own save_lock (flock locks of two descriptors of one process
+    // conflict). Not taken by the other ranks of a GPU job, whose rank 0 may hold save_lock by then; where flock is not
+    // supported, no lock, as before.
+    struct ResumeLock {
+      int fd = -1;
+      ~ResumeLock() {
+        if (fd >= 0) ::close(fd);
+      }
+    } resume_lock;
+    if (o.engine != "cuda" || detect_process_env().rank == 0) {
+      resume_lock.fd = ::open(o.resume_dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+      if (resume_lock.fd >= 0 && ::flock(resume_lock.fd, LOCK_SH | LOCK_NB) != 0)
+        DMOE_REQUIRE_INPUT(errno != EWOULDBLOCK, "--resume {}: another dmoe run is saving into this directory now (it "
+                           "holds the directory's lock, and its save may be replacing the checkpoint's files as they "
+                           "are read): wait for it to end, then resume", o.resume_dir);
+    }
     if (const std::string note = complete_interrupted_save(o.resume_dir, o.log_path); !note.empty()) print(note);
     const json state = read_json((fs::path(o.resume_dir) / "trainer_state.json").string());
     DMOE_REQUIRE_INPUT(state.contains("step") && state["step"].is_number_integer(),

@@ -4735,5 +4735,28 @@ TEST_F(G23Ckpt, AShardNamedTwoWaysIsOneShardAndTheIndexIsKnownByItsFile) {
                                      "index itself", "a link to the index in its map");
 }
 
+// G23A-7: a resume reading the checkpoint while another run (--resume ck --save ck) committed into it read files of two
+// saves, and was told the whole checkpoint was "of two different saves … resume from another checkpoint". The resume
+// now reads under the directory's lock, shared, and is refused while a saving run holds it (here this test holds it,
+// as a saving run would, with no journal there yet). A run resuming from and saving into one directory still runs.
+TEST_F(G23Ckpt, AResumeWaitsForARunSavingIntoItsCheckpoint) {
+  ASSERT_EQ(run_cli_g20(six(2) + "--save " + p("ck")).status, 0);
+  const int lock = ::open(p("ck").c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  ASSERT_GE(lock, 0);
+  ASSERT_EQ(::flock(lock, LOCK_EX | LOCK_NB), 0);
+  const Result r = run_cli_g20(six(4) + "--resume " + p("ck") + " --save " + p("ck2"));
+  expect_user_error(r, "--resume " + p("ck") + ": another dmoe run is saving into this directory now",
+                    "a resume while another run saves into its checkpoint");
+  EXPECT_NE(r.output.find("wait for it to end, then resume"), std::string::npos) << r.output;
+  EXPECT_FALSE(fs::exists(p("ck2/trainer_state.json")));
+  ::close(lock);
+  Result resumed = run_cli_g20(six(4) + "--resume " + p("ck") + " --save " + p("ck2"));
+  ASSERT_EQ(resumed.status, 0) << resumed.output;
+  // The shared lock is let go before the run's own save takes the directory's lock.
+  resumed = run_cli_g20(six(4) + "--resume " + p("ck") + " --save " + p("ck"));
+  ASSERT_EQ(resumed.status, 0) << resumed.output;
+  EXPECT_EQ(json::parse(slurp(p("ck/trainer_state.json")))["step"], 4);
+}
+
 }  // namespace
 }  // namespace dmoe
