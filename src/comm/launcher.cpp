@@ -100,6 +100,16 @@ class SignalGuard {
       saved_.emplace_back(sig, previous);
       sigaddset(&g_changed_signals, sig);
     }
+    // G23B-1: with SIGCHLD ignored (SIG_IGN or SA_NOCLDWAIT inherited across exec, e.g. from a Python supervisor) the
+    // kernel reaped the ranks itself, every waitpid said ECHILD and the poll loop never ended. The default for the
+    // launch (the ranks inherit it), the caller's disposition back afterwards.
+    struct sigaction chld {};
+    if (::sigaction(SIGCHLD, nullptr, &chld) == 0 && (chld.sa_handler == SIG_IGN || (chld.sa_flags & SA_NOCLDWAIT))) {
+      struct sigaction def {};
+      def.sa_handler = SIG_DFL;
+      sigemptyset(&def.sa_mask);
+      if (::sigaction(SIGCHLD, &def, nullptr) == 0) saved_.emplace_back(SIGCHLD, chld);
+    }
   }
   ~SignalGuard() {
     for (const auto& [sig, previous] : saved_) ::sigaction(sig, &previous, nullptr);
@@ -346,9 +356,12 @@ struct Rank {
   pid_t pid = -1;
   bool running = false;
   int status = 0;  // waitpid status once exited
+  bool status_unknown = false;  // exited, but reaped elsewhere (G23B-1): waitpid said ECHILD
   OutputPipe out, err;
   std::deque<std::string> err_tail;
 };
+
+constexpr double kReapAfterKillS = 10.0;  // how long a rank may take to go after SIGKILL (G23B-1)
 
 class RankSet {
  public:
@@ -359,13 +372,16 @@ class RankSet {
       ranks_[r].err.out_fd = o.err_fd;
     }
   }
-  // Nothing outlives the launch: SIGKILL to every rank still running, then reap.
+  // Nothing outlives the launch: SIGKILL to every rank still running, then reap (bounded, G23B-1: a rank in
+  // uninterruptible sleep must not hold the launcher forever).
   ~RankSet() {
     for (auto& r : ranks_)
-      if (r.running) {
-        ::kill(-r.pid, SIGKILL);
-        ::waitpid(r.pid, &r.status, 0);
-      }
+      if (r.running) ::kill(-r.pid, SIGKILL);
+    const auto start = Clock::now();
+    while (num_running() > 0 && seconds_since(start) < kReapAfterKillS) {
+      reap();
+      if (num_running() > 0) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
     for (auto& r : ranks_) {
       close_stream(r.out);
       close_stream(r.err);
@@ -470,8 +486,11 @@ class RankSet {
     for (auto& r : ranks_) {
       if (!r.running) continue;
       const pid_t got = ::waitpid(r.pid, &r.status, WNOHANG);
-      if (got == r.pid) {
+      // G23B-1: ECHILD (reaped by someone else) counts as exited, status unknown: the loop waited for it forever.
+      const bool gone = got < 0 && errno == ECHILD;
+      if (got == r.pid || gone) {
         r.running = false;
+        r.status_unknown = gone;
         exited.push_back(&r);
       }
     }
@@ -564,6 +583,7 @@ int exit_code_of(int status) {
 }
 
 bool failed(int status) { return !(WIFEXITED(status) && WEXITSTATUS(status) == 0); }
+bool failed(const Rank& r) { return r.status_unknown || failed(r.status); }
 
 }  // namespace
 
@@ -707,6 +727,7 @@ int run_launch(const LaunchOptions& o, int& ended_by) {
   bool tearing_down = false, killed = false, terminated = false;
   auto teardown_start = Clock::now();
   auto all_exited_at = Clock::now();
+  auto killed_at = Clock::now();
   bool all_exited = false;
   auto begin_teardown = [&](int sig) {
     if (!tearing_down) {
@@ -729,15 +750,16 @@ int run_launch(const LaunchOptions& o, int& ended_by) {
       begin_teardown(sig);
     }
     for (Rank* r : ranks.reap()) {
-      if (!failed(r->status) || tearing_down) continue;
+      if (!failed(*r) || tearing_down) continue;
       ranks.drain_rank(*r);
-      std::string report = fmt::format("rank {} failed ({})", r->index, describe_exit(r->status));
+      std::string report = fmt::format("rank {} failed ({})", r->index, r->status_unknown ? "its exit status is "
+                                       "unknown: another waiter reaped it" : describe_exit(r->status));
       if (!r->err_tail.empty()) {
         report += fmt::format("; its last {} stderr line(s):", r->err_tail.size());
         for (const auto& line : r->err_tail) report += "\n  | " + line;
       }
       message(o.err_fd, report);
-      result = exit_code_of(r->status);
+      result = r->status_unknown ? 1 : exit_code_of(r->status);
       if (const int32_t others = ranks.num_running(); others > 0)
         message(o.err_fd, fmt::format("stopping the other {} rank(s) (SIGTERM, SIGKILL after {} s)", others,
                                       o.kill_grace_seconds));
@@ -755,7 +777,15 @@ int run_launch(const LaunchOptions& o, int& ended_by) {
       } else {
         ranks.signal_running(SIGKILL);
         killed = true;
+        killed_at = Clock::now();
       }
+    }
+    // G23B-1: every wait bounded: a rank that does not go even after SIGKILL (uninterruptible sleep) is left.
+    if (killed && ranks.num_running() > 0 && seconds_since(killed_at) > kReapAfterKillS) {
+      message(o.err_fd, fmt::format("{} rank(s) still there {:.0f} s after SIGKILL; not waiting for them any longer",
+                                    ranks.num_running(), kReapAfterKillS));
+      if (result == 0) result = 1;
+      break;
     }
     if (ranks.num_running() == 0) {
       if (!all_exited) {

@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <optional>
 #include <sstream>
@@ -713,6 +714,79 @@ TEST_F(LaunchCli, LibraryLaunchWritesToTheGivenDescriptors) {
   EXPECT_TRUE(contains(text, "[rank 0] lib 0 0")) << text;
   EXPECT_TRUE(contains(text, "[rank 1] lib 1 0")) << text;
   EXPECT_TRUE(contains(text, "rank 1 failed (exit code 7)")) << text;
+}
+
+// ---- The twenty-third pass (G23B) ----------------------------------------------------------------------------------
+
+// Runs `body` in a forked child (which _exits with its result) and waits for it at most `limit_s`; a child still
+// running then is killed (with its process group's ranks) and reported as -1.
+struct ChildResult {
+  bool ended = false;
+  int status = 0;
+  double seconds = 0;
+};
+template <typename Body>
+ChildResult run_in_child(Body body, double limit_s, const std::function<void(pid_t)>& meanwhile = {}) {
+  const auto start = Clock::now();
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::setpgid(0, 0);
+    int rc = 100;
+    try {
+      rc = body();
+    } catch (...) {
+      rc = 101;
+    }
+    ::_exit(rc);
+  }
+  ChildResult r;
+  if (pid < 0) return r;
+  ::setpgid(pid, pid);
+  if (meanwhile) meanwhile(pid);
+  pid_t got = 0;
+  while ((got = ::waitpid(pid, &r.status, WNOHANG)) == 0 &&
+         std::chrono::duration<double>(Clock::now() - start).count() < limit_s)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  r.seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  if (got == 0) {
+    ::kill(-pid, SIGKILL);
+    ::kill(pid, SIGKILL);
+    ::waitpid(pid, &r.status, 0);
+    return r;
+  }
+  r.ended = true;
+  return r;
+}
+
+// G23B-1: a launcher started with SIGCHLD ignored (inherited from a Python supervisor) never reaped its ranks: the
+// kernel reaped them itself, every waitpid said ECHILD, and the poll loop ran forever (a SIGTERM changed nothing).
+// The launch sets SIGCHLD to its default and restores the caller's disposition afterwards.
+TEST_F(LaunchCli, SigchldIgnoredByTheCallerStillEnds) {
+  fake_gpus(0);
+  const std::string path = (dir_ / "bin").string() + ":" + std::getenv("PATH");
+  const fs::path out_path = dir_ / "out.txt";
+  const ChildResult r = run_in_child([&] {
+    ::signal(SIGCHLD, SIG_IGN);
+    ::setenv("PATH", path.c_str(), 1);
+    ::unsetenv("CUDA_VISIBLE_DEVICES");
+    const int fd = ::open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    LaunchOptions o;
+    o.num_ranks = 2;
+    o.command = {"sh", "-c", "echo hi $DMOE_RANK; [ $DMOE_RANK = 1 ] && exit 3; exit 0"};
+    o.out_fd = fd;
+    o.err_fd = fd;
+    const int rc = launch(o);
+    struct sigaction now {};
+    ::sigaction(SIGCHLD, nullptr, &now);
+    return rc + (now.sa_handler == SIG_IGN ? 0 : 50);  // 50: the caller's SIG_IGN was not restored
+  }, 15);
+  const std::string text = read_file(out_path);
+  ASSERT_TRUE(r.ended) << "the launcher never ended with SIGCHLD ignored: " << text;
+  ASSERT_TRUE(WIFEXITED(r.status)) << text;
+  EXPECT_EQ(WEXITSTATUS(r.status), 3) << text;
+  EXPECT_TRUE(contains(text, "[rank 1] hi 1")) << text;  // rank 0 may be stopped before its echo
+  EXPECT_TRUE(contains(text, "rank 1 failed (exit code 3)")) << text;
+  EXPECT_LT(r.seconds, 8.0) << text;
 }
 
 }  // namespace
