@@ -67,6 +67,9 @@ void on_signal(int sig) { g_received_signal = sig; }
 // Every signal the launcher changes the disposition of while it runs (filled by SignalGuard): a rank's child resets
 // each of them to the default before its exec (reset_child_signals).
 sigset_t g_changed_signals;
+// Those of them that arrived ignored (SIGPIPE, SIGXFSZ): the ranks get them ignored again, as a bare process would
+// (G23B-3).
+sigset_t g_ignored_at_start;
 
 // Installs the forwarding handlers (and ignores SIGPIPE and SIGXFSZ, so a closed output pipe or a file-size limit on
 // the launcher's output cannot kill it mid-teardown: a write fails instead) for the lifetime of one launch; restores
@@ -75,14 +78,15 @@ sigset_t g_changed_signals;
 // `timeout -s USR1`, ALRM, USR2, PWR, a CPU-time limit's XCPU ...) ended the launcher by its default action, the ranks
 // then died by PR_SET_PDEATHSIG's SIGKILL (a rank's hidden output temporary left for good) and the launcher's own
 // dmoe-launch-* directory stayed in TMPDIR. Now every signal the ranks' output files clean up for (cleaned_signals())
-// is forwarded and tears the launch down as SIGTERM does; INT, TERM and HUP always (as before), the others where they
-// are at their default disposition (one that is ignored, nohup's HUP aside, or handled by an embedding program is
-// left alone).
+// is forwarded and tears the launch down as SIGTERM does; INT, TERM and HUP unless they arrive ignored (G23B-3), the
+// others where they are at their default disposition (one that is ignored, or handled by an embedding program, is left
+// alone).
 class SignalGuard {
  public:
   SignalGuard() {
     g_received_signal = 0;
     sigemptyset(&g_changed_signals);
+    sigemptyset(&g_ignored_at_start);
     struct sigaction action {};
     action.sa_handler = on_signal;
     sigemptyset(&action.sa_mask);
@@ -93,7 +97,12 @@ class SignalGuard {
       const bool ignored_here = sig == SIGPIPE || sig == SIGXFSZ;
       struct sigaction previous {};
       if (::sigaction(sig, nullptr, &previous) != 0) continue;
-      const bool always = sig == SIGINT || sig == SIGTERM || sig == SIGHUP;
+      // G23B-3: a signal that arrives ignored stays ignored, INT, TERM and HUP included: `nohup dmoe launch … &` was
+      // ended by the logout's SIGHUP and a background launch in a script (SIGINT ignored) by a Ctrl-C meant for the
+      // script, though `nohup sleep` and a background `dmoe train` go on. The ranks get it ignored too.
+      const bool ignored = previous.sa_handler == SIG_IGN && !(previous.sa_flags & SA_SIGINFO);
+      if (ignored) sigaddset(&g_ignored_at_start, sig);
+      const bool always = (sig == SIGINT || sig == SIGTERM || sig == SIGHUP) && !ignored;
       const bool at_default = previous.sa_handler == SIG_DFL && !(previous.sa_flags & SA_SIGINFO);
       if (!ignored_here && !always && !at_default) continue;
       if (::sigaction(sig, ignored_here ? &ignore : &action, nullptr) != 0) continue;
@@ -172,16 +181,20 @@ std::vector<char*> c_strings(std::vector<std::string>& strings) {
 
 void (*g_after_fork_hook_for_tests)() = nullptr;
 
-// In a freshly forked child: default signal dispositions (SIG_IGN would survive exec), nothing blocked. The order
-// matters (G22B-2): the forwarded signals arrive blocked, so one pending is delivered at the unblock, with its
-// default action.
+// In a freshly forked child: the dispositions the launcher found (the default, or SIG_IGN where the signal arrived
+// ignored: G23B-3, as for a bare process under nohup; the launcher's own SIG_IGN would survive exec), nothing blocked.
+// The order matters (G22B-2): the forwarded signals arrive blocked, so one pending is delivered at the unblock, with
+// its default action.
 void reset_child_signals() {
   struct sigaction def {};
   def.sa_handler = SIG_DFL;
   sigemptyset(&def.sa_mask);
-  for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGPIPE, SIGXFSZ}) sigaction(sig, &def, nullptr);
+  struct sigaction ign {};
+  ign.sa_handler = SIG_IGN;
+  sigemptyset(&ign.sa_mask);
   for (int sig = 1; sig < NSIG; ++sig)
-    if (sigismember(&g_changed_signals, sig) == 1) sigaction(sig, &def, nullptr);
+    if (sigismember(&g_changed_signals, sig) == 1)
+      sigaction(sig, sigismember(&g_ignored_at_start, sig) == 1 ? &ign : &def, nullptr);
   sigset_t none;
   sigemptyset(&none);
   sigprocmask(SIG_SETMASK, &none, nullptr);

@@ -27,7 +27,8 @@
 // SIGHUP, and SIGQUIT, SIGUSR1/2, SIGALRM, SIGVTALRM, SIGPROF, SIGXCPU, SIGIO, SIGPWR, SIGSTKFLT, SIGRTMIN..SIGRTMAX where
 // at their default disposition) is forwarded to the ranks, with SIGTERM after a grace period to a rank still running
 // and SIGKILL after a second; it then returns 128 + that signal, or with end_by_signal (the dmoe tool) ends by that
-// signal once its directory is removed. 0 only when every rank exits 0.
+// signal once its directory is removed. A signal that arrives ignored (nohup's SIGHUP, a background job's SIGINT) stays
+// ignored, in the launcher and in its ranks, as for a bare process. 0 only when every rank exits 0.
 #pragma once
 
 #include <cstdint>

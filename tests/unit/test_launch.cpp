@@ -789,5 +789,38 @@ TEST_F(LaunchCli, SigchldIgnoredByTheCallerStillEnds) {
   EXPECT_LT(r.seconds, 8.0) << text;
 }
 
+// G23B-3: `nohup dmoe launch … &` was ended by SIGHUP and a background launch (SIGINT ignored by the shell) by SIGINT:
+// INT, TERM and HUP were taken over even when they arrived ignored, and reset to the default in the ranks. A signal
+// ignored at the start now stays ignored, in the launcher and in its ranks, as for a bare process under nohup.
+TEST_F(LaunchCli, SignalsIgnoredAtTheStartStayIgnoredInTheLauncherAndTheRanks) {
+  fake_gpus(0);
+  const std::string path = (dir_ / "bin").string() + ":" + std::getenv("PATH");
+  const fs::path out_path = dir_ / "out.txt";
+  const std::string script = "kill -HUP $$; kill -INT $$; echo survived $DMOE_RANK; sleep 1; echo finished $DMOE_RANK";
+  const ChildResult r = run_in_child([&] {
+    ::signal(SIGHUP, SIG_IGN);
+    ::signal(SIGINT, SIG_IGN);
+    ::setenv("PATH", path.c_str(), 1);
+    const int fd = ::open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    ::dup2(fd, 1);
+    ::dup2(fd, 2);
+    ::execl(DMOE_CLI_PATH, DMOE_CLI_PATH, "launch", "-n", "2", "--", "sh", "-c", script.c_str(), (char*)nullptr);
+    return 127;
+  }, 20, [&](pid_t pid) {
+    const auto start = Clock::now();
+    while (!contains(read_file(out_path), "survived") && Clock::now() - start < std::chrono::seconds(10))
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    ::kill(pid, SIGHUP);  // a logout
+    ::kill(pid, SIGINT);  // a Ctrl-C meant for the script that started it in the background
+  });
+  const std::string text = read_file(out_path);
+  ASSERT_TRUE(r.ended) << text;
+  ASSERT_TRUE(WIFEXITED(r.status)) << "ended by signal " << WTERMSIG(r.status) << ": " << text;
+  EXPECT_EQ(WEXITSTATUS(r.status), 0) << text;
+  EXPECT_TRUE(contains(text, "[rank 0] finished 0")) << text;
+  EXPECT_TRUE(contains(text, "[rank 1] finished 1")) << text;
+  EXPECT_FALSE(contains(text, "received signal")) << text;
+}
+
 }  // namespace
 }  // namespace dmoe
