@@ -9,6 +9,7 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/types.h>
 #include <sys/wait.h>
@@ -180,6 +181,7 @@ std::vector<char*> c_strings(std::vector<std::string>& strings) {
 }
 
 void (*g_after_fork_hook_for_tests)() = nullptr;
+int (*g_fork_failure_for_tests)(int32_t rank) = nullptr;  // set_fork_failure_for_tests (G23B-4)
 
 // In a freshly forked child: the dispositions the launcher found (the default, or SIG_IGN where the signal arrived
 // ignored: G23B-3, as for a bare process under nohup; the launcher's own SIG_IGN would survive exec), nothing blocked.
@@ -403,7 +405,8 @@ class RankSet {
   RankSet(const RankSet&) = delete;
   RankSet& operator=(const RankSet&) = delete;
 
-  void start(int32_t r, const std::string& program, std::vector<std::string> args, EnvList env) {
+  // Returns "" once the rank runs, or why its fork failed (the caller stops the ranks already started, G23B-4).
+  std::string start(int32_t r, const std::string& program, std::vector<std::string> args, EnvList env) {
     // Out of descriptors (checked before the first rank, but something else may take them meanwhile): an input error,
     // not an internal one with a source location (G20-7).
     int out_pipe[2], err_pipe[2];
@@ -432,12 +435,24 @@ class RankSet {
     // loop (which signals only running ranks) reaches it.
     sigset_t saved_mask;
     ::sigprocmask(SIG_BLOCK, &g_changed_signals, &saved_mask);
-    const pid_t pid = ::fork();
+    pid_t pid = -1;
+    if (const int e = g_fork_failure_for_tests ? g_fork_failure_for_tests(r) : 0; e != 0)
+      errno = e;
+    else
+      pid = ::fork();
     if (pid < 0) {
       const int e = errno;
       ::sigprocmask(SIG_SETMASK, &saved_mask, nullptr);
       for (int fd : {out_pipe[0], out_pipe[1], err_pipe[0], err_pipe[1]}) ::close(fd);
-      DMOE_FAIL("fork failed for rank {}: {}", r, std::strerror(e));
+      // G23B-4: an internal error with a source location ("fork failed for rank 15 … (launcher.cpp:411)") that named no
+      // limit, and the ranks started got SIGKILL at once. A resource limit is the user's to raise.
+      struct rlimit nproc {};
+      const bool limited = ::getrlimit(RLIMIT_NPROC, &nproc) == 0 && nproc.rlim_cur != RLIM_INFINITY;
+      return fmt::format("dmoe launch: cannot start rank {} of {}: fork failed: {}; {}", r, ranks_.size(),
+                         std::strerror(e), e == EAGAIN
+                             ? fmt::format("the processes of this user are limited (ulimit -u{}): raise ulimit -u, or "
+                                           "launch fewer ranks", limited ? fmt::format(" = {}", nproc.rlim_cur) : "")
+                             : std::string("out of memory or processes: launch fewer ranks (see ulimit -u)"));
     }
     if (pid == 0) {
       // Child: only async-signal-safe work between fork and exec.
@@ -470,6 +485,7 @@ class RankSet {
     rank.out.fd = out_pipe[0];
     rank.err.fd = err_pipe[0];
     ::sigprocmask(SIG_SETMASK, &saved_mask, nullptr);  // recorded: a signal held back now is forwarded to it too
+    return "";
   }
 
   // Waits up to timeout_ms for output, relays it; returns false when no pipe is open any more.
@@ -720,7 +736,16 @@ int run_launch(const LaunchOptions& o, int& ended_by) {
   // NVSHMEM's NCCL path would meet NCCL's duplicate-GPU refusal.
   if (shared) set_env(base, "NVSHMEM_DISABLE_NCCL", "1");
 
+  // G23B-4: more ranks than ulimit -u allows this user at all are refused before the first starts (root is not held
+  // to it). The user's other processes count too: a fork that fails later is reported as below.
+  if (struct rlimit nproc {}; ::geteuid() != 0 && ::getrlimit(RLIMIT_NPROC, &nproc) == 0 &&
+                              nproc.rlim_cur != RLIM_INFINITY)
+    DMOE_REQUIRE_INPUT(rlim_t(o.num_ranks) < nproc.rlim_cur, "dmoe launch -n {} starts {} processes besides itself, but "
+                       "ulimit -u allows this user {} in all: raise ulimit -u, or launch fewer ranks", o.num_ranks,
+                       o.num_ranks, nproc.rlim_cur);
+
   RankSet ranks(o);
+  std::string start_error;
   for (int32_t r = 0; r < o.num_ranks; ++r) {
     if (g_received_signal != 0) break;  // stopped while starting: no more ranks; the loop below ends those started
     EnvList env = base;
@@ -731,7 +756,8 @@ int run_launch(const LaunchOptions& o, int& ended_by) {
       // floor(100 / k) per process, so the shares on one GPU add up to at most 100.
       if (mps_active) set_env(env, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", std::to_string(100 / ranks_on_gpu[devices[r]]));
     }
-    ranks.start(r, program, o.command, std::move(env));
+    start_error = ranks.start(r, program, o.command, std::move(env));
+    if (!start_error.empty()) break;
   }
 
   constexpr int kPollMs = 50;
@@ -750,6 +776,13 @@ int run_launch(const LaunchOptions& o, int& ended_by) {
     }
     ranks.signal_running(sig);
   };
+  if (!start_error.empty()) {
+    // G23B-4: the ranks already started are stopped as for a failed rank: SIGTERM, then SIGKILL after the grace.
+    if (const int32_t started = ranks.num_running(); started > 0)
+      message(o.err_fd, fmt::format("a rank could not be started; stopping the {} started rank(s) (SIGTERM, SIGKILL "
+                                    "after {} s)", started, o.kill_grace_seconds));
+    begin_teardown(SIGTERM);
+  }
 
   for (;;) {
     const bool pipes_open = ranks.pump(kPollMs);
@@ -809,12 +842,15 @@ int run_launch(const LaunchOptions& o, int& ended_by) {
     }
   }
   ranks.close_all();
+  if (!start_error.empty()) DMOE_FAIL_INPUT("{}", start_error);  // after the teardown above (G23B-4)
   return result;
 }
 
 }  // namespace
 
 void set_after_fork_hook_for_tests(void (*hook)()) { g_after_fork_hook_for_tests = hook; }
+
+void set_fork_failure_for_tests(int (*hook)(int32_t rank)) { g_fork_failure_for_tests = hook; }
 
 int launch(const LaunchOptions& o) {
   int ended_by = 0;

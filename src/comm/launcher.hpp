@@ -57,6 +57,10 @@ int launch(const LaunchOptions& options);
 // (async-signal-safe work only); nullptr removes it.
 void set_after_fork_hook_for_tests(void (*hook)());
 
+// For tests (G23B-4): before each rank's fork, `hook(rank)`; a non-zero result is the errno the fork fails with (as
+// EAGAIN under ulimit -u). nullptr removes it.
+void set_fork_failure_for_tests(int (*hook)(int32_t rank));
+
 // Number of GPUs `nvidia-smi -L` lists (lines starting "GPU "); 0 when nvidia-smi is missing or fails.
 int32_t count_gpus_with_nvidia_smi();
 

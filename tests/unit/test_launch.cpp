@@ -822,5 +822,32 @@ TEST_F(LaunchCli, SignalsIgnoredAtTheStartStayIgnoredInTheLauncherAndTheRanks) {
   EXPECT_FALSE(contains(text, "received signal")) << text;
 }
 
+// G23B-4: a fork that failed (ulimit -u) was an internal error with a source location ("fork failed for rank 15 …
+// (launcher.cpp:411)"), and the ranks already started got SIGKILL with no grace period. It is an input error naming
+// ulimit -u now, and the started ranks get SIGTERM first. The test hook makes the fork of rank 2 fail with EAGAIN once
+// ranks 0 and 1 have set their TERM trap.
+std::string g_ready_dir;
+
+TEST_F(LaunchCli, ForkFailureNamesUlimitAndStopsTheStartedRanksGently) {
+  fake_gpus(0);
+  g_ready_dir = dir_.string();
+  set_fork_failure_for_tests([](int32_t rank) {
+    if (rank != 2) return 0;
+    const auto start = Clock::now();
+    while (!(fs::exists(g_ready_dir + "/ready0") && fs::exists(g_ready_dir + "/ready1")) &&
+           Clock::now() - start < std::chrono::seconds(10))
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    return EAGAIN;
+  });
+  const CliResult r = launch_lib(3, "trap 'echo got TERM $DMOE_RANK; exit 0' TERM; touch " + dir_.string() +
+                                    "/ready$DMOE_RANK; while :; do sleep 0.05; done");
+  set_fork_failure_for_tests(nullptr);
+  EXPECT_TRUE(contains(r.output, "cannot start rank 2 of 3")) << r.output;
+  EXPECT_TRUE(contains(r.output, "ulimit -u")) << r.output;
+  EXPECT_FALSE(contains(r.output, ".cpp:")) << r.output;
+  EXPECT_TRUE(contains(r.output, "[rank 0] got TERM 0")) << r.output;
+  EXPECT_TRUE(contains(r.output, "[rank 1] got TERM 1")) << r.output;
+}
+
 }  // namespace
 }  // namespace dmoe
