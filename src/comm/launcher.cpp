@@ -288,6 +288,23 @@ class TempDir {
   bool keep_ = false;
 };
 
+// A directory under the launch's own one in TMPDIR. G23B-5: std::filesystem's exception ("unexpected error: filesystem
+// error … rendezvous", rc 2) when TMPDIR had room for the launch directory but not one more (a last free inode): an
+// input error naming TMPDIR and the cause now; the launch directory is removed on the way out.
+void create_launch_subdirectory(const std::string& path) {
+  std::error_code ec;
+  fs::create_directories(path, ec);
+  if (!ec) return;
+  const char* tmp = std::getenv("TMPDIR");
+  const std::string where = tmp && *tmp ? fmt::format("TMPDIR='{}'", tmp) : std::string("/tmp");
+  DMOE_FAIL_INPUT("dmoe launch: cannot create '{}' in its rendezvous directory: {}; {}", path, ec.message(),
+                  ec == std::errc::no_space_on_device
+                      ? fmt::format("the file system of {} has no free space or no free inodes left (`df -i`): free "
+                                    "some, or set TMPDIR to another directory", where)
+                      : fmt::format("{} must name a writable directory with room for the launch's files (or set "
+                                    "TMPDIR to another one)", where));
+}
+
 constexpr double kMpsCommandTimeoutS = 15.0;
 constexpr double kMpsExitTimeoutS = 30.0;
 
@@ -297,8 +314,8 @@ class MpsDaemon {
  public:
   MpsDaemon(std::string control, const std::string& dir, int err_fd)
       : control_(std::move(control)), pipe_dir_(dir + "/mps-pipe"), log_dir_(dir + "/mps-log"), err_fd_(err_fd) {
-    fs::create_directories(pipe_dir_);
-    fs::create_directories(log_dir_);
+    create_launch_subdirectory(pipe_dir_);
+    create_launch_subdirectory(log_dir_);
     const int rc = run_helper(control_, {"-d"}, env(), "", kMpsCommandTimeoutS);
     DMOE_REQUIRE(rc == 0, "could not start the MPS daemon: `{} -d` exited with {} (CUDA_MPS_PIPE_DIRECTORY={}); "
                  "run with --no-mps to go without it", control_, rc, pipe_dir_);
@@ -691,7 +708,7 @@ int run_launch(const LaunchOptions& o, int& ended_by) {
   SignalGuard signals;
   TempDir temp;
   const std::string rendezvous = temp.path() + "/rendezvous";
-  fs::create_directories(rendezvous);
+  create_launch_subdirectory(rendezvous);
 
   EnvList base = current_env();
   std::unique_ptr<MpsDaemon> mps;

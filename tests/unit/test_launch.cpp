@@ -849,5 +849,26 @@ TEST_F(LaunchCli, ForkFailureNamesUlimitAndStopsTheStartedRanksGently) {
   EXPECT_TRUE(contains(r.output, "[rank 1] got TERM 1")) << r.output;
 }
 
+// G23B-5: a TMPDIR where the rendezvous directory could be made but not its `rendezvous` subdirectory (one free inode
+// left; here a path one component short of PATH_MAX) ended in "unexpected error: filesystem error …", rc 2. It is an
+// input error naming TMPDIR and the cause now, and the launch directory is removed.
+TEST_F(LaunchCli, RendezvousSubdirectoryThatCannotBeMadeNamesTmpdir) {
+  fake_gpus(0);
+  // TMPDIR/dmoe-launch-XXXXXX fits in PATH_MAX, TMPDIR/dmoe-launch-XXXXXX/rendezvous does not.
+  fs::path tmp = dir_;
+  while (tmp.string().size() + 250 < 4070) tmp /= std::string(240, 'd');
+  tmp /= std::string(4070 - tmp.string().size() - 1, 'e');
+  std::error_code ec;
+  fs::create_directories(tmp, ec);
+  ASSERT_FALSE(ec) << ec.message();
+  ASSERT_EQ(tmp.string().size(), 4070u);
+  const CliResult r = launch_sh("-n 1", "echo hi", "TMPDIR=" + sh_quote(tmp.string()));
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_TRUE(contains(r.output, "TMPDIR")) << r.output;
+  EXPECT_TRUE(contains(r.output, "File name too long")) << r.output;
+  EXPECT_FALSE(contains(r.output, "unexpected error")) << r.output;
+  EXPECT_TRUE(fs::is_empty(tmp)) << "the launch directory was left";
+}
+
 }  // namespace
 }  // namespace dmoe
