@@ -130,6 +130,20 @@ void require_fault_reachable(std::string_view command, int32_t largest_world, st
   DMOE_REQUIRE_INPUT(fault->stage != FaultStage::backward || backward_runs, "{} cannot fire: this `dmoe {}` runs no "
                      "backward ({} for one); choose a forward stage (before_dispatch, alltoall, expert_gemm, combine, "
                      "allreduce), or unset DMOE_FAULT", fault_spec(*fault), command, backward_hint);
+  // G23B-6: a run of one rank has no all-to-all or all-reduce: a fault there was said to be unfired only after the
+  // whole run (its --json or --output written); and a hang waited 4 × DMOE_COMM_TIMEOUT_S (40 min by default) for
+  // other ranks to give up on it, which do not exist. Both are refused before the work.
+  if (largest_world == 1) {
+    DMOE_REQUIRE_INPUT(fault->stage != FaultStage::alltoall && fault->stage != FaultStage::allreduce, "{} cannot fire: "
+                       "a run of one rank has no exchange (all-to-all or all-reduce){}{}; give it two ranks or more "
+                       "(-n/--world, or dmoe launch -n), choose a stage one rank reaches (before_dispatch, expert_gemm, "
+                       "combine{}), or unset DMOE_FAULT", fault_spec(*fault), world_note.empty() ? "" : ": ",
+                       world_note, backward_runs ? ", backward" : "");
+    DMOE_REQUIRE_INPUT(fault->kind != FaultKind::hang, "{} cannot fire as a hang: a run of one rank has no other rank "
+                       "to give up on it (it would wait 4 × DMOE_COMM_TIMEOUT_S); give it two ranks or more "
+                       "(-n/--world, or dmoe launch -n), choose kind throw or exit, or unset DMOE_FAULT",
+                       fault_spec(*fault));
+  }
 }
 
 int32_t fault_run_world() { return g_fault_run_world.load(); }

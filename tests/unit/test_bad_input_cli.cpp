@@ -4758,5 +4758,34 @@ TEST_F(G23Ckpt, AResumeWaitsForARunSavingIntoItsCheckpoint) {
   EXPECT_EQ(json::parse(slurp(p("ck/trainer_state.json")))["step"], 4);
 }
 
+// G23B-6: DMOE_FAULT on an exchange (alltoall, allreduce) of a one-rank run, which has none, was reported only after the
+// whole run ("did not fire"), its --json / --output written; a `hang` fault at W = 1 waited 4 × DMOE_COMM_TIMEOUT_S
+// (40 min by default) for peers that do not exist. Both are refused before the work now.
+TEST_F(BadInput, G23B6FaultsAOneRankRunCannotReachAreRefusedUpFront) {
+  const std::string bench = "bench --engine cpu --repeat 1 --warmup 0 --tokens 4 --hidden 8 --ffn 8 --experts 4 "
+                            "--top-k 2 ";
+  for (const char* stage : {"allreduce", "alltoall"}) {
+    const Result r = run_cli_bounded(bench + "-n 1 --json " + p("b.json"), std::string("DMOE_FAULT=0:") + stage +
+                                     ":throw");
+    expect_user_error(r, std::string("DMOE_FAULT=0:") + stage + ":throw cannot fire: a run of one rank has no "
+                      "exchange", stage);
+    EXPECT_FALSE(fs::exists(p("b.json"))) << stage;
+  }
+  const Result hang = run_cli_bounded(bench + "-n 1", "DMOE_FAULT=0:combine:hang");
+  expect_user_error(hang, "DMOE_FAULT=0:combine:hang cannot fire as a hang: a run of one rank has no other rank",
+                    "hang at W = 1");
+  ASSERT_EQ(run_cli("init --tokens 4 --hidden 8 --ffn 8 --experts 4 --top-k 2 --out " + p("w.st") + " --input " +
+                    p("x.st")).status, 0);
+  expect_user_error(run_cli_bounded("run --hidden 8 --ffn 8 --experts 4 --top-k 2 --weights " + p("w.st") +
+                                    " --input " + p("x.st") + " --output " + p("y.st"), "DMOE_FAULT=0:alltoall:throw"),
+                    "a run of one rank has no exchange", "run, alltoall at W = 1");
+  EXPECT_FALSE(fs::exists(p("y.st")));
+  // Still fine: the exchange faults with a second rank (bench -n 1 2 fires in the W = 2 row), and a W = 1 stage fault.
+  const Result fired = run_cli_bounded(bench + "-n 1 2", "DMOE_FAULT=0:alltoall:throw");
+  EXPECT_NE(fired.output.find("injected fault: rank 0 failed at stage alltoall"), std::string::npos) << fired.output;
+  const Result one = run_cli_bounded(bench + "-n 1", "DMOE_FAULT=0:combine:throw");
+  EXPECT_NE(one.output.find("injected fault: rank 0 failed at stage combine"), std::string::npos) << one.output;
+}
+
 }  // namespace
 }  // namespace dmoe
