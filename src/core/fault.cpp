@@ -55,11 +55,13 @@ Fault parse_fault(std::string_view text) {
   const std::string_view stage = text.substr(a + 1, b - a - 1), kind = text.substr(b + 1);
   Fault f;
   // Decimal digits only: strtol also took a leading space or '+' (DMOE_FAULT=' 1:…' read as rank 1).
-  const bool digits = !rank.empty() && rank.size() <= 7 &&
+  const bool digits = !rank.empty() &&
                       std::all_of(rank.begin(), rank.end(), [](char ch) { return ch >= '0' && ch <= '9'; });
   if (!digits) bad_spec(text, "rank: decimal digits only");
-  const long r = std::strtol(rank.c_str(), nullptr, 10);
-  if (r > 1 << 20) bad_spec(text, "rank");
+  // G23B-10: a rank of 8 digits or more was "decimal digits only", though it is: too large, with the bound.
+  const size_t first = std::min(rank.find_first_not_of('0'), rank.size());
+  const long r = rank.size() - first > 7 ? (1L << 20) + 1 : std::strtol(rank.c_str(), nullptr, 10);
+  if (r > 1 << 20) bad_spec(text, "rank too large: at most 1048576");
   f.rank = int32_t(r);
   for (FaultStage s : kStages)
     if (stage == fault_stage_name(s)) f.stage = s;

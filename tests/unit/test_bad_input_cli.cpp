@@ -4787,5 +4787,37 @@ TEST_F(BadInput, G23B6FaultsAOneRankRunCannotReachAreRefusedUpFront) {
   EXPECT_NE(one.output.find("injected fault: rank 0 failed at stage combine"), std::string::npos) << one.output;
 }
 
+
+// G23B-10: an integer past 64 bits in a model (HF Mixtral) config said "must be an integer (found number
+// 1.8446744073709552e+19)" (the layer config says "out of range" since G22B-7 (c)); 2^64 - 1 "is too large" without a
+// range; and a 20-digit DMOE_FAULT rank was "decimal digits only", though it is all digits.
+TEST_F(BadInput, G23B10IntegersPast64BitsAreOutOfRangeInModelConfigsAndFaultRanks) {
+  const std::string tiny = slurp(p("tiny.json"));
+  const auto with = [&](const std::string& from, const std::string& to) {
+    std::string text = tiny;
+    const size_t at = text.find(from);
+    EXPECT_NE(at, std::string::npos) << from;
+    if (at != std::string::npos) text.replace(at, from.size(), to);
+    std::ofstream(p("hf.json")) << text;
+  };
+  with("\"num_local_experts\": 4", "\"num_local_experts\": 18446744073709551616");
+  Result r = run_cli("init-model --config " + p("hf.json") + " --out " + p("m.safetensors"));
+  expect_user_error(r, "key 'num_local_experts' = 1.8446744073709552e+19 is out of range [1, 2147483647] (an integer "
+                    "past 64 bits)", "num_local_experts 2^64");
+  with("\"vocab_size\": 256", "\"vocab_size\": 18446744073709551615");
+  expect_user_error(run_cli("init-model --config " + p("hf.json") + " --out " + p("m.safetensors")),
+                    "key 'vocab_size' = 18446744073709551615 is out of range [1, 9223372036854775807]", "vocab 2^64-1");
+  with("\"num_local_experts\": 4", "\"num_local_experts\": 4.5");
+  expect_user_error(run_cli("init-model --config " + p("hf.json") + " --out " + p("m.safetensors")),
+                    "key 'num_local_experts' must be an integer", "4.5");
+  EXPECT_FALSE(fs::exists(p("m.safetensors")));
+  EXPECT_NE(input_error_of([] { parse_fault("99999999999999999999:combine:throw"); })
+                .find("is invalid (rank too large: at most 1048576)"), std::string::npos);
+  EXPECT_NE(input_error_of([] { parse_fault("1048577:combine:throw"); })
+                .find("is invalid (rank too large: at most 1048576)"), std::string::npos);
+  EXPECT_EQ(parse_fault("00000000001:combine:throw").rank, 1);
+  EXPECT_EQ(parse_fault("1048576:combine:throw").rank, 1048576);
+}
+
 }  // namespace
 }  // namespace dmoe
