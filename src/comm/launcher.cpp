@@ -871,7 +871,17 @@ void set_fork_failure_for_tests(int (*hook)(int32_t rank)) { g_fork_failure_for_
 
 int launch(const LaunchOptions& o) {
   int ended_by = 0;
-  const int result = run_launch(o, ended_by);
+  int result = run_launch(o, ended_by);
+  // G23B-7: a signal that came after the poll loop, while the MPS daemon was stopped and the directory removed, was
+  // recorded and never read (rc 0, no word). It ends the launch as one in the loop does. (Its handler was still
+  // installed then; once run_launch has restored the dispositions, a signal takes its default action.)
+  if (const int late = g_received_signal; late != 0 && ended_by == 0) {
+    g_received_signal = 0;
+    message(o.err_fd, fmt::format("received signal {} ({}) while cleaning up; the ranks had ended", late,
+                                  ::strsignal(late)));
+    ended_by = late;
+    result = 128 + late;
+  }
   if (ended_by != 0 && o.end_by_signal) {
     // G22B-1: the ranks, the MPS daemon, the rendezvous directory and the handlers are gone; the launcher now ends by
     // the signal's default action, as a process without it would (a shell loop sees an interrupt, Slurm its signal).

@@ -870,5 +870,19 @@ TEST_F(LaunchCli, RendezvousSubdirectoryThatCannotBeMadeNamesTmpdir) {
   EXPECT_TRUE(fs::is_empty(tmp)) << "the launch directory was left";
 }
 
+
+// G23B-7: a signal that reached the launcher after its poll loop, while it stopped the MPS daemon and removed its
+// directory, was recorded and then dropped: rc 0 and no word. The fake MPS control tool sends the launcher SIGTERM
+// when told to quit (in the cleanup); the launcher must end by it.
+TEST_F(LaunchCli, SignalDuringTheFinalCleanupIsNotSwallowed) {
+  fake_gpus(1);
+  write_script("nvidia-cuda-mps-control", "[ \"$1\" = -d ] && exit 0\nread cmd\nkill -TERM $PPID\nsleep 0.2\nexit 0\n");
+  const CliResult r = launch_sh("-n 2", "echo done $DMOE_RANK",
+                                "env -u CUDA_VISIBLE_DEVICES -u CUDA_MPS_PIPE_DIRECTORY");
+  EXPECT_NE(r.status, 0) << r.output;
+  EXPECT_TRUE(contains(r.output, "received signal 15")) << r.output;
+  EXPECT_TRUE(contains(r.output, "while cleaning up")) << r.output;
+}
+
 }  // namespace
 }  // namespace dmoe
