@@ -790,6 +790,11 @@ int run_launch(const LaunchOptions& o, int& ended_by) {
       tearing_down = true;
       teardown_start = Clock::now();
       terminated = sig == SIGTERM;
+    } else if (sig == SIGTERM && !terminated && !killed) {
+      // G23B-8: a SIGTERM during the grace of a forwarded USR1 (or INT ...) starts the SIGTERM's own grace: the
+      // launcher said 5 s after the USR1 that it was "sending SIGTERM", already sent, and the SIGKILL came ~9 s after.
+      terminated = true;
+      teardown_start = Clock::now();
     }
     ranks.signal_running(sig);
   };

@@ -884,5 +884,39 @@ TEST_F(LaunchCli, SignalDuringTheFinalCleanupIsNotSwallowed) {
   EXPECT_TRUE(contains(r.output, "while cleaning up")) << r.output;
 }
 
+// G23B-8: a SIGTERM after a forwarded USR1 (caught by the rank) was forwarded, but the teardown still counted as "not
+// terminated": 5 s after the USR1 the launcher said it was "sending SIGTERM", which it had already sent, and the
+// SIGKILL came about 9 s after the user's SIGTERM instead of 5.
+TEST_F(LaunchCli, SigtermAfterAForwardedSignalStartsItsOwnGracePeriod) {
+  fake_gpus(0);
+  const std::string path = (dir_ / "bin").string() + ":" + std::getenv("PATH");
+  const fs::path out_path = dir_ / "out.txt";
+  const std::string script = "trap 'echo got USR1' USR1; trap '' TERM; echo ready; while :; do sleep 0.05; done";
+  Clock::time_point term_at;
+  const ChildResult r = run_in_child([&] {
+    ::setenv("PATH", path.c_str(), 1);
+    const int fd = ::open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    ::dup2(fd, 1);
+    ::dup2(fd, 2);
+    ::execl(DMOE_CLI_PATH, DMOE_CLI_PATH, "launch", "-n", "1", "--", "sh", "-c", script.c_str(), (char*)nullptr);
+    return 127;
+  }, 30, [&](pid_t pid) {
+    const auto start = Clock::now();
+    while (!contains(read_file(out_path), "ready") && Clock::now() - start < std::chrono::seconds(10))
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    ::kill(pid, SIGUSR1);
+    std::this_thread::sleep_for(std::chrono::seconds(2));
+    ::kill(pid, SIGTERM);
+    term_at = Clock::now();
+  });
+  const double after_term = std::chrono::duration<double>(Clock::now() - term_at).count();
+  const std::string text = read_file(out_path);
+  ASSERT_TRUE(r.ended) << text;
+  EXPECT_TRUE(contains(text, "received signal 10")) << text;
+  EXPECT_FALSE(contains(text, "sending SIGTERM")) << text;
+  EXPECT_GT(after_term, 4.5) << text;
+  EXPECT_LT(after_term, 7.5) << "the SIGKILL did not come 5 s after the user's SIGTERM: " << text;
+}
+
 }  // namespace
 }  // namespace dmoe
