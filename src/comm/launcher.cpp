@@ -258,7 +258,7 @@ int run_helper(const std::string& program, std::vector<std::string> args, EnvLis
 
 class TempDir {
  public:
-  TempDir() {
+  explicit TempDir(int err_fd) : err_fd_(err_fd) {
     const char* tmp = std::getenv("TMPDIR");
     const bool from_env = tmp && *tmp;
     std::string pattern = std::string(from_env ? tmp : "/tmp") + "/dmoe-launch-XXXXXX";
@@ -277,6 +277,10 @@ class TempDir {
     if (keep_) return;
     std::error_code ec;
     fs::remove_all(path_, ec);
+    // G23B-9: left in TMPDIR without a word (a rank's read-only directory in it, say): named now.
+    if (ec)
+      message(err_fd_, fmt::format("warning: could not remove its directory {}: {}; remove it by hand", path_,
+                                   ec.message()));
   }
   void keep() { keep_ = true; }
   TempDir(const TempDir&) = delete;
@@ -286,6 +290,7 @@ class TempDir {
  private:
   std::string path_;
   bool keep_ = false;
+  int err_fd_;
 };
 
 // A directory under the launch's own one in TMPDIR. G23B-5: std::filesystem's exception ("unexpected error: filesystem
@@ -706,7 +711,7 @@ int run_launch(const LaunchOptions& o, int& ended_by) {
   require_file_descriptors(2 * int64_t(o.num_ranks) + 16, fmt::format("dmoe launch -n {} (two pipes per rank, and its "
                            "rendezvous directory and signals)", o.num_ranks));
   SignalGuard signals;
-  TempDir temp;
+  TempDir temp(o.err_fd);
   const std::string rendezvous = temp.path() + "/rendezvous";
   create_launch_subdirectory(rendezvous);
 

@@ -918,5 +918,37 @@ TEST_F(LaunchCli, SigtermAfterAForwardedSignalStartsItsOwnGracePeriod) {
   EXPECT_LT(after_term, 7.5) << "the SIGKILL did not come 5 s after the user's SIGTERM: " << text;
 }
 
+// G23B-9: a dmoe-launch-* directory the launcher could not remove (a rank left a read-only directory with a file in
+// it) stayed in TMPDIR without a word. Now it is named. The launch runs as nobody when the tests run as root (root
+// removes it anyway).
+TEST_F(LaunchCli, UnremovableLaunchDirectoryIsNamed) {
+  const fs::path tmp = dir_ / "tmp";
+  fs::create_directories(tmp);
+  fs::permissions(tmp, fs::perms::all);
+  const fs::path out_path = dir_ / "out.txt";
+  const ChildResult r = run_in_child([&] {
+    const int fd = ::open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (::geteuid() == 0 && (::setgid(65534) != 0 || ::setuid(65534) != 0)) return 90;
+    ::setenv("TMPDIR", tmp.c_str(), 1);
+    ::unsetenv("CUDA_VISIBLE_DEVICES");
+    LaunchOptions o;
+    o.num_ranks = 1;
+    o.command = {"sh", "-c", "mkdir \"$DMOE_RENDEZVOUS/ro\" && touch \"$DMOE_RENDEZVOUS/ro/f\" && "
+                             "chmod 555 \"$DMOE_RENDEZVOUS/ro\""};
+    o.out_fd = fd;
+    o.err_fd = fd;
+    return launch(o);
+  }, 20);
+  const std::string text = read_file(out_path);
+  ASSERT_TRUE(r.ended) << text;
+  ASSERT_TRUE(WIFEXITED(r.status)) << text;
+  EXPECT_EQ(WEXITSTATUS(r.status), 0) << text;
+  std::string left;
+  for (const auto& e : fs::directory_iterator(tmp)) left = e.path().string();
+  ASSERT_FALSE(left.empty()) << "nothing was left to report: " << text;
+  EXPECT_TRUE(contains(text, "could not remove its directory " + left)) << text;
+  for (const auto& e : fs::recursive_directory_iterator(tmp)) fs::permissions(e.path(), fs::perms::all);
+}
+
 }  // namespace
 }  // namespace dmoe
