@@ -790,7 +790,18 @@ int run_launch(const LaunchOptions& o, int& ended_by) {
   auto all_exited_at = Clock::now();
   auto killed_at = Clock::now();
   bool all_exited = false;
+  // G23B-11: the signals sent to the ranks, and whether a rank's own failure began the teardown: a rank that then
+  // fails otherwise than by one of them failed on its own and is reported too (only the first was).
+  std::vector<int> sent{SIGKILL};
+  bool rank_failed = false;
+  const auto stopped_by_us = [&](int status) {
+    for (const int s : sent)
+      if ((WIFSIGNALED(status) && WTERMSIG(status) == s) || (WIFEXITED(status) && WEXITSTATUS(status) == 128 + s))
+        return true;
+    return false;
+  };
   auto begin_teardown = [&](int sig) {
+    sent.push_back(sig);
     if (!tearing_down) {
       tearing_down = true;
       teardown_start = Clock::now();
@@ -823,7 +834,14 @@ int run_launch(const LaunchOptions& o, int& ended_by) {
       begin_teardown(sig);
     }
     for (Rank* r : ranks.reap()) {
-      if (!failed(*r) || tearing_down) continue;
+      if (!failed(*r)) continue;
+      if (tearing_down) {
+        if (rank_failed && (r->status_unknown || !stopped_by_us(r->status)))
+          message(o.err_fd, fmt::format("rank {} also failed ({})", r->index, r->status_unknown ? "exit status unknown"
+                                        : describe_exit(r->status)));
+        continue;
+      }
+      rank_failed = true;
       ranks.drain_rank(*r);
       std::string report = fmt::format("rank {} failed ({})", r->index, r->status_unknown ? "its exit status is "
                                        "unknown: another waiter reaped it" : describe_exit(r->status));
@@ -845,6 +863,7 @@ int run_launch(const LaunchOptions& o, int& ended_by) {
         message(o.err_fd, fmt::format("{} rank(s) still running {} s after the signal; sending SIGTERM (SIGKILL after "
                                       "{} s)", ranks.num_running(), o.kill_grace_seconds, o.kill_grace_seconds));
         ranks.signal_running(SIGTERM);
+        sent.push_back(SIGTERM);
         terminated = true;
         teardown_start = Clock::now();
       } else {

@@ -950,5 +950,24 @@ TEST_F(LaunchCli, UnremovableLaunchDirectoryIsNamed) {
   for (const auto& e : fs::recursive_directory_iterator(tmp)) fs::permissions(e.path(), fs::perms::all);
 }
 
+// G23B-11: ranks that failed on their own at about the same time: only the first was reported, the others' exit codes
+// never (they were taken as part of the teardown). Ranks 1 and 2 ignore SIGTERM and fail with their own codes after
+// rank 0 has; rank 3 is ended by the SIGTERM and is no failure of its own.
+TEST_F(LaunchCli, EveryRankThatFailsOnItsOwnIsReported) {
+  fake_gpus(0);
+  const std::string d = dir_.string();
+  const CliResult r = launch_lib(4, "case $DMOE_RANK in "
+                                    "0) while [ ! -e " + d + "/ready1 ] || [ ! -e " + d + "/ready2 ]; do sleep 0.02; "
+                                    "done; echo err0 >&2; exit 3;; "
+                                    "1|2) trap '' TERM; touch " + d + "/ready$DMOE_RANK; sleep 0.5; "
+                                    "exit $((3 + DMOE_RANK));; "
+                                    "3) sleep 5;; esac");
+  EXPECT_EQ(r.status, 3) << r.output;
+  EXPECT_TRUE(contains(r.output, "rank 0 failed (exit code 3)")) << r.output;
+  EXPECT_TRUE(contains(r.output, "rank 1 also failed (exit code 4)")) << r.output;
+  EXPECT_TRUE(contains(r.output, "rank 2 also failed (exit code 5)")) << r.output;
+  EXPECT_FALSE(contains(r.output, "rank 3 also failed")) << r.output;
+}
+
 }  // namespace
 }  // namespace dmoe
