@@ -77,6 +77,7 @@
 
 #include "kill_test_util.hpp"
 #include "cli_test_util.hpp"
+#include "file_flag_test_util.hpp"
 #include "core/env.hpp"
 #include "core/error.hpp"
 #include "core/fault.hpp"
@@ -3730,6 +3731,14 @@ class G20Output : public BadInput {
     mounts_.push_back(target);
     return true;
   }
+  // Mounts a tmpfs with `options` (size=, nr_inodes=) on the test's directory `name` (made here), unmounted by
+  // TearDown; false where this process may not mount (errno says why).
+  bool mount_tmpfs(const std::string& name, const std::string& options) {
+    fs::create_directories(p(name));
+    if (::mount("dmoe-test", p(name).c_str(), "tmpfs", 0, options.c_str()) != 0) return false;
+    mounts_.push_back(p(name));
+    return true;
+  }
   // dmoe's hidden files (temporaries, backups) in the test's directory or `sub` of it.
   std::vector<std::string> temporaries(const std::string& sub = "") const {
     std::vector<std::string> names;
@@ -3831,10 +3840,8 @@ TEST_F(G20Output, AnotherUsersFileInAStickyDirectoryIsRefusedBeforeTheWork) {
 // temporaries and the journal) are counted against the free inodes up front now, and a temporary that cannot be
 // created for want of an inode says so.
 TEST_F(G20Output, AFileSystemOutOfInodesIsFoundBeforeTheTrainingAndNamed) {
-  fs::create_directories(p("ti"));
-  if (::mount("dmoe-test", p("ti").c_str(), "tmpfs", 0, "size=64m,nr_inodes=8") != 0)
+  if (!mount_tmpfs("ti", "size=64m,nr_inodes=8"))
     GTEST_SKIP() << "cannot mount a tmpfs here (" << std::strerror(errno) << ")";
-  mounts_.push_back(p("ti"));
   fs::create_directories(p("ti/ck"));
   ASSERT_EQ(run_cli_g20(train(2) + "--save " + p("ti/ck")).status, 0);
   const std::string state = slurp(p("ti/ck/trainer_state.json"));
@@ -3887,22 +3894,11 @@ TEST_F(G20Output, FlowOutputsAreWrittenAllOrNone) {
 class G21Output : public G20Output {
  protected:
   void TearDown() override {
-    for (const std::string& d : append_only_) set_flag(d, FS_APPEND_FL, false);
+    for (const std::string& d : append_only_) test::set_file_flag(d, FS_APPEND_FL, false);
     G20Output::TearDown();
   }
-  // Sets or clears an attribute (chattr) of `path`; false where the file system or this user may not.
-  static bool set_flag(const std::string& path, int flag, bool on) {
-    const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
-    if (fd < 0) return false;
-    int flags = 0;
-    bool ok = ::ioctl(fd, FS_IOC_GETFLAGS, &flags) == 0;
-    flags = on ? flags | flag : flags & ~flag;
-    ok = ok && ::ioctl(fd, FS_IOC_SETFLAGS, &flags) == 0;
-    ::close(fd);
-    return ok;
-  }
   bool make_append_only(const std::string& dir) {
-    if (!set_flag(dir, FS_APPEND_FL, true)) return false;
+    if (!test::set_file_flag(dir, FS_APPEND_FL, true)) return false;
     append_only_.push_back(dir);
     return true;
   }
@@ -3978,10 +3974,8 @@ TEST_F(G21Output, AnAppendOnlyDirectoryIsRefusedBeforeTheWorkAndNothingIsLeftThe
 // alone, so on a file system with fewer free inodes than outputs the simulation ran, then "no free inodes". Counted up
 // front now, as train's and init's sets.
 TEST_F(G21Output, FlowsOutputsAreCountedAgainstTheFreeInodesUpFront) {
-  fs::create_directories(p("ti"));
-  if (::mount("dmoe-test", p("ti").c_str(), "tmpfs", 0, "size=16m,nr_inodes=2") != 0)
+  if (!mount_tmpfs("ti", "size=16m,nr_inodes=2"))
     GTEST_SKIP() << "cannot mount a tmpfs here (" << std::strerror(errno) << ")";
-  mounts_.push_back(p("ti"));
   const Result r = run_cli_g20("flow simulate --costs " + p("costs.json") + " --samples 5 --json " + p("ti/j.json") +
                                " --trace " + p("ti/t.json"));
   expect_user_error(r, "flow simulate (its outputs --trace, --json, written together) creates 2 files at once, and "
@@ -4257,10 +4251,8 @@ TEST_F(G22Output, AResumeDoesNotCompleteTheCommitOfARunSavingNow) {
 // five files and its directory): the log's temporary and its lock file (the tuning file and its lock file) took two,
 // and the save failed after all the steps ("no free inodes"), an empty ck/ left. They are counted up front now.
 TEST_F(G22Output, TheLogAndTheTuningFileAreCountedWithTheSavesInodes) {
-  fs::create_directories(p("ti"));
-  if (::mount("dmoe-test", p("ti").c_str(), "tmpfs", 0, "size=64m,nr_inodes=7") != 0)
+  if (!mount_tmpfs("ti", "size=64m,nr_inodes=7"))
     GTEST_SKIP() << "cannot mount a tmpfs here (" << std::strerror(errno) << ")";
-  mounts_.push_back(p("ti"));
   Result r = run_cli_g20(train(20, 1) + "--save " + p("ti/ck") + " --log " + p("ti/l.jsonl"));
   expect_user_error(r, "and the file system of '" + p("ti") + "' has 6 free inodes", "--log beside --save");
   EXPECT_NE(r.output.find("--log " + p("ti/l.jsonl") + " (its temporary and its lock file)"), std::string::npos)
@@ -4345,10 +4337,8 @@ TEST_F(G22Output, BenchAndFlowOutputsOnAFullFileSystemAreRefusedBeforeTheWork) {
   r = test::run_shell("ulimit -f 0; timeout 120 " + std::string(DMOE_CLI_PATH) + " " + flow + "--trace " + p("t.json"));
   expect_user_error(r, "(ulimit -f)", "flow --trace under ulimit -f 0");
   EXPECT_EQ(r.output.find("step ms"), std::string::npos) << "simulated before the refusal:\n" << r.output;
-  fs::create_directories(p("full"));
-  if (::mount("dmoe-test", p("full").c_str(), "tmpfs", 0, "size=64k") != 0)
+  if (!mount_tmpfs("full", "size=64k"))
     GTEST_SKIP() << "cannot mount a tmpfs here (" << std::strerror(errno) << ")";
-  mounts_.push_back(p("full"));
   {
     std::ofstream fill(p("full/fill"), std::ios::binary);
     const std::string block(4096, 'x');
@@ -4450,30 +4440,26 @@ TEST_F(G21Output, InitModelCountsItsRealShardsAndItsConfigAgainstTheFreeInodes) 
   ASSERT_EQ(run_cli_g20(init + p("ref/model.safetensors.index.json") + " --shard-bytes 40000").status, 0);
   const size_t files = files_in(p("ref"));  // shards + index
   ASSERT_GT(files, 20u);
-  const auto mount_tmpfs = [&](const std::string& name, size_t inodes) {
-    fs::create_directories(p(name));
-    const std::string options = "size=64m,nr_inodes=" + std::to_string(inodes);
-    if (::mount("dmoe-test", p(name).c_str(), "tmpfs", 0, options.c_str()) != 0) return false;
-    mounts_.push_back(p(name));
-    return true;
+  const auto mount_inodes = [&](const std::string& name, size_t inodes) {
+    return mount_tmpfs(name, "size=64m,nr_inodes=" + std::to_string(inodes));
   };
   // One inode short (the tmpfs's root takes one of nr_inodes): refused up front with the real count.
-  if (!mount_tmpfs("t1", files)) GTEST_SKIP() << "cannot mount a tmpfs here (" << std::strerror(errno) << ")";
+  if (!mount_inodes("t1", files)) GTEST_SKIP() << "cannot mount a tmpfs here (" << std::strerror(errno) << ")";
   expect_user_error(run_cli_g20(init + p("t1/model.safetensors.index.json") + " --shard-bytes 40000"),
                     "creates " + std::to_string(files) + " files at once, and the file system of '" + p("t1") +
                         "' has " + std::to_string(files - 1) + " free inodes", "one inode short");
   EXPECT_EQ(files_in(p("t1")), 0u);
   // --shard-bytes 1: a shard per tensor, 41 + the index, on a file system of 199 free inodes: fine.
-  ASSERT_TRUE(mount_tmpfs("t2", 200));
+  ASSERT_TRUE(mount_inodes("t2", 200));
   const Result small = run_cli_g20(init + p("t2/model.safetensors.index.json") + " --shard-bytes 1");
   EXPECT_EQ(small.status, 0) << small.output;
   // Room for the shards and the index exactly, and --save-config beside them: counted too.
-  ASSERT_TRUE(mount_tmpfs("t3", files + 1));
+  ASSERT_TRUE(mount_inodes("t3", files + 1));
   expect_user_error(run_cli_g20(init + p("t3/model.safetensors.index.json") + " --shard-bytes 40000 --save-config " +
                                 p("t3/config.json")),
                     "creates " + std::to_string(files + 1) + " files at once", "--save-config beside the shards");
   EXPECT_EQ(files_in(p("t3")), 0u);
-  ASSERT_TRUE(mount_tmpfs("t4", 2));
+  ASSERT_TRUE(mount_inodes("t4", 2));
   expect_user_error(run_cli_g20(init + p("t4/m.st") + " --save-config " + p("t4/config.json")),
                     "creates 2 files at once", "--save-config beside one model file");
   EXPECT_EQ(files_in(p("t4")), 0u);
@@ -4672,10 +4658,8 @@ TEST_F(G23Ckpt, TwoCheckpointFilesThatAreOneFileAreRefusedBeforeTheTraining) {
 // lock file are made beside the link's target, on the save's file system, but were counted (G22A-3) on the link's, and
 // the save failed after all the steps with "no free inodes". Counted where they are made now.
 TEST_F(G23Ckpt, ALogLinkedIntoTheSavesFileSystemIsCountedThere) {
-  fs::create_directories(p("ti"));
-  if (::mount("dmoe-test", p("ti").c_str(), "tmpfs", 0, "size=64m,nr_inodes=8") != 0)
+  if (!mount_tmpfs("ti", "size=64m,nr_inodes=8"))
     GTEST_SKIP() << "cannot mount a tmpfs here (" << std::strerror(errno) << ")";
-  mounts_.push_back(p("ti"));
   std::ofstream(p("ti/l.jsonl")) << "{\"step\":1}\n";
   fs::create_symlink(p("ti/l.jsonl"), p("lnk.jsonl"));
   const Result r = run_cli_g20(train(20, 1) + "--save " + p("ti/ck") + " --log " + p("lnk.jsonl"));

@@ -28,6 +28,7 @@
 #include "core/error.hpp"
 #include "error_test_util.hpp"
 #include "core/output_file.hpp"
+#include "file_flag_test_util.hpp"
 #include "kill_test_util.hpp"
 
 namespace dmoe {
@@ -769,16 +770,7 @@ TEST_F(OutputFile, TheRemainingTerminatingSignalsRemoveTemporariesToo) {
 }
 
 // Sets or clears the immutable attribute of `path` (chattr +i / -i); false where the file system or user may not.
-bool set_immutable(const std::string& path, bool on) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
-  if (fd < 0) return false;
-  int flags = 0;
-  bool ok = ::ioctl(fd, FS_IOC_GETFLAGS, &flags) == 0;
-  flags = on ? flags | FS_IMMUTABLE_FL : flags & ~FS_IMMUTABLE_FL;
-  ok = ok && ::ioctl(fd, FS_IOC_SETFLAGS, &flags) == 0;
-  ::close(fd);
-  return ok;
-}
+bool set_immutable(const std::string& path, bool on) { return test::set_file_flag(path, FS_IMMUTABLE_FL, on); }
 std::string g_immutable_after_rename;  // the file the hook below makes immutable, so that its rename fails (EPERM)
 
 // G21-9: a commit whose backup of one file could not be linked, and whose later rename failed, said "no backup could
